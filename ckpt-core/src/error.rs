@@ -1,0 +1,148 @@
+//! The one error type of ckpt-core: every variant names what failed.
+
+use std::path::PathBuf;
+
+/// Result with ckpt-core's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in ckpt-core.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An I/O error, with the file it happened on.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// Another error, with the file it concerns.
+    #[error("{path}: {source}")]
+    WithPath {
+        /// The file or directory.
+        path: PathBuf,
+        /// The underlying error.
+        source: Box<Error>,
+    },
+    /// Arithmetic on sizes or offsets overflowed.
+    #[error("size overflow: {what}")]
+    Overflow {
+        /// What was being computed.
+        what: String,
+    },
+    /// A mesh description is invalid.
+    #[error("invalid mesh `{mesh}`: {problem}")]
+    InvalidMesh {
+        /// The mesh as given.
+        mesh: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A tensor's layout is invalid (placements, shape, stage, blocks...).
+    #[error("tensor `{tensor}`: {problem}")]
+    InvalidLayout {
+        /// The tensor.
+        tensor: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A strategy file is malformed.
+    #[error("invalid strategy: {problem}")]
+    InvalidStrategy {
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A safetensors header is malformed.
+    #[error("invalid safetensors header: {problem}")]
+    InvalidHeader {
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A tensor in a safetensors header is malformed.
+    #[error("tensor `{tensor}`: {problem}")]
+    InvalidTensor {
+        /// The tensor.
+        tensor: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A header larger than the limit.
+    #[error("safetensors header of {len} bytes exceeds the limit of {max} bytes")]
+    HeaderTooLarge {
+        /// Declared header length.
+        len: u64,
+        /// Allowed maximum.
+        max: u64,
+    },
+    /// Part of a tensor is held by no source.
+    #[error("tensor `{tensor}`: elements {region} are missing (no rank holds them)")]
+    CoverageGap {
+        /// The tensor.
+        tensor: String,
+        /// A region nobody holds.
+        region: String,
+    },
+    /// Two sources hold overlapping but different parts of a tensor.
+    #[error("tensor `{tensor}`: pieces from {a} and {b} overlap at {region}")]
+    Overlap {
+        /// The tensor.
+        tensor: String,
+        /// The first source.
+        a: String,
+        /// The second source.
+        b: String,
+        /// Where they overlap.
+        region: String,
+    },
+    /// Sources disagree (shape, dtype, strategy hash, world size...).
+    #[error("{what}")]
+    Mismatch {
+        /// What disagrees, with both values.
+        what: String,
+    },
+    /// The input is not a checkpoint this tool understands.
+    #[error("{problem}")]
+    UnknownInput {
+        /// What was found.
+        problem: String,
+    },
+    /// A requested conversion is not possible.
+    #[error("{problem}")]
+    Unsupported {
+        /// What was asked.
+        problem: String,
+    },
+    /// The output already exists.
+    #[error("{path} already exists (use --force to replace it)")]
+    OutputExists {
+        /// The output path.
+        path: PathBuf,
+    },
+}
+
+impl Error {
+    /// Wraps this error with the path it concerns (unless it already names one).
+    #[must_use]
+    pub fn with_path(self, path: impl Into<PathBuf>) -> Error {
+        match self {
+            e @ (Error::Io { .. } | Error::WithPath { .. }) => e,
+            e => Error::WithPath { path: path.into(), source: Box::new(e) },
+        }
+    }
+}
+
+/// Adds a path to `std::io::Error`s.
+pub(crate) trait IoContext<T> {
+    fn at(self, path: &std::path::Path) -> Result<T>;
+}
+
+impl<T> IoContext<T> for std::io::Result<T> {
+    fn at(self, path: &std::path::Path) -> Result<T> {
+        self.map_err(|source| Error::Io { path: path.to_path_buf(), source })
+    }
+}
+
+pub(crate) fn overflow(what: impl Into<String>) -> Error {
+    Error::Overflow { what: what.into() }
+}

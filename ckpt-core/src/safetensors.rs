@@ -1,0 +1,445 @@
+//! Strict, zero-copy safetensors reading (memory-mapped) and streaming, atomic writing.
+//!
+//! The reader validates the whole header before trusting any of it, in the order of
+//! the reference implementation, but every error names the tensor at fault.
+
+use crate::error::{overflow, Error, IoContext, Result};
+use crate::strategy::{dtype_name, parse_dtype};
+use crate::Dtype;
+use memmap2::Mmap;
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+/// Largest header accepted (the reference implementation's limit).
+pub const MAX_HEADER_LEN: u64 = 100_000_000;
+
+/// One tensor of a safetensors file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorEntry {
+    /// Tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape as stored.
+    pub shape: Vec<u64>,
+    /// Byte range within the data area.
+    pub start: u64,
+    /// One past the last byte within the data area.
+    pub end: u64,
+}
+
+/// A memory-mapped, validated safetensors file.
+#[derive(Debug)]
+pub struct SafetensorsFile {
+    path: PathBuf,
+    mmap: Option<Mmap>,
+    data_start: u64,
+    tensors: Vec<TensorEntry>,
+    metadata: BTreeMap<String, String>,
+}
+
+fn bad(problem: impl Into<String>) -> Error {
+    Error::InvalidHeader { problem: problem.into() }
+}
+
+fn bad_tensor(tensor: &str, problem: impl Into<String>) -> Error {
+    Error::InvalidTensor { tensor: tensor.to_string(), problem: problem.into() }
+}
+
+/// Number of bytes of `numel` elements of `dtype`, which must be whole.
+pub(crate) fn byte_len(dtype: Dtype, shape: &[u64]) -> Option<u64> {
+    let numel = shape.iter().try_fold(1u64, |a, &b| a.checked_mul(b))?;
+    let bits = numel.checked_mul(dtype.bitsize() as u64)?;
+    (bits % 8 == 0).then_some(bits / 8)
+}
+
+impl SafetensorsFile {
+    /// Opens, maps and validates a file. Errors carry the path.
+    ///
+    /// # Errors
+    /// I/O errors and every header problem (see [`SafetensorsFile::parse_header`]).
+    pub fn open(path: &Path) -> Result<SafetensorsFile> {
+        let file = File::open(path).at(path)?;
+        let len = file.metadata().at(path)?.len();
+        // SAFETY: the mapping is read-only; ckpt never writes to its inputs, and a file
+        // changed underneath by another program is outside what any reader can defend.
+        let mmap = if len == 0 { None } else { Some(unsafe { Mmap::map(&file) }.at(path)?) };
+        let bytes: &[u8] = mmap.as_deref().unwrap_or(&[]);
+        let (data_start, tensors, metadata) = Self::parse_header(bytes).map_err(|e| e.with_path(path))?;
+        Ok(SafetensorsFile { path: path.to_path_buf(), mmap, data_start, tensors, metadata })
+    }
+
+    /// Parses and validates a header: length, UTF-8, JSON, every entry's dtype, shape and
+    /// offsets, no overlap, no gap, and the file length exact.
+    /// Returns the data area's start, the tensors sorted by offset, and `__metadata__`.
+    ///
+    /// # Errors
+    /// The first problem found, naming the tensor where there is one.
+    #[allow(clippy::type_complexity)]
+    pub fn parse_header(bytes: &[u8]) -> Result<(u64, Vec<TensorEntry>, BTreeMap<String, String>)> {
+        let len = bytes.len() as u64;
+        if len < 8 {
+            return Err(bad(format!("file of {len} bytes is too short for the 8-byte header length")));
+        }
+        let n = u64::from_le_bytes(bytes[..8].try_into().map_err(|_| bad("short"))?);
+        if n > MAX_HEADER_LEN {
+            return Err(Error::HeaderTooLarge { len: n, max: MAX_HEADER_LEN });
+        }
+        let data_start = n.checked_add(8).ok_or_else(|| overflow("header length"))?;
+        if data_start > len {
+            return Err(bad(format!("header of {n} bytes runs past the end of the file ({len} bytes): truncated?")));
+        }
+        let text = std::str::from_utf8(&bytes[8..data_start as usize]).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+        let doc: Value = serde_json::from_str(text).map_err(|e| bad(format!("header is not JSON: {e}")))?;
+        let obj = doc.as_object().ok_or_else(|| bad("header must be a JSON object"))?;
+        let data_len = len - data_start;
+        let mut tensors = Vec::with_capacity(obj.len());
+        let mut metadata = BTreeMap::new();
+        for (name, v) in obj {
+            if name == "__metadata__" {
+                let m = v.as_object().ok_or_else(|| bad("`__metadata__` must be an object of strings"))?;
+                for (k, v) in m {
+                    let s = v.as_str().ok_or_else(|| bad(format!("`__metadata__.{k}` must be a string")))?;
+                    metadata.insert(k.clone(), s.to_string());
+                }
+                continue;
+            }
+            tensors.push(parse_entry(name, v, data_len)?);
+        }
+        tensors.sort_by(|a, b| (a.start, a.end).cmp(&(b.start, b.end)));
+        let mut pos = 0u64;
+        for (i, t) in tensors.iter().enumerate() {
+            if t.start < pos {
+                return Err(bad_tensor(
+                    &t.name,
+                    format!("data_offsets [{}, {}) overlap tensor `{}`", t.start, t.end, tensors[i - 1].name),
+                ));
+            }
+            if t.start > pos {
+                return Err(bad_tensor(&t.name, format!("data_offsets start at {} leaving a gap after byte {pos}", t.start)));
+            }
+            pos = t.end;
+        }
+        if pos != data_len {
+            return Err(bad(format!("tensors end at byte {pos} of a data area of {data_len} bytes (trailing bytes)")));
+        }
+        Ok((data_start, tensors, metadata))
+    }
+
+    /// The path this file was opened from.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The tensors, in file order.
+    #[must_use]
+    pub fn tensors(&self) -> &[TensorEntry] {
+        &self.tensors
+    }
+
+    /// The `__metadata__` map.
+    #[must_use]
+    pub fn metadata(&self) -> &BTreeMap<String, String> {
+        &self.metadata
+    }
+
+    /// Offset of the data area in the file.
+    #[must_use]
+    pub fn data_start(&self) -> u64 {
+        self.data_start
+    }
+
+    /// The bytes of tensor `index` (borrowed from the mapping; no copy).
+    #[must_use]
+    pub fn data(&self, index: usize) -> &[u8] {
+        let t = &self.tensors[index];
+        let bytes: &[u8] = self.mmap.as_deref().unwrap_or(&[]);
+        &bytes[(self.data_start + t.start) as usize..(self.data_start + t.end) as usize]
+    }
+
+    /// Drops the mapping's pages of tensor `index` in `range` from this process's
+    /// resident set (the page cache keeps them): keeps RSS bounded while streaming.
+    pub fn release(&self, index: usize, range: std::ops::Range<u64>) {
+        if let Some(m) = &self.mmap {
+            let t = &self.tensors[index];
+            let page = 4096u64;
+            let lo = (self.data_start + t.start + range.start).div_ceil(page) * page;
+            let hi = ((self.data_start + t.start + range.end) / page) * page;
+            if hi > lo {
+                // SAFETY: the mapping is read-only and file-backed, so dropping its pages
+                // loses nothing: a later access faults them back in from the page cache.
+                // Advice only; failure costs nothing but memory.
+                let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, lo as usize, (hi - lo) as usize) };
+            }
+        }
+    }
+
+    /// Index of the tensor called `name`.
+    #[must_use]
+    pub fn find(&self, name: &str) -> Option<usize> {
+        self.tensors.iter().position(|t| t.name == name)
+    }
+}
+
+fn parse_entry(name: &str, v: &Value, data_len: u64) -> Result<TensorEntry> {
+    let obj = v.as_object().ok_or_else(|| bad_tensor(name, "entry must be an object"))?;
+    if let Some(k) = obj.keys().find(|k| !matches!(k.as_str(), "dtype" | "shape" | "data_offsets")) {
+        return Err(bad_tensor(name, format!("unknown field `{k}`")));
+    }
+    let dtype = obj
+        .get("dtype")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad_tensor(name, "missing `dtype`"))
+        .and_then(|d| parse_dtype(d).map_err(|e| bad_tensor(name, e)))?;
+    let shape = obj
+        .get("shape")
+        .and_then(Value::as_array)
+        .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+        .ok_or_else(|| bad_tensor(name, "`shape` must be an array of non-negative integers"))?;
+    let offs = obj
+        .get("data_offsets")
+        .and_then(Value::as_array)
+        .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+        .filter(|a| a.len() == 2)
+        .ok_or_else(|| bad_tensor(name, "`data_offsets` must be [start, end]"))?;
+    let (start, end) = (offs[0], offs[1]);
+    if end < start {
+        return Err(bad_tensor(name, format!("data_offsets [{start}, {end}) end before they start")));
+    }
+    if end > data_len {
+        return Err(bad_tensor(
+            name,
+            format!("data_offsets [{start}, {end}) run past the end of the data ({data_len} bytes): truncated file?"),
+        ));
+    }
+    let want = byte_len(dtype, &shape).ok_or_else(|| {
+        bad_tensor(name, format!("shape {shape:?} of {} does not make whole bytes or overflows", dtype_name(dtype)))
+    })?;
+    if end - start != want {
+        return Err(bad_tensor(
+            name,
+            format!("{} x {shape:?} needs {want} bytes but data_offsets span {}", dtype_name(dtype), end - start),
+        ));
+    }
+    Ok(TensorEntry { name: name.to_string(), dtype, shape, start, end })
+}
+
+/// A header entry to write: name, dtype and shape; offsets follow from the order.
+#[derive(Clone, Debug)]
+pub struct TensorSpec {
+    /// Tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<u64>,
+}
+
+/// A safetensors file being written: the header is laid out first, then data arrives
+/// by positional writes (from any thread) at each tensor's place; the file is written
+/// under a temporary name and renamed only by [`SafetensorsWriter::finish`].
+#[derive(Debug)]
+pub struct SafetensorsWriter {
+    tmp: PathBuf,
+    dest: PathBuf,
+    file: File,
+    data_start: u64,
+    offsets: Vec<u64>,
+    done: bool,
+}
+
+/// Serialises a header: entries in the given order, offsets contiguous, padded with
+/// spaces to a multiple of 8 bytes. Returns the bytes (with the length prefix) and each
+/// tensor's data offset.
+///
+/// # Errors
+/// Sizes that do not make whole bytes or overflow.
+pub fn encode_header(tensors: &[TensorSpec], metadata: &BTreeMap<String, String>) -> Result<(Vec<u8>, Vec<u64>)> {
+    let mut obj = Map::new();
+    if !metadata.is_empty() {
+        obj.insert("__metadata__".into(), serde_json::to_value(metadata).map_err(|e| bad(e.to_string()))?);
+    }
+    let mut pos = 0u64;
+    let mut offsets = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        let n = byte_len(t.dtype, &t.shape).ok_or_else(|| overflow(format!("size of tensor `{}`", t.name)))?;
+        offsets.push(pos);
+        let end = pos.checked_add(n).ok_or_else(|| overflow("file size"))?;
+        obj.insert(
+            t.name.clone(),
+            serde_json::json!({"dtype": dtype_name(t.dtype), "shape": t.shape, "data_offsets": [pos, end]}),
+        );
+        pos = end;
+    }
+    offsets.push(pos);
+    // serde_json's map keeps keys sorted; readers take the order from the offsets.
+    let mut text = serde_json::to_string(&Value::Object(obj)).map_err(|e| bad(e.to_string()))?.into_bytes();
+    while text.len() % 8 != 0 {
+        text.push(b' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    Ok((out, offsets))
+}
+
+impl SafetensorsWriter {
+    /// Creates `dest` (through a temporary file beside it) sized for `tensors`.
+    ///
+    /// # Errors
+    /// I/O errors, with the path.
+    pub fn create(dest: &Path, tensors: &[TensorSpec], metadata: &BTreeMap<String, String>) -> Result<SafetensorsWriter> {
+        let (header, offsets) = encode_header(tensors, metadata)?;
+        let tmp = temp_name(dest);
+        let file = File::options().read(true).write(true).create_new(true).open(&tmp).at(&tmp)?;
+        let data_start = header.len() as u64;
+        let total = data_start + offsets.last().copied().unwrap_or(0);
+        let w = SafetensorsWriter { tmp, dest: dest.to_path_buf(), file, data_start, offsets, done: false };
+        w.file.set_len(total).at(&w.tmp)?;
+        w.file.write_all_at(&header, 0).at(&w.tmp)?;
+        Ok(w)
+    }
+
+    /// Writes `bytes` at byte `offset` of tensor `index`'s data.
+    ///
+    /// # Errors
+    /// I/O errors, with the path.
+    pub fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+        debug_assert!(self.offsets[index] + offset + bytes.len() as u64 <= self.offsets[index + 1]);
+        self.file.write_all_at(bytes, self.data_start + self.offsets[index] + offset).at(&self.tmp)
+    }
+
+    /// Bytes of tensor `index`.
+    #[must_use]
+    pub fn tensor_len(&self, index: usize) -> u64 {
+        self.offsets[index + 1] - self.offsets[index]
+    }
+
+    /// Size of the whole file.
+    #[must_use]
+    pub fn file_len(&self) -> u64 {
+        self.data_start + self.offsets.last().copied().unwrap_or(0)
+    }
+
+    /// Syncs the data and renames the file to its final name.
+    ///
+    /// # Errors
+    /// I/O errors, with the path.
+    pub fn finish(mut self) -> Result<()> {
+        self.file.sync_all().at(&self.tmp)?;
+        std::fs::rename(&self.tmp, &self.dest).at(&self.dest)?;
+        self.done = true;
+        Ok(())
+    }
+}
+
+impl Drop for SafetensorsWriter {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// A temporary name beside `dest`, unique to this process and call.
+pub(crate) fn temp_name(dest: &Path) -> PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    dest.with_file_name(format!(".{name}.tmp-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)))
+}
+
+/// Writes a small file atomically (temporary name, sync, rename).
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn write_file_atomic(dest: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = temp_name(dest);
+    let result = (|| {
+        let f = File::create(&tmp).at(&tmp)?;
+        f.write_all_at(bytes, 0).at(&tmp)?;
+        f.sync_all().at(&tmp)?;
+        std::fs::rename(&tmp, dest).at(dest)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(tensors: &[TensorSpec], data_len_delta: i64) -> Vec<u8> {
+        let (mut h, offs) = encode_header(tensors, &BTreeMap::new()).unwrap();
+        let n = (*offs.last().unwrap() as i64 + data_len_delta) as usize;
+        h.extend(std::iter::repeat(7u8).take(n));
+        h
+    }
+
+    fn spec(name: &str, dtype: Dtype, shape: &[u64]) -> TensorSpec {
+        TensorSpec { name: name.into(), dtype, shape: shape.to_vec() }
+    }
+
+    #[test]
+    fn header_round_trip_with_sub_byte_types() {
+        let t = [spec("a", Dtype::F4, &[3, 2]), spec("b", Dtype::BF16, &[2]), spec("c", Dtype::F8_E5M2, &[])];
+        let bytes = file(&t, 0);
+        assert_eq!(u64::from_le_bytes(bytes[..8].try_into().unwrap()) % 8, 0);
+        let (_, entries, _) = SafetensorsFile::parse_header(&bytes).unwrap();
+        let got: Vec<(&str, u64, u64)> = entries.iter().map(|e| (e.name.as_str(), e.start, e.end)).collect();
+        assert_eq!(got, vec![("a", 0, 3), ("b", 3, 7), ("c", 7, 8)]);
+    }
+
+    #[test]
+    fn truncated_and_trailing_files_are_named() {
+        let t = [spec("w", Dtype::F32, &[4])];
+        let e = SafetensorsFile::parse_header(&file(&t, -1)).unwrap_err().to_string();
+        assert_eq!(e, "tensor `w`: data_offsets [0, 16) run past the end of the data (15 bytes): truncated file?");
+        let e = SafetensorsFile::parse_header(&file(&t, 3)).unwrap_err().to_string();
+        assert!(e.contains("trailing bytes"), "{e}");
+        let e = SafetensorsFile::parse_header(&[1, 0, 0]).unwrap_err().to_string();
+        assert!(e.contains("too short"), "{e}");
+        let mut big = vec![0u8; 16];
+        big[..8].copy_from_slice(&(u64::MAX).to_le_bytes());
+        assert!(matches!(SafetensorsFile::parse_header(&big), Err(Error::HeaderTooLarge { .. })));
+    }
+
+    #[test]
+    fn wrong_size_and_overlap_are_named() {
+        let h = br#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#;
+        let mut b = (h.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(h);
+        b.extend_from_slice(&[0; 4]);
+        let e = SafetensorsFile::parse_header(&b).unwrap_err().to_string();
+        assert_eq!(e, "tensor `w`: F32 x [2] needs 8 bytes but data_offsets span 4");
+        let h = br#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}"#;
+        let mut b = (h.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(h);
+        b.extend_from_slice(&[0; 4]);
+        let e = SafetensorsFile::parse_header(&b).unwrap_err().to_string();
+        assert!(e.contains("overlap tensor `a`"), "{e}");
+    }
+
+    #[test]
+    fn writer_is_atomic() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("x.safetensors");
+        {
+            let w = SafetensorsWriter::create(&dest, &[spec("w", Dtype::U8, &[3])], &BTreeMap::new()).unwrap();
+            w.write_at(0, 0, &[1, 2, 3]).unwrap();
+            // Dropped without finish: nothing appears, no temporary is left.
+        }
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        let w = SafetensorsWriter::create(&dest, &[spec("w", Dtype::U8, &[3])], &BTreeMap::new()).unwrap();
+        w.write_at(0, 1, &[2, 3]).unwrap();
+        w.write_at(0, 0, &[1]).unwrap();
+        w.finish().unwrap();
+        let f = SafetensorsFile::open(&dest).unwrap();
+        assert_eq!(f.data(0), &[1, 2, 3]);
+    }
+}
