@@ -113,6 +113,9 @@ pub enum Error {
         /// What was asked.
         problem: String,
     },
+    /// Several problems, one per line.
+    #[error("{0}")]
+    Many(Problems),
     /// The output already exists.
     #[error("{path} already exists (use --force to replace it)")]
     OutputExists {
@@ -145,4 +148,20 @@ impl<T> IoContext<T> for std::io::Result<T> {
 
 pub(crate) fn overflow(what: impl Into<String>) -> Error {
     Error::Overflow { what: what.into() }
+}
+
+/// Several problems found in one pass, one per line.
+#[derive(Debug)]
+pub struct Problems(pub Vec<Error>);
+
+impl std::fmt::Display for Problems {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
 }

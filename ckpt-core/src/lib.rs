@@ -6,18 +6,28 @@
 //! safetensors files; a [`CopyPlan`] says, from metadata alone, which bytes go where to
 //! produce any other set of pieces, and [`execute`] carries it out streaming.
 
+mod checkpoint;
+mod copy;
 mod coverage;
 mod error;
 mod layout;
 mod mesh;
+mod output;
+mod plan;
 mod region;
 mod safetensors;
+mod save;
 mod strategy;
 
+pub use crate::checkpoint::{Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, DCP_SHARDING_INFO, INDEX_FILE, MODEL_FILE, STRATEGY_FILE};
+pub use crate::copy::{assemble, execute, CopyStats, SLAB_BYTES};
 pub use crate::coverage::{check_tiling, Defect};
-pub use crate::error::{Error, Result};
+pub use crate::error::{Error, Problems, Result};
 pub use crate::layout::{Piece, Placement, TensorLayout};
 pub use crate::mesh::{Axis, Mesh};
+pub use crate::output::{check_output_outside_inputs, StagedDir};
+pub use crate::save::{load_rank, write_integrated, write_rank, LocalTensor};
+pub use crate::plan::{bytes_of, check_cast, rank_metadata, rank_tensors, CopyOp, CopyPlan, FilePlan, TargetFile, TargetTensor, TensorPlan};
 pub use crate::region::{Region, Run, Runs};
 pub use crate::safetensors::{
     encode_header, write_file_atomic, SafetensorsFile, SafetensorsWriter, TensorEntry, TensorSpec, MAX_HEADER_LEN,
