@@ -17,7 +17,9 @@ mod plan;
 mod region;
 mod safetensors;
 mod save;
+mod select;
 mod strategy;
+mod verify;
 
 pub use crate::checkpoint::{Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, DCP_SHARDING_INFO, INDEX_FILE, MODEL_FILE, STRATEGY_FILE};
 pub use crate::copy::{assemble, execute, CopyStats, SLAB_BYTES};
@@ -25,12 +27,14 @@ pub use crate::coverage::{check_tiling, Defect};
 pub use crate::error::{Error, Problems, Result};
 pub use crate::layout::{Piece, Placement, TensorLayout};
 pub use crate::mesh::{Axis, Mesh};
-pub use crate::output::{check_output_outside_inputs, StagedDir};
+pub use crate::output::{check_output_outside_inputs, copy_carried, StagedDir};
 pub use crate::save::{load_rank, write_integrated, write_rank, LocalTensor};
+pub use crate::select::Selection;
 pub use crate::plan::{bytes_of, check_cast, rank_metadata, rank_tensors, CopyOp, CopyPlan, FilePlan, TargetFile, TargetTensor, TensorPlan};
 pub use crate::region::{Region, Run, Runs};
 pub use crate::safetensors::{
     encode_header, write_file_atomic, SafetensorsFile, SafetensorsWriter, TensorEntry, TensorSpec, MAX_HEADER_LEN,
 };
 pub use crate::strategy::{dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION};
+pub use crate::verify::verify;
 pub use ::safetensors::Dtype;

@@ -96,3 +96,15 @@ pub fn check_output_outside_inputs(out: &Path, inputs: &[PathBuf]) -> Result<()>
     }
     Ok(())
 }
+
+/// Copies the carried files (`config.json`, `trainer_state.json`) into `dir`.
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn copy_carried(carried: &std::collections::BTreeMap<String, PathBuf>, dir: &Path) -> Result<()> {
+    for (name, from) in carried {
+        let bytes = std::fs::read(from).at(from)?;
+        crate::safetensors::write_file_atomic(&dir.join(name), &bytes)?;
+    }
+    Ok(())
+}

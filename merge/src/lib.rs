@@ -1,1 +1,163 @@
-//! placeholder
+//! ckpt-merge: per-rank slices into one integrated Hugging Face checkpoint.
+//!
+//! Merging is resharding to a single rank that holds every tensor whole, so this crate
+//! only decides the output files (one `model.safetensors`, or shards of at most
+//! `max_shard_size` bytes filled greedily in tensor order with an index); ckpt-core's
+//! [`CopyPlan`] and [`execute`] do the copying.
+
+use ckpt_core::{
+    check_output_outside_inputs, copy_carried, execute, write_file_atomic, Checkpoint, CopyPlan, CopyStats,
+    Piece, Region, Result, Selection, StagedDir, TargetFile, TargetTensor, INDEX_FILE, MODEL_FILE,
+};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// What to merge and how.
+#[derive(Clone, Debug, Default)]
+pub struct MergeRequest {
+    /// Rank directories, rank files, or a DCP directory.
+    pub inputs: Vec<PathBuf>,
+    /// The output directory (must not exist unless `force`).
+    pub output: PathBuf,
+    /// Split into shards of at most this many bytes (plus an index).
+    pub max_shard_size: Option<u64>,
+    /// Tensor selection and casting.
+    pub selection: Selection,
+    /// Replace an existing output.
+    pub force: bool,
+}
+
+/// Plans a merge: the integrated output files, one tensor per full piece.
+///
+/// # Errors
+/// Impossible casts or tensors the source cannot provide.
+pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
+    let mut tensors = Vec::new();
+    for (name, t) in &source.tensors {
+        if !req.selection.keeps(name) {
+            continue;
+        }
+        let dtype = req.selection.dtype(name, t.dtype)?;
+        let full = Region::full(&t.shape);
+        tensors.push(TargetTensor {
+            name: name.clone(),
+            dtype,
+            shape: t.shape.clone(),
+            pieces: vec![Piece { global: full.clone(), local: full }],
+        });
+    }
+    let files = shard(tensors, req.max_shard_size);
+    CopyPlan::build(source, files)
+}
+
+/// Hugging Face's greedy sharding: tensors in order, a new file when the next tensor
+/// would overflow the current one (a tensor larger than the limit gets a file alone).
+fn shard(tensors: Vec<TargetTensor>, max: Option<u64>) -> Vec<TargetFile> {
+    let meta: BTreeMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    let Some(max) = max else {
+        return vec![TargetFile { path: MODEL_FILE.into(), tensors, metadata: meta }];
+    };
+    let mut groups: Vec<Vec<TargetTensor>> = vec![];
+    let mut size = 0u64;
+    for t in tensors {
+        let n = ckpt_core::bytes_of(t.dtype, t.shape.iter().product());
+        if groups.is_empty() || (size + n > max && size > 0) {
+            groups.push(vec![]);
+            size = 0;
+        }
+        size += n;
+        groups.last_mut().map(|g| g.push(t));
+    }
+    let total = groups.len();
+    groups
+        .into_iter()
+        .enumerate()
+        .map(|(i, tensors)| TargetFile {
+            path: format!("model-{:05}-of-{total:05}.safetensors", i + 1).into(),
+            tensors,
+            metadata: meta.clone(),
+        })
+        .collect()
+}
+
+/// The Hugging Face index of a sharded plan.
+fn index_json(plan: &CopyPlan) -> String {
+    let mut map = serde_json::Map::new();
+    for f in &plan.files {
+        for t in &f.tensors {
+            map.insert(t.target.name.clone(), serde_json::Value::String(f.path.display().to_string()));
+        }
+    }
+    let doc = serde_json::json!({"metadata": {"total_size": plan.bytes_written()}, "weight_map": map});
+    serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n"
+}
+
+/// Merges: checks everything, then writes the output atomically.
+///
+/// # Errors
+/// Any problem with the inputs (nothing is written then), an existing output without
+/// `force`, an output inside an input, I/O errors.
+pub fn merge(req: &MergeRequest, progress: &(dyn Fn(u64) + Sync), on_plan: &dyn Fn(&CopyPlan)) -> Result<CopyStats> {
+    check_output_outside_inputs(&req.output, &req.inputs)?;
+    if req.output.exists() && !req.force {
+        return Err(ckpt_core::Error::OutputExists { path: req.output.clone() });
+    }
+    let source = Checkpoint::open(&req.inputs)?;
+    let plan = plan(&source, req)?;
+    on_plan(&plan);
+    let staged = StagedDir::new(&req.output, req.force)?;
+    let stats = execute(&plan, &source, staged.path(), progress)?;
+    if plan.files.len() > 1 {
+        write_file_atomic(&staged.path().join(INDEX_FILE), index_json(&plan).as_bytes())?;
+    }
+    copy_carried(&source.carried, staged.path())?;
+    staged.commit()?;
+    Ok(stats)
+}
+
+/// Parses a size such as `5GB`, `500MB`, `2GiB` or `1000`.
+///
+/// # Errors
+/// Text that is not a size.
+pub fn parse_size(text: &str) -> std::result::Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("`{text}` is not a size like 5GB"))?;
+    let mult: u64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "KIB" => 1 << 10,
+        "MIB" => 1 << 20,
+        "GIB" => 1 << 30,
+        u => return Err(format!("unknown size unit `{u}` in `{text}`")),
+    };
+    Ok((n * mult as f64) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ckpt_core::Dtype;
+
+    fn t(name: &str, n: u64) -> TargetTensor {
+        TargetTensor { name: name.into(), dtype: Dtype::U8, shape: vec![n], pieces: vec![] }
+    }
+
+    #[test]
+    fn greedy_sharding_like_hugging_face() {
+        let files = shard(vec![t("a", 4), t("b", 4), t("c", 9), t("d", 1)], Some(8));
+        let names: Vec<Vec<&str>> = files.iter().map(|f| f.tensors.iter().map(|t| t.name.as_str()).collect()).collect();
+        assert_eq!(names, vec![vec!["a", "b"], vec!["c"], vec!["d"]]);
+        assert_eq!(files[2].path, PathBuf::from("model-00003-of-00003.safetensors"));
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("5GB"), Ok(5_000_000_000));
+        assert_eq!(parse_size("2MiB"), Ok(2 << 20));
+        assert!(parse_size("5XB").is_err());
+    }
+}
