@@ -1,0 +1,2 @@
+//! Placeholder, filled below.
+fn main() {}

@@ -1,0 +1,12 @@
+//! ckpt-train: a distributed trainer on candle that writes integrated or sliced
+//! checkpoints with their strategy.
+//!
+//! Ranks are threads of one process ([`run_threads`]) that talk only through [`Comm`]
+//! collectives; the mesh has a `dp` axis (data parallel) and a `tp` axis (Megatron
+//! tensor parallel).
+
+mod comm;
+mod error;
+
+pub use crate::comm::{all_gather_tensor, all_reduce_tensor, check_mesh, run_threads, tensor_to_vec, Comm, Dist, ReduceOp, MESH_AXES};
+pub use crate::error::{Error, Result};
