@@ -1,1 +1,22 @@
-fn main() {}
+//! `ckpt`: merge, reshard, check and load checkpoints of models trained on many devices.
+//!
+//! The binary is a thin shell: clap parses, each subcommand turns its arguments into a
+//! library request and prints the result. Exit codes: 0 success, 1 a problem was found
+//! or an error occurred, 2 bad usage.
+
+mod cli;
+mod report;
+
+use clap::Parser;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    match cli::run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("ckpt: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,110 @@
+//! A synthetic tensor-parallel transformer checkpoint, for examples, tests and
+//! benchmarks: column- and row-sharded matrices, a fused QKV weight stored as a blocked
+//! shard, replicated norms, and a vocabulary that does not divide evenly.
+//!
+//! Every element's value is a hash of the tensor name and its global index, so any
+//! rank's slice can be produced alone and any output checked without the original.
+
+use crate::error::Result;
+use crate::layout::{Placement, TensorLayout};
+use crate::mesh::Mesh;
+use crate::save::write_rank;
+use crate::strategy::Strategy;
+use crate::Dtype;
+use std::path::Path;
+
+/// Size of the synthetic model.
+#[derive(Clone, Copy, Debug)]
+pub struct ExampleModel {
+    /// Hidden size.
+    pub hidden: u64,
+    /// Number of layers.
+    pub layers: u64,
+    /// Vocabulary (rows of the embedding); odd sizes give uneven shards.
+    pub vocab: u64,
+    /// Element type of the matrices (norms too).
+    pub dtype: Dtype,
+}
+
+impl Default for ExampleModel {
+    fn default() -> Self {
+        ExampleModel { hidden: 64, layers: 2, vocab: 1000, dtype: Dtype::BF16 }
+    }
+}
+
+/// The strategy of the example model on `mesh`; the innermost axis is tensor parallel
+/// and any other axis replicates (data parallel).
+///
+/// # Errors
+/// An invalid layout (e.g. a hidden size of 0).
+pub fn example_strategy(model: &ExampleModel, mesh: &Mesh) -> Result<Strategy> {
+    let n = mesh.axes().len();
+    let on_tp = |p: Placement| -> Vec<Placement> {
+        let mut v = vec![Placement::Replicate; n];
+        if let Some(last) = v.last_mut() {
+            *last = p;
+        }
+        v
+    };
+    let h = model.hidden;
+    let mut s = Strategy::new(mesh.clone());
+    s.insert("embed.weight", TensorLayout::new(vec![model.vocab, h], model.dtype, on_tp(Placement::shard(0))))?;
+    for l in 0..model.layers {
+        let p = format!("layers.{l}");
+        s.insert(format!("{p}.attn.qkv.weight"), TensorLayout::new(vec![3 * h, h], model.dtype, on_tp(Placement::blocked(0, 3))))?;
+        s.insert(format!("{p}.attn.proj.weight"), TensorLayout::new(vec![h, h], model.dtype, on_tp(Placement::shard(1))))?;
+        s.insert(format!("{p}.mlp.up.weight"), TensorLayout::new(vec![4 * h, h], model.dtype, on_tp(Placement::shard(0))))?;
+        s.insert(format!("{p}.mlp.down.weight"), TensorLayout::new(vec![h, 4 * h], model.dtype, on_tp(Placement::shard(1))))?;
+        s.insert(format!("{p}.norm.weight"), TensorLayout::new(vec![h], model.dtype, vec![Placement::Replicate; n]))?;
+    }
+    s.insert("step", TensorLayout::new(vec![], Dtype::I64, vec![Placement::Replicate; n]))?;
+    Ok(s)
+}
+
+/// The byte at global byte `i` of tensor `name`: a cheap, well-mixed hash.
+#[must_use]
+pub fn example_byte(name: &str, i: u64) -> u8 {
+    let mut h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    h ^= i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    h = (h ^ (h >> 31)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    (h ^ (h >> 29)) as u8
+}
+
+/// The whole of tensor `name` of `layout`, as bytes.
+#[must_use]
+pub fn example_tensor(name: &str, layout: &TensorLayout) -> Vec<u8> {
+    let n = crate::plan::bytes_of(layout.dtype, layout.shape.iter().product());
+    (0..n).map(|i| example_byte(name, i)).collect()
+}
+
+/// Writes a sliced example checkpoint (`dir/ckpt_<r>/`) on `mesh`; returns its strategy.
+///
+/// # Errors
+/// I/O errors.
+pub fn write_example(dir: &Path, model: &ExampleModel, mesh: &Mesh) -> Result<Strategy> {
+    let strategy = example_strategy(model, mesh)?;
+    for rank in 0..mesh.world_size() {
+        let mut locals: Vec<(String, Vec<u8>)> = Vec::new();
+        for (name, l) in &strategy.tensors {
+            let Some(shape) = l.local_shape(mesh, rank) else { continue };
+            if !l.is_owner(mesh, rank) {
+                continue;
+            }
+            let el = crate::plan::bytes_of(l.dtype, 1);
+            let mut buf = vec![0u8; (crate::plan::bytes_of(l.dtype, shape.iter().product())) as usize];
+            for p in l.pieces(mesh, rank) {
+                for run in crate::region::Runs::new(&p.global.shape, &l.shape, &p.global.start, &shape, &p.local.start) {
+                    let (g, d, len) = (run.src * el, run.dst * el, run.len * el);
+                    for k in 0..len {
+                        buf[(d + k) as usize] = example_byte(name, g + k);
+                    }
+                }
+            }
+            locals.push((name.clone(), buf));
+        }
+        let refs: Vec<(&str, &[u8])> = locals.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
+        write_rank(dir, &strategy, rank, &refs, false)?;
+    }
+    crate::safetensors::write_file_atomic(&dir.join(crate::checkpoint::STRATEGY_FILE), strategy.to_json().as_bytes())?;
+    Ok(strategy)
+}

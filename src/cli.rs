@@ -1,0 +1,436 @@
+//! Command-line definition and dispatch: one function per subcommand.
+
+use crate::report::{bytes_bar, human_bytes};
+use anyhow::{bail, Context, Result};
+use ckpt_core::{Checkpoint, CopyPlan, Dtype, Kind, Mesh, Selection, Strategy};
+use clap::{Args, Parser, Subcommand};
+use serde_json::json;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+/// Merge, reshard, check and load checkpoints of models trained on many devices.
+#[derive(Parser, Debug)]
+#[command(name = "ckpt", version, about, long_about = None)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// List tensors: global shape, dtype, placements, bytes per rank and in total.
+    Inspect {
+        /// Rank directories, a sliced checkpoint root, an integrated or DCP checkpoint.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check a checkpoint: headers, rank files, strategy agreement, exact coverage.
+    Verify {
+        /// What to check.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+        /// Also compare replicated copies byte for byte.
+        #[arg(long)]
+        deep: bool,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Join per-rank slices into one integrated (Hugging Face) checkpoint.
+    Merge(MergeArgs),
+    /// Re-slice a checkpoint for another mesh or strategy.
+    Reshard(ReshardArgs),
+    /// Write a synthetic tensor-parallel checkpoint (examples, tests, benchmarks).
+    Example(ExampleArgs),
+}
+
+/// Options shared by the commands that copy tensors.
+#[derive(Args, Debug, Clone)]
+struct CopyArgs {
+    /// Cast floating-point tensors while copying (integers are refused).
+    #[arg(long, value_parser = parse_cast)]
+    dtype: Option<Dtype>,
+    /// Keep only tensors matching these glob patterns.
+    #[arg(long)]
+    include: Vec<String>,
+    /// Drop tensors matching these glob patterns (e.g. 'optim.*').
+    #[arg(long)]
+    exclude: Vec<String>,
+    /// Replace an existing output.
+    #[arg(long)]
+    force: bool,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
+    /// No progress bar.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+#[derive(Args, Debug)]
+struct MergeArgs {
+    /// Rank directories (ckpt_*/), rank files, or a DCP directory.
+    #[arg(required = true)]
+    inputs: Vec<PathBuf>,
+    /// Output directory.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Split the output into files of at most this size, with an index (e.g. 5GB).
+    #[arg(long, value_parser = ckpt_merge::parse_size)]
+    max_shard_size: Option<u64>,
+    #[command(flatten)]
+    copy: CopyArgs,
+}
+
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["to", "mesh", "strategy"])))]
+struct ReshardArgs {
+    /// Rank directories, a DCP directory, or an integrated checkpoint.
+    #[arg(required = true)]
+    inputs: Vec<PathBuf>,
+    /// Output directory.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Keep placements; innermost mesh axis becomes N, others 1.
+    #[arg(long)]
+    to: Option<u64>,
+    /// New sizes for named axes, e.g. dp=2,tp=2.
+    #[arg(long)]
+    mesh: Option<String>,
+    /// A target strategy file.
+    #[arg(long)]
+    strategy: Option<PathBuf>,
+    /// Build only this target rank (`auto`: from mpirun, Slurm or torchrun variables).
+    #[arg(long)]
+    rank: Option<String>,
+    /// Print which files each target rank reads and the bytes, and write nothing.
+    #[arg(long)]
+    plan: bool,
+    /// Write replicated tensors on every rank, not only the lowest.
+    #[arg(long)]
+    keep_all: bool,
+    #[command(flatten)]
+    copy: CopyArgs,
+}
+
+#[derive(Args, Debug)]
+struct ExampleArgs {
+    /// Output directory (a sliced checkpoint root).
+    output: PathBuf,
+    /// Mesh, e.g. tp=4 or dp=2,tp=4 (innermost axis is tensor parallel).
+    #[arg(long, default_value = "tp=4")]
+    mesh: String,
+    /// Hidden size.
+    #[arg(long, default_value_t = 64)]
+    hidden: u64,
+    /// Layers.
+    #[arg(long, default_value_t = 2)]
+    layers: u64,
+    /// Vocabulary rows (odd sizes shard unevenly).
+    #[arg(long, default_value_t = 1000)]
+    vocab: u64,
+    /// Element type.
+    #[arg(long, default_value = "BF16", value_parser = parse_cast)]
+    dtype: Dtype,
+    /// Replace an existing output.
+    #[arg(long)]
+    force: bool,
+}
+
+fn parse_cast(s: &str) -> std::result::Result<Dtype, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "bf16" => Ok(Dtype::BF16),
+        "f16" | "fp16" => Ok(Dtype::F16),
+        "f32" | "fp32" => Ok(Dtype::F32),
+        "f64" => Ok(Dtype::F64),
+        _ => ckpt_core::parse_dtype(&s.to_ascii_uppercase()),
+    }
+}
+
+pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.command {
+        Command::Inspect { paths, json } => inspect(&paths, json),
+        Command::Verify { paths, deep, json } => verify(&paths, deep, json),
+        Command::Merge(a) => merge(a),
+        Command::Reshard(a) => reshard(a),
+        Command::Example(a) => example(a),
+    }
+}
+
+fn placements_text(ck: &Checkpoint, name: &str) -> String {
+    match (&ck.strategy, ck.kind) {
+        (Some(s), _) => {
+            let l = &s.tensors[name];
+            s.mesh
+                .axes()
+                .iter()
+                .zip(&l.placements)
+                .map(|(a, p)| format!("{}:{}", a.name, p))
+                .chain(l.stage.map(|st| format!("stage {st}")))
+                .collect::<Vec<_>>()
+                .join(" ")
+        }
+        (None, Kind::Integrated) => "whole".into(),
+        (None, _) => format!("{} pieces", ck.tensors[name].pieces.len()),
+    }
+}
+
+fn inspect(paths: &[PathBuf], as_json: bool) -> Result<ExitCode> {
+    let (ck, problems) = ckpt_core::verify(paths, false)?;
+    let mut per_file = vec![0u64; ck.files.len()];
+    for (i, f) in ck.files.iter().enumerate() {
+        per_file[i] = f.tensors().iter().map(|t| t.end - t.start).sum();
+    }
+    let total: u64 = per_file.iter().sum();
+    if as_json {
+        let tensors: Vec<_> = ck
+            .tensors
+            .iter()
+            .map(|(name, t)| {
+                json!({
+                    "name": name, "shape": t.shape, "dtype": ckpt_core::dtype_name(t.dtype),
+                    "placements": placements_text(&ck, name),
+                    "bytes": ckpt_core::bytes_of(t.dtype, t.shape.iter().product()),
+                })
+            })
+            .collect();
+        let files: Vec<_> = ck
+            .files
+            .iter()
+            .enumerate()
+            .map(|(i, f)| json!({"path": f.path(), "rank": ck.ranks[i], "bytes": per_file[i], "tensors": f.tensors().len()}))
+            .collect();
+        let doc = json!({
+            "kind": format!("{:?}", ck.kind).to_lowercase(),
+            "mesh": ck.strategy.as_ref().map(|s| s.mesh.to_string()),
+            "tensors": tensors, "files": files, "total_bytes": total,
+            "problems": problems.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        let mesh = ck.strategy.as_ref().map(|s| format!(" on mesh {}", s.mesh)).unwrap_or_default();
+        println!("{:?} checkpoint, {} files{mesh}, {} tensors", ck.kind, ck.files.len(), ck.tensors.len());
+        let w = ck.tensors.keys().map(String::len).max().unwrap_or(4).max(6);
+        println!("{:<w$}  {:<6}  {:<18}  {:>12}  placements", "tensor", "dtype", "shape", "bytes");
+        for (name, t) in &ck.tensors {
+            println!(
+                "{name:<w$}  {:<6}  {:<18}  {:>12}  {}",
+                ckpt_core::dtype_name(t.dtype),
+                format!("{:?}", t.shape),
+                ckpt_core::bytes_of(t.dtype, t.shape.iter().product()),
+                placements_text(&ck, name)
+            );
+        }
+        println!("bytes per file:");
+        for (i, f) in ck.files.iter().enumerate() {
+            let r = ck.ranks[i].map(|r| format!("rank {r}: ")).unwrap_or_default();
+            println!("  {r}{}  {}", f.path().display(), human_bytes(per_file[i]));
+        }
+        println!("total: {} ({total} bytes)", human_bytes(total));
+        for p in &problems {
+            println!("problem: {p}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn verify(paths: &[PathBuf], deep: bool, as_json: bool) -> Result<ExitCode> {
+    let (ck, problems) = match ckpt_core::verify(paths, deep) {
+        Ok(x) => x,
+        Err(e) => {
+            if as_json {
+                println!("{}", json!({"ok": false, "problems": [e.to_string()]}));
+            } else {
+                println!("{e}");
+            }
+            return Ok(ExitCode::from(1));
+        }
+    };
+    if as_json {
+        let doc = json!({"ok": problems.is_empty(), "files": ck.files.len(), "tensors": ck.tensors.len(),
+            "problems": problems.iter().map(ToString::to_string).collect::<Vec<_>>()});
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        for p in &problems {
+            // One line per problem (multi-line errors are already split per problem).
+            println!("{}", p.to_string().replace('\n', " "));
+        }
+        if problems.is_empty() {
+            println!(
+                "ok: {} files, {} tensors, every element owned exactly once{}",
+                ck.files.len(),
+                ck.tensors.len(),
+                if deep { ", replicated copies identical" } else { "" }
+            );
+        }
+    }
+    Ok(if problems.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+fn summary(verb: &str, stats: &ckpt_core::CopyStats, secs: f64, out: &std::path::Path, as_json: bool) {
+    let gbs = stats.bytes_written as f64 / secs.max(1e-9) / 1e9;
+    if as_json {
+        println!(
+            "{}",
+            json!({"tensors": stats.tensors, "bytes_written": stats.bytes_written, "bytes_read": stats.bytes_read,
+                   "seconds": secs, "gb_per_s": gbs, "output": out})
+        );
+    } else {
+        println!(
+            "{verb} {} tensors, {} in {secs:.2} s ({gbs:.2} GB/s) into {}",
+            stats.tensors,
+            human_bytes(stats.bytes_written),
+            out.display()
+        );
+    }
+}
+
+fn merge(a: MergeArgs) -> Result<ExitCode> {
+    let req = ckpt_merge::MergeRequest {
+        inputs: a.inputs,
+        output: a.output,
+        max_shard_size: a.max_shard_size,
+        selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
+        force: a.copy.force,
+    };
+    let t = Instant::now();
+    let bar = std::sync::OnceLock::new();
+    let stats = ckpt_merge::merge(
+        &req,
+        &|n| {
+            if let Some(b) = bar.get() {
+                indicatif::ProgressBar::inc(b, n);
+            }
+        },
+        &|p: &CopyPlan| {
+            let _ = bar.set(bytes_bar(p.bytes_written(), a.copy.quiet || a.copy.json));
+        },
+    )?;
+    if let Some(b) = bar.get() {
+        b.finish_and_clear();
+    }
+    summary("merged", &stats, t.elapsed().as_secs_f64(), &req.output, a.copy.json);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn reshard(a: ReshardArgs) -> Result<ExitCode> {
+    let target = if let Some(n) = a.to {
+        if n == 0 {
+            bail!("--to needs at least 1 rank");
+        }
+        ckpt_reshard::Target::To(n)
+    } else if let Some(m) = &a.mesh {
+        let mesh = Mesh::parse(m)?;
+        ckpt_reshard::Target::Mesh(mesh.axes().iter().map(|x| (x.name.clone(), x.size)).collect())
+    } else if let Some(s) = &a.strategy {
+        ckpt_reshard::Target::Strategy(Strategy::read(s)?)
+    } else {
+        bail!("give --to, --mesh or --strategy");
+    };
+    let ranks = match a.rank.as_deref() {
+        None => ckpt_reshard::Ranks::All,
+        Some("auto") => ckpt_reshard::Ranks::One(ckpt_reshard::rank_from_env().context(
+            "--rank auto: none of OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID or RANK is set",
+        )?),
+        Some(r) => ckpt_reshard::Ranks::One(r.parse().with_context(|| format!("--rank `{r}` is not a number or `auto`"))?),
+    };
+    let req = ckpt_reshard::ReshardRequest {
+        inputs: a.inputs,
+        output: a.output,
+        target,
+        ranks,
+        selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
+        keep_all: a.keep_all,
+        force: a.copy.force,
+    };
+    if a.plan {
+        let (source, strategy, plan) = ckpt_reshard::prepare(&req)?;
+        print_plan(&source, &strategy, &plan, a.copy.json)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let t = Instant::now();
+    let bar = std::sync::OnceLock::new();
+    let stats = ckpt_reshard::reshard(
+        &req,
+        &|n| {
+            if let Some(b) = bar.get() {
+                indicatif::ProgressBar::inc(b, n);
+            }
+        },
+        &|p: &CopyPlan| {
+            let _ = bar.set(bytes_bar(p.bytes_written(), a.copy.quiet || a.copy.json));
+        },
+    )?;
+    if let Some(b) = bar.get() {
+        b.finish_and_clear();
+    }
+    summary("resharded", &stats, t.elapsed().as_secs_f64(), &req.output, a.copy.json);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_plan(source: &Checkpoint, strategy: &Strategy, plan: &CopyPlan, as_json: bool) -> Result<()> {
+    let rows: Vec<_> = plan
+        .files
+        .iter()
+        .map(|f| {
+            let files: Vec<String> = f.source_files().into_iter().map(|i| source.label(i)).collect();
+            (f.path.display().to_string(), files, f.bytes_read(), f.bytes_written())
+        })
+        .collect();
+    if as_json {
+        let v: Vec<_> = rows
+            .iter()
+            .map(|(p, files, r, w)| json!({"output": p, "reads": files, "bytes_read": r, "bytes_written": w}))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&json!({"mesh": strategy.mesh.to_string(), "files": v}))?);
+    } else {
+        println!("target mesh {} ({} ranks)", strategy.mesh, strategy.mesh.world_size());
+        for (p, files, r, w) in rows {
+            println!("{p}: reads {} from {} files, writes {}", human_bytes(r), files.len(), human_bytes(w));
+            for f in files {
+                println!("    {f}");
+            }
+        }
+    }
+    Ok(())
+}
+
+fn example(a: ExampleArgs) -> Result<ExitCode> {
+    let mesh = Mesh::parse(&a.mesh)?;
+    let model = ckpt_core::ExampleModel { hidden: a.hidden, layers: a.layers, vocab: a.vocab, dtype: a.dtype };
+    let staged = ckpt_core::StagedDir::new(&a.output, a.force)?;
+    let s = ckpt_core::write_example(staged.path(), &model, &mesh)?;
+    staged.commit()?;
+    println!("wrote a {}-rank example checkpoint ({} tensors, mesh {}) to {}", mesh.world_size(), s.tensors.len(), mesh, a.output.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reshard_needs_exactly_one_target() {
+        assert!(Cli::try_parse_from(["ckpt", "reshard", "a", "-o", "b"]).is_err());
+        assert!(Cli::try_parse_from(["ckpt", "reshard", "a", "-o", "b", "--to", "2", "--mesh", "tp=2"]).is_err());
+        assert!(Cli::try_parse_from(["ckpt", "reshard", "a", "-o", "b", "--to", "2"]).is_ok());
+    }
+
+    #[test]
+    fn dtype_flag() {
+        assert_eq!(parse_cast("bf16"), Ok(Dtype::BF16));
+        assert!(parse_cast("int3").is_err());
+        let c = Cli::try_parse_from(["ckpt", "merge", "a", "-o", "b", "--dtype", "f16", "--max-shard-size", "5GB"]).unwrap();
+        match c.command {
+            Command::Merge(m) => {
+                assert_eq!(m.copy.dtype, Some(Dtype::F16));
+                assert_eq!(m.max_shard_size, Some(5_000_000_000));
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+}
