@@ -1,1 +1,7 @@
+//! End-to-end tests of the `ckpt` binary, one module per theme.
 
+mod util;
+
+mod inspect_verify;
+mod merge;
+mod reshard;

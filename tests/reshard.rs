@@ -1,0 +1,88 @@
+//! `ckpt reshard`: M to N, back again, single ranks, plans and strategies.
+
+use crate::util::{example_originals, full_tensors, Dir};
+
+fn files_equal(a: &std::path::Path, b: &std::path::Path) {
+    assert_eq!(std::fs::read(a).unwrap(), std::fs::read(b).unwrap(), "{} != {}", a.display(), b.display());
+}
+
+#[test]
+fn eight_to_three_and_back_is_identity() {
+    let d = Dir::new();
+    d.example("ex", "dp=2,tp=4");
+    d.ok(&["reshard", "ex", "-o", "r3", "--to", "3"]);
+    d.ok(&["verify", "r3"]);
+    let s = ckpt_core::Strategy::read(&d.path("r3/strategy.json")).unwrap();
+    assert_eq!(s.mesh.to_string(), "dp=1,tp=3");
+    assert_eq!(full_tensors(&d.path("r3")), example_originals("dp=2,tp=4"));
+    d.ok(&["reshard", "r3", "-o", "back", "--mesh", "dp=2,tp=4"]);
+    for r in 0..8 {
+        files_equal(&d.path(&format!("ex/ckpt_{r}/model.safetensors")), &d.path(&format!("back/ckpt_{r}/model.safetensors")));
+    }
+}
+
+#[test]
+fn one_rank_reads_only_what_it_needs() {
+    let d = Dir::new();
+    d.example("ex", "tp=8");
+    let o = d.ok(&["reshard", "ex", "-o", "r2", "--to", "2", "--rank", "1", "--plan", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    let f = &v["files"][0];
+    assert_eq!(f["output"], "ckpt_1/model.safetensors");
+    let (read, written) = (f["bytes_read"].as_u64().unwrap(), f["bytes_written"].as_u64().unwrap());
+    assert!(read as f64 <= 1.05 * written as f64 && read >= written, "read {read} written {written}");
+    assert!(!d.path("r2").exists(), "--plan writes nothing");
+    d.ok(&["reshard", "ex", "-o", "r2", "--to", "2", "--rank", "1"]);
+    assert!(d.path("r2/ckpt_1/model.safetensors").exists() && !d.path("r2/ckpt_0").exists());
+    d.ok(&["reshard", "ex", "-o", "r2", "--to", "2", "--rank", "0"]);
+    assert_eq!(full_tensors(&d.path("r2")), example_originals("tp=8"));
+}
+
+#[test]
+fn rank_auto_reads_launcher_variables() {
+    let d = Dir::new();
+    d.example("ex", "tp=2");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .args(["reshard", "ex", "-o", "r", "--to", "2", "--rank", "auto"])
+        .env("SLURM_PROCID", "1")
+        .current_dir(d.tmp.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(d.path("r/ckpt_1").exists() && !d.path("r/ckpt_0").exists());
+}
+
+#[test]
+fn integrated_to_sliced_with_a_strategy_then_merge() {
+    let d = Dir::new();
+    d.example("ex", "tp=3");
+    d.ok(&["merge", "ex", "-o", "full"]);
+    // A predict strategy of another kind: shard the embedding by columns on 2 ranks.
+    let mut s = ckpt_core::Strategy::read(&d.path("ex/strategy.json")).unwrap();
+    let mut t = ckpt_core::Strategy::new(ckpt_core::Mesh::parse("tp=2").unwrap());
+    for (name, mut l) in std::mem::take(&mut s.tensors) {
+        if name == "embed.weight" {
+            l.placements = vec![ckpt_core::Placement::shard(1)];
+        } else {
+            l.placements.truncate(1);
+        }
+        t.insert(name, l).unwrap();
+    }
+    std::fs::write(d.path("predict.json"), t.to_json()).unwrap();
+    let o = d.fails(&["reshard", "full", "-o", "x", "--to", "2"]);
+    assert!(o.stderr.contains("give --strategy"), "{}", o.stderr);
+    d.ok(&["reshard", "full", "-o", "p", "--strategy", "predict.json"]);
+    d.ok(&["verify", "p"]);
+    let f = ckpt_core::SafetensorsFile::open(&d.path("p/ckpt_1/model.safetensors")).unwrap();
+    let e = f.find("embed.weight").unwrap();
+    assert_eq!(f.tensors()[e].shape, vec![37, 8]);
+    assert_eq!(full_tensors(&d.path("p")), example_originals("tp=3"));
+}
+
+#[test]
+fn unknown_axis_is_named() {
+    let d = Dir::new();
+    d.example("ex", "tp=2");
+    let o = d.fails(&["reshard", "ex", "-o", "x", "--mesh", "ep=2"]);
+    assert!(o.stderr.contains("--mesh names axis `ep`, which the source mesh does not have"), "{}", o.stderr);
+}

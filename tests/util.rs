@@ -1,0 +1,82 @@
+//! A temporary directory per test and a runner for the built `ckpt` binary.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+pub struct Dir {
+    pub tmp: tempfile::TempDir,
+}
+
+pub struct Out {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Dir {
+    pub fn new() -> Dir {
+        Dir { tmp: tempfile::tempdir().expect("tempdir") }
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.tmp.path().join(rel)
+    }
+
+    /// Runs `ckpt ARGS` in this directory.
+    pub fn ckpt(&self, args: &[&str]) -> Out {
+        let o = Command::new(env!("CARGO_BIN_EXE_ckpt")).args(args).current_dir(self.tmp.path()).output().expect("run ckpt");
+        Out {
+            code: o.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        }
+    }
+
+    /// Runs and asserts success.
+    pub fn ok(&self, args: &[&str]) -> Out {
+        let o = self.ckpt(args);
+        assert_eq!(o.code, 0, "ckpt {args:?} failed:\n{}\n{}", o.stdout, o.stderr);
+        o
+    }
+
+    /// Runs and asserts failure with exit code 1.
+    pub fn fails(&self, args: &[&str]) -> Out {
+        let o = self.ckpt(args);
+        assert_eq!(o.code, 1, "ckpt {args:?} should fail:\n{}\n{}", o.stdout, o.stderr);
+        o
+    }
+
+    /// A sliced example checkpoint at `rel`.
+    pub fn example(&self, rel: &str, mesh: &str) {
+        self.ok(&["example", rel, "--mesh", mesh, "--hidden", "16", "--vocab", "37"]);
+    }
+}
+
+/// Every tensor of the checkpoint at `path`, assembled whole, by name.
+pub fn full_tensors(path: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let ck = ckpt_core::Checkpoint::open(&[path.to_path_buf()]).expect("open");
+    let mut out = std::collections::BTreeMap::new();
+    for (name, t) in &ck.tensors {
+        let full = ckpt_core::Region::full(&t.shape);
+        let target = ckpt_core::TargetTensor {
+            name: name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            pieces: vec![ckpt_core::Piece { global: full.clone(), local: full }],
+        };
+        let plan = ckpt_core::CopyPlan::build(
+            &ck,
+            vec![ckpt_core::TargetFile { path: "x".into(), tensors: vec![target], metadata: Default::default() }],
+        )
+        .expect("plan");
+        out.insert(name.clone(), ckpt_core::assemble(&plan.files[0].tensors[0], &ck));
+    }
+    out
+}
+
+/// The example model's original tensors on `mesh` (the values `ckpt example` wrote).
+pub fn example_originals(mesh: &str) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let model = ckpt_core::ExampleModel { hidden: 16, vocab: 37, ..Default::default() };
+    let s = ckpt_core::example_strategy(&model, &ckpt_core::Mesh::parse(mesh).unwrap()).unwrap();
+    s.tensors.iter().map(|(n, l)| (n.clone(), ckpt_core::example_tensor(n, l))).collect()
+}
