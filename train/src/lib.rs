@@ -6,7 +6,12 @@
 //! tensor parallel).
 
 mod comm;
+mod data;
 mod error;
 
 pub use crate::comm::{all_gather_tensor, all_reduce_tensor, check_mesh, run_threads, tensor_to_vec, Comm, Dist, ReduceOp, MESH_AXES};
 pub use crate::error::{Error, Result};
+pub use crate::data::{
+    digits, parse_digits_csv, read_cifar10, read_fashion_mnist, read_idx, DataSource, Dataset, DistributedSampler, Idx, Split,
+    DIGITS_CSV_GZ, FASHION_MNIST_DIR,
+};
