@@ -4,4 +4,5 @@ mod util;
 
 mod inspect_verify;
 mod merge;
+mod python;
 mod reshard;
