@@ -8,6 +8,8 @@
 mod comm;
 mod data;
 mod error;
+mod parallel;
+mod params;
 
 pub use crate::comm::{all_gather_tensor, all_reduce_tensor, check_mesh, run_threads, tensor_to_vec, Comm, Dist, ReduceOp, MESH_AXES};
 pub use crate::error::{Error, Result};
@@ -15,3 +17,5 @@ pub use crate::data::{
     digits, parse_digits_csv, read_cifar10, read_fashion_mnist, read_idx, DataSource, Dataset, DistributedSampler, Idx, Split,
     DIGITS_CSV_GZ, FASHION_MNIST_DIR,
 };
+pub use crate::parallel::{all_reduce_sum_both, chunk, copy_to_group, gather_from_group, reduce_from_group};
+pub use crate::params::{init_global, local_positions, place_local, slice_local, Init, ParamHint, ParamSpec, ShardedVarBuilder, ShardedVars};
