@@ -13,6 +13,7 @@ mod error;
 mod example;
 mod layout;
 mod mesh;
+mod mindspore;
 mod output;
 mod plan;
 mod region;
@@ -29,6 +30,7 @@ pub use crate::example::{example_byte, example_strategy, example_tensor, write_e
 pub use crate::error::{Error, Problems, Result};
 pub use crate::layout::{Piece, Placement, TensorLayout};
 pub use crate::mesh::{Axis, Mesh};
+pub use crate::mindspore::{from_mindspore, MapEntry, MindSporeLayout};
 pub use crate::output::{check_output_outside_inputs, copy_carried, StagedDir};
 pub use crate::save::{load_rank, write_integrated, write_rank, LocalTensor};
 pub use crate::select::Selection;
