@@ -136,6 +136,9 @@ struct ExampleArgs {
     /// Element type.
     #[arg(long, default_value = "BF16", value_parser = parse_cast)]
     dtype: Dtype,
+    /// Add ZeRO-sharded F32 optimizer moments (`optim.*.exp_avg`).
+    #[arg(long)]
+    optimizer: bool,
     /// Replace an existing output.
     #[arg(long)]
     force: bool,
@@ -401,7 +404,8 @@ fn print_plan(source: &Checkpoint, strategy: &Strategy, plan: &CopyPlan, as_json
 
 fn example(a: ExampleArgs) -> Result<ExitCode> {
     let mesh = Mesh::parse(&a.mesh)?;
-    let model = ckpt_core::ExampleModel { hidden: a.hidden, layers: a.layers, vocab: a.vocab, dtype: a.dtype };
+    let model =
+        ckpt_core::ExampleModel { hidden: a.hidden, layers: a.layers, vocab: a.vocab, dtype: a.dtype, optimizer: a.optimizer };
     let staged = ckpt_core::StagedDir::new(&a.output, a.force)?;
     let s = ckpt_core::write_example(staged.path(), &model, &mesh)?;
     staged.commit()?;

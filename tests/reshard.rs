@@ -86,3 +86,56 @@ fn unknown_axis_is_named() {
     let o = d.fails(&["reshard", "ex", "-o", "x", "--mesh", "ep=2"]);
     assert!(o.stderr.contains("--mesh names axis `ep`, which the source mesh does not have"), "{}", o.stderr);
 }
+
+fn example_with(d: &Dir, rel: &str, mesh: &str) {
+    d.ok(&["example", rel, "--mesh", mesh, "--hidden", "16", "--vocab", "37", "--layers", "4", "--optimizer"]);
+}
+
+fn originals_with(mesh: &str) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let model = ckpt_core::ExampleModel { hidden: 16, vocab: 37, layers: 4, optimizer: true, ..Default::default() };
+    let s = ckpt_core::example_strategy(&model, &ckpt_core::Mesh::parse(mesh).unwrap()).unwrap();
+    s.tensors.iter().map(|(n, l)| (n.clone(), ckpt_core::example_tensor(n, l))).collect()
+}
+
+#[test]
+fn pipeline_two_to_one_and_back_with_optimizer_state() {
+    let d = Dir::new();
+    example_with(&d, "ex", "pp=2,dp=2,tp=2");
+    let s = ckpt_core::Strategy::read(&d.path("ex/strategy.json")).unwrap();
+    assert_eq!(s.tensors["layers.3.mlp.up.weight"].stage, Some(1));
+    // PP=2 -> PP=1 (every stage 0), dp 2 -> 1: the ZeRO-sharded moments follow their weights.
+    d.ok(&["reshard", "ex", "-o", "pp1", "--mesh", "pp=1,dp=1,tp=2"]);
+    d.ok(&["verify", "pp1"]);
+    let s1 = ckpt_core::Strategy::read(&d.path("pp1/strategy.json")).unwrap();
+    assert_eq!(s1.tensors["layers.3.mlp.up.weight"].stage, Some(0));
+    let f = ckpt_core::SafetensorsFile::open(&d.path("pp1/ckpt_1/model.safetensors")).unwrap();
+    let m = f.find("optim.layers.3.mlp.up.weight.exp_avg").expect("moment on tp rank 1");
+    assert_eq!(f.tensors()[m].shape, vec![32, 16]);
+    assert_eq!(full_tensors(&d.path("pp1")), originals_with("pp=2,dp=2,tp=2"));
+    // And back to the training strategy, byte for byte.
+    d.ok(&["reshard", "pp1", "-o", "pp2", "--strategy", "ex/strategy.json"]);
+    for r in 0..8 {
+        files_equal(&d.path(&format!("ex/ckpt_{r}/model.safetensors")), &d.path(&format!("pp2/ckpt_{r}/model.safetensors")));
+    }
+    // Dropping the optimizer state on the way.
+    d.ok(&["reshard", "ex", "-o", "weights", "--to", "2", "--exclude", "optim.*"]);
+    let got = full_tensors(&d.path("weights"));
+    assert!(got.keys().all(|k| !k.starts_with("optim.")) && got.len() == 22, "{:?}", got.keys());
+}
+
+#[test]
+fn sharded_dim_changes_from_rows_to_columns() {
+    let d = Dir::new();
+    d.example("ex", "tp=4");
+    let mut s = ckpt_core::Strategy::read(&d.path("ex/strategy.json")).unwrap();
+    for (name, l) in s.tensors.iter_mut() {
+        if name.ends_with("mlp.up.weight") {
+            l.placements = vec![ckpt_core::Placement::shard(1)];
+        }
+    }
+    std::fs::write(d.path("cols.json"), s.to_json()).unwrap();
+    d.ok(&["reshard", "ex", "-o", "cols", "--strategy", "cols.json"]);
+    let f = ckpt_core::SafetensorsFile::open(&d.path("cols/ckpt_3/model.safetensors")).unwrap();
+    assert_eq!(f.tensors()[f.find("layers.0.mlp.up.weight").unwrap()].shape, vec![64, 4]);
+    assert_eq!(full_tensors(&d.path("cols")), example_originals("tp=4"));
+}

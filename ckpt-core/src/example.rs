@@ -24,16 +24,20 @@ pub struct ExampleModel {
     pub vocab: u64,
     /// Element type of the matrices (norms too).
     pub dtype: Dtype,
+    /// Add AdamW moments (`optim.<name>.exp_avg`, F32) of every matrix, sharded ZeRO-1
+    /// style: the tensor-parallel slice split again over the other axes.
+    pub optimizer: bool,
 }
 
 impl Default for ExampleModel {
     fn default() -> Self {
-        ExampleModel { hidden: 64, layers: 2, vocab: 1000, dtype: Dtype::BF16 }
+        ExampleModel { hidden: 64, layers: 2, vocab: 1000, dtype: Dtype::BF16, optimizer: false }
     }
 }
 
-/// The strategy of the example model on `mesh`; the innermost axis is tensor parallel
-/// and any other axis replicates (data parallel).
+/// The strategy of the example model on `mesh`; the innermost axis is tensor parallel,
+/// an axis called `pp` is the pipeline (layers spread evenly over its stages) and any
+/// other axis replicates (data parallel).
 ///
 /// # Errors
 /// An invalid layout (e.g. a hidden size of 0).
@@ -47,15 +51,46 @@ pub fn example_strategy(model: &ExampleModel, mesh: &Mesh) -> Result<Strategy> {
         v
     };
     let h = model.hidden;
+    let pp = mesh.axis_index("pp");
+    let mesh = match pp {
+        Some(_) if n > 1 => mesh.clone().with_pipeline("pp")?,
+        _ => mesh.clone(),
+    };
+    let stages = pp.filter(|_| n > 1).map_or(1, |p| mesh.axes()[p].size);
     let mut s = Strategy::new(mesh.clone());
-    s.insert("embed.weight", TensorLayout::new(vec![model.vocab, h], model.dtype, on_tp(Placement::shard(0))))?;
+    let add = |s: &mut Strategy, name: String, layout: TensorLayout, stage: u64| -> Result<()> {
+        let layout = if stages > 1 { layout.with_stage(stage) } else { layout };
+        if model.optimizer && layout.shape.len() == 2 {
+            // ZeRO-1: the moment's tensor-parallel slice is split again on dim 0 by every
+            // data-parallel axis (after the tensor-parallel split: order 1).
+            let mut m = layout.clone();
+            m.dtype = Dtype::F32;
+            for (i, p) in m.placements.iter_mut().enumerate() {
+                if *p == Placement::Replicate && Some(i) != mesh.pipeline() && i + 1 < n {
+                    *p = Placement::Shard { dim: 0, blocks: 1, order: 1 };
+                }
+            }
+            if let Some(Placement::Shard { blocks, dim: 0, .. }) = layout.placements.last() {
+                // A blocked dim 0 keeps its blocks on every axis that splits it.
+                for p in &mut m.placements {
+                    if let Placement::Shard { dim: 0, blocks: b, .. } = p {
+                        *b = *blocks;
+                    }
+                }
+            }
+            s.insert(format!("optim.{name}.exp_avg"), m)?;
+        }
+        s.insert(name, layout)
+    };
+    add(&mut s, "embed.weight".into(), TensorLayout::new(vec![model.vocab, h], model.dtype, on_tp(Placement::shard(0))), 0)?;
     for l in 0..model.layers {
         let p = format!("layers.{l}");
-        s.insert(format!("{p}.attn.qkv.weight"), TensorLayout::new(vec![3 * h, h], model.dtype, on_tp(Placement::blocked(0, 3))))?;
-        s.insert(format!("{p}.attn.proj.weight"), TensorLayout::new(vec![h, h], model.dtype, on_tp(Placement::shard(1))))?;
-        s.insert(format!("{p}.mlp.up.weight"), TensorLayout::new(vec![4 * h, h], model.dtype, on_tp(Placement::shard(0))))?;
-        s.insert(format!("{p}.mlp.down.weight"), TensorLayout::new(vec![h, 4 * h], model.dtype, on_tp(Placement::shard(1))))?;
-        s.insert(format!("{p}.norm.weight"), TensorLayout::new(vec![h], model.dtype, vec![Placement::Replicate; n]))?;
+        let st = l * stages / model.layers.max(1);
+        add(&mut s, format!("{p}.attn.qkv.weight"), TensorLayout::new(vec![3 * h, h], model.dtype, on_tp(Placement::blocked(0, 3))), st)?;
+        add(&mut s, format!("{p}.attn.proj.weight"), TensorLayout::new(vec![h, h], model.dtype, on_tp(Placement::shard(1))), st)?;
+        add(&mut s, format!("{p}.mlp.up.weight"), TensorLayout::new(vec![4 * h, h], model.dtype, on_tp(Placement::shard(0))), st)?;
+        add(&mut s, format!("{p}.mlp.down.weight"), TensorLayout::new(vec![h, 4 * h], model.dtype, on_tp(Placement::shard(1))), st)?;
+        add(&mut s, format!("{p}.norm.weight"), TensorLayout::new(vec![h], model.dtype, vec![Placement::Replicate; n]), st)?;
     }
     s.insert("step", TensorLayout::new(vec![], Dtype::I64, vec![Placement::Replicate; n]))?;
     Ok(s)
@@ -83,6 +118,7 @@ pub fn example_tensor(name: &str, layout: &TensorLayout) -> Vec<u8> {
 /// I/O errors.
 pub fn write_example(dir: &Path, model: &ExampleModel, mesh: &Mesh) -> Result<Strategy> {
     let strategy = example_strategy(model, mesh)?;
+    let mesh = &strategy.mesh;
     for rank in 0..mesh.world_size() {
         let mut locals: Vec<(String, Vec<u8>)> = Vec::new();
         for (name, l) in &strategy.tensors {

@@ -167,6 +167,14 @@ proptest! {
         sb.insert("t", b).unwrap();
         reshard(&dir.path().join("a"), &sb, &dir.path().join("b"));
         prop_assert_eq!(merge_in_memory(&dir.path().join("b")), full.clone());
+        // A to B equals merge-then-split: slicing the full tensor with B directly.
+        let lb = sb.tensors["t"].clone();
+        slice(&dir.path().join("b_direct"), &mesh_b, &lb, &full);
+        for r in 0..mesh_b.world_size() {
+            let x = std::fs::read(dir.path().join(format!("b/ckpt_{r}/model.safetensors"))).unwrap();
+            let y = std::fs::read(dir.path().join(format!("b_direct/ckpt_{r}/model.safetensors"))).unwrap();
+            prop_assert_eq!(x, y, "rank {} of B", r);
+        }
         reshard(&dir.path().join("b"), &sa, &dir.path().join("a2"));
         for r in 0..mesh_a.world_size() {
             let x = std::fs::read(dir.path().join(format!("a/ckpt_{r}/model.safetensors"))).unwrap();
