@@ -113,6 +113,10 @@ struct ReshardArgs {
     /// Write replicated tensors on every rank, not only the lowest.
     #[arg(long)]
     keep_all: bool,
+    /// Output layout: `ckpt` (ckpt_<r>/ directories) or `dcp` (PyTorch DCP sharded
+    /// safetensors, loadable by torch's HuggingFaceStorageReader).
+    #[arg(long, default_value = "ckpt", value_parser = ["ckpt", "dcp"])]
+    format: String,
     #[command(flatten)]
     copy: CopyArgs,
 }
@@ -349,6 +353,7 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
         keep_all: a.keep_all,
         force: a.copy.force,
+        format: if a.format == "dcp" { ckpt_reshard::OutputFormat::Dcp } else { ckpt_reshard::OutputFormat::Ranks },
     };
     if a.plan {
         let (source, strategy, plan) = ckpt_reshard::prepare(&req)?;

@@ -229,13 +229,21 @@ fn gcd(a: u64, b: u64) -> u64 {
 }
 
 /// Metadata a ckpt rank file carries: rank, world size, strategy hash and, for every
-/// tensor whose local part is one box, its global offsets in PyTorch DCP's convention.
+/// tensor whose local part is one box (or empty), its global offsets in PyTorch DCP's
+/// convention.
 #[must_use]
 pub fn rank_metadata(strategy: &Strategy, rank: u64, tensors: &[TargetTensor]) -> BTreeMap<String, String> {
     let mut offsets = serde_json::Map::new();
     for t in tensors {
-        if let [p] = &t.pieces[..] {
-            offsets.insert(t.name.clone(), serde_json::json!({ "saved_offsets": p.global.start }));
+        match &t.pieces[..] {
+            [p] => {
+                offsets.insert(t.name.clone(), serde_json::json!({ "saved_offsets": p.global.start }));
+            }
+            // An empty local tensor: PyTorch's reader needs an entry for every key.
+            [] => {
+                offsets.insert(t.name.clone(), serde_json::json!({ "saved_offsets": vec![0u64; t.shape.len()] }));
+            }
+            _ => {}
         }
     }
     let mut m = BTreeMap::new();

@@ -31,6 +31,28 @@ pub enum Ranks {
     One(u64),
 }
 
+/// How the target ranks' files are laid out.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OutputFormat {
+    /// `OUT/ckpt_<r>/model.safetensors` with `strategy.json` in each (ckpt's own).
+    #[default]
+    Ranks,
+    /// PyTorch DCP's sharded safetensors, flat: `OUT/shard-<r>-model-00001-of-00001.safetensors`,
+    /// loadable by `torch.distributed.checkpoint.HuggingFaceStorageReader(OUT)`.
+    Dcp,
+}
+
+impl OutputFormat {
+    /// The file of target rank `r`.
+    #[must_use]
+    pub fn file(self, r: u64) -> PathBuf {
+        match self {
+            OutputFormat::Ranks => Path::new(&format!("ckpt_{r}")).join(MODEL_FILE),
+            OutputFormat::Dcp => PathBuf::from(format!("shard-{r:05}-model-00001-of-00001.safetensors")),
+        }
+    }
+}
+
 /// What to reshard and how.
 #[derive(Clone, Debug)]
 pub struct ReshardRequest {
@@ -48,6 +70,8 @@ pub struct ReshardRequest {
     pub keep_all: bool,
     /// Replace an existing output.
     pub force: bool,
+    /// The layout of the output files.
+    pub format: OutputFormat,
 }
 
 /// Reads the rank of this process from launcher variables: Open MPI, PMI (MPICH,
@@ -124,7 +148,7 @@ pub fn target_strategy(source: &Checkpoint, target: &Target, selection: &Selecti
 ///
 /// # Errors
 /// See [`CopyPlan::build`].
-pub fn plan(source: &Checkpoint, strategy: &Strategy, ranks: Ranks, keep_all: bool) -> Result<CopyPlan> {
+pub fn plan(source: &Checkpoint, strategy: &Strategy, ranks: Ranks, keep_all: bool, format: OutputFormat) -> Result<CopyPlan> {
     let world = strategy.mesh.world_size();
     let list: Vec<u64> = match ranks {
         Ranks::All => (0..world).collect(),
@@ -137,13 +161,20 @@ pub fn plan(source: &Checkpoint, strategy: &Strategy, ranks: Ranks, keep_all: bo
         .into_iter()
         .map(|r| {
             let tensors = rank_tensors(strategy, r, keep_all, &|_, l| Some(l.dtype));
-            TargetFile {
-                path: Path::new(&format!("ckpt_{r}")).join(MODEL_FILE),
-                metadata: rank_metadata(strategy, r, &tensors),
-                tensors,
+            if format == OutputFormat::Dcp {
+                if let Some(t) = tensors.iter().find(|t| t.pieces.len() > 1) {
+                    return Err(Error::Unsupported {
+                        problem: format!(
+                            "tensor `{}`: rank {r} holds it as {} boxes (a blocked shard) and PyTorch DCP stores one box per tensor: use blocks=1 in the target strategy or --exclude it",
+                            t.name,
+                            t.pieces.len()
+                        ),
+                    });
+                }
             }
+            Ok(TargetFile { path: format.file(r), metadata: rank_metadata(strategy, r, &tensors), tensors })
         })
-        .collect();
+        .collect::<Result<Vec<_>>>()?;
     CopyPlan::build(source, files)
 }
 
@@ -154,7 +185,7 @@ pub fn plan(source: &Checkpoint, strategy: &Strategy, ranks: Ranks, keep_all: bo
 pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)> {
     let source = Checkpoint::open(&req.inputs)?;
     let strategy = target_strategy(&source, &req.target, &req.selection)?;
-    let plan = plan(&source, &strategy, req.ranks, req.keep_all)?;
+    let plan = plan(&source, &strategy, req.ranks, req.keep_all, req.format)?;
     Ok((source, strategy, plan))
 }
 
@@ -166,45 +197,57 @@ pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)>
 /// an output inside an input, I/O errors.
 pub fn reshard(req: &ReshardRequest, progress: &(dyn Fn(u64) + Sync), on_plan: &dyn Fn(&CopyPlan)) -> Result<CopyStats> {
     check_output_outside_inputs(&req.output, &req.inputs)?;
-    let staged_path = match req.ranks {
-        Ranks::All => req.output.clone(),
-        Ranks::One(r) => req.output.join(format!("ckpt_{r}")),
+    // What appears atomically: the whole output, or with one rank that rank's directory
+    // (ckpt layout) or file (DCP layout, written atomically by the file writer).
+    let staged_path = match (req.ranks, req.format) {
+        (Ranks::All, _) => Some(req.output.clone()),
+        (Ranks::One(r), OutputFormat::Ranks) => Some(req.output.join(format!("ckpt_{r}"))),
+        (Ranks::One(_), OutputFormat::Dcp) => None,
     };
-    if staged_path.exists() && !req.force {
-        return Err(Error::OutputExists { path: staged_path });
+    let exists = match (&staged_path, req.ranks) {
+        (Some(p), _) => p.clone(),
+        (None, Ranks::One(r)) => req.output.join(req.format.file(r)),
+        (None, Ranks::All) => unreachable!("all ranks are always staged"),
+    };
+    if exists.exists() && !req.force {
+        return Err(Error::OutputExists { path: exists });
     }
-    let (source, strategy, plan) = prepare(req)?;
+    let (source, strategy, mut plan) = prepare(req)?;
     on_plan(&plan);
     let json = strategy.to_json();
-    let staged = StagedDir::new(&staged_path, req.force)?;
-    // With one rank, the staged directory is that rank's: write it at the top level.
-    let root = staged.path().to_path_buf();
-    let (exec_root, rank_dirs): (PathBuf, Vec<PathBuf>) = match req.ranks {
-        Ranks::All => (root.clone(), (0..strategy.mesh.world_size()).map(|r| root.join(format!("ckpt_{r}"))).collect()),
-        Ranks::One(_) => (root.clone(), vec![root.clone()]),
-    };
-    let plan = match req.ranks {
-        Ranks::All => plan,
-        Ranks::One(_) => {
-            let mut p = plan;
-            for f in &mut p.files {
-                f.path = PathBuf::from(MODEL_FILE);
-            }
-            p
+    let staged = staged_path.as_deref().map(|p| StagedDir::new(p, req.force)).transpose()?;
+    let root = match &staged {
+        Some(s) => s.path().to_path_buf(),
+        None => {
+            std::fs::create_dir_all(&req.output).map_err(|source| Error::Io { path: req.output.clone(), source })?;
+            req.output.clone()
         }
     };
-    let stats = execute(&plan, &source, &exec_root, progress)?;
+    // A single rank's directory is staged on its own: its file lands at the top of it.
+    if let (Ranks::One(_), OutputFormat::Ranks) = (req.ranks, req.format) {
+        for f in &mut plan.files {
+            f.path = PathBuf::from(MODEL_FILE);
+        }
+    }
+    let stats = execute(&plan, &source, &root, progress)?;
+    let rank_dirs: Vec<PathBuf> = match (req.ranks, req.format) {
+        (_, OutputFormat::Dcp) => vec![],
+        (Ranks::All, OutputFormat::Ranks) => (0..strategy.mesh.world_size()).map(|r| root.join(format!("ckpt_{r}"))).collect(),
+        (Ranks::One(_), OutputFormat::Ranks) => vec![root.clone()],
+    };
     for d in &rank_dirs {
         std::fs::create_dir_all(d).map_err(|source| Error::Io { path: d.clone(), source })?;
         write_file_atomic(&d.join(STRATEGY_FILE), json.as_bytes())?;
         copy_carried(&source.carried, d)?;
     }
-    if req.ranks == Ranks::All {
+    if req.ranks == Ranks::All || req.format == OutputFormat::Dcp {
         write_file_atomic(&root.join(STRATEGY_FILE), json.as_bytes())?;
         copy_carried(&source.carried, &root)?;
     }
-    staged.commit()?;
-    if let Ranks::One(_) = req.ranks {
+    if let Some(s) = staged {
+        s.commit()?;
+    }
+    if let (Ranks::One(_), OutputFormat::Ranks) = (req.ranks, req.format) {
         // The shared top-level strategy, written by whichever rank gets there (same bytes).
         write_file_atomic(&req.output.join(STRATEGY_FILE), json.as_bytes())?;
     }

@@ -146,6 +146,50 @@ impl Dist {
     }
 }
 
+/// A communicator that only knows its size and rank (for building a model's shapes
+/// without running it): every collective fails.
+#[derive(Debug)]
+pub(crate) struct ShapeOnlyComm {
+    pub(crate) rank: usize,
+    pub(crate) members: Vec<usize>,
+}
+
+impl ShapeOnlyComm {
+    fn err<T>(&self, op: &'static str) -> Result<T> {
+        Err(Error::Collective { op, group: format!("{:?}", self.members), problem: "shape-only communicator cannot communicate".into() })
+    }
+}
+
+impl Comm for ShapeOnlyComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+    fn members(&self) -> &[usize] {
+        &self.members
+    }
+    fn all_reduce(&self, _buf: &mut [f32], _op: ReduceOp) -> Result<()> {
+        self.err("all_reduce")
+    }
+    fn all_gather(&self, _buf: &[f32]) -> Result<Vec<Vec<f32>>> {
+        self.err("all_gather")
+    }
+    fn reduce_scatter(&self, _buf: &[f32], _counts: &[usize], _op: ReduceOp) -> Result<Vec<f32>> {
+        self.err("reduce_scatter")
+    }
+    fn broadcast(&self, _buf: &mut Vec<f32>, _root: usize) -> Result<()> {
+        self.err("broadcast")
+    }
+    fn gather(&self, _buf: &[f32], _root: usize) -> Result<Option<Vec<Vec<f32>>>> {
+        self.err("gather")
+    }
+    fn barrier(&self) -> Result<()> {
+        self.err("barrier")
+    }
+}
+
 /// The communicator of a group of one: every collective is the identity.
 #[derive(Debug)]
 pub(crate) struct SoloComm {

@@ -6,8 +6,8 @@ mod digits;
 mod idx;
 mod sampler;
 
-pub use self::cifar::read_cifar10;
-pub use self::digits::{digits, parse_digits_csv, DIGITS_CSV_GZ};
+pub use self::cifar::{read_cifar10, CIFAR_RECORD};
+pub use self::digits::{digits, parse_digits_csv, DIGITS_CSV_GZ, DIGITS_SPLIT_SEED, DIGITS_TEST};
 pub use self::idx::{read_fashion_mnist, read_idx, Idx};
 pub use self::sampler::DistributedSampler;
 

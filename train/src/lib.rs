@@ -5,17 +5,32 @@
 //! collectives; the mesh has a `dp` axis (data parallel) and a `tp` axis (Megatron
 //! tensor parallel).
 
+mod checkpoint;
 mod comm;
+mod config;
 mod data;
 mod error;
+mod layers;
+mod optim;
+pub mod models;
 mod parallel;
 mod params;
+mod trainer;
 
 pub use crate::comm::{all_gather_tensor, all_reduce_tensor, check_mesh, run_threads, tensor_to_vec, Comm, Dist, ReduceOp, MESH_AXES};
 pub use crate::error::{Error, Result};
 pub use crate::data::{
     digits, parse_digits_csv, read_cifar10, read_fashion_mnist, read_idx, DataSource, Dataset, DistributedSampler, Idx, Split,
-    DIGITS_CSV_GZ, FASHION_MNIST_DIR,
+    CIFAR_RECORD, DIGITS_CSV_GZ, DIGITS_SPLIT_SEED, DIGITS_TEST, FASHION_MNIST_DIR,
 };
 pub use crate::parallel::{all_reduce_sum_both, chunk, copy_to_group, gather_from_group, reduce_from_group};
 pub use crate::params::{init_global, local_positions, place_local, slice_local, Init, ParamHint, ParamSpec, ShardedVarBuilder, ShardedVars};
+pub use crate::layers::{linear, BatchNorm2d, ColumnLinear, Conv2d, LayerNorm, Linear, ModelCtx, RowLinear};
+pub use crate::models::{build_model, Model, ModelConfig, ModelKind};
+pub use crate::optim::{lr_at, state_layout, state_tensor_name, OptimConfig, Optimizer, OptimizerKind, Schedule};
+pub use crate::checkpoint::{
+    checkpoint_tensor_names, f32_bytes, f32_from_bytes, find_meta_file, gather_full, read_trainer_state, resolve_checkpoint, FullTensor, RngState,
+    SaveMode, ScheduleState, TrainerState, CONFIG_FILE, LATEST_FILE, TRAINER_STATE_FILE, TRAINER_STATE_FORMAT,
+};
+pub use crate::config::TrainConfig;
+pub use crate::trainer::{train, TrainReport};

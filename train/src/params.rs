@@ -14,7 +14,7 @@ use ckpt_core::{Dtype, Mesh, Placement, Region, TensorLayout};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// How a parameter is initialised (on its global shape, so any `tp` gives the same
 /// global tensor).
@@ -120,7 +120,7 @@ pub struct ShardedVars {
     mode: Mode,
     tp_mesh: Mesh,
     tp_rank: u64,
-    specs: Mutex<Vec<ParamSpec>>,
+    specs: Arc<Mutex<Vec<ParamSpec>>>,
 }
 
 /// A `VarBuilder` over [`ShardedVars`].
@@ -134,13 +134,13 @@ impl ShardedVars {
     /// A recording backend for `tp_size` ranks (as seen from tp rank `tp_rank`).
     #[must_use]
     pub fn record(tp_size: usize, tp_rank: usize) -> ShardedVars {
-        ShardedVars { mode: Mode::Record, tp_mesh: Self::tp_mesh(tp_size), tp_rank: tp_rank as u64, specs: Mutex::new(Vec::new()) }
+        ShardedVars { mode: Mode::Record, tp_mesh: Self::tp_mesh(tp_size), tp_rank: tp_rank as u64, specs: Arc::default() }
     }
 
     /// A backend serving the given local tensors of tp rank `tp_rank`.
     #[must_use]
     pub fn serve(tensors: BTreeMap<String, Tensor>, tp_size: usize, tp_rank: usize) -> ShardedVars {
-        ShardedVars { mode: Mode::Serve(tensors), tp_mesh: Self::tp_mesh(tp_size), tp_rank: tp_rank as u64, specs: Mutex::new(Vec::new()) }
+        ShardedVars { mode: Mode::Serve(tensors), tp_mesh: Self::tp_mesh(tp_size), tp_rank: tp_rank as u64, specs: Arc::default() }
     }
 
     /// A backend serving candle `Var`s (training).
@@ -149,10 +149,11 @@ impl ShardedVars {
         Self::serve(vars.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect(), tp_size, tp_rank)
     }
 
-    /// The specs recorded (or served) so far, in declaration order.
+    /// The log of specs asked for, in declaration order (shared: keep it to read the
+    /// specs after the backend moved into a `VarBuilder`).
     #[must_use]
-    pub fn specs(&self) -> Vec<ParamSpec> {
-        self.specs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    pub fn spec_log(&self) -> Arc<Mutex<Vec<ParamSpec>>> {
+        self.specs.clone()
     }
 
     /// Wraps the backend in a `VarBuilder` (f32, CPU).

@@ -2,13 +2,19 @@
 
 use super::{gunzip_if_needed, Dataset, Split};
 use crate::error::{Error, Result};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 use std::path::Path;
 
 /// The shipped `data/digits/digits.csv.gz`, embedded so the default run needs no files.
 pub const DIGITS_CSV_GZ: &[u8] = include_bytes!("../../../data/digits/digits.csv.gz");
 
-/// Number of images held out for testing: the last 360 rows (20%).
+/// Number of images held out for testing (20% of 1,797).
 pub const DIGITS_TEST: usize = 360;
+
+/// Seed of the fixed permutation that splits the digits into training and test sets.
+pub const DIGITS_SPLIT_SEED: u64 = 1797;
 
 /// Parses the digits CSV: one image a line, 64 pixel values 0..16 then the label.
 /// Pixels are scaled to 0..1. `path` only names the source in errors.
@@ -39,8 +45,10 @@ pub fn parse_digits_csv(text: &str, path: &Path) -> Result<Dataset> {
     Ok(Dataset { images, labels, channels: 1, height: 8, width: 8, classes: 10 })
 }
 
-/// The digits split into training (first rows) and test (last [`DIGITS_TEST`] rows, or
-/// 20% of a smaller file).
+/// The digits split into training and test sets by a fixed permutation (ChaCha8 seeded
+/// with [`DIGITS_SPLIT_SEED`]): the last [`DIGITS_TEST`] images of the permutation (20%
+/// of a smaller file) are the test set. The rows of the file are grouped by writer, so
+/// a split by position would test on writers never seen.
 ///
 /// # Errors
 /// A malformed file.
@@ -52,9 +60,14 @@ pub fn digits(bytes: &[u8], path: &Path) -> Result<Split> {
     let n_test = if n >= 1797 { DIGITS_TEST } else { n / 5 };
     let cut = n - n_test;
     let il = all.image_len();
-    let test = Dataset { images: all.images[cut * il..].to_vec(), labels: all.labels[cut..].to_vec(), ..all.clone() };
-    let train = all.truncate(cut);
-    Ok(Split { train, test })
+    let mut order: Vec<usize> = (0..n).collect();
+    order.shuffle(&mut ChaCha8Rng::seed_from_u64(DIGITS_SPLIT_SEED));
+    let pick = |idx: &[usize]| Dataset {
+        images: idx.iter().flat_map(|&i| all.images[i * il..(i + 1) * il].iter().copied()).collect(),
+        labels: idx.iter().map(|&i| all.labels[i]).collect(),
+        ..all.clone()
+    };
+    Ok(Split { train: pick(&order[..cut]), test: pick(&order[cut..]) })
 }
 
 #[cfg(test)]
@@ -66,8 +79,14 @@ mod tests {
         let s = digits(DIGITS_CSV_GZ, Path::new("x")).unwrap();
         assert_eq!(s.train.len(), 1437);
         assert_eq!(s.test.len(), 360);
-        assert_eq!(s.train.labels[..3], [0, 1, 2]);
-        assert_eq!(s.train.images[2], 5.0 / 16.0);
+        let mut all = s.train.labels.clone();
+        all.extend(&s.test.labels);
+        all.sort_unstable();
+        let full = parse_digits_csv(&String::from_utf8(gunzip_if_needed(DIGITS_CSV_GZ.to_vec(), Path::new("x")).unwrap()).unwrap(), Path::new("x")).unwrap();
+        let mut want = full.labels.clone();
+        want.sort_unstable();
+        assert_eq!(all, want, "the split is a permutation");
+        assert_eq!(digits(DIGITS_CSV_GZ, Path::new("x")).unwrap(), s, "and fixed");
     }
 
     #[test]
