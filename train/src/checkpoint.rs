@@ -1,0 +1,293 @@
+//! Checkpoints of a training run: sliced (one directory per rank with the strategy) or
+//! integrated (whole tensors), written atomically, plus the trainer state.
+//!
+//! Layout of `--out OUT`:
+//!
+//! ```text
+//! OUT/latest                      "step_N", replaced atomically after each save
+//! OUT/step_N/config.json          model name and config
+//! OUT/step_N/trainer_state.json   step, epoch, sampler position, RNG, schedule, optimizer
+//! OUT/step_N/ckpt_<r>/{model.safetensors, strategy.json, config.json, trainer_state.json}  (sliced)
+//! OUT/step_N/model.safetensors                                                          (integrated)
+//! ```
+//!
+//! A save is written to `OUT/step_N.tmp/`, all ranks meet at a barrier, then rank 0
+//! renames it to `OUT/step_N/` and updates `latest`: a crash leaves the previous
+//! checkpoint intact and the partial one under a `.tmp` name.
+
+use crate::comm::Dist;
+use crate::error::{Error, IoContext, Result};
+use crate::optim::{OptimConfig, Schedule};
+use crate::params::place_local;
+use ckpt_core::{Dtype, Strategy, TensorLayout};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Name of the model config file.
+pub const CONFIG_FILE: &str = "config.json";
+/// Name of the trainer state file.
+pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
+/// Name of the pointer to the newest checkpoint in an output directory.
+pub const LATEST_FILE: &str = "latest";
+/// `format` of a trainer state file.
+pub const TRAINER_STATE_FORMAT: &str = "ckpt-trainer-state";
+
+/// How checkpoints are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum SaveMode {
+    /// One directory per rank with `strategy.json` (ckpt's sliced format).
+    Sliced,
+    /// Whole tensors in the Hugging Face layout.
+    Integrated,
+}
+
+/// The random state: every draw is derived from `(seed, epoch, step)` (sampler
+/// shuffles, augmentation), so these three numbers are the whole state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RngState {
+    /// How draws are derived.
+    pub kind: String,
+    /// Seed of the run.
+    pub seed: u64,
+    /// Epoch whose shuffle is in use.
+    pub epoch: u64,
+    /// Updates done.
+    pub step: u64,
+}
+
+/// Where the learning-rate schedule is.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScheduleState {
+    /// Shape of the schedule.
+    pub kind: Schedule,
+    /// Peak learning rate.
+    pub base_lr: f64,
+    /// Warmup updates.
+    pub warmup: u64,
+    /// Updates the schedule spans.
+    pub total_steps: u64,
+    /// Updates done (the next update uses `lr_at(position)`).
+    pub position: u64,
+}
+
+/// The trainer state saved beside the weights.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Always [`TRAINER_STATE_FORMAT`].
+    pub format: String,
+    /// Version of this format (1).
+    pub version: u64,
+    /// Updates done.
+    pub step: u64,
+    /// Current epoch (0-based).
+    pub epoch: u64,
+    /// Sampler position: batches of `epoch` already consumed.
+    pub batch_in_epoch: u64,
+    /// Updates per epoch.
+    pub steps_per_epoch: u64,
+    /// Global batch size.
+    pub global_batch: usize,
+    /// Random state.
+    pub rng: RngState,
+    /// Learning-rate schedule.
+    pub schedule: ScheduleState,
+    /// Optimizer hyper-parameters.
+    pub optimizer: OptimConfig,
+    /// Whether optimizer state was split over `dp` when saved.
+    pub shard_optimizer: bool,
+    /// Whether BatchNorm was synchronized.
+    pub sync_bn: bool,
+    /// The mesh it was saved from.
+    pub mesh: String,
+    /// The data set.
+    pub data: String,
+    /// Mean training loss of the last update.
+    pub loss: Option<f32>,
+}
+
+/// Reads and checks a trainer state file.
+///
+/// # Errors
+/// Unreadable, malformed, or of another format or version.
+pub fn read_trainer_state(path: &Path) -> Result<TrainerState> {
+    let text = std::fs::read_to_string(path).at(path)?;
+    let s: TrainerState = serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_path_buf(), source })?;
+    if s.format != TRAINER_STATE_FORMAT || s.version != 1 {
+        return Err(Error::BadCheckpoint { path: path.to_path_buf(), problem: format!("trainer state format `{}` version {} is not {TRAINER_STATE_FORMAT} 1", s.format, s.version) });
+    }
+    Ok(s)
+}
+
+/// The checkpoint directory that `dir` designates: `dir` itself, or the one its
+/// `latest` file names.
+///
+/// # Errors
+/// An unreadable `latest` file.
+pub fn resolve_checkpoint(dir: &Path) -> Result<PathBuf> {
+    let latest = dir.join(LATEST_FILE);
+    if latest.is_file() {
+        let name = std::fs::read_to_string(&latest).at(&latest)?;
+        return Ok(dir.join(name.trim()));
+    }
+    Ok(dir.to_path_buf())
+}
+
+/// Finds `name` (config or trainer state) in a checkpoint: in its root, or in its
+/// first rank directory.
+#[must_use]
+pub fn find_meta_file(dir: &Path, name: &str) -> Option<PathBuf> {
+    let p = dir.join(name);
+    if p.is_file() {
+        return Some(p);
+    }
+    let mut ranks: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("ckpt_")))
+        .collect();
+    ranks.sort();
+    ranks.into_iter().map(|r| r.join(name)).find(|p| p.is_file())
+}
+
+/// A full (global) tensor, gathered on rank 0.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FullTensor {
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// Row-major values.
+    pub data: Vec<f32>,
+}
+
+/// Gathers every rank's local tensors into whole tensors on world rank 0 (`None`
+/// elsewhere). `locals` are this rank's tensors, in the same order on every rank, with
+/// their layouts. Replicated tensors take rank 0's copy.
+///
+/// # Errors
+/// Collective errors.
+pub fn gather_full(dist: &Dist, locals: &[(String, TensorLayout, Vec<f32>)]) -> Result<Option<BTreeMap<String, FullTensor>>> {
+    let flat: Vec<f32> = locals.iter().flat_map(|(_, _, v)| v.iter().copied()).collect();
+    let Some(parts) = dist.world.gather(&flat, 0)? else { return Ok(None) };
+    let mut out = BTreeMap::new();
+    let mut fulls: Vec<Vec<f32>> = locals.iter().map(|(_, l, _)| vec![0f32; l.shape.iter().product::<u64>() as usize]).collect();
+    // Place in descending rank order so rank 0's copy of replicated data wins.
+    for r in (0..parts.len()).rev() {
+        let mut at = 0;
+        for (i, (_, l, _)) in locals.iter().enumerate() {
+            let n = l.local_shape(&dist.mesh, r as u64).map_or(0, |s| s.iter().product::<u64>() as usize);
+            place_local(&parts[r][at..at + n], l, &dist.mesh, r as u64, &mut fulls[i]);
+            at += n;
+        }
+    }
+    for ((name, l, _), data) in locals.iter().zip(fulls) {
+        out.insert(name.clone(), FullTensor { shape: l.shape.clone(), data });
+    }
+    Ok(Some(out))
+}
+
+/// Little-endian bytes of `f32` values.
+#[must_use]
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// `f32` values of little-endian bytes.
+#[must_use]
+pub fn f32_from_bytes(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// What one save writes.
+pub(crate) struct SaveRequest<'a> {
+    pub(crate) out: &'a Path,
+    pub(crate) step: u64,
+    pub(crate) mode: SaveMode,
+    pub(crate) keep: usize,
+    pub(crate) strategy: &'a Strategy,
+    pub(crate) config_json: &'a str,
+    pub(crate) state: &'a TrainerState,
+}
+
+fn step_of(name: &str) -> Option<u64> {
+    name.strip_prefix("step_")?.parse().ok()
+}
+
+/// Saves a checkpoint collectively: every rank calls this with its local tensors.
+/// Returns the final directory.
+pub(crate) fn save(dist: &Dist, req: &SaveRequest<'_>, locals: &[(String, TensorLayout, Vec<f32>)]) -> Result<PathBuf> {
+    let name = format!("step_{}", req.step);
+    let tmp = req.out.join(format!("{name}.tmp"));
+    let fin = req.out.join(&name);
+    let state_json = serde_json::to_string_pretty(req.state).expect("trainer state serializes");
+    let lead = dist.rank == 0;
+    if lead {
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).at(&tmp)?;
+        }
+        std::fs::create_dir_all(&tmp).at(&tmp)?;
+    }
+    dist.world.barrier()?;
+    match req.mode {
+        SaveMode::Sliced => {
+            let bytes: Vec<(String, Vec<u8>)> = locals.iter().map(|(n, _, v)| (n.clone(), f32_bytes(v))).collect();
+            let refs: Vec<(&str, &[u8])> = bytes.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
+            let rank_dir = ckpt_core::write_rank(&tmp, req.strategy, dist.rank as u64, &refs, false)?;
+            ckpt_core::write_file_atomic(&rank_dir.join(CONFIG_FILE), req.config_json.as_bytes())?;
+            ckpt_core::write_file_atomic(&rank_dir.join(TRAINER_STATE_FILE), state_json.as_bytes())?;
+        }
+        SaveMode::Integrated => {
+            if let Some(full) = gather_full(dist, locals)? {
+                let bytes: Vec<(String, Vec<u64>, Vec<u8>)> = full.into_iter().map(|(n, t)| (n, t.shape, f32_bytes(&t.data))).collect();
+                let refs: Vec<(&str, Dtype, &[u64], &[u8])> =
+                    bytes.iter().map(|(n, s, b)| (n.as_str(), Dtype::F32, s.as_slice(), b.as_slice())).collect();
+                ckpt_core::write_integrated(&tmp, &refs)?;
+            }
+        }
+    }
+    if lead {
+        ckpt_core::write_file_atomic(&tmp.join(CONFIG_FILE), req.config_json.as_bytes())?;
+        ckpt_core::write_file_atomic(&tmp.join(TRAINER_STATE_FILE), state_json.as_bytes())?;
+    }
+    dist.world.barrier()?;
+    if lead {
+        if fin.exists() {
+            std::fs::remove_dir_all(&fin).at(&fin)?;
+        }
+        std::fs::rename(&tmp, &fin).at(&fin)?;
+        if let Ok(d) = std::fs::File::open(req.out) {
+            let _ = d.sync_all();
+        }
+        ckpt_core::write_file_atomic(&req.out.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
+        if req.keep > 0 {
+            prune(req.out, req.keep)?;
+        }
+    }
+    dist.world.barrier()?;
+    Ok(fin)
+}
+
+/// Removes all but the newest `keep` `step_N` directories of `out`.
+fn prune(out: &Path, keep: usize) -> Result<()> {
+    let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(out)
+        .at(out)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_dir())
+        .filter_map(|p| Some((step_of(p.file_name()?.to_str()?)?, p)))
+        .collect();
+    steps.sort();
+    let n = steps.len();
+    for (_, p) in steps.into_iter().take(n.saturating_sub(keep)) {
+        std::fs::remove_dir_all(&p).at(&p)?;
+    }
+    Ok(())
+}
+
+/// The names of the tensors a checkpoint holds.
+///
+/// # Errors
+/// An unreadable checkpoint.
+pub fn checkpoint_tensor_names(dir: &Path) -> Result<Vec<String>> {
+    let c = ckpt_core::Checkpoint::open(&[dir.to_path_buf()])?;
+    Ok(c.tensors.keys().cloned().collect())
+}

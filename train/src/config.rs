@@ -1,0 +1,147 @@
+//! `TrainConfig`: every option of a training run, as clap arguments (flattened into
+//! `ckpt train`) with the embedded default run as their defaults.
+
+use crate::checkpoint::SaveMode;
+use crate::models::ModelKind;
+use crate::optim::{OptimizerKind, Schedule};
+use clap::Parser;
+use std::path::PathBuf;
+
+/// Options of a training run. `TrainConfig::default()` is the embedded default run: the
+/// `mlp` on the shipped digits, 4 thread ranks on the mesh `dp=2,tp=2`, 10 epochs of
+/// global batch 64 with AdamW.
+#[derive(Clone, Debug, PartialEq, clap::Args)]
+pub struct TrainConfig {
+    /// Model family (ignored when resuming: the checkpoint's config.json is used).
+    #[arg(long, value_enum, default_value_t = ModelKind::Mlp)]
+    pub model: ModelKind,
+    /// ResNet depth: 8, 20, 32, 56 (CIFAR 6n+2) or 50 (bottleneck).
+    #[arg(long)]
+    pub depth: Option<usize>,
+    /// Full model configuration as JSON (the `config` object of config.json),
+    /// overriding the defaults of --model.
+    #[arg(long, value_name = "JSON")]
+    pub model_config: Option<String>,
+    /// Data set: `digits` (shipped), `digits:FILE.csv[.gz]`, `fashion-mnist[:DIR]`,
+    /// `cifar10:DIR` (cifar-10-batches-bin).
+    #[arg(long, default_value = "digits")]
+    pub data: String,
+    /// Use only the first N training images.
+    #[arg(long, value_name = "N")]
+    pub train_limit: Option<usize>,
+    /// Use only the first N test images.
+    #[arg(long, value_name = "N")]
+    pub test_limit: Option<usize>,
+    /// Pure data parallel over N thread ranks (mesh `dp=N`).
+    #[arg(long, value_name = "N", conflicts_with = "mesh")]
+    pub ranks: Option<u64>,
+    /// Device mesh, e.g. `dp=2,tp=2` [default: dp=2,tp=2; dp=4 for resnet].
+    #[arg(long)]
+    pub mesh: Option<String>,
+    /// Epochs to train (in total, counting those before a resume).
+    #[arg(long, default_value_t = 10)]
+    pub epochs: u64,
+    /// Stop after this many updates in total (the schedule still spans --epochs).
+    #[arg(long, value_name = "N")]
+    pub max_steps: Option<u64>,
+    /// Global batch size (split evenly over dp).
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
+    pub optimizer: OptimizerKind,
+    /// Peak learning rate [default: 0.005 for adamw, 0.1 for sgd].
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    /// Weight decay [default: 0.01 for adamw, 5e-4 for sgd].
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// Learning-rate schedule.
+    #[arg(long, value_enum, default_value_t = Schedule::Cosine)]
+    pub schedule: Schedule,
+    /// Linear warmup updates.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: u64,
+    /// Seed of initialisation, shuffles and augmentation.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Synchronize BatchNorm statistics over dp.
+    #[arg(long)]
+    pub sync_bn: bool,
+    /// Split optimizer state over dp (ZeRO-1).
+    #[arg(long)]
+    pub shard_optimizer: bool,
+    /// Checkpoint format.
+    #[arg(long, value_enum, default_value_t = SaveMode::Sliced)]
+    pub save: SaveMode,
+    /// Save every N updates (0: only at the end). Needs --out.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub save_every: u64,
+    /// Keep only the newest N checkpoints (0: all).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub keep: usize,
+    /// Output directory for checkpoints (none written without it).
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Resume from a checkpoint (integrated or sliced, any mesh; an --out directory
+    /// resumes from its `latest`).
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+    /// Skip the per-epoch test accuracy.
+    #[arg(long)]
+    pub no_eval: bool,
+    /// Gather the final full weights into the report (for checks).
+    #[arg(long, hide = true)]
+    pub gather_weights: bool,
+}
+
+#[derive(Parser)]
+struct Standalone {
+    #[command(flatten)]
+    cfg: TrainConfig,
+}
+
+impl Default for TrainConfig {
+    fn default() -> TrainConfig {
+        Standalone::parse_from(["train"]).cfg
+    }
+}
+
+impl TrainConfig {
+    /// Parses options as on the command line (`args[0]` is the program name).
+    ///
+    /// # Errors
+    /// Unknown or malformed options, with clap's message.
+    pub fn try_parse_from<I, T>(args: I) -> Result<TrainConfig, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        Standalone::try_parse_from(args).map(|s| s.cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_the_embedded_run() {
+        let c = TrainConfig::default();
+        assert_eq!((c.model, c.data.as_str(), c.epochs, c.batch_size), (ModelKind::Mlp, "digits", 10, 64));
+        assert_eq!(c.mesh, None);
+    }
+
+    #[test]
+    fn test_flags() {
+        let c = TrainConfig::try_parse_from(["t", "--ranks", "4", "--save", "integrated", "--sync-bn", "--model", "resnet", "--depth", "8"]).unwrap();
+        assert_eq!((c.ranks, c.save, c.sync_bn, c.depth), (Some(4), SaveMode::Integrated, true, Some(8)));
+        assert!(TrainConfig::try_parse_from(["t", "--ranks", "4", "--mesh", "dp=2"]).is_err());
+        assert!(TrainConfig::try_parse_from(["t", "--optimizer", "lion"]).is_err());
+        let c = TrainConfig::try_parse_from(["t", "--shard-optimizer", "--optimizer", "sgd", "--keep", "2", "--save-every", "5"]).unwrap();
+        assert_eq!((c.shard_optimizer, c.optimizer, c.keep, c.save_every), (true, OptimizerKind::Sgd, 2, 5));
+    }
+}

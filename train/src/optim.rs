@@ -1,0 +1,275 @@
+//! Optimizers (SGD with momentum, AdamW) over `dp`, optionally with their state split
+//! across the `dp` ranks (ZeRO-1), and the learning-rate schedule.
+//!
+//! Gradients are averaged over `dp` in one all-reduce of all parameters. Updates are
+//! element-wise in plain `f32`, so a ZeRO-1 update (each rank updates its shard, then
+//! the shards are all-gathered) gives bit-for-bit the parameters of an unsplit one.
+
+use crate::comm::{Comm, Dist, ReduceOp};
+use crate::error::{Error, Result};
+use crate::params::{local_positions, ParamSpec};
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use ckpt_core::{Mesh, Placement, TensorLayout};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// The optimizer family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    /// SGD with momentum and L2 weight decay (PyTorch's `SGD`).
+    Sgd,
+    /// Adam with decoupled weight decay (PyTorch's `AdamW`).
+    Adamw,
+}
+
+impl OptimizerKind {
+    /// Names of the per-parameter state tensors, saved as `optim.<param>.<state>`.
+    #[must_use]
+    pub fn state_names(self) -> &'static [&'static str] {
+        match self {
+            OptimizerKind::Sgd => &["momentum_buffer"],
+            OptimizerKind::Adamw => &["exp_avg", "exp_avg_sq"],
+        }
+    }
+}
+
+/// Optimizer hyper-parameters.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OptimConfig {
+    /// Family.
+    pub kind: OptimizerKind,
+    /// SGD momentum.
+    pub momentum: f64,
+    /// Weight decay (L2 for SGD, decoupled for AdamW).
+    pub weight_decay: f64,
+    /// AdamW beta1.
+    pub beta1: f64,
+    /// AdamW beta2.
+    pub beta2: f64,
+    /// AdamW epsilon.
+    pub eps: f64,
+}
+
+/// Name of an optimizer state tensor.
+#[must_use]
+pub fn state_tensor_name(param: &str, state: &str) -> String {
+    format!("optim.{param}.{state}")
+}
+
+/// The layout of a parameter's optimizer state: the parameter's own, and with `zero`
+/// also split over `dp` along dim 0 — after `tp` when `tp` splits dim 0 too (`order=1`,
+/// same blocks), so each rank's shard lies inside its `tp` piece.
+#[must_use]
+pub fn state_layout(spec: &ParamSpec, mesh: &Mesh, zero: bool) -> TensorLayout {
+    let mut l = spec.layout(mesh);
+    if zero && !spec.shape.is_empty() {
+        let blocks = match spec.hint.tp {
+            Placement::Shard { dim: 0, blocks, .. } => blocks,
+            _ => 1,
+        };
+        for (a, axis) in mesh.axes().iter().enumerate() {
+            if axis.name == "dp" && axis.size > 1 {
+                l.placements[a] = Placement::Shard { dim: 0, blocks, order: 1 };
+            }
+        }
+    }
+    l
+}
+
+struct Slot {
+    name: String,
+    var: Var,
+    /// Positions in the local parameter of this rank's state shard (`None`: all).
+    mine: Option<Vec<u32>>,
+    /// The same for every `dp` peer, in group order (ZeRO only).
+    peers: Vec<Vec<u32>>,
+    /// One buffer per state name, as long as the shard.
+    state: Vec<Vec<f32>>,
+}
+
+/// An optimizer over one rank's local parameters.
+pub struct Optimizer {
+    cfg: OptimConfig,
+    slots: Vec<Slot>,
+    dp: Arc<dyn Comm>,
+    zero: bool,
+}
+
+impl Optimizer {
+    /// An optimizer of `params` (name, variable, spec) on `dist`'s rank, with zero
+    /// state; `zero` splits the state over `dp`.
+    ///
+    /// # Errors
+    /// Layout errors.
+    pub fn new(cfg: OptimConfig, params: Vec<(String, Var, ParamSpec)>, dist: &Dist, zero: bool) -> Result<Optimizer> {
+        let zero = zero && dist.dp_size() > 1;
+        let mut slots = Vec::with_capacity(params.len());
+        for (name, var, spec) in params {
+            let local = var.as_tensor().elem_count();
+            let (mine, peers) = if zero {
+                let pl = spec.layout(&dist.mesh);
+                let sl = state_layout(&spec, &dist.mesh, true);
+                let peers = dist
+                    .dp
+                    .members()
+                    .iter()
+                    .map(|&r| local_positions(&pl, &sl, &dist.mesh, r as u64))
+                    .collect::<Result<Vec<_>>>()?;
+                (Some(peers[dist.dp_rank()].clone()), peers)
+            } else {
+                (None, Vec::new())
+            };
+            let n = mine.as_ref().map_or(local, Vec::len);
+            let state = cfg.kind.state_names().iter().map(|_| vec![0f32; n]).collect();
+            slots.push(Slot { name, var, mine, peers, state });
+        }
+        Ok(Optimizer { cfg, slots, dp: dist.dp.clone(), zero })
+    }
+
+    /// Averages the gradients over `dp` and applies one update with learning rate `lr`;
+    /// `step` is the 1-based update count (AdamW's bias correction).
+    ///
+    /// # Errors
+    /// Collective or tensor errors.
+    pub fn step(&mut self, grads: &GradStore, lr: f64, step: u64) -> Result<()> {
+        let mut flat = Vec::new();
+        let mut offsets = Vec::with_capacity(self.slots.len());
+        for s in &self.slots {
+            offsets.push(flat.len());
+            match grads.get(s.var.as_tensor()) {
+                Some(g) => flat.extend(crate::comm::tensor_to_vec(g)?),
+                None => flat.extend(std::iter::repeat_n(0f32, s.var.as_tensor().elem_count())),
+            }
+        }
+        self.dp.all_reduce(&mut flat, ReduceOp::Mean)?;
+        let mut params: Vec<Vec<f32>> = self.slots.iter().map(|s| crate::comm::tensor_to_vec(s.var.as_tensor())).collect::<Result<_>>()?;
+        let (lr, c) = (lr as f32, &self.cfg);
+        let (mom, wd, b1, b2, eps) = (c.momentum as f32, c.weight_decay as f32, c.beta1 as f32, c.beta2 as f32, c.eps as f32);
+        let bc1 = 1.0 - (c.beta1 as f32).powi(step as i32);
+        let bc2 = 1.0 - (c.beta2 as f32).powi(step as i32);
+        let kind = c.kind;
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            let p = &mut params[i];
+            let g = &flat[offsets[i]..offsets[i] + p.len()];
+            let n = s.state[0].len();
+            for j in 0..n {
+                let pi = s.mine.as_ref().map_or(j, |m| m[j] as usize);
+                let (pv, gv) = (p[pi], g[pi]);
+                p[pi] = match kind {
+                    OptimizerKind::Sgd => {
+                        let gv = gv + wd * pv;
+                        let b = &mut s.state[0][j];
+                        *b = mom * *b + gv;
+                        pv - lr * *b
+                    }
+                    OptimizerKind::Adamw => {
+                        let pv = pv * (1.0 - lr * wd);
+                        let m = &mut s.state[0][j];
+                        *m = b1 * *m + (1.0 - b1) * gv;
+                        let mhat = *m / bc1;
+                        let v = &mut s.state[1][j];
+                        *v = b2 * *v + (1.0 - b2) * gv * gv;
+                        let vhat = *v / bc2;
+                        pv - lr * mhat / (vhat.sqrt() + eps)
+                    }
+                };
+            }
+        }
+        if self.zero {
+            let mut mine = Vec::new();
+            for (i, s) in self.slots.iter().enumerate() {
+                let m = s.mine.as_ref().expect("zero slots have shards");
+                mine.extend(m.iter().map(|&pi| params[i][pi as usize]));
+            }
+            let all = self.dp.all_gather(&mine)?;
+            for (k, part) in all.iter().enumerate() {
+                let mut at = 0;
+                for (i, s) in self.slots.iter().enumerate() {
+                    for &pi in &s.peers[k] {
+                        params[i][pi as usize] = part[at];
+                        at += 1;
+                    }
+                }
+                if at != part.len() {
+                    return Err(Error::Collective { op: "all_gather", group: format!("{:?}", self.dp.members()), problem: "ZeRO shard sizes disagree".into() });
+                }
+            }
+        }
+        for (s, p) in self.slots.iter().zip(params) {
+            let t = s.var.as_tensor();
+            s.var.set(&Tensor::from_vec(p, t.shape(), t.device())?)?;
+        }
+        Ok(())
+    }
+
+    /// This rank's state tensors, `optim.<param>.<state>` to the local shard (flat).
+    #[must_use]
+    pub fn state(&self) -> Vec<(String, &[f32])> {
+        let names = self.cfg.kind.state_names();
+        let mut out = Vec::new();
+        for s in &self.slots {
+            for (k, st) in names.iter().zip(&s.state) {
+                out.push((state_tensor_name(&s.name, k), st.as_slice()));
+            }
+        }
+        out
+    }
+
+    /// Replaces state tensors from `tensors` (name to local shard); names absent from
+    /// the map keep their current (zero) state.
+    ///
+    /// # Errors
+    /// A shard of the wrong length.
+    pub fn load_state(&mut self, tensors: &BTreeMap<String, Vec<f32>>) -> Result<()> {
+        let names = self.cfg.kind.state_names();
+        for s in &mut self.slots {
+            for (k, st) in names.iter().zip(s.state.iter_mut()) {
+                let n = state_tensor_name(&s.name, k);
+                if let Some(v) = tensors.get(&n) {
+                    if v.len() != st.len() {
+                        return Err(Error::BadCheckpoint { path: n.into(), problem: format!("{} values for a shard of {}", v.len(), st.len()) });
+                    }
+                    st.copy_from_slice(v);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The learning-rate schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// Constant after warmup.
+    Constant,
+    /// Cosine decay to zero at the last step, after warmup.
+    Cosine,
+}
+
+/// The learning rate of update `step` (0-based) of `total`, with linear warmup over
+/// `warmup` updates.
+///
+/// ```
+/// use ckpt_train::{lr_at, Schedule};
+/// assert_eq!(lr_at(Schedule::Cosine, 0.1, 0, 0, 10), 0.1);
+/// assert!((lr_at(Schedule::Cosine, 0.1, 5, 0, 10) - 0.05).abs() < 1e-12);
+/// assert_eq!(lr_at(Schedule::Constant, 0.1, 1, 4, 10), 0.05);
+/// ```
+#[must_use]
+pub fn lr_at(schedule: Schedule, base: f64, step: u64, warmup: u64, total: u64) -> f64 {
+    if step < warmup {
+        return base * (step + 1) as f64 / warmup as f64;
+    }
+    match schedule {
+        Schedule::Constant => base,
+        Schedule::Cosine => {
+            let span = total.saturating_sub(warmup).max(1) as f64;
+            let t = ((step - warmup) as f64 / span).min(1.0);
+            base * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
+        }
+    }
+}
