@@ -59,6 +59,23 @@ pub enum Error {
         /// The panic message.
         message: String,
     },
+    /// A launcher's environment variables are incomplete or inconsistent.
+    #[error("environment variable {variable}: {problem}")]
+    Launch {
+        /// The variable.
+        variable: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A communication backend cannot run here: not built in, or no library, driver or
+    /// device.
+    #[error("backend `{backend}` unavailable: {problem}")]
+    BackendUnavailable {
+        /// The backend (`mpi`, `nccl`).
+        backend: &'static str,
+        /// What is missing.
+        problem: String,
+    },
     /// A checkpoint to resume from is unusable.
     #[error("checkpoint {path}: {problem}")]
     BadCheckpoint {

@@ -10,6 +10,7 @@ mod comm;
 mod config;
 mod data;
 mod error;
+mod launch;
 mod layers;
 mod optim;
 pub mod models;
@@ -34,3 +35,4 @@ pub use crate::checkpoint::{
 };
 pub use crate::config::TrainConfig;
 pub use crate::trainer::{train, TrainReport};
+pub use crate::launch::{Backend, LaunchEnv, Launcher};
