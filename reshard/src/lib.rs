@@ -37,7 +37,7 @@ pub enum OutputFormat {
     /// `OUT/ckpt_<r>/model.safetensors` with `strategy.json` in each (ckpt's own).
     #[default]
     Ranks,
-    /// PyTorch DCP's sharded safetensors, flat: `OUT/shard-<r>-model-00001-of-00001.safetensors`,
+    /// PyTorch DCP's sharded safetensors, flat: `OUT/shard-<r+1>-model-00001-of-00001.safetensors`,
     /// loadable by `torch.distributed.checkpoint.HuggingFaceStorageReader(OUT)`.
     Dcp,
 }
@@ -48,7 +48,8 @@ impl OutputFormat {
     pub fn file(self, r: u64) -> PathBuf {
         match self {
             OutputFormat::Ranks => Path::new(&format!("ckpt_{r}")).join(MODEL_FILE),
-            OutputFormat::Dcp => PathBuf::from(format!("shard-{r:05}-model-00001-of-00001.safetensors")),
+            // PyTorch numbers shards from 1.
+            OutputFormat::Dcp => PathBuf::from(format!("shard-{:05}-model-00001-of-00001.safetensors", r + 1)),
         }
     }
 }
