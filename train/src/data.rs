@@ -90,18 +90,19 @@ impl Dataset {
     }
 
     /// Like [`Dataset::batch`] with CIFAR augmentation: random crop from the image padded
-    /// by 4 (zeros) and random horizontal flip, drawn from `seed` (the same seed gives the
-    /// same batch, which keeps resumed runs bit-identical).
+    /// by 4 (zeros) and random horizontal flip. Each image's draw comes from `seed` and
+    /// the image's index only, so it does not depend on how the batch is split over
+    /// ranks, and a resumed run draws the same.
     ///
     /// # Errors
     /// Tensor library errors.
     pub fn augmented_batch(&self, idx: &[usize], seed: u64, dev: &Device) -> Result<(Tensor, Tensor)> {
         let (c, h, w) = (self.channels, self.height, self.width);
         let il = self.image_len();
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut x = vec![0f32; idx.len() * il];
         let mut y = Vec::with_capacity(idx.len());
         for (b, &i) in idx.iter().enumerate() {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
             let (dy, dx): (i64, i64) = (rng.random_range(-4..=4), rng.random_range(-4..=4));
             let flip = rng.random_bool(0.5);
             let src = &self.images[i * il..(i + 1) * il];

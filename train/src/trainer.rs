@@ -396,7 +396,7 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             batch_in_epoch: batch,
             steps_per_epoch: spe,
             global_batch: plan.global_batch,
-            rng: RngState { kind: "counter: shuffles from (seed, epoch), augmentation from (seed, step, dp rank)".into(), seed: plan.seed, epoch, step },
+            rng: RngState { kind: "counter: shuffles and augmentation drawn from (seed, epoch, sample index)".into(), seed: plan.seed, epoch, step },
             schedule: ScheduleState { kind: plan.schedule, base_lr: plan.base_lr, warmup: plan.warmup, total_steps: plan.total_steps, position: step },
             optimizer: plan.optim.clone(),
             shard_optimizer: plan.zero,
@@ -426,7 +426,7 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             let t0 = Instant::now();
             let idx = &indices[b as usize * plan.local_batch..(b as usize + 1) * plan.local_batch];
             let (x, y) = if plan.source.augments() {
-                train.augmented_batch(idx, mix(&[plan.seed, step, dist.dp_rank() as u64]), &dev)?
+                train.augmented_batch(idx, mix(&[plan.seed, epoch]), &dev)?
             } else {
                 train.batch(idx, &dev)?
             };
