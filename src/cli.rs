@@ -46,6 +46,46 @@ enum Command {
     Reshard(ReshardArgs),
     /// Write a synthetic tensor-parallel checkpoint (examples, tests, benchmarks).
     Example(ExampleArgs),
+    /// Train a model on thread ranks and save integrated or sliced checkpoints.
+    Train(TrainArgs),
+    /// Evaluate a checkpoint on one device or tensor-parallel on several.
+    Infer(InferArgs),
+}
+
+#[derive(Args, Debug)]
+struct TrainArgs {
+    #[command(flatten)]
+    config: ckpt_train::TrainConfig,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
+    /// No progress output.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+#[derive(Args, Debug)]
+struct InferArgs {
+    /// Checkpoint: integrated, sliced (root with ckpt_*/), or a training --out directory.
+    checkpoint: PathBuf,
+    /// Data set (default: the one it was trained on): digits, digits:FILE, fashion-mnist[:DIR], cifar10:DIR.
+    #[arg(long)]
+    data: Option<String>,
+    /// Ranks (tensor parallel); a sliced checkpoint needs its own tensor-parallel size.
+    #[arg(long)]
+    ranks: Option<u64>,
+    /// Images per forward pass.
+    #[arg(long, default_value_t = 256)]
+    batch_size: usize,
+    /// Predict these test images (0..10, 3,5,7) or the images in these files.
+    #[arg(long, num_args = 1..)]
+    predict: Vec<String>,
+    /// Evaluate only the first N test images.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Options shared by the commands that copy tensors.
@@ -165,6 +205,8 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
         Command::Merge(a) => merge(a),
         Command::Reshard(a) => reshard(a),
         Command::Example(a) => example(a),
+        Command::Train(a) => train(a),
+        Command::Infer(a) => infer(a),
     }
 }
 
@@ -415,6 +457,69 @@ fn example(a: ExampleArgs) -> Result<ExitCode> {
     let s = ckpt_core::write_example(staged.path(), &model, &mesh)?;
     staged.commit()?;
     println!("wrote a {}-rank example checkpoint ({} tensors, mesh {}) to {}", mesh.world_size(), s.tensors.len(), mesh, a.output.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn train(a: TrainArgs) -> Result<ExitCode> {
+    let report = ckpt_train::train(&a.config, !(a.quiet || a.json))?;
+    if a.json {
+        println!(
+            "{}",
+            json!({
+                "mesh": report.mesh, "model": report.model, "start_step": report.start_step, "steps": report.steps,
+                "epochs": report.epochs, "final_loss": report.losses.last(), "test_accuracy": report.test_accuracy,
+                "images_per_sec": report.images_per_sec, "seconds": report.seconds, "checkpoints": report.checkpoints,
+            })
+        );
+    } else {
+        println!(
+            "trained {} on {}: steps {}..{}, epochs {}, final loss {}, test accuracy {}, {:.0} images/s, {:.1} s",
+            report.model.kind(),
+            report.mesh,
+            report.start_step,
+            report.steps,
+            report.epochs,
+            report.losses.last().map_or("-".into(), |l| format!("{l:.4}")),
+            report.final_accuracy().map_or("-".into(), |a| format!("{a:.4}")),
+            report.images_per_sec,
+            report.seconds
+        );
+        if let Some(last) = report.checkpoints.last() {
+            println!("checkpoint: {}", last.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn infer(a: InferArgs) -> Result<ExitCode> {
+    let req = ckpt_infer::InferRequest {
+        checkpoint: a.checkpoint,
+        data: a.data,
+        ranks: a.ranks,
+        batch_size: a.batch_size,
+        predict: (!a.predict.is_empty()).then(|| ckpt_infer::parse_predict(&a.predict)),
+        limit: a.limit,
+    };
+    let r = ckpt_infer::infer(&req)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{} checkpoint, model {}, {} rank(s): test accuracy {:.4} on {} images of {}",
+        r.kind, r.model["model"].as_str().unwrap_or("?"), r.ranks, r.accuracy, r.images, r.data
+    );
+    println!("per class: {}", r.per_class_accuracy.iter().enumerate().map(|(c, a)| format!("{c}:{a:.3}")).collect::<Vec<_>>().join(" "));
+    println!("confusion (rows: true class, columns: predicted):");
+    for row in &r.confusion {
+        println!("  {}", row.iter().map(|n| format!("{n:>4}")).collect::<String>());
+    }
+    for p in &r.predictions {
+        let probs = p.probabilities.iter().map(|v| format!("{v:.3}")).collect::<Vec<_>>().join(" ");
+        let label = p.label.map_or(String::new(), |l| format!(" (true {l})"));
+        println!("image {}: class {}{label}  p = [{probs}]", p.index, p.class);
+    }
+    println!("{:.0} images/s, {:.2} s in all", r.images_per_sec, r.seconds);
     Ok(ExitCode::SUCCESS)
 }
 
