@@ -50,6 +50,18 @@ enum Command {
     Train(TrainArgs),
     /// Evaluate a checkpoint on one device or tensor-parallel on several.
     Infer(InferArgs),
+    /// The whole story on the shipped digits: train on 4 ranks, save sliced, verify,
+    /// merge, infer on 1, reshard to 2, infer on 2, resume training on 2.
+    Demo {
+        /// Where to work (default: a new temporary directory, kept afterwards).
+        dir: Option<PathBuf>,
+        /// Reuse a non-empty directory.
+        #[arg(long)]
+        force: bool,
+        /// No progress output.
+        #[arg(long, short)]
+        quiet: bool,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -207,6 +219,14 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
         Command::Example(a) => example(a),
         Command::Train(a) => train(a),
         Command::Infer(a) => infer(a),
+        Command::Demo { dir, force, quiet } => {
+            let dir = match dir {
+                Some(d) => d,
+                None => std::env::temp_dir().join(format!("ckpt-demo-{}", std::process::id())),
+            };
+            crate::demo::run(&dir, force, !quiet)?;
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 

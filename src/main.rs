@@ -5,6 +5,7 @@
 //! or an error occurred, 2 bad usage.
 
 mod cli;
+mod demo;
 mod report;
 
 use clap::Parser;
