@@ -11,6 +11,7 @@ mod config;
 mod data;
 mod error;
 mod launch;
+mod inference;
 mod layers;
 mod optim;
 pub mod models;
@@ -36,3 +37,4 @@ pub use crate::checkpoint::{
 pub use crate::config::TrainConfig;
 pub use crate::trainer::{train, TrainReport};
 pub use crate::launch::{Backend, LaunchEnv, Launcher};
+pub use crate::inference::{load_model, model_strategy, read_model_config};

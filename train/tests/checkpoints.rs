@@ -143,3 +143,27 @@ fn resume_errors_name_the_problem() {
     let e = ckpt_train::train(&crate::util::cfg(&["--ranks", "3"]), false).unwrap_err();
     assert!(e.to_string().contains("multiple of dp=3"), "{e}");
 }
+
+/// The model trained on dp=2,tp=2 loads on any mesh for inference (`load_model`) and
+/// gives the accuracy the trainer measured.
+#[test]
+fn load_model_on_another_mesh_predicts_as_trained() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let r = run(&["--mesh", "dp=2,tp=2", "--epochs", "3", "--out", &s(&out)]);
+    let split = ckpt_train::DataSource::Digits(None).load().unwrap();
+    for mesh in ["tp=4", "dp=1"] {
+        let m = ckpt_core::Mesh::parse(mesh).unwrap();
+        let accs = ckpt_train::run_threads(&m, |d| {
+            let (cfg, model) = ckpt_train::load_model(&out, &d)?;
+            assert_eq!(cfg.kind(), ckpt_train::ModelKind::Mlp);
+            let idx: Vec<usize> = (0..split.test.len()).collect();
+            let (x, y) = split.test.batch(&idx, &candle_core::Device::Cpu)?;
+            let pred = model.forward(&x, false)?.argmax(1)?;
+            let ok = pred.eq(&y)?.to_dtype(candle_core::DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+            Ok(ok / idx.len() as f32)
+        })
+        .unwrap();
+        assert!((accs[0] - r.final_accuracy().unwrap()).abs() < 1e-6, "{mesh}: {accs:?} vs {:?}", r.final_accuracy());
+    }
+}
