@@ -7,8 +7,12 @@
 //! Reductions are computed in group order on every rank (`((x0 + x1) + x2) + ..`), so the
 //! result is bit-identical on all ranks and from run to run.
 
+#[cfg(feature = "mpi")]
+mod mpi;
 mod thread;
 
+#[cfg(feature = "mpi")]
+pub use self::mpi::{finalize_mpi, mpi_world, run_mpi, MpiWorld, DEFAULT_TIMEOUT, TIMEOUT_VAR};
 pub use self::thread::run_threads;
 
 use crate::error::{Error, Result};
@@ -265,7 +269,7 @@ pub fn all_gather_tensor(comm: &dyn Comm, t: &Tensor, dim: usize) -> Result<Tens
     let outer: usize = dims[..dim].iter().product();
     let mut tensors = Vec::with_capacity(parts.len());
     for p in parts {
-        let along = if outer * inner == 0 { 0 } else { p.len() / (outer * inner) };
+        let along = p.len().checked_div(outer * inner).unwrap_or(0);
         let mut shape = dims.clone();
         shape[dim] = along;
         tensors.push(Tensor::from_vec(p, shape, t.device())?);

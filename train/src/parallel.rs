@@ -126,7 +126,7 @@ impl CustomOp1 for GatherOp {
         let v = contiguous_f32(storage, layout, self.name())?;
         let dims = layout.shape().dims();
         let last = *dims.last().unwrap_or(&1);
-        let rows = if last == 0 { 0 } else { v.len() / last };
+        let rows = v.len().checked_div(last).unwrap_or(0);
         let parts = self.comm.all_gather(v).map_err(candle_core::Error::wrap)?;
         let k = parts.len();
         let mut out = vec![0f32; rows * self.global];

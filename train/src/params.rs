@@ -237,7 +237,7 @@ pub fn init_global(spec: &ParamSpec, seed: u64) -> Vec<f32> {
 /// at a time.
 pub(crate) fn copy_box<T: Copy>(src: &[T], src_shape: &[u64], src_start: &[u64], dst: &mut [T], dst_shape: &[u64], dst_start: &[u64], extent: &[u64]) {
     let nd = extent.len();
-    if extent.iter().any(|&e| e == 0) {
+    if extent.contains(&0) {
         return;
     }
     if nd == 0 {

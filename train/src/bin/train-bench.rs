@@ -41,7 +41,6 @@ fn main() -> ExitCode {
     let mut code = ExitCode::SUCCESS;
     for model in models.split(',') {
         for r in ranks.split(',') {
-            let mut cfg = TrainConfig::default();
             let data = format!("cifar10:{}", dir.display());
             let mut a = vec!["bench".to_string(), "--model".into(), model.into(), "--ranks".into(), r.into()];
             a.extend(["--batch-size", "64", "--no-eval", "--max-steps"].map(String::from));
@@ -49,13 +48,13 @@ fn main() -> ExitCode {
             if model == "resnet" {
                 a.extend(["--data".to_string(), data, "--optimizer".into(), "sgd".into()]);
             }
-            match TrainConfig::try_parse_from(&a) {
-                Ok(c) => cfg = c,
+            let cfg = match TrainConfig::try_parse_from(&a) {
+                Ok(c) => c,
                 Err(e) => {
                     eprintln!("train-bench: {e}");
                     return ExitCode::from(2);
                 }
-            }
+            };
             match train(&cfg, false) {
                 Ok(rep) => println!("{:<10} {:>6} {:>6} {:>8} {:>12.1}", model, r, 64, rep.losses.len(), rep.images_per_sec),
                 Err(e) => {

@@ -126,7 +126,7 @@ impl ResNet {
             let fc = Linear::new(&vb.pp("fc"), c_in, cfg.classes, true)?;
             return Ok(ResNet { conv1, bn1, layers, fc });
         }
-        if cfg.depth < 8 || (cfg.depth - 2) % 6 != 0 {
+        if cfg.depth < 8 || !(cfg.depth - 2).is_multiple_of(6) {
             candle_core::bail!("resnet depth {} is not 6n+2 (8, 20, 32, 56, ...) nor 50", cfg.depth)
         }
         let n = (cfg.depth - 2) / 6;

@@ -43,7 +43,7 @@ impl Config {
     /// The default for images of the given size.
     #[must_use]
     pub fn for_data(image_size: usize, channels: usize, classes: usize) -> Config {
-        let patch = if image_size % 4 == 0 && image_size >= 16 { 4 } else { 2 };
+        let patch = if image_size.is_multiple_of(4) && image_size >= 16 { 4 } else { 2 };
         Config { image_size, channels, patch, dim: 64, depth: 2, heads: 4, mlp_hidden: 128, classes }
     }
 
@@ -127,13 +127,13 @@ impl Vit {
     /// A configuration that does not fit (patch not dividing the image, heads not
     /// dividing the width or not divisible by `tp`); missing or misshapen tensors.
     pub fn new(cfg: &Config, vb: &ShardedVarBuilder, ctx: &ModelCtx) -> Result<Vit> {
-        if cfg.patch == 0 || cfg.image_size % cfg.patch != 0 {
+        if cfg.patch == 0 || !cfg.image_size.is_multiple_of(cfg.patch) {
             candle_core::bail!("vit: patch {} must divide image size {}", cfg.patch, cfg.image_size)
         }
-        if cfg.heads == 0 || cfg.dim % cfg.heads != 0 || cfg.heads % ctx.tp.size() != 0 {
+        if cfg.heads == 0 || !cfg.dim.is_multiple_of(cfg.heads) || !cfg.heads.is_multiple_of(ctx.tp.size()) {
             candle_core::bail!("vit: heads {} must divide dim {} and be divisible by tp {}", cfg.heads, cfg.dim, ctx.tp.size())
         }
-        if cfg.mlp_hidden % ctx.tp.size() != 0 {
+        if !cfg.mlp_hidden.is_multiple_of(ctx.tp.size()) {
             candle_core::bail!("vit: mlp_hidden {} must be divisible by tp {}", cfg.mlp_hidden, ctx.tp.size())
         }
         let pd = cfg.channels * cfg.patch * cfg.patch;
