@@ -6,3 +6,4 @@ mod inspect_verify;
 mod merge;
 mod python;
 mod reshard;
+mod train_infer;

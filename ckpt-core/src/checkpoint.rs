@@ -22,6 +22,8 @@ pub const STRATEGY_FILE: &str = "strategy.json";
 pub const MODEL_FILE: &str = "model.safetensors";
 /// Name of a Hugging Face shard index.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// In a training output directory, the file naming its newest checkpoint.
+pub(crate) const LATEST_FILE: &str = "latest";
 /// Files carried through from input to output when present.
 pub const CARRIED_FILES: [&str; 2] = ["config.json", "trainer_state.json"];
 
@@ -109,6 +111,16 @@ fn expand(path: &Path, out: &mut Vec<Input>, carried: &mut BTreeMap<String, Path
     }
     if !path.is_dir() {
         return Err(Error::Io { path: path.into(), source: std::io::Error::from(std::io::ErrorKind::NotFound) });
+    }
+    // A training output directory: `latest` names its newest complete checkpoint.
+    let latest = path.join(LATEST_FILE);
+    if latest.is_file() {
+        let name = std::fs::read_to_string(&latest).at(&latest)?;
+        let target = path.join(name.trim());
+        if name.trim().is_empty() || name.contains('/') || !target.is_dir() {
+            return Err(unknown(format!("{}: names `{}`, which is not a checkpoint directory beside it", latest.display(), name.trim())));
+        }
+        return expand(&target, out, carried);
     }
     note_carried(path, carried);
     let model = path.join(MODEL_FILE);
