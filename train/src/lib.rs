@@ -37,4 +37,6 @@ pub use crate::checkpoint::{
 pub use crate::config::TrainConfig;
 pub use crate::trainer::{train, TrainReport};
 pub use crate::launch::{Backend, LaunchEnv, Launcher};
+#[cfg(feature = "mpi")]
+pub use crate::comm::{finalize_mpi, mpi_world, run_mpi, MpiWorld, DEFAULT_TIMEOUT as MPI_DEFAULT_TIMEOUT, TIMEOUT_VAR as MPI_TIMEOUT_VAR};
 pub use crate::inference::{load_model, model_strategy, read_model_config};
