@@ -69,6 +69,10 @@ fn shard(tensors: Vec<TargetTensor>, max: Option<u64>) -> Vec<TargetFile> {
         groups.last_mut().map(|g| g.push(t));
     }
     let total = groups.len();
+    if total == 1 {
+        // Everything fits in one shard: Hugging Face writes a plain model.safetensors.
+        return vec![TargetFile { path: MODEL_FILE.into(), tensors: groups.remove(0), metadata: meta }];
+    }
     groups
         .into_iter()
         .enumerate()
@@ -152,6 +156,8 @@ mod tests {
         let names: Vec<Vec<&str>> = files.iter().map(|f| f.tensors.iter().map(|t| t.name.as_str()).collect()).collect();
         assert_eq!(names, vec![vec!["a", "b"], vec!["c"], vec!["d"]]);
         assert_eq!(files[2].path, PathBuf::from("model-00003-of-00003.safetensors"));
+        let one = shard(vec![t("a", 4)], Some(8));
+        assert_eq!(one[0].path, PathBuf::from(MODEL_FILE));
     }
 
     #[test]
