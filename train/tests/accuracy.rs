@@ -25,3 +25,16 @@ fn vit_and_sgd_learn_digits() {
     let acc = r.final_accuracy().unwrap();
     assert!(acc > 0.9, "sgd accuracy {acc}");
 }
+
+/// Fashion-MNIST from Debian's `dataset-fashion-mnist` (skipped when not installed):
+/// one epoch over the first 6,000 images on 2 ranks gives at least 0.7 test accuracy.
+#[test]
+fn fashion_mnist_when_installed() {
+    if !std::path::Path::new(ckpt_train::FASHION_MNIST_DIR).join("train-labels-idx1-ubyte.gz").is_file() {
+        eprintln!("skipped: {} not installed (apt-get install dataset-fashion-mnist)", ckpt_train::FASHION_MNIST_DIR);
+        return;
+    }
+    let r = run(&["--data", "fashion-mnist", "--ranks", "2", "--epochs", "1", "--train-limit", "6000", "--test-limit", "2000"]);
+    let acc = r.final_accuracy().unwrap();
+    assert!(acc > 0.7, "accuracy {acc}");
+}
