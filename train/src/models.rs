@@ -189,7 +189,7 @@ mod tests {
         assert_eq!(get("blocks.1.attn.proj.weight").hint.tp, Placement::shard(1));
         assert_eq!(get("blocks.1.mlp.fc1.bias").hint.tp, Placement::shard(0));
         assert_eq!(get("head.weight").hint.tp, Placement::shard(0));
-        assert_eq!(get("pos_embed").shape, [1, 17, 64]);
+        assert_eq!(get("pos_embed").shape, [1, 5, 64]);
         let bad = ModelConfig::Vit(vit::Config { heads: 3, dim: 63, ..vit::Config::for_data(8, 1, 10) });
         assert!(bad.specs(2).unwrap_err().to_string().contains("divisible by tp"));
     }

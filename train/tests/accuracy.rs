@@ -15,12 +15,10 @@ fn default_mlp_reaches_095_on_digits() {
 
 #[test]
 fn vit_and_sgd_learn_digits() {
-    // The small ViT learns slowly from scratch (0.84 after 10 epochs): check that its
-    // loss goes down over 40 updates.
-    let r = run(&["--model", "vit", "--mesh", "dp=2,tp=2", "--max-steps", "40", "--lr", "0.002", "--no-eval"]);
-    let head: f32 = r.losses[..5].iter().sum();
-    let tail: f32 = r.losses[35..].iter().sum();
-    assert!(tail < head * 0.97, "vit losses {:?}", r.losses);
+    // The default ViT on 8x8 digits: 4x4 patches, 2 blocks, 4 heads (0.93 measured).
+    let r = run(&["--model", "vit", "--mesh", "dp=2,tp=2", "--epochs", "4", "--lr", "0.002"]);
+    let acc = r.final_accuracy().unwrap();
+    assert!(acc > 0.85, "vit accuracy {acc}");
     let r = run(&["--optimizer", "sgd", "--ranks", "2", "--epochs", "3"]);
     let acc = r.final_accuracy().unwrap();
     assert!(acc > 0.9, "sgd accuracy {acc}");

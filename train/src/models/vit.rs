@@ -43,7 +43,7 @@ impl Config {
     /// The default for images of the given size.
     #[must_use]
     pub fn for_data(image_size: usize, channels: usize, classes: usize) -> Config {
-        let patch = if image_size.is_multiple_of(4) && image_size >= 16 { 4 } else { 2 };
+        let patch = if image_size.is_multiple_of(4) { 4 } else { 2 };
         Config { image_size, channels, patch, dim: 64, depth: 2, heads: 4, mlp_hidden: 128, classes }
     }
 
