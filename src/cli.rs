@@ -358,6 +358,33 @@ fn summary(verb: &str, stats: &ckpt_core::CopyStats, secs: f64, out: &std::path:
     }
 }
 
+/// Runs a copying command with a byte progress bar (sized once the plan is known) and
+/// prints its summary.
+fn with_progress(
+    verb: &str,
+    out: &std::path::Path,
+    copy: &CopyArgs,
+    run: impl FnOnce(&(dyn Fn(u64) + Sync), &dyn Fn(&CopyPlan)) -> ckpt_core::Result<ckpt_core::CopyStats>,
+) -> Result<ExitCode> {
+    let t = Instant::now();
+    let bar = std::sync::OnceLock::new();
+    let stats = run(
+        &|n| {
+            if let Some(b) = bar.get() {
+                indicatif::ProgressBar::inc(b, n);
+            }
+        },
+        &|p: &CopyPlan| {
+            let _ = bar.set(bytes_bar(p.bytes_written(), copy.quiet || copy.json));
+        },
+    );
+    if let Some(b) = bar.get() {
+        b.finish_and_clear();
+    }
+    summary(verb, &stats?, t.elapsed().as_secs_f64(), out, copy.json);
+    Ok(ExitCode::SUCCESS)
+}
+
 fn merge(a: MergeArgs) -> Result<ExitCode> {
     let req = ckpt_merge::MergeRequest {
         inputs: a.inputs,
@@ -366,24 +393,7 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
         force: a.copy.force,
     };
-    let t = Instant::now();
-    let bar = std::sync::OnceLock::new();
-    let stats = ckpt_merge::merge(
-        &req,
-        &|n| {
-            if let Some(b) = bar.get() {
-                indicatif::ProgressBar::inc(b, n);
-            }
-        },
-        &|p: &CopyPlan| {
-            let _ = bar.set(bytes_bar(p.bytes_written(), a.copy.quiet || a.copy.json));
-        },
-    )?;
-    if let Some(b) = bar.get() {
-        b.finish_and_clear();
-    }
-    summary("merged", &stats, t.elapsed().as_secs_f64(), &req.output, a.copy.json);
-    Ok(ExitCode::SUCCESS)
+    with_progress("merged", &req.output, &a.copy, |progress, on_plan| ckpt_merge::merge(&req, progress, on_plan))
 }
 
 fn reshard(a: ReshardArgs) -> Result<ExitCode> {
@@ -422,24 +432,7 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         print_plan(&source, &strategy, &plan, a.copy.json)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let t = Instant::now();
-    let bar = std::sync::OnceLock::new();
-    let stats = ckpt_reshard::reshard(
-        &req,
-        &|n| {
-            if let Some(b) = bar.get() {
-                indicatif::ProgressBar::inc(b, n);
-            }
-        },
-        &|p: &CopyPlan| {
-            let _ = bar.set(bytes_bar(p.bytes_written(), a.copy.quiet || a.copy.json));
-        },
-    )?;
-    if let Some(b) = bar.get() {
-        b.finish_and_clear();
-    }
-    summary("resharded", &stats, t.elapsed().as_secs_f64(), &req.output, a.copy.json);
-    Ok(ExitCode::SUCCESS)
+    with_progress("resharded", &req.output, &a.copy, |progress, on_plan| ckpt_reshard::reshard(&req, progress, on_plan))
 }
 
 fn print_plan(source: &Checkpoint, strategy: &Strategy, plan: &CopyPlan, as_json: bool) -> Result<()> {

@@ -2,6 +2,7 @@
 //! `ckpt train`) with the embedded default run as their defaults.
 
 use crate::checkpoint::SaveMode;
+use crate::launch::Backend;
 use crate::models::ModelKind;
 use crate::optim::{OptimizerKind, Schedule};
 use clap::Parser;
@@ -93,6 +94,10 @@ pub struct TrainConfig {
     /// Skip the per-epoch test accuracy.
     #[arg(long)]
     pub no_eval: bool,
+    /// How ranks talk: threads of this process, or one process per rank started by
+    /// mpirun (`mpi`) or by mpirun/torchrun/srun on GPUs (`nccl`); see docs/distributed.md.
+    #[arg(long, value_enum, default_value_t = Backend::Threads)]
+    pub backend: Backend,
     /// Gather the final full weights into the report (for checks).
     #[arg(long, hide = true)]
     pub gather_weights: bool,

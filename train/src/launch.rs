@@ -12,7 +12,9 @@
 //! `torchrun` under `srun` sees one SLURM task per node, so the SLURM variables are
 //! the last resort. Pure std; nothing here talks to MPI or CUDA.
 
+use crate::comm::{run_threads, Dist};
 use crate::error::{Error, Result};
+use ckpt_core::Mesh;
 use std::fmt;
 
 /// The program that started this process.
@@ -193,6 +195,27 @@ impl Backend {
             backend: self.name(),
             problem: format!("this binary was built without it; rebuild with `cargo build --release --features {feature}`"),
         })
+    }
+}
+
+impl Backend {
+    /// Runs `f` as the ranks of `mesh` that live in this process, returning their
+    /// results in rank order: every rank on threads; this process's rank under MPI or
+    /// NCCL (a failing rank aborts the job there, see [`crate::MpiWorld::run`]).
+    ///
+    /// # Errors
+    /// A backend not built in or unavailable here, an invalid mesh, the first failing
+    /// rank's error.
+    pub fn run<T: Send>(self, mesh: &Mesh, f: impl Fn(Dist) -> Result<T> + Sync) -> Result<Vec<T>> {
+        match self {
+            Backend::Threads => run_threads(mesh, f),
+            #[cfg(feature = "mpi")]
+            Backend::Mpi => Ok(vec![crate::comm::run_mpi(mesh, f)?]),
+            #[cfg(feature = "cuda")]
+            Backend::Nccl => crate::comm::run_nccl(mesh, f),
+            #[allow(unreachable_patterns)]
+            other => other.check_built().map(|()| Vec::new()),
+        }
     }
 }
 

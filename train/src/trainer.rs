@@ -5,7 +5,7 @@ use crate::checkpoint::{
     checkpoint_tensor_names, f32_from_bytes, find_meta_file, gather_full, read_trainer_state, resolve_checkpoint, save, FullTensor,
     RngState, SaveMode, SaveRequest, ScheduleState, TrainerState, CONFIG_FILE, TRAINER_STATE_FILE, TRAINER_STATE_FORMAT,
 };
-use crate::comm::{check_mesh, run_threads, Dist, ReduceOp};
+use crate::comm::{check_mesh, Dist, ReduceOp};
 use crate::config::TrainConfig;
 use crate::data::{DataSource, Dataset, DistributedSampler, Split};
 use crate::error::{Error, IoContext, Result};
@@ -483,7 +483,7 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
 pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainReport> {
     let start = Instant::now();
     let plan = Plan::new(cfg)?;
-    let mut results = run_threads(&plan.mesh, |dist| rank_main(&plan, dist, progress))?;
+    let mut results = cfg.backend.run(&plan.mesh, |dist| rank_main(&plan, dist, progress))?;
     let r0 = results.swap_remove(0);
     let images = r0.losses.len() * plan.global_batch;
     Ok(TrainReport {
