@@ -113,9 +113,18 @@ pub struct TrainerState {
 /// Unreadable, malformed, or of another format or version.
 pub fn read_trainer_state(path: &Path) -> Result<TrainerState> {
     let text = std::fs::read_to_string(path).at(path)?;
-    let s: TrainerState = serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_path_buf(), source })?;
+    let s: TrainerState = serde_json::from_str(&text).map_err(|source| Error::Json {
+        path: path.to_path_buf(),
+        source,
+    })?;
     if s.format != TRAINER_STATE_FORMAT || s.version != 1 {
-        return Err(Error::BadCheckpoint { path: path.to_path_buf(), problem: format!("trainer state format `{}` version {} is not {TRAINER_STATE_FORMAT} 1", s.format, s.version) });
+        return Err(Error::BadCheckpoint {
+            path: path.to_path_buf(),
+            problem: format!(
+                "trainer state format `{}` version {} is not {TRAINER_STATE_FORMAT} 1",
+                s.format, s.version
+            ),
+        });
     }
     Ok(s)
 }
@@ -145,10 +154,17 @@ pub fn find_meta_file(dir: &Path, name: &str) -> Option<PathBuf> {
     let mut ranks: Vec<PathBuf> = std::fs::read_dir(dir)
         .ok()?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("ckpt_")))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("ckpt_"))
+        })
         .collect();
     ranks.sort();
-    ranks.into_iter().map(|r| r.join(name)).find(|p| p.is_file())
+    ranks
+        .into_iter()
+        .map(|r| r.join(name))
+        .find(|p| p.is_file())
 }
 
 /// A full (global) tensor, gathered on rank 0.
@@ -166,22 +182,47 @@ pub struct FullTensor {
 ///
 /// # Errors
 /// Collective errors.
-pub fn gather_full(dist: &Dist, locals: &[(String, TensorLayout, Vec<f32>)]) -> Result<Option<BTreeMap<String, FullTensor>>> {
-    let flat: Vec<f32> = locals.iter().flat_map(|(_, _, v)| v.iter().copied()).collect();
-    let Some(parts) = dist.world.gather(&flat, 0)? else { return Ok(None) };
+pub fn gather_full(
+    dist: &Dist,
+    locals: &[(String, TensorLayout, Vec<f32>)],
+) -> Result<Option<BTreeMap<String, FullTensor>>> {
+    let flat: Vec<f32> = locals
+        .iter()
+        .flat_map(|(_, _, v)| v.iter().copied())
+        .collect();
+    let Some(parts) = dist.world.gather(&flat, 0)? else {
+        return Ok(None);
+    };
     let mut out = BTreeMap::new();
-    let mut fulls: Vec<Vec<f32>> = locals.iter().map(|(_, l, _)| vec![0f32; l.shape.iter().product::<u64>() as usize]).collect();
+    let mut fulls: Vec<Vec<f32>> = locals
+        .iter()
+        .map(|(_, l, _)| vec![0f32; l.shape.iter().product::<u64>() as usize])
+        .collect();
     // Place in descending rank order so rank 0's copy of replicated data wins.
     for r in (0..parts.len()).rev() {
         let mut at = 0;
         for (i, (_, l, _)) in locals.iter().enumerate() {
-            let n = l.local_shape(&dist.mesh, r as u64).map_or(0, |s| s.iter().product::<u64>() as usize);
-            place_local(&parts[r][at..at + n], l, &dist.mesh, r as u64, &mut fulls[i]);
+            let n = l
+                .local_shape(&dist.mesh, r as u64)
+                .map_or(0, |s| s.iter().product::<u64>() as usize);
+            place_local(
+                &parts[r][at..at + n],
+                l,
+                &dist.mesh,
+                r as u64,
+                &mut fulls[i],
+            );
             at += n;
         }
     }
     for ((name, l, _), data) in locals.iter().zip(fulls) {
-        out.insert(name.clone(), FullTensor { shape: l.shape.clone(), data });
+        out.insert(
+            name.clone(),
+            FullTensor {
+                shape: l.shape.clone(),
+                data,
+            },
+        );
     }
     Ok(Some(out))
 }
@@ -195,7 +236,9 @@ pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
 /// `f32` values of little-endian bytes.
 #[must_use]
 pub fn f32_from_bytes(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 /// What one save writes.
@@ -215,7 +258,11 @@ fn step_of(name: &str) -> Option<u64> {
 
 /// Saves a checkpoint collectively: every rank calls this with its local tensors.
 /// Returns the final directory.
-pub(crate) fn save(dist: &Dist, req: &SaveRequest<'_>, locals: &[(String, TensorLayout, Vec<f32>)]) -> Result<PathBuf> {
+pub(crate) fn save(
+    dist: &Dist,
+    req: &SaveRequest<'_>,
+    locals: &[(String, TensorLayout, Vec<f32>)],
+) -> Result<PathBuf> {
     let name = format!("step_{}", req.step);
     let tmp = req.out.join(format!("{name}.tmp"));
     let fin = req.out.join(&name);
@@ -230,17 +277,32 @@ pub(crate) fn save(dist: &Dist, req: &SaveRequest<'_>, locals: &[(String, Tensor
     dist.world.barrier()?;
     match req.mode {
         SaveMode::Sliced => {
-            let bytes: Vec<(String, Vec<u8>)> = locals.iter().map(|(n, _, v)| (n.clone(), f32_bytes(v))).collect();
-            let refs: Vec<(&str, &[u8])> = bytes.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
-            let rank_dir = ckpt_core::write_rank(&tmp, req.strategy, dist.rank as u64, &refs, false)?;
+            let bytes: Vec<(String, Vec<u8>)> = locals
+                .iter()
+                .map(|(n, _, v)| (n.clone(), f32_bytes(v)))
+                .collect();
+            let refs: Vec<(&str, &[u8])> = bytes
+                .iter()
+                .map(|(n, b)| (n.as_str(), b.as_slice()))
+                .collect();
+            let rank_dir =
+                ckpt_core::write_rank(&tmp, req.strategy, dist.rank as u64, &refs, false)?;
             ckpt_core::write_file_atomic(&rank_dir.join(CONFIG_FILE), req.config_json.as_bytes())?;
-            ckpt_core::write_file_atomic(&rank_dir.join(TRAINER_STATE_FILE), state_json.as_bytes())?;
+            ckpt_core::write_file_atomic(
+                &rank_dir.join(TRAINER_STATE_FILE),
+                state_json.as_bytes(),
+            )?;
         }
         SaveMode::Integrated => {
             if let Some(full) = gather_full(dist, locals)? {
-                let bytes: Vec<(String, Vec<u64>, Vec<u8>)> = full.into_iter().map(|(n, t)| (n, t.shape, f32_bytes(&t.data))).collect();
-                let refs: Vec<(&str, Dtype, &[u64], &[u8])> =
-                    bytes.iter().map(|(n, s, b)| (n.as_str(), Dtype::F32, s.as_slice(), b.as_slice())).collect();
+                let bytes: Vec<(String, Vec<u64>, Vec<u8>)> = full
+                    .into_iter()
+                    .map(|(n, t)| (n, t.shape, f32_bytes(&t.data)))
+                    .collect();
+                let refs: Vec<(&str, Dtype, &[u64], &[u8])> = bytes
+                    .iter()
+                    .map(|(n, s, b)| (n.as_str(), Dtype::F32, s.as_slice(), b.as_slice()))
+                    .collect();
                 ckpt_core::write_integrated(&tmp, &refs)?;
             }
         }

@@ -93,7 +93,16 @@ pub struct Dist {
 
 impl std::fmt::Debug for Dist {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Dist(rank {} of {}, dp {}/{}, tp {}/{})", self.rank, self.mesh, self.dp.rank(), self.dp.size(), self.tp.rank(), self.tp.size())
+        write!(
+            f,
+            "Dist(rank {} of {}, dp {}/{}, tp {}/{})",
+            self.rank,
+            self.mesh,
+            self.dp.rank(),
+            self.dp.size(),
+            self.tp.rank(),
+            self.tp.size()
+        )
     }
 }
 
@@ -107,7 +116,10 @@ pub const MESH_AXES: [&str; 2] = ["dp", "tp"];
 pub fn check_mesh(mesh: &Mesh) -> Result<()> {
     for a in mesh.axes() {
         if !MESH_AXES.contains(&a.name.as_str()) {
-            return Err(Error::option("--mesh", format!("axis `{}` is not supported (use dp and tp)", a.name)));
+            return Err(Error::option(
+                "--mesh",
+                format!("axis `{}` is not supported (use dp and tp)", a.name),
+            ));
         }
     }
     if mesh.pipeline().is_some() {
@@ -122,7 +134,13 @@ impl Dist {
     pub fn single() -> Dist {
         let mesh = Mesh::parse("dp=1").expect("valid mesh");
         let solo: Arc<dyn Comm> = Arc::new(SoloComm { members: [0] });
-        Dist { mesh, rank: 0, world: solo.clone(), dp: solo.clone(), tp: solo }
+        Dist {
+            mesh,
+            rank: 0,
+            world: solo.clone(),
+            dp: solo.clone(),
+            tp: solo,
+        }
     }
 
     /// This rank's coordinate on the `dp` axis.
@@ -160,7 +178,11 @@ pub(crate) struct ShapeOnlyComm {
 
 impl ShapeOnlyComm {
     fn err<T>(&self, op: &'static str) -> Result<T> {
-        Err(Error::Collective { op, group: format!("{:?}", self.members), problem: "shape-only communicator cannot communicate".into() })
+        Err(Error::Collective {
+            op,
+            group: format!("{:?}", self.members),
+            problem: "shape-only communicator cannot communicate".into(),
+        })
     }
 }
 
@@ -218,7 +240,11 @@ impl Comm for SoloComm {
     }
     fn reduce_scatter(&self, buf: &[f32], counts: &[usize], _op: ReduceOp) -> Result<Vec<f32>> {
         if counts.len() != 1 || counts[0] != buf.len() {
-            return Err(Error::Collective { op: "reduce_scatter", group: "[solo]".into(), problem: "counts do not match the buffer".into() });
+            return Err(Error::Collective {
+                op: "reduce_scatter",
+                group: "[solo]".into(),
+                problem: "counts do not match the buffer".into(),
+            });
         }
         Ok(buf.to_vec())
     }
@@ -238,7 +264,9 @@ impl Comm for SoloComm {
 /// # Errors
 /// Tensor library errors.
 pub fn tensor_to_vec(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?)
+    Ok(t.flatten_all()?
+        .to_dtype(candle_core::DType::F32)?
+        .to_vec1::<f32>()?)
 }
 
 /// [`Comm::all_reduce`] on a tensor (returns a new tensor of the same shape).

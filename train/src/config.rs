@@ -136,17 +136,48 @@ mod tests {
     #[test]
     fn default_is_the_embedded_run() {
         let c = TrainConfig::default();
-        assert_eq!((c.model, c.data.as_str(), c.epochs, c.batch_size), (ModelKind::Mlp, "digits", 10, 64));
+        assert_eq!(
+            (c.model, c.data.as_str(), c.epochs, c.batch_size),
+            (ModelKind::Mlp, "digits", 10, 64)
+        );
         assert_eq!(c.mesh, None);
     }
 
     #[test]
     fn test_flags() {
-        let c = TrainConfig::try_parse_from(["t", "--ranks", "4", "--save", "integrated", "--sync-bn", "--model", "resnet", "--depth", "8"]).unwrap();
-        assert_eq!((c.ranks, c.save, c.sync_bn, c.depth), (Some(4), SaveMode::Integrated, true, Some(8)));
+        let c = TrainConfig::try_parse_from([
+            "t",
+            "--ranks",
+            "4",
+            "--save",
+            "integrated",
+            "--sync-bn",
+            "--model",
+            "resnet",
+            "--depth",
+            "8",
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.ranks, c.save, c.sync_bn, c.depth),
+            (Some(4), SaveMode::Integrated, true, Some(8))
+        );
         assert!(TrainConfig::try_parse_from(["t", "--ranks", "4", "--mesh", "dp=2"]).is_err());
         assert!(TrainConfig::try_parse_from(["t", "--optimizer", "lion"]).is_err());
-        let c = TrainConfig::try_parse_from(["t", "--shard-optimizer", "--optimizer", "sgd", "--keep", "2", "--save-every", "5"]).unwrap();
-        assert_eq!((c.shard_optimizer, c.optimizer, c.keep, c.save_every), (true, OptimizerKind::Sgd, 2, 5));
+        let c = TrainConfig::try_parse_from([
+            "t",
+            "--shard-optimizer",
+            "--optimizer",
+            "sgd",
+            "--keep",
+            "2",
+            "--save-every",
+            "5",
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.shard_optimizer, c.optimizer, c.keep, c.save_every),
+            (true, OptimizerKind::Sgd, 2, 5)
+        );
     }
 }

@@ -96,13 +96,19 @@ impl Dataset {
     ///
     /// # Errors
     /// Tensor library errors.
-    pub fn augmented_batch(&self, idx: &[usize], seed: u64, dev: &Device) -> Result<(Tensor, Tensor)> {
+    pub fn augmented_batch(
+        &self,
+        idx: &[usize],
+        seed: u64,
+        dev: &Device,
+    ) -> Result<(Tensor, Tensor)> {
         let (c, h, w) = (self.channels, self.height, self.width);
         let il = self.image_len();
         let mut x = vec![0f32; idx.len() * il];
         let mut y = Vec::with_capacity(idx.len());
         for (b, &i) in idx.iter().enumerate() {
-            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let mut rng =
+                ChaCha8Rng::seed_from_u64(seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
             let (dy, dx): (i64, i64) = (rng.random_range(-4..=4), rng.random_range(-4..=4));
             let flip = rng.random_bool(0.5);
             let src = &self.images[i * il..(i + 1) * il];
@@ -125,7 +131,10 @@ impl Dataset {
             }
             y.push(self.labels[i]);
         }
-        Ok((Tensor::from_vec(x, (idx.len(), c, h, w), dev)?, Tensor::from_vec(y, idx.len(), dev)?))
+        Ok((
+            Tensor::from_vec(x, (idx.len(), c, h, w), dev)?,
+            Tensor::from_vec(y, idx.len(), dev)?,
+        ))
     }
 }
 
@@ -155,11 +164,19 @@ impl DataSource {
         };
         match name {
             "digits" => Ok(DataSource::Digits(path)),
-            "fashion-mnist" | "fashion_mnist" => Ok(DataSource::FashionMnist(path.unwrap_or_else(|| PathBuf::from(FASHION_MNIST_DIR)))),
-            "cifar10" | "cifar-10" => path
-                .map(DataSource::Cifar10)
-                .ok_or_else(|| Error::option("--data", "cifar10 needs a directory: cifar10:DIR (holding cifar-10-batches-bin files)")),
-            _ => Err(Error::option("--data", format!("unknown data set `{name}` (digits, fashion-mnist, cifar10)"))),
+            "fashion-mnist" | "fashion_mnist" => Ok(DataSource::FashionMnist(
+                path.unwrap_or_else(|| PathBuf::from(FASHION_MNIST_DIR)),
+            )),
+            "cifar10" | "cifar-10" => path.map(DataSource::Cifar10).ok_or_else(|| {
+                Error::option(
+                    "--data",
+                    "cifar10 needs a directory: cifar10:DIR (holding cifar-10-batches-bin files)",
+                )
+            }),
+            _ => Err(Error::option(
+                "--data",
+                format!("unknown data set `{name}` (digits, fashion-mnist, cifar10)"),
+            )),
         }
     }
 
@@ -169,7 +186,9 @@ impl DataSource {
     /// Missing or malformed files.
     pub fn load(&self) -> Result<Split> {
         match self {
-            DataSource::Digits(None) => digits(DIGITS_CSV_GZ, Path::new("<embedded digits.csv.gz>")),
+            DataSource::Digits(None) => {
+                digits(DIGITS_CSV_GZ, Path::new("<embedded digits.csv.gz>"))
+            }
             DataSource::Digits(Some(p)) => {
                 let bytes = std::fs::read(p).at(p)?;
                 digits(&bytes, p)
@@ -207,7 +226,8 @@ pub(crate) fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
 pub(crate) fn gunzip_if_needed(bytes: Vec<u8>, path: &Path) -> Result<Vec<u8>> {
     if bytes.starts_with(&[0x1f, 0x8b]) {
         let mut out = Vec::new();
-        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&bytes[..]), &mut out).at(path)?;
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&bytes[..]), &mut out)
+            .at(path)?;
         Ok(out)
     } else {
         Ok(bytes)

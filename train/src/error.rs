@@ -108,18 +108,27 @@ pub(crate) trait IoContext<T> {
 
 impl<T> IoContext<T> for std::io::Result<T> {
     fn at(self, path: &std::path::Path) -> Result<T> {
-        self.map_err(|source| Error::Io { path: path.to_path_buf(), source })
+        self.map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 }
 
 impl Error {
     /// An [`Error::InvalidOption`].
     pub(crate) fn option(option: &str, problem: impl Into<String>) -> Error {
-        Error::InvalidOption { option: option.into(), problem: problem.into() }
+        Error::InvalidOption {
+            option: option.into(),
+            problem: problem.into(),
+        }
     }
 
     /// An [`Error::InvalidModel`].
     pub(crate) fn model(model: &str, problem: impl Into<String>) -> Error {
-        Error::InvalidModel { model: model.into(), problem: problem.into() }
+        Error::InvalidModel {
+            model: model.into(),
+            problem: problem.into(),
+        }
     }
 }

@@ -17,7 +17,9 @@ use std::path::Path;
 /// # Errors
 /// A configuration that does not fit the mesh's `tp`.
 pub fn model_strategy(cfg: &ModelConfig, mesh: &Mesh) -> Result<Strategy> {
-    let tp = mesh.axis_index("tp").map_or(1, |a| mesh.axes()[a].size as usize);
+    let tp = mesh
+        .axis_index("tp")
+        .map_or(1, |a| mesh.axes()[a].size as usize);
     let mut s = Strategy::new(mesh.clone());
     for spec in cfg.specs(tp)? {
         s.insert(spec.name.clone(), spec.layout(mesh))?;
@@ -32,7 +34,10 @@ pub fn model_strategy(cfg: &ModelConfig, mesh: &Mesh) -> Result<Strategy> {
 /// No or malformed `config.json`.
 pub fn read_model_config(dir: &Path) -> Result<ModelConfig> {
     let dir = resolve_checkpoint(dir)?;
-    let path = find_meta_file(&dir, CONFIG_FILE).ok_or_else(|| Error::BadCheckpoint { path: dir.clone(), problem: format!("no {CONFIG_FILE}") })?;
+    let path = find_meta_file(&dir, CONFIG_FILE).ok_or_else(|| Error::BadCheckpoint {
+        path: dir.clone(),
+        problem: format!("no {CONFIG_FILE}"),
+    })?;
     let text = std::fs::read_to_string(&path).at(&path)?;
     serde_json::from_str(&text).map_err(|source| Error::Json { path, source })
 }
@@ -53,12 +58,21 @@ pub fn load_model(dir: &Path, dist: &Dist) -> Result<(ModelConfig, Model)> {
         let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
         let data = match t.dtype {
             Dtype::F32 => f32_from_bytes(&t.data),
-            other => return Err(Error::BadCheckpoint { path: dir.clone(), problem: format!("tensor `{name}` is {other:?}; only F32 is supported") }),
+            other => {
+                return Err(Error::BadCheckpoint {
+                    path: dir.clone(),
+                    problem: format!("tensor `{name}` is {other:?}; only F32 is supported"),
+                })
+            }
         };
         tensors.insert(name, Tensor::from_vec(data, shape, &Device::Cpu)?);
     }
     let vb = ShardedVars::serve(tensors, dist.tp_size(), dist.tp_rank()).into_var_builder();
-    let ctx = ModelCtx { tp: dist.tp.clone(), dp: dist.dp.clone(), sync_bn: false };
+    let ctx = ModelCtx {
+        tp: dist.tp.clone(),
+        dp: dist.dp.clone(),
+        sync_bn: false,
+    };
     let model = build_model(&cfg, &vb, &ctx)?;
     Ok((cfg, model))
 }

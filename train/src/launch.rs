@@ -36,7 +36,11 @@ impl Launcher {
     #[must_use]
     pub fn variables(self) -> [&'static str; 3] {
         match self {
-            Launcher::OpenMpi => ["OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"],
+            Launcher::OpenMpi => [
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+            ],
             Launcher::Torchrun => ["RANK", "WORLD_SIZE", "LOCAL_RANK"],
             Launcher::Slurm => ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"],
         }
@@ -115,12 +119,17 @@ impl LaunchEnv {
                 None => return Err(missing(launcher, local_var, rank_var)),
             };
             if world_size == 0 {
-                return Err(Error::Launch { variable: size_var.into(), problem: "the world size is 0".into() });
+                return Err(Error::Launch {
+                    variable: size_var.into(),
+                    problem: "the world size is 0".into(),
+                });
             }
             if rank >= world_size {
                 return Err(Error::Launch {
                     variable: rank_var.into(),
-                    problem: format!("rank {rank} is not below the world size {world_size} ({size_var})"),
+                    problem: format!(
+                        "rank {rank} is not below the world size {world_size} ({size_var})"
+                    ),
                 });
             }
             if local_rank >= world_size {
@@ -129,7 +138,12 @@ impl LaunchEnv {
                     problem: format!("local rank {local_rank} is not below the world size {world_size} ({size_var})"),
                 });
             }
-            return Ok(Some(LaunchEnv { launcher, rank, world_size, local_rank }));
+            return Ok(Some(LaunchEnv {
+                launcher,
+                rank,
+                world_size,
+                local_rank,
+            }));
         }
         Ok(None)
     }
@@ -137,16 +151,26 @@ impl LaunchEnv {
 
 impl fmt::Display for LaunchEnv {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "rank {} of {} (local rank {}, started by {})", self.rank, self.world_size, self.local_rank, self.launcher)
+        write!(
+            f,
+            "rank {} of {} (local rank {}, started by {})",
+            self.rank, self.world_size, self.local_rank, self.launcher
+        )
     }
 }
 
 fn parse(variable: &str, value: &str) -> Result<usize> {
-    value.trim().parse::<usize>().map_err(|_| Error::Launch { variable: variable.into(), problem: format!("`{value}` is not a rank or count") })
+    value.trim().parse::<usize>().map_err(|_| Error::Launch {
+        variable: variable.into(),
+        problem: format!("`{value}` is not a rank or count"),
+    })
 }
 
 fn missing(launcher: Launcher, variable: &str, because: &str) -> Error {
-    Error::Launch { variable: variable.into(), problem: format!("not set, but {because} is (an incomplete {launcher} environment)") }
+    Error::Launch {
+        variable: variable.into(),
+        problem: format!("not set, but {because} is (an incomplete {launcher} environment)"),
+    }
 }
 
 /// How the ranks of a training job talk to each other.
@@ -236,27 +260,82 @@ mod tests {
     #[test]
     fn no_launcher_is_a_plain_run() {
         assert_eq!(env(&[]).unwrap(), None);
-        assert_eq!(env(&[("LOCAL_RANK", "0"), ("SLURM_NTASKS", "4")]).unwrap(), None);
+        assert_eq!(
+            env(&[("LOCAL_RANK", "0"), ("SLURM_NTASKS", "4")]).unwrap(),
+            None
+        );
     }
 
     #[test]
     fn mpirun() {
-        let e = env(&[("OMPI_COMM_WORLD_RANK", "5"), ("OMPI_COMM_WORLD_SIZE", "8"), ("OMPI_COMM_WORLD_LOCAL_RANK", "1")]).unwrap().unwrap();
-        assert_eq!(e, LaunchEnv { launcher: Launcher::OpenMpi, rank: 5, world_size: 8, local_rank: 1 });
-        assert_eq!(e.to_string(), "rank 5 of 8 (local rank 1, started by mpirun)");
+        let e = env(&[
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            e,
+            LaunchEnv {
+                launcher: Launcher::OpenMpi,
+                rank: 5,
+                world_size: 8,
+                local_rank: 1
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "rank 5 of 8 (local rank 1, started by mpirun)"
+        );
     }
 
     #[test]
     fn torchrun() {
-        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")]).unwrap().unwrap();
-        assert_eq!(e, LaunchEnv { launcher: Launcher::Torchrun, rank: 0, world_size: 2, local_rank: 0 });
+        let e = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "0"),
+            ("LOCAL_WORLD_SIZE", "2"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            e,
+            LaunchEnv {
+                launcher: Launcher::Torchrun,
+                rank: 0,
+                world_size: 2,
+                local_rank: 0
+            }
+        );
     }
 
     #[test]
     fn srun_with_the_old_world_size_name() {
-        let e = env(&[("SLURM_PROCID", "7"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "3")]).unwrap().unwrap();
-        assert_eq!(e, LaunchEnv { launcher: Launcher::Slurm, rank: 7, world_size: 8, local_rank: 3 });
-        let e = env(&[("SLURM_PROCID", "1"), ("SLURM_NPROCS", "2"), ("SLURM_LOCALID", "1")]).unwrap().unwrap();
+        let e = env(&[
+            ("SLURM_PROCID", "7"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "3"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            e,
+            LaunchEnv {
+                launcher: Launcher::Slurm,
+                rank: 7,
+                world_size: 8,
+                local_rank: 3
+            }
+        );
+        let e = env(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NPROCS", "2"),
+            ("SLURM_LOCALID", "1"),
+        ])
+        .unwrap()
+        .unwrap();
         assert_eq!((e.rank, e.world_size), (1, 2));
     }
 
@@ -272,15 +351,28 @@ mod tests {
         ])
         .unwrap()
         .unwrap();
-        assert_eq!((e.launcher, e.rank, e.world_size), (Launcher::OpenMpi, 3, 4));
+        assert_eq!(
+            (e.launcher, e.rank, e.world_size),
+            (Launcher::OpenMpi, 3, 4)
+        );
     }
 
     #[test]
     fn torchrun_under_srun_uses_torchrun_ranks() {
-        let e = env(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("SLURM_LOCALID", "0"), ("RANK", "6"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "2")])
-            .unwrap()
-            .unwrap();
-        assert_eq!((e.launcher, e.rank, e.world_size, e.local_rank), (Launcher::Torchrun, 6, 8, 2));
+        let e = env(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "0"),
+            ("RANK", "6"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "2"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (e.launcher, e.rank, e.world_size, e.local_rank),
+            (Launcher::Torchrun, 6, 8, 2)
+        );
     }
 
     #[test]
@@ -288,28 +380,59 @@ mod tests {
         let err = env(&[("RANK", "0"), ("LOCAL_RANK", "0")]).unwrap_err();
         assert_eq!(err.to_string(), "environment variable WORLD_SIZE: not set, but RANK is (an incomplete torchrun environment)");
         let err = env(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")]).unwrap_err();
-        assert!(err.to_string().starts_with("environment variable OMPI_COMM_WORLD_LOCAL_RANK: not set"), "{err}");
+        assert!(
+            err.to_string()
+                .starts_with("environment variable OMPI_COMM_WORLD_LOCAL_RANK: not set"),
+            "{err}"
+        );
         let err = env(&[("SLURM_PROCID", "0"), ("SLURM_LOCALID", "0")]).unwrap_err();
-        assert!(err.to_string().starts_with("environment variable SLURM_NTASKS: not set"), "{err}");
+        assert!(
+            err.to_string()
+                .starts_with("environment variable SLURM_NTASKS: not set"),
+            "{err}"
+        );
     }
 
     #[test]
     fn malformed_and_inconsistent_values_are_errors() {
         let err = env(&[("RANK", "one"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")]).unwrap_err();
-        assert_eq!(err.to_string(), "environment variable RANK: `one` is not a rank or count");
+        assert_eq!(
+            err.to_string(),
+            "environment variable RANK: `one` is not a rank or count"
+        );
         let err = env(&[("RANK", "-1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")]).unwrap_err();
-        assert!(matches!(err, Error::Launch { ref variable, .. } if variable == "RANK"), "{err}");
+        assert!(
+            matches!(err, Error::Launch { ref variable, .. } if variable == "RANK"),
+            "{err}"
+        );
         let err = env(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")]).unwrap_err();
-        assert_eq!(err.to_string(), "environment variable RANK: rank 2 is not below the world size 2 (WORLD_SIZE)");
+        assert_eq!(
+            err.to_string(),
+            "environment variable RANK: rank 2 is not below the world size 2 (WORLD_SIZE)"
+        );
         let err = env(&[("RANK", "0"), ("WORLD_SIZE", "0"), ("LOCAL_RANK", "0")]).unwrap_err();
-        assert_eq!(err.to_string(), "environment variable WORLD_SIZE: the world size is 0");
-        let err = env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_LOCALID", "2")]).unwrap_err();
-        assert!(err.to_string().contains("local rank 2 is not below the world size 2"), "{err}");
+        assert_eq!(
+            err.to_string(),
+            "environment variable WORLD_SIZE: the world size is 0"
+        );
+        let err = env(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "2"),
+        ])
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("local rank 2 is not below the world size 2"),
+            "{err}"
+        );
     }
 
     #[test]
     fn whitespace_around_numbers_is_accepted() {
-        let e = env(&[("RANK", " 1\n"), ("WORLD_SIZE", "2 "), ("LOCAL_RANK", "1")]).unwrap().unwrap();
+        let e = env(&[("RANK", " 1\n"), ("WORLD_SIZE", "2 "), ("LOCAL_RANK", "1")])
+            .unwrap()
+            .unwrap();
         assert_eq!((e.rank, e.world_size, e.local_rank), (1, 2, 1));
     }
 

@@ -22,7 +22,15 @@ pub struct ModelCtx {
 
 impl std::fmt::Debug for ModelCtx {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "ModelCtx(tp {}/{}, dp {}/{}, sync_bn {})", self.tp.rank(), self.tp.size(), self.dp.rank(), self.dp.size(), self.sync_bn)
+        write!(
+            f,
+            "ModelCtx(tp {}/{}, dp {}/{}, sync_bn {})",
+            self.tp.rank(),
+            self.tp.size(),
+            self.dp.rank(),
+            self.dp.size(),
+            self.sync_bn
+        )
     }
 }
 
@@ -31,14 +39,25 @@ impl ModelCtx {
     #[must_use]
     pub fn single() -> ModelCtx {
         let d = crate::comm::Dist::single();
-        ModelCtx { tp: d.tp, dp: d.dp, sync_bn: false }
+        ModelCtx {
+            tp: d.tp,
+            dp: d.dp,
+            sync_bn: false,
+        }
     }
 
     /// A context that only knows the `tp` size and rank (to build shapes; cannot run).
     #[must_use]
     pub fn shape_only(tp_size: usize, tp_rank: usize) -> ModelCtx {
-        let tp: Arc<dyn Comm> = Arc::new(crate::comm::ShapeOnlyComm { rank: tp_rank, members: (0..tp_size).collect() });
-        ModelCtx { tp, dp: crate::comm::Dist::single().dp, sync_bn: false }
+        let tp: Arc<dyn Comm> = Arc::new(crate::comm::ShapeOnlyComm {
+            rank: tp_rank,
+            members: (0..tp_size).collect(),
+        });
+        ModelCtx {
+            tp,
+            dp: crate::comm::Dist::single().dp,
+            sync_bn: false,
+        }
     }
 }
 
@@ -62,7 +81,9 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 }
 
 fn uniform_for(fan_in: usize) -> Init {
-    Init::Uniform { bound: 1.0 / (fan_in.max(1) as f32).sqrt() }
+    Init::Uniform {
+        bound: 1.0 / (fan_in.max(1) as f32).sqrt(),
+    }
 }
 
 /// A replicated linear layer.
@@ -80,7 +101,11 @@ impl Linear {
     pub fn new(vb: &ShardedVarBuilder, d_in: usize, d_out: usize, bias: bool) -> Result<Linear> {
         let init = uniform_for(d_in);
         let w = vb.get_with_hints((d_out, d_in), "weight", ParamHint::replicated(init))?;
-        let b = if bias { Some(vb.get_with_hints(d_out, "bias", ParamHint::replicated(init))?) } else { None };
+        let b = if bias {
+            Some(vb.get_with_hints(d_out, "bias", ParamHint::replicated(init))?)
+        } else {
+            None
+        };
         Ok(Linear { w, b })
     }
 }
@@ -105,11 +130,26 @@ impl ColumnLinear {
     ///
     /// # Errors
     /// Missing or misshapen tensors.
-    pub fn new(vb: &ShardedVarBuilder, ctx: &ModelCtx, d_in: usize, d_out: usize, blocks: u64, bias: bool) -> Result<ColumnLinear> {
+    pub fn new(
+        vb: &ShardedVarBuilder,
+        ctx: &ModelCtx,
+        d_in: usize,
+        d_out: usize,
+        blocks: u64,
+        bias: bool,
+    ) -> Result<ColumnLinear> {
         let init = uniform_for(d_in);
         let w = vb.get_with_hints((d_out, d_in), "weight", ParamHint::blocked(0, blocks, init))?;
-        let b = if bias { Some(vb.get_with_hints(d_out, "bias", ParamHint::blocked(0, blocks, init))?) } else { None };
-        Ok(ColumnLinear { w, b, tp: ctx.tp.clone() })
+        let b = if bias {
+            Some(vb.get_with_hints(d_out, "bias", ParamHint::blocked(0, blocks, init))?)
+        } else {
+            None
+        };
+        Ok(ColumnLinear {
+            w,
+            b,
+            tp: ctx.tp.clone(),
+        })
     }
 
     /// Local output features.
@@ -140,11 +180,25 @@ impl RowLinear {
     ///
     /// # Errors
     /// Missing or misshapen tensors.
-    pub fn new(vb: &ShardedVarBuilder, ctx: &ModelCtx, d_in: usize, d_out: usize, bias: bool) -> Result<RowLinear> {
+    pub fn new(
+        vb: &ShardedVarBuilder,
+        ctx: &ModelCtx,
+        d_in: usize,
+        d_out: usize,
+        bias: bool,
+    ) -> Result<RowLinear> {
         let init = uniform_for(d_in);
         let w = vb.get_with_hints((d_out, d_in), "weight", ParamHint::shard(1, init))?;
-        let b = if bias { Some(vb.get_with_hints(d_out, "bias", ParamHint::replicated(init))?) } else { None };
-        Ok(RowLinear { w, b, tp: ctx.tp.clone() })
+        let b = if bias {
+            Some(vb.get_with_hints(d_out, "bias", ParamHint::replicated(init))?)
+        } else {
+            None
+        };
+        Ok(RowLinear {
+            w,
+            b,
+            tp: ctx.tp.clone(),
+        })
     }
 }
 
@@ -201,9 +255,20 @@ impl Conv2d {
     ///
     /// # Errors
     /// Missing or misshapen tensors.
-    pub fn new(vb: &ShardedVarBuilder, c_in: usize, c_out: usize, k: usize, stride: usize, padding: usize) -> Result<Conv2d> {
+    pub fn new(
+        vb: &ShardedVarBuilder,
+        c_in: usize,
+        c_out: usize,
+        k: usize,
+        stride: usize,
+        padding: usize,
+    ) -> Result<Conv2d> {
         let std = (2.0 / (c_out * k * k) as f32).sqrt();
-        let w = vb.get_with_hints((c_out, c_in, k, k), "weight", ParamHint::replicated(Init::Normal { std }))?;
+        let w = vb.get_with_hints(
+            (c_out, c_in, k, k),
+            "weight",
+            ParamHint::replicated(Init::Normal { std }),
+        )?;
         Ok(Conv2d { w, stride, padding })
     }
 }
@@ -280,7 +345,10 @@ impl BatchNorm2d {
         } else {
             (self.running_mean.clone(), self.running_var.clone())
         };
-        let xn = x.broadcast_sub(&mean.reshape(shape)?)?.broadcast_div(&(var.reshape(shape)? + self.eps)?.sqrt()?)?;
-        xn.broadcast_mul(&self.w.reshape(shape)?)?.broadcast_add(&self.b.reshape(shape)?)
+        let xn = x
+            .broadcast_sub(&mean.reshape(shape)?)?
+            .broadcast_div(&(var.reshape(shape)? + self.eps)?.sqrt()?)?;
+        xn.broadcast_mul(&self.w.reshape(shape)?)?
+            .broadcast_add(&self.b.reshape(shape)?)
     }
 }

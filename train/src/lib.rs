@@ -25,33 +25,50 @@ mod comm;
 mod config;
 mod data;
 mod error;
-mod launch;
 mod inference;
+mod launch;
 mod layers;
-mod optim;
 pub mod models;
+mod optim;
 mod parallel;
 mod params;
 mod trainer;
 
-pub use crate::comm::{all_gather_tensor, all_reduce_tensor, check_mesh, run_threads, tensor_to_vec, Comm, Dist, ReduceOp, MESH_AXES};
-pub use crate::error::{Error, Result};
-pub use crate::data::{
-    digits, parse_digits_csv, read_cifar10, read_fashion_mnist, read_idx, DataSource, Dataset, DistributedSampler, Idx, Split,
-    CIFAR_RECORD, DIGITS_CSV_GZ, DIGITS_SPLIT_SEED, DIGITS_TEST, FASHION_MNIST_DIR,
-};
-pub use crate::parallel::{all_reduce_sum_both, chunk, copy_to_group, gather_from_group, reduce_from_group};
-pub use crate::params::{init_global, local_positions, place_local, slice_local, Init, ParamHint, ParamSpec, ShardedVarBuilder, ShardedVars};
-pub use crate::layers::{linear, BatchNorm2d, ColumnLinear, Conv2d, LayerNorm, Linear, ModelCtx, RowLinear};
-pub use crate::models::{build_model, Model, ModelConfig, ModelKind};
-pub use crate::optim::{lr_at, state_layout, state_tensor_name, OptimConfig, Optimizer, OptimizerKind, Schedule};
 pub use crate::checkpoint::{
-    checkpoint_tensor_names, f32_bytes, f32_from_bytes, find_meta_file, gather_full, read_trainer_state, resolve_checkpoint, FullTensor, RngState,
-    SaveMode, ScheduleState, TrainerState, CONFIG_FILE, LATEST_FILE, TRAINER_STATE_FILE, TRAINER_STATE_FORMAT,
+    checkpoint_tensor_names, f32_bytes, f32_from_bytes, find_meta_file, gather_full,
+    read_trainer_state, resolve_checkpoint, FullTensor, RngState, SaveMode, ScheduleState,
+    TrainerState, CONFIG_FILE, LATEST_FILE, TRAINER_STATE_FILE, TRAINER_STATE_FORMAT,
+};
+pub use crate::comm::{
+    all_gather_tensor, all_reduce_tensor, check_mesh, run_threads, tensor_to_vec, Comm, Dist,
+    ReduceOp, MESH_AXES,
+};
+#[cfg(feature = "mpi")]
+pub use crate::comm::{
+    finalize_mpi, mpi_world, run_mpi, MpiWorld, DEFAULT_TIMEOUT as MPI_DEFAULT_TIMEOUT,
+    TIMEOUT_VAR as MPI_TIMEOUT_VAR,
 };
 pub use crate::config::TrainConfig;
-pub use crate::trainer::{train, TrainReport};
-pub use crate::launch::{Backend, LaunchEnv, Launcher};
-#[cfg(feature = "mpi")]
-pub use crate::comm::{finalize_mpi, mpi_world, run_mpi, MpiWorld, DEFAULT_TIMEOUT as MPI_DEFAULT_TIMEOUT, TIMEOUT_VAR as MPI_TIMEOUT_VAR};
+pub use crate::data::{
+    digits, parse_digits_csv, read_cifar10, read_fashion_mnist, read_idx, DataSource, Dataset,
+    DistributedSampler, Idx, Split, CIFAR_RECORD, DIGITS_CSV_GZ, DIGITS_SPLIT_SEED, DIGITS_TEST,
+    FASHION_MNIST_DIR,
+};
+pub use crate::error::{Error, Result};
 pub use crate::inference::{load_model, model_strategy, read_model_config};
+pub use crate::launch::{Backend, LaunchEnv, Launcher};
+pub use crate::layers::{
+    linear, BatchNorm2d, ColumnLinear, Conv2d, LayerNorm, Linear, ModelCtx, RowLinear,
+};
+pub use crate::models::{build_model, Model, ModelConfig, ModelKind};
+pub use crate::optim::{
+    lr_at, state_layout, state_tensor_name, OptimConfig, Optimizer, OptimizerKind, Schedule,
+};
+pub use crate::parallel::{
+    all_reduce_sum_both, chunk, copy_to_group, gather_from_group, reduce_from_group,
+};
+pub use crate::params::{
+    init_global, local_positions, place_local, slice_local, Init, ParamHint, ParamSpec,
+    ShardedVarBuilder, ShardedVars,
+};
+pub use crate::trainer::{train, TrainReport};

@@ -51,11 +51,24 @@ impl ModelConfig {
     /// The default configuration of `kind` for images `[channels, height, width]` of
     /// `classes` classes (`depth` for resnet; 20 when `None`).
     #[must_use]
-    pub fn for_data(kind: ModelKind, channels: usize, height: usize, width: usize, classes: usize, depth: Option<usize>) -> ModelConfig {
+    pub fn for_data(
+        kind: ModelKind,
+        channels: usize,
+        height: usize,
+        width: usize,
+        classes: usize,
+        depth: Option<usize>,
+    ) -> ModelConfig {
         match kind {
-            ModelKind::Mlp => ModelConfig::Mlp(mlp::Config::for_data(channels * height * width, classes)),
+            ModelKind::Mlp => {
+                ModelConfig::Mlp(mlp::Config::for_data(channels * height * width, classes))
+            }
             ModelKind::Vit => ModelConfig::Vit(vit::Config::for_data(height, channels, classes)),
-            ModelKind::Resnet => ModelConfig::Resnet(resnet::Config { depth: depth.unwrap_or(20), channels, classes }),
+            ModelKind::Resnet => ModelConfig::Resnet(resnet::Config {
+                depth: depth.unwrap_or(20),
+                channels,
+                classes,
+            }),
         }
     }
 
@@ -89,7 +102,10 @@ impl ModelConfig {
         let log = backend.spec_log();
         let vb: ShardedVarBuilder = backend.into_var_builder();
         build_model(self, &vb, &ModelCtx::shape_only(tp_size, 0))?;
-        let specs = log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let specs = log
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
         Ok(specs)
     }
 
@@ -158,12 +174,23 @@ mod tests {
     use ckpt_core::Placement;
 
     fn count(cfg: &ModelConfig, tp: usize, trainable: bool) -> u64 {
-        cfg.specs(tp).unwrap().iter().filter(|s| s.hint.trainable == trainable).map(|s| s.shape.iter().product::<u64>()).sum()
+        cfg.specs(tp)
+            .unwrap()
+            .iter()
+            .filter(|s| s.hint.trainable == trainable)
+            .map(|s| s.shape.iter().product::<u64>())
+            .sum()
     }
 
     #[test]
     fn resnet_sizes_match_the_papers() {
-        let r = |depth| ModelConfig::Resnet(resnet::Config { depth, channels: 3, classes: 10 });
+        let r = |depth| {
+            ModelConfig::Resnet(resnet::Config {
+                depth,
+                channels: 3,
+                classes: 10,
+            })
+        };
         // He et al.: ResNet-20 0.27M parameters, ResNet-56 0.85M (here with 1x1
         // projection shortcuts at the two stage changes).
         let (n20, n56) = (count(&r(20), 1, true), count(&r(56), 1, true));
@@ -173,25 +200,52 @@ mod tests {
         let n50 = count(&r(50), 1, true);
         assert!((23_400_000..23_600_000).contains(&n50), "{n50}");
         let specs = r(20).specs(1).unwrap();
-        assert!(specs.iter().any(|s| s.name == "layer2.0.downsample.0.weight" && s.shape == [32, 16, 1, 1]));
-        assert!(specs.iter().any(|s| s.name == "layer3.2.bn2.running_var" && !s.hint.trainable && s.hint.init == Init::Ones));
+        assert!(specs
+            .iter()
+            .any(|s| s.name == "layer2.0.downsample.0.weight" && s.shape == [32, 16, 1, 1]));
+        assert!(specs.iter().any(|s| s.name == "layer3.2.bn2.running_var"
+            && !s.hint.trainable
+            && s.hint.init == Init::Ones));
         assert!(r(21).specs(1).unwrap_err().to_string().contains("6n+2"));
-        assert!(r(20).specs(2).unwrap_err().to_string().contains("data parallel only"));
+        assert!(r(20)
+            .specs(2)
+            .unwrap_err()
+            .to_string()
+            .contains("data parallel only"));
     }
 
     #[test]
     fn vit_fused_qkv_is_a_blocked_shard() {
         let cfg = ModelConfig::for_data(ModelKind::Vit, 1, 8, 8, 10, None);
         let specs = cfg.specs(2).unwrap();
-        let get = |n: &str| specs.iter().find(|s| s.name == n).unwrap_or_else(|| panic!("{n}"));
-        assert_eq!(get("blocks.0.attn.qkv.weight").hint.tp, Placement::blocked(0, 3));
+        let get = |n: &str| {
+            specs
+                .iter()
+                .find(|s| s.name == n)
+                .unwrap_or_else(|| panic!("{n}"))
+        };
+        assert_eq!(
+            get("blocks.0.attn.qkv.weight").hint.tp,
+            Placement::blocked(0, 3)
+        );
         assert_eq!(get("blocks.0.attn.qkv.weight").shape, [192, 64]);
-        assert_eq!(get("blocks.1.attn.proj.weight").hint.tp, Placement::shard(1));
+        assert_eq!(
+            get("blocks.1.attn.proj.weight").hint.tp,
+            Placement::shard(1)
+        );
         assert_eq!(get("blocks.1.mlp.fc1.bias").hint.tp, Placement::shard(0));
         assert_eq!(get("head.weight").hint.tp, Placement::shard(0));
         assert_eq!(get("pos_embed").shape, [1, 5, 64]);
-        let bad = ModelConfig::Vit(vit::Config { heads: 3, dim: 63, ..vit::Config::for_data(8, 1, 10) });
-        assert!(bad.specs(2).unwrap_err().to_string().contains("divisible by tp"));
+        let bad = ModelConfig::Vit(vit::Config {
+            heads: 3,
+            dim: 63,
+            ..vit::Config::for_data(8, 1, 10)
+        });
+        assert!(bad
+            .specs(2)
+            .unwrap_err()
+            .to_string()
+            .contains("divisible by tp"));
     }
 
     #[test]
@@ -200,18 +254,35 @@ mod tests {
         let text = cfg.to_json();
         assert!(text.contains("\"model\": \"mlp\""), "{text}");
         assert_eq!(serde_json::from_str::<ModelConfig>(&text).unwrap(), cfg);
-        assert!(serde_json::from_str::<ModelConfig>(r#"{"model":"mlp","config":{"in_features":1}}"#).is_err());
+        assert!(serde_json::from_str::<ModelConfig>(
+            r#"{"model":"mlp","config":{"in_features":1}}"#
+        )
+        .is_err());
     }
 
     #[test]
     fn mlp_keys_and_shapes_per_rank() {
-        let cfg = ModelConfig::Mlp(mlp::Config { in_features: 4, hidden: 6, width: 3, blocks: 2, classes: 5 });
+        let cfg = ModelConfig::Mlp(mlp::Config {
+            in_features: 4,
+            hidden: 6,
+            width: 3,
+            blocks: 2,
+            classes: 5,
+        });
         let names: Vec<String> = cfg.specs(4).unwrap().into_iter().map(|s| s.name).collect();
         assert_eq!(
             names,
             [
-                "blocks.0.fc1.weight", "blocks.0.fc1.bias", "blocks.0.fc2.weight", "blocks.0.fc2.bias", "blocks.1.fc1.weight",
-                "blocks.1.fc1.bias", "blocks.1.fc2.weight", "blocks.1.fc2.bias", "head.weight", "head.bias"
+                "blocks.0.fc1.weight",
+                "blocks.0.fc1.bias",
+                "blocks.0.fc2.weight",
+                "blocks.0.fc2.bias",
+                "blocks.1.fc1.weight",
+                "blocks.1.fc1.bias",
+                "blocks.1.fc2.weight",
+                "blocks.1.fc2.bias",
+                "head.weight",
+                "head.bias"
             ]
         );
     }

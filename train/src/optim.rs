@@ -72,7 +72,11 @@ pub fn state_layout(spec: &ParamSpec, mesh: &Mesh, zero: bool) -> TensorLayout {
         };
         for (a, axis) in mesh.axes().iter().enumerate() {
             if axis.name == "dp" && axis.size > 1 {
-                l.placements[a] = Placement::Shard { dim: 0, blocks, order: 1 };
+                l.placements[a] = Placement::Shard {
+                    dim: 0,
+                    blocks,
+                    order: 1,
+                };
             }
         }
     }
@@ -104,7 +108,12 @@ impl Optimizer {
     ///
     /// # Errors
     /// Layout errors.
-    pub fn new(cfg: OptimConfig, params: Vec<(String, Var, ParamSpec)>, dist: &Dist, zero: bool) -> Result<Optimizer> {
+    pub fn new(
+        cfg: OptimConfig,
+        params: Vec<(String, Var, ParamSpec)>,
+        dist: &Dist,
+        zero: bool,
+    ) -> Result<Optimizer> {
         let zero = zero && dist.dp_size() > 1;
         let mut slots = Vec::with_capacity(params.len());
         for (name, var, spec) in params {
@@ -123,10 +132,26 @@ impl Optimizer {
                 (None, Vec::new())
             };
             let n = mine.as_ref().map_or(local, Vec::len);
-            let state = cfg.kind.state_names().iter().map(|_| vec![0f32; n]).collect();
-            slots.push(Slot { name, var, mine, peers, state });
+            let state = cfg
+                .kind
+                .state_names()
+                .iter()
+                .map(|_| vec![0f32; n])
+                .collect();
+            slots.push(Slot {
+                name,
+                var,
+                mine,
+                peers,
+                state,
+            });
         }
-        Ok(Optimizer { cfg, slots, dp: dist.dp.clone(), zero })
+        Ok(Optimizer {
+            cfg,
+            slots,
+            dp: dist.dp.clone(),
+            zero,
+        })
     }
 
     /// Averages the gradients over `dp` and applies one update with learning rate `lr`;
@@ -145,9 +170,19 @@ impl Optimizer {
             }
         }
         self.dp.all_reduce(&mut flat, ReduceOp::Mean)?;
-        let mut params: Vec<Vec<f32>> = self.slots.iter().map(|s| crate::comm::tensor_to_vec(s.var.as_tensor())).collect::<Result<_>>()?;
+        let mut params: Vec<Vec<f32>> = self
+            .slots
+            .iter()
+            .map(|s| crate::comm::tensor_to_vec(s.var.as_tensor()))
+            .collect::<Result<_>>()?;
         let (lr, c) = (lr as f32, &self.cfg);
-        let (mom, wd, b1, b2, eps) = (c.momentum as f32, c.weight_decay as f32, c.beta1 as f32, c.beta2 as f32, c.eps as f32);
+        let (mom, wd, b1, b2, eps) = (
+            c.momentum as f32,
+            c.weight_decay as f32,
+            c.beta1 as f32,
+            c.beta2 as f32,
+            c.eps as f32,
+        );
         let bc1 = 1.0 - (c.beta1 as f32).powi(step as i32);
         let bc2 = 1.0 - (c.beta2 as f32).powi(step as i32);
         let kind = c.kind;
@@ -194,7 +229,11 @@ impl Optimizer {
                     }
                 }
                 if at != part.len() {
-                    return Err(Error::Collective { op: "all_gather", group: format!("{:?}", self.dp.members()), problem: "ZeRO shard sizes disagree".into() });
+                    return Err(Error::Collective {
+                        op: "all_gather",
+                        group: format!("{:?}", self.dp.members()),
+                        problem: "ZeRO shard sizes disagree".into(),
+                    });
                 }
             }
         }
@@ -230,7 +269,10 @@ impl Optimizer {
                 let n = state_tensor_name(&s.name, k);
                 if let Some(v) = tensors.get(&n) {
                     if v.len() != st.len() {
-                        return Err(Error::BadCheckpoint { path: n.into(), problem: format!("{} values for a shard of {}", v.len(), st.len()) });
+                        return Err(Error::BadCheckpoint {
+                            path: n.into(),
+                            problem: format!("{} values for a shard of {}", v.len(), st.len()),
+                        });
                     }
                     st.copy_from_slice(v);
                 }

@@ -30,7 +30,11 @@ struct CommOp {
     kind: Kind,
 }
 
-fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> candle_core::Result<&'a [f32]> {
+fn contiguous_f32<'a>(
+    storage: &'a CpuStorage,
+    layout: &Layout,
+    op: &str,
+) -> candle_core::Result<&'a [f32]> {
     let CpuStorage::F32(v) = storage else {
         candle_core::bail!("{op}: only f32 tensors are supported")
     };
@@ -41,7 +45,8 @@ fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> can
 }
 
 fn reduce_tensor(comm: &dyn Comm, t: &Tensor) -> candle_core::Result<Tensor> {
-    crate::comm::all_reduce_tensor(comm, &t.contiguous()?, ReduceOp::Sum).map_err(candle_core::Error::wrap)
+    crate::comm::all_reduce_tensor(comm, &t.contiguous()?, ReduceOp::Sum)
+        .map_err(candle_core::Error::wrap)
 }
 
 impl CustomOp1 for CommOp {
@@ -53,15 +58,26 @@ impl CustomOp1 for CommOp {
         }
     }
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let mut v = contiguous_f32(storage, layout, self.name())?.to_vec();
         if self.kind != Kind::Copy {
-            self.comm.all_reduce(&mut v, ReduceOp::Sum).map_err(candle_core::Error::wrap)?;
+            self.comm
+                .all_reduce(&mut v, ReduceOp::Sum)
+                .map_err(candle_core::Error::wrap)?;
         }
         Ok((CpuStorage::F32(v), layout.shape().clone()))
     }
 
-    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
         match self.kind {
             Kind::Reduce => Ok(Some(grad_res.clone())),
             Kind::Copy | Kind::SumBoth => Ok(Some(reduce_tensor(self.comm.as_ref(), grad_res)?)),
@@ -73,7 +89,10 @@ fn apply(x: &Tensor, comm: &Arc<dyn Comm>, kind: Kind) -> candle_core::Result<Te
     if comm.size() == 1 {
         return Ok(x.clone());
     }
-    x.contiguous()?.apply_op1(CommOp { comm: comm.clone(), kind })
+    x.contiguous()?.apply_op1(CommOp {
+        comm: comm.clone(),
+        kind,
+    })
 }
 
 /// Megatron's `f`: identity forward, gradient all-reduced over the group. Put before a
@@ -122,7 +141,11 @@ impl CustomOp1 for GatherOp {
         "gather-from-group"
     }
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let v = contiguous_f32(storage, layout, self.name())?;
         let dims = layout.shape().dims();
         let last = *dims.last().unwrap_or(&1);
@@ -133,10 +156,15 @@ impl CustomOp1 for GatherOp {
         for (i, p) in parts.iter().enumerate() {
             let (start, len) = chunk(self.global, k, i);
             if p.len() != rows * len {
-                candle_core::bail!("gather-from-group: rank {i} sent {} values, expected {}", p.len(), rows * len);
+                candle_core::bail!(
+                    "gather-from-group: rank {i} sent {} values, expected {}",
+                    p.len(),
+                    rows * len
+                );
             }
             for r in 0..rows {
-                out[r * self.global + start..r * self.global + start + len].copy_from_slice(&p[r * len..(r + 1) * len]);
+                out[r * self.global + start..r * self.global + start + len]
+                    .copy_from_slice(&p[r * len..(r + 1) * len]);
             }
         }
         let mut shape = dims.to_vec();
@@ -146,7 +174,12 @@ impl CustomOp1 for GatherOp {
         Ok((CpuStorage::F32(out), shape.into()))
     }
 
-    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
         let (start, len) = chunk(self.global, self.comm.size(), self.comm.rank());
         let d = grad_res.rank() - 1;
         Ok(Some(grad_res.narrow(d, start, len)?.contiguous()?))
@@ -159,11 +192,18 @@ impl CustomOp1 for GatherOp {
 ///
 /// # Errors
 /// Collective or tensor errors.
-pub fn gather_from_group(x: &Tensor, comm: &Arc<dyn Comm>, global: usize) -> candle_core::Result<Tensor> {
+pub fn gather_from_group(
+    x: &Tensor,
+    comm: &Arc<dyn Comm>,
+    global: usize,
+) -> candle_core::Result<Tensor> {
     if comm.size() == 1 {
         return Ok(x.clone());
     }
-    x.contiguous()?.apply_op1(GatherOp { comm: comm.clone(), global })
+    x.contiguous()?.apply_op1(GatherOp {
+        comm: comm.clone(),
+        global,
+    })
 }
 
 #[cfg(test)]
@@ -209,10 +249,16 @@ mod tests {
             let scale = Tensor::arange(0f32, 10.0, &Device::Cpu)?;
             let loss = y.broadcast_mul(&scale)?.sum_all()?;
             let g = loss.backward()?;
-            Ok((y.to_vec2::<f32>()?, g.get(x.as_tensor()).unwrap().to_vec1::<f32>()?))
+            Ok((
+                y.to_vec2::<f32>()?,
+                g.get(x.as_tensor()).unwrap().to_vec1::<f32>()?,
+            ))
         })
         .unwrap();
-        assert_eq!(out[0].0[1], vec![0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 3.0]);
+        assert_eq!(
+            out[0].0[1],
+            vec![0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 3.0]
+        );
         assert_eq!(out[3].1, vec![9.0, 9.0]);
         assert_eq!(out[1].1, vec![3.0, 4.0, 5.0, 3.0, 4.0, 5.0]);
     }

@@ -49,7 +49,11 @@ pub struct ParamHint {
 
 impl Default for ParamHint {
     fn default() -> ParamHint {
-        ParamHint { tp: Placement::Replicate, init: Init::Zeros, trainable: true }
+        ParamHint {
+            tp: Placement::Replicate,
+            init: Init::Zeros,
+            trainable: true,
+        }
     }
 }
 
@@ -57,25 +61,41 @@ impl ParamHint {
     /// A replicated trainable tensor.
     #[must_use]
     pub fn replicated(init: Init) -> ParamHint {
-        ParamHint { tp: Placement::Replicate, init, trainable: true }
+        ParamHint {
+            tp: Placement::Replicate,
+            init,
+            trainable: true,
+        }
     }
 
     /// A trainable tensor split along `dim` over `tp`.
     #[must_use]
     pub fn shard(dim: usize, init: Init) -> ParamHint {
-        ParamHint { tp: Placement::shard(dim), init, trainable: true }
+        ParamHint {
+            tp: Placement::shard(dim),
+            init,
+            trainable: true,
+        }
     }
 
     /// A trainable tensor whose `dim` is `blocks` fused blocks, each split over `tp`.
     #[must_use]
     pub fn blocked(dim: usize, blocks: u64, init: Init) -> ParamHint {
-        ParamHint { tp: Placement::blocked(dim, blocks), init, trainable: true }
+        ParamHint {
+            tp: Placement::blocked(dim, blocks),
+            init,
+            trainable: true,
+        }
     }
 
     /// A replicated buffer (not trained).
     #[must_use]
     pub fn buffer(init: Init) -> ParamHint {
-        ParamHint { tp: Placement::Replicate, init, trainable: false }
+        ParamHint {
+            tp: Placement::Replicate,
+            init,
+            trainable: false,
+        }
     }
 }
 
@@ -95,7 +115,17 @@ impl ParamSpec {
     /// every other axis.
     #[must_use]
     pub fn layout(&self, mesh: &Mesh) -> TensorLayout {
-        let placements = mesh.axes().iter().map(|a| if a.name == "tp" { self.hint.tp } else { Placement::Replicate }).collect();
+        let placements = mesh
+            .axes()
+            .iter()
+            .map(|a| {
+                if a.name == "tp" {
+                    self.hint.tp
+                } else {
+                    Placement::Replicate
+                }
+            })
+            .collect();
         TensorLayout::new(self.shape.clone(), Dtype::F32, placements)
     }
 
@@ -134,19 +164,35 @@ impl ShardedVars {
     /// A recording backend for `tp_size` ranks (as seen from tp rank `tp_rank`).
     #[must_use]
     pub fn record(tp_size: usize, tp_rank: usize) -> ShardedVars {
-        ShardedVars { mode: Mode::Record, tp_mesh: Self::tp_mesh(tp_size), tp_rank: tp_rank as u64, specs: Arc::default() }
+        ShardedVars {
+            mode: Mode::Record,
+            tp_mesh: Self::tp_mesh(tp_size),
+            tp_rank: tp_rank as u64,
+            specs: Arc::default(),
+        }
     }
 
     /// A backend serving the given local tensors of tp rank `tp_rank`.
     #[must_use]
     pub fn serve(tensors: BTreeMap<String, Tensor>, tp_size: usize, tp_rank: usize) -> ShardedVars {
-        ShardedVars { mode: Mode::Serve(tensors), tp_mesh: Self::tp_mesh(tp_size), tp_rank: tp_rank as u64, specs: Arc::default() }
+        ShardedVars {
+            mode: Mode::Serve(tensors),
+            tp_mesh: Self::tp_mesh(tp_size),
+            tp_rank: tp_rank as u64,
+            specs: Arc::default(),
+        }
     }
 
     /// A backend serving candle `Var`s (training).
     #[must_use]
     pub fn serve_vars(vars: &BTreeMap<String, Var>, tp_size: usize, tp_rank: usize) -> ShardedVars {
-        Self::serve(vars.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect(), tp_size, tp_rank)
+        Self::serve(
+            vars.iter()
+                .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+                .collect(),
+            tp_size,
+            tp_rank,
+        )
     }
 
     /// The log of specs asked for, in declaration order (shared: keep it to read the
@@ -166,8 +212,19 @@ impl ShardedVars {
 impl Backend for ShardedVars {
     type Hints = ParamHint;
 
-    fn get(&self, s: Shape, name: &str, h: ParamHint, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        let spec = ParamSpec { name: name.to_string(), shape: s.dims().iter().map(|&d| d as u64).collect(), hint: h };
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: ParamHint,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let spec = ParamSpec {
+            name: name.to_string(),
+            shape: s.dims().iter().map(|&d| d as u64).collect(),
+            hint: h,
+        };
         let local: Vec<usize> = spec
             .layout(&self.tp_mesh)
             .local_shape(&self.tp_mesh, self.tp_rank)
@@ -175,14 +232,24 @@ impl Backend for ShardedVars {
             .iter()
             .map(|&d| d as usize)
             .collect();
-        self.specs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(spec);
+        self.specs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(spec);
         match &self.mode {
             Mode::Record => Tensor::zeros(local, dtype, dev),
             Mode::Serve(map) => {
-                let t = map.get(name).ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.to_string() })?;
+                let t = map
+                    .get(name)
+                    .ok_or_else(|| candle_core::Error::CannotFindTensor {
+                        path: name.to_string(),
+                    })?;
                 if t.dims() != local.as_slice() {
                     return Err(candle_core::Error::UnexpectedShape {
-                        msg: format!("shape mismatch for {name} (local piece of global {:?})", s.dims()),
+                        msg: format!(
+                            "shape mismatch for {name} (local piece of global {:?})",
+                            s.dims()
+                        ),
                         expected: local.into(),
                         got: t.shape().clone(),
                     });
@@ -192,10 +259,23 @@ impl Backend for ShardedVars {
         }
     }
 
-    fn get_unchecked(&self, name: &str, _dtype: DType, _dev: &Device) -> candle_core::Result<Tensor> {
+    fn get_unchecked(
+        &self,
+        name: &str,
+        _dtype: DType,
+        _dev: &Device,
+    ) -> candle_core::Result<Tensor> {
         match &self.mode {
-            Mode::Serve(map) => map.get(name).cloned().ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.to_string() }),
-            Mode::Record => Err(candle_core::Error::CannotFindTensor { path: name.to_string() }),
+            Mode::Serve(map) => {
+                map.get(name)
+                    .cloned()
+                    .ok_or_else(|| candle_core::Error::CannotFindTensor {
+                        path: name.to_string(),
+                    })
+            }
+            Mode::Record => Err(candle_core::Error::CannotFindTensor {
+                path: name.to_string(),
+            }),
         }
     }
 
@@ -209,7 +289,9 @@ impl Backend for ShardedVars {
 
 /// FNV-1a of a name, to seed its initialisation.
 fn name_hash(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// The global initial value of `spec` for `seed` (independent of the mesh).
@@ -235,7 +317,15 @@ pub fn init_global(spec: &ParamSpec, seed: u64) -> Vec<f32> {
 /// Copies the box `extent` starting at `src_start` in a row-major tensor of shape
 /// `src_shape` to `dst_start` in one of shape `dst_shape`, a run of the last dimension
 /// at a time.
-pub(crate) fn copy_box<T: Copy>(src: &[T], src_shape: &[u64], src_start: &[u64], dst: &mut [T], dst_shape: &[u64], dst_start: &[u64], extent: &[u64]) {
+pub(crate) fn copy_box<T: Copy>(
+    src: &[T],
+    src_shape: &[u64],
+    src_start: &[u64],
+    dst: &mut [T],
+    dst_shape: &[u64],
+    dst_start: &[u64],
+    extent: &[u64],
+) {
     let nd = extent.len();
     if extent.contains(&0) {
         return;
@@ -255,8 +345,12 @@ pub(crate) fn copy_box<T: Copy>(src: &[T], src_shape: &[u64], src_start: &[u64],
     let run = extent[nd - 1] as usize;
     let mut idx = vec![0u64; nd - 1];
     loop {
-        let so: u64 = (0..nd).map(|d| (src_start[d] + if d < nd - 1 { idx[d] } else { 0 }) * ss[d]).sum();
-        let dof: u64 = (0..nd).map(|d| (dst_start[d] + if d < nd - 1 { idx[d] } else { 0 }) * ds[d]).sum();
+        let so: u64 = (0..nd)
+            .map(|d| (src_start[d] + if d < nd - 1 { idx[d] } else { 0 }) * ss[d])
+            .sum();
+        let dof: u64 = (0..nd)
+            .map(|d| (dst_start[d] + if d < nd - 1 { idx[d] } else { 0 }) * ds[d])
+            .sum();
         dst[dof as usize..dof as usize + run].copy_from_slice(&src[so as usize..so as usize + run]);
         let mut d = nd - 1;
         loop {
@@ -276,19 +370,45 @@ pub(crate) fn copy_box<T: Copy>(src: &[T], src_shape: &[u64], src_start: &[u64],
 /// `rank`'s local piece of a global tensor under `layout` (empty when it holds none).
 #[must_use]
 pub fn slice_local(global: &[f32], layout: &TensorLayout, mesh: &Mesh, rank: u64) -> Vec<f32> {
-    let Some(local_shape) = layout.local_shape(mesh, rank) else { return Vec::new() };
+    let Some(local_shape) = layout.local_shape(mesh, rank) else {
+        return Vec::new();
+    };
     let mut out = vec![0f32; local_shape.iter().product::<u64>() as usize];
     for p in layout.pieces(mesh, rank) {
-        copy_box(global, &layout.shape, &p.global.start, &mut out, &local_shape, &p.local.start, &p.global.shape);
+        copy_box(
+            global,
+            &layout.shape,
+            &p.global.start,
+            &mut out,
+            &local_shape,
+            &p.local.start,
+            &p.global.shape,
+        );
     }
     out
 }
 
 /// Writes `rank`'s local tensor into its place in `global`.
-pub fn place_local(local: &[f32], layout: &TensorLayout, mesh: &Mesh, rank: u64, global: &mut [f32]) {
-    let Some(local_shape) = layout.local_shape(mesh, rank) else { return };
+pub fn place_local(
+    local: &[f32],
+    layout: &TensorLayout,
+    mesh: &Mesh,
+    rank: u64,
+    global: &mut [f32],
+) {
+    let Some(local_shape) = layout.local_shape(mesh, rank) else {
+        return;
+    };
     for p in layout.pieces(mesh, rank) {
-        copy_box(local, &local_shape, &p.local.start, global, &layout.shape, &p.global.start, &p.global.shape);
+        copy_box(
+            local,
+            &local_shape,
+            &p.local.start,
+            global,
+            &layout.shape,
+            &p.global.start,
+            &p.global.shape,
+        );
     }
 }
 
@@ -302,8 +422,15 @@ fn flat(coord: &[u64], shape: &[u64]) -> u64 {
 ///
 /// # Errors
 /// [`Error::InvalidModel`] when an element of `inner` is not held under `outer`.
-pub fn local_positions(outer: &TensorLayout, inner: &TensorLayout, mesh: &Mesh, rank: u64) -> Result<Vec<u32>> {
-    let Some(inner_shape) = inner.local_shape(mesh, rank) else { return Ok(Vec::new()) };
+pub fn local_positions(
+    outer: &TensorLayout,
+    inner: &TensorLayout,
+    mesh: &Mesh,
+    rank: u64,
+) -> Result<Vec<u32>> {
+    let Some(inner_shape) = inner.local_shape(mesh, rank) else {
+        return Ok(Vec::new());
+    };
     let outer_shape = outer.local_shape(mesh, rank).unwrap_or_default();
     let outer_pieces = outer.pieces(mesh, rank);
     let mut out = vec![0u32; inner_shape.iter().product::<u64>() as usize];
@@ -314,10 +441,18 @@ pub fn local_positions(outer: &TensorLayout, inner: &TensorLayout, mesh: &Mesh, 
         for _ in 0..n {
             let g: Vec<u64> = (0..nd).map(|d| p.global.start[d] + off[d]).collect();
             let cell = Region::new(g.clone(), vec![1; nd]);
-            let op = outer_pieces.iter().find(|o| o.global.contains(&cell)).ok_or_else(|| {
-                Error::model("optimizer", format!("element {g:?} of the optimizer shard is not held by rank {rank}"))
-            })?;
-            let ol: Vec<u64> = (0..nd).map(|d| op.local.start[d] + g[d] - op.global.start[d]).collect();
+            let op = outer_pieces
+                .iter()
+                .find(|o| o.global.contains(&cell))
+                .ok_or_else(|| {
+                    Error::model(
+                        "optimizer",
+                        format!("element {g:?} of the optimizer shard is not held by rank {rank}"),
+                    )
+                })?;
+            let ol: Vec<u64> = (0..nd)
+                .map(|d| op.local.start[d] + g[d] - op.global.start[d])
+                .collect();
             let il: Vec<u64> = (0..nd).map(|d| p.local.start[d] + off[d]).collect();
             out[flat(&il, &inner_shape) as usize] = flat(&ol, &outer_shape) as u32;
             for d in (0..nd).rev() {
@@ -339,10 +474,17 @@ mod tests {
     #[test]
     fn slice_and_place_are_inverse_for_blocked_shards() {
         let mesh = Mesh::parse("dp=2,tp=2").unwrap();
-        let l = TensorLayout::new(vec![6, 2], Dtype::F32, vec![Placement::Replicate, Placement::blocked(0, 3)]);
+        let l = TensorLayout::new(
+            vec![6, 2],
+            Dtype::F32,
+            vec![Placement::Replicate, Placement::blocked(0, 3)],
+        );
         let g: Vec<f32> = (0..12).map(|i| i as f32).collect();
         // tp rank 1 holds rows 1, 3, 5.
-        assert_eq!(slice_local(&g, &l, &mesh, 1), vec![2.0, 3.0, 6.0, 7.0, 10.0, 11.0]);
+        assert_eq!(
+            slice_local(&g, &l, &mesh, 1),
+            vec![2.0, 3.0, 6.0, 7.0, 10.0, 11.0]
+        );
         let mut back = vec![0f32; 12];
         for r in 0..4 {
             place_local(&slice_local(&g, &l, &mesh, r), &l, &mesh, r, &mut back);
@@ -353,11 +495,22 @@ mod tests {
     #[test]
     fn zero_shard_positions_nest_inside_the_tp_shard() {
         let mesh = Mesh::parse("dp=2,tp=2").unwrap();
-        let param = TensorLayout::new(vec![8, 1], Dtype::F32, vec![Placement::Replicate, Placement::shard(0)]);
+        let param = TensorLayout::new(
+            vec![8, 1],
+            Dtype::F32,
+            vec![Placement::Replicate, Placement::shard(0)],
+        );
         let opt = TensorLayout::new(
             vec![8, 1],
             Dtype::F32,
-            vec![Placement::Shard { dim: 0, blocks: 1, order: 1 }, Placement::shard(0)],
+            vec![
+                Placement::Shard {
+                    dim: 0,
+                    blocks: 1,
+                    order: 1,
+                },
+                Placement::shard(0),
+            ],
         );
         // rank 2 = (dp 1, tp 0): tp holds rows 0..4, its dp shard rows 2..4.
         assert_eq!(local_positions(&param, &opt, &mesh, 2).unwrap(), vec![2, 3]);
@@ -366,10 +519,17 @@ mod tests {
 
     #[test]
     fn init_is_deterministic_and_named() {
-        let s = |name: &str| ParamSpec { name: name.into(), shape: vec![3, 4], hint: ParamHint::replicated(Init::Normal { std: 1.0 }) };
+        let s = |name: &str| ParamSpec {
+            name: name.into(),
+            shape: vec![3, 4],
+            hint: ParamHint::replicated(Init::Normal { std: 1.0 }),
+        };
         assert_eq!(init_global(&s("a"), 1), init_global(&s("a"), 1));
         assert_ne!(init_global(&s("a"), 1), init_global(&s("b"), 1));
-        let u = ParamSpec { hint: ParamHint::replicated(Init::Uniform { bound: 0.5 }), ..s("u") };
+        let u = ParamSpec {
+            hint: ParamHint::replicated(Init::Uniform { bound: 0.5 }),
+            ..s("u")
+        };
         assert!(init_global(&u, 0).iter().all(|v| v.abs() <= 0.5));
     }
 }

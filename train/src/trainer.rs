@@ -2,8 +2,9 @@
 //! report from rank 0.
 
 use crate::checkpoint::{
-    checkpoint_tensor_names, f32_from_bytes, find_meta_file, gather_full, read_trainer_state, resolve_checkpoint, save, FullTensor,
-    RngState, SaveMode, SaveRequest, ScheduleState, TrainerState, CONFIG_FILE, TRAINER_STATE_FILE, TRAINER_STATE_FORMAT,
+    checkpoint_tensor_names, f32_from_bytes, find_meta_file, gather_full, read_trainer_state,
+    resolve_checkpoint, save, FullTensor, RngState, SaveMode, SaveRequest, ScheduleState,
+    TrainerState, CONFIG_FILE, TRAINER_STATE_FILE, TRAINER_STATE_FORMAT,
 };
 use crate::comm::{check_mesh, Dist, ReduceOp};
 use crate::config::TrainConfig;
@@ -11,7 +12,9 @@ use crate::data::{DataSource, Dataset, DistributedSampler, Split};
 use crate::error::{Error, IoContext, Result};
 use crate::layers::ModelCtx;
 use crate::models::{build_model, Model, ModelConfig, ModelKind};
-use crate::optim::{lr_at, state_layout, state_tensor_name, OptimConfig, Optimizer, OptimizerKind, Schedule};
+use crate::optim::{
+    lr_at, state_layout, state_tensor_name, OptimConfig, Optimizer, OptimizerKind, Schedule,
+};
 use crate::params::{init_global, slice_local, ParamSpec, ShardedVars};
 use candle_core::{Device, Var};
 use ckpt_core::{Dtype, Mesh, Strategy, TensorLayout};
@@ -104,26 +107,45 @@ fn default_mesh(kind: ModelKind) -> &'static str {
 fn check_model_fits(model: &ModelConfig, d: &Dataset) -> Result<()> {
     let name = model.kind().to_string();
     if model.classes() < d.classes {
-        return Err(Error::model(&name, format!("{} classes but the data has {}", model.classes(), d.classes)));
+        return Err(Error::model(
+            &name,
+            format!("{} classes but the data has {}", model.classes(), d.classes),
+        ));
     }
     match model {
-        ModelConfig::Mlp(c) if c.in_features != d.image_len() => {
-            Err(Error::model(&name, format!("in_features {} but images have {} values", c.in_features, d.image_len())))
-        }
-        ModelConfig::Vit(c) if c.image_size != d.height || c.image_size != d.width || c.channels != d.channels => Err(Error::model(
+        ModelConfig::Mlp(c) if c.in_features != d.image_len() => Err(Error::model(
             &name,
-            format!("image_size {} x {} channels but images are {}x{}x{}", c.image_size, c.channels, d.channels, d.height, d.width),
+            format!(
+                "in_features {} but images have {} values",
+                c.in_features,
+                d.image_len()
+            ),
         )),
-        ModelConfig::Resnet(c) if c.channels != d.channels => {
-            Err(Error::model(&name, format!("{} channels but images have {}", c.channels, d.channels)))
+        ModelConfig::Vit(c)
+            if c.image_size != d.height || c.image_size != d.width || c.channels != d.channels =>
+        {
+            Err(Error::model(
+                &name,
+                format!(
+                    "image_size {} x {} channels but images are {}x{}x{}",
+                    c.image_size, c.channels, d.channels, d.height, d.width
+                ),
+            ))
         }
+        ModelConfig::Resnet(c) if c.channels != d.channels => Err(Error::model(
+            &name,
+            format!("{} channels but images have {}", c.channels, d.channels),
+        )),
         _ => Ok(()),
     }
 }
 
 fn read_model_config(path: &Path) -> Result<ModelConfig> {
     let text = std::fs::read_to_string(path).at(path)?;
-    serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_path_buf(), source })
+    serde_json::from_str(&text).map_err(|source| Error::Json {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 impl Plan {
@@ -131,8 +153,12 @@ impl Plan {
         let resume = match &cfg.resume {
             Some(r) => {
                 let dir = resolve_checkpoint(r)?;
-                let sp = find_meta_file(&dir, TRAINER_STATE_FILE)
-                    .ok_or_else(|| Error::BadCheckpoint { path: dir.clone(), problem: format!("no {TRAINER_STATE_FILE}") })?;
+                let sp = find_meta_file(&dir, TRAINER_STATE_FILE).ok_or_else(|| {
+                    Error::BadCheckpoint {
+                        path: dir.clone(),
+                        problem: format!("no {TRAINER_STATE_FILE}"),
+                    }
+                })?;
                 let state = read_trainer_state(&sp)?;
                 let names = checkpoint_tensor_names(&dir)?.into_iter().collect();
                 Some(Resume { dir, state, names })
@@ -141,8 +167,11 @@ impl Plan {
         };
         let resumed_model = match &resume {
             Some(r) => {
-                let p = find_meta_file(&r.dir, CONFIG_FILE)
-                    .ok_or_else(|| Error::BadCheckpoint { path: r.dir.clone(), problem: format!("no {CONFIG_FILE}") })?;
+                let p =
+                    find_meta_file(&r.dir, CONFIG_FILE).ok_or_else(|| Error::BadCheckpoint {
+                        path: r.dir.clone(),
+                        problem: format!("no {CONFIG_FILE}"),
+                    })?;
                 Some(read_model_config(&p)?)
             }
             None => None,
@@ -155,8 +184,12 @@ impl Plan {
         };
         let mesh = Mesh::parse(&mesh_text)?;
         check_mesh(&mesh)?;
-        let dp = mesh.axis_index("dp").map_or(1, |a| mesh.axes()[a].size as usize);
-        let tp = mesh.axis_index("tp").map_or(1, |a| mesh.axes()[a].size as usize);
+        let dp = mesh
+            .axis_index("dp")
+            .map_or(1, |a| mesh.axes()[a].size as usize);
+        let tp = mesh
+            .axis_index("tp")
+            .map_or(1, |a| mesh.axes()[a].size as usize);
 
         let data_text = match &resume {
             Some(r) if cfg.data == "digits" => r.state.data.clone(),
@@ -174,11 +207,14 @@ impl Plan {
         let model = match (resumed_model, &cfg.model_config) {
             (Some(m), _) => m,
             (None, Some(json)) => {
-                let inner: serde_json::Value = serde_json::from_str(json).map_err(|e| Error::option("--model-config", e.to_string()))?;
+                let inner: serde_json::Value = serde_json::from_str(json)
+                    .map_err(|e| Error::option("--model-config", e.to_string()))?;
                 serde_json::from_value(serde_json::json!({ "model": kind, "config": inner }))
                     .map_err(|e| Error::option("--model-config", e.to_string()))?
             }
-            (None, None) => ModelConfig::for_data(kind, t.channels, t.height, t.width, t.classes, cfg.depth),
+            (None, None) => {
+                ModelConfig::for_data(kind, t.channels, t.height, t.width, t.classes, cfg.depth)
+            }
         };
         check_model_fits(&model, t)?;
         let specs = model.specs(tp)?;
@@ -186,7 +222,14 @@ impl Plan {
         let (optim, base_lr, schedule, warmup, global_batch, seed) = match &resume {
             Some(r) => {
                 let s = &r.state;
-                (s.optimizer.clone(), s.schedule.base_lr, s.schedule.kind, s.schedule.warmup, s.global_batch, s.rng.seed)
+                (
+                    s.optimizer.clone(),
+                    s.schedule.base_lr,
+                    s.schedule.kind,
+                    s.schedule.warmup,
+                    s.global_batch,
+                    s.rng.seed,
+                )
             }
             None => {
                 let adam = cfg.optimizer == OptimizerKind::Adamw;
@@ -198,17 +241,33 @@ impl Plan {
                     beta2: 0.999,
                     eps: 1e-8,
                 };
-                (optim, cfg.lr.unwrap_or(if adam { 5e-3 } else { 0.1 }), cfg.schedule, cfg.warmup, cfg.batch_size, cfg.seed)
+                (
+                    optim,
+                    cfg.lr.unwrap_or(if adam { 5e-3 } else { 0.1 }),
+                    cfg.schedule,
+                    cfg.warmup,
+                    cfg.batch_size,
+                    cfg.seed,
+                )
             }
         };
         if global_batch == 0 || global_batch % dp != 0 {
-            return Err(Error::option("--batch-size", format!("global batch {global_batch} must be a positive multiple of dp={dp}")));
+            return Err(Error::option(
+                "--batch-size",
+                format!("global batch {global_batch} must be a positive multiple of dp={dp}"),
+            ));
         }
         let local_batch = global_batch / dp;
         let per_rank = t.len().div_ceil(dp);
         let steps_per_epoch = (per_rank / local_batch) as u64;
         if steps_per_epoch == 0 {
-            return Err(Error::option("--batch-size", format!("{} training images give no full batch of {global_batch} over dp={dp}", t.len())));
+            return Err(Error::option(
+                "--batch-size",
+                format!(
+                    "{} training images give no full batch of {global_batch} over dp={dp}",
+                    t.len()
+                ),
+            ));
         }
         let total_steps = match &resume {
             Some(r) => r.state.schedule.total_steps,
@@ -249,10 +308,17 @@ impl Plan {
 
     /// Layouts of every tensor a checkpoint of this run holds, in a fixed order.
     fn layouts(&self) -> Vec<(String, TensorLayout)> {
-        let mut out: Vec<(String, TensorLayout)> = self.specs.iter().map(|s| (s.name.clone(), s.layout(&self.mesh))).collect();
+        let mut out: Vec<(String, TensorLayout)> = self
+            .specs
+            .iter()
+            .map(|s| (s.name.clone(), s.layout(&self.mesh)))
+            .collect();
         for s in self.specs.iter().filter(|s| s.hint.trainable) {
             for st in self.optim.kind.state_names() {
-                out.push((state_tensor_name(&s.name, st), state_layout(s, &self.mesh, self.zero)));
+                out.push((
+                    state_tensor_name(&s.name, st),
+                    state_layout(s, &self.mesh, self.zero),
+                ));
             }
         }
         out
@@ -298,10 +364,18 @@ fn evaluate(model: &Model, test: &Dataset, dist: &Dist) -> Result<f32> {
     for b in idx.chunks(256) {
         let (x, y) = test.batch(b, &Device::Cpu)?;
         let pred = model.forward(&x, false)?.argmax(1)?;
-        counts[0] += pred.eq(&y)?.to_dtype(candle_core::DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+        counts[0] += pred
+            .eq(&y)?
+            .to_dtype(candle_core::DType::F32)?
+            .sum_all()?
+            .to_scalar::<f32>()?;
     }
     dist.dp.all_reduce(&mut counts, ReduceOp::Sum)?;
-    Ok(if counts[1] > 0.0 { counts[0] / counts[1] } else { 0.0 })
+    Ok(if counts[1] > 0.0 {
+        counts[0] / counts[1]
+    } else {
+        0.0
+    })
 }
 
 fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
@@ -315,13 +389,19 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
     if let Some(r) = &plan.resume {
         for s in &plan.specs {
             if !r.names.contains(&s.name) {
-                return Err(Error::BadCheckpoint { path: r.dir.clone(), problem: format!("tensor `{}` of the model is missing", s.name) });
+                return Err(Error::BadCheckpoint {
+                    path: r.dir.clone(),
+                    problem: format!("tensor `{}` of the model is missing", s.name),
+                });
             }
         }
         let target = plan.strategy(Some(&r.names))?;
         for (name, t) in ckpt_core::load_rank(&r.dir, &target, rank)? {
             if t.dtype != Dtype::F32 {
-                return Err(Error::BadCheckpoint { path: r.dir.clone(), problem: format!("tensor `{name}` is {:?}; only F32 is trained", t.dtype) });
+                return Err(Error::BadCheckpoint {
+                    path: r.dir.clone(),
+                    problem: format!("tensor `{name}` is {:?}; only F32 is trained", t.dtype),
+                });
             }
             loaded.insert(name, f32_from_bytes(&t.data));
         }
@@ -329,33 +409,62 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
     let mut vars: BTreeMap<String, Var> = BTreeMap::new();
     for s in &plan.specs {
         let l = s.layout(mesh);
-        let shape: Vec<usize> = l.local_shape(mesh, rank).unwrap_or_default().iter().map(|&d| d as usize).collect();
+        let shape: Vec<usize> = l
+            .local_shape(mesh, rank)
+            .unwrap_or_default()
+            .iter()
+            .map(|&d| d as usize)
+            .collect();
         let data = match loaded.remove(&s.name) {
             Some(d) => d,
             None => slice_local(&init_global(s, plan.seed), &l, mesh, rank),
         };
         vars.insert(s.name.clone(), Var::from_vec(data, shape, &dev)?);
     }
-    let ctx = ModelCtx { tp: dist.tp.clone(), dp: dist.dp.clone(), sync_bn: plan.sync_bn };
+    let ctx = ModelCtx {
+        tp: dist.tp.clone(),
+        dp: dist.dp.clone(),
+        sync_bn: plan.sync_bn,
+    };
     let vb = ShardedVars::serve_vars(&vars, dist.tp_size(), dist.tp_rank()).into_var_builder();
     let model = build_model(&plan.model, &vb, &ctx)?;
-    let trainable: Vec<(String, Var, ParamSpec)> =
-        plan.specs.iter().filter(|s| s.hint.trainable).map(|s| (s.name.clone(), vars[&s.name].clone(), s.clone())).collect();
+    let trainable: Vec<(String, Var, ParamSpec)> = plan
+        .specs
+        .iter()
+        .filter(|s| s.hint.trainable)
+        .map(|s| (s.name.clone(), vars[&s.name].clone(), s.clone()))
+        .collect();
     let mut opt = Optimizer::new(plan.optim.clone(), trainable, &dist, plan.zero)?;
     opt.load_state(&loaded)?;
 
     let train = &plan.data.train;
-    let sampler = DistributedSampler { len: train.len(), replicas: dist.dp_size(), rank: dist.dp_rank(), seed: plan.seed, shuffle: true };
+    let sampler = DistributedSampler {
+        len: train.len(),
+        replicas: dist.dp_size(),
+        rank: dist.dp_rank(),
+        seed: plan.seed,
+        shuffle: true,
+    };
     let spe = plan.steps_per_epoch;
     let (mut step, mut epoch, mut skip) = match &plan.resume {
         Some(r) => (r.state.step, r.state.epoch, r.state.batch_in_epoch),
         None => (0, 0, 0),
     };
     let start_step = step;
-    let end_step = plan.max_steps.unwrap_or(u64::MAX).min(plan.epochs.saturating_mul(spe)).max(step);
+    let end_step = plan
+        .max_steps
+        .unwrap_or(u64::MAX)
+        .min(plan.epochs.saturating_mul(spe))
+        .max(step);
 
-    let bar = if lead && progress { ProgressBar::with_draw_target(Some(end_step - step), ProgressDrawTarget::stderr()) } else { ProgressBar::hidden() };
-    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"));
+    let bar = if lead && progress {
+        ProgressBar::with_draw_target(Some(end_step - step), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"),
+    );
     let say = |line: String| {
         if lead && progress {
             if bar.is_hidden() {
@@ -369,7 +478,16 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
     let layouts = plan.layouts();
     let strategy = plan.strategy(None)?;
     let config_json = plan.model.to_json();
-    let mut result = RankResult { losses: Vec::new(), accuracy: Vec::new(), checkpoints: Vec::new(), weights: None, train_seconds: 0.0, start_step, steps: step, epochs: epoch };
+    let mut result = RankResult {
+        losses: Vec::new(),
+        accuracy: Vec::new(),
+        checkpoints: Vec::new(),
+        weights: None,
+        train_seconds: 0.0,
+        start_step,
+        steps: step,
+        epochs: epoch,
+    };
     let mut last_loss = None;
     let mut last_saved = plan.resume.as_ref().map(|r| r.state.step);
 
@@ -387,7 +505,11 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             .collect()
     };
     let state_at = |step: u64, epoch: u64, batch: u64, loss: Option<f32>| -> TrainerState {
-        let (epoch, batch) = if batch >= spe { (epoch + 1, 0) } else { (epoch, batch) };
+        let (epoch, batch) = if batch >= spe {
+            (epoch + 1, 0)
+        } else {
+            (epoch, batch)
+        };
         TrainerState {
             format: TRAINER_STATE_FORMAT.into(),
             version: 1,
@@ -396,8 +518,20 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             batch_in_epoch: batch,
             steps_per_epoch: spe,
             global_batch: plan.global_batch,
-            rng: RngState { kind: "counter: shuffles and augmentation drawn from (seed, epoch, sample index)".into(), seed: plan.seed, epoch, step },
-            schedule: ScheduleState { kind: plan.schedule, base_lr: plan.base_lr, warmup: plan.warmup, total_steps: plan.total_steps, position: step },
+            rng: RngState {
+                kind: "counter: shuffles and augmentation drawn from (seed, epoch, sample index)"
+                    .into(),
+                seed: plan.seed,
+                epoch,
+                step,
+            },
+            schedule: ScheduleState {
+                kind: plan.schedule,
+                base_lr: plan.base_lr,
+                warmup: plan.warmup,
+                total_steps: plan.total_steps,
+                position: step,
+            },
             optimizer: plan.optim.clone(),
             shard_optimizer: plan.zero,
             sync_bn: plan.sync_bn,
@@ -406,13 +540,26 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             loss,
         }
     };
-    let do_save = |step: u64, epoch: u64, batch: u64, loss: Option<f32>, opt: &Optimizer| -> Result<PathBuf> {
+    let do_save = |step: u64,
+                   epoch: u64,
+                   batch: u64,
+                   loss: Option<f32>,
+                   opt: &Optimizer|
+     -> Result<PathBuf> {
         let out = plan.out.as_ref().expect("saving needs --out");
         if lead {
             std::fs::create_dir_all(out).at(out)?;
         }
         let st = state_at(step, epoch, batch, loss);
-        let req = SaveRequest { out, step, mode: plan.save, keep: plan.keep, strategy: &strategy, config_json: &config_json, state: &st };
+        let req = SaveRequest {
+            out,
+            step,
+            mode: plan.save,
+            keep: plan.keep,
+            strategy: &strategy,
+            config_json: &config_json,
+            state: &st,
+        };
         save(&dist, &req, &locals(opt)?)
     };
 
@@ -433,7 +580,13 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             let logits = model.forward(&x, true)?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
             let grads = loss.backward()?;
-            let lr = lr_at(plan.schedule, plan.base_lr, step, plan.warmup, plan.total_steps);
+            let lr = lr_at(
+                plan.schedule,
+                plan.base_lr,
+                step,
+                plan.warmup,
+                plan.total_steps,
+            );
             opt.step(&grads, lr, step + 1)?;
             let mut l = [loss.to_scalar::<f32>()?];
             dist.dp.all_reduce(&mut l, ReduceOp::Mean)?;
@@ -443,10 +596,16 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             result.losses.push(l[0]);
             last_loss = Some(l[0]);
             bar.inc(1);
-            let ips = (result.losses.len() * plan.global_batch) as f64 / result.train_seconds.max(1e-9);
-            bar.set_message(format!("epoch {epoch} step {step} loss {:.4} {ips:.0} img/s", l[0]));
+            let ips =
+                (result.losses.len() * plan.global_batch) as f64 / result.train_seconds.max(1e-9);
+            bar.set_message(format!(
+                "epoch {epoch} step {step} loss {:.4} {ips:.0} img/s",
+                l[0]
+            ));
             if plan.save_every > 0 && step % plan.save_every == 0 {
-                result.checkpoints.push(do_save(step, epoch, b + 1, last_loss, &opt)?);
+                result
+                    .checkpoints
+                    .push(do_save(step, epoch, b + 1, last_loss, &opt)?);
                 last_saved = Some(step);
             }
         }
@@ -456,13 +615,23 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
         if plan.eval {
             let acc = evaluate(&model, &plan.data.test, &dist)?;
             result.accuracy.push((epoch - 1, acc));
-            say(format!("epoch {} step {step} loss {:.4} test accuracy {acc:.4}", epoch - 1, last_loss.unwrap_or(f32::NAN)));
+            say(format!(
+                "epoch {} step {step} loss {:.4} test accuracy {acc:.4}",
+                epoch - 1,
+                last_loss.unwrap_or(f32::NAN)
+            ));
         }
     }
     bar.finish_and_clear();
-    let (final_epoch, final_batch) = if pos_batch >= spe { (epoch + 1, 0) } else { (epoch, pos_batch) };
+    let (final_epoch, final_batch) = if pos_batch >= spe {
+        (epoch + 1, 0)
+    } else {
+        (epoch, pos_batch)
+    };
     if plan.out.is_some() && last_saved != Some(step) {
-        result.checkpoints.push(do_save(step, final_epoch, final_batch, last_loss, &opt)?);
+        result
+            .checkpoints
+            .push(do_save(step, final_epoch, final_batch, last_loss, &opt)?);
     }
     if plan.gather_weights {
         result.weights = gather_full(&dist, &locals(&opt)?)?;
@@ -483,7 +652,9 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
 pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainReport> {
     let start = Instant::now();
     let plan = Plan::new(cfg)?;
-    let mut results = cfg.backend.run(&plan.mesh, |dist| rank_main(&plan, dist, progress))?;
+    let mut results = cfg
+        .backend
+        .run(&plan.mesh, |dist| rank_main(&plan, dist, progress))?;
     let r0 = results.swap_remove(0);
     let images = r0.losses.len() * plan.global_batch;
     Ok(TrainReport {

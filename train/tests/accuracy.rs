@@ -16,7 +16,16 @@ fn default_mlp_reaches_095_on_digits() {
 #[test]
 fn vit_and_sgd_learn_digits() {
     // The default ViT on 8x8 digits: 4x4 patches, 2 blocks, 4 heads (0.93 measured).
-    let r = run(&["--model", "vit", "--mesh", "dp=2,tp=2", "--epochs", "4", "--lr", "0.002"]);
+    let r = run(&[
+        "--model",
+        "vit",
+        "--mesh",
+        "dp=2,tp=2",
+        "--epochs",
+        "4",
+        "--lr",
+        "0.002",
+    ]);
     let acc = r.final_accuracy().unwrap();
     assert!(acc > 0.85, "vit accuracy {acc}");
     let r = run(&["--optimizer", "sgd", "--ranks", "2", "--epochs", "3"]);
@@ -28,11 +37,28 @@ fn vit_and_sgd_learn_digits() {
 /// one epoch over the first 6,000 images on 2 ranks gives at least 0.7 test accuracy.
 #[test]
 fn fashion_mnist_when_installed() {
-    if !std::path::Path::new(ckpt_train::FASHION_MNIST_DIR).join("train-labels-idx1-ubyte.gz").is_file() {
-        eprintln!("skipped: {} not installed (apt-get install dataset-fashion-mnist)", ckpt_train::FASHION_MNIST_DIR);
+    if !std::path::Path::new(ckpt_train::FASHION_MNIST_DIR)
+        .join("train-labels-idx1-ubyte.gz")
+        .is_file()
+    {
+        eprintln!(
+            "skipped: {} not installed (apt-get install dataset-fashion-mnist)",
+            ckpt_train::FASHION_MNIST_DIR
+        );
         return;
     }
-    let r = run(&["--data", "fashion-mnist", "--ranks", "2", "--epochs", "1", "--train-limit", "6000", "--test-limit", "2000"]);
+    let r = run(&[
+        "--data",
+        "fashion-mnist",
+        "--ranks",
+        "2",
+        "--epochs",
+        "1",
+        "--train-limit",
+        "6000",
+        "--test-limit",
+        "2000",
+    ]);
     let acc = r.final_accuracy().unwrap();
     assert!(acc > 0.7, "accuracy {acc}");
 }

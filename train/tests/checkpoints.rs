@@ -15,7 +15,11 @@ fn resume_same_world_size_is_bit_identical() {
     for extra in [&[][..], &["--shard-optimizer", "--optimizer", "sgd"][..]] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");
-        let base = [&["--mesh", "dp=2,tp=2", "--epochs", "2", "--gather-weights"][..], extra].concat();
+        let base = [
+            &["--mesh", "dp=2,tp=2", "--epochs", "2", "--gather-weights"][..],
+            extra,
+        ]
+        .concat();
         let whole = run(&base);
         let first = run(&[&base[..], &["--max-steps", "30", "--out", &s(&out)]].concat());
         assert_eq!(first.steps, 30);
@@ -26,7 +30,13 @@ fn resume_same_world_size_is_bit_identical() {
         let (a, b) = (whole.weights.unwrap(), rest.weights.unwrap());
         assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
         for (k, v) in &a {
-            assert!(v.data.iter().zip(&b[k].data).all(|(x, y)| x.to_bits() == y.to_bits()), "{k} differs");
+            assert!(
+                v.data
+                    .iter()
+                    .zip(&b[k].data)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{k} differs"
+            );
         }
     }
 }
@@ -39,28 +49,82 @@ fn resume_4_to_2_sliced_to_integrated() {
     let dir = tempfile::tempdir().unwrap();
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
     let whole = run(&["--ranks", "4", "--epochs", "2", "--no-eval"]);
-    run(&["--ranks", "4", "--epochs", "2", "--max-steps", "25", "--out", &s(&a), "--save", "sliced", "--no-eval"]);
+    run(&[
+        "--ranks",
+        "4",
+        "--epochs",
+        "2",
+        "--max-steps",
+        "25",
+        "--out",
+        &s(&a),
+        "--save",
+        "sliced",
+        "--no-eval",
+    ]);
     let ck = a.join("step_25");
     for r in 0..4 {
-        for f in ["model.safetensors", "strategy.json", "config.json", "trainer_state.json"] {
-            assert!(ck.join(format!("ckpt_{r}")).join(f).is_file(), "ckpt_{r}/{f}");
+        for f in [
+            "model.safetensors",
+            "strategy.json",
+            "config.json",
+            "trainer_state.json",
+        ] {
+            assert!(
+                ck.join(format!("ckpt_{r}")).join(f).is_file(),
+                "ckpt_{r}/{f}"
+            );
         }
     }
-    let rest = run(&["--mesh", "tp=2", "--epochs", "2", "--resume", &s(&ck), "--out", &s(&b), "--save", "integrated", "--no-eval"]);
-    assert!(max_diff(&whole.losses[25..], &rest.losses) < 1e-3, "{:?} vs {:?}", rest.losses, &whole.losses[25..]);
+    let rest = run(&[
+        "--mesh",
+        "tp=2",
+        "--epochs",
+        "2",
+        "--resume",
+        &s(&ck),
+        "--out",
+        &s(&b),
+        "--save",
+        "integrated",
+        "--no-eval",
+    ]);
+    assert!(
+        max_diff(&whole.losses[25..], &rest.losses) < 1e-3,
+        "{:?} vs {:?}",
+        rest.losses,
+        &whole.losses[25..]
+    );
     let fin = b.join(format!("step_{}", rest.steps));
     assert!(fin.join("model.safetensors").is_file());
     assert!(fin.join("config.json").is_file());
     let st = read_trainer_state(&fin.join("trainer_state.json")).unwrap();
-    assert_eq!((st.step, st.epoch, st.batch_in_epoch, st.mesh.as_str()), (rest.steps, 2, 0, "tp=2"));
+    assert_eq!(
+        (st.step, st.epoch, st.batch_in_epoch, st.mesh.as_str()),
+        (rest.steps, 2, 0, "tp=2")
+    );
     // And back from integrated to 4 ranks again.
-    let again = run(&["--ranks", "4", "--epochs", "3", "--resume", &s(&b), "--max-steps", "50", "--no-eval"]);
+    let again = run(&[
+        "--ranks",
+        "4",
+        "--epochs",
+        "3",
+        "--resume",
+        &s(&b),
+        "--max-steps",
+        "50",
+        "--no-eval",
+    ]);
     assert_eq!(again.start_step, rest.steps);
 }
 
 fn read_safetensors(path: &Path) -> BTreeMap<String, Vec<u8>> {
     let f = ckpt_core::SafetensorsFile::open(path).unwrap();
-    f.tensors().iter().enumerate().map(|(i, t)| (t.name.clone(), f.data(i).to_vec())).collect()
+    f.tensors()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.name.clone(), f.data(i).to_vec()))
+        .collect()
 }
 
 fn bytes(t: &FullTensor) -> Vec<u8> {
@@ -74,24 +138,55 @@ fn bytes(t: &FullTensor) -> Vec<u8> {
 fn merged_sliced_checkpoint_equals_gathered_weights() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
-    let r = run(&["--mesh", "dp=2,tp=2", "--model", "vit", "--max-steps", "3", "--batch-size", "16", "--no-eval", "--shard-optimizer", "--gather-weights", "--out", &s(&out)]);
+    let r = run(&[
+        "--mesh",
+        "dp=2,tp=2",
+        "--model",
+        "vit",
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "16",
+        "--no-eval",
+        "--shard-optimizer",
+        "--gather-weights",
+        "--out",
+        &s(&out),
+    ]);
     let merged = dir.path().join("merged");
-    let req = ckpt_merge::MergeRequest { inputs: vec![out.join("step_3")], output: merged.clone(), ..Default::default() };
+    let req = ckpt_merge::MergeRequest {
+        inputs: vec![out.join("step_3")],
+        output: merged.clone(),
+        ..Default::default()
+    };
     ckpt_merge::merge(&req, &|_| {}, &|_| {}).unwrap();
     let got = read_safetensors(&merged.join("model.safetensors"));
     let want = r.weights.unwrap();
-    assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
     for (k, t) in &want {
         assert!(got[k] == bytes(t), "{k} differs");
     }
-    assert!(want.contains_key("blocks.0.attn.qkv.weight") && want.contains_key("optim.blocks.0.attn.qkv.weight.exp_avg"));
+    assert!(
+        want.contains_key("blocks.0.attn.qkv.weight")
+            && want.contains_key("optim.blocks.0.attn.qkv.weight.exp_avg")
+    );
     // The fused QKV is a blocked shard; ZeRO state nests inside the tp shard.
     let strat = std::fs::read_to_string(out.join("step_3/ckpt_0/strategy.json")).unwrap();
     let st = ckpt_core::Strategy::from_json(&strat).unwrap();
     let qkv = &st.tensors["blocks.0.attn.qkv.weight"];
     assert_eq!(qkv.placements[1], ckpt_core::Placement::blocked(0, 3));
     let m = &st.tensors["optim.blocks.0.attn.qkv.weight.exp_avg"];
-    assert_eq!(m.placements[0], ckpt_core::Placement::Shard { dim: 0, blocks: 3, order: 1 });
+    assert_eq!(
+        m.placements[0],
+        ckpt_core::Placement::Shard {
+            dim: 0,
+            blocks: 3,
+            order: 1
+        }
+    );
     // config.json and trainer_state.json are carried through the merge.
     assert!(merged.join("config.json").is_file() && merged.join("trainer_state.json").is_file());
 }
@@ -102,10 +197,44 @@ fn merged_sliced_checkpoint_equals_gathered_weights() {
 fn shard_optimizer_checkpoint_reshards_and_resumes() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
-    let whole = run(&["--ranks", "4", "--epochs", "2", "--no-eval", "--optimizer", "sgd"]);
-    run(&["--ranks", "4", "--epochs", "2", "--max-steps", "20", "--no-eval", "--shard-optimizer", "--optimizer", "sgd", "--out", &s(&out)]);
-    let rest = run(&["--ranks", "2", "--epochs", "2", "--no-eval", "--resume", &s(&out)]);
-    assert!(max_diff(&whole.losses[20..], &rest.losses) < 1e-3, "{:?} vs {:?}", rest.losses, &whole.losses[20..]);
+    let whole = run(&[
+        "--ranks",
+        "4",
+        "--epochs",
+        "2",
+        "--no-eval",
+        "--optimizer",
+        "sgd",
+    ]);
+    run(&[
+        "--ranks",
+        "4",
+        "--epochs",
+        "2",
+        "--max-steps",
+        "20",
+        "--no-eval",
+        "--shard-optimizer",
+        "--optimizer",
+        "sgd",
+        "--out",
+        &s(&out),
+    ]);
+    let rest = run(&[
+        "--ranks",
+        "2",
+        "--epochs",
+        "2",
+        "--no-eval",
+        "--resume",
+        &s(&out),
+    ]);
+    assert!(
+        max_diff(&whole.losses[20..], &rest.losses) < 1e-3,
+        "{:?} vs {:?}",
+        rest.losses,
+        &whole.losses[20..]
+    );
     // Without the momentum the curve would not continue so closely: check it was loaded.
     let st = read_trainer_state(&out.join("step_20/trainer_state.json")).unwrap();
     assert!(st.shard_optimizer);
@@ -118,13 +247,35 @@ fn save_every_keep_and_latest() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     std::fs::create_dir_all(out.join("step_10.tmp/ckpt_0")).unwrap();
-    std::fs::write(out.join("step_10.tmp/ckpt_0/model.safetensors"), b"half-written").unwrap();
-    let r = run(&["--ranks", "2", "--max-steps", "25", "--save-every", "5", "--keep", "2", "--out", &s(&out), "--no-eval"]);
+    std::fs::write(
+        out.join("step_10.tmp/ckpt_0/model.safetensors"),
+        b"half-written",
+    )
+    .unwrap();
+    let r = run(&[
+        "--ranks",
+        "2",
+        "--max-steps",
+        "25",
+        "--save-every",
+        "5",
+        "--keep",
+        "2",
+        "--out",
+        &s(&out),
+        "--no-eval",
+    ]);
     assert_eq!(r.checkpoints.len(), 5);
-    let mut names: Vec<String> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
     names.sort();
     assert_eq!(names, vec!["latest", "step_20", "step_25"]);
-    assert_eq!(std::fs::read_to_string(out.join(LATEST_FILE)).unwrap(), "step_25\n");
+    assert_eq!(
+        std::fs::read_to_string(out.join(LATEST_FILE)).unwrap(),
+        "step_25\n"
+    );
     let st = read_trainer_state(&out.join("step_25/ckpt_1/trainer_state.json")).unwrap();
     assert_eq!((st.step, st.epoch, st.batch_in_epoch), (25, 1, 3));
     // Every rank directory is self-describing and the checkpoint verifies.
@@ -160,10 +311,18 @@ fn load_model_on_another_mesh_predicts_as_trained() {
             let idx: Vec<usize> = (0..split.test.len()).collect();
             let (x, y) = split.test.batch(&idx, &candle_core::Device::Cpu)?;
             let pred = model.forward(&x, false)?.argmax(1)?;
-            let ok = pred.eq(&y)?.to_dtype(candle_core::DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+            let ok = pred
+                .eq(&y)?
+                .to_dtype(candle_core::DType::F32)?
+                .sum_all()?
+                .to_scalar::<f32>()?;
             Ok(ok / idx.len() as f32)
         })
         .unwrap();
-        assert!((accs[0] - r.final_accuracy().unwrap()).abs() < 1e-6, "{mesh}: {accs:?} vs {:?}", r.final_accuracy());
+        assert!(
+            (accs[0] - r.final_accuracy().unwrap()).abs() < 1e-6,
+            "{mesh}: {accs:?} vs {:?}",
+            r.final_accuracy()
+        );
     }
 }

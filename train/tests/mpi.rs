@@ -16,18 +16,24 @@
 //!   rank that stops calling collectives all end the job with an error within a bound.
 
 use ckpt_core::Mesh;
-use ckpt_train::{all_gather_tensor, all_reduce_tensor, mpi_world, run_threads, Backend, Comm, Dist, LaunchEnv, ReduceOp, Result, TrainConfig};
+use ckpt_train::{
+    all_gather_tensor, all_reduce_tensor, mpi_world, run_threads, Backend, Comm, Dist, LaunchEnv,
+    ReduceOp, Result, TrainConfig,
+};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
-    let under_mpirun = matches!(LaunchEnv::from_env(), Ok(Some(e)) if e.launcher == ckpt_train::Launcher::OpenMpi);
+    let under_mpirun =
+        matches!(LaunchEnv::from_env(), Ok(Some(e)) if e.launcher == ckpt_train::Launcher::OpenMpi);
     let outcome = match (args.get(1).map(String::as_str), under_mpirun) {
         (Some(scenario), true) => worker(scenario, &args[2..]),
         (None | Some("--nocapture" | "--quiet" | "-q"), false) => supervise(),
-        (Some(other), false) => Err(format!("`{other}`: scenarios run under mpirun; run without arguments to run them all")),
+        (Some(other), false) => Err(format!(
+            "`{other}`: scenarios run under mpirun; run without arguments to run them all"
+        )),
         (None, true) => Err("under mpirun, name a scenario".into()),
     };
     match outcome {
@@ -52,7 +58,13 @@ struct Run {
 }
 
 /// Runs this binary as `n` ranks of `scenario`, killing it after `limit`.
-fn mpirun(n: usize, scenario: &str, extra: &[String], envs: &[(&str, &str)], limit: Duration) -> std::result::Result<Run, String> {
+fn mpirun(
+    n: usize,
+    scenario: &str,
+    extra: &[String],
+    envs: &[(&str, &str)],
+    limit: Duration,
+) -> std::result::Result<Run, String> {
     let me = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut cmd = Command::new("mpirun");
     cmd.args(["-n", &n.to_string(), "--oversubscribe", "--bind-to", "none"])
@@ -69,8 +81,13 @@ fn mpirun(n: usize, scenario: &str, extra: &[String], envs: &[(&str, &str)], lim
         cmd.env(k, v);
     }
     let start = Instant::now();
-    let mut child = cmd.spawn().map_err(|e| format!("cannot start mpirun (install openmpi-bin): {e}"))?;
-    let (mut out, mut err) = (child.stdout.take().expect("piped"), child.stderr.take().expect("piped"));
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start mpirun (install openmpi-bin): {e}"))?;
+    let (mut out, mut err) = (
+        child.stdout.take().expect("piped"),
+        child.stderr.take().expect("piped"),
+    );
     let read_out = std::thread::spawn(move || {
         let mut s = String::new();
         std::io::Read::read_to_string(&mut out, &mut s).ok();
@@ -88,7 +105,10 @@ fn mpirun(n: usize, scenario: &str, extra: &[String], envs: &[(&str, &str)], lim
         if start.elapsed() > limit {
             child.kill().ok();
             child.wait().ok();
-            let (o, e) = (read_out.join().unwrap_or_default(), read_err.join().unwrap_or_default());
+            let (o, e) = (
+                read_out.join().unwrap_or_default(),
+                read_err.join().unwrap_or_default(),
+            );
             return Err(format!("mpirun -n {n} {scenario} still running after {limit:?}: killed\nstdout:\n{o}\nstderr:\n{e}"));
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -106,14 +126,20 @@ fn expect_ok(run: &Run, what: &str) -> std::result::Result<(), String> {
         println!("ok: {what} ({:.1} s)", run.seconds);
         Ok(())
     } else {
-        Err(format!("{what} failed\nstdout:\n{}\nstderr:\n{}", run.stdout, run.stderr))
+        Err(format!(
+            "{what} failed\nstdout:\n{}\nstderr:\n{}",
+            run.stdout, run.stderr
+        ))
     }
 }
 
 fn supervise() -> std::result::Result<(), String> {
     let long = Duration::from_secs(600);
     for n in [2, 4] {
-        expect_ok(&mpirun(n, "collectives", &[], &[], long)?, &format!("collectives bit-identical to threads, mpirun -n {n}"))?;
+        expect_ok(
+            &mpirun(n, "collectives", &[], &[], long)?,
+            &format!("collectives bit-identical to threads, mpirun -n {n}"),
+        )?;
     }
     train_scenarios(long)?;
     failure_scenarios()?;
@@ -122,15 +148,29 @@ fn supervise() -> std::result::Result<(), String> {
 }
 
 /// A failure scenario must end the job, non-zero, well before `limit`.
-fn expect_failure(run: &Run, what: &str, needle: &str, limit: f64) -> std::result::Result<(), String> {
+fn expect_failure(
+    run: &Run,
+    what: &str,
+    needle: &str,
+    limit: f64,
+) -> std::result::Result<(), String> {
     if run.ok {
-        return Err(format!("{what}: the job succeeded\nstderr:\n{}", run.stderr));
+        return Err(format!(
+            "{what}: the job succeeded\nstderr:\n{}",
+            run.stderr
+        ));
     }
     if !run.stderr.contains(needle) {
-        return Err(format!("{what}: stderr lacks `{needle}`\nstdout:\n{}\nstderr:\n{}", run.stdout, run.stderr));
+        return Err(format!(
+            "{what}: stderr lacks `{needle}`\nstdout:\n{}\nstderr:\n{}",
+            run.stdout, run.stderr
+        ));
     }
     if run.seconds > limit {
-        return Err(format!("{what}: took {:.1} s, more than {limit} s", run.seconds));
+        return Err(format!(
+            "{what}: took {:.1} s, more than {limit} s",
+            run.seconds
+        ));
     }
     println!("ok: {what} ({:.1} s)", run.seconds);
     Ok(())
@@ -140,11 +180,26 @@ fn failure_scenarios() -> std::result::Result<(), String> {
     let limit = Duration::from_secs(120);
     // The watchdog's limit is far away: mpirun itself must notice the dead rank.
     let run = mpirun(2, "dies", &[], &[("CKPT_COMM_TIMEOUT", "300")], limit)?;
-    expect_failure(&run, "a rank killed by a signal ends the job", "signal", 60.0)?;
+    expect_failure(
+        &run,
+        "a rank killed by a signal ends the job",
+        "signal",
+        60.0,
+    )?;
     let run = mpirun(2, "fails", &[], &[("CKPT_COMM_TIMEOUT", "300")], limit)?;
-    expect_failure(&run, "a rank whose work fails aborts the job", "rank 1 of 2: invalid option `--test`: rank 1 fails; aborting the MPI job", 60.0)?;
+    expect_failure(
+        &run,
+        "a rank whose work fails aborts the job",
+        "rank 1 of 2: invalid option `--test`: rank 1 fails; aborting the MPI job",
+        60.0,
+    )?;
     let run = mpirun(2, "stuck", &[], &[("CKPT_COMM_TIMEOUT", "2")], limit)?;
-    expect_failure(&run, "a stuck rank trips the watchdog of the waiting rank", "rank 0: collective `barrier` in group [0, 1] did not complete within 2.0 s", 60.0)
+    expect_failure(
+        &run,
+        "a stuck rank trips the watchdog of the waiting rank",
+        "rank 0: collective `barrier` in group [0, 1] did not complete within 2.0 s",
+        60.0,
+    )
 }
 
 // ---------------------------------------------------------------------------------
@@ -154,10 +209,22 @@ fn failure_scenarios() -> std::result::Result<(), String> {
 fn worker(scenario: &str, args: &[String]) -> std::result::Result<(), String> {
     let world = mpi_world().map_err(|e| e.to_string())?;
     match scenario {
-        "collectives" => collectives(world.size()).map_err(|e| format!("rank {}: {e}", world.rank())),
+        "collectives" => {
+            collectives(world.size()).map_err(|e| format!("rank {}: {e}", world.rank()))
+        }
         "train" => {
-            let cfg = TrainConfig::try_parse_from(std::iter::once("train").chain(args.iter().map(String::as_str))).map_err(|e| e.to_string())?;
-            ckpt_train::train(&TrainConfig { backend: Backend::Mpi, ..cfg }, false).map_err(|e| e.to_string())?;
+            let cfg = TrainConfig::try_parse_from(
+                std::iter::once("train").chain(args.iter().map(String::as_str)),
+            )
+            .map_err(|e| e.to_string())?;
+            ckpt_train::train(
+                &TrainConfig {
+                    backend: Backend::Mpi,
+                    ..cfg
+                },
+                false,
+            )
+            .map_err(|e| e.to_string())?;
             Ok(())
         }
         "dies" => {
@@ -168,7 +235,9 @@ fn worker(scenario: &str, args: &[String]) -> std::result::Result<(), String> {
                 std::process::abort();
             }
             let mut v = vec![1.0f32; 8];
-            d.world.all_reduce(&mut v, ReduceOp::Sum).map_err(|e| e.to_string())?;
+            d.world
+                .all_reduce(&mut v, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
             Err("rank 0's all_reduce completed without its peer".into())
         }
         "fails" => {
@@ -176,7 +245,10 @@ fn worker(scenario: &str, args: &[String]) -> std::result::Result<(), String> {
             world
                 .run(&mesh, |d| {
                     if d.rank == 1 {
-                        return Err(ckpt_train::Error::InvalidOption { option: "--test".into(), problem: "rank 1 fails".into() });
+                        return Err(ckpt_train::Error::InvalidOption {
+                            option: "--test".into(),
+                            problem: "rank 1 fails".into(),
+                        });
                     }
                     d.world.barrier()
                 })
@@ -215,7 +287,11 @@ fn values(seed: usize, len: usize) -> Vec<f32> {
 /// Every collective on every group of `d`, with outputs recorded in order.
 fn script(d: &Dist) -> Result<Vec<Vec<f32>>> {
     let mut out = Vec::new();
-    let groups: [(&str, &dyn Comm); 3] = [("world", d.world.as_ref()), ("dp", d.dp.as_ref()), ("tp", d.tp.as_ref())];
+    let groups: [(&str, &dyn Comm); 3] = [
+        ("world", d.world.as_ref()),
+        ("dp", d.dp.as_ref()),
+        ("tp", d.tp.as_ref()),
+    ];
     for (gi, (_, c)) in groups.iter().enumerate() {
         let (p, r) = (c.size(), c.rank());
         let seed = d.rank * 101 + gi * 7;
@@ -245,10 +321,22 @@ fn script(d: &Dist) -> Result<Vec<Vec<f32>>> {
             }
         }
         c.barrier()?;
-        let t = candle_core::Tensor::from_vec(values(seed + 50, 6 * (r + 1)), (r + 1, 6), &candle_core::Device::Cpu)?;
+        let t = candle_core::Tensor::from_vec(
+            values(seed + 50, 6 * (r + 1)),
+            (r + 1, 6),
+            &candle_core::Device::Cpu,
+        )?;
         out.push(ckpt_train::tensor_to_vec(&all_gather_tensor(*c, &t, 0)?)?);
-        let t = candle_core::Tensor::from_vec(values(seed + 51, 12), (3, 4), &candle_core::Device::Cpu)?;
-        out.push(ckpt_train::tensor_to_vec(&all_reduce_tensor(*c, &t, ReduceOp::Sum)?)?);
+        let t = candle_core::Tensor::from_vec(
+            values(seed + 51, 12),
+            (3, 4),
+            &candle_core::Device::Cpu,
+        )?;
+        out.push(ckpt_train::tensor_to_vec(&all_reduce_tensor(
+            *c,
+            &t,
+            ReduceOp::Sum,
+        )?)?);
     }
     Ok(out)
 }
@@ -257,19 +345,44 @@ fn script(d: &Dist) -> Result<Vec<Vec<f32>>> {
 /// stays usable afterwards.
 fn disagreements(d: &Dist) -> Result<()> {
     let w = d.world.as_ref();
-    let mismatch = if d.rank == 0 { w.all_gather(&[1.0]).map(|_| ()) } else { w.all_reduce(&mut [1.0], ReduceOp::Sum) };
+    let mismatch = if d.rank == 0 {
+        w.all_gather(&[1.0]).map(|_| ())
+    } else {
+        w.all_reduce(&mut [1.0], ReduceOp::Sum)
+    };
     expect_err(mismatch, "at the same time")?;
-    expect_err(w.all_reduce(&mut vec![0.5; 3 + usize::from(d.rank == 1)], ReduceOp::Sum), "buffer lengths differ")?;
+    expect_err(
+        w.all_reduce(&mut vec![0.5; 3 + usize::from(d.rank == 1)], ReduceOp::Sum),
+        "buffer lengths differ",
+    )?;
     let n = w.size();
-    let counts = if d.rank == 1 { vec![1; n + 1] } else { vec![1; n] };
-    expect_err(w.reduce_scatter(&vec![1.0; n], &counts, ReduceOp::Sum).map(|_| ()), if d.rank == 1 { "counts do not match" } else { "rank 1 passed invalid arguments" })?;
-    expect_err(w.broadcast(&mut vec![1.0], d.rank % 2), "disagrees on the root")?;
+    let counts = if d.rank == 1 {
+        vec![1; n + 1]
+    } else {
+        vec![1; n]
+    };
+    expect_err(
+        w.reduce_scatter(&vec![1.0; n], &counts, ReduceOp::Sum)
+            .map(|_| ()),
+        if d.rank == 1 {
+            "counts do not match"
+        } else {
+            "rank 1 passed invalid arguments"
+        },
+    )?;
+    expect_err(
+        w.broadcast(&mut vec![1.0], d.rank % 2),
+        "disagrees on the root",
+    )?;
     expect_err(w.gather(&[1.0], n).map(|_| ()), "is not in a group")?;
     w.barrier()?;
     let mut v = vec![d.rank as f32];
     w.all_reduce(&mut v, ReduceOp::Max)?;
     if v != [(n - 1) as f32] {
-        return Err(ckpt_train::Error::InvalidOption { option: "test".into(), problem: format!("max after errors: {v:?}") });
+        return Err(ckpt_train::Error::InvalidOption {
+            option: "test".into(),
+            problem: format!("max after errors: {v:?}"),
+        });
     }
     Ok(())
 }
@@ -277,14 +390,24 @@ fn disagreements(d: &Dist) -> Result<()> {
 fn expect_err(r: Result<()>, needle: &str) -> Result<()> {
     match r {
         Err(e) if e.to_string().contains(needle) => Ok(()),
-        Err(e) => Err(ckpt_train::Error::InvalidOption { option: "test".into(), problem: format!("wrong error: {e} (wanted `{needle}`)") }),
-        Ok(()) => Err(ckpt_train::Error::InvalidOption { option: "test".into(), problem: format!("no error (wanted `{needle}`)") }),
+        Err(e) => Err(ckpt_train::Error::InvalidOption {
+            option: "test".into(),
+            problem: format!("wrong error: {e} (wanted `{needle}`)"),
+        }),
+        Ok(()) => Err(ckpt_train::Error::InvalidOption {
+            option: "test".into(),
+            problem: format!("no error (wanted `{needle}`)"),
+        }),
     }
 }
 
 fn collectives(size: usize) -> Result<()> {
     let world = mpi_world()?;
-    let meshes: &[&str] = if size == 4 { &["dp=4", "dp=2,tp=2", "tp=4", "tp=2,dp=2"] } else { &["dp=2", "tp=2"] };
+    let meshes: &[&str] = if size == 4 {
+        &["dp=4", "dp=2,tp=2", "tp=4", "tp=2,dp=2"]
+    } else {
+        &["dp=2", "tp=2"]
+    };
     if size > 2 {
         // The data is order-sensitive: summing the ranks' values backwards changes bits,
         // so an MPI reduction in another order would be caught.
@@ -292,7 +415,10 @@ fn collectives(size: usize) -> Result<()> {
         let fwd = (0..1000).map(|i| parts.iter().fold(0f32, |a, p| a + p[i]).to_bits());
         let back = (0..1000).map(|i| parts.iter().rev().fold(0f32, |a, p| a + p[i]).to_bits());
         if fwd.zip(back).all(|(a, b)| a == b) {
-            return Err(ckpt_train::Error::InvalidOption { option: "test".into(), problem: "test data is not order-sensitive".into() });
+            return Err(ckpt_train::Error::InvalidOption {
+                option: "test".into(),
+                problem: "test data is not order-sensitive".into(),
+            });
         }
     }
     for m in meshes {
@@ -300,15 +426,30 @@ fn collectives(size: usize) -> Result<()> {
         let d = world.dist(&mesh)?;
         let mpi = script(&d)?;
         let threads = run_threads(&mesh, |d| script(&d))?.swap_remove(world.rank());
-        let bits = |v: &[Vec<f32>]| v.iter().map(|x| x.iter().map(|f| f.to_bits()).collect::<Vec<u32>>()).collect::<Vec<_>>();
+        let bits = |v: &[Vec<f32>]| {
+            v.iter()
+                .map(|x| x.iter().map(|f| f.to_bits()).collect::<Vec<u32>>())
+                .collect::<Vec<_>>()
+        };
         if bits(&mpi) != bits(&threads) {
-            let at = mpi.iter().zip(&threads).position(|(a, b)| bits(std::slice::from_ref(a)) != bits(std::slice::from_ref(b)));
+            let at = mpi
+                .iter()
+                .zip(&threads)
+                .position(|(a, b)| bits(std::slice::from_ref(a)) != bits(std::slice::from_ref(b)));
             return Err(ckpt_train::Error::InvalidOption {
                 option: "test".into(),
-                problem: format!("mesh {m}: MPI and threads differ at output {at:?} of {} / {}", mpi.len(), threads.len()),
+                problem: format!(
+                    "mesh {m}: MPI and threads differ at output {at:?} of {} / {}",
+                    mpi.len(),
+                    threads.len()
+                ),
             });
         }
-        println!("rank {}: mesh {m}: {} outputs bit-identical to threads", world.rank(), mpi.len());
+        println!(
+            "rank {}: mesh {m}: {} outputs bit-identical to threads",
+            world.rank(),
+            mpi.len()
+        );
         disagreements(&d)?;
     }
     Ok(())
@@ -320,10 +461,22 @@ fn collectives(size: usize) -> Result<()> {
 
 /// Options of a short run of the mlp on the shipped digits.
 fn train_args(mesh: &str, extra: &[&str]) -> Vec<String> {
-    let mut a: Vec<String> = ["--mesh", mesh, "--epochs", "2", "--batch-size", "64", "--train-limit", "512", "--no-eval", "--seed", "7"]
-        .iter()
-        .map(ToString::to_string)
-        .collect();
+    let mut a: Vec<String> = [
+        "--mesh",
+        mesh,
+        "--epochs",
+        "2",
+        "--batch-size",
+        "64",
+        "--train-limit",
+        "512",
+        "--no-eval",
+        "--seed",
+        "7",
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
     a.extend(extra.iter().map(ToString::to_string));
     a
 }
@@ -334,8 +487,13 @@ fn path_arg(p: &Path) -> String {
 
 /// Trains on threads in this process.
 fn train_threads(args: &[String]) -> std::result::Result<(), String> {
-    let cfg = TrainConfig::try_parse_from(std::iter::once("train".to_string()).chain(args.iter().cloned())).map_err(|e| e.to_string())?;
-    ckpt_train::train(&cfg, false).map(|_| ()).map_err(|e| e.to_string())
+    let cfg = TrainConfig::try_parse_from(
+        std::iter::once("train".to_string()).chain(args.iter().cloned()),
+    )
+    .map_err(|e| e.to_string())?;
+    ckpt_train::train(&cfg, false)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 
 /// Every file of the checkpoint `dir/step_N` except the trainer state (which records
@@ -349,9 +507,14 @@ fn checkpoint_files(dir: &Path, step: u64) -> std::result::Result<Vec<(PathBuf, 
             let p = e.map_err(|e| e.to_string())?.path();
             if p.is_dir() {
                 stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "safetensors") || p.file_name().is_some_and(|n| n == "strategy.json") {
+            } else if p.extension().is_some_and(|x| x == "safetensors")
+                || p.file_name().is_some_and(|n| n == "strategy.json")
+            {
                 let bytes = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?;
-                out.push((p.strip_prefix(&root).expect("under root").to_path_buf(), bytes));
+                out.push((
+                    p.strip_prefix(&root).expect("under root").to_path_buf(),
+                    bytes,
+                ));
             }
         }
     }
@@ -366,14 +529,26 @@ fn same_checkpoint(a: &Path, b: &Path, step: u64, what: &str) -> std::result::Re
     let (fa, fb) = (checkpoint_files(a, step)?, checkpoint_files(b, step)?);
     let names = |f: &[(PathBuf, Vec<u8>)]| f.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
     if names(&fa) != names(&fb) {
-        return Err(format!("{what}: different files {:?} and {:?}", names(&fa), names(&fb)));
+        return Err(format!(
+            "{what}: different files {:?} and {:?}",
+            names(&fa),
+            names(&fb)
+        ));
     }
     for ((name, x), (_, y)) in fa.iter().zip(&fb) {
         if x != y {
-            return Err(format!("{what}: {} differs between {} and {}", name.display(), a.display(), b.display()));
+            return Err(format!(
+                "{what}: {} differs between {} and {}",
+                name.display(),
+                a.display(),
+                b.display()
+            ));
         }
     }
-    println!("ok: {what}: {} files byte-identical at step {step}", fa.len());
+    println!(
+        "ok: {what}: {} files byte-identical at step {step}",
+        fa.len()
+    );
     Ok(())
 }
 
@@ -381,7 +556,11 @@ fn train_scenarios(limit: Duration) -> std::result::Result<(), String> {
     let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
     // 512 images / batch 64 = 8 updates per epoch, 16 in all; a checkpoint every 8.
     let (half, full) = (8u64, 16u64);
-    for (n, mesh, extra) in [(2usize, "dp=2", &[][..]), (4, "dp=2,tp=2", &["--shard-optimizer"][..]), (4, "tp=4", &["--optimizer", "sgd"][..])] {
+    for (n, mesh, extra) in [
+        (2usize, "dp=2", &[][..]),
+        (4, "dp=2,tp=2", &["--shard-optimizer"][..]),
+        (4, "tp=4", &["--optimizer", "sgd"][..]),
+    ] {
         let base = tmp.path().join(mesh.replace([',', '='], "_"));
         let dir = |name: &str| base.join(name);
         let mut args = train_args(mesh, extra);
@@ -393,19 +572,55 @@ fn train_scenarios(limit: Duration) -> std::result::Result<(), String> {
         // MPI from scratch, all 16 updates: identical at 8 and 16.
         let mut a = args.clone();
         a.extend(["--out".into(), path_arg(&dir("mpi"))]);
-        expect_ok(&mpirun(n, "train", &a, &[], limit)?, &format!("training {mesh} under mpirun -n {n}"))?;
-        same_checkpoint(&dir("threads"), &dir("mpi"), half, &format!("{mesh}: MPI and threads, step {half}"))?;
-        same_checkpoint(&dir("threads"), &dir("mpi"), full, &format!("{mesh}: MPI and threads, step {full}"))?;
+        expect_ok(
+            &mpirun(n, "train", &a, &[], limit)?,
+            &format!("training {mesh} under mpirun -n {n}"),
+        )?;
+        same_checkpoint(
+            &dir("threads"),
+            &dir("mpi"),
+            half,
+            &format!("{mesh}: MPI and threads, step {half}"),
+        )?;
+        same_checkpoint(
+            &dir("threads"),
+            &dir("mpi"),
+            full,
+            &format!("{mesh}: MPI and threads, step {full}"),
+        )?;
         // Saved under threads, resumed under MPI.
         let mut a = args.clone();
-        a.extend(["--resume".into(), path_arg(&dir("threads").join(format!("step_{half}"))), "--out".into(), path_arg(&dir("t2m"))]);
-        expect_ok(&mpirun(n, "train", &a, &[], limit)?, &format!("{mesh}: resuming a thread checkpoint under mpirun -n {n}"))?;
-        same_checkpoint(&dir("threads"), &dir("t2m"), full, &format!("{mesh}: saved under threads, resumed under MPI"))?;
+        a.extend([
+            "--resume".into(),
+            path_arg(&dir("threads").join(format!("step_{half}"))),
+            "--out".into(),
+            path_arg(&dir("t2m")),
+        ]);
+        expect_ok(
+            &mpirun(n, "train", &a, &[], limit)?,
+            &format!("{mesh}: resuming a thread checkpoint under mpirun -n {n}"),
+        )?;
+        same_checkpoint(
+            &dir("threads"),
+            &dir("t2m"),
+            full,
+            &format!("{mesh}: saved under threads, resumed under MPI"),
+        )?;
         // Saved under MPI, resumed under threads.
         let mut a = args.clone();
-        a.extend(["--resume".into(), path_arg(&dir("mpi").join(format!("step_{half}"))), "--out".into(), path_arg(&dir("m2t"))]);
+        a.extend([
+            "--resume".into(),
+            path_arg(&dir("mpi").join(format!("step_{half}"))),
+            "--out".into(),
+            path_arg(&dir("m2t")),
+        ]);
         train_threads(&a)?;
-        same_checkpoint(&dir("threads"), &dir("m2t"), full, &format!("{mesh}: saved under MPI, resumed under threads"))?;
+        same_checkpoint(
+            &dir("threads"),
+            &dir("m2t"),
+            full,
+            &format!("{mesh}: saved under MPI, resumed under threads"),
+        )?;
     }
     Ok(())
 }

@@ -13,20 +13,48 @@ fn mlp_tp2_and_dp2_tp2_track_one_rank() {
     let both = run(&[&common[..], &["--mesh", "dp=2,tp=2"]].concat());
     let tp4 = run(&[&common[..], &["--mesh", "tp=4"]].concat());
     assert_eq!(one.losses.len(), 40);
-    assert!(max_diff(&one.losses, &tp2.losses) < 1e-4, "tp=2 {:?} vs {:?}", tp2.losses, one.losses);
-    assert!(max_diff(&one.losses, &both.losses) < 1e-4, "dp=2,tp=2 {:?}", both.losses);
+    assert!(
+        max_diff(&one.losses, &tp2.losses) < 1e-4,
+        "tp=2 {:?} vs {:?}",
+        tp2.losses,
+        one.losses
+    );
+    assert!(
+        max_diff(&one.losses, &both.losses) < 1e-4,
+        "dp=2,tp=2 {:?}",
+        both.losses
+    );
     // 10 classes over tp=4 are uneven torch.chunk pieces (3, 3, 3, 1).
-    assert!(max_diff(&one.losses, &tp4.losses) < 1e-4, "tp=4 {:?}", tp4.losses);
+    assert!(
+        max_diff(&one.losses, &tp4.losses) < 1e-4,
+        "tp=4 {:?}",
+        tp4.losses
+    );
     assert!(one.losses[39] < one.losses[0] * 0.5);
 }
 
 /// The ViT with fused QKV as a blocked shard: tp=2 tracks tp=1 (1e-4 over 8 updates).
 #[test]
 fn vit_tp2_tracks_one_rank() {
-    let common = ["--model", "vit", "--batch-size", "32", "--max-steps", "8", "--no-eval", "--train-limit", "256"];
+    let common = [
+        "--model",
+        "vit",
+        "--batch-size",
+        "32",
+        "--max-steps",
+        "8",
+        "--no-eval",
+        "--train-limit",
+        "256",
+    ];
     let one = run(&[&common[..], &["--ranks", "1"]].concat());
     let tp2 = run(&[&common[..], &["--mesh", "tp=2"]].concat());
-    assert!(max_diff(&one.losses, &tp2.losses) < 1e-4, "{:?} vs {:?}", tp2.losses, one.losses);
+    assert!(
+        max_diff(&one.losses, &tp2.losses) < 1e-4,
+        "{:?} vs {:?}",
+        tp2.losses,
+        one.losses
+    );
 }
 
 /// Issue 5: dp=4 with --sync-bn tracks dp=1 at the same global batch (ResNet-8 on small
@@ -37,14 +65,32 @@ fn resnet_dp4_sync_bn_tracks_dp1() {
     let dir = tempfile::tempdir().unwrap();
     write_cifar(dir.path(), 64, 20);
     let data = format!("cifar10:{}", dir.path().display());
-    let common = ["--model", "resnet", "--depth", "8", "--data", &data, "--batch-size", "16", "--max-steps", "4", "--optimizer", "sgd", "--lr", "0.05"];
+    let common = [
+        "--model",
+        "resnet",
+        "--depth",
+        "8",
+        "--data",
+        &data,
+        "--batch-size",
+        "16",
+        "--max-steps",
+        "4",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+    ];
     let one = run(&[&common[..], &["--ranks", "1"]].concat());
     let four = run(&[&common[..], &["--ranks", "4", "--sync-bn"]].concat());
     let unsynced = run(&[&common[..], &["--ranks", "4"]].concat());
     let d = max_diff(&one.losses, &four.losses);
     assert!(d < 2e-3, "sync-bn {:?} vs {:?}", four.losses, one.losses);
     let du = max_diff(&one.losses, &unsynced.losses);
-    assert!(du > d, "per-rank BatchNorm should differ more ({du} vs {d})");
+    assert!(
+        du > d,
+        "per-rank BatchNorm should differ more ({du} vs {d})"
+    );
     let acc = four.final_accuracy().unwrap();
     assert!((0.0..=1.0).contains(&acc));
 }
@@ -53,7 +99,15 @@ fn resnet_dp4_sync_bn_tracks_dp1() {
 #[test]
 fn shard_optimizer_is_bit_identical() {
     for opt in ["adamw", "sgd"] {
-        let common = ["--mesh", "dp=2,tp=2", "--max-steps", "15", "--no-eval", "--optimizer", opt];
+        let common = [
+            "--mesh",
+            "dp=2,tp=2",
+            "--max-steps",
+            "15",
+            "--no-eval",
+            "--optimizer",
+            opt,
+        ];
         let plain = run(&common);
         let zero = run(&[&common[..], &["--shard-optimizer"]].concat());
         assert_eq!(plain.losses, zero.losses, "{opt}");

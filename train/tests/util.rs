@@ -18,7 +18,10 @@ pub(crate) fn run(args: &[&str]) -> TrainReport {
 /// Largest absolute difference of two loss curves of the same length.
 pub(crate) fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "curves of different lengths");
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// Writes a small CIFAR-10 binary directory: `n_train` and `n_test` records whose
@@ -26,7 +29,9 @@ pub(crate) fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 pub(crate) fn write_cifar(dir: &Path, n_train: usize, n_test: usize) {
     let mut state = 12345u64;
     let mut next = || {
-        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (state >> 33) as u8
     };
     let mut records = |n: usize| -> Vec<u8> {
@@ -35,7 +40,11 @@ pub(crate) fn write_cifar(dir: &Path, n_train: usize, n_test: usize) {
             let label = (i % 10) as u8;
             out.push(label);
             for p in 0..3072usize {
-                let base = if (p / 32 + p % 32 + label as usize * 3) % 10 < 5 { 160u8 } else { 60 };
+                let base = if (p / 32 + p % 32 + label as usize * 3) % 10 < 5 {
+                    160u8
+                } else {
+                    60
+                };
                 out.push(base.wrapping_add(next() % 40));
             }
         }

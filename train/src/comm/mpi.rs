@@ -19,12 +19,12 @@
 
 use super::{check_mesh, Comm, Dist, ReduceOp, SoloComm};
 use crate::error::{Error, Result};
-use ckpt_core::Mesh;
 use ::mpi::datatype::{Partition, PartitionMut};
 use ::mpi::environment::Universe;
 use ::mpi::topology::{Color, SimpleCommunicator};
 use ::mpi::traits::{Communicator, CommunicatorCollectives, Root};
 use ::mpi::Threading;
+use ckpt_core::Mesh;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
@@ -80,13 +80,18 @@ struct Watching<'a>(&'a Watch);
 
 impl Drop for Watching<'_> {
     fn drop(&mut self) {
-        *self.0.current.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        *self
+            .0
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = None;
     }
 }
 
 impl Watch {
     fn enter(&self, op: &'static str, group: &str) -> Watching<'_> {
-        *self.current.lock().unwrap_or_else(PoisonError::into_inner) = Some((op, group.to_string(), Instant::now()));
+        *self.current.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some((op, group.to_string(), Instant::now()));
         Watching(self)
     }
 
@@ -98,13 +103,20 @@ impl Watch {
     fn run(&self, rank: usize) {
         loop {
             let timeout = self.timeout();
-            std::thread::sleep((timeout / 20).clamp(Duration::from_millis(20), Duration::from_secs(1)));
+            std::thread::sleep(
+                (timeout / 20).clamp(Duration::from_millis(20), Duration::from_secs(1)),
+            );
             if self.stopped.load(Ordering::SeqCst) {
                 return;
             }
-            let overran = self.current.lock().unwrap_or_else(PoisonError::into_inner).as_ref().and_then(|(op, group, since)| {
-                (since.elapsed() > timeout).then(|| (*op, group.clone()))
-            });
+            let overran = self
+                .current
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .as_ref()
+                .and_then(|(op, group, since)| {
+                    (since.elapsed() > timeout).then(|| (*op, group.clone()))
+                });
             if let Some((op, group)) = overran {
                 eprintln!(
                     "ckpt: rank {rank}: collective `{op}` in group {group} did not complete within {:.1} s \
@@ -134,7 +146,11 @@ pub struct MpiWorld {
 
 impl std::fmt::Debug for MpiWorld {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "MpiWorld(rank {} of {}, {:?})", self.rank, self.size, self.threading)
+        write!(
+            f,
+            "MpiWorld(rank {} of {}, {:?})",
+            self.rank, self.size, self.threading
+        )
     }
 }
 
@@ -152,7 +168,10 @@ pub fn finalize_mpi() {
     if let Some(Ok(w)) = WORLD.get() {
         w.watch.stopped.store(true, Ordering::SeqCst);
     }
-    let universe = UNIVERSE.lock().unwrap_or_else(PoisonError::into_inner).take();
+    let universe = UNIVERSE
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
     if let Some(u) = universe {
         let _calls = lock_calls();
         drop(u);
@@ -171,8 +190,8 @@ pub fn mpi_world() -> Result<&'static MpiWorld> {
             if ::mpi::environment::is_finalized() {
                 return Err("MPI was already finalised in this process".into());
             }
-            let (universe, threading) =
-                ::mpi::initialize_with_threading(Threading::Multiple).ok_or("MPI was initialised outside ckpt in this process")?;
+            let (universe, threading) = ::mpi::initialize_with_threading(Threading::Multiple)
+                .ok_or("MPI was initialised outside ckpt in this process")?;
             let world = universe.world();
             let (rank, size) = (world.rank() as usize, world.size() as usize);
             *UNIVERSE.lock().unwrap_or_else(PoisonError::into_inner) = Some(universe);
@@ -186,12 +205,23 @@ pub fn mpi_world() -> Result<&'static MpiWorld> {
             });
             if size > 1 && threading == Threading::Multiple {
                 let w = watch.clone();
-                std::thread::Builder::new().name("mpi-watchdog".into()).spawn(move || w.run(rank)).map_err(|e| e.to_string())?;
+                std::thread::Builder::new()
+                    .name("mpi-watchdog".into())
+                    .spawn(move || w.run(rank))
+                    .map_err(|e| e.to_string())?;
             }
-            Ok(MpiWorld { rank, size, threading, watch })
+            Ok(MpiWorld {
+                rank,
+                size,
+                threading,
+                watch,
+            })
         })
         .as_ref()
-        .map_err(|problem| Error::BackendUnavailable { backend: "mpi", problem: problem.clone() })
+        .map_err(|problem| Error::BackendUnavailable {
+            backend: "mpi",
+            problem: problem.clone(),
+        })
 }
 
 fn timeout_from_env() -> Result<Duration> {
@@ -199,7 +229,10 @@ fn timeout_from_env() -> Result<Duration> {
         Err(_) => Ok(DEFAULT_TIMEOUT),
         Ok(v) => match v.trim().parse::<f64>() {
             Ok(s) if s > 0.0 && s.is_finite() => Ok(Duration::from_secs_f64(s)),
-            _ => Err(Error::Launch { variable: TIMEOUT_VAR.into(), problem: format!("`{v}` is not a positive number of seconds") }),
+            _ => Err(Error::Launch {
+                variable: TIMEOUT_VAR.into(),
+                problem: format!("`{v}` is not a positive number of seconds"),
+            }),
         },
     }
 }
@@ -226,7 +259,12 @@ impl MpiWorld {
     /// Sets how long a collective may wait for its peers (overrides
     /// `CKPT_COMM_TIMEOUT`). Without `MPI_THREAD_MULTIPLE` there is no watchdog.
     pub fn set_timeout(&self, timeout: Duration) {
-        self.watch.timeout_ms.store(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1), Ordering::Relaxed);
+        self.watch.timeout_ms.store(
+            u64::try_from(timeout.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1),
+            Ordering::Relaxed,
+        );
     }
 
     /// Builds this rank's communicators for `mesh` (world, `dp` and `tp` groups, with the
@@ -239,13 +277,20 @@ impl MpiWorld {
         if mesh.world_size() != self.size as u64 {
             return Err(Error::option(
                 "--mesh",
-                format!("mesh {mesh} has {} ranks but the MPI job has {} processes (mpirun -n {})", mesh.world_size(), self.size, mesh.world_size()),
+                format!(
+                    "mesh {mesh} has {} ranks but the MPI job has {} processes (mpirun -n {})",
+                    mesh.world_size(),
+                    self.size,
+                    mesh.world_size()
+                ),
             ));
         }
         let rank = self.rank;
         let world: Arc<dyn Comm> = self.comm(SimpleCommunicator::world(), 0..self.size)?;
         let axis = |name: &str| -> Result<Arc<dyn Comm>> {
-            let Some(a) = mesh.axis_index(name) else { return Ok(Arc::new(SoloComm { members: [rank] })) };
+            let Some(a) = mesh.axis_index(name) else {
+                return Ok(Arc::new(SoloComm { members: [rank] }));
+            };
             let coords = mesh.coords(rank as u64);
             let members: Vec<usize> = (0..mesh.axes()[a].size)
                 .map(|k| {
@@ -257,9 +302,16 @@ impl MpiWorld {
             // Every process takes part in the split, even those in groups of one.
             let split = {
                 let _calls = lock_calls();
-                SimpleCommunicator::world().split_by_color_with_key(Color::with_value(to_count(members[0])?), to_count(coords[a] as usize)?)
+                SimpleCommunicator::world().split_by_color_with_key(
+                    Color::with_value(to_count(members[0])?),
+                    to_count(coords[a] as usize)?,
+                )
             };
-            let split = split.ok_or_else(|| Error::Collective { op: "split", group: format!("{members:?}"), problem: "MPI_Comm_split gave no communicator".into() })?;
+            let split = split.ok_or_else(|| Error::Collective {
+                op: "split",
+                group: format!("{members:?}"),
+                problem: "MPI_Comm_split gave no communicator".into(),
+            })?;
             if members.len() == 1 {
                 drop(Handle(ManuallyDrop::new(split)));
                 return Ok(Arc::new(SoloComm { members: [rank] }));
@@ -269,13 +321,26 @@ impl MpiWorld {
         };
         let dp = axis("dp")?;
         let tp = axis("tp")?;
-        Ok(Dist { mesh: mesh.clone(), rank, world, dp, tp })
+        Ok(Dist {
+            mesh: mesh.clone(),
+            rank,
+            world,
+            dp,
+            tp,
+        })
     }
 
-    fn comm(&self, comm: SimpleCommunicator, members: impl IntoIterator<Item = usize>) -> Result<Arc<dyn Comm>> {
+    fn comm(
+        &self,
+        comm: SimpleCommunicator,
+        members: impl IntoIterator<Item = usize>,
+    ) -> Result<Arc<dyn Comm>> {
         let members: Vec<usize> = members.into_iter().collect();
         let handle = Handle(ManuallyDrop::new(comm));
-        let me = members.iter().position(|&m| m == self.rank).expect("this rank is a member of its groups");
+        let me = members
+            .iter()
+            .position(|&m| m == self.rank)
+            .expect("this rank is a member of its groups");
         let (got_rank, got_size) = {
             let _calls = lock_calls();
             (handle.0.rank() as usize, handle.0.size() as usize)
@@ -285,10 +350,20 @@ impl MpiWorld {
             return Err(Error::Collective {
                 op: "split",
                 group: label,
-                problem: format!("MPI placed this rank at {got_rank} of {got_size}, expected {me} of {}", members.len()),
+                problem: format!(
+                    "MPI placed this rank at {got_rank} of {got_size}, expected {me} of {}",
+                    members.len()
+                ),
             });
         }
-        Ok(Arc::new(MpiComm { handle, me, members, label, seq: AtomicU64::new(0), watch: self.watch.clone() }))
+        Ok(Arc::new(MpiComm {
+            handle,
+            me,
+            members,
+            label,
+            seq: AtomicU64::new(0),
+            watch: self.watch.clone(),
+        }))
     }
 
     /// Runs `f` as this process's rank of `mesh`.
@@ -302,11 +377,15 @@ impl MpiWorld {
     pub fn run<T>(&self, mesh: &Mesh, f: impl FnOnce(Dist) -> Result<T>) -> Result<T> {
         let dist = self.dist(mesh)?;
         let rank = self.rank;
-        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(dist))).unwrap_or_else(|p| {
-            let message =
-                p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_string())).unwrap_or_else(|| "unknown panic".into());
-            Err(Error::RankPanicked { rank, message })
-        });
+        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(dist)))
+            .unwrap_or_else(|p| {
+                let message = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                Err(Error::RankPanicked { rank, message })
+            });
         match out {
             Err(e) if self.size > 1 => self.abort(&e),
             out => out,
@@ -321,7 +400,10 @@ impl MpiWorld {
             text.push_str(&format!(": {s}"));
             source = s.source();
         }
-        eprintln!("ckpt: rank {} of {}: {text}; aborting the MPI job", self.rank, self.size);
+        eprintln!(
+            "ckpt: rank {} of {}: {text}; aborting the MPI job",
+            self.rank, self.size
+        );
         SimpleCommunicator::world().abort(ABORT_CODE)
     }
 }
@@ -335,7 +417,11 @@ pub fn run_mpi<T>(mesh: &Mesh, f: impl FnOnce(Dist) -> Result<T>) -> Result<T> {
 }
 
 fn to_count(n: usize) -> Result<i32> {
-    i32::try_from(n).map_err(|_| Error::Collective { op: "count", group: String::new(), problem: format!("{n} elements exceed MPI's int counts") })
+    i32::try_from(n).map_err(|_| Error::Collective {
+        op: "count",
+        group: String::new(),
+        problem: format!("{n} elements exceed MPI's int counts"),
+    })
 }
 
 /// The collectives, as numbered in headers.
@@ -362,10 +448,17 @@ impl Op {
     }
 
     fn from_code(code: u64) -> &'static str {
-        [Op::AllReduce, Op::AllGather, Op::ReduceScatter, Op::Broadcast, Op::Gather, Op::Barrier]
-            .into_iter()
-            .find(|o| *o as u64 == code)
-            .map_or("an unknown collective", Op::name)
+        [
+            Op::AllReduce,
+            Op::AllGather,
+            Op::ReduceScatter,
+            Op::Broadcast,
+            Op::Gather,
+            Op::Barrier,
+        ]
+        .into_iter()
+        .find(|o| *o as u64 == code)
+        .map_or("an unknown collective", Op::name)
     }
 }
 
@@ -415,12 +508,21 @@ fn fingerprint(words: impl IntoIterator<Item = u64>) -> u64 {
 
 /// Combines equal-length pieces in group order, exactly as the thread backend does:
 /// `((p0 ∘ p1) ∘ p2) ∘ ..`, then divides by the count for a mean.
-fn reduce_ordered<'a>(mut parts: impl Iterator<Item = &'a [f32]>, count: usize, op: ReduceOp) -> Vec<f32> {
+fn reduce_ordered<'a>(
+    mut parts: impl Iterator<Item = &'a [f32]>,
+    count: usize,
+    op: ReduceOp,
+) -> Vec<f32> {
     let mut acc = parts.next().map(<[f32]>::to_vec).unwrap_or_default();
     for p in parts {
         match op {
-            ReduceOp::Sum | ReduceOp::Mean => acc.iter_mut().zip(p.iter()).for_each(|(a, b)| *a += *b),
-            ReduceOp::Max => acc.iter_mut().zip(p.iter()).for_each(|(a, b)| *a = a.max(*b)),
+            ReduceOp::Sum | ReduceOp::Mean => {
+                acc.iter_mut().zip(p.iter()).for_each(|(a, b)| *a += *b)
+            }
+            ReduceOp::Max => acc
+                .iter_mut()
+                .zip(p.iter())
+                .for_each(|(a, b)| *a = a.max(*b)),
         }
     }
     if op == ReduceOp::Mean {
@@ -436,11 +538,14 @@ fn segments(n: usize, p: usize) -> Vec<usize> {
 }
 
 fn displacements(counts: &[i32]) -> Vec<i32> {
-    counts.iter().scan(0i32, |at, &c| {
-        let d = *at;
-        *at += c;
-        Some(d)
-    }).collect()
+    counts
+        .iter()
+        .scan(0i32, |at, &c| {
+            let d = *at;
+            *at += c;
+            Some(d)
+        })
+        .collect()
 }
 
 fn counts_i32(counts: &[usize]) -> Option<Vec<i32>> {
@@ -450,7 +555,11 @@ fn counts_i32(counts: &[usize]) -> Option<Vec<i32>> {
 
 impl MpiComm {
     fn err(&self, op: Op, problem: impl Into<String>) -> Error {
-        Error::Collective { op: op.name(), group: self.label.clone(), problem: problem.into() }
+        Error::Collective {
+            op: op.name(),
+            group: self.label.clone(),
+            problem: problem.into(),
+        }
     }
 
     fn comm(&self) -> &SimpleCommunicator {
@@ -464,23 +573,47 @@ impl MpiComm {
         let mine = [op as u64, seq, len as u64, agree, u64::from(bad.is_some())];
         let mut all = vec![0u64; HEADER_WORDS * self.members.len()];
         self.comm().all_gather_into(&mine[..], &mut all[..]);
-        let hs: Vec<Header> =
-            all.chunks_exact(HEADER_WORDS).map(|w| Header { op: w[0], seq: w[1], len: w[2], agree: w[3], bad: w[4] }).collect();
+        let hs: Vec<Header> = all
+            .chunks_exact(HEADER_WORDS)
+            .map(|w| Header {
+                op: w[0],
+                seq: w[1],
+                len: w[2],
+                agree: w[3],
+                bad: w[4],
+            })
+            .collect();
         for (i, h) in hs.iter().enumerate() {
             if h.op != op as u64 {
-                return Err(self.err(op, format!("rank {} called `{}` at the same time", self.members[i], Op::from_code(h.op))));
+                return Err(self.err(
+                    op,
+                    format!(
+                        "rank {} called `{}` at the same time",
+                        self.members[i],
+                        Op::from_code(h.op)
+                    ),
+                ));
             }
         }
         for (i, h) in hs.iter().enumerate() {
             if h.seq != seq {
-                return Err(self.err(op, format!("rank {} is at collective #{} of this group, this rank at #{seq}", self.members[i], h.seq)));
+                return Err(self.err(
+                    op,
+                    format!(
+                        "rank {} is at collective #{} of this group, this rank at #{seq}",
+                        self.members[i], h.seq
+                    ),
+                ));
             }
         }
         if let Some(problem) = bad {
             return Err(self.err(op, problem));
         }
         if let Some(i) = hs.iter().position(|h| h.bad != 0) {
-            return Err(self.err(op, format!("rank {} passed invalid arguments", self.members[i])));
+            return Err(self.err(
+                op,
+                format!("rank {} passed invalid arguments", self.members[i]),
+            ));
         }
         if let Some(i) = hs.iter().position(|h| h.agree != agree) {
             let what = match op {
@@ -495,7 +628,8 @@ impl MpiComm {
 
     /// Every rank's `buf`, concatenated in group order; `lens` are the ranks' lengths.
     fn all_gather_flat(&self, op: Op, buf: &[f32], lens: &[usize]) -> Result<Vec<f32>> {
-        let counts = counts_i32(lens).ok_or_else(|| self.err(op, "the gathered buffers exceed MPI's int counts"))?;
+        let counts = counts_i32(lens)
+            .ok_or_else(|| self.err(op, "the gathered buffers exceed MPI's int counts"))?;
         let displs = displacements(&counts);
         let mut out = vec![0f32; lens.iter().sum()];
         {
@@ -507,10 +641,18 @@ impl MpiComm {
 
     /// Sends segment `j` of `buf` (sizes `send`) to rank `j`; returns what every rank
     /// sent here, in group order, `recv_each` elements from each.
-    fn all_to_all(&self, op: Op, buf: &[f32], send: &[usize], recv_each: usize) -> Result<Vec<f32>> {
+    fn all_to_all(
+        &self,
+        op: Op,
+        buf: &[f32],
+        send: &[usize],
+        recv_each: usize,
+    ) -> Result<Vec<f32>> {
         let p = self.members.len();
-        let send = counts_i32(send).ok_or_else(|| self.err(op, "the buffer exceeds MPI's int counts"))?;
-        let recv = counts_i32(&vec![recv_each; p]).ok_or_else(|| self.err(op, "the buffer exceeds MPI's int counts"))?;
+        let send =
+            counts_i32(send).ok_or_else(|| self.err(op, "the buffer exceeds MPI's int counts"))?;
+        let recv = counts_i32(&vec![recv_each; p])
+            .ok_or_else(|| self.err(op, "the buffer exceeds MPI's int counts"))?;
         let (sd, rd) = (displacements(&send), displacements(&recv));
         let mut out = vec![0f32; recv_each * p];
         {
@@ -550,13 +692,20 @@ impl Comm for MpiComm {
         let n = buf.len();
         let hs = self.headers(Op::AllReduce, n, reduce_code(op), None)?;
         if let Some(h) = hs.iter().find(|h| h.len != n as u64) {
-            return Err(self.err(Op::AllReduce, format!("buffer lengths differ ({n} and {})", h.len)));
+            return Err(self.err(
+                Op::AllReduce,
+                format!("buffer lengths differ ({n} and {})", h.len),
+            ));
         }
         let p = self.members.len();
         let seg = segments(n, p);
         let mine = seg[self.me];
         let pieces = self.all_to_all(Op::AllReduce, buf, &seg, mine)?;
-        let reduced = if mine == 0 { Vec::new() } else { reduce_ordered(pieces.chunks(mine), p, op) };
+        let reduced = if mine == 0 {
+            Vec::new()
+        } else {
+            reduce_ordered(pieces.chunks(mine), p, op)
+        };
         let full = self.all_gather_flat(Op::AllReduce, &reduced, &seg)?;
         buf.copy_from_slice(&full);
         Ok(())
@@ -575,11 +724,15 @@ impl Comm for MpiComm {
         let _w = self.watch.enter("reduce_scatter", &self.label);
         let _calls = lock_calls();
         let p = self.members.len();
-        let bad = (counts.len() != p || counts.iter().sum::<usize>() != buf.len()).then(|| "counts do not match the buffer".to_string());
+        let bad = (counts.len() != p || counts.iter().sum::<usize>() != buf.len())
+            .then(|| "counts do not match the buffer".to_string());
         let agree = fingerprint(counts.iter().map(|&c| c as u64).chain([reduce_code(op)]));
         let hs = self.headers(Op::ReduceScatter, buf.len(), agree, bad)?;
         if let Some(h) = hs.iter().find(|h| h.len != buf.len() as u64) {
-            return Err(self.err(Op::ReduceScatter, format!("buffer lengths differ ({} and {})", buf.len(), h.len)));
+            return Err(self.err(
+                Op::ReduceScatter,
+                format!("buffer lengths differ ({} and {})", buf.len(), h.len),
+            ));
         }
         let mine = counts[self.me];
         let pieces = self.all_to_all(Op::ReduceScatter, buf, counts, mine)?;
@@ -592,7 +745,8 @@ impl Comm for MpiComm {
     fn broadcast(&self, buf: &mut Vec<f32>, root: usize) -> Result<()> {
         let _w = self.watch.enter("broadcast", &self.label);
         let _calls = lock_calls();
-        let bad = (root >= self.members.len()).then(|| format!("root {root} is not in a group of {}", self.members.len()));
+        let bad = (root >= self.members.len())
+            .then(|| format!("root {root} is not in a group of {}", self.members.len()));
         let hs = self.headers(Op::Broadcast, buf.len(), root as u64, bad)?;
         let n = hs[root].len as usize;
         if self.me != root {
@@ -600,8 +754,11 @@ impl Comm for MpiComm {
             buf.resize(n, 0.0);
         }
         if n > 0 {
-            to_count(n).map_err(|_| self.err(Op::Broadcast, "the buffer exceeds MPI's int counts"))?;
-            self.comm().process_at_rank(root as i32).broadcast_into(&mut buf[..]);
+            to_count(n)
+                .map_err(|_| self.err(Op::Broadcast, "the buffer exceeds MPI's int counts"))?;
+            self.comm()
+                .process_at_rank(root as i32)
+                .broadcast_into(&mut buf[..]);
         }
         Ok(())
     }
@@ -609,10 +766,12 @@ impl Comm for MpiComm {
     fn gather(&self, buf: &[f32], root: usize) -> Result<Option<Vec<Vec<f32>>>> {
         let _w = self.watch.enter("gather", &self.label);
         let _calls = lock_calls();
-        let bad = (root >= self.members.len()).then(|| format!("root {root} is not in a group of {}", self.members.len()));
+        let bad = (root >= self.members.len())
+            .then(|| format!("root {root} is not in a group of {}", self.members.len()));
         let hs = self.headers(Op::Gather, buf.len(), root as u64, bad)?;
         let lens: Vec<usize> = hs.iter().map(|h| h.len as usize).collect();
-        let counts = counts_i32(&lens).ok_or_else(|| self.err(Op::Gather, "the gathered buffers exceed MPI's int counts"))?;
+        let counts = counts_i32(&lens)
+            .ok_or_else(|| self.err(Op::Gather, "the gathered buffers exceed MPI's int counts"))?;
         let proc = self.comm().process_at_rank(root as i32);
         if self.me != root {
             proc.gather_varcount_into(buf);
@@ -654,7 +813,10 @@ mod tests {
         assert_eq!(sum, vec![(0.1f32 + 0.2) + 0.3, (1e8f32 + 1.0) - 1e8, 9.0]);
         let mean = reduce_ordered(parts.iter().copied(), 3, ReduceOp::Mean);
         assert_eq!(mean[2], 3.0);
-        assert_eq!(reduce_ordered(parts.iter().copied(), 3, ReduceOp::Max), vec![0.3, 1e8, 5.0]);
+        assert_eq!(
+            reduce_ordered(parts.iter().copied(), 3, ReduceOp::Max),
+            vec![0.3, 1e8, 5.0]
+        );
     }
 
     #[test]

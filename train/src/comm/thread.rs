@@ -27,7 +27,10 @@ impl Group {
 
     /// Waits until every member arrived, or fails when the job was aborted.
     fn wait(&self, op: &'static str) -> Result<()> {
-        let mut g = self.gate.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut g = self
+            .gate
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let gen = g.1;
         g.0 += 1;
         if g.0 == self.members.len() {
@@ -38,18 +41,32 @@ impl Group {
         }
         while g.1 == gen {
             if self.abort.load(Ordering::SeqCst) {
-                return Err(Error::Collective { op, group: self.label(), problem: "a peer rank stopped".into() });
+                return Err(Error::Collective {
+                    op,
+                    group: self.label(),
+                    problem: "a peer rank stopped".into(),
+                });
             }
-            g = self.cv.wait_timeout(g, Duration::from_millis(50)).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+            g = self
+                .cv
+                .wait_timeout(g, Duration::from_millis(50))
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
         }
         Ok(())
     }
 
     /// Deposits `data`, waits for everyone, returns every member's data in group order.
     fn exchange(&self, me: usize, op: &'static str, data: Vec<f32>) -> Result<Vec<Arc<Vec<f32>>>> {
-        self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner)[me] = Some((op, Arc::new(data)));
+        self.slots
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)[me] = Some((op, Arc::new(data)));
         self.wait(op)?;
-        let snapshot: Vec<Slot> = self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let snapshot: Vec<Slot> = self
+            .slots
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
         self.wait(op)?;
         let mut out = Vec::with_capacity(snapshot.len());
         for (i, s) in snapshot.into_iter().enumerate() {
@@ -62,7 +79,13 @@ impl Group {
                         problem: format!("rank {} called `{o}` at the same time", self.members[i]),
                     })
                 }
-                None => return Err(Error::Collective { op, group: self.label(), problem: "missing deposit".into() }),
+                None => {
+                    return Err(Error::Collective {
+                        op,
+                        group: self.label(),
+                        problem: "missing deposit".into(),
+                    })
+                }
             }
         }
         Ok(out)
@@ -75,16 +98,30 @@ struct ThreadComm {
     me: usize,
 }
 
-fn reduce(parts: &[Arc<Vec<f32>>], op: ReduceOp, group: &Group, name: &'static str) -> Result<Vec<f32>> {
+fn reduce(
+    parts: &[Arc<Vec<f32>>],
+    op: ReduceOp,
+    group: &Group,
+    name: &'static str,
+) -> Result<Vec<f32>> {
     let n = parts[0].len();
     if let Some(p) = parts.iter().find(|p| p.len() != n) {
-        return Err(Error::Collective { op: name, group: group.label(), problem: format!("buffer lengths differ ({n} and {})", p.len()) });
+        return Err(Error::Collective {
+            op: name,
+            group: group.label(),
+            problem: format!("buffer lengths differ ({n} and {})", p.len()),
+        });
     }
     let mut acc = parts[0].as_ref().clone();
     for p in &parts[1..] {
         match op {
-            ReduceOp::Sum | ReduceOp::Mean => acc.iter_mut().zip(p.iter()).for_each(|(a, b)| *a += *b),
-            ReduceOp::Max => acc.iter_mut().zip(p.iter()).for_each(|(a, b)| *a = a.max(*b)),
+            ReduceOp::Sum | ReduceOp::Mean => {
+                acc.iter_mut().zip(p.iter()).for_each(|(a, b)| *a += *b)
+            }
+            ReduceOp::Max => acc
+                .iter_mut()
+                .zip(p.iter())
+                .for_each(|(a, b)| *a = a.max(*b)),
         }
     }
     if op == ReduceOp::Mean {
@@ -116,15 +153,28 @@ impl Comm for ThreadComm {
     }
     fn reduce_scatter(&self, buf: &[f32], counts: &[usize], op: ReduceOp) -> Result<Vec<f32>> {
         if counts.len() != self.size() || counts.iter().sum::<usize>() != buf.len() {
-            return Err(Error::Collective { op: "reduce_scatter", group: self.group.label(), problem: "counts do not match the buffer".into() });
+            return Err(Error::Collective {
+                op: "reduce_scatter",
+                group: self.group.label(),
+                problem: "counts do not match the buffer".into(),
+            });
         }
-        let parts = self.group.exchange(self.me, "reduce_scatter", buf.to_vec())?;
+        let parts = self
+            .group
+            .exchange(self.me, "reduce_scatter", buf.to_vec())?;
         let start: usize = counts[..self.me].iter().sum();
-        let mine: Vec<Arc<Vec<f32>>> = parts.iter().map(|p| Arc::new(p[start..start + counts[self.me]].to_vec())).collect();
+        let mine: Vec<Arc<Vec<f32>>> = parts
+            .iter()
+            .map(|p| Arc::new(p[start..start + counts[self.me]].to_vec()))
+            .collect();
         reduce(&mine, op, &self.group, "reduce_scatter")
     }
     fn broadcast(&self, buf: &mut Vec<f32>, root: usize) -> Result<()> {
-        let data = if self.me == root { std::mem::take(buf) } else { Vec::new() };
+        let data = if self.me == root {
+            std::mem::take(buf)
+        } else {
+            Vec::new()
+        };
         let parts = self.group.exchange(self.me, "broadcast", data)?;
         *buf = parts[root].as_ref().clone();
         Ok(())
@@ -140,7 +190,13 @@ impl Comm for ThreadComm {
 
 fn new_group(members: Vec<usize>, abort: &Arc<AtomicBool>) -> Arc<Group> {
     let n = members.len();
-    Arc::new(Group { members, slots: Mutex::new(vec![None; n]), gate: Mutex::new((0, 0)), cv: Condvar::new(), abort: abort.clone() })
+    Arc::new(Group {
+        members,
+        slots: Mutex::new(vec![None; n]),
+        gate: Mutex::new((0, 0)),
+        cv: Condvar::new(),
+        abort: abort.clone(),
+    })
 }
 
 /// Builds the communicators of every rank of `mesh`.
@@ -169,7 +225,10 @@ fn build(mesh: &Mesh, abort: &Arc<AtomicBool>) -> Vec<Dist> {
                 per_rank[m] = Some((g.clone(), i));
             }
         }
-        per_rank.into_iter().map(|x| x.expect("every rank is in a group")).collect()
+        per_rank
+            .into_iter()
+            .map(|x| x.expect("every rank is in a group"))
+            .collect()
     };
     let dp = axis_groups("dp");
     let tp = axis_groups("tp");
@@ -177,9 +236,18 @@ fn build(mesh: &Mesh, abort: &Arc<AtomicBool>) -> Vec<Dist> {
         .map(|r| Dist {
             mesh: mesh.clone(),
             rank: r,
-            world: Arc::new(ThreadComm { group: world_group.clone(), me: r }),
-            dp: Arc::new(ThreadComm { group: dp[r].0.clone(), me: dp[r].1 }),
-            tp: Arc::new(ThreadComm { group: tp[r].0.clone(), me: tp[r].1 }),
+            world: Arc::new(ThreadComm {
+                group: world_group.clone(),
+                me: r,
+            }),
+            dp: Arc::new(ThreadComm {
+                group: dp[r].0.clone(),
+                me: dp[r].1,
+            }),
+            tp: Arc::new(ThreadComm {
+                group: tp[r].0.clone(),
+                me: tp[r].1,
+            }),
         })
         .collect()
 }
@@ -225,7 +293,10 @@ pub fn run_threads<T: Send>(mesh: &Mesh, f: impl Fn(Dist) -> Result<T> + Sync) -
                     .expect("spawn rank thread")
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("rank thread joins")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread joins"))
+            .collect()
     });
     let mut first_peer_error = None;
     let mut out = Vec::with_capacity(results.len());
@@ -265,7 +336,15 @@ mod tests {
     #[test]
     fn axis_groups_follow_row_major_ranks() {
         let mesh = Mesh::parse("dp=2,tp=2").unwrap();
-        let out = run_threads(&mesh, |d| Ok((d.dp.members().to_vec(), d.tp.members().to_vec(), d.dp_rank(), d.tp_rank()))).unwrap();
+        let out = run_threads(&mesh, |d| {
+            Ok((
+                d.dp.members().to_vec(),
+                d.tp.members().to_vec(),
+                d.dp_rank(),
+                d.tp_rank(),
+            ))
+        })
+        .unwrap();
         assert_eq!(out[1], (vec![1, 3], vec![0, 1], 0, 1));
         assert_eq!(out[2], (vec![0, 2], vec![2, 3], 1, 0));
     }
@@ -276,7 +355,8 @@ mod tests {
         let out = run_threads(&mesh, |d| {
             let r = d.rank as f32;
             let g = d.tp.all_gather(&vec![r; d.rank + 1])?;
-            let rs = d.tp.reduce_scatter(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[1, 2, 3], ReduceOp::Sum)?;
+            let rs =
+                d.tp.reduce_scatter(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[1, 2, 3], ReduceOp::Sum)?;
             let mut b = vec![r; 2];
             d.tp.broadcast(&mut b, 2)?;
             let root = d.tp.gather(&[r], 1)?;
@@ -284,7 +364,10 @@ mod tests {
             Ok((g, rs, b, root))
         })
         .unwrap();
-        assert_eq!(out[0].0, vec![vec![0.0], vec![1.0, 1.0], vec![2.0, 2.0, 2.0]]);
+        assert_eq!(
+            out[0].0,
+            vec![vec![0.0], vec![1.0, 1.0], vec![2.0, 2.0, 2.0]]
+        );
         assert_eq!(out[1].1, vec![6.0, 9.0]);
         assert_eq!(out[0].2, vec![2.0, 2.0]);
         assert_eq!(out[1].3, Some(vec![vec![0.0], vec![1.0], vec![2.0]]));

@@ -22,27 +22,47 @@ pub const DIGITS_SPLIT_SEED: u64 = 1797;
 /// # Errors
 /// [`Error::BadData`] naming the line.
 pub fn parse_digits_csv(text: &str, path: &Path) -> Result<Dataset> {
-    let bad = |line: usize, problem: String| Error::BadData { path: path.to_path_buf(), problem: format!("line {line}: {problem}") };
+    let bad = |line: usize, problem: String| Error::BadData {
+        path: path.to_path_buf(),
+        problem: format!("line {line}: {problem}"),
+    };
     let (mut images, mut labels) = (Vec::new(), Vec::new());
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
         let vals: Vec<&str> = line.split(',').collect();
         if vals.len() != 65 {
             return Err(bad(i + 1, format!("{} values, expected 65", vals.len())));
         }
         for v in &vals[..64] {
-            let p: f32 = v.trim().parse().map_err(|_| bad(i + 1, format!("pixel `{v}` is not a number")))?;
+            let p: f32 = v
+                .trim()
+                .parse()
+                .map_err(|_| bad(i + 1, format!("pixel `{v}` is not a number")))?;
             if !(0.0..=16.0).contains(&p) {
                 return Err(bad(i + 1, format!("pixel {p} outside 0..16")));
             }
             images.push(p / 16.0);
         }
-        let label: u32 = vals[64].trim().parse().map_err(|_| bad(i + 1, format!("label `{}` is not a whole number", vals[64])))?;
+        let label: u32 = vals[64]
+            .trim()
+            .parse()
+            .map_err(|_| bad(i + 1, format!("label `{}` is not a whole number", vals[64])))?;
         if label > 9 {
             return Err(bad(i + 1, format!("label {label} outside 0..9")));
         }
         labels.push(label);
     }
-    Ok(Dataset { images, labels, channels: 1, height: 8, width: 8, classes: 10 })
+    Ok(Dataset {
+        images,
+        labels,
+        channels: 1,
+        height: 8,
+        width: 8,
+        classes: 10,
+    })
 }
 
 /// The digits split into training and test sets by a fixed permutation (ChaCha8 seeded
@@ -54,7 +74,10 @@ pub fn parse_digits_csv(text: &str, path: &Path) -> Result<Dataset> {
 /// A malformed file.
 pub fn digits(bytes: &[u8], path: &Path) -> Result<Split> {
     let raw = gunzip_if_needed(bytes.to_vec(), path)?;
-    let text = String::from_utf8(raw).map_err(|_| Error::BadData { path: path.to_path_buf(), problem: "not UTF-8 text".into() })?;
+    let text = String::from_utf8(raw).map_err(|_| Error::BadData {
+        path: path.to_path_buf(),
+        problem: "not UTF-8 text".into(),
+    })?;
     let all = parse_digits_csv(&text, path)?;
     let n = all.len();
     let n_test = if n >= 1797 { DIGITS_TEST } else { n / 5 };
@@ -63,11 +86,17 @@ pub fn digits(bytes: &[u8], path: &Path) -> Result<Split> {
     let mut order: Vec<usize> = (0..n).collect();
     order.shuffle(&mut ChaCha8Rng::seed_from_u64(DIGITS_SPLIT_SEED));
     let pick = |idx: &[usize]| Dataset {
-        images: idx.iter().flat_map(|&i| all.images[i * il..(i + 1) * il].iter().copied()).collect(),
+        images: idx
+            .iter()
+            .flat_map(|&i| all.images[i * il..(i + 1) * il].iter().copied())
+            .collect(),
         labels: idx.iter().map(|&i| all.labels[i]).collect(),
         ..all.clone()
     };
-    Ok(Split { train: pick(&order[..cut]), test: pick(&order[cut..]) })
+    Ok(Split {
+        train: pick(&order[..cut]),
+        test: pick(&order[cut..]),
+    })
 }
 
 #[cfg(test)]
@@ -82,11 +111,20 @@ mod tests {
         let mut all = s.train.labels.clone();
         all.extend(&s.test.labels);
         all.sort_unstable();
-        let full = parse_digits_csv(&String::from_utf8(gunzip_if_needed(DIGITS_CSV_GZ.to_vec(), Path::new("x")).unwrap()).unwrap(), Path::new("x")).unwrap();
+        let full = parse_digits_csv(
+            &String::from_utf8(gunzip_if_needed(DIGITS_CSV_GZ.to_vec(), Path::new("x")).unwrap())
+                .unwrap(),
+            Path::new("x"),
+        )
+        .unwrap();
         let mut want = full.labels.clone();
         want.sort_unstable();
         assert_eq!(all, want, "the split is a permutation");
-        assert_eq!(digits(DIGITS_CSV_GZ, Path::new("x")).unwrap(), s, "and fixed");
+        assert_eq!(
+            digits(DIGITS_CSV_GZ, Path::new("x")).unwrap(),
+            s,
+            "and fixed"
+        );
     }
 
     #[test]

@@ -20,28 +20,54 @@ pub struct Idx {
 /// [`Error::BadData`]: short header, wrong magic or type, or a length that disagrees
 /// with the dimensions.
 pub fn read_idx(bytes: &[u8], path: &Path) -> Result<Idx> {
-    let bad = |problem: String| Error::BadData { path: path.to_path_buf(), problem };
+    let bad = |problem: String| Error::BadData {
+        path: path.to_path_buf(),
+        problem,
+    };
     if bytes.len() < 4 {
-        return Err(bad(format!("{} bytes, too short for an IDX header", bytes.len())));
+        return Err(bad(format!(
+            "{} bytes, too short for an IDX header",
+            bytes.len()
+        )));
     }
     if bytes[0] != 0 || bytes[1] != 0 {
-        return Err(bad("not an IDX file (magic must start with two zero bytes)".into()));
+        return Err(bad(
+            "not an IDX file (magic must start with two zero bytes)".into(),
+        ));
     }
     if bytes[2] != 0x08 {
-        return Err(bad(format!("IDX element type 0x{:02x} is not unsigned byte (0x08)", bytes[2])));
+        return Err(bad(format!(
+            "IDX element type 0x{:02x} is not unsigned byte (0x08)",
+            bytes[2]
+        )));
     }
     let nd = bytes[3] as usize;
     let header = 4 + 4 * nd;
     if bytes.len() < header {
-        return Err(bad(format!("{} bytes, too short for {nd} dimensions", bytes.len())));
+        return Err(bad(format!(
+            "{} bytes, too short for {nd} dimensions",
+            bytes.len()
+        )));
     }
-    let dims: Vec<usize> =
-        (0..nd).map(|i| u32::from_be_bytes(bytes[4 + 4 * i..8 + 4 * i].try_into().expect("4 bytes")) as usize).collect();
-    let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("dimensions overflow".into()))?;
+    let dims: Vec<usize> = (0..nd)
+        .map(|i| {
+            u32::from_be_bytes(bytes[4 + 4 * i..8 + 4 * i].try_into().expect("4 bytes")) as usize
+        })
+        .collect();
+    let n = dims
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| bad("dimensions overflow".into()))?;
     if bytes.len() - header != n {
-        return Err(bad(format!("{} data bytes, dimensions {dims:?} need {n}", bytes.len() - header)));
+        return Err(bad(format!(
+            "{} data bytes, dimensions {dims:?} need {n}",
+            bytes.len() - header
+        )));
     }
-    Ok(Idx { dims, data: bytes[header..].to_vec() })
+    Ok(Idx {
+        dims,
+        data: bytes[header..].to_vec(),
+    })
 }
 
 fn find(dir: &Path, stem: &str) -> Result<PathBuf> {
@@ -51,7 +77,10 @@ fn find(dir: &Path, stem: &str) -> Result<PathBuf> {
             return Ok(p);
         }
     }
-    Err(Error::BadData { path: dir.join(stem), problem: "missing (also tried .gz)".into() })
+    Err(Error::BadData {
+        path: dir.join(stem),
+        problem: "missing (also tried .gz)".into(),
+    })
 }
 
 fn images_labels(dir: &Path, images: &str, labels: &str) -> Result<Dataset> {
@@ -60,17 +89,30 @@ fn images_labels(dir: &Path, images: &str, labels: &str) -> Result<Dataset> {
     let im = read_idx(&read_maybe_gz(&ip)?, &ip)?;
     let lb = read_idx(&read_maybe_gz(&lp)?, &lp)?;
     if im.dims.len() != 3 {
-        return Err(Error::BadData { path: ip, problem: format!("images must have 3 dimensions, got {:?}", im.dims) });
+        return Err(Error::BadData {
+            path: ip,
+            problem: format!("images must have 3 dimensions, got {:?}", im.dims),
+        });
     }
     if lb.dims != [im.dims[0]] {
-        return Err(Error::BadData { path: lp, problem: format!("labels {:?} do not match {} images", lb.dims, im.dims[0]) });
+        return Err(Error::BadData {
+            path: lp,
+            problem: format!("labels {:?} do not match {} images", lb.dims, im.dims[0]),
+        });
     }
     if let Some(l) = lb.data.iter().find(|&&l| l > 9) {
-        return Err(Error::BadData { path: lp, problem: format!("label {l} outside 0..9") });
+        return Err(Error::BadData {
+            path: lp,
+            problem: format!("label {l} outside 0..9"),
+        });
     }
     let (mean, std) = (0.2860f32, 0.3530f32);
     Ok(Dataset {
-        images: im.data.iter().map(|&p| (f32::from(p) / 255.0 - mean) / std).collect(),
+        images: im
+            .data
+            .iter()
+            .map(|&p| (f32::from(p) / 255.0 - mean) / std)
+            .collect(),
         labels: lb.data.iter().map(|&l| u32::from(l)).collect(),
         channels: 1,
         height: im.dims[1],
@@ -108,14 +150,29 @@ mod tests {
     fn reads_a_small_fashion_mnist_directory() {
         let dir = tempfile::tempdir().unwrap();
         let img: Vec<u8> = (0..2 * 4 * 4).map(|i| i as u8).collect();
-        std::fs::write(dir.path().join("train-images-idx3-ubyte"), idx(&[2, 4, 4], &img)).unwrap();
-        std::fs::write(dir.path().join("train-labels-idx1-ubyte"), idx(&[2], &[3, 9])).unwrap();
+        std::fs::write(
+            dir.path().join("train-images-idx3-ubyte"),
+            idx(&[2, 4, 4], &img),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("train-labels-idx1-ubyte"),
+            idx(&[2], &[3, 9]),
+        )
+        .unwrap();
         let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
         std::io::Write::write_all(&mut gz, &idx(&[1, 4, 4], &img[..16])).unwrap();
-        std::fs::write(dir.path().join("t10k-images-idx3-ubyte.gz"), gz.finish().unwrap()).unwrap();
+        std::fs::write(
+            dir.path().join("t10k-images-idx3-ubyte.gz"),
+            gz.finish().unwrap(),
+        )
+        .unwrap();
         std::fs::write(dir.path().join("t10k-labels-idx1-ubyte"), idx(&[1], &[0])).unwrap();
         let s = read_fashion_mnist(dir.path()).unwrap();
-        assert_eq!((s.train.len(), s.test.len(), s.train.height, s.train.width), (2, 1, 4, 4));
+        assert_eq!(
+            (s.train.len(), s.test.len(), s.train.height, s.train.width),
+            (2, 1, 4, 4)
+        );
         assert_eq!(s.train.labels, vec![3, 9]);
         assert!((s.train.images[17] - (17.0 / 255.0 - 0.2860) / 0.3530).abs() < 1e-6);
     }

@@ -42,7 +42,11 @@ impl DistributedSampler {
     pub fn permutation(&self, epoch: u64) -> Vec<usize> {
         let mut p: Vec<usize> = (0..self.len).collect();
         if self.shuffle {
-            let mut rng = ChaCha8Rng::seed_from_u64(self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(epoch));
+            let mut rng = ChaCha8Rng::seed_from_u64(
+                self.seed
+                    .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    .wrapping_add(epoch),
+            );
             p.shuffle(&mut rng);
         }
         p
@@ -53,7 +57,11 @@ impl DistributedSampler {
     pub fn indices(&self, epoch: u64) -> Vec<usize> {
         let p = self.permutation(epoch);
         let total = self.num_samples() * self.replicas;
-        (0..total).skip(self.rank).step_by(self.replicas).map(|i| p[i % self.len.max(1)]).collect()
+        (0..total)
+            .skip(self.rank)
+            .step_by(self.replicas)
+            .map(|i| p[i % self.len.max(1)])
+            .collect()
     }
 }
 
@@ -63,13 +71,31 @@ mod tests {
 
     #[test]
     fn ranks_batches_make_the_single_rank_batch() {
-        let one = DistributedSampler { len: 103, replicas: 1, rank: 0, seed: 7, shuffle: true };
-        let four: Vec<Vec<usize>> = (0..4).map(|rank| DistributedSampler { replicas: 4, rank, ..one }.indices(3)).collect();
+        let one = DistributedSampler {
+            len: 103,
+            replicas: 1,
+            rank: 0,
+            seed: 7,
+            shuffle: true,
+        };
+        let four: Vec<Vec<usize>> = (0..4)
+            .map(|rank| {
+                DistributedSampler {
+                    replicas: 4,
+                    rank,
+                    ..one
+                }
+                .indices(3)
+            })
+            .collect();
         let whole = one.indices(3);
         assert!(four.iter().all(|v| v.len() == 26));
         // global batch 8 = 4 ranks x 2
         for k in 0..12 {
-            let mut a: Vec<usize> = four.iter().flat_map(|v| v[2 * k..2 * k + 2].to_vec()).collect();
+            let mut a: Vec<usize> = four
+                .iter()
+                .flat_map(|v| v[2 * k..2 * k + 2].to_vec())
+                .collect();
             let mut b = whole[8 * k..8 * k + 8].to_vec();
             a.sort_unstable();
             b.sort_unstable();

@@ -34,7 +34,13 @@ impl Config {
     /// The default for images of `in_features` pixels and `classes` classes.
     #[must_use]
     pub fn for_data(in_features: usize, classes: usize) -> Config {
-        Config { in_features, hidden: 512, width: 256, blocks: 1, classes }
+        Config {
+            in_features,
+            hidden: 512,
+            width: 256,
+            blocks: 1,
+            classes,
+        }
     }
 }
 
@@ -75,9 +81,18 @@ impl Mlp {
             let d_in = if i == 0 { cfg.in_features } else { cfg.width };
             blocks.push(Block::new(cfg, &vb.pp("blocks").pp(i), ctx, d_in)?);
         }
-        let d_head = if cfg.blocks == 0 { cfg.in_features } else { cfg.width };
+        let d_head = if cfg.blocks == 0 {
+            cfg.in_features
+        } else {
+            cfg.width
+        };
         let head = ColumnLinear::new(&vb.pp("head"), ctx, d_head, cfg.classes, 1, true)?;
-        Ok(Mlp { blocks, head, tp: ctx.tp.clone(), classes: cfg.classes })
+        Ok(Mlp {
+            blocks,
+            head,
+            tp: ctx.tp.clone(),
+            classes: cfg.classes,
+        })
     }
 
     /// Logits `[b, classes]` (gathered over `tp`) of images `[b, ...]`.

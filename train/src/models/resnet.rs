@@ -29,11 +29,20 @@ struct Downsample {
 }
 
 impl Downsample {
-    fn new(vb: &ShardedVarBuilder, ctx: &ModelCtx, c_in: usize, c_out: usize, stride: usize) -> Result<Option<Downsample>> {
+    fn new(
+        vb: &ShardedVarBuilder,
+        ctx: &ModelCtx,
+        c_in: usize,
+        c_out: usize,
+        stride: usize,
+    ) -> Result<Option<Downsample>> {
         if stride == 1 && c_in == c_out {
             return Ok(None);
         }
-        Ok(Some(Downsample { conv: Conv2d::new(&vb.pp("0"), c_in, c_out, 1, stride, 0)?, bn: BatchNorm2d::new(&vb.pp("1"), ctx, c_out)? }))
+        Ok(Some(Downsample {
+            conv: Conv2d::new(&vb.pp("0"), c_in, c_out, 1, stride, 0)?,
+            bn: BatchNorm2d::new(&vb.pp("1"), ctx, c_out)?,
+        }))
     }
 
     fn forward(this: Option<&Downsample>, x: &Tensor, train: bool) -> Result<Tensor> {
@@ -45,12 +54,28 @@ impl Downsample {
 }
 
 enum Block {
-    Basic { conv1: Conv2d, bn1: BatchNorm2d, conv2: Conv2d, bn2: BatchNorm2d, down: Option<Downsample> },
-    Bottleneck { convs: [Conv2d; 3], bns: [BatchNorm2d; 3], down: Option<Downsample> },
+    Basic {
+        conv1: Conv2d,
+        bn1: BatchNorm2d,
+        conv2: Conv2d,
+        bn2: BatchNorm2d,
+        down: Option<Downsample>,
+    },
+    Bottleneck {
+        convs: [Conv2d; 3],
+        bns: [BatchNorm2d; 3],
+        down: Option<Downsample>,
+    },
 }
 
 impl Block {
-    fn basic(vb: &ShardedVarBuilder, ctx: &ModelCtx, c_in: usize, c_out: usize, stride: usize) -> Result<Block> {
+    fn basic(
+        vb: &ShardedVarBuilder,
+        ctx: &ModelCtx,
+        c_in: usize,
+        c_out: usize,
+        stride: usize,
+    ) -> Result<Block> {
         Ok(Block::Basic {
             conv1: Conv2d::new(&vb.pp("conv1"), c_in, c_out, 3, stride, 1)?,
             bn1: BatchNorm2d::new(&vb.pp("bn1"), ctx, c_out)?,
@@ -60,7 +85,13 @@ impl Block {
         })
     }
 
-    fn bottleneck(vb: &ShardedVarBuilder, ctx: &ModelCtx, c_in: usize, width: usize, stride: usize) -> Result<Block> {
+    fn bottleneck(
+        vb: &ShardedVarBuilder,
+        ctx: &ModelCtx,
+        c_in: usize,
+        width: usize,
+        stride: usize,
+    ) -> Result<Block> {
         let c_out = width * 4;
         Ok(Block::Bottleneck {
             convs: [
@@ -68,14 +99,24 @@ impl Block {
                 Conv2d::new(&vb.pp("conv2"), width, width, 3, stride, 1)?,
                 Conv2d::new(&vb.pp("conv3"), width, c_out, 1, 1, 0)?,
             ],
-            bns: [BatchNorm2d::new(&vb.pp("bn1"), ctx, width)?, BatchNorm2d::new(&vb.pp("bn2"), ctx, width)?, BatchNorm2d::new(&vb.pp("bn3"), ctx, c_out)?],
+            bns: [
+                BatchNorm2d::new(&vb.pp("bn1"), ctx, width)?,
+                BatchNorm2d::new(&vb.pp("bn2"), ctx, width)?,
+                BatchNorm2d::new(&vb.pp("bn3"), ctx, c_out)?,
+            ],
             down: Downsample::new(&vb.pp("downsample"), ctx, c_in, c_out, stride)?,
         })
     }
 
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         match self {
-            Block::Basic { conv1, bn1, conv2, bn2, down } => {
+            Block::Basic {
+                conv1,
+                bn1,
+                conv2,
+                bn2,
+                down,
+            } => {
                 let h = bn1.forward_t(&conv1.forward(x)?, train)?.relu()?;
                 let h = bn2.forward_t(&conv2.forward(&h)?, train)?;
                 (h + Downsample::forward(down.as_ref(), x, train)?)?.relu()
@@ -109,25 +150,46 @@ impl ResNet {
     /// An unsupported depth, `tp` above 1; missing or misshapen tensors.
     pub fn new(cfg: &Config, vb: &ShardedVarBuilder, ctx: &ModelCtx) -> Result<ResNet> {
         if ctx.tp.size() != 1 {
-            candle_core::bail!("resnet is data parallel only: use a mesh without tp (got tp={})", ctx.tp.size())
+            candle_core::bail!(
+                "resnet is data parallel only: use a mesh without tp (got tp={})",
+                ctx.tp.size()
+            )
         }
         let mut layers = Vec::new();
         if cfg.depth == 50 {
             let conv1 = Conv2d::new(&vb.pp("conv1"), cfg.channels, 64, 3, 1, 1)?;
             let bn1 = BatchNorm2d::new(&vb.pp("bn1"), ctx, 64)?;
             let mut c_in = 64;
-            for (s, (&n, &width)) in [3usize, 4, 6, 3].iter().zip(&[64usize, 128, 256, 512]).enumerate() {
+            for (s, (&n, &width)) in [3usize, 4, 6, 3]
+                .iter()
+                .zip(&[64usize, 128, 256, 512])
+                .enumerate()
+            {
                 for i in 0..n {
                     let stride = if i == 0 && s > 0 { 2 } else { 1 };
-                    layers.push(Block::bottleneck(&vb.pp(format!("layer{}", s + 1)).pp(i), ctx, c_in, width, stride)?);
+                    layers.push(Block::bottleneck(
+                        &vb.pp(format!("layer{}", s + 1)).pp(i),
+                        ctx,
+                        c_in,
+                        width,
+                        stride,
+                    )?);
                     c_in = width * 4;
                 }
             }
             let fc = Linear::new(&vb.pp("fc"), c_in, cfg.classes, true)?;
-            return Ok(ResNet { conv1, bn1, layers, fc });
+            return Ok(ResNet {
+                conv1,
+                bn1,
+                layers,
+                fc,
+            });
         }
         if cfg.depth < 8 || !(cfg.depth - 2).is_multiple_of(6) {
-            candle_core::bail!("resnet depth {} is not 6n+2 (8, 20, 32, 56, ...) nor 50", cfg.depth)
+            candle_core::bail!(
+                "resnet depth {} is not 6n+2 (8, 20, 32, 56, ...) nor 50",
+                cfg.depth
+            )
         }
         let n = (cfg.depth - 2) / 6;
         let conv1 = Conv2d::new(&vb.pp("conv1"), cfg.channels, 16, 3, 1, 1)?;
@@ -136,12 +198,23 @@ impl ResNet {
         for (s, &c) in [16usize, 32, 64].iter().enumerate() {
             for i in 0..n {
                 let stride = if i == 0 && s > 0 { 2 } else { 1 };
-                layers.push(Block::basic(&vb.pp(format!("layer{}", s + 1)).pp(i), ctx, c_in, c, stride)?);
+                layers.push(Block::basic(
+                    &vb.pp(format!("layer{}", s + 1)).pp(i),
+                    ctx,
+                    c_in,
+                    c,
+                    stride,
+                )?);
                 c_in = c;
             }
         }
         let fc = Linear::new(&vb.pp("fc"), c_in, cfg.classes, true)?;
-        Ok(ResNet { conv1, bn1, layers, fc })
+        Ok(ResNet {
+            conv1,
+            bn1,
+            layers,
+            fc,
+        })
     }
 
     /// Logits `[b, classes]` of images `[b, c, h, w]`.

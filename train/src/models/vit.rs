@@ -44,7 +44,16 @@ impl Config {
     #[must_use]
     pub fn for_data(image_size: usize, channels: usize, classes: usize) -> Config {
         let patch = if image_size.is_multiple_of(4) { 4 } else { 2 };
-        Config { image_size, channels, patch, dim: 64, depth: 2, heads: 4, mlp_hidden: 128, classes }
+        Config {
+            image_size,
+            channels,
+            patch,
+            dim: 64,
+            depth: 2,
+            heads: 4,
+            mlp_hidden: 128,
+            classes,
+        }
     }
 
     fn patches(&self) -> usize {
@@ -63,7 +72,12 @@ impl Attention {
     fn new(cfg: &Config, vb: &ShardedVarBuilder, ctx: &ModelCtx) -> Result<Attention> {
         let qkv = ColumnLinear::new(&vb.pp("qkv"), ctx, cfg.dim, 3 * cfg.dim, 3, true)?;
         let proj = RowLinear::new(&vb.pp("proj"), ctx, cfg.dim, cfg.dim, true)?;
-        Ok(Attention { qkv, proj, local_heads: cfg.heads / ctx.tp.size(), head_dim: cfg.dim / cfg.heads })
+        Ok(Attention {
+            qkv,
+            proj,
+            local_heads: cfg.heads / ctx.tp.size(),
+            head_dim: cfg.dim / cfg.heads,
+        })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -71,7 +85,10 @@ impl Attention {
         let dl = self.local_heads * self.head_dim;
         let qkv = self.qkv.forward(x)?;
         let split = |i: usize| -> Result<Tensor> {
-            qkv.narrow(2, i * dl, dl)?.reshape((b, t, self.local_heads, self.head_dim))?.transpose(1, 2)?.contiguous()
+            qkv.narrow(2, i * dl, dl)?
+                .reshape((b, t, self.local_heads, self.head_dim))?
+                .transpose(1, 2)?
+                .contiguous()
         };
         let (q, k, v) = (split(0)?, split(1)?, split(2)?);
         let scale = 1.0 / (self.head_dim as f64).sqrt();
@@ -96,14 +113,23 @@ impl Block {
             norm1: LayerNorm::new(&vb.pp("norm1"), cfg.dim)?,
             attn: Attention::new(cfg, &vb.pp("attn"), ctx)?,
             norm2: LayerNorm::new(&vb.pp("norm2"), cfg.dim)?,
-            fc1: ColumnLinear::new(&vb.pp("mlp").pp("fc1"), ctx, cfg.dim, cfg.mlp_hidden, 1, true)?,
+            fc1: ColumnLinear::new(
+                &vb.pp("mlp").pp("fc1"),
+                ctx,
+                cfg.dim,
+                cfg.mlp_hidden,
+                1,
+                true,
+            )?,
             fc2: RowLinear::new(&vb.pp("mlp").pp("fc2"), ctx, cfg.mlp_hidden, cfg.dim, true)?,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = (x + self.attn.forward(&self.norm1.forward(x)?)?)?;
-        let h = self.fc2.forward(&self.fc1.forward(&self.norm2.forward(&x)?)?.gelu()?)?;
+        let h = self
+            .fc2
+            .forward(&self.fc1.forward(&self.norm2.forward(&x)?)?.gelu()?)?;
         x + h
     }
 }
@@ -128,13 +154,29 @@ impl Vit {
     /// dividing the width or not divisible by `tp`); missing or misshapen tensors.
     pub fn new(cfg: &Config, vb: &ShardedVarBuilder, ctx: &ModelCtx) -> Result<Vit> {
         if cfg.patch == 0 || !cfg.image_size.is_multiple_of(cfg.patch) {
-            candle_core::bail!("vit: patch {} must divide image size {}", cfg.patch, cfg.image_size)
+            candle_core::bail!(
+                "vit: patch {} must divide image size {}",
+                cfg.patch,
+                cfg.image_size
+            )
         }
-        if cfg.heads == 0 || !cfg.dim.is_multiple_of(cfg.heads) || !cfg.heads.is_multiple_of(ctx.tp.size()) {
-            candle_core::bail!("vit: heads {} must divide dim {} and be divisible by tp {}", cfg.heads, cfg.dim, ctx.tp.size())
+        if cfg.heads == 0
+            || !cfg.dim.is_multiple_of(cfg.heads)
+            || !cfg.heads.is_multiple_of(ctx.tp.size())
+        {
+            candle_core::bail!(
+                "vit: heads {} must divide dim {} and be divisible by tp {}",
+                cfg.heads,
+                cfg.dim,
+                ctx.tp.size()
+            )
         }
         if !cfg.mlp_hidden.is_multiple_of(ctx.tp.size()) {
-            candle_core::bail!("vit: mlp_hidden {} must be divisible by tp {}", cfg.mlp_hidden, ctx.tp.size())
+            candle_core::bail!(
+                "vit: mlp_hidden {} must be divisible by tp {}",
+                cfg.mlp_hidden,
+                ctx.tp.size()
+            )
         }
         let pd = cfg.channels * cfg.patch * cfg.patch;
         let emb = ParamHint::replicated(Init::Normal { std: 0.02 });
@@ -142,7 +184,9 @@ impl Vit {
             patch_embed: Linear::new(&vb.pp("patch_embed"), pd, cfg.dim, true)?,
             cls_token: vb.get_with_hints((1, 1, cfg.dim), "cls_token", emb)?,
             pos_embed: vb.get_with_hints((1, cfg.patches() + 1, cfg.dim), "pos_embed", emb)?,
-            blocks: (0..cfg.depth).map(|i| Block::new(cfg, &vb.pp("blocks").pp(i), ctx)).collect::<Result<_>>()?,
+            blocks: (0..cfg.depth)
+                .map(|i| Block::new(cfg, &vb.pp("blocks").pp(i), ctx))
+                .collect::<Result<_>>()?,
             norm: LayerNorm::new(&vb.pp("norm"), cfg.dim)?,
             head: ColumnLinear::new(&vb.pp("head"), ctx, cfg.dim, cfg.classes, 1, true)?,
             tp: ctx.tp.clone(),
