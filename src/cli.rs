@@ -281,10 +281,22 @@ fn inspect(paths: &[PathBuf], as_json: bool) -> Result<ExitCode> {
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        let mesh = ck.strategy.as_ref().map(|s| format!(" on mesh {}", s.mesh)).unwrap_or_default();
-        println!("{:?} checkpoint, {} files{mesh}, {} tensors", ck.kind, ck.files.len(), ck.tensors.len());
+        let mesh = ck
+            .strategy
+            .as_ref()
+            .map(|s| format!(" on mesh {}", s.mesh))
+            .unwrap_or_default();
+        println!(
+            "{:?} checkpoint, {} files{mesh}, {} tensors",
+            ck.kind,
+            ck.files.len(),
+            ck.tensors.len()
+        );
         let w = ck.tensors.keys().map(String::len).max().unwrap_or(4).max(6);
-        println!("{:<w$}  {:<6}  {:<18}  {:>12}  placements", "tensor", "dtype", "shape", "bytes");
+        println!(
+            "{:<w$}  {:<6}  {:<18}  {:>12}  placements",
+            "tensor", "dtype", "shape", "bytes"
+        );
         for (name, t) in &ck.tensors {
             println!(
                 "{name:<w$}  {:<6}  {:<18}  {:>12}  {}",
@@ -296,7 +308,9 @@ fn inspect(paths: &[PathBuf], as_json: bool) -> Result<ExitCode> {
         }
         println!("bytes per file:");
         for (i, f) in ck.files.iter().enumerate() {
-            let r = ck.ranks[i].map(|r| format!("rank {r}: ")).unwrap_or_default();
+            let r = ck.ranks[i]
+                .map(|r| format!("rank {r}: "))
+                .unwrap_or_default();
             println!("  {r}{}  {}", f.path().display(), human_bytes(per_file[i]));
         }
         println!("total: {} ({total} bytes)", human_bytes(total));
@@ -333,14 +347,28 @@ fn verify(paths: &[PathBuf], deep: bool, as_json: bool) -> Result<ExitCode> {
                 "ok: {} files, {} tensors, every element owned exactly once{}",
                 ck.files.len(),
                 ck.tensors.len(),
-                if deep { ", replicated copies identical" } else { "" }
+                if deep {
+                    ", replicated copies identical"
+                } else {
+                    ""
+                }
             );
         }
     }
-    Ok(if problems.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
-fn summary(verb: &str, stats: &ckpt_core::CopyStats, secs: f64, out: &std::path::Path, as_json: bool) {
+fn summary(
+    verb: &str,
+    stats: &ckpt_core::CopyStats,
+    secs: f64,
+    out: &std::path::Path,
+    as_json: bool,
+) {
     let gbs = stats.bytes_written as f64 / secs.max(1e-9) / 1e9;
     if as_json {
         println!(
@@ -364,7 +392,10 @@ fn with_progress(
     verb: &str,
     out: &std::path::Path,
     copy: &CopyArgs,
-    run: impl FnOnce(&(dyn Fn(u64) + Sync), &dyn Fn(&CopyPlan)) -> ckpt_core::Result<ckpt_core::CopyStats>,
+    run: impl FnOnce(
+        &(dyn Fn(u64) + Sync),
+        &dyn Fn(&CopyPlan),
+    ) -> ckpt_core::Result<ckpt_core::CopyStats>,
 ) -> Result<ExitCode> {
     let t = Instant::now();
     let bar = std::sync::OnceLock::new();
@@ -393,7 +424,9 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
         force: a.copy.force,
     };
-    with_progress("merged", &req.output, &a.copy, |progress, on_plan| ckpt_merge::merge(&req, progress, on_plan))
+    with_progress("merged", &req.output, &a.copy, |progress, on_plan| {
+        ckpt_merge::merge(&req, progress, on_plan)
+    })
 }
 
 fn reshard(a: ReshardArgs) -> Result<ExitCode> {
@@ -404,7 +437,12 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         ckpt_reshard::Target::To(n)
     } else if let Some(m) = &a.mesh {
         let mesh = Mesh::parse(m)?;
-        ckpt_reshard::Target::Mesh(mesh.axes().iter().map(|x| (x.name.clone(), x.size)).collect())
+        ckpt_reshard::Target::Mesh(
+            mesh.axes()
+                .iter()
+                .map(|x| (x.name.clone(), x.size))
+                .collect(),
+        )
     } else if let Some(s) = &a.strategy {
         ckpt_reshard::Target::Strategy(Strategy::read(s)?)
     } else {
@@ -415,7 +453,10 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         Some("auto") => ckpt_reshard::Ranks::One(ckpt_reshard::rank_from_env().context(
             "--rank auto: none of OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID or RANK is set",
         )?),
-        Some(r) => ckpt_reshard::Ranks::One(r.parse().with_context(|| format!("--rank `{r}` is not a number or `auto`"))?),
+        Some(r) => ckpt_reshard::Ranks::One(
+            r.parse()
+                .with_context(|| format!("--rank `{r}` is not a number or `auto`"))?,
+        ),
     };
     let req = ckpt_reshard::ReshardRequest {
         inputs: a.inputs,
@@ -425,23 +466,43 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
         keep_all: a.keep_all,
         force: a.copy.force,
-        format: if a.format == "dcp" { ckpt_reshard::OutputFormat::Dcp } else { ckpt_reshard::OutputFormat::Ranks },
+        format: if a.format == "dcp" {
+            ckpt_reshard::OutputFormat::Dcp
+        } else {
+            ckpt_reshard::OutputFormat::Ranks
+        },
     };
     if a.plan {
         let (source, strategy, plan) = ckpt_reshard::prepare(&req)?;
         print_plan(&source, &strategy, &plan, a.copy.json)?;
         return Ok(ExitCode::SUCCESS);
     }
-    with_progress("resharded", &req.output, &a.copy, |progress, on_plan| ckpt_reshard::reshard(&req, progress, on_plan))
+    with_progress("resharded", &req.output, &a.copy, |progress, on_plan| {
+        ckpt_reshard::reshard(&req, progress, on_plan)
+    })
 }
 
-fn print_plan(source: &Checkpoint, strategy: &Strategy, plan: &CopyPlan, as_json: bool) -> Result<()> {
+fn print_plan(
+    source: &Checkpoint,
+    strategy: &Strategy,
+    plan: &CopyPlan,
+    as_json: bool,
+) -> Result<()> {
     let rows: Vec<_> = plan
         .files
         .iter()
         .map(|f| {
-            let files: Vec<String> = f.source_files().into_iter().map(|i| source.label(i)).collect();
-            (f.path.display().to_string(), files, f.bytes_read(), f.bytes_written())
+            let files: Vec<String> = f
+                .source_files()
+                .into_iter()
+                .map(|i| source.label(i))
+                .collect();
+            (
+                f.path.display().to_string(),
+                files,
+                f.bytes_read(),
+                f.bytes_written(),
+            )
         })
         .collect();
     if as_json {
@@ -449,11 +510,23 @@ fn print_plan(source: &Checkpoint, strategy: &Strategy, plan: &CopyPlan, as_json
             .iter()
             .map(|(p, files, r, w)| json!({"output": p, "reads": files, "bytes_read": r, "bytes_written": w}))
             .collect();
-        println!("{}", serde_json::to_string_pretty(&json!({"mesh": strategy.mesh.to_string(), "files": v}))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({"mesh": strategy.mesh.to_string(), "files": v}))?
+        );
     } else {
-        println!("target mesh {} ({} ranks)", strategy.mesh, strategy.mesh.world_size());
+        println!(
+            "target mesh {} ({} ranks)",
+            strategy.mesh,
+            strategy.mesh.world_size()
+        );
         for (p, files, r, w) in rows {
-            println!("{p}: reads {} from {} files, writes {}", human_bytes(r), files.len(), human_bytes(w));
+            println!(
+                "{p}: reads {} from {} files, writes {}",
+                human_bytes(r),
+                files.len(),
+                human_bytes(w)
+            );
             for f in files {
                 println!("    {f}");
             }
@@ -464,12 +537,23 @@ fn print_plan(source: &Checkpoint, strategy: &Strategy, plan: &CopyPlan, as_json
 
 fn example(a: ExampleArgs) -> Result<ExitCode> {
     let mesh = Mesh::parse(&a.mesh)?;
-    let model =
-        ckpt_core::ExampleModel { hidden: a.hidden, layers: a.layers, vocab: a.vocab, dtype: a.dtype, optimizer: a.optimizer };
+    let model = ckpt_core::ExampleModel {
+        hidden: a.hidden,
+        layers: a.layers,
+        vocab: a.vocab,
+        dtype: a.dtype,
+        optimizer: a.optimizer,
+    };
     let staged = ckpt_core::StagedDir::new(&a.output, a.force)?;
     let s = ckpt_core::write_example(staged.path(), &model, &mesh)?;
     staged.commit()?;
-    println!("wrote a {}-rank example checkpoint ({} tensors, mesh {}) to {}", mesh.world_size(), s.tensors.len(), mesh, a.output.display());
+    println!(
+        "wrote a {}-rank example checkpoint ({} tensors, mesh {}) to {}",
+        mesh.world_size(),
+        s.tensors.len(),
+        mesh,
+        a.output.display()
+    );
     Ok(ExitCode::SUCCESS)
 }
 
@@ -520,19 +604,43 @@ fn infer(a: InferArgs) -> Result<ExitCode> {
     }
     println!(
         "{} checkpoint, model {}, {} rank(s): test accuracy {:.4} on {} images of {}",
-        r.kind, r.model["model"].as_str().unwrap_or("?"), r.ranks, r.accuracy, r.images, r.data
+        r.kind,
+        r.model["model"].as_str().unwrap_or("?"),
+        r.ranks,
+        r.accuracy,
+        r.images,
+        r.data
     );
-    println!("per class: {}", r.per_class_accuracy.iter().enumerate().map(|(c, a)| format!("{c}:{a:.3}")).collect::<Vec<_>>().join(" "));
+    println!(
+        "per class: {}",
+        r.per_class_accuracy
+            .iter()
+            .enumerate()
+            .map(|(c, a)| format!("{c}:{a:.3}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     println!("confusion (rows: true class, columns: predicted):");
     for row in &r.confusion {
-        println!("  {}", row.iter().map(|n| format!("{n:>4}")).collect::<String>());
+        println!(
+            "  {}",
+            row.iter().map(|n| format!("{n:>4}")).collect::<String>()
+        );
     }
     for p in &r.predictions {
-        let probs = p.probabilities.iter().map(|v| format!("{v:.3}")).collect::<Vec<_>>().join(" ");
+        let probs = p
+            .probabilities
+            .iter()
+            .map(|v| format!("{v:.3}"))
+            .collect::<Vec<_>>()
+            .join(" ");
         let label = p.label.map_or(String::new(), |l| format!(" (true {l})"));
         println!("image {}: class {}{label}  p = [{probs}]", p.index, p.class);
     }
-    println!("{:.0} images/s, {:.2} s in all", r.images_per_sec, r.seconds);
+    println!(
+        "{:.0} images/s, {:.2} s in all",
+        r.images_per_sec, r.seconds
+    );
     Ok(ExitCode::SUCCESS)
 }
 
@@ -543,7 +651,10 @@ mod tests {
     #[test]
     fn reshard_needs_exactly_one_target() {
         assert!(Cli::try_parse_from(["ckpt", "reshard", "a", "-o", "b"]).is_err());
-        assert!(Cli::try_parse_from(["ckpt", "reshard", "a", "-o", "b", "--to", "2", "--mesh", "tp=2"]).is_err());
+        assert!(Cli::try_parse_from([
+            "ckpt", "reshard", "a", "-o", "b", "--to", "2", "--mesh", "tp=2"
+        ])
+        .is_err());
         assert!(Cli::try_parse_from(["ckpt", "reshard", "a", "-o", "b", "--to", "2"]).is_ok());
     }
 
@@ -551,7 +662,18 @@ mod tests {
     fn dtype_flag() {
         assert_eq!(parse_cast("bf16"), Ok(Dtype::BF16));
         assert!(parse_cast("int3").is_err());
-        let c = Cli::try_parse_from(["ckpt", "merge", "a", "-o", "b", "--dtype", "f16", "--max-shard-size", "5GB"]).unwrap();
+        let c = Cli::try_parse_from([
+            "ckpt",
+            "merge",
+            "a",
+            "-o",
+            "b",
+            "--dtype",
+            "f16",
+            "--max-shard-size",
+            "5GB",
+        ])
+        .unwrap();
         match c.command {
             Command::Merge(m) => {
                 assert_eq!(m.copy.dtype, Some(Dtype::F16));

@@ -39,17 +39,30 @@ fn dir_size(p: &Path) -> (u64, u64) {
 
 fn files_of(p: &Path) -> String {
     let (f, b) = dir_size(p);
-    format!("{f} file{}, {}", if f == 1 { "" } else { "s" }, human_bytes(b))
+    format!(
+        "{f} file{}, {}",
+        if f == 1 { "" } else { "s" },
+        human_bytes(b)
+    )
 }
 
 fn infer(ck: &Path, ranks: Option<u64>) -> Result<ckpt_infer::InferReport> {
-    Ok(ckpt_infer::infer(&ckpt_infer::InferRequest { checkpoint: ck.into(), ranks, batch_size: 256, ..Default::default() })?)
+    Ok(ckpt_infer::infer(&ckpt_infer::InferRequest {
+        checkpoint: ck.into(),
+        ranks,
+        batch_size: 256,
+        ..Default::default()
+    })?)
 }
 
 /// Runs the demo in `dir` (created; must not hold an earlier demo unless `force`).
 pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
     if dir.exists() && std::fs::read_dir(dir)?.next().is_some() {
-        ensure!(force, "{} is not empty (use --force to reuse it)", dir.display());
+        ensure!(
+            force,
+            "{} is not empty (use --force to reuse it)",
+            dir.display()
+        );
         for sub in ["train", "merged", "tp2", "resumed"] {
             let _ = std::fs::remove_dir_all(dir.join(sub));
         }
@@ -64,15 +77,24 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
 
     say("training a tensor-parallel MLP on 4 thread ranks (mesh tp=4), saving sliced checkpoints");
     let run_dir = dir.join("train");
-    let mut cfg = ckpt_train::TrainConfig::default();
-    cfg.mesh = Some("tp=4".into());
-    cfg.out = Some(run_dir.clone());
+    let cfg = ckpt_train::TrainConfig {
+        mesh: Some("tp=4".into()),
+        out: Some(run_dir.clone()),
+        ..Default::default()
+    };
     let t = Instant::now();
     let trained = ckpt_train::train(&cfg, progress)?;
-    let ck: PathBuf = trained.checkpoints.last().cloned().context("training wrote no checkpoint")?;
+    let ck: PathBuf = trained
+        .checkpoints
+        .last()
+        .cloned()
+        .context("training wrote no checkpoint")?;
     rows.push(Row {
         step: "train".into(),
-        what: format!("mlp, 4 ranks (tp=4), {} steps, {:.0} images/s", trained.steps, trained.images_per_sec),
+        what: format!(
+            "mlp, 4 ranks (tp=4), {} steps, {:.0} images/s",
+            trained.steps, trained.images_per_sec
+        ),
         files: files_of(&ck),
         secs: t.elapsed().as_secs_f64(),
         accuracy: trained.final_accuracy(),
@@ -80,11 +102,22 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
 
     say("verifying the slices");
     let t = Instant::now();
-    let (checked, problems) = ckpt_core::verify(&[ck.clone()], true)?;
-    ensure!(problems.is_empty(), "verify found problems:\n{}", problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"));
+    let (checked, problems) = ckpt_core::verify(std::slice::from_ref(&ck), true)?;
+    ensure!(
+        problems.is_empty(),
+        "verify found problems:\n{}",
+        problems
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     rows.push(Row {
         step: "verify".into(),
-        what: format!("{} tensors, every element owned once", checked.tensors.len()),
+        what: format!(
+            "{} tensors, every element owned once",
+            checked.tensors.len()
+        ),
         files: files_of(&ck),
         secs: t.elapsed().as_secs_f64(),
         accuracy: None,
@@ -94,11 +127,22 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
     let merged = dir.join("merged");
     let t = Instant::now();
     ckpt_merge::merge(
-        &ckpt_merge::MergeRequest { inputs: vec![ck.clone()], output: merged.clone(), force: true, ..Default::default() },
+        &ckpt_merge::MergeRequest {
+            inputs: vec![ck.clone()],
+            output: merged.clone(),
+            force: true,
+            ..Default::default()
+        },
         &|_| {},
         &|_| {},
     )?;
-    rows.push(Row { step: "merge".into(), what: "4 slices -> model.safetensors".into(), files: files_of(&merged), secs: t.elapsed().as_secs_f64(), accuracy: None });
+    rows.push(Row {
+        step: "merge".into(),
+        what: "4 slices -> model.safetensors".into(),
+        files: files_of(&merged),
+        secs: t.elapsed().as_secs_f64(),
+        accuracy: None,
+    });
 
     say("inference on one rank from the merged checkpoint");
     let t = Instant::now();
@@ -128,26 +172,40 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
         &|_| {},
         &|_| {},
     )?;
-    rows.push(Row { step: "reshard".into(), what: "tp=4 -> tp=2".into(), files: files_of(&tp2), secs: t.elapsed().as_secs_f64(), accuracy: None });
+    rows.push(Row {
+        step: "reshard".into(),
+        what: "tp=4 -> tp=2".into(),
+        files: files_of(&tp2),
+        secs: t.elapsed().as_secs_f64(),
+        accuracy: None,
+    });
 
     say("tensor-parallel inference on 2 ranks");
     let t = Instant::now();
     let two = infer(&tp2, Some(2))?;
     rows.push(Row {
         step: "infer".into(),
-        what: format!("2 ranks, tensor parallel, {:.0} images/s", two.images_per_sec),
+        what: format!(
+            "2 ranks, tensor parallel, {:.0} images/s",
+            two.images_per_sec
+        ),
         files: files_of(&tp2),
         secs: t.elapsed().as_secs_f64(),
         accuracy: Some(two.accuracy),
     });
-    ensure!(one.predicted == two.predicted, "1-rank and 2-rank inference disagree");
+    ensure!(
+        one.predicted == two.predicted,
+        "1-rank and 2-rank inference disagree"
+    );
 
     say("resuming training on 2 ranks (tp=2) from the 4-rank slices, 2 more epochs");
-    let mut resume = ckpt_train::TrainConfig::default();
-    resume.mesh = Some("tp=2".into());
-    resume.resume = Some(run_dir.clone());
-    resume.epochs = trained.epochs + 2;
-    resume.out = Some(dir.join("resumed"));
+    let resume = ckpt_train::TrainConfig {
+        mesh: Some("tp=2".into()),
+        resume: Some(run_dir.clone()),
+        epochs: trained.epochs + 2,
+        out: Some(dir.join("resumed")),
+        ..Default::default()
+    };
     let t = Instant::now();
     let resumed = ckpt_train::train(&resume, progress)?;
     rows.push(Row {
@@ -155,10 +213,20 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
         what: format!(
             "2 ranks (tp=2) from step {}, loss {} -> {}",
             resumed.start_step,
-            trained.losses.last().map_or("-".into(), |l| format!("{l:.3}")),
-            resumed.losses.last().map_or("-".into(), |l| format!("{l:.3}"))
+            trained
+                .losses
+                .last()
+                .map_or("-".into(), |l| format!("{l:.3}")),
+            resumed
+                .losses
+                .last()
+                .map_or("-".into(), |l| format!("{l:.3}"))
         ),
-        files: resumed.checkpoints.last().map(|p| files_of(p)).unwrap_or_default(),
+        files: resumed
+            .checkpoints
+            .last()
+            .map(|p| files_of(p))
+            .unwrap_or_default(),
         secs: t.elapsed().as_secs_f64(),
         accuracy: resumed.final_accuracy(),
     });

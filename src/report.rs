@@ -5,7 +5,11 @@ use std::time::Duration;
 
 /// A byte progress bar on stderr, drawn only on a terminal.
 pub(crate) fn bytes_bar(total: u64, quiet: bool) -> ProgressBar {
-    let target = if quiet { ProgressDrawTarget::hidden() } else { ProgressDrawTarget::stderr() };
+    let target = if quiet {
+        ProgressDrawTarget::hidden()
+    } else {
+        ProgressDrawTarget::stderr()
+    };
     let bar = ProgressBar::with_draw_target(Some(total), target);
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")

@@ -9,7 +9,10 @@ fn merge_gives_back_every_original_byte() {
     let o = d.ok(&["merge", "ex", "-o", "merged", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
     assert_eq!(v["tensors"], 12);
-    assert_eq!(full_tensors(&d.path("merged")), example_originals("dp=2,tp=3"));
+    assert_eq!(
+        full_tensors(&d.path("merged")),
+        example_originals("dp=2,tp=3")
+    );
     // One integrated file, readable as a plain safetensors file of whole tensors.
     let f = ckpt_core::SafetensorsFile::open(&d.path("merged/model.safetensors")).unwrap();
     let qkv = f.find("layers.1.attn.qkv.weight").unwrap();
@@ -20,7 +23,15 @@ fn merge_gives_back_every_original_byte() {
 fn merge_from_rank_dirs_given_one_by_one() {
     let d = Dir::new();
     d.example("ex", "tp=4");
-    d.ok(&["merge", "ex/ckpt_0", "ex/ckpt_1", "ex/ckpt_2", "ex/ckpt_3", "-o", "m"]);
+    d.ok(&[
+        "merge",
+        "ex/ckpt_0",
+        "ex/ckpt_1",
+        "ex/ckpt_2",
+        "ex/ckpt_3",
+        "-o",
+        "m",
+    ]);
     assert_eq!(full_tensors(&d.path("m")), example_originals("tp=4"));
 }
 
@@ -31,7 +42,10 @@ fn missing_rank_fails_and_writes_nothing() {
     let o = d.fails(&["merge", "ex/ckpt_0", "ex/ckpt_1", "ex/ckpt_3", "-o", "m"]);
     assert!(o.stderr.contains("rank 2 of 4 is missing"), "{}", o.stderr);
     assert!(!d.path("m").exists());
-    let leftovers: Vec<_> = std::fs::read_dir(d.tmp.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let leftovers: Vec<_> = std::fs::read_dir(d.tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     assert_eq!(leftovers, vec![std::ffi::OsString::from("ex")]);
 }
 
@@ -42,7 +56,12 @@ fn existing_output_needs_force_and_output_inside_input_is_refused() {
     std::fs::create_dir(d.path("m")).unwrap();
     std::fs::write(d.path("m/keep"), "x").unwrap();
     let o = d.fails(&["merge", "ex", "-o", "m"]);
-    assert!(o.stderr.contains("m already exists (use --force to replace it)"), "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("m already exists (use --force to replace it)"),
+        "{}",
+        o.stderr
+    );
     assert!(d.path("m/keep").exists());
     d.ok(&["merge", "ex", "-o", "m", "--force"]);
     assert!(!d.path("m/keep").exists() && d.path("m/model.safetensors").exists());
@@ -55,13 +74,24 @@ fn sharded_output_with_index() {
     let d = Dir::new();
     d.example("ex", "tp=2");
     d.ok(&["merge", "ex", "-o", "m", "--max-shard-size", "2kB"]);
-    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.path("m/model.safetensors.index.json")).unwrap()).unwrap();
-    let files: std::collections::BTreeSet<&str> = index["weight_map"].as_object().unwrap().values().map(|v| v.as_str().unwrap()).collect();
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(d.path("m/model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let files: std::collections::BTreeSet<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap())
+        .collect();
     assert!(files.len() > 2, "{files:?}");
     for f in &files {
         assert!(d.path(&format!("m/{f}")).exists());
     }
-    let total: u64 = example_originals("tp=2").values().map(|v| v.len() as u64).sum();
+    let total: u64 = example_originals("tp=2")
+        .values()
+        .map(|v| v.len() as u64)
+        .sum();
     assert_eq!(index["metadata"]["total_size"], total);
     assert_eq!(full_tensors(&d.path("m")), example_originals("tp=2"));
 }
@@ -71,16 +101,35 @@ fn cast_include_exclude() {
     let d = Dir::new();
     d.example("ex", "tp=2");
     let o = d.fails(&["merge", "ex", "-o", "m", "--dtype", "f32"]);
-    assert!(o.stderr.contains("tensor `step`: cannot cast I64 to F32"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("tensor `step`: cannot cast I64 to F32"),
+        "{}",
+        o.stderr
+    );
     assert!(!d.path("m").exists());
-    d.ok(&["merge", "ex", "-o", "m", "--dtype", "f32", "--exclude", "step", "--exclude", "layers.1.*"]);
+    d.ok(&[
+        "merge",
+        "ex",
+        "-o",
+        "m",
+        "--dtype",
+        "f32",
+        "--exclude",
+        "step",
+        "--exclude",
+        "layers.1.*",
+    ]);
     let got = full_tensors(&d.path("m"));
     assert_eq!(got.len(), 6);
     let orig = example_originals("tp=2");
     let norm = &orig["layers.0.norm.weight"];
     let want: Vec<u8> = norm
         .chunks(2)
-        .flat_map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32().to_le_bytes())
+        .flat_map(|c| {
+            half::bf16::from_le_bytes([c[0], c[1]])
+                .to_f32()
+                .to_le_bytes()
+        })
         .collect();
     assert_eq!(got["layers.0.norm.weight"], want);
 }
@@ -94,7 +143,9 @@ fn dcp_sharded_safetensors_merge() {
     for r in 0..4 {
         std::fs::copy(
             d.path(&format!("ex/ckpt_{r}/model.safetensors")),
-            d.path(&format!("dcp/shard-{r:05}-model-00001-of-00001.safetensors")),
+            d.path(&format!(
+                "dcp/shard-{r:05}-model-00001-of-00001.safetensors"
+            )),
         )
         .unwrap();
     }

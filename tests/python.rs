@@ -11,7 +11,12 @@ fn python() -> String {
 }
 
 fn run_python(d: &Dir, script: &str) -> String {
-    let o = Command::new(python()).arg("-c").arg(script).current_dir(d.tmp.path()).output().expect("run python");
+    let o = Command::new(python())
+        .arg("-c")
+        .arg(script)
+        .current_dir(d.tmp.path())
+        .output()
+        .expect("run python");
     assert!(
         o.status.success(),
         "python failed (run scripts/test.sh, or pip install numpy safetensors):\n{}\n{}",
@@ -82,11 +87,19 @@ fn python_reads_back_every_byte_and_offset() {
         }
     };
     for (name, t) in &ck.tensors {
-        let l = ckpt_core::TensorLayout::new(t.shape.clone(), t.dtype, vec![Replicate, place(name)]);
+        let l =
+            ckpt_core::TensorLayout::new(t.shape.clone(), t.dtype, vec![Replicate, place(name)]);
         s.insert(name.clone(), l).unwrap();
     }
     std::fs::write(d.path("predict.json"), s.to_json()).unwrap();
-    d.ok(&["reshard", "orig", "-o", "sliced", "--strategy", "predict.json"]);
+    d.ok(&[
+        "reshard",
+        "orig",
+        "-o",
+        "sliced",
+        "--strategy",
+        "predict.json",
+    ]);
     d.ok(&["verify", "sliced"]);
     d.ok(&["merge", "sliced", "-o", "merged"]);
     let out = run_python(&d, CHECK);

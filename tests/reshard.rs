@@ -3,7 +3,13 @@
 use crate::util::{example_originals, full_tensors, Dir};
 
 fn files_equal(a: &std::path::Path, b: &std::path::Path) {
-    assert_eq!(std::fs::read(a).unwrap(), std::fs::read(b).unwrap(), "{} != {}", a.display(), b.display());
+    assert_eq!(
+        std::fs::read(a).unwrap(),
+        std::fs::read(b).unwrap(),
+        "{} != {}",
+        a.display(),
+        b.display()
+    );
 }
 
 #[test]
@@ -17,7 +23,10 @@ fn eight_to_three_and_back_is_identity() {
     assert_eq!(full_tensors(&d.path("r3")), example_originals("dp=2,tp=4"));
     d.ok(&["reshard", "r3", "-o", "back", "--mesh", "dp=2,tp=4"]);
     for r in 0..8 {
-        files_equal(&d.path(&format!("ex/ckpt_{r}/model.safetensors")), &d.path(&format!("back/ckpt_{r}/model.safetensors")));
+        files_equal(
+            &d.path(&format!("ex/ckpt_{r}/model.safetensors")),
+            &d.path(&format!("back/ckpt_{r}/model.safetensors")),
+        );
     }
 }
 
@@ -25,12 +34,20 @@ fn eight_to_three_and_back_is_identity() {
 fn one_rank_reads_only_what_it_needs() {
     let d = Dir::new();
     d.example("ex", "tp=8");
-    let o = d.ok(&["reshard", "ex", "-o", "r2", "--to", "2", "--rank", "1", "--plan", "--json"]);
+    let o = d.ok(&[
+        "reshard", "ex", "-o", "r2", "--to", "2", "--rank", "1", "--plan", "--json",
+    ]);
     let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
     let f = &v["files"][0];
     assert_eq!(f["output"], "ckpt_1/model.safetensors");
-    let (read, written) = (f["bytes_read"].as_u64().unwrap(), f["bytes_written"].as_u64().unwrap());
-    assert!(read as f64 <= 1.05 * written as f64 && read >= written, "read {read} written {written}");
+    let (read, written) = (
+        f["bytes_read"].as_u64().unwrap(),
+        f["bytes_written"].as_u64().unwrap(),
+    );
+    assert!(
+        read as f64 <= 1.05 * written as f64 && read >= written,
+        "read {read} written {written}"
+    );
     assert!(!d.path("r2").exists(), "--plan writes nothing");
     d.ok(&["reshard", "ex", "-o", "r2", "--to", "2", "--rank", "1"]);
     assert!(d.path("r2/ckpt_1/model.safetensors").exists() && !d.path("r2/ckpt_0").exists());
@@ -84,17 +101,43 @@ fn unknown_axis_is_named() {
     let d = Dir::new();
     d.example("ex", "tp=2");
     let o = d.fails(&["reshard", "ex", "-o", "x", "--mesh", "ep=2"]);
-    assert!(o.stderr.contains("--mesh names axis `ep`, which the source mesh does not have"), "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("--mesh names axis `ep`, which the source mesh does not have"),
+        "{}",
+        o.stderr
+    );
 }
 
 fn example_with(d: &Dir, rel: &str, mesh: &str) {
-    d.ok(&["example", rel, "--mesh", mesh, "--hidden", "16", "--vocab", "37", "--layers", "4", "--optimizer"]);
+    d.ok(&[
+        "example",
+        rel,
+        "--mesh",
+        mesh,
+        "--hidden",
+        "16",
+        "--vocab",
+        "37",
+        "--layers",
+        "4",
+        "--optimizer",
+    ]);
 }
 
 fn originals_with(mesh: &str) -> std::collections::BTreeMap<String, Vec<u8>> {
-    let model = ckpt_core::ExampleModel { hidden: 16, vocab: 37, layers: 4, optimizer: true, ..Default::default() };
+    let model = ckpt_core::ExampleModel {
+        hidden: 16,
+        vocab: 37,
+        layers: 4,
+        optimizer: true,
+        ..Default::default()
+    };
     let s = ckpt_core::example_strategy(&model, &ckpt_core::Mesh::parse(mesh).unwrap()).unwrap();
-    s.tensors.iter().map(|(n, l)| (n.clone(), ckpt_core::example_tensor(n, l))).collect()
+    s.tensors
+        .iter()
+        .map(|(n, l)| (n.clone(), ckpt_core::example_tensor(n, l)))
+        .collect()
 }
 
 #[test]
@@ -109,18 +152,46 @@ fn pipeline_two_to_one_and_back_with_optimizer_state() {
     let s1 = ckpt_core::Strategy::read(&d.path("pp1/strategy.json")).unwrap();
     assert_eq!(s1.tensors["layers.3.mlp.up.weight"].stage, Some(0));
     let f = ckpt_core::SafetensorsFile::open(&d.path("pp1/ckpt_1/model.safetensors")).unwrap();
-    let m = f.find("optim.layers.3.mlp.up.weight.exp_avg").expect("moment on tp rank 1");
+    let m = f
+        .find("optim.layers.3.mlp.up.weight.exp_avg")
+        .expect("moment on tp rank 1");
     assert_eq!(f.tensors()[m].shape, vec![32, 16]);
-    assert_eq!(full_tensors(&d.path("pp1")), originals_with("pp=2,dp=2,tp=2"));
+    assert_eq!(
+        full_tensors(&d.path("pp1")),
+        originals_with("pp=2,dp=2,tp=2")
+    );
     // And back to the training strategy, byte for byte.
-    d.ok(&["reshard", "pp1", "-o", "pp2", "--strategy", "ex/strategy.json"]);
+    d.ok(&[
+        "reshard",
+        "pp1",
+        "-o",
+        "pp2",
+        "--strategy",
+        "ex/strategy.json",
+    ]);
     for r in 0..8 {
-        files_equal(&d.path(&format!("ex/ckpt_{r}/model.safetensors")), &d.path(&format!("pp2/ckpt_{r}/model.safetensors")));
+        files_equal(
+            &d.path(&format!("ex/ckpt_{r}/model.safetensors")),
+            &d.path(&format!("pp2/ckpt_{r}/model.safetensors")),
+        );
     }
     // Dropping the optimizer state on the way.
-    d.ok(&["reshard", "ex", "-o", "weights", "--to", "2", "--exclude", "optim.*"]);
+    d.ok(&[
+        "reshard",
+        "ex",
+        "-o",
+        "weights",
+        "--to",
+        "2",
+        "--exclude",
+        "optim.*",
+    ]);
     let got = full_tensors(&d.path("weights"));
-    assert!(got.keys().all(|k| !k.starts_with("optim.")) && got.len() == 22, "{:?}", got.keys());
+    assert!(
+        got.keys().all(|k| !k.starts_with("optim.")) && got.len() == 22,
+        "{:?}",
+        got.keys()
+    );
 }
 
 #[test]
@@ -136,6 +207,9 @@ fn sharded_dim_changes_from_rows_to_columns() {
     std::fs::write(d.path("cols.json"), s.to_json()).unwrap();
     d.ok(&["reshard", "ex", "-o", "cols", "--strategy", "cols.json"]);
     let f = ckpt_core::SafetensorsFile::open(&d.path("cols/ckpt_3/model.safetensors")).unwrap();
-    assert_eq!(f.tensors()[f.find("layers.0.mlp.up.weight").unwrap()].shape, vec![64, 4]);
+    assert_eq!(
+        f.tensors()[f.find("layers.0.mlp.up.weight").unwrap()].shape,
+        vec![64, 4]
+    );
     assert_eq!(full_tensors(&d.path("cols")), example_originals("tp=4"));
 }

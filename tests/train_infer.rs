@@ -9,8 +9,13 @@ use std::path::Path;
 const LOGIT_TOLERANCE: f32 = 1e-4;
 
 fn infer(dir: &Path, ranks: Option<u64>) -> ckpt_infer::InferReport {
-    ckpt_infer::infer(&ckpt_infer::InferRequest { checkpoint: dir.into(), ranks, batch_size: 128, ..Default::default() })
-        .unwrap_or_else(|e| panic!("infer {}: {e}", dir.display()))
+    ckpt_infer::infer(&ckpt_infer::InferRequest {
+        checkpoint: dir.into(),
+        ranks,
+        batch_size: 128,
+        ..Default::default()
+    })
+    .unwrap_or_else(|e| panic!("infer {}: {e}", dir.display()))
 }
 
 fn equivalence(train: &[&str], tp: bool) {
@@ -19,7 +24,9 @@ fn equivalence(train: &[&str], tp: bool) {
     args.extend_from_slice(train);
     let o = d.ok(&args);
     let report: serde_json::Value = serde_json::from_str(o.stdout.trim()).unwrap();
-    let trainer_accuracy = report["test_accuracy"].as_array().unwrap().last().unwrap()[1].as_f64().unwrap() as f32;
+    let trainer_accuracy = report["test_accuracy"].as_array().unwrap().last().unwrap()[1]
+        .as_f64()
+        .unwrap() as f32;
     d.ok(&["verify", "run"]);
     d.ok(&["merge", "run", "-o", "merged", "-q"]);
     d.ok(&["reshard", "run", "-o", "r2", "--to", "2", "-q"]);
@@ -32,40 +39,96 @@ fn equivalence(train: &[&str], tp: bool) {
     assert_eq!(one.accuracy, trainer_accuracy, "1 rank against the trainer");
     for (n, r) in [(2, &two), (3, &three)] {
         assert_eq!(r.predicted, one.predicted, "{n} ranks predict differently");
-        assert_eq!(r.accuracy, trainer_accuracy, "{n} ranks against the trainer");
-        let worst = r.logits.iter().zip(&one.logits).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        assert!(worst <= LOGIT_TOLERANCE, "{n} ranks: logits differ by {worst}");
+        assert_eq!(
+            r.accuracy, trainer_accuracy,
+            "{n} ranks against the trainer"
+        );
+        let worst = r
+            .logits
+            .iter()
+            .zip(&one.logits)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst <= LOGIT_TOLERANCE,
+            "{n} ranks: logits differ by {worst}"
+        );
     }
     // Well above chance (0.1), so the predictions compared above are not degenerate.
-    assert!(trainer_accuracy > 0.3, "training did not learn: {trainer_accuracy}");
+    assert!(
+        trainer_accuracy > 0.3,
+        "training did not learn: {trainer_accuracy}"
+    );
 }
 
 #[test]
 fn mlp_tensor_parallel() {
-    equivalence(&["--model", "mlp", "--mesh", "dp=2,tp=2", "--epochs", "3"], true);
+    equivalence(
+        &["--model", "mlp", "--mesh", "dp=2,tp=2", "--epochs", "3"],
+        true,
+    );
 }
 
 #[test]
 fn vit_tensor_parallel() {
     // 12 heads and 48 hidden units: divisible by 4, 2 and 3 tensor-parallel ranks.
     let cfg = r#"{"image_size":8,"channels":1,"patch":2,"dim":48,"depth":1,"heads":12,"mlp_hidden":48,"classes":10}"#;
-    equivalence(&["--model", "vit", "--model-config", cfg, "--mesh", "tp=4", "--epochs", "4", "--lr", "0.003"], true);
+    equivalence(
+        &[
+            "--model",
+            "vit",
+            "--model-config",
+            cfg,
+            "--mesh",
+            "tp=4",
+            "--epochs",
+            "4",
+            "--lr",
+            "0.003",
+        ],
+        true,
+    );
 }
 
 #[test]
 fn resnet_data_parallel() {
     // Synchronized BatchNorm keeps the running statistics equal on every dp rank, as the
     // checkpoint (which stores them once) assumes.
-    equivalence(&["--model", "resnet", "--depth", "8", "--ranks", "4", "--epochs", "1", "--sync-bn"], false);
+    equivalence(
+        &[
+            "--model",
+            "resnet",
+            "--depth",
+            "8",
+            "--ranks",
+            "4",
+            "--epochs",
+            "1",
+            "--sync-bn",
+        ],
+        false,
+    );
 }
 
 #[test]
 fn checkpoint_that_does_not_fit_the_model_is_named() {
     let d = Dir::new();
-    d.ok(&["train", "--out", "run", "--mesh", "tp=2", "--epochs", "1", "-q"]);
+    d.ok(&[
+        "train", "--out", "run", "--mesh", "tp=2", "--epochs", "1", "-q",
+    ]);
     d.ok(&["merge", "run", "-o", "merged", "-q", "--exclude", "*.bias"]);
     let o = d.fails(&["infer", "merged"]);
-    assert!(o.stderr.contains("merged: tensor `") && o.stderr.contains(".bias` of the mlp model is missing"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("merged: tensor `")
+            && o.stderr.contains(".bias` of the mlp model is missing"),
+        "{}",
+        o.stderr
+    );
     let o = d.fails(&["infer", "run", "--ranks", "3"]);
-    assert!(o.stderr.contains("3 ranks, but") && o.stderr.contains("is sliced for 2 tensor-parallel ranks"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("3 ranks, but")
+            && o.stderr.contains("is sliced for 2 tensor-parallel ranks"),
+        "{}",
+        o.stderr
+    );
 }

@@ -15,7 +15,9 @@ pub struct Out {
 
 impl Dir {
     pub fn new() -> Dir {
-        Dir { tmp: tempfile::tempdir().expect("tempdir") }
+        Dir {
+            tmp: tempfile::tempdir().expect("tempdir"),
+        }
     }
 
     pub fn path(&self, rel: &str) -> PathBuf {
@@ -24,7 +26,11 @@ impl Dir {
 
     /// Runs `ckpt ARGS` in this directory.
     pub fn ckpt(&self, args: &[&str]) -> Out {
-        let o = Command::new(env!("CARGO_BIN_EXE_ckpt")).args(args).current_dir(self.tmp.path()).output().expect("run ckpt");
+        let o = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+            .args(args)
+            .current_dir(self.tmp.path())
+            .output()
+            .expect("run ckpt");
         Out {
             code: o.status.code().unwrap_or(-1),
             stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
@@ -35,20 +41,30 @@ impl Dir {
     /// Runs and asserts success.
     pub fn ok(&self, args: &[&str]) -> Out {
         let o = self.ckpt(args);
-        assert_eq!(o.code, 0, "ckpt {args:?} failed:\n{}\n{}", o.stdout, o.stderr);
+        assert_eq!(
+            o.code, 0,
+            "ckpt {args:?} failed:\n{}\n{}",
+            o.stdout, o.stderr
+        );
         o
     }
 
     /// Runs and asserts failure with exit code 1.
     pub fn fails(&self, args: &[&str]) -> Out {
         let o = self.ckpt(args);
-        assert_eq!(o.code, 1, "ckpt {args:?} should fail:\n{}\n{}", o.stdout, o.stderr);
+        assert_eq!(
+            o.code, 1,
+            "ckpt {args:?} should fail:\n{}\n{}",
+            o.stdout, o.stderr
+        );
         o
     }
 
     /// A sliced example checkpoint at `rel`.
     pub fn example(&self, rel: &str, mesh: &str) {
-        self.ok(&["example", rel, "--mesh", mesh, "--hidden", "16", "--vocab", "37"]);
+        self.ok(&[
+            "example", rel, "--mesh", mesh, "--hidden", "16", "--vocab", "37",
+        ]);
     }
 }
 
@@ -62,21 +78,38 @@ pub fn full_tensors(path: &Path) -> std::collections::BTreeMap<String, Vec<u8>> 
             name: name.clone(),
             dtype: t.dtype,
             shape: t.shape.clone(),
-            pieces: vec![ckpt_core::Piece { global: full.clone(), local: full }],
+            pieces: vec![ckpt_core::Piece {
+                global: full.clone(),
+                local: full,
+            }],
         };
         let plan = ckpt_core::CopyPlan::build(
             &ck,
-            vec![ckpt_core::TargetFile { path: "x".into(), tensors: vec![target], metadata: Default::default() }],
+            vec![ckpt_core::TargetFile {
+                path: "x".into(),
+                tensors: vec![target],
+                metadata: Default::default(),
+            }],
         )
         .expect("plan");
-        out.insert(name.clone(), ckpt_core::assemble(&plan.files[0].tensors[0], &ck));
+        out.insert(
+            name.clone(),
+            ckpt_core::assemble(&plan.files[0].tensors[0], &ck),
+        );
     }
     out
 }
 
 /// The example model's original tensors on `mesh` (the values `ckpt example` wrote).
 pub fn example_originals(mesh: &str) -> std::collections::BTreeMap<String, Vec<u8>> {
-    let model = ckpt_core::ExampleModel { hidden: 16, vocab: 37, ..Default::default() };
+    let model = ckpt_core::ExampleModel {
+        hidden: 16,
+        vocab: 37,
+        ..Default::default()
+    };
     let s = ckpt_core::example_strategy(&model, &ckpt_core::Mesh::parse(mesh).unwrap()).unwrap();
-    s.tensors.iter().map(|(n, l)| (n.clone(), ckpt_core::example_tensor(n, l))).collect()
+    s.tensors
+        .iter()
+        .map(|(n, l)| (n.clone(), ckpt_core::example_tensor(n, l)))
+        .collect()
 }

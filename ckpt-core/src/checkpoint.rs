@@ -92,25 +92,42 @@ fn unknown(problem: String) -> Error {
 }
 
 fn rank_dir_number(dir: &Path) -> Option<u64> {
-    dir.file_name()?.to_str()?.strip_prefix("ckpt_")?.parse().ok()
+    dir.file_name()?
+        .to_str()?
+        .strip_prefix("ckpt_")?
+        .parse()
+        .ok()
 }
 
 fn list_dir(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir).at(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .at(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
     v.sort();
     Ok(v)
 }
 
-fn expand(path: &Path, out: &mut Vec<Input>, carried: &mut BTreeMap<String, PathBuf>) -> Result<()> {
+fn expand(
+    path: &Path,
+    out: &mut Vec<Input>,
+    carried: &mut BTreeMap<String, PathBuf>,
+) -> Result<()> {
     if path.is_file() {
         let dir = path.parent().unwrap_or(Path::new("."));
         let s = dir.join(STRATEGY_FILE);
         note_carried(dir, carried);
-        out.push(Input { path: path.to_path_buf(), strategy: s.is_file().then_some(s) });
+        out.push(Input {
+            path: path.to_path_buf(),
+            strategy: s.is_file().then_some(s),
+        });
         return Ok(());
     }
     if !path.is_dir() {
-        return Err(Error::Io { path: path.into(), source: std::io::Error::from(std::io::ErrorKind::NotFound) });
+        return Err(Error::Io {
+            path: path.into(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        });
     }
     // A training output directory: `latest` names its newest complete checkpoint.
     let latest = path.join(LATEST_FILE);
@@ -118,7 +135,11 @@ fn expand(path: &Path, out: &mut Vec<Input>, carried: &mut BTreeMap<String, Path
         let name = std::fs::read_to_string(&latest).at(&latest)?;
         let target = path.join(name.trim());
         if name.trim().is_empty() || name.contains('/') || !target.is_dir() {
-            return Err(unknown(format!("{}: names `{}`, which is not a checkpoint directory beside it", latest.display(), name.trim())));
+            return Err(unknown(format!(
+                "{}: names `{}`, which is not a checkpoint directory beside it",
+                latest.display(),
+                name.trim()
+            )));
         }
         return expand(&target, out, carried);
     }
@@ -126,12 +147,18 @@ fn expand(path: &Path, out: &mut Vec<Input>, carried: &mut BTreeMap<String, Path
     let model = path.join(MODEL_FILE);
     let strategy = path.join(STRATEGY_FILE);
     if model.is_file() && strategy.is_file() {
-        out.push(Input { path: model, strategy: Some(strategy) });
+        out.push(Input {
+            path: model,
+            strategy: Some(strategy),
+        });
         return Ok(());
     }
     let entries = list_dir(path)?;
-    let mut rank_dirs: Vec<(u64, PathBuf)> =
-        entries.iter().filter(|p| p.is_dir()).filter_map(|p| Some((rank_dir_number(p)?, p.clone()))).collect();
+    let mut rank_dirs: Vec<(u64, PathBuf)> = entries
+        .iter()
+        .filter(|p| p.is_dir())
+        .filter_map(|p| Some((rank_dir_number(p)?, p.clone())))
+        .collect();
     if !rank_dirs.is_empty() {
         rank_dirs.sort();
         for (_, d) in rank_dirs {
@@ -150,15 +177,24 @@ fn expand(path: &Path, out: &mut Vec<Input>, carried: &mut BTreeMap<String, Path
             .ok_or_else(|| unknown(format!("{}: no `weight_map` object", index.display())))?;
         let files: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
         for f in files {
-            out.push(Input { path: path.join(f), strategy: None });
+            out.push(Input {
+                path: path.join(f),
+                strategy: None,
+            });
         }
         return Ok(());
     }
     if model.is_file() {
-        out.push(Input { path: model, strategy: None });
+        out.push(Input {
+            path: model,
+            strategy: None,
+        });
         return Ok(());
     }
-    let st: Vec<PathBuf> = entries.into_iter().filter(|p| p.extension().is_some_and(|e| e == "safetensors")).collect();
+    let st: Vec<PathBuf> = entries
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
     if st.is_empty() {
         return Err(unknown(format!(
             "{}: no checkpoint here (expected ckpt_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE} or *.safetensors)",
@@ -166,7 +202,10 @@ fn expand(path: &Path, out: &mut Vec<Input>, carried: &mut BTreeMap<String, Path
         )));
     }
     for p in st {
-        out.push(Input { path: p, strategy: None });
+        out.push(Input {
+            path: p,
+            strategy: None,
+        });
     }
     Ok(())
 }
@@ -218,10 +257,15 @@ impl Checkpoint {
             }
         }
         let sliced = strategies.iter().filter(|s| s.is_some()).count();
-        let dcp = files.iter().filter(|f| f.metadata().contains_key(DCP_SHARDING_INFO)).count();
+        let dcp = files
+            .iter()
+            .filter(|f| f.metadata().contains_key(DCP_SHARDING_INFO))
+            .count();
         let kind = if sliced > 0 {
             if sliced != strategies.len() {
-                return Err(unknown("inputs mix rank directories (with strategy.json) and other files".into()));
+                return Err(unknown(
+                    "inputs mix rank directories (with strategy.json) and other files".into(),
+                ));
             }
             Kind::Sliced
         } else if dcp > 0 {
@@ -254,13 +298,19 @@ impl Checkpoint {
     ) -> Result<()> {
         let mut parsed: BTreeMap<PathBuf, std::result::Result<Strategy, String>> = BTreeMap::new();
         for s in strategies.iter().flatten() {
-            parsed.entry(s.clone()).or_insert_with(|| Strategy::read(s).map_err(|e| e.to_string()));
+            parsed
+                .entry(s.clone())
+                .or_insert_with(|| Strategy::read(s).map_err(|e| e.to_string()));
         }
         // The reference strategy: the first that parses.
-        let Some((ref_path, strategy)) =
-            parsed.iter().find_map(|(p, s)| s.as_ref().ok().map(|s| (p.clone(), s.clone())))
+        let Some((ref_path, strategy)) = parsed
+            .iter()
+            .find_map(|(p, s)| s.as_ref().ok().map(|s| (p.clone(), s.clone())))
         else {
-            let first = parsed.values().find_map(|s| s.as_ref().err().cloned()).unwrap_or_default();
+            let first = parsed
+                .values()
+                .find_map(|s| s.as_ref().err().cloned())
+                .unwrap_or_default();
             return Err(unknown(first));
         };
         let hash = strategy.hash();
@@ -268,7 +318,11 @@ impl Checkpoint {
             match s {
                 Err(e) => problems.push(unknown(e.clone())),
                 Ok(s) if s.hash() != hash => problems.push(Error::Mismatch {
-                    what: format!("{}: strategy differs from {}", p.display(), ref_path.display()),
+                    what: format!(
+                        "{}: strategy differs from {}",
+                        p.display(),
+                        ref_path.display()
+                    ),
                 }),
                 Ok(_) => {}
             }
@@ -283,30 +337,47 @@ impl Checkpoint {
                 .and_then(|r| r.parse::<u64>().ok())
                 .or_else(|| path.parent().and_then(rank_dir_number));
             let Some(rank) = rank else {
-                problems.push(Error::Mismatch { what: format!("{}: no `rank` in __metadata__", path.display()) });
+                problems.push(Error::Mismatch {
+                    what: format!("{}: no `rank` in __metadata__", path.display()),
+                });
                 continue;
             };
             if let Some(w) = meta.get("world_size") {
                 if w != &world.to_string() {
                     problems.push(Error::Mismatch {
-                        what: format!("{}: world_size {w} but the strategy's mesh has {world} ranks", path.display()),
+                        what: format!(
+                            "{}: world_size {w} but the strategy's mesh has {world} ranks",
+                            path.display()
+                        ),
                     });
                 }
             }
             if let Some(h) = meta.get("strategy_hash") {
                 if h != &hash {
                     problems.push(Error::Mismatch {
-                        what: format!("{}: strategy_hash {h} does not match strategy.json ({hash})", path.display()),
+                        what: format!(
+                            "{}: strategy_hash {h} does not match strategy.json ({hash})",
+                            path.display()
+                        ),
                     });
                 }
             }
             if rank >= world {
-                problems.push(Error::Mismatch { what: format!("{}: rank {rank} but the world size is {world}", path.display()) });
+                problems.push(Error::Mismatch {
+                    what: format!(
+                        "{}: rank {rank} but the world size is {world}",
+                        path.display()
+                    ),
+                });
                 continue;
             }
             if let Some(other) = seen.insert(rank, path.clone()) {
                 problems.push(Error::Mismatch {
-                    what: format!("{}: rank {rank} appears twice (also {})", path.display(), other.display()),
+                    what: format!(
+                        "{}: rank {rank} appears twice (also {})",
+                        path.display(),
+                        other.display()
+                    ),
                 });
                 continue;
             }
@@ -329,14 +400,21 @@ impl Checkpoint {
                             dtype_name(t.dtype),
                             t.shape,
                             dtype_name(layout.dtype),
-                            want.map_or("nothing (other pipeline stage)".into(), |w| format!("{w:?}"))
+                            want.map_or("nothing (other pipeline stage)".into(), |w| format!(
+                                "{w:?}"
+                            ))
                         ),
                     });
                     continue;
                 }
                 let entry = raw.entry(t.name.clone()).or_default();
                 for p in layout.pieces(&strategy.mesh, rank) {
-                    entry.push(SourcePiece { file: fi, tensor: ti, global: p.global, local: p.local });
+                    entry.push(SourcePiece {
+                        file: fi,
+                        tensor: ti,
+                        global: p.global,
+                        local: p.local,
+                    });
                 }
             }
         }
@@ -352,14 +430,23 @@ impl Checkpoint {
             raw.entry(name.clone()).or_default();
             self.tensors.insert(
                 name.clone(),
-                SourceTensor { dtype: st.dtype, shape: st.shape.clone(), pieces: vec![], copies: vec![] },
+                SourceTensor {
+                    dtype: st.dtype,
+                    shape: st.shape.clone(),
+                    pieces: vec![],
+                    copies: vec![],
+                },
             );
         }
         self.strategy = Some(strategy);
         Ok(())
     }
 
-    fn read_boxes(&mut self, raw: &mut BTreeMap<String, Vec<SourcePiece>>, problems: &mut Vec<Error>) {
+    fn read_boxes(
+        &mut self,
+        raw: &mut BTreeMap<String, Vec<SourcePiece>>,
+        problems: &mut Vec<Error>,
+    ) {
         for (fi, f) in self.files.iter().enumerate() {
             let offsets: BTreeMap<String, Vec<u64>> = match f.metadata().get(DCP_SHARDING_INFO) {
                 None => BTreeMap::new(),
@@ -372,11 +459,18 @@ impl Checkpoint {
                 },
             };
             for (ti, t) in f.tensors().iter().enumerate() {
-                let start = offsets.get(&t.name).cloned().unwrap_or_else(|| vec![0; t.shape.len()]);
+                let start = offsets
+                    .get(&t.name)
+                    .cloned()
+                    .unwrap_or_else(|| vec![0; t.shape.len()]);
                 if start.len() != t.shape.len() {
                     problems.push(Error::InvalidTensor {
                         tensor: t.name.clone(),
-                        problem: format!("{}: saved_offsets {start:?} do not match shape {:?}", f.path().display(), t.shape),
+                        problem: format!(
+                            "{}: saved_offsets {start:?} do not match shape {:?}",
+                            f.path().display(),
+                            t.shape
+                        ),
                     });
                     continue;
                 }
@@ -419,7 +513,9 @@ impl Checkpoint {
     /// owners tile every tensor.
     fn assemble(&mut self, raw: BTreeMap<String, Vec<SourcePiece>>, problems: &mut Vec<Error>) {
         for (name, mut pieces) in raw {
-            let Some(t) = self.tensors.get_mut(&name) else { continue };
+            let Some(t) = self.tensors.get_mut(&name) else {
+                continue;
+            };
             pieces.sort_by(|a, b| (&a.global, a.file).cmp(&(&b.global, b.file)));
             let mut owners: Vec<SourcePiece> = Vec::with_capacity(pieces.len());
             for p in pieces {
@@ -437,7 +533,12 @@ impl Checkpoint {
                 if !full.contains(&p.global) {
                     problems.push(Error::InvalidTensor {
                         tensor: name.clone(),
-                        problem: format!("{} holds {} outside the shape {:?}", self.files[p.file].path().display(), p.global, t.shape),
+                        problem: format!(
+                            "{} holds {} outside the shape {:?}",
+                            self.files[p.file].path().display(),
+                            p.global,
+                            t.shape
+                        ),
                     });
                     ok = false;
                 }
@@ -447,7 +548,10 @@ impl Checkpoint {
                 match check_tiling(&t.shape, &boxes) {
                     Ok(()) => {}
                     Err(Defect::Gap { region }) => {
-                        problems.push(Error::CoverageGap { tensor: name.clone(), region: region.to_string() });
+                        problems.push(Error::CoverageGap {
+                            tensor: name.clone(),
+                            region: region.to_string(),
+                        });
                     }
                     Err(Defect::Overlap { a, b, region }) => problems.push(Error::Overlap {
                         tensor: name.clone(),
@@ -473,21 +577,33 @@ impl Checkpoint {
     /// Total bytes of tensor data in all input files.
     #[must_use]
     pub fn stored_bytes(&self) -> u64 {
-        self.files.iter().map(|f| f.tensors().iter().map(|t| t.end - t.start).sum::<u64>()).sum()
+        self.files
+            .iter()
+            .map(|f| f.tensors().iter().map(|t| t.end - t.start).sum::<u64>())
+            .sum()
     }
 }
 
 /// Parses `{"name": {"saved_offsets": [..]}, ...}`.
 fn parse_dcp_offsets(text: &str) -> std::result::Result<BTreeMap<String, Vec<u64>>, String> {
-    let doc: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("{DCP_SHARDING_INFO} is not JSON: {e}"))?;
-    let obj = doc.as_object().ok_or_else(|| format!("{DCP_SHARDING_INFO} must be an object"))?;
+    let doc: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("{DCP_SHARDING_INFO} is not JSON: {e}"))?;
+    let obj = doc
+        .as_object()
+        .ok_or_else(|| format!("{DCP_SHARDING_INFO} must be an object"))?;
     let mut out = BTreeMap::new();
     for (name, v) in obj {
         let offs = v
             .get("saved_offsets")
             .and_then(|o| o.as_array())
-            .and_then(|a| a.iter().map(serde_json::Value::as_u64).collect::<Option<Vec<u64>>>())
-            .ok_or_else(|| format!("{DCP_SHARDING_INFO}: `{name}` has no integer `saved_offsets`"))?;
+            .and_then(|a| {
+                a.iter()
+                    .map(serde_json::Value::as_u64)
+                    .collect::<Option<Vec<u64>>>()
+            })
+            .ok_or_else(|| {
+                format!("{DCP_SHARDING_INFO}: `{name}` has no integer `saved_offsets`")
+            })?;
         out.insert(name.clone(), offs);
     }
     Ok(out)

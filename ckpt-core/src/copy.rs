@@ -32,10 +32,14 @@ pub struct CopyStats {
 /// hold at most `max_bytes` (at least one innermost row each).
 fn slabs(shape: &[u64], dtype: Dtype, max_bytes: u64) -> Vec<Region> {
     let n = shape.len();
-    if n == 0 || shape.iter().any(|&s| s == 0) {
-        return if shape.iter().any(|&s| s == 0) { vec![] } else { vec![Region::full(shape)] };
+    if n == 0 || shape.contains(&0) {
+        return if shape.contains(&0) {
+            vec![]
+        } else {
+            vec![Region::full(shape)]
+        };
     }
-    if dtype.bitsize() % 8 != 0 {
+    if !dtype.bitsize().is_multiple_of(8) {
         // Sub-byte types: one slab, so no slab edge falls inside a byte.
         return vec![Region::full(shape)];
     }
@@ -56,7 +60,7 @@ fn slabs(shape: &[u64], dtype: Dtype, max_bytes: u64) -> Vec<Region> {
             let hi = (lo + step).min(shape[d]);
             let mut start = idx.clone();
             start.push(lo);
-            start.extend(std::iter::repeat(0).take(n - d - 1));
+            start.extend(std::iter::repeat_n(0, n - d - 1));
             let mut ext = vec![1; d];
             ext.push(hi - lo);
             ext.extend_from_slice(&shape[d + 1..]);
@@ -85,7 +89,9 @@ fn convert(src: &[u8], from: Dtype, dst: &mut [u8], to: Dtype) {
         match from {
             Dtype::F16 => f16::from_le_bytes([src[2 * i], src[2 * i + 1]]).to_f64(),
             Dtype::BF16 => bf16::from_le_bytes([src[2 * i], src[2 * i + 1]]).to_f64(),
-            Dtype::F32 => f64::from(f32::from_le_bytes(src[4 * i..4 * i + 4].try_into().unwrap_or_default())),
+            Dtype::F32 => f64::from(f32::from_le_bytes(
+                src[4 * i..4 * i + 4].try_into().unwrap_or_default(),
+            )),
             _ => f64::from_le_bytes(src[8 * i..8 * i + 8].try_into().unwrap_or_default()),
         }
     };
@@ -94,8 +100,12 @@ fn convert(src: &[u8], from: Dtype, dst: &mut [u8], to: Dtype) {
         // Via f32 when the source fits in it, so f32->bf16 rounds once, as torch does.
         let v = read(i);
         match to {
-            Dtype::F16 => dst[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(v as f32).to_le_bytes()),
-            Dtype::BF16 => dst[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v as f32).to_le_bytes()),
+            Dtype::F16 => {
+                dst[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(v as f32).to_le_bytes())
+            }
+            Dtype::BF16 => {
+                dst[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v as f32).to_le_bytes())
+            }
             Dtype::F32 => dst[4 * i..4 * i + 4].copy_from_slice(&(v as f32).to_le_bytes()),
             _ => dst[8 * i..8 * i + 8].copy_from_slice(&v.to_le_bytes()),
         }
@@ -110,14 +120,32 @@ fn fill_slab(source: &Checkpoint, t: &TensorPlan, slab: &Region, buf: &mut [u8])
     let mut read = 0;
     for op in &t.ops {
         let dst_box = Region::new(op.dst_start.clone(), op.src.shape.clone());
-        let Some(part) = dst_box.overlap(slab) else { continue };
-        let src_start: Vec<u64> =
-            part.start.iter().zip(&op.dst_start).zip(&op.src.start).map(|((p, d), s)| p - d + s).collect();
-        let dst_start: Vec<u64> = part.start.iter().zip(&slab.start).map(|(p, s)| p - s).collect();
+        let Some(part) = dst_box.overlap(slab) else {
+            continue;
+        };
+        let src_start: Vec<u64> = part
+            .start
+            .iter()
+            .zip(&op.dst_start)
+            .zip(&op.src.start)
+            .map(|((p, d), s)| p - d + s)
+            .collect();
+        let dst_start: Vec<u64> = part
+            .start
+            .iter()
+            .zip(&slab.start)
+            .map(|(p, s)| p - s)
+            .collect();
         let file = &source.files[op.file];
         let data = file.data(op.tensor);
         let (mut lo, mut hi) = (u64::MAX, 0u64);
-        for run in Runs::new(&part.shape, &op.src_shape, &src_start, &slab.shape, &dst_start) {
+        for run in Runs::new(
+            &part.shape,
+            &op.src_shape,
+            &src_start,
+            &slab.shape,
+            &dst_start,
+        ) {
             let s0 = run.src * sbits / 8;
             let s1 = (run.src + run.len) * sbits / 8;
             let d0 = (run.dst * dbits / 8) as usize;
@@ -145,17 +173,29 @@ fn fill_slab(source: &Checkpoint, t: &TensorPlan, slab: &Region, buf: &mut [u8])
 ///
 /// # Errors
 /// I/O errors, with the path.
-pub fn execute(plan: &CopyPlan, source: &Checkpoint, out_dir: &Path, progress: &(dyn Fn(u64) + Sync)) -> Result<CopyStats> {
+pub fn execute(
+    plan: &CopyPlan,
+    source: &Checkpoint,
+    out_dir: &Path,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<CopyStats> {
     let mut writers = Vec::with_capacity(plan.files.len());
     for f in &plan.files {
         let specs: Vec<TensorSpec> = f
             .tensors
             .iter()
-            .map(|t| TensorSpec { name: t.target.name.clone(), dtype: t.target.dtype, shape: t.target.shape.clone() })
+            .map(|t| TensorSpec {
+                name: t.target.name.clone(),
+                dtype: t.target.dtype,
+                shape: t.target.shape.clone(),
+            })
             .collect();
         let path = out_dir.join(&f.path);
         if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(|source| Error::Io { path: parent.into(), source })?;
+            std::fs::create_dir_all(parent).map_err(|source| Error::Io {
+                path: parent.into(),
+                source,
+            })?;
         }
         writers.push(SafetensorsWriter::create(&path, &specs, &f.metadata)?);
     }
@@ -168,17 +208,20 @@ pub fn execute(plan: &CopyPlan, source: &Checkpoint, out_dir: &Path, progress: &
         }
     }
     let read = AtomicU64::new(0);
-    jobs.par_iter().try_for_each_init(Vec::new, |buf: &mut Vec<u8>, (fi, ti, slab)| -> Result<()> {
-        let t = &plan.files[*fi].tensors[*ti];
-        let len = bytes_of(t.target.dtype, slab.numel()) as usize;
-        buf.clear();
-        buf.resize(len, 0);
-        read.fetch_add(fill_slab(source, t, slab, buf), Ordering::Relaxed);
-        let strides_bytes = bytes_of(t.target.dtype, slab_offset(&t.target.shape, &slab.start));
-        writers[*fi].write_at(*ti, strides_bytes, buf)?;
-        progress(len as u64);
-        Ok(())
-    })?;
+    jobs.par_iter().try_for_each_init(
+        Vec::new,
+        |buf: &mut Vec<u8>, (fi, ti, slab)| -> Result<()> {
+            let t = &plan.files[*fi].tensors[*ti];
+            let len = bytes_of(t.target.dtype, slab.numel()) as usize;
+            buf.clear();
+            buf.resize(len, 0);
+            read.fetch_add(fill_slab(source, t, slab, buf), Ordering::Relaxed);
+            let strides_bytes = bytes_of(t.target.dtype, slab_offset(&t.target.shape, &slab.start));
+            writers[*fi].write_at(*ti, strides_bytes, buf)?;
+            progress(len as u64);
+            Ok(())
+        },
+    )?;
     for w in writers {
         w.finish()?;
     }
@@ -224,11 +267,16 @@ mod tests {
 
     #[test]
     fn casts_round_to_nearest() {
-        let src: Vec<u8> = [1.0f32, -2.5, 3.140_625].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let src: Vec<u8> = [1.0f32, -2.5, 3.140_625]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         let mut dst = vec![0u8; 6];
         convert(&src, Dtype::F32, &mut dst, Dtype::BF16);
-        let back: Vec<f32> =
-            dst.chunks(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
+        let back: Vec<f32> = dst
+            .chunks(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect();
         assert_eq!(back, vec![1.0, -2.5, 3.140_625]);
     }
 }

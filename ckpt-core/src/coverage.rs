@@ -41,7 +41,7 @@ pub enum Defect {
 /// The first [`Defect`].
 pub fn check_tiling(shape: &[u64], boxes: &[Region]) -> Result<(), Defect> {
     let ids: Vec<usize> = (0..boxes.len()).filter(|&i| !boxes[i].is_empty()).collect();
-    if shape.iter().any(|&s| s == 0) {
+    if shape.contains(&0) {
         return Ok(());
     }
     let mut prefix = Region::new(vec![], vec![]);
@@ -57,16 +57,30 @@ fn gap(shape: &[u64], prefix: &Region, d: usize, lo: u64, hi: u64) -> Defect {
         start.push(0);
         extent.push(s);
     }
-    Defect::Gap { region: Region::new(start, extent) }
+    Defect::Gap {
+        region: Region::new(start, extent),
+    }
 }
 
-fn sweep(shape: &[u64], boxes: &[Region], ids: Vec<usize>, d: usize, prefix: &mut Region) -> Result<(), Defect> {
+fn sweep(
+    shape: &[u64],
+    boxes: &[Region],
+    ids: Vec<usize>,
+    d: usize,
+    prefix: &mut Region,
+) -> Result<(), Defect> {
     if d == shape.len() {
         // A single element (or scalar): exactly one box must hold it.
         return match ids.len() {
-            0 => Err(Defect::Gap { region: prefix.clone() }),
+            0 => Err(Defect::Gap {
+                region: prefix.clone(),
+            }),
             1 => Ok(()),
-            _ => Err(Defect::Overlap { a: ids[0], b: ids[1], region: prefix.clone() }),
+            _ => Err(Defect::Overlap {
+                a: ids[0],
+                b: ids[1],
+                region: prefix.clone(),
+            }),
         };
     }
     // Events along dimension d: (position, is_start, box).
@@ -100,11 +114,21 @@ fn sweep(shape: &[u64], boxes: &[Region], ids: Vec<usize>, d: usize, prefix: &mu
             // Innermost dimension: the slab is covered once or overlapped.
             let mut it = active.iter();
             match (it.next(), it.next()) {
-                (Some(&a), Some(&b)) => Err(Defect::Overlap { a, b, region: prefix.clone() }),
+                (Some(&a), Some(&b)) => Err(Defect::Overlap {
+                    a,
+                    b,
+                    region: prefix.clone(),
+                }),
                 _ => Ok(()),
             }
         } else {
-            sweep(shape, boxes, active.iter().copied().collect(), d + 1, prefix)
+            sweep(
+                shape,
+                boxes,
+                active.iter().copied().collect(),
+                d + 1,
+                prefix,
+            )
         };
         prefix.start.pop();
         prefix.shape.pop();
@@ -115,12 +139,16 @@ fn sweep(shape: &[u64], boxes: &[Region], ids: Vec<usize>, d: usize, prefix: &mu
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // one-dimensional regions
 mod tests {
     use super::*;
 
     #[test]
     fn finds_overlap_with_both_boxes() {
-        let b = [Region::from_ranges(&[0..3, 0..4]), Region::from_ranges(&[2..4, 0..4])];
+        let b = [
+            Region::from_ranges(&[0..3, 0..4]),
+            Region::from_ranges(&[2..4, 0..4]),
+        ];
         match check_tiling(&[4, 4], &b) {
             Err(Defect::Overlap { a, b, region }) => {
                 assert_eq!((a, b), (0, 1));
@@ -145,6 +173,11 @@ mod tests {
         // The caller checks bounds; the sweep only sees the tensor's extent.
         assert_eq!(check_tiling(&[4], &b), Ok(()));
         let b = [Region::from_ranges(&[1..4])];
-        assert_eq!(check_tiling(&[4], &b), Err(Defect::Gap { region: Region::from_ranges(&[0..1]) }));
+        assert_eq!(
+            check_tiling(&[4], &b),
+            Err(Defect::Gap {
+                region: Region::from_ranges(&[0..1])
+            })
+        );
     }
 }

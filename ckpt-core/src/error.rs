@@ -130,7 +130,10 @@ impl Error {
     pub fn with_path(self, path: impl Into<PathBuf>) -> Error {
         match self {
             e @ (Error::Io { .. } | Error::WithPath { .. }) => e,
-            e => Error::WithPath { path: path.into(), source: Box::new(e) },
+            e => Error::WithPath {
+                path: path.into(),
+                source: Box::new(e),
+            },
         }
     }
 }
@@ -142,7 +145,10 @@ pub(crate) trait IoContext<T> {
 
 impl<T> IoContext<T> for std::io::Result<T> {
     fn at(self, path: &std::path::Path) -> Result<T> {
-        self.map_err(|source| Error::Io { path: path.to_path_buf(), source })
+        self.map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 }
 

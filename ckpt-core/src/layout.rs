@@ -29,13 +29,21 @@ impl Placement {
     /// `Shard(dim)` with one block.
     #[must_use]
     pub fn shard(dim: usize) -> Placement {
-        Placement::Shard { dim, blocks: 1, order: 0 }
+        Placement::Shard {
+            dim,
+            blocks: 1,
+            order: 0,
+        }
     }
 
     /// `Shard(dim, blocks=k)`.
     #[must_use]
     pub fn blocked(dim: usize, blocks: u64) -> Placement {
-        Placement::Shard { dim, blocks, order: 0 }
+        Placement::Shard {
+            dim,
+            blocks,
+            order: 0,
+        }
     }
 
     /// Parses `Replicate`, `Shard(1)`, `Shard(0,blocks=3)`, `Shard(0,order=1)`.
@@ -65,7 +73,9 @@ impl Placement {
                     })?;
                 }
                 Some(("order", v)) => {
-                    order = v.parse().map_err(|_| format!("placement `{text}`: bad order"))?;
+                    order = v
+                        .parse()
+                        .map_err(|_| format!("placement `{text}`: bad order"))?;
                 }
                 _ => return Err(format!("placement `{text}`: unknown argument `{p}`")),
             }
@@ -139,7 +149,12 @@ impl TensorLayout {
     /// A layout on a mesh, one placement per axis.
     #[must_use]
     pub fn new(shape: Vec<u64>, dtype: Dtype, placements: Vec<Placement>) -> TensorLayout {
-        TensorLayout { shape, dtype, placements, stage: None }
+        TensorLayout {
+            shape,
+            dtype,
+            placements,
+            stage: None,
+        }
     }
 
     /// A whole tensor on one rank: every axis replicated.
@@ -161,7 +176,10 @@ impl TensorLayout {
     /// Wrong number of placements, shard dim out of range, blocks not dividing the
     /// dimension, sharding over the pipeline axis, stage out of range, byte overflow.
     pub fn validate(&self, tensor: &str, mesh: &Mesh) -> Result<()> {
-        let bad = |problem: String| Error::InvalidLayout { tensor: tensor.to_string(), problem };
+        let bad = |problem: String| Error::InvalidLayout {
+            tensor: tensor.to_string(),
+            problem,
+        };
         if self.placements.len() != mesh.axes().len() {
             return Err(bad(format!(
                 "{} placements for a mesh of {} axes ({mesh})",
@@ -178,14 +196,19 @@ impl TensorLayout {
                         self.shape.len()
                     )));
                 }
-                if blocks == 0 || self.shape[dim] % blocks != 0 {
+                if blocks == 0 || !self.shape[dim].is_multiple_of(blocks) {
                     return Err(bad(format!(
                         "blocks={blocks} on axis `{}` do not divide dim {dim} of size {}",
                         axis.name, self.shape[dim]
                     )));
                 }
                 for (other, q) in mesh.axes().iter().zip(&self.placements) {
-                    if let Placement::Shard { dim: d2, blocks: b2, .. } = *q {
+                    if let Placement::Shard {
+                        dim: d2,
+                        blocks: b2,
+                        ..
+                    } = *q
+                    {
                         if d2 == dim && b2 != blocks {
                             return Err(bad(format!(
                                 "axes `{}` and `{}` split dim {dim} with different blocks",
@@ -198,11 +221,17 @@ impl TensorLayout {
         }
         if let Some(p) = mesh.pipeline() {
             if self.placements[p] != Placement::Replicate {
-                return Err(bad(format!("pipeline axis `{}` cannot shard a tensor", mesh.axes()[p].name)));
+                return Err(bad(format!(
+                    "pipeline axis `{}` cannot shard a tensor",
+                    mesh.axes()[p].name
+                )));
             }
             if let Some(s) = self.stage {
                 if s >= mesh.axes()[p].size {
-                    return Err(bad(format!("stage {s} but the pipeline axis has {} stages", mesh.axes()[p].size)));
+                    return Err(bad(format!(
+                        "stage {s} but the pipeline axis has {} stages",
+                        mesh.axes()[p].size
+                    )));
                 }
             }
         } else if let Some(s) = self.stage {
@@ -219,7 +248,10 @@ impl TensorLayout {
             .checked_mul(self.dtype.bitsize() as u64)
             .ok_or_else(|| bad("byte size overflows".into()))?;
         if bits % 8 != 0 {
-            return Err(bad(format!("{numel} elements of {:?} do not fill whole bytes", self.dtype)));
+            return Err(bad(format!(
+                "{numel} elements of {:?} do not fill whole bytes",
+                self.dtype
+            )));
         }
         Ok(())
     }
@@ -242,14 +274,24 @@ impl TensorLayout {
         }
         let c = mesh.coords(rank);
         self.placements.iter().enumerate().all(|(d, p)| {
-            *p != Placement::Replicate || c[d] == 0 || (mesh.pipeline() == Some(d) && self.stage.is_some())
+            *p != Placement::Replicate
+                || c[d] == 0
+                || (mesh.pipeline() == Some(d) && self.stage.is_some())
         })
     }
 
     fn dim_splits(&self, mesh: &Mesh, rank: u64) -> Vec<DimSplit> {
         let c = mesh.coords(rank);
-        let mut splits: Vec<DimSplit> =
-            self.shape.iter().map(|&n| DimSplit { start: 0, len: n, block: n, blocks: 1 }).collect();
+        let mut splits: Vec<DimSplit> = self
+            .shape
+            .iter()
+            .map(|&n| DimSplit {
+                start: 0,
+                len: n,
+                block: n,
+                blocks: 1,
+            })
+            .collect();
         let mut axes: Vec<(u32, usize)> = self
             .placements
             .iter()
@@ -290,7 +332,12 @@ impl TensorLayout {
         if !self.holds(mesh, rank) {
             return None;
         }
-        Some(self.dim_splits(mesh, rank).iter().map(|s| s.len * s.blocks).collect())
+        Some(
+            self.dim_splits(mesh, rank)
+                .iter()
+                .map(|s| s.len * s.blocks)
+                .collect(),
+        )
     }
 
     /// The pieces of `rank`'s local tensor: one per combination of blocks, empty
@@ -320,7 +367,11 @@ impl TensorLayout {
         let mut idx = vec![0u64; splits.len()];
         for _ in 0..total {
             let global = Region::new(
-                splits.iter().zip(&idx).map(|(s, &b)| b * s.block + s.start).collect(),
+                splits
+                    .iter()
+                    .zip(&idx)
+                    .map(|(s, &b)| b * s.block + s.start)
+                    .collect(),
                 splits.iter().map(|s| s.len).collect(),
             );
             let local = Region::new(
@@ -347,6 +398,7 @@ impl TensorLayout {
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // one-dimensional regions
 mod tests {
     use super::*;
 
@@ -359,7 +411,9 @@ mod tests {
         let mesh = Mesh::parse("tp=4").unwrap();
         let l = layout(&[5], &[Placement::shard(0)]);
         // torch.chunk(5, 4) -> sizes 2, 2, 1 and an empty fourth piece.
-        let sizes: Vec<u64> = (0..4).map(|r| l.local_shape(&mesh, r).unwrap()[0]).collect();
+        let sizes: Vec<u64> = (0..4)
+            .map(|r| l.local_shape(&mesh, r).unwrap()[0])
+            .collect();
         assert_eq!(sizes, vec![2, 2, 1, 0]);
         assert!(l.pieces(&mesh, 3).is_empty());
     }
@@ -369,7 +423,9 @@ mod tests {
         let mesh = Mesh::parse("a=2,b=2").unwrap();
         let l = layout(&[5], &[Placement::shard(0), Placement::shard(0)]);
         // chunk(5,2) = 3,2; then chunk(3,2) = 2,1 and chunk(2,2) = 1,1.
-        let g: Vec<Region> = (0..4).map(|r| l.pieces(&mesh, r)[0].global.clone()).collect();
+        let g: Vec<Region> = (0..4)
+            .map(|r| l.pieces(&mesh, r)[0].global.clone())
+            .collect();
         assert_eq!(
             g,
             vec![
@@ -380,13 +436,26 @@ mod tests {
             ]
         );
         // With order, the inner axis splits first.
-        let l2 = layout(&[8], &[Placement::Shard { dim: 0, blocks: 1, order: 1 }, Placement::shard(0)]);
+        let l2 = layout(
+            &[8],
+            &[
+                Placement::Shard {
+                    dim: 0,
+                    blocks: 1,
+                    order: 1,
+                },
+                Placement::shard(0),
+            ],
+        );
         assert_eq!(l2.pieces(&mesh, 1)[0].global, Region::from_ranges(&[4..6]));
     }
 
     #[test]
     fn owners_and_stages() {
-        let mesh = Mesh::parse("pp=2,dp=2").unwrap().with_pipeline("pp").unwrap();
+        let mesh = Mesh::parse("pp=2,dp=2")
+            .unwrap()
+            .with_pipeline("pp")
+            .unwrap();
         let l = layout(&[4], &[Placement::Replicate, Placement::Replicate]).with_stage(1);
         let owners: Vec<u64> = (0..4).filter(|&r| l.is_owner(&mesh, r)).collect();
         assert_eq!(owners, vec![2]);
@@ -397,15 +466,29 @@ mod tests {
     #[test]
     fn validation_names_the_problem() {
         let mesh = Mesh::parse("tp=2").unwrap();
-        let e = layout(&[4], &[Placement::shard(1)]).validate("w", &mesh).unwrap_err();
-        assert_eq!(e.to_string(), "tensor `w`: shard dim 1 on axis `tp` is out of range for a tensor of 1 dims");
-        let e = layout(&[4], &[Placement::blocked(0, 3)]).validate("qkv", &mesh).unwrap_err();
-        assert!(e.to_string().contains("blocks=3 on axis `tp` do not divide dim 0 of size 4"));
+        let e = layout(&[4], &[Placement::shard(1)])
+            .validate("w", &mesh)
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "tensor `w`: shard dim 1 on axis `tp` is out of range for a tensor of 1 dims"
+        );
+        let e = layout(&[4], &[Placement::blocked(0, 3)])
+            .validate("qkv", &mesh)
+            .unwrap_err();
+        assert!(e
+            .to_string()
+            .contains("blocks=3 on axis `tp` do not divide dim 0 of size 4"));
     }
 
     #[test]
     fn placement_text_round_trips() {
-        for t in ["Replicate", "Shard(1)", "Shard(0,blocks=3)", "Shard(0,order=2)"] {
+        for t in [
+            "Replicate",
+            "Shard(1)",
+            "Shard(0,blocks=3)",
+            "Shard(0,order=2)",
+        ] {
             assert_eq!(Placement::parse(t).unwrap().to_string(), t);
         }
         assert!(Placement::parse("Shard(x)").is_err());

@@ -23,22 +23,31 @@ mod select;
 mod strategy;
 mod verify;
 
-pub use crate::checkpoint::{Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, DCP_SHARDING_INFO, INDEX_FILE, MODEL_FILE, STRATEGY_FILE};
+pub use crate::checkpoint::{
+    Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, DCP_SHARDING_INFO, INDEX_FILE,
+    MODEL_FILE, STRATEGY_FILE,
+};
 pub use crate::copy::{assemble, execute, CopyStats, SLAB_BYTES};
 pub use crate::coverage::{check_tiling, Defect};
-pub use crate::example::{example_byte, example_strategy, example_tensor, write_example, ExampleModel};
 pub use crate::error::{Error, Problems, Result};
+pub use crate::example::{
+    example_byte, example_strategy, example_tensor, write_example, ExampleModel,
+};
 pub use crate::layout::{Piece, Placement, TensorLayout};
 pub use crate::mesh::{Axis, Mesh};
 pub use crate::mindspore::{from_mindspore, MapEntry, MindSporeLayout};
 pub use crate::output::{check_output_outside_inputs, copy_carried, StagedDir};
-pub use crate::save::{load_rank, write_integrated, write_rank, LocalTensor};
-pub use crate::select::Selection;
-pub use crate::plan::{bytes_of, check_cast, rank_metadata, rank_tensors, CopyOp, CopyPlan, FilePlan, TargetFile, TargetTensor, TensorPlan};
+pub use crate::plan::{
+    bytes_of, check_cast, rank_metadata, rank_tensors, CopyOp, CopyPlan, FilePlan, TargetFile,
+    TargetTensor, TensorPlan,
+};
 pub use crate::region::{Region, Run, Runs};
 pub use crate::safetensors::{
-    encode_header, write_file_atomic, SafetensorsFile, SafetensorsWriter, TensorEntry, TensorSpec, MAX_HEADER_LEN,
+    encode_header, write_file_atomic, SafetensorsFile, SafetensorsWriter, TensorEntry, TensorSpec,
+    MAX_HEADER_LEN,
 };
+pub use crate::save::{load_rank, write_integrated, write_rank, LocalTensor};
+pub use crate::select::Selection;
 pub use crate::strategy::{dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION};
 pub use crate::verify::verify;
 pub use ::safetensors::Dtype;

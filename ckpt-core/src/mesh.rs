@@ -35,12 +35,21 @@ impl Mesh {
     /// # Errors
     /// Duplicate or empty names, sizes of zero, or a world size that overflows.
     pub fn new(axes: Vec<(String, u64)>) -> Result<Mesh> {
-        let text = axes.iter().map(|(n, s)| format!("{n}={s}")).collect::<Vec<_>>().join(",");
-        let bad = |problem: String| Error::InvalidMesh { mesh: text.clone(), problem };
+        let text = axes
+            .iter()
+            .map(|(n, s)| format!("{n}={s}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let bad = |problem: String| Error::InvalidMesh {
+            mesh: text.clone(),
+            problem,
+        };
         let mut world: u64 = 1;
         for (i, (name, size)) in axes.iter().enumerate() {
             if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                return Err(bad(format!("axis name `{name}` must be non-empty letters, digits or _")));
+                return Err(bad(format!(
+                    "axis name `{name}` must be non-empty letters, digits or _"
+                )));
             }
             if axes[..i].iter().any(|(n, _)| n == name) {
                 return Err(bad(format!("axis `{name}` appears twice")));
@@ -48,9 +57,17 @@ impl Mesh {
             if *size == 0 {
                 return Err(bad(format!("axis `{name}` has size 0")));
             }
-            world = world.checked_mul(*size).ok_or_else(|| bad("world size overflows".into()))?;
+            world = world
+                .checked_mul(*size)
+                .ok_or_else(|| bad("world size overflows".into()))?;
         }
-        Ok(Mesh { axes: axes.into_iter().map(|(name, size)| Axis { name, size }).collect(), pipeline: None })
+        Ok(Mesh {
+            axes: axes
+                .into_iter()
+                .map(|(name, size)| Axis { name, size })
+                .collect(),
+            pipeline: None,
+        })
     }
 
     /// Parses `dp=2,tp=4` (a bare number `N` means one axis `dp=N`).
@@ -58,14 +75,22 @@ impl Mesh {
     /// # Errors
     /// Malformed text or an invalid mesh.
     pub fn parse(text: &str) -> Result<Mesh> {
-        let bad = |problem: &str| Error::InvalidMesh { mesh: text.to_string(), problem: problem.to_string() };
+        let bad = |problem: &str| Error::InvalidMesh {
+            mesh: text.to_string(),
+            problem: problem.to_string(),
+        };
         if let Ok(n) = text.trim().parse::<u64>() {
             return Mesh::new(vec![("dp".into(), n)]);
         }
         let mut axes = Vec::new();
         for part in text.split(',') {
-            let (name, size) = part.split_once('=').ok_or_else(|| bad("expected name=size,name=size"))?;
-            let size = size.trim().parse::<u64>().map_err(|_| bad("axis sizes must be whole numbers"))?;
+            let (name, size) = part
+                .split_once('=')
+                .ok_or_else(|| bad("expected name=size,name=size"))?;
+            let size = size
+                .trim()
+                .parse::<u64>()
+                .map_err(|_| bad("axis sizes must be whole numbers"))?;
             axes.push((name.trim().to_string(), size));
         }
         Mesh::new(axes)
@@ -123,7 +148,10 @@ impl Mesh {
     /// The rank at a coordinate.
     #[must_use]
     pub fn rank_of(&self, coords: &[u64]) -> u64 {
-        self.axes.iter().zip(coords).fold(0, |r, (a, &c)| r * a.size + c)
+        self.axes
+            .iter()
+            .zip(coords)
+            .fold(0, |r, (a, &c)| r * a.size + c)
     }
 }
 
@@ -145,8 +173,14 @@ mod tests {
 
     #[test]
     fn parse_errors_name_the_problem() {
-        assert!(Mesh::parse("dp=2,dp=2").unwrap_err().to_string().contains("appears twice"));
-        assert!(Mesh::parse("dp=0").unwrap_err().to_string().contains("size 0"));
+        assert!(Mesh::parse("dp=2,dp=2")
+            .unwrap_err()
+            .to_string()
+            .contains("appears twice"));
+        assert!(Mesh::parse("dp=0")
+            .unwrap_err()
+            .to_string()
+            .contains("size 0"));
         assert!(Mesh::parse("dp").is_err());
         assert_eq!(Mesh::parse("4").unwrap().to_string(), "dp=4");
     }

@@ -56,15 +56,31 @@ pub struct MindSporeLayout {
 /// # Errors
 /// Map entries out of range, an axis used twice, optimizer groups that do not fall on
 /// device-axis boundaries or overlap split axes, or an invalid resulting layout.
-pub fn from_mindspore(tensor: &str, ms: &MindSporeLayout, shape: Vec<u64>, dtype: Dtype) -> Result<(Mesh, TensorLayout)> {
-    let bad = |problem: String| Error::InvalidLayout { tensor: tensor.to_string(), problem };
+pub fn from_mindspore(
+    tensor: &str,
+    ms: &MindSporeLayout,
+    shape: Vec<u64>,
+    dtype: Dtype,
+) -> Result<(Mesh, TensorLayout)> {
+    let bad = |problem: String| Error::InvalidLayout {
+        tensor: tensor.to_string(),
+        problem,
+    };
     let n = ms.dev_matrix.len();
     if ms.tensor_map.len() != shape.len() {
-        return Err(bad(format!("tensor_map has {} entries for {} dims", ms.tensor_map.len(), shape.len())));
+        return Err(bad(format!(
+            "tensor_map has {} entries for {} dims",
+            ms.tensor_map.len(),
+            shape.len()
+        )));
     }
     // Axes as (name, size, device index k, part): part 0 whole/outer, 1 inner.
-    let mut axes: Vec<(String, u64, usize)> =
-        ms.dev_matrix.iter().enumerate().map(|(i, &s)| (format!("d{}", n - 1 - i), s, n - 1 - i)).collect();
+    let mut axes: Vec<(String, u64, usize)> = ms
+        .dev_matrix
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| (format!("d{}", n - 1 - i), s, n - 1 - i))
+        .collect();
     // Optimizer groups: ranks base + j*step, so the group coordinate is
     // (rank / step) % size: the mesh must have axis boundaries at step and step*size.
     let opt = ms.opt_shard_size > 1;
@@ -72,7 +88,7 @@ pub fn from_mindspore(tensor: &str, ms: &MindSporeLayout, shape: Vec<u64>, dtype
     let mut opt_axes: Vec<String> = vec![];
     if opt {
         for boundary in [step, step * ms.opt_shard_size] {
-            cut_at(&mut axes, boundary).map_err(|p| bad(p))?;
+            cut_at(&mut axes, boundary).map_err(&bad)?;
         }
         let mut suffix = 1u64;
         for a in axes.iter().rev() {
@@ -94,18 +110,26 @@ pub fn from_mindspore(tensor: &str, ms: &MindSporeLayout, shape: Vec<u64>, dtype
                 continue;
             }
             if k < -1 || k as usize >= n {
-                return Err(bad(format!("tensor_map value {k} is outside a device matrix of {n} axes")));
+                return Err(bad(format!(
+                    "tensor_map value {k} is outside a device matrix of {n} axes"
+                )));
             }
             // Every (possibly cut) axis of device index k splits this dim.
             for (i, a) in axes.iter().enumerate() {
                 if a.2 == k as usize {
                     if placements[i] != Placement::Replicate {
-                        return Err(bad(format!("device axis {k} is used twice in the tensor_map")));
+                        return Err(bad(format!(
+                            "device axis {k} is used twice in the tensor_map"
+                        )));
                     }
                     if opt_axes.contains(&a.0) {
                         return Err(bad(format!("optimizer-shard group overlaps device axis {k}, which splits the tensor")));
                     }
-                    placements[i] = Placement::Shard { dim, blocks: 1, order: order as u32 };
+                    placements[i] = Placement::Shard {
+                        dim,
+                        blocks: 1,
+                        order: order as u32,
+                    };
                 }
             }
         }
@@ -117,7 +141,11 @@ pub fn from_mindspore(tensor: &str, ms: &MindSporeLayout, shape: Vec<u64>, dtype
         for (i, a) in axes.iter().enumerate() {
             if opt_axes.contains(&a.0) {
                 // After every tensor_map split of dim 0: the slice is split again.
-                placements[i] = Placement::Shard { dim: 0, blocks: 1, order: 1000 };
+                placements[i] = Placement::Shard {
+                    dim: 0,
+                    blocks: 1,
+                    order: 1000,
+                };
             }
         }
     }
@@ -137,8 +165,10 @@ fn cut_at(axes: &mut Vec<(String, u64, usize)>, boundary: u64) -> std::result::R
         let next = suffix * axes[i].1;
         if next > boundary {
             let inner = boundary / suffix;
-            if boundary % suffix != 0 || axes[i].1 % inner != 0 {
-                return Err(format!("optimizer-shard boundary {boundary} does not fall on a device-axis boundary"));
+            if !boundary.is_multiple_of(suffix) || !axes[i].1.is_multiple_of(inner) {
+                return Err(format!(
+                    "optimizer-shard boundary {boundary} does not fall on a device-axis boundary"
+                ));
             }
             let (name, size, k) = axes[i].clone();
             axes[i] = (name.clone(), size / inner, k);
@@ -150,7 +180,9 @@ fn cut_at(axes: &mut Vec<(String, u64, usize)>, boundary: u64) -> std::result::R
     if suffix == boundary {
         Ok(())
     } else {
-        Err(format!("optimizer-shard group of {boundary} ranks exceeds the device matrix"))
+        Err(format!(
+            "optimizer-shard group of {boundary} ranks exceeds the device matrix"
+        ))
     }
 }
 
@@ -171,28 +203,52 @@ mod tests {
     #[test]
     fn column_split_with_optimizer_shard_over_the_replica_axis() {
         // dev [2, 4], dim 1 split by d0 (4 ways); the replica group {r, r+4} splits dim 0.
-        let (mesh, l) = from_mindspore("w", &ms(&[2, 4], &[-1, 0], 4, 2), vec![32, 32], Dtype::F32).unwrap();
-        assert_eq!(l.pieces(&mesh, 0)[0].global, Region::from_ranges(&[0..16, 0..8]));
-        assert_eq!(l.pieces(&mesh, 4)[0].global, Region::from_ranges(&[16..32, 0..8]));
-        assert_eq!(l.pieces(&mesh, 5)[0].global, Region::from_ranges(&[16..32, 8..16]));
+        let (mesh, l) =
+            from_mindspore("w", &ms(&[2, 4], &[-1, 0], 4, 2), vec![32, 32], Dtype::F32).unwrap();
+        assert_eq!(
+            l.pieces(&mesh, 0)[0].global,
+            Region::from_ranges(&[0..16, 0..8])
+        );
+        assert_eq!(
+            l.pieces(&mesh, 4)[0].global,
+            Region::from_ranges(&[16..32, 0..8])
+        );
+        assert_eq!(
+            l.pieces(&mesh, 5)[0].global,
+            Region::from_ranges(&[16..32, 8..16])
+        );
     }
 
     #[test]
     fn optimizer_shard_of_consecutive_ranks_cuts_an_axis() {
         // Pure data parallel on 8; optimizer groups {0,1}, {2,3}, ... split dim 0 in two.
-        let (mesh, l) = from_mindspore("w", &ms(&[8], &[-1, -1], 1, 2), vec![32, 4], Dtype::F32).unwrap();
+        let (mesh, l) =
+            from_mindspore("w", &ms(&[8], &[-1, -1], 1, 2), vec![32, 4], Dtype::F32).unwrap();
         assert_eq!(mesh.to_string(), "d0=4,d0_opt=2");
-        assert_eq!(l.pieces(&mesh, 1)[0].global, Region::from_ranges(&[16..32, 0..4]));
-        assert_eq!(l.pieces(&mesh, 2)[0].global, Region::from_ranges(&[0..16, 0..4]));
+        assert_eq!(
+            l.pieces(&mesh, 1)[0].global,
+            Region::from_ranges(&[16..32, 0..4])
+        );
+        assert_eq!(
+            l.pieces(&mesh, 2)[0].global,
+            Region::from_ranges(&[0..16, 0..4])
+        );
     }
 
     #[test]
     fn row_split_then_optimizer_shard_splits_the_slice() {
         // dev [2, 4]: dim 0 split by d0 (4 ways), then the replica group {r, r+4} splits each
         // slice of 8 rows in two: rank 1 holds rows 8..12, rank 5 rows 12..16.
-        let (mesh, l) = from_mindspore("w", &ms(&[2, 4], &[0, -1], 4, 2), vec![32, 32], Dtype::F32).unwrap();
-        assert_eq!(l.pieces(&mesh, 1)[0].global, Region::from_ranges(&[8..12, 0..32]));
-        assert_eq!(l.pieces(&mesh, 5)[0].global, Region::from_ranges(&[12..16, 0..32]));
+        let (mesh, l) =
+            from_mindspore("w", &ms(&[2, 4], &[0, -1], 4, 2), vec![32, 32], Dtype::F32).unwrap();
+        assert_eq!(
+            l.pieces(&mesh, 1)[0].global,
+            Region::from_ranges(&[8..12, 0..32])
+        );
+        assert_eq!(
+            l.pieces(&mesh, 5)[0].global,
+            Region::from_ranges(&[12..16, 0..32])
+        );
     }
 
     #[test]
@@ -204,11 +260,18 @@ mod tests {
             opt_shard_size: 0,
         };
         let (mesh, l) = from_mindspore("w", &m, vec![8, 2], Dtype::F32).unwrap();
-        let starts: Vec<u64> = (0..4).map(|r| l.pieces(&mesh, r)[0].global.start[0]).collect();
+        let starts: Vec<u64> = (0..4)
+            .map(|r| l.pieces(&mesh, r)[0].global.start[0])
+            .collect();
         assert_eq!(starts, vec![0, 2, 4, 6]);
-        let e = from_mindspore("w", &ms(&[2, 4], &[2, -1], 0, 0), vec![4, 4], Dtype::F32).unwrap_err();
-        assert_eq!(e.to_string(), "tensor `w`: tensor_map value 2 is outside a device matrix of 2 axes");
-        let e = from_mindspore("w", &ms(&[2, 4], &[0, -1], 1, 2), vec![32, 4], Dtype::F32).unwrap_err();
+        let e =
+            from_mindspore("w", &ms(&[2, 4], &[2, -1], 0, 0), vec![4, 4], Dtype::F32).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "tensor `w`: tensor_map value 2 is outside a device matrix of 2 axes"
+        );
+        let e =
+            from_mindspore("w", &ms(&[2, 4], &[0, -1], 1, 2), vec![32, 4], Dtype::F32).unwrap_err();
         assert!(e.to_string().contains("overlaps device axis 0"), "{e}");
     }
 }

@@ -20,7 +20,9 @@ impl StagedDir {
     /// `dest` exists and `force` is false; I/O errors.
     pub fn new(dest: &Path, force: bool) -> Result<StagedDir> {
         if dest.exists() && !force {
-            return Err(Error::OutputExists { path: dest.to_path_buf() });
+            return Err(Error::OutputExists {
+                path: dest.to_path_buf(),
+            });
         }
         let parent = match dest.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
@@ -29,7 +31,12 @@ impl StagedDir {
         std::fs::create_dir_all(&parent).at(&parent)?;
         let tmp = crate::safetensors::temp_name(dest);
         std::fs::create_dir(&tmp).at(&tmp)?;
-        Ok(StagedDir { dest: dest.to_path_buf(), tmp, force, done: false })
+        Ok(StagedDir {
+            dest: dest.to_path_buf(),
+            tmp,
+            force,
+            done: false,
+        })
     }
 
     /// Where to write the contents.
@@ -43,10 +50,14 @@ impl StagedDir {
     /// # Errors
     /// I/O errors, with the path.
     pub fn commit(mut self) -> Result<()> {
-        std::fs::File::open(&self.tmp).and_then(|d| d.sync_all()).at(&self.tmp)?;
+        std::fs::File::open(&self.tmp)
+            .and_then(|d| d.sync_all())
+            .at(&self.tmp)?;
         if self.dest.exists() {
             if !self.force {
-                return Err(Error::OutputExists { path: self.dest.clone() });
+                return Err(Error::OutputExists {
+                    path: self.dest.clone(),
+                });
             }
             let old = crate::safetensors::temp_name(&self.dest);
             std::fs::rename(&self.dest, &old).at(&self.dest)?;
@@ -78,7 +89,9 @@ pub fn check_output_outside_inputs(out: &Path, inputs: &[PathBuf]) -> Result<()>
             // Not there yet: resolve the parent instead.
             match (p.parent(), p.file_name()) {
                 (Some(par), Some(name)) if !par.as_os_str().is_empty() => {
-                    std::fs::canonicalize(par).unwrap_or_else(|_| par.to_path_buf()).join(name)
+                    std::fs::canonicalize(par)
+                        .unwrap_or_else(|_| par.to_path_buf())
+                        .join(name)
                 }
                 _ => std::env::current_dir().unwrap_or_default().join(p),
             }
@@ -87,10 +100,18 @@ pub fn check_output_outside_inputs(out: &Path, inputs: &[PathBuf]) -> Result<()>
     let o = abs(out);
     for i in inputs {
         let i_abs = abs(i);
-        let i_dir = if i_abs.is_file() { i_abs.parent().map(Path::to_path_buf).unwrap_or_default() } else { i_abs };
+        let i_dir = if i_abs.is_file() {
+            i_abs.parent().map(Path::to_path_buf).unwrap_or_default()
+        } else {
+            i_abs
+        };
         if o.starts_with(&i_dir) || i_dir.starts_with(&o) {
             return Err(Error::Unsupported {
-                problem: format!("output {} overlaps input {}: write it elsewhere", out.display(), i.display()),
+                problem: format!(
+                    "output {} overlaps input {}: write it elsewhere",
+                    out.display(),
+                    i.display()
+                ),
             });
         }
     }
@@ -101,7 +122,10 @@ pub fn check_output_outside_inputs(out: &Path, inputs: &[PathBuf]) -> Result<()>
 ///
 /// # Errors
 /// I/O errors, with the path.
-pub fn copy_carried(carried: &std::collections::BTreeMap<String, PathBuf>, dir: &Path) -> Result<()> {
+pub fn copy_carried(
+    carried: &std::collections::BTreeMap<String, PathBuf>,
+    dir: &Path,
+) -> Result<()> {
     for (name, from) in carried {
         let bytes = std::fs::read(from).at(from)?;
         crate::safetensors::write_file_atomic(&dir.join(name), &bytes)?;

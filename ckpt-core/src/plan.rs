@@ -115,31 +115,56 @@ impl CopyPlan {
         for tf in targets {
             let mut tensors = Vec::with_capacity(tf.tensors.len());
             for target in tf.tensors {
-                let src = source.tensors.get(&target.name).ok_or_else(|| Error::InvalidTensor {
-                    tensor: target.name.clone(),
-                    problem: "is not in the source checkpoint".into(),
-                })?;
+                let src = source
+                    .tensors
+                    .get(&target.name)
+                    .ok_or_else(|| Error::InvalidTensor {
+                        tensor: target.name.clone(),
+                        problem: "is not in the source checkpoint".into(),
+                    })?;
                 check_cast(&target.name, src.dtype, target.dtype)?;
                 let mut ops = Vec::new();
                 for tp in &target.pieces {
                     if !Region::full(&src.shape).contains(&tp.global) {
                         return Err(Error::InvalidTensor {
                             tensor: target.name.clone(),
-                            problem: format!("target piece {} lies outside the source shape {:?}", tp.global, src.shape),
+                            problem: format!(
+                                "target piece {} lies outside the source shape {:?}",
+                                tp.global, src.shape
+                            ),
                         });
                     }
                     for sp in &src.pieces {
-                        let Some(i) = tp.global.overlap(&sp.global) else { continue };
+                        let Some(i) = tp.global.overlap(&sp.global) else {
+                            continue;
+                        };
                         let src_box = i.relative_to(&sp.global.start).offset(&sp.local.start);
-                        let dst_start = i.relative_to(&tp.global.start).offset(&tp.local.start).start;
+                        let dst_start = i
+                            .relative_to(&tp.global.start)
+                            .offset(&tp.local.start)
+                            .start;
                         let src_shape = source.files[sp.file].tensors()[sp.tensor].shape.clone();
-                        ops.push(CopyOp { file: sp.file, tensor: sp.tensor, src_shape, src: src_box, dst_start });
+                        ops.push(CopyOp {
+                            file: sp.file,
+                            tensor: sp.tensor,
+                            src_shape,
+                            src: src_box,
+                            dst_start,
+                        });
                     }
                 }
                 check_sub_byte(&target, src.dtype, &ops)?;
-                tensors.push(TensorPlan { target, src_dtype: src.dtype, ops });
+                tensors.push(TensorPlan {
+                    target,
+                    src_dtype: src.dtype,
+                    ops,
+                });
             }
-            files.push(FilePlan { path: tf.path, metadata: tf.metadata, tensors });
+            files.push(FilePlan {
+                path: tf.path,
+                metadata: tf.metadata,
+                tensors,
+            });
         }
         Ok(CopyPlan { files })
     }
@@ -169,20 +194,31 @@ impl FilePlan {
     pub fn bytes_read(&self) -> u64 {
         self.tensors
             .iter()
-            .map(|t| t.ops.iter().map(|o| bytes_of(t.src_dtype, o.src.numel())).sum::<u64>())
+            .map(|t| {
+                t.ops
+                    .iter()
+                    .map(|o| bytes_of(t.src_dtype, o.src.numel()))
+                    .sum::<u64>()
+            })
             .sum()
     }
 
     /// Bytes of tensor data this file holds.
     #[must_use]
     pub fn bytes_written(&self) -> u64 {
-        self.tensors.iter().map(|t| bytes_of(t.target.dtype, t.target.shape.iter().product())).sum()
+        self.tensors
+            .iter()
+            .map(|t| bytes_of(t.target.dtype, t.target.shape.iter().product()))
+            .sum()
     }
 
     /// The source files this output file reads.
     #[must_use]
     pub fn source_files(&self) -> BTreeSet<usize> {
-        self.tensors.iter().flat_map(|t| t.ops.iter().map(|o| o.file)).collect()
+        self.tensors
+            .iter()
+            .flat_map(|t| t.ops.iter().map(|o| o.file))
+            .collect()
     }
 }
 
@@ -196,15 +232,21 @@ pub fn bytes_of(dtype: Dtype, numel: u64) -> u64 {
 /// last dimension, and the last dimension itself, must fall on a byte boundary.
 fn check_sub_byte(target: &TargetTensor, src_dtype: Dtype, ops: &[CopyOp]) -> Result<()> {
     let bits = src_dtype.bitsize() as u64;
-    if bits % 8 == 0 {
+    if bits.is_multiple_of(8) {
         return Ok(());
     }
     let unit = 8 / gcd(bits, 8);
     let last = |v: &[u64]| v.last().copied().unwrap_or(0);
     let aligned = ops.iter().all(|o| {
-        [last(&o.src_shape), last(&o.src.start), last(&o.src.shape), last(&o.dst_start), last(&target.shape)]
-            .iter()
-            .all(|x| x % unit == 0)
+        [
+            last(&o.src_shape),
+            last(&o.src.start),
+            last(&o.src.shape),
+            last(&o.dst_start),
+            last(&target.shape),
+        ]
+        .iter()
+        .all(|x| x % unit == 0)
     });
     if aligned {
         Ok(())
@@ -232,16 +274,26 @@ fn gcd(a: u64, b: u64) -> u64 {
 /// tensor whose local part is one box (or empty), its global offsets in PyTorch DCP's
 /// convention.
 #[must_use]
-pub fn rank_metadata(strategy: &Strategy, rank: u64, tensors: &[TargetTensor]) -> BTreeMap<String, String> {
+pub fn rank_metadata(
+    strategy: &Strategy,
+    rank: u64,
+    tensors: &[TargetTensor],
+) -> BTreeMap<String, String> {
     let mut offsets = serde_json::Map::new();
     for t in tensors {
         match &t.pieces[..] {
             [p] => {
-                offsets.insert(t.name.clone(), serde_json::json!({ "saved_offsets": p.global.start }));
+                offsets.insert(
+                    t.name.clone(),
+                    serde_json::json!({ "saved_offsets": p.global.start }),
+                );
             }
             // An empty local tensor: PyTorch's reader needs an entry for every key.
             [] => {
-                offsets.insert(t.name.clone(), serde_json::json!({ "saved_offsets": vec![0u64; t.shape.len()] }));
+                offsets.insert(
+                    t.name.clone(),
+                    serde_json::json!({ "saved_offsets": vec![0u64; t.shape.len()] }),
+                );
             }
             _ => {}
         }
@@ -251,7 +303,10 @@ pub fn rank_metadata(strategy: &Strategy, rank: u64, tensors: &[TargetTensor]) -
     m.insert("rank".into(), rank.to_string());
     m.insert("world_size".into(), strategy.mesh.world_size().to_string());
     m.insert("strategy_hash".into(), strategy.hash());
-    m.insert(crate::checkpoint::DCP_SHARDING_INFO.into(), serde_json::Value::Object(offsets).to_string());
+    m.insert(
+        crate::checkpoint::DCP_SHARDING_INFO.into(),
+        serde_json::Value::Object(offsets).to_string(),
+    );
     m
 }
 
@@ -266,12 +321,21 @@ pub fn rank_tensors(
 ) -> Vec<TargetTensor> {
     let mut out = Vec::new();
     for (name, l) in &strategy.tensors {
-        let Some(shape) = l.local_shape(&strategy.mesh, rank) else { continue };
+        let Some(shape) = l.local_shape(&strategy.mesh, rank) else {
+            continue;
+        };
         if !(keep_all || l.is_owner(&strategy.mesh, rank)) {
             continue;
         }
-        let Some(dtype) = select(name, l) else { continue };
-        out.push(TargetTensor { name: name.clone(), dtype, shape, pieces: l.pieces(&strategy.mesh, rank) });
+        let Some(dtype) = select(name, l) else {
+            continue;
+        };
+        out.push(TargetTensor {
+            name: name.clone(),
+            dtype,
+            shape,
+            pieces: l.pieces(&strategy.mesh, rank),
+        });
     }
     out
 }

@@ -23,14 +23,21 @@ impl Region {
     /// A region from its start and shape (same length).
     #[must_use]
     pub fn new(start: Vec<u64>, shape: Vec<u64>) -> Region {
-        assert_eq!(start.len(), shape.len(), "start and shape of a region differ in rank");
+        assert_eq!(
+            start.len(),
+            shape.len(),
+            "start and shape of a region differ in rank"
+        );
         Region { start, shape }
     }
 
     /// The whole of a tensor of this shape.
     #[must_use]
     pub fn full(shape: &[u64]) -> Region {
-        Region { start: vec![0; shape.len()], shape: shape.to_vec() }
+        Region {
+            start: vec![0; shape.len()],
+            shape: shape.to_vec(),
+        }
     }
 
     /// A region from one range per dimension.
@@ -38,7 +45,10 @@ impl Region {
     pub fn from_ranges(ranges: &[std::ops::Range<u64>]) -> Region {
         Region {
             start: ranges.iter().map(|r| r.start).collect(),
-            shape: ranges.iter().map(|r| r.end.saturating_sub(r.start)).collect(),
+            shape: ranges
+                .iter()
+                .map(|r| r.end.saturating_sub(r.start))
+                .collect(),
         }
     }
 
@@ -63,7 +73,7 @@ impl Region {
     /// True when the region holds no element.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.shape.iter().any(|&s| s == 0)
+        self.shape.contains(&0)
     }
 
     /// The common part of two regions, computed per axis as `max(start)..min(end)`.
@@ -187,7 +197,7 @@ impl Runs {
         let ds = strides(dst_full);
         let src_base: u64 = src_start.iter().zip(&ss).map(|(a, b)| a * b).sum();
         let dst_base: u64 = dst_start.iter().zip(&ds).map(|(a, b)| a * b).sum();
-        if shape.iter().any(|&s| s == 0) {
+        if shape.contains(&0) {
             return Runs {
                 outer: vec![],
                 index: None,
@@ -234,7 +244,11 @@ impl Iterator for Runs {
             src += i * self.src_strides[d];
             dst += i * self.dst_strides[d];
         }
-        let run = Run { src, dst, len: self.len };
+        let run = Run {
+            src,
+            dst,
+            len: self.len,
+        };
         // Advance the odometer, last dimension fastest.
         let mut d = index.len();
         loop {
@@ -271,17 +285,39 @@ mod tests {
     #[test]
     fn runs_of_a_column_block_of_a_3d_tensor() {
         // Box [0..2, 1..3, 0..4] of a 2x4x4 tensor into a 2x2x4 tensor: dims 2 merge only.
-        let runs: Vec<Run> = Runs::new(&[2, 2, 4], &[2, 4, 4], &[0, 1, 0], &[2, 2, 4], &[0, 0, 0]).collect();
+        let runs: Vec<Run> =
+            Runs::new(&[2, 2, 4], &[2, 4, 4], &[0, 1, 0], &[2, 2, 4], &[0, 0, 0]).collect();
         assert_eq!(
             runs,
-            vec![Run { src: 4, dst: 0, len: 8 }, Run { src: 20, dst: 8, len: 8 }]
+            vec![
+                Run {
+                    src: 4,
+                    dst: 0,
+                    len: 8
+                },
+                Run {
+                    src: 20,
+                    dst: 8,
+                    len: 8
+                }
+            ]
         );
     }
 
     #[test]
     fn runs_of_scalar_and_empty() {
         let runs: Vec<Run> = Runs::new(&[], &[], &[], &[], &[]).collect();
-        assert_eq!(runs, vec![Run { src: 0, dst: 0, len: 1 }]);
-        assert_eq!(Runs::new(&[0, 3], &[4, 3], &[0, 0], &[0, 3], &[0, 0]).count(), 0);
+        assert_eq!(
+            runs,
+            vec![Run {
+                src: 0,
+                dst: 0,
+                len: 1
+            }]
+        );
+        assert_eq!(
+            Runs::new(&[0, 3], &[4, 3], &[0, 0], &[0, 3], &[0, 0]).count(),
+            0
+        );
     }
 }

@@ -42,11 +42,16 @@ pub struct SafetensorsFile {
 }
 
 fn bad(problem: impl Into<String>) -> Error {
-    Error::InvalidHeader { problem: problem.into() }
+    Error::InvalidHeader {
+        problem: problem.into(),
+    }
 }
 
 fn bad_tensor(tensor: &str, problem: impl Into<String>) -> Error {
-    Error::InvalidTensor { tensor: tensor.to_string(), problem: problem.into() }
+    Error::InvalidTensor {
+        tensor: tensor.to_string(),
+        problem: problem.into(),
+    }
 }
 
 /// Number of bytes of `numel` elements of `dtype`, which must be whole.
@@ -66,10 +71,21 @@ impl SafetensorsFile {
         let len = file.metadata().at(path)?.len();
         // SAFETY: the mapping is read-only; ckpt never writes to its inputs, and a file
         // changed underneath by another program is outside what any reader can defend.
-        let mmap = if len == 0 { None } else { Some(unsafe { Mmap::map(&file) }.at(path)?) };
+        let mmap = if len == 0 {
+            None
+        } else {
+            Some(unsafe { Mmap::map(&file) }.at(path)?)
+        };
         let bytes: &[u8] = mmap.as_deref().unwrap_or(&[]);
-        let (data_start, tensors, metadata) = Self::parse_header(bytes).map_err(|e| e.with_path(path))?;
-        Ok(SafetensorsFile { path: path.to_path_buf(), mmap, data_start, tensors, metadata })
+        let (data_start, tensors, metadata) =
+            Self::parse_header(bytes).map_err(|e| e.with_path(path))?;
+        Ok(SafetensorsFile {
+            path: path.to_path_buf(),
+            mmap,
+            data_start,
+            tensors,
+            metadata,
+        })
     }
 
     /// Parses and validates a header: length, UTF-8, JSON, every entry's dtype, shape and
@@ -82,49 +98,77 @@ impl SafetensorsFile {
     pub fn parse_header(bytes: &[u8]) -> Result<(u64, Vec<TensorEntry>, BTreeMap<String, String>)> {
         let len = bytes.len() as u64;
         if len < 8 {
-            return Err(bad(format!("file of {len} bytes is too short for the 8-byte header length")));
+            return Err(bad(format!(
+                "file of {len} bytes is too short for the 8-byte header length"
+            )));
         }
         let n = u64::from_le_bytes(bytes[..8].try_into().map_err(|_| bad("short"))?);
         if n > MAX_HEADER_LEN {
-            return Err(Error::HeaderTooLarge { len: n, max: MAX_HEADER_LEN });
+            return Err(Error::HeaderTooLarge {
+                len: n,
+                max: MAX_HEADER_LEN,
+            });
         }
         let data_start = n.checked_add(8).ok_or_else(|| overflow("header length"))?;
         if data_start > len {
-            return Err(bad(format!("header of {n} bytes runs past the end of the file ({len} bytes): truncated?")));
+            return Err(bad(format!(
+                "header of {n} bytes runs past the end of the file ({len} bytes): truncated?"
+            )));
         }
-        let text = std::str::from_utf8(&bytes[8..data_start as usize]).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
-        let doc: Value = serde_json::from_str(text).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-        let obj = doc.as_object().ok_or_else(|| bad("header must be a JSON object"))?;
+        let text = std::str::from_utf8(&bytes[8..data_start as usize])
+            .map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+        let doc: Value =
+            serde_json::from_str(text).map_err(|e| bad(format!("header is not JSON: {e}")))?;
+        let obj = doc
+            .as_object()
+            .ok_or_else(|| bad("header must be a JSON object"))?;
         let data_len = len - data_start;
         let mut tensors = Vec::with_capacity(obj.len());
         let mut metadata = BTreeMap::new();
         for (name, v) in obj {
             if name == "__metadata__" {
-                let m = v.as_object().ok_or_else(|| bad("`__metadata__` must be an object of strings"))?;
+                let m = v
+                    .as_object()
+                    .ok_or_else(|| bad("`__metadata__` must be an object of strings"))?;
                 for (k, v) in m {
-                    let s = v.as_str().ok_or_else(|| bad(format!("`__metadata__.{k}` must be a string")))?;
+                    let s = v
+                        .as_str()
+                        .ok_or_else(|| bad(format!("`__metadata__.{k}` must be a string")))?;
                     metadata.insert(k.clone(), s.to_string());
                 }
                 continue;
             }
             tensors.push(parse_entry(name, v, data_len)?);
         }
-        tensors.sort_by(|a, b| (a.start, a.end).cmp(&(b.start, b.end)));
+        tensors.sort_by_key(|a| (a.start, a.end));
         let mut pos = 0u64;
         for (i, t) in tensors.iter().enumerate() {
             if t.start < pos {
                 return Err(bad_tensor(
                     &t.name,
-                    format!("data_offsets [{}, {}) overlap tensor `{}`", t.start, t.end, tensors[i - 1].name),
+                    format!(
+                        "data_offsets [{}, {}) overlap tensor `{}`",
+                        t.start,
+                        t.end,
+                        tensors[i - 1].name
+                    ),
                 ));
             }
             if t.start > pos {
-                return Err(bad_tensor(&t.name, format!("data_offsets start at {} leaving a gap after byte {pos}", t.start)));
+                return Err(bad_tensor(
+                    &t.name,
+                    format!(
+                        "data_offsets start at {} leaving a gap after byte {pos}",
+                        t.start
+                    ),
+                ));
             }
             pos = t.end;
         }
         if pos != data_len {
-            return Err(bad(format!("tensors end at byte {pos} of a data area of {data_len} bytes (trailing bytes)")));
+            return Err(bad(format!(
+                "tensors end at byte {pos} of a data area of {data_len} bytes (trailing bytes)"
+            )));
         }
         Ok((data_start, tensors, metadata))
     }
@@ -173,7 +217,13 @@ impl SafetensorsFile {
                 // SAFETY: the mapping is read-only and file-backed, so dropping its pages
                 // loses nothing: a later access faults them back in from the page cache.
                 // Advice only; failure costs nothing but memory.
-                let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, lo as usize, (hi - lo) as usize) };
+                let _ = unsafe {
+                    m.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        lo as usize,
+                        (hi - lo) as usize,
+                    )
+                };
             }
         }
     }
@@ -186,8 +236,13 @@ impl SafetensorsFile {
 }
 
 fn parse_entry(name: &str, v: &Value, data_len: u64) -> Result<TensorEntry> {
-    let obj = v.as_object().ok_or_else(|| bad_tensor(name, "entry must be an object"))?;
-    if let Some(k) = obj.keys().find(|k| !matches!(k.as_str(), "dtype" | "shape" | "data_offsets")) {
+    let obj = v
+        .as_object()
+        .ok_or_else(|| bad_tensor(name, "entry must be an object"))?;
+    if let Some(k) = obj
+        .keys()
+        .find(|k| !matches!(k.as_str(), "dtype" | "shape" | "data_offsets"))
+    {
         return Err(bad_tensor(name, format!("unknown field `{k}`")));
     }
     let dtype = obj
@@ -208,7 +263,10 @@ fn parse_entry(name: &str, v: &Value, data_len: u64) -> Result<TensorEntry> {
         .ok_or_else(|| bad_tensor(name, "`data_offsets` must be [start, end]"))?;
     let (start, end) = (offs[0], offs[1]);
     if end < start {
-        return Err(bad_tensor(name, format!("data_offsets [{start}, {end}) end before they start")));
+        return Err(bad_tensor(
+            name,
+            format!("data_offsets [{start}, {end}) end before they start"),
+        ));
     }
     if end > data_len {
         return Err(bad_tensor(
@@ -217,15 +275,31 @@ fn parse_entry(name: &str, v: &Value, data_len: u64) -> Result<TensorEntry> {
         ));
     }
     let want = byte_len(dtype, &shape).ok_or_else(|| {
-        bad_tensor(name, format!("shape {shape:?} of {} does not make whole bytes or overflows", dtype_name(dtype)))
+        bad_tensor(
+            name,
+            format!(
+                "shape {shape:?} of {} does not make whole bytes or overflows",
+                dtype_name(dtype)
+            ),
+        )
     })?;
     if end - start != want {
         return Err(bad_tensor(
             name,
-            format!("{} x {shape:?} needs {want} bytes but data_offsets span {}", dtype_name(dtype), end - start),
+            format!(
+                "{} x {shape:?} needs {want} bytes but data_offsets span {}",
+                dtype_name(dtype),
+                end - start
+            ),
         ));
     }
-    Ok(TensorEntry { name: name.to_string(), dtype, shape, start, end })
+    Ok(TensorEntry {
+        name: name.to_string(),
+        dtype,
+        shape,
+        start,
+        end,
+    })
 }
 
 /// A header entry to write: name, dtype and shape; offsets follow from the order.
@@ -258,15 +332,22 @@ pub struct SafetensorsWriter {
 ///
 /// # Errors
 /// Sizes that do not make whole bytes or overflow.
-pub fn encode_header(tensors: &[TensorSpec], metadata: &BTreeMap<String, String>) -> Result<(Vec<u8>, Vec<u64>)> {
+pub fn encode_header(
+    tensors: &[TensorSpec],
+    metadata: &BTreeMap<String, String>,
+) -> Result<(Vec<u8>, Vec<u64>)> {
     let mut obj = Map::new();
     if !metadata.is_empty() {
-        obj.insert("__metadata__".into(), serde_json::to_value(metadata).map_err(|e| bad(e.to_string()))?);
+        obj.insert(
+            "__metadata__".into(),
+            serde_json::to_value(metadata).map_err(|e| bad(e.to_string()))?,
+        );
     }
     let mut pos = 0u64;
     let mut offsets = Vec::with_capacity(tensors.len());
     for t in tensors {
-        let n = byte_len(t.dtype, &t.shape).ok_or_else(|| overflow(format!("size of tensor `{}`", t.name)))?;
+        let n = byte_len(t.dtype, &t.shape)
+            .ok_or_else(|| overflow(format!("size of tensor `{}`", t.name)))?;
         offsets.push(pos);
         let end = pos.checked_add(n).ok_or_else(|| overflow("file size"))?;
         obj.insert(
@@ -277,7 +358,9 @@ pub fn encode_header(tensors: &[TensorSpec], metadata: &BTreeMap<String, String>
     }
     offsets.push(pos);
     // serde_json's map keeps keys sorted; readers take the order from the offsets.
-    let mut text = serde_json::to_string(&Value::Object(obj)).map_err(|e| bad(e.to_string()))?.into_bytes();
+    let mut text = serde_json::to_string(&Value::Object(obj))
+        .map_err(|e| bad(e.to_string()))?
+        .into_bytes();
     while text.len() % 8 != 0 {
         text.push(b' ');
     }
@@ -291,13 +374,29 @@ impl SafetensorsWriter {
     ///
     /// # Errors
     /// I/O errors, with the path.
-    pub fn create(dest: &Path, tensors: &[TensorSpec], metadata: &BTreeMap<String, String>) -> Result<SafetensorsWriter> {
+    pub fn create(
+        dest: &Path,
+        tensors: &[TensorSpec],
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<SafetensorsWriter> {
         let (header, offsets) = encode_header(tensors, metadata)?;
         let tmp = temp_name(dest);
-        let file = File::options().read(true).write(true).create_new(true).open(&tmp).at(&tmp)?;
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .at(&tmp)?;
         let data_start = header.len() as u64;
         let total = data_start + offsets.last().copied().unwrap_or(0);
-        let w = SafetensorsWriter { tmp, dest: dest.to_path_buf(), file, data_start, offsets, done: false };
+        let w = SafetensorsWriter {
+            tmp,
+            dest: dest.to_path_buf(),
+            file,
+            data_start,
+            offsets,
+            done: false,
+        };
         w.file.set_len(total).at(&w.tmp)?;
         w.file.write_all_at(&header, 0).at(&w.tmp)?;
         Ok(w)
@@ -309,7 +408,9 @@ impl SafetensorsWriter {
     /// I/O errors, with the path.
     pub fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
         debug_assert!(self.offsets[index] + offset + bytes.len() as u64 <= self.offsets[index + 1]);
-        self.file.write_all_at(bytes, self.data_start + self.offsets[index] + offset).at(&self.tmp)
+        self.file
+            .write_all_at(bytes, self.data_start + self.offsets[index] + offset)
+            .at(&self.tmp)
     }
 
     /// Bytes of tensor `index`.
@@ -348,8 +449,15 @@ impl Drop for SafetensorsWriter {
 pub(crate) fn temp_name(dest: &Path) -> PathBuf {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
-    let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    dest.with_file_name(format!(".{name}.tmp-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)))
+    let name = dest
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    dest.with_file_name(format!(
+        ".{name}.tmp-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
 }
 
 /// Writes a small file atomically (temporary name, sync, rename).
@@ -377,36 +485,56 @@ mod tests {
     fn file(tensors: &[TensorSpec], data_len_delta: i64) -> Vec<u8> {
         let (mut h, offs) = encode_header(tensors, &BTreeMap::new()).unwrap();
         let n = (*offs.last().unwrap() as i64 + data_len_delta) as usize;
-        h.extend(std::iter::repeat(7u8).take(n));
+        h.extend(std::iter::repeat_n(7u8, n));
         h
     }
 
     fn spec(name: &str, dtype: Dtype, shape: &[u64]) -> TensorSpec {
-        TensorSpec { name: name.into(), dtype, shape: shape.to_vec() }
+        TensorSpec {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+        }
     }
 
     #[test]
     fn header_round_trip_with_sub_byte_types() {
-        let t = [spec("a", Dtype::F4, &[3, 2]), spec("b", Dtype::BF16, &[2]), spec("c", Dtype::F8_E5M2, &[])];
+        let t = [
+            spec("a", Dtype::F4, &[3, 2]),
+            spec("b", Dtype::BF16, &[2]),
+            spec("c", Dtype::F8_E5M2, &[]),
+        ];
         let bytes = file(&t, 0);
         assert_eq!(u64::from_le_bytes(bytes[..8].try_into().unwrap()) % 8, 0);
         let (_, entries, _) = SafetensorsFile::parse_header(&bytes).unwrap();
-        let got: Vec<(&str, u64, u64)> = entries.iter().map(|e| (e.name.as_str(), e.start, e.end)).collect();
+        let got: Vec<(&str, u64, u64)> = entries
+            .iter()
+            .map(|e| (e.name.as_str(), e.start, e.end))
+            .collect();
         assert_eq!(got, vec![("a", 0, 3), ("b", 3, 7), ("c", 7, 8)]);
     }
 
     #[test]
     fn truncated_and_trailing_files_are_named() {
         let t = [spec("w", Dtype::F32, &[4])];
-        let e = SafetensorsFile::parse_header(&file(&t, -1)).unwrap_err().to_string();
+        let e = SafetensorsFile::parse_header(&file(&t, -1))
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "tensor `w`: data_offsets [0, 16) run past the end of the data (15 bytes): truncated file?");
-        let e = SafetensorsFile::parse_header(&file(&t, 3)).unwrap_err().to_string();
+        let e = SafetensorsFile::parse_header(&file(&t, 3))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("trailing bytes"), "{e}");
-        let e = SafetensorsFile::parse_header(&[1, 0, 0]).unwrap_err().to_string();
+        let e = SafetensorsFile::parse_header(&[1, 0, 0])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("too short"), "{e}");
         let mut big = vec![0u8; 16];
         big[..8].copy_from_slice(&(u64::MAX).to_le_bytes());
-        assert!(matches!(SafetensorsFile::parse_header(&big), Err(Error::HeaderTooLarge { .. })));
+        assert!(matches!(
+            SafetensorsFile::parse_header(&big),
+            Err(Error::HeaderTooLarge { .. })
+        ));
     }
 
     #[test]
@@ -416,7 +544,10 @@ mod tests {
         b.extend_from_slice(h);
         b.extend_from_slice(&[0; 4]);
         let e = SafetensorsFile::parse_header(&b).unwrap_err().to_string();
-        assert_eq!(e, "tensor `w`: F32 x [2] needs 8 bytes but data_offsets span 4");
+        assert_eq!(
+            e,
+            "tensor `w`: F32 x [2] needs 8 bytes but data_offsets span 4"
+        );
         let h = br#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}"#;
         let mut b = (h.len() as u64).to_le_bytes().to_vec();
         b.extend_from_slice(h);
@@ -430,12 +561,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let dest = dir.path().join("x.safetensors");
         {
-            let w = SafetensorsWriter::create(&dest, &[spec("w", Dtype::U8, &[3])], &BTreeMap::new()).unwrap();
+            let w =
+                SafetensorsWriter::create(&dest, &[spec("w", Dtype::U8, &[3])], &BTreeMap::new())
+                    .unwrap();
             w.write_at(0, 0, &[1, 2, 3]).unwrap();
             // Dropped without finish: nothing appears, no temporary is left.
         }
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
-        let w = SafetensorsWriter::create(&dest, &[spec("w", Dtype::U8, &[3])], &BTreeMap::new()).unwrap();
+        let w = SafetensorsWriter::create(&dest, &[spec("w", Dtype::U8, &[3])], &BTreeMap::new())
+            .unwrap();
         w.write_at(0, 1, &[2, 3]).unwrap();
         w.write_at(0, 0, &[1]).unwrap();
         w.finish().unwrap();

@@ -29,18 +29,35 @@ pub struct LocalTensor {
 ///
 /// # Errors
 /// A tensor not in the strategy or of the wrong size; I/O errors.
-pub fn write_rank(dir: &Path, strategy: &Strategy, rank: u64, tensors: &[(&str, &[u8])], keep_all: bool) -> Result<PathBuf> {
+pub fn write_rank(
+    dir: &Path,
+    strategy: &Strategy,
+    rank: u64,
+    tensors: &[(&str, &[u8])],
+    keep_all: bool,
+) -> Result<PathBuf> {
     let rank_dir = dir.join(format!("ckpt_{rank}"));
     std::fs::create_dir_all(&rank_dir).at(&rank_dir)?;
     let given: BTreeMap<&str, &[u8]> = tensors.iter().copied().collect();
     for name in given.keys() {
         if !strategy.tensors.contains_key(*name) {
-            return Err(Error::InvalidTensor { tensor: (*name).into(), problem: "is not in the strategy".into() });
+            return Err(Error::InvalidTensor {
+                tensor: (*name).into(),
+                problem: "is not in the strategy".into(),
+            });
         }
     }
-    let targets = rank_tensors(strategy, rank, keep_all, &|n, l| given.contains_key(n).then_some(l.dtype));
-    let specs: Vec<TensorSpec> =
-        targets.iter().map(|t| TensorSpec { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() }).collect();
+    let targets = rank_tensors(strategy, rank, keep_all, &|n, l| {
+        given.contains_key(n).then_some(l.dtype)
+    });
+    let specs: Vec<TensorSpec> = targets
+        .iter()
+        .map(|t| TensorSpec {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+        })
+        .collect();
     let path = rank_dir.join(MODEL_FILE);
     let w = SafetensorsWriter::create(&path, &specs, &rank_metadata(strategy, rank, &targets))?;
     for (i, t) in targets.iter().enumerate() {
@@ -48,7 +65,12 @@ pub fn write_rank(dir: &Path, strategy: &Strategy, rank: u64, tensors: &[(&str, 
         if data.len() as u64 != w.tensor_len(i) {
             return Err(Error::InvalidTensor {
                 tensor: t.name.clone(),
-                problem: format!("rank {rank} gave {} bytes for local shape {:?} ({} bytes)", data.len(), t.shape, w.tensor_len(i)),
+                problem: format!(
+                    "rank {rank} gave {} bytes for local shape {:?} ({} bytes)",
+                    data.len(),
+                    t.shape,
+                    w.tensor_len(i)
+                ),
             });
         }
         w.write_at(i, 0, data)?;
@@ -64,8 +86,14 @@ pub fn write_rank(dir: &Path, strategy: &Strategy, rank: u64, tensors: &[(&str, 
 /// Sizes that disagree with shapes; I/O errors.
 pub fn write_integrated(dir: &Path, tensors: &[(&str, Dtype, &[u64], &[u8])]) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).at(dir)?;
-    let specs: Vec<TensorSpec> =
-        tensors.iter().map(|(n, d, s, _)| TensorSpec { name: (*n).into(), dtype: *d, shape: s.to_vec() }).collect();
+    let specs: Vec<TensorSpec> = tensors
+        .iter()
+        .map(|(n, d, s, _)| TensorSpec {
+            name: (*n).into(),
+            dtype: *d,
+            shape: s.to_vec(),
+        })
+        .collect();
     let path = dir.join(MODEL_FILE);
     let mut meta = BTreeMap::new();
     meta.insert("format".to_string(), "pt".to_string());
@@ -74,7 +102,11 @@ pub fn write_integrated(dir: &Path, tensors: &[(&str, Dtype, &[u64], &[u8])]) ->
         if data.len() as u64 != w.tensor_len(i) {
             return Err(Error::InvalidTensor {
                 tensor: (*n).into(),
-                problem: format!("{} bytes given for shape {s:?} ({} bytes)", data.len(), w.tensor_len(i)),
+                problem: format!(
+                    "{} bytes given for shape {s:?} ({} bytes)",
+                    data.len(),
+                    w.tensor_len(i)
+                ),
             });
         }
         w.write_at(i, 0, data)?;
@@ -88,7 +120,11 @@ pub fn write_integrated(dir: &Path, tensors: &[(&str, Dtype, &[u64], &[u8])]) ->
 ///
 /// # Errors
 /// Unreadable or inconsistent sources, tensors missing or of another global shape.
-pub fn load_rank(src: &Path, target: &Strategy, rank: u64) -> Result<BTreeMap<String, LocalTensor>> {
+pub fn load_rank(
+    src: &Path,
+    target: &Strategy,
+    rank: u64,
+) -> Result<BTreeMap<String, LocalTensor>> {
     let source = Checkpoint::open(&[src.to_path_buf()])?;
     for (name, l) in &target.tensors {
         match source.tensors.get(name) {
@@ -101,19 +137,38 @@ pub fn load_rank(src: &Path, target: &Strategy, rank: u64) -> Result<BTreeMap<St
             Some(s) if s.shape != l.shape => {
                 return Err(Error::InvalidTensor {
                     tensor: name.clone(),
-                    problem: format!("has shape {:?} in {} but {:?} is expected", s.shape, src.display(), l.shape),
+                    problem: format!(
+                        "has shape {:?} in {} but {:?} is expected",
+                        s.shape,
+                        src.display(),
+                        l.shape
+                    ),
                 })
             }
             Some(_) => {}
         }
     }
     let tensors = rank_tensors(target, rank, true, &|_, l| Some(l.dtype));
-    let plan = CopyPlan::build(&source, vec![TargetFile { path: PathBuf::new(), tensors, metadata: BTreeMap::new() }])?;
+    let plan = CopyPlan::build(
+        &source,
+        vec![TargetFile {
+            path: PathBuf::new(),
+            tensors,
+            metadata: BTreeMap::new(),
+        }],
+    )?;
     let mut out = BTreeMap::new();
     for f in &plan.files {
         for t in &f.tensors {
             let data = assemble(t, &source);
-            out.insert(t.target.name.clone(), LocalTensor { dtype: t.target.dtype, shape: t.target.shape.clone(), data });
+            out.insert(
+                t.target.name.clone(),
+                LocalTensor {
+                    dtype: t.target.dtype,
+                    shape: t.target.shape.clone(),
+                    data,
+                },
+            );
         }
     }
     Ok(out)

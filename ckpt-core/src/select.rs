@@ -20,9 +20,13 @@ fn globs(patterns: &[String]) -> Result<Option<GlobSet>> {
     }
     let mut b = GlobSetBuilder::new();
     for p in patterns {
-        b.add(Glob::new(p).map_err(|e| Error::Unsupported { problem: format!("bad pattern `{p}`: {e}") })?);
+        b.add(Glob::new(p).map_err(|e| Error::Unsupported {
+            problem: format!("bad pattern `{p}`: {e}"),
+        })?);
     }
-    b.build().map(Some).map_err(|e| Error::Unsupported { problem: e.to_string() })
+    b.build().map(Some).map_err(|e| Error::Unsupported {
+        problem: e.to_string(),
+    })
 }
 
 impl Selection {
@@ -32,13 +36,18 @@ impl Selection {
     /// # Errors
     /// A malformed pattern.
     pub fn new(include: &[String], exclude: &[String], cast: Option<Dtype>) -> Result<Selection> {
-        Ok(Selection { include: globs(include)?, exclude: globs(exclude)?, cast })
+        Ok(Selection {
+            include: globs(include)?,
+            exclude: globs(exclude)?,
+            cast,
+        })
     }
 
     /// Whether the tensor `name` is kept.
     #[must_use]
     pub fn keeps(&self, name: &str) -> bool {
-        self.include.as_ref().is_none_or(|g| g.is_match(name)) && !self.exclude.as_ref().is_some_and(|g| g.is_match(name))
+        self.include.as_ref().is_none_or(|g| g.is_match(name))
+            && !self.exclude.as_ref().is_some_and(|g| g.is_match(name))
     }
 
     /// The output dtype of a kept tensor.
@@ -63,6 +72,10 @@ mod tests {
         assert!(s.keeps("layer.w"));
         assert!(!s.keeps("optim.layer.w.exp_avg"));
         assert_eq!(s.dtype("w", Dtype::F32).unwrap(), Dtype::BF16);
-        assert!(s.dtype("step", Dtype::I64).unwrap_err().to_string().contains("cannot cast I64 to BF16"));
+        assert!(s
+            .dtype("step", Dtype::I64)
+            .unwrap_err()
+            .to_string()
+            .contains("cannot cast I64 to BF16"));
     }
 }

@@ -23,10 +23,15 @@ pub fn verify(paths: &[PathBuf], deep: bool) -> Result<(Checkpoint, Vec<Error>)>
                 let b = ck.files[copy.file].data(copy.tensor);
                 let sa = &ck.files[o.file].tensors()[o.tensor].shape;
                 let sb = &ck.files[copy.file].tensors()[copy.tensor].shape;
-                let differs = Runs::new(&o.local.shape, sa, &o.local.start, sb, &copy.local.start).any(|r| {
-                    let (x, y, n) = ((r.src * bits / 8) as usize, (r.dst * bits / 8) as usize, (r.len * bits / 8) as usize);
-                    a[x..x + n] != b[y..y + n]
-                });
+                let differs = Runs::new(&o.local.shape, sa, &o.local.start, sb, &copy.local.start)
+                    .any(|r| {
+                        let (x, y, n) = (
+                            (r.src * bits / 8) as usize,
+                            (r.dst * bits / 8) as usize,
+                            (r.len * bits / 8) as usize,
+                        );
+                        a[x..x + n] != b[y..y + n]
+                    });
                 if differs {
                     problems.push(Error::Mismatch {
                         what: format!(

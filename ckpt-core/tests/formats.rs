@@ -2,8 +2,8 @@
 //! parsers never panic on arbitrary input.
 
 use ckpt_core::{
-    assemble, write_rank, Checkpoint, CopyPlan, Dtype, Mesh, Piece, Placement, Region, SafetensorsFile, Strategy,
-    TargetFile, TargetTensor, TensorLayout,
+    assemble, write_rank, Checkpoint, CopyPlan, Dtype, Mesh, Piece, Placement, Region,
+    SafetensorsFile, Strategy, TargetFile, TargetTensor, TensorLayout,
 };
 use proptest::prelude::{any, prop, proptest, ProptestConfig};
 
@@ -48,16 +48,44 @@ fn every_dtype_round_trips_through_slices() {
             let row = 8 * bits / 8;
             for r in 0..2u64 {
                 let local: Vec<u8> = match placement {
-                    Placement::Shard { dim: 0, .. } => full[(r as usize) * 3 * row..(r as usize + 1) * 3 * row].to_vec(),
-                    _ => (0..6).flat_map(|i| full[i * row + (r as usize) * row / 2..i * row + (r as usize + 1) * row / 2].to_vec()).collect(),
+                    Placement::Shard { dim: 0, .. } => {
+                        full[(r as usize) * 3 * row..(r as usize + 1) * 3 * row].to_vec()
+                    }
+                    _ => (0..6)
+                        .flat_map(|i| {
+                            full[i * row + (r as usize) * row / 2
+                                ..i * row + (r as usize + 1) * row / 2]
+                                .to_vec()
+                        })
+                        .collect(),
                 };
                 write_rank(dir.path(), &s, r, &[("t", &local)], false).unwrap();
             }
             let ck = Checkpoint::open(&[dir.path().to_path_buf()]).unwrap();
             let fullr = Region::full(&[6, 8]);
-            let target = TargetTensor { name: "t".into(), dtype, shape: vec![6, 8], pieces: vec![Piece { global: fullr.clone(), local: fullr }] };
-            let plan = CopyPlan::build(&ck, vec![TargetFile { path: "m".into(), tensors: vec![target], metadata: Default::default() }]).unwrap();
-            assert_eq!(assemble(&plan.files[0].tensors[0], &ck), full, "{dtype:?} {placement}");
+            let target = TargetTensor {
+                name: "t".into(),
+                dtype,
+                shape: vec![6, 8],
+                pieces: vec![Piece {
+                    global: fullr.clone(),
+                    local: fullr,
+                }],
+            };
+            let plan = CopyPlan::build(
+                &ck,
+                vec![TargetFile {
+                    path: "m".into(),
+                    tensors: vec![target],
+                    metadata: Default::default(),
+                }],
+            )
+            .unwrap();
+            assert_eq!(
+                assemble(&plan.files[0].tensors[0], &ck),
+                full,
+                "{dtype:?} {placement}"
+            );
         }
     }
 }
@@ -68,14 +96,38 @@ fn sub_byte_split_inside_a_byte_is_refused() {
     let mesh = Mesh::parse("tp=2").unwrap();
     let mut s = Strategy::new(mesh.clone());
     // 6 F4 columns over 2 ranks: 3 columns each, 1.5 bytes: not expressible.
-    s.insert("t", TensorLayout::new(vec![2, 6], Dtype::F4, vec![Placement::shard(1)])).unwrap();
+    s.insert(
+        "t",
+        TensorLayout::new(vec![2, 6], Dtype::F4, vec![Placement::shard(1)]),
+    )
+    .unwrap();
     write_rank(dir.path(), &s, 0, &[("t", &[0u8; 3])], false).unwrap();
     write_rank(dir.path(), &s, 1, &[("t", &[0u8; 3])], false).unwrap();
     let ck = Checkpoint::open(&[dir.path().to_path_buf()]).unwrap();
     let fullr = Region::full(&[2, 6]);
-    let target = TargetTensor { name: "t".into(), dtype: Dtype::F4, shape: vec![2, 6], pieces: vec![Piece { global: fullr.clone(), local: fullr }] };
-    let e = CopyPlan::build(&ck, vec![TargetFile { path: "m".into(), tensors: vec![target], metadata: Default::default() }]).unwrap_err();
-    assert!(e.to_string().starts_with("tensor `t`: F4 packs 2 elements per byte group"), "{e}");
+    let target = TargetTensor {
+        name: "t".into(),
+        dtype: Dtype::F4,
+        shape: vec![2, 6],
+        pieces: vec![Piece {
+            global: fullr.clone(),
+            local: fullr,
+        }],
+    };
+    let e = CopyPlan::build(
+        &ck,
+        vec![TargetFile {
+            path: "m".into(),
+            tensors: vec![target],
+            metadata: Default::default(),
+        }],
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("tensor `t`: F4 packs 2 elements per byte group"),
+        "{e}"
+    );
 }
 
 proptest! {
@@ -94,7 +146,7 @@ proptest! {
         let h = format!(r#"{{"t":{{"dtype":"{dt}","shape":{shape:?},"data_offsets":[{s},{e}]}}}}"#);
         let mut b = (h.len() as u64).to_le_bytes().to_vec();
         b.extend_from_slice(h.as_bytes());
-        b.extend(std::iter::repeat(0).take(extra));
+        b.extend(std::iter::repeat_n(0, extra));
         let _ = SafetensorsFile::parse_header(&b);
     }
 

@@ -3,8 +3,8 @@
 //! gives back every byte, and resharding A to B to A is the identity.
 
 use ckpt_core::{
-    assemble, check_tiling, execute, rank_metadata, rank_tensors, write_rank, Checkpoint, CopyPlan, Dtype, Mesh, Piece,
-    Placement, Region, Strategy, TargetFile, TargetTensor, TensorLayout,
+    assemble, check_tiling, execute, rank_metadata, rank_tensors, write_rank, Checkpoint, CopyPlan,
+    Dtype, Mesh, Piece, Placement, Region, Strategy, TargetFile, TargetTensor, TensorLayout,
 };
 use proptest::prelude::{any, prop, prop_assert_eq, prop_assume, proptest, Just, ProptestConfig};
 use proptest::strategy::Strategy as _;
@@ -12,28 +12,53 @@ use std::path::{Path, PathBuf};
 
 /// A random mesh of 1 to 3 axes and a layout of a random 1- to 3-dim tensor on it.
 fn arb_layout() -> impl proptest::strategy::Strategy<Value = (Mesh, TensorLayout)> {
-    (prop::collection::vec(1u64..=4, 1..=3), prop::collection::vec(0u64..=9, 1..=3)).prop_flat_map(|(sizes, shape)| {
-        let naxes = sizes.len();
-        let ndim = shape.len();
-        let placement = (0..=ndim, 1u64..=3, 0u32..=1).prop_map(move |(d, blocks, order)| (d, blocks, order));
-        (Just(sizes), Just(shape), prop::collection::vec(placement, naxes)).prop_map(|(sizes, shape, ps)| {
-            let mesh = Mesh::new(sizes.iter().enumerate().map(|(i, &s)| (format!("a{i}"), s)).collect()).unwrap();
-            // Blocks must divide the dim and agree across axes on one dim: use the first
-            // axis's choice for a dim, and only when it divides.
-            let mut dim_blocks = vec![None; shape.len()];
-            let placements = ps
-                .iter()
-                .map(|&(d, blocks, order)| {
-                    if d == shape.len() {
-                        return Placement::Replicate;
-                    }
-                    let b = *dim_blocks[d].get_or_insert(if shape[d] % blocks == 0 { blocks } else { 1 });
-                    Placement::Shard { dim: d, blocks: b, order }
+    (
+        prop::collection::vec(1u64..=4, 1..=3),
+        prop::collection::vec(0u64..=9, 1..=3),
+    )
+        .prop_flat_map(|(sizes, shape)| {
+            let naxes = sizes.len();
+            let ndim = shape.len();
+            let placement = (0..=ndim, 1u64..=3, 0u32..=1)
+                .prop_map(move |(d, blocks, order)| (d, blocks, order));
+            (
+                Just(sizes),
+                Just(shape),
+                prop::collection::vec(placement, naxes),
+            )
+                .prop_map(|(sizes, shape, ps)| {
+                    let mesh = Mesh::new(
+                        sizes
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &s)| (format!("a{i}"), s))
+                            .collect(),
+                    )
+                    .unwrap();
+                    // Blocks must divide the dim and agree across axes on one dim: use the first
+                    // axis's choice for a dim, and only when it divides.
+                    let mut dim_blocks = vec![None; shape.len()];
+                    let placements = ps
+                        .iter()
+                        .map(|&(d, blocks, order)| {
+                            if d == shape.len() {
+                                return Placement::Replicate;
+                            }
+                            let b = *dim_blocks[d].get_or_insert(if shape[d] % blocks == 0 {
+                                blocks
+                            } else {
+                                1
+                            });
+                            Placement::Shard {
+                                dim: d,
+                                blocks: b,
+                                order,
+                            }
+                        })
+                        .collect();
+                    (mesh, TensorLayout::new(shape, Dtype::BF16, placements))
                 })
-                .collect();
-            (mesh, TensorLayout::new(shape, Dtype::BF16, placements))
         })
-    })
 }
 
 /// Reference: nested torch.chunk, axes in (order, mesh order), on one block.
@@ -65,7 +90,9 @@ fn reference_local_len(mesh: &Mesh, l: &TensorLayout, rank: u64, dim: usize) -> 
 
 fn full_bytes(l: &TensorLayout, seed: u8) -> Vec<u8> {
     let n = ckpt_core::bytes_of(l.dtype, l.shape.iter().product()) as usize;
-    (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8).collect()
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
+        .collect()
 }
 
 /// Writes the sliced checkpoint of `full` under layout `l` on `mesh` into `dir`.
@@ -76,8 +103,18 @@ fn slice(dir: &Path, mesh: &Mesh, l: &TensorLayout, full: &[u8]) -> Strategy {
         let shape = l.local_shape(mesh, r).unwrap();
         let mut local = vec![0u8; ckpt_core::bytes_of(l.dtype, shape.iter().product()) as usize];
         for p in l.pieces(mesh, r) {
-            for run in ckpt_core::Runs::new(&p.global.shape, &l.shape, &p.global.start, &shape, &p.local.start) {
-                let (s0, d0, n) = (run.src as usize * 2, run.dst as usize * 2, run.len as usize * 2);
+            for run in ckpt_core::Runs::new(
+                &p.global.shape,
+                &l.shape,
+                &p.global.start,
+                &shape,
+                &p.local.start,
+            ) {
+                let (s0, d0, n) = (
+                    run.src as usize * 2,
+                    run.dst as usize * 2,
+                    run.len as usize * 2,
+                );
                 local[d0..d0 + n].copy_from_slice(&full[s0..s0 + n]);
             }
         }
@@ -94,9 +131,20 @@ fn merge_in_memory(dir: &Path) -> Vec<u8> {
         name: "t".into(),
         dtype: t.dtype,
         shape: t.shape.clone(),
-        pieces: vec![Piece { global: full.clone(), local: full }],
+        pieces: vec![Piece {
+            global: full.clone(),
+            local: full,
+        }],
     };
-    let plan = CopyPlan::build(&ck, vec![TargetFile { path: PathBuf::new(), tensors: vec![target], metadata: Default::default() }]).unwrap();
+    let plan = CopyPlan::build(
+        &ck,
+        vec![TargetFile {
+            path: PathBuf::new(),
+            tensors: vec![target],
+            metadata: Default::default(),
+        }],
+    )
+    .unwrap();
     assemble(&plan.files[0].tensors[0], &ck)
 }
 
@@ -105,7 +153,11 @@ fn reshard(src: &Path, to: &Strategy, out: &Path) {
     let files = (0..to.mesh.world_size())
         .map(|r| {
             let tensors = rank_tensors(to, r, false, &|_, l| Some(l.dtype));
-            TargetFile { path: format!("ckpt_{r}/model.safetensors").into(), metadata: rank_metadata(to, r, &tensors), tensors }
+            TargetFile {
+                path: format!("ckpt_{r}/model.safetensors").into(),
+                metadata: rank_metadata(to, r, &tensors),
+                tensors,
+            }
         })
         .collect();
     let plan = CopyPlan::build(&ck, files).unwrap();
@@ -125,8 +177,8 @@ proptest! {
         let mut boxes = vec![];
         for r in 0..mesh.world_size() {
             let shape = l.local_shape(&mesh, r).unwrap();
-            for d in 0..l.shape.len() {
-                prop_assert_eq!(shape[d], reference_local_len(&mesh, &l, r, d));
+            for (d, &len) in shape.iter().enumerate() {
+                prop_assert_eq!(len, reference_local_len(&mesh, &l, r, d));
             }
             let pieces = l.pieces(&mesh, r);
             let local_total: u64 = pieces.iter().map(|p| p.global.numel()).sum();

@@ -9,8 +9,8 @@
 use candle_core::{Device, Tensor};
 use ckpt_core::{Checkpoint, Kind, Mesh, Strategy};
 use ckpt_train::{
-    build_model, find_meta_file, resolve_checkpoint, run_threads, DataSource, Dataset, ModelConfig, ModelCtx, ShardedVars,
-    CONFIG_FILE, TRAINER_STATE_FILE,
+    build_model, find_meta_file, resolve_checkpoint, run_threads, DataSource, Dataset, ModelConfig,
+    ModelCtx, ShardedVars, CONFIG_FILE, TRAINER_STATE_FILE,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -122,7 +122,10 @@ pub struct InferReport {
 }
 
 fn bad(path: &Path, problem: impl Into<String>) -> Error {
-    Error::Checkpoint { path: path.to_path_buf(), problem: problem.into() }
+    Error::Checkpoint {
+        path: path.to_path_buf(),
+        problem: problem.into(),
+    }
 }
 
 /// Reads the model configuration saved with a checkpoint.
@@ -130,8 +133,12 @@ fn bad(path: &Path, problem: impl Into<String>) -> Error {
 /// # Errors
 /// No or malformed `config.json`.
 pub fn model_config(dir: &Path) -> Result<ModelConfig> {
-    let p = find_meta_file(dir, CONFIG_FILE)
-        .ok_or_else(|| bad(dir, format!("no {CONFIG_FILE}: the model and its configuration are unknown")))?;
+    let p = find_meta_file(dir, CONFIG_FILE).ok_or_else(|| {
+        bad(
+            dir,
+            format!("no {CONFIG_FILE}: the model and its configuration are unknown"),
+        )
+    })?;
     let text = std::fs::read_to_string(&p).map_err(|e| bad(&p, e.to_string()))?;
     serde_json::from_str(&text).map_err(|e| bad(&p, format!("not a model configuration: {e}")))
 }
@@ -145,7 +152,10 @@ fn trained_on(dir: &Path) -> Option<String> {
 
 /// Tensor-parallel size of a sliced checkpoint's strategy (1 when it has no `tp` axis).
 fn tp_size(strategy: &Strategy) -> u64 {
-    strategy.mesh.axis_index("tp").map_or(1, |i| strategy.mesh.axes()[i].size)
+    strategy
+        .mesh
+        .axis_index("tp")
+        .map_or(1, |i| strategy.mesh.axes()[i].size)
 }
 
 /// Evaluates a checkpoint.
@@ -157,7 +167,7 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
     let t0 = Instant::now();
     let dir = resolve_checkpoint(&req.checkpoint)?;
     let cfg = model_config(&dir)?;
-    let source = Checkpoint::open(&[dir.clone()])?;
+    let source = Checkpoint::open(std::slice::from_ref(&dir))?;
     let ranks = match (&source.strategy, source.kind) {
         (Some(s), Kind::Sliced) => {
             let tp = tp_size(s);
@@ -177,7 +187,11 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
         }
         _ => req.ranks.unwrap_or(1),
     };
-    let data_name = req.data.clone().or_else(|| trained_on(&dir)).unwrap_or_else(|| "digits".into());
+    let data_name = req
+        .data
+        .clone()
+        .or_else(|| trained_on(&dir))
+        .unwrap_or_else(|| "digits".into());
     let split = DataSource::parse(&data_name)?.load()?;
     let mut test = split.test;
     if let Some(n) = req.limit {
@@ -188,7 +202,14 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
         _ => None,
     };
     if test.classes != cfg.classes() {
-        return Err(bad(&dir, format!("the model has {} classes but {data_name} has {}", cfg.classes(), test.classes)));
+        return Err(bad(
+            &dir,
+            format!(
+                "the model has {} classes but {data_name} has {}",
+                cfg.classes(),
+                test.classes
+            ),
+        ));
     }
 
     // The model's tensors, laid out for `ranks` tensor-parallel ranks.
@@ -199,13 +220,21 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
     }
     for (name, l) in &target.tensors {
         match source.tensors.get(name) {
-            None => return Err(bad(&dir, format!("tensor `{name}` of the {} model is missing", cfg.kind()))),
-            Some(t) if t.shape != l.shape => {
+            None => {
                 return Err(bad(
                     &dir,
-                    format!("tensor `{name}` has shape {:?} in the checkpoint but the {} model needs {:?}", t.shape, cfg.kind(), l.shape),
+                    format!("tensor `{name}` of the {} model is missing", cfg.kind()),
                 ))
             }
+            Some(t) if t.shape != l.shape => return Err(bad(
+                &dir,
+                format!(
+                    "tensor `{name}` has shape {:?} in the checkpoint but the {} model needs {:?}",
+                    t.shape,
+                    cfg.kind(),
+                    l.shape
+                ),
+            )),
             Some(_) => {}
         }
     }
@@ -217,9 +246,16 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
         let mut tensors = BTreeMap::new();
         for (name, t) in ckpt_core::load_rank(&dir, &target, rank)? {
             let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
-            tensors.insert(name, Tensor::from_vec(ckpt_train::f32_from_bytes(&t.data), shape, &Device::Cpu)?);
+            tensors.insert(
+                name,
+                Tensor::from_vec(ckpt_train::f32_from_bytes(&t.data), shape, &Device::Cpu)?,
+            );
         }
-        let ctx = ModelCtx { tp: dist.tp.clone(), dp: dist.dp.clone(), sync_bn: false };
+        let ctx = ModelCtx {
+            tp: dist.tp.clone(),
+            dp: dist.dp.clone(),
+            sync_bn: false,
+        };
         let vb = ShardedVars::serve(tensors, dist.tp_size(), dist.tp_rank()).into_var_builder();
         let model = build_model(&cfg, &vb, &ctx)?;
         let forward = |set: &Dataset| -> ckpt_train::Result<(Vec<f32>, f64)> {
@@ -236,7 +272,10 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
         let more = extra.as_ref().map(&forward).transpose()?;
         Ok((main, more))
     })?;
-    let ((logits, fwd_secs), more) = outputs.into_iter().next().ok_or_else(|| bad(&dir, "no rank ran"))?;
+    let ((logits, fwd_secs), more) = outputs
+        .into_iter()
+        .next()
+        .ok_or_else(|| bad(&dir, "no rank ran"))?;
     let classes = test.classes;
     let predicted: Vec<usize> = logits.chunks(classes).map(argmax).collect();
     let mut confusion = vec![vec![0u64; classes]; classes];
@@ -261,14 +300,24 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
             .iter()
             .map(|&i| {
                 if i >= test.len() {
-                    return Err(Error::Option { option: "--predict".into(), problem: format!("index {i} is past the {} test images", test.len()) });
+                    return Err(Error::Option {
+                        option: "--predict".into(),
+                        problem: format!("index {i} is past the {} test images", test.len()),
+                    });
                 }
-                Ok(prediction(i, Some(test.labels[i]), &logits[i * classes..(i + 1) * classes]))
+                Ok(prediction(
+                    i,
+                    Some(test.labels[i]),
+                    &logits[i * classes..(i + 1) * classes],
+                ))
             })
             .collect::<Result<Vec<_>>>()?,
         (Some(Predict::Files(_)), Some((l, _))) => {
             let set = extra.as_ref().expect("files were read");
-            l.chunks(classes).enumerate().map(|(i, row)| prediction(i, set.labels.get(i).copied(), row)).collect()
+            l.chunks(classes)
+                .enumerate()
+                .map(|(i, row)| prediction(i, set.labels.get(i).copied(), row))
+                .collect()
         }
         _ => vec![],
     };
@@ -278,7 +327,11 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
         kind,
         data: data_name,
         images: test.len(),
-        accuracy: if test.is_empty() { 0.0 } else { correct as f32 / test.len() as f32 },
+        accuracy: if test.is_empty() {
+            0.0
+        } else {
+            correct as f32 / test.len() as f32
+        },
         per_class_accuracy,
         confusion,
         predicted,
@@ -290,14 +343,28 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
 }
 
 fn argmax(row: &[f32]) -> usize {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) }).0
+    row.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+            if v > bv {
+                (i, v)
+            } else {
+                (bi, bv)
+            }
+        })
+        .0
 }
 
 fn prediction(index: usize, label: Option<u32>, logits: &[f32]) -> Prediction {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let e: Vec<f32> = logits.iter().map(|&v| (v - m).exp()).collect();
     let s: f32 = e.iter().sum();
-    Prediction { index, label, class: argmax(logits), probabilities: e.iter().map(|v| v / s).collect() }
+    Prediction {
+        index,
+        label,
+        class: argmax(logits),
+        probabilities: e.iter().map(|v| v / s).collect(),
+    }
 }
 
 fn truncate(d: &mut Dataset, n: usize) {
@@ -309,7 +376,12 @@ fn truncate(d: &mut Dataset, n: usize) {
 /// Images from files in the data set's format (digits CSV rows).
 fn read_files(files: &[PathBuf], data: &str) -> Result<Dataset> {
     if !data.starts_with("digits") {
-        return Err(Error::Option { option: "--predict".into(), problem: format!("files are read for the digits data set only (this is {data}); give test indices") });
+        return Err(Error::Option {
+            option: "--predict".into(),
+            problem: format!(
+                "files are read for the digits data set only (this is {data}); give test indices"
+            ),
+        });
     }
     let mut all: Option<Dataset> = None;
     for f in files {
@@ -323,7 +395,10 @@ fn read_files(files: &[PathBuf], data: &str) -> Result<Dataset> {
             }
         }
     }
-    all.ok_or_else(|| Error::Option { option: "--predict".into(), problem: "no files".into() })
+    all.ok_or_else(|| Error::Option {
+        option: "--predict".into(),
+        problem: "no files".into(),
+    })
 }
 
 /// Parses `--predict`: `0..10`, `3,5,7`, or file paths.
@@ -353,8 +428,14 @@ mod tests {
 
     #[test]
     fn predict_argument() {
-        assert_eq!(parse_predict(&["0..3".into(), "7".into()]), Predict::Indices(vec![0, 1, 2, 7]));
-        assert_eq!(parse_predict(&["a.csv".into()]), Predict::Files(vec![PathBuf::from("a.csv")]));
+        assert_eq!(
+            parse_predict(&["0..3".into(), "7".into()]),
+            Predict::Indices(vec![0, 1, 2, 7])
+        );
+        assert_eq!(
+            parse_predict(&["a.csv".into()]),
+            Predict::Files(vec![PathBuf::from("a.csv")])
+        );
         let p = prediction(0, None, &[0.0, 2.0_f32.ln()]);
         assert_eq!(p.class, 1);
         assert!((p.probabilities[1] - 2.0 / 3.0).abs() < 1e-6);

@@ -6,8 +6,9 @@
 //! [`CopyPlan`] and [`execute`] do the copying.
 
 use ckpt_core::{
-    check_output_outside_inputs, copy_carried, execute, write_file_atomic, Checkpoint, CopyPlan, CopyStats,
-    Piece, Region, Result, Selection, StagedDir, TargetFile, TargetTensor, INDEX_FILE, MODEL_FILE,
+    check_output_outside_inputs, copy_carried, execute, write_file_atomic, Checkpoint, CopyPlan,
+    CopyStats, Piece, Region, Result, Selection, StagedDir, TargetFile, TargetTensor, INDEX_FILE,
+    MODEL_FILE,
 };
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -43,7 +44,10 @@ pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
             name: name.clone(),
             dtype,
             shape: t.shape.clone(),
-            pieces: vec![Piece { global: full.clone(), local: full }],
+            pieces: vec![Piece {
+                global: full.clone(),
+                local: full,
+            }],
         });
     }
     let files = shard(tensors, req.max_shard_size);
@@ -55,7 +59,11 @@ pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
 fn shard(tensors: Vec<TargetTensor>, max: Option<u64>) -> Vec<TargetFile> {
     let meta: BTreeMap<String, String> = [("format".to_string(), "pt".to_string())].into();
     let Some(max) = max else {
-        return vec![TargetFile { path: MODEL_FILE.into(), tensors, metadata: meta }];
+        return vec![TargetFile {
+            path: MODEL_FILE.into(),
+            tensors,
+            metadata: meta,
+        }];
     };
     let mut groups: Vec<Vec<TargetTensor>> = vec![];
     let mut size = 0u64;
@@ -66,12 +74,18 @@ fn shard(tensors: Vec<TargetTensor>, max: Option<u64>) -> Vec<TargetFile> {
             size = 0;
         }
         size += n;
-        groups.last_mut().map(|g| g.push(t));
+        if let Some(g) = groups.last_mut() {
+            g.push(t)
+        }
     }
     let total = groups.len();
     if total == 1 {
         // Everything fits in one shard: Hugging Face writes a plain model.safetensors.
-        return vec![TargetFile { path: MODEL_FILE.into(), tensors: groups.remove(0), metadata: meta }];
+        return vec![TargetFile {
+            path: MODEL_FILE.into(),
+            tensors: groups.remove(0),
+            metadata: meta,
+        }];
     }
     groups
         .into_iter()
@@ -89,10 +103,14 @@ fn index_json(plan: &CopyPlan) -> String {
     let mut map = serde_json::Map::new();
     for f in &plan.files {
         for t in &f.tensors {
-            map.insert(t.target.name.clone(), serde_json::Value::String(f.path.display().to_string()));
+            map.insert(
+                t.target.name.clone(),
+                serde_json::Value::String(f.path.display().to_string()),
+            );
         }
     }
-    let doc = serde_json::json!({"metadata": {"total_size": plan.bytes_written()}, "weight_map": map});
+    let doc =
+        serde_json::json!({"metadata": {"total_size": plan.bytes_written()}, "weight_map": map});
     serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n"
 }
 
@@ -101,10 +119,16 @@ fn index_json(plan: &CopyPlan) -> String {
 /// # Errors
 /// Any problem with the inputs (nothing is written then), an existing output without
 /// `force`, an output inside an input, I/O errors.
-pub fn merge(req: &MergeRequest, progress: &(dyn Fn(u64) + Sync), on_plan: &dyn Fn(&CopyPlan)) -> Result<CopyStats> {
+pub fn merge(
+    req: &MergeRequest,
+    progress: &(dyn Fn(u64) + Sync),
+    on_plan: &dyn Fn(&CopyPlan),
+) -> Result<CopyStats> {
     check_output_outside_inputs(&req.output, &req.inputs)?;
     if req.output.exists() && !req.force {
-        return Err(ckpt_core::Error::OutputExists { path: req.output.clone() });
+        return Err(ckpt_core::Error::OutputExists {
+            path: req.output.clone(),
+        });
     }
     let source = Checkpoint::open(&req.inputs)?;
     let plan = plan(&source, req)?;
@@ -112,7 +136,10 @@ pub fn merge(req: &MergeRequest, progress: &(dyn Fn(u64) + Sync), on_plan: &dyn 
     let staged = StagedDir::new(&req.output, req.force)?;
     let stats = execute(&plan, &source, staged.path(), progress)?;
     if plan.files.len() > 1 {
-        write_file_atomic(&staged.path().join(INDEX_FILE), index_json(&plan).as_bytes())?;
+        write_file_atomic(
+            &staged.path().join(INDEX_FILE),
+            index_json(&plan).as_bytes(),
+        )?;
     }
     copy_carried(&source.carried, staged.path())?;
     staged.commit()?;
@@ -125,9 +152,13 @@ pub fn merge(req: &MergeRequest, progress: &(dyn Fn(u64) + Sync), on_plan: &dyn 
 /// Text that is not a size.
 pub fn parse_size(text: &str) -> std::result::Result<u64, String> {
     let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("`{text}` is not a size like 5GB"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size like 5GB"))?;
     let mult: u64 = match unit.trim().to_ascii_uppercase().as_str() {
         "" | "B" => 1,
         "KB" => 1_000,
@@ -147,15 +178,26 @@ mod tests {
     use ckpt_core::Dtype;
 
     fn t(name: &str, n: u64) -> TargetTensor {
-        TargetTensor { name: name.into(), dtype: Dtype::U8, shape: vec![n], pieces: vec![] }
+        TargetTensor {
+            name: name.into(),
+            dtype: Dtype::U8,
+            shape: vec![n],
+            pieces: vec![],
+        }
     }
 
     #[test]
     fn greedy_sharding_like_hugging_face() {
         let files = shard(vec![t("a", 4), t("b", 4), t("c", 9), t("d", 1)], Some(8));
-        let names: Vec<Vec<&str>> = files.iter().map(|f| f.tensors.iter().map(|t| t.name.as_str()).collect()).collect();
+        let names: Vec<Vec<&str>> = files
+            .iter()
+            .map(|f| f.tensors.iter().map(|t| t.name.as_str()).collect())
+            .collect();
         assert_eq!(names, vec![vec!["a", "b"], vec!["c"], vec!["d"]]);
-        assert_eq!(files[2].path, PathBuf::from("model-00003-of-00003.safetensors"));
+        assert_eq!(
+            files[2].path,
+            PathBuf::from("model-00003-of-00003.safetensors")
+        );
         let one = shard(vec![t("a", 4)], Some(8));
         assert_eq!(one[0].path, PathBuf::from(MODEL_FILE));
     }

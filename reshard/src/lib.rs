@@ -5,8 +5,9 @@
 //! engine merge uses.
 
 use ckpt_core::{
-    check_output_outside_inputs, copy_carried, execute, rank_metadata, rank_tensors, write_file_atomic, Checkpoint,
-    CopyPlan, CopyStats, Error, Mesh, Result, Selection, StagedDir, Strategy, TargetFile, MODEL_FILE, STRATEGY_FILE,
+    check_output_outside_inputs, copy_carried, execute, rank_metadata, rank_tensors,
+    write_file_atomic, Checkpoint, CopyPlan, CopyStats, Error, Mesh, Result, Selection, StagedDir,
+    Strategy, TargetFile, MODEL_FILE, STRATEGY_FILE,
 };
 use std::path::{Path, PathBuf};
 
@@ -49,7 +50,10 @@ impl OutputFormat {
         match self {
             OutputFormat::Ranks => Path::new(&format!("ckpt_{r}")).join(MODEL_FILE),
             // PyTorch numbers shards from 1.
-            OutputFormat::Dcp => PathBuf::from(format!("shard-{:05}-model-00001-of-00001.safetensors", r + 1)),
+            OutputFormat::Dcp => PathBuf::from(format!(
+                "shard-{:05}-model-00001-of-00001.safetensors",
+                r + 1
+            )),
         }
     }
 }
@@ -88,7 +92,11 @@ pub fn rank_from_env() -> Option<u64> {
 ///
 /// # Errors
 /// `--to`/`--mesh` without a source strategy, unknown axes, invalid layouts.
-pub fn target_strategy(source: &Checkpoint, target: &Target, selection: &Selection) -> Result<Strategy> {
+pub fn target_strategy(
+    source: &Checkpoint,
+    target: &Target,
+    selection: &Selection,
+) -> Result<Strategy> {
     let mut strategy = match target {
         Target::Strategy(s) => s.clone(),
         Target::To(_) | Target::Mesh(_) => {
@@ -97,7 +105,11 @@ pub fn target_strategy(source: &Checkpoint, target: &Target, selection: &Selecti
             })?;
             let old = &src.mesh;
             let n = old.axes().len();
-            let mut sizes: Vec<(String, u64)> = old.axes().iter().map(|a| (a.name.clone(), a.size)).collect();
+            let mut sizes: Vec<(String, u64)> = old
+                .axes()
+                .iter()
+                .map(|a| (a.name.clone(), a.size))
+                .collect();
             match target {
                 Target::To(k) => {
                     for (i, s) in sizes.iter_mut().enumerate() {
@@ -108,7 +120,9 @@ pub fn target_strategy(source: &Checkpoint, target: &Target, selection: &Selecti
                     for (name, size) in m {
                         let i = old.axis_index(name).ok_or_else(|| Error::InvalidMesh {
                             mesh: old.to_string(),
-                            problem: format!("--mesh names axis `{name}`, which the source mesh does not have"),
+                            problem: format!(
+                                "--mesh names axis `{name}`, which the source mesh does not have"
+                            ),
                         })?;
                         sizes[i].1 = *size;
                     }
@@ -139,7 +153,10 @@ pub fn target_strategy(source: &Checkpoint, target: &Target, selection: &Selecti
             continue;
         }
         if let Some(l) = strategy.tensors.get_mut(&name) {
-            l.dtype = selection.dtype(&name, source.tensors.get(&name).map_or(l.dtype, |t| t.dtype))?;
+            l.dtype = selection.dtype(
+                &name,
+                source.tensors.get(&name).map_or(l.dtype, |t| t.dtype),
+            )?;
         }
     }
     Ok(strategy)
@@ -149,13 +166,21 @@ pub fn target_strategy(source: &Checkpoint, target: &Target, selection: &Selecti
 ///
 /// # Errors
 /// See [`CopyPlan::build`].
-pub fn plan(source: &Checkpoint, strategy: &Strategy, ranks: Ranks, keep_all: bool, format: OutputFormat) -> Result<CopyPlan> {
+pub fn plan(
+    source: &Checkpoint,
+    strategy: &Strategy,
+    ranks: Ranks,
+    keep_all: bool,
+    format: OutputFormat,
+) -> Result<CopyPlan> {
     let world = strategy.mesh.world_size();
     let list: Vec<u64> = match ranks {
         Ranks::All => (0..world).collect(),
         Ranks::One(r) if r < world => vec![r],
         Ranks::One(r) => {
-            return Err(Error::Unsupported { problem: format!("--rank {r} but the target has {world} ranks") })
+            return Err(Error::Unsupported {
+                problem: format!("--rank {r} but the target has {world} ranks"),
+            })
         }
     };
     let files = list
@@ -196,7 +221,11 @@ pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)>
 /// # Errors
 /// Any input problem (nothing is written then), an existing output without `force`,
 /// an output inside an input, I/O errors.
-pub fn reshard(req: &ReshardRequest, progress: &(dyn Fn(u64) + Sync), on_plan: &dyn Fn(&CopyPlan)) -> Result<CopyStats> {
+pub fn reshard(
+    req: &ReshardRequest,
+    progress: &(dyn Fn(u64) + Sync),
+    on_plan: &dyn Fn(&CopyPlan),
+) -> Result<CopyStats> {
     check_output_outside_inputs(&req.output, &req.inputs)?;
     // What appears atomically: the whole output, or with one rank that rank's directory
     // (ckpt layout) or file (DCP layout, written atomically by the file writer).
@@ -216,11 +245,17 @@ pub fn reshard(req: &ReshardRequest, progress: &(dyn Fn(u64) + Sync), on_plan: &
     let (source, strategy, mut plan) = prepare(req)?;
     on_plan(&plan);
     let json = strategy.to_json();
-    let staged = staged_path.as_deref().map(|p| StagedDir::new(p, req.force)).transpose()?;
+    let staged = staged_path
+        .as_deref()
+        .map(|p| StagedDir::new(p, req.force))
+        .transpose()?;
     let root = match &staged {
         Some(s) => s.path().to_path_buf(),
         None => {
-            std::fs::create_dir_all(&req.output).map_err(|source| Error::Io { path: req.output.clone(), source })?;
+            std::fs::create_dir_all(&req.output).map_err(|source| Error::Io {
+                path: req.output.clone(),
+                source,
+            })?;
             req.output.clone()
         }
     };
@@ -233,11 +268,16 @@ pub fn reshard(req: &ReshardRequest, progress: &(dyn Fn(u64) + Sync), on_plan: &
     let stats = execute(&plan, &source, &root, progress)?;
     let rank_dirs: Vec<PathBuf> = match (req.ranks, req.format) {
         (_, OutputFormat::Dcp) => vec![],
-        (Ranks::All, OutputFormat::Ranks) => (0..strategy.mesh.world_size()).map(|r| root.join(format!("ckpt_{r}"))).collect(),
+        (Ranks::All, OutputFormat::Ranks) => (0..strategy.mesh.world_size())
+            .map(|r| root.join(format!("ckpt_{r}")))
+            .collect(),
         (Ranks::One(_), OutputFormat::Ranks) => vec![root.clone()],
     };
     for d in &rank_dirs {
-        std::fs::create_dir_all(d).map_err(|source| Error::Io { path: d.clone(), source })?;
+        std::fs::create_dir_all(d).map_err(|source| Error::Io {
+            path: d.clone(),
+            source,
+        })?;
         write_file_atomic(&d.join(STRATEGY_FILE), json.as_bytes())?;
         copy_carried(&source.carried, d)?;
     }
