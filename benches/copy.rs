@@ -23,7 +23,10 @@ fn timed(cmd: &mut Command) -> (f64, f64) {
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
     let secs = t.elapsed().as_secs_f64();
-    assert!(r == pid && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "{cmd:?} failed");
+    assert!(
+        r == pid && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "{cmd:?} failed"
+    );
     std::mem::forget(child);
     (secs, ru.ru_maxrss as f64 / 1024.0)
 }
@@ -43,21 +46,46 @@ fn main() {
     // `cargo bench` passes --bench; no other arguments are used.
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
     std::fs::create_dir_all(&root).unwrap();
-    let layers: u64 = std::env::var("CKPT_BENCH_LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(19);
+    let layers: u64 = std::env::var("CKPT_BENCH_LAYERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(19);
     let src = root.join(format!("tp8-h2048-l{layers}"));
     if !src.exists() {
         let (s, _) = timed(ckpt().args(["example"]).arg(&src).args([
-            "--mesh", "tp=8", "--hidden", "2048", "--layers", &layers.to_string(), "--vocab", "32003",
+            "--mesh",
+            "tp=8",
+            "--hidden",
+            "2048",
+            "--layers",
+            &layers.to_string(),
+            "--vocab",
+            "32003",
         ]));
         println!("generated the source checkpoint in {s:.1} s");
     }
     let files = rank_files(&src);
-    let bytes: u64 = files.iter().map(|f| std::fs::metadata(f).unwrap().len()).sum();
-    println!("source: {} rank files, {:.2} GB (column/row-sharded BF16, fused QKV, replicated norms)", files.len(), bytes as f64 / 1e9);
+    let bytes: u64 = files
+        .iter()
+        .map(|f| std::fs::metadata(f).unwrap().len())
+        .sum();
+    println!(
+        "source: {} rank files, {:.2} GB (column/row-sharded BF16, fused QKV, replicated norms)",
+        files.len(),
+        bytes as f64 / 1e9
+    );
     // Warm the page cache so every run reads from memory (in a child: reading here would
     // raise this process's peak RSS, which forked children inherit in ru_maxrss).
-    let list = files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(" ");
-    timed(Command::new("sh").arg("-c").arg(format!("cat {list} > /dev/null")));
+    let list = files
+        .iter()
+        .map(|f| f.display().to_string())
+        .collect::<Vec<_>>()
+        .join(" ");
+    timed(
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("cat {list} > /dev/null")),
+    );
     let out = root.join("out");
     let cat_out = root.join("cat.out");
     let clean = || {
@@ -67,16 +95,28 @@ fn main() {
     let mut rows: Vec<(String, f64, f64)> = Vec::new();
     // Each figure is the best of three, all in this one run.
     let best = |f: &mut dyn FnMut() -> (f64, f64)| -> (f64, f64) {
-        (0..3).map(|_| f()).fold((f64::MAX, 0.0), |(s, r), (s2, r2)| (s.min(s2), f64::max(r, r2)))
+        (0..3)
+            .map(|_| f())
+            .fold((f64::MAX, 0.0), |(s, r), (s2, r2)| {
+                (s.min(s2), f64::max(r, r2))
+            })
     };
     let (cat, cat_rss) = best(&mut || {
         clean();
-        timed(Command::new("sh").arg("-c").arg(format!("cat {list} > {}", cat_out.display())))
+        timed(
+            Command::new("sh")
+                .arg("-c")
+                .arg(format!("cat {list} > {}", cat_out.display())),
+        )
     });
     rows.push(("cat (same bytes, one file)".into(), cat, cat_rss));
     let (cat_sync, _) = best(&mut || {
         clean();
-        timed(Command::new("sh").arg("-c").arg(format!("cat {list} > {0} && sync {0}", cat_out.display())))
+        timed(
+            Command::new("sh")
+                .arg("-c")
+                .arg(format!("cat {list} > {0} && sync {0}", cat_out.display())),
+        )
     });
     rows.push(("cat + fsync".into(), cat_sync, 0.0));
     let (merge, merge_rss) = best(&mut || {
@@ -86,29 +126,64 @@ fn main() {
     rows.push(("ckpt merge (fsyncs its output)".into(), merge, merge_rss));
     let (reshard, reshard_rss) = best(&mut || {
         clean();
-        timed(ckpt().args(["reshard", "-q", "--to", "2"]).arg(&src).arg("-o").arg(&out))
+        timed(
+            ckpt()
+                .args(["reshard", "-q", "--to", "2"])
+                .arg(&src)
+                .arg("-o")
+                .arg(&out),
+        )
     });
     rows.push(("ckpt reshard --to 2".into(), reshard, reshard_rss));
     clean();
     println!("\n| run | seconds | x cat | x (cat + fsync) | peak RSS MiB |");
     println!("|---|---|---|---|---|");
     for (name, s, rss) in &rows {
-        println!("| {name} | {s:.2} | {:.2} | {:.2} | {} |", s / cat, s / cat_sync, if *rss > 0.0 { format!("{rss:.1}") } else { "-".into() });
+        println!(
+            "| {name} | {s:.2} | {:.2} | {:.2} | {} |",
+            s / cat,
+            s / cat_sync,
+            if *rss > 0.0 {
+                format!("{rss:.1}")
+            } else {
+                "-".into()
+            }
+        );
     }
     // Bytes read per target rank of partitioned runs (from the plan: no data moves).
-    let plan = ckpt().args(["reshard", "--to", "2", "--plan", "--json"]).arg(&src).arg("-o").arg(&out).output().unwrap();
+    let plan = ckpt()
+        .args(["reshard", "--to", "2", "--plan", "--json"])
+        .arg(&src)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
     println!("\n| --rank | bytes read | bytes written | read / written |");
     println!("|---|---|---|---|");
     for f in v["files"].as_array().unwrap() {
-        let (r, w) = (f["bytes_read"].as_f64().unwrap(), f["bytes_written"].as_f64().unwrap());
-        println!("| {} | {:.0} | {:.0} | {:.4} |", f["output"].as_str().unwrap(), r, w, r / w);
+        let (r, w) = (
+            f["bytes_read"].as_f64().unwrap(),
+            f["bytes_written"].as_f64().unwrap(),
+        );
+        println!(
+            "| {} | {:.0} | {:.0} | {:.4} |",
+            f["output"].as_str().unwrap(),
+            r,
+            w,
+            r / w
+        );
     }
     // The coverage check on a million pieces (a 1000 x 1000 grid).
     let boxes: Vec<ckpt_core::Region> = (0..1000u64)
-        .flat_map(|i| (0..1000u64).map(move |j| ckpt_core::Region::new(vec![i * 7, j * 5], vec![7, 5])))
+        .flat_map(|i| {
+            (0..1000u64).map(move |j| ckpt_core::Region::new(vec![i * 7, j * 5], vec![7, 5]))
+        })
         .collect();
     let t = Instant::now();
     ckpt_core::check_tiling(&[7000, 5000], &boxes).unwrap();
-    println!("\ncoverage check of 1,000,000 pieces: {:.2} s", t.elapsed().as_secs_f64());
+    println!(
+        "\ncoverage check of 1,000,000 pieces: {:.2} s",
+        t.elapsed().as_secs_f64()
+    );
 }
