@@ -1,6 +1,6 @@
 //! `ckpt reshard`: M to N, back again, single ranks, plans and strategies.
 
-use crate::util::{example_originals, full_tensors, Dir};
+use crate::util::{example_originals, full_tensors, originals_of, Dir};
 
 fn files_equal(a: &std::path::Path, b: &std::path::Path) {
     assert_eq!(
@@ -125,21 +125,6 @@ fn example_with(d: &Dir, rel: &str, mesh: &str) {
     ]);
 }
 
-fn originals_with(mesh: &str) -> std::collections::BTreeMap<String, Vec<u8>> {
-    let model = ckpt_core::ExampleModel {
-        hidden: 16,
-        vocab: 37,
-        layers: 4,
-        optimizer: true,
-        ..Default::default()
-    };
-    let s = ckpt_core::example_strategy(&model, &ckpt_core::Mesh::parse(mesh).unwrap()).unwrap();
-    s.tensors
-        .iter()
-        .map(|(n, l)| (n.clone(), ckpt_core::example_tensor(n, l)))
-        .collect()
-}
-
 #[test]
 fn pipeline_two_to_one_and_back_with_optimizer_state() {
     let d = Dir::new();
@@ -158,7 +143,7 @@ fn pipeline_two_to_one_and_back_with_optimizer_state() {
     assert_eq!(f.tensors()[m].shape, vec![32, 16]);
     assert_eq!(
         full_tensors(&d.path("pp1")),
-        originals_with("pp=2,dp=2,tp=2")
+        originals_of("pp=2,dp=2,tp=2", 4, true)
     );
     // And back to the training strategy, byte for byte.
     d.ok(&[

@@ -100,11 +100,18 @@ pub fn full_tensors(path: &Path) -> std::collections::BTreeMap<String, Vec<u8>> 
     out
 }
 
-/// The example model's original tensors on `mesh` (the values `ckpt example` wrote).
-pub fn example_originals(mesh: &str) -> std::collections::BTreeMap<String, Vec<u8>> {
+/// The example model's original tensors on `mesh` (the values `ckpt example` wrote with
+/// `--hidden 16 --vocab 37` and the given number of layers and `--optimizer`).
+pub fn originals_of(
+    mesh: &str,
+    layers: u64,
+    optimizer: bool,
+) -> std::collections::BTreeMap<String, Vec<u8>> {
     let model = ckpt_core::ExampleModel {
         hidden: 16,
         vocab: 37,
+        layers,
+        optimizer,
         ..Default::default()
     };
     let s = ckpt_core::example_strategy(&model, &ckpt_core::Mesh::parse(mesh).unwrap()).unwrap();
@@ -112,4 +119,9 @@ pub fn example_originals(mesh: &str) -> std::collections::BTreeMap<String, Vec<u
         .iter()
         .map(|(n, l)| (n.clone(), ckpt_core::example_tensor(n, l)))
         .collect()
+}
+
+/// The tensors of [`Dir::example`] on `mesh`.
+pub fn example_originals(mesh: &str) -> std::collections::BTreeMap<String, Vec<u8>> {
+    originals_of(mesh, 2, false)
 }
