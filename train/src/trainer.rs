@@ -345,6 +345,30 @@ fn mix(parts: &[u64]) -> u64 {
     })
 }
 
+/// Replaces `buffers` by dp rank 0's values.
+fn broadcast_buffers(buffers: &[Var], dist: &Dist) -> Result<()> {
+    if buffers.is_empty() {
+        return Ok(());
+    }
+    let mut flat = Vec::new();
+    for b in buffers {
+        flat.extend(crate::comm::tensor_to_vec(b.as_tensor())?);
+    }
+    dist.dp.broadcast(&mut flat, 0)?;
+    let mut at = 0;
+    for b in buffers {
+        let t = b.as_tensor();
+        let n = t.elem_count();
+        b.set(&candle_core::Tensor::from_vec(
+            flat[at..at + n].to_vec(),
+            t.shape(),
+            t.device(),
+        )?)?;
+        at += n;
+    }
+    Ok(())
+}
+
 struct RankResult {
     losses: Vec<f32>,
     accuracy: Vec<(u64, f32)>,
@@ -436,6 +460,18 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
         .collect();
     let mut opt = Optimizer::new(plan.optim.clone(), trainable, &dist, plan.zero)?;
     opt.load_state(&loaded)?;
+    // Buffers (BatchNorm running statistics) that dp ranks compute apart are replaced
+    // by dp rank 0's after every update, as DDP's broadcast_buffers does, so every rank
+    // holds what the checkpoint (which stores them once) holds.
+    let buffers: Vec<Var> = if plan.sync_bn || dist.dp_size() == 1 {
+        Vec::new()
+    } else {
+        plan.specs
+            .iter()
+            .filter(|s| !s.hint.trainable)
+            .map(|s| vars[&s.name].clone())
+            .collect()
+    };
 
     let train = &plan.data.train;
     let sampler = DistributedSampler {
@@ -588,6 +624,7 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
                 plan.total_steps,
             );
             opt.step(&grads, lr, step + 1)?;
+            broadcast_buffers(&buffers, &dist)?;
             let mut l = [loss.to_scalar::<f32>()?];
             dist.dp.all_reduce(&mut l, ReduceOp::Mean)?;
             step += 1;
@@ -595,13 +632,13 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             result.train_seconds += t0.elapsed().as_secs_f64();
             result.losses.push(l[0]);
             last_loss = Some(l[0]);
-            bar.inc(1);
             let ips =
                 (result.losses.len() * plan.global_batch) as f64 / result.train_seconds.max(1e-9);
             bar.set_message(format!(
                 "epoch {epoch} step {step} loss {:.4} {ips:.0} img/s",
                 l[0]
             ));
+            bar.inc(1);
             if plan.save_every > 0 && step % plan.save_every == 0 {
                 result
                     .checkpoints

@@ -113,3 +113,42 @@ fn shard_optimizer_is_bit_identical() {
         assert_eq!(plain.losses, zero.losses, "{opt}");
     }
 }
+
+/// Without --sync-bn, BatchNorm running statistics follow dp rank 0 on every rank (as
+/// DDP's broadcast_buffers), so a checkpoint, which stores them once, is what every rank
+/// holds: a resumed run evaluates (each dp rank on its part of the test set, with its
+/// own running statistics) exactly as the uninterrupted one.
+#[test]
+fn resnet_buffers_follow_rank_0_without_sync_bn() {
+    let dir = tempfile::tempdir().unwrap();
+    write_cifar(dir.path(), 48, 40);
+    let data = format!("cifar10:{}", dir.path().display());
+    let out = dir.path().join("out");
+    let out_s = out.display().to_string();
+    let common = [
+        "--model",
+        "resnet",
+        "--depth",
+        "8",
+        "--data",
+        &data,
+        "--batch-size",
+        "16",
+        "--ranks",
+        "4",
+        "--optimizer",
+        "sgd",
+        "--epochs",
+        "2",
+    ];
+    let whole = run(&[&common[..], &["--gather-weights"]].concat());
+    run(&[&common[..], &["--max-steps", "4", "--out", &out_s]].concat());
+    let rest = run(&[&common[..], &["--resume", &out_s, "--gather-weights"]].concat());
+    assert_eq!(&whole.losses[4..], &rest.losses[..]);
+    assert_eq!(whole.test_accuracy.last(), rest.test_accuracy.last());
+    let (a, b) = (whole.weights.unwrap(), rest.weights.unwrap());
+    assert_eq!(
+        a["layer1.0.bn1.running_mean"],
+        b["layer1.0.bn1.running_mean"]
+    );
+}
