@@ -326,3 +326,43 @@ fn load_model_on_another_mesh_predicts_as_trained() {
         );
     }
 }
+
+/// A save that fails half way (here: rank 0 cannot clear its staging directory) leaves
+/// the previous checkpoint complete and `latest` pointing at it; the run resumes from it.
+#[test]
+fn failed_save_leaves_the_previous_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("step_10.tmp"), b"not a directory").unwrap();
+    let args = [
+        "--ranks",
+        "2",
+        "--max-steps",
+        "12",
+        "--save-every",
+        "5",
+        "--out",
+        &s(&out),
+        "--no-eval",
+    ];
+    let e = ckpt_train::train(&crate::util::cfg(&args), false).unwrap_err();
+    assert!(e.to_string().contains("step_10.tmp"), "{e}");
+    assert_eq!(
+        std::fs::read_to_string(out.join(LATEST_FILE)).unwrap(),
+        "step_5\n"
+    );
+    assert!(!out.join("step_10").exists());
+    let (_, problems) = ckpt_core::verify(&[out.join("step_5")], false).unwrap();
+    assert!(problems.is_empty(), "{problems:?}");
+    let r = run(&[
+        "--ranks",
+        "2",
+        "--max-steps",
+        "7",
+        "--resume",
+        &s(&out),
+        "--no-eval",
+    ]);
+    assert_eq!((r.start_step, r.steps), (5, 7));
+}
