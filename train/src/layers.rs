@@ -2,8 +2,9 @@
 //! layers, LayerNorm, BatchNorm (optionally synchronized over `dp`) and convolutions.
 //! Weights are PyTorch-shaped (`[out, in]`, `[out, in, k, k]`).
 
+use crate::batch_norm::batch_norm_train;
 use crate::comm::Comm;
-use crate::parallel::{all_reduce_sum_both, copy_to_group, reduce_from_group};
+use crate::parallel::{copy_to_group, reduce_from_group};
 use crate::params::{Init, ParamHint, ShardedVarBuilder};
 use candle_core::{Module, Result, Tensor, Var, D};
 use std::sync::Arc;
@@ -318,36 +319,23 @@ impl BatchNorm2d {
     pub fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let c = x.dim(1)?;
         let shape = (1, c, 1, 1);
-        let (mean, var) = if train {
-            let (b, _, h, w) = x.dims4()?;
-            let s = x.sum_keepdim((0, 2, 3))?.reshape(c)?;
-            let ss = x.sqr()?.sum_keepdim((0, 2, 3))?.reshape(c)?;
-            let mut n = (b * h * w) as f64;
-            let (s, ss) = match &self.sync {
-                Some(dp) => {
-                    n *= dp.size() as f64;
-                    let both = all_reduce_sum_both(&Tensor::cat(&[&s, &ss], 0)?, dp)?;
-                    (both.narrow(0, 0, c)?, both.narrow(0, c, c)?)
-                }
-                None => (s, ss),
-            };
-            let mean = (s / n)?;
-            let var = ((ss / n)? - mean.sqr()?)?.relu()?;
-            let m = self.momentum;
-            let unbiased = (var.detach() * (n / (n - 1.0).max(1.0)))?;
-            let rm = ((self.running_mean.detach() * (1.0 - m))? + (mean.detach() * m)?)?;
-            let rv = ((self.running_var.detach() * (1.0 - m))? + (unbiased * m)?)?;
+        if train {
+            let (y, stats) = batch_norm_train(x, &self.w, &self.b, self.eps, self.sync.clone())?;
             if self.running_mean.is_variable() {
+                let (m, n) = (self.momentum, stats.count);
+                let dev = x.device();
+                let mean = Tensor::from_vec(stats.mean, c, dev)?;
+                let unbiased = (Tensor::from_vec(stats.var, c, dev)? * (n / (n - 1.0).max(1.0)))?;
+                let rm = ((self.running_mean.detach() * (1.0 - m))? + (mean * m)?)?;
+                let rv = ((self.running_var.detach() * (1.0 - m))? + (unbiased * m)?)?;
                 Var::from_tensor(&self.running_mean)?.set(&rm)?;
                 Var::from_tensor(&self.running_var)?.set(&rv)?;
             }
-            (mean, var)
-        } else {
-            (self.running_mean.clone(), self.running_var.clone())
-        };
+            return Ok(y);
+        }
         let xn = x
-            .broadcast_sub(&mean.reshape(shape)?)?
-            .broadcast_div(&(var.reshape(shape)? + self.eps)?.sqrt()?)?;
+            .broadcast_sub(&self.running_mean.reshape(shape)?)?
+            .broadcast_div(&(self.running_var.reshape(shape)? + self.eps)?.sqrt()?)?;
         xn.broadcast_mul(&self.w.reshape(shape)?)?
             .broadcast_add(&self.b.reshape(shape)?)
     }

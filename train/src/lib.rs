@@ -20,6 +20,7 @@
 //! assert!(report.losses[2] < report.losses[0]);
 //! ```
 
+mod batch_norm;
 mod checkpoint;
 mod comm;
 mod config;

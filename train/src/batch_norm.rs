@@ -1,0 +1,260 @@
+//! BatchNorm over `[b, c, h, w]` as one fused candle op (forward and backward in single
+//! passes over the data), optionally synchronized over a group.
+//!
+//! Training forward: per channel, `mean = Σx / n` and `var = Σx² / n - mean²` over the
+//! batch (over every rank of the group when synchronized: the sums are all-reduced, `n`
+//! is the global count), `y = (x - mean) / sqrt(var + eps) * γ + β`.
+//!
+//! Backward, with `x̂ = (x - mean) / σ` and sums over the batch (all-reduced when
+//! synchronized, as PyTorch's SyncBatchNorm does, since the objective is the sum of the
+//! ranks' losses): `dx = γ / σ * (dy - Σdy / n - x̂ Σ(dy x̂) / n)`, and the local
+//! `dγ = Σ(dy x̂)`, `dβ = Σdy` (averaged over `dp` by the optimizer like any gradient).
+
+use crate::comm::{Comm, ReduceOp};
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use std::sync::{Arc, Mutex};
+
+/// Batch statistics of the last forward: per-channel mean, biased variance, and the
+/// element count they cover (global when synchronized).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct BatchStats {
+    pub(crate) mean: Vec<f32>,
+    pub(crate) var: Vec<f32>,
+    pub(crate) count: f64,
+}
+
+struct BatchNormOp {
+    eps: f64,
+    sync: Option<Arc<dyn Comm>>,
+    stats: Arc<Mutex<BatchStats>>,
+}
+
+fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    let CpuStorage::F32(v) = s else {
+        candle_core::bail!("batch-norm: {what} must be f32")
+    };
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&v[a..b]),
+        None => candle_core::bail!("batch-norm: {what} must be contiguous"),
+    }
+}
+
+fn dims(shape: &Shape) -> candle_core::Result<(usize, usize, usize)> {
+    let (b, c, h, w) = shape.dims4()?;
+    Ok((b, c, h * w))
+}
+
+impl BatchNormOp {
+    fn all_reduce(&self, v: &mut [f32]) -> candle_core::Result<()> {
+        if let Some(g) = &self.sync {
+            g.all_reduce(v, ReduceOp::Sum)
+                .map_err(candle_core::Error::wrap)?;
+        }
+        Ok(())
+    }
+
+    fn count(&self, local: usize) -> f64 {
+        local as f64 * self.sync.as_ref().map_or(1, |g| g.size()) as f64
+    }
+}
+
+impl CustomOp3 for BatchNormOp {
+    fn name(&self) -> &'static str {
+        "batch-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = slice(s1, l1, "input")?;
+        let (gamma, beta) = (slice(s2, l2, "weight")?, slice(s3, l3, "bias")?);
+        let (b, c, hw) = dims(l1.shape())?;
+        let mut sums = vec![0f32; 2 * c];
+        for ch in 0..c {
+            let (mut s, mut ss) = (0f64, 0f64);
+            for bi in 0..b {
+                for &v in &x[(bi * c + ch) * hw..(bi * c + ch + 1) * hw] {
+                    s += f64::from(v);
+                    ss += f64::from(v) * f64::from(v);
+                }
+            }
+            sums[ch] = s as f32;
+            sums[c + ch] = ss as f32;
+        }
+        self.all_reduce(&mut sums)?;
+        let n = self.count(b * hw);
+        let mut mean = vec![0f32; c];
+        let mut var = vec![0f32; c];
+        let mut y = vec![0f32; x.len()];
+        for ch in 0..c {
+            let m = f64::from(sums[ch]) / n;
+            let v = (f64::from(sums[c + ch]) / n - m * m).max(0.0);
+            mean[ch] = m as f32;
+            var[ch] = v as f32;
+            let inv = (1.0 / (v + self.eps).sqrt()) as f32;
+            let (scale, m) = (gamma[ch] * inv, m as f32);
+            for bi in 0..b {
+                let r = (bi * c + ch) * hw..(bi * c + ch + 1) * hw;
+                for (o, &v) in y[r.clone()].iter_mut().zip(&x[r]) {
+                    *o = (v - m) * scale + beta[ch];
+                }
+            }
+        }
+        *self
+            .stats
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = BatchStats {
+            mean,
+            var,
+            count: n,
+        };
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        _beta: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let stats = self
+            .stats
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let (b, c, hw) = dims(x.shape())?;
+        let xv = x.flatten_all()?.to_vec1::<f32>()?;
+        let dy = grad.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let g = gamma.to_vec1::<f32>()?;
+        let inv: Vec<f32> = stats
+            .var
+            .iter()
+            .map(|&v| (1.0 / (f64::from(v) + self.eps).sqrt()) as f32)
+            .collect();
+        let mut sums = vec![0f32; 2 * c];
+        for ch in 0..c {
+            let (mut sdy, mut sdyx) = (0f64, 0f64);
+            let (m, iv) = (stats.mean[ch], inv[ch]);
+            for bi in 0..b {
+                let r = (bi * c + ch) * hw..(bi * c + ch + 1) * hw;
+                for (&d, &v) in dy[r.clone()].iter().zip(&xv[r]) {
+                    sdy += f64::from(d);
+                    sdyx += f64::from(d) * f64::from((v - m) * iv);
+                }
+            }
+            sums[ch] = sdy as f32;
+            sums[c + ch] = sdyx as f32;
+        }
+        let local = sums.clone();
+        self.all_reduce(&mut sums)?;
+        let n = stats.count;
+        let mut dx = vec![0f32; xv.len()];
+        for ch in 0..c {
+            let (m, iv) = (stats.mean[ch], inv[ch]);
+            let k = g[ch] * iv;
+            let (mdy, mdyx) = (
+                (f64::from(sums[ch]) / n) as f32,
+                (f64::from(sums[c + ch]) / n) as f32,
+            );
+            for bi in 0..b {
+                let r = (bi * c + ch) * hw..(bi * c + ch + 1) * hw;
+                for ((o, &d), &v) in dx[r.clone()].iter_mut().zip(&dy[r.clone()]).zip(&xv[r]) {
+                    *o = k * (d - mdy - (v - m) * iv * mdyx);
+                }
+            }
+        }
+        let dev = x.device();
+        Ok((
+            Some(Tensor::from_vec(dx, x.shape(), dev)?),
+            Some(Tensor::from_vec(local[c..].to_vec(), c, dev)?),
+            Some(Tensor::from_vec(local[..c].to_vec(), c, dev)?),
+        ))
+    }
+}
+
+/// Training-mode BatchNorm of `x` `[b, c, h, w]` with weight and bias `[c]`, statistics
+/// synchronized over `sync` when given. Returns the output and the batch statistics.
+pub(crate) fn batch_norm_train(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f64,
+    sync: Option<Arc<dyn Comm>>,
+) -> candle_core::Result<(Tensor, BatchStats)> {
+    let stats = Arc::new(Mutex::new(BatchStats::default()));
+    let op = BatchNormOp {
+        eps,
+        sync,
+        stats: stats.clone(),
+    };
+    let y = x
+        .contiguous()?
+        .apply_op3(&gamma.contiguous()?, &beta.contiguous()?, op)?;
+    let s = stats
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    Ok((y, s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// The fused op against the same BatchNorm written with differentiable primitives.
+    #[test]
+    fn fused_batch_norm_matches_autograd() {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(1f32, 2.0, (3, 4, 5, 2), &dev).unwrap()).unwrap();
+        let g = Var::from_tensor(&Tensor::randn(1f32, 0.2, 4, &dev).unwrap()).unwrap();
+        let b = Var::from_tensor(&Tensor::randn(0f32, 0.2, 4, &dev).unwrap()).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (3, 4, 5, 2), &dev).unwrap();
+        let (y, stats) =
+            batch_norm_train(x.as_tensor(), g.as_tensor(), b.as_tensor(), 1e-5, None).unwrap();
+        let ga = (y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+
+        let xs = x.as_tensor();
+        let mean = xs.mean_keepdim((0, 2, 3)).unwrap();
+        let xc = xs.broadcast_sub(&mean).unwrap();
+        let var = xc.sqr().unwrap().mean_keepdim((0, 2, 3)).unwrap();
+        let r = xc
+            .broadcast_div(&(var.clone() + 1e-5).unwrap().sqrt().unwrap())
+            .unwrap()
+            .broadcast_mul(&g.as_tensor().reshape((1, 4, 1, 1)).unwrap())
+            .unwrap()
+            .broadcast_add(&b.as_tensor().reshape((1, 4, 1, 1)).unwrap())
+            .unwrap();
+        let gb = (r * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let close = |a: &Tensor, b: &Tensor| {
+            let d = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(d < 1e-4, "differ by {d}");
+        };
+        for v in [&x, &g, &b] {
+            close(
+                ga.get(v.as_tensor()).unwrap(),
+                gb.get(v.as_tensor()).unwrap(),
+            );
+        }
+        close(
+            &Tensor::new(stats.var.as_slice(), &dev).unwrap(),
+            &var.flatten_all().unwrap(),
+        );
+        assert_eq!(stats.count, 30.0);
+    }
+}
