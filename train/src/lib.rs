@@ -24,6 +24,7 @@ mod batch_norm;
 mod checkpoint;
 mod comm;
 mod config;
+mod conv;
 mod data;
 mod error;
 mod inference;
