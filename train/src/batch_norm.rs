@@ -12,6 +12,7 @@
 
 use crate::comm::{Comm, ReduceOp};
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use rayon::prelude::*;
 use std::sync::{Arc, Mutex};
 
 /// Batch statistics of the last forward: per-channel mean, biased variance, and the
@@ -75,37 +76,47 @@ impl CustomOp3 for BatchNormOp {
         let x = slice(s1, l1, "input")?;
         let (gamma, beta) = (slice(s2, l2, "weight")?, slice(s3, l3, "bias")?);
         let (b, c, hw) = dims(l1.shape())?;
-        let mut sums = vec![0f32; 2 * c];
-        for ch in 0..c {
-            let (mut s, mut ss) = (0f64, 0f64);
-            for bi in 0..b {
-                for &v in &x[(bi * c + ch) * hw..(bi * c + ch + 1) * hw] {
-                    s += f64::from(v);
-                    ss += f64::from(v) * f64::from(v);
+        let per: Vec<(f64, f64)> = (0..c)
+            .into_par_iter()
+            .map(|ch| {
+                let (mut s, mut ss) = (0f64, 0f64);
+                for bi in 0..b {
+                    for &v in &x[(bi * c + ch) * hw..(bi * c + ch + 1) * hw] {
+                        s += f64::from(v);
+                        ss += f64::from(v) * f64::from(v);
+                    }
                 }
-            }
-            sums[ch] = s as f32;
-            sums[c + ch] = ss as f32;
-        }
+                (s, ss)
+            })
+            .collect();
+        let mut sums: Vec<f32> = per
+            .iter()
+            .map(|p| p.0 as f32)
+            .chain(per.iter().map(|p| p.1 as f32))
+            .collect();
         self.all_reduce(&mut sums)?;
         let n = self.count(b * hw);
         let mut mean = vec![0f32; c];
         let mut var = vec![0f32; c];
-        let mut y = vec![0f32; x.len()];
+        let mut scale = vec![0f32; c];
         for ch in 0..c {
             let m = f64::from(sums[ch]) / n;
             let v = (f64::from(sums[c + ch]) / n - m * m).max(0.0);
             mean[ch] = m as f32;
             var[ch] = v as f32;
-            let inv = (1.0 / (v + self.eps).sqrt()) as f32;
-            let (scale, m) = (gamma[ch] * inv, m as f32);
-            for bi in 0..b {
-                let r = (bi * c + ch) * hw..(bi * c + ch + 1) * hw;
-                for (o, &v) in y[r.clone()].iter_mut().zip(&x[r]) {
-                    *o = (v - m) * scale + beta[ch];
-                }
-            }
+            scale[ch] = gamma[ch] * (1.0 / (v + self.eps).sqrt()) as f32;
         }
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(hw.max(1))
+            .zip(x.par_chunks(hw.max(1)))
+            .enumerate()
+            .for_each(|(i, (o, xs))| {
+                let ch = i % c;
+                let (m, k, bb) = (mean[ch], scale[ch], beta[ch]);
+                for (o, &v) in o.iter_mut().zip(xs) {
+                    *o = (v - m) * k + bb;
+                }
+            });
         *self
             .stats
             .lock()

@@ -3,6 +3,7 @@
 //! transposed convolution that is several times slower on the CPU).
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use rayon::prelude::*;
 
 struct Conv2dOp {
     stride: usize,
@@ -55,29 +56,27 @@ impl Geom {
         self.c * self.k * self.k
     }
 
-    /// Visits every (row, column) of the im2col matrix that falls inside the image,
-    /// with the input's flat index.
-    fn for_each(&self, mut f: impl FnMut(usize, usize)) {
+    /// Visits every (column, input index) pair of image `bi`'s rows of the im2col
+    /// matrix that falls inside the image; columns are relative to the image's rows.
+    fn for_each_in(&self, bi: usize, mut f: impl FnMut(usize, usize)) {
         let (k, s, p) = (self.k, self.stride, self.pad);
         let ckk = self.cols();
-        for bi in 0..self.b {
-            for oy in 0..self.ho {
-                for ox in 0..self.wo {
-                    let row = ((bi * self.ho + oy) * self.wo + ox) * ckk;
-                    for ci in 0..self.c {
-                        let base = (bi * self.c + ci) * self.h;
-                        for ky in 0..k {
-                            let iy = (oy * s + ky).wrapping_sub(p);
-                            if iy >= self.h {
-                                continue;
-                            }
-                            let col = row + (ci * k + ky) * k;
-                            let src = (base + iy) * self.w;
-                            for kx in 0..k {
-                                let ix = (ox * s + kx).wrapping_sub(p);
-                                if ix < self.w {
-                                    f(col + kx, src + ix);
-                                }
+        for oy in 0..self.ho {
+            for ox in 0..self.wo {
+                let row = (oy * self.wo + ox) * ckk;
+                for ci in 0..self.c {
+                    let base = (bi * self.c + ci) * self.h;
+                    for ky in 0..k {
+                        let iy = (oy * s + ky).wrapping_sub(p);
+                        if iy >= self.h {
+                            continue;
+                        }
+                        let col = row + (ci * k + ky) * k;
+                        let src = (base + iy) * self.w;
+                        for kx in 0..k {
+                            let ix = (ox * s + kx).wrapping_sub(p);
+                            if ix < self.w {
+                                f(col + kx, src + ix);
                             }
                         }
                     }
@@ -86,15 +85,28 @@ impl Geom {
         }
     }
 
+    /// The im2col matrix `[b * ho * wo, c * k * k]`, one image per task.
     fn im2col(&self, x: &[f32]) -> Vec<f32> {
-        let mut cols = vec![0f32; self.rows() * self.cols()];
-        self.for_each(|ci, xi| cols[ci] = x[xi]);
+        let per = self.ho * self.wo * self.cols();
+        let mut cols = vec![0f32; self.b * per];
+        cols.par_chunks_mut(per.max(1))
+            .enumerate()
+            .for_each(|(bi, out)| self.for_each_in(bi, |ci, xi| out[ci] = x[xi]));
         cols
     }
 
+    /// Sums the im2col-shaped gradient back into an input-shaped one, one image per task.
     fn col2im(&self, cols: &[f32]) -> Vec<f32> {
-        let mut x = vec![0f32; self.b * self.c * self.h * self.w];
-        self.for_each(|ci, xi| x[xi] += cols[ci]);
+        let per_in = self.c * self.h * self.w;
+        let per = self.ho * self.wo * self.cols();
+        let mut x = vec![0f32; self.b * per_in];
+        x.par_chunks_mut(per_in.max(1))
+            .enumerate()
+            .for_each(|(bi, out)| {
+                let src = &cols[bi * per..(bi + 1) * per];
+                let base = bi * per_in;
+                self.for_each_in(bi, |ci, xi| out[xi - base] += src[ci]);
+            });
         x
     }
 }
