@@ -1,9 +1,11 @@
 //! Optimizers (SGD with momentum, AdamW) over `dp`, optionally with their state split
 //! across the `dp` ranks (ZeRO-1), and the learning-rate schedule.
 //!
-//! Gradients are averaged over `dp` in one all-reduce of all parameters. Updates are
-//! element-wise in plain `f32`, so a ZeRO-1 update (each rank updates its shard, then
-//! the shards are all-gathered) gives bit-for-bit the parameters of an unsplit one.
+//! Gradients are averaged over `dp` in one all-reduce of all parameters, or with ZeRO-1
+//! one reduce-scatter that hands each rank the average of its shard. Updates are
+//! element-wise in plain `f32` and the collectives add in rank order, so a ZeRO-1 update
+//! (each rank updates its shard, then the shards are all-gathered) gives bit-for-bit the
+//! parameters of an unsplit one.
 
 use crate::comm::{Comm, Dist, ReduceOp};
 use crate::error::{Error, Result};
@@ -169,7 +171,30 @@ impl Optimizer {
                 None => flat.extend(std::iter::repeat_n(0f32, s.var.as_tensor().elem_count())),
             }
         }
-        self.dp.all_reduce(&mut flat, ReduceOp::Mean)?;
+        // The averaged gradient of every element this rank updates, slot after slot: all
+        // of them, or with ZeRO only this rank's shard, reduce-scattered so that each
+        // rank sums only its own share.
+        let (grad, grad_at) = if self.zero {
+            let mut perm = Vec::with_capacity(flat.len());
+            let mut counts = vec![0usize; self.dp.size()];
+            for (k, count) in counts.iter_mut().enumerate() {
+                for (i, s) in self.slots.iter().enumerate() {
+                    perm.extend(s.peers[k].iter().map(|&pi| flat[offsets[i] + pi as usize]));
+                    *count += s.peers[k].len();
+                }
+            }
+            let mine = self.dp.reduce_scatter(&perm, &counts, ReduceOp::Mean)?;
+            let mut at = Vec::with_capacity(self.slots.len());
+            let mut n = 0;
+            for s in &self.slots {
+                at.push(n);
+                n += s.state[0].len();
+            }
+            (mine, at)
+        } else {
+            self.dp.all_reduce(&mut flat, ReduceOp::Mean)?;
+            (flat, offsets)
+        };
         let mut params: Vec<Vec<f32>> = self
             .slots
             .iter()
@@ -188,11 +213,11 @@ impl Optimizer {
         let kind = c.kind;
         for (i, s) in self.slots.iter_mut().enumerate() {
             let p = &mut params[i];
-            let g = &flat[offsets[i]..offsets[i] + p.len()];
             let n = s.state[0].len();
+            let g = &grad[grad_at[i]..grad_at[i] + n];
             for j in 0..n {
                 let pi = s.mine.as_ref().map_or(j, |m| m[j] as usize);
-                let (pv, gv) = (p[pi], g[pi]);
+                let (pv, gv) = (p[pi], g[j]);
                 p[pi] = match kind {
                     OptimizerKind::Sgd => {
                         let gv = gv + wd * pv;
