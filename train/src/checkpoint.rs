@@ -103,6 +103,12 @@ pub struct TrainerState {
     pub mesh: String,
     /// The data set.
     pub data: String,
+    /// Training images used (`--train-limit`), when limited.
+    #[serde(default)]
+    pub train_limit: Option<usize>,
+    /// Test images used (`--test-limit`), when limited.
+    #[serde(default)]
+    pub test_limit: Option<usize>,
     /// Mean training loss of the last update.
     pub loss: Option<f32>,
 }

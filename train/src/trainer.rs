@@ -73,6 +73,8 @@ struct Plan {
     mesh: Mesh,
     source: DataSource,
     data: Split,
+    train_limit: Option<usize>,
+    test_limit: Option<usize>,
     model: ModelConfig,
     specs: Vec<ParamSpec>,
     optim: OptimConfig,
@@ -197,10 +199,14 @@ impl Plan {
         };
         let source = DataSource::parse(&data_text)?;
         let mut data = source.load()?;
-        if let Some(n) = cfg.train_limit {
+        let saved =
+            |f: fn(&TrainerState) -> Option<usize>| resume.as_ref().and_then(|r| f(&r.state));
+        let train_limit = cfg.train_limit.or_else(|| saved(|s| s.train_limit));
+        let test_limit = cfg.test_limit.or_else(|| saved(|s| s.test_limit));
+        if let Some(n) = train_limit {
             data.train = data.train.truncate(n);
         }
-        if let Some(n) = cfg.test_limit {
+        if let Some(n) = test_limit {
             data.test = data.test.truncate(n);
         }
         let t = &data.train;
@@ -281,6 +287,8 @@ impl Plan {
             mesh,
             source,
             data,
+            train_limit,
+            test_limit,
             model,
             specs,
             optim,
@@ -573,6 +581,8 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             sync_bn: plan.sync_bn,
             mesh: mesh.to_string(),
             data: plan.source.to_string(),
+            train_limit: plan.train_limit,
+            test_limit: plan.test_limit,
             loss,
         }
     };
@@ -681,8 +691,9 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
 /// Trains as `cfg` says: one thread per rank of the mesh, checkpoints under `--out`.
 /// `progress` shows an indicatif bar on a terminal (per-epoch lines otherwise).
 ///
-/// Resuming takes the model, optimizer, schedule, seed and global batch from the
-/// checkpoint (so no flags need repeating); the mesh may differ from the one saved.
+/// Resuming takes the model, optimizer, schedule, seed, global batch, data set and its
+/// limits from the checkpoint (so no flags need repeating; `--data` and the limits
+/// override); the mesh may differ from the one saved.
 ///
 /// # Errors
 /// Invalid options, unreadable data or checkpoints, a failed rank.

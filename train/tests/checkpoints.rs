@@ -366,3 +366,38 @@ fn failed_save_leaves_the_previous_checkpoint() {
     ]);
     assert_eq!((r.start_step, r.steps), (5, 7));
 }
+
+/// Resuming needs no flags repeated: the data set limits come from the trainer state.
+#[test]
+fn resume_keeps_the_data_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    run(&[
+        "--ranks",
+        "2",
+        "--train-limit",
+        "300",
+        "--max-steps",
+        "3",
+        "--out",
+        &s(&a),
+        "--no-eval",
+    ]);
+    let r = run(&[
+        "--ranks",
+        "2",
+        "--epochs",
+        "2",
+        "--resume",
+        &s(&a),
+        "--out",
+        &s(&b),
+        "--no-eval",
+    ]);
+    assert_eq!(r.steps, 8, "2 epochs of 300 images in batches of 64");
+    let st = read_trainer_state(&b.join("step_8/trainer_state.json")).unwrap();
+    assert_eq!(
+        (st.train_limit, st.steps_per_epoch, st.epoch),
+        (Some(300), 4, 2)
+    );
+}
