@@ -9,10 +9,18 @@
 
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "cuda")]
+mod nccl;
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+mod process;
 mod thread;
 
 #[cfg(feature = "mpi")]
-pub use self::mpi::{finalize_mpi, mpi_world, run_mpi, MpiWorld, DEFAULT_TIMEOUT, TIMEOUT_VAR};
+pub use self::mpi::{finalize_mpi, mpi_world, run_mpi, MpiWorld};
+#[cfg(feature = "cuda")]
+pub use self::nccl::{run_nccl, JOB_ID_VAR, RENDEZVOUS_DIR_VAR};
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+pub use self::process::{DEFAULT_TIMEOUT, TIMEOUT_VAR};
 pub use self::thread::run_threads;
 
 use crate::error::{Error, Result};

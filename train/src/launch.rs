@@ -451,4 +451,34 @@ mod tests {
             assert!(err.contains("--features cuda"), "{err}");
         }
     }
+
+    #[test]
+    fn training_on_nccl_without_a_gpu_is_a_clear_error() {
+        if crate::cuda_available().is_ok() {
+            return;
+        }
+        let cfg = crate::TrainConfig::try_parse_from([
+            "t",
+            "--backend",
+            "nccl",
+            "--ranks",
+            "2",
+            "--max-steps",
+            "1",
+            "--no-eval",
+        ])
+        .unwrap();
+        let err = crate::train(&cfg, false).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::BackendUnavailable {
+                    backend: "nccl",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        eprintln!("{err}");
+    }
 }

@@ -25,6 +25,7 @@ mod checkpoint;
 mod comm;
 mod config;
 mod conv;
+mod cuda;
 mod data;
 mod error;
 mod inference;
@@ -46,11 +47,13 @@ pub use crate::comm::{
     ReduceOp, MESH_AXES,
 };
 #[cfg(feature = "mpi")]
-pub use crate::comm::{
-    finalize_mpi, mpi_world, run_mpi, MpiWorld, DEFAULT_TIMEOUT as MPI_DEFAULT_TIMEOUT,
-    TIMEOUT_VAR as MPI_TIMEOUT_VAR,
-};
+pub use crate::comm::{finalize_mpi, mpi_world, run_mpi, MpiWorld};
+#[cfg(feature = "cuda")]
+pub use crate::comm::{run_nccl, JOB_ID_VAR, RENDEZVOUS_DIR_VAR};
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+pub use crate::comm::{DEFAULT_TIMEOUT as COMM_DEFAULT_TIMEOUT, TIMEOUT_VAR as COMM_TIMEOUT_VAR};
 pub use crate::config::TrainConfig;
+pub use crate::cuda::{cuda_available, NCCL_CANDIDATES, NCCL_LIB_VAR};
 pub use crate::data::{
     digits, parse_digits_csv, read_cifar10, read_fashion_mnist, read_idx, DataSource, Dataset,
     DistributedSampler, Idx, Split, CIFAR_RECORD, DIGITS_CSV_GZ, DIGITS_SPLIT_SEED, DIGITS_TEST,

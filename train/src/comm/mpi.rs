@@ -17,6 +17,7 @@
 //! one and aborts the job with `MPI_Abort`. A rank whose work fails aborts the job the
 //! same way ([`MpiWorld::run`]), so no peer waits forever.
 
+use super::process::{reduce_ordered, timeout_from_env, TIMEOUT_VAR};
 use super::{check_mesh, Comm, Dist, ReduceOp, SoloComm};
 use crate::error::{Error, Result};
 use ::mpi::datatype::{Partition, PartitionMut};
@@ -29,12 +30,6 @@ use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
-
-/// Seconds a collective may wait for its peers before the job is aborted.
-pub const TIMEOUT_VAR: &str = "CKPT_COMM_TIMEOUT";
-
-/// The default of [`TIMEOUT_VAR`]: ten minutes, longer than any checkpoint save.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Serialises MPI calls of this process (the communicators are shared by threads).
 static MPI_CALLS: Mutex<()> = Mutex::new(());
@@ -222,19 +217,6 @@ pub fn mpi_world() -> Result<&'static MpiWorld> {
             backend: "mpi",
             problem: problem.clone(),
         })
-}
-
-fn timeout_from_env() -> Result<Duration> {
-    match std::env::var(TIMEOUT_VAR) {
-        Err(_) => Ok(DEFAULT_TIMEOUT),
-        Ok(v) => match v.trim().parse::<f64>() {
-            Ok(s) if s > 0.0 && s.is_finite() => Ok(Duration::from_secs_f64(s)),
-            _ => Err(Error::Launch {
-                variable: TIMEOUT_VAR.into(),
-                problem: format!("`{v}` is not a positive number of seconds"),
-            }),
-        },
-    }
 }
 
 impl MpiWorld {
@@ -504,32 +486,6 @@ fn fingerprint(words: impl IntoIterator<Item = u64>) -> u64 {
         }
     }
     h
-}
-
-/// Combines equal-length pieces in group order, exactly as the thread backend does:
-/// `((p0 ∘ p1) ∘ p2) ∘ ..`, then divides by the count for a mean.
-fn reduce_ordered<'a>(
-    mut parts: impl Iterator<Item = &'a [f32]>,
-    count: usize,
-    op: ReduceOp,
-) -> Vec<f32> {
-    let mut acc = parts.next().map(<[f32]>::to_vec).unwrap_or_default();
-    for p in parts {
-        match op {
-            ReduceOp::Sum | ReduceOp::Mean => {
-                acc.iter_mut().zip(p.iter()).for_each(|(a, b)| *a += *b)
-            }
-            ReduceOp::Max => acc
-                .iter_mut()
-                .zip(p.iter())
-                .for_each(|(a, b)| *a = a.max(*b)),
-        }
-    }
-    if op == ReduceOp::Mean {
-        let k = count as f32;
-        acc.iter_mut().for_each(|a| *a /= k);
-    }
-    acc
 }
 
 /// Splits `n` elements into `p` near-equal segments (the first `n % p` one longer).
@@ -804,19 +760,6 @@ mod tests {
         assert_eq!(segments(2, 4), vec![1, 1, 0, 0]);
         assert_eq!(segments(0, 3), vec![0, 0, 0]);
         assert_eq!(displacements(&[3, 3, 2, 2]), vec![0, 3, 6, 8]);
-    }
-
-    #[test]
-    fn ordered_reduction_matches_left_to_right() {
-        let parts: [&[f32]; 3] = [&[0.1, 1e8, 1.0], &[0.2, 1.0, 5.0], &[0.3, -1e8, 3.0]];
-        let sum = reduce_ordered(parts.iter().copied(), 3, ReduceOp::Sum);
-        assert_eq!(sum, vec![(0.1f32 + 0.2) + 0.3, (1e8f32 + 1.0) - 1e8, 9.0]);
-        let mean = reduce_ordered(parts.iter().copied(), 3, ReduceOp::Mean);
-        assert_eq!(mean[2], 3.0);
-        assert_eq!(
-            reduce_ordered(parts.iter().copied(), 3, ReduceOp::Max),
-            vec![0.3, 1e8, 5.0]
-        );
     }
 
     #[test]
