@@ -50,7 +50,9 @@ mod imp {
     }
 
     fn devices() -> Result<usize, String> {
-        // SAFETY: only tries to dlopen the driver's library names.
+        // SAFETY: only tries to dlopen the driver's library names. (With `cuda-candle`,
+        // cudarc links libcuda, which is then present whenever the program runs.)
+        #[cfg(not(feature = "cuda-candle"))]
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err("no CUDA driver: libcuda.so.1 cannot be loaded (install the NVIDIA driver, or train with --backend threads or mpi)".into());
         }
