@@ -260,10 +260,12 @@ impl MpiWorld {
             return Err(Error::option(
                 "--mesh",
                 format!(
-                    "mesh {mesh} has {} ranks but the MPI job has {} processes (mpirun -n {})",
+                    "mesh {mesh} has {} ranks but the MPI job has {} processes \
+                     (start mpirun -n {}, or give a --mesh or --ranks of {} ranks)",
                     mesh.world_size(),
                     self.size,
-                    mesh.world_size()
+                    mesh.world_size(),
+                    self.size
                 ),
             ));
         }
