@@ -92,6 +92,9 @@ impl Group {
     }
 }
 
+/// Buffers at least this long are all-reduced as a reduce-scatter then an all-gather.
+const SPLIT_REDUCE_LEN: usize = 1 << 14;
+
 /// A rank's handle on one group.
 struct ThreadComm {
     group: Arc<Group>,
@@ -143,8 +146,34 @@ impl Comm for ThreadComm {
     }
     fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<()> {
         let parts = self.group.exchange(self.me, "all_reduce", buf.to_vec())?;
-        let r = reduce(&parts, op, &self.group, "all_reduce")?;
-        buf.copy_from_slice(&r);
+        let n = self.size();
+        if buf.len() < SPLIT_REDUCE_LEN || n == 1 {
+            let r = reduce(&parts, op, &self.group, "all_reduce")?;
+            buf.copy_from_slice(&r);
+            return Ok(());
+        }
+        // Large buffers: each rank reduces its share, then the shares are exchanged (the
+        // traffic of a ring all-reduce; the same additions in the same order).
+        let (start, len) = crate::parallel::chunk(buf.len(), n, self.me);
+        let mine: Vec<Arc<Vec<f32>>> = parts
+            .iter()
+            .map(|p| Arc::new(p.get(start..start + len).unwrap_or_default().to_vec()))
+            .collect();
+        if let Some(p) = parts.iter().find(|p| p.len() != buf.len()) {
+            return Err(Error::Collective {
+                op: "all_reduce",
+                group: self.group.label(),
+                problem: format!("buffer lengths differ ({} and {})", buf.len(), p.len()),
+            });
+        }
+        drop(parts);
+        let seg = reduce(&mine, op, &self.group, "all_reduce")?;
+        let shares = self.group.exchange(self.me, "all_reduce", seg)?;
+        let mut at = 0;
+        for s in &shares {
+            buf[at..at + s.len()].copy_from_slice(s);
+            at += s.len();
+        }
         Ok(())
     }
     fn all_gather(&self, buf: &[f32]) -> Result<Vec<Vec<f32>>> {
@@ -331,6 +360,34 @@ mod tests {
         assert!(out.iter().all(|v| v == &out[0]));
         let want = ((0.1f32 + 0.2) + 0.3) + 0.4;
         assert_eq!(out[0][0], want);
+    }
+
+    #[test]
+    fn split_all_reduce_equals_the_direct_one() {
+        let mesh = Mesh::parse("dp=3").unwrap();
+        let n = SPLIT_REDUCE_LEN + 5;
+        let out = run_threads(&mesh, |d| {
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i * (d.rank + 1)) % 97) as f32 * 0.37)
+                .collect();
+            let mut big = v.clone();
+            d.world.all_reduce(&mut big, ReduceOp::Mean)?;
+            let mut direct = Vec::new();
+            for c in v.chunks(1000) {
+                let mut c = c.to_vec();
+                d.world.all_reduce(&mut c, ReduceOp::Mean)?;
+                direct.extend(c);
+            }
+            Ok((big, direct))
+        })
+        .unwrap();
+        for (big, direct) in &out {
+            assert!(big
+                .iter()
+                .zip(direct)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert_eq!(big, &out[0].0);
+        }
     }
 
     #[test]
