@@ -401,3 +401,50 @@ fn resume_keeps_the_data_limits() {
         (Some(300), 4, 2)
     );
 }
+
+/// A ZeRO checkpoint of dp=2,tp=2 resharded by ckpt-reshard into PyTorch DCP files for
+/// dp=1,tp=2 resumes (no strategy file: the layout comes from the DCP offsets) and the
+/// loss goes on as the uninterrupted run's (1e-3).
+#[test]
+fn resume_from_a_resharded_dcp_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, dcp) = (dir.path().join("out"), dir.path().join("dcp"));
+    let common = [
+        "--mesh",
+        "dp=2,tp=2",
+        "--epochs",
+        "2",
+        "--no-eval",
+        "--shard-optimizer",
+    ];
+    let whole = run(&common);
+    run(&[&common[..], &["--max-steps", "12", "--out", &s(&out)]].concat());
+    let req = ckpt_reshard::ReshardRequest {
+        inputs: vec![out.join("step_12")],
+        output: dcp.clone(),
+        target: ckpt_reshard::Target::Mesh(vec![("dp".into(), 1), ("tp".into(), 2)]),
+        ranks: ckpt_reshard::Ranks::All,
+        selection: ckpt_core::Selection::default(),
+        keep_all: false,
+        force: false,
+        format: ckpt_reshard::OutputFormat::Dcp,
+    };
+    ckpt_reshard::reshard(&req, &|_| {}, &|_| {}).unwrap();
+    std::fs::remove_file(dcp.join("strategy.json")).ok();
+    let rest = run(&[
+        "--mesh",
+        "tp=2",
+        "--epochs",
+        "2",
+        "--no-eval",
+        "--resume",
+        &s(&dcp),
+    ]);
+    assert_eq!(rest.start_step, 12);
+    assert!(
+        max_diff(&whole.losses[12..], &rest.losses) < 1e-3,
+        "{:?} vs {:?}",
+        rest.losses,
+        &whole.losses[12..]
+    );
+}
