@@ -11,7 +11,9 @@
 //! - `train`: training under MPI writes checkpoints byte-identical to a thread-rank run
 //!   of the same mesh, seed and data; a checkpoint saved under MPI resumes under threads
 //!   and one saved under threads resumes under MPI, both ending byte-identical to an
-//!   uninterrupted run.
+//!   uninterrupted run (mlp with dp, tp, ZeRO-1 and SGD; ResNet-8 with --sync-bn; vit).
+//! - a rank killed during training (`train` with `CKPT_TEST_PID_DIR`) ends the job and
+//!   leaves `latest` naming a complete checkpoint that resumes.
 //! - `dies`, `fails`, `stuck`: a rank killed by a signal, a rank whose work fails, and a
 //!   rank that stops calling collectives all end the job with an error within a bound.
 
@@ -57,14 +59,31 @@ struct Run {
     seconds: f64,
 }
 
-/// Runs this binary as `n` ranks of `scenario`, killing it after `limit`.
-fn mpirun(
+/// An `mpirun` in progress, its output read by threads.
+struct Job {
+    n: usize,
+    scenario: String,
+    child: std::process::Child,
+    start: Instant,
+    out: std::thread::JoinHandle<String>,
+    err: std::thread::JoinHandle<String>,
+}
+
+fn read_all(mut r: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        r.read_to_string(&mut s).ok();
+        s
+    })
+}
+
+/// Starts this binary as `n` ranks of `scenario`.
+fn spawn_mpirun(
     n: usize,
     scenario: &str,
     extra: &[String],
     envs: &[(&str, &str)],
-    limit: Duration,
-) -> std::result::Result<Run, String> {
+) -> std::result::Result<Job, String> {
     let me = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut cmd = Command::new("mpirun");
     cmd.args(["-n", &n.to_string(), "--oversubscribe", "--bind-to", "none"])
@@ -84,41 +103,57 @@ fn mpirun(
     let mut child = cmd
         .spawn()
         .map_err(|e| format!("cannot start mpirun (install openmpi-bin): {e}"))?;
-    let (mut out, mut err) = (
-        child.stdout.take().expect("piped"),
-        child.stderr.take().expect("piped"),
-    );
-    let read_out = std::thread::spawn(move || {
-        let mut s = String::new();
-        std::io::Read::read_to_string(&mut out, &mut s).ok();
-        s
-    });
-    let read_err = std::thread::spawn(move || {
-        let mut s = String::new();
-        std::io::Read::read_to_string(&mut err, &mut s).ok();
-        s
-    });
-    let status = loop {
-        if let Some(s) = child.try_wait().map_err(|e| e.to_string())? {
-            break s;
-        }
-        if start.elapsed() > limit {
-            child.kill().ok();
-            child.wait().ok();
-            let (o, e) = (
-                read_out.join().unwrap_or_default(),
-                read_err.join().unwrap_or_default(),
-            );
-            return Err(format!("mpirun -n {n} {scenario} still running after {limit:?}: killed\nstdout:\n{o}\nstderr:\n{e}"));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    Ok(Run {
-        ok: status.success(),
-        stdout: read_out.join().unwrap_or_default(),
-        stderr: read_err.join().unwrap_or_default(),
-        seconds: start.elapsed().as_secs_f64(),
+    let out = read_all(child.stdout.take().expect("piped"));
+    let err = read_all(child.stderr.take().expect("piped"));
+    Ok(Job {
+        n,
+        scenario: scenario.into(),
+        child,
+        start,
+        out,
+        err,
     })
+}
+
+impl Job {
+    /// Waits for the job, killing it after `limit`.
+    fn finish(mut self, limit: Duration) -> std::result::Result<Run, String> {
+        let status = loop {
+            if let Some(s) = self.child.try_wait().map_err(|e| e.to_string())? {
+                break s;
+            }
+            if self.start.elapsed() > limit {
+                self.child.kill().ok();
+                self.child.wait().ok();
+                let (o, e) = (
+                    self.out.join().unwrap_or_default(),
+                    self.err.join().unwrap_or_default(),
+                );
+                return Err(format!(
+                    "mpirun -n {} {} still running after {limit:?}: killed\nstdout:\n{o}\nstderr:\n{e}",
+                    self.n, self.scenario
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        Ok(Run {
+            ok: status.success(),
+            stdout: self.out.join().unwrap_or_default(),
+            stderr: self.err.join().unwrap_or_default(),
+            seconds: self.start.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// Runs this binary as `n` ranks of `scenario`, killing it after `limit`.
+fn mpirun(
+    n: usize,
+    scenario: &str,
+    extra: &[String],
+    envs: &[(&str, &str)],
+    limit: Duration,
+) -> std::result::Result<Run, String> {
+    spawn_mpirun(n, scenario, extra, envs)?.finish(limit)
 }
 
 fn expect_ok(run: &Run, what: &str) -> std::result::Result<(), String> {
@@ -176,9 +211,106 @@ fn expect_failure(
     Ok(())
 }
 
+/// Kills rank 1 with SIGKILL after ten checkpoints of a long run: the job ends, and
+/// `latest` names a complete checkpoint that resumes.
+fn killed_during_training(limit: Duration) -> std::result::Result<(), String> {
+    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let out = tmp.path().join("run");
+    let pids = tmp.path().join("pids");
+    std::fs::create_dir_all(&pids).map_err(|e| e.to_string())?;
+    // 512 images at batch 64 for 500 epochs: 4000 updates, far more than the test waits.
+    let long = |extra: &[&str]| -> Vec<String> {
+        let mut a = train_args("dp=2", extra);
+        let at = a
+            .iter()
+            .position(|x| x == "--epochs")
+            .expect("train_args sets --epochs");
+        a[at + 1] = "500".into();
+        a
+    };
+    let mut args = long(&["--save-every", "4"]);
+    args.extend(["--out".into(), path_arg(&out)]);
+    let pid_env = path_arg(&pids);
+    let job = spawn_mpirun(
+        2,
+        "train",
+        &args,
+        &[
+            ("CKPT_TEST_PID_DIR", &pid_env),
+            ("CKPT_COMM_TIMEOUT", "300"),
+        ],
+    )?;
+    let latest = out.join(ckpt_train::LATEST_FILE);
+    let waited = Instant::now();
+    let mut job = job;
+    // Wait for ten saves, so that the kill lands while saves come and go.
+    let saved = |l: &Path| {
+        std::fs::read_to_string(l)
+            .ok()
+            .and_then(|n| n.trim().trim_start_matches("step_").parse::<u64>().ok())
+    };
+    while !matches!(saved(&latest), Some(s) if s >= 40) || !pids.join("pid-1").exists() {
+        if job.child.try_wait().map_err(|e| e.to_string())?.is_some() {
+            let run = job.finish(limit)?;
+            return Err(format!(
+                "the run ended before its first checkpoint\nstderr:\n{}",
+                run.stderr
+            ));
+        }
+        if waited.elapsed() > limit {
+            return Err(format!(
+                "no checkpoint after {limit:?}\n{}",
+                job.finish(Duration::ZERO).err().unwrap_or_default()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = std::fs::read_to_string(pids.join("pid-1")).map_err(|e| e.to_string())?;
+    let killed = Command::new("kill")
+        .args(["-9", pid.trim()])
+        .status()
+        .map_err(|e| e.to_string())?;
+    if !killed.success() {
+        return Err(format!("kill -9 {pid} failed (did the run end already?)"));
+    }
+    let run = job.finish(limit)?;
+    expect_failure(
+        &run,
+        "a rank killed during training ends the job",
+        "signal 9",
+        60.0,
+    )?;
+    let name = std::fs::read_to_string(&latest).map_err(|e| e.to_string())?;
+    let step: u64 = name
+        .trim()
+        .trim_start_matches("step_")
+        .parse()
+        .map_err(|_| format!("latest is `{name}`"))?;
+    let files = checkpoint_files(&out, step)?;
+    if files.len() != 4 {
+        return Err(format!(
+            "checkpoint step_{step} after the kill has {} files, not 4",
+            files.len()
+        ));
+    }
+    let mut a = long(&[]);
+    a.extend([
+        "--resume".into(),
+        path_arg(&out),
+        "--max-steps".into(),
+        (step + 1).to_string(),
+        "--out".into(),
+        path_arg(&tmp.path().join("resumed")),
+    ]);
+    train_threads(&a)?;
+    println!("ok: after the kill, latest (step {step}) is complete and resumes under threads");
+    Ok(())
+}
+
 fn failure_scenarios() -> std::result::Result<(), String> {
     let limit = Duration::from_secs(120);
     // The watchdog's limit is far away: mpirun itself must notice the dead rank.
+    killed_during_training(limit)?;
     let run = mpirun(2, "dies", &[], &[("CKPT_COMM_TIMEOUT", "300")], limit)?;
     expect_failure(
         &run,
@@ -213,6 +345,10 @@ fn worker(scenario: &str, args: &[String]) -> std::result::Result<(), String> {
             collectives(world.size()).map_err(|e| format!("rank {}: {e}", world.rank()))
         }
         "train" => {
+            if let Some(dir) = std::env::var_os("CKPT_TEST_PID_DIR") {
+                let path = Path::new(&dir).join(format!("pid-{}", world.rank()));
+                std::fs::write(&path, std::process::id().to_string()).map_err(|e| e.to_string())?;
+            }
             let cfg = TrainConfig::try_parse_from(
                 std::iter::once("train").chain(args.iter().map(String::as_str)),
             )
@@ -556,12 +692,23 @@ fn train_scenarios(limit: Duration) -> std::result::Result<(), String> {
     let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
     // 512 images / batch 64 = 8 updates per epoch, 16 in all; a checkpoint every 8.
     let (half, full) = (8u64, 16u64);
-    for (n, mesh, extra) in [
+    for (i, (n, mesh, extra)) in [
         (2usize, "dp=2", &[][..]),
         (4, "dp=2,tp=2", &["--shard-optimizer"][..]),
         (4, "tp=4", &["--optimizer", "sgd"][..]),
-    ] {
-        let base = tmp.path().join(mesh.replace([',', '='], "_"));
+        (
+            2,
+            "dp=2",
+            &["--model", "resnet", "--depth", "8", "--sync-bn"][..],
+        ),
+        (4, "dp=2,tp=2", &["--model", "vit"][..]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let base = tmp.path().join(format!("{i}"));
+        let mesh_label = format!("{mesh} {}", extra.join(" "));
+        let mesh_label = mesh_label.trim();
         let dir = |name: &str| base.join(name);
         let mut args = train_args(mesh, extra);
         args.extend(["--save-every".into(), half.to_string()]);
@@ -574,19 +721,19 @@ fn train_scenarios(limit: Duration) -> std::result::Result<(), String> {
         a.extend(["--out".into(), path_arg(&dir("mpi"))]);
         expect_ok(
             &mpirun(n, "train", &a, &[], limit)?,
-            &format!("training {mesh} under mpirun -n {n}"),
+            &format!("training {mesh_label} under mpirun -n {n}"),
         )?;
         same_checkpoint(
             &dir("threads"),
             &dir("mpi"),
             half,
-            &format!("{mesh}: MPI and threads, step {half}"),
+            &format!("{mesh_label}: MPI and threads, step {half}"),
         )?;
         same_checkpoint(
             &dir("threads"),
             &dir("mpi"),
             full,
-            &format!("{mesh}: MPI and threads, step {full}"),
+            &format!("{mesh_label}: MPI and threads, step {full}"),
         )?;
         // Saved under threads, resumed under MPI.
         let mut a = args.clone();
@@ -598,13 +745,13 @@ fn train_scenarios(limit: Duration) -> std::result::Result<(), String> {
         ]);
         expect_ok(
             &mpirun(n, "train", &a, &[], limit)?,
-            &format!("{mesh}: resuming a thread checkpoint under mpirun -n {n}"),
+            &format!("{mesh_label}: resuming a thread checkpoint under mpirun -n {n}"),
         )?;
         same_checkpoint(
             &dir("threads"),
             &dir("t2m"),
             full,
-            &format!("{mesh}: saved under threads, resumed under MPI"),
+            &format!("{mesh_label}: saved under threads, resumed under MPI"),
         )?;
         // Saved under MPI, resumed under threads.
         let mut a = args.clone();
@@ -619,7 +766,7 @@ fn train_scenarios(limit: Duration) -> std::result::Result<(), String> {
             &dir("threads"),
             &dir("m2t"),
             full,
-            &format!("{mesh}: saved under MPI, resumed under threads"),
+            &format!("{mesh_label}: saved under MPI, resumed under threads"),
         )?;
     }
     Ok(())
