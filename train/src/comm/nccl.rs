@@ -52,6 +52,11 @@ pub fn run_nccl<T: Send>(mesh: &Mesh, f: impl Fn(Dist) -> Result<T> + Sync) -> R
     let devices = crate::cuda::device_count().map_err(unavailable)?;
     let timeout = timeout_from_env()?;
     match LaunchEnv::from_env()? {
+        None if mesh.world_size() > devices as u64 => Err(unavailable(format!(
+            "mesh {mesh} has {} thread ranks but {devices} CUDA device(s) are visible; \
+             NCCL needs a GPU per rank",
+            mesh.world_size()
+        ))),
         None => super::run_threads(mesh, |host| {
             let d = nccl_dist(&host, host.rank, devices, &Ids::Host, timeout)?;
             f(d)
