@@ -95,6 +95,9 @@ struct InferArgs {
     /// Evaluate only the first N test images.
     #[arg(long)]
     limit: Option<usize>,
+    /// How ranks run: threads of this process, or one process per rank under mpirun.
+    #[arg(long, value_enum, default_value_t = ckpt_train::Backend::Threads)]
+    backend: ckpt_train::Backend,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -134,6 +137,10 @@ struct MergeArgs {
     /// Split the output into files of at most this size, with an index (e.g. 5GB).
     #[arg(long, value_parser = ckpt_merge::parse_size)]
     max_shard_size: Option<u64>,
+    /// `auto`: under mpirun, srun or torchrun, write only this process's share of the
+    /// output files (with --max-shard-size); no data crosses processes.
+    #[arg(long, value_parser = ["auto"])]
+    rank: Option<String>,
     #[command(flatten)]
     copy: CopyArgs,
 }
@@ -423,10 +430,22 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
         max_shard_size: a.max_shard_size,
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
         force: a.copy.force,
+        share: match a.rank {
+            Some(_) => Some(launch_share()?),
+            None => None,
+        },
     };
     with_progress("merged", &req.output, &a.copy, |progress, on_plan| {
         ckpt_merge::merge(&req, progress, on_plan)
     })
+}
+
+/// This process's share of partitioned work: `(rank, world size)` from the launcher.
+fn launch_share() -> Result<(u64, u64)> {
+    let env = ckpt_train::LaunchEnv::from_env()?.context(
+        "--rank auto: no launcher variables (OMPI_COMM_WORLD_RANK, PMI_RANK, RANK or SLURM_PROCID) are set",
+    )?;
+    Ok((env.rank as u64, env.world_size as u64))
 }
 
 fn reshard(a: ReshardArgs) -> Result<ExitCode> {
@@ -450,9 +469,11 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
     };
     let ranks = match a.rank.as_deref() {
         None => ckpt_reshard::Ranks::All,
-        Some("auto") => ckpt_reshard::Ranks::One(ckpt_reshard::rank_from_env().context(
-            "--rank auto: none of OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID or RANK is set",
-        )?),
+        // One share per process of the job that started this one.
+        Some("auto") => {
+            let (index, count) = launch_share()?;
+            ckpt_reshard::Ranks::Share { index, count }
+        }
         Some(r) => ckpt_reshard::Ranks::One(
             r.parse()
                 .with_context(|| format!("--rank `{r}` is not a number or `auto`"))?,
@@ -557,8 +578,17 @@ fn example(a: ExampleArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Whether this process prints the results: always, unless a launcher (mpirun, srun,
+/// torchrun) started it as a rank other than 0.
+fn is_lead() -> Result<bool> {
+    Ok(ckpt_train::LaunchEnv::from_env()?.is_none_or(|e| e.rank == 0))
+}
+
 fn train(a: TrainArgs) -> Result<ExitCode> {
     let report = ckpt_train::train(&a.config, !(a.quiet || a.json))?;
+    if !is_lead()? {
+        return Ok(ExitCode::SUCCESS);
+    }
     if a.json {
         println!(
             "{}",
@@ -596,8 +626,12 @@ fn infer(a: InferArgs) -> Result<ExitCode> {
         batch_size: a.batch_size,
         predict: (!a.predict.is_empty()).then(|| ckpt_infer::parse_predict(&a.predict)),
         limit: a.limit,
+        backend: a.backend,
     };
     let r = ckpt_infer::infer(&req)?;
+    if !is_lead()? {
+        return Ok(ExitCode::SUCCESS);
+    }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
         return Ok(ExitCode::SUCCESS);

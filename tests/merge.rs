@@ -157,3 +157,42 @@ fn dcp_sharded_safetensors_merge() {
     want.retain(|k, _| !k.contains(".qkv."));
     assert_eq!(full_tensors(&d.path("m")), want);
 }
+
+#[test]
+fn partitioned_merge_under_a_launcher() {
+    let d = Dir::new();
+    d.example("ex", "tp=2");
+    for rank in ["1", "0"] {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_ckpt"))
+            .args([
+                "merge",
+                "ex",
+                "-o",
+                "m",
+                "--max-shard-size",
+                "2kB",
+                "--rank",
+                "auto",
+            ])
+            .env("OMPI_COMM_WORLD_RANK", rank)
+            .env("OMPI_COMM_WORLD_SIZE", "2")
+            .env("OMPI_COMM_WORLD_LOCAL_RANK", rank)
+            .current_dir(d.tmp.path())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        if rank == "1" {
+            // Process 1 wrote the even-numbered files (the 2nd, 4th, ...) and no index.
+            let names: Vec<String> = std::fs::read_dir(d.path("m"))
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            assert!(names.len() >= 2, "{names:?}");
+            for n in &names {
+                let k: u32 = n["model-".len().."model-".len() + 5].parse().unwrap();
+                assert_eq!(k % 2, 0, "{names:?}");
+            }
+        }
+    }
+    assert_eq!(full_tensors(&d.path("m")), example_originals("tp=2"));
+}

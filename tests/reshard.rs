@@ -56,17 +56,43 @@ fn one_rank_reads_only_what_it_needs() {
 }
 
 #[test]
-fn rank_auto_reads_launcher_variables() {
+fn rank_auto_takes_this_process_share_of_the_target_ranks() {
     let d = Dir::new();
     d.example("ex", "tp=2");
+    // Process 1 of 2 (as srun starts it) builds target ranks 1 and 3 of 4.
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_ckpt"))
-        .args(["reshard", "ex", "-o", "r", "--to", "2", "--rank", "auto"])
+        .args(["reshard", "ex", "-o", "r", "--to", "4", "--rank", "auto"])
         .env("SLURM_PROCID", "1")
+        .env("SLURM_NTASKS", "2")
+        .env("SLURM_LOCALID", "1")
         .current_dir(d.tmp.path())
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(d.path("r/ckpt_1").exists() && !d.path("r/ckpt_0").exists());
+    let mut built: Vec<String> = std::fs::read_dir(d.path("r"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    built.sort();
+    assert_eq!(built, vec!["ckpt_1", "ckpt_3", "strategy.json"]);
+    // Process 0 completes the output.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .args(["reshard", "ex", "-o", "r", "--to", "4", "--rank", "auto"])
+        .env("OMPI_COMM_WORLD_RANK", "0")
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .env("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+        .current_dir(d.tmp.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    d.ok(&["verify", "r"]);
+    assert_eq!(full_tensors(&d.path("r")), example_originals("tp=2"));
+    let o = d.fails(&["reshard", "ex", "-o", "r", "--to", "4", "--rank", "auto"]);
+    assert!(
+        o.stderr.contains("--rank auto: no launcher variables"),
+        "{}",
+        o.stderr
+    );
 }
 
 #[test]

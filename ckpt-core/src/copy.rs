@@ -14,6 +14,14 @@ use rayon::prelude::*;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+impl std::ops::AddAssign for CopyStats {
+    fn add_assign(&mut self, o: CopyStats) {
+        self.tensors += o.tensors;
+        self.bytes_written += o.bytes_written;
+        self.bytes_read += o.bytes_read;
+    }
+}
+
 /// Largest slab assembled in memory at once.
 pub const SLAB_BYTES: u64 = 4 << 20;
 

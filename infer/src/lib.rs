@@ -9,8 +9,8 @@
 use candle_core::{Device, Tensor};
 use ckpt_core::{Checkpoint, Kind, Mesh, Strategy};
 use ckpt_train::{
-    build_model, find_meta_file, resolve_checkpoint, run_threads, DataSource, Dataset, ModelConfig,
-    ModelCtx, ShardedVars, CONFIG_FILE, TRAINER_STATE_FILE,
+    build_model, find_meta_file, resolve_checkpoint, DataSource, Dataset, ModelConfig, ModelCtx,
+    ShardedVars, CONFIG_FILE, TRAINER_STATE_FILE,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -74,6 +74,9 @@ pub struct InferRequest {
     pub predict: Option<Predict>,
     /// Evaluate only the first N test images.
     pub limit: Option<usize>,
+    /// How the tensor-parallel ranks run: threads here, or one process per rank under
+    /// mpirun.
+    pub backend: ckpt_train::Backend,
 }
 
 /// One prediction.
@@ -226,22 +229,24 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
                     format!("tensor `{name}` of the {} model is missing", cfg.kind()),
                 ))
             }
-            Some(t) if t.shape != l.shape => return Err(bad(
-                &dir,
-                format!(
+            Some(t) if t.shape != l.shape => {
+                return Err(bad(
+                    &dir,
+                    format!(
                     "tensor `{name}` has shape {:?} in the checkpoint but the {} model needs {:?}",
                     t.shape,
                     cfg.kind(),
                     l.shape
                 ),
-            )),
+                ))
+            }
             Some(_) => {}
         }
     }
     let kind = format!("{:?}", source.kind).to_lowercase();
     drop(source);
     let batch = req.batch_size.max(1);
-    let outputs = run_threads(&mesh, |dist| {
+    let outputs = req.backend.run(&mesh, |dist| {
         let rank = dist.rank as u64;
         let mut tensors = BTreeMap::new();
         for (name, t) in ckpt_core::load_rank(&dir, &target, rank)? {

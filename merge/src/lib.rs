@@ -26,6 +26,10 @@ pub struct MergeRequest {
     pub selection: Selection,
     /// Replace an existing output.
     pub force: bool,
+    /// Write only share `index` of `count` of the output files (file `k` when
+    /// `k % count == index`): one process of a job started by mpirun or srun. Each file
+    /// appears atomically; share 0 also writes the index and carried files.
+    pub share: Option<(u64, u64)>,
 }
 
 /// Plans a merge: the integrated output files, one tensor per full piece.
@@ -125,24 +129,52 @@ pub fn merge(
     on_plan: &dyn Fn(&CopyPlan),
 ) -> Result<CopyStats> {
     check_output_outside_inputs(&req.output, &req.inputs)?;
-    if req.output.exists() && !req.force {
+    if req.share.is_none() && req.output.exists() && !req.force {
         return Err(ckpt_core::Error::OutputExists {
             path: req.output.clone(),
         });
     }
     let source = Checkpoint::open(&req.inputs)?;
     let plan = plan(&source, req)?;
-    on_plan(&plan);
-    let staged = StagedDir::new(&req.output, req.force)?;
-    let stats = execute(&plan, &source, staged.path(), progress)?;
-    if plan.files.len() > 1 {
-        write_file_atomic(
-            &staged.path().join(INDEX_FILE),
-            index_json(&plan).as_bytes(),
-        )?;
+    let index = (plan.files.len() > 1).then(|| index_json(&plan));
+    let Some((share, count)) = req.share else {
+        on_plan(&plan);
+        let staged = StagedDir::new(&req.output, req.force)?;
+        let stats = execute(&plan, &source, staged.path(), progress)?;
+        if let Some(index) = &index {
+            write_file_atomic(&staged.path().join(INDEX_FILE), index.as_bytes())?;
+        }
+        copy_carried(&source.carried, staged.path())?;
+        staged.commit()?;
+        return Ok(stats);
+    };
+    let mine = CopyPlan {
+        files: plan
+            .files
+            .into_iter()
+            .enumerate()
+            .filter(|(k, _)| *k as u64 % count.max(1) == share)
+            .map(|(_, f)| f)
+            .collect(),
+    };
+    for f in &mine.files {
+        let p = req.output.join(&f.path);
+        if p.exists() && !req.force {
+            return Err(ckpt_core::Error::OutputExists { path: p });
+        }
     }
-    copy_carried(&source.carried, staged.path())?;
-    staged.commit()?;
+    on_plan(&mine);
+    std::fs::create_dir_all(&req.output).map_err(|source| ckpt_core::Error::Io {
+        path: req.output.clone(),
+        source,
+    })?;
+    let stats = execute(&mine, &source, &req.output, progress)?;
+    if share == 0 {
+        if let Some(index) = &index {
+            write_file_atomic(&req.output.join(INDEX_FILE), index.as_bytes())?;
+        }
+        copy_carried(&source.carried, &req.output)?;
+    }
     Ok(stats)
 }
 

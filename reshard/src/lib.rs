@@ -25,11 +25,38 @@ pub enum Target {
 /// Which target ranks to build.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Ranks {
-    /// All of them.
+    /// All of them, appearing together.
     #[default]
     All,
     /// Only this one (partitioned work across machines).
     One(u64),
+    /// Share `index` of `count`: target ranks `r` with `r % count == index` (one process
+    /// of a job started by mpirun, srun or torchrun).
+    Share {
+        /// This process's share.
+        index: u64,
+        /// Number of shares.
+        count: u64,
+    },
+}
+
+impl Ranks {
+    /// The target ranks of a world of `world` ranks this selects.
+    ///
+    /// # Errors
+    /// A rank past the target's world size.
+    pub fn list(self, world: u64) -> Result<Vec<u64>> {
+        match self {
+            Ranks::All => Ok((0..world).collect()),
+            Ranks::One(r) if r < world => Ok(vec![r]),
+            Ranks::One(r) => Err(Error::Unsupported {
+                problem: format!("--rank {r} but the target has {world} ranks"),
+            }),
+            Ranks::Share { index, count } => {
+                Ok((index..world).step_by(count.max(1) as usize).collect())
+            }
+        }
+    }
 }
 
 /// How the target ranks' files are laid out.
@@ -77,15 +104,6 @@ pub struct ReshardRequest {
     pub force: bool,
     /// The layout of the output files.
     pub format: OutputFormat,
-}
-
-/// Reads the rank of this process from launcher variables: Open MPI, PMI (MPICH,
-/// Slurm's PMI), Slurm, torchrun. `None` when none is set.
-#[must_use]
-pub fn rank_from_env() -> Option<u64> {
-    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "RANK"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse().ok())
 }
 
 /// The strategy the request asks for, derived from the source's.
@@ -173,16 +191,7 @@ pub fn plan(
     keep_all: bool,
     format: OutputFormat,
 ) -> Result<CopyPlan> {
-    let world = strategy.mesh.world_size();
-    let list: Vec<u64> = match ranks {
-        Ranks::All => (0..world).collect(),
-        Ranks::One(r) if r < world => vec![r],
-        Ranks::One(r) => {
-            return Err(Error::Unsupported {
-                problem: format!("--rank {r} but the target has {world} ranks"),
-            })
-        }
-    };
+    let list = ranks.list(strategy.mesh.world_size())?;
     let files = list
         .into_iter()
         .map(|r| {
@@ -215,8 +224,9 @@ pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)>
     Ok((source, strategy, plan))
 }
 
-/// Reshards: checks everything, then writes the output atomically (the whole output
-/// directory, or with one rank, that rank's directory inside it).
+/// Reshards: checks everything, then writes. With all ranks, the whole output appears
+/// atomically; otherwise each target rank's directory (ckpt layout) or file (DCP layout)
+/// does, so processes sharing one output never see each other's partial work.
 ///
 /// # Errors
 /// Any input problem (nothing is written then), an existing output without `force`,
@@ -227,70 +237,80 @@ pub fn reshard(
     on_plan: &dyn Fn(&CopyPlan),
 ) -> Result<CopyStats> {
     check_output_outside_inputs(&req.output, &req.inputs)?;
-    // What appears atomically: the whole output, or with one rank that rank's directory
-    // (ckpt layout) or file (DCP layout, written atomically by the file writer).
-    let staged_path = match (req.ranks, req.format) {
-        (Ranks::All, _) => Some(req.output.clone()),
-        (Ranks::One(r), OutputFormat::Ranks) => Some(req.output.join(format!("ckpt_{r}"))),
-        (Ranks::One(_), OutputFormat::Dcp) => None,
-    };
-    let exists = match (&staged_path, req.ranks) {
-        (Some(p), _) => p.clone(),
-        (None, Ranks::One(r)) => req.output.join(req.format.file(r)),
-        (None, Ranks::All) => unreachable!("all ranks are always staged"),
-    };
-    if exists.exists() && !req.force {
-        return Err(Error::OutputExists { path: exists });
+    if req.ranks == Ranks::All && req.output.exists() && !req.force {
+        return Err(Error::OutputExists {
+            path: req.output.clone(),
+        });
     }
-    let (source, strategy, mut plan) = prepare(req)?;
-    on_plan(&plan);
+    let source = Checkpoint::open(&req.inputs)?;
+    let strategy = target_strategy(&source, &req.target, &req.selection)?;
     let json = strategy.to_json();
-    let staged = staged_path
-        .as_deref()
-        .map(|p| StagedDir::new(p, req.force))
-        .transpose()?;
-    let root = match &staged {
-        Some(s) => s.path().to_path_buf(),
-        None => {
-            std::fs::create_dir_all(&req.output).map_err(|source| Error::Io {
-                path: req.output.clone(),
-                source,
-            })?;
-            req.output.clone()
+    // Check every target rank's plan before writing anything.
+    let ranks = req.ranks.list(strategy.mesh.world_size())?;
+    let full = plan(&source, &strategy, req.ranks, req.keep_all, req.format)?;
+    on_plan(&full);
+    if req.ranks == Ranks::All {
+        let staged = StagedDir::new(&req.output, req.force)?;
+        let stats = execute(&full, &source, staged.path(), progress)?;
+        if req.format == OutputFormat::Ranks {
+            for r in &ranks {
+                finish_rank_dir(&staged.path().join(format!("ckpt_{r}")), &json, &source)?;
+            }
         }
-    };
-    // A single rank's directory is staged on its own: its file lands at the top of it.
-    if let (Ranks::One(_), OutputFormat::Ranks) = (req.ranks, req.format) {
-        for f in &mut plan.files {
-            f.path = PathBuf::from(MODEL_FILE);
+        finish_rank_dir(staged.path(), &json, &source)?;
+        staged.commit()?;
+        return Ok(stats);
+    }
+    for r in &ranks {
+        let p = req.output.join(match req.format {
+            OutputFormat::Ranks => PathBuf::from(format!("ckpt_{r}")),
+            OutputFormat::Dcp => req.format.file(*r),
+        });
+        if p.exists() && !req.force {
+            return Err(Error::OutputExists { path: p });
         }
     }
-    let stats = execute(&plan, &source, &root, progress)?;
-    let rank_dirs: Vec<PathBuf> = match (req.ranks, req.format) {
-        (_, OutputFormat::Dcp) => vec![],
-        (Ranks::All, OutputFormat::Ranks) => (0..strategy.mesh.world_size())
-            .map(|r| root.join(format!("ckpt_{r}")))
-            .collect(),
-        (Ranks::One(_), OutputFormat::Ranks) => vec![root.clone()],
-    };
-    for d in &rank_dirs {
-        std::fs::create_dir_all(d).map_err(|source| Error::Io {
-            path: d.clone(),
-            source,
-        })?;
-        write_file_atomic(&d.join(STRATEGY_FILE), json.as_bytes())?;
-        copy_carried(&source.carried, d)?;
+    let mut stats = CopyStats::default();
+    for (r, mut one) in ranks.iter().zip(full.files) {
+        match req.format {
+            OutputFormat::Ranks => {
+                let staged = StagedDir::new(&req.output.join(format!("ckpt_{r}")), req.force)?;
+                one.path = PathBuf::from(MODEL_FILE);
+                stats += execute(
+                    &CopyPlan { files: vec![one] },
+                    &source,
+                    staged.path(),
+                    progress,
+                )?;
+                finish_rank_dir(staged.path(), &json, &source)?;
+                staged.commit()?;
+            }
+            // The file writer is atomic on its own.
+            OutputFormat::Dcp => {
+                std::fs::create_dir_all(&req.output).map_err(|source| Error::Io {
+                    path: req.output.clone(),
+                    source,
+                })?;
+                stats += execute(
+                    &CopyPlan { files: vec![one] },
+                    &source,
+                    &req.output,
+                    progress,
+                )?;
+            }
+        }
     }
-    if req.ranks == Ranks::All || req.format == OutputFormat::Dcp {
-        write_file_atomic(&root.join(STRATEGY_FILE), json.as_bytes())?;
-        copy_carried(&source.carried, &root)?;
-    }
-    if let Some(s) = staged {
-        s.commit()?;
-    }
-    if let (Ranks::One(_), OutputFormat::Ranks) = (req.ranks, req.format) {
-        // The shared top-level strategy, written by whichever rank gets there (same bytes).
-        write_file_atomic(&req.output.join(STRATEGY_FILE), json.as_bytes())?;
-    }
+    // The shared top-level strategy, written by every process (same bytes, atomically).
+    finish_rank_dir(&req.output, &json, &source)?;
     Ok(stats)
+}
+
+/// Writes a directory's `strategy.json` and carried files.
+fn finish_rank_dir(dir: &Path, json: &str, source: &Checkpoint) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::Io {
+        path: dir.to_path_buf(),
+        source: e,
+    })?;
+    write_file_atomic(&dir.join(STRATEGY_FILE), json.as_bytes())?;
+    copy_carried(&source.carried, dir)
 }
