@@ -6,13 +6,9 @@
 //! each rank loading only its own slice through ckpt-core's copy plan (from the owner's
 //! copy when the checkpoint is also data parallel).
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use ckpt_core::{Checkpoint, Kind, Mesh, Strategy};
-use ckpt_train::{
-    build_model, find_meta_file, resolve_checkpoint, DataSource, Dataset, ModelConfig, ModelCtx,
-    ShardedVars, CONFIG_FILE, TRAINER_STATE_FILE,
-};
-use std::collections::BTreeMap;
+use ckpt_train::{find_meta_file, resolve_checkpoint, DataSource, Dataset, TRAINER_STATE_FILE};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -131,21 +127,6 @@ fn bad(path: &Path, problem: impl Into<String>) -> Error {
     }
 }
 
-/// Reads the model configuration saved with a checkpoint.
-///
-/// # Errors
-/// No or malformed `config.json`.
-pub fn model_config(dir: &Path) -> Result<ModelConfig> {
-    let p = find_meta_file(dir, CONFIG_FILE).ok_or_else(|| {
-        bad(
-            dir,
-            format!("no {CONFIG_FILE}: the model and its configuration are unknown"),
-        )
-    })?;
-    let text = std::fs::read_to_string(&p).map_err(|e| bad(&p, e.to_string()))?;
-    serde_json::from_str(&text).map_err(|e| bad(&p, format!("not a model configuration: {e}")))
-}
-
 /// The data set a checkpoint was trained on (from `trainer_state.json`).
 fn trained_on(dir: &Path) -> Option<String> {
     let p = find_meta_file(dir, TRAINER_STATE_FILE)?;
@@ -169,7 +150,7 @@ fn tp_size(strategy: &Strategy) -> u64 {
 pub fn infer(req: &InferRequest) -> Result<InferReport> {
     let t0 = Instant::now();
     let dir = resolve_checkpoint(&req.checkpoint)?;
-    let cfg = model_config(&dir)?;
+    let cfg = ckpt_train::read_model_config(&dir)?;
     let source = Checkpoint::open(std::slice::from_ref(&dir))?;
     let ranks = match (&source.strategy, source.kind) {
         (Some(s), Kind::Sliced) => {
@@ -217,10 +198,7 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
 
     // The model's tensors, laid out for `ranks` tensor-parallel ranks.
     let mesh = Mesh::parse(&format!("tp={ranks}"))?;
-    let mut target = Strategy::new(mesh.clone());
-    for spec in cfg.specs(ranks as usize)? {
-        target.insert(spec.name.clone(), spec.layout(&mesh))?;
-    }
+    let target = ckpt_train::model_strategy(&cfg, &mesh)?;
     for (name, l) in &target.tensors {
         match source.tensors.get(name) {
             None => {
@@ -247,22 +225,7 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
     drop(source);
     let batch = req.batch_size.max(1);
     let outputs = req.backend.run(&mesh, |dist| {
-        let rank = dist.rank as u64;
-        let mut tensors = BTreeMap::new();
-        for (name, t) in ckpt_core::load_rank(&dir, &target, rank)? {
-            let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
-            tensors.insert(
-                name,
-                Tensor::from_vec(ckpt_train::f32_from_bytes(&t.data), shape, &Device::Cpu)?,
-            );
-        }
-        let ctx = ModelCtx {
-            tp: dist.tp.clone(),
-            dp: dist.dp.clone(),
-            sync_bn: false,
-        };
-        let vb = ShardedVars::serve(tensors, dist.tp_size(), dist.tp_rank()).into_var_builder();
-        let model = build_model(&cfg, &vb, &ctx)?;
+        let (_, model) = ckpt_train::load_model(&dir, &dist)?;
         let forward = |set: &Dataset| -> ckpt_train::Result<(Vec<f32>, f64)> {
             let mut logits = Vec::with_capacity(set.len() * set.classes);
             let t = Instant::now();
