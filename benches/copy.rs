@@ -88,9 +88,12 @@ fn main() {
     );
     let out = root.join("out");
     let cat_out = root.join("cat.out");
+    // Before every run: remove the last output and write back every dirty page, so no
+    // run pays for the previous one's writes.
     let clean = || {
         let _ = std::fs::remove_dir_all(&out);
         let _ = std::fs::remove_file(&cat_out);
+        let _ = Command::new("sync").status();
     };
     let mut rows: Vec<(String, f64, f64)> = Vec::new();
     // Each figure is the best of three, all in this one run.
@@ -136,6 +139,25 @@ fn main() {
     });
     rows.push(("ckpt reshard --to 2".into(), reshard, reshard_rss));
     clean();
+    // Where merge's time goes: the copy, and the fsync that makes it durable (cat has none).
+    clean();
+    let t = Instant::now();
+    let o = ckpt()
+        .args(["merge", "--json"])
+        .arg(&src)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let total = t.elapsed().as_secs_f64();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let sync = v["sync_seconds"].as_f64().unwrap();
+    clean();
+    println!(
+        "\nckpt merge: {total:.2} s = {:.2} s copying ({:.2} x cat) + {sync:.2} s fsync",
+        total - sync,
+        (total - sync) / cat
+    );
     println!("\n| run | seconds | x cat | x (cat + fsync) | peak RSS MiB |");
     println!("|---|---|---|---|---|");
     for (name, s, rss) in &rows {

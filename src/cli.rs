@@ -381,6 +381,7 @@ fn summary(
         println!(
             "{}",
             json!({"tensors": stats.tensors, "bytes_written": stats.bytes_written, "bytes_read": stats.bytes_read,
+                   "sync_seconds": stats.sync_micros as f64 / 1e6,
                    "seconds": secs, "gb_per_s": gbs, "output": out})
         );
     } else {

@@ -19,6 +19,7 @@ impl std::ops::AddAssign for CopyStats {
         self.tensors += o.tensors;
         self.bytes_written += o.bytes_written;
         self.bytes_read += o.bytes_read;
+        self.sync_micros += o.sync_micros;
     }
 }
 
@@ -34,6 +35,8 @@ pub struct CopyStats {
     pub bytes_written: u64,
     /// Bytes of tensor data read.
     pub bytes_read: u64,
+    /// Time spent making the output durable (fsync before rename), in microseconds.
+    pub sync_micros: u64,
 }
 
 /// Splits a tensor of `shape` into boxes that are contiguous in row-major order and
@@ -230,6 +233,7 @@ pub fn execute(
             Ok(())
         },
     )?;
+    let t = std::time::Instant::now();
     for w in writers {
         w.finish()?;
     }
@@ -237,6 +241,7 @@ pub fn execute(
         tensors: plan.tensor_count() as u64,
         bytes_written: plan.bytes_written(),
         bytes_read: read.load(Ordering::Relaxed),
+        sync_micros: t.elapsed().as_micros() as u64,
     })
 }
 
