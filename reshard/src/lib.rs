@@ -242,12 +242,10 @@ pub fn reshard(
             path: req.output.clone(),
         });
     }
-    let source = Checkpoint::open(&req.inputs)?;
-    let strategy = target_strategy(&source, &req.target, &req.selection)?;
+    // Every target rank's plan is checked before anything is written.
+    let (source, strategy, full) = prepare(req)?;
     let json = strategy.to_json();
-    // Check every target rank's plan before writing anything.
     let ranks = req.ranks.list(strategy.mesh.world_size())?;
-    let full = plan(&source, &strategy, req.ranks, req.keep_all, req.format)?;
     on_plan(&full);
     if req.ranks == Ranks::All {
         let staged = StagedDir::new(&req.output, req.force)?;
