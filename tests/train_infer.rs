@@ -124,6 +124,16 @@ fn checkpoint_that_does_not_fit_the_model_is_named() {
         "{}",
         o.stderr
     );
+    // A config.json that does not match the weights: the tensor and both shapes are named.
+    let cfg = r#"{"model":"mlp","config":{"in_features":64,"hidden":100,"width":256,"blocks":1,"classes":10}}"#;
+    d.ok(&["merge", "run", "-o", "full", "-q"]);
+    std::fs::write(d.path("full/config.json"), cfg).unwrap();
+    let o = d.fails(&["infer", "full"]);
+    assert!(
+        o.stderr.contains("full: tensor `blocks.0.fc1.bias` has shape [512] in the checkpoint but the mlp model needs [100]"),
+        "{}",
+        o.stderr
+    );
     let o = d.fails(&["infer", "run", "--ranks", "3"]);
     assert!(
         o.stderr.contains("3 ranks, but")
