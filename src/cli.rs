@@ -293,9 +293,13 @@ fn inspect(paths: &[PathBuf], as_json: bool) -> Result<ExitCode> {
             .as_ref()
             .map(|s| format!(" on mesh {}", s.mesh))
             .unwrap_or_default();
+        let kind = match ck.kind {
+            Kind::Sliced => "sliced",
+            Kind::Integrated => "integrated",
+            Kind::Dcp => "PyTorch DCP",
+        };
         println!(
-            "{:?} checkpoint, {} files{mesh}, {} tensors",
-            ck.kind,
+            "{kind} checkpoint, {} file(s){mesh}, {} tensors",
             ck.files.len(),
             ck.tensors.len()
         );
@@ -351,7 +355,7 @@ fn verify(paths: &[PathBuf], deep: bool, as_json: bool) -> Result<ExitCode> {
         }
         if problems.is_empty() {
             println!(
-                "ok: {} files, {} tensors, every element owned exactly once{}",
+                "ok: {} file(s), {} tensors, every element owned exactly once{}",
                 ck.files.len(),
                 ck.tensors.len(),
                 if deep {

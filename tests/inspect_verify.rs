@@ -8,7 +8,7 @@ fn clean_checkpoint_verifies_and_inspects() {
     d.example("ex", "dp=2,tp=4");
     let o = d.ok(&["verify", "ex", "--deep"]);
     assert!(
-        o.stdout.starts_with("ok: 8 files, 12 tensors"),
+        o.stdout.starts_with("ok: 8 file(s), 12 tensors"),
         "{}",
         o.stdout
     );
