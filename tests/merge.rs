@@ -196,3 +196,48 @@ fn partitioned_merge_under_a_launcher() {
     }
     assert_eq!(full_tensors(&d.path("m")), example_originals("tp=2"));
 }
+
+#[test]
+fn excluded_tensors_need_not_be_complete() {
+    let d = Dir::new();
+    d.example("ex", "tp=2");
+    // Drop the embedding from rank 1's file: a hole in `embed.weight` only.
+    let f = d.path("ex/ckpt_1/model.safetensors");
+    let ck = ckpt_core::SafetensorsFile::open(&f).unwrap();
+    let keep: Vec<(String, Vec<u8>)> = ck
+        .tensors()
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.name != "embed.weight")
+        .map(|(i, t)| (t.name.clone(), ck.data(i).to_vec()))
+        .collect();
+    let meta = ck.metadata().clone();
+    let specs: Vec<ckpt_core::TensorSpec> = ck
+        .tensors()
+        .iter()
+        .filter(|t| t.name != "embed.weight")
+        .map(|t| ckpt_core::TensorSpec {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+        })
+        .collect();
+    drop(ck);
+    std::fs::remove_file(&f).unwrap();
+    let w = ckpt_core::SafetensorsWriter::create(&f, &specs, &meta).unwrap();
+    for (i, (_, data)) in keep.iter().enumerate() {
+        w.write_at(i, 0, data).unwrap();
+    }
+    w.finish().unwrap();
+    let o = d.fails(&["merge", "ex", "-o", "m"]);
+    assert!(
+        o.stderr
+            .contains("tensor `embed.weight`: elements [19..37, 0..16] are missing"),
+        "{}",
+        o.stderr
+    );
+    d.ok(&["merge", "ex", "-o", "m", "--exclude", "embed.*"]);
+    let mut want = example_originals("tp=2");
+    want.remove("embed.weight");
+    assert_eq!(full_tensors(&d.path("m")), want);
+}

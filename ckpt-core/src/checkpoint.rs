@@ -225,7 +225,24 @@ impl Checkpoint {
     /// # Errors
     /// Unreadable or malformed files, and every consistency or coverage problem.
     pub fn open(paths: &[PathBuf]) -> Result<Checkpoint> {
-        let (ck, problems) = Checkpoint::scan(paths)?;
+        Checkpoint::open_selected(paths, &|_| true)
+    }
+
+    /// Like [`Checkpoint::open`], for the tensors `keep` accepts only: the others are
+    /// dropped, and their problems (coverage, shapes) do not count, so a merge that
+    /// leaves out, say, incomplete optimizer state can go ahead.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::open`], for the kept tensors.
+    pub fn open_selected(paths: &[PathBuf], keep: &dyn Fn(&str) -> bool) -> Result<Checkpoint> {
+        let (mut ck, mut problems) = Checkpoint::scan(paths)?;
+        ck.tensors.retain(|name, _| keep(name));
+        problems.retain(|e| match e {
+            Error::CoverageGap { tensor, .. }
+            | Error::Overlap { tensor, .. }
+            | Error::InvalidTensor { tensor, .. } => keep(tensor),
+            _ => true,
+        });
         if problems.is_empty() {
             Ok(ck)
         } else {

@@ -134,7 +134,7 @@ pub fn merge(
             path: req.output.clone(),
         });
     }
-    let source = Checkpoint::open(&req.inputs)?;
+    let source = Checkpoint::open_selected(&req.inputs, &|n| req.selection.keeps(n))?;
     let plan = plan(&source, req)?;
     let index = (plan.files.len() > 1).then(|| index_json(&plan));
     let Some((share, count)) = req.share else {

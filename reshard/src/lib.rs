@@ -218,7 +218,7 @@ pub fn plan(
 /// # Errors
 /// Any input problem.
 pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)> {
-    let source = Checkpoint::open(&req.inputs)?;
+    let source = Checkpoint::open_selected(&req.inputs, &|n| req.selection.keeps(n))?;
     let strategy = target_strategy(&source, &req.target, &req.selection)?;
     let plan = plan(&source, &strategy, req.ranks, req.keep_all, req.format)?;
     Ok((source, strategy, plan))
