@@ -389,12 +389,6 @@ impl TensorLayout {
         }
         out
     }
-
-    /// Bytes of `numel` elements of this dtype (sub-byte types rounded up).
-    #[must_use]
-    pub fn bytes_of(&self, numel: u64) -> u64 {
-        (numel * self.dtype.bitsize() as u64).div_ceil(8)
-    }
 }
 
 #[cfg(test)]
