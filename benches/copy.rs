@@ -139,25 +139,22 @@ fn main() {
     });
     rows.push(("ckpt reshard --to 2".into(), reshard, reshard_rss));
     clean();
-    // Where merge's time goes: the copy, and the fsync that makes it durable (cat has none).
-    clean();
-    let t = Instant::now();
-    let o = ckpt()
-        .args(["merge", "--json"])
-        .arg(&src)
-        .arg("-o")
-        .arg(&out)
-        .output()
-        .unwrap();
-    let total = t.elapsed().as_secs_f64();
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let sync = v["sync_seconds"].as_f64().unwrap();
-    clean();
-    println!(
-        "\nckpt merge: {total:.2} s = {:.2} s copying ({:.2} x cat) + {sync:.2} s fsync",
-        total - sync,
-        (total - sync) / cat
-    );
+    // Where the time goes: the copy, and the fsync that makes it durable (cat has none).
+    for args in [&["merge"][..], &["reshard", "--to", "2"][..]] {
+        clean();
+        let t = Instant::now();
+        let o = ckpt().args(args).arg("--json").arg(&src).arg("-o").arg(&out).output().unwrap();
+        let total = t.elapsed().as_secs_f64();
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let sync = v["sync_seconds"].as_f64().unwrap();
+        clean();
+        println!(
+            "\nckpt {}: {total:.2} s = {:.2} s copying ({:.2} x cat) + {sync:.2} s fsync",
+            args.join(" "),
+            total - sync,
+            (total - sync) / cat
+        );
+    }
     println!("\n| run | seconds | x cat | x (cat + fsync) | peak RSS MiB |");
     println!("|---|---|---|---|---|");
     for (name, s, rss) in &rows {
