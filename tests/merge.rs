@@ -241,3 +241,19 @@ fn excluded_tensors_need_not_be_complete() {
     want.remove("embed.weight");
     assert_eq!(full_tensors(&d.path("m")), want);
 }
+
+#[test]
+fn temporaries_of_a_killed_run_are_removed() {
+    let d = Dir::new();
+    d.example("ex", "tp=2");
+    // What a merge killed by SIGKILL leaves: a staged directory of a process that is gone.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let stale = d.path(&format!(".m.tmp-{dead}-0"));
+    std::fs::create_dir(&stale).unwrap();
+    std::fs::write(stale.join("model.safetensors"), b"partial").unwrap();
+    d.ok(&["merge", "ex", "-o", "m"]);
+    assert!(!stale.exists(), "stale temporary left behind");
+    assert_eq!(full_tensors(&d.path("m")), example_originals("tp=2"));
+}

@@ -29,6 +29,7 @@ impl StagedDir {
             _ => PathBuf::from("."),
         };
         std::fs::create_dir_all(&parent).at(&parent)?;
+        crate::safetensors::remove_stale_temps(dest);
         let tmp = crate::safetensors::temp_name(dest);
         std::fs::create_dir(&tmp).at(&tmp)?;
         Ok(StagedDir {

@@ -380,6 +380,7 @@ impl SafetensorsWriter {
         metadata: &BTreeMap<String, String>,
     ) -> Result<SafetensorsWriter> {
         let (header, offsets) = encode_header(tensors, metadata)?;
+        remove_stale_temps(dest);
         let tmp = temp_name(dest);
         let file = File::options()
             .read(true)
@@ -441,6 +442,40 @@ impl Drop for SafetensorsWriter {
     fn drop(&mut self) {
         if !self.done {
             let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Removes temporaries of `dest` left by runs that were killed before they could clean
+/// up (`.<name>.tmp-<pid>-<n>` whose process is gone), so an interrupted run leaves no
+/// litter behind once the same output is written again.
+pub(crate) fn remove_stale_temps(dest: &Path) {
+    let Some(name) = dest.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return;
+    };
+    let dir = match dest.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let prefix = format!(".{name}.tmp-");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = file.strip_prefix(&prefix) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let p = e.path();
+            let _ = if p.is_dir() {
+                std::fs::remove_dir_all(&p)
+            } else {
+                std::fs::remove_file(&p)
+            };
         }
     }
 }
