@@ -143,7 +143,14 @@ fn main() {
     for args in [&["merge"][..], &["reshard", "--to", "2"][..]] {
         clean();
         let t = Instant::now();
-        let o = ckpt().args(args).arg("--json").arg(&src).arg("-o").arg(&out).output().unwrap();
+        let o = ckpt()
+            .args(args)
+            .arg("--json")
+            .arg(&src)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
         let total = t.elapsed().as_secs_f64();
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         let sync = v["sync_seconds"].as_f64().unwrap();
