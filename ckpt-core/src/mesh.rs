@@ -145,6 +145,26 @@ impl Mesh {
         c
     }
 
+    /// The ranks that differ from `rank` only on axis `axis`, in axis order: the group
+    /// a collective over that axis runs in.
+    ///
+    /// ```
+    /// use ckpt_core::Mesh;
+    /// let mesh = Mesh::parse("dp=2,tp=3").unwrap();
+    /// assert_eq!(mesh.axis_group(4, 1), vec![3, 4, 5]);
+    /// assert_eq!(mesh.axis_group(4, 0), vec![1, 4]);
+    /// ```
+    #[must_use]
+    pub fn axis_group(&self, rank: u64, axis: usize) -> Vec<u64> {
+        let mut c = self.coords(rank);
+        (0..self.axes[axis].size)
+            .map(|k| {
+                c[axis] = k;
+                self.rank_of(&c)
+            })
+            .collect()
+    }
+
     /// The rank at a coordinate.
     #[must_use]
     pub fn rank_of(&self, coords: &[u64]) -> u64 {

@@ -312,3 +312,30 @@ pub fn all_gather_tensor(comm: &dyn Comm, t: &Tensor, dim: usize) -> Result<Tens
     }
     Ok(Tensor::cat(&tensors, dim)?)
 }
+
+/// Combines equal-length pieces in group order, the one reduction of every backend, so
+/// they agree bit for bit:
+/// `((p0 ∘ p1) ∘ p2) ∘ ..`, then divides by `count` for a mean.
+pub(crate) fn reduce_ordered<'a>(
+    mut parts: impl Iterator<Item = &'a [f32]>,
+    count: usize,
+    op: ReduceOp,
+) -> Vec<f32> {
+    let mut acc = parts.next().map(<[f32]>::to_vec).unwrap_or_default();
+    for p in parts {
+        match op {
+            ReduceOp::Sum | ReduceOp::Mean => {
+                acc.iter_mut().zip(p.iter()).for_each(|(a, b)| *a += *b)
+            }
+            ReduceOp::Max => acc
+                .iter_mut()
+                .zip(p.iter())
+                .for_each(|(a, b)| *a = a.max(*b)),
+        }
+    }
+    if op == ReduceOp::Mean {
+        let k = count as f32;
+        acc.iter_mut().for_each(|a| *a /= k);
+    }
+    acc
+}

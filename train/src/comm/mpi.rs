@@ -275,20 +275,17 @@ impl MpiWorld {
             let Some(a) = mesh.axis_index(name) else {
                 return Ok(Arc::new(SoloComm { members: [rank] }));
             };
-            let coords = mesh.coords(rank as u64);
-            let members: Vec<usize> = (0..mesh.axes()[a].size)
-                .map(|k| {
-                    let mut c = coords.clone();
-                    c[a] = k;
-                    mesh.rank_of(&c) as usize
-                })
+            let members: Vec<usize> = mesh
+                .axis_group(rank as u64, a)
+                .into_iter()
+                .map(|m| m as usize)
                 .collect();
             // Every process takes part in the split, even those in groups of one.
             let split = {
                 let _calls = lock_calls();
                 SimpleCommunicator::world().split_by_color_with_key(
                     Color::with_value(to_count(members[0])?),
-                    to_count(coords[a] as usize)?,
+                    to_count(mesh.coords(rank as u64)[a] as usize)?,
                 )
             };
             let split = split.ok_or_else(|| Error::Collective {

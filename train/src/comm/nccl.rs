@@ -136,13 +136,9 @@ fn layout_dist(mesh: &Mesh, rank: usize) -> Dist {
         let Some(a) = mesh.axis_index(axis) else {
             return vec![rank];
         };
-        let coords = mesh.coords(rank as u64);
-        (0..mesh.axes()[a].size)
-            .map(|k| {
-                let mut c = coords.clone();
-                c[a] = k;
-                mesh.rank_of(&c) as usize
-            })
+        mesh.axis_group(rank as u64, a)
+            .into_iter()
+            .map(|m| m as usize)
             .collect()
     };
     let group = |members: Vec<usize>| -> Arc<dyn Comm> {

@@ -1,6 +1,8 @@
 //! What the process backends (MPI, NCCL) share: the ordered reduction that makes them
 //! bit-identical to the thread backend, and the collective timeout.
 
+pub(crate) use super::reduce_ordered;
+#[cfg(test)]
 use super::ReduceOp;
 use crate::error::{Error, Result};
 use std::time::Duration;
@@ -24,32 +26,6 @@ pub(crate) fn timeout_from_env() -> Result<Duration> {
             }),
         },
     }
-}
-
-/// Combines equal-length pieces in group order, exactly as the thread backend does:
-/// `((p0 ∘ p1) ∘ p2) ∘ ..`, then divides by `count` for a mean.
-pub(crate) fn reduce_ordered<'a>(
-    mut parts: impl Iterator<Item = &'a [f32]>,
-    count: usize,
-    op: ReduceOp,
-) -> Vec<f32> {
-    let mut acc = parts.next().map(<[f32]>::to_vec).unwrap_or_default();
-    for p in parts {
-        match op {
-            ReduceOp::Sum | ReduceOp::Mean => {
-                acc.iter_mut().zip(p.iter()).for_each(|(a, b)| *a += *b)
-            }
-            ReduceOp::Max => acc
-                .iter_mut()
-                .zip(p.iter())
-                .for_each(|(a, b)| *a = a.max(*b)),
-        }
-    }
-    if op == ReduceOp::Mean {
-        let k = count as f32;
-        acc.iter_mut().for_each(|a| *a /= k);
-    }
-    acc
 }
 
 #[cfg(test)]

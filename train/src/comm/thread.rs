@@ -115,23 +115,11 @@ fn reduce(
             problem: format!("buffer lengths differ ({n} and {})", p.len()),
         });
     }
-    let mut acc = parts[0].as_ref().clone();
-    for p in &parts[1..] {
-        match op {
-            ReduceOp::Sum | ReduceOp::Mean => {
-                acc.iter_mut().zip(p.iter()).for_each(|(a, b)| *a += *b)
-            }
-            ReduceOp::Max => acc
-                .iter_mut()
-                .zip(p.iter())
-                .for_each(|(a, b)| *a = a.max(*b)),
-        }
-    }
-    if op == ReduceOp::Mean {
-        let k = parts.len() as f32;
-        acc.iter_mut().for_each(|a| *a /= k);
-    }
-    Ok(acc)
+    Ok(super::reduce_ordered(
+        parts.iter().map(|p| p.as_slice()),
+        parts.len(),
+        op,
+    ))
 }
 
 impl Comm for ThreadComm {
@@ -241,13 +229,10 @@ fn build(mesh: &Mesh, abort: &Arc<AtomicBool>) -> Vec<Dist> {
             if per_rank[r].is_some() {
                 continue;
             }
-            let c = mesh.coords(r as u64);
-            let members: Vec<usize> = (0..mesh.axes()[a].size)
-                .map(|k| {
-                    let mut cc = c.clone();
-                    cc[a] = k;
-                    mesh.rank_of(&cc) as usize
-                })
+            let members: Vec<usize> = mesh
+                .axis_group(r as u64, a)
+                .into_iter()
+                .map(|m| m as usize)
                 .collect();
             let g = new_group(members.clone(), abort);
             for (i, m) in members.into_iter().enumerate() {
