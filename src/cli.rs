@@ -98,6 +98,10 @@ struct InferArgs {
     /// How ranks run: threads of this process, or one process per rank under mpirun.
     #[arg(long, value_enum, default_value_t = ckpt_train::Backend::Threads)]
     backend: ckpt_train::Backend,
+    /// Where the model maths runs: the CPU, or CUDA GPUs (needs a build with
+    /// `--features cuda-candle`).
+    #[arg(long, value_enum, default_value_t = ckpt_train::DeviceKind::Cpu)]
+    device: ckpt_train::DeviceKind,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -632,6 +636,7 @@ fn infer(a: InferArgs) -> Result<ExitCode> {
         predict: (!a.predict.is_empty()).then(|| ckpt_infer::parse_predict(&a.predict)),
         limit: a.limit,
         backend: a.backend,
+        device: a.device,
     };
     let r = ckpt_infer::infer(&req)?;
     if !is_lead()? {

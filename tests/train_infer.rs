@@ -142,3 +142,31 @@ fn checkpoint_that_does_not_fit_the_model_is_named() {
         o.stderr
     );
 }
+
+/// This build has no candle CUDA kernels: `--device cuda` stops before any work with an
+/// error saying how to build them, and writes nothing.
+#[cfg(not(feature = "cuda-candle"))]
+#[test]
+fn device_cuda_without_the_kernels_is_a_clear_error() {
+    let d = Dir::new();
+    let o = d.fails(&["train", "--device", "cuda", "--out", "run", "-q"]);
+    let says = "device `cuda` unavailable: this binary was built without candle's CUDA kernels";
+    assert!(o.stderr.contains(says), "{}", o.stderr);
+    assert!(o.stderr.contains("--features cuda-candle"), "{}", o.stderr);
+    assert!(!d.path("run").exists(), "nothing is written");
+    d.ok(&[
+        "train",
+        "--out",
+        "run",
+        "--mesh",
+        "tp=2",
+        "--max-steps",
+        "2",
+        "--no-eval",
+        "-q",
+    ]);
+    let o = d.fails(&["infer", "run", "--device", "cuda"]);
+    assert!(o.stderr.contains(says), "{}", o.stderr);
+    let o = d.ckpt(&["train", "--device", "tpu"]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+}

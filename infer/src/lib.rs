@@ -6,7 +6,6 @@
 //! each rank loading only its own slice through ckpt-core's copy plan (from the owner's
 //! copy when the checkpoint is also data parallel).
 
-use candle_core::Device;
 use ckpt_core::{Checkpoint, Kind, Mesh, Strategy};
 use ckpt_train::{find_meta_file, resolve_checkpoint, DataSource, Dataset, TRAINER_STATE_FILE};
 use std::path::{Path, PathBuf};
@@ -73,6 +72,8 @@ pub struct InferRequest {
     /// How the tensor-parallel ranks run: threads here, or one process per rank under
     /// mpirun.
     pub backend: ckpt_train::Backend,
+    /// Where the model maths runs (CUDA needs a build with `--features cuda-candle`).
+    pub device: ckpt_train::DeviceKind,
 }
 
 /// One prediction.
@@ -149,6 +150,7 @@ fn tp_size(strategy: &Strategy) -> u64 {
 /// ranks that do not match a sliced checkpoint, unreadable data.
 pub fn infer(req: &InferRequest) -> Result<InferReport> {
     let t0 = Instant::now();
+    req.device.check()?;
     let dir = resolve_checkpoint(&req.checkpoint)?;
     let cfg = ckpt_train::read_model_config(&dir)?;
     let source = Checkpoint::open(std::slice::from_ref(&dir))?;
@@ -225,13 +227,14 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
     drop(source);
     let batch = req.batch_size.max(1);
     let outputs = req.backend.run(&mesh, |dist| {
-        let (_, model) = ckpt_train::load_model(&dir, &dist)?;
+        let device = req.device.for_rank(req.backend, dist.rank)?;
+        let (_, model) = ckpt_train::load_model(&dir, &dist, &device)?;
         let forward = |set: &Dataset| -> ckpt_train::Result<(Vec<f32>, f64)> {
             let mut logits = Vec::with_capacity(set.len() * set.classes);
             let t = Instant::now();
             let idx: Vec<usize> = (0..set.len()).collect();
             for b in idx.chunks(batch) {
-                let (x, _) = set.batch(b, &Device::Cpu)?;
+                let (x, _) = set.batch(b, &device)?;
                 logits.extend(model.forward(&x, false)?.flatten_all()?.to_vec1::<f32>()?);
             }
             Ok((logits, t.elapsed().as_secs_f64()))

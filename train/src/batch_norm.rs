@@ -11,6 +11,7 @@
 //! `dγ = Σ(dy x̂)`, `dβ = Σdy` (averaged over `dp` by the optimizer like any gradient).
 
 use crate::comm::{Comm, ReduceOp};
+use crate::parallel::all_reduce_sum_both;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 use std::sync::{Arc, Mutex};
@@ -193,6 +194,7 @@ impl CustomOp3 for BatchNormOp {
 
 /// Training-mode BatchNorm of `x` `[b, c, h, w]` with weight and bias `[c]`, statistics
 /// synchronized over `sync` when given. Returns the output and the batch statistics.
+/// The fused op on the CPU, [`batch_norm_portable`] on other devices.
 pub(crate) fn batch_norm_train(
     x: &Tensor,
     gamma: &Tensor,
@@ -200,6 +202,9 @@ pub(crate) fn batch_norm_train(
     eps: f64,
     sync: Option<Arc<dyn Comm>>,
 ) -> candle_core::Result<(Tensor, BatchStats)> {
+    if !x.device().is_cpu() {
+        return batch_norm_portable(x, gamma, beta, eps, sync);
+    }
     let stats = Arc::new(Mutex::new(BatchStats::default()));
     let op = BatchNormOp {
         eps,
@@ -214,6 +219,42 @@ pub(crate) fn batch_norm_train(
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone();
     Ok((y, s))
+}
+
+/// Training-mode BatchNorm written with candle's differentiable ops, so it runs on any
+/// device (the fused op has a CPU kernel only). Two passes, the mean and then the
+/// centred squares, keep the variance accurate in f32; each per-channel sum is
+/// all-reduced over `sync` by an op whose gradient is all-reduced too, which gives the
+/// gradients of the fused op.
+pub(crate) fn batch_norm_portable(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f64,
+    sync: Option<Arc<dyn Comm>>,
+) -> candle_core::Result<(Tensor, BatchStats)> {
+    let (b, c, h, w) = x.dims4()?;
+    let n = (b * h * w) as f64 * sync.as_ref().map_or(1, |g| g.size()) as f64;
+    let total = |t: &Tensor| -> candle_core::Result<Tensor> {
+        let s = t.sum_keepdim((0, 2, 3))?;
+        match &sync {
+            Some(g) => all_reduce_sum_both(&s, g),
+            None => Ok(s),
+        }
+    };
+    let mean = (total(x)? / n)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = (total(&xc.sqr()?)? / n)?;
+    let y = xc
+        .broadcast_div(&(&var + eps)?.sqrt()?)?
+        .broadcast_mul(&gamma.reshape((1, c, 1, 1))?)?
+        .broadcast_add(&beta.reshape((1, c, 1, 1))?)?;
+    let stats = BatchStats {
+        mean: mean.flatten_all()?.to_vec1()?,
+        var: var.flatten_all()?.to_vec1()?,
+        count: n,
+    };
+    Ok((y, stats))
 }
 
 #[cfg(test)]
@@ -267,5 +308,116 @@ mod tests {
             &var.flatten_all().unwrap(),
         );
         assert_eq!(stats.count, 30.0);
+    }
+
+    /// Deterministic test data of shape `[b, c, h, w]`, different for each `seed`.
+    fn data(shape: (usize, usize, usize, usize), seed: f32) -> Tensor {
+        let n = shape.0 * shape.1 * shape.2 * shape.3;
+        let v: Vec<f32> = (0..n)
+            .map(|i| (i as f32 * 0.37 + seed * 1.3).sin() * 2.0 + seed)
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// BatchNorm of `x` (fused or portable, synchronized over `sync`): the output, the
+    /// batch statistics and the gradients of input, weight and bias for the loss
+    /// `Σ y * probe`.
+    fn run_bn(
+        portable: bool,
+        x: &Tensor,
+        probe: &Tensor,
+        sync: Option<Arc<dyn Comm>>,
+    ) -> candle_core::Result<(Vec<Vec<f32>>, f64)> {
+        let c = x.dim(1)?;
+        let x = Var::from_tensor(x)?;
+        let g = Var::from_tensor(&data((1, c, 1, 1), 7.0).flatten_all()?.affine(0.1, 1.0)?)?;
+        let b = Var::from_tensor(&data((1, c, 1, 1), 8.0).flatten_all()?.affine(0.1, 0.0)?)?;
+        let f = if portable {
+            batch_norm_portable
+        } else {
+            batch_norm_train
+        };
+        let (y, stats) = f(x.as_tensor(), g.as_tensor(), b.as_tensor(), 1e-5, sync)?;
+        let grads = (&y * probe)?.sum_all()?.backward()?;
+        let mut out = vec![y.flatten_all()?.to_vec1::<f32>()?, stats.mean, stats.var];
+        for v in [&x, &g, &b] {
+            let grad = grads.get(v.as_tensor()).expect("a gradient");
+            out.push(grad.flatten_all()?.to_vec1()?);
+        }
+        Ok((out, stats.count))
+    }
+
+    /// The portable BatchNorm (what runs on a GPU) and the fused op, synchronized over
+    /// two ranks with different batches, each against one rank holding both batches:
+    /// outputs, statistics, input gradients equal; weight and bias gradients are the
+    /// rank's share (they sum to the whole batch's).
+    #[test]
+    fn synchronized_batch_norm_is_batch_norm_of_the_whole_batch() {
+        use crate::comm::run_threads;
+        use ckpt_core::Mesh;
+        let shape = (3, 4, 5, 2);
+        let xs: Vec<Tensor> = (0..2).map(|r| data(shape, r as f32)).collect();
+        let probes: Vec<Tensor> = (0..2).map(|r| data(shape, 10.0 + r as f32)).collect();
+        let whole = |portable| {
+            run_bn(
+                portable,
+                &Tensor::cat(&xs, 0).unwrap(),
+                &Tensor::cat(&probes, 0).unwrap(),
+                None,
+            )
+            .unwrap()
+        };
+        let (reference, n) = whole(false);
+        let close = |what: &str, a: &[f32], p: &[f32]| {
+            assert_eq!(a.len(), p.len(), "{what}");
+            for (u, v) in a.iter().zip(p) {
+                assert!(
+                    (u - v).abs() <= 1e-4 * (1.0 + u.abs()),
+                    "{what}: {u} vs {v}"
+                );
+            }
+        };
+        let (portable_whole, _) = whole(true);
+        for (i, what) in ["y", "mean", "var", "dx", "dgamma", "dbeta"]
+            .iter()
+            .enumerate()
+        {
+            close(
+                &format!("portable one rank {what}"),
+                &reference[i],
+                &portable_whole[i],
+            );
+        }
+        let per_rank = reference[0].len() / 2;
+        for portable in [false, true] {
+            let ranks = run_threads(&Mesh::parse("dp=2").unwrap(), |d| {
+                Ok(run_bn(
+                    portable,
+                    &xs[d.rank],
+                    &probes[d.rank],
+                    Some(d.dp.clone()),
+                )?)
+            })
+            .unwrap();
+            for (r, (out, count)) in ranks.iter().enumerate() {
+                let name = |w: &str| format!("portable {portable} rank {r} {w}");
+                assert_eq!(*count, n);
+                let mine = r * per_rank..(r + 1) * per_rank;
+                close(&name("y"), &reference[0][mine.clone()], &out[0]);
+                close(&name("mean"), &reference[1], &out[1]);
+                close(&name("var"), &reference[2], &out[2]);
+                close(&name("dx"), &reference[3][mine], &out[3]);
+            }
+            for k in [4, 5] {
+                let sum: Vec<f32> = (0..ranks[0].0[k].len())
+                    .map(|i| ranks[0].0[k][i] + ranks[1].0[k][i])
+                    .collect();
+                close(
+                    &format!("portable {portable} summed gradient {k}"),
+                    &reference[k],
+                    &sum,
+                );
+            }
+        }
     }
 }

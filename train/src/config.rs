@@ -2,6 +2,7 @@
 //! `ckpt train`) with the embedded default run as their defaults.
 
 use crate::checkpoint::SaveMode;
+use crate::device::DeviceKind;
 use crate::launch::Backend;
 use crate::models::ModelKind;
 use crate::optim::{OptimizerKind, Schedule};
@@ -98,6 +99,10 @@ pub struct TrainConfig {
     /// mpirun (`mpi`) or by mpirun/torchrun/srun on GPUs (`nccl`); see docs/distributed.md.
     #[arg(long, value_enum, default_value_t = Backend::Threads)]
     pub backend: Backend,
+    /// Where the model maths runs: the CPU, or CUDA GPUs (rank `local_rank % GPUs`;
+    /// needs a build with `--features cuda-candle`).
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
     /// Gather the final full weights into the report (for checks).
     #[arg(long, hide = true)]
     pub gather_weights: bool,

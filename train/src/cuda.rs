@@ -33,7 +33,8 @@ mod imp {
 
 #[cfg(feature = "cuda")]
 pub(crate) use imp::{
-    available as device_count, nccl, NcclLib, RawComm, UniqueId, NCCL_FLOAT32, NCCL_UINT64,
+    available as device_count, devices as gpu_count, nccl, NcclLib, RawComm, UniqueId,
+    NCCL_FLOAT32, NCCL_UINT64,
 };
 
 #[cfg(feature = "cuda")]
@@ -49,7 +50,9 @@ mod imp {
         Ok(n)
     }
 
-    fn devices() -> Result<usize, String> {
+    /// Number of visible CUDA devices, after checking the driver (not NCCL: candle's
+    /// device needs none).
+    pub(crate) fn devices() -> Result<usize, String> {
         // SAFETY: only tries to dlopen the driver's library names. (With `cuda-candle`,
         // cudarc links libcuda, which is then present whenever the program runs.)
         #[cfg(not(feature = "cuda-candle"))]

@@ -76,6 +76,14 @@ pub enum Error {
         /// What is missing.
         problem: String,
     },
+    /// The device asked for cannot be used here: not built in, or no driver or GPU.
+    #[error("device `{device}` unavailable: {problem}")]
+    DeviceUnavailable {
+        /// The device kind (`cuda`).
+        device: &'static str,
+        /// What is missing.
+        problem: String,
+    },
     /// A checkpoint to resume from is unusable.
     #[error("checkpoint {path}: {problem}")]
     BadCheckpoint {

@@ -44,12 +44,12 @@ pub fn read_model_config(dir: &Path) -> Result<ModelConfig> {
 
 /// Loads `dist`'s rank slice of the model saved in `dir` (integrated, sliced with any
 /// mesh, or DCP; resharded on load, reading only this rank's bytes) and builds it for
-/// forward passes with `dist`'s `tp` group. Call on every rank of the mesh: forward
-/// passes use `tp` collectives.
+/// forward passes on `device` with `dist`'s `tp` group. Call on every rank of the
+/// mesh: forward passes use `tp` collectives.
 ///
 /// # Errors
 /// An unreadable checkpoint, missing tensors, a config that does not fit the mesh.
-pub fn load_model(dir: &Path, dist: &Dist) -> Result<(ModelConfig, Model)> {
+pub fn load_model(dir: &Path, dist: &Dist, device: &Device) -> Result<(ModelConfig, Model)> {
     let cfg = read_model_config(dir)?;
     let dir = resolve_checkpoint(dir)?;
     let strategy = model_strategy(&cfg, &dist.mesh)?;
@@ -65,7 +65,7 @@ pub fn load_model(dir: &Path, dist: &Dist) -> Result<(ModelConfig, Model)> {
                 })
             }
         };
-        tensors.insert(name, Tensor::from_vec(data, shape, &Device::Cpu)?);
+        tensors.insert(name, Tensor::from_vec(data, shape, device)?);
     }
     let vb = ShardedVars::serve(tensors, dist.tp_size(), dist.tp_rank()).into_var_builder();
     let ctx = ModelCtx {

@@ -27,6 +27,7 @@ mod config;
 mod conv;
 mod cuda;
 mod data;
+mod device;
 mod error;
 mod inference;
 mod launch;
@@ -59,6 +60,7 @@ pub use crate::data::{
     DistributedSampler, Idx, Split, CIFAR_RECORD, DIGITS_CSV_GZ, DIGITS_SPLIT_SEED, DIGITS_TEST,
     FASHION_MNIST_DIR,
 };
+pub use crate::device::DeviceKind;
 pub use crate::error::{Error, Result};
 pub use crate::inference::{load_model, model_strategy, read_model_config};
 pub use crate::launch::{Backend, LaunchEnv, Launcher};

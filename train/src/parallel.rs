@@ -12,10 +12,31 @@
 //! The last one is for synchronized BatchNorm over `dp`: the global loss is the sum of
 //! the ranks' losses, so the gradient of a statistic summed over ranks is itself summed.
 //! On a group of one every op is the identity and adds no node to the graph.
+//!
+//! Collectives work on host buffers whatever the backend, so on a GPU the ops stage
+//! their tensor through host memory ([`on_host`]); the model maths around them stays on
+//! the device.
 
 use crate::comm::{Comm, ReduceOp};
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape, Tensor};
 use std::sync::Arc;
+
+/// Runs a host kernel `f` on the storage of any device: copies it to host memory (the
+/// layout still applies: the whole buffer comes over), runs `f`, and puts the result
+/// back on the storage's device.
+pub(crate) fn on_host<S>(
+    storage: &S,
+    layout: &Layout,
+    f: impl FnOnce(&CpuStorage, &Layout) -> candle_core::Result<(CpuStorage, Shape)>,
+) -> candle_core::Result<(S, Shape)>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
+    let (out, shape) = f(&storage.to_cpu_storage()?, layout)?;
+    Ok((storage.device().storage_from_cpu_storage_owned(out)?, shape))
+}
 
 /// Which of the ops above.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,6 +91,14 @@ impl CustomOp1 for CommOp {
                 .map_err(candle_core::Error::wrap)?;
         }
         Ok((CpuStorage::F32(v), layout.shape().clone()))
+    }
+
+    fn cuda_fwd(
+        &self,
+        storage: &CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        on_host(storage, layout, |s, l| self.cpu_fwd(s, l))
     }
 
     fn bwd(
@@ -174,6 +203,14 @@ impl CustomOp1 for GatherOp {
         Ok((CpuStorage::F32(out), shape.into()))
     }
 
+    fn cuda_fwd(
+        &self,
+        storage: &CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        on_host(storage, layout, |s, l| self.cpu_fwd(s, l))
+    }
+
     fn bwd(
         &self,
         _arg: &Tensor,
@@ -236,6 +273,33 @@ mod tests {
         assert_eq!(out[1].0, 9.0);
         assert_eq!(out[0].1, vec![3.0, 3.0]);
         assert_eq!(out[0].2, vec![1.0, 2.0]);
+    }
+
+    /// The staging the GPU path uses, run on host storage: the kernel gets the whole
+    /// buffer with the view's layout (offset and all) and its result comes back.
+    #[test]
+    fn on_host_runs_the_kernel_on_a_view() {
+        let t = Tensor::arange(0f32, 12.0, &Device::Cpu)
+            .unwrap()
+            .reshape((3, 4))
+            .unwrap()
+            .narrow(0, 1, 2)
+            .unwrap();
+        let (storage, layout) = t.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else {
+            unreachable!("a CPU tensor")
+        };
+        let (out, shape) = on_host(cpu, layout, |s, l| {
+            let v = contiguous_f32(s, l, "double")?;
+            let doubled = v.iter().map(|x| 2.0 * x).collect();
+            Ok((CpuStorage::F32(doubled), l.shape().clone()))
+        })
+        .unwrap();
+        assert_eq!(shape.dims(), &[2, 4]);
+        let CpuStorage::F32(v) = out else {
+            unreachable!("f32 in, f32 out")
+        };
+        assert_eq!(v, (4..12).map(|x| 2.0 * x as f32).collect::<Vec<_>>());
     }
 
     #[test]

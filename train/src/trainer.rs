@@ -9,7 +9,9 @@ use crate::checkpoint::{
 use crate::comm::{check_mesh, Dist, ReduceOp};
 use crate::config::TrainConfig;
 use crate::data::{DataSource, Dataset, DistributedSampler, Split};
+use crate::device::DeviceKind;
 use crate::error::{Error, IoContext, Result};
+use crate::launch::Backend;
 use crate::layers::ModelCtx;
 use crate::models::{build_model, Model, ModelConfig, ModelKind};
 use crate::optim::{
@@ -97,6 +99,8 @@ struct Plan {
     resume: Option<Resume>,
     eval: bool,
     gather_weights: bool,
+    backend: Backend,
+    device: DeviceKind,
 }
 
 fn default_mesh(kind: ModelKind) -> &'static str {
@@ -186,6 +190,7 @@ impl Plan {
         };
         let mesh = Mesh::parse(&mesh_text)?;
         check_mesh(&mesh)?;
+        cfg.device.check()?;
         let dp = mesh
             .axis_index("dp")
             .map_or(1, |a| mesh.axes()[a].size as usize);
@@ -311,6 +316,8 @@ impl Plan {
             resume,
             eval: !cfg.no_eval,
             gather_weights: cfg.gather_weights,
+            backend: cfg.backend,
+            device: cfg.device,
         })
     }
 
@@ -389,12 +396,12 @@ struct RankResult {
 }
 
 /// Test accuracy: each dp rank evaluates its chunk of the test set; counts are summed.
-fn evaluate(model: &Model, test: &Dataset, dist: &Dist) -> Result<f32> {
+fn evaluate(model: &Model, test: &Dataset, dist: &Dist, dev: &Device) -> Result<f32> {
     let (start, len) = crate::parallel::chunk(test.len(), dist.dp_size(), dist.dp_rank());
     let mut counts = [0f32, len as f32];
     let idx: Vec<usize> = (start..start + len).collect();
     for b in idx.chunks(256) {
-        let (x, y) = test.batch(b, &Device::Cpu)?;
+        let (x, y) = test.batch(b, dev)?;
         let pred = model.forward(&x, false)?.argmax(1)?;
         counts[0] += pred
             .eq(&y)?
@@ -413,7 +420,7 @@ fn evaluate(model: &Model, test: &Dataset, dist: &Dist) -> Result<f32> {
 fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
     let rank = dist.rank as u64;
     let mesh = &plan.mesh;
-    let dev = Device::Cpu;
+    let dev = plan.device.for_rank(plan.backend, dist.rank)?;
     let lead = dist.rank == 0;
 
     // Local tensors: from the checkpoint (resharded on load) or initialised globally.
@@ -660,7 +667,7 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
         pos_batch = 0;
         epoch += 1;
         if plan.eval {
-            let acc = evaluate(&model, &plan.data.test, &dist)?;
+            let acc = evaluate(&model, &plan.data.test, &dist, &dev)?;
             result.accuracy.push((epoch - 1, acc));
             say(format!(
                 "epoch {} step {step} loss {:.4} test accuracy {acc:.4}",

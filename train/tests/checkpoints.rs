@@ -306,7 +306,7 @@ fn load_model_on_another_mesh_predicts_as_trained() {
     for mesh in ["tp=4", "dp=1"] {
         let m = ckpt_core::Mesh::parse(mesh).unwrap();
         let accs = ckpt_train::run_threads(&m, |d| {
-            let (cfg, model) = ckpt_train::load_model(&out, &d)?;
+            let (cfg, model) = ckpt_train::load_model(&out, &d, &candle_core::Device::Cpu)?;
             assert_eq!(cfg.kind(), ckpt_train::ModelKind::Mlp);
             let idx: Vec<usize> = (0..split.test.len()).collect();
             let (x, y) = split.test.batch(&idx, &candle_core::Device::Cpu)?;
