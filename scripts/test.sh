@@ -5,7 +5,8 @@
 # - The MPI backend's tests run when Open MPI is installed
 #   (apt-get install libopenmpi-dev openmpi-bin libclang-dev; .ci/run does it).
 # - The CUDA/NCCL build is checked to compile and to fail cleanly on a machine without
-#   a GPU.
+#   a GPU; the build with candle's CUDA kernels (cuda-candle) is type-checked with nvcc
+#   from NVIDIA's wheels, installed into a venv under target/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=target/py
@@ -29,6 +30,33 @@ else
   fi
   echo "$out" | grep -q 'backend `nccl` unavailable: no CUDA driver' || { echo "$out" >&2; exit 1; }
   echo "nccl without a GPU fails as expected: $out"
+fi
+
+# candle's CUDA kernels (`--device cuda`, feature cuda-candle) need nvcc to build but no
+# GPU: NVIDIA's nvcc wheels go into a venv under target/ (unless nvcc is on PATH), and
+# the GPU code path is type-checked against candle's real CUDA backend. candle compiles
+# its kernels for CUDA_COMPUTE_CAP since there is no GPU to ask. About 10 minutes on 2
+# cores; CKPT_SKIP_CUDA_CANDLE=1 skips it outside CI.
+if [ -n "${CKPT_SKIP_CUDA_CANDLE:-}" ] && [ -z "${CI:-}" ]; then
+  echo "scripts/test.sh: cuda-candle check skipped (CKPT_SKIP_CUDA_CANDLE)" >&2
+else
+  nvcc_env=()
+  if ! command -v nvcc >/dev/null 2>&1; then
+    nv=target/nvcc
+    if ! [ -x "$nv/cuda/bin/nvcc" ]; then
+      python3 -m venv "$nv"
+      "$nv/bin/pip" install --quiet --disable-pip-version-check \
+        nvidia-cuda-nvcc==13.5.37 nvidia-nvvm==13.5.37 nvidia-cuda-crt==13.5.37 \
+        nvidia-cuda-runtime==13.5.37 nvidia-cuda-cccl==13.3.5.0.6
+      site=$("$nv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+      ln -sfn "$site/nvidia/cu13" "$nv/cuda"
+    fi
+    cuda_home="$PWD/$nv/cuda"
+    nvcc_env=(PATH="$cuda_home/bin:$PATH" CUDA_HOME="$cuda_home")
+  fi
+  env "${nvcc_env[@]}" CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}" \
+    cargo check --workspace --all-targets --features cuda-candle
+  echo "cuda-candle (candle's CUDA device) type-checks"
 fi
 
 if command -v mpirun >/dev/null 2>&1; then
