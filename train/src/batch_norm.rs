@@ -194,7 +194,7 @@ impl CustomOp3 for BatchNormOp {
 
 /// Training-mode BatchNorm of `x` `[b, c, h, w]` with weight and bias `[c]`, statistics
 /// synchronized over `sync` when given. Returns the output and the batch statistics.
-/// The fused op on the CPU, [`batch_norm_portable`] on other devices.
+/// CPU tensors ([`batch_norm_portable`] runs on every device).
 pub(crate) fn batch_norm_train(
     x: &Tensor,
     gamma: &Tensor,
@@ -202,9 +202,6 @@ pub(crate) fn batch_norm_train(
     eps: f64,
     sync: Option<Arc<dyn Comm>>,
 ) -> candle_core::Result<(Tensor, BatchStats)> {
-    if !x.device().is_cpu() {
-        return batch_norm_portable(x, gamma, beta, eps, sync);
-    }
     let stats = Arc::new(Mutex::new(BatchStats::default()));
     let op = BatchNormOp {
         eps,

@@ -106,6 +106,9 @@ pub struct TrainConfig {
     /// Gather the final full weights into the report (for checks).
     #[arg(long, hide = true)]
     pub gather_weights: bool,
+    /// Use the portable kernels (what a GPU runs) on the CPU too, to check their maths.
+    #[arg(long, hide = true)]
+    pub portable_kernels: bool,
 }
 
 #[derive(Parser)]

@@ -174,8 +174,8 @@ impl CustomOp2 for Conv2dOp {
     }
 }
 
-/// `conv2d(x [b, c, h, w], w [o, c, k, k])` with square stride and zero padding: the
-/// im2col op on the CPU, candle's own convolution (its device kernels) elsewhere.
+/// `conv2d(x [b, c, h, w], w [o, c, k, k])` with square stride and zero padding (CPU
+/// tensors; candle's own `conv2d` is the same convolution on every device).
 ///
 /// # Errors
 /// Shapes that do not fit.
@@ -185,9 +185,6 @@ pub(crate) fn conv2d(
     stride: usize,
     padding: usize,
 ) -> candle_core::Result<Tensor> {
-    if !x.device().is_cpu() {
-        return x.conv2d(w, padding, stride, 1, 1);
-    }
     x.contiguous()?
         .apply_op2(&w.contiguous()?, Conv2dOp { stride, padding })
 }

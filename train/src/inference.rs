@@ -3,7 +3,7 @@
 use crate::checkpoint::{f32_from_bytes, find_meta_file, resolve_checkpoint, CONFIG_FILE};
 use crate::comm::Dist;
 use crate::error::{Error, IoContext, Result};
-use crate::layers::ModelCtx;
+use crate::layers::{Kernels, ModelCtx};
 use crate::models::{build_model, Model, ModelConfig};
 use crate::params::ShardedVars;
 use candle_core::{Device, Tensor};
@@ -72,6 +72,7 @@ pub fn load_model(dir: &Path, dist: &Dist, device: &Device) -> Result<(ModelConf
         tp: dist.tp.clone(),
         dp: dist.dp.clone(),
         sync_bn: false,
+        kernels: Kernels::for_device(device),
     };
     let model = build_model(&cfg, &vb, &ctx)?;
     Ok((cfg, model))

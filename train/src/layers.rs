@@ -2,15 +2,37 @@
 //! layers, LayerNorm, BatchNorm (optionally synchronized over `dp`) and convolutions.
 //! Weights are PyTorch-shaped (`[out, in]`, `[out, in, k, k]`).
 
-use crate::batch_norm::batch_norm_train;
+use crate::batch_norm::{batch_norm_portable, batch_norm_train};
 use crate::comm::Comm;
 use crate::parallel::{copy_to_group, reduce_from_group};
 use crate::params::{Init, ParamHint, ShardedVarBuilder};
-use candle_core::{Module, Result, Tensor, Var, D};
+use candle_core::{Device, Module, Result, Tensor, Var, D};
 use std::sync::Arc;
 
-/// How a model runs on a rank: its `tp` and `dp` groups and whether BatchNorm
-/// statistics are synchronized over `dp`.
+/// Which implementation of convolution and training-mode BatchNorm a model uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Kernels {
+    /// This crate's ops (im2col convolution, fused BatchNorm): fastest, CPU only.
+    #[default]
+    Cpu,
+    /// The same maths from candle's ops, which every device runs (the GPU path).
+    Portable,
+}
+
+impl Kernels {
+    /// The kernels for tensors on `device`.
+    #[must_use]
+    pub fn for_device(device: &Device) -> Kernels {
+        if device.is_cpu() {
+            Kernels::Cpu
+        } else {
+            Kernels::Portable
+        }
+    }
+}
+
+/// How a model runs on a rank: its `tp` and `dp` groups, whether BatchNorm statistics
+/// are synchronized over `dp`, and the kernels its device needs.
 #[derive(Clone)]
 pub struct ModelCtx {
     /// Tensor-parallel group.
@@ -19,18 +41,21 @@ pub struct ModelCtx {
     pub dp: Arc<dyn Comm>,
     /// Synchronize BatchNorm statistics over `dp`.
     pub sync_bn: bool,
+    /// Convolution and BatchNorm kernels ([`Kernels::for_device`] of the rank's device).
+    pub kernels: Kernels,
 }
 
 impl std::fmt::Debug for ModelCtx {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "ModelCtx(tp {}/{}, dp {}/{}, sync_bn {})",
+            "ModelCtx(tp {}/{}, dp {}/{}, sync_bn {}, {:?} kernels)",
             self.tp.rank(),
             self.tp.size(),
             self.dp.rank(),
             self.dp.size(),
-            self.sync_bn
+            self.sync_bn,
+            self.kernels
         )
     }
 }
@@ -44,6 +69,7 @@ impl ModelCtx {
             tp: d.tp,
             dp: d.dp,
             sync_bn: false,
+            kernels: Kernels::Cpu,
         }
     }
 
@@ -58,6 +84,7 @@ impl ModelCtx {
             tp,
             dp: crate::comm::Dist::single().dp,
             sync_bn: false,
+            kernels: Kernels::Cpu,
         }
     }
 }
@@ -249,6 +276,7 @@ pub struct Conv2d {
     w: Tensor,
     stride: usize,
     padding: usize,
+    kernels: Kernels,
 }
 
 impl Conv2d {
@@ -258,6 +286,7 @@ impl Conv2d {
     /// Missing or misshapen tensors.
     pub fn new(
         vb: &ShardedVarBuilder,
+        ctx: &ModelCtx,
         c_in: usize,
         c_out: usize,
         k: usize,
@@ -270,13 +299,21 @@ impl Conv2d {
             "weight",
             ParamHint::replicated(Init::Normal { std }),
         )?;
-        Ok(Conv2d { w, stride, padding })
+        Ok(Conv2d {
+            w,
+            stride,
+            padding,
+            kernels: ctx.kernels,
+        })
     }
 }
 
 impl Module for Conv2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        crate::conv::conv2d(x, &self.w, self.stride, self.padding)
+        match self.kernels {
+            Kernels::Cpu => crate::conv::conv2d(x, &self.w, self.stride, self.padding),
+            Kernels::Portable => x.conv2d(&self.w, self.padding, self.stride, 1, 1),
+        }
     }
 }
 
@@ -292,6 +329,7 @@ pub struct BatchNorm2d {
     sync: Option<Arc<dyn Comm>>,
     momentum: f64,
     eps: f64,
+    kernels: Kernels,
 }
 
 impl BatchNorm2d {
@@ -308,6 +346,7 @@ impl BatchNorm2d {
             sync: (ctx.sync_bn && ctx.dp.size() > 1).then(|| ctx.dp.clone()),
             momentum: 0.1,
             eps: 1e-5,
+            kernels: ctx.kernels,
         })
     }
 
@@ -320,7 +359,11 @@ impl BatchNorm2d {
         let c = x.dim(1)?;
         let shape = (1, c, 1, 1);
         if train {
-            let (y, stats) = batch_norm_train(x, &self.w, &self.b, self.eps, self.sync.clone())?;
+            let bn = match self.kernels {
+                Kernels::Cpu => batch_norm_train,
+                Kernels::Portable => batch_norm_portable,
+            };
+            let (y, stats) = bn(x, &self.w, &self.b, self.eps, self.sync.clone())?;
             if self.running_mean.is_variable() {
                 let (m, n) = (self.momentum, stats.count);
                 let dev = x.device();

@@ -65,7 +65,7 @@ pub use crate::error::{Error, Result};
 pub use crate::inference::{load_model, model_strategy, read_model_config};
 pub use crate::launch::{Backend, LaunchEnv, Launcher};
 pub use crate::layers::{
-    linear, BatchNorm2d, ColumnLinear, Conv2d, LayerNorm, Linear, ModelCtx, RowLinear,
+    linear, BatchNorm2d, ColumnLinear, Conv2d, Kernels, LayerNorm, Linear, ModelCtx, RowLinear,
 };
 pub use crate::models::{build_model, Model, ModelConfig, ModelKind};
 pub use crate::optim::{

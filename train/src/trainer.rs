@@ -12,7 +12,7 @@ use crate::data::{DataSource, Dataset, DistributedSampler, Split};
 use crate::device::DeviceKind;
 use crate::error::{Error, IoContext, Result};
 use crate::launch::Backend;
-use crate::layers::ModelCtx;
+use crate::layers::{Kernels, ModelCtx};
 use crate::models::{build_model, Model, ModelConfig, ModelKind};
 use crate::optim::{
     lr_at, state_layout, state_tensor_name, OptimConfig, Optimizer, OptimizerKind, Schedule,
@@ -101,6 +101,7 @@ struct Plan {
     gather_weights: bool,
     backend: Backend,
     device: DeviceKind,
+    portable_kernels: bool,
 }
 
 fn default_mesh(kind: ModelKind) -> &'static str {
@@ -318,6 +319,7 @@ impl Plan {
             gather_weights: cfg.gather_weights,
             backend: cfg.backend,
             device: cfg.device,
+            portable_kernels: cfg.portable_kernels,
         })
     }
 
@@ -464,6 +466,11 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
         tp: dist.tp.clone(),
         dp: dist.dp.clone(),
         sync_bn: plan.sync_bn,
+        kernels: if plan.portable_kernels {
+            Kernels::Portable
+        } else {
+            Kernels::for_device(&dev)
+        },
     };
     let vb = ShardedVars::serve_vars(&vars, dist.tp_size(), dist.tp_rank()).into_var_builder();
     let model = build_model(&plan.model, &vb, &ctx)?;

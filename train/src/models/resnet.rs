@@ -40,7 +40,7 @@ impl Downsample {
             return Ok(None);
         }
         Ok(Some(Downsample {
-            conv: Conv2d::new(&vb.pp("0"), c_in, c_out, 1, stride, 0)?,
+            conv: Conv2d::new(&vb.pp("0"), ctx, c_in, c_out, 1, stride, 0)?,
             bn: BatchNorm2d::new(&vb.pp("1"), ctx, c_out)?,
         }))
     }
@@ -77,9 +77,9 @@ impl Block {
         stride: usize,
     ) -> Result<Block> {
         Ok(Block::Basic {
-            conv1: Conv2d::new(&vb.pp("conv1"), c_in, c_out, 3, stride, 1)?,
+            conv1: Conv2d::new(&vb.pp("conv1"), ctx, c_in, c_out, 3, stride, 1)?,
             bn1: BatchNorm2d::new(&vb.pp("bn1"), ctx, c_out)?,
-            conv2: Conv2d::new(&vb.pp("conv2"), c_out, c_out, 3, 1, 1)?,
+            conv2: Conv2d::new(&vb.pp("conv2"), ctx, c_out, c_out, 3, 1, 1)?,
             bn2: BatchNorm2d::new(&vb.pp("bn2"), ctx, c_out)?,
             down: Downsample::new(&vb.pp("downsample"), ctx, c_in, c_out, stride)?,
         })
@@ -95,9 +95,9 @@ impl Block {
         let c_out = width * 4;
         Ok(Block::Bottleneck {
             convs: [
-                Conv2d::new(&vb.pp("conv1"), c_in, width, 1, 1, 0)?,
-                Conv2d::new(&vb.pp("conv2"), width, width, 3, stride, 1)?,
-                Conv2d::new(&vb.pp("conv3"), width, c_out, 1, 1, 0)?,
+                Conv2d::new(&vb.pp("conv1"), ctx, c_in, width, 1, 1, 0)?,
+                Conv2d::new(&vb.pp("conv2"), ctx, width, width, 3, stride, 1)?,
+                Conv2d::new(&vb.pp("conv3"), ctx, width, c_out, 1, 1, 0)?,
             ],
             bns: [
                 BatchNorm2d::new(&vb.pp("bn1"), ctx, width)?,
@@ -157,7 +157,7 @@ impl ResNet {
         }
         let mut layers = Vec::new();
         if cfg.depth == 50 {
-            let conv1 = Conv2d::new(&vb.pp("conv1"), cfg.channels, 64, 3, 1, 1)?;
+            let conv1 = Conv2d::new(&vb.pp("conv1"), ctx, cfg.channels, 64, 3, 1, 1)?;
             let bn1 = BatchNorm2d::new(&vb.pp("bn1"), ctx, 64)?;
             let mut c_in = 64;
             for (s, (&n, &width)) in [3usize, 4, 6, 3]
@@ -192,7 +192,7 @@ impl ResNet {
             )
         }
         let n = (cfg.depth - 2) / 6;
-        let conv1 = Conv2d::new(&vb.pp("conv1"), cfg.channels, 16, 3, 1, 1)?;
+        let conv1 = Conv2d::new(&vb.pp("conv1"), ctx, cfg.channels, 16, 3, 1, 1)?;
         let bn1 = BatchNorm2d::new(&vb.pp("bn1"), ctx, 16)?;
         let mut c_in = 16;
         for (s, &c) in [16usize, 32, 64].iter().enumerate() {
