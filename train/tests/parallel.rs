@@ -57,6 +57,27 @@ fn vit_tp2_tracks_one_rank() {
     );
 }
 
+/// Arguments to train ResNet-8 on `data` with SGD (lr 0.05) for `steps` updates of
+/// global batch `batch`.
+fn resnet8_sgd<'a>(data: &'a str, batch: &'a str, steps: &'a str) -> Vec<&'a str> {
+    vec![
+        "--model",
+        "resnet",
+        "--depth",
+        "8",
+        "--data",
+        data,
+        "--batch-size",
+        batch,
+        "--max-steps",
+        steps,
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+    ]
+}
+
 /// Issue 5: dp=4 with --sync-bn tracks dp=1 at the same global batch (ResNet-8 on small
 /// CIFAR-format files): the batch statistics are those of the global batch. Tolerance
 /// 2e-3 absolute over 4 updates. Without --sync-bn the curves part further.
@@ -65,22 +86,7 @@ fn resnet_dp4_sync_bn_tracks_dp1() {
     let dir = tempfile::tempdir().unwrap();
     write_cifar(dir.path(), 64, 20);
     let data = format!("cifar10:{}", dir.path().display());
-    let common = [
-        "--model",
-        "resnet",
-        "--depth",
-        "8",
-        "--data",
-        &data,
-        "--batch-size",
-        "16",
-        "--max-steps",
-        "4",
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.05",
-    ];
+    let common = resnet8_sgd(&data, "16", "4");
     let one = run(&[&common[..], &["--ranks", "1"]].concat());
     let four = run(&[&common[..], &["--ranks", "4", "--sync-bn"]].concat());
     let unsynced = run(&[&common[..], &["--ranks", "4"]].concat());
@@ -107,29 +113,13 @@ fn portable_kernels_train_as_the_cpu_kernels() {
     let dir = tempfile::tempdir().unwrap();
     write_cifar(dir.path(), 32, 8);
     let data = format!("cifar10:{}", dir.path().display());
+    // SGD: Adam divides by the root of tiny second moments, which magnifies rounding
+    // differences in near-zero gradients.
     let common = [
-        "--model",
-        "resnet",
-        "--depth",
-        "8",
-        "--data",
-        &data,
-        "--batch-size",
-        "8",
-        "--max-steps",
-        "3",
-        "--ranks",
-        "2",
-        "--sync-bn",
-        "--no-eval",
-        "--gather-weights",
-        // SGD: Adam divides by the root of tiny second moments, which magnifies
-        // rounding differences in near-zero gradients.
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.05",
-    ];
+        &resnet8_sgd(&data, "8", "3")[..],
+        &["--ranks", "2", "--sync-bn", "--no-eval", "--gather-weights"],
+    ]
+    .concat();
     let cpu = run(&common);
     let portable = run(&[&common[..], &["--portable-kernels"]].concat());
     assert_eq!(cpu.losses.len(), 3);
