@@ -69,17 +69,22 @@ impl std::fmt::Display for DeviceKind {
     }
 }
 
-/// The local rank of a rank of `backend` whose world rank is `rank`: thread ranks all
-/// live on this machine; a process started by a launcher reads its local rank from it
-/// (one process alone is local rank 0).
+/// The local rank of a rank of `backend` whose world rank is `rank`: a process started
+/// by a launcher reads it from the launcher; otherwise every rank is a thread of this
+/// process (always so for the thread backend, and for NCCL started by `ckpt` itself).
 ///
 /// # Errors
 /// An incomplete launcher environment.
 fn local_rank(backend: Backend, rank: usize) -> Result<usize> {
-    Ok(match backend {
+    Ok(local_rank_in(backend, rank, LaunchEnv::from_env()?))
+}
+
+/// [`local_rank`] with the launcher's environment given.
+fn local_rank_in(backend: Backend, rank: usize, env: Option<LaunchEnv>) -> usize {
+    match backend {
         Backend::Threads => rank,
-        Backend::Mpi | Backend::Nccl => LaunchEnv::from_env()?.map_or(0, |e| e.local_rank),
-    })
+        Backend::Mpi | Backend::Nccl => env.map_or(rank, |e| e.local_rank),
+    }
 }
 
 /// Visible CUDA devices, or why CUDA cannot be used by candle here.
@@ -143,7 +148,18 @@ mod tests {
     }
 
     #[test]
-    fn thread_ranks_are_local() {
-        assert_eq!(local_rank(Backend::Threads, 5).unwrap(), 5);
+    fn local_ranks() {
+        let torchrun = [("RANK", "5"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1")];
+        let env =
+            LaunchEnv::from_vars(|k| torchrun.iter().find(|v| v.0 == k).map(|v| v.1.to_string()))
+                .unwrap();
+        assert!(env.is_some());
+        // Thread ranks are all local, launcher or not.
+        assert_eq!(local_rank_in(Backend::Threads, 5, env), 5);
+        // A process per rank: the launcher's local rank.
+        assert_eq!(local_rank_in(Backend::Nccl, 5, env), 1);
+        assert_eq!(local_rank_in(Backend::Mpi, 5, env), 1);
+        // NCCL thread ranks started by `ckpt train` itself.
+        assert_eq!(local_rank_in(Backend::Nccl, 3, None), 3);
     }
 }
