@@ -29,12 +29,18 @@ mod imp {
     pub(crate) fn available() -> Result<usize, String> {
         Err("this binary was built without CUDA support; rebuild with `cargo build --release --features cuda`".into())
     }
+
+    pub(crate) fn devices() -> Result<usize, String> {
+        available()
+    }
 }
+
+/// Number of visible CUDA devices after checking the driver, or what is missing.
+pub(crate) use imp::devices as gpu_count;
 
 #[cfg(feature = "cuda")]
 pub(crate) use imp::{
-    available as device_count, devices as gpu_count, nccl, NcclLib, RawComm, UniqueId,
-    NCCL_FLOAT32, NCCL_UINT64,
+    available as device_count, nccl, NcclLib, RawComm, UniqueId, NCCL_FLOAT32, NCCL_UINT64,
 };
 
 #[cfg(feature = "cuda")]

@@ -101,19 +101,7 @@ fn cuda_device_count() -> Result<usize> {
                 .into(),
         ));
     }
-    gpu_count().map_err(unavailable)
-}
-
-#[cfg(feature = "cuda")]
-fn gpu_count() -> std::result::Result<usize, String> {
-    crate::cuda::gpu_count()
-}
-
-// candle's CUDA kernels come with the `cuda-candle` feature, which implies `cuda`: a
-// build that reaches here without `cuda` has returned above.
-#[cfg(not(feature = "cuda"))]
-fn gpu_count() -> std::result::Result<usize, String> {
-    Err("built without the `cuda` feature".into())
+    crate::cuda::gpu_count().map_err(unavailable)
 }
 
 #[cfg(test)]
