@@ -14,7 +14,7 @@ fn merge_gives_back_every_original_byte() {
         example_originals("dp=2,tp=3")
     );
     // One integrated file, readable as a plain safetensors file of whole tensors.
-    let f = ckpt_core::SafetensorsFile::open(&d.path("merged/model.safetensors")).unwrap();
+    let f = ckpt_core::TensorFile::open(&d.path("merged/model.safetensors")).unwrap();
     let qkv = f.find("layers.1.attn.qkv.weight").unwrap();
     assert_eq!(f.tensors()[qkv].shape, vec![48, 16]);
 }
@@ -203,7 +203,7 @@ fn excluded_tensors_need_not_be_complete() {
     d.example("ex", "tp=2");
     // Drop the embedding from rank 1's file: a hole in `embed.weight` only.
     let f = d.path("ex/ckpt_1/model.safetensors");
-    let ck = ckpt_core::SafetensorsFile::open(&f).unwrap();
+    let ck = ckpt_core::TensorFile::open(&f).unwrap();
     let keep: Vec<(String, Vec<u8>)> = ck
         .tensors()
         .iter()

@@ -116,7 +116,7 @@ fn integrated_to_sliced_with_a_strategy_then_merge() {
     assert!(o.stderr.contains("give --strategy"), "{}", o.stderr);
     d.ok(&["reshard", "full", "-o", "p", "--strategy", "predict.json"]);
     d.ok(&["verify", "p"]);
-    let f = ckpt_core::SafetensorsFile::open(&d.path("p/ckpt_1/model.safetensors")).unwrap();
+    let f = ckpt_core::TensorFile::open(&d.path("p/ckpt_1/model.safetensors")).unwrap();
     let e = f.find("embed.weight").unwrap();
     assert_eq!(f.tensors()[e].shape, vec![37, 8]);
     assert_eq!(full_tensors(&d.path("p")), example_originals("tp=3"));
@@ -162,7 +162,7 @@ fn pipeline_two_to_one_and_back_with_optimizer_state() {
     d.ok(&["verify", "pp1"]);
     let s1 = ckpt_core::Strategy::read(&d.path("pp1/strategy.json")).unwrap();
     assert_eq!(s1.tensors["layers.3.mlp.up.weight"].stage, Some(0));
-    let f = ckpt_core::SafetensorsFile::open(&d.path("pp1/ckpt_1/model.safetensors")).unwrap();
+    let f = ckpt_core::TensorFile::open(&d.path("pp1/ckpt_1/model.safetensors")).unwrap();
     let m = f
         .find("optim.layers.3.mlp.up.weight.exp_avg")
         .expect("moment on tp rank 1");
@@ -217,7 +217,7 @@ fn sharded_dim_changes_from_rows_to_columns() {
     }
     std::fs::write(d.path("cols.json"), s.to_json()).unwrap();
     d.ok(&["reshard", "ex", "-o", "cols", "--strategy", "cols.json"]);
-    let f = ckpt_core::SafetensorsFile::open(&d.path("cols/ckpt_3/model.safetensors")).unwrap();
+    let f = ckpt_core::TensorFile::open(&d.path("cols/ckpt_3/model.safetensors")).unwrap();
     assert_eq!(
         f.tensors()[f.find("layers.0.mlp.up.weight").unwrap()].shape,
         vec![64, 4]

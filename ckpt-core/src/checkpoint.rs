@@ -7,8 +7,8 @@
 
 use crate::coverage::{check_tiling, Defect};
 use crate::error::{Error, IoContext, Problems, Result};
+use crate::formats::TensorFile;
 use crate::region::Region;
-use crate::safetensors::SafetensorsFile;
 use crate::strategy::{dtype_name, Strategy};
 use crate::Dtype;
 use std::collections::{BTreeMap, BTreeSet};
@@ -26,6 +26,9 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 pub(crate) const LATEST_FILE: &str = "latest";
 /// Files carried through from input to output when present.
 pub const CARRIED_FILES: [&str; 2] = ["config.json", "trainer_state.json"];
+
+/// Most problems of one kind listed one by one; the rest are counted.
+pub(crate) const MAX_LISTED: usize = 20;
 
 /// What kind of checkpoint a set of inputs is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,7 +73,7 @@ pub struct Checkpoint {
     /// The kind of the inputs.
     pub kind: Kind,
     /// The mapped files.
-    pub files: Vec<SafetensorsFile>,
+    pub files: Vec<TensorFile>,
     /// Rank of each file (sliced checkpoints).
     pub ranks: Vec<Option<u64>>,
     /// The strategy (sliced checkpoints).
@@ -79,6 +82,9 @@ pub struct Checkpoint {
     pub tensors: BTreeMap<String, SourceTensor>,
     /// Carried files found beside the inputs (`config.json`, ...), by name.
     pub carried: BTreeMap<String, PathBuf>,
+    /// What could not be checked from these inputs (not problems; said by inspect
+    /// and verify so that an ok is not read as more than it is).
+    pub notes: Vec<String>,
 }
 
 /// An input file and what we know of it before reading it.
@@ -240,7 +246,8 @@ impl Checkpoint {
         problems.retain(|e| match e {
             Error::CoverageGap { tensor, .. }
             | Error::Overlap { tensor, .. }
-            | Error::InvalidTensor { tensor, .. } => keep(tensor),
+            | Error::InvalidTensor { tensor, .. }
+            | Error::Ambiguous { tensor, .. } => keep(tensor),
             _ => true,
         });
         if problems.is_empty() {
@@ -265,7 +272,7 @@ impl Checkpoint {
         let mut files = Vec::new();
         let mut strategies = Vec::new();
         for input in inputs {
-            match SafetensorsFile::open(&input.path) {
+            match TensorFile::open(&input.path) {
                 Ok(f) => {
                     files.push(f);
                     strategies.push(input.strategy);
@@ -276,7 +283,7 @@ impl Checkpoint {
         let sliced = strategies.iter().filter(|s| s.is_some()).count();
         let dcp = files
             .iter()
-            .filter(|f| f.metadata().contains_key(DCP_SHARDING_INFO))
+            .filter(|f| f.tensors().iter().any(|t| t.offsets.is_some()))
             .count();
         let kind = if sliced > 0 {
             if sliced != strategies.len() {
@@ -297,11 +304,15 @@ impl Checkpoint {
             strategy: None,
             tensors: BTreeMap::new(),
             carried,
+            notes: Vec::new(),
         };
         let mut raw: BTreeMap<String, Vec<SourcePiece>> = BTreeMap::new();
         match kind {
             Kind::Sliced => ck.read_sliced(&strategies, &mut raw, &mut problems)?,
             Kind::Dcp | Kind::Integrated => ck.read_boxes(&mut raw, &mut problems),
+        }
+        if kind == Kind::Dcp {
+            ck.check_dcp_ranks(&mut problems);
         }
         ck.assemble(raw, &mut problems);
         Ok((ck, problems))
@@ -435,13 +446,9 @@ impl Checkpoint {
                 }
             }
         }
-        for r in 0..world {
-            if !seen.contains_key(&r) {
-                problems.push(Error::Mismatch {
-                    what: format!("rank {r} of {world} is missing (no ckpt_{r}/{MODEL_FILE} among the inputs)"),
-                });
-            }
-        }
+        problems.extend(missing_ranks(world, &seen, |r| {
+            format!("no ckpt_{r}/{MODEL_FILE} among the inputs")
+        }));
         // Tensors of the strategy that no file holds are reported by the coverage check.
         for (name, st) in &strategy.tensors {
             raw.entry(name.clone()).or_default();
@@ -464,33 +471,36 @@ impl Checkpoint {
         raw: &mut BTreeMap<String, Vec<SourcePiece>>,
         problems: &mut Vec<Error>,
     ) {
+        // Tensors stored whole (no offsets) by more than one file: (file, tensor) each.
+        let mut whole: BTreeMap<&str, Vec<(usize, usize)>> = BTreeMap::new();
         for (fi, f) in self.files.iter().enumerate() {
-            let offsets: BTreeMap<String, Vec<u64>> = match f.metadata().get(DCP_SHARDING_INFO) {
-                None => BTreeMap::new(),
-                Some(text) => match parse_dcp_offsets(text) {
-                    Ok(o) => o,
-                    Err(e) => {
-                        problems.push(Error::InvalidHeader { problem: e }.with_path(f.path()));
-                        continue;
-                    }
-                },
-            };
             for (ti, t) in f.tensors().iter().enumerate() {
-                let start = offsets
-                    .get(&t.name)
-                    .cloned()
-                    .unwrap_or_else(|| vec![0; t.shape.len()]);
-                if start.len() != t.shape.len() {
-                    problems.push(Error::InvalidTensor {
-                        tensor: t.name.clone(),
-                        problem: format!(
-                            "{}: saved_offsets {start:?} do not match shape {:?}",
-                            f.path().display(),
-                            t.shape
-                        ),
-                    });
+                if t.offsets.is_none() {
+                    whole.entry(&t.name).or_default().push((fi, ti));
+                }
+            }
+        }
+        let mut ambiguous = BTreeSet::new();
+        for (name, at) in whole.iter().filter(|(_, at)| at.len() > 1) {
+            if let Some(problem) = self.unequal_copies(at) {
+                problems.push(Error::Ambiguous {
+                    tensor: (*name).to_string(),
+                    files: at
+                        .iter()
+                        .map(|&(fi, _)| self.files[fi].path().display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    problem,
+                });
+                ambiguous.insert((*name).to_string());
+            }
+        }
+        for (fi, f) in self.files.iter().enumerate() {
+            for (ti, t) in f.tensors().iter().enumerate() {
+                if ambiguous.contains(&t.name) {
                     continue;
                 }
+                let start = t.offsets.clone().unwrap_or_else(|| vec![0; t.shape.len()]);
                 let global = Region::new(start, t.shape.clone());
                 let dtype = t.dtype;
                 let shape_so_far = self.tensors.entry(t.name.clone()).or_insert(SourceTensor {
@@ -524,6 +534,98 @@ impl Checkpoint {
                 });
             }
         }
+    }
+
+    /// DCP's sharded safetensors record neither global shapes nor the world size, so
+    /// shapes are inferred from the pieces present. ckpt's own DCP output also records
+    /// `rank` and `world_size`: with them, every rank must be among the inputs.
+    fn check_dcp_ranks(&mut self, problems: &mut Vec<Error>) {
+        let mut worlds = BTreeSet::new();
+        let mut seen: BTreeMap<u64, usize> = BTreeMap::new();
+        let mut recorded = 0;
+        for (fi, f) in self.files.iter().enumerate() {
+            let meta = f.metadata();
+            let rank = meta.get("rank").and_then(|r| r.parse::<u64>().ok());
+            let world = meta.get("world_size").and_then(|w| w.parse::<u64>().ok());
+            if let (Some(rank), Some(world)) = (rank, world) {
+                recorded += 1;
+                worlds.insert(world);
+                if let Some(other) = seen.insert(rank, fi) {
+                    problems.push(Error::Mismatch {
+                        what: format!(
+                            "{}: rank {rank} appears twice (also {})",
+                            f.path().display(),
+                            self.files[other].path().display()
+                        ),
+                    });
+                }
+                self.ranks[fi] = Some(rank);
+            }
+        }
+        if recorded < self.files.len() {
+            self.notes.push(
+                "shapes inferred from the pieces present (PyTorch's sharded safetensors record \
+                 neither global shapes nor the world size): a missing last rank cannot be detected"
+                    .into(),
+            );
+            return;
+        }
+        if worlds.len() > 1 {
+            problems.push(Error::Mismatch {
+                what: format!("the files disagree on the world size: {worlds:?}"),
+            });
+            return;
+        }
+        let world = worlds.into_iter().next().unwrap_or(0);
+        problems.extend(missing_ranks(world, &seen, |_| {
+            "its DCP file is not among the inputs".into()
+        }));
+        if let Some((&r, &fi)) = seen.iter().find(|(&r, _)| r >= world) {
+            problems.push(Error::Mismatch {
+                what: format!(
+                    "{}: rank {r} but the world size is {world}",
+                    self.files[fi].path().display()
+                ),
+            });
+        }
+    }
+
+    /// Why copies of a tensor stored whole in several files cannot be taken as one
+    /// tensor replicated: different shapes or dtypes (slices of something larger, laid
+    /// out by a strategy the inputs do not include), or different bytes. `None` when
+    /// they are byte-equal copies, which is the only case that is not a guess.
+    fn unequal_copies(&self, at: &[(usize, usize)]) -> Option<String> {
+        let (f0, t0) = at[0];
+        let first = &self.files[f0].tensors()[t0];
+        for &(fi, ti) in &at[1..] {
+            let t = &self.files[fi].tensors()[ti];
+            if t.shape != first.shape || t.dtype != first.dtype {
+                return Some(format!(
+                    "held whole by {} files with different shapes ({} {:?} in {}, {} {:?} in {}) \
+                     and no offsets: slices of a larger tensor, but how they were split is not \
+                     recorded; give the strategy file that says it",
+                    at.len(),
+                    dtype_name(first.dtype),
+                    first.shape,
+                    self.files[f0].path().display(),
+                    dtype_name(t.dtype),
+                    t.shape,
+                    self.files[fi].path().display()
+                ));
+            }
+            if self.files[fi].data(ti) != self.files[f0].data(t0) {
+                return Some(format!(
+                    "held by {} files with the same shape {:?} but different bytes ({} and {}), \
+                     and no offsets: per-rank slices or diverged copies; give the strategy file \
+                     that says how the tensor is split",
+                    at.len(),
+                    first.shape,
+                    self.files[f0].path().display(),
+                    self.files[fi].path().display()
+                ));
+            }
+        }
+        None
     }
 
     /// Dedupes identical pieces (keeping the first as owner), then checks that the
@@ -601,27 +703,30 @@ impl Checkpoint {
     }
 }
 
-/// Parses `{"name": {"saved_offsets": [..]}, ...}`.
-fn parse_dcp_offsets(text: &str) -> std::result::Result<BTreeMap<String, Vec<u64>>, String> {
-    let doc: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| format!("{DCP_SHARDING_INFO} is not JSON: {e}"))?;
-    let obj = doc
-        .as_object()
-        .ok_or_else(|| format!("{DCP_SHARDING_INFO} must be an object"))?;
-    let mut out = BTreeMap::new();
-    for (name, v) in obj {
-        let offs = v
-            .get("saved_offsets")
-            .and_then(|o| o.as_array())
-            .and_then(|a| {
-                a.iter()
-                    .map(serde_json::Value::as_u64)
-                    .collect::<Option<Vec<u64>>>()
-            })
-            .ok_or_else(|| {
-                format!("{DCP_SHARDING_INFO}: `{name}` has no integer `saved_offsets`")
-            })?;
-        out.insert(name.clone(), offs);
+/// One problem per rank below `world` that is not in `seen`, the first [`MAX_LISTED`]
+/// by name and the rest counted. The work is bounded by the ranks present, not by the
+/// world size a file claims (a mesh of 10^12 ranks costs no more than one of 4).
+fn missing_ranks<V>(
+    world: u64,
+    seen: &BTreeMap<u64, V>,
+    why: impl Fn(u64) -> String,
+) -> Vec<Error> {
+    let present = seen.range(..world).count() as u64;
+    let total = world - present;
+    let mut out = Vec::new();
+    let mut r = 0;
+    while (out.len() as u64) < total.min(MAX_LISTED as u64) {
+        if !seen.contains_key(&r) {
+            out.push(Error::Mismatch {
+                what: format!("rank {r} of {world} is missing ({})", why(r)),
+            });
+        }
+        r += 1;
     }
-    Ok(out)
+    if total > out.len() as u64 {
+        out.push(Error::Mismatch {
+            what: format!("... and {} more missing ranks", total - out.len() as u64),
+        });
+    }
+    out
 }

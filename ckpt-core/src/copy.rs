@@ -6,9 +6,9 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
+use crate::formats::safetensors::{SafetensorsWriter, TensorSpec};
 use crate::plan::{bytes_of, CopyPlan, TensorPlan};
 use crate::region::{Region, Runs};
-use crate::safetensors::{SafetensorsWriter, TensorSpec};
 use crate::Dtype;
 use rayon::prelude::*;
 use std::path::Path;

@@ -95,6 +95,16 @@ pub enum Error {
         /// Where they overlap.
         region: String,
     },
+    /// Several files hold a tensor and nothing says how their parts fit together.
+    #[error("tensor `{tensor}` is ambiguous: {problem} (files: {files})")]
+    Ambiguous {
+        /// The tensor.
+        tensor: String,
+        /// The files holding it.
+        files: String,
+        /// Why the copies cannot be taken as one tensor, and what is needed.
+        problem: String,
+    },
     /// Sources disagree (shape, dtype, strategy hash, world size...).
     #[error("{what}")]
     Mismatch {

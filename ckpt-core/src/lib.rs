@@ -11,13 +11,13 @@ mod copy;
 mod coverage;
 mod error;
 mod example;
+mod formats;
 mod layout;
 mod mesh;
 mod mindspore;
 mod output;
 mod plan;
 mod region;
-mod safetensors;
 mod save;
 mod select;
 mod strategy;
@@ -33,6 +33,11 @@ pub use crate::error::{Error, Problems, Result};
 pub use crate::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,
 };
+pub use crate::formats::safetensors::{
+    encode_header, parse_header as parse_safetensors_header, write_file_atomic, SafetensorsWriter,
+    TensorSpec, MAX_HEADER_LEN,
+};
+pub use crate::formats::{sniff, FileFormat, TensorEntry, TensorFile};
 pub use crate::layout::{Piece, Placement, TensorLayout};
 pub use crate::mesh::{Axis, Mesh};
 pub use crate::mindspore::{from_mindspore, MapEntry, MindSporeLayout};
@@ -42,10 +47,6 @@ pub use crate::plan::{
     TargetTensor, TensorPlan,
 };
 pub use crate::region::{Region, Run, Runs};
-pub use crate::safetensors::{
-    encode_header, write_file_atomic, SafetensorsFile, SafetensorsWriter, TensorEntry, TensorSpec,
-    MAX_HEADER_LEN,
-};
 pub use crate::save::{load_rank, write_integrated, write_rank, LocalTensor};
 pub use crate::select::Selection;
 pub use crate::strategy::{dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION};

@@ -29,8 +29,8 @@ impl StagedDir {
             _ => PathBuf::from("."),
         };
         std::fs::create_dir_all(&parent).at(&parent)?;
-        crate::safetensors::remove_stale_temps(dest);
-        let tmp = crate::safetensors::temp_name(dest);
+        crate::formats::safetensors::remove_stale_temps(dest);
+        let tmp = crate::formats::safetensors::temp_name(dest);
         std::fs::create_dir(&tmp).at(&tmp)?;
         Ok(StagedDir {
             dest: dest.to_path_buf(),
@@ -60,7 +60,7 @@ impl StagedDir {
                     path: self.dest.clone(),
                 });
             }
-            let old = crate::safetensors::temp_name(&self.dest);
+            let old = crate::formats::safetensors::temp_name(&self.dest);
             std::fs::rename(&self.dest, &old).at(&self.dest)?;
             std::fs::rename(&self.tmp, &self.dest).at(&self.dest)?;
             let _ = std::fs::remove_dir_all(&old);
@@ -129,7 +129,7 @@ pub fn copy_carried(
 ) -> Result<()> {
     for (name, from) in carried {
         let bytes = std::fs::read(from).at(from)?;
-        crate::safetensors::write_file_atomic(&dir.join(name), &bytes)?;
+        crate::formats::safetensors::write_file_atomic(&dir.join(name), &bytes)?;
     }
     Ok(())
 }

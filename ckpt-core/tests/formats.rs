@@ -2,8 +2,8 @@
 //! parsers never panic on arbitrary input.
 
 use ckpt_core::{
-    assemble, write_rank, Checkpoint, CopyPlan, Dtype, Mesh, Piece, Placement, Region,
-    SafetensorsFile, Strategy, TargetFile, TargetTensor, TensorLayout,
+    assemble, parse_safetensors_header, write_rank, Checkpoint, CopyPlan, Dtype, Mesh, Piece,
+    Placement, Region, Strategy, TargetFile, TargetTensor, TensorLayout,
 };
 use proptest::prelude::{any, prop, proptest, ProptestConfig};
 
@@ -137,8 +137,8 @@ proptest! {
     fn header_parser_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..256), n in 0u64..300) {
         let mut b = n.to_le_bytes().to_vec();
         b.extend_from_slice(&bytes);
-        let _ = SafetensorsFile::parse_header(&b);
-        let _ = SafetensorsFile::parse_header(&bytes);
+        let _ = parse_safetensors_header(&b);
+        let _ = parse_safetensors_header(&bytes);
     }
 
     #[test]
@@ -147,7 +147,7 @@ proptest! {
         let mut b = (h.len() as u64).to_le_bytes().to_vec();
         b.extend_from_slice(h.as_bytes());
         b.extend(std::iter::repeat_n(0, extra));
-        let _ = SafetensorsFile::parse_header(&b);
+        let _ = parse_safetensors_header(&b);
     }
 
     #[test]

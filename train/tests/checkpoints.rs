@@ -119,7 +119,7 @@ fn resume_4_to_2_sliced_to_integrated() {
 }
 
 fn read_safetensors(path: &Path) -> BTreeMap<String, Vec<u8>> {
-    let f = ckpt_core::SafetensorsFile::open(path).unwrap();
+    let f = ckpt_core::TensorFile::open(path).unwrap();
     f.tensors()
         .iter()
         .enumerate()

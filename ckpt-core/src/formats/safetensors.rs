@@ -3,6 +3,8 @@
 //! The reader validates the whole header before trusting any of it, in the order of
 //! the reference implementation, but every error names the tensor at fault.
 
+use super::{byte_len, FileFormat, TensorEntry, TensorFile};
+use crate::checkpoint::DCP_SHARDING_INFO;
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::strategy::{dtype_name, parse_dtype};
 use crate::Dtype;
@@ -15,31 +17,6 @@ use std::path::{Path, PathBuf};
 
 /// Largest header accepted (the reference implementation's limit).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
-
-/// One tensor of a safetensors file.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TensorEntry {
-    /// Tensor name.
-    pub name: String,
-    /// Element type.
-    pub dtype: Dtype,
-    /// Shape as stored.
-    pub shape: Vec<u64>,
-    /// Byte range within the data area.
-    pub start: u64,
-    /// One past the last byte within the data area.
-    pub end: u64,
-}
-
-/// A memory-mapped, validated safetensors file.
-#[derive(Debug)]
-pub struct SafetensorsFile {
-    path: PathBuf,
-    mmap: Option<Mmap>,
-    data_start: u64,
-    tensors: Vec<TensorEntry>,
-    metadata: BTreeMap<String, String>,
-}
 
 fn bad(problem: impl Into<String>) -> Error {
     Error::InvalidHeader {
@@ -54,185 +31,113 @@ fn bad_tensor(tensor: &str, problem: impl Into<String>) -> Error {
     }
 }
 
-/// Number of bytes of `numel` elements of `dtype`, which must be whole.
-pub(crate) fn byte_len(dtype: Dtype, shape: &[u64]) -> Option<u64> {
-    let numel = shape.iter().try_fold(1u64, |a, &b| a.checked_mul(b))?;
-    let bits = numel.checked_mul(dtype.bitsize() as u64)?;
-    (bits % 8 == 0).then_some(bits / 8)
+/// Whether the first bytes look like safetensors: an 8-byte length, then a JSON object.
+pub(crate) fn looks_like(head: &[u8]) -> bool {
+    head.len() > 8 && head[8] == b'{'
 }
 
-impl SafetensorsFile {
-    /// Opens, maps and validates a file. Errors carry the path.
-    ///
-    /// # Errors
-    /// I/O errors and every header problem (see [`SafetensorsFile::parse_header`]).
-    pub fn open(path: &Path) -> Result<SafetensorsFile> {
-        let file = File::open(path).at(path)?;
-        let len = file.metadata().at(path)?.len();
-        // SAFETY: the mapping is read-only; ckpt never writes to its inputs, and a file
-        // changed underneath by another program is outside what any reader can defend.
-        let mmap = if len == 0 {
-            None
-        } else {
-            Some(unsafe { Mmap::map(&file) }.at(path)?)
-        };
-        let bytes: &[u8] = mmap.as_deref().unwrap_or(&[]);
-        let (data_start, tensors, metadata) =
-            Self::parse_header(bytes).map_err(|e| e.with_path(path))?;
-        Ok(SafetensorsFile {
-            path: path.to_path_buf(),
-            mmap,
-            data_start,
-            tensors,
-            metadata,
-        })
+/// Reads a mapped safetensors file: its header, and for PyTorch DCP's sharded
+/// safetensors the offset of each box in the global tensor (`DCP_SHARDING_INFO`).
+pub(crate) fn read(path: &Path, map: Option<Mmap>) -> Result<TensorFile> {
+    let bytes: &[u8] = map.as_deref().unwrap_or(&[]);
+    let (data_start, mut tensors, metadata) = parse_header(bytes).map_err(|e| e.with_path(path))?;
+    for t in &mut tensors {
+        // Cannot wrap: the header check keeps both inside the file.
+        t.start += data_start;
+        t.end += data_start;
     }
+    if let Some(text) = metadata.get(DCP_SHARDING_INFO) {
+        let offsets = parse_dcp_offsets(text).map_err(|e| bad(e).with_path(path))?;
+        for t in &mut tensors {
+            t.offsets = offsets.get(&t.name).cloned();
+        }
+    }
+    TensorFile::from_parts(path, map, FileFormat::Safetensors, tensors, metadata)
+}
 
-    /// Parses and validates a header: length, UTF-8, JSON, every entry's dtype, shape and
-    /// offsets, no overlap, no gap, and the file length exact.
-    /// Returns the data area's start, the tensors sorted by offset, and `__metadata__`.
-    ///
-    /// # Errors
-    /// The first problem found, naming the tensor where there is one.
-    #[allow(clippy::type_complexity)]
-    pub fn parse_header(bytes: &[u8]) -> Result<(u64, Vec<TensorEntry>, BTreeMap<String, String>)> {
-        let len = bytes.len() as u64;
-        if len < 8 {
-            return Err(bad(format!(
-                "file of {len} bytes is too short for the 8-byte header length"
-            )));
-        }
-        let n = u64::from_le_bytes(bytes[..8].try_into().map_err(|_| bad("short"))?);
-        if n > MAX_HEADER_LEN {
-            return Err(Error::HeaderTooLarge {
-                len: n,
-                max: MAX_HEADER_LEN,
-            });
-        }
-        let data_start = n.checked_add(8).ok_or_else(|| overflow("header length"))?;
-        if data_start > len {
-            return Err(bad(format!(
-                "header of {n} bytes runs past the end of the file ({len} bytes): truncated?"
-            )));
-        }
-        let text = std::str::from_utf8(&bytes[8..data_start as usize])
-            .map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
-        let doc: Value =
-            serde_json::from_str(text).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-        let obj = doc
-            .as_object()
-            .ok_or_else(|| bad("header must be a JSON object"))?;
-        let data_len = len - data_start;
-        let mut tensors = Vec::with_capacity(obj.len());
-        let mut metadata = BTreeMap::new();
-        for (name, v) in obj {
-            if name == "__metadata__" {
-                let m = v
-                    .as_object()
-                    .ok_or_else(|| bad("`__metadata__` must be an object of strings"))?;
-                for (k, v) in m {
-                    let s = v
-                        .as_str()
-                        .ok_or_else(|| bad(format!("`__metadata__.{k}` must be a string")))?;
-                    metadata.insert(k.clone(), s.to_string());
-                }
-                continue;
+/// Parses and validates a header: length, UTF-8, JSON, every entry's dtype, shape and
+/// offsets, no overlap, no gap, and the file length exact.
+/// Returns the data area's start, the tensors sorted by offset, and `__metadata__`.
+///
+/// # Errors
+/// The first problem found, naming the tensor where there is one.
+#[allow(clippy::type_complexity)]
+pub fn parse_header(bytes: &[u8]) -> Result<(u64, Vec<TensorEntry>, BTreeMap<String, String>)> {
+    let len = bytes.len() as u64;
+    if len < 8 {
+        return Err(bad(format!(
+            "file of {len} bytes is too short for the 8-byte header length"
+        )));
+    }
+    let n = u64::from_le_bytes(bytes[..8].try_into().map_err(|_| bad("short"))?);
+    if n > MAX_HEADER_LEN {
+        return Err(Error::HeaderTooLarge {
+            len: n,
+            max: MAX_HEADER_LEN,
+        });
+    }
+    let data_start = n.checked_add(8).ok_or_else(|| overflow("header length"))?;
+    if data_start > len {
+        return Err(bad(format!(
+            "header of {n} bytes runs past the end of the file ({len} bytes): truncated?"
+        )));
+    }
+    let text = std::str::from_utf8(&bytes[8..data_start as usize])
+        .map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+    let doc: Value =
+        serde_json::from_str(text).map_err(|e| bad(format!("header is not JSON: {e}")))?;
+    let obj = doc
+        .as_object()
+        .ok_or_else(|| bad("header must be a JSON object"))?;
+    let data_len = len - data_start;
+    let mut tensors = Vec::with_capacity(obj.len());
+    let mut metadata = BTreeMap::new();
+    for (name, v) in obj {
+        if name == "__metadata__" {
+            let m = v
+                .as_object()
+                .ok_or_else(|| bad("`__metadata__` must be an object of strings"))?;
+            for (k, v) in m {
+                let s = v
+                    .as_str()
+                    .ok_or_else(|| bad(format!("`__metadata__.{k}` must be a string")))?;
+                metadata.insert(k.clone(), s.to_string());
             }
-            tensors.push(parse_entry(name, v, data_len)?);
+            continue;
         }
-        tensors.sort_by_key(|a| (a.start, a.end));
-        let mut pos = 0u64;
-        for (i, t) in tensors.iter().enumerate() {
-            if t.start < pos {
-                return Err(bad_tensor(
-                    &t.name,
-                    format!(
-                        "data_offsets [{}, {}) overlap tensor `{}`",
-                        t.start,
-                        t.end,
-                        tensors[i - 1].name
-                    ),
-                ));
-            }
-            if t.start > pos {
-                return Err(bad_tensor(
-                    &t.name,
-                    format!(
-                        "data_offsets start at {} leaving a gap after byte {pos}",
-                        t.start
-                    ),
-                ));
-            }
-            pos = t.end;
+        tensors.push(parse_entry(name, v, data_len)?);
+    }
+    tensors.sort_by_key(|a| (a.start, a.end));
+    let mut pos = 0u64;
+    for (i, t) in tensors.iter().enumerate() {
+        if t.start < pos {
+            return Err(bad_tensor(
+                &t.name,
+                format!(
+                    "data_offsets [{}, {}) overlap tensor `{}`",
+                    t.start,
+                    t.end,
+                    tensors[i - 1].name
+                ),
+            ));
         }
-        if pos != data_len {
-            return Err(bad(format!(
-                "tensors end at byte {pos} of a data area of {data_len} bytes (trailing bytes)"
-            )));
+        if t.start > pos {
+            return Err(bad_tensor(
+                &t.name,
+                format!(
+                    "data_offsets start at {} leaving a gap after byte {pos}",
+                    t.start
+                ),
+            ));
         }
-        Ok((data_start, tensors, metadata))
+        pos = t.end;
     }
-
-    /// The path this file was opened from.
-    #[must_use]
-    pub fn path(&self) -> &Path {
-        &self.path
+    if pos != data_len {
+        return Err(bad(format!(
+            "tensors end at byte {pos} of a data area of {data_len} bytes (trailing bytes)"
+        )));
     }
-
-    /// The tensors, in file order.
-    #[must_use]
-    pub fn tensors(&self) -> &[TensorEntry] {
-        &self.tensors
-    }
-
-    /// The `__metadata__` map.
-    #[must_use]
-    pub fn metadata(&self) -> &BTreeMap<String, String> {
-        &self.metadata
-    }
-
-    /// Offset of the data area in the file.
-    #[must_use]
-    pub fn data_start(&self) -> u64 {
-        self.data_start
-    }
-
-    /// The bytes of tensor `index` (borrowed from the mapping; no copy).
-    #[must_use]
-    pub fn data(&self, index: usize) -> &[u8] {
-        let t = &self.tensors[index];
-        let bytes: &[u8] = self.mmap.as_deref().unwrap_or(&[]);
-        &bytes[(self.data_start + t.start) as usize..(self.data_start + t.end) as usize]
-    }
-
-    /// Drops the mapping's pages of tensor `index` in `range` from this process's
-    /// resident set (the page cache keeps them): keeps RSS bounded while streaming.
-    pub fn release(&self, index: usize, range: std::ops::Range<u64>) {
-        if let Some(m) = &self.mmap {
-            let t = &self.tensors[index];
-            let page = 4096u64;
-            let lo = (self.data_start + t.start + range.start).div_ceil(page) * page;
-            let hi = ((self.data_start + t.start + range.end) / page) * page;
-            if hi > lo {
-                // SAFETY: the mapping is read-only and file-backed, so dropping its pages
-                // loses nothing: a later access faults them back in from the page cache.
-                // Advice only; failure costs nothing but memory.
-                let _ = unsafe {
-                    m.unchecked_advise_range(
-                        memmap2::UncheckedAdvice::DontNeed,
-                        lo as usize,
-                        (hi - lo) as usize,
-                    )
-                };
-            }
-        }
-    }
-
-    /// Index of the tensor called `name`.
-    #[must_use]
-    pub fn find(&self, name: &str) -> Option<usize> {
-        self.tensors.iter().position(|t| t.name == name)
-    }
+    Ok((data_start, tensors, metadata))
 }
 
 fn parse_entry(name: &str, v: &Value, data_len: u64) -> Result<TensorEntry> {
@@ -299,7 +204,33 @@ fn parse_entry(name: &str, v: &Value, data_len: u64) -> Result<TensorEntry> {
         shape,
         start,
         end,
+        offsets: None,
     })
+}
+
+/// Parses `{"name": {"saved_offsets": [..]}, ...}`.
+fn parse_dcp_offsets(text: &str) -> std::result::Result<BTreeMap<String, Vec<u64>>, String> {
+    let doc: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("{DCP_SHARDING_INFO} is not JSON: {e}"))?;
+    let obj = doc
+        .as_object()
+        .ok_or_else(|| format!("{DCP_SHARDING_INFO} must be an object"))?;
+    let mut out = BTreeMap::new();
+    for (name, v) in obj {
+        let offs = v
+            .get("saved_offsets")
+            .and_then(|o| o.as_array())
+            .and_then(|a| {
+                a.iter()
+                    .map(serde_json::Value::as_u64)
+                    .collect::<Option<Vec<u64>>>()
+            })
+            .ok_or_else(|| {
+                format!("{DCP_SHARDING_INFO}: `{name}` has no integer `saved_offsets`")
+            })?;
+        out.insert(name.clone(), offs);
+    }
+    Ok(out)
 }
 
 /// A header entry to write: name, dtype and shape; offsets follow from the order.
@@ -541,7 +472,7 @@ mod tests {
         ];
         let bytes = file(&t, 0);
         assert_eq!(u64::from_le_bytes(bytes[..8].try_into().unwrap()) % 8, 0);
-        let (_, entries, _) = SafetensorsFile::parse_header(&bytes).unwrap();
+        let (_, entries, _) = parse_header(&bytes).unwrap();
         let got: Vec<(&str, u64, u64)> = entries
             .iter()
             .map(|e| (e.name.as_str(), e.start, e.end))
@@ -552,22 +483,16 @@ mod tests {
     #[test]
     fn truncated_and_trailing_files_are_named() {
         let t = [spec("w", Dtype::F32, &[4])];
-        let e = SafetensorsFile::parse_header(&file(&t, -1))
-            .unwrap_err()
-            .to_string();
+        let e = parse_header(&file(&t, -1)).unwrap_err().to_string();
         assert_eq!(e, "tensor `w`: data_offsets [0, 16) run past the end of the data (15 bytes): truncated file?");
-        let e = SafetensorsFile::parse_header(&file(&t, 3))
-            .unwrap_err()
-            .to_string();
+        let e = parse_header(&file(&t, 3)).unwrap_err().to_string();
         assert!(e.contains("trailing bytes"), "{e}");
-        let e = SafetensorsFile::parse_header(&[1, 0, 0])
-            .unwrap_err()
-            .to_string();
+        let e = parse_header(&[1, 0, 0]).unwrap_err().to_string();
         assert!(e.contains("too short"), "{e}");
         let mut big = vec![0u8; 16];
         big[..8].copy_from_slice(&(u64::MAX).to_le_bytes());
         assert!(matches!(
-            SafetensorsFile::parse_header(&big),
+            parse_header(&big),
             Err(Error::HeaderTooLarge { .. })
         ));
     }
@@ -578,7 +503,7 @@ mod tests {
         let mut b = (h.len() as u64).to_le_bytes().to_vec();
         b.extend_from_slice(h);
         b.extend_from_slice(&[0; 4]);
-        let e = SafetensorsFile::parse_header(&b).unwrap_err().to_string();
+        let e = parse_header(&b).unwrap_err().to_string();
         assert_eq!(
             e,
             "tensor `w`: F32 x [2] needs 8 bytes but data_offsets span 4"
@@ -587,7 +512,7 @@ mod tests {
         let mut b = (h.len() as u64).to_le_bytes().to_vec();
         b.extend_from_slice(h);
         b.extend_from_slice(&[0; 4]);
-        let e = SafetensorsFile::parse_header(&b).unwrap_err().to_string();
+        let e = parse_header(&b).unwrap_err().to_string();
         assert!(e.contains("overlap tensor `a`"), "{e}");
     }
 
@@ -608,7 +533,7 @@ mod tests {
         w.write_at(0, 1, &[2, 3]).unwrap();
         w.write_at(0, 0, &[1]).unwrap();
         w.finish().unwrap();
-        let f = SafetensorsFile::open(&dest).unwrap();
+        let f = TensorFile::open(&dest).unwrap();
         assert_eq!(f.data(0), &[1, 2, 3]);
     }
 }

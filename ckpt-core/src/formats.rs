@@ -1,0 +1,283 @@
+//! One home for the file formats ckpt reads: each turns a file into a [`TensorFile`],
+//! the same description whatever the format (tensors, dtypes, shapes as stored, where
+//! their bytes lie in the file, and where each box lies in the global tensor when the
+//! format records it). The planner and the copy engine see only `TensorFile`s.
+//!
+//! A format is a module with a `read(path, map)` that parses metadata only and records
+//! byte ranges (never copies tensor data), a [`FileFormat`] variant, and a branch in
+//! [`sniff`], which decides by content, not by the file's name.
+
+pub(crate) mod safetensors;
+
+use crate::error::{overflow, Error, IoContext, Result};
+use crate::strategy::dtype_name;
+use crate::Dtype;
+use memmap2::Mmap;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// The formats an input file can have.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FileFormat {
+    /// safetensors (Hugging Face, ckpt's own rank files, DCP's sharded safetensors).
+    Safetensors,
+}
+
+impl FileFormat {
+    /// A short name for messages.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            FileFormat::Safetensors => "safetensors",
+        }
+    }
+}
+
+/// One tensor (or one box of a tensor) stored in a file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorEntry {
+    /// Tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape as stored in this file.
+    pub shape: Vec<u64>,
+    /// First byte of the data, counted from the start of the file.
+    pub start: u64,
+    /// One past the last byte, counted from the start of the file.
+    pub end: u64,
+    /// Where this box starts in the global tensor, when the format records it (PyTorch
+    /// DCP); `None` for formats that store whole tensors or leave the layout to a
+    /// strategy file.
+    pub offsets: Option<Vec<u64>>,
+}
+
+/// A memory-mapped input file of any format, validated: every entry's bytes lie inside
+/// the file, match its shape and dtype, and no two entries overlap.
+#[derive(Debug)]
+pub struct TensorFile {
+    path: PathBuf,
+    map: Option<Mmap>,
+    format: FileFormat,
+    tensors: Vec<TensorEntry>,
+    metadata: BTreeMap<String, String>,
+}
+
+/// Decides a file's format from its first bytes.
+#[must_use]
+pub fn sniff(head: &[u8]) -> Option<FileFormat> {
+    if safetensors::looks_like(head) {
+        return Some(FileFormat::Safetensors);
+    }
+    None
+}
+
+/// Number of bytes of a tensor of `dtype` and `shape`, when whole and representable.
+pub(crate) fn byte_len(dtype: Dtype, shape: &[u64]) -> Option<u64> {
+    let numel = shape.iter().try_fold(1u64, |a, &b| a.checked_mul(b))?;
+    let bits = numel.checked_mul(dtype.bitsize() as u64)?;
+    (bits % 8 == 0).then_some(bits / 8)
+}
+
+fn bad_tensor(tensor: &str, problem: impl Into<String>) -> Error {
+    Error::InvalidTensor {
+        tensor: tensor.to_string(),
+        problem: problem.into(),
+    }
+}
+
+impl TensorFile {
+    /// Opens and maps a file, finds its format from its content and reads its metadata.
+    /// Errors carry the path.
+    ///
+    /// # Errors
+    /// I/O errors, a format ckpt does not read, and every problem of the file's metadata.
+    pub fn open(path: &Path) -> Result<TensorFile> {
+        let file = File::open(path).at(path)?;
+        let len = file.metadata().at(path)?.len();
+        // SAFETY: the mapping is read-only; ckpt never writes to its inputs, and a file
+        // changed underneath by another program is outside what any reader can defend.
+        let map = if len == 0 {
+            None
+        } else {
+            Some(unsafe { Mmap::map(&file) }.at(path)?)
+        };
+        let head: &[u8] = map.as_deref().unwrap_or(&[]);
+        let head = &head[..head.len().min(64)];
+        match sniff(head) {
+            Some(FileFormat::Safetensors) => safetensors::read(path, map),
+            None => Err(Error::UnknownInput {
+                problem: format!(
+                    "{}: not a checkpoint file ckpt reads ({}; expected safetensors)",
+                    path.display(),
+                    describe_head(head)
+                ),
+            }),
+        }
+    }
+
+    /// Builds a file from a reader's entries, checking each against the file: bytes
+    /// inside it, length equal to shape x dtype, no overlap with another entry.
+    ///
+    /// # Errors
+    /// The first entry at fault, by name.
+    pub(crate) fn from_parts(
+        path: &Path,
+        map: Option<Mmap>,
+        format: FileFormat,
+        tensors: Vec<TensorEntry>,
+        metadata: BTreeMap<String, String>,
+    ) -> Result<TensorFile> {
+        let len = map.as_ref().map_or(0, |m| m.len() as u64);
+        let check = || -> Result<()> {
+            for t in &tensors {
+                if t.end < t.start || t.end > len {
+                    return Err(bad_tensor(
+                        &t.name,
+                        format!(
+                            "bytes [{}, {}) lie outside the file ({len} bytes): truncated?",
+                            t.start, t.end
+                        ),
+                    ));
+                }
+                let want = byte_len(t.dtype, &t.shape).ok_or_else(|| {
+                    overflow(format!(
+                        "tensor `{}`: {} x {:?} does not make whole bytes or overflows",
+                        t.name,
+                        dtype_name(t.dtype),
+                        t.shape
+                    ))
+                })?;
+                if t.end - t.start != want {
+                    return Err(bad_tensor(
+                        &t.name,
+                        format!(
+                            "{} x {:?} needs {want} bytes but {} are stored",
+                            dtype_name(t.dtype),
+                            t.shape,
+                            t.end - t.start
+                        ),
+                    ));
+                }
+                if let Some(o) = &t.offsets {
+                    if o.len() != t.shape.len() {
+                        return Err(bad_tensor(
+                            &t.name,
+                            format!("offsets {o:?} do not match shape {:?}", t.shape),
+                        ));
+                    }
+                    for (d, (a, b)) in o.iter().zip(&t.shape).enumerate() {
+                        a.checked_add(*b).ok_or_else(|| {
+                            overflow(format!(
+                                "tensor `{}`: offset {a} + extent {b} of dim {d} wraps",
+                                t.name
+                            ))
+                        })?;
+                    }
+                }
+            }
+            let mut order: Vec<&TensorEntry> = tensors.iter().filter(|t| t.end > t.start).collect();
+            order.sort_by_key(|t| (t.start, t.end));
+            for w in order.windows(2) {
+                if w[1].start < w[0].end {
+                    return Err(bad_tensor(
+                        &w[1].name,
+                        format!("its bytes overlap those of tensor `{}`", w[0].name),
+                    ));
+                }
+            }
+            Ok(())
+        };
+        check().map_err(|e| e.with_path(path))?;
+        Ok(TensorFile {
+            path: path.to_path_buf(),
+            map,
+            format,
+            tensors,
+            metadata,
+        })
+    }
+
+    /// The path this file was opened from.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file's format.
+    #[must_use]
+    pub fn format(&self) -> FileFormat {
+        self.format
+    }
+
+    /// The tensors, in the order the format lists them.
+    #[must_use]
+    pub fn tensors(&self) -> &[TensorEntry] {
+        &self.tensors
+    }
+
+    /// Free-form metadata of the file (safetensors' `__metadata__`).
+    #[must_use]
+    pub fn metadata(&self) -> &BTreeMap<String, String> {
+        &self.metadata
+    }
+
+    /// The bytes of tensor `index` (borrowed from the mapping; no copy).
+    #[must_use]
+    pub fn data(&self, index: usize) -> &[u8] {
+        let t = &self.tensors[index];
+        let bytes: &[u8] = self.map.as_deref().unwrap_or(&[]);
+        // In range: checked by `from_parts`.
+        &bytes[t.start as usize..t.end as usize]
+    }
+
+    /// Drops the mapping's pages of tensor `index` in `range` (relative to the tensor)
+    /// from this process's resident set (the page cache keeps them): keeps RSS bounded
+    /// while streaming.
+    pub fn release(&self, index: usize, range: std::ops::Range<u64>) {
+        if let Some(m) = &self.map {
+            let t = &self.tensors[index];
+            let page = 4096u64;
+            let lo = (t.start + range.start).div_ceil(page) * page;
+            let hi = ((t.start + range.end) / page) * page;
+            if hi > lo {
+                // SAFETY: the mapping is read-only and file-backed, so dropping its pages
+                // loses nothing: a later access faults them back in from the page cache.
+                // Advice only; failure costs nothing but memory.
+                let _ = unsafe {
+                    m.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        lo as usize,
+                        (hi - lo) as usize,
+                    )
+                };
+            }
+        }
+    }
+
+    /// Index of the tensor called `name`.
+    #[must_use]
+    pub fn find(&self, name: &str) -> Option<usize> {
+        self.tensors.iter().position(|t| t.name == name)
+    }
+
+    /// Total bytes of tensor data in the file.
+    #[must_use]
+    pub fn tensor_bytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.end - t.start).sum()
+    }
+}
+
+/// A few words on what the first bytes of an unknown file look like.
+fn describe_head(head: &[u8]) -> String {
+    if head.is_empty() {
+        return "the file is empty".into();
+    }
+    if head.starts_with(b"PK\x03\x04") {
+        return "a zip archive".into();
+    }
+    let shown: Vec<String> = head.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    format!("it starts with bytes {}", shown.join(" "))
+}
