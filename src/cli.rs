@@ -9,6 +9,59 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
+/// A usage error found after parsing (exit code 2, like clap's own).
+#[derive(Debug)]
+pub(crate) struct Usage(pub(crate) String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+/// Whether an error is the user's way of asking (exit 2) rather than a problem found.
+pub(crate) fn is_usage(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.is::<Usage>()
+            || matches!(
+                c.downcast_ref::<ckpt_train::Error>(),
+                Some(ckpt_train::Error::InvalidOption { .. })
+            )
+    })
+}
+
+/// Checks a glob pattern at parse time (a bad one is a usage error).
+fn parse_glob(s: &str) -> std::result::Result<String, String> {
+    ckpt_core::Selection::new(&[s.to_string()], &[], None)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
+}
+
+/// Checks a mesh at parse time, keeping the text.
+fn parse_mesh(s: &str) -> std::result::Result<String, String> {
+    Mesh::parse(s)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
+}
+
+/// Checks `--data` at parse time, keeping the text.
+fn parse_data(s: &str) -> std::result::Result<String, String> {
+    ckpt_train::DataSource::parse(s)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
+}
+
+/// `auto` or a rank number.
+fn parse_rank(s: &str) -> std::result::Result<String, String> {
+    if s == "auto" || s.parse::<u64>().is_ok() {
+        Ok(s.to_string())
+    } else {
+        Err(format!("`{s}` is not a rank number or `auto`"))
+    }
+}
+
 /// Merge, reshard, check and load checkpoints of models trained on many devices.
 #[derive(Parser, Debug)]
 #[command(name = "ckpt", version, about, long_about = None)]
@@ -81,7 +134,7 @@ struct InferArgs {
     /// Checkpoint: integrated, sliced (root with ckpt_*/), or a training --out directory.
     checkpoint: PathBuf,
     /// Data set (default: the one it was trained on): digits, digits:FILE, fashion-mnist[:DIR], cifar10:DIR.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_data)]
     data: Option<String>,
     /// Ranks (tensor parallel); a sliced checkpoint needs its own tensor-parallel size.
     #[arg(long)]
@@ -114,10 +167,10 @@ struct CopyArgs {
     #[arg(long, value_parser = parse_cast)]
     dtype: Option<Dtype>,
     /// Keep only tensors matching these glob patterns.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_glob)]
     include: Vec<String>,
     /// Drop tensors matching these glob patterns (e.g. 'optim.*').
-    #[arg(long)]
+    #[arg(long, value_parser = parse_glob)]
     exclude: Vec<String>,
     /// Replace an existing output.
     #[arg(long)]
@@ -159,16 +212,16 @@ struct ReshardArgs {
     #[arg(short, long)]
     output: PathBuf,
     /// Keep placements; innermost mesh axis becomes N, others 1.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     to: Option<u64>,
     /// New sizes for named axes, e.g. dp=2,tp=2.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_mesh)]
     mesh: Option<String>,
     /// A target strategy file.
     #[arg(long)]
     strategy: Option<PathBuf>,
     /// Build only this target rank (`auto`: from mpirun, Slurm or torchrun variables).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_rank)]
     rank: Option<String>,
     /// Print which files each target rank reads and the bytes, and write nothing.
     #[arg(long)]
@@ -189,7 +242,7 @@ struct ExampleArgs {
     /// Output directory (a sliced checkpoint root).
     output: PathBuf,
     /// Mesh, e.g. tp=4 or dp=2,tp=4 (innermost axis is tensor parallel).
-    #[arg(long, default_value = "tp=4")]
+    #[arg(long, default_value = "tp=4", value_parser = parse_mesh)]
     mesh: String,
     /// Hidden size.
     #[arg(long, default_value_t = 64)]
@@ -289,6 +342,7 @@ fn inspect(paths: &[PathBuf], as_json: bool) -> Result<ExitCode> {
             "mesh": ck.strategy.as_ref().map(|s| s.mesh.to_string()),
             "tensors": tensors, "files": files, "total_bytes": total,
             "problems": problems.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "notes": ck.notes,
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
@@ -329,11 +383,19 @@ fn inspect(paths: &[PathBuf], as_json: bool) -> Result<ExitCode> {
             println!("  {r}{}  {}", f.path().display(), human_bytes(per_file[i]));
         }
         println!("total: {} ({total} bytes)", human_bytes(total));
+        for note in &ck.notes {
+            println!("note: {note}");
+        }
         for p in &problems {
             println!("problem: {p}");
         }
     }
-    Ok(ExitCode::SUCCESS)
+    // Problems printed are problems found: the exit code says so too.
+    Ok(if problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 fn verify(paths: &[PathBuf], deep: bool, as_json: bool) -> Result<ExitCode> {
@@ -350,9 +412,12 @@ fn verify(paths: &[PathBuf], deep: bool, as_json: bool) -> Result<ExitCode> {
     };
     if as_json {
         let doc = json!({"ok": problems.is_empty(), "files": ck.files.len(), "tensors": ck.tensors.len(),
-            "problems": problems.iter().map(ToString::to_string).collect::<Vec<_>>()});
+            "problems": problems.iter().map(ToString::to_string).collect::<Vec<_>>(), "notes": ck.notes});
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
+        for note in &ck.notes {
+            println!("note: {note}");
+        }
         for p in &problems {
             // One line per problem (multi-line errors are already split per problem).
             println!("{}", p.to_string().replace('\n', " "));
@@ -410,7 +475,7 @@ fn with_progress(
     copy: &CopyArgs,
     run: impl FnOnce(
         &(dyn Fn(u64) + Sync),
-        &dyn Fn(&CopyPlan),
+        &dyn Fn(&Checkpoint, &CopyPlan),
     ) -> ckpt_core::Result<ckpt_core::CopyStats>,
 ) -> Result<ExitCode> {
     let t = Instant::now();
@@ -421,7 +486,10 @@ fn with_progress(
                 indicatif::ProgressBar::inc(b, n);
             }
         },
-        &|p: &CopyPlan| {
+        &|source: &Checkpoint, p: &CopyPlan| {
+            for note in &source.notes {
+                eprintln!("ckpt: note: {note}");
+            }
             let _ = bar.set(bytes_bar(p.bytes_written(), copy.quiet || copy.json));
         },
     );
@@ -459,9 +527,6 @@ fn launch_share() -> Result<(u64, u64)> {
 
 fn reshard(a: ReshardArgs) -> Result<ExitCode> {
     let target = if let Some(n) = a.to {
-        if n == 0 {
-            bail!("--to needs at least 1 rank");
-        }
         ckpt_reshard::Target::To(n)
     } else if let Some(m) = &a.mesh {
         let mesh = Mesh::parse(m)?;
@@ -483,10 +548,8 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
             let (index, count) = launch_share()?;
             ckpt_reshard::Ranks::Share { index, count }
         }
-        Some(r) => ckpt_reshard::Ranks::One(
-            r.parse()
-                .with_context(|| format!("--rank `{r}` is not a number or `auto`"))?,
-        ),
+        // Checked by parse_rank.
+        Some(r) => ckpt_reshard::Ranks::One(r.parse().map_err(|_| Usage(format!("--rank `{r}`")))?),
     };
     let req = ckpt_reshard::ReshardRequest {
         inputs: a.inputs,

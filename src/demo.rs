@@ -134,7 +134,7 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
             ..Default::default()
         },
         &|_| {},
-        &|_| {},
+        &|_, _| {},
     )?;
     rows.push(Row {
         step: "merge".into(),
@@ -170,7 +170,7 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
             format: ckpt_reshard::OutputFormat::Ranks,
         },
         &|_| {},
-        &|_| {},
+        &|_, _| {},
     )?;
     rows.push(Row {
         step: "reshard".into(),

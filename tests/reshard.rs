@@ -129,7 +129,7 @@ fn unknown_axis_is_named() {
     let o = d.fails(&["reshard", "ex", "-o", "x", "--mesh", "ep=2"]);
     assert!(
         o.stderr
-            .contains("--mesh names axis `ep`, which the source mesh does not have"),
+            .contains("invalid mesh `ep=2`: axis `ep` is not an axis of the source mesh tp=2"),
         "{}",
         o.stderr
     );

@@ -9,6 +9,7 @@ use crate::coverage::{check_tiling, Defect};
 use crate::error::{Error, IoContext, Problems, Result};
 use crate::formats::TensorFile;
 use crate::region::Region;
+use crate::select::Selection;
 use crate::strategy::{dtype_name, Strategy};
 use crate::Dtype;
 use std::collections::{BTreeMap, BTreeSet};
@@ -130,10 +131,20 @@ fn expand(
         return Ok(());
     }
     if !path.is_dir() {
-        return Err(Error::Io {
-            path: path.into(),
-            source: std::io::Error::from(std::io::ErrorKind::NotFound),
-        });
+        // Say why: absent, a symlink loop, unreadable (the metadata call tells which).
+        let why = match std::fs::metadata(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if std::fs::symlink_metadata(path).is_ok() {
+                    "a dangling symbolic link".to_string()
+                } else {
+                    "no such file or directory".to_string()
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(40) => "a symbolic link loop".to_string(),
+            Err(e) => e.to_string(),
+            Ok(_) => "neither a file nor a directory".to_string(),
+        };
+        return Err(unknown(format!("{}: {why}", path.display())));
     }
     // A training output directory: `latest` names its newest complete checkpoint.
     let latest = path.join(LATEST_FILE);
@@ -231,17 +242,21 @@ impl Checkpoint {
     /// # Errors
     /// Unreadable or malformed files, and every consistency or coverage problem.
     pub fn open(paths: &[PathBuf]) -> Result<Checkpoint> {
-        Checkpoint::open_selected(paths, &|_| true)
+        Checkpoint::open_selected(paths, &Selection::default())
     }
 
-    /// Like [`Checkpoint::open`], for the tensors `keep` accepts only: the others are
+    /// Like [`Checkpoint::open`], for the tensors `selection` keeps: the others are
     /// dropped, and their problems (coverage, shapes) do not count, so a merge that
-    /// leaves out, say, incomplete optimizer state can go ahead.
+    /// leaves out, say, incomplete optimizer state can go ahead. Patterns that match no
+    /// tensor are added to [`Checkpoint::notes`].
     ///
     /// # Errors
-    /// As [`Checkpoint::open`], for the kept tensors.
-    pub fn open_selected(paths: &[PathBuf], keep: &dyn Fn(&str) -> bool) -> Result<Checkpoint> {
+    /// As [`Checkpoint::open`], for the kept tensors; a selection that keeps nothing.
+    pub fn open_selected(paths: &[PathBuf], selection: &Selection) -> Result<Checkpoint> {
         let (mut ck, mut problems) = Checkpoint::scan(paths)?;
+        let warnings = selection.review(ck.tensors.keys().map(String::as_str))?;
+        ck.notes.extend(warnings);
+        let keep = |name: &str| selection.keeps(name);
         ck.tensors.retain(|name, _| keep(name));
         problems.retain(|e| match e {
             Error::CoverageGap { tensor, .. }
@@ -279,6 +294,10 @@ impl Checkpoint {
                 }
                 Err(e) => problems.push(e),
             }
+        }
+        if files.is_empty() && !problems.is_empty() {
+            // Nothing could be read: there is no checkpoint to describe, only why.
+            return Err(Error::Many(Problems(problems)));
         }
         let sliced = strategies.iter().filter(|s| s.is_some()).count();
         let dcp = files

@@ -11,7 +11,15 @@ use globset::{Glob, GlobSet, GlobSetBuilder};
 pub struct Selection {
     include: Option<GlobSet>,
     exclude: Option<GlobSet>,
+    /// The patterns as given (`--include`, then `--exclude`), for messages.
+    patterns: Vec<(&'static str, String, Glob)>,
     cast: Option<Dtype>,
+}
+
+fn glob(p: &str) -> Result<Glob> {
+    Glob::new(p).map_err(|e| Error::Unsupported {
+        problem: format!("bad pattern `{p}`: {}", e.kind()),
+    })
 }
 
 fn globs(patterns: &[String]) -> Result<Option<GlobSet>> {
@@ -20,9 +28,7 @@ fn globs(patterns: &[String]) -> Result<Option<GlobSet>> {
     }
     let mut b = GlobSetBuilder::new();
     for p in patterns {
-        b.add(Glob::new(p).map_err(|e| Error::Unsupported {
-            problem: format!("bad pattern `{p}`: {e}"),
-        })?);
+        b.add(glob(p)?);
     }
     b.build().map(Some).map_err(|e| Error::Unsupported {
         problem: e.to_string(),
@@ -36,11 +42,54 @@ impl Selection {
     /// # Errors
     /// A malformed pattern.
     pub fn new(include: &[String], exclude: &[String], cast: Option<Dtype>) -> Result<Selection> {
+        let patterns = [("--include", include), ("--exclude", exclude)]
+            .into_iter()
+            .flat_map(|(flag, ps)| ps.iter().map(move |p| (flag, p)))
+            .map(|(flag, p)| Ok((flag, p.clone(), glob(p)?)))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Selection {
             include: globs(include)?,
             exclude: globs(exclude)?,
+            patterns,
             cast,
         })
+    }
+
+    /// Checks the selection against the tensors of an input: a selection that keeps none
+    /// of them is an error (an empty output is never what was meant); a pattern that
+    /// matches no tensor gives a warning, returned.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when the input has tensors and none is kept.
+    pub fn review<'a>(
+        &self,
+        names: impl IntoIterator<Item = &'a str> + Clone,
+    ) -> Result<Vec<String>> {
+        let total = names.clone().into_iter().count();
+        let kept = names.clone().into_iter().filter(|n| self.keeps(n)).count();
+        if total > 0 && kept == 0 {
+            let given: Vec<String> = self
+                .patterns
+                .iter()
+                .map(|(flag, p, _)| format!("{flag} '{p}'"))
+                .collect();
+            let some: Vec<&str> = names.clone().into_iter().take(3).collect();
+            return Err(Error::Unsupported {
+                problem: format!(
+                    "{} leave none of the input's {total} tensors (they are named like `{}`): nothing to write",
+                    given.join(" "),
+                    some.join("`, `")
+                ),
+            });
+        }
+        let mut warnings = Vec::new();
+        for (flag, p, g) in &self.patterns {
+            let m = g.compile_matcher();
+            if !names.clone().into_iter().any(|n| m.is_match(n)) {
+                warnings.push(format!("{flag} '{p}' matches no tensor of the input"));
+            }
+        }
+        Ok(warnings)
     }
 
     /// Whether the tensor `name` is kept.
@@ -72,6 +121,17 @@ mod tests {
         assert!(s.keeps("layer.w"));
         assert!(!s.keeps("optim.layer.w.exp_avg"));
         assert_eq!(s.dtype("w", Dtype::F32).unwrap(), Dtype::BF16);
+        assert_eq!(
+            s.review(["layer.w", "optim.layer.w.exp_avg"]).unwrap(),
+            Vec::<String>::new()
+        );
+        let w = s.review(["layer.w"]).unwrap();
+        assert_eq!(w, ["--exclude 'optim.*' matches no tensor of the input"]);
+        let e = s.review(["optim.a", "optim.b"]).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "--exclude 'optim.*' leave none of the input's 2 tensors (they are named like `optim.a`, `optim.b`): nothing to write"
+        );
         assert!(s
             .dtype("step", Dtype::I64)
             .unwrap_err()

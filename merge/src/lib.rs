@@ -126,7 +126,7 @@ fn index_json(plan: &CopyPlan) -> String {
 pub fn merge(
     req: &MergeRequest,
     progress: &(dyn Fn(u64) + Sync),
-    on_plan: &dyn Fn(&CopyPlan),
+    on_plan: &dyn Fn(&Checkpoint, &CopyPlan),
 ) -> Result<CopyStats> {
     check_output_outside_inputs(&req.output, &req.inputs)?;
     if req.share.is_none() && req.output.exists() && !req.force {
@@ -134,11 +134,11 @@ pub fn merge(
             path: req.output.clone(),
         });
     }
-    let source = Checkpoint::open_selected(&req.inputs, &|n| req.selection.keeps(n))?;
+    let source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
     let plan = plan(&source, req)?;
     let index = (plan.files.len() > 1).then(|| index_json(&plan));
     let Some((share, count)) = req.share else {
-        on_plan(&plan);
+        on_plan(&source, &plan);
         let staged = StagedDir::new(&req.output, req.force)?;
         let stats = execute(&plan, &source, staged.path(), progress)?;
         if let Some(index) = &index {
@@ -163,7 +163,7 @@ pub fn merge(
             return Err(ckpt_core::Error::OutputExists { path: p });
         }
     }
-    on_plan(&mine);
+    on_plan(&source, &mine);
     std::fs::create_dir_all(&req.output).map_err(|source| ckpt_core::Error::Io {
         path: req.output.clone(),
         source,

@@ -137,9 +137,13 @@ pub fn target_strategy(
                 Target::Mesh(m) => {
                     for (name, size) in m {
                         let i = old.axis_index(name).ok_or_else(|| Error::InvalidMesh {
-                            mesh: old.to_string(),
+                            mesh: m
+                                .iter()
+                                .map(|(n, s)| format!("{n}={s}"))
+                                .collect::<Vec<_>>()
+                                .join(","),
                             problem: format!(
-                                "--mesh names axis `{name}`, which the source mesh does not have"
+                                "axis `{name}` is not an axis of the source mesh {old}"
                             ),
                         })?;
                         sizes[i].1 = *size;
@@ -176,6 +180,28 @@ pub fn target_strategy(
                 source.tensors.get(&name).map_or(l.dtype, |t| t.dtype),
             )?;
         }
+    }
+    // A target strategy that does not place some of the source's tensors would drop
+    // them (optimizer state with them) without a word: they must be excluded by name.
+    let unplaced: Vec<&str> = source
+        .tensors
+        .keys()
+        .filter(|n| !strategy.tensors.contains_key(*n))
+        .map(String::as_str)
+        .collect();
+    if !unplaced.is_empty() {
+        let shown: Vec<String> = unplaced.iter().take(5).map(|n| format!("`{n}`")).collect();
+        let more = match unplaced.len() {
+            n if n > 5 => format!(" and {} more", n - 5),
+            _ => String::new(),
+        };
+        return Err(Error::Unsupported {
+            problem: format!(
+                "the target strategy does not place {} tensor(s) of the source: {}{more}; add them to the strategy, or leave them out with --exclude",
+                unplaced.len(),
+                shown.join(", ")
+            ),
+        });
     }
     Ok(strategy)
 }
@@ -218,7 +244,7 @@ pub fn plan(
 /// # Errors
 /// Any input problem.
 pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)> {
-    let source = Checkpoint::open_selected(&req.inputs, &|n| req.selection.keeps(n))?;
+    let source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
     let strategy = target_strategy(&source, &req.target, &req.selection)?;
     let plan = plan(&source, &strategy, req.ranks, req.keep_all, req.format)?;
     Ok((source, strategy, plan))
@@ -234,7 +260,7 @@ pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)>
 pub fn reshard(
     req: &ReshardRequest,
     progress: &(dyn Fn(u64) + Sync),
-    on_plan: &dyn Fn(&CopyPlan),
+    on_plan: &dyn Fn(&Checkpoint, &CopyPlan),
 ) -> Result<CopyStats> {
     check_output_outside_inputs(&req.output, &req.inputs)?;
     if req.ranks == Ranks::All && req.output.exists() && !req.force {
@@ -246,7 +272,7 @@ pub fn reshard(
     let (source, strategy, full) = prepare(req)?;
     let json = strategy.to_json();
     let ranks = req.ranks.list(strategy.mesh.world_size())?;
-    on_plan(&full);
+    on_plan(&source, &full);
     if req.ranks == Ranks::All {
         let staged = StagedDir::new(&req.output, req.force)?;
         let stats = execute(&full, &source, staged.path(), progress)?;

@@ -26,7 +26,7 @@ pub struct TrainConfig {
     pub model_config: Option<String>,
     /// Data set: `digits` (shipped), `digits:FILE.csv[.gz]`, `fashion-mnist[:DIR]`,
     /// `cifar10:DIR` (cifar-10-batches-bin).
-    #[arg(long, default_value = "digits")]
+    #[arg(long, default_value = "digits", value_parser = parse_data)]
     pub data: String,
     /// Use only the first N training images.
     #[arg(long, value_name = "N")]
@@ -35,7 +35,7 @@ pub struct TrainConfig {
     #[arg(long, value_name = "N")]
     pub test_limit: Option<usize>,
     /// Pure data parallel over N thread ranks (mesh `dp=N`).
-    #[arg(long, value_name = "N", conflicts_with = "mesh")]
+    #[arg(long, value_name = "N", conflicts_with = "mesh", value_parser = clap::value_parser!(u64).range(1..))]
     pub ranks: Option<u64>,
     /// Device mesh, e.g. `dp=2,tp=2` [default: dp=2,tp=2; dp=4 for resnet].
     #[arg(long)]
@@ -188,4 +188,11 @@ mod tests {
             (true, OptimizerKind::Sgd, 2, 5)
         );
     }
+}
+
+/// Checks `--data` at parse time (an unknown data set is a usage error), keeping the text.
+pub(crate) fn parse_data(s: &str) -> std::result::Result<String, String> {
+    crate::data::DataSource::parse(s)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
 }

@@ -159,7 +159,7 @@ fn merged_sliced_checkpoint_equals_gathered_weights() {
         output: merged.clone(),
         ..Default::default()
     };
-    ckpt_merge::merge(&req, &|_| {}, &|_| {}).unwrap();
+    ckpt_merge::merge(&req, &|_| {}, &|_, _| {}).unwrap();
     let got = read_safetensors(&merged.join("model.safetensors"));
     let want = r.weights.unwrap();
     assert_eq!(
@@ -429,7 +429,7 @@ fn resume_from_a_resharded_dcp_checkpoint() {
         force: false,
         format: ckpt_reshard::OutputFormat::Dcp,
     };
-    ckpt_reshard::reshard(&req, &|_| {}, &|_| {}).unwrap();
+    ckpt_reshard::reshard(&req, &|_| {}, &|_, _| {}).unwrap();
     std::fs::remove_file(dcp.join("strategy.json")).ok();
     let rest = run(&[
         "--mesh",

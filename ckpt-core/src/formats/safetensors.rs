@@ -295,6 +295,16 @@ pub fn encode_header(
     while text.len() % 8 != 0 {
         text.push(b' ');
     }
+    // Readers (ours and the reference) refuse larger headers: never write one.
+    if text.len() as u64 > MAX_HEADER_LEN {
+        return Err(Error::Unsupported {
+            problem: format!(
+                "the header for {} tensors would take {} bytes, over the {MAX_HEADER_LEN}-byte limit of safetensors readers: split the output into more files (--max-shard-size)",
+                tensors.len(),
+                text.len()
+            ),
+        });
+    }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();
     out.extend_from_slice(&text);
     Ok((out, offsets))
@@ -310,7 +320,7 @@ impl SafetensorsWriter {
         tensors: &[TensorSpec],
         metadata: &BTreeMap<String, String>,
     ) -> Result<SafetensorsWriter> {
-        let (header, offsets) = encode_header(tensors, metadata)?;
+        let (header, offsets) = encode_header(tensors, metadata).map_err(|e| e.with_path(dest))?;
         remove_stale_temps(dest);
         let tmp = temp_name(dest);
         let file = File::options()
