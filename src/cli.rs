@@ -87,8 +87,12 @@ enum Command {
         #[arg(required = true)]
         paths: Vec<PathBuf>,
         /// Also compare replicated copies byte for byte.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "fast")]
         deep: bool,
+        /// Check metadata only: do not read the data to compare it with the recorded
+        /// checksums.
+        #[arg(long)]
+        fast: bool,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
@@ -181,6 +185,10 @@ struct CopyArgs {
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
+    /// Neither check the sources' checksums nor record the output's (to measure what
+    /// they cost; benchmarks only).
+    #[arg(long, hide = true)]
+    no_checksums: bool,
 }
 
 #[derive(Args, Debug)]
@@ -277,7 +285,19 @@ fn parse_cast(s: &str) -> std::result::Result<Dtype, String> {
 pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Inspect { paths, json } => inspect(&paths, json),
-        Command::Verify { paths, deep, json } => verify(&paths, deep, json),
+        Command::Verify {
+            paths,
+            deep,
+            fast,
+            json,
+        } => verify(
+            &paths,
+            ckpt_core::VerifyDepth {
+                checksums: !fast,
+                deep,
+            },
+            json,
+        ),
         Command::Merge(a) => merge(a),
         Command::Reshard(a) => reshard(a),
         Command::Example(a) => example(a),
@@ -313,7 +333,7 @@ fn placements_text(ck: &Checkpoint, name: &str) -> String {
 }
 
 fn inspect(paths: &[PathBuf], as_json: bool) -> Result<ExitCode> {
-    let (ck, problems) = ckpt_core::verify(paths, false)?;
+    let (ck, problems) = ckpt_core::verify(paths, ckpt_core::VerifyDepth::default())?;
     let mut per_file = vec![0u64; ck.files.len()];
     for (i, f) in ck.files.iter().enumerate() {
         per_file[i] = f.tensors().iter().map(|t| t.end - t.start).sum();
@@ -398,8 +418,9 @@ fn inspect(paths: &[PathBuf], as_json: bool) -> Result<ExitCode> {
     })
 }
 
-fn verify(paths: &[PathBuf], deep: bool, as_json: bool) -> Result<ExitCode> {
-    let (ck, problems) = match ckpt_core::verify(paths, deep) {
+fn verify(paths: &[PathBuf], depth: ckpt_core::VerifyDepth, as_json: bool) -> Result<ExitCode> {
+    let deep = depth.deep;
+    let (ck, problems) = match ckpt_core::verify(paths, depth) {
         Ok(x) => x,
         Err(e) => {
             if as_json {
@@ -423,8 +444,22 @@ fn verify(paths: &[PathBuf], deep: bool, as_json: bool) -> Result<ExitCode> {
             println!("{}", p.to_string().replace('\n', " "));
         }
         if problems.is_empty() {
+            let recorded: usize = ck
+                .files
+                .iter()
+                .map(|f| {
+                    (0..f.tensors().len())
+                        .filter(|&i| f.checksum(i).is_some())
+                        .count()
+                })
+                .sum();
+            let sums = match (recorded, depth.checksums) {
+                (0, _) => ", no checksums recorded".to_string(),
+                (n, true) => format!(", {n} checksums match"),
+                (_, false) => ", checksums not read (--fast)".to_string(),
+            };
             println!(
-                "ok: {} file(s), {} tensors, every element owned exactly once{}",
+                "ok: {} file(s), {} tensors, every element owned exactly once{sums}{}",
                 ck.files.len(),
                 ck.tensors.len(),
                 if deep {
@@ -455,6 +490,8 @@ fn summary(
             "{}",
             json!({"tensors": stats.tensors, "bytes_written": stats.bytes_written, "bytes_read": stats.bytes_read,
                    "sync_seconds": stats.sync_micros as f64 / 1e6,
+                   "checksums_verified": stats.checksums_verified,
+                   "checksums_unchecked": stats.checksums_unchecked,
                    "seconds": secs, "gb_per_s": gbs, "output": out})
         );
     } else {
@@ -464,6 +501,12 @@ fn summary(
             human_bytes(stats.bytes_written),
             out.display()
         );
+        if stats.checksums_unchecked > 0 {
+            println!(
+                "checksums: {} source tensors checked; {} read only in part could not be",
+                stats.checksums_verified, stats.checksums_unchecked
+            );
+        }
     }
 }
 
@@ -478,6 +521,9 @@ fn with_progress(
         &dyn Fn(&Checkpoint, &CopyPlan),
     ) -> ckpt_core::Result<ckpt_core::CopyStats>,
 ) -> Result<ExitCode> {
+    if copy.no_checksums {
+        ckpt_core::set_checksums_enabled(false);
+    }
     let t = Instant::now();
     let bar = std::sync::OnceLock::new();
     let stats = run(

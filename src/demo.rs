@@ -102,7 +102,13 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
 
     say("verifying the slices");
     let t = Instant::now();
-    let (checked, problems) = ckpt_core::verify(std::slice::from_ref(&ck), true)?;
+    let (checked, problems) = ckpt_core::verify(
+        std::slice::from_ref(&ck),
+        ckpt_core::VerifyDepth {
+            checksums: true,
+            deep: true,
+        },
+    )?;
     ensure!(
         problems.is_empty(),
         "verify found problems:\n{}",

@@ -11,6 +11,7 @@ use crate::plan::{bytes_of, CopyPlan, TensorPlan};
 use crate::region::{Region, Runs};
 use crate::Dtype;
 use rayon::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -20,6 +21,8 @@ impl std::ops::AddAssign for CopyStats {
         self.bytes_written += o.bytes_written;
         self.bytes_read += o.bytes_read;
         self.sync_micros += o.sync_micros;
+        self.checksums_verified += o.checksums_verified;
+        self.checksums_unchecked += o.checksums_unchecked;
     }
 }
 
@@ -37,6 +40,11 @@ pub struct CopyStats {
     pub bytes_read: u64,
     /// Time spent making the output durable (fsync before rename), in microseconds.
     pub sync_micros: u64,
+    /// Source tensors read whole whose recorded checksums were checked.
+    pub checksums_verified: u64,
+    /// Source tensors with a recorded checksum that were read only in part, so that
+    /// their checksums could not be checked (`--rank`, slices of a larger tensor).
+    pub checksums_unchecked: u64,
 }
 
 /// Splits a tensor of `shape` into boxes that are contiguous in row-major order and
@@ -218,7 +226,74 @@ pub fn execute(
             }
         }
     }
+    // Source tensors read whole have their recorded checksums checked while they are
+    // copied, over the same mapped pages; those read only in part cannot be.
+    // (A tensor is read whole when the distinct boxes read from it tile it: blocked
+    // shards are read box by box.)
+    let mut boxes: BTreeMap<(usize, usize), (&[u64], BTreeSet<&Region>)> = BTreeMap::new();
+    for t in plan.files.iter().flat_map(|f| &f.tensors) {
+        for op in &t.ops {
+            let e = boxes
+                .entry((op.file, op.tensor))
+                .or_insert_with(|| (&op.src_shape[..], BTreeSet::new()));
+            e.1.insert(&op.src);
+        }
+    }
+    let touched: BTreeSet<(usize, usize)> = boxes.keys().copied().collect();
+    let whole: BTreeSet<(usize, usize)> = boxes
+        .into_iter()
+        .filter(|(_, (shape, regions))| {
+            let regions: Vec<Region> = regions.iter().map(|r| (*r).clone()).collect();
+            crate::coverage::check_tiling(shape, &regions).is_ok()
+        })
+        .map(|(k, _)| k)
+        .collect();
+    let checking = crate::checksum::checksums_enabled();
+    let has_sum = |&(f, t): &(usize, usize)| source.files[f].checksum(t).is_some();
+    let to_check: Vec<(usize, usize)> = if checking {
+        whole.iter().copied().filter(has_sum).collect()
+    } else {
+        Vec::new()
+    };
+    let unchecked = if checking {
+        touched.difference(&whole).filter(|k| has_sum(k)).count() as u64
+    } else {
+        0
+    };
     let read = AtomicU64::new(0);
+    let (copied, checked) = rayon::join(
+        || copy_slabs(plan, source, &writers, &jobs, &read, progress),
+        || {
+            to_check
+                .par_iter()
+                .try_for_each(|&(f, t)| source.files[f].check_checksum(t).map(|_| ()))
+        },
+    );
+    copied?;
+    checked?;
+    let t = std::time::Instant::now();
+    for w in writers {
+        w.finish()?;
+    }
+    Ok(CopyStats {
+        tensors: plan.tensor_count() as u64,
+        bytes_written: plan.bytes_written(),
+        bytes_read: read.load(Ordering::Relaxed),
+        sync_micros: t.elapsed().as_micros() as u64,
+        checksums_verified: to_check.len() as u64,
+        checksums_unchecked: unchecked,
+    })
+}
+
+/// Copies every slab job into its writer.
+fn copy_slabs(
+    plan: &CopyPlan,
+    source: &Checkpoint,
+    writers: &[SafetensorsWriter],
+    jobs: &[(usize, usize, Region)],
+    read: &AtomicU64,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<()> {
     jobs.par_iter().try_for_each_init(
         Vec::new,
         |buf: &mut Vec<u8>, (fi, ti, slab)| -> Result<()> {
@@ -232,17 +307,7 @@ pub fn execute(
             progress(len as u64);
             Ok(())
         },
-    )?;
-    let t = std::time::Instant::now();
-    for w in writers {
-        w.finish()?;
-    }
-    Ok(CopyStats {
-        tensors: plan.tensor_count() as u64,
-        bytes_written: plan.bytes_written(),
-        bytes_read: read.load(Ordering::Relaxed),
-        sync_micros: t.elapsed().as_micros() as u64,
-    })
+    )
 }
 
 /// Assembles one tensor in memory (for loading straight into a model).

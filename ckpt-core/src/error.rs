@@ -105,6 +105,18 @@ pub enum Error {
         /// Why the copies cannot be taken as one tensor, and what is needed.
         problem: String,
     },
+    /// A tensor's bytes do not match the checksum recorded for them.
+    #[error("{path}: tensor `{tensor}`: checksum mismatch: recorded {recorded}, the bytes give {actual} (the file is damaged)")]
+    ChecksumMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// The recorded checksum.
+        recorded: String,
+        /// The checksum of the bytes as read.
+        actual: String,
+    },
     /// Sources disagree (shape, dtype, strategy hash, world size...).
     #[error("{what}")]
     Mismatch {

@@ -9,6 +9,7 @@
 
 pub(crate) mod safetensors;
 
+use crate::checksum::Checksum;
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::strategy::dtype_name;
 use crate::Dtype;
@@ -63,6 +64,8 @@ pub struct TensorFile {
     format: FileFormat,
     tensors: Vec<TensorEntry>,
     metadata: BTreeMap<String, String>,
+    /// The recorded checksum of each tensor, where the file has one.
+    checksums: Vec<Option<Checksum>>,
 }
 
 /// Decides a file's format from its first bytes.
@@ -195,9 +198,53 @@ impl TensorFile {
             path: path.to_path_buf(),
             map,
             format,
+            checksums: vec![None; tensors.len()],
             tensors,
             metadata,
         })
+    }
+
+    /// Attaches recorded checksums by tensor name.
+    ///
+    /// # Errors
+    /// A checksum for a tensor the file does not hold.
+    pub(crate) fn set_checksums(&mut self, sums: &BTreeMap<String, Checksum>) -> Result<()> {
+        for (name, sum) in sums {
+            let i = self.find(name).ok_or_else(|| Error::InvalidHeader {
+                problem: format!(
+                    "a checksum is recorded for tensor `{name}`, which the file does not hold"
+                ),
+            })?;
+            self.checksums[i] = Some(*sum);
+        }
+        Ok(())
+    }
+
+    /// The checksum recorded for tensor `index`, if any.
+    #[must_use]
+    pub fn checksum(&self, index: usize) -> Option<Checksum> {
+        self.checksums[index]
+    }
+
+    /// Hashes tensor `index`'s bytes and compares them with the recorded checksum,
+    /// releasing the pages as it goes. `Ok(false)` when there is nothing recorded.
+    ///
+    /// # Errors
+    /// [`Error::ChecksumMismatch`] naming file, tensor and both values.
+    pub fn check_checksum(&self, index: usize) -> Result<bool> {
+        let Some(want) = self.checksums[index] else {
+            return Ok(false);
+        };
+        let got = Checksum::of_chunks(self.data(index), &|r| self.release(index, r));
+        if got != want {
+            return Err(Error::ChecksumMismatch {
+                path: self.path.clone(),
+                tensor: self.tensors[index].name.clone(),
+                recorded: want.to_string(),
+                actual: got.to_string(),
+            });
+        }
+        Ok(true)
     }
 
     /// The path this file was opened from.

@@ -7,6 +7,7 @@
 //! produce any other set of pieces, and [`execute`] carries it out streaming.
 
 mod checkpoint;
+mod checksum;
 mod copy;
 mod coverage;
 mod error;
@@ -27,6 +28,7 @@ pub use crate::checkpoint::{
     Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, DCP_SHARDING_INFO, INDEX_FILE,
     MODEL_FILE, STRATEGY_FILE,
 };
+pub use crate::checksum::{checksums_enabled, set_checksums_enabled, Checksum, CHECKSUMS_KEY};
 pub use crate::copy::{assemble, execute, CopyStats, SLAB_BYTES};
 pub use crate::coverage::{check_tiling, Defect};
 pub use crate::error::{Error, Problems, Result};
@@ -50,5 +52,5 @@ pub use crate::region::{Region, Run, Runs};
 pub use crate::save::{load_rank, write_integrated, write_rank, LocalTensor};
 pub use crate::select::Selection;
 pub use crate::strategy::{dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION};
-pub use crate::verify::verify;
+pub use crate::verify::{verify, VerifyDepth};
 pub use ::safetensors::Dtype;

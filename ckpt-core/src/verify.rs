@@ -2,46 +2,79 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::region::Runs;
+use crate::region::{Region, Runs};
+use rayon::prelude::*;
 use std::path::PathBuf;
 
+/// How much [`verify`] reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VerifyDepth {
+    /// Hash every tensor that has a recorded checksum and compare (reads all data).
+    pub checksums: bool,
+    /// Compare every kept copy of replicated data with its owner's, byte for byte.
+    pub deep: bool,
+}
+
 /// Checks a checkpoint: headers sane, rank files present and agreeing on the strategy,
-/// shapes as the strategy says, every element owned exactly once. With `deep`, also
-/// compares every kept copy of replicated data with its owner's, byte for byte.
+/// shapes as the strategy says, every element owned exactly once, recorded checksums
+/// of replicated copies equal to their owners'. With `depth.checksums`, also hashes
+/// every tensor that has a checksum; with `depth.deep`, compares every kept copy of
+/// replicated data with its owner's, byte for byte.
 /// Returns the problems found (empty when clean).
 ///
 /// # Errors
 /// Only when the inputs cannot be read as a checkpoint at all.
-pub fn verify(paths: &[PathBuf], deep: bool) -> Result<(Checkpoint, Vec<Error>)> {
+pub fn verify(paths: &[PathBuf], depth: VerifyDepth) -> Result<(Checkpoint, Vec<Error>)> {
     let (ck, mut problems) = Checkpoint::scan(paths)?;
-    if deep {
-        for (name, t) in &ck.tensors {
-            let bits = t.dtype.bitsize() as u64;
-            for (owner, copy) in &t.copies {
-                let o = &t.pieces[*owner];
-                let a = ck.files[o.file].data(o.tensor);
-                let b = ck.files[copy.file].data(copy.tensor);
-                let sa = &ck.files[o.file].tensors()[o.tensor].shape;
-                let sb = &ck.files[copy.file].tensors()[copy.tensor].shape;
-                let differs = Runs::new(&o.local.shape, sa, &o.local.start, sb, &copy.local.start)
-                    .any(|r| {
-                        let (x, y, n) = (
-                            (r.src * bits / 8) as usize,
-                            (r.dst * bits / 8) as usize,
-                            (r.len * bits / 8) as usize,
-                        );
-                        a[x..x + n] != b[y..y + n]
-                    });
-                if differs {
-                    problems.push(Error::Mismatch {
-                        what: format!(
-                            "tensor `{name}`: the copy of {} in {} differs from the owner's in {}",
-                            o.global,
-                            ck.label(copy.file),
-                            ck.label(o.file)
-                        ),
-                    });
-                }
+    if depth.checksums && crate::checksum::checksums_enabled() {
+        let all: Vec<(usize, usize)> = ck
+            .files
+            .iter()
+            .enumerate()
+            .flat_map(|(fi, f)| (0..f.tensors().len()).map(move |ti| (fi, ti)))
+            .collect();
+        let mut bad: Vec<Error> = all
+            .par_iter()
+            .filter_map(|&(fi, ti)| ck.files[fi].check_checksum(ti).err())
+            .collect();
+        problems.append(&mut bad);
+    }
+    for (name, t) in &ck.tensors {
+        let bits = t.dtype.bitsize() as u64;
+        for (owner, copy) in &t.copies {
+            let o = &t.pieces[*owner];
+            let (fa, fb) = (&ck.files[o.file], &ck.files[copy.file]);
+            let sa = &fa.tensors()[o.tensor].shape;
+            let sb = &fb.tensors()[copy.tensor].shape;
+            // Whole stored tensors on both sides: their recorded checksums must agree
+            // (no data read).
+            let whole = o.local == Region::full(sa) && copy.local == Region::full(sb);
+            let sums = (fa.checksum(o.tensor), fb.checksum(copy.tensor));
+            let differs = if let (true, (Some(x), Some(y))) = (whole, sums) {
+                x != y
+            } else if depth.deep {
+                let a = fa.data(o.tensor);
+                let b = fb.data(copy.tensor);
+                Runs::new(&o.local.shape, sa, &o.local.start, sb, &copy.local.start).any(|r| {
+                    let (x, y, n) = (
+                        (r.src * bits / 8) as usize,
+                        (r.dst * bits / 8) as usize,
+                        (r.len * bits / 8) as usize,
+                    );
+                    a[x..x + n] != b[y..y + n]
+                })
+            } else {
+                false
+            };
+            if differs {
+                problems.push(Error::Mismatch {
+                    what: format!(
+                        "tensor `{name}`: the copy of {} in {} differs from the owner's in {}",
+                        o.global,
+                        ck.label(copy.file),
+                        ck.label(o.file)
+                    ),
+                });
             }
         }
     }

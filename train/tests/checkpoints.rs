@@ -279,7 +279,14 @@ fn save_every_keep_and_latest() {
     let st = read_trainer_state(&out.join("step_25/ckpt_1/trainer_state.json")).unwrap();
     assert_eq!((st.step, st.epoch, st.batch_in_epoch), (25, 1, 3));
     // Every rank directory is self-describing and the checkpoint verifies.
-    let (_, problems) = ckpt_core::verify(&[out.join("step_25")], true).unwrap();
+    let (_, problems) = ckpt_core::verify(
+        &[out.join("step_25")],
+        ckpt_core::VerifyDepth {
+            checksums: true,
+            deep: true,
+        },
+    )
+    .unwrap();
     assert!(problems.is_empty(), "{problems:?}");
 }
 
@@ -353,7 +360,14 @@ fn failed_save_leaves_the_previous_checkpoint() {
         "step_5\n"
     );
     assert!(!out.join("step_10").exists());
-    let (_, problems) = ckpt_core::verify(&[out.join("step_5")], false).unwrap();
+    let (_, problems) = ckpt_core::verify(
+        &[out.join("step_5")],
+        ckpt_core::VerifyDepth {
+            checksums: true,
+            deep: false,
+        },
+    )
+    .unwrap();
     assert!(problems.is_empty(), "{problems:?}");
     let r = run(&[
         "--ranks",

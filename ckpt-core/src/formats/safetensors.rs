@@ -5,6 +5,9 @@
 
 use super::{byte_len, FileFormat, TensorEntry, TensorFile};
 use crate::checkpoint::DCP_SHARDING_INFO;
+use crate::checksum::{
+    checksums_enabled, decode_checksums, encode_checksums, Checksum, CHECKSUMS_KEY, CHUNK,
+};
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::strategy::{dtype_name, parse_dtype};
 use crate::Dtype;
@@ -14,6 +17,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// Largest header accepted (the reference implementation's limit).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
@@ -52,7 +56,13 @@ pub(crate) fn read(path: &Path, map: Option<Mmap>) -> Result<TensorFile> {
             t.offsets = offsets.get(&t.name).cloned();
         }
     }
-    TensorFile::from_parts(path, map, FileFormat::Safetensors, tensors, metadata)
+    let sums = match metadata.get(CHECKSUMS_KEY) {
+        Some(text) => decode_checksums(text).map_err(|e| e.with_path(path))?,
+        None => BTreeMap::new(),
+    };
+    let mut file = TensorFile::from_parts(path, map, FileFormat::Safetensors, tensors, metadata)?;
+    file.set_checksums(&sums).map_err(|e| e.with_path(path))?;
+    Ok(file)
 }
 
 /// Parses and validates a header: length, UTF-8, JSON, every entry's dtype, shape and
@@ -247,6 +257,10 @@ pub struct TensorSpec {
 /// A safetensors file being written: the header is laid out first, then data arrives
 /// by positional writes (from any thread) at each tensor's place; the file is written
 /// under a temporary name and renamed only by [`SafetensorsWriter::finish`].
+///
+/// Each write is hashed as it passes; `finish` combines the hashes into one checksum
+/// per tensor and rewrites the header with them in `__metadata__` (the header was laid
+/// out with placeholders of the same length, so no byte of data moves).
 #[derive(Debug)]
 pub struct SafetensorsWriter {
     tmp: PathBuf,
@@ -254,6 +268,10 @@ pub struct SafetensorsWriter {
     file: File,
     data_start: u64,
     offsets: Vec<u64>,
+    specs: Vec<TensorSpec>,
+    metadata: BTreeMap<String, String>,
+    /// Per tensor: `(offset, length, checksum)` of every write; `None` without checksums.
+    written: Option<Vec<Mutex<Vec<(u64, u64, Checksum)>>>>,
     done: bool,
 }
 
@@ -314,13 +332,23 @@ impl SafetensorsWriter {
     /// Creates `dest` (through a temporary file beside it) sized for `tensors`.
     ///
     /// # Errors
-    /// I/O errors, with the path.
+    /// I/O errors, with the path; a header over [`MAX_HEADER_LEN`].
     pub fn create(
         dest: &Path,
         tensors: &[TensorSpec],
         metadata: &BTreeMap<String, String>,
     ) -> Result<SafetensorsWriter> {
-        let (header, offsets) = encode_header(tensors, metadata).map_err(|e| e.with_path(dest))?;
+        let sums = checksums_enabled();
+        let header_meta = if sums {
+            with_checksums(
+                metadata,
+                tensors.iter().map(|t| (t.name.clone(), Checksum(0))),
+            )
+        } else {
+            metadata.clone()
+        };
+        let (header, offsets) =
+            encode_header(tensors, &header_meta).map_err(|e| e.with_path(dest))?;
         remove_stale_temps(dest);
         let tmp = temp_name(dest);
         let file = File::options()
@@ -337,6 +365,9 @@ impl SafetensorsWriter {
             file,
             data_start,
             offsets,
+            specs: tensors.to_vec(),
+            metadata: metadata.clone(),
+            written: sums.then(|| tensors.iter().map(|_| Mutex::new(Vec::new())).collect()),
             done: false,
         };
         w.file.set_len(total).at(&w.tmp)?;
@@ -352,7 +383,15 @@ impl SafetensorsWriter {
         debug_assert!(self.offsets[index] + offset + bytes.len() as u64 <= self.offsets[index + 1]);
         self.file
             .write_all_at(bytes, self.data_start + self.offsets[index] + offset)
-            .at(&self.tmp)
+            .at(&self.tmp)?;
+        if let Some(w) = &self.written {
+            let sum = Checksum(crc32c::crc32c(bytes));
+            w[index]
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push((offset, bytes.len() as u64, sum));
+        }
+        Ok(())
     }
 
     /// Bytes of tensor `index`.
@@ -367,16 +406,79 @@ impl SafetensorsWriter {
         self.data_start + self.offsets.last().copied().unwrap_or(0)
     }
 
-    /// Syncs the data and renames the file to its final name.
+    /// The checksum of tensor `index`: its writes combined in offset order when they
+    /// tile it exactly; otherwise (overlapping or missing writes) its bytes read back.
+    fn checksum(&self, index: usize, writes: &mut [(u64, u64, Checksum)]) -> Result<Checksum> {
+        let len = self.tensor_len(index);
+        writes.sort_by_key(|w| w.0);
+        let mut pos = 0;
+        let tiles = writes.iter().all(|&(off, n, _)| {
+            let ok = off == pos;
+            pos = off + n;
+            ok
+        }) && pos == len;
+        if tiles {
+            return Ok(Checksum::combine(writes.iter().map(|&(_, n, c)| (c, n))));
+        }
+        let mut parts = Vec::new();
+        let mut buf = vec![0u8; (len as usize).min(CHUNK)];
+        let mut off = 0;
+        while off < len {
+            let n = (len - off).min(buf.len() as u64) as usize;
+            self.file
+                .read_exact_at(&mut buf[..n], self.data_start + self.offsets[index] + off)
+                .at(&self.tmp)?;
+            parts.push((Checksum(crc32c::crc32c(&buf[..n])), n as u64));
+            off += n as u64;
+        }
+        Ok(Checksum::combine(parts))
+    }
+
+    /// Records the checksums in the header, syncs the data and renames the file to its
+    /// final name.
     ///
     /// # Errors
     /// I/O errors, with the path.
     pub fn finish(mut self) -> Result<()> {
+        if let Some(written) = self.written.take() {
+            let mut sums = Vec::with_capacity(written.len());
+            for (i, w) in written.into_iter().enumerate() {
+                let mut w = w
+                    .into_inner()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                sums.push((self.specs[i].name.clone(), self.checksum(i, &mut w)?));
+            }
+            let meta = with_checksums(&self.metadata, sums);
+            let (header, _) =
+                encode_header(&self.specs, &meta).map_err(|e| e.with_path(&self.dest))?;
+            if header.len() as u64 != self.data_start {
+                return Err(overflow(format!(
+                    "{}: header with checksums changed size ({} to {} bytes)",
+                    self.dest.display(),
+                    self.data_start,
+                    header.len()
+                )));
+            }
+            self.file.write_all_at(&header, 0).at(&self.tmp)?;
+        }
         self.file.sync_all().at(&self.tmp)?;
         std::fs::rename(&self.tmp, &self.dest).at(&self.dest)?;
         self.done = true;
         Ok(())
     }
+}
+
+/// `metadata` plus [`CHECKSUMS_KEY`] recording `sums`.
+fn with_checksums(
+    metadata: &BTreeMap<String, String>,
+    sums: impl IntoIterator<Item = (String, Checksum)>,
+) -> BTreeMap<String, String> {
+    let mut m = metadata.clone();
+    m.insert(
+        CHECKSUMS_KEY.into(),
+        encode_checksums(&sums.into_iter().collect()),
+    );
+    m
 }
 
 impl Drop for SafetensorsWriter {
