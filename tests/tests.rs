@@ -2,6 +2,7 @@
 
 mod util;
 
+mod bad_inputs;
 mod inspect_verify;
 mod merge;
 mod python;
