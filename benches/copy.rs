@@ -50,7 +50,8 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(19);
-    let src = root.join(format!("tp8-h2048-l{layers}"));
+    // (`-c`: written with per-tensor checksums, which merge and reshard check.)
+    let src = root.join(format!("tp8-h2048-l{layers}-c"));
     if !src.exists() {
         let (s, _) = timed(ckpt().args(["example"]).arg(&src).args([
             "--mesh",
@@ -127,6 +128,19 @@ fn main() {
         timed(ckpt().args(["merge", "-q"]).arg(&src).arg("-o").arg(&out))
     });
     rows.push(("ckpt merge (fsyncs its output)".into(), merge, merge_rss));
+    // What checksums cost: the same merge neither checking the sources' nor recording
+    // the output's.
+    let (bare, bare_rss) = best(&mut || {
+        clean();
+        timed(
+            ckpt()
+                .args(["merge", "-q", "--no-checksums"])
+                .arg(&src)
+                .arg("-o")
+                .arg(&out),
+        )
+    });
+    rows.push(("ckpt merge --no-checksums".into(), bare, bare_rss));
     let (reshard, reshard_rss) = best(&mut || {
         clean();
         timed(
@@ -162,6 +176,10 @@ fn main() {
             (total - sync) / cat
         );
     }
+    println!(
+        "\nchecksums (every source tensor checked, every output tensor recorded): merge takes {:.3} x the time of merge --no-checksums",
+        merge / bare
+    );
     println!("\n| run | seconds | x cat | x (cat + fsync) | peak RSS MiB |");
     println!("|---|---|---|---|---|");
     for (name, s, rss) in &rows {

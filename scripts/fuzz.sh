@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds and runs ckpt's fuzz targets (cargo-fuzz, nightly toolchain).
+#
+#   scripts/fuzz.sh                 # every target for 60 seconds each
+#   scripts/fuzz.sh 600             # every target for 10 minutes each
+#   scripts/fuzz.sh 600 checkpoint  # one target
+#
+# Each run starts from the committed seed corpus (fuzz/corpus/<target>, read only) and
+# keeps what it finds in target/fuzz-corpus/<target>; a crash is saved under
+# fuzz/artifacts/<target>/ and fails the script. The last line of each run (libFuzzer's
+# `Done N runs in S second(s)`) is printed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs=${1:-60}
+shift || true
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=($(sed -n 's/^name = "\(.*\)"$/\1/p' fuzz/Cargo.toml | grep -v '^ckpt-fuzz$'))
+if ! cargo +nightly --version >/dev/null 2>&1; then
+  echo "scripts/fuzz.sh: no nightly toolchain (rustup toolchain install nightly)" >&2
+  exit 1
+fi
+command -v cargo-fuzz >/dev/null 2>&1 || cargo install --quiet --locked cargo-fuzz
+
+for t in "${targets[@]}"; do
+  (cd fuzz && cargo +nightly fuzz build -O "$t" >/dev/null 2>&1)
+  work="target/fuzz-corpus/$t"
+  mkdir -p "$work" "fuzz/corpus/$t"
+  log="target/fuzz-$t.log"
+  echo "fuzz $t for ${secs}s (seeds: $(ls "fuzz/corpus/$t" | wc -l))"
+  if ! (cd fuzz && cargo +nightly fuzz run -O "$t" "../$work" "corpus/$t" -- \
+        -max_total_time="$secs" -rss_limit_mb=4096 -print_final_stats=1) >"$log" 2>&1; then
+    tail -n 40 "$log" >&2
+    echo "scripts/fuzz.sh: $t found a crash (see $log and fuzz/artifacts/$t/)" >&2
+    exit 1
+  fi
+  grep -E '^Done [0-9]+ runs|stat::number_of_executed_units|stat::peak_rss_mb' "$log" | sed "s/^/  $t: /"
+done
