@@ -209,8 +209,15 @@ impl TensorFile {
     /// # Errors
     /// A checksum for a tensor the file does not hold.
     pub(crate) fn set_checksums(&mut self, sums: &BTreeMap<String, Checksum>) -> Result<()> {
+        // By name through a map: a file may hold a million tensors.
+        let index: std::collections::HashMap<&str, usize> = self
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.as_str(), i))
+            .collect();
         for (name, sum) in sums {
-            let i = self.find(name).ok_or_else(|| Error::InvalidHeader {
+            let i = *index.get(name.as_str()).ok_or_else(|| Error::InvalidHeader {
                 problem: format!(
                     "a checksum is recorded for tensor `{name}`, which the file does not hold"
                 ),

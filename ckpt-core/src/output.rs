@@ -101,12 +101,14 @@ pub fn check_output_outside_inputs(out: &Path, inputs: &[PathBuf]) -> Result<()>
     let o = abs(out);
     for i in inputs {
         let i_abs = abs(i);
-        let i_dir = if i_abs.is_file() {
-            i_abs.parent().map(Path::to_path_buf).unwrap_or_default()
+        // A file input only forbids outputs that are it or contain it: a new directory
+        // beside it (`merge /data/model.safetensors -o /data/merged`) touches nothing.
+        let overlaps = if i_abs.is_file() {
+            i_abs.starts_with(&o)
         } else {
-            i_abs
+            o.starts_with(&i_abs) || i_abs.starts_with(&o)
         };
-        if o.starts_with(&i_dir) || i_dir.starts_with(&o) {
+        if overlaps {
             return Err(Error::Unsupported {
                 problem: format!(
                     "output {} overlaps input {}: write it elsewhere",
