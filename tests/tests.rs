@@ -3,6 +3,7 @@
 mod util;
 
 mod bad_inputs;
+mod crash;
 mod inspect_verify;
 mod merge;
 mod python;

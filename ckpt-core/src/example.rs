@@ -209,7 +209,7 @@ pub fn write_example(dir: &Path, model: &ExampleModel, mesh: &Mesh) -> Result<St
             .collect();
         write_rank(dir, &strategy, rank, &refs, false)?;
     }
-    crate::formats::safetensors::write_file_atomic(
+    crate::output::write_file_atomic(
         &dir.join(crate::checkpoint::STRATEGY_FILE),
         strategy.to_json().as_bytes(),
     )?;

@@ -217,11 +217,13 @@ impl TensorFile {
             .map(|(i, t)| (t.name.as_str(), i))
             .collect();
         for (name, sum) in sums {
-            let i = *index.get(name.as_str()).ok_or_else(|| Error::InvalidHeader {
-                problem: format!(
-                    "a checksum is recorded for tensor `{name}`, which the file does not hold"
-                ),
-            })?;
+            let i = *index
+                .get(name.as_str())
+                .ok_or_else(|| Error::InvalidHeader {
+                    problem: format!(
+                        "a checksum is recorded for tensor `{name}`, which the file does not hold"
+                    ),
+                })?;
             self.checksums[i] = Some(*sum);
         }
         Ok(())

@@ -36,14 +36,17 @@ pub use crate::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,
 };
 pub use crate::formats::safetensors::{
-    encode_header, parse_header as parse_safetensors_header, write_file_atomic, SafetensorsWriter,
-    TensorSpec, MAX_HEADER_LEN,
+    encode_header, parse_header as parse_safetensors_header, SafetensorsWriter, TensorSpec,
+    MAX_HEADER_LEN,
 };
 pub use crate::formats::{sniff, FileFormat, TensorEntry, TensorFile};
 pub use crate::layout::{Piece, Placement, TensorLayout};
 pub use crate::mesh::{Axis, Mesh};
 pub use crate::mindspore::{from_mindspore, MapEntry, MindSporeLayout};
-pub use crate::output::{check_output_outside_inputs, copy_carried, StagedDir};
+pub use crate::output::{
+    check_output_outside_inputs, copy_carried, remove_stale_temps, replace_atomically,
+    write_file_atomic, StagedDir,
+};
 pub use crate::plan::{
     bytes_of, check_cast, rank_metadata, rank_tensors, CopyOp, CopyPlan, FilePlan, TargetFile,
     TargetTensor, TensorPlan,

@@ -1,6 +1,8 @@
 //! `StagedDir`: an output directory that appears complete or not at all.
 
 use crate::error::{Error, IoContext, Result};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// A directory built under a temporary name beside its destination and renamed into
@@ -19,6 +21,8 @@ impl StagedDir {
     /// # Errors
     /// `dest` exists and `force` is false; I/O errors.
     pub fn new(dest: &Path, force: bool) -> Result<StagedDir> {
+        // First: a killed replace may have left the only complete copy aside.
+        remove_stale_temps(dest);
         if dest.exists() && !force {
             return Err(Error::OutputExists {
                 path: dest.to_path_buf(),
@@ -29,8 +33,7 @@ impl StagedDir {
             _ => PathBuf::from("."),
         };
         std::fs::create_dir_all(&parent).at(&parent)?;
-        crate::formats::safetensors::remove_stale_temps(dest);
-        let tmp = crate::formats::safetensors::temp_name(dest);
+        let tmp = temp_name(dest);
         std::fs::create_dir(&tmp).at(&tmp)?;
         Ok(StagedDir {
             dest: dest.to_path_buf(),
@@ -60,10 +63,7 @@ impl StagedDir {
                     path: self.dest.clone(),
                 });
             }
-            let old = crate::formats::safetensors::temp_name(&self.dest);
-            std::fs::rename(&self.dest, &old).at(&self.dest)?;
-            std::fs::rename(&self.tmp, &self.dest).at(&self.dest)?;
-            let _ = std::fs::remove_dir_all(&old);
+            replace_atomically(&self.tmp, &self.dest)?;
         } else {
             std::fs::rename(&self.tmp, &self.dest).at(&self.dest)?;
         }
@@ -131,7 +131,163 @@ pub fn copy_carried(
 ) -> Result<()> {
     for (name, from) in carried {
         let bytes = std::fs::read(from).at(from)?;
-        crate::formats::safetensors::write_file_atomic(&dir.join(name), &bytes)?;
+        write_file_atomic(&dir.join(name), &bytes)?;
     }
     Ok(())
+}
+
+/// Removes temporaries of `dest` left by runs that were killed before they could clean
+/// up (`.<name>.tmp-<pid>-<n>` whose process is gone), so an interrupted run leaves no
+/// litter behind once the same output is written again; an old output set aside by a
+/// killed replace (`.<name>.old-<pid>-<n>`) is put back when `dest` is missing.
+pub fn remove_stale_temps(dest: &Path) {
+    let Some(name) = dest.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return;
+    };
+    let dir = match dest.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let tmp_prefix = format!(".{name}.tmp-");
+    let old_prefix = format!(".{name}.old-");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let (rest, is_old) = match (
+            file.strip_prefix(&tmp_prefix),
+            file.strip_prefix(&old_prefix),
+        ) {
+            (Some(r), _) => (r, false),
+            (_, Some(r)) => (r, true),
+            _ => continue,
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let p = e.path();
+        // An old output set aside by a replace that was killed before the new one took
+        // its place is the only complete copy: put it back rather than delete it.
+        if is_old && std::fs::symlink_metadata(dest).is_err() {
+            let _ = std::fs::rename(&p, dest);
+            continue;
+        }
+        remove_any(&p);
+    }
+}
+
+/// Removes a file or a directory tree, whichever `p` is (errors ignored: best effort).
+fn remove_any(p: &Path) {
+    let _ = match std::fs::symlink_metadata(p) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(p),
+        Ok(_) => std::fs::remove_file(p),
+        Err(_) => Ok(()),
+    };
+}
+
+/// Puts `new` (a complete file or directory) at `dest`, replacing what is there, so that
+/// `dest` names a complete old or a complete new output at every instant: on Linux one
+/// `renameat2(RENAME_EXCHANGE)` swaps them, then the old one (now at `new`'s name) is
+/// deleted. Where the filesystem cannot exchange, the old one is renamed aside to
+/// `.<name>.old-<pid>-<n>` first; a run killed between the two renames leaves it there,
+/// and the next write of the same output puts it back (see [`remove_stale_temps`]),
+/// never deletes it.
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn replace_atomically(new: &Path, dest: &Path) -> Result<()> {
+    if std::fs::symlink_metadata(dest).is_err() {
+        return std::fs::rename(new, dest).at(dest);
+    }
+    if exchange(new, dest).is_ok() {
+        remove_any(new);
+        return Ok(());
+    }
+    let old = dest.with_file_name(format!(
+        ".{}.old-{}-{}",
+        dest.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        std::process::id(),
+        next_temp_number()
+    ));
+    std::fs::rename(dest, &old).at(dest)?;
+    crash_point("replace");
+    std::fs::rename(new, dest).at(dest)?;
+    remove_any(&old);
+    Ok(())
+}
+
+/// Swaps two paths atomically (Linux `renameat2` with `RENAME_EXCHANGE`).
+fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    if std::env::var_os("CKPT_TEST_NO_EXCHANGE").is_some() {
+        return Err(std::io::Error::from(std::io::ErrorKind::Unsupported));
+    }
+    let ca = std::ffi::CString::new(a.as_os_str().as_bytes())?;
+    let cb = std::ffi::CString::new(b.as_os_str().as_bytes())?;
+    // SAFETY: two valid NUL-terminated paths relative to the working directory.
+    let r = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            ca.as_ptr(),
+            libc::AT_FDCWD,
+            cb.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// For crash tests: `CKPT_TEST_CRASH_AT=<point>` aborts the process at that point, as a
+/// kill would, so a test can check what a crash there leaves behind.
+pub(crate) fn crash_point(point: &str) {
+    if std::env::var("CKPT_TEST_CRASH_AT").is_ok_and(|p| p == point) {
+        std::process::abort();
+    }
+}
+
+/// A temporary name beside `dest`, unique to this process and call.
+pub(crate) fn temp_name(dest: &Path) -> PathBuf {
+    let name = dest
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    dest.with_file_name(format!(
+        ".{name}.tmp-{}-{}",
+        std::process::id(),
+        next_temp_number()
+    ))
+}
+
+fn next_temp_number() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Writes a small file atomically (temporary name, sync, rename).
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn write_file_atomic(dest: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = temp_name(dest);
+    let result = (|| {
+        let f = File::create(&tmp).at(&tmp)?;
+        f.write_all_at(bytes, 0).at(&tmp)?;
+        f.sync_all().at(&tmp)?;
+        std::fs::rename(&tmp, dest).at(dest)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
 }

@@ -4,7 +4,8 @@
 use crate::checkpoint::{Checkpoint, MODEL_FILE, STRATEGY_FILE};
 use crate::copy::assemble;
 use crate::error::{Error, IoContext, Result};
-use crate::formats::safetensors::{write_file_atomic, SafetensorsWriter, TensorSpec};
+use crate::formats::safetensors::{SafetensorsWriter, TensorSpec};
+use crate::output::write_file_atomic;
 use crate::plan::{rank_metadata, rank_tensors, CopyPlan, TargetFile};
 use crate::strategy::Strategy;
 use crate::Dtype;

@@ -275,9 +275,10 @@ pub(crate) fn save(
     let state_json = serde_json::to_string_pretty(req.state).expect("trainer state serializes");
     let lead = dist.rank == 0;
     if lead {
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).at(&tmp)?;
-        }
+        // Leftovers of killed saves (`step_K.tmp`) and prunes (`.step_K.pruned-*`) are
+        // never checkpoints: `latest` only ever names a complete `step_N`.
+        remove_leftovers(req.out)?;
+        ckpt_core::remove_stale_temps(&fin);
         std::fs::create_dir_all(&tmp).at(&tmp)?;
     }
     dist.world.barrier()?;
@@ -319,34 +320,59 @@ pub(crate) fn save(
     }
     dist.world.barrier()?;
     if lead {
-        if fin.exists() {
-            std::fs::remove_dir_all(&fin).at(&fin)?;
-        }
-        std::fs::rename(&tmp, &fin).at(&fin)?;
+        // `step_N` may exist (resuming from an older step into the same --out) and
+        // `latest` may name it: swap the new one in atomically, so that it names a
+        // complete checkpoint, old or new, at every instant.
+        ckpt_core::replace_atomically(&tmp, &fin)?;
         if let Ok(d) = std::fs::File::open(req.out) {
             let _ = d.sync_all();
         }
         ckpt_core::write_file_atomic(&req.out.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
         if req.keep > 0 {
-            prune(req.out, req.keep)?;
+            prune(req.out, req.keep, &name)?;
         }
     }
     dist.world.barrier()?;
     Ok(fin)
 }
 
-/// Removes all but the newest `keep` `step_N` directories of `out`.
-fn prune(out: &Path, keep: usize) -> Result<()> {
+/// Removes all but the newest `keep` `step_N` directories of `out`, never `current`
+/// (the one `latest` now names, which need not be the newest after a resume from an
+/// older step). Each is first renamed to `.step_N.pruned-<pid>`, so that a prune killed
+/// half-way leaves no half-deleted `step_N`, only a hidden leftover.
+fn prune(out: &Path, keep: usize, current: &str) -> Result<()> {
     let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(out)
         .at(out)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.is_dir())
         .filter_map(|p| Some((step_of(p.file_name()?.to_str()?)?, p)))
+        .filter(|(_, p)| p.file_name().is_some_and(|n| n != current))
         .collect();
     steps.sort();
     let n = steps.len();
-    for (_, p) in steps.into_iter().take(n.saturating_sub(keep)) {
-        std::fs::remove_dir_all(&p).at(&p)?;
+    for (step, p) in steps
+        .into_iter()
+        .take(n.saturating_sub(keep.saturating_sub(1)))
+    {
+        let gone = out.join(format!(".step_{step}.pruned-{}", std::process::id()));
+        std::fs::rename(&p, &gone).at(&p)?;
+        std::fs::remove_dir_all(&gone).at(&gone)?;
+    }
+    Ok(())
+}
+
+/// Removes what killed saves and prunes left in `out`.
+fn remove_leftovers(out: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(out) else {
+        return Ok(());
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let leftover = (name.starts_with("step_") && name.ends_with(".tmp"))
+            || (name.starts_with(".step_") && name.contains(".pruned-"));
+        if leftover && e.path().is_dir() {
+            std::fs::remove_dir_all(e.path()).at(&e.path())?;
+        }
     }
     Ok(())
 }

@@ -9,6 +9,7 @@ use crate::checksum::{
     checksums_enabled, decode_checksums, encode_checksums, Checksum, CHECKSUMS_KEY, CHUNK,
 };
 use crate::error::{overflow, Error, IoContext, Result};
+use crate::output::{remove_stale_temps, temp_name};
 use crate::strategy::{dtype_name, parse_dtype};
 use crate::Dtype;
 use memmap2::Mmap;
@@ -487,73 +488,6 @@ impl Drop for SafetensorsWriter {
             let _ = std::fs::remove_file(&self.tmp);
         }
     }
-}
-
-/// Removes temporaries of `dest` left by runs that were killed before they could clean
-/// up (`.<name>.tmp-<pid>-<n>` whose process is gone), so an interrupted run leaves no
-/// litter behind once the same output is written again.
-pub(crate) fn remove_stale_temps(dest: &Path) {
-    let Some(name) = dest.file_name().map(|n| n.to_string_lossy().into_owned()) else {
-        return;
-    };
-    let dir = match dest.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let prefix = format!(".{name}.tmp-");
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let file = e.file_name().to_string_lossy().into_owned();
-        let Some(rest) = file.strip_prefix(&prefix) else {
-            continue;
-        };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
-            let p = e.path();
-            let _ = if p.is_dir() {
-                std::fs::remove_dir_all(&p)
-            } else {
-                std::fs::remove_file(&p)
-            };
-        }
-    }
-}
-
-/// A temporary name beside `dest`, unique to this process and call.
-pub(crate) fn temp_name(dest: &Path) -> PathBuf {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    let name = dest
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    dest.with_file_name(format!(
-        ".{name}.tmp-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ))
-}
-
-/// Writes a small file atomically (temporary name, sync, rename).
-///
-/// # Errors
-/// I/O errors, with the path.
-pub fn write_file_atomic(dest: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = temp_name(dest);
-    let result = (|| {
-        let f = File::create(&tmp).at(&tmp)?;
-        f.write_all_at(bytes, 0).at(&tmp)?;
-        f.sync_all().at(&tmp)?;
-        std::fs::rename(&tmp, dest).at(dest)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
 }
 
 #[cfg(test)]

@@ -1,0 +1,98 @@
+//! Replacing outputs and training saves: the destination names a complete old or new
+//! output at every instant, and nothing that holds the only complete copy is deleted.
+
+use crate::util::Dir;
+use std::process::Command;
+
+fn listing(d: &Dir, rel: &str) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(d.path(rel))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn force_replaces_a_directory_or_a_file_with_nothing_left_over() {
+    let d = Dir::new();
+    d.example("ex", "tp=2");
+    d.ok(&["merge", "ex", "-o", "out/m", "--exclude", "embed.*"]);
+    d.ok(&["merge", "ex", "-o", "out/m", "--force"]);
+    let o = d.ok(&["inspect", "out/m", "--json"]);
+    assert!(
+        o.stdout.contains("embed.weight"),
+        "the new output replaced the old"
+    );
+    // Onto an existing regular file: it is replaced and no temporary is left.
+    std::fs::write(d.path("out/f"), b"old").unwrap();
+    d.ok(&["merge", "ex", "-o", "out/f", "--force"]);
+    assert!(d.path("out/f/model.safetensors").is_file());
+    assert_eq!(listing(&d, "out"), ["f", "m"]);
+}
+
+#[test]
+fn a_replace_killed_between_its_renames_keeps_the_old_output() {
+    // Where the filesystem cannot exchange two paths, the old output is renamed aside
+    // first; a crash right then must not lose it (the old code deleted it on the next
+    // run as a stale temporary).
+    let d = Dir::new();
+    d.example("ex", "tp=2");
+    d.ok(&["merge", "ex", "-o", "out/m", "--exclude", "embed.*"]);
+    let old = std::fs::read(d.path("out/m/model.safetensors")).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .args(["merge", "ex", "-o", "out/m", "--force", "-q"])
+        .current_dir(d.tmp.path())
+        .env("CKPT_TEST_NO_EXCHANGE", "1")
+        .env("CKPT_TEST_CRASH_AT", "replace")
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "the crash point was not reached");
+    assert!(!d.path("out/m").exists());
+    let aside = listing(&d, "out");
+    assert!(aside.iter().any(|n| n.starts_with(".m.old-")), "{aside:?}");
+    // The next write of the same output puts the old one back before anything else.
+    let o = d.ckpt(&["merge", "ex", "-o", "out/m"]);
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    assert!(o.stderr.contains("out/m already exists"), "{}", o.stderr);
+    assert_eq!(
+        std::fs::read(d.path("out/m/model.safetensors")).unwrap(),
+        old
+    );
+    assert_eq!(listing(&d, "out"), ["m"]);
+}
+
+#[test]
+fn resaving_an_existing_step_keeps_latest_complete_and_prunes_by_latest() {
+    let d = Dir::new();
+    let train = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--ranks",
+            "2",
+            "--save-every",
+            "2",
+            "--out",
+            "run",
+            "-q",
+        ];
+        args.extend_from_slice(extra);
+        d.ok(&args);
+    };
+    train(&["--max-steps", "6"]);
+    assert_eq!(listing(&d, "run"), ["latest", "step_2", "step_4", "step_6"]);
+    // Leftovers of killed saves are cleaned by the next save.
+    std::fs::create_dir_all(d.path("run/step_3.tmp/ckpt_0")).unwrap();
+    std::fs::create_dir_all(d.path("run/.step_1.pruned-999999")).unwrap();
+    // Resume from step 2 into the same --out: step_4 exists and `latest` names it.
+    train(&["--resume", "run/step_2", "--max-steps", "4", "--keep", "1"]);
+    assert_eq!(
+        std::fs::read_to_string(d.path("run/latest")).unwrap(),
+        "step_4\n"
+    );
+    // --keep 1 keeps the step `latest` names, not the highest number (step_6, from the
+    // first run, which the old prune kept while deleting the step `latest` named).
+    assert_eq!(listing(&d, "run"), ["latest", "step_4"]);
+    d.ok(&["verify", "run"]);
+}
