@@ -18,6 +18,7 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    install_bus_error_handler();
     let cli = cli::Cli::parse();
     match cli::run(cli) {
         Ok(code) => code,
@@ -44,4 +45,44 @@ fn message(e: &anyhow::Error) -> String {
         out.push_str(&text);
     }
     out
+}
+
+/// An input truncated by another program while mapped raises SIGBUS on the next read
+/// past its new end. Instead of dying without a word: name the file (from the faulting
+/// address), remove the temporaries of this run's outputs, exit 1.
+fn install_bus_error_handler() {
+    extern "C" fn on_bus_error(
+        _sig: libc::c_int,
+        info: *mut libc::siginfo_t,
+        _ctx: *mut libc::c_void,
+    ) {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        static HANDLING: AtomicBool = AtomicBool::new(false);
+        if HANDLING.swap(true, Ordering::SeqCst) {
+            // Another thread faulted too: the first one speaks and exits.
+            loop {
+                // SAFETY: pause is async-signal-safe.
+                unsafe { libc::pause() };
+            }
+        }
+        // SAFETY: the kernel passes a valid siginfo_t for SA_SIGINFO handlers.
+        let addr = unsafe { (*info).si_addr() } as usize;
+        // Not async-signal-safe (it formats and allocates), but the fault is raised
+        // while copying mapped bytes, not inside the allocator, and the process ends
+        // here either way.
+        let msg = ckpt_core::bus_error_message(addr);
+        ckpt_core::remove_registered_temporaries();
+        eprintln!("ckpt: error: {msg}");
+        // SAFETY: _exit ends the process without running anything else.
+        unsafe { libc::_exit(1) };
+    }
+    // SAFETY: installing a handler before any thread starts; the struct is zeroed and
+    // then filled as sigaction(2) requires.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_bus_error as *const () as usize;
+        sa.sa_flags = libc::SA_SIGINFO;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut());
+    }
 }

@@ -96,3 +96,28 @@ fn resaving_an_existing_step_keeps_latest_complete_and_prunes_by_latest() {
     assert_eq!(listing(&d, "run"), ["latest", "step_4"]);
     d.ok(&["verify", "run"]);
 }
+
+#[test]
+fn an_input_truncated_while_mapped_is_named_and_nothing_is_left() {
+    let d = Dir::new();
+    d.ok(&[
+        "example", "ex", "--mesh", "tp=2", "--hidden", "256", "--vocab", "4000",
+    ]);
+    let o = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .args(["merge", "ex", "-o", "out", "-q"])
+        .current_dir(d.tmp.path())
+        .env(
+            "CKPT_TEST_TRUNCATE_BEFORE_COPY",
+            "ex/ckpt_1/model.safetensors",
+        )
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("ex/ckpt_1/model.safetensors: the file shrank while it was being read"),
+        "{stderr}"
+    );
+    let left: Vec<String> = listing(&d, ".").into_iter().filter(|n| n != "ex").collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}

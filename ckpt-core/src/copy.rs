@@ -260,6 +260,12 @@ pub fn execute(
     } else {
         0
     };
+    // For the bus-error test: another program truncating an input before it is read.
+    if let Some(victim) = std::env::var_os("CKPT_TEST_TRUNCATE_BEFORE_COPY") {
+        if let Ok(f) = std::fs::OpenOptions::new().write(true).open(&victim) {
+            let _ = f.set_len(f.metadata().map_or(0, |m| m.len() / 2));
+        }
+    }
     let read = AtomicU64::new(0);
     let (copied, checked) = rayon::join(
         || copy_slabs(plan, source, &writers, &jobs, &read, progress),

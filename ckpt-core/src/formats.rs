@@ -107,6 +107,9 @@ impl TensorFile {
         } else {
             Some(unsafe { Mmap::map(&file) }.at(path)?)
         };
+        if let Some(m) = &map {
+            crate::fault::register_map(m.as_ptr() as usize, m.len(), path);
+        }
         let head: &[u8] = map.as_deref().unwrap_or(&[]);
         let head = &head[..head.len().min(64)];
         match sniff(head) {
@@ -323,6 +326,14 @@ impl TensorFile {
     #[must_use]
     pub fn tensor_bytes(&self) -> u64 {
         self.tensors.iter().map(|t| t.end - t.start).sum()
+    }
+}
+
+impl Drop for TensorFile {
+    fn drop(&mut self) {
+        if let Some(m) = &self.map {
+            crate::fault::unregister_map(m.as_ptr() as usize);
+        }
     }
 }
 

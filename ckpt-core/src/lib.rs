@@ -12,6 +12,7 @@ mod copy;
 mod coverage;
 mod error;
 mod example;
+mod fault;
 mod formats;
 mod layout;
 mod mesh;
@@ -35,6 +36,7 @@ pub use crate::error::{Error, Problems, Result};
 pub use crate::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,
 };
+pub use crate::fault::{bus_error_message, remove_registered_temporaries};
 pub use crate::formats::safetensors::{
     encode_header, parse_header as parse_safetensors_header, SafetensorsWriter, TensorSpec,
     MAX_HEADER_LEN,

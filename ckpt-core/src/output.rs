@@ -35,6 +35,7 @@ impl StagedDir {
         std::fs::create_dir_all(&parent).at(&parent)?;
         let tmp = temp_name(dest);
         std::fs::create_dir(&tmp).at(&tmp)?;
+        crate::fault::register_temp(&tmp);
         Ok(StagedDir {
             dest: dest.to_path_buf(),
             tmp,
@@ -67,6 +68,7 @@ impl StagedDir {
         } else {
             std::fs::rename(&self.tmp, &self.dest).at(&self.dest)?;
         }
+        crate::fault::unregister_temp(&self.tmp);
         self.done = true;
         Ok(())
     }
@@ -76,6 +78,7 @@ impl Drop for StagedDir {
     fn drop(&mut self) {
         if !self.done {
             let _ = std::fs::remove_dir_all(&self.tmp);
+            crate::fault::unregister_temp(&self.tmp);
         }
     }
 }

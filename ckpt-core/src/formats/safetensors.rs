@@ -358,6 +358,7 @@ impl SafetensorsWriter {
             .create_new(true)
             .open(&tmp)
             .at(&tmp)?;
+        crate::fault::register_temp(&tmp);
         let data_start = header.len() as u64;
         let total = data_start + offsets.last().copied().unwrap_or(0);
         let w = SafetensorsWriter {
@@ -464,6 +465,7 @@ impl SafetensorsWriter {
         }
         self.file.sync_all().at(&self.tmp)?;
         std::fs::rename(&self.tmp, &self.dest).at(&self.dest)?;
+        crate::fault::unregister_temp(&self.tmp);
         self.done = true;
         Ok(())
     }
@@ -486,6 +488,7 @@ impl Drop for SafetensorsWriter {
     fn drop(&mut self) {
         if !self.done {
             let _ = std::fs::remove_file(&self.tmp);
+            crate::fault::unregister_temp(&self.tmp);
         }
     }
 }
