@@ -17,6 +17,10 @@ fi
 export CKPT_PYTHON="$PWD/$venv/bin/python"
 cargo test --workspace "$@"
 
+# SIGKILL merge, reshard and training saves at random moments: outputs are old, new or
+# absent, never partial, and a training run's `latest` always verifies (about a minute).
+scripts/kill_test.sh
+
 # NCCL/CUDA: builds without CUDA (libraries are loaded at run time), and without a GPU
 # `ckpt train --backend nccl` must fail with a clear message, not a panic.
 cargo test -p ckpt-train --features cuda --lib -- cuda nccl
