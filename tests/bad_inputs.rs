@@ -657,6 +657,27 @@ const CASES: &[Case] = &[
         code: 1,
         first_line: "output in/out overlaps input in",
     },
+    Case {
+        name: "a target mesh of 10^12 ranks",
+        setup: ex,
+        args: &["reshard", "in", "-o", "out", "--to", "1000000000000"],
+        code: 1,
+        first_line: "has 1000000000000 ranks, more than the 1048576 ckpt writes files for",
+    },
+    Case {
+        name: "infer a missing checkpoint",
+        setup: |_| {},
+        args: &["infer", "nothing"],
+        code: 1,
+        first_line: "checkpoint nothing: no such file or directory",
+    },
+    Case {
+        name: "resume from a missing checkpoint",
+        setup: |_| {},
+        args: &["train", "--resume", "nothing", "--out", "out"],
+        code: 1,
+        first_line: "checkpoint nothing: no such file or directory",
+    },
     // usage errors: exit 2, nothing read or written
     Case {
         name: "--to 0",

@@ -11,6 +11,9 @@ use ckpt_core::{
 };
 use std::path::{Path, PathBuf};
 
+/// The largest target world size (one file per rank is written).
+pub const MAX_TARGET_RANKS: u64 = 1 << 20;
+
 /// The target layout, as the user gives it.
 #[derive(Clone, Debug)]
 pub enum Target {
@@ -217,7 +220,18 @@ pub fn plan(
     keep_all: bool,
     format: OutputFormat,
 ) -> Result<CopyPlan> {
-    let list = ranks.list(strategy.mesh.world_size())?;
+    let world = strategy.mesh.world_size();
+    // One file per target rank is written: a mesh that claims more ranks than any
+    // machine room holds is a mistake, refused before anything is allocated for it.
+    if world > MAX_TARGET_RANKS {
+        return Err(Error::Unsupported {
+            problem: format!(
+                "the target mesh {} has {world} ranks, more than the {MAX_TARGET_RANKS} ckpt writes files for",
+                strategy.mesh
+            ),
+        });
+    }
+    let list = ranks.list(world)?;
     let files = list
         .into_iter()
         .map(|r| {

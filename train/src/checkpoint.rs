@@ -139,8 +139,17 @@ pub fn read_trainer_state(path: &Path) -> Result<TrainerState> {
 /// `latest` file names.
 ///
 /// # Errors
-/// An unreadable `latest` file.
+/// A path that does not exist; an unreadable `latest` file.
 pub fn resolve_checkpoint(dir: &Path) -> Result<PathBuf> {
+    if let Err(e) = std::fs::metadata(dir) {
+        return Err(Error::BadCheckpoint {
+            path: dir.to_path_buf(),
+            problem: match e.kind() {
+                std::io::ErrorKind::NotFound => "no such file or directory".into(),
+                _ => e.to_string(),
+            },
+        });
+    }
     let latest = dir.join(LATEST_FILE);
     if latest.is_file() {
         let name = std::fs::read_to_string(&latest).at(&latest)?;
