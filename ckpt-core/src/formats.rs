@@ -7,6 +7,7 @@
 //! byte ranges (never copies tensor data), a [`FileFormat`] variant, and a branch in
 //! [`sniff`], which decides by content, not by the file's name.
 
+pub(crate) mod mindspore_ckpt;
 pub(crate) mod safetensors;
 
 use crate::checksum::Checksum;
@@ -24,6 +25,8 @@ use std::path::{Path, PathBuf};
 pub enum FileFormat {
     /// safetensors (Hugging Face, ckpt's own rank files, DCP's sharded safetensors).
     Safetensors,
+    /// MindSpore's protobuf `.ckpt` (`mindspore.save_checkpoint`).
+    MindSporeCkpt,
 }
 
 impl FileFormat {
@@ -32,6 +35,7 @@ impl FileFormat {
     pub fn name(self) -> &'static str {
         match self {
             FileFormat::Safetensors => "safetensors",
+            FileFormat::MindSporeCkpt => "MindSpore .ckpt",
         }
     }
 }
@@ -74,6 +78,9 @@ pub fn sniff(head: &[u8]) -> Option<FileFormat> {
     if safetensors::looks_like(head) {
         return Some(FileFormat::Safetensors);
     }
+    if mindspore_ckpt::looks_like(head) {
+        return Some(FileFormat::MindSporeCkpt);
+    }
     None
 }
 
@@ -114,9 +121,10 @@ impl TensorFile {
         let head = &head[..head.len().min(64)];
         match sniff(head) {
             Some(FileFormat::Safetensors) => safetensors::read(path, map),
+            Some(FileFormat::MindSporeCkpt) => mindspore_ckpt::read(path, map),
             None => Err(Error::UnknownInput {
                 problem: format!(
-                    "{}: not a checkpoint file ckpt reads ({}; expected safetensors)",
+                    "{}: not a checkpoint file ckpt reads ({}; expected safetensors or a MindSpore .ckpt; encrypted MindSpore checkpoints are not supported)",
                     path.display(),
                     describe_head(head)
                 ),

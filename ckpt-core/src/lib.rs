@@ -37,6 +37,7 @@ pub use crate::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,
 };
 pub use crate::fault::{bus_error_message, remove_registered_temporaries};
+pub use crate::formats::mindspore_ckpt::parse_mindspore_ckpt;
 pub use crate::formats::safetensors::{
     encode_header, parse_header as parse_safetensors_header, SafetensorsWriter, TensorSpec,
     MAX_HEADER_LEN,
