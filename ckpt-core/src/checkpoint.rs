@@ -8,6 +8,8 @@
 use crate::coverage::{check_tiling, Defect};
 use crate::error::{Error, IoContext, Problems, Result};
 use crate::formats::TensorFile;
+use crate::layout::TensorLayout;
+use crate::mesh::Mesh;
 use crate::region::Region;
 use crate::select::Selection;
 use crate::strategy::{dtype_name, Strategy};
@@ -94,14 +96,73 @@ struct Input {
     strategy: Option<PathBuf>,
 }
 
+/// MindSpore strategy files: given as inputs (`--source-strategy` adds one), or found
+/// in the root of a directory of rank directories.
+#[derive(Default)]
+struct MsStrategies {
+    given: Vec<PathBuf>,
+    found: BTreeMap<PathBuf, Vec<PathBuf>>,
+}
+
+/// Whether `path` is a MindSpore strategy file (by content).
+fn is_ms_strategy(path: &Path) -> bool {
+    let Ok(bytes) = std::fs::read(path) else {
+        return false;
+    };
+    crate::formats::sniff(&bytes[..bytes.len().min(64)]).is_none()
+        && crate::formats::mindspore_strategy::looks_like(&bytes)
+}
+
+/// The checkpoint file of a MindSpore rank directory: its only `.ckpt`/`.safetensors`
+/// file, or the newest `<prefix>-<epoch>_<step>` of several.
+fn ms_rank_file(dir: &Path, notes: &mut Vec<String>) -> Result<Option<PathBuf>> {
+    let files: Vec<PathBuf> = list_dir(dir)?
+        .into_iter()
+        .filter(|p| p.is_file())
+        .filter(|p| p.extension().is_some_and(|e| e == "ckpt" || e == "safetensors"))
+        .collect();
+    if files.len() <= 1 {
+        return Ok(files.into_iter().next());
+    }
+    let epoch_step = |p: &Path| -> Option<(u64, u64)> {
+        let stem = p.file_stem()?.to_str()?;
+        let (_, tail) = stem.rsplit_once('-')?;
+        let (e, s) = tail.split_once('_')?;
+        Some((e.parse().ok()?, s.parse().ok()?))
+    };
+    let mut dated: Vec<((u64, u64), PathBuf)> = Vec::new();
+    for f in &files {
+        match epoch_step(f) {
+            Some(k) => dated.push((k, f.clone())),
+            None => {
+                return Err(unknown(format!(
+                    "{}: several checkpoint files and `{}` is not named <prefix>-<epoch>_<step>: pass the file to use",
+                    dir.display(),
+                    f.display()
+                )))
+            }
+        }
+    }
+    dated.sort();
+    let (_, newest) = dated.pop().expect("several files");
+    notes.push(format!(
+        "{}: {} checkpoint files, using the newest, {}",
+        dir.display(),
+        files.len(),
+        newest.file_name().unwrap_or_default().to_string_lossy()
+    ));
+    Ok(Some(newest))
+}
+
 fn unknown(problem: String) -> Error {
     Error::UnknownInput { problem }
 }
 
+/// The rank of a `ckpt_<r>` (ckpt, MindSpore) or `rank_<r>` (MindSpore) directory.
 fn rank_dir_number(dir: &Path) -> Option<u64> {
-    dir.file_name()?
-        .to_str()?
-        .strip_prefix("ckpt_")?
+    let name = dir.file_name()?.to_str()?;
+    name.strip_prefix("ckpt_")
+        .or_else(|| name.strip_prefix("rank_"))?
         .parse()
         .ok()
 }
@@ -119,7 +180,13 @@ fn expand(
     path: &Path,
     out: &mut Vec<Input>,
     carried: &mut BTreeMap<String, PathBuf>,
+    ms: &mut MsStrategies,
+    notes: &mut Vec<String>,
 ) -> Result<()> {
+    if path.is_file() && is_ms_strategy(path) {
+        ms.given.push(path.to_path_buf());
+        return Ok(());
+    }
     if path.is_file() {
         let dir = path.parent().unwrap_or(Path::new("."));
         let s = dir.join(STRATEGY_FILE);
@@ -158,7 +225,7 @@ fn expand(
                 name.trim()
             )));
         }
-        return expand(&target, out, carried);
+        return expand(&target, out, carried, ms, notes);
     }
     note_carried(path, carried);
     let model = path.join(MODEL_FILE);
@@ -179,7 +246,25 @@ fn expand(
     if !rank_dirs.is_empty() {
         rank_dirs.sort();
         for (_, d) in rank_dirs {
-            expand(&d, out, carried)?;
+            let ckpt_own = d.join(MODEL_FILE).is_file() && d.join(STRATEGY_FILE).is_file();
+            if ckpt_own {
+                expand(&d, out, carried, ms, notes)?;
+            } else if let Some(f) = ms_rank_file(&d, notes)? {
+                note_carried(&d, carried);
+                out.push(Input {
+                    path: f,
+                    strategy: None,
+                });
+            }
+        }
+        // MindSpore keeps its strategy files beside the rank directories.
+        let strategies: Vec<PathBuf> = entries
+            .iter()
+            .filter(|p| p.is_file() && is_ms_strategy(p))
+            .cloned()
+            .collect();
+        if !strategies.is_empty() {
+            ms.found.insert(path.to_path_buf(), strategies);
         }
         return Ok(());
     }
@@ -210,11 +295,12 @@ fn expand(
     }
     let st: Vec<PathBuf> = entries
         .into_iter()
-        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors" || e == "ckpt"))
+        .filter(|p| !is_ms_strategy(p))
         .collect();
     if st.is_empty() {
         return Err(unknown(format!(
-            "{}: no checkpoint here (expected ckpt_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE} or *.safetensors)",
+            "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors or *.ckpt)",
             path.display()
         )));
     }
@@ -280,9 +366,26 @@ impl Checkpoint {
     pub fn scan(paths: &[PathBuf]) -> Result<(Checkpoint, Vec<Error>)> {
         let mut inputs = Vec::new();
         let mut carried = BTreeMap::new();
+        let mut ms = MsStrategies::default();
+        let mut notes = Vec::new();
         for p in paths {
-            expand(p, &mut inputs, &mut carried)?;
+            expand(p, &mut inputs, &mut carried, &mut ms, &mut notes)?;
         }
+        let ms_strategy = match (ms.given.is_empty(), ms.found.len()) {
+            (false, _) => ms.given,
+            (true, 0) => vec![],
+            (true, _) => {
+                let found: Vec<PathBuf> = ms.found.into_values().flatten().collect();
+                if found.len() > 1 {
+                    return Err(unknown(format!(
+                        "several MindSpore strategy files beside the rank directories ({}): say which with --source-strategy (several for pipeline stages)",
+                        found.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+                    )));
+                }
+                notes.push(format!("MindSpore strategy: {}", found[0].display()));
+                found
+            }
+        };
         let mut problems = Vec::new();
         let mut files = Vec::new();
         let mut strategies = Vec::new();
@@ -304,7 +407,14 @@ impl Checkpoint {
             .iter()
             .filter(|f| f.tensors().iter().any(|t| t.offsets.is_some()))
             .count();
-        let kind = if sliced > 0 {
+        let kind = if !ms_strategy.is_empty() {
+            if sliced > 0 {
+                return Err(unknown(
+                    "a MindSpore strategy was given for ckpt rank directories, which have their own strategy.json".into(),
+                ));
+            }
+            Kind::Sliced
+        } else if sliced > 0 {
             if sliced != strategies.len() {
                 return Err(unknown(
                     "inputs mix rank directories (with strategy.json) and other files".into(),
@@ -323,10 +433,15 @@ impl Checkpoint {
             strategy: None,
             tensors: BTreeMap::new(),
             carried,
-            notes: Vec::new(),
+            notes,
         };
         let mut raw: BTreeMap<String, Vec<SourcePiece>> = BTreeMap::new();
         match kind {
+            Kind::Sliced if !ms_strategy.is_empty() => {
+                let refs: Vec<&Path> = ms_strategy.iter().map(PathBuf::as_path).collect();
+                let params = crate::formats::mindspore_strategy::read_mindspore_strategies(&refs)?;
+                ck.read_mindspore(&params, &mut raw, &mut problems)?;
+            }
             Kind::Sliced => ck.read_sliced(&strategies, &mut raw, &mut problems)?,
             Kind::Dcp | Kind::Integrated => ck.read_boxes(&mut raw, &mut problems),
         }
@@ -555,6 +670,167 @@ impl Checkpoint {
         }
     }
 
+    /// MindSpore per-rank files laid out by a MindSpore strategy: each tensor's global
+    /// shape follows from its stored slice and its layout, each rank's pieces from the
+    /// layout converted to ours ([`from_mindspore`](crate::from_mindspore)). When every
+    /// split tensor has the same device matrix (and there is no pipeline), the layouts
+    /// also form one ckpt [`Strategy`], so `--to` and `--mesh` apply as to ckpt's own.
+    fn read_mindspore(
+        &mut self,
+        params: &BTreeMap<String, crate::formats::mindspore_strategy::MindSporeParam>,
+        raw: &mut BTreeMap<String, Vec<SourcePiece>>,
+        problems: &mut Vec<Error>,
+    ) -> Result<()> {
+        let mismatch = |what: String| Error::Mismatch { what };
+        // Devices per stage: every parameter's device matrix covers one stage.
+        let mut per_stage: Option<u64> = None;
+        let mut stages = 1u64;
+        for (name, p) in params {
+            let n = p
+                .layout
+                .dev_matrix
+                .iter()
+                .try_fold(1u64, |a, &b| a.checked_mul(b))
+                .ok_or_else(|| crate::error::overflow(format!("device matrix of `{name}`")))?;
+            match per_stage {
+                None => per_stage = Some(n),
+                Some(m) if m != n => {
+                    return Err(Error::InvalidStrategy {
+                        problem: format!(
+                            "parameter `{name}` has a device matrix of {n} devices, others of {m}"
+                        ),
+                    })
+                }
+                Some(_) => {}
+            }
+            stages = stages.max(p.stage + 1);
+        }
+        let per_stage = per_stage.ok_or_else(|| Error::InvalidStrategy {
+            problem: "the MindSpore strategy describes no parameter".into(),
+        })?;
+        let world = per_stage
+            .checked_mul(stages)
+            .ok_or_else(|| crate::error::overflow("world size".to_string()))?;
+        let mut seen: BTreeMap<u64, usize> = BTreeMap::new();
+        let mut known: BTreeMap<String, (Mesh, TensorLayout)> = BTreeMap::new();
+        for (fi, f) in self.files.iter().enumerate() {
+            let path = f.path().display().to_string();
+            let rank = f
+                .path()
+                .parent()
+                .and_then(rank_dir_number)
+                .or_else(|| f.metadata().get("rank").and_then(|r| r.parse().ok()));
+            let Some(rank) = rank else {
+                problems.push(mismatch(format!(
+                    "{path}: no rank (expected it in a rank_<r>/ or ckpt_<r>/ directory)"
+                )));
+                continue;
+            };
+            if rank >= world {
+                problems.push(mismatch(format!(
+                    "{path}: rank {rank} but the MindSpore strategy has {world} ranks"
+                )));
+                continue;
+            }
+            if let Some(other) = seen.insert(rank, fi) {
+                problems.push(mismatch(format!(
+                    "{path}: rank {rank} appears twice (also {})",
+                    self.files[other].path().display()
+                )));
+                continue;
+            }
+            self.ranks[fi] = Some(rank);
+            let (stage, local) = (rank / per_stage, rank % per_stage);
+            for (ti, t) in f.tensors().iter().enumerate() {
+                let bad = |problem: String| Error::InvalidTensor {
+                    tensor: t.name.clone(),
+                    problem,
+                };
+                let Some(p) = params.get(&t.name) else {
+                    problems.push(bad(format!("in {path} but not in the MindSpore strategy")));
+                    continue;
+                };
+                if p.stage != stage {
+                    problems.push(bad(format!(
+                        "{path} (rank {rank}, stage {stage}) holds it, but the strategy puts it in stage {}",
+                        p.stage
+                    )));
+                    continue;
+                }
+                let global = match ms_global_shape(&p.layout, &t.shape) {
+                    Ok(g) => g,
+                    Err(e) => {
+                        problems.push(bad(format!("{path}: {e}")));
+                        continue;
+                    }
+                };
+                let (mesh, layout) =
+                    match crate::mindspore::from_mindspore(&t.name, &p.layout, global, t.dtype) {
+                        Ok(x) => x,
+                        Err(e) => {
+                            problems.push(e);
+                            continue;
+                        }
+                    };
+                if let Some((m0, l0)) = known.get(&t.name) {
+                    if (m0, &l0.shape, l0.dtype) != (&mesh, &layout.shape, layout.dtype) {
+                        problems.push(bad(format!(
+                            "{path} holds {} {:?}, a slice of {:?}, but other ranks hold slices of {} {:?}",
+                            dtype_name(t.dtype),
+                            t.shape,
+                            layout.shape,
+                            dtype_name(l0.dtype),
+                            l0.shape
+                        )));
+                        continue;
+                    }
+                }
+                let want = layout.local_shape(&mesh, local);
+                if want.as_deref() != Some(&t.shape[..]) {
+                    problems.push(bad(format!(
+                        "{path} holds {:?} but the strategy gives rank {rank} {want:?}",
+                        t.shape
+                    )));
+                    continue;
+                }
+                let entry = raw.entry(t.name.clone()).or_default();
+                for piece in layout.pieces(&mesh, local) {
+                    entry.push(SourcePiece {
+                        file: fi,
+                        tensor: ti,
+                        global: piece.global,
+                        local: piece.local,
+                    });
+                }
+                known.entry(t.name.clone()).or_insert((mesh, layout));
+            }
+        }
+        problems.extend(missing_ranks(world, &seen, |r| {
+            format!("no rank_{r}/ checkpoint among the inputs")
+        }));
+        for name in params.keys().filter(|n| !known.contains_key(*n)) {
+            problems.push(Error::CoverageGap {
+                tensor: name.clone(),
+                region: "all".into(),
+            });
+        }
+        for (name, (_, l)) in &known {
+            self.tensors.insert(
+                name.clone(),
+                SourceTensor {
+                    dtype: l.dtype,
+                    shape: l.shape.clone(),
+                    pieces: vec![],
+                    copies: vec![],
+                },
+            );
+        }
+        if stages == 1 {
+            self.strategy = common_strategy(&known);
+        }
+        Ok(())
+    }
+
     /// DCP's sharded safetensors record neither global shapes nor the world size, so
     /// shapes are inferred from the pieces present. ckpt's own DCP output also records
     /// `rank` and `world_size`: with them, every rank must be among the inputs.
@@ -748,4 +1024,70 @@ fn missing_ranks<V>(
         });
     }
     out
+}
+
+/// The global shape of a MindSpore tensor whose slice is `local`: each dimension times
+/// the device axes that split it (and dimension 0 times the optimizer shard).
+fn ms_global_shape(
+    l: &crate::mindspore::MindSporeLayout,
+    local: &[u64],
+) -> std::result::Result<Vec<u64>, String> {
+    use crate::mindspore::MapEntry;
+    if l.tensor_map.len() != local.len() {
+        return Err(format!(
+            "a slice of {} dims but a tensor_map of {} entries",
+            local.len(),
+            l.tensor_map.len()
+        ));
+    }
+    let n = l.dev_matrix.len();
+    let mut out = Vec::with_capacity(local.len());
+    for (d, (entry, &len)) in l.tensor_map.iter().zip(local).enumerate() {
+        let ks: Vec<i64> = match entry {
+            MapEntry::One(k) => vec![*k],
+            MapEntry::Many(v) => v.clone(),
+        };
+        let mut splits = 1u64;
+        for k in ks.into_iter().filter(|&k| k != -1) {
+            let size = usize::try_from(k)
+                .ok()
+                .filter(|&k| k < n)
+                .map(|k| l.dev_matrix[n - 1 - k])
+                .ok_or_else(|| format!("tensor_map value {k} is outside a device matrix of {n} axes"))?;
+            splits = splits.checked_mul(size).ok_or("split count overflows")?;
+        }
+        if d == 0 && l.opt_shard_size > 1 {
+            splits = splits.checked_mul(l.opt_shard_size).ok_or("split count overflows")?;
+        }
+        out.push(len.checked_mul(splits).ok_or("global shape overflows")?);
+    }
+    Ok(out)
+}
+
+/// One ckpt strategy for MindSpore layouts that share a mesh; fully replicated
+/// tensors fit any mesh. `None` when split tensors use different device matrices.
+fn common_strategy(known: &BTreeMap<String, (Mesh, TensorLayout)>) -> Option<Strategy> {
+    use crate::layout::Placement;
+    let split = |l: &TensorLayout| l.placements.iter().any(|p| *p != Placement::Replicate);
+    let mesh = known
+        .values()
+        .find(|(_, l)| split(l))
+        .or_else(|| known.values().next())
+        .map(|(m, _)| m.clone())?;
+    let mut s = Strategy::new(mesh.clone());
+    for (name, (m, l)) in known {
+        let l = if m == &mesh {
+            l.clone()
+        } else if !split(l) {
+            TensorLayout::new(
+                l.shape.clone(),
+                l.dtype,
+                vec![Placement::Replicate; mesh.axes().len()],
+            )
+        } else {
+            return None;
+        };
+        s.insert(name.clone(), l).ok()?;
+    }
+    Some(s)
 }

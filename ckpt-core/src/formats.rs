@@ -8,6 +8,7 @@
 //! [`sniff`], which decides by content, not by the file's name.
 
 pub(crate) mod mindspore_ckpt;
+pub(crate) mod mindspore_strategy;
 pub(crate) mod safetensors;
 
 use crate::checksum::Checksum;
