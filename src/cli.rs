@@ -74,18 +74,16 @@ pub(crate) struct Cli {
 enum Command {
     /// List tensors: global shape, dtype, placements, bytes per rank and in total.
     Inspect {
-        /// Rank directories, a sliced checkpoint root, an integrated or DCP checkpoint.
-        #[arg(required = true)]
-        paths: Vec<PathBuf>,
+        #[command(flatten)]
+        inputs: Inputs,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
     },
     /// Check a checkpoint: headers, rank files, strategy agreement, exact coverage.
     Verify {
-        /// What to check.
-        #[arg(required = true)]
-        paths: Vec<PathBuf>,
+        #[command(flatten)]
+        inputs: Inputs,
         /// Also compare replicated copies byte for byte.
         #[arg(long, conflicts_with = "fast")]
         deep: bool,
@@ -164,6 +162,42 @@ struct InferArgs {
     json: bool,
 }
 
+/// The checkpoint to read, shared by the commands that read one.
+#[derive(Args, Debug, Clone)]
+struct Inputs {
+    /// Rank directories (ckpt_<r>/, MindSpore's rank_<r>/), a sliced checkpoint root or
+    /// training --out, rank files, an integrated or DCP checkpoint, MindSpore .ckpt files.
+    #[arg(required = true)]
+    paths: Vec<PathBuf>,
+    /// The source's MindSpore strategy file (protobuf or JSON; one per pipeline stage),
+    /// when it is not the only one beside the rank directories.
+    #[arg(long, value_name = "FILE")]
+    source_strategy: Vec<PathBuf>,
+}
+
+impl Inputs {
+    /// Every input path: the strategy files are inputs too (recognised by content).
+    fn all(&self) -> Result<Vec<PathBuf>> {
+        for s in &self.source_strategy {
+            let bytes =
+                std::fs::read(s).with_context(|| format!("--source-strategy {}", s.display()))?;
+            if !ckpt_core::is_mindspore_strategy(&bytes) {
+                return Err(Usage(format!(
+                    "--source-strategy {}: not a MindSpore strategy file (protobuf ParallelStrategyMap or its JSON form)",
+                    s.display()
+                ))
+                .into());
+            }
+        }
+        Ok(self
+            .paths
+            .iter()
+            .chain(&self.source_strategy)
+            .cloned()
+            .collect())
+    }
+}
+
 /// Options shared by the commands that copy tensors.
 #[derive(Args, Debug, Clone)]
 struct CopyArgs {
@@ -193,9 +227,8 @@ struct CopyArgs {
 
 #[derive(Args, Debug)]
 struct MergeArgs {
-    /// Rank directories (ckpt_*/), rank files, or a DCP directory.
-    #[arg(required = true)]
-    inputs: Vec<PathBuf>,
+    #[command(flatten)]
+    inputs: Inputs,
     /// Output directory.
     #[arg(short, long)]
     output: PathBuf,
@@ -213,9 +246,8 @@ struct MergeArgs {
 #[derive(Args, Debug)]
 #[command(group(clap::ArgGroup::new("target").required(true).args(["to", "mesh", "strategy"])))]
 struct ReshardArgs {
-    /// Rank directories, a DCP directory, or an integrated checkpoint.
-    #[arg(required = true)]
-    inputs: Vec<PathBuf>,
+    #[command(flatten)]
+    inputs: Inputs,
     /// Output directory.
     #[arg(short, long)]
     output: PathBuf,
@@ -225,7 +257,8 @@ struct ReshardArgs {
     /// New sizes for named axes, e.g. dp=2,tp=2.
     #[arg(long, value_parser = parse_mesh)]
     mesh: Option<String>,
-    /// A target strategy file.
+    /// A target strategy file: ckpt's strategy.json, or a MindSpore (predict) strategy
+    /// file, protobuf or JSON.
     #[arg(long)]
     strategy: Option<PathBuf>,
     /// Build only this target rank (`auto`: from mpirun, Slurm or torchrun variables).
@@ -284,14 +317,14 @@ fn parse_cast(s: &str) -> std::result::Result<Dtype, String> {
 
 pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Inspect { paths, json } => inspect(&paths, json),
+        Command::Inspect { inputs, json } => inspect(&inputs.all()?, json),
         Command::Verify {
-            paths,
+            inputs,
             deep,
             fast,
             json,
         } => verify(
-            &paths,
+            &inputs.all()?,
             ckpt_core::VerifyDepth {
                 checksums: !fast,
                 deep,
@@ -548,7 +581,7 @@ fn with_progress(
 
 fn merge(a: MergeArgs) -> Result<ExitCode> {
     let req = ckpt_merge::MergeRequest {
-        inputs: a.inputs,
+        inputs: a.inputs.all()?,
         output: a.output,
         max_shard_size: a.max_shard_size,
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
@@ -583,7 +616,12 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
                 .collect(),
         )
     } else if let Some(s) = &a.strategy {
-        ckpt_reshard::Target::Strategy(Strategy::read(s)?)
+        let bytes = std::fs::read(s).with_context(|| format!("--strategy {}", s.display()))?;
+        if ckpt_core::is_mindspore_strategy(&bytes) {
+            ckpt_reshard::Target::MindSpore(ckpt_core::read_mindspore_strategies(&[s.as_path()])?)
+        } else {
+            ckpt_reshard::Target::Strategy(Strategy::read(s)?)
+        }
     } else {
         bail!("give --to, --mesh or --strategy");
     };
@@ -598,7 +636,7 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         Some(r) => ckpt_reshard::Ranks::One(r.parse().map_err(|_| Usage(format!("--rank `{r}`")))?),
     };
     let req = ckpt_reshard::ReshardRequest {
-        inputs: a.inputs,
+        inputs: a.inputs.all()?,
         output: a.output,
         target,
         ranks,

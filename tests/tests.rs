@@ -6,6 +6,7 @@ mod bad_inputs;
 mod crash;
 mod inspect_verify;
 mod merge;
+mod mindspore;
 mod python;
 mod reshard;
 mod train_infer;

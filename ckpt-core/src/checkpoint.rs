@@ -119,7 +119,10 @@ fn ms_rank_file(dir: &Path, notes: &mut Vec<String>) -> Result<Option<PathBuf>> 
     let files: Vec<PathBuf> = list_dir(dir)?
         .into_iter()
         .filter(|p| p.is_file())
-        .filter(|p| p.extension().is_some_and(|e| e == "ckpt" || e == "safetensors"))
+        .filter(|p| {
+            p.extension()
+                .is_some_and(|e| e == "ckpt" || e == "safetensors")
+        })
         .collect();
     if files.len() <= 1 {
         return Ok(files.into_iter().next());
@@ -191,9 +194,10 @@ fn expand(
         let dir = path.parent().unwrap_or(Path::new("."));
         let s = dir.join(STRATEGY_FILE);
         note_carried(dir, carried);
+        // (A MindSpore JSON strategy may be called strategy.json too: not ckpt's.)
         out.push(Input {
             path: path.to_path_buf(),
-            strategy: s.is_file().then_some(s),
+            strategy: (s.is_file() && !is_ms_strategy(&s)).then_some(s),
         });
         return Ok(());
     }
@@ -295,7 +299,10 @@ fn expand(
     }
     let st: Vec<PathBuf> = entries
         .into_iter()
-        .filter(|p| p.extension().is_some_and(|e| e == "safetensors" || e == "ckpt"))
+        .filter(|p| {
+            p.extension()
+                .is_some_and(|e| e == "safetensors" || e == "ckpt")
+        })
         .filter(|p| !is_ms_strategy(p))
         .collect();
     if st.is_empty() {
@@ -1053,11 +1060,15 @@ fn ms_global_shape(
                 .ok()
                 .filter(|&k| k < n)
                 .map(|k| l.dev_matrix[n - 1 - k])
-                .ok_or_else(|| format!("tensor_map value {k} is outside a device matrix of {n} axes"))?;
+                .ok_or_else(|| {
+                    format!("tensor_map value {k} is outside a device matrix of {n} axes")
+                })?;
             splits = splits.checked_mul(size).ok_or("split count overflows")?;
         }
         if d == 0 && l.opt_shard_size > 1 {
-            splits = splits.checked_mul(l.opt_shard_size).ok_or("split count overflows")?;
+            splits = splits
+                .checked_mul(l.opt_shard_size)
+                .ok_or("split count overflows")?;
         }
         out.push(len.checked_mul(splits).ok_or("global shape overflows")?);
     }
@@ -1066,7 +1077,7 @@ fn ms_global_shape(
 
 /// One ckpt strategy for MindSpore layouts that share a mesh; fully replicated
 /// tensors fit any mesh. `None` when split tensors use different device matrices.
-fn common_strategy(known: &BTreeMap<String, (Mesh, TensorLayout)>) -> Option<Strategy> {
+pub(crate) fn common_strategy(known: &BTreeMap<String, (Mesh, TensorLayout)>) -> Option<Strategy> {
     use crate::layout::Placement;
     let split = |l: &TensorLayout| l.placements.iter().any(|p| *p != Placement::Replicate);
     let mesh = known

@@ -39,7 +39,8 @@ pub use crate::example::{
 pub use crate::fault::{bus_error_message, remove_registered_temporaries};
 pub use crate::formats::mindspore_ckpt::parse_mindspore_ckpt;
 pub use crate::formats::mindspore_strategy::{
-    parse_mindspore_strategy, read_mindspore_strategies, MindSporeParam,
+    looks_like as is_mindspore_strategy, mindspore_target_strategy, parse_mindspore_strategy,
+    read_mindspore_strategies, MindSporeParam,
 };
 pub use crate::formats::safetensors::{
     encode_header, parse_header as parse_safetensors_header, SafetensorsWriter, TensorSpec,

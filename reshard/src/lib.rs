@@ -23,6 +23,8 @@ pub enum Target {
     Mesh(Vec<(String, u64)>),
     /// A whole target strategy.
     Strategy(Strategy),
+    /// A MindSpore (predict) strategy file's layouts, shapes taken from the source.
+    MindSpore(std::collections::BTreeMap<String, ckpt_core::MindSporeParam>),
 }
 
 /// Which target ranks to build.
@@ -120,6 +122,7 @@ pub fn target_strategy(
 ) -> Result<Strategy> {
     let mut strategy = match target {
         Target::Strategy(s) => s.clone(),
+        Target::MindSpore(params) => ckpt_core::mindspore_target_strategy(params, source)?,
         Target::To(_) | Target::Mesh(_) => {
             let src = source.strategy.as_ref().ok_or_else(|| Error::Unsupported {
                 problem: "--to and --mesh resize the source's strategy, and this source has none (integrated or DCP): give --strategy".into(),
@@ -152,7 +155,7 @@ pub fn target_strategy(
                         sizes[i].1 = *size;
                     }
                 }
-                Target::Strategy(_) => unreachable!("handled above"),
+                Target::Strategy(_) | Target::MindSpore(_) => unreachable!("handled above"),
             }
             let mut mesh = Mesh::new(sizes)?;
             if let Some(p) = old.pipeline() {

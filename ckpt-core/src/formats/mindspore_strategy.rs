@@ -95,11 +95,12 @@ fn bad(problem: String) -> Error {
 
 /// Whether `bytes` look like a MindSpore strategy file (protobuf or JSON).
 #[must_use]
-pub(crate) fn looks_like(bytes: &[u8]) -> bool {
+pub fn looks_like(bytes: &[u8]) -> bool {
     let text = bytes.trim_ascii_start();
     if text.starts_with(b"{") {
-        return std::str::from_utf8(&bytes[..bytes.len().min(4096)])
-            .is_ok_and(|t| t.contains("\"parallel_layout_item\"") || t.contains("\"current_stage\""));
+        return std::str::from_utf8(&bytes[..bytes.len().min(4096)]).is_ok_and(|t| {
+            t.contains("\"parallel_layout_item\"") || t.contains("\"current_stage\"")
+        });
     }
     // Protobuf: field 1 varint (current_stage) or field 2/3 length-delimited first.
     matches!(bytes.first(), Some(0x08 | 0x12 | 0x1a))
@@ -145,8 +146,10 @@ fn layout(
     Ok(MindSporeLayout {
         dev_matrix: dev,
         tensor_map: map,
-        opt_shard_step: u64::try_from(step).map_err(|_| bad(format!("parameter `{name}`: opt_weight_shard_step {step}")))?,
-        opt_shard_size: u64::try_from(size).map_err(|_| bad(format!("parameter `{name}`: opt_weight_shard_size {size}")))?,
+        opt_shard_step: u64::try_from(step)
+            .map_err(|_| bad(format!("parameter `{name}`: opt_weight_shard_step {step}")))?,
+        opt_shard_size: u64::try_from(size)
+            .map_err(|_| bad(format!("parameter `{name}`: opt_weight_shard_size {size}")))?,
     })
 }
 
@@ -184,7 +187,11 @@ pub fn parse_mindspore_strategy(bytes: &[u8]) -> Result<BTreeMap<String, MindSpo
                     Some(v) => v
                         .as_array()
                         .and_then(|a| a.iter().map(serde_json::Value::as_i64).collect())
-                        .ok_or_else(|| bad(format!("parameter `{name}`: `{key}` must be a list of integers"))),
+                        .ok_or_else(|| {
+                            bad(format!(
+                                "parameter `{name}`: `{key}` must be a list of integers"
+                            ))
+                        }),
                 }
             };
             let map = item
@@ -202,7 +209,11 @@ pub fn parse_mindspore_strategy(bytes: &[u8]) -> Result<BTreeMap<String, MindSpo
                 })
                 .collect::<Option<Vec<MapEntry>>>()
                 .ok_or_else(|| bad(format!("parameter `{name}`: `tensor_map` entries must be integers or lists of integers")))?;
-            let num = |key: &str| item.get(key).and_then(serde_json::Value::as_i64).unwrap_or(0);
+            let num = |key: &str| {
+                item.get(key)
+                    .and_then(serde_json::Value::as_i64)
+                    .unwrap_or(0)
+            };
             let l = layout(
                 &name,
                 to_u64s(&ints("dev_matrix")?, "dev_matrix", &name)?,
@@ -215,8 +226,11 @@ pub fn parse_mindspore_strategy(bytes: &[u8]) -> Result<BTreeMap<String, MindSpo
         }
         return Ok(out);
     }
-    let m = ParallelStrategyMap::decode(bytes)
-        .map_err(|e| bad(format!("not a MindSpore strategy (ParallelStrategyMap): {e}")))?;
+    let m = ParallelStrategyMap::decode(bytes).map_err(|e| {
+        bad(format!(
+            "not a MindSpore strategy (ParallelStrategyMap): {e}"
+        ))
+    })?;
     let file_stage = m
         .parallel_strategy_item
         .first()
@@ -252,7 +266,11 @@ pub fn parse_mindspore_strategy(bytes: &[u8]) -> Result<BTreeMap<String, MindSpo
             .first()
             .map(|d| d.dim.iter().map(|&x| u64::from(x)).collect())
             .unwrap_or_default();
-        let split: Vec<i64> = l.param_split_shape.first().map(|d| d.dim.clone()).unwrap_or_default();
+        let split: Vec<i64> = l
+            .param_split_shape
+            .first()
+            .map(|d| d.dim.clone())
+            .unwrap_or_default();
         let ml = layout(
             &name,
             dev,
@@ -294,4 +312,39 @@ pub fn read_mindspore_strategies(paths: &[&Path]) -> Result<BTreeMap<String, Min
         }
     }
     Ok(all)
+}
+
+/// A MindSpore predict strategy as a ckpt [`Strategy`](crate::Strategy) for the tensors
+/// of `source` (which give the global shapes and dtypes).
+///
+/// # Errors
+/// Pipeline stages, parameters the source does not have, layouts that do not fit the
+/// source's shapes, or split tensors on different device matrices.
+pub fn mindspore_target_strategy(
+    params: &BTreeMap<String, MindSporeParam>,
+    source: &crate::Checkpoint,
+) -> Result<crate::Strategy> {
+    let mut known = BTreeMap::new();
+    for (name, p) in params {
+        if p.stage != 0 {
+            return Err(Error::Unsupported {
+                problem: format!(
+                    "parameter `{name}` is in pipeline stage {} of the target strategy: pipeline targets are not supported",
+                    p.stage
+                ),
+            });
+        }
+        let t = source
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::InvalidLayout {
+                tensor: name.clone(),
+                problem: "in the target strategy but not in the source".into(),
+            })?;
+        let ml = crate::mindspore::from_mindspore(name, &p.layout, t.shape.clone(), t.dtype)?;
+        known.insert(name.clone(), ml);
+    }
+    crate::checkpoint::common_strategy(&known).ok_or_else(|| Error::Unsupported {
+        problem: "the target strategy splits tensors over different device matrices, which one ckpt mesh cannot hold".into(),
+    })
 }
