@@ -239,6 +239,10 @@ struct MergeArgs {
     /// output files (with --max-shard-size); no data crosses processes.
     #[arg(long, value_parser = ["auto"])]
     rank: Option<String>,
+    /// Output format: `safetensors` (Hugging Face layout) or `mindspore` (one
+    /// model.ckpt that mindspore.load_checkpoint reads).
+    #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "mindspore"])]
+    format: String,
     #[command(flatten)]
     copy: CopyArgs,
 }
@@ -270,9 +274,10 @@ struct ReshardArgs {
     /// Write replicated tensors on every rank, not only the lowest.
     #[arg(long)]
     keep_all: bool,
-    /// Output layout: `ckpt` (ckpt_<r>/ directories) or `dcp` (PyTorch DCP sharded
-    /// safetensors, loadable by torch's HuggingFaceStorageReader).
-    #[arg(long, default_value = "ckpt", value_parser = ["ckpt", "dcp"])]
+    /// Output layout: `ckpt` (ckpt_<r>/ directories), `dcp` (PyTorch DCP sharded
+    /// safetensors, loadable by torch's HuggingFaceStorageReader) or `mindspore`
+    /// (rank_<r>/checkpoint_<r>.ckpt, loadable by mindspore.load_checkpoint).
+    #[arg(long, default_value = "ckpt", value_parser = ["ckpt", "dcp", "mindspore"])]
     format: String,
     #[command(flatten)]
     copy: CopyArgs,
@@ -586,6 +591,7 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
         max_shard_size: a.max_shard_size,
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
         force: a.copy.force,
+        mindspore: a.format == "mindspore",
         share: match a.rank {
             Some(_) => Some(launch_share()?),
             None => None,
@@ -643,10 +649,10 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
         keep_all: a.keep_all,
         force: a.copy.force,
-        format: if a.format == "dcp" {
-            ckpt_reshard::OutputFormat::Dcp
-        } else {
-            ckpt_reshard::OutputFormat::Ranks
+        format: match a.format.as_str() {
+            "dcp" => ckpt_reshard::OutputFormat::Dcp,
+            "mindspore" => ckpt_reshard::OutputFormat::MindSpore,
+            _ => ckpt_reshard::OutputFormat::Ranks,
         },
     };
     if a.plan {

@@ -250,14 +250,16 @@ fn expand(
     if !rank_dirs.is_empty() {
         rank_dirs.sort();
         for (_, d) in rank_dirs {
-            let ckpt_own = d.join(MODEL_FILE).is_file() && d.join(STRATEGY_FILE).is_file();
-            if ckpt_own {
+            let own = d.join(STRATEGY_FILE);
+            let own = (own.is_file() && !is_ms_strategy(&own)).then_some(own);
+            if own.is_some() && d.join(MODEL_FILE).is_file() {
                 expand(&d, out, carried, ms, notes)?;
             } else if let Some(f) = ms_rank_file(&d, notes)? {
+                // MindSpore's files; with ckpt's strategy.json when ckpt wrote them.
                 note_carried(&d, carried);
                 out.push(Input {
                     path: f,
-                    strategy: None,
+                    strategy: own,
                 });
             }
         }

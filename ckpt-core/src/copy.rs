@@ -6,7 +6,8 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::formats::safetensors::{SafetensorsWriter, TensorSpec};
+use crate::formats::safetensors::TensorSpec;
+use crate::formats::FileWriter;
 use crate::plan::{bytes_of, CopyPlan, TensorPlan};
 use crate::region::{Region, Runs};
 use crate::Dtype;
@@ -216,7 +217,7 @@ pub fn execute(
                 source,
             })?;
         }
-        writers.push(SafetensorsWriter::create(&path, &specs, &f.metadata)?);
+        writers.push(FileWriter::create(&path, &specs, &f.metadata)?);
     }
     let mut jobs: Vec<(usize, usize, Region)> = Vec::new();
     for (fi, f) in plan.files.iter().enumerate() {
@@ -295,7 +296,7 @@ pub fn execute(
 fn copy_slabs(
     plan: &CopyPlan,
     source: &Checkpoint,
-    writers: &[SafetensorsWriter],
+    writers: &[FileWriter],
     jobs: &[(usize, usize, Region)],
     read: &AtomicU64,
     progress: &(dyn Fn(u64) + Sync),

@@ -346,6 +346,44 @@ impl Drop for TensorFile {
     }
 }
 
+/// A file being written, in the format its name asks for: `*.ckpt` MindSpore's, anything
+/// else safetensors. The copy engine writes through this and knows no format.
+#[derive(Debug)]
+pub(crate) enum FileWriter {
+    Safetensors(safetensors::SafetensorsWriter),
+    MindSpore(mindspore_ckpt::MindSporeWriter),
+}
+
+impl FileWriter {
+    pub(crate) fn create(
+        dest: &Path,
+        tensors: &[safetensors::TensorSpec],
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<FileWriter> {
+        Ok(if dest.extension().is_some_and(|e| e == "ckpt") {
+            FileWriter::MindSpore(mindspore_ckpt::MindSporeWriter::create(dest, tensors)?)
+        } else {
+            FileWriter::Safetensors(safetensors::SafetensorsWriter::create(
+                dest, tensors, metadata,
+            )?)
+        })
+    }
+
+    pub(crate) fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+        match self {
+            FileWriter::Safetensors(w) => w.write_at(index, offset, bytes),
+            FileWriter::MindSpore(w) => w.write_at(index, offset, bytes),
+        }
+    }
+
+    pub(crate) fn finish(self) -> Result<()> {
+        match self {
+            FileWriter::Safetensors(w) => w.finish(),
+            FileWriter::MindSpore(w) => w.finish(),
+        }
+    }
+}
+
 /// A few words on what the first bytes of an unknown file look like.
 fn describe_head(head: &[u8]) -> String {
     if head.is_empty() {

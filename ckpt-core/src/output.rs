@@ -277,6 +277,41 @@ fn next_temp_number() -> u64 {
     N.fetch_add(1, Ordering::Relaxed)
 }
 
+/// Creates the temporary file an output `dest` is written under (beside it, exclusive,
+/// registered for removal on a bus error), after clearing dead runs' temporaries.
+///
+/// # Errors
+/// I/O errors, with the path.
+pub(crate) fn create_staged_file(dest: &Path) -> Result<(PathBuf, File)> {
+    remove_stale_temps(dest);
+    let tmp = temp_name(dest);
+    let file = File::options()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .at(&tmp)?;
+    crate::fault::register_temp(&tmp);
+    Ok((tmp, file))
+}
+
+/// Syncs a staged file and renames it to `dest`.
+///
+/// # Errors
+/// I/O errors, with the path.
+pub(crate) fn commit_staged_file(file: &File, tmp: &Path, dest: &Path) -> Result<()> {
+    file.sync_all().at(tmp)?;
+    std::fs::rename(tmp, dest).at(dest)?;
+    crate::fault::unregister_temp(tmp);
+    Ok(())
+}
+
+/// Removes a staged file that will not be committed.
+pub(crate) fn discard_staged_file(tmp: &Path) {
+    let _ = std::fs::remove_file(tmp);
+    crate::fault::unregister_temp(tmp);
+}
+
 /// Writes a small file atomically (temporary name, sync, rename).
 ///
 /// # Errors

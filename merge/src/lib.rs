@@ -26,6 +26,8 @@ pub struct MergeRequest {
     pub selection: Selection,
     /// Replace an existing output.
     pub force: bool,
+    /// Write one MindSpore `model.ckpt` instead of safetensors.
+    pub mindspore: bool,
     /// Write only share `index` of `count` of the output files (file `k` when
     /// `k % count == index`): one process of a job started by mpirun or srun. Each file
     /// appears atomically; share 0 also writes the index and carried files.
@@ -54,7 +56,22 @@ pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
             }],
         });
     }
-    let files = shard(tensors, req.max_shard_size);
+    let files = if req.mindspore {
+        if req.max_shard_size.is_some() {
+            return Err(ckpt_core::Error::Unsupported {
+                problem:
+                    "--format mindspore writes one model.ckpt: --max-shard-size does not apply"
+                        .into(),
+            });
+        }
+        vec![TargetFile {
+            path: "model.ckpt".into(),
+            tensors,
+            metadata: BTreeMap::new(),
+        }]
+    } else {
+        shard(tensors, req.max_shard_size)
+    };
     CopyPlan::build(source, files)
 }
 

@@ -73,14 +73,30 @@ pub enum OutputFormat {
     /// PyTorch DCP's sharded safetensors, flat: `OUT/shard-<r+1>-model-00001-of-00001.safetensors`,
     /// loadable by `torch.distributed.checkpoint.HuggingFaceStorageReader(OUT)`.
     Dcp,
+    /// MindSpore's per-rank layout: `OUT/rank_<r>/checkpoint_<r>.ckpt` (protobuf, as
+    /// `mindspore.save_checkpoint` writes it), with ckpt's `strategy.json` beside.
+    MindSpore,
 }
 
 impl OutputFormat {
+    /// The directory of target rank `r`, for the layouts that have one.
+    #[must_use]
+    pub fn rank_dir(self, r: u64) -> Option<PathBuf> {
+        match self {
+            OutputFormat::Ranks => Some(PathBuf::from(format!("ckpt_{r}"))),
+            OutputFormat::MindSpore => Some(PathBuf::from(format!("rank_{r}"))),
+            OutputFormat::Dcp => None,
+        }
+    }
+
     /// The file of target rank `r`.
     #[must_use]
     pub fn file(self, r: u64) -> PathBuf {
         match self {
             OutputFormat::Ranks => Path::new(&format!("ckpt_{r}")).join(MODEL_FILE),
+            OutputFormat::MindSpore => {
+                Path::new(&format!("rank_{r}")).join(format!("checkpoint_{r}.ckpt"))
+            }
             // PyTorch numbers shards from 1.
             OutputFormat::Dcp => PathBuf::from(format!(
                 "shard-{:05}-model-00001-of-00001.safetensors",
@@ -293,9 +309,9 @@ pub fn reshard(
     if req.ranks == Ranks::All {
         let staged = StagedDir::new(&req.output, req.force)?;
         let stats = execute(&full, &source, staged.path(), progress)?;
-        if req.format == OutputFormat::Ranks {
-            for r in &ranks {
-                finish_rank_dir(&staged.path().join(format!("ckpt_{r}")), &json, &source)?;
+        for r in &ranks {
+            if let Some(d) = req.format.rank_dir(*r) {
+                finish_rank_dir(&staged.path().join(d), &json, &source)?;
             }
         }
         finish_rank_dir(staged.path(), &json, &source)?;
@@ -303,20 +319,25 @@ pub fn reshard(
         return Ok(stats);
     }
     for r in &ranks {
-        let p = req.output.join(match req.format {
-            OutputFormat::Ranks => PathBuf::from(format!("ckpt_{r}")),
-            OutputFormat::Dcp => req.format.file(*r),
-        });
+        let p = req.output.join(
+            req.format
+                .rank_dir(*r)
+                .unwrap_or_else(|| req.format.file(*r)),
+        );
         if p.exists() && !req.force {
             return Err(Error::OutputExists { path: p });
         }
     }
     let mut stats = CopyStats::default();
     for (r, mut one) in ranks.iter().zip(full.files) {
-        match req.format {
-            OutputFormat::Ranks => {
-                let staged = StagedDir::new(&req.output.join(format!("ckpt_{r}")), req.force)?;
-                one.path = PathBuf::from(MODEL_FILE);
+        match req.format.rank_dir(*r) {
+            Some(dir) => {
+                let staged = StagedDir::new(&req.output.join(&dir), req.force)?;
+                one.path = one
+                    .path
+                    .strip_prefix(&dir)
+                    .unwrap_or(&one.path)
+                    .to_path_buf();
                 stats += execute(
                     &CopyPlan { files: vec![one] },
                     &source,
@@ -327,7 +348,7 @@ pub fn reshard(
                 staged.commit()?;
             }
             // The file writer is atomic on its own.
-            OutputFormat::Dcp => {
+            None => {
                 std::fs::create_dir_all(&req.output).map_err(|source| Error::Io {
                     path: req.output.clone(),
                     source,

@@ -60,6 +60,26 @@ pub(crate) fn dtype_from_mindspore(name: &str) -> Option<Dtype> {
     })
 }
 
+/// Our dtype's MindSpore name.
+fn dtype_to_mindspore(dtype: Dtype) -> Option<&'static str> {
+    Some(match dtype {
+        Dtype::F64 => "Float64",
+        Dtype::F32 => "Float32",
+        Dtype::F16 => "Float16",
+        Dtype::BF16 => "BFloat16",
+        Dtype::I64 => "Int64",
+        Dtype::I32 => "Int32",
+        Dtype::I16 => "Int16",
+        Dtype::I8 => "Int8",
+        Dtype::U64 => "UInt64",
+        Dtype::U32 => "UInt32",
+        Dtype::U16 => "UInt16",
+        Dtype::U8 => "UInt8",
+        Dtype::BOOL => "Bool",
+        _ => return None,
+    })
+}
+
 fn bad(problem: String) -> Error {
     Error::InvalidHeader { problem }
 }
@@ -247,4 +267,121 @@ fn parse_tensor(mut c: Cursor<'_>, name: String) -> Result<TensorEntry> {
         end,
         offsets: None,
     })
+}
+
+/// A `.ckpt` file being written, as `mindspore.save_checkpoint` lays it out: one
+/// `Value` record per tensor, in the given order. Every length is known from the
+/// shapes, so the protobuf framing is written first and each tensor's bytes arrive by
+/// positional writes at their place (any thread, any order), like
+/// [`SafetensorsWriter`](crate::SafetensorsWriter); the file appears at its name only
+/// when [`MindSporeWriter::finish`] renames it.
+#[derive(Debug)]
+pub struct MindSporeWriter {
+    tmp: std::path::PathBuf,
+    dest: std::path::PathBuf,
+    file: std::fs::File,
+    /// Where each tensor's content starts in the file.
+    content_at: Vec<u64>,
+    done: bool,
+}
+
+impl MindSporeWriter {
+    /// Creates `dest` (through a temporary file beside it) for `tensors`.
+    ///
+    /// # Errors
+    /// Dtypes MindSpore has no name for, sizes that overflow, I/O errors.
+    pub fn create(dest: &Path, tensors: &[crate::TensorSpec]) -> Result<MindSporeWriter> {
+        use prost::encoding::{encode_varint, encoded_len_varint};
+        let mut framing: Vec<(u64, Vec<u8>)> = Vec::with_capacity(tensors.len());
+        let mut content_at = Vec::with_capacity(tensors.len());
+        let mut pos = 0u64;
+        for t in tensors {
+            let type_name = dtype_to_mindspore(t.dtype).ok_or_else(|| Error::Unsupported {
+                problem: format!(
+                    "tensor `{}`: {} has no MindSpore dtype",
+                    t.name,
+                    crate::dtype_name(t.dtype)
+                ),
+            })?;
+            let n = super::byte_len(t.dtype, &t.shape)
+                .ok_or_else(|| crate::error::overflow(format!("size of tensor `{}`", t.name)))?;
+            let mut tp = Vec::new();
+            for &d in &t.shape {
+                tp.push(0x08);
+                encode_varint(d, &mut tp);
+            }
+            tp.push(0x12);
+            encode_varint(type_name.len() as u64, &mut tp);
+            tp.extend_from_slice(type_name.as_bytes());
+            tp.push(0x1a);
+            encode_varint(n, &mut tp);
+            let tp_len = tp.len() as u64 + n;
+            let mut value = vec![0x0a];
+            encode_varint(t.name.len() as u64, &mut value);
+            value.extend_from_slice(t.name.as_bytes());
+            value.push(0x12);
+            encode_varint(tp_len, &mut value);
+            value.extend_from_slice(&tp);
+            let value_len = value.len() as u64 + n;
+            let mut record = vec![0x0a];
+            encode_varint(value_len, &mut record);
+            record.extend_from_slice(&value);
+            let head = record.len() as u64;
+            debug_assert_eq!(
+                head + n,
+                1 + encoded_len_varint(value_len) as u64 + value_len
+            );
+            framing.push((pos, record));
+            content_at.push(pos + head);
+            pos = pos
+                .checked_add(head)
+                .and_then(|p| p.checked_add(n))
+                .ok_or_else(|| crate::error::overflow("file size"))?;
+        }
+        let (tmp, file) = crate::output::create_staged_file(dest)?;
+        let w = MindSporeWriter {
+            tmp,
+            dest: dest.to_path_buf(),
+            file,
+            content_at,
+            done: false,
+        };
+        use crate::error::IoContext;
+        use std::os::unix::fs::FileExt;
+        w.file.set_len(pos).at(&w.tmp)?;
+        for (at, bytes) in framing {
+            w.file.write_all_at(&bytes, at).at(&w.tmp)?;
+        }
+        Ok(w)
+    }
+
+    /// Writes `bytes` at byte `offset` of tensor `index`'s content.
+    ///
+    /// # Errors
+    /// I/O errors, with the path.
+    pub fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+        use crate::error::IoContext;
+        use std::os::unix::fs::FileExt;
+        self.file
+            .write_all_at(bytes, self.content_at[index] + offset)
+            .at(&self.tmp)
+    }
+
+    /// Syncs the data and renames the file to its final name.
+    ///
+    /// # Errors
+    /// I/O errors, with the path.
+    pub fn finish(mut self) -> Result<()> {
+        crate::output::commit_staged_file(&self.file, &self.tmp, &self.dest)?;
+        self.done = true;
+        Ok(())
+    }
+}
+
+impl Drop for MindSporeWriter {
+    fn drop(&mut self) {
+        if !self.done {
+            crate::output::discard_staged_file(&self.tmp);
+        }
+    }
 }

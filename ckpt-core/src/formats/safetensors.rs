@@ -9,7 +9,7 @@ use crate::checksum::{
     checksums_enabled, decode_checksums, encode_checksums, Checksum, CHECKSUMS_KEY, CHUNK,
 };
 use crate::error::{overflow, Error, IoContext, Result};
-use crate::output::{remove_stale_temps, temp_name};
+use crate::output::{commit_staged_file, create_staged_file, discard_staged_file};
 use crate::strategy::{dtype_name, parse_dtype};
 use crate::Dtype;
 use memmap2::Mmap;
@@ -350,15 +350,7 @@ impl SafetensorsWriter {
         };
         let (header, offsets) =
             encode_header(tensors, &header_meta).map_err(|e| e.with_path(dest))?;
-        remove_stale_temps(dest);
-        let tmp = temp_name(dest);
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-            .at(&tmp)?;
-        crate::fault::register_temp(&tmp);
+        let (tmp, file) = create_staged_file(dest)?;
         let data_start = header.len() as u64;
         let total = data_start + offsets.last().copied().unwrap_or(0);
         let w = SafetensorsWriter {
@@ -463,9 +455,7 @@ impl SafetensorsWriter {
             }
             self.file.write_all_at(&header, 0).at(&self.tmp)?;
         }
-        self.file.sync_all().at(&self.tmp)?;
-        std::fs::rename(&self.tmp, &self.dest).at(&self.dest)?;
-        crate::fault::unregister_temp(&self.tmp);
+        commit_staged_file(&self.file, &self.tmp, &self.dest)?;
         self.done = true;
         Ok(())
     }
@@ -487,8 +477,7 @@ fn with_checksums(
 impl Drop for SafetensorsWriter {
     fn drop(&mut self) {
         if !self.done {
-            let _ = std::fs::remove_file(&self.tmp);
-            crate::fault::unregister_temp(&self.tmp);
+            discard_staged_file(&self.tmp);
         }
     }
 }
