@@ -271,7 +271,8 @@ struct ReshardArgs {
     /// Print which files each target rank reads and the bytes, and write nothing.
     #[arg(long)]
     plan: bool,
-    /// Write replicated tensors on every rank, not only the lowest.
+    /// Write replicated tensors on every rank, not only the lowest (always with
+    /// `--format mindspore`).
     #[arg(long)]
     keep_all: bool,
     /// Output layout: `ckpt` (ckpt_<r>/ directories), `dcp` (PyTorch DCP sharded
@@ -647,7 +648,8 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         target,
         ranks,
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
-        keep_all: a.keep_all,
+        // MindSpore loads each rank's parameters from that rank's file alone.
+        keep_all: a.keep_all || a.format == "mindspore",
         force: a.copy.force,
         format: match a.format.as_str() {
             "dcp" => ckpt_reshard::OutputFormat::Dcp,

@@ -354,3 +354,58 @@ fn mindspore_format_outputs_read_back_exactly() {
         o.stderr
     );
 }
+
+#[test]
+fn a_model_saved_in_mindspore_form_infers_and_resumes() {
+    let d = Dir::new();
+    d.ok(&[
+        "train",
+        "--ranks",
+        "2",
+        "--max-steps",
+        "20",
+        "--out",
+        "run",
+        "-q",
+    ]);
+    d.ok(&[
+        "reshard",
+        "run",
+        "-o",
+        "ms",
+        "--to",
+        "2",
+        "--format",
+        "mindspore",
+    ]);
+    // Data parallel: every rank's file holds every tensor, as MindSpore loads it.
+    for r in 0..2 {
+        let t = file_tensors(&d.path(&format!("ms/rank_{r}/checkpoint_{r}.ckpt")));
+        assert_eq!(t.len(), 18, "rank {r}");
+    }
+    let a = d.ok(&["infer", "run", "--limit", "300"]);
+    let b = d.ok(&["infer", "ms", "--limit", "300"]);
+    let acc = |s: &str| {
+        s.lines()
+            .next()
+            .unwrap()
+            .rsplit("test accuracy ")
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(acc(&a.stdout), acc(&b.stdout));
+    d.ok(&[
+        "train",
+        "--resume",
+        "ms",
+        "--ranks",
+        "2",
+        "--max-steps",
+        "25",
+        "--out",
+        "run2",
+        "-q",
+    ]);
+    d.ok(&["verify", "run2"]);
+}

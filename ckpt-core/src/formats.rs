@@ -120,7 +120,10 @@ impl TensorFile {
         }
         let head: &[u8] = map.as_deref().unwrap_or(&[]);
         let head = &head[..head.len().min(64)];
-        match sniff(head) {
+        // An empty protobuf is an empty MindSpore checkpoint (a rank that holds
+        // nothing): only the name can tell.
+        let empty_ckpt = head.is_empty() && path.extension().is_some_and(|e| e == "ckpt");
+        match sniff(head).or(empty_ckpt.then_some(FileFormat::MindSporeCkpt)) {
             Some(FileFormat::Safetensors) => safetensors::read(path, map),
             Some(FileFormat::MindSporeCkpt) => mindspore_ckpt::read(path, map),
             None => Err(Error::UnknownInput {
