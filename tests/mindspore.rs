@@ -41,7 +41,7 @@ fn ckpt_files_with_either_strategy_form_merge_byte_exactly() {
         let out = format!("m-{dir}-{strategy}");
         let o = d.ok(&["verify", &fx(dir), "--source-strategy", &fx(strategy)]);
         assert!(
-            o.stdout.starts_with("ok: 4 file(s), 6 tensors"),
+            o.stdout.starts_with("ok: 4 file(s), 7 tensors"),
             "{}",
             o.stdout
         );
