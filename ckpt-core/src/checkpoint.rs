@@ -104,13 +104,26 @@ struct MsStrategies {
     found: BTreeMap<PathBuf, Vec<PathBuf>>,
 }
 
-/// Whether `path` is a MindSpore strategy file (by content).
+/// Whether `path` is a MindSpore strategy file (by content). Only small files are
+/// read whole: a strategy is kilobytes, a checkpoint may be gigabytes.
 fn is_ms_strategy(path: &Path) -> bool {
+    use std::io::Read;
+    const MAX_STRATEGY_BYTES: u64 = 64 << 20;
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return false;
+    };
+    let mut head = [0u8; 64];
+    let n = f.read(&mut head).unwrap_or(0);
+    if crate::formats::sniff(&head[..n]).is_some() {
+        return false;
+    }
+    if f.metadata().map_or(true, |m| m.len() > MAX_STRATEGY_BYTES) {
+        return false;
+    }
     let Ok(bytes) = std::fs::read(path) else {
         return false;
     };
-    crate::formats::sniff(&bytes[..bytes.len().min(64)]).is_none()
-        && crate::formats::mindspore_strategy::looks_like(&bytes)
+    crate::formats::mindspore_strategy::looks_like(&bytes)
 }
 
 /// The checkpoint file of a MindSpore rank directory: its only `.ckpt`/`.safetensors`
