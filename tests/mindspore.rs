@@ -409,3 +409,26 @@ fn a_model_saved_in_mindspore_form_infers_and_resumes() {
     ]);
     d.ok(&["verify", "run2"]);
 }
+
+#[test]
+fn the_newest_of_several_checkpoints_is_used_and_said_or_files_are_named() {
+    let d = Dir::new();
+    for r in 0..4 {
+        let rd = d.path(&format!("run/rank_{r}"));
+        std::fs::create_dir_all(&rd).unwrap();
+        let src = fixtures().join(format!("ckpt_fmt/rank_{r}/checkpoint_{r}.ckpt"));
+        std::fs::copy(&src, rd.join("net-2_20.ckpt")).unwrap();
+        // An older one whose bytes are not a checkpoint: picking it would fail.
+        std::fs::write(rd.join("net-1_10.ckpt"), b"not this one").unwrap();
+    }
+    std::fs::copy(fixtures().join("strategy.ckpt"), d.path("run/strategy.ckpt")).unwrap();
+    let o = d.ok(&["verify", "run"]);
+    assert!(
+        o.stdout.contains("note: run/rank_0: 2 checkpoint files, using the newest, net-2_20.ckpt"),
+        "{}",
+        o.stdout
+    );
+    // Naming the files (a shell glob) chooses another step.
+    let o = d.fails(&["verify", "run/rank_0/net-1_10.ckpt", "--source-strategy", "run/strategy.ckpt"]);
+    assert!(o.stdout.contains("run/rank_0/net-1_10.ckpt: not a checkpoint file"), "{}", o.stdout);
+}
