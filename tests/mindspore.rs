@@ -421,14 +421,29 @@ fn the_newest_of_several_checkpoints_is_used_and_said_or_files_are_named() {
         // An older one whose bytes are not a checkpoint: picking it would fail.
         std::fs::write(rd.join("net-1_10.ckpt"), b"not this one").unwrap();
     }
-    std::fs::copy(fixtures().join("strategy.ckpt"), d.path("run/strategy.ckpt")).unwrap();
+    std::fs::copy(
+        fixtures().join("strategy.ckpt"),
+        d.path("run/strategy.ckpt"),
+    )
+    .unwrap();
     let o = d.ok(&["verify", "run"]);
     assert!(
-        o.stdout.contains("note: run/rank_0: 2 checkpoint files, using the newest, net-2_20.ckpt"),
+        o.stdout
+            .contains("note: run/rank_0: 2 checkpoint files, using the newest, net-2_20.ckpt"),
         "{}",
         o.stdout
     );
     // Naming the files (a shell glob) chooses another step.
-    let o = d.fails(&["verify", "run/rank_0/net-1_10.ckpt", "--source-strategy", "run/strategy.ckpt"]);
-    assert!(o.stdout.contains("run/rank_0/net-1_10.ckpt: not a checkpoint file"), "{}", o.stdout);
+    let o = d.fails(&[
+        "verify",
+        "run/rank_0/net-1_10.ckpt",
+        "--source-strategy",
+        "run/strategy.ckpt",
+    ]);
+    assert!(
+        o.stdout
+            .contains("run/rank_0/net-1_10.ckpt: not a checkpoint file"),
+        "{}",
+        o.stdout
+    );
 }
