@@ -210,6 +210,12 @@ struct CopyArgs {
     /// Drop tensors matching these glob patterns (e.g. 'optim.*').
     #[arg(long, value_parser = parse_glob)]
     exclude: Vec<String>,
+    /// Remove this prefix from every tensor name that has it (DDP's `module.`).
+    #[arg(long, value_name = "PREFIX")]
+    strip_prefix: Option<String>,
+    /// Put this prefix in front of every tensor name (after --strip-prefix).
+    #[arg(long, value_name = "PREFIX")]
+    add_prefix: Option<String>,
     /// Replace an existing output.
     #[arg(long)]
     force: bool,
@@ -590,7 +596,8 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
         inputs: a.inputs.all()?,
         output: a.output,
         max_shard_size: a.max_shard_size,
-        selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
+        selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
+            .with_prefixes(a.copy.strip_prefix.clone(), a.copy.add_prefix.clone()),
         force: a.copy.force,
         mindspore: a.format == "mindspore",
         share: match a.rank {
@@ -647,7 +654,8 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         output: a.output,
         target,
         ranks,
-        selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
+        selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
+            .with_prefixes(a.copy.strip_prefix.clone(), a.copy.add_prefix.clone()),
         // MindSpore loads each rank's parameters from that rank's file alone.
         keep_all: a.keep_all || a.format == "mindspore",
         force: a.copy.force,
