@@ -169,3 +169,18 @@ fn bad_torch_save_files_are_named_errors() {
         o.stderr
     );
 }
+
+#[test]
+fn a_directory_of_torch_save_files_opens_and_dcp_default_format_is_named() {
+    let d = Dir::new();
+    std::fs::create_dir(d.path("dir")).unwrap();
+    std::fs::copy(fixtures().join("ddp.bin"), d.path("dir/pytorch_model.bin")).unwrap();
+    d.ok(&["merge", "dir", "-o", "m"]);
+    assert_eq!(full_tensors(&d.path("m")), starting("module."));
+    let o = d.fails(&["inspect", &fx("dcp")]);
+    assert!(
+        o.stderr.contains(".distcp") && o.stderr.contains("not read yet"),
+        "{}",
+        o.stderr
+    );
+}

@@ -314,17 +314,38 @@ fn expand(
         });
         return Ok(());
     }
-    let st: Vec<PathBuf> = entries
-        .into_iter()
-        .filter(|p| {
-            p.extension()
-                .is_some_and(|e| e == "safetensors" || e == "ckpt")
-        })
+    let has_ext = |p: &Path, exts: &[&str]| {
+        p.is_file()
+            && p.extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| exts.contains(&e))
+    };
+    let mut st: Vec<PathBuf> = entries
+        .iter()
+        .filter(|p| has_ext(p, &["safetensors", "ckpt"]))
         .filter(|p| !is_ms_strategy(p))
+        .cloned()
         .collect();
     if st.is_empty() {
+        // torch.save files, only where no safetensors stand beside them (Hugging Face
+        // directories often hold both forms of the same weights).
+        st = entries
+            .iter()
+            .filter(|p| has_ext(p, &["pth", "pt", "bin"]))
+            .cloned()
+            .collect();
+    }
+    if st.is_empty() && entries.iter().any(|p| has_ext(p, &["distcp"])) {
+        return Err(Error::Unsupported {
+            problem: format!(
+                "{}: PyTorch DCP's default format (.distcp files + .metadata) is not read yet; save with HuggingFaceStorageWriter (sharded safetensors), which ckpt reads",
+                path.display()
+            ),
+        });
+    }
+    if st.is_empty() {
         return Err(unknown(format!(
-            "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors or *.ckpt)",
+            "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors, *.ckpt or torch.save *.pth/*.pt/*.bin)",
             path.display()
         )));
     }
