@@ -18,7 +18,7 @@ use crate::Dtype;
 use candle_core::pickle::{Object, Stack};
 use memmap2::Mmap;
 use std::collections::{BTreeMap, HashMap};
-use std::io::{Cursor, Read};
+use std::io::{BufRead, Cursor, Read};
 use std::path::Path;
 
 /// The globals a `torch.save` pickle may name; anything else is refused.
@@ -142,9 +142,28 @@ fn slice<'a>(all: &'a [u8], start: u64, len: u64, what: &str) -> Result<&'a [u8]
 pub(crate) fn unpickle(bytes: &[u8]) -> Result<Object> {
     let mut stack = Stack::empty();
     let mut r = std::io::BufReader::new(bytes);
-    stack
-        .read_loop(&mut r)
-        .map_err(|e| bad(format!("data.pkl: {e}")))?;
+    // The parser copies an object each time the memo is read: a few hundred bytes of
+    // nested references could expand exponentially. Count what memo reads copy.
+    let mut copied = 0u64;
+    loop {
+        let op = r.fill_buf().ok().and_then(|b| b.first().copied());
+        let done = stack
+            .read(&mut r)
+            .map_err(|e| bad(format!("data.pkl: {e}")))?;
+        if done {
+            break;
+        }
+        if matches!(op, Some(b'h' | b'j' | b'g')) {
+            if let Some(top) = stack.stack().last() {
+                copied += nodes(top, MAX_COPIED - copied.min(MAX_COPIED));
+            }
+            if copied >= MAX_COPIED {
+                return Err(bad(format!(
+                    "data.pkl: memo references expand to more than {MAX_COPIED} values (a pickle bomb, not a checkpoint)"
+                )));
+            }
+        }
+    }
     let mut rest = Vec::new();
     let _ = r.read_to_end(&mut rest);
     if !rest.is_empty() {
@@ -154,6 +173,34 @@ pub(crate) fn unpickle(bytes: &[u8]) -> Result<Object> {
         )));
     }
     stack.finalize().map_err(|e| bad(format!("data.pkl: {e}")))
+}
+
+/// The most values memo reads may copy while parsing one pickle (torch.save copies
+/// a few per tensor: the rebuild function, the storage tag, the location).
+const MAX_COPIED: u64 = 1 << 21;
+
+/// The number of values in `o`, counted up to `limit`.
+fn nodes(o: &Object, limit: u64) -> u64 {
+    let mut n = 1;
+    let add = |c: &Object, n: &mut u64| {
+        if *n < limit {
+            *n += nodes(c, limit - *n);
+        }
+    };
+    match o {
+        Object::Tuple(v) | Object::List(v) => v.iter().for_each(|c| add(c, &mut n)),
+        Object::Dict(kv) => kv.iter().for_each(|(k, v)| {
+            add(k, &mut n);
+            add(v, &mut n);
+        }),
+        Object::Reduce { callable, args } | Object::Build { callable, args } => {
+            add(callable, &mut n);
+            add(args, &mut n);
+        }
+        Object::PersistentLoad(c) => add(c, &mut n),
+        _ => {}
+    }
+    n
 }
 
 fn allowed(module: &str, class: &str) -> bool {
@@ -471,6 +518,18 @@ mod tests {
         let obj = unpickle(p).unwrap();
         let e = check_globals(&obj).unwrap_err().to_string();
         assert!(e.contains("`os.system`"), "{e}");
+    }
+
+    #[test]
+    fn a_pickle_bomb_is_refused() {
+        // EMPTY_LIST, MEMO 0; then 60 times: GET 0, GET 0, TUPLE2, PUT 0 (doubling).
+        let mut p = b"\x80\x02]q\x00".to_vec();
+        for _ in 0..60 {
+            p.extend_from_slice(b"h\x00h\x00\x86q\x00");
+        }
+        p.push(b'.');
+        let e = unpickle(&p).unwrap_err().to_string();
+        assert!(e.contains("pickle bomb"), "{e}");
     }
 
     #[test]
