@@ -184,3 +184,55 @@ fn a_directory_of_torch_save_files_opens_and_dcp_default_format_is_named() {
         o.stderr
     );
 }
+
+#[test]
+fn a_whole_torch_save_copy_reshards_with_shard_rules() {
+    let d = Dir::new();
+    let o = d.fails(&["reshard", &fx("ddp.pth"), "--to", "2", "-o", "x"]);
+    assert!(o.stderr.contains("--shard NAME_GLOB=DIM"), "{}", o.stderr);
+    for n in ["2", "3"] {
+        let out = format!("r{n}");
+        d.ok(&[
+            "reshard",
+            &fx("ddp.pth"),
+            "--strip-prefix",
+            "module.",
+            "--to",
+            n,
+            "--shard",
+            "*.q.weight=0",
+            "*.o.weight=1",
+            "embed.weight=0",
+            "-o",
+            &out,
+        ]);
+        let o = d.ok(&["inspect", &out]);
+        assert!(
+            o.stdout.contains("S(1)") || o.stdout.contains("Shard(1)"),
+            "{}",
+            o.stdout
+        );
+        let m = format!("m{n}");
+        d.ok(&["merge", &out, "-o", &m]);
+        let want: BTreeMap<String, Vec<u8>> = starting("module.")
+            .into_iter()
+            .map(|(k, v)| (k["module.".len()..].to_string(), v))
+            .collect();
+        assert_eq!(full_tensors(&d.path(&m)), want, "--to {n}");
+    }
+    let o = d.fails(&[
+        "reshard",
+        &fx("ddp.pth"),
+        "--to",
+        "2",
+        "--shard",
+        "*scale=0",
+        "-o",
+        "y",
+    ]);
+    assert!(
+        o.stderr.contains("module.scale") && o.stderr.contains("0 dimension"),
+        "{}",
+        o.stderr
+    );
+}
