@@ -40,6 +40,17 @@ fn parse_glob(s: &str) -> std::result::Result<String, String> {
 }
 
 /// Checks a mesh at parse time, keeping the text.
+fn parse_shard(s: &str) -> std::result::Result<(String, usize), String> {
+    let (glob, dim) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("`{s}`: expected NAME_GLOB=DIM"))?;
+    let dim = dim
+        .parse()
+        .map_err(|_| format!("`{s}`: DIM `{dim}` is not a dimension number"))?;
+    ckpt_core::Selection::new(&[glob.to_string()], &[], None).map_err(|e| e.to_string())?;
+    Ok((glob.to_string(), dim))
+}
+
 fn parse_mesh(s: &str) -> std::result::Result<String, String> {
     Mesh::parse(s)
         .map(|_| s.to_string())
@@ -210,6 +221,12 @@ struct CopyArgs {
     /// Drop tensors matching these glob patterns (e.g. 'optim.*').
     #[arg(long, value_parser = parse_glob)]
     exclude: Vec<String>,
+    /// Remove this prefix from every tensor name that has it (DDP's `module.`).
+    #[arg(long, value_name = "PREFIX")]
+    strip_prefix: Option<String>,
+    /// Put this prefix in front of every tensor name (after --strip-prefix).
+    #[arg(long, value_name = "PREFIX")]
+    add_prefix: Option<String>,
     /// Replace an existing output.
     #[arg(long)]
     force: bool,
@@ -261,6 +278,11 @@ struct ReshardArgs {
     /// New sizes for named axes, e.g. dp=2,tp=2.
     #[arg(long, value_parser = parse_mesh)]
     mesh: Option<String>,
+    /// With --to N on a whole copy (no strategy): split tensors matching NAME_GLOB along
+    /// DIM over the N ranks, first matching rule wins, others replicated; e.g.
+    /// --shard '*.q_proj.weight=0' '*.o_proj.weight=1'.
+    #[arg(long, value_name = "NAME_GLOB=DIM", num_args = 1.., value_parser = parse_shard, requires = "to")]
+    shard: Vec<(String, usize)>,
     /// A target strategy file: ckpt's strategy.json, or a MindSpore (predict) strategy
     /// file, protobuf or JSON.
     #[arg(long)]
@@ -590,7 +612,8 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
         inputs: a.inputs.all()?,
         output: a.output,
         max_shard_size: a.max_shard_size,
-        selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
+        selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
+            .with_prefixes(a.copy.strip_prefix.clone(), a.copy.add_prefix.clone()),
         force: a.copy.force,
         mindspore: a.format == "mindspore",
         share: match a.rank {
@@ -647,10 +670,12 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         output: a.output,
         target,
         ranks,
-        selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?,
+        selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
+            .with_prefixes(a.copy.strip_prefix.clone(), a.copy.add_prefix.clone()),
         // MindSpore loads each rank's parameters from that rank's file alone.
         keep_all: a.keep_all || a.format == "mindspore",
         force: a.copy.force,
+        shard: a.shard,
         format: match a.format.as_str() {
             "dcp" => ckpt_reshard::OutputFormat::Dcp,
             "mindspore" => ckpt_reshard::OutputFormat::MindSpore,

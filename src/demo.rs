@@ -174,6 +174,7 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
             keep_all: false,
             force: true,
             format: ckpt_reshard::OutputFormat::Ranks,
+            shard: Vec::new(),
         },
         &|_| {},
         &|_, _| {},

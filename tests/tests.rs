@@ -9,4 +9,5 @@ mod merge;
 mod mindspore;
 mod python;
 mod reshard;
+mod torch;
 mod train_infer;

@@ -90,6 +90,21 @@ pub struct Checkpoint {
     pub notes: Vec<String>,
 }
 
+/// The first dotted component every name shares (`module.`), when there are at least
+/// two names.
+fn shared_prefix<'a>(mut names: impl Iterator<Item = &'a str>) -> Option<String> {
+    let first = names.next()?;
+    let p = &first[..=first.find('.')?];
+    let mut n = 1;
+    for name in names {
+        if !name.starts_with(p) || name.len() == p.len() {
+            return None;
+        }
+        n += 1;
+    }
+    (n > 1).then(|| p.to_string())
+}
+
 /// An input file and what we know of it before reading it.
 struct Input {
     path: PathBuf,
@@ -312,17 +327,38 @@ fn expand(
         });
         return Ok(());
     }
-    let st: Vec<PathBuf> = entries
-        .into_iter()
-        .filter(|p| {
-            p.extension()
-                .is_some_and(|e| e == "safetensors" || e == "ckpt")
-        })
+    let has_ext = |p: &Path, exts: &[&str]| {
+        p.is_file()
+            && p.extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| exts.contains(&e))
+    };
+    let mut st: Vec<PathBuf> = entries
+        .iter()
+        .filter(|p| has_ext(p, &["safetensors", "ckpt"]))
         .filter(|p| !is_ms_strategy(p))
+        .cloned()
         .collect();
     if st.is_empty() {
+        // torch.save files, only where no safetensors stand beside them (Hugging Face
+        // directories often hold both forms of the same weights).
+        st = entries
+            .iter()
+            .filter(|p| has_ext(p, &["pth", "pt", "bin"]))
+            .cloned()
+            .collect();
+    }
+    if st.is_empty() && entries.iter().any(|p| has_ext(p, &["distcp"])) {
+        return Err(Error::Unsupported {
+            problem: format!(
+                "{}: PyTorch DCP's default format (.distcp files + .metadata) is not read yet; save with HuggingFaceStorageWriter (sharded safetensors), which ckpt reads",
+                path.display()
+            ),
+        });
+    }
+    if st.is_empty() {
         return Err(unknown(format!(
-            "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors or *.ckpt)",
+            "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors, *.ckpt or torch.save *.pth/*.pt/*.bin)",
             path.display()
         )));
     }
@@ -362,6 +398,18 @@ impl Checkpoint {
     /// As [`Checkpoint::open`], for the kept tensors; a selection that keeps nothing.
     pub fn open_selected(paths: &[PathBuf], selection: &Selection) -> Result<Checkpoint> {
         let (mut ck, mut problems) = Checkpoint::scan(paths)?;
+        if selection.renames() {
+            ck.rename(|n| selection.rename(n))?;
+            for e in &mut problems {
+                if let Error::CoverageGap { tensor, .. }
+                | Error::Overlap { tensor, .. }
+                | Error::InvalidTensor { tensor, .. }
+                | Error::Ambiguous { tensor, .. } = e
+                {
+                    *tensor = selection.rename(tensor);
+                }
+            }
+        }
         let warnings = selection.review(ck.tensors.keys().map(String::as_str))?;
         ck.notes.extend(warnings);
         let keep = |name: &str| selection.keeps(name);
@@ -471,7 +519,50 @@ impl Checkpoint {
             ck.check_dcp_ranks(&mut problems);
         }
         ck.assemble(raw, &mut problems);
+        for f in &ck.files {
+            if let Some(list) = f.metadata().get("torch.non_tensor") {
+                let all: Vec<&str> = list.split(',').collect();
+                let shown = all.iter().take(8).copied().collect::<Vec<_>>().join(", ");
+                let more = if all.len() > 8 { ", ..." } else { "" };
+                ck.notes.push(format!(
+                    "{}: {} value(s) that are not tensors are not carried: {shown}{more}",
+                    f.path().display(),
+                    all.len()
+                ));
+            }
+        }
+        if let Some(p) = shared_prefix(ck.tensors.keys().map(String::as_str)) {
+            ck.notes.push(format!(
+                "every tensor name starts with `{p}` (DDP's `module.` wrapper, for one): --strip-prefix {p} removes it"
+            ));
+        }
         Ok((ck, problems))
+    }
+
+    /// Renames every tensor by `rename` (the strategy's layouts too).
+    ///
+    /// # Errors
+    /// Two tensors that would get the same name.
+    pub fn rename(&mut self, rename: impl Fn(&str) -> String) -> Result<()> {
+        let mut out = BTreeMap::new();
+        for (name, t) in std::mem::take(&mut self.tensors) {
+            let new = rename(&name);
+            if out.insert(new.clone(), t).is_some() {
+                return Err(Error::Unsupported {
+                    problem: format!(
+                        "renaming gives two tensors the name `{new}` (one was `{name}`)"
+                    ),
+                });
+            }
+        }
+        self.tensors = out;
+        if let Some(s) = &mut self.strategy {
+            s.tensors = std::mem::take(&mut s.tensors)
+                .into_iter()
+                .map(|(n, l)| (rename(&n), l))
+                .collect();
+        }
+        Ok(())
     }
 
     fn read_sliced(

@@ -59,6 +59,12 @@ pub enum Error {
         /// What is wrong with it.
         problem: String,
     },
+    /// A `torch.save` archive or its pickle is malformed or not allowed.
+    #[error("torch.save file: {problem}")]
+    InvalidTorch {
+        /// What is wrong with it.
+        problem: String,
+    },
     /// A tensor in a safetensors header is malformed.
     #[error("tensor `{tensor}`: {problem}")]
     InvalidTensor {

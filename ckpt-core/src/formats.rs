@@ -10,6 +10,7 @@
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;
 pub(crate) mod safetensors;
+pub(crate) mod torch_save;
 
 use crate::checksum::Checksum;
 use crate::error::{overflow, Error, IoContext, Result};
@@ -28,6 +29,8 @@ pub enum FileFormat {
     Safetensors,
     /// MindSpore's protobuf `.ckpt` (`mindspore.save_checkpoint`).
     MindSporeCkpt,
+    /// PyTorch's `torch.save` zip archive (`.pth`, `.pt`, `.bin`).
+    TorchSave,
 }
 
 impl FileFormat {
@@ -37,6 +40,7 @@ impl FileFormat {
         match self {
             FileFormat::Safetensors => "safetensors",
             FileFormat::MindSporeCkpt => "MindSpore .ckpt",
+            FileFormat::TorchSave => "torch.save",
         }
     }
 }
@@ -82,6 +86,9 @@ pub fn sniff(head: &[u8]) -> Option<FileFormat> {
     if mindspore_ckpt::looks_like(head) {
         return Some(FileFormat::MindSporeCkpt);
     }
+    if torch_save::looks_like(head) {
+        return Some(FileFormat::TorchSave);
+    }
     None
 }
 
@@ -126,9 +133,16 @@ impl TensorFile {
         match sniff(head).or(empty_ckpt.then_some(FileFormat::MindSporeCkpt)) {
             Some(FileFormat::Safetensors) => safetensors::read(path, map),
             Some(FileFormat::MindSporeCkpt) => mindspore_ckpt::read(path, map),
+            Some(FileFormat::TorchSave) => torch_save::read(path, map),
+            None if torch_save::looks_like_legacy(head) => Err(Error::InvalidTorch {
+                problem: format!(
+                    "{}: the legacy torch.save format (before torch 1.6, or _use_new_zipfile_serialization=False) is not read; save it again with a current torch",
+                    path.display()
+                ),
+            }),
             None => Err(Error::UnknownInput {
                 problem: format!(
-                    "{}: not a checkpoint file ckpt reads ({}; expected safetensors or a MindSpore .ckpt; encrypted MindSpore checkpoints are not supported)",
+                    "{}: not a checkpoint file ckpt reads ({}; expected safetensors, a MindSpore .ckpt or a torch.save file; encrypted MindSpore checkpoints are not supported)",
                     path.display(),
                     describe_head(head)
                 ),

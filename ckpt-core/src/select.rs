@@ -14,6 +14,8 @@ pub struct Selection {
     /// The patterns as given (`--include`, then `--exclude`), for messages.
     patterns: Vec<(&'static str, String, Glob)>,
     cast: Option<Dtype>,
+    strip_prefix: Option<String>,
+    add_prefix: Option<String>,
 }
 
 fn glob(p: &str) -> Result<Glob> {
@@ -52,7 +54,38 @@ impl Selection {
             exclude: globs(exclude)?,
             patterns,
             cast,
+            strip_prefix: None,
+            add_prefix: None,
         })
+    }
+
+    /// Renames tensors on the way in: removes `strip` from the start of each name that
+    /// has it (`module.`, DDP's wrapper), then puts `add` in front of every name. The
+    /// `--include`/`--exclude` patterns match the new names.
+    #[must_use]
+    pub fn with_prefixes(mut self, strip: Option<String>, add: Option<String>) -> Selection {
+        self.strip_prefix = strip.filter(|s| !s.is_empty());
+        self.add_prefix = add.filter(|s| !s.is_empty());
+        self
+    }
+
+    /// Whether [`Selection::rename`] changes names at all.
+    #[must_use]
+    pub fn renames(&self) -> bool {
+        self.strip_prefix.is_some() || self.add_prefix.is_some()
+    }
+
+    /// A tensor's name after `--strip-prefix` and `--add-prefix`.
+    #[must_use]
+    pub fn rename(&self, name: &str) -> String {
+        let base = match &self.strip_prefix {
+            Some(p) => name.strip_prefix(p.as_str()).unwrap_or(name),
+            None => name,
+        };
+        match &self.add_prefix {
+            Some(p) => format!("{p}{base}"),
+            None => base.to_string(),
+        }
     }
 
     /// Checks the selection against the tensors of an input: a selection that keeps none

@@ -6,8 +6,8 @@
 
 use ckpt_core::{
     check_output_outside_inputs, copy_carried, execute, rank_metadata, rank_tensors,
-    write_file_atomic, Checkpoint, CopyPlan, CopyStats, Error, Mesh, Result, Selection, StagedDir,
-    Strategy, TargetFile, MODEL_FILE, STRATEGY_FILE,
+    write_file_atomic, Checkpoint, CopyPlan, CopyStats, Error, Mesh, Placement, Result, Selection,
+    StagedDir, Strategy, TargetFile, TensorLayout, MODEL_FILE, STRATEGY_FILE,
 };
 use std::path::{Path, PathBuf};
 
@@ -125,6 +125,10 @@ pub struct ReshardRequest {
     pub force: bool,
     /// The layout of the output files.
     pub format: OutputFormat,
+    /// For `--to N` on a source without a strategy (one whole copy): `(glob, dim)`
+    /// rules, the first match splits that dim over the N ranks; unmatched tensors are
+    /// replicated.
+    pub shard: Vec<(String, usize)>,
 }
 
 /// The strategy the request asks for, derived from the source's.
@@ -135,13 +139,40 @@ pub fn target_strategy(
     source: &Checkpoint,
     target: &Target,
     selection: &Selection,
+    shard: &[(String, usize)],
 ) -> Result<Strategy> {
     let mut strategy = match target {
         Target::Strategy(s) => s.clone(),
+        Target::To(k) if source.strategy.is_none() && !shard.is_empty() => {
+            let rules = shard
+                .iter()
+                .map(|(g, d)| Ok((Selection::new(std::slice::from_ref(g), &[], None)?, *d, g)))
+                .collect::<Result<Vec<_>>>()?;
+            let mut s = Strategy::new(Mesh::new(vec![("tp".to_string(), *k)])?);
+            for (name, t) in &source.tensors {
+                let placement = match rules.iter().find(|(sel, _, _)| sel.keeps(name)) {
+                    Some(&(_, dim, _)) if dim < t.shape.len() => Placement::shard(dim),
+                    Some((_, dim, glob)) => {
+                        return Err(Error::Unsupported {
+                            problem: format!(
+                                "--shard {glob}={dim}: tensor `{name}` has {} dimension(s)",
+                                t.shape.len()
+                            ),
+                        })
+                    }
+                    None => Placement::Replicate,
+                };
+                s.insert(
+                    name.clone(),
+                    TensorLayout::new(t.shape.clone(), t.dtype, vec![placement]),
+                )?;
+            }
+            s
+        }
         Target::MindSpore(params) => ckpt_core::mindspore_target_strategy(params, source)?,
         Target::To(_) | Target::Mesh(_) => {
             let src = source.strategy.as_ref().ok_or_else(|| Error::Unsupported {
-                problem: "--to and --mesh resize the source's strategy, and this source has none (integrated or DCP): give --strategy".into(),
+                problem: "--to and --mesh resize the source's strategy, and this source has none (integrated or DCP): give --strategy, or --shard NAME_GLOB=DIM rules for a whole copy".into(),
             })?;
             let old = &src.mesh;
             let n = old.axes().len();
@@ -278,7 +309,7 @@ pub fn plan(
 /// Any input problem.
 pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)> {
     let source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
-    let strategy = target_strategy(&source, &req.target, &req.selection)?;
+    let strategy = target_strategy(&source, &req.target, &req.selection, &req.shard)?;
     let plan = plan(&source, &strategy, req.ranks, req.keep_all, req.format)?;
     Ok((source, strategy, plan))
 }

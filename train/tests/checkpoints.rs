@@ -442,6 +442,7 @@ fn resume_from_a_resharded_dcp_checkpoint() {
         keep_all: false,
         force: false,
         format: ckpt_reshard::OutputFormat::Dcp,
+        shard: Vec::new(),
     };
     ckpt_reshard::reshard(&req, &|_| {}, &|_, _| {}).unwrap();
     std::fs::remove_file(dcp.join("strategy.json")).ok();

@@ -1,0 +1,15 @@
+//! Opening a `torch.save` file must never panic, whatever the zip archive and its
+//! pickle hold: the restricted pickle reader (candle's parser plus ckpt's allow-list of
+//! globals) returns an error, and whatever it accepts lies inside the file.
+//! Seeds: tests/fixtures/torch/*.pth, *.pt, *.bin.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("model.pth");
+    std::fs::write(&p, data).unwrap();
+    let Ok(f) = ckpt_core::TensorFile::open(&p) else { return };
+    for (i, t) in f.tensors().iter().enumerate() {
+        assert_eq!(f.data(i).len() as u64, t.end - t.start);
+    }
+});

@@ -1,0 +1,238 @@
+//! PyTorch `torch.save` files written by torch itself (tests/fixtures/torch, made by
+//! scripts/fixtures/torch.py): DDP state dicts (`module.` prefix) as `.pth` and `.bin`,
+//! views into shared storages, a nested model + AdamW state, a non-contiguous view.
+
+use crate::util::{full_tensors, Dir};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/torch")
+}
+
+fn fx(rel: &str) -> String {
+    fixtures().join(rel).display().to_string()
+}
+
+/// Every tensor of ddp.pth and optim.pt, contiguous, as torch holds them.
+fn originals() -> BTreeMap<String, Vec<u8>> {
+    full_tensors(&fixtures().join("full_torch_save.safetensors"))
+}
+
+fn starting(prefix: &str) -> BTreeMap<String, Vec<u8>> {
+    originals()
+        .into_iter()
+        .filter(|(k, _)| k.starts_with(prefix))
+        .collect()
+}
+
+#[test]
+fn ddp_pth_and_bin_merge_byte_exactly() {
+    let d = Dir::new();
+    for f in ["ddp.pth", "ddp.bin"] {
+        let out = format!("m-{f}");
+        d.ok(&["merge", &fx(f), "-o", &out]);
+        assert_eq!(full_tensors(&d.path(&out)), starting("module."), "{f}");
+    }
+    let o = d.ok(&["verify", &fx("ddp.pth")]);
+    assert!(
+        o.stdout.contains("ok: 1 file(s), 8 tensors"),
+        "{}",
+        o.stdout
+    );
+}
+
+#[test]
+fn strip_and_add_prefix_rename_every_tensor() {
+    let d = Dir::new();
+    let o = d.ok(&["inspect", &fx("ddp.pth")]);
+    assert!(o.stdout.contains("module.split.b"), "{}", o.stdout);
+    assert!(
+        o.stdout.contains("every tensor name starts with `module.`")
+            || o.stderr.contains("every tensor name starts with `module.`"),
+        "{}{}",
+        o.stdout,
+        o.stderr
+    );
+    d.ok(&[
+        "merge",
+        &fx("ddp.pth"),
+        "--strip-prefix",
+        "module.",
+        "-o",
+        "s",
+    ]);
+    let want: BTreeMap<String, Vec<u8>> = starting("module.")
+        .into_iter()
+        .map(|(k, v)| (k["module.".len()..].to_string(), v))
+        .collect();
+    assert_eq!(full_tensors(&d.path("s")), want);
+    d.ok(&[
+        "merge",
+        &fx("ddp.pth"),
+        "--strip-prefix",
+        "module.",
+        "--add-prefix",
+        "model.",
+        "--include",
+        "model.layer.*",
+        "-o",
+        "a",
+    ]);
+    let got = full_tensors(&d.path("a"));
+    assert_eq!(
+        got.keys().cloned().collect::<Vec<_>>(),
+        [
+            "model.layer.norm.weight",
+            "model.layer.o.weight",
+            "model.layer.q.weight"
+        ]
+    );
+    assert_eq!(
+        got["model.layer.q.weight"],
+        originals()["module.layer.q.weight"]
+    );
+}
+
+#[test]
+fn nested_optimizer_state_is_named_by_path() {
+    let d = Dir::new();
+    let o = d.ok(&["inspect", &fx("optim.pt")]);
+    assert!(
+        o.stdout.contains("optim.state.0.exp_avg_sq"),
+        "{}",
+        o.stdout
+    );
+    d.ok(&["merge", &fx("optim.pt"), "-o", "m"]);
+    let mut want = starting("model.");
+    want.extend(starting("optim."));
+    assert_eq!(full_tensors(&d.path("m")), want);
+}
+
+#[test]
+fn bad_torch_save_files_are_named_errors() {
+    let d = Dir::new();
+    let o = d.fails(&["inspect", &fx("noncontig.pth")]);
+    assert!(
+        o.stderr.contains("`w`") && o.stderr.contains("non-contiguous"),
+        "{}",
+        o.stderr
+    );
+
+    let good = std::fs::read(fixtures().join("ddp.pth")).unwrap();
+    let patch = |from: &[u8], to: &[u8], name: &str| {
+        assert_eq!(from.len(), to.len());
+        let at = good
+            .windows(from.len())
+            .position(|w| w == from)
+            .expect("pattern in ddp.pth");
+        let mut b = good.clone();
+        b[at..at + to.len()].copy_from_slice(to);
+        std::fs::write(d.path(name), b).unwrap();
+    };
+    // A global outside the allow-list (same length, so the zip stays intact).
+    patch(b"torch._utils\n", b"__builtins__\n", "global.pth");
+    let o = d.fails(&["inspect", "global.pth"]);
+    assert!(
+        o.stderr.contains("global.pth")
+            && o.stderr.contains("`__builtins__._rebuild_tensor_v2`")
+            && o.stderr.contains("not allowed"),
+        "{}",
+        o.stderr
+    );
+    // The first storage's element count off by one: its bytes do not match.
+    patch(b"cpuq\x06K0", b"cpuq\x06K1", "count.pth");
+    let o = d.fails(&["inspect", "count.pth"]);
+    assert!(
+        o.stderr.contains("`module.embed.weight`") && o.stderr.contains("49 elements"),
+        "{}",
+        o.stderr
+    );
+    // Truncated.
+    std::fs::write(d.path("trunc.pth"), &good[..good.len() / 2]).unwrap();
+    let o = d.fails(&["inspect", "trunc.pth"]);
+    assert!(
+        o.stderr.contains("trunc.pth") && o.stderr.contains("not a readable zip archive"),
+        "{}",
+        o.stderr
+    );
+    // The legacy (pre-1.6) format.
+    std::fs::write(
+        d.path("legacy.pt"),
+        b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19.",
+    )
+    .unwrap();
+    let o = d.fails(&["inspect", "legacy.pt"]);
+    assert!(
+        o.stderr.contains("legacy torch.save format"),
+        "{}",
+        o.stderr
+    );
+}
+
+#[test]
+fn a_directory_of_torch_save_files_opens_and_dcp_default_format_is_named() {
+    let d = Dir::new();
+    std::fs::create_dir(d.path("dir")).unwrap();
+    std::fs::copy(fixtures().join("ddp.bin"), d.path("dir/pytorch_model.bin")).unwrap();
+    d.ok(&["merge", "dir", "-o", "m"]);
+    assert_eq!(full_tensors(&d.path("m")), starting("module."));
+    let o = d.fails(&["inspect", &fx("dcp")]);
+    assert!(
+        o.stderr.contains(".distcp") && o.stderr.contains("not read yet"),
+        "{}",
+        o.stderr
+    );
+}
+
+#[test]
+fn a_whole_torch_save_copy_reshards_with_shard_rules() {
+    let d = Dir::new();
+    let o = d.fails(&["reshard", &fx("ddp.pth"), "--to", "2", "-o", "x"]);
+    assert!(o.stderr.contains("--shard NAME_GLOB=DIM"), "{}", o.stderr);
+    for n in ["2", "3"] {
+        let out = format!("r{n}");
+        d.ok(&[
+            "reshard",
+            &fx("ddp.pth"),
+            "--strip-prefix",
+            "module.",
+            "--to",
+            n,
+            "--shard",
+            "*.q.weight=0",
+            "*.o.weight=1",
+            "embed.weight=0",
+            "-o",
+            &out,
+        ]);
+        let o = d.ok(&["inspect", &out]);
+        assert!(
+            o.stdout.contains("S(1)") || o.stdout.contains("Shard(1)"),
+            "{}",
+            o.stdout
+        );
+        let m = format!("m{n}");
+        d.ok(&["merge", &out, "-o", &m]);
+        let want: BTreeMap<String, Vec<u8>> = starting("module.")
+            .into_iter()
+            .map(|(k, v)| (k["module.".len()..].to_string(), v))
+            .collect();
+        assert_eq!(full_tensors(&d.path(&m)), want, "--to {n}");
+    }
+    let o = d.fails(&[
+        "reshard",
+        &fx("ddp.pth"),
+        "--to",
+        "2",
+        "--shard",
+        "*scale=0",
+        "-o",
+        "y",
+    ]);
+    assert!(
+        o.stderr.contains("module.scale") && o.stderr.contains("0 dimension"),
+        "{}",
+        o.stderr
+    );
+}
