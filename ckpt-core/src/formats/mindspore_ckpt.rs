@@ -40,44 +40,31 @@ pub(crate) fn looks_like(head: &[u8]) -> bool {
     decode_varint(&mut b).is_ok() && b.first() == Some(&0x0a)
 }
 
-/// MindSpore's dtype names (`tensor_type`) and ours.
+/// MindSpore's dtype names (`tensor_type`) and ours: one table for both directions.
+const DTYPES: [(&str, Dtype); 13] = [
+    ("Float64", Dtype::F64),
+    ("Float32", Dtype::F32),
+    ("Float16", Dtype::F16),
+    ("BFloat16", Dtype::BF16),
+    ("Int64", Dtype::I64),
+    ("Int32", Dtype::I32),
+    ("Int16", Dtype::I16),
+    ("Int8", Dtype::I8),
+    ("UInt64", Dtype::U64),
+    ("UInt32", Dtype::U32),
+    ("UInt16", Dtype::U16),
+    ("UInt8", Dtype::U8),
+    ("Bool", Dtype::BOOL),
+];
+
+/// Our dtype for a MindSpore `tensor_type`.
 pub(crate) fn dtype_from_mindspore(name: &str) -> Option<Dtype> {
-    Some(match name {
-        "Float64" => Dtype::F64,
-        "Float32" => Dtype::F32,
-        "Float16" => Dtype::F16,
-        "BFloat16" => Dtype::BF16,
-        "Int64" => Dtype::I64,
-        "Int32" => Dtype::I32,
-        "Int16" => Dtype::I16,
-        "Int8" => Dtype::I8,
-        "UInt64" => Dtype::U64,
-        "UInt32" => Dtype::U32,
-        "UInt16" => Dtype::U16,
-        "UInt8" => Dtype::U8,
-        "Bool" => Dtype::BOOL,
-        _ => return None,
-    })
+    DTYPES.iter().find(|(n, _)| *n == name).map(|(_, d)| *d)
 }
 
 /// Our dtype's MindSpore name.
 fn dtype_to_mindspore(dtype: Dtype) -> Option<&'static str> {
-    Some(match dtype {
-        Dtype::F64 => "Float64",
-        Dtype::F32 => "Float32",
-        Dtype::F16 => "Float16",
-        Dtype::BF16 => "BFloat16",
-        Dtype::I64 => "Int64",
-        Dtype::I32 => "Int32",
-        Dtype::I16 => "Int16",
-        Dtype::I8 => "Int8",
-        Dtype::U64 => "UInt64",
-        Dtype::U32 => "UInt32",
-        Dtype::U16 => "UInt16",
-        Dtype::U8 => "UInt8",
-        Dtype::BOOL => "Bool",
-        _ => return None,
-    })
+    DTYPES.iter().find(|(_, d)| *d == dtype).map(|(n, _)| *n)
 }
 
 fn bad(problem: String) -> Error {
