@@ -9,6 +9,7 @@
 
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;
+pub(crate) mod pickle;
 pub(crate) mod safetensors;
 pub(crate) mod torch_save;
 
