@@ -7,6 +7,7 @@
 
 use crate::coverage::{check_tiling, Defect};
 use crate::error::{Error, IoContext, Problems, Result};
+use crate::formats::distcp::{self, DcpMetadata};
 use crate::formats::TensorFile;
 use crate::layout::TensorLayout;
 use crate::mesh::Mesh;
@@ -109,6 +110,40 @@ fn shared_prefix<'a>(mut names: impl Iterator<Item = &'a str>) -> Option<String>
 struct Input {
     path: PathBuf,
     strategy: Option<PathBuf>,
+    /// For a `.distcp` file, its directory (whose `.metadata` says what it holds).
+    dcp: Option<PathBuf>,
+}
+
+/// What expanding the command line's paths finds.
+#[derive(Default)]
+struct Expanded {
+    inputs: Vec<Input>,
+    carried: BTreeMap<String, PathBuf>,
+    ms: MsStrategies,
+    notes: Vec<String>,
+    /// DCP directories' metadata, by directory.
+    dcp: BTreeMap<PathBuf, DcpMetadata>,
+}
+
+impl Expanded {
+    /// Reads a DCP directory's `.metadata` once, noting the values it holds that are
+    /// not tensors (ckpt does not carry them).
+    fn read_dcp(&mut self, dir: &Path) -> Result<&DcpMetadata> {
+        if !self.dcp.contains_key(dir) {
+            let m = distcp::read_metadata(dir)?;
+            if !m.bytes.is_empty() {
+                let shown = m.bytes.iter().take(8).cloned().collect::<Vec<_>>().join(", ");
+                let more = if m.bytes.len() > 8 { ", ..." } else { "" };
+                self.notes.push(format!(
+                    "{}: {} value(s) that are not tensors (BYTE_IO) are not carried: {shown}{more}",
+                    dir.join(distcp::METADATA_FILE).display(),
+                    m.bytes.len()
+                ));
+            }
+            self.dcp.insert(dir.to_path_buf(), m);
+        }
+        Ok(&self.dcp[dir])
+    }
 }
 
 /// MindSpore strategy files: given as inputs (`--source-strategy` adds one), or found
@@ -207,25 +242,31 @@ fn list_dir(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(v)
 }
 
-fn expand(
-    path: &Path,
-    out: &mut Vec<Input>,
-    carried: &mut BTreeMap<String, PathBuf>,
-    ms: &mut MsStrategies,
-    notes: &mut Vec<String>,
-) -> Result<()> {
+fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
     if path.is_file() && is_ms_strategy(path) {
-        ms.given.push(path.to_path_buf());
+        x.ms.given.push(path.to_path_buf());
+        return Ok(());
+    }
+    if path.is_file() && path.extension().is_some_and(|e| e == "distcp") {
+        let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        note_carried(&dir, &mut x.carried);
+        x.read_dcp(&dir)?;
+        x.inputs.push(Input {
+            path: path.to_path_buf(),
+            strategy: None,
+            dcp: Some(dir),
+        });
         return Ok(());
     }
     if path.is_file() {
         let dir = path.parent().unwrap_or(Path::new("."));
         let s = dir.join(STRATEGY_FILE);
-        note_carried(dir, carried);
+        note_carried(dir, &mut x.carried);
         // (A MindSpore JSON strategy may be called strategy.json too: not ckpt's.)
-        out.push(Input {
+        x.inputs.push(Input {
             path: path.to_path_buf(),
             strategy: (s.is_file() && !is_ms_strategy(&s)).then_some(s),
+            dcp: None,
         });
         return Ok(());
     }
@@ -257,15 +298,16 @@ fn expand(
                 name.trim()
             )));
         }
-        return expand(&target, out, carried, ms, notes);
+        return expand(&target, x);
     }
-    note_carried(path, carried);
+    note_carried(path, &mut x.carried);
     let model = path.join(MODEL_FILE);
     let strategy = path.join(STRATEGY_FILE);
     if model.is_file() && strategy.is_file() {
-        out.push(Input {
+        x.inputs.push(Input {
             path: model,
             strategy: Some(strategy),
+            dcp: None,
         });
         return Ok(());
     }
@@ -281,13 +323,14 @@ fn expand(
             let own = d.join(STRATEGY_FILE);
             let own = (own.is_file() && !is_ms_strategy(&own)).then_some(own);
             if own.is_some() && d.join(MODEL_FILE).is_file() {
-                expand(&d, out, carried, ms, notes)?;
-            } else if let Some(f) = ms_rank_file(&d, notes)? {
+                expand(&d, x)?;
+            } else if let Some(f) = ms_rank_file(&d, &mut x.notes)? {
                 // MindSpore's files; with ckpt's strategy.json when ckpt wrote them.
-                note_carried(&d, carried);
-                out.push(Input {
+                note_carried(&d, &mut x.carried);
+                x.inputs.push(Input {
                     path: f,
                     strategy: own,
+                    dcp: None,
                 });
             }
         }
@@ -298,7 +341,7 @@ fn expand(
             .cloned()
             .collect();
         if !strategies.is_empty() {
-            ms.found.insert(path.to_path_buf(), strategies);
+            x.ms.found.insert(path.to_path_buf(), strategies);
         }
         return Ok(());
     }
@@ -313,17 +356,19 @@ fn expand(
             .ok_or_else(|| unknown(format!("{}: no `weight_map` object", index.display())))?;
         let files: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
         for f in files {
-            out.push(Input {
+            x.inputs.push(Input {
                 path: path.join(f),
                 strategy: None,
+                dcp: None,
             });
         }
         return Ok(());
     }
     if model.is_file() {
-        out.push(Input {
+        x.inputs.push(Input {
             path: model,
             strategy: None,
+            dcp: None,
         });
         return Ok(());
     }
@@ -348,13 +393,23 @@ fn expand(
             .cloned()
             .collect();
     }
+    if st.is_empty() && path.join(distcp::METADATA_FILE).is_file() {
+        // PyTorch DCP's default format: every file the metadata names.
+        let files = x.read_dcp(path)?.files(path);
+        for f in files {
+            x.inputs.push(Input {
+                path: f,
+                strategy: None,
+                dcp: Some(path.to_path_buf()),
+            });
+        }
+        return Ok(());
+    }
     if st.is_empty() && entries.iter().any(|p| has_ext(p, &["distcp"])) {
-        return Err(Error::Unsupported {
-            problem: format!(
-                "{}: PyTorch DCP's default format (.distcp files + .metadata) is not read yet; save with HuggingFaceStorageWriter (sharded safetensors), which ckpt reads",
-                path.display()
-            ),
-        });
+        return Err(unknown(format!(
+            "{}: .distcp files without the `.metadata` that says what they hold",
+            path.display()
+        )));
     }
     if st.is_empty() {
         return Err(unknown(format!(
@@ -363,9 +418,10 @@ fn expand(
         )));
     }
     for p in st {
-        out.push(Input {
+        x.inputs.push(Input {
             path: p,
             strategy: None,
+            dcp: None,
         });
     }
     Ok(())
@@ -434,13 +490,17 @@ impl Checkpoint {
     /// # Errors
     /// Inputs that are not a checkpoint, or mixed kinds.
     pub fn scan(paths: &[PathBuf]) -> Result<(Checkpoint, Vec<Error>)> {
-        let mut inputs = Vec::new();
-        let mut carried = BTreeMap::new();
-        let mut ms = MsStrategies::default();
-        let mut notes = Vec::new();
+        let mut x = Expanded::default();
         for p in paths {
-            expand(p, &mut inputs, &mut carried, &mut ms, &mut notes)?;
+            expand(p, &mut x)?;
         }
+        let Expanded {
+            inputs,
+            carried,
+            ms,
+            mut notes,
+            dcp,
+        } = x;
         let ms_strategy = match (ms.given.is_empty(), ms.found.len()) {
             (false, _) => ms.given,
             (true, 0) => vec![],
@@ -460,7 +520,11 @@ impl Checkpoint {
         let mut files = Vec::new();
         let mut strategies = Vec::new();
         for input in inputs {
-            match TensorFile::open(&input.path) {
+            let opened = match &input.dcp {
+                Some(dir) => dcp[dir].open(&input.path),
+                None => TensorFile::open(&input.path),
+            };
+            match opened {
                 Ok(f) => {
                     files.push(f);
                     strategies.push(input.strategy);
@@ -473,7 +537,7 @@ impl Checkpoint {
             return Err(Error::Many(Problems(problems)));
         }
         let sliced = strategies.iter().filter(|s| s.is_some()).count();
-        let dcp = files
+        let with_offsets = files
             .iter()
             .filter(|f| f.tensors().iter().any(|t| t.offsets.is_some()))
             .count();
@@ -491,7 +555,7 @@ impl Checkpoint {
                 ));
             }
             Kind::Sliced
-        } else if dcp > 0 {
+        } else if with_offsets > 0 || !dcp.is_empty() {
             Kind::Dcp
         } else {
             Kind::Integrated
@@ -517,6 +581,7 @@ impl Checkpoint {
         }
         if kind == Kind::Dcp {
             ck.check_dcp_ranks(&mut problems);
+            ck.declare_dcp_shapes(&dcp, &mut problems);
         }
         ck.assemble(raw, &mut problems);
         for f in &ck.files {
@@ -951,7 +1016,13 @@ impl Checkpoint {
         let mut worlds = BTreeSet::new();
         let mut seen: BTreeMap<u64, usize> = BTreeMap::new();
         let mut recorded = 0;
+        let mut sharded = 0;
         for (fi, f) in self.files.iter().enumerate() {
+            if f.format() == crate::formats::FileFormat::Distcp {
+                // `.metadata` lists every chunk: coverage is checked exactly instead.
+                continue;
+            }
+            sharded += 1;
             let meta = f.metadata();
             let rank = meta.get("rank").and_then(|r| r.parse::<u64>().ok());
             let world = meta.get("world_size").and_then(|w| w.parse::<u64>().ok());
@@ -970,7 +1041,10 @@ impl Checkpoint {
                 self.ranks[fi] = Some(rank);
             }
         }
-        if recorded < self.files.len() {
+        if sharded == 0 {
+            return;
+        }
+        if recorded < sharded {
             self.notes.push(
                 "shapes inferred from the pieces present (PyTorch's sharded safetensors record \
                  neither global shapes nor the world size): a missing last rank cannot be detected"
@@ -995,6 +1069,47 @@ impl Checkpoint {
                     self.files[fi].path().display()
                 ),
             });
+        }
+    }
+
+    /// DCP's `.metadata` records every tensor's dtype and global shape: they replace
+    /// the shapes inferred from the pieces, so a missing piece is a coverage gap, and a
+    /// tensor no input holds a piece of is named.
+    fn declare_dcp_shapes(
+        &mut self,
+        dirs: &BTreeMap<PathBuf, DcpMetadata>,
+        problems: &mut Vec<Error>,
+    ) {
+        for (dir, m) in dirs {
+            for (name, d) in &m.tensors {
+                match self.tensors.get_mut(name) {
+                    Some(t) if t.dtype != d.dtype || t.shape.len() != d.shape.len() => {
+                        problems.push(Error::InvalidTensor {
+                            tensor: name.clone(),
+                            problem: format!(
+                                "{} declares {} {:?}, its chunks hold {} with {} dims",
+                                dir.join(distcp::METADATA_FILE).display(),
+                                dtype_name(d.dtype),
+                                d.shape,
+                                dtype_name(t.dtype),
+                                t.shape.len()
+                            ),
+                        });
+                    }
+                    Some(t) => t.shape.clone_from(&d.shape),
+                    None => {
+                        self.tensors.insert(
+                            name.clone(),
+                            SourceTensor {
+                                dtype: d.dtype,
+                                shape: d.shape.clone(),
+                                pieces: vec![],
+                                copies: vec![],
+                            },
+                        );
+                    }
+                }
+            }
         }
     }
 

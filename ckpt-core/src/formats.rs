@@ -7,6 +7,7 @@
 //! byte ranges (never copies tensor data), a [`FileFormat`] variant, and a branch in
 //! [`sniff`], which decides by content, not by the file's name.
 
+pub(crate) mod distcp;
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;
 pub(crate) mod pickle;
@@ -32,6 +33,9 @@ pub enum FileFormat {
     MindSporeCkpt,
     /// PyTorch's `torch.save` zip archive (`.pth`, `.pt`, `.bin`).
     TorchSave,
+    /// A data file of PyTorch DCP's default format (`__<rank>_<n>.distcp`), read with
+    /// its directory's `.metadata`.
+    Distcp,
 }
 
 impl FileFormat {
@@ -42,6 +46,7 @@ impl FileFormat {
             FileFormat::Safetensors => "safetensors",
             FileFormat::MindSporeCkpt => "MindSpore .ckpt",
             FileFormat::TorchSave => "torch.save",
+            FileFormat::Distcp => "PyTorch DCP .distcp",
         }
     }
 }
@@ -107,6 +112,24 @@ fn bad_tensor(tensor: &str, problem: impl Into<String>) -> Error {
     }
 }
 
+/// Maps a whole file read-only (`None` when it is empty) and registers the mapping for
+/// the SIGBUS handler.
+pub(crate) fn map_file(path: &Path) -> Result<Option<Mmap>> {
+    let file = File::open(path).at(path)?;
+    let len = file.metadata().at(path)?.len();
+    // SAFETY: the mapping is read-only; ckpt never writes to its inputs, and a file
+    // changed underneath by another program is outside what any reader can defend.
+    let map = if len == 0 {
+        None
+    } else {
+        Some(unsafe { Mmap::map(&file) }.at(path)?)
+    };
+    if let Some(m) = &map {
+        crate::fault::register_map(m.as_ptr() as usize, m.len(), path);
+    }
+    Ok(map)
+}
+
 impl TensorFile {
     /// Opens and maps a file, finds its format from its content and reads its metadata.
     /// Errors carry the path.
@@ -114,18 +137,12 @@ impl TensorFile {
     /// # Errors
     /// I/O errors, a format ckpt does not read, and every problem of the file's metadata.
     pub fn open(path: &Path) -> Result<TensorFile> {
-        let file = File::open(path).at(path)?;
-        let len = file.metadata().at(path)?.len();
-        // SAFETY: the mapping is read-only; ckpt never writes to its inputs, and a file
-        // changed underneath by another program is outside what any reader can defend.
-        let map = if len == 0 {
-            None
-        } else {
-            Some(unsafe { Mmap::map(&file) }.at(path)?)
-        };
-        if let Some(m) = &map {
-            crate::fault::register_map(m.as_ptr() as usize, m.len(), path);
+        if path.extension().is_some_and(|e| e == "distcp") {
+            // Its chunks are found through the directory's `.metadata`.
+            let dir = path.parent().unwrap_or(Path::new("."));
+            return distcp::read_metadata(dir)?.open(path);
         }
+        let map = map_file(path)?;
         let head: &[u8] = map.as_deref().unwrap_or(&[]);
         let head = &head[..head.len().min(64)];
         // An empty protobuf is an empty MindSpore checkpoint (a rank that holds
@@ -135,6 +152,7 @@ impl TensorFile {
             Some(FileFormat::Safetensors) => safetensors::read(path, map),
             Some(FileFormat::MindSporeCkpt) => mindspore_ckpt::read(path, map),
             Some(FileFormat::TorchSave) => torch_save::read(path, map),
+            Some(FileFormat::Distcp) => unreachable!("sniff never says distcp"),
             None if torch_save::looks_like_legacy(head) => Err(Error::InvalidTorch {
                 problem: format!(
                     "{}: the legacy torch.save format (before torch 1.6, or _use_new_zipfile_serialization=False) is not read; save it again with a current torch",

@@ -131,6 +131,27 @@ pub struct ReshardRequest {
     pub shard: Vec<(String, usize)>,
 }
 
+/// The dimension a tensor's pieces divide, for sources that record pieces but no
+/// strategy (PyTorch DCP): the one with the most distinct piece starts (the first of
+/// equals, so FSDP's dim-0 shard wins over a TP split of a 2-D mesh). `None` for a
+/// tensor stored whole.
+fn split_dim(t: &ckpt_core::SourceTensor) -> Option<usize> {
+    (0..t.shape.len())
+        .map(|d| {
+            let starts: std::collections::BTreeSet<u64> =
+                t.pieces.iter().map(|p| p.global.start[d]).collect();
+            (starts.len(), std::cmp::Reverse(d))
+        })
+        .max()
+        .filter(|&(n, _)| n > 1)
+        .map(|(_, std::cmp::Reverse(d))| d)
+}
+
+/// Whether any tensor of a source without a strategy is stored in pieces.
+fn is_split(source: &Checkpoint) -> bool {
+    source.tensors.values().any(|t| split_dim(t).is_some())
+}
+
 /// The strategy the request asks for, derived from the source's.
 ///
 /// # Errors
@@ -143,7 +164,7 @@ pub fn target_strategy(
 ) -> Result<Strategy> {
     let mut strategy = match target {
         Target::Strategy(s) => s.clone(),
-        Target::To(k) if source.strategy.is_none() && !shard.is_empty() => {
+        Target::To(k) if source.strategy.is_none() && (!shard.is_empty() || is_split(source)) => {
             let rules = shard
                 .iter()
                 .map(|(g, d)| Ok((Selection::new(std::slice::from_ref(g), &[], None)?, *d, g)))
@@ -160,7 +181,10 @@ pub fn target_strategy(
                             ),
                         })
                     }
-                    None => Placement::Replicate,
+                    None => match split_dim(t) {
+                        Some(dim) => Placement::shard(dim),
+                        None => Placement::Replicate,
+                    },
                 };
                 s.insert(
                     name.clone(),
@@ -172,7 +196,7 @@ pub fn target_strategy(
         Target::MindSpore(params) => ckpt_core::mindspore_target_strategy(params, source)?,
         Target::To(_) | Target::Mesh(_) => {
             let src = source.strategy.as_ref().ok_or_else(|| Error::Unsupported {
-                problem: "--to and --mesh resize the source's strategy, and this source has none (integrated or DCP): give --strategy, or --shard NAME_GLOB=DIM rules for a whole copy".into(),
+                problem: "--to and --mesh resize the source's strategy, and this source has none (integrated or DCP): give --strategy, or --shard NAME_GLOB=DIM rules for a whole copy (--mesh needs the source's mesh axes: use --to N on a DCP source)".into(),
             })?;
             let old = &src.mesh;
             let n = old.axes().len();

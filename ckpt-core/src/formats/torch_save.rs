@@ -61,7 +61,7 @@ struct Stored {
     compressed: bool,
 }
 
-fn parse(all: &[u8]) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>)> {
+pub(crate) fn parse(all: &[u8]) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>)> {
     let mut zip = zip::ZipArchive::new(Cursor::new(all))
         .map_err(|e| bad(format!("not a readable zip archive: {e}")))?;
     let mut entries: HashMap<String, Stored> = HashMap::new();
