@@ -256,9 +256,10 @@ struct MergeArgs {
     /// output files (with --max-shard-size); no data crosses processes.
     #[arg(long, value_parser = ["auto"])]
     rank: Option<String>,
-    /// Output format: `safetensors` (Hugging Face layout) or `mindspore` (one
-    /// model.ckpt that mindspore.load_checkpoint reads).
-    #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "mindspore"])]
+    /// Output format: `safetensors` (Hugging Face layout), `mindspore` (one model.ckpt
+    /// that mindspore.load_checkpoint reads) or `torch` (one model.pth, a dict of
+    /// tensors that torch.load(weights_only=True) reads).
+    #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "mindspore", "torch"])]
     format: String,
     #[command(flatten)]
     copy: CopyArgs,
@@ -615,7 +616,11 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
             .with_prefixes(a.copy.strip_prefix.clone(), a.copy.add_prefix.clone()),
         force: a.copy.force,
-        mindspore: a.format == "mindspore",
+        format: match a.format.as_str() {
+            "mindspore" => ckpt_merge::MergeFormat::MindSpore,
+            "torch" => ckpt_merge::MergeFormat::Torch,
+            _ => ckpt_merge::MergeFormat::Safetensors,
+        },
         share: match a.rank {
             Some(_) => Some(launch_share()?),
             None => None,

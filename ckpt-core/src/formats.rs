@@ -13,6 +13,7 @@ pub(crate) mod mindspore_strategy;
 pub(crate) mod pickle;
 pub(crate) mod safetensors;
 pub(crate) mod torch_save;
+pub(crate) mod torch_write;
 
 use crate::checksum::Checksum;
 use crate::error::{overflow, Error, IoContext, Result};
@@ -382,12 +383,15 @@ impl Drop for TensorFile {
     }
 }
 
-/// A file being written, in the format its name asks for: `*.ckpt` MindSpore's, anything
-/// else safetensors. The copy engine writes through this and knows no format.
+/// A file being written, in the format its name asks for: `*.ckpt` MindSpore's,
+/// `*.pth`/`*.pt`/`*.bin` a torch.save archive, `*.distcp` DCP's (one torch.save archive
+/// per tensor), anything else safetensors. The copy engine writes through this and knows
+/// no format.
 #[derive(Debug)]
 pub(crate) enum FileWriter {
     Safetensors(safetensors::SafetensorsWriter),
     MindSpore(mindspore_ckpt::MindSporeWriter),
+    Torch(torch_write::TorchWriter),
 }
 
 impl FileWriter {
@@ -396,8 +400,11 @@ impl FileWriter {
         tensors: &[safetensors::TensorSpec],
         metadata: &BTreeMap<String, String>,
     ) -> Result<FileWriter> {
-        Ok(if dest.extension().is_some_and(|e| e == "ckpt") {
+        let ext = dest.extension().and_then(|e| e.to_str()).unwrap_or("");
+        Ok(if ext == "ckpt" {
             FileWriter::MindSpore(mindspore_ckpt::MindSporeWriter::create(dest, tensors)?)
+        } else if matches!(ext, "pth" | "pt" | "bin" | "distcp") {
+            FileWriter::Torch(torch_write::TorchWriter::create(dest, tensors, ext == "distcp")?)
         } else {
             FileWriter::Safetensors(safetensors::SafetensorsWriter::create(
                 dest, tensors, metadata,
@@ -409,6 +416,7 @@ impl FileWriter {
         match self {
             FileWriter::Safetensors(w) => w.write_at(index, offset, bytes),
             FileWriter::MindSpore(w) => w.write_at(index, offset, bytes),
+            FileWriter::Torch(w) => w.write_at(index, offset, bytes),
         }
     }
 
@@ -416,6 +424,7 @@ impl FileWriter {
         match self {
             FileWriter::Safetensors(w) => w.finish(),
             FileWriter::MindSpore(w) => w.finish(),
+            FileWriter::Torch(w) => w.finish(),
         }
     }
 }

@@ -26,12 +26,24 @@ pub struct MergeRequest {
     pub selection: Selection,
     /// Replace an existing output.
     pub force: bool,
-    /// Write one MindSpore `model.ckpt` instead of safetensors.
-    pub mindspore: bool,
+    /// The output's format.
+    pub format: MergeFormat,
     /// Write only share `index` of `count` of the output files (file `k` when
     /// `k % count == index`): one process of a job started by mpirun or srun. Each file
     /// appears atomically; share 0 also writes the index and carried files.
     pub share: Option<(u64, u64)>,
+}
+
+/// The format of a merge's output.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MergeFormat {
+    /// Hugging Face's layout: `model.safetensors`, or shards and an index.
+    #[default]
+    Safetensors,
+    /// One `model.ckpt` that `mindspore.load_checkpoint` reads.
+    MindSpore,
+    /// One `model.pth` that `torch.load(weights_only=True)` reads (a dict of tensors).
+    Torch,
 }
 
 /// Plans a merge: the integrated output files, one tensor per full piece.
@@ -56,21 +68,27 @@ pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
             }],
         });
     }
-    let files = if req.mindspore {
-        if req.max_shard_size.is_some() {
-            return Err(ckpt_core::Error::Unsupported {
-                problem:
-                    "--format mindspore writes one model.ckpt: --max-shard-size does not apply"
-                        .into(),
-            });
+    let single = match req.format {
+        MergeFormat::Safetensors => None,
+        MergeFormat::MindSpore => Some(("mindspore", "model.ckpt")),
+        MergeFormat::Torch => Some(("torch", "model.pth")),
+    };
+    let files = match single {
+        Some((name, file)) => {
+            if req.max_shard_size.is_some() {
+                return Err(ckpt_core::Error::Unsupported {
+                    problem: format!(
+                        "--format {name} writes one {file}: --max-shard-size does not apply"
+                    ),
+                });
+            }
+            vec![TargetFile {
+                path: file.into(),
+                tensors,
+                metadata: BTreeMap::new(),
+            }]
         }
-        vec![TargetFile {
-            path: "model.ckpt".into(),
-            tensors,
-            metadata: BTreeMap::new(),
-        }]
-    } else {
-        shard(tensors, req.max_shard_size)
+        None => shard(tensors, req.max_shard_size),
     };
     CopyPlan::build(source, files)
 }

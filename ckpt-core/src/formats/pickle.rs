@@ -569,6 +569,146 @@ pub(crate) fn parse(input: &[u8]) -> Result<Value> {
     }
 }
 
+/// Writes a protocol-2 pickle, opcode by opcode: the inverse of [`parse`] for the
+/// values ckpt writes (torch.save's `data.pkl`, DCP's `.metadata`). Python's unpickler
+/// (and torch's `weights_only` one) read it; nothing is memoized, so the bytes depend
+/// only on the calls made.
+#[derive(Debug)]
+pub(crate) struct Emitter {
+    out: Vec<u8>,
+}
+
+impl Emitter {
+    pub(crate) fn new() -> Emitter {
+        Emitter {
+            out: vec![0x80, 2],
+        }
+    }
+
+    /// `module.name` (`GLOBAL`).
+    pub(crate) fn global(&mut self, module: &str, name: &str) -> &mut Self {
+        self.out.push(b'c');
+        self.out.extend_from_slice(module.as_bytes());
+        self.out.push(b'\n');
+        self.out.extend_from_slice(name.as_bytes());
+        self.out.push(b'\n');
+        self
+    }
+
+    pub(crate) fn str(&mut self, s: &str) -> &mut Self {
+        self.out.push(b'X');
+        let n = u32::try_from(s.len()).expect("names are far shorter than 4 GiB");
+        self.out.extend_from_slice(&n.to_le_bytes());
+        self.out.extend_from_slice(s.as_bytes());
+        self
+    }
+
+    pub(crate) fn int(&mut self, v: u64) -> &mut Self {
+        if v < 256 {
+            self.out.extend_from_slice(&[b'K', v as u8]);
+        } else if v < 65536 {
+            self.out.push(b'M');
+            self.out.extend_from_slice(&(v as u16).to_le_bytes());
+        } else if v < (1 << 31) {
+            self.out.push(b'J');
+            self.out.extend_from_slice(&(v as u32).to_le_bytes());
+        } else {
+            // LONG1: 8 bytes of little-endian two's complement. Sizes and offsets stay
+            // below 2^63 (checked arithmetic on i64-sized files), so the sign is clear.
+            debug_assert!(v < 1 << 63);
+            self.out.extend_from_slice(&[0x8a, 8]);
+            self.out.extend_from_slice(&v.to_le_bytes());
+        }
+        self
+    }
+
+    pub(crate) fn bool(&mut self, b: bool) -> &mut Self {
+        self.out.push(if b { 0x88 } else { 0x89 });
+        self
+    }
+
+    pub(crate) fn none(&mut self) -> &mut Self {
+        self.out.push(b'N');
+        self
+    }
+
+    pub(crate) fn mark(&mut self) -> &mut Self {
+        self.out.push(b'(');
+        self
+    }
+
+    /// The values since the mark, as a tuple.
+    pub(crate) fn tuple(&mut self) -> &mut Self {
+        self.out.push(b't');
+        self
+    }
+
+    /// A tuple of integers.
+    pub(crate) fn ints(&mut self, v: &[u64]) -> &mut Self {
+        self.mark();
+        for &x in v {
+            self.int(x);
+        }
+        self.tuple()
+    }
+
+    pub(crate) fn empty_tuple(&mut self) -> &mut Self {
+        self.out.push(b')');
+        self
+    }
+
+    pub(crate) fn empty_dict(&mut self) -> &mut Self {
+        self.out.push(b'}');
+        self
+    }
+
+    pub(crate) fn empty_list(&mut self) -> &mut Self {
+        self.out.push(b']');
+        self
+    }
+
+    /// Appends the values since the mark to the list below it.
+    pub(crate) fn appends(&mut self) -> &mut Self {
+        self.out.push(b'e');
+        self
+    }
+
+    /// Sets the key/value pairs since the mark in the dict below it.
+    pub(crate) fn set_items(&mut self) -> &mut Self {
+        self.out.push(b'u');
+        self
+    }
+
+    /// `callable(*args)` for the callable and argument tuple on the stack.
+    pub(crate) fn reduce(&mut self) -> &mut Self {
+        self.out.push(b'R');
+        self
+    }
+
+    /// `cls.__new__(cls, *args)` for the class and argument tuple on the stack.
+    pub(crate) fn new_obj(&mut self) -> &mut Self {
+        self.out.push(0x81);
+        self
+    }
+
+    /// Gives the object below the state on the stack that state.
+    pub(crate) fn build(&mut self) -> &mut Self {
+        self.out.push(b'b');
+        self
+    }
+
+    /// The value on the stack as a persistent id.
+    pub(crate) fn persistent_id(&mut self) -> &mut Self {
+        self.out.push(b'Q');
+        self
+    }
+
+    pub(crate) fn finish(mut self) -> Vec<u8> {
+        self.out.push(b'.');
+        self.out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -615,6 +755,24 @@ mod tests {
     fn ordered_dict_is_a_dict_filled_by_setitems() {
         let p = b"\x80\x02ccollections\nOrderedDict\nq\x00)Rq\x01(X\x01\x00\x00\x00kK\x07u.";
         assert_eq!(parse(p).unwrap(), Value::Dict(vec![(s("k"), Value::Int(7))]));
+    }
+
+    #[test]
+    fn what_the_emitter_writes_parses_back() {
+        let mut e = Emitter::new();
+        e.global("collections", "OrderedDict").empty_tuple().reduce();
+        e.mark().str("w").ints(&[0, 255, 256, 65536, 1 << 31, u64::MAX >> 1]);
+        e.str("b").bool(false).str("n").none().set_items();
+        let v = parse(&e.finish()).unwrap();
+        let ints = [0, 255, 256, 65536, 1 << 31, i64::MAX];
+        assert_eq!(
+            v,
+            Value::Dict(vec![
+                (s("w"), Value::Tuple(ints.iter().map(|&i| Value::Int(i)).collect())),
+                (s("b"), Value::Bool(false)),
+                (s("n"), Value::None),
+            ])
+        );
     }
 
     #[test]

@@ -172,6 +172,8 @@ fn storage_dtype(class: &str) -> Option<Dtype> {
         "CharStorage" => Dtype::I8,
         "ByteStorage" => Dtype::U8,
         "BoolStorage" => Dtype::BOOL,
+        "Float8_e4m3fnStorage" => Dtype::F8_E4M3,
+        "Float8_e5m2Storage" => Dtype::F8_E5M2,
         _ => return None,
     })
 }
