@@ -299,9 +299,11 @@ struct ReshardArgs {
     #[arg(long)]
     keep_all: bool,
     /// Output layout: `ckpt` (ckpt_<r>/ directories), `dcp` (PyTorch DCP sharded
-    /// safetensors, loadable by torch's HuggingFaceStorageReader) or `mindspore`
+    /// safetensors, loadable by torch's HuggingFaceStorageReader), `distcp` (DCP's
+    /// default format: __<r>_0.distcp + .metadata, loadable by
+    /// torch.distributed.checkpoint.load; each chunk stored once) or `mindspore`
     /// (rank_<r>/checkpoint_<r>.ckpt, loadable by mindspore.load_checkpoint).
-    #[arg(long, default_value = "ckpt", value_parser = ["ckpt", "dcp", "mindspore"])]
+    #[arg(long, default_value = "ckpt", value_parser = ["ckpt", "dcp", "distcp", "mindspore"])]
     format: String,
     #[command(flatten)]
     copy: CopyArgs,
@@ -684,6 +686,7 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         format: match a.format.as_str() {
             "dcp" => ckpt_reshard::OutputFormat::Dcp,
             "mindspore" => ckpt_reshard::OutputFormat::MindSpore,
+            "distcp" => ckpt_reshard::OutputFormat::Distcp,
             _ => ckpt_reshard::OutputFormat::Ranks,
         },
     };

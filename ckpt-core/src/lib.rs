@@ -37,6 +37,7 @@ pub use crate::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,
 };
 pub use crate::fault::{bus_error_message, remove_registered_temporaries};
+pub use crate::formats::distcp::{metadata_bytes as distcp_metadata, DistcpChunk};
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
 pub use crate::formats::mindspore_strategy::{
     looks_like as is_mindspore_strategy, mindspore_target_strategy, parse_mindspore_strategy,

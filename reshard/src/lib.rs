@@ -5,6 +5,7 @@
 //! engine merge uses.
 
 use ckpt_core::{
+    TargetTensor,
     check_output_outside_inputs, copy_carried, execute, rank_metadata, rank_tensors,
     write_file_atomic, Checkpoint, CopyPlan, CopyStats, Error, Mesh, Placement, Result, Selection,
     StagedDir, Strategy, TargetFile, TensorLayout, MODEL_FILE, STRATEGY_FILE,
@@ -76,6 +77,9 @@ pub enum OutputFormat {
     /// MindSpore's per-rank layout: `OUT/rank_<r>/checkpoint_<r>.ckpt` (protobuf, as
     /// `mindspore.save_checkpoint` writes it), with ckpt's `strategy.json` beside.
     MindSpore,
+    /// PyTorch DCP's default format: `OUT/__<r>_0.distcp` (one `torch.save` archive per
+    /// chunk) and `OUT/.metadata`, loadable by `torch.distributed.checkpoint.load`.
+    Distcp,
 }
 
 impl OutputFormat {
@@ -85,7 +89,7 @@ impl OutputFormat {
         match self {
             OutputFormat::Ranks => Some(PathBuf::from(format!("ckpt_{r}"))),
             OutputFormat::MindSpore => Some(PathBuf::from(format!("rank_{r}"))),
-            OutputFormat::Dcp => None,
+            OutputFormat::Dcp | OutputFormat::Distcp => None,
         }
     }
 
@@ -97,6 +101,7 @@ impl OutputFormat {
             OutputFormat::MindSpore => {
                 Path::new(&format!("rank_{r}")).join(format!("checkpoint_{r}.ckpt"))
             }
+            OutputFormat::Distcp => PathBuf::from(format!("__{r}_0.distcp")),
             // PyTorch numbers shards from 1.
             OutputFormat::Dcp => PathBuf::from(format!(
                 "shard-{:05}-model-00001-of-00001.safetensors",
@@ -309,8 +314,8 @@ pub fn plan(
     let files = list
         .into_iter()
         .map(|r| {
-            let tensors = rank_tensors(strategy, r, keep_all, &|_, l| Some(l.dtype));
-            if format == OutputFormat::Dcp {
+            let tensors = target_tensors(strategy, r, keep_all, format);
+            if matches!(format, OutputFormat::Dcp | OutputFormat::Distcp) {
                 if let Some(t) = tensors.iter().find(|t| t.pieces.len() > 1) {
                     return Err(Error::Unsupported {
                         problem: format!(
@@ -325,6 +330,46 @@ pub fn plan(
         })
         .collect::<Result<Vec<_>>>()?;
     CopyPlan::build(source, files)
+}
+
+/// What target rank `r` stores. DCP's default format stores each chunk once (its
+/// metadata maps a chunk to one file, so replicated data is kept by its owner only,
+/// whatever `keep_all` says) and no empty chunks (a rank's empty slice needs no
+/// archive).
+fn target_tensors(strategy: &Strategy, r: u64, keep_all: bool, format: OutputFormat) -> Vec<TargetTensor> {
+    let distcp = format == OutputFormat::Distcp;
+    let mut tensors = rank_tensors(strategy, r, keep_all && !distcp, &|_, l| Some(l.dtype));
+    if distcp {
+        tensors.retain(|t| t.shape.iter().all(|&d| d > 0));
+    }
+    tensors
+}
+
+/// The `.metadata` of a `--format distcp` output: every target rank's chunks, laid out
+/// as the writer lays out its file.
+fn distcp_metadata(strategy: &Strategy) -> Result<Vec<u8>> {
+    let tensors = strategy
+        .tensors
+        .iter()
+        .map(|(n, l)| (n.clone(), (l.dtype, l.shape.clone())))
+        .collect();
+    let files: Vec<(String, Vec<ckpt_core::DistcpChunk>)> = (0..strategy.mesh.world_size())
+        .map(|r| {
+            let chunks = target_tensors(strategy, r, false, OutputFormat::Distcp)
+                .into_iter()
+                .filter_map(|t| {
+                    let p = t.pieces.first()?;
+                    Some(ckpt_core::DistcpChunk {
+                        fqn: t.name,
+                        offsets: p.global.start.clone(),
+                        sizes: t.shape,
+                    })
+                })
+                .collect();
+            (OutputFormat::Distcp.file(r).display().to_string(), chunks)
+        })
+        .collect();
+    ckpt_core::distcp_metadata(&tensors, &files)
 }
 
 /// Opens the source and derives the target strategy and plan (for `--plan`).
@@ -370,6 +415,10 @@ pub fn reshard(
             }
         }
         finish_rank_dir(staged.path(), &json, &source)?;
+        if req.format == OutputFormat::Distcp {
+            let meta = distcp_metadata(&strategy)?;
+            write_file_atomic(&staged.path().join(".metadata"), &meta)?;
+        }
         staged.commit()?;
         return Ok(stats);
     }
@@ -417,8 +466,13 @@ pub fn reshard(
             }
         }
     }
-    // The shared top-level strategy, written by every process (same bytes, atomically).
+    // The shared top-level strategy (and DCP metadata), written by every process (same
+    // bytes, atomically).
     finish_rank_dir(&req.output, &json, &source)?;
+    if req.format == OutputFormat::Distcp {
+        let meta = distcp_metadata(&strategy)?;
+        write_file_atomic(&req.output.join(".metadata"), &meta)?;
+    }
     Ok(stats)
 }
 

@@ -17,7 +17,7 @@
 //! with transforms (DCP's experimental compression extensions) and the
 //! `SerializationFormat.SAFETENSORS` variant are refused by name.
 
-use super::pickle::{self, Value};
+use super::pickle::{self, Emitter, Value};
 use super::{map_file, torch_save, FileFormat, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::Dtype;
@@ -360,6 +360,145 @@ impl DcpMetadata {
     }
 }
 
+/// torch's dtype attribute for a dtype (the inverse of [`torch_dtype`]).
+fn torch_dtype_name(dtype: Dtype) -> Option<&'static str> {
+    Some(match dtype {
+        Dtype::F32 => "float32",
+        Dtype::F64 => "float64",
+        Dtype::F16 => "float16",
+        Dtype::BF16 => "bfloat16",
+        Dtype::I64 => "int64",
+        Dtype::I32 => "int32",
+        Dtype::I16 => "int16",
+        Dtype::I8 => "int8",
+        Dtype::U8 => "uint8",
+        Dtype::BOOL => "bool",
+        Dtype::F8_E4M3 => "float8_e4m3fn",
+        Dtype::F8_E5M2 => "float8_e5m2",
+        _ => return None,
+    })
+}
+
+const DCP_METADATA: &str = "torch.distributed.checkpoint.metadata";
+
+/// `torch.Size(v)`.
+fn emit_size(e: &mut Emitter, v: &[u64]) {
+    e.global("torch", "Size").mark().ints(v).tuple().reduce();
+}
+
+/// `cls.__new__(cls)` of a DCP dataclass; its state dict follows, then `build`.
+fn emit_object(e: &mut Emitter, module: &str, class: &str) {
+    e.global(module, class).empty_tuple().new_obj();
+}
+
+/// One chunk a `.distcp` file will hold, for [`metadata_bytes`].
+#[derive(Clone, Debug)]
+pub struct DistcpChunk {
+    /// The tensor's name.
+    pub fqn: String,
+    /// Where the chunk starts in the global tensor.
+    pub offsets: Vec<u64>,
+    /// Its shape.
+    pub sizes: Vec<u64>,
+}
+
+/// The `.metadata` of a DCP directory whose file `files[k].0` holds the chunks
+/// `files[k].1`, in order, each as one `torch.save` archive (as
+/// [`TorchWriter`](super::torch_write::TorchWriter) lays them out), of the tensors
+/// `tensors` (name: dtype and global shape). `torch.distributed.checkpoint.load` with
+/// the default `FileSystemReader` reads it.
+///
+/// # Errors
+/// Dtypes torch has no name for, sizes that overflow.
+pub fn metadata_bytes(
+    tensors: &BTreeMap<String, (Dtype, Vec<u64>)>,
+    files: &[(String, Vec<DistcpChunk>)],
+) -> Result<Vec<u8>> {
+    // Where each chunk's archive lies.
+    let mut storage: Vec<(&DistcpChunk, &str, u64, u64)> = Vec::new();
+    for (file, chunks) in files {
+        let specs = chunks
+            .iter()
+            .map(|c| {
+                let (dtype, _) = tensors.get(&c.fqn).ok_or_else(|| Error::Unsupported {
+                    problem: format!("chunk of `{}`, which is not among the tensors", c.fqn),
+                })?;
+                Ok(crate::TensorSpec {
+                    name: c.fqn.clone(),
+                    dtype: *dtype,
+                    shape: c.sizes.clone(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let spans = super::torch_write::TorchWriter::archive_spans(&specs)?;
+        for (c, (at, len)) in chunks.iter().zip(spans) {
+            storage.push((c, file, at, len));
+        }
+    }
+    let mut e = Emitter::new();
+    emit_object(&mut e, DCP_METADATA, "Metadata");
+    e.empty_dict().mark();
+    e.str("state_dict_metadata").empty_dict().mark();
+    for (name, (dtype, shape)) in tensors {
+        let t = torch_dtype_name(*dtype).ok_or_else(|| Error::Unsupported {
+            problem: format!(
+                "tensor `{name}`: torch has no dtype for {}",
+                crate::dtype_name(*dtype)
+            ),
+        })?;
+        e.str(name);
+        emit_object(&mut e, DCP_METADATA, "TensorStorageMetadata");
+        e.empty_dict().mark();
+        // TensorProperties' __setstate__ takes (dtype, layout, requires_grad,
+        // memory-format encoding, pin_memory, strides).
+        e.str("properties");
+        emit_object(&mut e, DCP_METADATA, "TensorProperties");
+        e.mark().global("torch", t);
+        e.global("torch.serialization", "_get_layout").mark().str("torch.strided").tuple().reduce();
+        e.bool(false);
+        e.global(DCP_METADATA, "_MEM_FORMAT_ENCODING").mark().int(0).tuple().reduce();
+        e.bool(false).none().tuple().build();
+        e.str("size");
+        emit_size(&mut e, shape);
+        e.str("chunks").empty_list().mark();
+        for (c, ..) in storage.iter().filter(|s| &s.0.fqn == name) {
+            emit_object(&mut e, DCP_METADATA, "ChunkStorageMetadata");
+            e.empty_dict().mark().str("offsets");
+            emit_size(&mut e, &c.offsets);
+            e.str("sizes");
+            emit_size(&mut e, &c.sizes);
+            e.set_items().build();
+        }
+        e.appends();
+        e.set_items().build();
+    }
+    e.set_items();
+    e.str("planner_data").empty_dict().mark();
+    for name in tensors.keys() {
+        e.str(name).mark().str(name).tuple();
+    }
+    e.set_items();
+    e.str("storage_data").empty_dict().mark();
+    let mut index: BTreeMap<&str, u64> = BTreeMap::new();
+    for (c, file, at, len) in &storage {
+        let i = index.entry(&c.fqn).or_insert(0);
+        emit_object(&mut e, DCP_METADATA, "MetadataIndex");
+        e.empty_dict().mark().str("fqn").str(&c.fqn).str("offset");
+        emit_size(&mut e, &c.offsets);
+        e.str("index").int(*i).set_items().build();
+        *i += 1;
+        emit_object(&mut e, "torch.distributed.checkpoint.filesystem", "_StorageInfo");
+        e.empty_dict().mark();
+        e.str("relative_path").str(file).str("offset").int(*at).str("length").int(*len);
+        e.set_items().build();
+    }
+    e.set_items();
+    e.str("storage_meta").none();
+    e.str("version").str("1.0.0");
+    e.set_items().build();
+    Ok(e.finish())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -403,6 +542,44 @@ mod tests {
         assert_eq!(e.offsets, Some(vec![5]));
         assert_eq!(e.shape, vec![5]);
         assert_eq!(e.end - e.start, 40);
+    }
+
+    #[test]
+    fn written_metadata_reads_back() {
+        let tensors = BTreeMap::from([
+            ("w".to_string(), (Dtype::BF16, vec![4, 6])),
+            ("s".to_string(), (Dtype::F32, vec![])),
+        ]);
+        let files = vec![
+            (
+                "__0_0.distcp".to_string(),
+                vec![
+                    DistcpChunk { fqn: "w".into(), offsets: vec![0, 0], sizes: vec![4, 3] },
+                    DistcpChunk { fqn: "s".into(), offsets: vec![], sizes: vec![] },
+                ],
+            ),
+            (
+                "__1_0.distcp".to_string(),
+                vec![DistcpChunk { fqn: "w".into(), offsets: vec![0, 3], sizes: vec![4, 3] }],
+            ),
+        ];
+        let m = parse_metadata(&metadata_bytes(&tensors, &files).unwrap()).unwrap();
+        assert_eq!(m.tensors["w"], DcpTensor { dtype: Dtype::BF16, shape: vec![4, 6] });
+        let got: Vec<_> = m
+            .chunks
+            .iter()
+            .map(|c| (c.fqn.as_str(), c.offsets.clone(), c.file.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("w", vec![0, 0], "__0_0.distcp"),
+                ("s", vec![], "__0_0.distcp"),
+                ("w", vec![0, 3], "__1_0.distcp"),
+            ]
+        );
+        // The second archive of file 0 starts where the first ends.
+        assert_eq!(m.chunks[1].start, m.chunks[0].len);
     }
 
     #[test]
