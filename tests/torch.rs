@@ -236,6 +236,48 @@ fn dcp_default_format_merges_and_reshards_byte_exactly() {
     assert!(!d.path("one").exists());
 }
 
+/// ckpt's own torch outputs read back byte-exactly (torch itself reads them in
+/// scripts/torch_interop.py): `merge --format torch` (one model.pth) and `reshard
+/// --format distcp` (DCP's default format), from every source kind.
+#[test]
+fn torch_outputs_round_trip() {
+    let d = Dir::new();
+    let want = full_tensors(&fixtures().join("dcp_mesh_full.safetensors"));
+    d.ok(&["merge", &fx("dcp_mesh"), "--format", "torch", "-o", "pth"]);
+    assert!(d.path("pth/model.pth").is_file());
+    d.ok(&["merge", "pth", "-o", "back"]);
+    assert_eq!(full_tensors(&d.path("back")), want);
+    let o = d.fails(&[
+        "merge", &fx("dcp_mesh"), "--format", "torch", "--max-shard-size", "1KB", "-o", "x",
+    ]);
+    assert!(o.stderr.contains("one model.pth"), "{}", o.stderr);
+
+    for n in ["1", "3", "5"] {
+        let out = format!("d{n}");
+        d.ok(&["reshard", &fx("dcp_mesh"), "--to", n, "--format", "distcp", "-o", &out]);
+        let names: Vec<String> = std::fs::read_dir(d.path(&out))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.contains(&".metadata".to_string()), "{names:?}");
+        assert!(names.contains(&"__0_0.distcp".to_string()), "{names:?}");
+        let o = d.ok(&["verify", &out]);
+        assert!(o.stdout.contains("22 tensors"), "{}", o.stdout);
+        let m = format!("m{n}");
+        d.ok(&["merge", &out, "-o", &m]);
+        assert_eq!(full_tensors(&d.path(&m)), want, "--to {n}");
+    }
+    // From ckpt's own sliced layout too, one rank at a time into one output.
+    d.ok(&["reshard", &fx("dcp_mesh"), "--to", "2", "-o", "sliced"]);
+    for r in ["0", "1"] {
+        d.ok(&[
+            "reshard", "sliced", "--to", "2", "--format", "distcp", "--rank", r, "-o", "byrank",
+        ]);
+    }
+    d.ok(&["merge", "byrank", "-o", "mb"]);
+    assert_eq!(full_tensors(&d.path("mb")), want);
+}
+
 #[test]
 fn broken_dcp_directories_are_named_errors() {
     let d = Dir::new();
