@@ -226,6 +226,18 @@ fn dcp_default_format_merges_and_reshards_byte_exactly() {
     let s = std::fs::read_to_string(d.path("r2s/strategy.json")).unwrap();
     let s: serde_json::Value = serde_json::from_str(&s).unwrap();
     assert_eq!(s["tensors"]["model.0.weight"]["placements"][0], "Shard(0)");
+    // Megatron's torch_dist: the same DCP files plus common.pt and metadata.json.
+    let meg = d.path("megatron");
+    std::fs::create_dir(&meg).unwrap();
+    for f in std::fs::read_dir(fixtures().join("dcp_mesh")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, meg.join(f.file_name().unwrap())).unwrap();
+    }
+    std::fs::copy(fixtures().join("optim.pt"), meg.join("common.pt")).unwrap();
+    std::fs::write(meg.join("metadata.json"), r#"{"sharded_backend": "torch_dist"}"#).unwrap();
+    let o = d.ok(&["merge", "megatron", "-o", "meg"]);
+    assert!(o.stderr.contains("common.pt is not read"), "{}", o.stderr);
+    assert_eq!(full_tensors(&d.path("meg")), want);
     // A single .distcp file: the others' pieces are gaps, named.
     let o = d.fails(&["merge", &fx("dcp_mesh/__1_0.distcp"), "-o", "one"]);
     assert!(

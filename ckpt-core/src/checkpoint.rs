@@ -384,18 +384,19 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
         .filter(|p| !is_ms_strategy(p))
         .cloned()
         .collect();
-    if st.is_empty() {
-        // torch.save files, only where no safetensors stand beside them (Hugging Face
-        // directories often hold both forms of the same weights).
-        st = entries
-            .iter()
-            .filter(|p| has_ext(p, &["pth", "pt", "bin"]))
-            .cloned()
-            .collect();
-    }
     if st.is_empty() && path.join(distcp::METADATA_FILE).is_file() {
-        // PyTorch DCP's default format: every file the metadata names.
+        // PyTorch DCP's default format: every file the metadata names. Megatron's
+        // torch_dist adds `common.pt` and `metadata.json` (its own state, not tensors of
+        // the model): said, not read.
         let files = x.read_dcp(path)?.files(path);
+        for extra in ["common.pt", "metadata.json"] {
+            if path.join(extra).is_file() {
+                x.notes.push(format!(
+                    "{}: Megatron's {extra} is not read or carried (ckpt reads the DCP tensors beside it)",
+                    path.join(extra).display()
+                ));
+            }
+        }
         for f in files {
             x.inputs.push(Input {
                 path: f,
@@ -404,6 +405,15 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
             });
         }
         return Ok(());
+    }
+    if st.is_empty() {
+        // torch.save files, only where no safetensors stand beside them (Hugging Face
+        // directories often hold both forms of the same weights).
+        st = entries
+            .iter()
+            .filter(|p| has_ext(p, &["pth", "pt", "bin"]))
+            .cloned()
+            .collect();
     }
     if st.is_empty() && entries.iter().any(|p| has_ext(p, &["distcp"])) {
         return Err(unknown(format!(
