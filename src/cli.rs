@@ -544,6 +544,7 @@ fn verify(paths: &[PathBuf], depth: ckpt_core::VerifyDepth, as_json: bool) -> Re
 fn summary(
     verb: &str,
     stats: &ckpt_core::CopyStats,
+    (names, files): (u64, u64),
     secs: f64,
     out: &std::path::Path,
     as_json: bool,
@@ -552,16 +553,21 @@ fn summary(
     if as_json {
         println!(
             "{}",
-            json!({"tensors": stats.tensors, "bytes_written": stats.bytes_written, "bytes_read": stats.bytes_read,
+            json!({"tensors": names, "pieces": stats.tensors, "files": files, "bytes_written": stats.bytes_written, "bytes_read": stats.bytes_read,
                    "sync_seconds": stats.sync_micros as f64 / 1e6,
                    "checksums_verified": stats.checksums_verified,
                    "checksums_unchecked": stats.checksums_unchecked,
                    "seconds": secs, "gb_per_s": gbs, "output": out})
         );
     } else {
+        // Pieces are said only where they differ from tensors (a reshard's slices).
+        let pieces = if stats.tensors == names {
+            String::new()
+        } else {
+            format!(" as {} pieces", stats.tensors)
+        };
         println!(
-            "{verb} {} tensors, {} in {secs:.2} s ({gbs:.2} GB/s) into {}",
-            stats.tensors,
+            "{verb} {names} tensors{pieces} in {files} file(s), {} in {secs:.2} s ({gbs:.2} GB/s) into {}",
             human_bytes(stats.bytes_written),
             out.display()
         );
@@ -590,6 +596,8 @@ fn with_progress(
     }
     let t = Instant::now();
     let bar = std::sync::OnceLock::new();
+    // Distinct tensors and files of the plan: a reshard writes several pieces of a tensor.
+    let shape = std::sync::OnceLock::new();
     let stats = run(
         &|n| {
             if let Some(b) = bar.get() {
@@ -601,12 +609,19 @@ fn with_progress(
                 eprintln!("ckpt: note: {note}");
             }
             let _ = bar.set(bytes_bar(p.bytes_written(), copy.quiet || copy.json));
+            let names: std::collections::BTreeSet<&str> = p
+                .files
+                .iter()
+                .flat_map(|f| f.tensors.iter().map(|t| t.target.name.as_str()))
+                .collect();
+            let _ = shape.set((names.len() as u64, p.files.len() as u64));
         },
     );
     if let Some(b) = bar.get() {
         b.finish_and_clear();
     }
-    summary(verb, &stats?, t.elapsed().as_secs_f64(), out, copy.json);
+    let (names, files) = shape.get().copied().unwrap_or((0, 0));
+    summary(verb, &stats?, (names, files), t.elapsed().as_secs_f64(), out, copy.json);
     Ok(ExitCode::SUCCESS)
 }
 
