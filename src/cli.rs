@@ -517,10 +517,18 @@ fn verify(paths: &[PathBuf], depth: ckpt_core::VerifyDepth, as_json: bool) -> Re
                         .count()
                 })
                 .sum();
-            let sums = match (recorded, depth.checksums) {
-                (0, _) => ", no checksums recorded".to_string(),
-                (n, true) => format!(", {n} checksums match"),
-                (_, false) => ", checksums not read (--fast)".to_string(),
+            // Whole-file checksums (MindSpore's crc_num).
+            let file_sums = ck
+                .files
+                .iter()
+                .filter(|f| f.metadata().contains_key("crc_num"))
+                .count();
+            let sums = match (recorded, file_sums, depth.checksums) {
+                (0, 0, _) => ", no checksums recorded".to_string(),
+                (n, 0, true) => format!(", {n} checksums match"),
+                (0, k, true) => format!(", {k} file checksums (crc_num) match"),
+                (n, k, true) => format!(", {n} checksums and {k} file checksums (crc_num) match"),
+                (_, _, false) => ", checksums not read (--fast)".to_string(),
             };
             println!(
                 "ok: {} file(s), {} tensors, every element owned exactly once{sums}{}",

@@ -34,6 +34,14 @@ pub const CARRIED_FILES: [&str; 2] = ["config.json", "trainer_state.json"];
 /// Most problems of one kind listed one by one; the rest are counted.
 pub(crate) const MAX_LISTED: usize = 20;
 
+/// The parts of a file's tensor `read_mindspore` looks at (a split slice's records
+/// together).
+struct TensorEntryView<'a> {
+    name: &'a String,
+    dtype: Dtype,
+    shape: &'a [u64],
+}
+
 /// What kind of checkpoint a set of inputs is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
@@ -547,8 +555,10 @@ impl Checkpoint {
             return Err(Error::Many(Problems(problems)));
         }
         let sliced = strategies.iter().filter(|s| s.is_some()).count();
+        // (MindSpore's split records carry offsets too, within a file's own tensor.)
         let with_offsets = files
             .iter()
+            .filter(|f| f.format() != crate::formats::FileFormat::MindSporeCkpt)
             .filter(|f| f.tensors().iter().any(|t| t.offsets.is_some()))
             .count();
         let kind = if !ms_strategy.is_empty() {
@@ -929,12 +939,43 @@ impl Checkpoint {
             }
             self.ranks[fi] = Some(rank);
             let (stage, local) = (rank / per_stage, rank % per_stage);
+            // A slice MindSpore split into several records is one tensor of the file,
+            // held as boxes (`offsets` within the slice): `records` lists them.
+            let mut by_name: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
             for (ti, t) in f.tensors().iter().enumerate() {
+                by_name.entry(&t.name).or_default().push(ti);
+            }
+            for (ti, t) in f.tensors().iter().enumerate() {
+                let records = &by_name[t.name.as_str()];
+                if records[0] != ti {
+                    continue;
+                }
+                // The slice's shape: a whole record's, or the extent of the boxes.
+                let slice_shape: Vec<u64> = match &t.offsets {
+                    None => t.shape.clone(),
+                    Some(_) => (0..t.shape.len())
+                        .map(|d| {
+                            records
+                                .iter()
+                                .map(|&i| {
+                                    let e = &f.tensors()[i];
+                                    e.offsets.as_ref().map_or(0, |o| o[d]) + e.shape[d]
+                                })
+                                .max()
+                                .unwrap_or(0)
+                        })
+                        .collect(),
+                };
+                let t = &TensorEntryView {
+                    name: &t.name,
+                    dtype: t.dtype,
+                    shape: &slice_shape,
+                };
                 let bad = |problem: String| Error::InvalidTensor {
                     tensor: t.name.clone(),
                     problem,
                 };
-                let Some(p) = params.get(&t.name) else {
+                let Some(p) = params.get(t.name) else {
                     problems.push(bad(format!("in {path} but not in the MindSpore strategy")));
                     continue;
                 };
@@ -945,7 +986,7 @@ impl Checkpoint {
                     )));
                     continue;
                 }
-                let global = match ms_global_shape(&p.layout, &t.shape) {
+                let global = match ms_global_shape(&p.layout, t.shape) {
                     Ok(g) => g,
                     Err(e) => {
                         problems.push(bad(format!("{path}: {e}")));
@@ -960,7 +1001,7 @@ impl Checkpoint {
                             continue;
                         }
                     };
-                if let Some((m0, l0)) = known.get(&t.name) {
+                if let Some((m0, l0)) = known.get(t.name) {
                     if (m0, &l0.shape, l0.dtype) != (&mesh, &layout.shape, layout.dtype) {
                         problems.push(bad(format!(
                             "{path} holds {} {:?}, a slice of {:?}, but other ranks hold slices of {} {:?}",
@@ -974,7 +1015,7 @@ impl Checkpoint {
                     }
                 }
                 let want = layout.local_shape(&mesh, local);
-                if want.as_deref() != Some(&t.shape[..]) {
+                if want.as_deref() != Some(t.shape) {
                     problems.push(bad(format!(
                         "{path} holds {:?} but the strategy gives rank {rank} {want:?}",
                         t.shape
@@ -983,12 +1024,23 @@ impl Checkpoint {
                 }
                 let entry = raw.entry(t.name.clone()).or_default();
                 for piece in layout.pieces(&mesh, local) {
-                    entry.push(SourcePiece {
-                        file: fi,
-                        tensor: ti,
-                        global: piece.global,
-                        local: piece.local,
-                    });
+                    for &ri in records {
+                        // Each record box holds part of the slice: the piece's part in
+                        // it, in the record's own coordinates.
+                        let e = &f.tensors()[ri];
+                        let origin = e.offsets.clone().unwrap_or_else(|| vec![0; e.shape.len()]);
+                        let rec = Region::new(origin.clone(), e.shape.clone());
+                        let Some(part) = piece.local.overlap(&rec) else {
+                            continue;
+                        };
+                        let shift = part.relative_to(&piece.local.start);
+                        entry.push(SourcePiece {
+                            file: fi,
+                            tensor: ri,
+                            global: shift.offset(&piece.global.start),
+                            local: part.relative_to(&origin),
+                        });
+                    }
                 }
                 known.entry(t.name.clone()).or_insert((mesh, layout));
             }

@@ -305,6 +305,32 @@ impl TensorFile {
         Ok(true)
     }
 
+    /// Checks a checksum the format records for the whole file: MindSpore's `crc_num`
+    /// (`save_checkpoint(crc_check=True)`: a zlib CRC-32 of every byte before it).
+    /// `Ok(false)` when the file records none.
+    ///
+    /// # Errors
+    /// [`Error::Mismatch`] naming the file and both values.
+    pub fn check_file_checksum(&self) -> Result<bool> {
+        let (Some(want), Some(len)) = (
+            self.metadata.get("crc_num").and_then(|c| c.parse::<u128>().ok()),
+            self.metadata.get("crc_bytes").and_then(|c| c.parse::<usize>().ok()),
+        ) else {
+            return Ok(false);
+        };
+        let all: &[u8] = self.map.as_deref().unwrap_or(&[]);
+        let got = crc32fast::hash(&all[..len.min(all.len())]);
+        if u128::from(got) != want {
+            return Err(Error::Mismatch {
+                what: format!(
+                    "{}: checksum mismatch: MindSpore's crc_num records {want}, the bytes give {got} (the file is damaged)",
+                    self.path.display()
+                ),
+            });
+        }
+        Ok(true)
+    }
+
     /// The path this file was opened from.
     #[must_use]
     pub fn path(&self) -> &Path {

@@ -38,6 +38,12 @@ pub fn verify(paths: &[PathBuf], depth: VerifyDepth) -> Result<(Checkpoint, Vec<
             .filter_map(|&(fi, ti)| ck.files[fi].check_checksum(ti).err())
             .collect();
         problems.append(&mut bad);
+        let mut bad: Vec<Error> = ck
+            .files
+            .par_iter()
+            .filter_map(|f| f.check_file_checksum().err())
+            .collect();
+        problems.append(&mut bad);
     }
     for (name, t) in &ck.tensors {
         let bits = t.dtype.bitsize() as u64;
