@@ -4,7 +4,7 @@
 Needs torch (CPU is enough), safetensors and numpy; not part of the default test run
 because torch is a multi-gigabyte install. Run from the repository root:
 
-    python3 scripts/torch_interop.py [--bench-dir target/bench/tp8-h2048-l19]
+    python3 scripts/torch_interop.py [--bench-dir target/bench/tp8-h2048-l19-c]
 
 1. Four gloo processes save DTensors (Shard(0), Shard(1), nested, uneven, replicated)
    with torch's HuggingFaceStorageWriter(save_distributed=True); `ckpt merge` joins
@@ -201,7 +201,7 @@ def bench_default_format(work, bench_dir, sp):
     os.remove(os.path.join(work, "torch.pth"))
     os.sync()
     rows.append(("ckpt merge --format torch", *peak_rss_run([CKPT, "merge", src, "--format", "torch", "-o", os.path.join(work, "ckpt_pth"), "-q"])))
-    print(f"\n4. DCP default format ({nbytes / 1e9:.2f} GB, {len(os.listdir(src)) - 2} .distcp files) to one torch.save file (one run)")
+    print(f"\n5. DCP default format ({nbytes / 1e9:.2f} GB, {len(os.listdir(src)) - 2} .distcp files) to one torch.save file (one run)")
     print("| run | seconds | peak RSS MiB | x ckpt |")
     print("|---|---|---|---|")
     for name, secs, rss in rows:
