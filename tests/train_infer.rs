@@ -1,6 +1,7 @@
 //! Train on 4 ranks with sliced checkpoints, then merge and infer on 1 rank, reshard to
-//! 2 and to 3 (uneven) ranks and infer there: the same predictions, the trainer's own
-//! accuracy, logits within a stated tolerance; for mlp, vit and resnet.
+//! 2 and to 3 (uneven) ranks and infer there, and with data-parallel copies on top
+//! (the test set split over them): the same predictions, the trainer's own accuracy,
+//! logits within a stated tolerance; for mlp, vit and resnet.
 
 use crate::util::Dir;
 use std::path::Path;
@@ -37,7 +38,11 @@ fn equivalence(train: &[&str], tp: bool) {
     let want_ranks = if tp { (1, 2, 3) } else { (1, 1, 1) };
     assert_eq!((one.ranks, two.ranks, three.ranks), want_ranks);
     assert_eq!(one.accuracy, trainer_accuracy, "1 rank against the trainer");
-    for (n, r) in [(2, &two), (3, &three)] {
+    // Data-parallel copies on top: the test set split over them, gathered in order.
+    let dp_one = infer(&d.path("merged"), Some(3));
+    let dp_two = infer(&d.path("r2"), Some(2 * two.ranks));
+    assert_eq!((dp_one.ranks, dp_two.ranks), (3, 2 * two.ranks));
+    for (n, r) in [(2, &two), (3, &three), (30, &dp_one), (20, &dp_two)] {
         assert_eq!(r.predicted, one.predicted, "{n} ranks predict differently");
         assert_eq!(
             r.accuracy, trainer_accuracy,
@@ -137,10 +142,13 @@ fn checkpoint_that_does_not_fit_the_model_is_named() {
     let o = d.fails(&["infer", "run", "--ranks", "3"]);
     assert!(
         o.stderr.contains("3 ranks, but")
-            && o.stderr.contains("is sliced for 2 tensor-parallel ranks"),
+            && o.stderr.contains("is sliced for 2 tensor-parallel ranks")
+            && o.stderr.contains("use --ranks 2 or a multiple of it")
+            && o.stderr.contains("--to 3` first"),
         "{}",
         o.stderr
     );
+    d.ok(&["infer", "run", "--ranks", "4"]);
 }
 
 /// This build has no candle CUDA kernels: `--device cuda` stops before any work with an
