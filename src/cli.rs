@@ -261,6 +261,11 @@ struct MergeArgs {
     /// tensors that torch.load(weights_only=True) reads).
     #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "mindspore", "torch"])]
     format: String,
+    /// Keep optimizer state (tensors named `optim.*`) in model.safetensors; by default
+    /// it goes to optimizer.safetensors beside it, and model.safetensors holds the
+    /// weights only (`ckpt infer` and `ckpt train --resume` read both).
+    #[arg(long)]
+    one_file: bool,
     #[command(flatten)]
     copy: CopyArgs,
 }
@@ -641,6 +646,7 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
             .with_prefixes(a.copy.strip_prefix.clone(), a.copy.add_prefix.clone()),
         force: a.copy.force,
+        one_file: a.one_file,
         format: match a.format.as_str() {
             "mindspore" => ckpt_merge::MergeFormat::MindSpore,
             "torch" => ckpt_merge::MergeFormat::Torch,

@@ -26,6 +26,12 @@ pub const STRATEGY_FILE: &str = "strategy.json";
 pub const MODEL_FILE: &str = "model.safetensors";
 /// Name of a Hugging Face shard index.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// Beside an integrated model, the file of its optimizer state (`merge` puts tensors
+/// named [`OPTIMIZER_PREFIX`]`*` there, so that model.safetensors holds weights only).
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// The names of optimizer state, in ckpt's training checkpoints (`optim.<param>.<state>`)
+/// and torch's (`optim.state.<i>.<state>`).
+pub const OPTIMIZER_PREFIX: &str = "optim.";
 /// In a training output directory, the file naming its newest checkpoint.
 pub(crate) const LATEST_FILE: &str = "latest";
 /// Files carried through from input to output when present.
@@ -134,6 +140,18 @@ struct Expanded {
 }
 
 impl Expanded {
+    /// The optimizer state `merge` writes beside an integrated model, when present.
+    fn push_optimizer_file(&mut self, dir: &Path) {
+        let p = dir.join(OPTIMIZER_FILE);
+        if p.is_file() {
+            self.inputs.push(Input {
+                path: p,
+                strategy: None,
+                dcp: None,
+            });
+        }
+    }
+
     /// Reads a DCP directory's `.metadata` once, noting the values it holds that are
     /// not tensors (ckpt does not carry them).
     fn read_dcp(&mut self, dir: &Path) -> Result<&DcpMetadata> {
@@ -370,6 +388,7 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
                 dcp: None,
             });
         }
+        x.push_optimizer_file(path);
         return Ok(());
     }
     if model.is_file() {
@@ -378,6 +397,7 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
             strategy: None,
             dcp: None,
         });
+        x.push_optimizer_file(path);
         return Ok(());
     }
     let has_ext = |p: &Path, exts: &[&str]| {

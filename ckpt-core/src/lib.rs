@@ -27,6 +27,7 @@ mod verify;
 
 pub use crate::checkpoint::{
     Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, DCP_SHARDING_INFO, INDEX_FILE,
+    OPTIMIZER_FILE, OPTIMIZER_PREFIX,
     MODEL_FILE, STRATEGY_FILE,
 };
 pub use crate::checksum::{checksums_enabled, set_checksums_enabled, Checksum, CHECKSUMS_KEY};

@@ -8,10 +8,10 @@
 use ckpt_core::{
     check_output_outside_inputs, copy_carried, execute, write_file_atomic, Checkpoint, CopyPlan,
     CopyStats, Piece, Region, Result, Selection, StagedDir, TargetFile, TargetTensor, INDEX_FILE,
-    MODEL_FILE,
+    MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_PREFIX,
 };
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// What to merge and how.
 #[derive(Clone, Debug, Default)]
@@ -28,6 +28,9 @@ pub struct MergeRequest {
     pub force: bool,
     /// The output's format.
     pub format: MergeFormat,
+    /// Keep optimizer state in the model file(s) (safetensors): by default it goes to
+    /// `optimizer.safetensors` beside them.
+    pub one_file: bool,
     /// Write only share `index` of `count` of the output files (file `k` when
     /// `k % count == index`): one process of a job started by mpirun or srun. Each file
     /// appears atomically; share 0 also writes the index and carried files.
@@ -88,7 +91,22 @@ pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
                 metadata: BTreeMap::new(),
             }]
         }
-        None => shard(tensors, req.max_shard_size),
+        None => {
+            // Hugging Face users expect weights only in model.safetensors: optimizer
+            // state (ckpt's and torch's `optim.` names) goes beside it.
+            let (optim, weights): (Vec<_>, Vec<_>) = tensors
+                .into_iter()
+                .partition(|t| !req.one_file && t.name.starts_with(OPTIMIZER_PREFIX));
+            let mut files = shard(weights, req.max_shard_size);
+            if !optim.is_empty() {
+                files.push(TargetFile {
+                    path: OPTIMIZER_FILE.into(),
+                    tensors: optim,
+                    metadata: [("format".to_string(), "pt".to_string())].into(),
+                });
+            }
+            files
+        }
     };
     CopyPlan::build(source, files)
 }
@@ -137,10 +155,19 @@ fn shard(tensors: Vec<TargetTensor>, max: Option<u64>) -> Vec<TargetFile> {
         .collect()
 }
 
-/// The Hugging Face index of a sharded plan.
-fn index_json(plan: &CopyPlan) -> String {
+/// The Hugging Face index of a sharded plan: the model's shards (not the optimizer
+/// file), when there are several.
+fn index_json(plan: &CopyPlan) -> Option<String> {
+    let shards: Vec<_> = plan
+        .files
+        .iter()
+        .filter(|f| f.path != Path::new(OPTIMIZER_FILE))
+        .collect();
+    if shards.len() < 2 {
+        return None;
+    }
     let mut map = serde_json::Map::new();
-    for f in &plan.files {
+    for f in shards {
         for t in &f.tensors {
             map.insert(
                 t.target.name.clone(),
@@ -150,7 +177,7 @@ fn index_json(plan: &CopyPlan) -> String {
     }
     let doc =
         serde_json::json!({"metadata": {"total_size": plan.bytes_written()}, "weight_map": map});
-    serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n"
+    Some(serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n")
 }
 
 /// Merges: checks everything, then writes the output atomically.
@@ -171,7 +198,7 @@ pub fn merge(
     }
     let source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
     let plan = plan(&source, req)?;
-    let index = (plan.files.len() > 1).then(|| index_json(&plan));
+    let index = index_json(&plan);
     let Some((share, count)) = req.share else {
         on_plan(&source, &plan);
         let staged = StagedDir::new(&req.output, req.force)?;

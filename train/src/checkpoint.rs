@@ -391,6 +391,14 @@ fn remove_leftovers(out: &Path) -> Result<()> {
 /// # Errors
 /// An unreadable checkpoint.
 pub fn checkpoint_tensor_names(dir: &Path) -> Result<Vec<String>> {
+    Ok(checkpoint_tensor_dtypes(dir)?.into_keys().collect())
+}
+
+/// The tensors a checkpoint holds, with their dtypes.
+///
+/// # Errors
+/// An unreadable checkpoint.
+pub(crate) fn checkpoint_tensor_dtypes(dir: &Path) -> Result<std::collections::BTreeMap<String, Dtype>> {
     let c = ckpt_core::Checkpoint::open(&[dir.to_path_buf()])?;
-    Ok(c.tensors.keys().cloned().collect())
+    Ok(c.tensors.into_iter().map(|(n, t)| (n, t.dtype)).collect())
 }

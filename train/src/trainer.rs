@@ -2,7 +2,7 @@
 //! report from rank 0.
 
 use crate::checkpoint::{
-    checkpoint_tensor_names, f32_from_bytes, find_meta_file, gather_full, read_trainer_state,
+    checkpoint_tensor_dtypes, f32_from_bytes, find_meta_file, gather_full, read_trainer_state,
     resolve_checkpoint, save, FullTensor, RngState, SaveMode, SaveRequest, ScheduleState,
     TrainerState, CONFIG_FILE, TRAINER_STATE_FILE, TRAINER_STATE_FORMAT,
 };
@@ -68,6 +68,8 @@ struct Resume {
     dir: PathBuf,
     state: TrainerState,
     names: BTreeSet<String>,
+    /// Tensors stored in another float type, cast to F32 on load.
+    cast: BTreeMap<String, Dtype>,
 }
 
 /// Everything a rank needs, resolved and checked once.
@@ -167,8 +169,26 @@ impl Plan {
                     }
                 })?;
                 let state = read_trainer_state(&sp)?;
-                let names = checkpoint_tensor_names(&dir)?.into_iter().collect();
-                Some(Resume { dir, state, names })
+                let dtypes = checkpoint_tensor_dtypes(&dir)?;
+                let mut cast = BTreeMap::new();
+                for (name, &dt) in &dtypes {
+                    match dt {
+                        Dtype::F32 => {}
+                        Dtype::BF16 | Dtype::F16 | Dtype::F64 => {
+                            cast.insert(name.clone(), dt);
+                        }
+                        other => {
+                            return Err(Error::BadCheckpoint {
+                                path: dir.clone(),
+                                problem: format!(
+                                    "tensor `{name}` is {other:?}: only float tensors are trained"
+                                ),
+                            })
+                        }
+                    }
+                }
+                let names = dtypes.into_keys().collect();
+                Some(Resume { dir, state, names, cast })
             }
             None => None,
         };
@@ -289,6 +309,29 @@ impl Plan {
             return Err(Error::option("--save-every", "needs --out DIR"));
         }
         let sync_bn = cfg.sync_bn || resume.as_ref().is_some_and(|r| r.state.sync_bn);
+        if let Some(r) = &resume {
+            // A resume with nothing left to do is a mistake to say, not a run that ends
+            // at once with exit 0.
+            let end = cfg
+                .max_steps
+                .unwrap_or(u64::MAX)
+                .min(cfg.epochs.saturating_mul(steps_per_epoch));
+            if r.state.step >= end {
+                let done_epochs = r.state.step.div_ceil(steps_per_epoch.max(1));
+                return Err(Error::option(
+                    "--epochs",
+                    format!(
+                        "{} is at step {} (epoch {}), and --epochs {}{} ends at step {end}: nothing left to do; continue with --epochs {} or more",
+                        r.dir.display(),
+                        r.state.step,
+                        r.state.epoch,
+                        cfg.epochs,
+                        cfg.max_steps.map(|m| format!(" --max-steps {m}")).unwrap_or_default(),
+                        done_epochs + 1
+                    ),
+                ));
+            }
+        }
         Ok(Plan {
             mesh,
             source,
@@ -321,6 +364,50 @@ impl Plan {
             device: cfg.device,
             portable_kernels: cfg.portable_kernels,
         })
+    }
+
+    /// What a resume does not take from the checkpoint as it is: optimizer state that
+    /// is missing (started from zero), tensors stored in another float type (cast to
+    /// F32).
+    fn resume_warnings(&self) -> Vec<String> {
+        let Some(r) = &self.resume else {
+            return vec![];
+        };
+        let mut out = Vec::new();
+        let specs: BTreeSet<&str> = self.specs.iter().map(|s| s.name.as_str()).collect();
+        let missing: Vec<String> = self
+            .layouts()
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| !specs.contains(n.as_str()) && !r.names.contains(n))
+            .collect();
+        if !missing.is_empty() {
+            out.push(format!(
+                "{} has no optimizer state for {} tensor(s) (e.g. `{}`): the {} state ({}) starts from zero, as in a new run",
+                r.dir.display(),
+                missing.len(),
+                missing[0],
+                match self.optim.kind {
+                    OptimizerKind::Sgd => "SGD",
+                    OptimizerKind::Adamw => "AdamW",
+                },
+                self.optim.kind.state_names().join(", ")
+            ));
+        }
+        if !r.cast.is_empty() {
+            let mut by: BTreeMap<String, usize> = BTreeMap::new();
+            for d in r.cast.values() {
+                *by.entry(format!("{d:?}")).or_default() += 1;
+            }
+            let first = r.cast.keys().next().cloned().unwrap_or_default();
+            out.push(format!(
+                "{}: {} tensor(s) stored as {} (e.g. `{first}`) are cast to F32 to train: they keep the checkpoint's precision, not the original run's",
+                r.dir.display(),
+                r.cast.len(),
+                by.iter().map(|(d, n)| format!("{n} {d}")).collect::<Vec<_>>().join(", ")
+            ));
+        }
+        out
     }
 
     /// Layouts of every tensor a checkpoint of this run holds, in a fixed order.
@@ -438,13 +525,32 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
         }
         let target = plan.strategy(Some(&r.names))?;
         for (name, t) in ckpt_core::load_rank(&r.dir, &target, rank)? {
-            if t.dtype != Dtype::F32 {
-                return Err(Error::BadCheckpoint {
-                    path: r.dir.clone(),
-                    problem: format!("tensor `{name}` is {:?}; only F32 is trained", t.dtype),
-                });
-            }
-            loaded.insert(name, f32_from_bytes(&t.data));
+            let values = match t.dtype {
+                Dtype::F32 => f32_from_bytes(&t.data),
+                // Said before training (`resume_warnings`).
+                Dtype::BF16 => t
+                    .data
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                Dtype::F16 => t
+                    .data
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                Dtype::F64 => t
+                    .data
+                    .chunks_exact(8)
+                    .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
+                    .collect(),
+                other => {
+                    return Err(Error::BadCheckpoint {
+                        path: r.dir.clone(),
+                        problem: format!("tensor `{name}` is {other:?}; only float tensors are trained"),
+                    })
+                }
+            };
+            loaded.insert(name, values);
         }
     }
     let mut vars: BTreeMap<String, Var> = BTreeMap::new();
@@ -714,6 +820,12 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
 pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainReport> {
     let start = Instant::now();
     let plan = Plan::new(cfg)?;
+    // Said once (by the first process under a launcher), before any work.
+    if crate::launch::LaunchEnv::from_env().ok().flatten().is_none_or(|l| l.rank == 0) {
+        for w in plan.resume_warnings() {
+            eprintln!("ckpt: warning: {w}");
+        }
+    }
     let mut results = cfg
         .backend
         .run(&plan.mesh, |dist| rank_main(&plan, dist, progress))?;
