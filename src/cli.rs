@@ -149,13 +149,16 @@ struct InferArgs {
     /// Data set (default: the one it was trained on): digits, digits:FILE, fashion-mnist[:DIR], cifar10:DIR.
     #[arg(long, value_parser = parse_data)]
     data: Option<String>,
-    /// Ranks (tensor parallel); a sliced checkpoint needs its own tensor-parallel size.
+    /// Ranks: a sliced checkpoint's tensor-parallel size (the default) or a multiple of
+    /// it, the extra copies data parallel (the test set split over them).
     #[arg(long)]
     ranks: Option<u64>,
     /// Images per forward pass.
     #[arg(long, default_value_t = 256)]
     batch_size: usize,
-    /// Predict these test images (0..10, 3,5,7) or the images in these files.
+    /// Predict these test images (7; 3,5,7; 0..10, the end excluded) or the images in
+    /// these files (digits: CSV rows of 64 pixel values 0..16 and the label, as in the
+    /// data set's own file).
     #[arg(long, num_args = 1..)]
     predict: Vec<String>,
     /// Evaluate only the first N test images.
@@ -212,7 +215,8 @@ impl Inputs {
 /// Options shared by the commands that copy tensors.
 #[derive(Args, Debug, Clone)]
 struct CopyArgs {
-    /// Cast floating-point tensors while copying (integers are refused).
+    /// Cast floating-point tensors while copying (integers are refused): bf16, f16,
+    /// f32, f64, or any safetensors dtype name (F8_E4M3, F8_E5M2, ...).
     #[arg(long, value_parser = parse_cast)]
     dtype: Option<Dtype>,
     /// Keep only tensors matching these glob patterns.
@@ -850,7 +854,11 @@ fn infer(a: InferArgs) -> Result<ExitCode> {
         data: a.data,
         ranks: a.ranks,
         batch_size: a.batch_size,
-        predict: (!a.predict.is_empty()).then(|| ckpt_infer::parse_predict(&a.predict)),
+        predict: if a.predict.is_empty() {
+            None
+        } else {
+            Some(ckpt_infer::parse_predict(&a.predict).map_err(|e| Usage(format!("--predict {e}")))?)
+        },
         limit: a.limit,
         backend: a.backend,
         device: a.device,

@@ -380,25 +380,54 @@ fn read_files(files: &[PathBuf], data: &str) -> Result<Dataset> {
     })
 }
 
-/// Parses `--predict`: `0..10`, `3,5,7`, or file paths.
-#[must_use]
-pub fn parse_predict(items: &[String]) -> Predict {
+/// Parses `--predict`: test indices (`7`, `3,5,7`), ranges with the end excluded
+/// (`0..10`), or files in the data set's format (digits: CSV rows of 64 pixel values
+/// 0..16 and the label, as in the data set's own file).
+///
+/// # Errors
+/// A range written another way (`0-5`), an empty range (`5..2`), or an argument that
+/// is neither an index, a range nor an existing file; the message says what to write.
+pub fn parse_predict(items: &[String]) -> std::result::Result<Predict, String> {
+    if items.iter().any(|it| Path::new(it).is_file()) {
+        return match items.iter().find(|it| !Path::new(it).is_file()) {
+            Some(it) => Err(format!("`{it}`: not a file, and the other arguments are files")),
+            None => Ok(Predict::Files(items.iter().map(PathBuf::from).collect())),
+        };
+    }
     let mut idx = Vec::new();
     for it in items {
-        for part in it.split(',') {
+        for part in it.split(',').map(str::trim) {
             if let Some((a, b)) = part.split_once("..") {
-                if let (Ok(a), Ok(b)) = (a.trim().parse::<usize>(), b.trim().parse::<usize>()) {
-                    idx.extend(a..b);
-                    continue;
+                let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) else {
+                    return Err(format!("`{part}`: a range is START..END, two test indices"));
+                };
+                if a >= b {
+                    return Err(format!(
+                        "`{part}` is empty: a range is START..END with START < END, the end excluded"
+                    ));
+                }
+                idx.extend(a..b);
+                continue;
+            }
+            if let Some((a, b)) = part.split_once('-') {
+                if a.parse::<usize>().is_ok() && b.parse::<usize>().is_ok() {
+                    return Err(format!(
+                        "`{part}`: write the range as {a}..{b} (the end excluded), or {a}..{} to include {b}",
+                        b.parse::<usize>().unwrap_or(0) + 1
+                    ));
                 }
             }
-            match part.trim().parse::<usize>() {
+            match part.parse::<usize>() {
                 Ok(i) => idx.push(i),
-                Err(_) => return Predict::Files(items.iter().map(PathBuf::from).collect()),
+                Err(_) => {
+                    return Err(format!(
+                        "`{part}`: neither a test index (7), a range (0..10) nor an existing file"
+                    ))
+                }
             }
         }
     }
-    Predict::Indices(idx)
+    Ok(Predict::Indices(idx))
 }
 
 #[cfg(test)]
@@ -408,13 +437,20 @@ mod tests {
     #[test]
     fn predict_argument() {
         assert_eq!(
-            parse_predict(&["0..3".into(), "7".into()]),
-            Predict::Indices(vec![0, 1, 2, 7])
+            parse_predict(&["0..3".into(), "7,9".into()]),
+            Ok(Predict::Indices(vec![0, 1, 2, 7, 9]))
         );
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let name = f.path().display().to_string();
         assert_eq!(
-            parse_predict(&["a.csv".into()]),
-            Predict::Files(vec![PathBuf::from("a.csv")])
+            parse_predict(std::slice::from_ref(&name)),
+            Ok(Predict::Files(vec![f.path().to_path_buf()]))
         );
+        let err = |a: &str| parse_predict(&[a.to_string()]).unwrap_err();
+        assert!(err("0-5").contains("0..5"), "{}", err("0-5"));
+        assert!(err("5..2").contains("is empty"), "{}", err("5..2"));
+        assert!(err("a.csv").contains("nor an existing file"), "{}", err("a.csv"));
+        assert!(parse_predict(&[name, "x".into()]).unwrap_err().contains("`x`: not a file"));
         let p = prediction(0, None, &[0.0, 2.0_f32.ln()]);
         assert_eq!(p.class, 1);
         assert!((p.probabilities[1] - 2.0 / 3.0).abs() < 1e-6);
