@@ -87,6 +87,8 @@ enum Command {
     Inspect {
         #[command(flatten)]
         inputs: Inputs,
+        #[command(flatten)]
+        names: Names,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
@@ -95,6 +97,8 @@ enum Command {
     Verify {
         #[command(flatten)]
         inputs: Inputs,
+        #[command(flatten)]
+        names: Names,
         /// Also compare replicated copies byte for byte.
         #[arg(long, conflicts_with = "fast")]
         deep: bool,
@@ -212,6 +216,23 @@ impl Inputs {
     }
 }
 
+/// Renaming, on every command that reads a checkpoint.
+#[derive(Args, Debug, Clone, Default)]
+struct Names {
+    /// Remove this prefix from every tensor name that has it (DDP's `module.`).
+    #[arg(long, value_name = "PREFIX")]
+    strip_prefix: Option<String>,
+    /// Put this prefix in front of every tensor name (after --strip-prefix).
+    #[arg(long, value_name = "PREFIX")]
+    add_prefix: Option<String>,
+}
+
+impl Names {
+    fn selection(&self) -> Selection {
+        Selection::default().with_prefixes(self.strip_prefix.clone(), self.add_prefix.clone())
+    }
+}
+
 /// Options shared by the commands that copy tensors.
 #[derive(Args, Debug, Clone)]
 struct CopyArgs {
@@ -225,12 +246,8 @@ struct CopyArgs {
     /// Drop tensors matching these glob patterns (e.g. 'optim.*').
     #[arg(long, value_parser = parse_glob)]
     exclude: Vec<String>,
-    /// Remove this prefix from every tensor name that has it (DDP's `module.`).
-    #[arg(long, value_name = "PREFIX")]
-    strip_prefix: Option<String>,
-    /// Put this prefix in front of every tensor name (after --strip-prefix).
-    #[arg(long, value_name = "PREFIX")]
-    add_prefix: Option<String>,
+    #[command(flatten)]
+    names: Names,
     /// Replace an existing output.
     #[arg(long)]
     force: bool,
@@ -357,14 +374,20 @@ fn parse_cast(s: &str) -> std::result::Result<Dtype, String> {
 
 pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Inspect { inputs, json } => inspect(&inputs.all()?, json),
+        Command::Inspect {
+            inputs,
+            names,
+            json,
+        } => inspect(&inputs.all()?, &names, json),
         Command::Verify {
             inputs,
+            names,
             deep,
             fast,
             json,
         } => verify(
             &inputs.all()?,
+            &names,
             ckpt_core::VerifyDepth {
                 checksums: !fast,
                 deep,
@@ -405,8 +428,9 @@ fn placements_text(ck: &Checkpoint, name: &str) -> String {
     }
 }
 
-fn inspect(paths: &[PathBuf], as_json: bool) -> Result<ExitCode> {
-    let (ck, problems) = ckpt_core::verify(paths, ckpt_core::VerifyDepth::default())?;
+fn inspect(paths: &[PathBuf], names: &Names, as_json: bool) -> Result<ExitCode> {
+    let (mut ck, mut problems) = ckpt_core::verify(paths, ckpt_core::VerifyDepth::default())?;
+    ck.apply_renames(&names.selection(), &mut problems)?;
     let mut per_file = vec![0u64; ck.files.len()];
     for (i, f) in ck.files.iter().enumerate() {
         per_file[i] = f.tensors().iter().map(|t| t.end - t.start).sum();
@@ -491,9 +515,17 @@ fn inspect(paths: &[PathBuf], as_json: bool) -> Result<ExitCode> {
     })
 }
 
-fn verify(paths: &[PathBuf], depth: ckpt_core::VerifyDepth, as_json: bool) -> Result<ExitCode> {
+fn verify(
+    paths: &[PathBuf],
+    names: &Names,
+    depth: ckpt_core::VerifyDepth,
+    as_json: bool,
+) -> Result<ExitCode> {
     let deep = depth.deep;
-    let (ck, problems) = match ckpt_core::verify(paths, depth) {
+    let (ck, problems) = match ckpt_core::verify(paths, depth).and_then(|(mut ck, mut p)| {
+        ck.apply_renames(&names.selection(), &mut p)?;
+        Ok((ck, p))
+    }) {
         Ok(x) => x,
         Err(e) => {
             if as_json {
@@ -648,7 +680,7 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
         output: a.output,
         max_shard_size: a.max_shard_size,
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
-            .with_prefixes(a.copy.strip_prefix.clone(), a.copy.add_prefix.clone()),
+            .with_prefixes(a.copy.names.strip_prefix.clone(), a.copy.names.add_prefix.clone()),
         force: a.copy.force,
         one_file: a.one_file,
         format: match a.format.as_str() {
@@ -711,7 +743,7 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         target,
         ranks,
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
-            .with_prefixes(a.copy.strip_prefix.clone(), a.copy.add_prefix.clone()),
+            .with_prefixes(a.copy.names.strip_prefix.clone(), a.copy.names.add_prefix.clone()),
         // MindSpore loads each rank's parameters from that rank's file alone.
         keep_all: a.keep_all || a.format == "mindspore",
         force: a.copy.force,

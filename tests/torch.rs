@@ -55,7 +55,16 @@ fn strip_and_add_prefix_rename_every_tensor() {
         o.stdout,
         o.stderr
     );
-    d.ok(&[
+    // On inspect and verify too; the note suggesting it goes once it is done.
+    let o = d.ok(&["inspect", &fx("ddp.pth"), "--strip-prefix", "module."]);
+    assert!(
+        o.stdout.contains("\nsplit.b ") && !o.stdout.contains("module.") && !o.stderr.contains("starts with"),
+        "{}{}",
+        o.stdout,
+        o.stderr
+    );
+    d.ok(&["verify", &fx("ddp.pth"), "--strip-prefix", "module."]);
+    let o = d.ok(&[
         "merge",
         &fx("ddp.pth"),
         "--strip-prefix",
@@ -63,6 +72,7 @@ fn strip_and_add_prefix_rename_every_tensor() {
         "-o",
         "s",
     ]);
+    assert!(!o.stderr.contains("starts with"), "{}", o.stderr);
     let want: BTreeMap<String, Vec<u8>> = starting("module.")
         .into_iter()
         .map(|(k, v)| (k["module.".len()..].to_string(), v))

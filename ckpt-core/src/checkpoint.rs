@@ -37,6 +37,9 @@ pub(crate) const LATEST_FILE: &str = "latest";
 /// Files carried through from input to output when present.
 pub const CARRIED_FILES: [&str; 2] = ["config.json", "trainer_state.json"];
 
+/// How the note on a prefix every name shares begins.
+const SHARED_PREFIX_NOTE: &str = "every tensor name starts with";
+
 /// Most problems of one kind listed one by one; the rest are counted.
 pub(crate) const MAX_LISTED: usize = 20;
 
@@ -492,18 +495,7 @@ impl Checkpoint {
     /// As [`Checkpoint::open`], for the kept tensors; a selection that keeps nothing.
     pub fn open_selected(paths: &[PathBuf], selection: &Selection) -> Result<Checkpoint> {
         let (mut ck, mut problems) = Checkpoint::scan(paths)?;
-        if selection.renames() {
-            ck.rename(|n| selection.rename(n))?;
-            for e in &mut problems {
-                if let Error::CoverageGap { tensor, .. }
-                | Error::Overlap { tensor, .. }
-                | Error::InvalidTensor { tensor, .. }
-                | Error::Ambiguous { tensor, .. } = e
-                {
-                    *tensor = selection.rename(tensor);
-                }
-            }
-        }
+        ck.apply_renames(selection, &mut problems)?;
         let warnings = selection.review(ck.tensors.keys().map(String::as_str))?;
         ck.notes.extend(warnings);
         let keep = |name: &str| selection.keeps(name);
@@ -638,10 +630,34 @@ impl Checkpoint {
         }
         if let Some(p) = shared_prefix(ck.tensors.keys().map(String::as_str)) {
             ck.notes.push(format!(
-                "every tensor name starts with `{p}` (DDP's `module.` wrapper, for one): --strip-prefix {p} removes it"
+                "{SHARED_PREFIX_NOTE} `{p}` (DDP's `module.` wrapper, for one): --strip-prefix {p} removes it"
             ));
         }
         Ok((ck, problems))
+    }
+
+    /// Applies a selection's renames (`--strip-prefix`, `--add-prefix`) to the tensors
+    /// and to the problems found so far, which name them; the note suggesting a strip
+    /// goes once it is done.
+    ///
+    /// # Errors
+    /// Two tensors that would get the same name.
+    pub fn apply_renames(&mut self, selection: &Selection, problems: &mut [Error]) -> Result<()> {
+        if !selection.renames() {
+            return Ok(());
+        }
+        self.rename(|n| selection.rename(n))?;
+        for e in problems {
+            if let Error::CoverageGap { tensor, .. }
+            | Error::Overlap { tensor, .. }
+            | Error::InvalidTensor { tensor, .. }
+            | Error::Ambiguous { tensor, .. } = e
+            {
+                *tensor = selection.rename(tensor);
+            }
+        }
+        self.notes.retain(|n| !n.starts_with(SHARED_PREFIX_NOTE));
+        Ok(())
     }
 
     /// Renames every tensor by `rename` (the strategy's layouts too).
