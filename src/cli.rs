@@ -191,6 +191,11 @@ struct Inputs {
     /// when it is not the only one beside the rank directories.
     #[arg(long, value_name = "FILE")]
     source_strategy: Vec<PathBuf>,
+    /// Read the checkpoint of this training step where the inputs hold several: a
+    /// training output's step_<N>/ instead of `latest`, MindSpore's
+    /// <prefix>-<epoch>_<N>.ckpt in each rank directory instead of the newest.
+    #[arg(long, value_name = "N")]
+    step: Option<u64>,
 }
 
 impl Inputs {
@@ -378,7 +383,7 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
             inputs,
             names,
             json,
-        } => inspect(&inputs.all()?, &names, json),
+        } => inspect(&inputs.all()?, &names.selection().with_step(inputs.step), json),
         Command::Verify {
             inputs,
             names,
@@ -387,7 +392,7 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
             json,
         } => verify(
             &inputs.all()?,
-            &names,
+            &names.selection().with_step(inputs.step),
             ckpt_core::VerifyDepth {
                 checksums: !fast,
                 deep,
@@ -428,9 +433,8 @@ fn placements_text(ck: &Checkpoint, name: &str) -> String {
     }
 }
 
-fn inspect(paths: &[PathBuf], names: &Names, as_json: bool) -> Result<ExitCode> {
-    let (mut ck, mut problems) = ckpt_core::verify(paths, ckpt_core::VerifyDepth::default())?;
-    ck.apply_renames(&names.selection(), &mut problems)?;
+fn inspect(paths: &[PathBuf], sel: &Selection, as_json: bool) -> Result<ExitCode> {
+    let (ck, problems) = ckpt_core::verify_selected(paths, sel, ckpt_core::VerifyDepth::default())?;
     let mut per_file = vec![0u64; ck.files.len()];
     for (i, f) in ck.files.iter().enumerate() {
         per_file[i] = f.tensors().iter().map(|t| t.end - t.start).sum();
@@ -517,15 +521,12 @@ fn inspect(paths: &[PathBuf], names: &Names, as_json: bool) -> Result<ExitCode> 
 
 fn verify(
     paths: &[PathBuf],
-    names: &Names,
+    sel: &Selection,
     depth: ckpt_core::VerifyDepth,
     as_json: bool,
 ) -> Result<ExitCode> {
     let deep = depth.deep;
-    let (ck, problems) = match ckpt_core::verify(paths, depth).and_then(|(mut ck, mut p)| {
-        ck.apply_renames(&names.selection(), &mut p)?;
-        Ok((ck, p))
-    }) {
+    let (ck, problems) = match ckpt_core::verify_selected(paths, sel, depth) {
         Ok(x) => x,
         Err(e) => {
             if as_json {
@@ -680,7 +681,8 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
         output: a.output,
         max_shard_size: a.max_shard_size,
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
-            .with_prefixes(a.copy.names.strip_prefix.clone(), a.copy.names.add_prefix.clone()),
+            .with_prefixes(a.copy.names.strip_prefix.clone(), a.copy.names.add_prefix.clone())
+            .with_step(a.inputs.step),
         force: a.copy.force,
         one_file: a.one_file,
         format: match a.format.as_str() {
@@ -743,7 +745,8 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         target,
         ranks,
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
-            .with_prefixes(a.copy.names.strip_prefix.clone(), a.copy.names.add_prefix.clone()),
+            .with_prefixes(a.copy.names.strip_prefix.clone(), a.copy.names.add_prefix.clone())
+            .with_step(a.inputs.step),
         // MindSpore loads each rank's parameters from that rank's file alone.
         keep_all: a.keep_all || a.format == "mindspore",
         force: a.copy.force,

@@ -140,6 +140,8 @@ struct Expanded {
     notes: Vec<String>,
     /// DCP directories' metadata, by directory.
     dcp: BTreeMap<PathBuf, DcpMetadata>,
+    /// The training step asked for (`--step`), where the inputs hold several.
+    step: Option<u64>,
 }
 
 impl Expanded {
@@ -207,7 +209,7 @@ fn is_ms_strategy(path: &Path) -> bool {
 
 /// The checkpoint file of a MindSpore rank directory: its only `.ckpt`/`.safetensors`
 /// file, or the newest `<prefix>-<epoch>_<step>` of several.
-fn ms_rank_file(dir: &Path, notes: &mut Vec<String>) -> Result<Option<PathBuf>> {
+fn ms_rank_file(dir: &Path, step: Option<u64>, notes: &mut Vec<String>) -> Result<Option<PathBuf>> {
     let files: Vec<PathBuf> = list_dir(dir)?
         .into_iter()
         .filter(|p| p.is_file())
@@ -216,7 +218,7 @@ fn ms_rank_file(dir: &Path, notes: &mut Vec<String>) -> Result<Option<PathBuf>> 
                 .is_some_and(|e| e == "ckpt" || e == "safetensors")
         })
         .collect();
-    if files.len() <= 1 {
+    if files.len() <= 1 && step.is_none() {
         return Ok(files.into_iter().next());
     }
     let epoch_step = |p: &Path| -> Option<(u64, u64)> {
@@ -239,6 +241,22 @@ fn ms_rank_file(dir: &Path, notes: &mut Vec<String>) -> Result<Option<PathBuf>> 
         }
     }
     dated.sort();
+    if let Some(want) = step {
+        let have: Vec<String> = dated.iter().map(|((_, s), _)| s.to_string()).collect();
+        let mut at = dated.into_iter().filter(|((_, s), _)| *s == want);
+        return match (at.next(), at.next()) {
+            (Some((_, f)), None) => Ok(Some(f)),
+            (Some(_), Some(_)) => Err(unknown(format!(
+                "{}: several checkpoint files of step {want} (different epochs): pass the file to use",
+                dir.display()
+            ))),
+            (None, _) => Err(unknown(format!(
+                "{}: no checkpoint file of step {want} (<prefix>-<epoch>_{want}.ckpt); steps here: {}",
+                dir.display(),
+                if have.is_empty() { "none".to_string() } else { have.join(", ") }
+            ))),
+        };
+    }
     let (_, newest) = dated.pop().expect("several files");
     notes.push(format!(
         "{}: {} checkpoint files, using the newest, {}",
@@ -317,6 +335,23 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
     }
     // A training output directory: `latest` names its newest complete checkpoint.
     let latest = path.join(LATEST_FILE);
+    if let (true, Some(step)) = (latest.is_file(), x.step) {
+        let target = path.join(format!("step_{step}"));
+        if !target.is_dir() {
+            let mut steps: Vec<u64> = list_dir(path)?
+                .iter()
+                .filter(|p| p.is_dir())
+                .filter_map(|p| p.file_name()?.to_str()?.strip_prefix("step_")?.parse().ok())
+                .collect();
+            steps.sort_unstable();
+            return Err(unknown(format!(
+                "{}: no checkpoint of step {step} (step_{step}/); steps here: {}",
+                path.display(),
+                steps.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+            )));
+        }
+        return expand(&target, x);
+    }
     if latest.is_file() {
         let name = std::fs::read_to_string(&latest).at(&latest)?;
         let target = path.join(name.trim());
@@ -353,7 +388,7 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
             let own = (own.is_file() && !is_ms_strategy(&own)).then_some(own);
             if own.is_some() && d.join(MODEL_FILE).is_file() {
                 expand(&d, x)?;
-            } else if let Some(f) = ms_rank_file(&d, &mut x.notes)? {
+            } else if let Some(f) = ms_rank_file(&d, x.step, &mut x.notes)? {
                 // MindSpore's files; with ckpt's strategy.json when ckpt wrote them.
                 note_carried(&d, &mut x.carried);
                 x.inputs.push(Input {
@@ -494,7 +529,7 @@ impl Checkpoint {
     /// # Errors
     /// As [`Checkpoint::open`], for the kept tensors; a selection that keeps nothing.
     pub fn open_selected(paths: &[PathBuf], selection: &Selection) -> Result<Checkpoint> {
-        let (mut ck, mut problems) = Checkpoint::scan(paths)?;
+        let (mut ck, mut problems) = Checkpoint::scan_step(paths, selection.step())?;
         ck.apply_renames(selection, &mut problems)?;
         let warnings = selection.review(ck.tensors.keys().map(String::as_str))?;
         ck.notes.extend(warnings);
@@ -520,7 +555,19 @@ impl Checkpoint {
     /// # Errors
     /// Inputs that are not a checkpoint, or mixed kinds.
     pub fn scan(paths: &[PathBuf]) -> Result<(Checkpoint, Vec<Error>)> {
-        let mut x = Expanded::default();
+        Checkpoint::scan_step(paths, None)
+    }
+
+    /// [`Checkpoint::scan`] of the checkpoint of training step `step`, where the inputs
+    /// hold several (see [`Selection::with_step`]).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::scan`]; no checkpoint of that step.
+    pub fn scan_step(paths: &[PathBuf], step: Option<u64>) -> Result<(Checkpoint, Vec<Error>)> {
+        let mut x = Expanded {
+            step,
+            ..Expanded::default()
+        };
         for p in paths {
             expand(p, &mut x)?;
         }
@@ -530,6 +577,7 @@ impl Checkpoint {
             ms,
             mut notes,
             dcp,
+            ..
         } = x;
         let ms_strategy = match (ms.given.is_empty(), ms.found.len()) {
             (false, _) => ms.given,

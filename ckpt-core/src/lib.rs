@@ -64,5 +64,5 @@ pub use crate::region::{Region, Run, Runs};
 pub use crate::save::{load_rank, write_integrated, write_rank, LocalTensor};
 pub use crate::select::Selection;
 pub use crate::strategy::{dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION};
-pub use crate::verify::{verify, VerifyDepth};
+pub use crate::verify::{verify, verify_selected, VerifyDepth};
 pub use ::safetensors::Dtype;
