@@ -1078,7 +1078,7 @@ impl Checkpoint {
                     }
                 };
                 let (mesh, layout) =
-                    match crate::mindspore::from_mindspore(&t.name, &p.layout, global, t.dtype) {
+                    match crate::mindspore::from_mindspore(t.name, &p.layout, global, t.dtype) {
                         Ok(x) => x,
                         Err(e) => {
                             problems.push(e);

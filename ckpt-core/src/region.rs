@@ -153,7 +153,7 @@ fn flat_range_into(shape: &[u64], a: u64, b: u64, prefix: &mut Vec<u64>, out: &m
         return row(r0, a % inner, b % inner, prefix, out);
     }
     let mut full_from = r0;
-    if a % inner != 0 {
+    if !a.is_multiple_of(inner) {
         row(r0, a % inner, inner, prefix, out);
         full_from += 1;
     }

@@ -164,7 +164,7 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
         _ => 1,
     };
     let ranks = req.ranks.unwrap_or(tp);
-    if ranks == 0 || ranks % tp != 0 {
+    if ranks == 0 || !ranks.is_multiple_of(tp) {
         let mesh = source.strategy.as_ref().map(|s| s.mesh.to_string()).unwrap_or_default();
         return Err(Error::Option {
             option: "--ranks".into(),

@@ -258,7 +258,7 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
         });
     }
     // Every declared chunk must be stored somewhere.
-    for ((fqn, offsets), _) in &declared_chunks {
+    for (fqn, offsets) in declared_chunks.keys() {
         if !chunks.iter().any(|c| &c.fqn == fqn && &c.offsets == offsets) {
             return Err(bad(format!(".metadata: `{fqn}`: the chunk at {offsets:?} has no storage entry")));
         }

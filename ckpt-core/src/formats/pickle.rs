@@ -299,7 +299,7 @@ impl<'a> Machine<'a> {
 
     /// Adds `(key, value)` pairs to the dict on the top of the stack.
     fn set_items(&mut self, items: Vec<Item>) -> Result<()> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return self.fail("SETITEMS with an odd number of values");
         }
         let pos = self.pos;

@@ -492,8 +492,8 @@ mod tests {
         // Two writes for w, in reverse order, to exercise CRC combining.
         w.write_at(0, 12, &data[0][12..]).unwrap();
         w.write_at(0, 0, &data[0][..12]).unwrap();
-        for i in 1..4 {
-            w.write_at(i, 0, &data[i]).unwrap();
+        for (i, d) in data.iter().enumerate().skip(1) {
+            w.write_at(i, 0, d).unwrap();
         }
         w.finish().unwrap();
         let f = TensorFile::open(&dest).unwrap();
