@@ -861,6 +861,7 @@ fn train(a: TrainArgs) -> Result<ExitCode> {
                 "mesh": report.mesh, "model": report.model, "start_step": report.start_step, "steps": report.steps,
                 "epochs": report.epochs, "final_loss": report.losses.last(), "test_accuracy": report.test_accuracy,
                 "images_per_sec": report.images_per_sec, "seconds": report.seconds, "checkpoints": report.checkpoints,
+                "save_stall_seconds": report.save_stalls,
             })
         );
     } else {

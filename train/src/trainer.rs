@@ -3,7 +3,7 @@
 
 use crate::checkpoint::{
     checkpoint_tensor_dtypes, f32_from_bytes, find_meta_file, gather_full, read_trainer_state,
-    resolve_checkpoint, save, FullTensor, RngState, SaveMode, SaveRequest, ScheduleState,
+    resolve_checkpoint, save, AsyncSaver, FullTensor, RngState, SaveMode, SaveRequest, ScheduleState,
     TrainerState, CONFIG_FILE, TRAINER_STATE_FILE, TRAINER_STATE_FORMAT,
 };
 use crate::comm::{check_mesh, Dist, ReduceOp};
@@ -52,6 +52,9 @@ pub struct TrainReport {
     /// The final full weights (parameters, buffers, optimizer state), when
     /// [`TrainConfig::gather_weights`] was set.
     pub weights: Option<BTreeMap<String, FullTensor>>,
+    /// How long the training loop stood still for each save (rank 0), in seconds:
+    /// the copy into memory, or with [`TrainConfig::sync_save`] the whole save.
+    pub save_stalls: Vec<f64>,
 }
 
 impl TrainReport {
@@ -101,6 +104,7 @@ struct Plan {
     resume: Option<Resume>,
     eval: bool,
     gather_weights: bool,
+    async_save: bool,
     backend: Backend,
     device: DeviceKind,
     portable_kernels: bool,
@@ -360,6 +364,7 @@ impl Plan {
             resume,
             eval: !cfg.no_eval,
             gather_weights: cfg.gather_weights,
+            async_save: !cfg.sync_save,
             backend: cfg.backend,
             device: cfg.device,
             portable_kernels: cfg.portable_kernels,
@@ -474,6 +479,7 @@ fn broadcast_buffers(buffers: &[Var], dist: &Dist) -> Result<()> {
 }
 
 struct RankResult {
+    save_stalls: Vec<f64>,
     losses: Vec<f32>,
     accuracy: Vec<(u64, f32)>,
     checkpoints: Vec<PathBuf>,
@@ -643,6 +649,7 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
     let strategy = plan.strategy(None)?;
     let config_json = plan.model.to_json();
     let mut result = RankResult {
+        save_stalls: Vec::new(),
         losses: Vec::new(),
         accuracy: Vec::new(),
         checkpoints: Vec::new(),
@@ -706,6 +713,8 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             loss,
         }
     };
+    let saver = std::cell::RefCell::new(AsyncSaver::default());
+    let stalls = std::cell::RefCell::new(Vec::new());
     let do_save = |step: u64,
                    epoch: u64,
                    batch: u64,
@@ -726,7 +735,14 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             config_json: &config_json,
             state: &st,
         };
-        save(&dist, &req, &locals(opt)?)
+        let t = Instant::now();
+        let dir = if plan.async_save {
+            saver.borrow_mut().start(&dist, &req, locals(opt)?)?
+        } else {
+            save(&dist, &req, locals(opt)?)?
+        };
+        stalls.borrow_mut().push(t.elapsed().as_secs_f64());
+        Ok(dir)
     };
 
     let mut pos_batch = skip;
@@ -800,6 +816,9 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             .checkpoints
             .push(do_save(step, final_epoch, final_batch, last_loss, &opt)?);
     }
+    // The run is over when its last checkpoint is.
+    saver.borrow_mut().finish()?;
+    result.save_stalls = stalls.take();
     if plan.gather_weights {
         result.weights = gather_full(&dist, &locals(&opt)?)?;
     }
@@ -843,5 +862,6 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainReport> {
         seconds: start.elapsed().as_secs_f64(),
         checkpoints: r0.checkpoints,
         weights: r0.weights,
+        save_stalls: r0.save_stalls,
     })
 }
