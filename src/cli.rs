@@ -409,6 +409,8 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
                 Some(d) => d,
                 None => std::env::temp_dir().join(format!("ckpt-demo-{}", std::process::id())),
             };
+            // The demo's largest job: 4 thread ranks.
+            ckpt_train::configure_cpu_threads(4);
             crate::demo::run(&dir, force, !quiet)?;
             Ok(ExitCode::SUCCESS)
         }
@@ -849,7 +851,24 @@ fn is_lead() -> Result<bool> {
     Ok(ckpt_train::LaunchEnv::from_env()?.is_none_or(|e| e.rank == 0))
 }
 
+/// Ranks of a thread job in this process (1 under a launcher), for sizing the CPU
+/// thread pools before any tensor work.
+fn ranks_here(backend: ckpt_train::Backend, mesh: Option<&str>, ranks: Option<u64>) -> usize {
+    if backend != ckpt_train::Backend::Threads {
+        return 1;
+    }
+    mesh.and_then(|m| ckpt_core::Mesh::parse(m).ok())
+        .map(|m| m.world_size())
+        .or(ranks)
+        .unwrap_or(1) as usize
+}
+
 fn train(a: TrainArgs) -> Result<ExitCode> {
+    ckpt_train::configure_cpu_threads(ranks_here(
+        a.config.backend,
+        a.config.mesh.as_deref(),
+        a.config.ranks,
+    ));
     let report = ckpt_train::train(&a.config, !(a.quiet || a.json))?;
     if !is_lead()? {
         return Ok(ExitCode::SUCCESS);
@@ -885,6 +904,7 @@ fn train(a: TrainArgs) -> Result<ExitCode> {
 }
 
 fn infer(a: InferArgs) -> Result<ExitCode> {
+    ckpt_train::configure_cpu_threads(ranks_here(a.backend, None, a.ranks));
     let req = ckpt_infer::InferRequest {
         checkpoint: a.checkpoint,
         data: a.data,

@@ -222,6 +222,31 @@ impl Backend {
     }
 }
 
+/// Sizes the CPU thread pools of this process for `ranks` ranks running in it (thread
+/// ranks; 1 under a launcher). Call it once, before any tensor work: candle and rayon
+/// read these settings when their pools first start.
+///
+/// candle's element-wise ops run on a spinning barrier pool that serializes its callers:
+/// thread ranks sharing it take turns and spin, and even one rank's small ops (the mlp's)
+/// cost more in spinning than they gain, so candle runs them on the calling thread
+/// (`CANDLE_NUM_THREADS=1`). Matrix products (and ckpt's copies) use rayon: with several
+/// ranks in the process each gets its share of the cores (`RAYON_NUM_THREADS`), so the
+/// ranks run side by side instead of every rank assuming every core. Measured with
+/// `train-bench` (see the README). Variables already set by the user are kept.
+pub fn configure_cpu_threads(ranks: usize) {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let set = |k: &str, v: usize| {
+        if std::env::var_os(k).is_none() {
+            // Called at start-up, before any other thread of this process exists.
+            std::env::set_var(k, v.to_string());
+        }
+    };
+    set("CANDLE_NUM_THREADS", 1);
+    if ranks > 1 {
+        set("RAYON_NUM_THREADS", (cores / ranks).max(1));
+    }
+}
+
 /// Thread ranks run the whole job in one process: started as one of several processes
 /// by a launcher, every process would run all of it and write the same outputs. Refused,
 /// with what to do instead.

@@ -10,7 +10,7 @@
 //! the default background save, for a ResNet-50-sized state (an mlp of 25.4 M parameters, AdamW: 305
 //! MB of weights and moments), next to the time of copying that state once in memory.
 
-use ckpt_train::{train, TrainConfig};
+use ckpt_train::{configure_cpu_threads, train, TrainConfig};
 use std::process::ExitCode;
 
 fn arg(args: &[String], name: &str) -> Option<String> {
@@ -43,6 +43,7 @@ const SAVE_MODEL: &str =
     r#"{"in_features":64,"hidden":4096,"width":2048,"blocks":2,"classes":10}"#;
 
 fn save_bench(args: &[String]) -> ExitCode {
+    configure_cpu_threads(1);
     let ranks = arg(args, "--ranks").unwrap_or_else(|| "1".into());
     let dir = std::env::temp_dir().join(format!("ckpt-save-bench-{}", std::process::id()));
     println!(
@@ -118,13 +119,31 @@ fn main() -> ExitCode {
         eprintln!("train-bench: {}: {e}", dir.display());
         return ExitCode::from(2);
     }
-    println!(
-        "{:<10} {:>6} {:>6} {:>8} {:>12}",
-        "model", "ranks", "batch", "steps", "images/s"
-    );
+    // Each measurement in a process of its own: the CPU thread pools are sized once per
+    // process, for its number of ranks (`configure_cpu_threads`).
+    let child = std::env::var_os("TRAIN_BENCH_CHILD").is_some();
+    if !child {
+        println!(
+            "{:<10} {:>6} {:>6} {:>8} {:>12}",
+            "model", "ranks", "batch", "steps", "images/s"
+        );
+    }
     let mut code = ExitCode::SUCCESS;
     for model in models.split(',') {
         for r in ranks.split(',') {
+            if !child {
+                let status = std::env::current_exe().and_then(|exe| {
+                    std::process::Command::new(exe)
+                        .args(["--models", model, "--ranks", r, "--steps", &steps.to_string()])
+                        .env("TRAIN_BENCH_CHILD", "1")
+                        .status()
+                });
+                if !status.is_ok_and(|s| s.success()) {
+                    code = ExitCode::from(1);
+                }
+                continue;
+            }
+            configure_cpu_threads(r.parse().unwrap_or(1));
             let data = format!("cifar10:{}", dir.display());
             let mut a = vec![
                 "bench".to_string(),
