@@ -6,6 +6,10 @@
 //! cargo run --release -p ckpt-train --bin train-bench -- --save [--ranks 1,2]
 //! ```
 //!
+//! With `CKPT_TORCH_PYTHON` naming a Python that has torch, each 1-rank row is followed
+//! by PyTorch's figure for the same model, optimizer and batch on all cores
+//! (`scripts/torch_train_bench.py`, one process) and the ratio, from the same run.
+//!
 //! `--save` measures how long a checkpoint save stops training, `--sync-save` against
 //! the default background save, for a ResNet-50-sized state (an mlp of 25.4 M parameters, AdamW: 305
 //! MB of weights and moments), next to the time of copying that state once in memory.
@@ -102,6 +106,26 @@ fn save_bench(args: &[String]) -> ExitCode {
     code
 }
 
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+}
+
+/// PyTorch's images per second for the same job, when `CKPT_TORCH_PYTHON` has torch.
+fn torch_figure(model: &str, steps: u64) -> Option<f64> {
+    let py = std::env::var_os("CKPT_TORCH_PYTHON")?;
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_train_bench.py");
+    let out = std::process::Command::new(py)
+        .arg(script)
+        .args([model, &steps.to_string(), &cores().to_string()])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        eprintln!("train-bench: torch: {}", String::from_utf8_lossy(&out.stderr));
+        return None;
+    }
+    String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--save") {
@@ -170,14 +194,29 @@ fn main() -> ExitCode {
                 }
             };
             match train(&cfg, false) {
-                Ok(rep) => println!(
-                    "{:<10} {:>6} {:>6} {:>8} {:>12.1}",
-                    model,
-                    r,
-                    64,
-                    rep.losses.len(),
-                    rep.images_per_sec
-                ),
+                Ok(rep) => {
+                    println!(
+                        "{:<10} {:>6} {:>6} {:>8} {:>12.1}",
+                        model,
+                        r,
+                        64,
+                        rep.losses.len(),
+                        rep.images_per_sec
+                    );
+                    if r == "1" {
+                        if let Some(t) = torch_figure(model, steps) {
+                            println!(
+                                "{:<10} {:>6} {:>6} {:>8} {:>12.1}   ckpt / torch = {:.2}",
+                                format!("torch-{model}"),
+                                format!("1x{}", cores()),
+                                64,
+                                steps,
+                                t,
+                                rep.images_per_sec / t
+                            );
+                        }
+                    }
+                }
                 Err(e) => {
                     eprintln!("train-bench: {model} on {r} ranks: {e:#}");
                     code = ExitCode::from(1);
