@@ -6,8 +6,9 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
+use crate::formats::ckptz::Compression;
 use crate::formats::safetensors::TensorSpec;
-use crate::formats::FileWriter;
+use crate::formats::{ChunkCache, FileWriter};
 use crate::plan::{bytes_of, CopyPlan, TensorPlan};
 use crate::region::{Region, Runs};
 use crate::Dtype;
@@ -133,8 +134,15 @@ fn convert(src: &[u8], from: Dtype, dst: &mut [u8], to: Dtype) {
 }
 
 /// Fills `buf` with the slab `slab` of the tensor `t` (local coordinates), reading the
-/// sources' mapped bytes; returns the bytes read. Source pages are released as consumed.
-fn fill_slab(source: &Checkpoint, t: &TensorPlan, slab: &Region, buf: &mut [u8]) -> u64 {
+/// sources' bytes (mapped, or decompressed through `cache`); returns the bytes read.
+/// Mapped source pages are released as consumed.
+fn fill_slab(
+    source: &Checkpoint,
+    t: &TensorPlan,
+    slab: &Region,
+    buf: &mut [u8],
+    cache: &mut ChunkCache,
+) -> Result<u64> {
     let sbits = t.src_dtype.bitsize() as u64;
     let dbits = t.target.dtype.bitsize() as u64;
     let mut read = 0;
@@ -157,7 +165,6 @@ fn fill_slab(source: &Checkpoint, t: &TensorPlan, slab: &Region, buf: &mut [u8])
             .map(|(p, s)| p - s)
             .collect();
         let file = &source.files[op.file];
-        let data = file.data(op.tensor);
         let (mut lo, mut hi) = (u64::MAX, 0u64);
         for run in Runs::new(
             &part.shape,
@@ -170,7 +177,7 @@ fn fill_slab(source: &Checkpoint, t: &TensorPlan, slab: &Region, buf: &mut [u8])
             let s1 = (run.src + run.len) * sbits / 8;
             let d0 = (run.dst * dbits / 8) as usize;
             let d1 = ((run.dst + run.len) * dbits / 8) as usize;
-            let from = &data[s0 as usize..s1 as usize];
+            let from = file.read(op.tensor, s0..s1, cache)?;
             if t.src_dtype == t.target.dtype {
                 buf[d0..d1].copy_from_slice(from);
             } else {
@@ -184,7 +191,7 @@ fn fill_slab(source: &Checkpoint, t: &TensorPlan, slab: &Region, buf: &mut [u8])
             file.release(op.tensor, lo..hi);
         }
     }
-    read
+    Ok(read)
 }
 
 /// Writes the plan's files into `out_dir` (which must exist), calling `progress` with
@@ -198,6 +205,20 @@ pub fn execute(
     source: &Checkpoint,
     out_dir: &Path,
     progress: &(dyn Fn(u64) + Sync),
+) -> Result<CopyStats> {
+    execute_with(plan, source, out_dir, progress, None)
+}
+
+/// [`execute`], writing every file compressed (`.ckptz`) when `compression` is given.
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn execute_with(
+    plan: &CopyPlan,
+    source: &Checkpoint,
+    out_dir: &Path,
+    progress: &(dyn Fn(u64) + Sync),
+    compression: Option<Compression>,
 ) -> Result<CopyStats> {
     let mut writers = Vec::with_capacity(plan.files.len());
     for f in &plan.files {
@@ -217,7 +238,7 @@ pub fn execute(
                 source,
             })?;
         }
-        writers.push(FileWriter::create(&path, &specs, &f.metadata)?);
+        writers.push(FileWriter::create(&path, &specs, &f.metadata, compression)?);
     }
     let mut jobs: Vec<(usize, usize, Region)> = Vec::new();
     for (fi, f) in plan.files.iter().enumerate() {
@@ -302,13 +323,13 @@ fn copy_slabs(
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<()> {
     jobs.par_iter().try_for_each_init(
-        Vec::new,
-        |buf: &mut Vec<u8>, (fi, ti, slab)| -> Result<()> {
+        || (Vec::new(), ChunkCache::new()),
+        |(buf, cache): &mut (Vec<u8>, ChunkCache), (fi, ti, slab)| -> Result<()> {
             let t = &plan.files[*fi].tensors[*ti];
             let len = bytes_of(t.target.dtype, slab.numel()) as usize;
             buf.clear();
             buf.resize(len, 0);
-            read.fetch_add(fill_slab(source, t, slab, buf), Ordering::Relaxed);
+            read.fetch_add(fill_slab(source, t, slab, buf, cache)?, Ordering::Relaxed);
             let strides_bytes = bytes_of(t.target.dtype, slab_offset(&t.target.shape, &slab.start));
             writers[*fi].write_at(*ti, strides_bytes, buf)?;
             progress(len as u64);
@@ -318,11 +339,19 @@ fn copy_slabs(
 }
 
 /// Assembles one tensor in memory (for loading straight into a model).
-#[must_use]
-pub fn assemble(t: &TensorPlan, source: &Checkpoint) -> Vec<u8> {
+///
+/// # Errors
+/// A damaged compressed source; I/O errors.
+pub fn assemble(t: &TensorPlan, source: &Checkpoint) -> Result<Vec<u8>> {
     let mut buf = vec![0u8; bytes_of(t.target.dtype, t.target.shape.iter().product()) as usize];
-    fill_slab(source, t, &Region::full(&t.target.shape), &mut buf);
-    buf
+    fill_slab(
+        source,
+        t,
+        &Region::full(&t.target.shape),
+        &mut buf,
+        &mut ChunkCache::new(),
+    )?;
+    Ok(buf)
 }
 
 /// Row-major element offset of `start` in a tensor of `shape`.

@@ -7,6 +7,7 @@
 //! byte ranges (never copies tensor data), a [`FileFormat`] variant, and a branch in
 //! [`sniff`], which decides by content, not by the file's name.
 
+pub(crate) mod ckptz;
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;
 pub(crate) mod safetensors;
@@ -16,6 +17,7 @@ use crate::checksum::Checksum;
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::strategy::dtype_name;
 use crate::Dtype;
+pub use ckptz::ChunkCache;
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -31,6 +33,8 @@ pub enum FileFormat {
     MindSporeCkpt,
     /// PyTorch's `torch.save` zip archive (`.pth`, `.pt`, `.bin`).
     TorchSave,
+    /// ckpt's compressed files (`.ckptz`: safetensors' description, zstd chunks).
+    Ckptz,
 }
 
 impl FileFormat {
@@ -41,6 +45,7 @@ impl FileFormat {
             FileFormat::Safetensors => "safetensors",
             FileFormat::MindSporeCkpt => "MindSpore .ckpt",
             FileFormat::TorchSave => "torch.save",
+            FileFormat::Ckptz => "ckptz",
         }
     }
 }
@@ -75,11 +80,27 @@ pub struct TensorFile {
     metadata: BTreeMap<String, String>,
     /// The recorded checksum of each tensor, where the file has one.
     checksums: Vec<Option<Checksum>>,
+    /// The chunk tables of a compressed file (then `map` is `None` and entries'
+    /// `start`/`end` are offsets in the uncompressed data area).
+    chunked: Option<ckptz::Chunked>,
+    /// Unique within the process: keys the decompressed chunks a [`ChunkCache`] keeps.
+    id: u64,
+}
+
+/// A number no other file opened by this process has.
+fn next_file_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
 }
 
 /// Decides a file's format from its first bytes.
 #[must_use]
 pub fn sniff(head: &[u8]) -> Option<FileFormat> {
+    // First: the magic's 9th byte (the low byte of the header length) may be `{`.
+    if ckptz::looks_like(head) {
+        return Some(FileFormat::Ckptz);
+    }
     if safetensors::looks_like(head) {
         return Some(FileFormat::Safetensors);
     }
@@ -134,6 +155,7 @@ impl TensorFile {
             Some(FileFormat::Safetensors) => safetensors::read(path, map),
             Some(FileFormat::MindSporeCkpt) => mindspore_ckpt::read(path, map),
             Some(FileFormat::TorchSave) => torch_save::read(path, map),
+            Some(FileFormat::Ckptz) => ckptz::read(path, file, map),
             None if torch_save::looks_like_legacy(head) => Err(Error::InvalidTorch {
                 problem: format!(
                     "{}: the legacy torch.save format (before torch 1.6, or _use_new_zipfile_serialization=False) is not read; save it again with a current torch",
@@ -230,7 +252,39 @@ impl TensorFile {
             checksums: vec![None; tensors.len()],
             tensors,
             metadata,
+            chunked: None,
+            id: next_file_id(),
         })
+    }
+
+    /// Builds a compressed file from its checked header (`ckptz::parse_header` has
+    /// validated every entry and chunk against the file).
+    pub(crate) fn from_chunked(
+        path: &Path,
+        chunked: ckptz::Chunked,
+        tensors: Vec<TensorEntry>,
+        metadata: BTreeMap<String, String>,
+    ) -> TensorFile {
+        TensorFile {
+            path: path.to_path_buf(),
+            map: None,
+            format: FileFormat::Ckptz,
+            checksums: vec![None; tensors.len()],
+            tensors,
+            metadata,
+            chunked: Some(chunked),
+            id: next_file_id(),
+        }
+    }
+
+    /// The chunk tables, when the file is compressed.
+    pub(crate) fn chunked(&self) -> Option<&ckptz::Chunked> {
+        self.chunked.as_ref()
+    }
+
+    /// Unique within the process.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// Attaches recorded checksums by tensor name.
@@ -273,7 +327,11 @@ impl TensorFile {
         let Some(want) = self.checksums[index] else {
             return Ok(false);
         };
-        let got = Checksum::of_chunks(self.data(index), &|r| self.release(index, r));
+        let got = match (&self.chunked, self.data(index)) {
+            (Some(c), _) => c.checksum(&self.path, &self.tensors[index].name, index)?,
+            (None, Some(data)) => Checksum::of_chunks(data, &|r| self.release(index, r)),
+            (None, None) => return Ok(false),
+        };
         if got != want {
             return Err(Error::ChecksumMismatch {
                 path: self.path.clone(),
@@ -309,13 +367,50 @@ impl TensorFile {
         &self.metadata
     }
 
-    /// The bytes of tensor `index` (borrowed from the mapping; no copy).
+    /// The bytes of tensor `index` borrowed from the mapping (no copy); `None` for a
+    /// compressed file, whose bytes only [`TensorFile::read`] gives.
     #[must_use]
-    pub fn data(&self, index: usize) -> &[u8] {
+    pub fn data(&self, index: usize) -> Option<&[u8]> {
+        if self.chunked.is_some() {
+            return None;
+        }
         let t = &self.tensors[index];
         let bytes: &[u8] = self.map.as_deref().unwrap_or(&[]);
         // In range: checked by `from_parts`.
-        &bytes[t.start as usize..t.end as usize]
+        Some(&bytes[t.start as usize..t.end as usize])
+    }
+
+    /// Bytes `range` (relative to the tensor) of tensor `index`, whatever the file
+    /// stores: borrowed from the mapping for plain files, decompressed (only the chunks
+    /// covering the range, kept in `cache` for the next reads) for compressed ones.
+    ///
+    /// # Errors
+    /// A range outside the tensor; a damaged chunk ([`Error::CorruptChunk`]); I/O errors.
+    pub fn read<'a>(
+        &'a self,
+        index: usize,
+        range: std::ops::Range<u64>,
+        cache: &'a mut ChunkCache,
+    ) -> Result<&'a [u8]> {
+        let t = &self.tensors[index];
+        if range.start > range.end || range.end > t.end - t.start {
+            return Err(overflow(format!(
+                "{}: bytes [{}, {}) of tensor `{}` asked, it has {}",
+                self.path.display(),
+                range.start,
+                range.end,
+                t.name,
+                t.end - t.start
+            )));
+        }
+        match &self.chunked {
+            Some(c) => cache.read(self, c, index, range),
+            None => {
+                let bytes: &[u8] = self.map.as_deref().unwrap_or(&[]);
+                // In range: checked above and by `from_parts`.
+                Ok(&bytes[(t.start + range.start) as usize..(t.start + range.end) as usize])
+            }
+        }
     }
 
     /// Drops the mapping's pages of tensor `index` in `range` (relative to the tensor)
@@ -364,11 +459,13 @@ impl Drop for TensorFile {
 }
 
 /// A file being written, in the format its name asks for: `*.ckpt` MindSpore's, anything
-/// else safetensors. The copy engine writes through this and knows no format.
+/// else safetensors, or compressed when a compression is given. The copy engine writes
+/// through this and knows no format.
 #[derive(Debug)]
 pub(crate) enum FileWriter {
     Safetensors(safetensors::SafetensorsWriter),
     MindSpore(mindspore_ckpt::MindSporeWriter),
+    Compressed(ckptz::CkptzWriter),
 }
 
 impl FileWriter {
@@ -376,7 +473,13 @@ impl FileWriter {
         dest: &Path,
         tensors: &[safetensors::TensorSpec],
         metadata: &BTreeMap<String, String>,
+        compression: Option<ckptz::Compression>,
     ) -> Result<FileWriter> {
+        if let Some(c) = compression {
+            return Ok(FileWriter::Compressed(ckptz::CkptzWriter::create(
+                dest, tensors, metadata, c,
+            )?));
+        }
         Ok(if dest.extension().is_some_and(|e| e == "ckpt") {
             FileWriter::MindSpore(mindspore_ckpt::MindSporeWriter::create(dest, tensors)?)
         } else {
@@ -390,6 +493,7 @@ impl FileWriter {
         match self {
             FileWriter::Safetensors(w) => w.write_at(index, offset, bytes),
             FileWriter::MindSpore(w) => w.write_at(index, offset, bytes),
+            FileWriter::Compressed(w) => w.write_at(index, offset, bytes),
         }
     }
 
@@ -397,6 +501,7 @@ impl FileWriter {
         match self {
             FileWriter::Safetensors(w) => w.finish(),
             FileWriter::MindSpore(w) => w.finish(),
+            FileWriter::Compressed(w) => w.finish(),
         }
     }
 }

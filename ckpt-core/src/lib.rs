@@ -26,17 +26,22 @@ mod strategy;
 mod verify;
 
 pub use crate::checkpoint::{
-    Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, DCP_SHARDING_INFO, INDEX_FILE,
-    MODEL_FILE, STRATEGY_FILE,
+    Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, COMPRESSED_INDEX_FILE,
+    COMPRESSED_MODEL_FILE, DCP_SHARDING_INFO, INDEX_FILE, MODEL_FILE, STRATEGY_FILE,
 };
 pub use crate::checksum::{checksums_enabled, set_checksums_enabled, Checksum, CHECKSUMS_KEY};
-pub use crate::copy::{assemble, execute, CopyStats, SLAB_BYTES};
+pub use crate::copy::{assemble, execute, execute_with, CopyStats, SLAB_BYTES};
 pub use crate::coverage::{check_tiling, Defect};
 pub use crate::error::{Error, Problems, Result};
 pub use crate::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,
 };
 pub use crate::fault::{bus_error_message, remove_registered_temporaries};
+pub use crate::formats::ckptz::{
+    compress_chunk, group_bytes, group_of, parse_header as parse_ckptz_header, ungroup_bytes,
+    CkptzWriter, Compression, DEFAULT_CHUNK_BYTES, EXTENSION as CKPTZ_EXTENSION,
+    MAGIC as CKPTZ_MAGIC,
+};
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
 pub use crate::formats::mindspore_strategy::{
     looks_like as is_mindspore_strategy, mindspore_target_strategy, parse_mindspore_strategy,
@@ -46,7 +51,7 @@ pub use crate::formats::safetensors::{
     encode_header, parse_header as parse_safetensors_header, SafetensorsWriter, TensorSpec,
     MAX_HEADER_LEN,
 };
-pub use crate::formats::{sniff, FileFormat, TensorEntry, TensorFile};
+pub use crate::formats::{sniff, ChunkCache, FileFormat, TensorEntry, TensorFile};
 pub use crate::layout::{Piece, Placement, TensorLayout};
 pub use crate::mesh::{Axis, Mesh};
 pub use crate::mindspore::{from_mindspore, MapEntry, MindSporeLayout};

@@ -161,7 +161,7 @@ pub fn load_rank(
     let mut out = BTreeMap::new();
     for f in &plan.files {
         for t in &f.tensors {
-            let data = assemble(t, &source);
+            let data = assemble(t, &source)?;
             out.insert(
                 t.target.name.clone(),
                 LocalTensor {

@@ -572,6 +572,6 @@ mod tests {
         w.write_at(0, 0, &[1]).unwrap();
         w.finish().unwrap();
         let f = TensorFile::open(&dest).unwrap();
-        assert_eq!(f.data(0), &[1, 2, 3]);
+        assert_eq!(f.data(0), Some(&[1u8, 2, 3][..]));
     }
 }
