@@ -110,6 +110,11 @@ enum Command {
     Merge(MergeArgs),
     /// Re-slice a checkpoint for another mesh or strategy.
     Reshard(ReshardArgs),
+    /// Compress a checkpoint file or directory into .ckptz files (byte-grouped zstd
+    /// chunks); other files are copied.
+    Compress(ConvertArgs),
+    /// Turn .ckptz files back into safetensors, byte for byte as they were.
+    Decompress(ConvertArgs),
     /// Write a synthetic tensor-parallel checkpoint (examples, tests, benchmarks).
     Example(ExampleArgs),
     /// Train a model on thread ranks and save integrated or sliced checkpoints.
@@ -230,6 +235,10 @@ struct CopyArgs {
     /// Replace an existing output.
     #[arg(long)]
     force: bool,
+    /// Write compressed .ckptz files (byte-grouped zstd chunks, level 1 to 22, default
+    /// 3) that every ckpt command reads: zstd or zstd:LEVEL.
+    #[arg(long, value_name = "zstd[:LEVEL]", value_parser = ckpt_core::Compression::parse)]
+    compress: Option<ckpt_core::Compression>,
     /// Print the summary as JSON.
     #[arg(long)]
     json: bool,
@@ -307,6 +316,24 @@ struct ReshardArgs {
 }
 
 #[derive(Args, Debug)]
+struct ConvertArgs {
+    /// A tensor file, or a checkpoint directory (converted with everything under it).
+    source: PathBuf,
+    /// The output file or directory.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// zstd level (compress only).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(i32).range(1..=22))]
+    level: i32,
+    /// Replace an existing output.
+    #[arg(long)]
+    force: bool,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
 struct ExampleArgs {
     /// Output directory (a sliced checkpoint root).
     output: PathBuf,
@@ -361,6 +388,14 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
         ),
         Command::Merge(a) => merge(a),
         Command::Reshard(a) => reshard(a),
+        Command::Compress(a) => {
+            let how = ckpt_core::Conversion::Compress(ckpt_core::Compression {
+                level: a.level,
+                ..Default::default()
+            });
+            convert(a, how)
+        }
+        Command::Decompress(a) => convert(a, ckpt_core::Conversion::Decompress),
         Command::Example(a) => example(a),
         Command::Train(a) => train(a),
         Command::Infer(a) => infer(a),
@@ -616,6 +651,7 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
             .with_prefixes(a.copy.strip_prefix.clone(), a.copy.add_prefix.clone()),
         force: a.copy.force,
         mindspore: a.format == "mindspore",
+        compression: a.copy.compress,
         share: match a.rank {
             Some(_) => Some(launch_share()?),
             None => None,
@@ -676,6 +712,7 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         keep_all: a.keep_all || a.format == "mindspore",
         force: a.copy.force,
         shard: a.shard,
+        compression: a.copy.compress,
         format: match a.format.as_str() {
             "dcp" => ckpt_reshard::OutputFormat::Dcp,
             "mindspore" => ckpt_reshard::OutputFormat::MindSpore,
@@ -743,6 +780,34 @@ fn print_plan(
         }
     }
     Ok(())
+}
+
+fn convert(a: ConvertArgs, how: ckpt_core::Conversion) -> Result<ExitCode> {
+    let t = Instant::now();
+    let s = ckpt_core::convert(&a.source, &a.output, how, a.force)?;
+    let secs = t.elapsed().as_secs_f64();
+    let verb = match how {
+        ckpt_core::Conversion::Compress(_) => "compressed",
+        ckpt_core::Conversion::Decompress => "decompressed",
+    };
+    let ratio = s.bytes_out as f64 / s.bytes_in.max(1) as f64;
+    if a.json {
+        println!(
+            "{}",
+            json!({"files": s.files, "copied": s.copied, "raw_bytes": s.raw_bytes,
+                   "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "ratio": ratio,
+                   "seconds": secs, "output": a.output})
+        );
+    } else {
+        println!(
+            "{verb} {} file(s), {} -> {} ({ratio:.3} x) in {secs:.2} s into {}",
+            s.files,
+            human_bytes(s.bytes_in),
+            human_bytes(s.bytes_out),
+            a.output.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn example(a: ExampleArgs) -> Result<ExitCode> {

@@ -8,6 +8,7 @@
 
 mod checkpoint;
 mod checksum;
+mod convert;
 mod copy;
 mod coverage;
 mod error;
@@ -30,6 +31,7 @@ pub use crate::checkpoint::{
     COMPRESSED_MODEL_FILE, DCP_SHARDING_INFO, INDEX_FILE, MODEL_FILE, STRATEGY_FILE,
 };
 pub use crate::checksum::{checksums_enabled, set_checksums_enabled, Checksum, CHECKSUMS_KEY};
+pub use crate::convert::{convert, Conversion, ConvertStats};
 pub use crate::copy::{assemble, execute, execute_with, CopyStats, SLAB_BYTES};
 pub use crate::coverage::{check_tiling, Defect};
 pub use crate::error::{Error, Problems, Result};

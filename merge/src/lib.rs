@@ -6,9 +6,9 @@
 //! [`CopyPlan`] and [`execute`] do the copying.
 
 use ckpt_core::{
-    check_output_outside_inputs, copy_carried, execute, write_file_atomic, Checkpoint, CopyPlan,
-    CopyStats, Piece, Region, Result, Selection, StagedDir, TargetFile, TargetTensor, INDEX_FILE,
-    MODEL_FILE,
+    check_output_outside_inputs, copy_carried, execute_with, write_file_atomic, Checkpoint,
+    Compression, CopyPlan, CopyStats, Piece, Region, Result, Selection, StagedDir, TargetFile,
+    TargetTensor, CKPTZ_EXTENSION, COMPRESSED_INDEX_FILE, INDEX_FILE, MODEL_FILE,
 };
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -32,6 +32,8 @@ pub struct MergeRequest {
     /// `k % count == index`): one process of a job started by mpirun or srun. Each file
     /// appears atomically; share 0 also writes the index and carried files.
     pub share: Option<(u64, u64)>,
+    /// Write compressed `.ckptz` files (and `model.ckptz.index.json`).
+    pub compression: Option<Compression>,
 }
 
 /// Plans a merge: the integrated output files, one tensor per full piece.
@@ -57,6 +59,11 @@ pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
         });
     }
     let files = if req.mindspore {
+        if req.compression.is_some() {
+            return Err(ckpt_core::Error::Unsupported {
+                problem: "--format mindspore writes MindSpore's own .ckpt, which MindSpore reads: --compress does not apply".into(),
+            });
+        }
         if req.max_shard_size.is_some() {
             return Err(ckpt_core::Error::Unsupported {
                 problem:
@@ -70,7 +77,13 @@ pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
             metadata: BTreeMap::new(),
         }]
     } else {
-        shard(tensors, req.max_shard_size)
+        let mut files = shard(tensors, req.max_shard_size);
+        if req.compression.is_some() {
+            for f in &mut files {
+                f.path.set_extension(CKPTZ_EXTENSION);
+            }
+        }
+        files
     };
     CopyPlan::build(source, files)
 }
@@ -154,12 +167,17 @@ pub fn merge(
     let source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
     let plan = plan(&source, req)?;
     let index = (plan.files.len() > 1).then(|| index_json(&plan));
+    let index_file = if req.compression.is_some() {
+        COMPRESSED_INDEX_FILE
+    } else {
+        INDEX_FILE
+    };
     let Some((share, count)) = req.share else {
         on_plan(&source, &plan);
         let staged = StagedDir::new(&req.output, req.force)?;
-        let stats = execute(&plan, &source, staged.path(), progress)?;
+        let stats = execute_with(&plan, &source, staged.path(), progress, req.compression)?;
         if let Some(index) = &index {
-            write_file_atomic(&staged.path().join(INDEX_FILE), index.as_bytes())?;
+            write_file_atomic(&staged.path().join(index_file), index.as_bytes())?;
         }
         copy_carried(&source.carried, staged.path())?;
         staged.commit()?;
@@ -185,10 +203,10 @@ pub fn merge(
         path: req.output.clone(),
         source,
     })?;
-    let stats = execute(&mine, &source, &req.output, progress)?;
+    let stats = execute_with(&mine, &source, &req.output, progress, req.compression)?;
     if share == 0 {
         if let Some(index) = &index {
-            write_file_atomic(&req.output.join(INDEX_FILE), index.as_bytes())?;
+            write_file_atomic(&req.output.join(index_file), index.as_bytes())?;
         }
         copy_carried(&source.carried, &req.output)?;
     }

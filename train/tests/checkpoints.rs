@@ -443,6 +443,7 @@ fn resume_from_a_resharded_dcp_checkpoint() {
         force: false,
         format: ckpt_reshard::OutputFormat::Dcp,
         shard: Vec::new(),
+        compression: None,
     };
     ckpt_reshard::reshard(&req, &|_| {}, &|_, _| {}).unwrap();
     std::fs::remove_file(dcp.join("strategy.json")).ok();
