@@ -325,6 +325,10 @@ struct ConvertArgs {
     /// zstd level (compress only).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(i32).range(1..=22))]
     level: i32,
+    /// Raw bytes per compressed chunk (tests: small chunks make small tensors span
+    /// several).
+    #[arg(long, hide = true, value_parser = ckpt_merge::parse_size)]
+    chunk_bytes: Option<u64>,
     /// Replace an existing output.
     #[arg(long)]
     force: bool,
@@ -391,7 +395,7 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
         Command::Compress(a) => {
             let how = ckpt_core::Conversion::Compress(ckpt_core::Compression {
                 level: a.level,
-                ..Default::default()
+                chunk_bytes: a.chunk_bytes.unwrap_or(ckpt_core::DEFAULT_CHUNK_BYTES),
             });
             convert(a, how)
         }

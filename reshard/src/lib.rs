@@ -312,15 +312,15 @@ pub fn plan(
 /// # Errors
 /// Any input problem.
 pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)> {
+    if req.compression.is_some() && req.format != OutputFormat::Ranks {
+        return Err(Error::Unsupported {
+            problem: "--compress writes ckpt's own layout (ckpt_<r>/model.ckptz): PyTorch and MindSpore do not read .ckptz files, so it does not combine with --format dcp or mindspore".into(),
+        });
+    }
     let source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
     let strategy = target_strategy(&source, &req.target, &req.selection, &req.shard)?;
     let mut plan = plan(&source, &strategy, req.ranks, req.keep_all, req.format)?;
     if req.compression.is_some() {
-        if req.format != OutputFormat::Ranks {
-            return Err(Error::Unsupported {
-                problem: "--compress writes ckpt's own layout (ckpt_<r>/model.ckptz): PyTorch and MindSpore do not read .ckptz files, so it does not combine with --format dcp or mindspore".into(),
-            });
-        }
         for f in &mut plan.files {
             f.path.set_extension(CKPTZ_EXTENSION);
         }
