@@ -232,10 +232,55 @@ pub(crate) struct Chunked {
 }
 
 thread_local! {
-    /// Per thread: a zstd decompression context and a buffer for compressed bytes and
-    /// one for grouped bytes, reused from chunk to chunk.
-    static DECODER: RefCell<Option<(zstd::bulk::Decompressor<'static>, Vec<u8>, Vec<u8>)>> =
+    /// Per thread: a zstd decompression context and a buffer for grouped bytes, reused
+    /// from chunk to chunk.
+    static DECODER: RefCell<Option<(zstd::bulk::Decompressor<'static>, Vec<u8>)>> =
         const { RefCell::new(None) };
+    /// Per thread: the buffer compressed chunks are read into.
+    static COMPRESSED: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Decompresses one chunk (a zstd frame) of `raw_len` bytes into `out`, ungrouping its
+/// bytes when `group > 1`.
+///
+/// # Errors
+/// zstd's errors (damaged frame, checksum mismatch), or a frame that does not hold
+/// exactly `raw_len` bytes.
+pub fn decompress_chunk(
+    frame: &[u8],
+    group: usize,
+    raw_len: usize,
+    out: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    DECODER.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        if cell.is_none() {
+            *cell = Some((zstd::bulk::Decompressor::new()?, Vec::new()));
+        }
+        let Some((dctx, grouped)) = cell.as_mut() else {
+            return Ok(());
+        };
+        out.clear();
+        out.resize(raw_len, 0);
+        let target: &mut [u8] = if group > 1 {
+            grouped.resize(raw_len, 0);
+            grouped
+        } else {
+            out
+        };
+        let n = dctx
+            .decompress_to_buffer(frame, target)
+            .map_err(|e| std::io::Error::other(format!("zstd: {e}")))?;
+        if n != raw_len {
+            return Err(std::io::Error::other(format!(
+                "decompresses to {n} bytes, {raw_len} expected"
+            )));
+        }
+        if group > 1 {
+            ungroup_bytes(grouped, group, out);
+        }
+        Ok(())
+    })
 }
 
 impl Chunked {
@@ -275,41 +320,19 @@ impl Chunked {
             chunk: k as u64,
             problem,
         };
-        DECODER.with(|cell| -> Result<()> {
-            let mut cell = cell.borrow_mut();
-            if cell.is_none() {
-                let d = zstd::bulk::Decompressor::new().at(path)?;
-                *cell = Some((d, Vec::new(), Vec::new()));
-            }
-            let Some((dctx, comp, grouped)) = cell.as_mut() else {
-                return Ok(());
-            };
+        let comp = COMPRESSED.with(|c| -> Result<Vec<u8>> {
+            let mut buf = std::mem::take(&mut *c.borrow_mut());
             // In range: the header check keeps every chunk inside the file.
-            comp.resize((end - start) as usize, 0);
+            buf.resize((end - start) as usize, 0);
             self.file
-                .read_exact_at(comp, self.data_start + start)
+                .read_exact_at(&mut buf, self.data_start + start)
                 .at(path)?;
-            out.clear();
-            out.resize(raw_len, 0);
-            let target: &mut [u8] = if table.group > 1 {
-                grouped.resize(raw_len, 0);
-                grouped
-            } else {
-                out
-            };
-            let n = dctx
-                .decompress_to_buffer(comp.as_slice(), target)
-                .map_err(|e| damaged(format!("zstd: {e}")))?;
-            if n != raw_len {
-                return Err(damaged(format!(
-                    "decompresses to {n} bytes, {raw_len} expected"
-                )));
-            }
-            if table.group > 1 {
-                ungroup_bytes(grouped, table.group, out);
-            }
-            Ok(())
-        })
+            Ok(buf)
+        })?;
+        let r =
+            decompress_chunk(&comp, table.group, raw_len, out).map_err(|e| damaged(e.to_string()));
+        COMPRESSED.with(|c| *c.borrow_mut() = comp);
+        r
     }
 
     /// The CRC-32C of tensor `t`'s uncompressed bytes, chunks decompressed in parallel.

@@ -1,0 +1,298 @@
+//! Compressed checkpoints (issue 15), on real weights, in one run:
+//!
+//! - compressed/raw size of byte-grouped zstd against plain zstd at the same level,
+//!   for the FP32 weights and the AdamW moments of a trained model, and for the same
+//!   cast to BF16 (4 MiB chunks, as `--compress` writes them);
+//! - compression and decompression throughput of the grouped codec (chunks in
+//!   parallel on every core, as ckpt runs them);
+//! - `ckpt compress` / `ckpt decompress` of the whole checkpoint, and `ckpt merge` from
+//!   the compressed copy against the same merge from the original.
+//!
+//! Run: `cargo bench --bench compress` (trains the model once, ~360 MB under
+//! target/bench/zstd-mlp; CKPT_BENCH_ZSTD_LEVEL sets the level, default 3).
+
+use ckpt_core::{compress_chunk, decompress_chunk, group_of, Dtype, TensorFile};
+use rayon::prelude::*;
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+fn ckpt() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ckpt"))
+}
+
+/// Runs a command, returns (seconds, peak RSS of the child in MiB).
+fn timed(cmd: &mut Command) -> (f64, f64) {
+    let t = Instant::now();
+    let child = cmd.spawn().expect("spawn");
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0;
+    // SAFETY: plain FFI calls on a child we own; rusage is written by the kernel.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
+    let secs = t.elapsed().as_secs_f64();
+    assert!(
+        r == pid && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "{cmd:?} failed"
+    );
+    std::mem::forget(child);
+    (secs, ru.ru_maxrss as f64 / 1024.0)
+}
+
+/// Best (lowest) time of three runs, and the highest peak RSS.
+fn best(f: &mut dyn FnMut() -> (f64, f64)) -> (f64, f64) {
+    (0..3)
+        .map(|_| f())
+        .fold((f64::MAX, 0.0), |(s, r), (s2, r2)| {
+            (s.min(s2), f64::max(r, r2))
+        })
+}
+
+/// One set of tensors: its raw bytes cut into element-aligned 4 MiB chunks.
+struct Set {
+    name: String,
+    group: usize,
+    chunks: Vec<Vec<u8>>,
+}
+
+impl Set {
+    fn new(name: &str, dtype: Dtype, tensors: &[Vec<u8>]) -> Set {
+        let chunks = tensors
+            .iter()
+            .flat_map(|t| t.chunks(ckpt_core::DEFAULT_CHUNK_BYTES as usize))
+            .map(<[u8]>::to_vec)
+            .collect();
+        Set {
+            name: name.into(),
+            group: group_of(dtype),
+            chunks,
+        }
+    }
+
+    fn raw(&self) -> u64 {
+        self.chunks.iter().map(|c| c.len() as u64).sum()
+    }
+
+    /// Compresses every chunk in parallel: (frames, seconds).
+    fn compress(&self, group: usize, level: i32) -> (Vec<Vec<u8>>, f64) {
+        let t = Instant::now();
+        let frames = self
+            .chunks
+            .par_iter()
+            .map(|c| {
+                let mut out = Vec::new();
+                compress_chunk(c, group, level, &mut out).expect("compress");
+                out
+            })
+            .collect();
+        (frames, t.elapsed().as_secs_f64())
+    }
+
+    /// Decompresses every frame in parallel, checking the bytes: seconds.
+    fn decompress(&self, frames: &[Vec<u8>]) -> f64 {
+        let t = Instant::now();
+        frames
+            .par_iter()
+            .zip(&self.chunks)
+            .for_each_init(Vec::new, |out, (f, c)| {
+                decompress_chunk(f, self.group, c.len(), out).expect("decompress");
+                assert!(out == c, "round trip");
+            });
+        t.elapsed().as_secs_f64()
+    }
+}
+
+fn bf16_of(f32_bytes: &[u8]) -> Vec<u8> {
+    f32_bytes
+        .chunks_exact(4)
+        .flat_map(|c| {
+            let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            half::bf16::from_f32(v).to_le_bytes()
+        })
+        .collect()
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    let mut n = 0;
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        n += if p.is_dir() {
+            dir_bytes(&p)
+        } else {
+            std::fs::metadata(&p).unwrap().len()
+        };
+    }
+    n
+}
+
+fn main() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+    std::fs::create_dir_all(&root).unwrap();
+    let level: i32 = std::env::var("CKPT_BENCH_ZSTD_LEVEL")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    // Real weights: a 30M-parameter MLP trained with AdamW on 2 tensor-parallel ranks
+    // (F32 weights, exp_avg, exp_avg_sq), saved sliced.
+    let run = root.join("zstd-mlp");
+    if !run.exists() {
+        let (s, _) = timed(
+            ckpt()
+                .args([
+                    "train",
+                    "--model-config",
+                    r#"{"in_features":64,"hidden":4096,"width":1024,"blocks":4,"classes":10}"#,
+                    "--mesh",
+                    "dp=1,tp=2",
+                    "--optimizer",
+                    "adamw",
+                    "--save",
+                    "sliced",
+                    "--max-steps",
+                    "40",
+                    "--no-eval",
+                    "-q",
+                    "--out",
+                ])
+                .arg(&run),
+        );
+        println!("trained the model in {s:.1} s");
+    }
+    let merged = root.join("zstd-merged");
+    if !merged.exists() {
+        timed(
+            ckpt()
+                .args(["merge", "-q"])
+                .arg(&run)
+                .arg("-o")
+                .arg(&merged),
+        );
+    }
+    let f = TensorFile::open(&merged.join("model.safetensors")).unwrap();
+    let (mut weights, mut moments) = (Vec::new(), Vec::new());
+    for (i, t) in f.tensors().iter().enumerate() {
+        assert_eq!(t.dtype, Dtype::F32, "{}", t.name);
+        let bytes = f.data(i).unwrap().to_vec();
+        if t.name.starts_with("optim.") {
+            moments.push(bytes);
+        } else {
+            weights.push(bytes);
+        }
+    }
+    let bf = |v: &[Vec<u8>]| v.iter().map(|t| bf16_of(t)).collect::<Vec<_>>();
+    let sets = [
+        Set::new("weights F32", Dtype::F32, &weights),
+        Set::new("AdamW moments F32", Dtype::F32, &moments),
+        Set::new("weights BF16", Dtype::BF16, &bf(&weights)),
+        Set::new("AdamW moments BF16", Dtype::BF16, &bf(&moments)),
+    ];
+    println!(
+        "zstd level {level}, {} MiB chunks, {} threads\n",
+        ckpt_core::DEFAULT_CHUNK_BYTES >> 20,
+        rayon::current_num_threads()
+    );
+    println!(
+        "| tensors | raw MB | byte-grouped zstd | plain zstd | compress GB/s | decompress GB/s |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for s in &sets {
+        let raw = s.raw() as f64;
+        let size = |frames: &[Vec<u8>]| frames.iter().map(|f| f.len() as f64).sum::<f64>();
+        // Best of three for the timings; sizes are the same every time.
+        let mut grouped = (Vec::new(), f64::MAX);
+        for _ in 0..3 {
+            let (frames, secs) = s.compress(s.group, level);
+            grouped = (frames, grouped.1.min(secs));
+        }
+        let (plain, _) = s.compress(1, level);
+        let dec = (0..3)
+            .map(|_| s.decompress(&grouped.0))
+            .fold(f64::MAX, f64::min);
+        println!(
+            "| {} | {:.1} | {:.3} | {:.3} | {:.2} | {:.2} |",
+            s.name,
+            raw / 1e6,
+            size(&grouped.0) / raw,
+            size(&plain) / raw,
+            raw / grouped.1 / 1e9,
+            raw / dec / 1e9
+        );
+    }
+    // End to end: the commands, from the page cache, each output synced before rename.
+    let runz = root.join("zstd-mlp-z");
+    let out = root.join("zstd-out");
+    let clean = |p: &Path| {
+        let _ = std::fs::remove_dir_all(p);
+        let _ = Command::new("sync").status();
+    };
+    let raw_bytes = dir_bytes(&run);
+    let (comp, _) = best(&mut || {
+        clean(&runz);
+        timed(
+            ckpt()
+                .args(["compress", "--level", &level.to_string()])
+                .arg(&run)
+                .arg("-o")
+                .arg(&runz)
+                .stdout(std::process::Stdio::null()),
+        )
+    });
+    let z_bytes = dir_bytes(&runz);
+    let (decomp, _) = best(&mut || {
+        clean(&out);
+        timed(
+            ckpt()
+                .arg("decompress")
+                .arg(&runz)
+                .arg("-o")
+                .arg(&out)
+                .stdout(std::process::Stdio::null()),
+        )
+    });
+    let (merge, merge_rss) = best(&mut || {
+        clean(&out);
+        timed(ckpt().args(["merge", "-q"]).arg(&run).arg("-o").arg(&out))
+    });
+    let (merge_z, merge_z_rss) = best(&mut || {
+        clean(&out);
+        timed(ckpt().args(["merge", "-q"]).arg(&runz).arg("-o").arg(&out))
+    });
+    let (merge_to_z, _) = best(&mut || {
+        clean(&out);
+        timed(
+            ckpt()
+                .args(["merge", "-q", "--compress", &format!("zstd:{level}")])
+                .arg(&run)
+                .arg("-o")
+                .arg(&out),
+        )
+    });
+    clean(&out);
+    println!(
+        "\nwhole checkpoint (2 rank files, F32 weights + moments): {:.1} MB -> {:.1} MB ({:.3} x)\n",
+        raw_bytes as f64 / 1e6,
+        z_bytes as f64 / 1e6,
+        z_bytes as f64 / raw_bytes as f64
+    );
+    println!("| run | seconds | GB/s (raw bytes) | x merge | peak RSS MiB |");
+    println!("|---|---|---|---|---|");
+    let gbs = |s: f64| raw_bytes as f64 / s / 1e9;
+    for (name, s, rss) in [
+        ("ckpt merge (original)", merge, merge_rss),
+        ("ckpt merge (from compressed)", merge_z, merge_z_rss),
+        ("ckpt merge --compress", merge_to_z, 0.0),
+        ("ckpt compress", comp, 0.0),
+        ("ckpt decompress", decomp, 0.0),
+    ] {
+        let rss = if rss > 0.0 {
+            format!("{rss:.1}")
+        } else {
+            "-".into()
+        };
+        println!(
+            "| {name} | {s:.2} | {:.2} | {:.2} | {rss} |",
+            gbs(s),
+            s / merge
+        );
+    }
+}
