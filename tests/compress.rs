@@ -251,3 +251,57 @@ fn damaged_compressed_files_are_named_errors() {
         o.stdout
     );
 }
+
+#[test]
+fn training_saves_compressed_and_resumes_from_it() {
+    let d = Dir::new();
+    let common = ["--no-eval", "-q", "--max-steps"];
+    d.ok(&[
+        &["train", "--out", "run", "--compress", "zstd"][..],
+        &common,
+        &["5"],
+    ]
+    .concat());
+    assert!(d.path("run/step_5/ckpt_3/model.ckptz").is_file());
+    assert!(!d.path("run/step_5/ckpt_3/model.safetensors").exists());
+    d.ok(&["verify", "run"]);
+    // Resuming from the compressed save and from its decompressed copy trains to the
+    // same bytes.
+    d.ok(&["decompress", "run/step_5", "-o", "plain"]);
+    d.ok(&[
+        &["train", "--resume", "run", "--out", "a"][..],
+        &common,
+        &["8"],
+    ]
+    .concat());
+    d.ok(&[
+        &["train", "--resume", "plain", "--out", "b"][..],
+        &common,
+        &["8"],
+    ]
+    .concat());
+    d.ok(&["merge", "a", "-o", "ma", "-q"]);
+    d.ok(&["merge", "b", "-o", "mb", "-q"]);
+    assert_eq!(tree(&d.path("ma")), tree(&d.path("mb")));
+    let o = d.ok(&["infer", "run", "--limit", "40", "--json"]);
+    let p = d.ok(&["infer", "plain", "--limit", "40", "--json"]);
+    let acc = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap()["accuracy"].clone();
+    assert_eq!(acc(&o.stdout), acc(&p.stdout));
+    // Integrated saves too.
+    d.ok(&[
+        &[
+            "train",
+            "--out",
+            "int",
+            "--save",
+            "integrated",
+            "--compress",
+            "zstd:1",
+        ][..],
+        &common,
+        &["2"],
+    ]
+    .concat());
+    assert!(d.path("int/step_2/model.ckptz").is_file());
+    d.ok(&["verify", "int"]);
+}

@@ -66,7 +66,9 @@ pub use crate::plan::{
     TargetTensor, TensorPlan,
 };
 pub use crate::region::{Region, Run, Runs};
-pub use crate::save::{load_rank, write_integrated, write_rank, LocalTensor};
+pub use crate::save::{
+    load_rank, write_integrated, write_integrated_with, write_rank, write_rank_with, LocalTensor,
+};
 pub use crate::select::Selection;
 pub use crate::strategy::{dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION};
 pub use crate::verify::{verify, VerifyDepth};

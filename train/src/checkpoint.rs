@@ -261,6 +261,7 @@ pub(crate) struct SaveRequest<'a> {
     pub(crate) out: &'a Path,
     pub(crate) step: u64,
     pub(crate) mode: SaveMode,
+    pub(crate) compression: Option<ckpt_core::Compression>,
     pub(crate) keep: usize,
     pub(crate) strategy: &'a Strategy,
     pub(crate) config_json: &'a str,
@@ -301,8 +302,14 @@ pub(crate) fn save(
                 .iter()
                 .map(|(n, b)| (n.as_str(), b.as_slice()))
                 .collect();
-            let rank_dir =
-                ckpt_core::write_rank(&tmp, req.strategy, dist.rank as u64, &refs, false)?;
+            let rank_dir = ckpt_core::write_rank_with(
+                &tmp,
+                req.strategy,
+                dist.rank as u64,
+                &refs,
+                false,
+                req.compression,
+            )?;
             ckpt_core::write_file_atomic(&rank_dir.join(CONFIG_FILE), req.config_json.as_bytes())?;
             ckpt_core::write_file_atomic(
                 &rank_dir.join(TRAINER_STATE_FILE),
@@ -319,7 +326,7 @@ pub(crate) fn save(
                     .iter()
                     .map(|(n, s, b)| (n.as_str(), Dtype::F32, s.as_slice(), b.as_slice()))
                     .collect();
-                ckpt_core::write_integrated(&tmp, &refs)?;
+                ckpt_core::write_integrated_with(&tmp, &refs, req.compression)?;
             }
         }
     }
