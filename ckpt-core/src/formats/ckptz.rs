@@ -433,18 +433,8 @@ impl ChunkCache {
 /// file for positional reads and drops the mapping.
 pub(crate) fn read(path: &Path, file: File, map: Option<Mmap>) -> Result<TensorFile> {
     let len = map.as_ref().map_or(0, |m| m.len() as u64);
-    let parsed = {
-        let bytes: &[u8] = map.as_deref().unwrap_or(&[]);
-        // The header only: the data area is never read through the mapping.
-        let head_len = bytes.len().min(16);
-        let n = if head_len == 16 {
-            u64::from_le_bytes(bytes[8..16].try_into().unwrap_or_default())
-        } else {
-            0
-        };
-        let end = n.saturating_add(16).min(len) as usize;
-        parse_header(&bytes[..end.max(head_len)], len)
-    };
+    // The header only: the data area is never read through the mapping.
+    let parsed = parse_header(map.as_deref().unwrap_or(&[]), len);
     if let Some(m) = &map {
         crate::fault::unregister_map(m.as_ptr() as usize);
     }
