@@ -142,7 +142,7 @@ pub fn group_of(dtype: Dtype) -> usize {
 fn unit_bytes(dtype: Dtype) -> u64 {
     let bits = dtype.bitsize() as u64;
     let mut unit = bits;
-    while unit % 8 != 0 {
+    while !unit.is_multiple_of(8) {
         unit += bits;
     }
     unit / 8
@@ -643,7 +643,7 @@ fn parse_entry(name: &str, v: &Value, data_len: u64) -> Result<(TensorEntry, Chu
         .and_then(Value::as_u64)
         .ok_or_else(|| bad_tensor(name, "`group` must be a non-negative integer"))?;
     let bits = dtype.bitsize() as u64;
-    if group != 1 && !(bits % 8 == 0 && group == bits / 8) {
+    if group != 1 && !(bits.is_multiple_of(8) && group == bits / 8) {
         return Err(bad_tensor(
             name,
             format!(
@@ -788,6 +788,12 @@ pub fn compress_chunk(
     })
 }
 
+/// A compressed chunk in the data area: `(start, end, checksum of its raw bytes)`.
+type Written = (u64, u64, Checksum);
+
+/// A chunk whose raw bytes have partly arrived: the bytes, and how many have arrived.
+type Pending = (Vec<u8>, u64);
+
 /// A `.ckptz` file being written. Data arrives as the safetensors writer's does, by
 /// positional writes of raw bytes at any place of any tensor from any thread; each chunk
 /// is compressed as soon as all its bytes have arrived (a write covering a whole chunk
@@ -811,9 +817,9 @@ pub struct CkptzWriter {
     /// Compressed bytes written so far: the next chunk goes there.
     next: AtomicU64,
     /// Per tensor, per chunk: `(start, end, raw checksum)` once written.
-    written: Vec<Mutex<Vec<Option<(u64, u64, Checksum)>>>>,
+    written: Vec<Mutex<Vec<Option<Written>>>>,
     /// Partly written chunks: `(tensor, chunk)` to the raw bytes and how many arrived.
-    pending: Mutex<HashMap<(usize, usize), (Vec<u8>, u64)>>,
+    pending: Mutex<HashMap<(usize, usize), Pending>>,
     done: bool,
 }
 
@@ -1088,7 +1094,7 @@ mod tests {
     /// have something to do.
     fn bytes(seed: usize, n: usize) -> Vec<u8> {
         (0..n)
-            .map(|i| ((i * 7 + seed * 13) % 251 ^ (i / 3)) as u8)
+            .map(|i| (((i * 7 + seed * 13) % 251) ^ (i / 3)) as u8)
             .collect()
     }
 
