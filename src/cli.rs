@@ -500,7 +500,18 @@ fn inspect(paths: &[PathBuf], as_json: bool) -> Result<ExitCode> {
             let r = ck.ranks[i]
                 .map(|r| format!("rank {r}: "))
                 .unwrap_or_default();
-            println!("  {r}{}  {}", f.path().display(), human_bytes(per_file[i]));
+            // Compressed files: what they take on disk too.
+            let stored = match f.format() {
+                ckpt_core::FileFormat::Ckptz => std::fs::metadata(f.path())
+                    .map(|m| format!(" ({} compressed)", human_bytes(m.len())))
+                    .unwrap_or_default(),
+                _ => String::new(),
+            };
+            println!(
+                "  {r}{}  {}{stored}",
+                f.path().display(),
+                human_bytes(per_file[i])
+            );
         }
         println!("total: {} ({total} bytes)", human_bytes(total));
         for note in &ck.notes {
