@@ -233,6 +233,21 @@ fn damaged_compressed_files_are_named_errors() {
         o.stderr
     );
     assert!(!d.path("out").exists());
+    // Intact chunks but a recorded checksum that disagrees: the copy checks it from
+    // the chunks it decompressed.
+    let mut wrong = good.clone();
+    let at = good.windows(7).position(|w| w == b"crc32c:").unwrap() + 7;
+    wrong[at] = if wrong[at] == b'0' { b'1' } else { b'0' };
+    std::fs::write(&f, &wrong).unwrap();
+    let o = d.fails(&["merge", "exz", "-o", "out", "-q"]);
+    assert!(
+        o.stderr.contains("ckpt_1/model.ckptz: tensor `") && o.stderr.contains("checksum mismatch"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("out").exists());
+    let o = d.fails(&["verify", "exz"]);
+    assert!(o.stdout.contains("checksum mismatch"), "{}", o.stdout);
     // Truncated: refused when opened, naming the file.
     std::fs::write(&f, &good[..good.len() - 100]).unwrap();
     let o = d.fails(&["merge", "exz", "-o", "out", "-q"]);

@@ -288,17 +288,26 @@ pub fn execute_with(
             let _ = f.set_len(f.metadata().map_or(0, |m| m.len() / 2));
         }
     }
+    // Mapped sources are hashed alongside the copy; compressed ones after it, from the
+    // checksums of their chunks taken as the copy decompressed them (hashing them
+    // alongside would decompress everything twice).
+    let (after, alongside): (Vec<(usize, usize)>, Vec<(usize, usize)>) = to_check
+        .iter()
+        .partition(|&&(f, _)| source.files[f].format() == crate::FileFormat::Ckptz);
     let read = AtomicU64::new(0);
     let (copied, checked) = rayon::join(
         || copy_slabs(plan, source, &writers, &jobs, &read, progress),
         || {
-            to_check
+            alongside
                 .par_iter()
                 .try_for_each(|&(f, t)| source.files[f].check_checksum(t).map(|_| ()))
         },
     );
     copied?;
     checked?;
+    after
+        .par_iter()
+        .try_for_each(|&(f, t)| source.files[f].check_checksum_after_read(t).map(|_| ()))?;
     let t = std::time::Instant::now();
     for w in writers {
         w.finish()?;

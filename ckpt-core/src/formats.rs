@@ -343,6 +343,32 @@ impl TensorFile {
         Ok(true)
     }
 
+    /// [`TensorFile::check_checksum`] after tensor `index` has been read whole: for a
+    /// compressed file, from the checksums of its chunks taken as they were
+    /// decompressed (no second decompression), when every chunk has been.
+    ///
+    /// # Errors
+    /// [`Error::ChecksumMismatch`] naming file, tensor and both values.
+    pub(crate) fn check_checksum_after_read(&self, index: usize) -> Result<bool> {
+        let (Some(want), Some(got)) = (
+            self.checksums[index],
+            self.chunked
+                .as_ref()
+                .and_then(|c| c.decoded_checksum(index)),
+        ) else {
+            return self.check_checksum(index);
+        };
+        if got != want {
+            return Err(Error::ChecksumMismatch {
+                path: self.path.clone(),
+                tensor: self.tensors[index].name.clone(),
+                recorded: want.to_string(),
+                actual: got.to_string(),
+            });
+        }
+        Ok(true)
+    }
+
     /// The path this file was opened from.
     #[must_use]
     pub fn path(&self) -> &Path {

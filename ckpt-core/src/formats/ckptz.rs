@@ -229,6 +229,10 @@ pub(crate) struct Chunked {
     file: File,
     data_start: u64,
     tables: Vec<ChunkTable>,
+    /// Per tensor, per chunk: the CRC-32C of its raw bytes once decompressed
+    /// (`1 << 32 | crc`; 0 before), so that a copy that reads a tensor whole has its
+    /// recorded checksum checked without decompressing it a second time.
+    crcs: Vec<Vec<AtomicU64>>,
 }
 
 thread_local! {
@@ -332,7 +336,25 @@ impl Chunked {
         let r =
             decompress_chunk(&comp, table.group, raw_len, out).map_err(|e| damaged(e.to_string()));
         COMPRESSED.with(|c| *c.borrow_mut() = comp);
-        r
+        r?;
+        self.crcs[t][k].store(1 << 32 | u64::from(crc32c::crc32c(out)), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The CRC-32C of tensor `t`'s raw bytes from the chunks decompressed so far, when
+    /// every one of them has been.
+    pub(crate) fn decoded_checksum(&self, t: usize) -> Option<Checksum> {
+        let table = &self.tables[t];
+        let mut parts = Vec::with_capacity(table.chunks.len());
+        for (k, c) in self.crcs[t].iter().enumerate() {
+            let v = c.load(Ordering::Relaxed);
+            if v == 0 {
+                return None;
+            }
+            let raw = table.raw_range(k);
+            parts.push((Checksum(v as u32), raw.end - raw.start));
+        }
+        Some(Checksum::combine(parts))
     }
 
     /// The CRC-32C of tensor `t`'s uncompressed bytes, chunks decompressed in parallel.
@@ -449,10 +471,15 @@ pub(crate) fn read(path: &Path, file: File, map: Option<Mmap>) -> Result<TensorF
         Some(text) => decode_checksums(text).map_err(|e| e.with_path(path))?,
         None => BTreeMap::new(),
     };
+    let crcs = tables
+        .iter()
+        .map(|t| t.chunks.iter().map(|_| AtomicU64::new(0)).collect())
+        .collect();
     let chunked = Chunked {
         file,
         data_start,
         tables,
+        crcs,
     };
     let mut file = TensorFile::from_chunked(path, chunked, tensors, metadata);
     file.set_checksums(&sums).map_err(|e| e.with_path(path))?;
