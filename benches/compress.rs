@@ -9,7 +9,8 @@
 //!   the compressed copy against the same merge from the original.
 //!
 //! Run: `cargo bench --bench compress` (trains the model once, ~360 MB under
-//! target/bench/zstd-mlp; CKPT_BENCH_ZSTD_LEVEL sets the level, default 3).
+//! target/bench/zstd-mlp, and keeps it for the next runs). Level 1 and 3 are both
+//! measured; the commands run at the default level.
 
 use ckpt_core::{compress_chunk, decompress_chunk, group_of, Dtype, TensorFile};
 use rayon::prelude::*;
@@ -138,10 +139,6 @@ fn dir_bytes(dir: &Path) -> u64 {
 fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
     std::fs::create_dir_all(&root).unwrap();
-    let level: i32 = std::env::var("CKPT_BENCH_ZSTD_LEVEL")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(3);
     // Real weights: a 30M-parameter MLP trained with AdamW on 2 tensor-parallel ranks
     // (F32 weights, exp_avg, exp_avg_sq), saved sliced.
     let run = root.join("zstd-mlp");
@@ -168,6 +165,9 @@ fn main() {
         );
         println!("trained the model in {s:.1} s");
     }
+    // End to end first, while this process is small: children report their own peak
+    // RSS, not pages inherited from a large parent.
+    end_to_end(&root, &run);
     let merged = root.join("zstd-merged");
     if !merged.exists() {
         timed(
@@ -197,96 +197,114 @@ fn main() {
         Set::new("AdamW moments BF16", Dtype::BF16, &bf(&moments)),
     ];
     println!(
-        "zstd level {level}, {} MiB chunks, {} threads\n",
+        "\n{} MiB chunks, {} threads; sizes are compressed/raw, speeds in GB/s of raw bytes (best of 3)\n",
         ckpt_core::DEFAULT_CHUNK_BYTES >> 20,
         rayon::current_num_threads()
     );
-    println!(
-        "| tensors | raw MB | byte-grouped zstd | plain zstd | compress GB/s | decompress GB/s |"
-    );
-    println!("|---|---|---|---|---|---|");
+    println!("| tensors | raw MB | level | byte-grouped zstd | plain zstd | grouped: compress | grouped: decompress | plain: compress | grouping alone |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for s in &sets {
         let raw = s.raw() as f64;
         let size = |frames: &[Vec<u8>]| frames.iter().map(|f| f.len() as f64).sum::<f64>();
-        // Best of three for the timings; sizes are the same every time.
-        let mut grouped = (Vec::new(), f64::MAX);
-        for _ in 0..3 {
-            let (frames, secs) = s.compress(s.group, level);
-            grouped = (frames, grouped.1.min(secs));
-        }
-        let mut plain = (Vec::new(), f64::MAX);
-        for _ in 0..3 {
-            let (frames, secs) = s.compress(1, level);
-            plain = (frames, plain.1.min(secs));
-        }
         let grouping = (0..3).map(|_| s.group_only()).fold(f64::MAX, f64::min);
-        let dec = (0..3)
-            .map(|_| s.decompress(&grouped.0))
-            .fold(f64::MAX, f64::min);
-        println!(
-            "| {} | {:.1} | {:.3} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} |",
-            s.name,
-            raw / 1e6,
-            size(&grouped.0) / raw,
-            size(&plain.0) / raw,
-            raw / grouped.1 / 1e9,
-            raw / dec / 1e9,
-            raw / plain.1 / 1e9,
-            raw / grouping / 1e9
-        );
+        for level in [1, 3] {
+            // Best of three for the timings; sizes are the same every time.
+            let best_of = |group: usize| {
+                let mut out = (Vec::new(), f64::MAX);
+                for _ in 0..3 {
+                    let (frames, secs) = s.compress(group, level);
+                    out = (frames, out.1.min(secs));
+                }
+                out
+            };
+            let grouped = best_of(s.group);
+            let plain = best_of(1);
+            let dec = (0..3)
+                .map(|_| s.decompress(&grouped.0))
+                .fold(f64::MAX, f64::min);
+            println!(
+                "| {} | {:.1} | {level} | {:.3} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                s.name,
+                raw / 1e6,
+                size(&grouped.0) / raw,
+                size(&plain.0) / raw,
+                raw / grouped.1 / 1e9,
+                raw / dec / 1e9,
+                raw / plain.1 / 1e9,
+                raw / grouping / 1e9
+            );
+        }
     }
-    // End to end: the commands, from the page cache, each output synced before rename.
+}
+
+/// `ckpt compress`, `decompress`, and merge from the original and from the compressed
+/// copy, at the default level, from the page cache, each output synced before rename.
+fn end_to_end(root: &Path, run: &Path) {
     let runz = root.join("zstd-mlp-z");
     let out = root.join("zstd-out");
     let clean = |p: &Path| {
         let _ = std::fs::remove_dir_all(p);
         let _ = Command::new("sync").status();
     };
-    let raw_bytes = dir_bytes(&run);
-    let (comp, _) = best(&mut || {
+    let quiet = |c: &mut Command| {
+        c.stdout(std::process::Stdio::null());
+    };
+    let raw_bytes = dir_bytes(run);
+    let (comp, comp_rss) = best(&mut || {
         clean(&runz);
-        timed(
-            ckpt()
-                .args(["compress", "--level", &level.to_string()])
-                .arg(&run)
-                .arg("-o")
-                .arg(&runz)
-                .stdout(std::process::Stdio::null()),
-        )
+        let mut c = ckpt();
+        c.arg("compress").arg(run).arg("-o").arg(&runz);
+        quiet(&mut c);
+        timed(&mut c)
     });
     let z_bytes = dir_bytes(&runz);
-    let (decomp, _) = best(&mut || {
+    let (decomp, decomp_rss) = best(&mut || {
+        clean(&out);
+        let mut c = ckpt();
+        c.arg("decompress").arg(&runz).arg("-o").arg(&out);
+        quiet(&mut c);
+        timed(&mut c)
+    });
+    let mut merge_of = |src: &Path, extra: &[&str]| {
+        best(&mut || {
+            clean(&out);
+            timed(
+                ckpt()
+                    .args(["merge", "-q"])
+                    .args(extra)
+                    .arg(src)
+                    .arg("-o")
+                    .arg(&out),
+            )
+        })
+    };
+    let (merge, merge_rss) = merge_of(run, &[]);
+    let (merge_z, merge_z_rss) = merge_of(&runz, &[]);
+    let (merge_to_z, merge_to_z_rss) = merge_of(run, &["--compress", "zstd"]);
+    let (reshard_z, reshard_z_rss) = best(&mut || {
         clean(&out);
         timed(
             ckpt()
-                .arg("decompress")
+                .args(["reshard", "-q", "--to", "4"])
                 .arg(&runz)
                 .arg("-o")
-                .arg(&out)
-                .stdout(std::process::Stdio::null()),
+                .arg(&out),
         )
     });
-    let (merge, merge_rss) = best(&mut || {
-        clean(&out);
-        timed(ckpt().args(["merge", "-q"]).arg(&run).arg("-o").arg(&out))
-    });
-    let (merge_z, merge_z_rss) = best(&mut || {
-        clean(&out);
-        timed(ckpt().args(["merge", "-q"]).arg(&runz).arg("-o").arg(&out))
-    });
-    let (merge_to_z, _) = best(&mut || {
+    let (reshard, reshard_rss) = best(&mut || {
         clean(&out);
         timed(
             ckpt()
-                .args(["merge", "-q", "--compress", &format!("zstd:{level}")])
-                .arg(&run)
+                .args(["reshard", "-q", "--to", "4"])
+                .arg(run)
                 .arg("-o")
                 .arg(&out),
         )
     });
     clean(&out);
     println!(
-        "\nwhole checkpoint (2 rank files, F32 weights + moments): {:.1} MB -> {:.1} MB ({:.3} x)\n",
+        "whole checkpoint (2 rank files, F32 weights + AdamW moments), default level {}: {:.1} MB -> {:.1} MB ({:.3} x)\n",
+        ckpt_core::DEFAULT_LEVEL,
         raw_bytes as f64 / 1e6,
         z_bytes as f64 / 1e6,
         z_bytes as f64 / raw_bytes as f64
@@ -297,17 +315,18 @@ fn main() {
     for (name, s, rss) in [
         ("ckpt merge (original)", merge, merge_rss),
         ("ckpt merge (from compressed)", merge_z, merge_z_rss),
-        ("ckpt merge --compress", merge_to_z, 0.0),
-        ("ckpt compress", comp, 0.0),
-        ("ckpt decompress", decomp, 0.0),
+        ("ckpt merge --compress zstd", merge_to_z, merge_to_z_rss),
+        ("ckpt reshard --to 4 (original)", reshard, reshard_rss),
+        (
+            "ckpt reshard --to 4 (from compressed)",
+            reshard_z,
+            reshard_z_rss,
+        ),
+        ("ckpt compress", comp, comp_rss),
+        ("ckpt decompress", decomp, decomp_rss),
     ] {
-        let rss = if rss > 0.0 {
-            format!("{rss:.1}")
-        } else {
-            "-".into()
-        };
         println!(
-            "| {name} | {s:.2} | {:.2} | {:.2} | {rss} |",
+            "| {name} | {s:.2} | {:.2} | {:.2} | {rss:.1} |",
             gbs(s),
             s / merge
         );

@@ -236,7 +236,7 @@ struct CopyArgs {
     #[arg(long)]
     force: bool,
     /// Write compressed .ckptz files (byte-grouped zstd chunks, level 1 to 22, default
-    /// 3) that every ckpt command reads: zstd or zstd:LEVEL.
+    /// 1) that every ckpt command reads: zstd or zstd:LEVEL.
     #[arg(long, value_name = "zstd[:LEVEL]", value_parser = ckpt_core::Compression::parse)]
     compress: Option<ckpt_core::Compression>,
     /// Print the summary as JSON.
@@ -323,7 +323,7 @@ struct ConvertArgs {
     #[arg(short, long)]
     output: PathBuf,
     /// zstd level (compress only).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(i32).range(1..=22))]
+    #[arg(long, default_value_t = ckpt_core::DEFAULT_LEVEL, value_parser = clap::value_parser!(i32).range(1..=22))]
     level: i32,
     /// Raw bytes per compressed chunk (tests: small chunks make small tensors span
     /// several).

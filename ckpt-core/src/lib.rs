@@ -41,8 +41,8 @@ pub use crate::example::{
 pub use crate::fault::{bus_error_message, remove_registered_temporaries};
 pub use crate::formats::ckptz::{
     compress_chunk, decompress_chunk, group_bytes, group_of, parse_header as parse_ckptz_header,
-    ungroup_bytes, CkptzWriter, Compression, DEFAULT_CHUNK_BYTES, EXTENSION as CKPTZ_EXTENSION,
-    MAGIC as CKPTZ_MAGIC,
+    ungroup_bytes, CkptzWriter, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
+    EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC,
 };
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
 pub use crate::formats::mindspore_strategy::{

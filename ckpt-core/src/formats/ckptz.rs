@@ -66,10 +66,17 @@ pub struct Compression {
     pub chunk_bytes: u64,
 }
 
+/// The default level. On byte-grouped floats, level 3's deeper match search finds
+/// almost nothing level 1's misses (AdamW moments: 0.731 against 0.730 of raw, BF16
+/// weights 0.697 against 0.678, `cargo bench --bench compress`) and costs half the
+/// speed: the redundancy is in the exponent bytes' statistics, which the entropy coder
+/// takes at any level.
+pub const DEFAULT_LEVEL: i32 = 1;
+
 impl Default for Compression {
     fn default() -> Compression {
         Compression {
-            level: 3,
+            level: DEFAULT_LEVEL,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
         }
     }
