@@ -22,6 +22,21 @@ fn ckpt() -> Command {
     Command::new(env!("CARGO_BIN_EXE_ckpt"))
 }
 
+/// CPU seconds used by this process so far (all threads).
+fn cpu_now() -> f64 {
+    // SAFETY: clock_gettime writes the timespec it is given.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
+/// Wall and CPU seconds of `f`.
+fn clocked<T>(f: impl FnOnce() -> T) -> (T, f64, f64) {
+    let (t, c) = (Instant::now(), cpu_now());
+    let out = f();
+    (out, t.elapsed().as_secs_f64(), cpu_now() - c)
+}
+
 /// Runs a command, returns (seconds, peak RSS of the child in MiB).
 fn timed(cmd: &mut Command) -> (f64, f64) {
     let t = Instant::now();
@@ -74,19 +89,18 @@ impl Set {
         self.chunks.iter().map(|c| c.len() as u64).sum()
     }
 
-    /// Compresses every chunk in parallel: (frames, seconds).
-    fn compress(&self, group: usize, level: i32) -> (Vec<Vec<u8>>, f64) {
-        let t = Instant::now();
-        let frames = self
-            .chunks
-            .par_iter()
-            .map(|c| {
-                let mut out = Vec::new();
-                compress_chunk(c, group, level, &mut out).expect("compress");
-                out
-            })
-            .collect();
-        (frames, t.elapsed().as_secs_f64())
+    /// Compresses every chunk in parallel: (frames, wall seconds, CPU seconds).
+    fn compress(&self, group: usize, level: i32) -> (Vec<Vec<u8>>, f64, f64) {
+        clocked(|| {
+            self.chunks
+                .par_iter()
+                .map(|c| {
+                    let mut out = Vec::new();
+                    compress_chunk(c, group, level, &mut out).expect("compress");
+                    out
+                })
+                .collect()
+        })
     }
 
     /// Groups every chunk's bytes in parallel (no compression): seconds.
@@ -99,17 +113,22 @@ impl Set {
         t.elapsed().as_secs_f64()
     }
 
-    /// Decompresses every frame in parallel, checking the bytes: seconds.
-    fn decompress(&self, frames: &[Vec<u8>]) -> f64 {
-        let t = Instant::now();
-        frames
-            .par_iter()
-            .zip(&self.chunks)
-            .for_each_init(Vec::new, |out, (f, c)| {
-                decompress_chunk(f, self.group, c.len(), out).expect("decompress");
-                assert!(out == c, "round trip");
-            });
-        t.elapsed().as_secs_f64()
+    /// Decompresses every frame in parallel: (wall seconds, CPU seconds). The bytes are
+    /// compared afterwards, outside the timing.
+    fn decompress(&self, frames: &[Vec<u8>]) -> (f64, f64) {
+        let (outs, wall, cpu) = clocked(|| {
+            frames
+                .par_iter()
+                .zip(&self.chunks)
+                .map(|(f, c)| {
+                    let mut out = Vec::new();
+                    decompress_chunk(f, self.group, c.len(), &mut out).expect("decompress");
+                    out
+                })
+                .collect::<Vec<_>>()
+        });
+        assert!(outs == self.chunks, "round trip");
+        (wall, cpu)
     }
 }
 
@@ -197,12 +216,15 @@ fn main() {
         Set::new("AdamW moments BF16", Dtype::BF16, &bf(&moments)),
     ];
     println!(
-        "\n{} MiB chunks, {} threads; sizes are compressed/raw, speeds in GB/s of raw bytes (best of 3)\n",
+        "\n{} MiB chunks, {} threads; sizes are compressed/raw; speeds in GB/s of raw bytes, best of 3: wall clock (per CPU-second x threads)\n",
         ckpt_core::DEFAULT_CHUNK_BYTES >> 20,
         rayon::current_num_threads()
     );
     println!("| tensors | raw MB | level | byte-grouped zstd | plain zstd | grouped: compress | grouped: decompress | plain: compress | grouping alone |");
     println!("|---|---|---|---|---|---|---|---|---|");
+    // Each speed twice: wall clock on every thread, and per CPU-second x threads (what
+    // the threads would do with the cores to themselves: the machine is shared).
+    let threads = rayon::current_num_threads() as f64;
     for s in &sets {
         let raw = s.raw() as f64;
         let size = |frames: &[Vec<u8>]| frames.iter().map(|f| f.len() as f64).sum::<f64>();
@@ -210,10 +232,10 @@ fn main() {
         for level in [1, 3] {
             // Best of three for the timings; sizes are the same every time.
             let best_of = |group: usize| {
-                let mut out = (Vec::new(), f64::MAX);
+                let mut out = (Vec::new(), f64::MAX, f64::MAX);
                 for _ in 0..3 {
-                    let (frames, secs) = s.compress(group, level);
-                    out = (frames, out.1.min(secs));
+                    let (frames, wall, cpu) = s.compress(group, level);
+                    out = (frames, out.1.min(wall), out.2.min(cpu));
                 }
                 out
             };
@@ -221,16 +243,19 @@ fn main() {
             let plain = best_of(1);
             let dec = (0..3)
                 .map(|_| s.decompress(&grouped.0))
-                .fold(f64::MAX, f64::min);
+                .fold((f64::MAX, f64::MAX), |a, b| (a.0.min(b.0), a.1.min(b.1)));
+            let speed = |wall: f64, cpu: f64| {
+                format!("{:.2} ({:.2})", raw / wall / 1e9, raw / cpu * threads / 1e9)
+            };
             println!(
-                "| {} | {:.1} | {level} | {:.3} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                "| {} | {:.1} | {level} | {:.3} | {:.3} | {} | {} | {} | {:.2} |",
                 s.name,
                 raw / 1e6,
                 size(&grouped.0) / raw,
                 size(&plain.0) / raw,
-                raw / grouped.1 / 1e9,
-                raw / dec / 1e9,
-                raw / plain.1 / 1e9,
+                speed(grouped.1, grouped.2),
+                speed(dec.0, dec.1),
+                speed(plain.1, plain.2),
                 raw / grouping / 1e9
             );
         }
@@ -265,7 +290,7 @@ fn end_to_end(root: &Path, run: &Path) {
         quiet(&mut c);
         timed(&mut c)
     });
-    let mut merge_of = |src: &Path, extra: &[&str]| {
+    let merge_of = |src: &Path, extra: &[&str]| {
         best(&mut || {
             clean(&out);
             timed(

@@ -248,6 +248,17 @@ pub fn execute_with(
             }
         }
     }
+    // Compressed sources: slabs that read the same chunks run one after the other, so
+    // that each chunk is decompressed once while a thread's cache still holds it (in
+    // plan order, a chunk of a column-sharded source feeds one slab of every target
+    // rank, far apart). Positional writes do not care about the order.
+    if source
+        .files
+        .iter()
+        .any(|f| f.format() == crate::FileFormat::Ckptz)
+    {
+        jobs.sort_by_cached_key(|(fi, ti, slab)| first_source(&plan.files[*fi].tensors[*ti], slab));
+    }
     // Source tensors read whole have their recorded checksums checked while they are
     // copied, over the same mapped pages; those read only in part cannot be.
     // (A tensor is read whole when the distinct boxes read from it tile it: blocked
@@ -320,6 +331,24 @@ pub fn execute_with(
         checksums_verified: to_check.len() as u64,
         checksums_unchecked: unchecked,
     })
+}
+
+/// Where a slab's first source bytes are: `(file, tensor, element offset)`.
+fn first_source(t: &TensorPlan, slab: &Region) -> (usize, usize, u64) {
+    for op in &t.ops {
+        let dst_box = Region::new(op.dst_start.clone(), op.src.shape.clone());
+        if let Some(part) = dst_box.overlap(slab) {
+            let start: Vec<u64> = part
+                .start
+                .iter()
+                .zip(&op.dst_start)
+                .zip(&op.src.start)
+                .map(|((p, d), s)| p - d + s)
+                .collect();
+            return (op.file, op.tensor, slab_offset(&op.src_shape, &start));
+        }
+    }
+    (usize::MAX, usize::MAX, 0)
 }
 
 /// Copies every slab job into its writer.
