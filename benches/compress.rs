@@ -37,8 +37,8 @@ fn clocked<T>(f: impl FnOnce() -> T) -> (T, f64, f64) {
     (out, t.elapsed().as_secs_f64(), cpu_now() - c)
 }
 
-/// Runs a command, returns (seconds, peak RSS of the child in MiB).
-fn timed(cmd: &mut Command) -> (f64, f64) {
+/// Runs a command, returns (seconds, peak RSS of the child in MiB, its CPU seconds).
+fn timed(cmd: &mut Command) -> (f64, f64, f64) {
     let t = Instant::now();
     let child = cmd.spawn().expect("spawn");
     let pid = child.id() as libc::pid_t;
@@ -52,15 +52,20 @@ fn timed(cmd: &mut Command) -> (f64, f64) {
         "{cmd:?} failed"
     );
     std::mem::forget(child);
-    (secs, ru.ru_maxrss as f64 / 1024.0)
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    (
+        secs,
+        ru.ru_maxrss as f64 / 1024.0,
+        tv(ru.ru_utime) + tv(ru.ru_stime),
+    )
 }
 
-/// Best (lowest) time of three runs, and the highest peak RSS.
-fn best(f: &mut dyn FnMut() -> (f64, f64)) -> (f64, f64) {
+/// Best (lowest) time of three runs, the highest peak RSS, the lowest CPU time.
+fn best(f: &mut dyn FnMut() -> (f64, f64, f64)) -> (f64, f64, f64) {
     (0..3)
         .map(|_| f())
-        .fold((f64::MAX, 0.0), |(s, r), (s2, r2)| {
-            (s.min(s2), f64::max(r, r2))
+        .fold((f64::MAX, 0.0, f64::MAX), |(s, r, c), (s2, r2, c2)| {
+            (s.min(s2), f64::max(r, r2), c.min(c2))
         })
 }
 
@@ -162,7 +167,7 @@ fn main() {
     // (F32 weights, exp_avg, exp_avg_sq), saved sliced.
     let run = root.join("zstd-mlp");
     if !run.exists() {
-        let (s, _) = timed(
+        let (s, _, _) = timed(
             ckpt()
                 .args([
                     "train",
@@ -275,7 +280,7 @@ fn end_to_end(root: &Path, run: &Path) {
         c.stdout(std::process::Stdio::null());
     };
     let raw_bytes = dir_bytes(run);
-    let (comp, comp_rss) = best(&mut || {
+    let comp = best(&mut || {
         clean(&runz);
         let mut c = ckpt();
         c.arg("compress").arg(run).arg("-o").arg(&runz);
@@ -283,7 +288,7 @@ fn end_to_end(root: &Path, run: &Path) {
         timed(&mut c)
     });
     let z_bytes = dir_bytes(&runz);
-    let (decomp, decomp_rss) = best(&mut || {
+    let decomp = best(&mut || {
         clean(&out);
         let mut c = ckpt();
         c.arg("decompress").arg(&runz).arg("-o").arg(&out);
@@ -303,10 +308,10 @@ fn end_to_end(root: &Path, run: &Path) {
             )
         })
     };
-    let (merge, merge_rss) = merge_of(run, &[]);
-    let (merge_z, merge_z_rss) = merge_of(&runz, &[]);
-    let (merge_to_z, merge_to_z_rss) = merge_of(run, &["--compress", "zstd"]);
-    let (reshard_z, reshard_z_rss) = best(&mut || {
+    let merge = merge_of(run, &[]);
+    let merge_z = merge_of(&runz, &[]);
+    let merge_to_z = merge_of(run, &["--compress", "zstd"]);
+    let reshard_z = best(&mut || {
         clean(&out);
         timed(
             ckpt()
@@ -316,7 +321,7 @@ fn end_to_end(root: &Path, run: &Path) {
                 .arg(&out),
         )
     });
-    let (reshard, reshard_rss) = best(&mut || {
+    let reshard = best(&mut || {
         clean(&out);
         timed(
             ckpt()
@@ -334,26 +339,22 @@ fn end_to_end(root: &Path, run: &Path) {
         z_bytes as f64 / 1e6,
         z_bytes as f64 / raw_bytes as f64
     );
-    println!("| run | seconds | GB/s (raw bytes) | x merge | peak RSS MiB |");
-    println!("|---|---|---|---|---|");
+    println!("| run | seconds | GB/s (raw bytes) | x merge | CPU seconds | peak RSS MiB |");
+    println!("|---|---|---|---|---|---|");
     let gbs = |s: f64| raw_bytes as f64 / s / 1e9;
-    for (name, s, rss) in [
-        ("ckpt merge (original)", merge, merge_rss),
-        ("ckpt merge (from compressed)", merge_z, merge_z_rss),
-        ("ckpt merge --compress zstd", merge_to_z, merge_to_z_rss),
-        ("ckpt reshard --to 4 (original)", reshard, reshard_rss),
-        (
-            "ckpt reshard --to 4 (from compressed)",
-            reshard_z,
-            reshard_z_rss,
-        ),
-        ("ckpt compress", comp, comp_rss),
-        ("ckpt decompress", decomp, decomp_rss),
+    for (name, (s, rss, cpu)) in [
+        ("ckpt merge (original)", merge),
+        ("ckpt merge (from compressed)", merge_z),
+        ("ckpt merge --compress zstd", merge_to_z),
+        ("ckpt reshard --to 4 (original)", reshard),
+        ("ckpt reshard --to 4 (from compressed)", reshard_z),
+        ("ckpt compress", comp),
+        ("ckpt decompress", decomp),
     ] {
         println!(
-            "| {name} | {s:.2} | {:.2} | {:.2} | {rss:.1} |",
+            "| {name} | {s:.2} | {:.2} | {:.2} | {cpu:.2} | {rss:.1} |",
             gbs(s),
-            s / merge
+            s / merge.0
         );
     }
 }
