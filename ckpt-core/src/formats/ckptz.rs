@@ -317,7 +317,8 @@ pub fn decompress_chunk(
         let Some((dctx, grouped)) = cell.as_mut() else {
             return Ok(());
         };
-        out.clear();
+        // Every byte is overwritten below: resizing a reused buffer zeroes only what
+        // it grows by.
         out.resize(raw_len, 0);
         let target: &mut [u8] = if group > 1 {
             grouped.resize(raw_len, 0);
