@@ -1294,6 +1294,30 @@ mod tests {
     }
 
     #[test]
+    fn a_read_decompresses_only_the_chunks_it_covers() {
+        let dir = tempfile::tempdir().unwrap();
+        let specs = [spec("w", Dtype::F32, &[100])];
+        let (path, data) = write(dir.path(), &specs, 40, 400);
+        let f = TensorFile::open(&path).unwrap();
+        let c = f.chunked().unwrap();
+        let decoded = || -> Vec<usize> {
+            (0..c.chunk_count(0))
+                .filter(|&k| c.crcs[0][k].load(Ordering::Relaxed) != 0)
+                .collect()
+        };
+        assert_eq!(c.chunk_count(0), 10);
+        // Bytes [85, 125) lie in chunks 2 and 3 (of 40 bytes each).
+        let mut cache = ChunkCache::new();
+        let got = f.read(0, 85..125, &mut cache).unwrap();
+        assert_eq!(got, &data[0][85..125]);
+        assert_eq!(decoded(), [2, 3]);
+        assert_eq!(c.decoded_checksum(0), None);
+        f.read(0, 0..400, &mut ChunkCache::new()).unwrap();
+        assert_eq!(decoded(), (0..10).collect::<Vec<_>>());
+        assert_eq!(c.decoded_checksum(0), f.checksum(0));
+    }
+
+    #[test]
     fn chunks_are_whole_elements_and_floats_grouped() {
         let dir = tempfile::tempdir().unwrap();
         let specs = [
