@@ -302,7 +302,7 @@ pub fn execute_with(
     // Mapped sources are hashed alongside the copy; compressed ones after it, from the
     // checksums of their chunks taken as the copy decompressed them (hashing them
     // alongside would decompress everything twice).
-    let (after, alongside): (Vec<(usize, usize)>, Vec<(usize, usize)>) = to_check
+    let (after, alongside): (Vec<_>, Vec<_>) = to_check
         .iter()
         .partition(|&&(f, _)| source.files[f].format() == crate::FileFormat::Ckptz);
     let read = AtomicU64::new(0);

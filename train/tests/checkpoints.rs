@@ -123,7 +123,7 @@ fn read_safetensors(path: &Path) -> BTreeMap<String, Vec<u8>> {
     f.tensors()
         .iter()
         .enumerate()
-        .map(|(i, t)| (t.name.clone(), f.data(i).to_vec()))
+        .map(|(i, t)| (t.name.clone(), f.data(i).unwrap().to_vec()))
         .collect()
 }
 
