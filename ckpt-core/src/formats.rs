@@ -332,6 +332,11 @@ impl TensorFile {
             (None, Some(data)) => Checksum::of_chunks(data, &|r| self.release(index, r)),
             (None, None) => return Ok(false),
         };
+        self.compare_checksum(index, want, got)
+    }
+
+    /// `Ok(true)` when `got` is `want`, else the mismatch naming file and tensor.
+    fn compare_checksum(&self, index: usize, want: Checksum, got: Checksum) -> Result<bool> {
         if got != want {
             return Err(Error::ChecksumMismatch {
                 path: self.path.clone(),
@@ -358,15 +363,7 @@ impl TensorFile {
         ) else {
             return self.check_checksum(index);
         };
-        if got != want {
-            return Err(Error::ChecksumMismatch {
-                path: self.path.clone(),
-                tensor: self.tensors[index].name.clone(),
-                recorded: want.to_string(),
-                actual: got.to_string(),
-            });
-        }
-        Ok(true)
+        self.compare_checksum(index, want, got)
     }
 
     /// The path this file was opened from.

@@ -20,10 +20,10 @@
 //! exponent) varies little between neighbours, the low byte (mantissa) is noise; zstd
 //! finds the redundancy of the first stream only once they are apart.
 
-use super::safetensors::TensorSpec;
+use super::safetensors::{split_header, with_checksums, TensorSpec};
 use super::{byte_len, TensorEntry, TensorFile};
 use crate::checksum::CHECKSUMS_KEY;
-use crate::checksum::{checksums_enabled, decode_checksums, encode_checksums, Checksum};
+use crate::checksum::{checksums_enabled, decode_checksums, Checksum};
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::output::{commit_staged_file, create_staged_file, discard_staged_file};
 use crate::strategy::{dtype_name, parse_dtype};
@@ -582,29 +582,10 @@ pub fn parse_header(bytes: &[u8], file_len: u64) -> Result<Header> {
             "header of {n} bytes runs past the end of the file ({file_len} bytes): truncated?"
         )));
     }
-    let text = std::str::from_utf8(&bytes[16..data_start as usize])
-        .map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
-    let doc: Value =
-        serde_json::from_str(text).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-    let obj = doc
-        .as_object()
-        .ok_or_else(|| bad("header must be a JSON object"))?;
+    let (obj, metadata) = split_header(&bytes[16..data_start as usize], bad)?;
     let data_len = file_len - data_start;
     let mut entries = Vec::with_capacity(obj.len());
-    let mut metadata = BTreeMap::new();
-    for (name, v) in obj {
-        if name == "__metadata__" {
-            let m = v
-                .as_object()
-                .ok_or_else(|| bad("`__metadata__` must be an object of strings"))?;
-            for (k, v) in m {
-                let s = v
-                    .as_str()
-                    .ok_or_else(|| bad(format!("`__metadata__.{k}` must be a string")))?;
-                metadata.insert(k.clone(), s.to_string());
-            }
-            continue;
-        }
+    for (name, v) in &obj {
         entries.push(parse_entry(name, v, data_len)?);
     }
     // The uncompressed layout: contiguous from 0, as in a safetensors file.
@@ -1110,19 +1091,6 @@ impl CkptzWriter {
         self.done = true;
         Ok(())
     }
-}
-
-/// `metadata` plus [`CHECKSUMS_KEY`] recording `sums`.
-fn with_checksums(
-    metadata: &BTreeMap<String, String>,
-    sums: impl IntoIterator<Item = (String, Checksum)>,
-) -> BTreeMap<String, String> {
-    let mut m = metadata.clone();
-    m.insert(
-        CHECKSUMS_KEY.into(),
-        encode_checksums(&sums.into_iter().collect()),
-    );
-    m
 }
 
 impl Drop for CkptzWriter {

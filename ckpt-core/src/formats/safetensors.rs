@@ -93,29 +93,10 @@ pub fn parse_header(bytes: &[u8]) -> Result<(u64, Vec<TensorEntry>, BTreeMap<Str
             "header of {n} bytes runs past the end of the file ({len} bytes): truncated?"
         )));
     }
-    let text = std::str::from_utf8(&bytes[8..data_start as usize])
-        .map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
-    let doc: Value =
-        serde_json::from_str(text).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-    let obj = doc
-        .as_object()
-        .ok_or_else(|| bad("header must be a JSON object"))?;
+    let (obj, metadata) = split_header(&bytes[8..data_start as usize], bad)?;
     let data_len = len - data_start;
     let mut tensors = Vec::with_capacity(obj.len());
-    let mut metadata = BTreeMap::new();
-    for (name, v) in obj {
-        if name == "__metadata__" {
-            let m = v
-                .as_object()
-                .ok_or_else(|| bad("`__metadata__` must be an object of strings"))?;
-            for (k, v) in m {
-                let s = v
-                    .as_str()
-                    .ok_or_else(|| bad(format!("`__metadata__.{k}` must be a string")))?;
-                metadata.insert(k.clone(), s.to_string());
-            }
-            continue;
-        }
+    for (name, v) in &obj {
         tensors.push(parse_entry(name, v, data_len)?);
     }
     tensors.sort_by_key(|a| (a.start, a.end));
@@ -149,6 +130,33 @@ pub fn parse_header(bytes: &[u8]) -> Result<(u64, Vec<TensorEntry>, BTreeMap<Str
         )));
     }
     Ok((data_start, tensors, metadata))
+}
+
+/// A JSON header as its tensor entries and its `__metadata__` (strings only), each
+/// problem made an error by `bad` (every format names its own header).
+pub(crate) fn split_header(
+    bytes: &[u8],
+    bad: fn(String) -> Error,
+) -> Result<(Map<String, Value>, BTreeMap<String, String>)> {
+    let text = std::str::from_utf8(bytes).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+    let Value::Object(mut obj) =
+        serde_json::from_str(text).map_err(|e| bad(format!("header is not JSON: {e}")))?
+    else {
+        return Err(bad("header must be a JSON object".into()));
+    };
+    let mut metadata = BTreeMap::new();
+    if let Some(v) = obj.remove("__metadata__") {
+        let m = v
+            .as_object()
+            .ok_or_else(|| bad("`__metadata__` must be an object of strings".into()))?;
+        for (k, v) in m {
+            let s = v
+                .as_str()
+                .ok_or_else(|| bad(format!("`__metadata__.{k}` must be a string")))?;
+            metadata.insert(k.clone(), s.to_string());
+        }
+    }
+    Ok((obj, metadata))
 }
 
 fn parse_entry(name: &str, v: &Value, data_len: u64) -> Result<TensorEntry> {
@@ -462,7 +470,7 @@ impl SafetensorsWriter {
 }
 
 /// `metadata` plus [`CHECKSUMS_KEY`] recording `sums`.
-fn with_checksums(
+pub(crate) fn with_checksums(
     metadata: &BTreeMap<String, String>,
     sums: impl IntoIterator<Item = (String, Checksum)>,
 ) -> BTreeMap<String, String> {
