@@ -20,13 +20,15 @@
 //! exponent) varies little between neighbours, the low byte (mantissa) is noise; zstd
 //! finds the redundancy of the first stream only once they are apart.
 
-use super::safetensors::{split_header, with_checksums, TensorSpec};
-use super::{byte_len, TensorEntry, TensorFile};
+use super::safetensors::{
+    entry_fields, parse_description, split_header, with_checksums, TensorSpec,
+};
+use super::{bad_tensor, byte_len, TensorEntry, TensorFile};
 use crate::checksum::CHECKSUMS_KEY;
 use crate::checksum::{checksums_enabled, decode_checksums, Checksum};
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::output::{commit_staged_file, create_staged_file, discard_staged_file};
-use crate::strategy::{dtype_name, parse_dtype};
+use crate::strategy::dtype_name;
 use crate::Dtype;
 use memmap2::Mmap;
 use serde_json::{Map, Value};
@@ -116,13 +118,6 @@ impl Compression {
 
 fn bad(problem: impl Into<String>) -> Error {
     Error::InvalidCompressed {
-        problem: problem.into(),
-    }
-}
-
-fn bad_tensor(tensor: &str, problem: impl Into<String>) -> Error {
-    Error::InvalidTensor {
-        tensor: tensor.to_string(),
         problem: problem.into(),
     }
 }
@@ -654,47 +649,11 @@ fn parse_entry(name: &str, v: &Value, data_len: u64) -> Result<(TensorEntry, Chu
         "chunk_size",
         "chunks",
     ];
-    let obj = v
-        .as_object()
-        .ok_or_else(|| bad_tensor(name, "entry must be an object"))?;
-    if let Some(k) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
-        return Err(bad_tensor(name, format!("unknown field `{k}`")));
-    }
-    let dtype = obj
-        .get("dtype")
-        .and_then(Value::as_str)
-        .ok_or_else(|| bad_tensor(name, "missing `dtype`"))
-        .and_then(|d| parse_dtype(d).map_err(|e| bad_tensor(name, e)))?;
-    let shape = u64_array(obj.get("shape"))
-        .ok_or_else(|| bad_tensor(name, "`shape` must be an array of non-negative integers"))?;
-    let offs = u64_array(obj.get("data_offsets"))
-        .filter(|a| a.len() == 2)
-        .ok_or_else(|| bad_tensor(name, "`data_offsets` must be [start, end]"))?;
-    let (start, end) = (offs[0], offs[1]);
-    let raw_len = end.checked_sub(start).ok_or_else(|| {
-        bad_tensor(
-            name,
-            format!("data_offsets [{start}, {end}) end before they start"),
-        )
-    })?;
-    let want = byte_len(dtype, &shape).ok_or_else(|| {
-        bad_tensor(
-            name,
-            format!(
-                "shape {shape:?} of {} does not make whole bytes or overflows",
-                dtype_name(dtype)
-            ),
-        )
-    })?;
-    if raw_len != want {
-        return Err(bad_tensor(
-            name,
-            format!(
-                "{} x {shape:?} needs {want} bytes but data_offsets span {raw_len}",
-                dtype_name(dtype)
-            ),
-        ));
-    }
+    let obj = entry_fields(name, v, &FIELDS)?;
+    // `data_offsets` place the tensor in the uncompressed data area, which the file
+    // does not hold: their only bound is that they tile it (checked by the caller).
+    let entry = parse_description(name, obj, u64::MAX)?;
+    let (dtype, raw_len) = (entry.dtype, entry.end - entry.start);
     match obj.get("codec").and_then(Value::as_str) {
         Some("zstd") => {}
         Some(c) => return Err(bad_tensor(name, format!("unknown codec `{c}` (only zstd)"))),
@@ -760,14 +719,7 @@ fn parse_entry(name: &str, v: &Value, data_len: u64) -> Result<(TensorEntry, Chu
         chunks.push([c[0], c[1]]);
     }
     Ok((
-        TensorEntry {
-            name: name.to_string(),
-            dtype,
-            shape,
-            start,
-            end,
-            offsets: None,
-        },
+        entry,
         ChunkTable {
             group: group as usize,
             chunk_size,

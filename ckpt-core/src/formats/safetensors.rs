@@ -160,15 +160,32 @@ pub(crate) fn split_header(
 }
 
 fn parse_entry(name: &str, v: &Value, data_len: u64) -> Result<TensorEntry> {
+    let obj = entry_fields(name, v, &["dtype", "shape", "data_offsets"])?;
+    parse_description(name, obj, data_len)
+}
+
+/// Header entry `name` as an object holding no field but `fields`.
+pub(crate) fn entry_fields<'a>(
+    name: &str,
+    v: &'a Value,
+    fields: &[&str],
+) -> Result<&'a Map<String, Value>> {
     let obj = v
         .as_object()
         .ok_or_else(|| bad_tensor(name, "entry must be an object"))?;
-    if let Some(k) = obj
-        .keys()
-        .find(|k| !matches!(k.as_str(), "dtype" | "shape" | "data_offsets"))
-    {
+    if let Some(k) = obj.keys().find(|k| !fields.contains(&k.as_str())) {
         return Err(bad_tensor(name, format!("unknown field `{k}`")));
     }
+    Ok(obj)
+}
+
+/// An entry's `dtype`, `shape` and `data_offsets` (inside `data_len`, spanning exactly
+/// shape x dtype), as a [`TensorEntry`] with offsets relative to the data area.
+pub(crate) fn parse_description(
+    name: &str,
+    obj: &Map<String, Value>,
+    data_len: u64,
+) -> Result<TensorEntry> {
     let dtype = obj
         .get("dtype")
         .and_then(Value::as_str)
