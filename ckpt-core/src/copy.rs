@@ -171,10 +171,10 @@ fn fill_slab(
             let s1 = (run.src + run.len) * sbits / 8;
             let d0 = (run.dst * dbits / 8) as usize;
             let d1 = ((run.dst + run.len) * dbits / 8) as usize;
-            let from = file.read(op.tensor, s0..s1, cache)?;
             if t.src_dtype == t.target.dtype {
-                buf[d0..d1].copy_from_slice(from);
+                file.read_into(op.tensor, s0..s1, &mut buf[d0..d1], cache)?;
             } else {
+                let from = file.read(op.tensor, s0..s1, cache)?;
                 convert(from, t.src_dtype, &mut buf[d0..d1], t.target.dtype);
             }
             lo = lo.min(s0);

@@ -415,6 +415,52 @@ impl TensorFile {
         range: std::ops::Range<u64>,
         cache: &'a mut ChunkCache,
     ) -> Result<&'a [u8]> {
+        self.check_range(index, &range)?;
+        let t = &self.tensors[index];
+        match &self.chunked {
+            Some(c) => cache.read(self, c, index, range),
+            None => {
+                let bytes: &[u8] = self.map.as_deref().unwrap_or(&[]);
+                // In range: checked above and by `from_parts`.
+                Ok(&bytes[(t.start + range.start) as usize..(t.start + range.end) as usize])
+            }
+        }
+    }
+
+    /// Copies bytes `range` (relative to the tensor) of tensor `index` into `dst`:
+    /// [`TensorFile::read`] without the intermediate buffer that a range over several
+    /// compressed chunks needs.
+    ///
+    /// # Errors
+    /// As [`TensorFile::read`]; a `dst` of another length than the range.
+    pub fn read_into(
+        &self,
+        index: usize,
+        range: std::ops::Range<u64>,
+        dst: &mut [u8],
+        cache: &mut ChunkCache,
+    ) -> Result<()> {
+        self.check_range(index, &range)?;
+        if range.end - range.start != dst.len() as u64 {
+            return Err(overflow(format!(
+                "{}: {} bytes of tensor `{}` read into a buffer of {}",
+                self.path.display(),
+                range.end - range.start,
+                self.tensors[index].name,
+                dst.len()
+            )));
+        }
+        match &self.chunked {
+            Some(c) => cache.copy_into(self, c, index, range, dst),
+            None => {
+                dst.copy_from_slice(self.read(index, range, cache)?);
+                Ok(())
+            }
+        }
+    }
+
+    /// A range inside tensor `index`, or the error naming it.
+    fn check_range(&self, index: usize, range: &std::ops::Range<u64>) -> Result<()> {
         let t = &self.tensors[index];
         if range.start > range.end || range.end > t.end - t.start {
             return Err(overflow(format!(
@@ -426,14 +472,7 @@ impl TensorFile {
                 t.end - t.start
             )));
         }
-        match &self.chunked {
-            Some(c) => cache.read(self, c, index, range),
-            None => {
-                let bytes: &[u8] = self.map.as_deref().unwrap_or(&[]);
-                // In range: checked above and by `from_parts`.
-                Ok(&bytes[(t.start + range.start) as usize..(t.start + range.end) as usize])
-            }
-        }
+        Ok(())
     }
 
     /// Drops the mapping's pages of tensor `index` in `range` (relative to the tensor)

@@ -184,7 +184,8 @@ pub fn ungroup_bytes(src: &[u8], k: usize, dst: &mut [u8]) {
 fn group_2(src: &[u8], dst: &mut [u8]) {
     let (a, b) = dst.split_at_mut(src.len() / 2);
     for ((e, a), b) in src.as_chunks::<2>().0.iter().zip(a).zip(b) {
-        [*a, *b] = *e;
+        let v = u16::from_le_bytes(*e);
+        (*a, *b) = (v as u8, (v >> 8) as u8);
     }
 }
 
@@ -487,16 +488,37 @@ impl ChunkCache {
             return Ok(&self.entries[i].3[lo..hi]);
         }
         let mut span = std::mem::take(&mut self.span);
-        span.clear();
-        for k in k0..=k1 {
+        span.resize((range.end - range.start) as usize, 0);
+        let r = self.copy_into(file, chunked, t, range, &mut span);
+        self.span = span;
+        r?;
+        Ok(&self.span)
+    }
+
+    /// Copies bytes `range` of tensor `t` of a compressed file into `dst` (of the
+    /// range's length), chunk by chunk, with no intermediate buffer.
+    pub(crate) fn copy_into(
+        &mut self,
+        file: &TensorFile,
+        chunked: &Chunked,
+        t: usize,
+        range: std::ops::Range<u64>,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        if range.is_empty() {
+            return Ok(());
+        }
+        let cs = chunked.chunk_size(t);
+        let mut at = 0;
+        for k in (range.start / cs) as usize..=((range.end - 1) / cs) as usize {
             let i = self.get(file, chunked, t, k)?;
             let base = k as u64 * cs;
-            let lo = range.start.max(base) - base;
-            let hi = range.end.min(base + cs) - base;
-            span.extend_from_slice(&self.entries[i].3[lo as usize..hi as usize]);
+            let lo = (range.start.max(base) - base) as usize;
+            let hi = (range.end.min(base + cs) - base) as usize;
+            dst[at..at + hi - lo].copy_from_slice(&self.entries[i].3[lo..hi]);
+            at += hi - lo;
         }
-        self.span = span;
-        Ok(&self.span)
+        Ok(())
     }
 }
 
