@@ -963,6 +963,42 @@ mod tests {
     }
 
     #[test]
+    fn compress_flags() {
+        let c =
+            Cli::try_parse_from(["ckpt", "merge", "a", "-o", "b", "--compress", "zstd:7"]).unwrap();
+        match c.command {
+            Command::Merge(m) => assert_eq!(m.copy.compress.map(|c| c.level), Some(7)),
+            other => panic!("parsed as {other:?}"),
+        }
+        for bad in ["zstd:0", "zstd:23", "lz4", "zstd:x"] {
+            assert!(
+                Cli::try_parse_from([
+                    "ckpt",
+                    "reshard",
+                    "a",
+                    "-o",
+                    "b",
+                    "--to",
+                    "2",
+                    "--compress",
+                    bad
+                ])
+                .is_err(),
+                "{bad}"
+            );
+        }
+        let c = Cli::try_parse_from(["ckpt", "compress", "a", "-o", "b"]).unwrap();
+        match c.command {
+            Command::Compress(a) => assert_eq!(a.level, ckpt_core::DEFAULT_LEVEL),
+            other => panic!("parsed as {other:?}"),
+        }
+        assert!(
+            Cli::try_parse_from(["ckpt", "compress", "a", "-o", "b", "--level", "30"]).is_err()
+        );
+        assert!(Cli::try_parse_from(["ckpt", "decompress", "a"]).is_err());
+    }
+
+    #[test]
     fn dtype_flag() {
         assert_eq!(parse_cast("bf16"), Ok(Dtype::BF16));
         assert!(parse_cast("int3").is_err());
