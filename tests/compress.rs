@@ -320,3 +320,30 @@ fn training_saves_compressed_and_resumes_from_it() {
     assert!(d.path("int/step_2/model.ckptz").is_file());
     d.ok(&["verify", "int"]);
 }
+
+/// A compressed input truncated by another program after it was opened: compressed
+/// files are read with positional reads, not mapped, so this is a named I/O error (no
+/// bus error), and nothing is left at the output.
+#[test]
+fn compressed_input_truncated_while_read_is_a_named_error() {
+    let d = Dir::new();
+    compressed_example(&d);
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .args(["merge", "exz", "-o", "out", "-q"])
+        .current_dir(d.tmp.path())
+        .env("CKPT_TEST_TRUNCATE_BEFORE_COPY", "exz/ckpt_1/model.ckptz")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("exz/ckpt_1/model.ckptz: the file shrank while it was being read"),
+        "{stderr}"
+    );
+    let left: Vec<_> = std::fs::read_dir(d.tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "ex" && n != "exz")
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}

@@ -380,6 +380,14 @@ impl Chunked {
             buf.resize((end - start) as usize, 0);
             self.file
                 .read_exact_at(&mut buf, self.data_start + start)
+                .map_err(|e| match e.kind() {
+                    // The header was checked against the file's length when it was
+                    // opened: only another program can have cut it since.
+                    std::io::ErrorKind::UnexpectedEof => {
+                        std::io::Error::new(e.kind(), "the file shrank while it was being read")
+                    }
+                    _ => e,
+                })
                 .at(path)?;
             Ok(buf)
         })?;
