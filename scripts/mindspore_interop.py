@@ -11,13 +11,23 @@
    writes rank_<r>/checkpoint_<r>.ckpt files MindSpore loads, each holding exactly the
    rows/columns ckpt's strategy gives that rank.
 Prints one line per check and `N passed, N failed` at the end; exits 1 on a failure.
+
+With `--bench`, it then writes a 2 GiB MindSpore checkpoint (8 ranks saved by
+mindspore.save_checkpoint, 32 F32 parameters of 8192 x 2048, half split along dim 0 and
+half along dim 1, with a MindSpore strategy file) and merges it into one checkpoint
+with MindSpore's transform_checkpoints, with merge_sliced_parameter (every rank's file
+loaded, each parameter merged), and with ckpt merge (to safetensors and to .ckpt), each
+in its own process under /usr/bin/time: one table of seconds and peak RSS, and checks
+that the outputs agree.
 """
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
 import tempfile
+import time
 
 # This folder holds no `mindspore` module, but keep imports unambiguous.
 import numpy as np
@@ -25,7 +35,9 @@ import mindspore as ms
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 FX = os.path.join(ROOT, "tests", "fixtures", "mindspore")
-CKPT = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else os.path.join(ROOT, "target", "debug", "ckpt")
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+BENCH = "--bench" in sys.argv
+CKPT = os.path.abspath(ARGS[0]) if ARGS else os.path.join(ROOT, "target", "debug", "ckpt")
 NP = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
 
 
@@ -201,6 +213,110 @@ with tempfile.TemporaryDirectory() as tmp:
     verdict("merge_sliced_parameter (each parameter)", merge_sliced)
     verdict("unified_safetensors (4 ranks -> 1)", unified)
     verdict("transform_checkpoints ([2,2] -> [4], dim-1 split, safetensors in and out)", transform_dim1)
+
+
+def timed(cmd):
+    """Seconds and peak RSS (MiB) of a command in its own process."""
+    t = time.perf_counter()
+    r = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
+    secs = time.perf_counter() - t
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(cmd[:4])} failed:\n{r.stderr[-3000:]}")
+    kb = [l for l in r.stderr.splitlines() if "Maximum resident set size" in l]
+    return secs, int(kb[0].split()[-1]) / 1024
+
+
+BENCH_WORLD, BENCH_PARAMS, BENCH_SHAPE = 8, 32, (8192, 2048)
+
+
+def bench_param(i):
+    """Parameter i, its tensor map over the 8 ranks (dim 0 or dim 1), and its values."""
+    tmap = [0, -1] if i % 2 == 0 else [-1, 0]
+    a = (np.arange(BENCH_SHAPE[0] * BENCH_SHAPE[1], dtype=np.float32) % 1021 + i).reshape(BENCH_SHAPE)
+    return f"layers.{i}.weight", tmap, a
+
+
+def bench(tmp):
+    import mindspore.train.node_strategy_pb2 as pb
+    src = os.path.join(tmp, "bench_src")
+    m = pb.ParallelStrategyMap()
+    m.current_stage = 0
+    per_rank = [[] for _ in range(BENCH_WORLD)]
+    for i in range(BENCH_PARAMS):
+        name, tmap, a = bench_param(i)
+        item = m.parallel_layout_item.add()
+        item.param_name = name
+        lay = item.parallel_layouts
+        lay.dev_matrix.add().dim.extend([BENCH_WORLD])
+        lay.tensor_map.add().dim.extend(tmap)
+        lay.param_split_shape.add()
+        lay.indices_offset.add()
+        lay.field = 0
+        lay.opt_weight_shard_step = 0
+        lay.opt_weight_shard_size = 0
+        axis = 0 if tmap[0] == 0 else 1
+        for r, part in enumerate(np.split(a, BENCH_WORLD, axis=axis)):
+            per_rank[r].append({"name": name, "data": ms.Tensor(np.ascontiguousarray(part))})
+    strategy = os.path.join(tmp, "bench_strategy.ckpt")
+    open(strategy, "wb").write(m.SerializeToString())
+    for r in range(BENCH_WORLD):
+        d = os.path.join(src, f"rank_{r}")
+        os.makedirs(d)
+        ms.save_checkpoint(per_rank[r], os.path.join(d, f"checkpoint_{r}.ckpt"))
+    del per_rank
+    nbytes = sum(os.path.getsize(os.path.join(src, f"rank_{r}", f"checkpoint_{r}.ckpt")) for r in range(BENCH_WORLD))
+    subprocess.run(f"cat {src}/*/* > /dev/null", shell=True, check=True)
+    py = sys.executable
+    rows = []
+    rows.append(("python + import mindspore (the floor of the two MindSpore rows)",
+                 *timed([py, "-c", "import mindspore"])))
+    out_tc = os.path.join(tmp, "bench_tc")
+    rows.append(("MindSpore transform_checkpoints (8 ranks -> 1)", *timed([py, "-c",
+                 "import sys, mindspore as ms; ms.transform_checkpoints(sys.argv[1], sys.argv[2], 'checkpoint_', sys.argv[3], None)",
+                 src, out_tc, strategy])))
+    merge_script = (
+        "import sys, os, mindspore as ms\n"
+        "src, strategy, out, world = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])\n"
+        "strat = ms.build_searched_strategy(strategy)\n"
+        "ranks = [ms.load_checkpoint(os.path.join(src, f'rank_{r}', f'checkpoint_{r}.ckpt')) for r in range(world)]\n"
+        "merged = [ms.Parameter(ms.merge_sliced_parameter([d[k] for d in ranks], strat), name=k) for k in ranks[0]]\n"
+        "ms.save_checkpoint(merged, out)\n")
+    out_msp = os.path.join(tmp, "bench_msp.ckpt")
+    rows.append(("MindSpore merge_sliced_parameter (all ranks loaded) + save_checkpoint",
+                 *timed([py, "-c", merge_script, src, strategy, out_msp, str(BENCH_WORLD)])))
+    out_st = os.path.join(tmp, "bench_ckpt_st")
+    rows.append(("ckpt merge (to safetensors)", *timed([CKPT, "merge", src, "--source-strategy", strategy, "-o", out_st, "-q"])))
+    out_ms = os.path.join(tmp, "bench_ckpt_ms")
+    rows.append(("ckpt merge --format mindspore (to .ckpt)",
+                 *timed([CKPT, "merge", src, "--source-strategy", strategy, "-o", out_ms, "--format", "mindspore", "-q"])))
+    # The outputs agree: MindSpore's two, and ckpt's .ckpt, against the originals.
+    tc_files = [f for f in os.listdir(os.path.join(out_tc, "rank_0"))]
+    outs = {"transform_checkpoints": os.path.join(out_tc, "rank_0", tc_files[0]),
+            "merge_sliced_parameter": out_msp,
+            "ckpt merge --format mindspore": os.path.join(out_ms, "model.ckpt")}
+    for label, path in outs.items():
+        got = ms.load_checkpoint(path)
+        ok = all(np.array_equal(got[name].asnumpy(), a) for name, _, a in map(bench_param, range(BENCH_PARAMS)))
+        check(f"bench: {label} gives every parameter of the 2 GiB checkpoint", ok)
+        del got
+    # The safetensors output holds the same tensors: converted to .ckpt, the same file.
+    again = os.path.join(tmp, "bench_again")
+    run("merge", out_st, "-o", again, "--format", "mindspore", "-q")
+    import filecmp
+    check("bench: ckpt merge to safetensors holds the same tensors as to .ckpt",
+          filecmp.cmp(os.path.join(again, "model.ckpt"), os.path.join(out_ms, "model.ckpt"), shallow=False))
+    base = rows[3][1]
+    print(f"\nmerging a {nbytes / 2**30:.2f} GiB MindSpore checkpoint, {BENCH_WORLD} ranks, from the page cache (one run)")
+    print("| run | seconds | peak RSS MiB | x ckpt merge |")
+    print("|---|---|---|---|")
+    for name, secs, rss in rows:
+        print(f"| {name} | {secs:.2f} | {rss:.0f} | {secs / base:.2f} |")
+    shutil.rmtree(src)
+
+
+if BENCH:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("CKPT_BENCH_DIR")) as tmp:
+        bench(tmp)
 
 print("\n| MindSpore tool | result on tests/fixtures/mindspore |")
 print("|---|---|")

@@ -39,6 +39,9 @@ fi
 export CKPT_PYTHON="$PWD/$venv/bin/python"
 cargo test --workspace "$@"
 
+# The README's "By example" block, every line as written, in order, in a new directory.
+scripts/readme_examples.sh target/debug/ckpt
+
 # SIGKILL merge, reshard and training saves at random moments: outputs are old, new or
 # absent, never partial, and a training run's `latest` always verifies (about a minute).
 scripts/kill_test.sh

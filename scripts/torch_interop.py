@@ -4,16 +4,23 @@
 Needs torch (CPU is enough), safetensors and numpy; not part of the default test run
 because torch is a multi-gigabyte install. Run from the repository root:
 
-    python3 scripts/torch_interop.py [--bench-dir target/bench/tp8-h2048-l19]
+    python3 scripts/torch_interop.py [--bench-dir target/bench/tp8-h2048-l19-c]
 
 1. Four gloo processes save DTensors (Shard(0), Shard(1), nested, uneven, replicated)
    with torch's HuggingFaceStorageWriter(save_distributed=True); `ckpt merge` joins
    them and every tensor is compared with the originals.
 2. `ckpt reshard --format dcp` writes sharded safetensors that torch's
    HuggingFaceStorageReader loads with dcp.load: every tensor compared again.
-3. With --bench-dir (a sliced checkpoint, e.g. the one `cargo bench --bench copy`
+3. The same DTensors saved with DCP's default FileSystemWriter (`.distcp` +
+   `.metadata`): `ckpt merge` joins them byte-exactly, `ckpt reshard --to 2 --format
+   distcp` writes DCP's default format that two gloo processes load with dcp.load into
+   DTensors of the new layout (and one process loads whole), and `ckpt merge --format
+   torch` writes a model.pth that torch.load(weights_only=True) reads.
+4. With --bench-dir (a sliced checkpoint, e.g. the one `cargo bench --bench copy`
    builds), the same DCP-format input is merged by torch's
-   consolidate_safetensors_files and by `ckpt merge`, timed side by side.
+   consolidate_safetensors_files and by `ckpt merge`, timed side by side; and the
+   checkpoint in DCP's default format is converted to one torch.save file by torch's
+   dcp_to_torch_save and by `ckpt merge --format torch`.
 """
 import argparse, json, os, shutil, subprocess, sys, tempfile, time
 
@@ -105,6 +112,102 @@ def interop(work):
     print(f"2. torch's HuggingFaceStorageReader loads ckpt reshard --format dcp: {len(orig)} tensors byte-identical")
 
 
+def save_default_worker(rank, world, path, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    sd = {k: distribute_tensor(v, mesh, placements(k)) for k, v in originals().items()}
+    dcp.save(sd, checkpoint_id=path)
+    dist.destroy_process_group()
+
+
+def load_distcp_worker(rank, world, path, port, layout):
+    """Loads ckpt's --format distcp output into DTensors of the layout it was written
+    for and checks each rank's local shard against the originals."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    orig = originals()
+    place = {k: [Shard(int(p[6:-1]))] if p.startswith("Shard") else [Replicate()] for k, p in layout.items()}
+    target = {k: distribute_tensor(torch.zeros_like(v), mesh, place[k]) for k, v in orig.items()}
+    dcp.load(target, checkpoint_id=path)
+    for k, v in orig.items():
+        want = distribute_tensor(v, mesh, place[k]).to_local()
+        assert same(target[k].to_local(), want), (rank, k)
+    dist.destroy_process_group()
+
+
+def interop_default_format(work):
+    orig = originals()
+    src = os.path.join(work, "torch_distcp")
+    mp.spawn(save_default_worker, args=(4, src, 29512), nprocs=4, join=True)
+    print("torch wrote", sorted(os.listdir(src)))
+    merged = os.path.join(work, "merged_distcp")
+    print(ckpt("merge", src, "-o", merged).strip())
+    from safetensors.torch import load_file
+    got = load_file(os.path.join(merged, "model.safetensors"))
+    assert sorted(got) == sorted(orig)
+    for k, v in orig.items():
+        assert same(got[k], v), k
+    print(f"3a. ckpt merge of torch's DCP default format: {len(orig)} tensors byte-identical")
+
+    out = os.path.join(work, "distcp2")
+    print(ckpt("reshard", src, "--to", "2", "--format", "distcp", "-o", out).strip())
+    with open(os.path.join(out, "strategy.json")) as f:
+        layout = {k: t["placements"][0] for k, t in json.load(f)["tensors"].items()}
+    mp.spawn(load_distcp_worker, args=(2, out, 29513, layout), nprocs=2, join=True)
+    whole = {k: torch.zeros_like(v) for k, v in orig.items()}
+    dcp.load(whole, checkpoint_id=out, no_dist=True)
+    for k, v in orig.items():
+        assert same(whole[k], v), k
+    print(f"3b. dcp.load reads ckpt reshard --to 2 --format distcp into 2-rank DTensors {layout} and whole: byte-identical")
+
+    pth = os.path.join(work, "pth")
+    print(ckpt("merge", src, "--format", "torch", "-o", pth).strip())
+    sd = torch.load(os.path.join(pth, "model.pth"), weights_only=True)
+    assert sorted(sd) == sorted(orig)
+    for k, v in orig.items():
+        assert same(sd[k], v), k
+    print(f"3c. torch.load(weights_only=True) reads ckpt merge --format torch: {len(orig)} tensors byte-identical")
+
+
+def peak_rss_run(cmd):
+    """Runs a command under /usr/bin/time -v when present; returns (seconds, peak MiB)."""
+    t = time.perf_counter()
+    r = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
+    secs = time.perf_counter() - t
+    if r.returncode != 0:
+        sys.exit(f"{cmd} failed:\n{r.stderr[-2000:]}")
+    kb = [l for l in r.stderr.splitlines() if "Maximum resident set size" in l]
+    return secs, int(kb[0].split()[-1]) / 1024 if kb else float("nan")
+
+
+def bench_default_format(work, bench_dir, sp):
+    """torch's dcp_to_torch_save against ckpt merge --format torch, on the bench
+    checkpoint in DCP's default format (written by ckpt, read by both)."""
+    src = os.path.join(work, "distcp_in")
+    ckpt("reshard", bench_dir, "-o", src, "--strategy", sp, "--format", "distcp", "-q")
+    nbytes = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
+    subprocess.run(f"cat {src}/* > /dev/null", shell=True, check=True)
+    script = ("import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+              "dcp_to_torch_save(sys.argv[1], sys.argv[2])")
+    rows = []
+    os.sync()
+    rows.append(("torch dcp_to_torch_save", *peak_rss_run([sys.executable, "-c", script, src, os.path.join(work, "torch.pth")])))
+    os.remove(os.path.join(work, "torch.pth"))
+    os.sync()
+    rows.append(("ckpt merge --format torch", *peak_rss_run([CKPT, "merge", src, "--format", "torch", "-o", os.path.join(work, "ckpt_pth"), "-q"])))
+    print(f"\n5. DCP default format ({nbytes / 1e9:.2f} GB, {len(os.listdir(src)) - 2} .distcp files) to one torch.save file (one run)")
+    print("| run | seconds | peak RSS MiB | x ckpt |")
+    print("|---|---|---|---|")
+    for name, secs, rss in rows:
+        print(f"| {name} | {secs:.2f} | {rss:.0f} | {secs / rows[-1][1]:.2f} |")
+
+
 def bench(work, bench_dir):
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
     with open(os.path.join(bench_dir, "strategy.json")) as f:
@@ -142,11 +245,14 @@ def bench(work, bench_dir):
     shutil.rmtree(torch_out)
     ours = os.path.join(work, "ckpt_out")
     rows.append(("ckpt merge", *timed(lambda: ckpt("merge", dcp_in, "-o", ours, "-q"))))
-    print(f"\n3. merge of a {nbytes / 1e9:.2f} GB DCP checkpoint, {len(os.listdir(dcp_in))} files, from the page cache (one run)")
+    print(f"\n4. merge of a {nbytes / 1e9:.2f} GB DCP checkpoint, {len(os.listdir(dcp_in))} files, from the page cache (one run)")
     print("| run | seconds | seconds incl. sync | x ckpt merge (incl. sync) |")
     print("|---|---|---|---|")
     for name, a, b in rows:
         print(f"| {name} | {a:.2f} | {b:.2f} | {b / rows[2][2]:.2f} |")
+    shutil.rmtree(ours)
+    shutil.rmtree(dcp_in)
+    bench_default_format(work, bench_dir, sp)
 
 
 def main():
@@ -157,6 +263,7 @@ def main():
     work = a.work or tempfile.mkdtemp(prefix="ckpt-torch-")
     try:
         interop(work)
+        interop_default_format(work)
         if a.bench_dir:
             bench(work, a.bench_dir)
     finally:

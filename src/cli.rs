@@ -87,6 +87,8 @@ enum Command {
     Inspect {
         #[command(flatten)]
         inputs: Inputs,
+        #[command(flatten)]
+        names: Names,
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
@@ -95,6 +97,8 @@ enum Command {
     Verify {
         #[command(flatten)]
         inputs: Inputs,
+        #[command(flatten)]
+        names: Names,
         /// Also compare replicated copies byte for byte.
         #[arg(long, conflicts_with = "fast")]
         deep: bool,
@@ -154,13 +158,16 @@ struct InferArgs {
     /// Data set (default: the one it was trained on): digits, digits:FILE, fashion-mnist[:DIR], cifar10:DIR.
     #[arg(long, value_parser = parse_data)]
     data: Option<String>,
-    /// Ranks (tensor parallel); a sliced checkpoint needs its own tensor-parallel size.
+    /// Ranks: a sliced checkpoint's tensor-parallel size (the default) or a multiple of
+    /// it, the extra copies data parallel (the test set split over them).
     #[arg(long)]
     ranks: Option<u64>,
     /// Images per forward pass.
     #[arg(long, default_value_t = 256)]
     batch_size: usize,
-    /// Predict these test images (0..10, 3,5,7) or the images in these files.
+    /// Predict these test images (7; 3,5,7; 0..10, the end excluded) or the images in
+    /// these files (digits: CSV rows of 64 pixel values 0..16 and the label, as in the
+    /// data set's own file).
     #[arg(long, num_args = 1..)]
     predict: Vec<String>,
     /// Evaluate only the first N test images.
@@ -189,6 +196,11 @@ struct Inputs {
     /// when it is not the only one beside the rank directories.
     #[arg(long, value_name = "FILE")]
     source_strategy: Vec<PathBuf>,
+    /// Read the checkpoint of this training step where the inputs hold several: a
+    /// training output's step_<N>/ instead of `latest`, MindSpore's
+    /// <prefix>-<epoch>_<N>.ckpt in each rank directory instead of the newest.
+    #[arg(long, value_name = "N")]
+    step: Option<u64>,
 }
 
 impl Inputs {
@@ -214,10 +226,28 @@ impl Inputs {
     }
 }
 
+/// Renaming, on every command that reads a checkpoint.
+#[derive(Args, Debug, Clone, Default)]
+struct Names {
+    /// Remove this prefix from every tensor name that has it (DDP's `module.`).
+    #[arg(long, value_name = "PREFIX")]
+    strip_prefix: Option<String>,
+    /// Put this prefix in front of every tensor name (after --strip-prefix).
+    #[arg(long, value_name = "PREFIX")]
+    add_prefix: Option<String>,
+}
+
+impl Names {
+    fn selection(&self) -> Selection {
+        Selection::default().with_prefixes(self.strip_prefix.clone(), self.add_prefix.clone())
+    }
+}
+
 /// Options shared by the commands that copy tensors.
 #[derive(Args, Debug, Clone)]
 struct CopyArgs {
-    /// Cast floating-point tensors while copying (integers are refused).
+    /// Cast floating-point tensors while copying (integers are refused): bf16, f16,
+    /// f32, f64, or any safetensors dtype name (F8_E4M3, F8_E5M2, ...).
     #[arg(long, value_parser = parse_cast)]
     dtype: Option<Dtype>,
     /// Keep only tensors matching these glob patterns.
@@ -226,12 +256,8 @@ struct CopyArgs {
     /// Drop tensors matching these glob patterns (e.g. 'optim.*').
     #[arg(long, value_parser = parse_glob)]
     exclude: Vec<String>,
-    /// Remove this prefix from every tensor name that has it (DDP's `module.`).
-    #[arg(long, value_name = "PREFIX")]
-    strip_prefix: Option<String>,
-    /// Put this prefix in front of every tensor name (after --strip-prefix).
-    #[arg(long, value_name = "PREFIX")]
-    add_prefix: Option<String>,
+    #[command(flatten)]
+    names: Names,
     /// Replace an existing output.
     #[arg(long)]
     force: bool,
@@ -265,10 +291,16 @@ struct MergeArgs {
     /// output files (with --max-shard-size); no data crosses processes.
     #[arg(long, value_parser = ["auto"])]
     rank: Option<String>,
-    /// Output format: `safetensors` (Hugging Face layout) or `mindspore` (one
-    /// model.ckpt that mindspore.load_checkpoint reads).
-    #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "mindspore"])]
+    /// Output format: `safetensors` (Hugging Face layout), `mindspore` (one model.ckpt
+    /// that mindspore.load_checkpoint reads) or `torch` (one model.pth, a dict of
+    /// tensors that torch.load(weights_only=True) reads).
+    #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "mindspore", "torch"])]
     format: String,
+    /// Keep optimizer state (tensors named `optim.*`) in model.safetensors; by default
+    /// it goes to optimizer.safetensors beside it, and model.safetensors holds the
+    /// weights only (`ckpt infer` and `ckpt train --resume` read both).
+    #[arg(long)]
+    one_file: bool,
     #[command(flatten)]
     copy: CopyArgs,
 }
@@ -307,9 +339,11 @@ struct ReshardArgs {
     #[arg(long)]
     keep_all: bool,
     /// Output layout: `ckpt` (ckpt_<r>/ directories), `dcp` (PyTorch DCP sharded
-    /// safetensors, loadable by torch's HuggingFaceStorageReader) or `mindspore`
+    /// safetensors, loadable by torch's HuggingFaceStorageReader), `distcp` (DCP's
+    /// default format: __<r>_0.distcp + .metadata, loadable by
+    /// torch.distributed.checkpoint.load; each chunk stored once) or `mindspore`
     /// (rank_<r>/checkpoint_<r>.ckpt, loadable by mindspore.load_checkpoint).
-    #[arg(long, default_value = "ckpt", value_parser = ["ckpt", "dcp", "mindspore"])]
+    #[arg(long, default_value = "ckpt", value_parser = ["ckpt", "dcp", "distcp", "mindspore"])]
     format: String,
     #[command(flatten)]
     copy: CopyArgs,
@@ -376,14 +410,20 @@ fn parse_cast(s: &str) -> std::result::Result<Dtype, String> {
 
 pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Inspect { inputs, json } => inspect(&inputs.all()?, json),
+        Command::Inspect {
+            inputs,
+            names,
+            json,
+        } => inspect(&inputs.all()?, &names.selection().with_step(inputs.step), json),
         Command::Verify {
             inputs,
+            names,
             deep,
             fast,
             json,
         } => verify(
             &inputs.all()?,
+            &names.selection().with_step(inputs.step),
             ckpt_core::VerifyDepth {
                 checksums: !fast,
                 deep,
@@ -408,6 +448,8 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
                 Some(d) => d,
                 None => std::env::temp_dir().join(format!("ckpt-demo-{}", std::process::id())),
             };
+            // The demo's largest job: 4 thread ranks.
+            ckpt_train::configure_cpu_threads(4);
             crate::demo::run(&dir, force, !quiet)?;
             Ok(ExitCode::SUCCESS)
         }
@@ -432,8 +474,8 @@ fn placements_text(ck: &Checkpoint, name: &str) -> String {
     }
 }
 
-fn inspect(paths: &[PathBuf], as_json: bool) -> Result<ExitCode> {
-    let (ck, problems) = ckpt_core::verify(paths, ckpt_core::VerifyDepth::default())?;
+fn inspect(paths: &[PathBuf], sel: &Selection, as_json: bool) -> Result<ExitCode> {
+    let (ck, problems) = ckpt_core::verify_selected(paths, sel, ckpt_core::VerifyDepth::default())?;
     let mut per_file = vec![0u64; ck.files.len()];
     for (i, f) in ck.files.iter().enumerate() {
         per_file[i] = f.tensors().iter().map(|t| t.end - t.start).sum();
@@ -529,9 +571,14 @@ fn inspect(paths: &[PathBuf], as_json: bool) -> Result<ExitCode> {
     })
 }
 
-fn verify(paths: &[PathBuf], depth: ckpt_core::VerifyDepth, as_json: bool) -> Result<ExitCode> {
+fn verify(
+    paths: &[PathBuf],
+    sel: &Selection,
+    depth: ckpt_core::VerifyDepth,
+    as_json: bool,
+) -> Result<ExitCode> {
     let deep = depth.deep;
-    let (ck, problems) = match ckpt_core::verify(paths, depth) {
+    let (ck, problems) = match ckpt_core::verify_selected(paths, sel, depth) {
         Ok(x) => x,
         Err(e) => {
             if as_json {
@@ -564,10 +611,18 @@ fn verify(paths: &[PathBuf], depth: ckpt_core::VerifyDepth, as_json: bool) -> Re
                         .count()
                 })
                 .sum();
-            let sums = match (recorded, depth.checksums) {
-                (0, _) => ", no checksums recorded".to_string(),
-                (n, true) => format!(", {n} checksums match"),
-                (_, false) => ", checksums not read (--fast)".to_string(),
+            // Whole-file checksums (MindSpore's crc_num).
+            let file_sums = ck
+                .files
+                .iter()
+                .filter(|f| f.metadata().contains_key("crc_num"))
+                .count();
+            let sums = match (recorded, file_sums, depth.checksums) {
+                (0, 0, _) => ", no checksums recorded".to_string(),
+                (n, 0, true) => format!(", {n} checksums match"),
+                (0, k, true) => format!(", {k} file checksums (crc_num) match"),
+                (n, k, true) => format!(", {n} checksums and {k} file checksums (crc_num) match"),
+                (_, _, false) => ", checksums not read (--fast)".to_string(),
             };
             println!(
                 "ok: {} file(s), {} tensors, every element owned exactly once{sums}{}",
@@ -591,6 +646,7 @@ fn verify(paths: &[PathBuf], depth: ckpt_core::VerifyDepth, as_json: bool) -> Re
 fn summary(
     verb: &str,
     stats: &ckpt_core::CopyStats,
+    (names, files): (u64, u64),
     secs: f64,
     out: &std::path::Path,
     as_json: bool,
@@ -599,16 +655,21 @@ fn summary(
     if as_json {
         println!(
             "{}",
-            json!({"tensors": stats.tensors, "bytes_written": stats.bytes_written, "bytes_read": stats.bytes_read,
+            json!({"tensors": names, "pieces": stats.tensors, "files": files, "bytes_written": stats.bytes_written, "bytes_read": stats.bytes_read,
                    "sync_seconds": stats.sync_micros as f64 / 1e6,
                    "checksums_verified": stats.checksums_verified,
                    "checksums_unchecked": stats.checksums_unchecked,
                    "seconds": secs, "gb_per_s": gbs, "output": out})
         );
     } else {
+        // Pieces are said only where they differ from tensors (a reshard's slices).
+        let pieces = if stats.tensors == names {
+            String::new()
+        } else {
+            format!(" as {} pieces", stats.tensors)
+        };
         println!(
-            "{verb} {} tensors, {} in {secs:.2} s ({gbs:.2} GB/s) into {}",
-            stats.tensors,
+            "{verb} {names} tensors{pieces} in {files} file(s), {} in {secs:.2} s ({gbs:.2} GB/s) into {}",
             human_bytes(stats.bytes_written),
             out.display()
         );
@@ -637,6 +698,8 @@ fn with_progress(
     }
     let t = Instant::now();
     let bar = std::sync::OnceLock::new();
+    // Distinct tensors and files of the plan: a reshard writes several pieces of a tensor.
+    let shape = std::sync::OnceLock::new();
     let stats = run(
         &|n| {
             if let Some(b) = bar.get() {
@@ -648,12 +711,19 @@ fn with_progress(
                 eprintln!("ckpt: note: {note}");
             }
             let _ = bar.set(bytes_bar(p.bytes_written(), copy.quiet || copy.json));
+            let names: std::collections::BTreeSet<&str> = p
+                .files
+                .iter()
+                .flat_map(|f| f.tensors.iter().map(|t| t.target.name.as_str()))
+                .collect();
+            let _ = shape.set((names.len() as u64, p.files.len() as u64));
         },
     );
     if let Some(b) = bar.get() {
         b.finish_and_clear();
     }
-    summary(verb, &stats?, t.elapsed().as_secs_f64(), out, copy.json);
+    let (names, files) = shape.get().copied().unwrap_or((0, 0));
+    summary(verb, &stats?, (names, files), t.elapsed().as_secs_f64(), out, copy.json);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -663,9 +733,15 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
         output: a.output,
         max_shard_size: a.max_shard_size,
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
-            .with_prefixes(a.copy.strip_prefix.clone(), a.copy.add_prefix.clone()),
+            .with_prefixes(a.copy.names.strip_prefix.clone(), a.copy.names.add_prefix.clone())
+            .with_step(a.inputs.step),
         force: a.copy.force,
-        mindspore: a.format == "mindspore",
+        one_file: a.one_file,
+        format: match a.format.as_str() {
+            "mindspore" => ckpt_merge::MergeFormat::MindSpore,
+            "torch" => ckpt_merge::MergeFormat::Torch,
+            _ => ckpt_merge::MergeFormat::Safetensors,
+        },
         compression: a.copy.compress,
         share: match a.rank {
             Some(_) => Some(launch_share()?),
@@ -722,7 +798,8 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         target,
         ranks,
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
-            .with_prefixes(a.copy.strip_prefix.clone(), a.copy.add_prefix.clone()),
+            .with_prefixes(a.copy.names.strip_prefix.clone(), a.copy.names.add_prefix.clone())
+            .with_step(a.inputs.step),
         // MindSpore loads each rank's parameters from that rank's file alone.
         keep_all: a.keep_all || a.format == "mindspore",
         force: a.copy.force,
@@ -731,6 +808,7 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         format: match a.format.as_str() {
             "dcp" => ckpt_reshard::OutputFormat::Dcp,
             "mindspore" => ckpt_reshard::OutputFormat::MindSpore,
+            "distcp" => ckpt_reshard::OutputFormat::Distcp,
             _ => ckpt_reshard::OutputFormat::Ranks,
         },
     };
@@ -853,7 +931,24 @@ fn is_lead() -> Result<bool> {
     Ok(ckpt_train::LaunchEnv::from_env()?.is_none_or(|e| e.rank == 0))
 }
 
+/// Ranks of a thread job in this process (1 under a launcher), for sizing the CPU
+/// thread pools before any tensor work.
+fn ranks_here(backend: ckpt_train::Backend, mesh: Option<&str>, ranks: Option<u64>) -> usize {
+    if backend != ckpt_train::Backend::Threads {
+        return 1;
+    }
+    mesh.and_then(|m| ckpt_core::Mesh::parse(m).ok())
+        .map(|m| m.world_size())
+        .or(ranks)
+        .unwrap_or(1) as usize
+}
+
 fn train(a: TrainArgs) -> Result<ExitCode> {
+    ckpt_train::configure_cpu_threads(ranks_here(
+        a.config.backend,
+        a.config.mesh.as_deref(),
+        a.config.ranks,
+    ));
     let report = ckpt_train::train(&a.config, !(a.quiet || a.json))?;
     if !is_lead()? {
         return Ok(ExitCode::SUCCESS);
@@ -865,6 +960,7 @@ fn train(a: TrainArgs) -> Result<ExitCode> {
                 "mesh": report.mesh, "model": report.model, "start_step": report.start_step, "steps": report.steps,
                 "epochs": report.epochs, "final_loss": report.losses.last(), "test_accuracy": report.test_accuracy,
                 "images_per_sec": report.images_per_sec, "seconds": report.seconds, "checkpoints": report.checkpoints,
+                "save_stall_seconds": report.save_stalls,
             })
         );
     } else {
@@ -888,12 +984,17 @@ fn train(a: TrainArgs) -> Result<ExitCode> {
 }
 
 fn infer(a: InferArgs) -> Result<ExitCode> {
+    ckpt_train::configure_cpu_threads(ranks_here(a.backend, None, a.ranks));
     let req = ckpt_infer::InferRequest {
         checkpoint: a.checkpoint,
         data: a.data,
         ranks: a.ranks,
         batch_size: a.batch_size,
-        predict: (!a.predict.is_empty()).then(|| ckpt_infer::parse_predict(&a.predict)),
+        predict: if a.predict.is_empty() {
+            None
+        } else {
+            Some(ckpt_infer::parse_predict(&a.predict).map_err(|e| Usage(format!("--predict {e}")))?)
+        },
         limit: a.limit,
         backend: a.backend,
         device: a.device,

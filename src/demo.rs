@@ -144,7 +144,7 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
     )?;
     rows.push(Row {
         step: "merge".into(),
-        what: "4 slices -> model.safetensors".into(),
+        what: "4 slices -> model.safetensors (+ optimizer.safetensors)".into(),
         files: files_of(&merged),
         secs: t.elapsed().as_secs_f64(),
         accuracy: None,

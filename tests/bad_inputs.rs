@@ -680,6 +680,20 @@ const CASES: &[Case] = &[
     },
     // usage errors: exit 2, nothing read or written
     Case {
+        name: "--predict 0-5",
+        setup: ex,
+        args: &["infer", "in", "--predict", "0-5"],
+        code: 2,
+        first_line: "--predict `0-5`: write the range as 0..5 (the end excluded)",
+    },
+    Case {
+        name: "--predict 5..2",
+        setup: ex,
+        args: &["infer", "in", "--predict", "5..2"],
+        code: 2,
+        first_line: "--predict `5..2` is empty",
+    },
+    Case {
         name: "--to 0",
         setup: ex,
         args: &["reshard", "in", "-o", "out", "--to", "0"],

@@ -121,3 +121,40 @@ fn an_input_truncated_while_mapped_is_named_and_nothing_is_left() {
     let left: Vec<String> = listing(&d, ".").into_iter().filter(|n| n != "ex").collect();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+/// Background saves (the default) and `--sync-save` write the same bytes; a background
+/// save that fails on one rank is reported, fails the run, and leaves `latest` on the
+/// last complete checkpoint.
+#[test]
+fn background_saves_match_sync_ones_and_a_failed_one_is_never_latest() {
+    let d = Dir::new();
+    let args = ["train", "--mesh", "dp=2,tp=2", "--max-steps", "6", "--save-every", "2", "-q"];
+    let run = |out: &str, extra: &[&str], env: Option<(&str, &str)>| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_ckpt"));
+        cmd.args(args).args(["--out", out]).args(extra).current_dir(d.path("."));
+        if let Some((k, v)) = env {
+            cmd.env(k, v);
+        }
+        cmd.output().expect("run ckpt")
+    };
+    assert!(run("bg", &[], None).status.success());
+    assert!(run("sync", &["--sync-save"], None).status.success());
+    for step in ["step_2", "step_4", "step_6"] {
+        for r in 0..4 {
+            let f = format!("{step}/ckpt_{r}/model.safetensors");
+            assert_eq!(
+                std::fs::read(d.path(&format!("bg/{f}"))).unwrap(),
+                std::fs::read(d.path(&format!("sync/{f}"))).unwrap(),
+                "{f}"
+            );
+        }
+    }
+    // Rank 1's part of step 4 fails.
+    let o = run("fail", &[], Some(("CKPT_TEST_SAVE_FAIL", "1:4")));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("writing failed"), "{err}");
+    assert_eq!(std::fs::read_to_string(d.path("fail/latest")).unwrap(), "step_2\n");
+    assert!(!d.path("fail/step_4").exists());
+    d.ok(&["verify", "fail"]);
+}

@@ -451,4 +451,78 @@ fn the_newest_of_several_checkpoints_is_used_and_said_or_files_are_named() {
         "{}",
         o.stdout
     );
+    // So does --step, in every rank directory.
+    d.ok(&["verify", "run", "--step", "20"]);
+    let o = d.fails(&["verify", "run", "--step", "10"]);
+    assert!(o.stdout.contains("rank_0/net-1_10.ckpt: not a checkpoint file"), "{}", o.stdout);
+    let o = d.fails(&["merge", "run", "--step", "30", "-o", "m"]);
+    assert!(
+        o.stderr.contains("run/rank_0: no checkpoint file of step 30") && o.stderr.contains("steps here: 10, 20"),
+        "{}",
+        o.stderr
+    );
+}
+
+/// `--step` picks a training output's step_<N>/ instead of `latest`.
+#[test]
+fn step_picks_a_training_checkpoint() {
+    let d = Dir::new();
+    d.ok(&[
+        "train", "--out", "run", "--mesh", "tp=2", "--max-steps", "4", "--save-every", "2", "--keep", "2", "-q",
+    ]);
+    let latest = std::fs::read_to_string(d.path("run/latest")).unwrap();
+    assert_eq!(latest.trim(), "step_4");
+    d.ok(&["merge", "run", "--step", "2", "-o", "two"]);
+    d.ok(&["merge", "run/step_2", "-o", "direct"]);
+    assert_eq!(full_tensors(&d.path("two")), full_tensors(&d.path("direct")));
+    d.ok(&["merge", "run", "-o", "four"]);
+    assert_ne!(full_tensors(&d.path("two")), full_tensors(&d.path("four")));
+    let o = d.fails(&["inspect", "run", "--step", "3"]);
+    assert!(
+        o.stderr.contains("no checkpoint of step 3 (step_3/); steps here: 2, 4"),
+        "{}",
+        o.stderr
+    );
+}
+
+/// MindSpore writes a tensor over 512 MiB as several records (runs of its bytes, cut
+/// mid-row): the fixture's files were saved with that limit lowered to 1 KiB, and with
+/// crc_check=True.
+#[test]
+fn split_records_and_crc_num_from_mindspore() {
+    let d = Dir::new();
+    let want = full_tensors(&fixtures().join("split_full.safetensors"));
+    let src = fx("split_fmt");
+    let o = d.ok(&["verify", &src]);
+    assert!(
+        o.stdout.contains("3 tensors") && o.stdout.contains("4 file checksums (crc_num) match"),
+        "{}",
+        o.stdout
+    );
+    d.ok(&["merge", &src, "-o", "m"]);
+    assert_eq!(full_tensors(&d.path("m")), want);
+    d.ok(&["reshard", &src, "--to", "3", "-o", "r3"]);
+    d.ok(&["merge", "r3", "-o", "m3"]);
+    assert_eq!(full_tensors(&d.path("m3")), want);
+    // One flipped byte: the file's crc_num no longer matches.
+    std::fs::create_dir_all(d.path("bad")).unwrap();
+    for r in 0..4 {
+        let from = fixtures().join(format!("split_fmt/rank_{r}/checkpoint_{r}.ckpt"));
+        let dir = d.path(&format!("bad/rank_{r}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut b = std::fs::read(from).unwrap();
+        if r == 2 {
+            let n = b.len();
+            b[n / 2] ^= 1;
+        }
+        std::fs::write(dir.join(format!("checkpoint_{r}.ckpt")), b).unwrap();
+    }
+    std::fs::copy(fixtures().join("split_fmt/strategy.ckpt"), d.path("bad/strategy.ckpt")).unwrap();
+    let o = d.fails(&["verify", "bad"]);
+    assert!(
+        o.stdout.contains("rank_2/checkpoint_2.ckpt: checksum mismatch: MindSpore's crc_num"),
+        "{}{}",
+        o.stdout,
+        o.stderr
+    );
 }

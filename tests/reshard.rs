@@ -13,6 +13,25 @@ fn files_equal(a: &std::path::Path, b: &std::path::Path) {
 }
 
 #[test]
+fn the_summary_counts_tensors_and_says_pieces() {
+    let d = Dir::new();
+    d.example("ex", "dp=2,tp=3");
+    let o = d.ok(&["reshard", "ex", "--to", "2", "-o", "r", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(v["tensors"], 12);
+    assert_eq!(v["files"], 2);
+    assert!(v["pieces"].as_u64().unwrap() > 12, "{v}");
+    let o = d.ok(&["reshard", "ex", "--to", "2", "-o", "r2"]);
+    assert!(
+        o.stdout.starts_with("resharded 12 tensors as ") && o.stdout.contains(" pieces in 2 file(s)"),
+        "{}",
+        o.stdout
+    );
+    let o = d.ok(&["merge", "ex", "-o", "m"]);
+    assert!(o.stdout.starts_with("merged 12 tensors in 1 file(s)"), "{}", o.stdout);
+}
+
+#[test]
 fn eight_to_three_and_back_is_identity() {
     let d = Dir::new();
     d.example("ex", "dp=2,tp=4");

@@ -1,6 +1,7 @@
 //! Train on 4 ranks with sliced checkpoints, then merge and infer on 1 rank, reshard to
-//! 2 and to 3 (uneven) ranks and infer there: the same predictions, the trainer's own
-//! accuracy, logits within a stated tolerance; for mlp, vit and resnet.
+//! 2 and to 3 (uneven) ranks and infer there, and with data-parallel copies on top
+//! (the test set split over them): the same predictions, the trainer's own accuracy,
+//! logits within a stated tolerance; for mlp, vit and resnet.
 
 use crate::util::Dir;
 use std::path::Path;
@@ -37,7 +38,11 @@ fn equivalence(train: &[&str], tp: bool) {
     let want_ranks = if tp { (1, 2, 3) } else { (1, 1, 1) };
     assert_eq!((one.ranks, two.ranks, three.ranks), want_ranks);
     assert_eq!(one.accuracy, trainer_accuracy, "1 rank against the trainer");
-    for (n, r) in [(2, &two), (3, &three)] {
+    // Data-parallel copies on top: the test set split over them, gathered in order.
+    let dp_one = infer(&d.path("merged"), Some(3));
+    let dp_two = infer(&d.path("r2"), Some(2 * two.ranks));
+    assert_eq!((dp_one.ranks, dp_two.ranks), (3, 2 * two.ranks));
+    for (n, r) in [(2, &two), (3, &three), (30, &dp_one), (20, &dp_two)] {
         assert_eq!(r.predicted, one.predicted, "{n} ranks predict differently");
         assert_eq!(
             r.accuracy, trainer_accuracy,
@@ -137,10 +142,13 @@ fn checkpoint_that_does_not_fit_the_model_is_named() {
     let o = d.fails(&["infer", "run", "--ranks", "3"]);
     assert!(
         o.stderr.contains("3 ranks, but")
-            && o.stderr.contains("is sliced for 2 tensor-parallel ranks"),
+            && o.stderr.contains("is sliced for 2 tensor-parallel ranks")
+            && o.stderr.contains("use --ranks 2 or a multiple of it")
+            && o.stderr.contains("--to 3` first"),
         "{}",
         o.stderr
     );
+    d.ok(&["infer", "run", "--ranks", "4"]);
 }
 
 /// This build has no candle CUDA kernels: `--device cuda` stops before any work with an
@@ -169,4 +177,56 @@ fn device_cuda_without_the_kernels_is_a_clear_error() {
     assert!(o.stderr.contains(says), "{}", o.stderr);
     let o = d.ckpt(&["train", "--device", "tpu"]);
     assert_eq!(o.code, 2, "{}", o.stderr);
+}
+
+/// `merge` of a training checkpoint: weights in model.safetensors, optimizer state in
+/// optimizer.safetensors (`--one-file` keeps one); infer and resume read both. A resume
+/// says what it does not take as stored, and one with nothing left to do fails.
+#[test]
+fn merged_model_and_optimizer_files_and_resume_messages() {
+    let d = Dir::new();
+    d.ok(&["train", "--out", "run", "--mesh", "tp=2", "--epochs", "2", "-q"]);
+    d.ok(&["merge", "run", "-o", "m", "-q"]);
+    let model = crate::util::full_tensors(&d.path("m/model.safetensors"));
+    let optim = crate::util::full_tensors(&d.path("m/optimizer.safetensors"));
+    assert!(model.keys().all(|k| !k.starts_with("optim.")), "{:?}", model.keys());
+    assert_eq!(optim.len(), 2 * model.len(), "AdamW: two moments per weight");
+    assert!(!d.path("m/model.safetensors.index.json").exists());
+    d.ok(&["merge", "run", "-o", "one", "--one-file", "-q"]);
+    let one = crate::util::full_tensors(&d.path("one/model.safetensors"));
+    assert_eq!(one.len(), model.len() + optim.len());
+    assert!(!d.path("one/optimizer.safetensors").exists());
+    // Both files are read back by every command.
+    let o = d.ok(&["inspect", "m"]);
+    assert!(o.stdout.contains("optim."), "{}", o.stdout);
+    d.ok(&["infer", "m"]);
+    let o = d.ok(&["train", "--resume", "m", "--epochs", "3", "--out", "r1", "-q"]);
+    assert!(!o.stderr.contains("warning"), "{}", o.stderr);
+
+    // Weights only: the moments restart from zero, said.
+    d.ok(&["merge", "run", "-o", "w", "--exclude", "optim.*", "-q"]);
+    let o = d.ok(&["train", "--resume", "w", "--epochs", "3", "--out", "r2", "-q"]);
+    assert!(
+        o.stderr.contains("has no optimizer state for")
+            && o.stderr.contains("AdamW state (exp_avg, exp_avg_sq) starts from zero"),
+        "{}",
+        o.stderr
+    );
+    // Cast to BF16: cast back to F32, said.
+    d.ok(&["merge", "run", "-o", "b", "--dtype", "bf16", "-q"]);
+    let o = d.ok(&["train", "--resume", "b", "--epochs", "3", "--out", "r3", "-q"]);
+    assert!(
+        o.stderr.contains("stored as") && o.stderr.contains("BF16") && o.stderr.contains("cast to F32"),
+        "{}",
+        o.stderr
+    );
+    // Nothing left to do.
+    let o = d.ckpt(&["train", "--resume", "run", "--epochs", "2", "--out", "r4", "-q"]);
+    assert_ne!(o.code, 0);
+    assert!(
+        o.stderr.contains("nothing left to do") && o.stderr.contains("--epochs 3 or more"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("r4").exists());
 }

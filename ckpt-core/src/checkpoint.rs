@@ -7,6 +7,7 @@
 
 use crate::coverage::{check_tiling, Defect};
 use crate::error::{Error, IoContext, Problems, Result};
+use crate::formats::distcp::{self, DcpMetadata};
 use crate::formats::{ChunkCache, TensorFile};
 use crate::layout::TensorLayout;
 use crate::mesh::Mesh;
@@ -40,13 +41,30 @@ fn model_file(dir: &Path) -> PathBuf {
         plain
     }
 }
+/// Beside an integrated model, the file of its optimizer state (`merge` puts tensors
+/// named [`OPTIMIZER_PREFIX`]`*` there, so that model.safetensors holds weights only).
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// The names of optimizer state, in ckpt's training checkpoints (`optim.<param>.<state>`)
+/// and torch's (`optim.state.<i>.<state>`).
+pub const OPTIMIZER_PREFIX: &str = "optim.";
 /// In a training output directory, the file naming its newest checkpoint.
 pub(crate) const LATEST_FILE: &str = "latest";
 /// Files carried through from input to output when present.
 pub const CARRIED_FILES: [&str; 2] = ["config.json", "trainer_state.json"];
 
+/// How the note on a prefix every name shares begins.
+const SHARED_PREFIX_NOTE: &str = "every tensor name starts with";
+
 /// Most problems of one kind listed one by one; the rest are counted.
 pub(crate) const MAX_LISTED: usize = 20;
+
+/// The parts of a file's tensor `read_mindspore` looks at (a split slice's records
+/// together).
+struct TensorEntryView<'a> {
+    name: &'a String,
+    dtype: Dtype,
+    shape: &'a [u64],
+}
 
 /// What kind of checkpoint a set of inputs is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,6 +142,60 @@ fn shared_prefix<'a>(mut names: impl Iterator<Item = &'a str>) -> Option<String>
 struct Input {
     path: PathBuf,
     strategy: Option<PathBuf>,
+    /// For a `.distcp` file, its directory (whose `.metadata` says what it holds).
+    dcp: Option<PathBuf>,
+}
+
+/// What expanding the command line's paths finds.
+#[derive(Default)]
+struct Expanded {
+    inputs: Vec<Input>,
+    carried: BTreeMap<String, PathBuf>,
+    ms: MsStrategies,
+    notes: Vec<String>,
+    /// DCP directories' metadata, by directory.
+    dcp: BTreeMap<PathBuf, DcpMetadata>,
+    /// The training step asked for (`--step`), where the inputs hold several.
+    step: Option<u64>,
+}
+
+impl Expanded {
+    /// The optimizer state `merge` writes beside an integrated model, when present.
+    fn push_optimizer_file(&mut self, dir: &Path) {
+        let plain = dir.join(OPTIMIZER_FILE);
+        // Or compressed (`merge --compress` writes `optimizer.ckptz`).
+        let p = if plain.is_file() {
+            plain
+        } else {
+            plain.with_extension(crate::formats::ckptz::EXTENSION)
+        };
+        if p.is_file() {
+            self.inputs.push(Input {
+                path: p,
+                strategy: None,
+                dcp: None,
+            });
+        }
+    }
+
+    /// Reads a DCP directory's `.metadata` once, noting the values it holds that are
+    /// not tensors (ckpt does not carry them).
+    fn read_dcp(&mut self, dir: &Path) -> Result<&DcpMetadata> {
+        if !self.dcp.contains_key(dir) {
+            let m = distcp::read_metadata(dir)?;
+            if !m.bytes.is_empty() {
+                let shown = m.bytes.iter().take(8).cloned().collect::<Vec<_>>().join(", ");
+                let more = if m.bytes.len() > 8 { ", ..." } else { "" };
+                self.notes.push(format!(
+                    "{}: {} value(s) that are not tensors (BYTE_IO) are not carried: {shown}{more}",
+                    dir.join(distcp::METADATA_FILE).display(),
+                    m.bytes.len()
+                ));
+            }
+            self.dcp.insert(dir.to_path_buf(), m);
+        }
+        Ok(&self.dcp[dir])
+    }
 }
 
 /// MindSpore strategy files: given as inputs (`--source-strategy` adds one), or found
@@ -158,7 +230,7 @@ fn is_ms_strategy(path: &Path) -> bool {
 
 /// The checkpoint file of a MindSpore rank directory: its only `.ckpt`/`.safetensors`
 /// file, or the newest `<prefix>-<epoch>_<step>` of several.
-fn ms_rank_file(dir: &Path, notes: &mut Vec<String>) -> Result<Option<PathBuf>> {
+fn ms_rank_file(dir: &Path, step: Option<u64>, notes: &mut Vec<String>) -> Result<Option<PathBuf>> {
     let files: Vec<PathBuf> = list_dir(dir)?
         .into_iter()
         .filter(|p| p.is_file())
@@ -167,7 +239,7 @@ fn ms_rank_file(dir: &Path, notes: &mut Vec<String>) -> Result<Option<PathBuf>> 
                 .is_some_and(|e| e == "ckpt" || e == "safetensors")
         })
         .collect();
-    if files.len() <= 1 {
+    if files.len() <= 1 && step.is_none() {
         return Ok(files.into_iter().next());
     }
     let epoch_step = |p: &Path| -> Option<(u64, u64)> {
@@ -190,6 +262,22 @@ fn ms_rank_file(dir: &Path, notes: &mut Vec<String>) -> Result<Option<PathBuf>> 
         }
     }
     dated.sort();
+    if let Some(want) = step {
+        let have: Vec<String> = dated.iter().map(|((_, s), _)| s.to_string()).collect();
+        let mut at = dated.into_iter().filter(|((_, s), _)| *s == want);
+        return match (at.next(), at.next()) {
+            (Some((_, f)), None) => Ok(Some(f)),
+            (Some(_), Some(_)) => Err(unknown(format!(
+                "{}: several checkpoint files of step {want} (different epochs): pass the file to use",
+                dir.display()
+            ))),
+            (None, _) => Err(unknown(format!(
+                "{}: no checkpoint file of step {want} (<prefix>-<epoch>_{want}.ckpt); steps here: {}",
+                dir.display(),
+                if have.is_empty() { "none".to_string() } else { have.join(", ") }
+            ))),
+        };
+    }
     let (_, newest) = dated.pop().expect("several files");
     notes.push(format!(
         "{}: {} checkpoint files, using the newest, {}",
@@ -222,25 +310,31 @@ fn list_dir(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(v)
 }
 
-fn expand(
-    path: &Path,
-    out: &mut Vec<Input>,
-    carried: &mut BTreeMap<String, PathBuf>,
-    ms: &mut MsStrategies,
-    notes: &mut Vec<String>,
-) -> Result<()> {
+fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
     if path.is_file() && is_ms_strategy(path) {
-        ms.given.push(path.to_path_buf());
+        x.ms.given.push(path.to_path_buf());
+        return Ok(());
+    }
+    if path.is_file() && path.extension().is_some_and(|e| e == "distcp") {
+        let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        note_carried(&dir, &mut x.carried);
+        x.read_dcp(&dir)?;
+        x.inputs.push(Input {
+            path: path.to_path_buf(),
+            strategy: None,
+            dcp: Some(dir),
+        });
         return Ok(());
     }
     if path.is_file() {
         let dir = path.parent().unwrap_or(Path::new("."));
         let s = dir.join(STRATEGY_FILE);
-        note_carried(dir, carried);
+        note_carried(dir, &mut x.carried);
         // (A MindSpore JSON strategy may be called strategy.json too: not ckpt's.)
-        out.push(Input {
+        x.inputs.push(Input {
             path: path.to_path_buf(),
             strategy: (s.is_file() && !is_ms_strategy(&s)).then_some(s),
+            dcp: None,
         });
         return Ok(());
     }
@@ -262,6 +356,23 @@ fn expand(
     }
     // A training output directory: `latest` names its newest complete checkpoint.
     let latest = path.join(LATEST_FILE);
+    if let (true, Some(step)) = (latest.is_file(), x.step) {
+        let target = path.join(format!("step_{step}"));
+        if !target.is_dir() {
+            let mut steps: Vec<u64> = list_dir(path)?
+                .iter()
+                .filter(|p| p.is_dir())
+                .filter_map(|p| p.file_name()?.to_str()?.strip_prefix("step_")?.parse().ok())
+                .collect();
+            steps.sort_unstable();
+            return Err(unknown(format!(
+                "{}: no checkpoint of step {step} (step_{step}/); steps here: {}",
+                path.display(),
+                steps.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+            )));
+        }
+        return expand(&target, x);
+    }
     if latest.is_file() {
         let name = std::fs::read_to_string(&latest).at(&latest)?;
         let target = path.join(name.trim());
@@ -272,15 +383,16 @@ fn expand(
                 name.trim()
             )));
         }
-        return expand(&target, out, carried, ms, notes);
+        return expand(&target, x);
     }
-    note_carried(path, carried);
+    note_carried(path, &mut x.carried);
     let model = model_file(path);
     let strategy = path.join(STRATEGY_FILE);
     if model.is_file() && strategy.is_file() {
-        out.push(Input {
+        x.inputs.push(Input {
             path: model,
             strategy: Some(strategy),
+            dcp: None,
         });
         return Ok(());
     }
@@ -296,13 +408,14 @@ fn expand(
             let own = d.join(STRATEGY_FILE);
             let own = (own.is_file() && !is_ms_strategy(&own)).then_some(own);
             if own.is_some() && model_file(&d).is_file() {
-                expand(&d, out, carried, ms, notes)?;
-            } else if let Some(f) = ms_rank_file(&d, notes)? {
+                expand(&d, x)?;
+            } else if let Some(f) = ms_rank_file(&d, x.step, &mut x.notes)? {
                 // MindSpore's files; with ckpt's strategy.json when ckpt wrote them.
-                note_carried(&d, carried);
-                out.push(Input {
+                note_carried(&d, &mut x.carried);
+                x.inputs.push(Input {
                     path: f,
                     strategy: own,
+                    dcp: None,
                 });
             }
         }
@@ -313,7 +426,7 @@ fn expand(
             .cloned()
             .collect();
         if !strategies.is_empty() {
-            ms.found.insert(path.to_path_buf(), strategies);
+            x.ms.found.insert(path.to_path_buf(), strategies);
         }
         return Ok(());
     }
@@ -333,18 +446,22 @@ fn expand(
             .ok_or_else(|| unknown(format!("{}: no `weight_map` object", index.display())))?;
         let files: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
         for f in files {
-            out.push(Input {
+            x.inputs.push(Input {
                 path: path.join(f),
                 strategy: None,
+                dcp: None,
             });
         }
+        x.push_optimizer_file(path);
         return Ok(());
     }
     if model.is_file() {
-        out.push(Input {
+        x.inputs.push(Input {
             path: model,
             strategy: None,
+            dcp: None,
         });
+        x.push_optimizer_file(path);
         return Ok(());
     }
     let has_ext = |p: &Path, exts: &[&str]| {
@@ -359,6 +476,28 @@ fn expand(
         .filter(|p| !is_ms_strategy(p))
         .cloned()
         .collect();
+    if st.is_empty() && path.join(distcp::METADATA_FILE).is_file() {
+        // PyTorch DCP's default format: every file the metadata names. Megatron's
+        // torch_dist adds `common.pt` and `metadata.json` (its own state, not tensors of
+        // the model): said, not read.
+        let files = x.read_dcp(path)?.files(path);
+        for extra in ["common.pt", "metadata.json"] {
+            if path.join(extra).is_file() {
+                x.notes.push(format!(
+                    "{}: Megatron's {extra} is not read or carried (ckpt reads the DCP tensors beside it)",
+                    path.join(extra).display()
+                ));
+            }
+        }
+        for f in files {
+            x.inputs.push(Input {
+                path: f,
+                strategy: None,
+                dcp: Some(path.to_path_buf()),
+            });
+        }
+        return Ok(());
+    }
     if st.is_empty() {
         // torch.save files, only where no safetensors stand beside them (Hugging Face
         // directories often hold both forms of the same weights).
@@ -369,12 +508,10 @@ fn expand(
             .collect();
     }
     if st.is_empty() && entries.iter().any(|p| has_ext(p, &["distcp"])) {
-        return Err(Error::Unsupported {
-            problem: format!(
-                "{}: PyTorch DCP's default format (.distcp files + .metadata) is not read yet; save with HuggingFaceStorageWriter (sharded safetensors), which ckpt reads",
-                path.display()
-            ),
-        });
+        return Err(unknown(format!(
+            "{}: .distcp files without the `.metadata` that says what they hold",
+            path.display()
+        )));
     }
     if st.is_empty() {
         return Err(unknown(format!(
@@ -383,9 +520,10 @@ fn expand(
         )));
     }
     for p in st {
-        out.push(Input {
+        x.inputs.push(Input {
             path: p,
             strategy: None,
+            dcp: None,
         });
     }
     Ok(())
@@ -417,19 +555,8 @@ impl Checkpoint {
     /// # Errors
     /// As [`Checkpoint::open`], for the kept tensors; a selection that keeps nothing.
     pub fn open_selected(paths: &[PathBuf], selection: &Selection) -> Result<Checkpoint> {
-        let (mut ck, mut problems) = Checkpoint::scan(paths)?;
-        if selection.renames() {
-            ck.rename(|n| selection.rename(n))?;
-            for e in &mut problems {
-                if let Error::CoverageGap { tensor, .. }
-                | Error::Overlap { tensor, .. }
-                | Error::InvalidTensor { tensor, .. }
-                | Error::Ambiguous { tensor, .. } = e
-                {
-                    *tensor = selection.rename(tensor);
-                }
-            }
-        }
+        let (mut ck, mut problems) = Checkpoint::scan_step(paths, selection.step())?;
+        ck.apply_renames(selection, &mut problems)?;
         let warnings = selection.review(ck.tensors.keys().map(String::as_str))?;
         ck.notes.extend(warnings);
         let keep = |name: &str| selection.keeps(name);
@@ -454,13 +581,30 @@ impl Checkpoint {
     /// # Errors
     /// Inputs that are not a checkpoint, or mixed kinds.
     pub fn scan(paths: &[PathBuf]) -> Result<(Checkpoint, Vec<Error>)> {
-        let mut inputs = Vec::new();
-        let mut carried = BTreeMap::new();
-        let mut ms = MsStrategies::default();
-        let mut notes = Vec::new();
+        Checkpoint::scan_step(paths, None)
+    }
+
+    /// [`Checkpoint::scan`] of the checkpoint of training step `step`, where the inputs
+    /// hold several (see [`Selection::with_step`]).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::scan`]; no checkpoint of that step.
+    pub fn scan_step(paths: &[PathBuf], step: Option<u64>) -> Result<(Checkpoint, Vec<Error>)> {
+        let mut x = Expanded {
+            step,
+            ..Expanded::default()
+        };
         for p in paths {
-            expand(p, &mut inputs, &mut carried, &mut ms, &mut notes)?;
+            expand(p, &mut x)?;
         }
+        let Expanded {
+            inputs,
+            carried,
+            ms,
+            mut notes,
+            dcp,
+            ..
+        } = x;
         let ms_strategy = match (ms.given.is_empty(), ms.found.len()) {
             (false, _) => ms.given,
             (true, 0) => vec![],
@@ -480,7 +624,11 @@ impl Checkpoint {
         let mut files = Vec::new();
         let mut strategies = Vec::new();
         for input in inputs {
-            match TensorFile::open(&input.path) {
+            let opened = match &input.dcp {
+                Some(dir) => dcp[dir].open(&input.path),
+                None => TensorFile::open(&input.path),
+            };
+            match opened {
                 Ok(f) => {
                     files.push(f);
                     strategies.push(input.strategy);
@@ -493,8 +641,10 @@ impl Checkpoint {
             return Err(Error::Many(Problems(problems)));
         }
         let sliced = strategies.iter().filter(|s| s.is_some()).count();
-        let dcp = files
+        // (MindSpore's split records carry offsets too, within a file's own tensor.)
+        let with_offsets = files
             .iter()
+            .filter(|f| f.format() != crate::formats::FileFormat::MindSporeCkpt)
             .filter(|f| f.tensors().iter().any(|t| t.offsets.is_some()))
             .count();
         let kind = if !ms_strategy.is_empty() {
@@ -511,7 +661,7 @@ impl Checkpoint {
                 ));
             }
             Kind::Sliced
-        } else if dcp > 0 {
+        } else if with_offsets > 0 || !dcp.is_empty() {
             Kind::Dcp
         } else {
             Kind::Integrated
@@ -537,6 +687,7 @@ impl Checkpoint {
         }
         if kind == Kind::Dcp {
             ck.check_dcp_ranks(&mut problems);
+            ck.declare_dcp_shapes(&dcp, &mut problems);
         }
         ck.assemble(raw, &mut problems);
         for f in &ck.files {
@@ -553,10 +704,34 @@ impl Checkpoint {
         }
         if let Some(p) = shared_prefix(ck.tensors.keys().map(String::as_str)) {
             ck.notes.push(format!(
-                "every tensor name starts with `{p}` (DDP's `module.` wrapper, for one): --strip-prefix {p} removes it"
+                "{SHARED_PREFIX_NOTE} `{p}` (DDP's `module.` wrapper, for one): --strip-prefix {p} removes it"
             ));
         }
         Ok((ck, problems))
+    }
+
+    /// Applies a selection's renames (`--strip-prefix`, `--add-prefix`) to the tensors
+    /// and to the problems found so far, which name them; the note suggesting a strip
+    /// goes once it is done.
+    ///
+    /// # Errors
+    /// Two tensors that would get the same name.
+    pub fn apply_renames(&mut self, selection: &Selection, problems: &mut [Error]) -> Result<()> {
+        if !selection.renames() {
+            return Ok(());
+        }
+        self.rename(|n| selection.rename(n))?;
+        for e in problems {
+            if let Error::CoverageGap { tensor, .. }
+            | Error::Overlap { tensor, .. }
+            | Error::InvalidTensor { tensor, .. }
+            | Error::Ambiguous { tensor, .. } = e
+            {
+                *tensor = selection.rename(tensor);
+            }
+        }
+        self.notes.retain(|n| !n.starts_with(SHARED_PREFIX_NOTE));
+        Ok(())
     }
 
     /// Renames every tensor by `rename` (the strategy's layouts too).
@@ -874,12 +1049,43 @@ impl Checkpoint {
             }
             self.ranks[fi] = Some(rank);
             let (stage, local) = (rank / per_stage, rank % per_stage);
+            // A slice MindSpore split into several records is one tensor of the file,
+            // held as boxes (`offsets` within the slice): `records` lists them.
+            let mut by_name: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
             for (ti, t) in f.tensors().iter().enumerate() {
+                by_name.entry(&t.name).or_default().push(ti);
+            }
+            for (ti, t) in f.tensors().iter().enumerate() {
+                let records = &by_name[t.name.as_str()];
+                if records[0] != ti {
+                    continue;
+                }
+                // The slice's shape: a whole record's, or the extent of the boxes.
+                let slice_shape: Vec<u64> = match &t.offsets {
+                    None => t.shape.clone(),
+                    Some(_) => (0..t.shape.len())
+                        .map(|d| {
+                            records
+                                .iter()
+                                .map(|&i| {
+                                    let e = &f.tensors()[i];
+                                    e.offsets.as_ref().map_or(0, |o| o[d]) + e.shape[d]
+                                })
+                                .max()
+                                .unwrap_or(0)
+                        })
+                        .collect(),
+                };
+                let t = &TensorEntryView {
+                    name: &t.name,
+                    dtype: t.dtype,
+                    shape: &slice_shape,
+                };
                 let bad = |problem: String| Error::InvalidTensor {
                     tensor: t.name.clone(),
                     problem,
                 };
-                let Some(p) = params.get(&t.name) else {
+                let Some(p) = params.get(t.name) else {
                     problems.push(bad(format!("in {path} but not in the MindSpore strategy")));
                     continue;
                 };
@@ -890,7 +1096,7 @@ impl Checkpoint {
                     )));
                     continue;
                 }
-                let global = match ms_global_shape(&p.layout, &t.shape) {
+                let global = match ms_global_shape(&p.layout, t.shape) {
                     Ok(g) => g,
                     Err(e) => {
                         problems.push(bad(format!("{path}: {e}")));
@@ -898,14 +1104,14 @@ impl Checkpoint {
                     }
                 };
                 let (mesh, layout) =
-                    match crate::mindspore::from_mindspore(&t.name, &p.layout, global, t.dtype) {
+                    match crate::mindspore::from_mindspore(t.name, &p.layout, global, t.dtype) {
                         Ok(x) => x,
                         Err(e) => {
                             problems.push(e);
                             continue;
                         }
                     };
-                if let Some((m0, l0)) = known.get(&t.name) {
+                if let Some((m0, l0)) = known.get(t.name) {
                     if (m0, &l0.shape, l0.dtype) != (&mesh, &layout.shape, layout.dtype) {
                         problems.push(bad(format!(
                             "{path} holds {} {:?}, a slice of {:?}, but other ranks hold slices of {} {:?}",
@@ -919,7 +1125,7 @@ impl Checkpoint {
                     }
                 }
                 let want = layout.local_shape(&mesh, local);
-                if want.as_deref() != Some(&t.shape[..]) {
+                if want.as_deref() != Some(t.shape) {
                     problems.push(bad(format!(
                         "{path} holds {:?} but the strategy gives rank {rank} {want:?}",
                         t.shape
@@ -928,12 +1134,23 @@ impl Checkpoint {
                 }
                 let entry = raw.entry(t.name.clone()).or_default();
                 for piece in layout.pieces(&mesh, local) {
-                    entry.push(SourcePiece {
-                        file: fi,
-                        tensor: ti,
-                        global: piece.global,
-                        local: piece.local,
-                    });
+                    for &ri in records {
+                        // Each record box holds part of the slice: the piece's part in
+                        // it, in the record's own coordinates.
+                        let e = &f.tensors()[ri];
+                        let origin = e.offsets.clone().unwrap_or_else(|| vec![0; e.shape.len()]);
+                        let rec = Region::new(origin.clone(), e.shape.clone());
+                        let Some(part) = piece.local.overlap(&rec) else {
+                            continue;
+                        };
+                        let shift = part.relative_to(&piece.local.start);
+                        entry.push(SourcePiece {
+                            file: fi,
+                            tensor: ri,
+                            global: shift.offset(&piece.global.start),
+                            local: part.relative_to(&origin),
+                        });
+                    }
                 }
                 known.entry(t.name.clone()).or_insert((mesh, layout));
             }
@@ -971,7 +1188,13 @@ impl Checkpoint {
         let mut worlds = BTreeSet::new();
         let mut seen: BTreeMap<u64, usize> = BTreeMap::new();
         let mut recorded = 0;
+        let mut sharded = 0;
         for (fi, f) in self.files.iter().enumerate() {
+            if f.format() == crate::formats::FileFormat::Distcp {
+                // `.metadata` lists every chunk: coverage is checked exactly instead.
+                continue;
+            }
+            sharded += 1;
             let meta = f.metadata();
             let rank = meta.get("rank").and_then(|r| r.parse::<u64>().ok());
             let world = meta.get("world_size").and_then(|w| w.parse::<u64>().ok());
@@ -990,7 +1213,10 @@ impl Checkpoint {
                 self.ranks[fi] = Some(rank);
             }
         }
-        if recorded < self.files.len() {
+        if sharded == 0 {
+            return;
+        }
+        if recorded < sharded {
             self.notes.push(
                 "shapes inferred from the pieces present (PyTorch's sharded safetensors record \
                  neither global shapes nor the world size): a missing last rank cannot be detected"
@@ -1015,6 +1241,47 @@ impl Checkpoint {
                     self.files[fi].path().display()
                 ),
             });
+        }
+    }
+
+    /// DCP's `.metadata` records every tensor's dtype and global shape: they replace
+    /// the shapes inferred from the pieces, so a missing piece is a coverage gap, and a
+    /// tensor no input holds a piece of is named.
+    fn declare_dcp_shapes(
+        &mut self,
+        dirs: &BTreeMap<PathBuf, DcpMetadata>,
+        problems: &mut Vec<Error>,
+    ) {
+        for (dir, m) in dirs {
+            for (name, d) in &m.tensors {
+                match self.tensors.get_mut(name) {
+                    Some(t) if t.dtype != d.dtype || t.shape.len() != d.shape.len() => {
+                        problems.push(Error::InvalidTensor {
+                            tensor: name.clone(),
+                            problem: format!(
+                                "{} declares {} {:?}, its chunks hold {} with {} dims",
+                                dir.join(distcp::METADATA_FILE).display(),
+                                dtype_name(d.dtype),
+                                d.shape,
+                                dtype_name(t.dtype),
+                                t.shape.len()
+                            ),
+                        });
+                    }
+                    Some(t) => t.shape.clone_from(&d.shape),
+                    None => {
+                        self.tensors.insert(
+                            name.clone(),
+                            SourceTensor {
+                                dtype: d.dtype,
+                                shape: d.shape.clone(),
+                                pieces: vec![],
+                                copies: vec![],
+                            },
+                        );
+                    }
+                }
+            }
         }
     }
 

@@ -8,10 +8,13 @@
 //! [`sniff`], which decides by content, not by the file's name.
 
 pub(crate) mod ckptz;
+pub(crate) mod distcp;
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;
+pub(crate) mod pickle;
 pub(crate) mod safetensors;
 pub(crate) mod torch_save;
+pub(crate) mod torch_write;
 
 use crate::checksum::Checksum;
 use crate::error::{overflow, Error, IoContext, Result};
@@ -35,6 +38,9 @@ pub enum FileFormat {
     TorchSave,
     /// ckpt's compressed files (`.ckptz`: safetensors' description, zstd chunks).
     Ckptz,
+    /// A data file of PyTorch DCP's default format (`__<rank>_<n>.distcp`), read with
+    /// its directory's `.metadata`.
+    Distcp,
 }
 
 impl FileFormat {
@@ -46,6 +52,7 @@ impl FileFormat {
             FileFormat::MindSporeCkpt => "MindSpore .ckpt",
             FileFormat::TorchSave => "torch.save",
             FileFormat::Ckptz => "ckptz",
+            FileFormat::Distcp => "PyTorch DCP .distcp",
         }
     }
 }
@@ -127,6 +134,24 @@ fn bad_tensor(tensor: &str, problem: impl Into<String>) -> Error {
     }
 }
 
+/// Maps a whole file read-only (`None` when it is empty) and registers the mapping for
+/// the SIGBUS handler.
+pub(crate) fn map_file(path: &Path) -> Result<Option<Mmap>> {
+    let file = File::open(path).at(path)?;
+    let len = file.metadata().at(path)?.len();
+    // SAFETY: the mapping is read-only; ckpt never writes to its inputs, and a file
+    // changed underneath by another program is outside what any reader can defend.
+    let map = if len == 0 {
+        None
+    } else {
+        Some(unsafe { Mmap::map(&file) }.at(path)?)
+    };
+    if let Some(m) = &map {
+        crate::fault::register_map(m.as_ptr() as usize, m.len(), path);
+    }
+    Ok(map)
+}
+
 impl TensorFile {
     /// Opens and maps a file, finds its format from its content and reads its metadata.
     /// Errors carry the path.
@@ -134,18 +159,12 @@ impl TensorFile {
     /// # Errors
     /// I/O errors, a format ckpt does not read, and every problem of the file's metadata.
     pub fn open(path: &Path) -> Result<TensorFile> {
-        let file = File::open(path).at(path)?;
-        let len = file.metadata().at(path)?.len();
-        // SAFETY: the mapping is read-only; ckpt never writes to its inputs, and a file
-        // changed underneath by another program is outside what any reader can defend.
-        let map = if len == 0 {
-            None
-        } else {
-            Some(unsafe { Mmap::map(&file) }.at(path)?)
-        };
-        if let Some(m) = &map {
-            crate::fault::register_map(m.as_ptr() as usize, m.len(), path);
+        if path.extension().is_some_and(|e| e == "distcp") {
+            // Its chunks are found through the directory's `.metadata`.
+            let dir = path.parent().unwrap_or(Path::new("."));
+            return distcp::read_metadata(dir)?.open(path);
         }
+        let map = map_file(path)?;
         let head: &[u8] = map.as_deref().unwrap_or(&[]);
         let head = &head[..head.len().min(64)];
         // An empty protobuf is an empty MindSpore checkpoint (a rank that holds
@@ -155,7 +174,8 @@ impl TensorFile {
             Some(FileFormat::Safetensors) => safetensors::read(path, map),
             Some(FileFormat::MindSporeCkpt) => mindspore_ckpt::read(path, map),
             Some(FileFormat::TorchSave) => torch_save::read(path, map),
-            Some(FileFormat::Ckptz) => ckptz::read(path, file, map),
+            Some(FileFormat::Ckptz) => ckptz::read(path, File::open(path).at(path)?, map),
+            Some(FileFormat::Distcp) => unreachable!("sniff never says distcp"),
             None if torch_save::looks_like_legacy(head) => Err(Error::InvalidTorch {
                 problem: format!(
                     "{}: the legacy torch.save format (before torch 1.6, or _use_new_zipfile_serialization=False) is not read; save it again with a current torch",
@@ -366,6 +386,32 @@ impl TensorFile {
         self.compare_checksum(index, want, got)
     }
 
+    /// Checks a checksum the format records for the whole file: MindSpore's `crc_num`
+    /// (`save_checkpoint(crc_check=True)`: a zlib CRC-32 of every byte before it).
+    /// `Ok(false)` when the file records none.
+    ///
+    /// # Errors
+    /// [`Error::Mismatch`] naming the file and both values.
+    pub fn check_file_checksum(&self) -> Result<bool> {
+        let (Some(want), Some(len)) = (
+            self.metadata.get("crc_num").and_then(|c| c.parse::<u128>().ok()),
+            self.metadata.get("crc_bytes").and_then(|c| c.parse::<usize>().ok()),
+        ) else {
+            return Ok(false);
+        };
+        let all: &[u8] = self.map.as_deref().unwrap_or(&[]);
+        let got = crc32fast::hash(&all[..len.min(all.len())]);
+        if u128::from(got) != want {
+            return Err(Error::Mismatch {
+                what: format!(
+                    "{}: checksum mismatch: MindSpore's crc_num records {want}, the bytes give {got} (the file is damaged)",
+                    self.path.display()
+                ),
+            });
+        }
+        Ok(true)
+    }
+
     /// The path this file was opened from.
     #[must_use]
     pub fn path(&self) -> &Path {
@@ -520,14 +566,16 @@ impl Drop for TensorFile {
     }
 }
 
-/// A file being written, in the format its name asks for: `*.ckpt` MindSpore's, anything
-/// else safetensors, or compressed when a compression is given. The copy engine writes
-/// through this and knows no format.
+/// A file being written, in the format its name asks for: `*.ckpt` MindSpore's,
+/// `*.pth`/`*.pt`/`*.bin` a torch.save archive, `*.distcp` DCP's (one torch.save archive
+/// per tensor), anything else safetensors; compressed `.ckptz` when a compression is
+/// given. The copy engine writes through this and knows no format.
 #[derive(Debug)]
 pub(crate) enum FileWriter {
     Safetensors(safetensors::SafetensorsWriter),
     MindSpore(mindspore_ckpt::MindSporeWriter),
     Compressed(ckptz::CkptzWriter),
+    Torch(torch_write::TorchWriter),
 }
 
 impl FileWriter {
@@ -542,8 +590,11 @@ impl FileWriter {
                 dest, tensors, metadata, c,
             )?));
         }
-        Ok(if dest.extension().is_some_and(|e| e == "ckpt") {
+        let ext = dest.extension().and_then(|e| e.to_str()).unwrap_or("");
+        Ok(if ext == "ckpt" {
             FileWriter::MindSpore(mindspore_ckpt::MindSporeWriter::create(dest, tensors)?)
+        } else if matches!(ext, "pth" | "pt" | "bin" | "distcp") {
+            FileWriter::Torch(torch_write::TorchWriter::create(dest, tensors, ext == "distcp")?)
         } else {
             FileWriter::Safetensors(safetensors::SafetensorsWriter::create(
                 dest, tensors, metadata,
@@ -556,6 +607,7 @@ impl FileWriter {
             FileWriter::Safetensors(w) => w.write_at(index, offset, bytes),
             FileWriter::MindSpore(w) => w.write_at(index, offset, bytes),
             FileWriter::Compressed(w) => w.write_at(index, offset, bytes),
+            FileWriter::Torch(w) => w.write_at(index, offset, bytes),
         }
     }
 
@@ -564,6 +616,7 @@ impl FileWriter {
             FileWriter::Safetensors(w) => w.finish(),
             FileWriter::MindSpore(w) => w.finish(),
             FileWriter::Compressed(w) => w.finish(),
+            FileWriter::Torch(w) => w.finish(),
         }
     }
 }

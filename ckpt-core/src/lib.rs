@@ -28,7 +28,8 @@ mod verify;
 
 pub use crate::checkpoint::{
     Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, COMPRESSED_INDEX_FILE,
-    COMPRESSED_MODEL_FILE, DCP_SHARDING_INFO, INDEX_FILE, MODEL_FILE, STRATEGY_FILE,
+    COMPRESSED_MODEL_FILE, DCP_SHARDING_INFO, INDEX_FILE, OPTIMIZER_FILE, OPTIMIZER_PREFIX,
+    MODEL_FILE, STRATEGY_FILE,
 };
 pub use crate::checksum::{checksums_enabled, set_checksums_enabled, Checksum, CHECKSUMS_KEY};
 pub use crate::convert::{convert, Conversion, ConvertStats};
@@ -44,6 +45,7 @@ pub use crate::formats::ckptz::{
     ungroup_bytes, CkptzWriter, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
     EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC,
 };
+pub use crate::formats::distcp::{metadata_bytes as distcp_metadata, DistcpChunk};
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
 pub use crate::formats::mindspore_strategy::{
     looks_like as is_mindspore_strategy, mindspore_target_strategy, parse_mindspore_strategy,
@@ -71,5 +73,5 @@ pub use crate::save::{
 };
 pub use crate::select::Selection;
 pub use crate::strategy::{dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION};
-pub use crate::verify::{verify, VerifyDepth};
+pub use crate::verify::{verify, verify_selected, VerifyDepth};
 pub use ::safetensors::Dtype;

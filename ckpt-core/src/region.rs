@@ -109,6 +109,16 @@ impl Region {
         }
     }
 
+    /// Elements `a..b` of a tensor of `shape` in C order (a contiguous run of its bytes)
+    /// as boxes, in order: at most `2 * ndim - 1` of them (a partial first row, whole
+    /// rows, a partial last row, recursively). Empty for an empty run.
+    #[must_use]
+    pub fn flat_range(shape: &[u64], a: u64, b: u64) -> Vec<Region> {
+        let mut out = Vec::new();
+        flat_range_into(shape, a, b, &mut Vec::new(), &mut out);
+        out
+    }
+
     /// This region moved by `origin` (inverse of [`Region::relative_to`]).
     #[must_use]
     pub fn offset(&self, origin: &[u64]) -> Region {
@@ -117,6 +127,46 @@ impl Region {
             shape: self.shape.clone(),
         }
     }
+}
+
+/// [`Region::flat_range`] below the leading indices `prefix` (each of extent 1).
+fn flat_range_into(shape: &[u64], a: u64, b: u64, prefix: &mut Vec<u64>, out: &mut Vec<Region>) {
+    if a >= b {
+        return;
+    }
+    let Some((&rows, inner_shape)) = shape.split_first() else {
+        out.push(Region::new(prefix.clone(), vec![1; prefix.len()]));
+        return;
+    };
+    let inner: u64 = inner_shape.iter().product();
+    if inner == 0 || rows == 0 {
+        return;
+    }
+    // Part of row `r`, elements lo..hi of it.
+    let row = |r: u64, lo: u64, hi: u64, prefix: &mut Vec<u64>, out: &mut Vec<Region>| {
+        prefix.push(r);
+        flat_range_into(inner_shape, lo, hi, prefix, out);
+        prefix.pop();
+    };
+    let (r0, r1) = (a / inner, b / inner);
+    if r0 == r1 {
+        return row(r0, a % inner, b % inner, prefix, out);
+    }
+    let mut full_from = r0;
+    if !a.is_multiple_of(inner) {
+        row(r0, a % inner, inner, prefix, out);
+        full_from += 1;
+    }
+    if r1 > full_from {
+        let mut start = prefix.clone();
+        start.push(full_from);
+        start.extend(std::iter::repeat_n(0, inner_shape.len()));
+        let mut extent = vec![1; prefix.len()];
+        extent.push(r1 - full_from);
+        extent.extend_from_slice(inner_shape);
+        out.push(Region::new(start, extent));
+    }
+    row(r1, 0, b % inner, prefix, out);
 }
 
 impl fmt::Display for Region {
@@ -319,5 +369,28 @@ mod tests {
             Runs::new(&[0, 3], &[4, 3], &[0, 0], &[0, 3], &[0, 0]).count(),
             0
         );
+    }
+
+    #[test]
+    fn flat_ranges_are_boxes_in_order() {
+        let shape = [3u64, 4, 5];
+        for (a, b) in [(0, 60), (7, 53), (0, 1), (5, 10), (22, 23), (13, 47), (20, 40), (59, 60)] {
+            let boxes = Region::flat_range(&shape, a, b);
+            assert!(boxes.len() <= 5, "{a}..{b}: {boxes:?}");
+            // In C order, box after box, the elements are exactly a..b.
+            let mut flat = Vec::new();
+            for r in &boxes {
+                for i in 0..r.shape[0] {
+                    for j in 0..r.shape[1] {
+                        for k in 0..r.shape[2] {
+                            flat.push((r.start[0] + i) * 20 + (r.start[1] + j) * 5 + r.start[2] + k);
+                        }
+                    }
+                }
+            }
+            assert_eq!(flat, (a..b).collect::<Vec<_>>(), "{a}..{b}: {boxes:?}");
+        }
+        assert_eq!(Region::flat_range(&[], 0, 1), vec![Region::new(vec![], vec![])]);
+        assert!(Region::flat_range(&shape, 4, 4).is_empty());
     }
 }

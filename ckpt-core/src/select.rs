@@ -16,6 +16,7 @@ pub struct Selection {
     cast: Option<Dtype>,
     strip_prefix: Option<String>,
     add_prefix: Option<String>,
+    step: Option<u64>,
 }
 
 fn glob(p: &str) -> Result<Glob> {
@@ -56,6 +57,7 @@ impl Selection {
             cast,
             strip_prefix: None,
             add_prefix: None,
+            step: None,
         })
     }
 
@@ -67,6 +69,21 @@ impl Selection {
         self.strip_prefix = strip.filter(|s| !s.is_empty());
         self.add_prefix = add.filter(|s| !s.is_empty());
         self
+    }
+
+    /// Takes the checkpoint of training step `step` where the inputs hold several: a
+    /// training output's `step_<step>/` instead of `latest`, MindSpore's
+    /// `<prefix>-<epoch>_<step>.ckpt` in each rank directory instead of the newest.
+    #[must_use]
+    pub fn with_step(mut self, step: Option<u64>) -> Selection {
+        self.step = step;
+        self
+    }
+
+    /// The step [`Selection::with_step`] asked for.
+    #[must_use]
+    pub fn step(&self) -> Option<u64> {
+        self.step
     }
 
     /// Whether [`Selection::rename`] changes names at all.

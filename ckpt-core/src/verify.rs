@@ -4,6 +4,7 @@ use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::formats::{ChunkCache, TensorFile};
 use crate::region::{Region, Runs};
+use crate::select::Selection;
 use rayon::prelude::*;
 use std::path::PathBuf;
 
@@ -26,7 +27,20 @@ pub struct VerifyDepth {
 /// # Errors
 /// Only when the inputs cannot be read as a checkpoint at all.
 pub fn verify(paths: &[PathBuf], depth: VerifyDepth) -> Result<(Checkpoint, Vec<Error>)> {
-    let (ck, mut problems) = Checkpoint::scan(paths)?;
+    verify_selected(paths, &Selection::default(), depth)
+}
+
+/// [`verify`] of the step and under the names `selection` asks for (its tensor filters
+/// do not apply: verification covers everything).
+///
+/// # Errors
+/// As [`verify`]; a step the inputs do not hold, renames that collide.
+pub fn verify_selected(
+    paths: &[PathBuf],
+    selection: &Selection,
+    depth: VerifyDepth,
+) -> Result<(Checkpoint, Vec<Error>)> {
+    let (mut ck, mut problems) = Checkpoint::scan_step(paths, selection.step())?;
     if depth.checksums && crate::checksum::checksums_enabled() {
         let all: Vec<(usize, usize)> = ck
             .files
@@ -37,6 +51,12 @@ pub fn verify(paths: &[PathBuf], depth: VerifyDepth) -> Result<(Checkpoint, Vec<
         let mut bad: Vec<Error> = all
             .par_iter()
             .filter_map(|&(fi, ti)| ck.files[fi].check_checksum(ti).err())
+            .collect();
+        problems.append(&mut bad);
+        let mut bad: Vec<Error> = ck
+            .files
+            .par_iter()
+            .filter_map(|f| f.check_file_checksum().err())
             .collect();
         problems.append(&mut bad);
     }
@@ -76,6 +96,7 @@ pub fn verify(paths: &[PathBuf], depth: VerifyDepth) -> Result<(Checkpoint, Vec<
             }
         }
     }
+    ck.apply_renames(selection, &mut problems)?;
     Ok((ck, problems))
 }
 

@@ -1,6 +1,6 @@
 //! Opening a `torch.save` file must never panic, whatever the zip archive and its
-//! pickle hold: the restricted pickle reader (candle's parser plus ckpt's allow-list of
-//! globals) returns an error, and whatever it accepts lies inside the file.
+//! pickle hold: the restricted pickle reader (ckpt's data-only pickle machine plus an
+//! allow-list of globals) returns an error, and whatever it accepts lies inside the file.
 //! Seeds: tests/fixtures/torch/*.pth, *.pt, *.bin.
 #![no_main]
 

@@ -1,10 +1,12 @@
 //! ckpt-infer: evaluate a checkpoint on one device or tensor-parallel on several.
 //!
 //! The model, its configuration and (unless given) the data set come from the
-//! checkpoint itself (`config.json`, `trainer_state.json`). An integrated checkpoint
-//! runs on one rank; a sliced one on as many tensor-parallel ranks as its strategy has,
-//! each rank loading only its own slice through ckpt-core's copy plan (from the owner's
-//! copy when the checkpoint is also data parallel).
+//! checkpoint itself (`config.json`, `trainer_state.json`). A sliced checkpoint runs
+//! tensor parallel on as many ranks as its strategy's `tp` axis has (an integrated one
+//! on one), each rank loading only its own slice through ckpt-core's copy plan;
+//! `--ranks` may be any multiple of that: the extra copies are data parallel, each
+//! evaluating its share of the test set, and the shares are gathered in order, so the
+//! predictions are those of one copy.
 
 use ckpt_core::{Checkpoint, Kind, Mesh, Strategy};
 use ckpt_train::{find_meta_file, resolve_checkpoint, DataSource, Dataset, TRAINER_STATE_FILE};
@@ -61,7 +63,8 @@ pub struct InferRequest {
     pub checkpoint: PathBuf,
     /// Data set (default: the one the checkpoint was trained on).
     pub data: Option<String>,
-    /// Number of ranks; must match a sliced checkpoint's tensor-parallel size.
+    /// Number of ranks: a multiple of a sliced checkpoint's tensor-parallel size (the
+    /// extra copies data parallel).
     pub ranks: Option<u64>,
     /// Images per forward pass.
     pub batch_size: usize,
@@ -94,7 +97,7 @@ pub struct Prediction {
 pub struct InferReport {
     /// Model family and configuration.
     pub model: serde_json::Value,
-    /// Ranks used (tensor parallel).
+    /// Ranks used (data parallel x tensor parallel).
     pub ranks: u64,
     /// The checkpoint's kind.
     pub kind: String,
@@ -154,25 +157,25 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
     let dir = resolve_checkpoint(&req.checkpoint)?;
     let cfg = ckpt_train::read_model_config(&dir)?;
     let source = Checkpoint::open(std::slice::from_ref(&dir))?;
-    let ranks = match (&source.strategy, source.kind) {
-        (Some(s), Kind::Sliced) => {
-            let tp = tp_size(s);
-            if let Some(r) = req.ranks {
-                if r != tp {
-                    return Err(Error::Option {
-                        option: "--ranks".into(),
-                        problem: format!(
-                            "{r} ranks, but {} is sliced for {tp} tensor-parallel ranks (mesh {}): use --ranks {tp}, or `ckpt reshard --to {r}` first",
-                            dir.display(),
-                            s.mesh
-                        ),
-                    });
-                }
-            }
-            tp
-        }
-        _ => req.ranks.unwrap_or(1),
+    // Tensor parallel as the checkpoint is sliced (an integrated one: one rank), and
+    // data parallel over the rest: `--ranks` must be a multiple of the slicing.
+    let tp = match (&source.strategy, source.kind) {
+        (Some(s), Kind::Sliced) => tp_size(s),
+        _ => 1,
     };
+    let ranks = req.ranks.unwrap_or(tp);
+    if ranks == 0 || !ranks.is_multiple_of(tp) {
+        let mesh = source.strategy.as_ref().map(|s| s.mesh.to_string()).unwrap_or_default();
+        return Err(Error::Option {
+            option: "--ranks".into(),
+            problem: format!(
+                "{ranks} ranks, but {} is sliced for {tp} tensor-parallel ranks (mesh {mesh}): use --ranks {tp} or a multiple of it (the test set split over the copies), or `ckpt reshard {} -o OUT --to {ranks}` first",
+                dir.display(),
+                dir.display()
+            ),
+        });
+    }
+    let dp = ranks / tp;
     let data_name = req
         .data
         .clone()
@@ -198,8 +201,9 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
         ));
     }
 
-    // The model's tensors, laid out for `ranks` tensor-parallel ranks.
-    let mesh = Mesh::parse(&format!("tp={ranks}"))?;
+    // The model's tensors, laid out for `tp` tensor-parallel ranks in each of `dp`
+    // data-parallel copies.
+    let mesh = Mesh::parse(&format!("dp={dp},tp={tp}"))?;
     let target = ckpt_train::model_strategy(&cfg, &mesh)?;
     for (name, l) in &target.tensors {
         match source.tensors.get(name) {
@@ -229,19 +233,23 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
     let outputs = req.backend.run(&mesh, |dist| {
         let device = req.device.for_rank(req.backend, dist.rank)?;
         let (_, model) = ckpt_train::load_model(&dir, &dist, &device)?;
-        let forward = |set: &Dataset| -> ckpt_train::Result<(Vec<f32>, f64)> {
-            let mut logits = Vec::with_capacity(set.len() * set.classes);
+        let forward = |set: &Dataset, from: usize, n: usize| -> ckpt_train::Result<(Vec<f32>, f64)> {
+            let mut logits = Vec::with_capacity(n * set.classes);
             let t = Instant::now();
-            let idx: Vec<usize> = (0..set.len()).collect();
+            let idx: Vec<usize> = (from..from + n).collect();
             for b in idx.chunks(batch) {
                 let (x, _) = set.batch(b, &device)?;
                 logits.extend(model.forward(&x, false)?.flatten_all()?.to_vec1::<f32>()?);
             }
             Ok((logits, t.elapsed().as_secs_f64()))
         };
-        let main = forward(&test)?;
-        let more = extra.as_ref().map(&forward).transpose()?;
-        Ok((main, more))
+        // Each data-parallel copy evaluates its share of the test set (`torch.chunk`
+        // pieces, in order); the shares are gathered back in order on every rank.
+        let (from, n) = ckpt_train::chunk(test.len(), dist.dp_size(), dist.dp_rank());
+        let (mine, secs) = forward(&test, from, n)?;
+        let logits: Vec<f32> = dist.dp.all_gather(&mine)?.concat();
+        let more = extra.as_ref().map(|set| forward(set, 0, set.len())).transpose()?;
+        Ok(((logits, secs), more))
     })?;
     let ((logits, fwd_secs), more) = outputs
         .into_iter()
@@ -372,25 +380,54 @@ fn read_files(files: &[PathBuf], data: &str) -> Result<Dataset> {
     })
 }
 
-/// Parses `--predict`: `0..10`, `3,5,7`, or file paths.
-#[must_use]
-pub fn parse_predict(items: &[String]) -> Predict {
+/// Parses `--predict`: test indices (`7`, `3,5,7`), ranges with the end excluded
+/// (`0..10`), or files in the data set's format (digits: CSV rows of 64 pixel values
+/// 0..16 and the label, as in the data set's own file).
+///
+/// # Errors
+/// A range written another way (`0-5`), an empty range (`5..2`), or an argument that
+/// is neither an index, a range nor an existing file; the message says what to write.
+pub fn parse_predict(items: &[String]) -> std::result::Result<Predict, String> {
+    if items.iter().any(|it| Path::new(it).is_file()) {
+        return match items.iter().find(|it| !Path::new(it).is_file()) {
+            Some(it) => Err(format!("`{it}`: not a file, and the other arguments are files")),
+            None => Ok(Predict::Files(items.iter().map(PathBuf::from).collect())),
+        };
+    }
     let mut idx = Vec::new();
     for it in items {
-        for part in it.split(',') {
+        for part in it.split(',').map(str::trim) {
             if let Some((a, b)) = part.split_once("..") {
-                if let (Ok(a), Ok(b)) = (a.trim().parse::<usize>(), b.trim().parse::<usize>()) {
-                    idx.extend(a..b);
-                    continue;
+                let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) else {
+                    return Err(format!("`{part}`: a range is START..END, two test indices"));
+                };
+                if a >= b {
+                    return Err(format!(
+                        "`{part}` is empty: a range is START..END with START < END, the end excluded"
+                    ));
+                }
+                idx.extend(a..b);
+                continue;
+            }
+            if let Some((a, b)) = part.split_once('-') {
+                if a.parse::<usize>().is_ok() && b.parse::<usize>().is_ok() {
+                    return Err(format!(
+                        "`{part}`: write the range as {a}..{b} (the end excluded), or {a}..{} to include {b}",
+                        b.parse::<usize>().unwrap_or(0) + 1
+                    ));
                 }
             }
-            match part.trim().parse::<usize>() {
+            match part.parse::<usize>() {
                 Ok(i) => idx.push(i),
-                Err(_) => return Predict::Files(items.iter().map(PathBuf::from).collect()),
+                Err(_) => {
+                    return Err(format!(
+                        "`{part}`: neither a test index (7), a range (0..10) nor an existing file"
+                    ))
+                }
             }
         }
     }
-    Predict::Indices(idx)
+    Ok(Predict::Indices(idx))
 }
 
 #[cfg(test)]
@@ -400,13 +437,20 @@ mod tests {
     #[test]
     fn predict_argument() {
         assert_eq!(
-            parse_predict(&["0..3".into(), "7".into()]),
-            Predict::Indices(vec![0, 1, 2, 7])
+            parse_predict(&["0..3".into(), "7,9".into()]),
+            Ok(Predict::Indices(vec![0, 1, 2, 7, 9]))
         );
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let name = f.path().display().to_string();
         assert_eq!(
-            parse_predict(&["a.csv".into()]),
-            Predict::Files(vec![PathBuf::from("a.csv")])
+            parse_predict(std::slice::from_ref(&name)),
+            Ok(Predict::Files(vec![f.path().to_path_buf()]))
         );
+        let err = |a: &str| parse_predict(&[a.to_string()]).unwrap_err();
+        assert!(err("0-5").contains("0..5"), "{}", err("0-5"));
+        assert!(err("5..2").contains("is empty"), "{}", err("5..2"));
+        assert!(err("a.csv").contains("nor an existing file"), "{}", err("a.csv"));
+        assert!(parse_predict(&[name, "x".into()]).unwrap_err().contains("`x`: not a file"));
         let p = prediction(0, None, &[0.0, 2.0_f32.ln()]);
         assert_eq!(p.class, 1);
         assert!((p.probabilities[1] - 2.0 / 3.0).abs() < 1e-6);

@@ -8,10 +8,11 @@
 use ckpt_core::{
     check_output_outside_inputs, copy_carried, execute_with, write_file_atomic, Checkpoint,
     Compression, CopyPlan, CopyStats, Piece, Region, Result, Selection, StagedDir, TargetFile,
-    TargetTensor, CKPTZ_EXTENSION, COMPRESSED_INDEX_FILE, INDEX_FILE, MODEL_FILE,
+    TargetTensor, CKPTZ_EXTENSION, COMPRESSED_INDEX_FILE, INDEX_FILE, MODEL_FILE, OPTIMIZER_FILE,
+    OPTIMIZER_PREFIX,
 };
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// What to merge and how.
 #[derive(Clone, Debug, Default)]
@@ -26,14 +27,29 @@ pub struct MergeRequest {
     pub selection: Selection,
     /// Replace an existing output.
     pub force: bool,
-    /// Write one MindSpore `model.ckpt` instead of safetensors.
-    pub mindspore: bool,
+    /// The output's format.
+    pub format: MergeFormat,
+    /// Keep optimizer state in the model file(s) (safetensors): by default it goes to
+    /// `optimizer.safetensors` beside them.
+    pub one_file: bool,
     /// Write only share `index` of `count` of the output files (file `k` when
     /// `k % count == index`): one process of a job started by mpirun or srun. Each file
     /// appears atomically; share 0 also writes the index and carried files.
     pub share: Option<(u64, u64)>,
     /// Write compressed `.ckptz` files (and `model.ckptz.index.json`).
     pub compression: Option<Compression>,
+}
+
+/// The format of a merge's output.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MergeFormat {
+    /// Hugging Face's layout: `model.safetensors`, or shards and an index.
+    #[default]
+    Safetensors,
+    /// One `model.ckpt` that `mindspore.load_checkpoint` reads.
+    MindSpore,
+    /// One `model.pth` that `torch.load(weights_only=True)` reads (a dict of tensors).
+    Torch,
 }
 
 /// Plans a merge: the integrated output files, one tensor per full piece.
@@ -58,32 +74,54 @@ pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
             }],
         });
     }
-    let files = if req.mindspore {
-        if req.compression.is_some() {
-            return Err(ckpt_core::Error::Unsupported {
-                problem: "--format mindspore writes MindSpore's own .ckpt, which MindSpore reads: --compress does not apply".into(),
-            });
-        }
-        if req.max_shard_size.is_some() {
-            return Err(ckpt_core::Error::Unsupported {
-                problem:
-                    "--format mindspore writes one model.ckpt: --max-shard-size does not apply"
-                        .into(),
-            });
-        }
-        vec![TargetFile {
-            path: "model.ckpt".into(),
-            tensors,
-            metadata: BTreeMap::new(),
-        }]
-    } else {
-        let mut files = shard(tensors, req.max_shard_size);
-        if req.compression.is_some() {
-            for f in &mut files {
-                f.path.set_extension(CKPTZ_EXTENSION);
+    let single = match req.format {
+        MergeFormat::Safetensors => None,
+        MergeFormat::MindSpore => Some(("mindspore", "model.ckpt")),
+        MergeFormat::Torch => Some(("torch", "model.pth")),
+    };
+    let files = match single {
+        Some((name, file)) => {
+            if req.compression.is_some() {
+                return Err(ckpt_core::Error::Unsupported {
+                    problem: format!(
+                        "--format {name} writes {file}, which {name} reads: --compress does not apply"
+                    ),
+                });
             }
+            if req.max_shard_size.is_some() {
+                return Err(ckpt_core::Error::Unsupported {
+                    problem: format!(
+                        "--format {name} writes one {file}: --max-shard-size does not apply"
+                    ),
+                });
+            }
+            vec![TargetFile {
+                path: file.into(),
+                tensors,
+                metadata: BTreeMap::new(),
+            }]
         }
-        files
+        None => {
+            // Hugging Face users expect weights only in model.safetensors: optimizer
+            // state (ckpt's and torch's `optim.` names) goes beside it.
+            let (optim, weights): (Vec<_>, Vec<_>) = tensors
+                .into_iter()
+                .partition(|t| !req.one_file && t.name.starts_with(OPTIMIZER_PREFIX));
+            let mut files = shard(weights, req.max_shard_size);
+            if !optim.is_empty() {
+                files.push(TargetFile {
+                    path: OPTIMIZER_FILE.into(),
+                    tensors: optim,
+                    metadata: [("format".to_string(), "pt".to_string())].into(),
+                });
+            }
+            if req.compression.is_some() {
+                for f in &mut files {
+                    f.path.set_extension(CKPTZ_EXTENSION);
+                }
+            }
+            files
+        }
     };
     CopyPlan::build(source, files)
 }
@@ -132,10 +170,20 @@ fn shard(tensors: Vec<TargetTensor>, max: Option<u64>) -> Vec<TargetFile> {
         .collect()
 }
 
-/// The Hugging Face index of a sharded plan.
-fn index_json(plan: &CopyPlan) -> String {
+/// The Hugging Face index of a sharded plan: the model's shards (not the optimizer
+/// file), when there are several.
+fn index_json(plan: &CopyPlan) -> Option<String> {
+    let shards: Vec<_> = plan
+        .files
+        .iter()
+        // (`optimizer.ckptz` when compressed.)
+        .filter(|f| f.path.file_stem() != Path::new(OPTIMIZER_FILE).file_stem())
+        .collect();
+    if shards.len() < 2 {
+        return None;
+    }
     let mut map = serde_json::Map::new();
-    for f in &plan.files {
+    for f in shards {
         for t in &f.tensors {
             map.insert(
                 t.target.name.clone(),
@@ -145,7 +193,7 @@ fn index_json(plan: &CopyPlan) -> String {
     }
     let doc =
         serde_json::json!({"metadata": {"total_size": plan.bytes_written()}, "weight_map": map});
-    serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n"
+    Some(serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n")
 }
 
 /// Merges: checks everything, then writes the output atomically.
@@ -166,7 +214,7 @@ pub fn merge(
     }
     let source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
     let plan = plan(&source, req)?;
-    let index = (plan.files.len() > 1).then(|| index_json(&plan));
+    let index = index_json(&plan);
     let index_file = if req.compression.is_some() {
         COMPRESSED_INDEX_FILE
     } else {

@@ -7,8 +7,8 @@
 use ckpt_core::{
     check_output_outside_inputs, copy_carried, execute_with, rank_metadata, rank_tensors,
     write_file_atomic, Checkpoint, Compression, CopyPlan, CopyStats, Error, Mesh, Placement,
-    Result, Selection, StagedDir, Strategy, TargetFile, TensorLayout, CKPTZ_EXTENSION, MODEL_FILE,
-    STRATEGY_FILE,
+    Result, Selection, StagedDir, Strategy, TargetFile, TargetTensor, TensorLayout,
+    CKPTZ_EXTENSION, MODEL_FILE, STRATEGY_FILE,
 };
 use std::path::{Path, PathBuf};
 
@@ -77,6 +77,9 @@ pub enum OutputFormat {
     /// MindSpore's per-rank layout: `OUT/rank_<r>/checkpoint_<r>.ckpt` (protobuf, as
     /// `mindspore.save_checkpoint` writes it), with ckpt's `strategy.json` beside.
     MindSpore,
+    /// PyTorch DCP's default format: `OUT/__<r>_0.distcp` (one `torch.save` archive per
+    /// chunk) and `OUT/.metadata`, loadable by `torch.distributed.checkpoint.load`.
+    Distcp,
 }
 
 impl OutputFormat {
@@ -86,7 +89,7 @@ impl OutputFormat {
         match self {
             OutputFormat::Ranks => Some(PathBuf::from(format!("ckpt_{r}"))),
             OutputFormat::MindSpore => Some(PathBuf::from(format!("rank_{r}"))),
-            OutputFormat::Dcp => None,
+            OutputFormat::Dcp | OutputFormat::Distcp => None,
         }
     }
 
@@ -98,6 +101,7 @@ impl OutputFormat {
             OutputFormat::MindSpore => {
                 Path::new(&format!("rank_{r}")).join(format!("checkpoint_{r}.ckpt"))
             }
+            OutputFormat::Distcp => PathBuf::from(format!("__{r}_0.distcp")),
             // PyTorch numbers shards from 1.
             OutputFormat::Dcp => PathBuf::from(format!(
                 "shard-{:05}-model-00001-of-00001.safetensors",
@@ -135,6 +139,27 @@ pub struct ReshardRequest {
     pub compression: Option<Compression>,
 }
 
+/// The dimension a tensor's pieces divide, for sources that record pieces but no
+/// strategy (PyTorch DCP): the one with the most distinct piece starts (the first of
+/// equals, so FSDP's dim-0 shard wins over a TP split of a 2-D mesh). `None` for a
+/// tensor stored whole.
+fn split_dim(t: &ckpt_core::SourceTensor) -> Option<usize> {
+    (0..t.shape.len())
+        .map(|d| {
+            let starts: std::collections::BTreeSet<u64> =
+                t.pieces.iter().map(|p| p.global.start[d]).collect();
+            (starts.len(), std::cmp::Reverse(d))
+        })
+        .max()
+        .filter(|&(n, _)| n > 1)
+        .map(|(_, std::cmp::Reverse(d))| d)
+}
+
+/// Whether any tensor of a source without a strategy is stored in pieces.
+fn is_split(source: &Checkpoint) -> bool {
+    source.tensors.values().any(|t| split_dim(t).is_some())
+}
+
 /// The strategy the request asks for, derived from the source's.
 ///
 /// # Errors
@@ -147,7 +172,7 @@ pub fn target_strategy(
 ) -> Result<Strategy> {
     let mut strategy = match target {
         Target::Strategy(s) => s.clone(),
-        Target::To(k) if source.strategy.is_none() && !shard.is_empty() => {
+        Target::To(k) if source.strategy.is_none() && (!shard.is_empty() || is_split(source)) => {
             let rules = shard
                 .iter()
                 .map(|(g, d)| Ok((Selection::new(std::slice::from_ref(g), &[], None)?, *d, g)))
@@ -164,7 +189,10 @@ pub fn target_strategy(
                             ),
                         })
                     }
-                    None => Placement::Replicate,
+                    None => match split_dim(t) {
+                        Some(dim) => Placement::shard(dim),
+                        None => Placement::Replicate,
+                    },
                 };
                 s.insert(
                     name.clone(),
@@ -176,7 +204,7 @@ pub fn target_strategy(
         Target::MindSpore(params) => ckpt_core::mindspore_target_strategy(params, source)?,
         Target::To(_) | Target::Mesh(_) => {
             let src = source.strategy.as_ref().ok_or_else(|| Error::Unsupported {
-                problem: "--to and --mesh resize the source's strategy, and this source has none (integrated or DCP): give --strategy, or --shard NAME_GLOB=DIM rules for a whole copy".into(),
+                problem: "--to and --mesh resize the source's strategy, and this source has none (integrated or DCP): give --strategy, or --shard NAME_GLOB=DIM rules for a whole copy (--mesh needs the source's mesh axes: use --to N on a DCP source)".into(),
             })?;
             let old = &src.mesh;
             let n = old.axes().len();
@@ -289,8 +317,8 @@ pub fn plan(
     let files = list
         .into_iter()
         .map(|r| {
-            let tensors = rank_tensors(strategy, r, keep_all, &|_, l| Some(l.dtype));
-            if format == OutputFormat::Dcp {
+            let tensors = target_tensors(strategy, r, keep_all, format);
+            if matches!(format, OutputFormat::Dcp | OutputFormat::Distcp) {
                 if let Some(t) = tensors.iter().find(|t| t.pieces.len() > 1) {
                     return Err(Error::Unsupported {
                         problem: format!(
@@ -305,6 +333,46 @@ pub fn plan(
         })
         .collect::<Result<Vec<_>>>()?;
     CopyPlan::build(source, files)
+}
+
+/// What target rank `r` stores. DCP's default format stores each chunk once (its
+/// metadata maps a chunk to one file, so replicated data is kept by its owner only,
+/// whatever `keep_all` says) and no empty chunks (a rank's empty slice needs no
+/// archive).
+fn target_tensors(strategy: &Strategy, r: u64, keep_all: bool, format: OutputFormat) -> Vec<TargetTensor> {
+    let distcp = format == OutputFormat::Distcp;
+    let mut tensors = rank_tensors(strategy, r, keep_all && !distcp, &|_, l| Some(l.dtype));
+    if distcp {
+        tensors.retain(|t| t.shape.iter().all(|&d| d > 0));
+    }
+    tensors
+}
+
+/// The `.metadata` of a `--format distcp` output: every target rank's chunks, laid out
+/// as the writer lays out its file.
+fn distcp_metadata(strategy: &Strategy) -> Result<Vec<u8>> {
+    let tensors = strategy
+        .tensors
+        .iter()
+        .map(|(n, l)| (n.clone(), (l.dtype, l.shape.clone())))
+        .collect();
+    let files: Vec<(String, Vec<ckpt_core::DistcpChunk>)> = (0..strategy.mesh.world_size())
+        .map(|r| {
+            let chunks = target_tensors(strategy, r, false, OutputFormat::Distcp)
+                .into_iter()
+                .filter_map(|t| {
+                    let p = t.pieces.first()?;
+                    Some(ckpt_core::DistcpChunk {
+                        fqn: t.name,
+                        offsets: p.global.start.clone(),
+                        sizes: t.shape,
+                    })
+                })
+                .collect();
+            (OutputFormat::Distcp.file(r).display().to_string(), chunks)
+        })
+        .collect();
+    ckpt_core::distcp_metadata(&tensors, &files)
 }
 
 /// Opens the source and derives the target strategy and plan (for `--plan`).
@@ -360,6 +428,10 @@ pub fn reshard(
             }
         }
         finish_rank_dir(staged.path(), &json, &source)?;
+        if req.format == OutputFormat::Distcp {
+            let meta = distcp_metadata(&strategy)?;
+            write_file_atomic(&staged.path().join(".metadata"), &meta)?;
+        }
         staged.commit()?;
         return Ok(stats);
     }
@@ -409,8 +481,13 @@ pub fn reshard(
             }
         }
     }
-    // The shared top-level strategy, written by every process (same bytes, atomically).
+    // The shared top-level strategy (and DCP metadata), written by every process (same
+    // bytes, atomically).
     finish_rank_dir(&req.output, &json, &source)?;
+    if req.format == OutputFormat::Distcp {
+        let meta = distcp_metadata(&strategy)?;
+        write_file_atomic(&req.output.join(".metadata"), &meta)?;
+    }
     Ok(stats)
 }
 

@@ -272,84 +272,284 @@ fn step_of(name: &str) -> Option<u64> {
     name.strip_prefix("step_")?.parse().ok()
 }
 
-/// Saves a checkpoint collectively: every rank calls this with its local tensors.
-/// Returns the final directory.
-pub(crate) fn save(
-    dist: &Dist,
-    req: &SaveRequest<'_>,
-    locals: &[(String, TensorLayout, Vec<f32>)],
-) -> Result<PathBuf> {
-    let name = format!("step_{}", req.step);
-    let tmp = req.out.join(format!("{name}.tmp"));
-    let fin = req.out.join(&name);
-    let state_json = serde_json::to_string_pretty(req.state).expect("trainer state serializes");
-    let lead = dist.rank == 0;
-    if lead {
-        // Leftovers of killed saves (`step_K.tmp`) and prunes (`.step_K.pruned-*`) are
-        // never checkpoints: `latest` only ever names a complete `step_N`.
-        remove_leftovers(req.out)?;
-        ckpt_core::remove_stale_temps(&fin);
-        std::fs::create_dir_all(&tmp).at(&tmp)?;
+/// One save, prepared: the temporary directory exists, and this rank holds what it
+/// writes (its own slices, or for the lead of an integrated save, the gathered
+/// tensors). Writing it needs no collective, so it can run beside training.
+struct SaveJob {
+    out: PathBuf,
+    name: String,
+    keep: usize,
+    rank: usize,
+    world: usize,
+    lead: bool,
+    compression: Option<ckpt_core::Compression>,
+    strategy: Strategy,
+    config_json: String,
+    state_json: String,
+    data: SaveData,
+}
+
+enum SaveData {
+    /// This rank's slices (sliced checkpoints). Kept as floats: turning them into
+    /// bytes is the writer's work, not the stall's.
+    Slices(Vec<(String, Vec<f32>)>),
+    /// The whole tensors (the lead of an integrated save).
+    Whole(Vec<(String, Vec<u64>, Vec<f32>)>),
+    /// Nothing to write (the other ranks of an integrated save).
+    Nothing,
+}
+
+impl SaveJob {
+    fn tmp(&self) -> PathBuf {
+        self.out.join(format!("{}.tmp", self.name))
     }
-    dist.world.barrier()?;
-    match req.mode {
-        SaveMode::Sliced => {
-            let bytes: Vec<(String, Vec<u8>)> = locals
-                .iter()
-                .map(|(n, _, v)| (n.clone(), f32_bytes(v)))
-                .collect();
-            let refs: Vec<(&str, &[u8])> = bytes
-                .iter()
-                .map(|(n, b)| (n.as_str(), b.as_slice()))
-                .collect();
-            let rank_dir = ckpt_core::write_rank_with(
-                &tmp,
-                req.strategy,
-                dist.rank as u64,
-                &refs,
-                false,
-                req.compression,
-            )?;
-            ckpt_core::write_file_atomic(&rank_dir.join(CONFIG_FILE), req.config_json.as_bytes())?;
-            ckpt_core::write_file_atomic(
-                &rank_dir.join(TRAINER_STATE_FILE),
-                state_json.as_bytes(),
-            )?;
+
+    /// Collective: the lead clears leftovers and makes the temporary directory, every
+    /// rank snapshots what it writes (and an integrated save gathers the tensors).
+    fn prepare(
+        dist: &Dist,
+        req: &SaveRequest<'_>,
+        locals: Vec<(String, TensorLayout, Vec<f32>)>,
+    ) -> Result<SaveJob> {
+        let name = format!("step_{}", req.step);
+        let lead = dist.rank == 0;
+        let tmp = req.out.join(format!("{name}.tmp"));
+        if lead {
+            // Leftovers of killed saves (`step_K.tmp`) and prunes (`.step_K.pruned-*`)
+            // are never checkpoints: `latest` only ever names a complete `step_N`.
+            remove_leftovers(req.out)?;
+            ckpt_core::remove_stale_temps(&req.out.join(&name));
+            std::fs::create_dir_all(&tmp).at(&tmp)?;
         }
-        SaveMode::Integrated => {
-            if let Some(full) = gather_full(dist, locals)? {
-                let bytes: Vec<(String, Vec<u64>, Vec<u8>)> = full
-                    .into_iter()
-                    .map(|(n, t)| (n, t.shape, f32_bytes(&t.data)))
-                    .collect();
-                let refs: Vec<(&str, Dtype, &[u64], &[u8])> = bytes
-                    .iter()
-                    .map(|(n, s, b)| (n.as_str(), Dtype::F32, s.as_slice(), b.as_slice()))
-                    .collect();
-                ckpt_core::write_integrated_with(&tmp, &refs, req.compression)?;
+        dist.world.barrier()?;
+        let data = match req.mode {
+            // Moved, not copied: the snapshot is the caller's one copy.
+            SaveMode::Sliced => SaveData::Slices(locals.into_iter().map(|(n, _, v)| (n, v)).collect()),
+            SaveMode::Integrated => match gather_full(dist, &locals)? {
+                Some(full) => SaveData::Whole(full.into_iter().map(|(n, t)| (n, t.shape, t.data)).collect()),
+                None => SaveData::Nothing,
+            },
+        };
+        Ok(SaveJob {
+            out: req.out.to_path_buf(),
+            name,
+            keep: req.keep,
+            rank: dist.rank,
+            world: dist.world.size(),
+            lead,
+            compression: req.compression,
+            strategy: req.strategy.clone(),
+            config_json: req.config_json.to_string(),
+            state_json: serde_json::to_string_pretty(req.state).expect("trainer state serializes"),
+            data,
+        })
+    }
+
+    /// This rank's files, in the temporary directory. No collective.
+    fn write(&self) -> Result<()> {
+        let tmp = self.tmp();
+        // For tests: `CKPT_TEST_SAVE_FAIL=<rank>:<step>` makes that rank's part of that
+        // step's save fail, as a full disk would.
+        if std::env::var("CKPT_TEST_SAVE_FAIL")
+            .is_ok_and(|v| v == format!("{}:{}", self.rank, self.name.trim_start_matches("step_")))
+        {
+            return Err(Error::BadCheckpoint {
+                path: tmp,
+                problem: "writing failed (CKPT_TEST_SAVE_FAIL)".into(),
+            });
+        }
+        match &self.data {
+            SaveData::Slices(floats) => {
+                let bytes: Vec<(&str, Vec<u8>)> =
+                    floats.iter().map(|(n, v)| (n.as_str(), f32_bytes(v))).collect();
+                let refs: Vec<(&str, &[u8])> = bytes.iter().map(|(n, b)| (*n, b.as_slice())).collect();
+                let rank_dir = ckpt_core::write_rank_with(
+                    &tmp,
+                    &self.strategy,
+                    self.rank as u64,
+                    &refs,
+                    false,
+                    self.compression,
+                )?;
+                ckpt_core::write_file_atomic(&rank_dir.join(CONFIG_FILE), self.config_json.as_bytes())?;
+                ckpt_core::write_file_atomic(
+                    &rank_dir.join(TRAINER_STATE_FILE),
+                    self.state_json.as_bytes(),
+                )?;
             }
+            SaveData::Whole(floats) => {
+                let bytes: Vec<Vec<u8>> = floats.iter().map(|(_, _, v)| f32_bytes(v)).collect();
+                let refs: Vec<(&str, Dtype, &[u64], &[u8])> = floats
+                    .iter()
+                    .zip(&bytes)
+                    .map(|((n, s, _), b)| (n.as_str(), Dtype::F32, s.as_slice(), b.as_slice()))
+                    .collect();
+                ckpt_core::write_integrated_with(&tmp, &refs, self.compression)?;
+            }
+            SaveData::Nothing => {}
         }
+        if self.lead {
+            ckpt_core::write_file_atomic(&tmp.join(CONFIG_FILE), self.config_json.as_bytes())?;
+            ckpt_core::write_file_atomic(&tmp.join(TRAINER_STATE_FILE), self.state_json.as_bytes())?;
+        }
+        Ok(())
     }
-    if lead {
-        ckpt_core::write_file_atomic(&tmp.join(CONFIG_FILE), req.config_json.as_bytes())?;
-        ckpt_core::write_file_atomic(&tmp.join(TRAINER_STATE_FILE), state_json.as_bytes())?;
-    }
-    dist.world.barrier()?;
-    if lead {
+
+    /// The lead's last part, once every rank has written: swap the directory in and
+    /// point `latest` at it. No collective.
+    fn commit(&self) -> Result<PathBuf> {
+        let tmp = self.tmp();
+        let fin = self.out.join(&self.name);
         // `step_N` may exist (resuming from an older step into the same --out) and
         // `latest` may name it: swap the new one in atomically, so that it names a
         // complete checkpoint, old or new, at every instant.
         ckpt_core::replace_atomically(&tmp, &fin)?;
-        if let Ok(d) = std::fs::File::open(req.out) {
+        if let Ok(d) = std::fs::File::open(&self.out) {
             let _ = d.sync_all();
         }
-        ckpt_core::write_file_atomic(&req.out.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
-        if req.keep > 0 {
-            prune(req.out, req.keep, &name)?;
+        ckpt_core::write_file_atomic(
+            &self.out.join(LATEST_FILE),
+            format!("{}\n", self.name).as_bytes(),
+        )?;
+        if self.keep > 0 {
+            prune(&self.out, self.keep, &self.name)?;
         }
+        Ok(fin)
+    }
+
+    /// Where ranks of a background save say they are done (or failed), beside the
+    /// temporary directory (not in it: it is renamed whole).
+    fn marks(&self) -> PathBuf {
+        self.out.join(format!(".{}.ranks", self.name))
+    }
+}
+
+/// Saves a checkpoint collectively: every rank calls this with its local tensors, and
+/// returns when the checkpoint is complete and `latest` names it. Returns the final
+/// directory.
+pub(crate) fn save(
+    dist: &Dist,
+    req: &SaveRequest<'_>,
+    locals: Vec<(String, TensorLayout, Vec<f32>)>,
+) -> Result<PathBuf> {
+    let job = SaveJob::prepare(dist, req, locals)?;
+    job.write()?;
+    dist.world.barrier()?;
+    if job.lead {
+        job.commit()?;
     }
     dist.world.barrier()?;
-    Ok(fin)
+    Ok(job.out.join(&job.name))
+}
+
+/// Saves that do not stall training: [`AsyncSaver::start`] snapshots this rank's
+/// tensors into host memory (the stall) and writes them on a thread of its own while
+/// training goes on. Ranks do not meet again for it: each marks its part done in a
+/// directory beside the checkpoint (`.step_N.ranks/<rank>`, or `<rank>.failed` with the
+/// error), and the lead's thread commits (`step_N`, then `latest`) once every rank's
+/// mark is there; a failure anywhere leaves `latest` on the previous checkpoint. At most
+/// one save is in flight per rank: the next [`AsyncSaver::start`] and
+/// [`AsyncSaver::finish`] wait for it and report its error.
+#[derive(Default)]
+pub(crate) struct AsyncSaver {
+    running: Option<std::thread::JoinHandle<Result<PathBuf>>>,
+}
+
+impl AsyncSaver {
+    /// Waits for the save in flight; its directory, or its error.
+    pub(crate) fn finish(&mut self) -> Result<Option<PathBuf>> {
+        match self.running.take() {
+            None => Ok(None),
+            Some(h) => match h.join() {
+                Ok(r) => r.map(Some),
+                Err(_) => Err(Error::BadCheckpoint {
+                    path: PathBuf::from("(background save)"),
+                    problem: "the saving thread panicked".into(),
+                }),
+            },
+        }
+    }
+
+    /// Waits for the previous save, then starts this one; returns the directory it will
+    /// be (complete once `latest` names it).
+    pub(crate) fn start(
+        &mut self,
+        dist: &Dist,
+        req: &SaveRequest<'_>,
+        locals: Vec<(String, TensorLayout, Vec<f32>)>,
+    ) -> Result<PathBuf> {
+        self.finish()?;
+        let job = SaveJob::prepare(dist, req, locals)?;
+        let marks = job.marks();
+        if job.lead {
+            let _ = std::fs::remove_dir_all(&marks);
+            std::fs::create_dir_all(&marks).at(&marks)?;
+        }
+        // Every rank sees the marks directory before any writes a mark.
+        dist.world.barrier()?;
+        let fin = job.out.join(&job.name);
+        let timeout = save_timeout();
+        self.running = Some(std::thread::spawn(move || -> Result<PathBuf> {
+            let written = job.write();
+            let mark = marks.join(match &written {
+                Ok(()) => job.rank.to_string(),
+                Err(_) => format!("{}.failed", job.rank),
+            });
+            let text = written.as_ref().err().map(ToString::to_string).unwrap_or_default();
+            std::fs::write(&mark, text).at(&mark)?;
+            written?;
+            if job.lead {
+                wait_for_marks(&marks, job.world, timeout)?;
+                let fin = job.commit()?;
+                let _ = std::fs::remove_dir_all(&marks);
+                return Ok(fin);
+            }
+            Ok(job.out.join(&job.name))
+        }));
+        Ok(fin)
+    }
+}
+
+/// How long the lead waits for the other ranks' parts: `CKPT_COMM_TIMEOUT` seconds, as
+/// for collectives, or ten minutes.
+fn save_timeout() -> std::time::Duration {
+    std::env::var("CKPT_COMM_TIMEOUT")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| *s > 0.0 && s.is_finite())
+        .map_or(std::time::Duration::from_secs(600), std::time::Duration::from_secs_f64)
+}
+
+/// Waits until every rank's mark is in `marks`; a failed rank's error, or a timeout,
+/// stops the commit.
+fn wait_for_marks(marks: &Path, world: usize, timeout: std::time::Duration) -> Result<()> {
+    let start = std::time::Instant::now();
+    loop {
+        let mut done = 0;
+        for e in std::fs::read_dir(marks).at(marks)?.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(r) = name.strip_suffix(".failed") {
+                let why = std::fs::read_to_string(e.path()).unwrap_or_default();
+                return Err(Error::BadCheckpoint {
+                    path: marks.to_path_buf(),
+                    problem: format!("rank {r} could not write its part of the checkpoint: {why}"),
+                });
+            }
+            done += usize::from(name.parse::<usize>().is_ok());
+        }
+        if done >= world {
+            return Ok(());
+        }
+        if start.elapsed() > timeout {
+            return Err(Error::BadCheckpoint {
+                path: marks.to_path_buf(),
+                problem: format!(
+                    "{done} of {world} ranks wrote their part within {timeout:?}: the checkpoint is not committed"
+                ),
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }
 
 /// Removes all but the newest `keep` `step_N` directories of `out`, never `current`
@@ -385,7 +585,8 @@ fn remove_leftovers(out: &Path) -> Result<()> {
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let leftover = (name.starts_with("step_") && name.ends_with(".tmp"))
-            || (name.starts_with(".step_") && name.contains(".pruned-"));
+            || (name.starts_with(".step_")
+                && (name.contains(".pruned-") || name.ends_with(".ranks")));
         if leftover && e.path().is_dir() {
             std::fs::remove_dir_all(e.path()).at(&e.path())?;
         }
@@ -398,6 +599,14 @@ fn remove_leftovers(out: &Path) -> Result<()> {
 /// # Errors
 /// An unreadable checkpoint.
 pub fn checkpoint_tensor_names(dir: &Path) -> Result<Vec<String>> {
+    Ok(checkpoint_tensor_dtypes(dir)?.into_keys().collect())
+}
+
+/// The tensors a checkpoint holds, with their dtypes.
+///
+/// # Errors
+/// An unreadable checkpoint.
+pub(crate) fn checkpoint_tensor_dtypes(dir: &Path) -> Result<std::collections::BTreeMap<String, Dtype>> {
     let c = ckpt_core::Checkpoint::open(&[dir.to_path_buf()])?;
-    Ok(c.tensors.keys().cloned().collect())
+    Ok(c.tensors.into_iter().map(|(n, t)| (n, t.dtype)).collect())
 }

@@ -89,6 +89,12 @@ pub struct TrainConfig {
     /// Keep only the newest N checkpoints (0: all).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub keep: usize,
+    /// Write each checkpoint before training goes on. By default a save stops training
+    /// only to copy the rank's tensors into memory and is written by a background
+    /// thread (at most one in flight; `latest` names a step once every rank's part is
+    /// written; the run ends when the last one is complete).
+    #[arg(long)]
+    pub sync_save: bool,
     /// Output directory for checkpoints (none written without it).
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,

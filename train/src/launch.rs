@@ -222,6 +222,47 @@ impl Backend {
     }
 }
 
+/// Sizes the CPU thread pools of this process for `ranks` ranks running in it (thread
+/// ranks; 1 under a launcher). Call it once, before any tensor work: candle and rayon
+/// read these settings when their pools first start.
+///
+/// candle's element-wise ops run on a spinning barrier pool that serializes its callers:
+/// thread ranks sharing it take turns and spin, and even one rank's small ops (the mlp's)
+/// cost more in spinning than they gain, so candle runs them on the calling thread
+/// (`CANDLE_NUM_THREADS=1`). Matrix products (and ckpt's copies) use rayon: with several
+/// ranks in the process each gets its share of the cores (`RAYON_NUM_THREADS`), so the
+/// ranks run side by side instead of every rank assuming every core. Measured with
+/// `train-bench` (see the README). Variables already set by the user are kept.
+pub fn configure_cpu_threads(ranks: usize) {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let set = |k: &str, v: usize| {
+        if std::env::var_os(k).is_none() {
+            // Called at start-up, before any other thread of this process exists.
+            std::env::set_var(k, v.to_string());
+        }
+    };
+    set("CANDLE_NUM_THREADS", 1);
+    if ranks > 1 {
+        set("RAYON_NUM_THREADS", (cores / ranks).max(1));
+    }
+}
+
+/// Thread ranks run the whole job in one process: started as one of several processes
+/// by a launcher, every process would run all of it and write the same outputs. Refused,
+/// with what to do instead.
+fn threads_alone(env: Option<LaunchEnv>) -> Result<()> {
+    match env {
+        Some(e) if e.world_size > 1 => Err(Error::BackendUnavailable {
+            backend: "threads",
+            problem: format!(
+                "this process is rank {} of {} started by {}, but thread ranks run the whole job in every process (each writing the same output): add --backend mpi (a build with --features mpi; --backend nccl with --features cuda), or start a single process",
+                e.rank, e.world_size, e.launcher
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 impl Backend {
     /// Runs `f` as the ranks of `mesh` that live in this process, returning their
     /// results in rank order: every rank on threads; this process's rank under MPI or
@@ -232,7 +273,10 @@ impl Backend {
     /// rank's error.
     pub fn run<T: Send>(self, mesh: &Mesh, f: impl Fn(Dist) -> Result<T> + Sync) -> Result<Vec<T>> {
         match self {
-            Backend::Threads => run_threads(mesh, f),
+            Backend::Threads => {
+                threads_alone(LaunchEnv::from_env()?)?;
+                run_threads(mesh, f)
+            }
             #[cfg(feature = "mpi")]
             Backend::Mpi => Ok(vec![crate::comm::run_mpi(mesh, f)?]),
             #[cfg(feature = "cuda")]
@@ -255,6 +299,16 @@ mod tests {
 
     fn env(vars: &[(&str, &str)]) -> Result<Option<LaunchEnv>> {
         LaunchEnv::from_vars(|k| vars.iter().find(|v| v.0 == k).map(|v| v.1.to_string()))
+    }
+
+    #[test]
+    fn thread_ranks_under_a_launcher_of_several_processes_are_refused() {
+        let two = env(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_LOCAL_RANK", "1")]).unwrap();
+        let e = threads_alone(two).unwrap_err().to_string();
+        assert!(e.contains("rank 1 of 2") && e.contains("--backend mpi"), "{e}");
+        let one = env(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "1"), ("OMPI_COMM_WORLD_LOCAL_RANK", "0")]).unwrap();
+        assert!(threads_alone(one).is_ok());
+        assert!(threads_alone(None).is_ok());
     }
 
     #[test]

@@ -63,7 +63,7 @@ pub use crate::data::{
 pub use crate::device::DeviceKind;
 pub use crate::error::{Error, Result};
 pub use crate::inference::{load_model, model_strategy, read_model_config};
-pub use crate::launch::{Backend, LaunchEnv, Launcher};
+pub use crate::launch::{configure_cpu_threads, Backend, LaunchEnv, Launcher};
 pub use crate::layers::{
     linear, BatchNorm2d, ColumnLinear, Conv2d, Kernels, LayerNorm, Linear, ModelCtx, RowLinear,
 };

@@ -2,8 +2,8 @@
 //! report from rank 0.
 
 use crate::checkpoint::{
-    checkpoint_tensor_names, f32_from_bytes, find_meta_file, gather_full, read_trainer_state,
-    resolve_checkpoint, save, FullTensor, RngState, SaveMode, SaveRequest, ScheduleState,
+    checkpoint_tensor_dtypes, f32_from_bytes, find_meta_file, gather_full, read_trainer_state,
+    resolve_checkpoint, save, AsyncSaver, FullTensor, RngState, SaveMode, SaveRequest, ScheduleState,
     TrainerState, CONFIG_FILE, TRAINER_STATE_FILE, TRAINER_STATE_FORMAT,
 };
 use crate::comm::{check_mesh, Dist, ReduceOp};
@@ -52,6 +52,9 @@ pub struct TrainReport {
     /// The final full weights (parameters, buffers, optimizer state), when
     /// [`TrainConfig::gather_weights`] was set.
     pub weights: Option<BTreeMap<String, FullTensor>>,
+    /// How long the training loop stood still for each save (rank 0), in seconds:
+    /// the copy into memory, or with [`TrainConfig::sync_save`] the whole save.
+    pub save_stalls: Vec<f64>,
 }
 
 impl TrainReport {
@@ -68,6 +71,8 @@ struct Resume {
     dir: PathBuf,
     state: TrainerState,
     names: BTreeSet<String>,
+    /// Tensors stored in another float type, cast to F32 on load.
+    cast: BTreeMap<String, Dtype>,
 }
 
 /// Everything a rank needs, resolved and checked once.
@@ -100,6 +105,7 @@ struct Plan {
     resume: Option<Resume>,
     eval: bool,
     gather_weights: bool,
+    async_save: bool,
     backend: Backend,
     device: DeviceKind,
     portable_kernels: bool,
@@ -168,8 +174,26 @@ impl Plan {
                     }
                 })?;
                 let state = read_trainer_state(&sp)?;
-                let names = checkpoint_tensor_names(&dir)?.into_iter().collect();
-                Some(Resume { dir, state, names })
+                let dtypes = checkpoint_tensor_dtypes(&dir)?;
+                let mut cast = BTreeMap::new();
+                for (name, &dt) in &dtypes {
+                    match dt {
+                        Dtype::F32 => {}
+                        Dtype::BF16 | Dtype::F16 | Dtype::F64 => {
+                            cast.insert(name.clone(), dt);
+                        }
+                        other => {
+                            return Err(Error::BadCheckpoint {
+                                path: dir.clone(),
+                                problem: format!(
+                                    "tensor `{name}` is {other:?}: only float tensors are trained"
+                                ),
+                            })
+                        }
+                    }
+                }
+                let names = dtypes.into_keys().collect();
+                Some(Resume { dir, state, names, cast })
             }
             None => None,
         };
@@ -290,6 +314,29 @@ impl Plan {
             return Err(Error::option("--save-every", "needs --out DIR"));
         }
         let sync_bn = cfg.sync_bn || resume.as_ref().is_some_and(|r| r.state.sync_bn);
+        if let Some(r) = &resume {
+            // A resume with nothing left to do is a mistake to say, not a run that ends
+            // at once with exit 0.
+            let end = cfg
+                .max_steps
+                .unwrap_or(u64::MAX)
+                .min(cfg.epochs.saturating_mul(steps_per_epoch));
+            if r.state.step >= end {
+                let done_epochs = r.state.step.div_ceil(steps_per_epoch.max(1));
+                return Err(Error::option(
+                    "--epochs",
+                    format!(
+                        "{} is at step {} (epoch {}), and --epochs {}{} ends at step {end}: nothing left to do; continue with --epochs {} or more",
+                        r.dir.display(),
+                        r.state.step,
+                        r.state.epoch,
+                        cfg.epochs,
+                        cfg.max_steps.map(|m| format!(" --max-steps {m}")).unwrap_or_default(),
+                        done_epochs + 1
+                    ),
+                ));
+            }
+        }
         Ok(Plan {
             mesh,
             source,
@@ -319,10 +366,55 @@ impl Plan {
             resume,
             eval: !cfg.no_eval,
             gather_weights: cfg.gather_weights,
+            async_save: !cfg.sync_save,
             backend: cfg.backend,
             device: cfg.device,
             portable_kernels: cfg.portable_kernels,
         })
+    }
+
+    /// What a resume does not take from the checkpoint as it is: optimizer state that
+    /// is missing (started from zero), tensors stored in another float type (cast to
+    /// F32).
+    fn resume_warnings(&self) -> Vec<String> {
+        let Some(r) = &self.resume else {
+            return vec![];
+        };
+        let mut out = Vec::new();
+        let specs: BTreeSet<&str> = self.specs.iter().map(|s| s.name.as_str()).collect();
+        let missing: Vec<String> = self
+            .layouts()
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| !specs.contains(n.as_str()) && !r.names.contains(n))
+            .collect();
+        if !missing.is_empty() {
+            out.push(format!(
+                "{} has no optimizer state for {} tensor(s) (e.g. `{}`): the {} state ({}) starts from zero, as in a new run",
+                r.dir.display(),
+                missing.len(),
+                missing[0],
+                match self.optim.kind {
+                    OptimizerKind::Sgd => "SGD",
+                    OptimizerKind::Adamw => "AdamW",
+                },
+                self.optim.kind.state_names().join(", ")
+            ));
+        }
+        if !r.cast.is_empty() {
+            let mut by: BTreeMap<String, usize> = BTreeMap::new();
+            for d in r.cast.values() {
+                *by.entry(format!("{d:?}")).or_default() += 1;
+            }
+            let first = r.cast.keys().next().cloned().unwrap_or_default();
+            out.push(format!(
+                "{}: {} tensor(s) stored as {} (e.g. `{first}`) are cast to F32 to train: they keep the checkpoint's precision, not the original run's",
+                r.dir.display(),
+                r.cast.len(),
+                by.iter().map(|(d, n)| format!("{n} {d}")).collect::<Vec<_>>().join(", ")
+            ));
+        }
+        out
     }
 
     /// Layouts of every tensor a checkpoint of this run holds, in a fixed order.
@@ -389,6 +481,7 @@ fn broadcast_buffers(buffers: &[Var], dist: &Dist) -> Result<()> {
 }
 
 struct RankResult {
+    save_stalls: Vec<f64>,
     losses: Vec<f32>,
     accuracy: Vec<(u64, f32)>,
     checkpoints: Vec<PathBuf>,
@@ -440,13 +533,32 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
         }
         let target = plan.strategy(Some(&r.names))?;
         for (name, t) in ckpt_core::load_rank(&r.dir, &target, rank)? {
-            if t.dtype != Dtype::F32 {
-                return Err(Error::BadCheckpoint {
-                    path: r.dir.clone(),
-                    problem: format!("tensor `{name}` is {:?}; only F32 is trained", t.dtype),
-                });
-            }
-            loaded.insert(name, f32_from_bytes(&t.data));
+            let values = match t.dtype {
+                Dtype::F32 => f32_from_bytes(&t.data),
+                // Said before training (`resume_warnings`).
+                Dtype::BF16 => t
+                    .data
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                Dtype::F16 => t
+                    .data
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                Dtype::F64 => t
+                    .data
+                    .chunks_exact(8)
+                    .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
+                    .collect(),
+                other => {
+                    return Err(Error::BadCheckpoint {
+                        path: r.dir.clone(),
+                        problem: format!("tensor `{name}` is {other:?}; only float tensors are trained"),
+                    })
+                }
+            };
+            loaded.insert(name, values);
         }
     }
     let mut vars: BTreeMap<String, Var> = BTreeMap::new();
@@ -539,6 +651,7 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
     let strategy = plan.strategy(None)?;
     let config_json = plan.model.to_json();
     let mut result = RankResult {
+        save_stalls: Vec::new(),
         losses: Vec::new(),
         accuracy: Vec::new(),
         checkpoints: Vec::new(),
@@ -602,6 +715,8 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             loss,
         }
     };
+    let saver = std::cell::RefCell::new(AsyncSaver::default());
+    let stalls = std::cell::RefCell::new(Vec::new());
     let do_save = |step: u64,
                    epoch: u64,
                    batch: u64,
@@ -623,7 +738,14 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             config_json: &config_json,
             state: &st,
         };
-        save(&dist, &req, &locals(opt)?)
+        let t = Instant::now();
+        let dir = if plan.async_save {
+            saver.borrow_mut().start(&dist, &req, locals(opt)?)?
+        } else {
+            save(&dist, &req, locals(opt)?)?
+        };
+        stalls.borrow_mut().push(t.elapsed().as_secs_f64());
+        Ok(dir)
     };
 
     let mut pos_batch = skip;
@@ -697,6 +819,9 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             .checkpoints
             .push(do_save(step, final_epoch, final_batch, last_loss, &opt)?);
     }
+    // The run is over when its last checkpoint is.
+    saver.borrow_mut().finish()?;
+    result.save_stalls = stalls.take();
     if plan.gather_weights {
         result.weights = gather_full(&dist, &locals(&opt)?)?;
     }
@@ -717,6 +842,12 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
 pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainReport> {
     let start = Instant::now();
     let plan = Plan::new(cfg)?;
+    // Said once (by the first process under a launcher), before any work.
+    if crate::launch::LaunchEnv::from_env().ok().flatten().is_none_or(|l| l.rank == 0) {
+        for w in plan.resume_warnings() {
+            eprintln!("ckpt: warning: {w}");
+        }
+    }
     let mut results = cfg
         .backend
         .run(&plan.mesh, |dist| rank_main(&plan, dist, progress))?;
@@ -734,5 +865,6 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainReport> {
         seconds: start.elapsed().as_secs_f64(),
         checkpoints: r0.checkpoints,
         weights: r0.weights,
+        save_stalls: r0.save_stalls,
     })
 }

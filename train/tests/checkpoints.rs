@@ -160,7 +160,12 @@ fn merged_sliced_checkpoint_equals_gathered_weights() {
         ..Default::default()
     };
     ckpt_merge::merge(&req, &|_| {}, &|_, _| {}).unwrap();
-    let got = read_safetensors(&merged.join("model.safetensors"));
+    // Weights in model.safetensors, optimizer state (`optim.*`) beside it.
+    let mut got = read_safetensors(&merged.join("model.safetensors"));
+    assert!(got.keys().all(|k| !k.starts_with("optim.")));
+    let optim = read_safetensors(&merged.join("optimizer.safetensors"));
+    assert!(!optim.is_empty() && optim.keys().all(|k| k.starts_with("optim.")));
+    got.extend(optim);
     let want = r.weights.unwrap();
     assert_eq!(
         got.keys().collect::<Vec<_>>(),

@@ -14,8 +14,10 @@
 //! `tensor_content` is recorded as a byte range of the mapped file: nothing is copied.
 //! Only the fields above are accepted; anything else is an error naming the byte.
 //! `save_checkpoint(crc_check=True)` appends `crc_num` and 10 big-endian bytes (a zlib
-//! CRC-32 of the records), kept in the metadata. Tensors over 512 MiB, which MindSpore
-//! writes as several records with the same tag, and map tensors are refused by name.
+//! CRC-32 of every byte before it), checked by `verify`. A tensor over 512 MiB, which
+//! MindSpore writes as several consecutive records with the same tag (runs of its bytes,
+//! each record with the whole dims), is read as the boxes those runs cover. Map tensors
+//! are refused by name.
 
 use super::{FileFormat, TensorEntry, TensorFile};
 use crate::error::{Error, Result};
@@ -141,8 +143,8 @@ pub fn parse_mindspore_ckpt(all: &[u8]) -> Result<(Vec<TensorEntry>, BTreeMap<St
 
 fn parse(all: &[u8]) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>)> {
     let mut c = Cursor::new(0, all);
-    let mut tensors = Vec::new();
-    let mut seen = BTreeSet::new();
+    // Records in file order; consecutive records with one tag are one split tensor.
+    let mut records: Vec<TensorEntry> = Vec::new();
     let mut metadata = BTreeMap::from([("format".to_string(), "ms".to_string())]);
     while !c.rest.is_empty() {
         if c.rest.starts_with(CRC_TRAILER) && c.rest.len() == CRC_TRAILER.len() + 10 {
@@ -150,6 +152,7 @@ fn parse(all: &[u8]) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>)> {
                 .iter()
                 .fold(0u128, |a, &b| (a << 8) | u128::from(b));
             metadata.insert("crc_num".into(), crc.to_string());
+            metadata.insert("crc_bytes".into(), c.pos().to_string());
             break;
         }
         let at = c.pos();
@@ -157,18 +160,98 @@ fn parse(all: &[u8]) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>)> {
         if (field, wire) != (1, WireType::LengthDelimited) {
             return Err(unexpected("Checkpoint", field, wire, at));
         }
-        let t = parse_value(c.sub()?)?;
-        if !seen.insert(t.name.clone()) {
-            return Err(Error::Unsupported {
-                problem: format!(
-                    "tensor `{}` is stored as several records (MindSpore splits tensors over 512 MiB): not supported yet",
-                    t.name
-                ),
+        records.push(parse_value(c.sub()?)?);
+    }
+    let mut tensors = Vec::with_capacity(records.len());
+    let mut seen = BTreeSet::new();
+    let mut i = 0;
+    while i < records.len() {
+        let n = records[i..]
+            .iter()
+            .take_while(|r| r.name == records[i].name)
+            .count();
+        if !seen.insert(records[i].name.clone()) {
+            return Err(Error::InvalidTensor {
+                tensor: records[i].name.clone(),
+                problem: "stored twice, in records that are not consecutive".into(),
             });
         }
-        tensors.push(t);
+        if n == 1 {
+            tensors.push(records[i].clone());
+        } else {
+            split_tensor(&records[i..i + n], &mut tensors)?;
+        }
+        i += n;
     }
     Ok((tensors, metadata))
+}
+
+/// A tensor MindSpore wrote as several records (over 512 MiB: `save_checkpoint` cuts
+/// its bytes into runs of `SLICE_SIZE`, each record with the whole tensor's dims): each
+/// record's run of elements becomes the boxes it covers, each a contiguous part of the
+/// record, with its offsets in the tensor. The runs must cover the tensor exactly, in
+/// order, on element boundaries.
+fn split_tensor(records: &[TensorEntry], out: &mut Vec<TensorEntry>) -> Result<()> {
+    let first = &records[0];
+    let bad_t = |problem: String| Error::InvalidTensor {
+        tensor: first.name.clone(),
+        problem,
+    };
+    let elem = u64::from(first.dtype.bitsize() as u32 / 8);
+    let numel = first
+        .shape
+        .iter()
+        .try_fold(1u64, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| crate::error::overflow(format!("`{}` element count", first.name)))?;
+    let mut pos = 0u64;
+    for (k, r) in records.iter().enumerate() {
+        if (r.dtype, &r.shape) != (first.dtype, &first.shape) {
+            return Err(bad_t(format!(
+                "record {k} of its {} records says {:?} {:?}, the first {:?} {:?}",
+                records.len(),
+                r.dtype,
+                r.shape,
+                first.dtype,
+                first.shape
+            )));
+        }
+        let len = r.end - r.start;
+        if len % elem != 0 {
+            return Err(bad_t(format!(
+                "record {k} holds {len} bytes, not a whole number of {elem}-byte elements"
+            )));
+        }
+        let end = pos + len / elem;
+        if end > numel {
+            return Err(bad_t(format!(
+                "its {} records hold more than the {numel} elements of {:?}",
+                records.len(),
+                first.shape
+            )));
+        }
+        let mut at = r.start;
+        for b in crate::region::Region::flat_range(&first.shape, pos, end) {
+            let bytes = b.numel() * elem;
+            out.push(TensorEntry {
+                name: first.name.clone(),
+                dtype: first.dtype,
+                shape: b.shape.clone(),
+                start: at,
+                end: at + bytes,
+                offsets: Some(b.start),
+            });
+            at += bytes;
+        }
+        pos = end;
+    }
+    if pos != numel {
+        return Err(bad_t(format!(
+            "its {} records hold {pos} of the {numel} elements of {:?}: truncated?",
+            records.len(),
+            first.shape
+        )));
+    }
+    Ok(())
 }
 
 fn parse_value(mut c: Cursor<'_>) -> Result<TensorEntry> {
@@ -267,10 +350,17 @@ pub struct MindSporeWriter {
     tmp: std::path::PathBuf,
     dest: std::path::PathBuf,
     file: std::fs::File,
-    /// Where each tensor's content starts in the file.
-    content_at: Vec<u64>,
+    /// Where each tensor's content lies in the file: `(offset in the tensor, offset in
+    /// the file)` of each of its records, in order.
+    content_at: Vec<Vec<(u64, u64)>>,
+    /// Each tensor's byte length.
+    lens: Vec<u64>,
     done: bool,
 }
+
+/// MindSpore writes a tensor over this many bytes as records of this many bytes
+/// (`SLICE_SIZE`, 512 MiB): protobuf messages stay far below their 2 GiB limit.
+const SLICE_BYTES: u64 = 512 << 20;
 
 impl MindSporeWriter {
     /// Creates `dest` (through a temporary file beside it) for `tensors`.
@@ -278,9 +368,16 @@ impl MindSporeWriter {
     /// # Errors
     /// Dtypes MindSpore has no name for, sizes that overflow, I/O errors.
     pub fn create(dest: &Path, tensors: &[crate::TensorSpec]) -> Result<MindSporeWriter> {
+        Self::create_sliced(dest, tensors, SLICE_BYTES)
+    }
+
+    /// [`MindSporeWriter::create`] cutting tensors over `slice` bytes into records of
+    /// `slice` bytes, as `save_checkpoint` does.
+    fn create_sliced(dest: &Path, tensors: &[crate::TensorSpec], slice: u64) -> Result<MindSporeWriter> {
         use prost::encoding::{encode_varint, encoded_len_varint};
         let mut framing: Vec<(u64, Vec<u8>)> = Vec::with_capacity(tensors.len());
         let mut content_at = Vec::with_capacity(tensors.len());
+        let mut lens = Vec::with_capacity(tensors.len());
         let mut pos = 0u64;
         for t in tensors {
             let type_name = dtype_to_mindspore(t.dtype).ok_or_else(|| Error::Unsupported {
@@ -290,40 +387,49 @@ impl MindSporeWriter {
                     crate::dtype_name(t.dtype)
                 ),
             })?;
-            let n = super::byte_len(t.dtype, &t.shape)
+            let total = super::byte_len(t.dtype, &t.shape)
                 .ok_or_else(|| crate::error::overflow(format!("size of tensor `{}`", t.name)))?;
-            let mut tp = Vec::new();
-            for &d in &t.shape {
-                tp.push(0x08);
-                encode_varint(d, &mut tp);
+            lens.push(total);
+            let mut records = Vec::new();
+            let mut done = 0u64;
+            // One record at least (an empty tensor has one, with empty content).
+            while done < total || records.is_empty() {
+                let n = if total > slice { slice.min(total - done) } else { total };
+                let mut tp = Vec::new();
+                for &d in &t.shape {
+                    tp.push(0x08);
+                    encode_varint(d, &mut tp);
+                }
+                tp.push(0x12);
+                encode_varint(type_name.len() as u64, &mut tp);
+                tp.extend_from_slice(type_name.as_bytes());
+                tp.push(0x1a);
+                encode_varint(n, &mut tp);
+                let tp_len = tp.len() as u64 + n;
+                let mut value = vec![0x0a];
+                encode_varint(t.name.len() as u64, &mut value);
+                value.extend_from_slice(t.name.as_bytes());
+                value.push(0x12);
+                encode_varint(tp_len, &mut value);
+                value.extend_from_slice(&tp);
+                let value_len = value.len() as u64 + n;
+                let mut record = vec![0x0a];
+                encode_varint(value_len, &mut record);
+                record.extend_from_slice(&value);
+                let head = record.len() as u64;
+                debug_assert_eq!(
+                    head + n,
+                    1 + encoded_len_varint(value_len) as u64 + value_len
+                );
+                framing.push((pos, record));
+                records.push((done, pos + head));
+                pos = pos
+                    .checked_add(head)
+                    .and_then(|p| p.checked_add(n))
+                    .ok_or_else(|| crate::error::overflow("file size"))?;
+                done += n;
             }
-            tp.push(0x12);
-            encode_varint(type_name.len() as u64, &mut tp);
-            tp.extend_from_slice(type_name.as_bytes());
-            tp.push(0x1a);
-            encode_varint(n, &mut tp);
-            let tp_len = tp.len() as u64 + n;
-            let mut value = vec![0x0a];
-            encode_varint(t.name.len() as u64, &mut value);
-            value.extend_from_slice(t.name.as_bytes());
-            value.push(0x12);
-            encode_varint(tp_len, &mut value);
-            value.extend_from_slice(&tp);
-            let value_len = value.len() as u64 + n;
-            let mut record = vec![0x0a];
-            encode_varint(value_len, &mut record);
-            record.extend_from_slice(&value);
-            let head = record.len() as u64;
-            debug_assert_eq!(
-                head + n,
-                1 + encoded_len_varint(value_len) as u64 + value_len
-            );
-            framing.push((pos, record));
-            content_at.push(pos + head);
-            pos = pos
-                .checked_add(head)
-                .and_then(|p| p.checked_add(n))
-                .ok_or_else(|| crate::error::overflow("file size"))?;
+            content_at.push(records);
         }
         let (tmp, file) = crate::output::create_staged_file(dest)?;
         let w = MindSporeWriter {
@@ -331,6 +437,7 @@ impl MindSporeWriter {
             dest: dest.to_path_buf(),
             file,
             content_at,
+            lens,
             done: false,
         };
         use crate::error::IoContext;
@@ -342,16 +449,28 @@ impl MindSporeWriter {
         Ok(w)
     }
 
-    /// Writes `bytes` at byte `offset` of tensor `index`'s content.
+    /// Writes `bytes` at byte `offset` of tensor `index`'s content (across records
+    /// where the tensor is split).
     ///
     /// # Errors
     /// I/O errors, with the path.
     pub fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
         use crate::error::IoContext;
         use std::os::unix::fs::FileExt;
-        self.file
-            .write_all_at(bytes, self.content_at[index] + offset)
-            .at(&self.tmp)
+        let records = &self.content_at[index];
+        let end = offset + bytes.len() as u64;
+        for (k, &(from, file_at)) in records.iter().enumerate() {
+            let to = records.get(k + 1).map_or(self.lens[index], |r| r.0);
+            let (lo, hi) = (offset.max(from), end.min(to));
+            if lo >= hi {
+                continue;
+            }
+            let part = &bytes[(lo - offset) as usize..(hi - offset) as usize];
+            self.file
+                .write_all_at(part, file_at + (lo - from))
+                .at(&self.tmp)?;
+        }
+        Ok(())
     }
 
     /// Syncs the data and renames the file to its final name.
@@ -370,5 +489,76 @@ impl Drop for MindSporeWriter {
         if !self.done {
             crate::output::discard_staged_file(&self.tmp);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensors_over_the_slice_size_are_split_and_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("m.ckpt");
+        let specs = [
+            crate::TensorSpec {
+                name: "w".into(),
+                dtype: Dtype::F32,
+                shape: vec![7, 9],
+            },
+            crate::TensorSpec {
+                name: "b".into(),
+                dtype: Dtype::F16,
+                shape: vec![3],
+            },
+        ];
+        let w: Vec<u8> = (0..252).map(|i| (i * 7 % 251) as u8).collect();
+        let b = [1u8, 2, 3, 4, 5, 6];
+        // Records of 100 bytes: w is cut mid-row into 100 + 100 + 52 bytes.
+        let writer = MindSporeWriter::create_sliced(&dest, &specs, 100).unwrap();
+        // Writes that straddle the records' boundaries.
+        writer.write_at(0, 0, &w[..150]).unwrap();
+        writer.write_at(0, 150, &w[150..]).unwrap();
+        writer.write_at(1, 0, &b).unwrap();
+        writer.finish().unwrap();
+        let f = TensorFile::open(&dest).unwrap();
+        let mut got = Vec::new();
+        let mut covered = 0;
+        for (i, e) in f.tensors().iter().enumerate().filter(|(_, e)| e.name == "w") {
+            assert!(e.offsets.is_some(), "{e:?}");
+            got.extend_from_slice(f.data(i).unwrap());
+            covered += e.shape.iter().product::<u64>();
+        }
+        assert_eq!(covered, 63);
+        assert_eq!(got, w);
+        assert_eq!(f.data(f.find("b").unwrap()), Some(&b[..]));
+        // Elements 0..25 are rows 0-1 and part of row 2: two boxes; 25..50 three;
+        // 50..63 two.
+        assert_eq!(f.tensors().iter().filter(|e| e.name == "w").count(), 7);
+    }
+
+    #[test]
+    fn split_records_that_do_not_add_up_are_named() {
+        let rec = |start: u64, end: u64, shape: Vec<u64>| TensorEntry {
+            name: "w".into(),
+            dtype: Dtype::F32,
+            shape,
+            start,
+            end,
+            offsets: None,
+        };
+        let mut out = Vec::new();
+        let e = split_tensor(&[rec(0, 10, vec![4]), rec(20, 26, vec![4])], &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`w`") && e.contains("not a whole number"), "{e}");
+        let e = split_tensor(&[rec(0, 8, vec![4]), rec(20, 24, vec![4])], &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("3 of the 4 elements"), "{e}");
+        let e = split_tensor(&[rec(0, 8, vec![4]), rec(20, 24, vec![5])], &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("record 1"), "{e}");
     }
 }
