@@ -114,6 +114,11 @@ enum Command {
     Merge(MergeArgs),
     /// Re-slice a checkpoint for another mesh or strategy.
     Reshard(ReshardArgs),
+    /// Compress a checkpoint file or directory into .ckptz files (byte-grouped zstd
+    /// chunks); other files are copied.
+    Compress(ConvertArgs),
+    /// Turn .ckptz files back into safetensors, byte for byte as they were.
+    Decompress(ConvertArgs),
     /// Write a synthetic tensor-parallel checkpoint (examples, tests, benchmarks).
     Example(ExampleArgs),
     /// Train a model on thread ranks and save integrated or sliced checkpoints.
@@ -256,6 +261,10 @@ struct CopyArgs {
     /// Replace an existing output.
     #[arg(long)]
     force: bool,
+    /// Write compressed .ckptz files (byte-grouped zstd chunks, level 1 to 22, default
+    /// 1) that every ckpt command reads: zstd or zstd:LEVEL.
+    #[arg(long, value_name = "zstd[:LEVEL]", value_parser = ckpt_core::Compression::parse)]
+    compress: Option<ckpt_core::Compression>,
     /// Print the summary as JSON.
     #[arg(long)]
     json: bool,
@@ -341,6 +350,28 @@ struct ReshardArgs {
 }
 
 #[derive(Args, Debug)]
+struct ConvertArgs {
+    /// A tensor file, or a checkpoint directory (converted with everything under it).
+    source: PathBuf,
+    /// The output file or directory.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// zstd level (compress only).
+    #[arg(long, default_value_t = ckpt_core::DEFAULT_LEVEL, value_parser = clap::value_parser!(i32).range(1..=22))]
+    level: i32,
+    /// Raw bytes per compressed chunk (tests: small chunks make small tensors span
+    /// several).
+    #[arg(long, hide = true, value_parser = ckpt_merge::parse_size)]
+    chunk_bytes: Option<u64>,
+    /// Replace an existing output.
+    #[arg(long)]
+    force: bool,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
 struct ExampleArgs {
     /// Output directory (a sliced checkpoint root).
     output: PathBuf,
@@ -401,6 +432,14 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
         ),
         Command::Merge(a) => merge(a),
         Command::Reshard(a) => reshard(a),
+        Command::Compress(a) => {
+            let how = ckpt_core::Conversion::Compress(ckpt_core::Compression {
+                level: a.level,
+                chunk_bytes: a.chunk_bytes.unwrap_or(ckpt_core::DEFAULT_CHUNK_BYTES),
+            });
+            convert(a, how)
+        }
+        Command::Decompress(a) => convert(a, ckpt_core::Conversion::Decompress),
         Command::Example(a) => example(a),
         Command::Train(a) => train(a),
         Command::Infer(a) => infer(a),
@@ -503,7 +542,18 @@ fn inspect(paths: &[PathBuf], sel: &Selection, as_json: bool) -> Result<ExitCode
             let r = ck.ranks[i]
                 .map(|r| format!("rank {r}: "))
                 .unwrap_or_default();
-            println!("  {r}{}  {}", f.path().display(), human_bytes(per_file[i]));
+            // Compressed files: what they take on disk too.
+            let stored = match f.format() {
+                ckpt_core::FileFormat::Ckptz => std::fs::metadata(f.path())
+                    .map(|m| format!(" ({} compressed)", human_bytes(m.len())))
+                    .unwrap_or_default(),
+                _ => String::new(),
+            };
+            println!(
+                "  {r}{}  {}{stored}",
+                f.path().display(),
+                human_bytes(per_file[i])
+            );
         }
         println!("total: {} ({total} bytes)", human_bytes(total));
         for note in &ck.notes {
@@ -692,6 +742,7 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
             "torch" => ckpt_merge::MergeFormat::Torch,
             _ => ckpt_merge::MergeFormat::Safetensors,
         },
+        compression: a.copy.compress,
         share: match a.rank {
             Some(_) => Some(launch_share()?),
             None => None,
@@ -753,6 +804,7 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         keep_all: a.keep_all || a.format == "mindspore",
         force: a.copy.force,
         shard: a.shard,
+        compression: a.copy.compress,
         format: match a.format.as_str() {
             "dcp" => ckpt_reshard::OutputFormat::Dcp,
             "mindspore" => ckpt_reshard::OutputFormat::MindSpore,
@@ -821,6 +873,34 @@ fn print_plan(
         }
     }
     Ok(())
+}
+
+fn convert(a: ConvertArgs, how: ckpt_core::Conversion) -> Result<ExitCode> {
+    let t = Instant::now();
+    let s = ckpt_core::convert(&a.source, &a.output, how, a.force)?;
+    let secs = t.elapsed().as_secs_f64();
+    let verb = match how {
+        ckpt_core::Conversion::Compress(_) => "compressed",
+        ckpt_core::Conversion::Decompress => "decompressed",
+    };
+    let ratio = s.bytes_out as f64 / s.bytes_in.max(1) as f64;
+    if a.json {
+        println!(
+            "{}",
+            json!({"files": s.files, "copied": s.copied, "raw_bytes": s.raw_bytes,
+                   "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "ratio": ratio,
+                   "seconds": secs, "output": a.output})
+        );
+    } else {
+        println!(
+            "{verb} {} file(s), {} -> {} ({ratio:.3} x) in {secs:.2} s into {}",
+            s.files,
+            human_bytes(s.bytes_in),
+            human_bytes(s.bytes_out),
+            a.output.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn example(a: ExampleArgs) -> Result<ExitCode> {
@@ -981,6 +1061,42 @@ mod tests {
         ])
         .is_err());
         assert!(Cli::try_parse_from(["ckpt", "reshard", "a", "-o", "b", "--to", "2"]).is_ok());
+    }
+
+    #[test]
+    fn compress_flags() {
+        let c =
+            Cli::try_parse_from(["ckpt", "merge", "a", "-o", "b", "--compress", "zstd:7"]).unwrap();
+        match c.command {
+            Command::Merge(m) => assert_eq!(m.copy.compress.map(|c| c.level), Some(7)),
+            other => panic!("parsed as {other:?}"),
+        }
+        for bad in ["zstd:0", "zstd:23", "lz4", "zstd:x"] {
+            assert!(
+                Cli::try_parse_from([
+                    "ckpt",
+                    "reshard",
+                    "a",
+                    "-o",
+                    "b",
+                    "--to",
+                    "2",
+                    "--compress",
+                    bad
+                ])
+                .is_err(),
+                "{bad}"
+            );
+        }
+        let c = Cli::try_parse_from(["ckpt", "compress", "a", "-o", "b"]).unwrap();
+        match c.command {
+            Command::Compress(a) => assert_eq!(a.level, ckpt_core::DEFAULT_LEVEL),
+            other => panic!("parsed as {other:?}"),
+        }
+        assert!(
+            Cli::try_parse_from(["ckpt", "compress", "a", "-o", "b", "--level", "30"]).is_err()
+        );
+        assert!(Cli::try_parse_from(["ckpt", "decompress", "a"]).is_err());
     }
 
     #[test]

@@ -175,6 +175,7 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
             force: true,
             format: ckpt_reshard::OutputFormat::Ranks,
             shard: Vec::new(),
+            compression: None,
         },
         &|_| {},
         &|_, _| {},

@@ -26,7 +26,12 @@ fn file_tensors(path: &Path) -> BTreeMap<String, (Vec<u64>, Vec<u8>)> {
     f.tensors()
         .iter()
         .enumerate()
-        .map(|(i, t)| (t.name.clone(), (t.shape.clone(), f.data(i).to_vec())))
+        .map(|(i, t)| {
+            (
+                t.name.clone(),
+                (t.shape.clone(), f.data(i).unwrap().to_vec()),
+            )
+        })
         .collect()
 }
 

@@ -3,6 +3,7 @@
 mod util;
 
 mod bad_inputs;
+mod compress;
 mod crash;
 mod inspect_verify;
 mod merge;

@@ -94,7 +94,7 @@ pub fn full_tensors(path: &Path) -> std::collections::BTreeMap<String, Vec<u8>> 
         .expect("plan");
         out.insert(
             name.clone(),
-            ckpt_core::assemble(&plan.files[0].tensors[0], &ck),
+            ckpt_core::assemble(&plan.files[0].tensors[0], &ck).expect("assemble"),
         );
     }
     out

@@ -8,7 +8,7 @@
 use crate::coverage::{check_tiling, Defect};
 use crate::error::{Error, IoContext, Problems, Result};
 use crate::formats::distcp::{self, DcpMetadata};
-use crate::formats::TensorFile;
+use crate::formats::{ChunkCache, TensorFile};
 use crate::layout::TensorLayout;
 use crate::mesh::Mesh;
 use crate::region::Region;
@@ -26,6 +26,21 @@ pub const STRATEGY_FILE: &str = "strategy.json";
 pub const MODEL_FILE: &str = "model.safetensors";
 /// Name of a Hugging Face shard index.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// The file of an integrated or rank checkpoint written compressed (`--compress`).
+pub const COMPRESSED_MODEL_FILE: &str = "model.ckptz";
+/// The index of a sharded integrated checkpoint written compressed.
+pub const COMPRESSED_INDEX_FILE: &str = "model.ckptz.index.json";
+
+/// `dir`'s model file: `model.safetensors`, else `model.ckptz` when that one is there.
+fn model_file(dir: &Path) -> PathBuf {
+    let plain = dir.join(MODEL_FILE);
+    let compressed = dir.join(COMPRESSED_MODEL_FILE);
+    if !plain.is_file() && compressed.is_file() {
+        compressed
+    } else {
+        plain
+    }
+}
 /// Beside an integrated model, the file of its optimizer state (`merge` puts tensors
 /// named [`OPTIMIZER_PREFIX`]`*` there, so that model.safetensors holds weights only).
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
@@ -147,7 +162,13 @@ struct Expanded {
 impl Expanded {
     /// The optimizer state `merge` writes beside an integrated model, when present.
     fn push_optimizer_file(&mut self, dir: &Path) {
-        let p = dir.join(OPTIMIZER_FILE);
+        let plain = dir.join(OPTIMIZER_FILE);
+        // Or compressed (`merge --compress` writes `optimizer.ckptz`).
+        let p = if plain.is_file() {
+            plain
+        } else {
+            plain.with_extension(crate::formats::ckptz::EXTENSION)
+        };
         if p.is_file() {
             self.inputs.push(Input {
                 path: p,
@@ -365,7 +386,7 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
         return expand(&target, x);
     }
     note_carried(path, &mut x.carried);
-    let model = path.join(MODEL_FILE);
+    let model = model_file(path);
     let strategy = path.join(STRATEGY_FILE);
     if model.is_file() && strategy.is_file() {
         x.inputs.push(Input {
@@ -386,7 +407,7 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
         for (_, d) in rank_dirs {
             let own = d.join(STRATEGY_FILE);
             let own = (own.is_file() && !is_ms_strategy(&own)).then_some(own);
-            if own.is_some() && d.join(MODEL_FILE).is_file() {
+            if own.is_some() && model_file(&d).is_file() {
                 expand(&d, x)?;
             } else if let Some(f) = ms_rank_file(&d, x.step, &mut x.notes)? {
                 // MindSpore's files; with ckpt's strategy.json when ckpt wrote them.
@@ -409,7 +430,12 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
         }
         return Ok(());
     }
-    let index = path.join(INDEX_FILE);
+    let index = match path.join(INDEX_FILE) {
+        i if !i.is_file() && path.join(COMPRESSED_INDEX_FILE).is_file() => {
+            path.join(COMPRESSED_INDEX_FILE)
+        }
+        i => i,
+    };
     if index.is_file() {
         let text = std::fs::read_to_string(&index).at(&index)?;
         let doc: serde_json::Value = serde_json::from_str(&text)
@@ -446,7 +472,7 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
     };
     let mut st: Vec<PathBuf> = entries
         .iter()
-        .filter(|p| has_ext(p, &["safetensors", "ckpt"]))
+        .filter(|p| has_ext(p, &["safetensors", "ckpt", "ckptz"]))
         .filter(|p| !is_ms_strategy(p))
         .cloned()
         .collect();
@@ -489,7 +515,7 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
     }
     if st.is_empty() {
         return Err(unknown(format!(
-            "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors, *.ckpt or torch.save *.pth/*.pt/*.bin)",
+            "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors, *.ckptz, *.ckpt or torch.save *.pth/*.pt/*.bin)",
             path.display()
         )));
     }
@@ -1282,7 +1308,7 @@ impl Checkpoint {
                     self.files[fi].path().display()
                 ));
             }
-            if self.files[fi].data(ti) != self.files[f0].data(t0) {
+            if !self.same_bytes((f0, t0), (fi, ti)) {
                 return Some(format!(
                     "held by {} files with the same shape {:?} but different bytes ({} and {}), \
                      and no offsets: per-rank slices or diverged copies; give the strategy file \
@@ -1295,6 +1321,26 @@ impl Checkpoint {
             }
         }
         None
+    }
+
+    /// Whether two stored tensors of equal size hold the same bytes, compared a window
+    /// at a time (compressed files decompress only that much at once). An unreadable
+    /// one counts as different: its copies cannot be trusted to agree.
+    fn same_bytes(&self, (fa, ta): (usize, usize), (fb, tb): (usize, usize)) -> bool {
+        let (a, b) = (&self.files[fa], &self.files[fb]);
+        let len = a.tensors()[ta].end - a.tensors()[ta].start;
+        let (mut ca, mut cb) = (ChunkCache::new(), ChunkCache::new());
+        let window = crate::copy::SLAB_BYTES;
+        let mut pos = 0;
+        while pos < len {
+            let end = (pos + window).min(len);
+            match (a.read(ta, pos..end, &mut ca), b.read(tb, pos..end, &mut cb)) {
+                (Ok(x), Ok(y)) if x == y => {}
+                _ => return false,
+            }
+            pos = end;
+        }
+        true
     }
 
     /// Dedupes identical pieces (keeping the first as owner), then checks that the

@@ -6,8 +6,9 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
+use crate::formats::ckptz::Compression;
 use crate::formats::safetensors::TensorSpec;
-use crate::formats::FileWriter;
+use crate::formats::{ChunkCache, FileWriter};
 use crate::plan::{bytes_of, CopyPlan, TensorPlan};
 use crate::region::{Region, Runs};
 use crate::Dtype;
@@ -133,8 +134,15 @@ fn convert(src: &[u8], from: Dtype, dst: &mut [u8], to: Dtype) {
 }
 
 /// Fills `buf` with the slab `slab` of the tensor `t` (local coordinates), reading the
-/// sources' mapped bytes; returns the bytes read. Source pages are released as consumed.
-fn fill_slab(source: &Checkpoint, t: &TensorPlan, slab: &Region, buf: &mut [u8]) -> u64 {
+/// sources' bytes (mapped, or decompressed through `cache`); returns the bytes read.
+/// Mapped source pages are released as consumed.
+fn fill_slab(
+    source: &Checkpoint,
+    t: &TensorPlan,
+    slab: &Region,
+    buf: &mut [u8],
+    cache: &mut ChunkCache,
+) -> Result<u64> {
     let sbits = t.src_dtype.bitsize() as u64;
     let dbits = t.target.dtype.bitsize() as u64;
     let mut read = 0;
@@ -143,13 +151,7 @@ fn fill_slab(source: &Checkpoint, t: &TensorPlan, slab: &Region, buf: &mut [u8])
         let Some(part) = dst_box.overlap(slab) else {
             continue;
         };
-        let src_start: Vec<u64> = part
-            .start
-            .iter()
-            .zip(&op.dst_start)
-            .zip(&op.src.start)
-            .map(|((p, d), s)| p - d + s)
-            .collect();
+        let src_start = src_start_of(&part, op);
         let dst_start: Vec<u64> = part
             .start
             .iter()
@@ -157,7 +159,6 @@ fn fill_slab(source: &Checkpoint, t: &TensorPlan, slab: &Region, buf: &mut [u8])
             .map(|(p, s)| p - s)
             .collect();
         let file = &source.files[op.file];
-        let data = file.data(op.tensor);
         let (mut lo, mut hi) = (u64::MAX, 0u64);
         for run in Runs::new(
             &part.shape,
@@ -170,10 +171,10 @@ fn fill_slab(source: &Checkpoint, t: &TensorPlan, slab: &Region, buf: &mut [u8])
             let s1 = (run.src + run.len) * sbits / 8;
             let d0 = (run.dst * dbits / 8) as usize;
             let d1 = ((run.dst + run.len) * dbits / 8) as usize;
-            let from = &data[s0 as usize..s1 as usize];
             if t.src_dtype == t.target.dtype {
-                buf[d0..d1].copy_from_slice(from);
+                file.read_into(op.tensor, s0..s1, &mut buf[d0..d1], cache)?;
             } else {
+                let from = file.read(op.tensor, s0..s1, cache)?;
                 convert(from, t.src_dtype, &mut buf[d0..d1], t.target.dtype);
             }
             lo = lo.min(s0);
@@ -184,7 +185,7 @@ fn fill_slab(source: &Checkpoint, t: &TensorPlan, slab: &Region, buf: &mut [u8])
             file.release(op.tensor, lo..hi);
         }
     }
-    read
+    Ok(read)
 }
 
 /// Writes the plan's files into `out_dir` (which must exist), calling `progress` with
@@ -198,6 +199,20 @@ pub fn execute(
     source: &Checkpoint,
     out_dir: &Path,
     progress: &(dyn Fn(u64) + Sync),
+) -> Result<CopyStats> {
+    execute_with(plan, source, out_dir, progress, None)
+}
+
+/// [`execute`], writing every file compressed (`.ckptz`) when `compression` is given.
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn execute_with(
+    plan: &CopyPlan,
+    source: &Checkpoint,
+    out_dir: &Path,
+    progress: &(dyn Fn(u64) + Sync),
+    compression: Option<Compression>,
 ) -> Result<CopyStats> {
     let mut writers = Vec::with_capacity(plan.files.len());
     for f in &plan.files {
@@ -217,7 +232,7 @@ pub fn execute(
                 source,
             })?;
         }
-        writers.push(FileWriter::create(&path, &specs, &f.metadata)?);
+        writers.push(FileWriter::create(&path, &specs, &f.metadata, compression)?);
     }
     let mut jobs: Vec<(usize, usize, Region)> = Vec::new();
     for (fi, f) in plan.files.iter().enumerate() {
@@ -226,6 +241,17 @@ pub fn execute(
                 jobs.push((fi, ti, s));
             }
         }
+    }
+    // Compressed sources: slabs that read the same chunks run one after the other, so
+    // that each chunk is decompressed once while a thread's cache still holds it (in
+    // plan order, a chunk of a column-sharded source feeds one slab of every target
+    // rank, far apart). Positional writes do not care about the order.
+    if source
+        .files
+        .iter()
+        .any(|f| f.format() == crate::FileFormat::Ckptz)
+    {
+        jobs.sort_by_cached_key(|(fi, ti, slab)| first_source(&plan.files[*fi].tensors[*ti], slab));
     }
     // Source tensors read whole have their recorded checksums checked while they are
     // copied, over the same mapped pages; those read only in part cannot be.
@@ -267,17 +293,26 @@ pub fn execute(
             let _ = f.set_len(f.metadata().map_or(0, |m| m.len() / 2));
         }
     }
+    // Mapped sources are hashed alongside the copy; compressed ones after it, from the
+    // checksums of their chunks taken as the copy decompressed them (hashing them
+    // alongside would decompress everything twice).
+    let (after, alongside): (Vec<_>, Vec<_>) = to_check
+        .iter()
+        .partition(|&&(f, _)| source.files[f].format() == crate::FileFormat::Ckptz);
     let read = AtomicU64::new(0);
     let (copied, checked) = rayon::join(
         || copy_slabs(plan, source, &writers, &jobs, &read, progress),
         || {
-            to_check
+            alongside
                 .par_iter()
                 .try_for_each(|&(f, t)| source.files[f].check_checksum(t).map(|_| ()))
         },
     );
     copied?;
     checked?;
+    after
+        .par_iter()
+        .try_for_each(|&(f, t)| source.files[f].check_checksum_after_read(t).map(|_| ()))?;
     let t = std::time::Instant::now();
     for w in writers {
         w.finish()?;
@@ -292,6 +327,28 @@ pub fn execute(
     })
 }
 
+/// Where `part` (a box of the destination inside `op`'s) starts in `op`'s source tensor.
+fn src_start_of(part: &Region, op: &crate::plan::CopyOp) -> Vec<u64> {
+    part.start
+        .iter()
+        .zip(&op.dst_start)
+        .zip(&op.src.start)
+        .map(|((p, d), s)| p - d + s)
+        .collect()
+}
+
+/// Where a slab's first source bytes are: `(file, tensor, element offset)`.
+fn first_source(t: &TensorPlan, slab: &Region) -> (usize, usize, u64) {
+    for op in &t.ops {
+        let dst_box = Region::new(op.dst_start.clone(), op.src.shape.clone());
+        if let Some(part) = dst_box.overlap(slab) {
+            let start = src_start_of(&part, op);
+            return (op.file, op.tensor, slab_offset(&op.src_shape, &start));
+        }
+    }
+    (usize::MAX, usize::MAX, 0)
+}
+
 /// Copies every slab job into its writer.
 fn copy_slabs(
     plan: &CopyPlan,
@@ -302,13 +359,13 @@ fn copy_slabs(
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<()> {
     jobs.par_iter().try_for_each_init(
-        Vec::new,
-        |buf: &mut Vec<u8>, (fi, ti, slab)| -> Result<()> {
+        || (Vec::new(), ChunkCache::new()),
+        |(buf, cache): &mut (Vec<u8>, ChunkCache), (fi, ti, slab)| -> Result<()> {
             let t = &plan.files[*fi].tensors[*ti];
             let len = bytes_of(t.target.dtype, slab.numel()) as usize;
             buf.clear();
             buf.resize(len, 0);
-            read.fetch_add(fill_slab(source, t, slab, buf), Ordering::Relaxed);
+            read.fetch_add(fill_slab(source, t, slab, buf, cache)?, Ordering::Relaxed);
             let strides_bytes = bytes_of(t.target.dtype, slab_offset(&t.target.shape, &slab.start));
             writers[*fi].write_at(*ti, strides_bytes, buf)?;
             progress(len as u64);
@@ -318,11 +375,19 @@ fn copy_slabs(
 }
 
 /// Assembles one tensor in memory (for loading straight into a model).
-#[must_use]
-pub fn assemble(t: &TensorPlan, source: &Checkpoint) -> Vec<u8> {
+///
+/// # Errors
+/// A damaged compressed source; I/O errors.
+pub fn assemble(t: &TensorPlan, source: &Checkpoint) -> Result<Vec<u8>> {
     let mut buf = vec![0u8; bytes_of(t.target.dtype, t.target.shape.iter().product()) as usize];
-    fill_slab(source, t, &Region::full(&t.target.shape), &mut buf);
-    buf
+    fill_slab(
+        source,
+        t,
+        &Region::full(&t.target.shape),
+        &mut buf,
+        &mut ChunkCache::new(),
+    )?;
+    Ok(buf)
 }
 
 /// Row-major element offset of `start` in a tensor of `shape`.

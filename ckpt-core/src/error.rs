@@ -59,6 +59,24 @@ pub enum Error {
         /// What is wrong with it.
         problem: String,
     },
+    /// A compressed (`.ckptz`) file's preamble or header is malformed.
+    #[error("invalid .ckptz header: {problem}")]
+    InvalidCompressed {
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A compressed chunk does not decompress to the bytes its header promises.
+    #[error("{path}: tensor `{tensor}`: compressed chunk {chunk} is damaged: {problem}")]
+    CorruptChunk {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// The chunk's number within the tensor.
+        chunk: u64,
+        /// What decompressing it gave.
+        problem: String,
+    },
     /// A `torch.save` archive or its pickle is malformed or not allowed.
     #[error("torch.save file: {problem}")]
     InvalidTorch {
@@ -157,7 +175,7 @@ impl Error {
     #[must_use]
     pub fn with_path(self, path: impl Into<PathBuf>) -> Error {
         match self {
-            e @ (Error::Io { .. } | Error::WithPath { .. }) => e,
+            e @ (Error::Io { .. } | Error::WithPath { .. } | Error::CorruptChunk { .. }) => e,
             e => Error::WithPath {
                 path: path.into(),
                 source: Box::new(e),

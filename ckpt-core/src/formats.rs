@@ -7,6 +7,7 @@
 //! byte ranges (never copies tensor data), a [`FileFormat`] variant, and a branch in
 //! [`sniff`], which decides by content, not by the file's name.
 
+pub(crate) mod ckptz;
 pub(crate) mod distcp;
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;
@@ -19,6 +20,7 @@ use crate::checksum::Checksum;
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::strategy::dtype_name;
 use crate::Dtype;
+pub use ckptz::ChunkCache;
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -34,6 +36,8 @@ pub enum FileFormat {
     MindSporeCkpt,
     /// PyTorch's `torch.save` zip archive (`.pth`, `.pt`, `.bin`).
     TorchSave,
+    /// ckpt's compressed files (`.ckptz`: safetensors' description, zstd chunks).
+    Ckptz,
     /// A data file of PyTorch DCP's default format (`__<rank>_<n>.distcp`), read with
     /// its directory's `.metadata`.
     Distcp,
@@ -47,6 +51,7 @@ impl FileFormat {
             FileFormat::Safetensors => "safetensors",
             FileFormat::MindSporeCkpt => "MindSpore .ckpt",
             FileFormat::TorchSave => "torch.save",
+            FileFormat::Ckptz => "ckptz",
             FileFormat::Distcp => "PyTorch DCP .distcp",
         }
     }
@@ -82,11 +87,27 @@ pub struct TensorFile {
     metadata: BTreeMap<String, String>,
     /// The recorded checksum of each tensor, where the file has one.
     checksums: Vec<Option<Checksum>>,
+    /// The chunk tables of a compressed file (then `map` is `None` and entries'
+    /// `start`/`end` are offsets in the uncompressed data area).
+    chunked: Option<ckptz::Chunked>,
+    /// Unique within the process: keys the decompressed chunks a [`ChunkCache`] keeps.
+    id: u64,
+}
+
+/// A number no other file opened by this process has.
+fn next_file_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
 }
 
 /// Decides a file's format from its first bytes.
 #[must_use]
 pub fn sniff(head: &[u8]) -> Option<FileFormat> {
+    // First: the magic's 9th byte (the low byte of the header length) may be `{`.
+    if ckptz::looks_like(head) {
+        return Some(FileFormat::Ckptz);
+    }
     if safetensors::looks_like(head) {
         return Some(FileFormat::Safetensors);
     }
@@ -153,6 +174,7 @@ impl TensorFile {
             Some(FileFormat::Safetensors) => safetensors::read(path, map),
             Some(FileFormat::MindSporeCkpt) => mindspore_ckpt::read(path, map),
             Some(FileFormat::TorchSave) => torch_save::read(path, map),
+            Some(FileFormat::Ckptz) => ckptz::read(path, File::open(path).at(path)?, map),
             Some(FileFormat::Distcp) => unreachable!("sniff never says distcp"),
             None if torch_save::looks_like_legacy(head) => Err(Error::InvalidTorch {
                 problem: format!(
@@ -250,7 +272,39 @@ impl TensorFile {
             checksums: vec![None; tensors.len()],
             tensors,
             metadata,
+            chunked: None,
+            id: next_file_id(),
         })
+    }
+
+    /// Builds a compressed file from its checked header (`ckptz::parse_header` has
+    /// validated every entry and chunk against the file).
+    pub(crate) fn from_chunked(
+        path: &Path,
+        chunked: ckptz::Chunked,
+        tensors: Vec<TensorEntry>,
+        metadata: BTreeMap<String, String>,
+    ) -> TensorFile {
+        TensorFile {
+            path: path.to_path_buf(),
+            map: None,
+            format: FileFormat::Ckptz,
+            checksums: vec![None; tensors.len()],
+            tensors,
+            metadata,
+            chunked: Some(chunked),
+            id: next_file_id(),
+        }
+    }
+
+    /// The chunk tables, when the file is compressed.
+    pub(crate) fn chunked(&self) -> Option<&ckptz::Chunked> {
+        self.chunked.as_ref()
+    }
+
+    /// Unique within the process.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// Attaches recorded checksums by tensor name.
@@ -293,7 +347,16 @@ impl TensorFile {
         let Some(want) = self.checksums[index] else {
             return Ok(false);
         };
-        let got = Checksum::of_chunks(self.data(index), &|r| self.release(index, r));
+        let got = match (&self.chunked, self.data(index)) {
+            (Some(c), _) => c.checksum(&self.path, &self.tensors[index].name, index)?,
+            (None, Some(data)) => Checksum::of_chunks(data, &|r| self.release(index, r)),
+            (None, None) => return Ok(false),
+        };
+        self.compare_checksum(index, want, got)
+    }
+
+    /// `Ok(true)` when `got` is `want`, else the mismatch naming file and tensor.
+    fn compare_checksum(&self, index: usize, want: Checksum, got: Checksum) -> Result<bool> {
         if got != want {
             return Err(Error::ChecksumMismatch {
                 path: self.path.clone(),
@@ -303,6 +366,24 @@ impl TensorFile {
             });
         }
         Ok(true)
+    }
+
+    /// [`TensorFile::check_checksum`] after tensor `index` has been read whole: for a
+    /// compressed file, from the checksums of its chunks taken as they were
+    /// decompressed (no second decompression), when every chunk has been.
+    ///
+    /// # Errors
+    /// [`Error::ChecksumMismatch`] naming file, tensor and both values.
+    pub(crate) fn check_checksum_after_read(&self, index: usize) -> Result<bool> {
+        let (Some(want), Some(got)) = (
+            self.checksums[index],
+            self.chunked
+                .as_ref()
+                .and_then(|c| c.decoded_checksum(index)),
+        ) else {
+            return self.check_checksum(index);
+        };
+        self.compare_checksum(index, want, got)
     }
 
     /// Checks a checksum the format records for the whole file: MindSpore's `crc_num`
@@ -355,13 +436,89 @@ impl TensorFile {
         &self.metadata
     }
 
-    /// The bytes of tensor `index` (borrowed from the mapping; no copy).
+    /// The bytes of tensor `index` borrowed from the mapping (no copy); `None` for a
+    /// compressed file, whose bytes only [`TensorFile::read`] gives.
     #[must_use]
-    pub fn data(&self, index: usize) -> &[u8] {
+    pub fn data(&self, index: usize) -> Option<&[u8]> {
+        if self.chunked.is_some() {
+            return None;
+        }
         let t = &self.tensors[index];
         let bytes: &[u8] = self.map.as_deref().unwrap_or(&[]);
         // In range: checked by `from_parts`.
-        &bytes[t.start as usize..t.end as usize]
+        Some(&bytes[t.start as usize..t.end as usize])
+    }
+
+    /// Bytes `range` (relative to the tensor) of tensor `index`, whatever the file
+    /// stores: borrowed from the mapping for plain files, decompressed (only the chunks
+    /// covering the range, kept in `cache` for the next reads) for compressed ones.
+    ///
+    /// # Errors
+    /// A range outside the tensor; a damaged chunk ([`Error::CorruptChunk`]); I/O errors.
+    pub fn read<'a>(
+        &'a self,
+        index: usize,
+        range: std::ops::Range<u64>,
+        cache: &'a mut ChunkCache,
+    ) -> Result<&'a [u8]> {
+        self.check_range(index, &range)?;
+        let t = &self.tensors[index];
+        match &self.chunked {
+            Some(c) => cache.read(self, c, index, range),
+            None => {
+                let bytes: &[u8] = self.map.as_deref().unwrap_or(&[]);
+                // In range: checked above and by `from_parts`.
+                Ok(&bytes[(t.start + range.start) as usize..(t.start + range.end) as usize])
+            }
+        }
+    }
+
+    /// Copies bytes `range` (relative to the tensor) of tensor `index` into `dst`:
+    /// [`TensorFile::read`] without the intermediate buffer that a range over several
+    /// compressed chunks needs.
+    ///
+    /// # Errors
+    /// As [`TensorFile::read`]; a `dst` of another length than the range.
+    pub fn read_into(
+        &self,
+        index: usize,
+        range: std::ops::Range<u64>,
+        dst: &mut [u8],
+        cache: &mut ChunkCache,
+    ) -> Result<()> {
+        self.check_range(index, &range)?;
+        if range.end - range.start != dst.len() as u64 {
+            return Err(overflow(format!(
+                "{}: {} bytes of tensor `{}` read into a buffer of {}",
+                self.path.display(),
+                range.end - range.start,
+                self.tensors[index].name,
+                dst.len()
+            )));
+        }
+        match &self.chunked {
+            Some(c) => cache.copy_into(self, c, index, range, dst),
+            None => {
+                dst.copy_from_slice(self.read(index, range, cache)?);
+                Ok(())
+            }
+        }
+    }
+
+    /// A range inside tensor `index`, or the error naming it.
+    fn check_range(&self, index: usize, range: &std::ops::Range<u64>) -> Result<()> {
+        let t = &self.tensors[index];
+        if range.start > range.end || range.end > t.end - t.start {
+            return Err(overflow(format!(
+                "{}: bytes [{}, {}) of tensor `{}` asked, it has {}",
+                self.path.display(),
+                range.start,
+                range.end,
+                t.name,
+                t.end - t.start
+            )));
+        }
+        Ok(())
     }
 
     /// Drops the mapping's pages of tensor `index` in `range` (relative to the tensor)
@@ -411,12 +568,13 @@ impl Drop for TensorFile {
 
 /// A file being written, in the format its name asks for: `*.ckpt` MindSpore's,
 /// `*.pth`/`*.pt`/`*.bin` a torch.save archive, `*.distcp` DCP's (one torch.save archive
-/// per tensor), anything else safetensors. The copy engine writes through this and knows
-/// no format.
+/// per tensor), anything else safetensors; compressed `.ckptz` when a compression is
+/// given. The copy engine writes through this and knows no format.
 #[derive(Debug)]
 pub(crate) enum FileWriter {
     Safetensors(safetensors::SafetensorsWriter),
     MindSpore(mindspore_ckpt::MindSporeWriter),
+    Compressed(ckptz::CkptzWriter),
     Torch(torch_write::TorchWriter),
 }
 
@@ -425,7 +583,13 @@ impl FileWriter {
         dest: &Path,
         tensors: &[safetensors::TensorSpec],
         metadata: &BTreeMap<String, String>,
+        compression: Option<ckptz::Compression>,
     ) -> Result<FileWriter> {
+        if let Some(c) = compression {
+            return Ok(FileWriter::Compressed(ckptz::CkptzWriter::create(
+                dest, tensors, metadata, c,
+            )?));
+        }
         let ext = dest.extension().and_then(|e| e.to_str()).unwrap_or("");
         Ok(if ext == "ckpt" {
             FileWriter::MindSpore(mindspore_ckpt::MindSporeWriter::create(dest, tensors)?)
@@ -442,6 +606,7 @@ impl FileWriter {
         match self {
             FileWriter::Safetensors(w) => w.write_at(index, offset, bytes),
             FileWriter::MindSpore(w) => w.write_at(index, offset, bytes),
+            FileWriter::Compressed(w) => w.write_at(index, offset, bytes),
             FileWriter::Torch(w) => w.write_at(index, offset, bytes),
         }
     }
@@ -450,6 +615,7 @@ impl FileWriter {
         match self {
             FileWriter::Safetensors(w) => w.finish(),
             FileWriter::MindSpore(w) => w.finish(),
+            FileWriter::Compressed(w) => w.finish(),
             FileWriter::Torch(w) => w.finish(),
         }
     }

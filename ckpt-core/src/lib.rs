@@ -8,6 +8,7 @@
 
 mod checkpoint;
 mod checksum;
+mod convert;
 mod copy;
 mod coverage;
 mod error;
@@ -26,18 +27,24 @@ mod strategy;
 mod verify;
 
 pub use crate::checkpoint::{
-    Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, DCP_SHARDING_INFO, INDEX_FILE,
-    OPTIMIZER_FILE, OPTIMIZER_PREFIX,
+    Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, COMPRESSED_INDEX_FILE,
+    COMPRESSED_MODEL_FILE, DCP_SHARDING_INFO, INDEX_FILE, OPTIMIZER_FILE, OPTIMIZER_PREFIX,
     MODEL_FILE, STRATEGY_FILE,
 };
 pub use crate::checksum::{checksums_enabled, set_checksums_enabled, Checksum, CHECKSUMS_KEY};
-pub use crate::copy::{assemble, execute, CopyStats, SLAB_BYTES};
+pub use crate::convert::{convert, Conversion, ConvertStats};
+pub use crate::copy::{assemble, execute, execute_with, CopyStats, SLAB_BYTES};
 pub use crate::coverage::{check_tiling, Defect};
 pub use crate::error::{Error, Problems, Result};
 pub use crate::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,
 };
 pub use crate::fault::{bus_error_message, remove_registered_temporaries};
+pub use crate::formats::ckptz::{
+    compress_chunk, decompress_chunk, group_bytes, group_of, parse_header as parse_ckptz_header,
+    ungroup_bytes, CkptzWriter, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
+    EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC,
+};
 pub use crate::formats::distcp::{metadata_bytes as distcp_metadata, DistcpChunk};
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
 pub use crate::formats::mindspore_strategy::{
@@ -48,7 +55,7 @@ pub use crate::formats::safetensors::{
     encode_header, parse_header as parse_safetensors_header, SafetensorsWriter, TensorSpec,
     MAX_HEADER_LEN,
 };
-pub use crate::formats::{sniff, FileFormat, TensorEntry, TensorFile};
+pub use crate::formats::{sniff, ChunkCache, FileFormat, TensorEntry, TensorFile};
 pub use crate::layout::{Piece, Placement, TensorLayout};
 pub use crate::mesh::{Axis, Mesh};
 pub use crate::mindspore::{from_mindspore, MapEntry, MindSporeLayout};
@@ -61,7 +68,9 @@ pub use crate::plan::{
     TargetTensor, TensorPlan,
 };
 pub use crate::region::{Region, Run, Runs};
-pub use crate::save::{load_rank, write_integrated, write_rank, LocalTensor};
+pub use crate::save::{
+    load_rank, write_integrated, write_integrated_with, write_rank, write_rank_with, LocalTensor,
+};
 pub use crate::select::Selection;
 pub use crate::strategy::{dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION};
 pub use crate::verify::{verify, verify_selected, VerifyDepth};

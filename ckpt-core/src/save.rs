@@ -1,10 +1,12 @@
 //! Saving and loading from a training program's memory: one rank's file, a whole
 //! integrated checkpoint, and one rank's tensors loaded from any checkpoint.
 
-use crate::checkpoint::{Checkpoint, MODEL_FILE, STRATEGY_FILE};
+use crate::checkpoint::{Checkpoint, COMPRESSED_MODEL_FILE, MODEL_FILE, STRATEGY_FILE};
 use crate::copy::assemble;
 use crate::error::{Error, IoContext, Result};
-use crate::formats::safetensors::{SafetensorsWriter, TensorSpec};
+use crate::formats::ckptz::Compression;
+use crate::formats::safetensors::TensorSpec;
+use crate::formats::{byte_len, FileWriter};
 use crate::output::write_file_atomic;
 use crate::plan::{rank_metadata, rank_tensors, CopyPlan, TargetFile};
 use crate::strategy::Strategy;
@@ -37,6 +39,21 @@ pub fn write_rank(
     tensors: &[(&str, &[u8])],
     keep_all: bool,
 ) -> Result<PathBuf> {
+    write_rank_with(dir, strategy, rank, tensors, keep_all, None)
+}
+
+/// [`write_rank`], compressed (`ckpt_<rank>/model.ckptz`) when `compression` is given.
+///
+/// # Errors
+/// A tensor not in the strategy or of the wrong size; I/O errors.
+pub fn write_rank_with(
+    dir: &Path,
+    strategy: &Strategy,
+    rank: u64,
+    tensors: &[(&str, &[u8])],
+    keep_all: bool,
+    compression: Option<Compression>,
+) -> Result<PathBuf> {
     let rank_dir = dir.join(format!("ckpt_{rank}"));
     std::fs::create_dir_all(&rank_dir).at(&rank_dir)?;
     let given: BTreeMap<&str, &[u8]> = tensors.iter().copied().collect();
@@ -59,18 +76,19 @@ pub fn write_rank(
             shape: t.shape.clone(),
         })
         .collect();
-    let path = rank_dir.join(MODEL_FILE);
-    let w = SafetensorsWriter::create(&path, &specs, &rank_metadata(strategy, rank, &targets))?;
+    let path = rank_dir.join(model_name(compression));
+    let meta = rank_metadata(strategy, rank, &targets);
+    let w = FileWriter::create(&path, &specs, &meta, compression)?;
     for (i, t) in targets.iter().enumerate() {
         let data = given[t.name.as_str()];
-        if data.len() as u64 != w.tensor_len(i) {
+        if Some(data.len() as u64) != byte_len(t.dtype, &t.shape) {
             return Err(Error::InvalidTensor {
                 tensor: t.name.clone(),
                 problem: format!(
                     "rank {rank} gave {} bytes for local shape {:?} ({} bytes)",
                     data.len(),
                     t.shape,
-                    w.tensor_len(i)
+                    byte_len(t.dtype, &t.shape).unwrap_or(0)
                 ),
             });
         }
@@ -86,6 +104,27 @@ pub fn write_rank(
 /// # Errors
 /// Sizes that disagree with shapes; I/O errors.
 pub fn write_integrated(dir: &Path, tensors: &[(&str, Dtype, &[u64], &[u8])]) -> Result<PathBuf> {
+    write_integrated_with(dir, tensors, None)
+}
+
+/// The model file's name: compressed or not.
+fn model_name(compression: Option<Compression>) -> &'static str {
+    if compression.is_some() {
+        COMPRESSED_MODEL_FILE
+    } else {
+        MODEL_FILE
+    }
+}
+
+/// [`write_integrated`], compressed (`dir/model.ckptz`) when `compression` is given.
+///
+/// # Errors
+/// Sizes that disagree with shapes; I/O errors.
+pub fn write_integrated_with(
+    dir: &Path,
+    tensors: &[(&str, Dtype, &[u64], &[u8])],
+    compression: Option<Compression>,
+) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).at(dir)?;
     let specs: Vec<TensorSpec> = tensors
         .iter()
@@ -95,18 +134,18 @@ pub fn write_integrated(dir: &Path, tensors: &[(&str, Dtype, &[u64], &[u8])]) ->
             shape: s.to_vec(),
         })
         .collect();
-    let path = dir.join(MODEL_FILE);
+    let path = dir.join(model_name(compression));
     let mut meta = BTreeMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    let w = SafetensorsWriter::create(&path, &specs, &meta)?;
-    for (i, (n, _, s, data)) in tensors.iter().enumerate() {
-        if data.len() as u64 != w.tensor_len(i) {
+    let w = FileWriter::create(&path, &specs, &meta, compression)?;
+    for (i, (n, d, s, data)) in tensors.iter().enumerate() {
+        if Some(data.len() as u64) != byte_len(*d, s) {
             return Err(Error::InvalidTensor {
                 tensor: (*n).into(),
                 problem: format!(
                     "{} bytes given for shape {s:?} ({} bytes)",
                     data.len(),
-                    w.tensor_len(i)
+                    byte_len(*d, s).unwrap_or(0)
                 ),
             });
         }
@@ -161,7 +200,7 @@ pub fn load_rank(
     let mut out = BTreeMap::new();
     for f in &plan.files {
         for t in &f.tensors {
-            let data = assemble(t, &source);
+            let data = assemble(t, &source)?;
             out.insert(
                 t.target.name.clone(),
                 LocalTensor {

@@ -2,6 +2,7 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
+use crate::formats::{ChunkCache, TensorFile};
 use crate::region::{Region, Runs};
 use crate::select::Selection;
 use rayon::prelude::*;
@@ -73,16 +74,13 @@ pub fn verify_selected(
             let differs = if let (true, (Some(x), Some(y))) = (whole, sums) {
                 x != y
             } else if depth.deep {
-                let a = fa.data(o.tensor);
-                let b = fb.data(copy.tensor);
-                Runs::new(&o.local.shape, sa, &o.local.start, sb, &copy.local.start).any(|r| {
-                    let (x, y, n) = (
-                        (r.src * bits / 8) as usize,
-                        (r.dst * bits / 8) as usize,
-                        (r.len * bits / 8) as usize,
-                    );
-                    a[x..x + n] != b[y..y + n]
-                })
+                match copies_differ(fa, o.tensor, &o.local, fb, copy.tensor, &copy.local, bits) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        problems.push(e);
+                        false
+                    }
+                }
             } else {
                 false
             };
@@ -100,4 +98,27 @@ pub fn verify_selected(
     }
     ck.apply_renames(selection, &mut problems)?;
     Ok((ck, problems))
+}
+
+/// Whether box `ra` of tensor `ta` in `fa` and box `rb` of tensor `tb` in `fb` (same
+/// shape) hold different bytes, compared run by run through each file's reader.
+fn copies_differ(
+    fa: &TensorFile,
+    ta: usize,
+    ra: &Region,
+    fb: &TensorFile,
+    tb: usize,
+    rb: &Region,
+    bits: u64,
+) -> Result<bool> {
+    let sa = &fa.tensors()[ta].shape;
+    let sb = &fb.tensors()[tb].shape;
+    let (mut ca, mut cb) = (ChunkCache::new(), ChunkCache::new());
+    for r in Runs::new(&ra.shape, sa, &ra.start, sb, &rb.start) {
+        let (x, y, n) = (r.src * bits / 8, r.dst * bits / 8, r.len * bits / 8);
+        if fa.read(ta, x..x + n, &mut ca)? != fb.read(tb, y..y + n, &mut cb)? {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }

@@ -82,7 +82,7 @@ fn every_dtype_round_trips_through_slices() {
             )
             .unwrap();
             assert_eq!(
-                assemble(&plan.files[0].tensors[0], &ck),
+                assemble(&plan.files[0].tensors[0], &ck).unwrap(),
                 full,
                 "{dtype:?} {placement}"
             );

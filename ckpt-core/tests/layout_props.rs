@@ -145,7 +145,7 @@ fn merge_in_memory(dir: &Path) -> Vec<u8> {
         }],
     )
     .unwrap();
-    assemble(&plan.files[0].tensors[0], &ck)
+    assemble(&plan.files[0].tensors[0], &ck).unwrap()
 }
 
 fn reshard(src: &Path, to: &Strategy, out: &Path) {

@@ -59,7 +59,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         let file = TargetFile { path: "x".into(), tensors: vec![target], metadata: Default::default() };
         // A checkpoint that opened cleanly must plan: every element has an owner.
         let plan = CopyPlan::build(&ck, vec![file]).expect("an accepted checkpoint plans");
-        let bytes = assemble(&plan.files[0].tensors[0], &ck);
+        let bytes = assemble(&plan.files[0].tensors[0], &ck).expect("mapped inputs read without error");
         assert_eq!(bytes.len() as u64, ckpt_core::bytes_of(t.dtype, t.shape.iter().product()));
     }
 });

@@ -6,9 +6,10 @@
 //! [`CopyPlan`] and [`execute`] do the copying.
 
 use ckpt_core::{
-    check_output_outside_inputs, copy_carried, execute, write_file_atomic, Checkpoint, CopyPlan,
-    CopyStats, Piece, Region, Result, Selection, StagedDir, TargetFile, TargetTensor, INDEX_FILE,
-    MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_PREFIX,
+    check_output_outside_inputs, copy_carried, execute_with, write_file_atomic, Checkpoint,
+    Compression, CopyPlan, CopyStats, Piece, Region, Result, Selection, StagedDir, TargetFile,
+    TargetTensor, CKPTZ_EXTENSION, COMPRESSED_INDEX_FILE, INDEX_FILE, MODEL_FILE, OPTIMIZER_FILE,
+    OPTIMIZER_PREFIX,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -35,6 +36,8 @@ pub struct MergeRequest {
     /// `k % count == index`): one process of a job started by mpirun or srun. Each file
     /// appears atomically; share 0 also writes the index and carried files.
     pub share: Option<(u64, u64)>,
+    /// Write compressed `.ckptz` files (and `model.ckptz.index.json`).
+    pub compression: Option<Compression>,
 }
 
 /// The format of a merge's output.
@@ -78,6 +81,13 @@ pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
     };
     let files = match single {
         Some((name, file)) => {
+            if req.compression.is_some() {
+                return Err(ckpt_core::Error::Unsupported {
+                    problem: format!(
+                        "--format {name} writes {file}, which {name} reads: --compress does not apply"
+                    ),
+                });
+            }
             if req.max_shard_size.is_some() {
                 return Err(ckpt_core::Error::Unsupported {
                     problem: format!(
@@ -104,6 +114,11 @@ pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
                     tensors: optim,
                     metadata: [("format".to_string(), "pt".to_string())].into(),
                 });
+            }
+            if req.compression.is_some() {
+                for f in &mut files {
+                    f.path.set_extension(CKPTZ_EXTENSION);
+                }
             }
             files
         }
@@ -161,7 +176,8 @@ fn index_json(plan: &CopyPlan) -> Option<String> {
     let shards: Vec<_> = plan
         .files
         .iter()
-        .filter(|f| f.path != Path::new(OPTIMIZER_FILE))
+        // (`optimizer.ckptz` when compressed.)
+        .filter(|f| f.path.file_stem() != Path::new(OPTIMIZER_FILE).file_stem())
         .collect();
     if shards.len() < 2 {
         return None;
@@ -199,12 +215,17 @@ pub fn merge(
     let source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
     let plan = plan(&source, req)?;
     let index = index_json(&plan);
+    let index_file = if req.compression.is_some() {
+        COMPRESSED_INDEX_FILE
+    } else {
+        INDEX_FILE
+    };
     let Some((share, count)) = req.share else {
         on_plan(&source, &plan);
         let staged = StagedDir::new(&req.output, req.force)?;
-        let stats = execute(&plan, &source, staged.path(), progress)?;
+        let stats = execute_with(&plan, &source, staged.path(), progress, req.compression)?;
         if let Some(index) = &index {
-            write_file_atomic(&staged.path().join(INDEX_FILE), index.as_bytes())?;
+            write_file_atomic(&staged.path().join(index_file), index.as_bytes())?;
         }
         copy_carried(&source.carried, staged.path())?;
         staged.commit()?;
@@ -230,10 +251,10 @@ pub fn merge(
         path: req.output.clone(),
         source,
     })?;
-    let stats = execute(&mine, &source, &req.output, progress)?;
+    let stats = execute_with(&mine, &source, &req.output, progress, req.compression)?;
     if share == 0 {
         if let Some(index) = &index {
-            write_file_atomic(&req.output.join(INDEX_FILE), index.as_bytes())?;
+            write_file_atomic(&req.output.join(index_file), index.as_bytes())?;
         }
         copy_carried(&source.carried, &req.output)?;
     }

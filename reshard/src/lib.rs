@@ -5,10 +5,10 @@
 //! engine merge uses.
 
 use ckpt_core::{
-    TargetTensor,
-    check_output_outside_inputs, copy_carried, execute, rank_metadata, rank_tensors,
-    write_file_atomic, Checkpoint, CopyPlan, CopyStats, Error, Mesh, Placement, Result, Selection,
-    StagedDir, Strategy, TargetFile, TensorLayout, MODEL_FILE, STRATEGY_FILE,
+    check_output_outside_inputs, copy_carried, execute_with, rank_metadata, rank_tensors,
+    write_file_atomic, Checkpoint, Compression, CopyPlan, CopyStats, Error, Mesh, Placement,
+    Result, Selection, StagedDir, Strategy, TargetFile, TargetTensor, TensorLayout,
+    CKPTZ_EXTENSION, MODEL_FILE, STRATEGY_FILE,
 };
 use std::path::{Path, PathBuf};
 
@@ -134,6 +134,9 @@ pub struct ReshardRequest {
     /// rules, the first match splits that dim over the N ranks; unmatched tensors are
     /// replicated.
     pub shard: Vec<(String, usize)>,
+    /// Write compressed `.ckptz` rank files (`ckpt_<r>/model.ckptz`); ckpt's own layout
+    /// only.
+    pub compression: Option<Compression>,
 }
 
 /// The dimension a tensor's pieces divide, for sources that record pieces but no
@@ -377,9 +380,19 @@ fn distcp_metadata(strategy: &Strategy) -> Result<Vec<u8>> {
 /// # Errors
 /// Any input problem.
 pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)> {
+    if req.compression.is_some() && req.format != OutputFormat::Ranks {
+        return Err(Error::Unsupported {
+            problem: "--compress writes ckpt's own layout (ckpt_<r>/model.ckptz): PyTorch and MindSpore do not read .ckptz files, so it does not combine with --format dcp or mindspore".into(),
+        });
+    }
     let source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
     let strategy = target_strategy(&source, &req.target, &req.selection, &req.shard)?;
-    let plan = plan(&source, &strategy, req.ranks, req.keep_all, req.format)?;
+    let mut plan = plan(&source, &strategy, req.ranks, req.keep_all, req.format)?;
+    if req.compression.is_some() {
+        for f in &mut plan.files {
+            f.path.set_extension(CKPTZ_EXTENSION);
+        }
+    }
     Ok((source, strategy, plan))
 }
 
@@ -408,7 +421,7 @@ pub fn reshard(
     on_plan(&source, &full);
     if req.ranks == Ranks::All {
         let staged = StagedDir::new(&req.output, req.force)?;
-        let stats = execute(&full, &source, staged.path(), progress)?;
+        let stats = execute_with(&full, &source, staged.path(), progress, req.compression)?;
         for r in &ranks {
             if let Some(d) = req.format.rank_dir(*r) {
                 finish_rank_dir(&staged.path().join(d), &json, &source)?;
@@ -442,11 +455,12 @@ pub fn reshard(
                     .strip_prefix(&dir)
                     .unwrap_or(&one.path)
                     .to_path_buf();
-                stats += execute(
+                stats += execute_with(
                     &CopyPlan { files: vec![one] },
                     &source,
                     staged.path(),
                     progress,
+                    req.compression,
                 )?;
                 finish_rank_dir(staged.path(), &json, &source)?;
                 staged.commit()?;
@@ -457,11 +471,12 @@ pub fn reshard(
                     path: req.output.clone(),
                     source,
                 })?;
-                stats += execute(
+                stats += execute_with(
                     &CopyPlan { files: vec![one] },
                     &source,
                     &req.output,
                     progress,
+                    req.compression,
                 )?;
             }
         }

@@ -261,6 +261,7 @@ pub(crate) struct SaveRequest<'a> {
     pub(crate) out: &'a Path,
     pub(crate) step: u64,
     pub(crate) mode: SaveMode,
+    pub(crate) compression: Option<ckpt_core::Compression>,
     pub(crate) keep: usize,
     pub(crate) strategy: &'a Strategy,
     pub(crate) config_json: &'a str,
@@ -281,6 +282,7 @@ struct SaveJob {
     rank: usize,
     world: usize,
     lead: bool,
+    compression: Option<ckpt_core::Compression>,
     strategy: Strategy,
     config_json: String,
     state_json: String,
@@ -335,6 +337,7 @@ impl SaveJob {
             rank: dist.rank,
             world: dist.world.size(),
             lead,
+            compression: req.compression,
             strategy: req.strategy.clone(),
             config_json: req.config_json.to_string(),
             state_json: serde_json::to_string_pretty(req.state).expect("trainer state serializes"),
@@ -360,8 +363,14 @@ impl SaveJob {
                 let bytes: Vec<(&str, Vec<u8>)> =
                     floats.iter().map(|(n, v)| (n.as_str(), f32_bytes(v))).collect();
                 let refs: Vec<(&str, &[u8])> = bytes.iter().map(|(n, b)| (*n, b.as_slice())).collect();
-                let rank_dir =
-                    ckpt_core::write_rank(&tmp, &self.strategy, self.rank as u64, &refs, false)?;
+                let rank_dir = ckpt_core::write_rank_with(
+                    &tmp,
+                    &self.strategy,
+                    self.rank as u64,
+                    &refs,
+                    false,
+                    self.compression,
+                )?;
                 ckpt_core::write_file_atomic(&rank_dir.join(CONFIG_FILE), self.config_json.as_bytes())?;
                 ckpt_core::write_file_atomic(
                     &rank_dir.join(TRAINER_STATE_FILE),
@@ -375,7 +384,7 @@ impl SaveJob {
                     .zip(&bytes)
                     .map(|((n, s, _), b)| (n.as_str(), Dtype::F32, s.as_slice(), b.as_slice()))
                     .collect();
-                ckpt_core::write_integrated(&tmp, &refs)?;
+                ckpt_core::write_integrated_with(&tmp, &refs, self.compression)?;
             }
             SaveData::Nothing => {}
         }

@@ -123,7 +123,7 @@ fn read_safetensors(path: &Path) -> BTreeMap<String, Vec<u8>> {
     f.tensors()
         .iter()
         .enumerate()
-        .map(|(i, t)| (t.name.clone(), f.data(i).to_vec()))
+        .map(|(i, t)| (t.name.clone(), f.data(i).unwrap().to_vec()))
         .collect()
 }
 
@@ -448,6 +448,7 @@ fn resume_from_a_resharded_dcp_checkpoint() {
         force: false,
         format: ckpt_reshard::OutputFormat::Dcp,
         shard: Vec::new(),
+        compression: None,
     };
     ckpt_reshard::reshard(&req, &|_| {}, &|_, _| {}).unwrap();
     std::fs::remove_file(dcp.join("strategy.json")).ok();

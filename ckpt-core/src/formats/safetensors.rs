@@ -93,29 +93,10 @@ pub fn parse_header(bytes: &[u8]) -> Result<(u64, Vec<TensorEntry>, BTreeMap<Str
             "header of {n} bytes runs past the end of the file ({len} bytes): truncated?"
         )));
     }
-    let text = std::str::from_utf8(&bytes[8..data_start as usize])
-        .map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
-    let doc: Value =
-        serde_json::from_str(text).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-    let obj = doc
-        .as_object()
-        .ok_or_else(|| bad("header must be a JSON object"))?;
+    let (obj, metadata) = split_header(&bytes[8..data_start as usize], bad)?;
     let data_len = len - data_start;
     let mut tensors = Vec::with_capacity(obj.len());
-    let mut metadata = BTreeMap::new();
-    for (name, v) in obj {
-        if name == "__metadata__" {
-            let m = v
-                .as_object()
-                .ok_or_else(|| bad("`__metadata__` must be an object of strings"))?;
-            for (k, v) in m {
-                let s = v
-                    .as_str()
-                    .ok_or_else(|| bad(format!("`__metadata__.{k}` must be a string")))?;
-                metadata.insert(k.clone(), s.to_string());
-            }
-            continue;
-        }
+    for (name, v) in &obj {
         tensors.push(parse_entry(name, v, data_len)?);
     }
     tensors.sort_by_key(|a| (a.start, a.end));
@@ -151,16 +132,60 @@ pub fn parse_header(bytes: &[u8]) -> Result<(u64, Vec<TensorEntry>, BTreeMap<Str
     Ok((data_start, tensors, metadata))
 }
 
+/// A JSON header as its tensor entries and its `__metadata__` (strings only), each
+/// problem made an error by `bad` (every format names its own header).
+pub(crate) fn split_header(
+    bytes: &[u8],
+    bad: fn(String) -> Error,
+) -> Result<(Map<String, Value>, BTreeMap<String, String>)> {
+    let text = std::str::from_utf8(bytes).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+    let Value::Object(mut obj) =
+        serde_json::from_str(text).map_err(|e| bad(format!("header is not JSON: {e}")))?
+    else {
+        return Err(bad("header must be a JSON object".into()));
+    };
+    let mut metadata = BTreeMap::new();
+    if let Some(v) = obj.remove("__metadata__") {
+        let m = v
+            .as_object()
+            .ok_or_else(|| bad("`__metadata__` must be an object of strings".into()))?;
+        for (k, v) in m {
+            let s = v
+                .as_str()
+                .ok_or_else(|| bad(format!("`__metadata__.{k}` must be a string")))?;
+            metadata.insert(k.clone(), s.to_string());
+        }
+    }
+    Ok((obj, metadata))
+}
+
 fn parse_entry(name: &str, v: &Value, data_len: u64) -> Result<TensorEntry> {
+    let obj = entry_fields(name, v, &["dtype", "shape", "data_offsets"])?;
+    parse_description(name, obj, data_len)
+}
+
+/// Header entry `name` as an object holding no field but `fields`.
+pub(crate) fn entry_fields<'a>(
+    name: &str,
+    v: &'a Value,
+    fields: &[&str],
+) -> Result<&'a Map<String, Value>> {
     let obj = v
         .as_object()
         .ok_or_else(|| bad_tensor(name, "entry must be an object"))?;
-    if let Some(k) = obj
-        .keys()
-        .find(|k| !matches!(k.as_str(), "dtype" | "shape" | "data_offsets"))
-    {
+    if let Some(k) = obj.keys().find(|k| !fields.contains(&k.as_str())) {
         return Err(bad_tensor(name, format!("unknown field `{k}`")));
     }
+    Ok(obj)
+}
+
+/// An entry's `dtype`, `shape` and `data_offsets` (inside `data_len`, spanning exactly
+/// shape x dtype), as a [`TensorEntry`] with offsets relative to the data area.
+pub(crate) fn parse_description(
+    name: &str,
+    obj: &Map<String, Value>,
+    data_len: u64,
+) -> Result<TensorEntry> {
     let dtype = obj
         .get("dtype")
         .and_then(Value::as_str)
@@ -462,7 +487,7 @@ impl SafetensorsWriter {
 }
 
 /// `metadata` plus [`CHECKSUMS_KEY`] recording `sums`.
-fn with_checksums(
+pub(crate) fn with_checksums(
     metadata: &BTreeMap<String, String>,
     sums: impl IntoIterator<Item = (String, Checksum)>,
 ) -> BTreeMap<String, String> {
@@ -572,6 +597,6 @@ mod tests {
         w.write_at(0, 0, &[1]).unwrap();
         w.finish().unwrap();
         let f = TensorFile::open(&dest).unwrap();
-        assert_eq!(f.data(0), &[1, 2, 3]);
+        assert_eq!(f.data(0), Some(&[1u8, 2, 3][..]));
     }
 }
