@@ -163,7 +163,12 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
         (Some(s), Kind::Sliced) => tp_size(s),
         _ => 1,
     };
-    let ranks = req.ranks.unwrap_or(tp);
+    // One process per rank: by default, as many ranks as the launcher started.
+    let launched = match req.backend {
+        ckpt_train::Backend::Threads => None,
+        _ => ckpt_train::LaunchEnv::from_env()?.map(|e| e.world_size as u64),
+    };
+    let ranks = req.ranks.or(launched).unwrap_or(tp);
     if ranks == 0 || !ranks.is_multiple_of(tp) {
         let mesh = source.strategy.as_ref().map(|s| s.mesh.to_string()).unwrap_or_default();
         return Err(Error::Option {
