@@ -414,7 +414,11 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
             inputs,
             names,
             json,
-        } => inspect(&inputs.all()?, &names.selection().with_step(inputs.step), json),
+        } => inspect(
+            &inputs.all()?,
+            &names.selection().with_step(inputs.step),
+            json,
+        ),
         Command::Verify {
             inputs,
             names,
@@ -723,7 +727,14 @@ fn with_progress(
         b.finish_and_clear();
     }
     let (names, files) = shape.get().copied().unwrap_or((0, 0));
-    summary(verb, &stats?, (names, files), t.elapsed().as_secs_f64(), out, copy.json);
+    summary(
+        verb,
+        &stats?,
+        (names, files),
+        t.elapsed().as_secs_f64(),
+        out,
+        copy.json,
+    );
     Ok(ExitCode::SUCCESS)
 }
 
@@ -733,7 +744,10 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
         output: a.output,
         max_shard_size: a.max_shard_size,
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
-            .with_prefixes(a.copy.names.strip_prefix.clone(), a.copy.names.add_prefix.clone())
+            .with_prefixes(
+                a.copy.names.strip_prefix.clone(),
+                a.copy.names.add_prefix.clone(),
+            )
             .with_step(a.inputs.step),
         force: a.copy.force,
         one_file: a.one_file,
@@ -798,7 +812,10 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         target,
         ranks,
         selection: Selection::new(&a.copy.include, &a.copy.exclude, a.copy.dtype)?
-            .with_prefixes(a.copy.names.strip_prefix.clone(), a.copy.names.add_prefix.clone())
+            .with_prefixes(
+                a.copy.names.strip_prefix.clone(),
+                a.copy.names.add_prefix.clone(),
+            )
             .with_step(a.inputs.step),
         // MindSpore loads each rank's parameters from that rank's file alone.
         keep_all: a.keep_all || a.format == "mindspore",
@@ -993,7 +1010,10 @@ fn infer(a: InferArgs) -> Result<ExitCode> {
         predict: if a.predict.is_empty() {
             None
         } else {
-            Some(ckpt_infer::parse_predict(&a.predict).map_err(|e| Usage(format!("--predict {e}")))?)
+            Some(
+                ckpt_infer::parse_predict(&a.predict)
+                    .map_err(|e| Usage(format!("--predict {e}")))?,
+            )
         },
         limit: a.limit,
         backend: a.backend,

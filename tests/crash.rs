@@ -128,10 +128,22 @@ fn an_input_truncated_while_mapped_is_named_and_nothing_is_left() {
 #[test]
 fn background_saves_match_sync_ones_and_a_failed_one_is_never_latest() {
     let d = Dir::new();
-    let args = ["train", "--mesh", "dp=2,tp=2", "--max-steps", "6", "--save-every", "2", "-q"];
+    let args = [
+        "train",
+        "--mesh",
+        "dp=2,tp=2",
+        "--max-steps",
+        "6",
+        "--save-every",
+        "2",
+        "-q",
+    ];
     let run = |out: &str, extra: &[&str], env: Option<(&str, &str)>| {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_ckpt"));
-        cmd.args(args).args(["--out", out]).args(extra).current_dir(d.path("."));
+        cmd.args(args)
+            .args(["--out", out])
+            .args(extra)
+            .current_dir(d.path("."));
         if let Some((k, v)) = env {
             cmd.env(k, v);
         }
@@ -154,7 +166,10 @@ fn background_saves_match_sync_ones_and_a_failed_one_is_never_latest() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("writing failed"), "{err}");
-    assert_eq!(std::fs::read_to_string(d.path("fail/latest")).unwrap(), "step_2\n");
+    assert_eq!(
+        std::fs::read_to_string(d.path("fail/latest")).unwrap(),
+        "step_2\n"
+    );
     assert!(!d.path("fail/step_4").exists());
     d.ok(&["verify", "fail"]);
 }

@@ -454,10 +454,17 @@ fn the_newest_of_several_checkpoints_is_used_and_said_or_files_are_named() {
     // So does --step, in every rank directory.
     d.ok(&["verify", "run", "--step", "20"]);
     let o = d.fails(&["verify", "run", "--step", "10"]);
-    assert!(o.stdout.contains("rank_0/net-1_10.ckpt: not a checkpoint file"), "{}", o.stdout);
+    assert!(
+        o.stdout
+            .contains("rank_0/net-1_10.ckpt: not a checkpoint file"),
+        "{}",
+        o.stdout
+    );
     let o = d.fails(&["merge", "run", "--step", "30", "-o", "m"]);
     assert!(
-        o.stderr.contains("run/rank_0: no checkpoint file of step 30") && o.stderr.contains("steps here: 10, 20"),
+        o.stderr
+            .contains("run/rank_0: no checkpoint file of step 30")
+            && o.stderr.contains("steps here: 10, 20"),
         "{}",
         o.stderr
     );
@@ -468,18 +475,33 @@ fn the_newest_of_several_checkpoints_is_used_and_said_or_files_are_named() {
 fn step_picks_a_training_checkpoint() {
     let d = Dir::new();
     d.ok(&[
-        "train", "--out", "run", "--mesh", "tp=2", "--max-steps", "4", "--save-every", "2", "--keep", "2", "-q",
+        "train",
+        "--out",
+        "run",
+        "--mesh",
+        "tp=2",
+        "--max-steps",
+        "4",
+        "--save-every",
+        "2",
+        "--keep",
+        "2",
+        "-q",
     ]);
     let latest = std::fs::read_to_string(d.path("run/latest")).unwrap();
     assert_eq!(latest.trim(), "step_4");
     d.ok(&["merge", "run", "--step", "2", "-o", "two"]);
     d.ok(&["merge", "run/step_2", "-o", "direct"]);
-    assert_eq!(full_tensors(&d.path("two")), full_tensors(&d.path("direct")));
+    assert_eq!(
+        full_tensors(&d.path("two")),
+        full_tensors(&d.path("direct"))
+    );
     d.ok(&["merge", "run", "-o", "four"]);
     assert_ne!(full_tensors(&d.path("two")), full_tensors(&d.path("four")));
     let o = d.fails(&["inspect", "run", "--step", "3"]);
     assert!(
-        o.stderr.contains("no checkpoint of step 3 (step_3/); steps here: 2, 4"),
+        o.stderr
+            .contains("no checkpoint of step 3 (step_3/); steps here: 2, 4"),
         "{}",
         o.stderr
     );
@@ -517,10 +539,15 @@ fn split_records_and_crc_num_from_mindspore() {
         }
         std::fs::write(dir.join(format!("checkpoint_{r}.ckpt")), b).unwrap();
     }
-    std::fs::copy(fixtures().join("split_fmt/strategy.ckpt"), d.path("bad/strategy.ckpt")).unwrap();
+    std::fs::copy(
+        fixtures().join("split_fmt/strategy.ckpt"),
+        d.path("bad/strategy.ckpt"),
+    )
+    .unwrap();
     let o = d.fails(&["verify", "bad"]);
     assert!(
-        o.stdout.contains("rank_2/checkpoint_2.ckpt: checksum mismatch: MindSpore's crc_num"),
+        o.stdout
+            .contains("rank_2/checkpoint_2.ckpt: checksum mismatch: MindSpore's crc_num"),
         "{}{}",
         o.stdout,
         o.stderr

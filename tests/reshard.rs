@@ -23,12 +23,17 @@ fn the_summary_counts_tensors_and_says_pieces() {
     assert!(v["pieces"].as_u64().unwrap() > 12, "{v}");
     let o = d.ok(&["reshard", "ex", "--to", "2", "-o", "r2"]);
     assert!(
-        o.stdout.starts_with("resharded 12 tensors as ") && o.stdout.contains(" pieces in 2 file(s)"),
+        o.stdout.starts_with("resharded 12 tensors as ")
+            && o.stdout.contains(" pieces in 2 file(s)"),
         "{}",
         o.stdout
     );
     let o = d.ok(&["merge", "ex", "-o", "m"]);
-    assert!(o.stdout.starts_with("merged 12 tensors in 1 file(s)"), "{}", o.stdout);
+    assert!(
+        o.stdout.starts_with("merged 12 tensors in 1 file(s)"),
+        "{}",
+        o.stdout
+    );
 }
 
 #[test]

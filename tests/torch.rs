@@ -58,7 +58,9 @@ fn strip_and_add_prefix_rename_every_tensor() {
     // On inspect and verify too; the note suggesting it goes once it is done.
     let o = d.ok(&["inspect", &fx("ddp.pth"), "--strip-prefix", "module."]);
     assert!(
-        o.stdout.contains("\nsplit.b ") && !o.stdout.contains("module.") && !o.stderr.contains("starts with"),
+        o.stdout.contains("\nsplit.b ")
+            && !o.stdout.contains("module.")
+            && !o.stderr.contains("starts with"),
         "{}{}",
         o.stdout,
         o.stderr
@@ -203,7 +205,8 @@ fn dcp_default_format_merges_and_reshards_byte_exactly() {
     let want = full_tensors(&fixtures().join("dcp_mesh_full.safetensors"));
     let o = d.ok(&["inspect", &fx("dcp_mesh")]);
     assert!(
-        o.stdout.contains("PyTorch DCP checkpoint, 4 file(s), 22 tensors"),
+        o.stdout
+            .contains("PyTorch DCP checkpoint, 4 file(s), 22 tensors"),
         "{}",
         o.stdout
     );
@@ -214,7 +217,11 @@ fn dcp_default_format_merges_and_reshards_byte_exactly() {
         "{notes}"
     );
     let o = d.ok(&["verify", &fx("dcp_mesh")]);
-    assert!(o.stdout.contains("every element owned exactly once"), "{}", o.stdout);
+    assert!(
+        o.stdout.contains("every element owned exactly once"),
+        "{}",
+        o.stdout
+    );
     assert!(!o.stderr.contains("cannot be detected"), "{}", o.stderr);
     d.ok(&["merge", &fx("dcp_mesh"), "-o", "m"]);
     assert_eq!(full_tensors(&d.path("m")), want);
@@ -231,7 +238,14 @@ fn dcp_default_format_merges_and_reshards_byte_exactly() {
     assert_eq!(s["tensors"]["layer.q.weight"]["placements"][0], "Shard(1)");
     assert_eq!(s["tensors"]["model.0.weight"]["placements"][0], "Replicate");
     d.ok(&[
-        "reshard", &fx("dcp_mesh"), "--to", "2", "--shard", "model.*.weight=0", "-o", "r2s",
+        "reshard",
+        &fx("dcp_mesh"),
+        "--to",
+        "2",
+        "--shard",
+        "model.*.weight=0",
+        "-o",
+        "r2s",
     ]);
     let s = std::fs::read_to_string(d.path("r2s/strategy.json")).unwrap();
     let s: serde_json::Value = serde_json::from_str(&s).unwrap();
@@ -244,14 +258,19 @@ fn dcp_default_format_merges_and_reshards_byte_exactly() {
         std::fs::copy(&f, meg.join(f.file_name().unwrap())).unwrap();
     }
     std::fs::copy(fixtures().join("optim.pt"), meg.join("common.pt")).unwrap();
-    std::fs::write(meg.join("metadata.json"), r#"{"sharded_backend": "torch_dist"}"#).unwrap();
+    std::fs::write(
+        meg.join("metadata.json"),
+        r#"{"sharded_backend": "torch_dist"}"#,
+    )
+    .unwrap();
     let o = d.ok(&["merge", "megatron", "-o", "meg"]);
     assert!(o.stderr.contains("common.pt is not read"), "{}", o.stderr);
     assert_eq!(full_tensors(&d.path("meg")), want);
     // A single .distcp file: the others' pieces are gaps, named.
     let o = d.fails(&["merge", &fx("dcp_mesh/__1_0.distcp"), "-o", "one"]);
     assert!(
-        o.stderr.contains("`embed.weight`: elements [0..4, 0..3] are missing"),
+        o.stderr
+            .contains("`embed.weight`: elements [0..4, 0..3] are missing"),
         "{}",
         o.stderr
     );
@@ -270,13 +289,29 @@ fn torch_outputs_round_trip() {
     d.ok(&["merge", "pth", "-o", "back"]);
     assert_eq!(full_tensors(&d.path("back")), want);
     let o = d.fails(&[
-        "merge", &fx("dcp_mesh"), "--format", "torch", "--max-shard-size", "1KB", "-o", "x",
+        "merge",
+        &fx("dcp_mesh"),
+        "--format",
+        "torch",
+        "--max-shard-size",
+        "1KB",
+        "-o",
+        "x",
     ]);
     assert!(o.stderr.contains("one model.pth"), "{}", o.stderr);
 
     for n in ["1", "3", "5"] {
         let out = format!("d{n}");
-        d.ok(&["reshard", &fx("dcp_mesh"), "--to", n, "--format", "distcp", "-o", &out]);
+        d.ok(&[
+            "reshard",
+            &fx("dcp_mesh"),
+            "--to",
+            n,
+            "--format",
+            "distcp",
+            "-o",
+            &out,
+        ]);
         let names: Vec<String> = std::fs::read_dir(d.path(&out))
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -318,7 +353,8 @@ fn broken_dcp_directories_are_named_errors() {
     let o = d.fails(&["verify", "missing"]);
     let all = format!("{}{}", o.stdout, o.stderr);
     assert!(
-        all.contains("__2_0.distcp: No such file") && all.contains("`tiny`: elements [2..3] are missing"),
+        all.contains("__2_0.distcp: No such file")
+            && all.contains("`tiny`: elements [2..3] are missing"),
         "{all}"
     );
     // A truncated data file.
@@ -328,7 +364,10 @@ fn broken_dcp_directories_are_named_errors() {
     std::fs::write(&f, &b[..b.len() - 100]).unwrap();
     let o = d.fails(&["verify", "trunc"]);
     let all = format!("{}{}", o.stdout, o.stderr);
-    assert!(all.contains("__3_0.distcp") && all.contains("past the end"), "{all}");
+    assert!(
+        all.contains("__3_0.distcp") && all.contains("past the end"),
+        "{all}"
+    );
     // A global outside the allow-list in .metadata (same length: the pickle holds).
     let dir = copy("global");
     let m = dir.join(".metadata");
@@ -347,7 +386,11 @@ fn broken_dcp_directories_are_named_errors() {
     // A truncated .metadata.
     std::fs::write(&m, &b[..b.len() / 2]).unwrap();
     let o = d.fails(&["inspect", "global"]);
-    assert!(o.stderr.contains(".metadata") && o.stderr.contains("truncated"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains(".metadata") && o.stderr.contains("truncated"),
+        "{}",
+        o.stderr
+    );
     // .distcp files without .metadata.
     let dir = copy("nometa");
     std::fs::remove_file(dir.join(".metadata")).unwrap();

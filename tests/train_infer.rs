@@ -185,12 +185,22 @@ fn device_cuda_without_the_kernels_is_a_clear_error() {
 #[test]
 fn merged_model_and_optimizer_files_and_resume_messages() {
     let d = Dir::new();
-    d.ok(&["train", "--out", "run", "--mesh", "tp=2", "--epochs", "2", "-q"]);
+    d.ok(&[
+        "train", "--out", "run", "--mesh", "tp=2", "--epochs", "2", "-q",
+    ]);
     d.ok(&["merge", "run", "-o", "m", "-q"]);
     let model = crate::util::full_tensors(&d.path("m/model.safetensors"));
     let optim = crate::util::full_tensors(&d.path("m/optimizer.safetensors"));
-    assert!(model.keys().all(|k| !k.starts_with("optim.")), "{:?}", model.keys());
-    assert_eq!(optim.len(), 2 * model.len(), "AdamW: two moments per weight");
+    assert!(
+        model.keys().all(|k| !k.starts_with("optim.")),
+        "{:?}",
+        model.keys()
+    );
+    assert_eq!(
+        optim.len(),
+        2 * model.len(),
+        "AdamW: two moments per weight"
+    );
     assert!(!d.path("m/model.safetensors.index.json").exists());
     d.ok(&["merge", "run", "-o", "one", "--one-file", "-q"]);
     let one = crate::util::full_tensors(&d.path("one/model.safetensors"));
@@ -200,28 +210,39 @@ fn merged_model_and_optimizer_files_and_resume_messages() {
     let o = d.ok(&["inspect", "m"]);
     assert!(o.stdout.contains("optim."), "{}", o.stdout);
     d.ok(&["infer", "m"]);
-    let o = d.ok(&["train", "--resume", "m", "--epochs", "3", "--out", "r1", "-q"]);
+    let o = d.ok(&[
+        "train", "--resume", "m", "--epochs", "3", "--out", "r1", "-q",
+    ]);
     assert!(!o.stderr.contains("warning"), "{}", o.stderr);
 
     // Weights only: the moments restart from zero, said.
     d.ok(&["merge", "run", "-o", "w", "--exclude", "optim.*", "-q"]);
-    let o = d.ok(&["train", "--resume", "w", "--epochs", "3", "--out", "r2", "-q"]);
+    let o = d.ok(&[
+        "train", "--resume", "w", "--epochs", "3", "--out", "r2", "-q",
+    ]);
     assert!(
         o.stderr.contains("has no optimizer state for")
-            && o.stderr.contains("AdamW state (exp_avg, exp_avg_sq) starts from zero"),
+            && o.stderr
+                .contains("AdamW state (exp_avg, exp_avg_sq) starts from zero"),
         "{}",
         o.stderr
     );
     // Cast to BF16: cast back to F32, said.
     d.ok(&["merge", "run", "-o", "b", "--dtype", "bf16", "-q"]);
-    let o = d.ok(&["train", "--resume", "b", "--epochs", "3", "--out", "r3", "-q"]);
+    let o = d.ok(&[
+        "train", "--resume", "b", "--epochs", "3", "--out", "r3", "-q",
+    ]);
     assert!(
-        o.stderr.contains("stored as") && o.stderr.contains("BF16") && o.stderr.contains("cast to F32"),
+        o.stderr.contains("stored as")
+            && o.stderr.contains("BF16")
+            && o.stderr.contains("cast to F32"),
         "{}",
         o.stderr
     );
     // Nothing left to do.
-    let o = d.ckpt(&["train", "--resume", "run", "--epochs", "2", "--out", "r4", "-q"]);
+    let o = d.ckpt(&[
+        "train", "--resume", "run", "--epochs", "2", "--out", "r4", "-q",
+    ]);
     assert_ne!(o.code, 0);
     assert!(
         o.stderr.contains("nothing left to do") && o.stderr.contains("--epochs 3 or more"),

@@ -184,7 +184,13 @@ impl Expanded {
         if !self.dcp.contains_key(dir) {
             let m = distcp::read_metadata(dir)?;
             if !m.bytes.is_empty() {
-                let shown = m.bytes.iter().take(8).cloned().collect::<Vec<_>>().join(", ");
+                let shown = m
+                    .bytes
+                    .iter()
+                    .take(8)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ");
                 let more = if m.bytes.len() > 8 { ", ..." } else { "" };
                 self.notes.push(format!(
                     "{}: {} value(s) that are not tensors (BYTE_IO) are not carried: {shown}{more}",
@@ -368,7 +374,11 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
             return Err(unknown(format!(
                 "{}: no checkpoint of step {step} (step_{step}/); steps here: {}",
                 path.display(),
-                steps.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+                steps
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )));
         }
         return expand(&target, x);

@@ -394,8 +394,12 @@ impl TensorFile {
     /// [`Error::Mismatch`] naming the file and both values.
     pub fn check_file_checksum(&self) -> Result<bool> {
         let (Some(want), Some(len)) = (
-            self.metadata.get("crc_num").and_then(|c| c.parse::<u128>().ok()),
-            self.metadata.get("crc_bytes").and_then(|c| c.parse::<usize>().ok()),
+            self.metadata
+                .get("crc_num")
+                .and_then(|c| c.parse::<u128>().ok()),
+            self.metadata
+                .get("crc_bytes")
+                .and_then(|c| c.parse::<usize>().ok()),
         ) else {
             return Ok(false);
         };
@@ -594,7 +598,11 @@ impl FileWriter {
         Ok(if ext == "ckpt" {
             FileWriter::MindSpore(mindspore_ckpt::MindSporeWriter::create(dest, tensors)?)
         } else if matches!(ext, "pth" | "pt" | "bin" | "distcp") {
-            FileWriter::Torch(torch_write::TorchWriter::create(dest, tensors, ext == "distcp")?)
+            FileWriter::Torch(torch_write::TorchWriter::create(
+                dest,
+                tensors,
+                ext == "distcp",
+            )?)
         } else {
             FileWriter::Safetensors(safetensors::SafetensorsWriter::create(
                 dest, tensors, metadata,

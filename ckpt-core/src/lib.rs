@@ -28,8 +28,8 @@ mod verify;
 
 pub use crate::checkpoint::{
     Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, COMPRESSED_INDEX_FILE,
-    COMPRESSED_MODEL_FILE, DCP_SHARDING_INFO, INDEX_FILE, OPTIMIZER_FILE, OPTIMIZER_PREFIX,
-    MODEL_FILE, STRATEGY_FILE,
+    COMPRESSED_MODEL_FILE, DCP_SHARDING_INFO, INDEX_FILE, MODEL_FILE, OPTIMIZER_FILE,
+    OPTIMIZER_PREFIX, STRATEGY_FILE,
 };
 pub use crate::checksum::{checksums_enabled, set_checksums_enabled, Checksum, CHECKSUMS_KEY};
 pub use crate::convert::{convert, Conversion, ConvertStats};

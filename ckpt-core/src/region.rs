@@ -374,7 +374,16 @@ mod tests {
     #[test]
     fn flat_ranges_are_boxes_in_order() {
         let shape = [3u64, 4, 5];
-        for (a, b) in [(0, 60), (7, 53), (0, 1), (5, 10), (22, 23), (13, 47), (20, 40), (59, 60)] {
+        for (a, b) in [
+            (0, 60),
+            (7, 53),
+            (0, 1),
+            (5, 10),
+            (22, 23),
+            (13, 47),
+            (20, 40),
+            (59, 60),
+        ] {
             let boxes = Region::flat_range(&shape, a, b);
             assert!(boxes.len() <= 5, "{a}..{b}: {boxes:?}");
             // In C order, box after box, the elements are exactly a..b.
@@ -383,14 +392,19 @@ mod tests {
                 for i in 0..r.shape[0] {
                     for j in 0..r.shape[1] {
                         for k in 0..r.shape[2] {
-                            flat.push((r.start[0] + i) * 20 + (r.start[1] + j) * 5 + r.start[2] + k);
+                            flat.push(
+                                (r.start[0] + i) * 20 + (r.start[1] + j) * 5 + r.start[2] + k,
+                            );
                         }
                     }
                 }
             }
             assert_eq!(flat, (a..b).collect::<Vec<_>>(), "{a}..{b}: {boxes:?}");
         }
-        assert_eq!(Region::flat_range(&[], 0, 1), vec![Region::new(vec![], vec![])]);
+        assert_eq!(
+            Region::flat_range(&[], 0, 1),
+            vec![Region::new(vec![], vec![])]
+        );
         assert!(Region::flat_range(&shape, 4, 4).is_empty());
     }
 }

@@ -20,7 +20,9 @@ fn split<'a>(data: &'a [u8], sep: &[u8]) -> Vec<&'a [u8]> {
 }
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    let Some((&mode, rest)) = data.split_first() else { return };
+    let Some((&mode, rest)) = data.split_first() else {
+        return;
+    };
     let parts = split(rest, b"\n@@\n");
     let dir = tempfile::tempdir().unwrap();
     if mode % 2 == 0 {
@@ -36,7 +38,9 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
             std::fs::write(dir.path().join(format!("f{i}.safetensors")), f).unwrap();
         }
     }
-    let Ok((ck, problems)) = Checkpoint::scan(&[dir.path().to_path_buf()]) else { return };
+    let Ok((ck, problems)) = Checkpoint::scan(&[dir.path().to_path_buf()]) else {
+        return;
+    };
     if !problems.is_empty() {
         return;
     }
@@ -54,12 +58,23 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
             name: name.clone(),
             dtype: t.dtype,
             shape: t.shape.clone(),
-            pieces: vec![Piece { global: full.clone(), local: full }],
+            pieces: vec![Piece {
+                global: full.clone(),
+                local: full,
+            }],
         };
-        let file = TargetFile { path: "x".into(), tensors: vec![target], metadata: Default::default() };
+        let file = TargetFile {
+            path: "x".into(),
+            tensors: vec![target],
+            metadata: Default::default(),
+        };
         // A checkpoint that opened cleanly must plan: every element has an owner.
         let plan = CopyPlan::build(&ck, vec![file]).expect("an accepted checkpoint plans");
-        let bytes = assemble(&plan.files[0].tensors[0], &ck).expect("mapped inputs read without error");
-        assert_eq!(bytes.len() as u64, ckpt_core::bytes_of(t.dtype, t.shape.iter().product()));
+        let bytes =
+            assemble(&plan.files[0].tensors[0], &ck).expect("mapped inputs read without error");
+        assert_eq!(
+            bytes.len() as u64,
+            ckpt_core::bytes_of(t.dtype, t.shape.iter().product())
+        );
     }
 });

@@ -6,7 +6,9 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("model.ckptz");
     std::fs::write(&p, data).unwrap();
-    let Ok(f) = ckpt_core::TensorFile::open(&p) else { return };
+    let Ok(f) = ckpt_core::TensorFile::open(&p) else {
+        return;
+    };
     let mut cache = ckpt_core::ChunkCache::new();
     for (i, t) in f.tensors().iter().enumerate() {
         // A header may claim a huge tensor in few huge chunks: read a capped prefix and

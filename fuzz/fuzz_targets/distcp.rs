@@ -6,10 +6,22 @@
 #![no_main]
 
 const FILES: [(&str, &[u8]); 4] = [
-    ("__0_0.distcp", include_bytes!("../../tests/fixtures/torch/dcp_mesh/__0_0.distcp")),
-    ("__1_0.distcp", include_bytes!("../../tests/fixtures/torch/dcp_mesh/__1_0.distcp")),
-    ("__2_0.distcp", include_bytes!("../../tests/fixtures/torch/dcp_mesh/__2_0.distcp")),
-    ("__3_0.distcp", include_bytes!("../../tests/fixtures/torch/dcp_mesh/__3_0.distcp")),
+    (
+        "__0_0.distcp",
+        include_bytes!("../../tests/fixtures/torch/dcp_mesh/__0_0.distcp"),
+    ),
+    (
+        "__1_0.distcp",
+        include_bytes!("../../tests/fixtures/torch/dcp_mesh/__1_0.distcp"),
+    ),
+    (
+        "__2_0.distcp",
+        include_bytes!("../../tests/fixtures/torch/dcp_mesh/__2_0.distcp"),
+    ),
+    (
+        "__3_0.distcp",
+        include_bytes!("../../tests/fixtures/torch/dcp_mesh/__3_0.distcp"),
+    ),
 ];
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {

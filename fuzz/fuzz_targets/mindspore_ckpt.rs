@@ -2,7 +2,9 @@
 //! inside the bytes with a length that matches its shape and dtype.
 #![no_main]
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    let Ok((tensors, _)) = ckpt_core::parse_mindspore_ckpt(data) else { return };
+    let Ok((tensors, _)) = ckpt_core::parse_mindspore_ckpt(data) else {
+        return;
+    };
     for t in tensors {
         assert!(t.start <= t.end && t.end <= data.len() as u64, "{t:?}");
     }

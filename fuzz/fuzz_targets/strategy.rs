@@ -2,8 +2,12 @@
 //! give every rank a consistent set of pieces.
 #![no_main]
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    let Ok(text) = std::str::from_utf8(data) else { return };
-    let Ok(s) = ckpt_core::Strategy::from_json(text) else { return };
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let Ok(s) = ckpt_core::Strategy::from_json(text) else {
+        return;
+    };
     assert_eq!(ckpt_core::Strategy::from_json(&s.to_json()).unwrap(), s);
     if s.mesh.world_size() <= 64 {
         for l in s.tensors.values() {

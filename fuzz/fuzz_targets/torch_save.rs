@@ -8,7 +8,9 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("model.pth");
     std::fs::write(&p, data).unwrap();
-    let Ok(f) = ckpt_core::TensorFile::open(&p) else { return };
+    let Ok(f) = ckpt_core::TensorFile::open(&p) else {
+        return;
+    };
     for (i, t) in f.tensors().iter().enumerate() {
         assert_eq!(f.data(i).map(<[u8]>::len), Some((t.end - t.start) as usize));
     }

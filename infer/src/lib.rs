@@ -170,7 +170,11 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
     };
     let ranks = req.ranks.or(launched).unwrap_or(tp);
     if ranks == 0 || !ranks.is_multiple_of(tp) {
-        let mesh = source.strategy.as_ref().map(|s| s.mesh.to_string()).unwrap_or_default();
+        let mesh = source
+            .strategy
+            .as_ref()
+            .map(|s| s.mesh.to_string())
+            .unwrap_or_default();
         return Err(Error::Option {
             option: "--ranks".into(),
             problem: format!(
@@ -238,22 +242,26 @@ pub fn infer(req: &InferRequest) -> Result<InferReport> {
     let outputs = req.backend.run(&mesh, |dist| {
         let device = req.device.for_rank(req.backend, dist.rank)?;
         let (_, model) = ckpt_train::load_model(&dir, &dist, &device)?;
-        let forward = |set: &Dataset, from: usize, n: usize| -> ckpt_train::Result<(Vec<f32>, f64)> {
-            let mut logits = Vec::with_capacity(n * set.classes);
-            let t = Instant::now();
-            let idx: Vec<usize> = (from..from + n).collect();
-            for b in idx.chunks(batch) {
-                let (x, _) = set.batch(b, &device)?;
-                logits.extend(model.forward(&x, false)?.flatten_all()?.to_vec1::<f32>()?);
-            }
-            Ok((logits, t.elapsed().as_secs_f64()))
-        };
+        let forward =
+            |set: &Dataset, from: usize, n: usize| -> ckpt_train::Result<(Vec<f32>, f64)> {
+                let mut logits = Vec::with_capacity(n * set.classes);
+                let t = Instant::now();
+                let idx: Vec<usize> = (from..from + n).collect();
+                for b in idx.chunks(batch) {
+                    let (x, _) = set.batch(b, &device)?;
+                    logits.extend(model.forward(&x, false)?.flatten_all()?.to_vec1::<f32>()?);
+                }
+                Ok((logits, t.elapsed().as_secs_f64()))
+            };
         // Each data-parallel copy evaluates its share of the test set (`torch.chunk`
         // pieces, in order); the shares are gathered back in order on every rank.
         let (from, n) = ckpt_train::chunk(test.len(), dist.dp_size(), dist.dp_rank());
         let (mine, secs) = forward(&test, from, n)?;
         let logits: Vec<f32> = dist.dp.all_gather(&mine)?.concat();
-        let more = extra.as_ref().map(|set| forward(set, 0, set.len())).transpose()?;
+        let more = extra
+            .as_ref()
+            .map(|set| forward(set, 0, set.len()))
+            .transpose()?;
         Ok(((logits, secs), more))
     })?;
     let ((logits, fwd_secs), more) = outputs
@@ -395,7 +403,9 @@ fn read_files(files: &[PathBuf], data: &str) -> Result<Dataset> {
 pub fn parse_predict(items: &[String]) -> std::result::Result<Predict, String> {
     if items.iter().any(|it| Path::new(it).is_file()) {
         return match items.iter().find(|it| !Path::new(it).is_file()) {
-            Some(it) => Err(format!("`{it}`: not a file, and the other arguments are files")),
+            Some(it) => Err(format!(
+                "`{it}`: not a file, and the other arguments are files"
+            )),
             None => Ok(Predict::Files(items.iter().map(PathBuf::from).collect())),
         };
     }
@@ -454,8 +464,14 @@ mod tests {
         let err = |a: &str| parse_predict(&[a.to_string()]).unwrap_err();
         assert!(err("0-5").contains("0..5"), "{}", err("0-5"));
         assert!(err("5..2").contains("is empty"), "{}", err("5..2"));
-        assert!(err("a.csv").contains("nor an existing file"), "{}", err("a.csv"));
-        assert!(parse_predict(&[name, "x".into()]).unwrap_err().contains("`x`: not a file"));
+        assert!(
+            err("a.csv").contains("nor an existing file"),
+            "{}",
+            err("a.csv")
+        );
+        assert!(parse_predict(&[name, "x".into()])
+            .unwrap_err()
+            .contains("`x`: not a file"));
         let p = prediction(0, None, &[0.0, 2.0_f32.ln()]);
         assert_eq!(p.class, 1);
         assert!((p.probabilities[1] - 2.0 / 3.0).abs() < 1e-6);

@@ -339,7 +339,12 @@ pub fn plan(
 /// metadata maps a chunk to one file, so replicated data is kept by its owner only,
 /// whatever `keep_all` says) and no empty chunks (a rank's empty slice needs no
 /// archive).
-fn target_tensors(strategy: &Strategy, r: u64, keep_all: bool, format: OutputFormat) -> Vec<TargetTensor> {
+fn target_tensors(
+    strategy: &Strategy,
+    r: u64,
+    keep_all: bool,
+    format: OutputFormat,
+) -> Vec<TargetTensor> {
     let distcp = format == OutputFormat::Distcp;
     let mut tensors = rank_tensors(strategy, r, keep_all && !distcp, &|_, l| Some(l.dtype));
     if distcp {

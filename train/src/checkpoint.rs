@@ -324,9 +324,15 @@ impl SaveJob {
         dist.world.barrier()?;
         let data = match req.mode {
             // Moved, not copied: the snapshot is the caller's one copy.
-            SaveMode::Sliced => SaveData::Slices(locals.into_iter().map(|(n, _, v)| (n, v)).collect()),
+            SaveMode::Sliced => {
+                SaveData::Slices(locals.into_iter().map(|(n, _, v)| (n, v)).collect())
+            }
             SaveMode::Integrated => match gather_full(dist, &locals)? {
-                Some(full) => SaveData::Whole(full.into_iter().map(|(n, t)| (n, t.shape, t.data)).collect()),
+                Some(full) => SaveData::Whole(
+                    full.into_iter()
+                        .map(|(n, t)| (n, t.shape, t.data))
+                        .collect(),
+                ),
                 None => SaveData::Nothing,
             },
         };
@@ -360,9 +366,12 @@ impl SaveJob {
         }
         match &self.data {
             SaveData::Slices(floats) => {
-                let bytes: Vec<(&str, Vec<u8>)> =
-                    floats.iter().map(|(n, v)| (n.as_str(), f32_bytes(v))).collect();
-                let refs: Vec<(&str, &[u8])> = bytes.iter().map(|(n, b)| (*n, b.as_slice())).collect();
+                let bytes: Vec<(&str, Vec<u8>)> = floats
+                    .iter()
+                    .map(|(n, v)| (n.as_str(), f32_bytes(v)))
+                    .collect();
+                let refs: Vec<(&str, &[u8])> =
+                    bytes.iter().map(|(n, b)| (*n, b.as_slice())).collect();
                 let rank_dir = ckpt_core::write_rank_with(
                     &tmp,
                     &self.strategy,
@@ -371,7 +380,10 @@ impl SaveJob {
                     false,
                     self.compression,
                 )?;
-                ckpt_core::write_file_atomic(&rank_dir.join(CONFIG_FILE), self.config_json.as_bytes())?;
+                ckpt_core::write_file_atomic(
+                    &rank_dir.join(CONFIG_FILE),
+                    self.config_json.as_bytes(),
+                )?;
                 ckpt_core::write_file_atomic(
                     &rank_dir.join(TRAINER_STATE_FILE),
                     self.state_json.as_bytes(),
@@ -390,7 +402,10 @@ impl SaveJob {
         }
         if self.lead {
             ckpt_core::write_file_atomic(&tmp.join(CONFIG_FILE), self.config_json.as_bytes())?;
-            ckpt_core::write_file_atomic(&tmp.join(TRAINER_STATE_FILE), self.state_json.as_bytes())?;
+            ckpt_core::write_file_atomic(
+                &tmp.join(TRAINER_STATE_FILE),
+                self.state_json.as_bytes(),
+            )?;
         }
         Ok(())
     }
@@ -495,7 +510,11 @@ impl AsyncSaver {
                 Ok(()) => job.rank.to_string(),
                 Err(_) => format!("{}.failed", job.rank),
             });
-            let text = written.as_ref().err().map(ToString::to_string).unwrap_or_default();
+            let text = written
+                .as_ref()
+                .err()
+                .map(ToString::to_string)
+                .unwrap_or_default();
             std::fs::write(&mark, text).at(&mark)?;
             written?;
             if job.lead {
@@ -517,7 +536,10 @@ fn save_timeout() -> std::time::Duration {
         .ok()
         .and_then(|v| v.trim().parse::<f64>().ok())
         .filter(|s| *s > 0.0 && s.is_finite())
-        .map_or(std::time::Duration::from_secs(600), std::time::Duration::from_secs_f64)
+        .map_or(
+            std::time::Duration::from_secs(600),
+            std::time::Duration::from_secs_f64,
+        )
 }
 
 /// Waits until every rank's mark is in `marks`; a failed rank's error, or a timeout,
@@ -606,7 +628,9 @@ pub fn checkpoint_tensor_names(dir: &Path) -> Result<Vec<String>> {
 ///
 /// # Errors
 /// An unreadable checkpoint.
-pub(crate) fn checkpoint_tensor_dtypes(dir: &Path) -> Result<std::collections::BTreeMap<String, Dtype>> {
+pub(crate) fn checkpoint_tensor_dtypes(
+    dir: &Path,
+) -> Result<std::collections::BTreeMap<String, Dtype>> {
     let c = ckpt_core::Checkpoint::open(&[dir.to_path_buf()])?;
     Ok(c.tensors.into_iter().map(|(n, t)| (n, t.dtype)).collect())
 }

@@ -303,10 +303,23 @@ mod tests {
 
     #[test]
     fn thread_ranks_under_a_launcher_of_several_processes_are_refused() {
-        let two = env(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_LOCAL_RANK", "1")]).unwrap();
+        let two = env(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ])
+        .unwrap();
         let e = threads_alone(two).unwrap_err().to_string();
-        assert!(e.contains("rank 1 of 2") && e.contains("--backend mpi"), "{e}");
-        let one = env(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "1"), ("OMPI_COMM_WORLD_LOCAL_RANK", "0")]).unwrap();
+        assert!(
+            e.contains("rank 1 of 2") && e.contains("--backend mpi"),
+            "{e}"
+        );
+        let one = env(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+        ])
+        .unwrap();
         assert!(threads_alone(one).is_ok());
         assert!(threads_alone(None).is_ok());
     }

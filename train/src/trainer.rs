@@ -3,8 +3,8 @@
 
 use crate::checkpoint::{
     checkpoint_tensor_dtypes, f32_from_bytes, find_meta_file, gather_full, read_trainer_state,
-    resolve_checkpoint, save, AsyncSaver, FullTensor, RngState, SaveMode, SaveRequest, ScheduleState,
-    TrainerState, CONFIG_FILE, TRAINER_STATE_FILE, TRAINER_STATE_FORMAT,
+    resolve_checkpoint, save, AsyncSaver, FullTensor, RngState, SaveMode, SaveRequest,
+    ScheduleState, TrainerState, CONFIG_FILE, TRAINER_STATE_FILE, TRAINER_STATE_FORMAT,
 };
 use crate::comm::{check_mesh, Dist, ReduceOp};
 use crate::config::TrainConfig;
@@ -193,7 +193,12 @@ impl Plan {
                     }
                 }
                 let names = dtypes.into_keys().collect();
-                Some(Resume { dir, state, names, cast })
+                Some(Resume {
+                    dir,
+                    state,
+                    names,
+                    cast,
+                })
             }
             None => None,
         };
@@ -554,7 +559,9 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
                 other => {
                     return Err(Error::BadCheckpoint {
                         path: r.dir.clone(),
-                        problem: format!("tensor `{name}` is {other:?}; only float tensors are trained"),
+                        problem: format!(
+                            "tensor `{name}` is {other:?}; only float tensors are trained"
+                        ),
                     })
                 }
             };
@@ -843,7 +850,11 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainReport> {
     let start = Instant::now();
     let plan = Plan::new(cfg)?;
     // Said once (by the first process under a launcher), before any work.
-    if crate::launch::LaunchEnv::from_env().ok().flatten().is_none_or(|l| l.rank == 0) {
+    if crate::launch::LaunchEnv::from_env()
+        .ok()
+        .flatten()
+        .is_none_or(|l| l.rank == 0)
+    {
         for w in plan.resume_warnings() {
             eprintln!("ckpt: warning: {w}");
         }

@@ -80,7 +80,10 @@ fn allowed(module: &str, name: &str) -> bool {
         "torch.distributed.checkpoint.filesystem" => name == "_StorageInfo",
         "torch" => name == "Size" || torch_dtype(name).is_some(),
         "torch.serialization" => name == "_get_layout",
-        "pathlib" => matches!(name, "PosixPath" | "PurePosixPath" | "WindowsPath" | "PureWindowsPath"),
+        "pathlib" => matches!(
+            name,
+            "PosixPath" | "PurePosixPath" | "WindowsPath" | "PureWindowsPath"
+        ),
         "collections" => name == "OrderedDict",
         _ => false,
     }
@@ -158,7 +161,9 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
     let mut declared_chunks: BTreeMap<(String, Vec<u64>), Vec<u64>> = BTreeMap::new();
     for (k, v) in entries {
         let Value::Str(fqn) = k else {
-            return Err(bad(".metadata: a state_dict_metadata key that is not a string"));
+            return Err(bad(
+                ".metadata: a state_dict_metadata key that is not a string",
+            ));
         };
         let what = |s: &str| format!("tensor `{fqn}`: {s}");
         match object(v) {
@@ -181,7 +186,10 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
                     .ok_or_else(|| bad(what("no dtype in its properties")))?;
                 let dtype = torch_dtype(dtype)
                     .ok_or_else(|| bad(what(&format!("dtype torch.{dtype} is not read"))))?;
-                let shape = size(st.get("size").ok_or_else(|| bad(what("no size")))?, &what("size"))?;
+                let shape = size(
+                    st.get("size").ok_or_else(|| bad(what("no size")))?,
+                    &what("size"),
+                )?;
                 let chunks = st
                     .get("chunks")
                     .and_then(Value::items)
@@ -191,8 +199,14 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
                         Some(("ChunkStorageMetadata", Some(s))) => s,
                         _ => return Err(bad(what("a chunk that is not ChunkStorageMetadata"))),
                     };
-                    let offsets = size(cs.get("offsets").unwrap_or(&Value::None), &what("chunk offsets"))?;
-                    let sizes = size(cs.get("sizes").unwrap_or(&Value::None), &what("chunk sizes"))?;
+                    let offsets = size(
+                        cs.get("offsets").unwrap_or(&Value::None),
+                        &what("chunk offsets"),
+                    )?;
+                    let sizes = size(
+                        cs.get("sizes").unwrap_or(&Value::None),
+                        &what("chunk sizes"),
+                    )?;
                     if offsets.len() != shape.len() || sizes.len() != shape.len() {
                         return Err(bad(what(&format!(
                             "a chunk at {offsets:?} of size {sizes:?} in a tensor of shape {shape:?}"
@@ -202,25 +216,41 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
                 }
                 tensors.insert(fqn.clone(), DcpTensor { dtype, shape });
             }
-            _ => return Err(bad(what("neither TensorStorageMetadata nor BytesStorageMetadata"))),
+            _ => {
+                return Err(bad(what(
+                    "neither TensorStorageMetadata nor BytesStorageMetadata",
+                )))
+            }
         }
     }
     let storage = match state.get("storage_data") {
         Some(Value::Dict(kv)) => kv,
-        _ => return Err(bad(".metadata: no `storage_data` dict (not written by FileSystemWriter?)")),
+        _ => {
+            return Err(bad(
+                ".metadata: no `storage_data` dict (not written by FileSystemWriter?)",
+            ))
+        }
     };
     let mut chunks = Vec::new();
     for (k, v) in storage {
         let index = match object(k) {
             Some(("MetadataIndex", Some(s))) => s,
-            _ => return Err(bad(".metadata: a storage_data key that is not a MetadataIndex")),
+            _ => {
+                return Err(bad(
+                    ".metadata: a storage_data key that is not a MetadataIndex",
+                ))
+            }
         };
         let Some(Value::Str(fqn)) = index.get("fqn") else {
             return Err(bad(".metadata: a MetadataIndex without its fqn"));
         };
         let info = match object(v) {
             Some(("_StorageInfo", Some(s))) => s,
-            _ => return Err(bad(format!(".metadata: `{fqn}`: storage that is not a _StorageInfo"))),
+            _ => {
+                return Err(bad(format!(
+                    ".metadata: `{fqn}`: storage that is not a _StorageInfo"
+                )))
+            }
         };
         if let Some(t) = info.get("transform_descriptors") {
             if t.items().is_some_and(|t| !t.is_empty()) {
@@ -236,14 +266,25 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
         };
         // The path must stay inside the checkpoint directory.
         if file.is_empty() || file.contains('/') || file.contains('\\') || file == ".." {
-            return Err(bad(format!(".metadata: `{fqn}`: relative_path `{file}` is not a file name in the directory")));
+            return Err(bad(format!(
+                ".metadata: `{fqn}`: relative_path `{file}` is not a file name in the directory"
+            )));
         }
-        let start = uint(info.get("offset").unwrap_or(&Value::None), &format!("`{fqn}`: storage offset"))?;
-        let len = uint(info.get("length").unwrap_or(&Value::None), &format!("`{fqn}`: storage length"))?;
+        let start = uint(
+            info.get("offset").unwrap_or(&Value::None),
+            &format!("`{fqn}`: storage offset"),
+        )?;
+        let len = uint(
+            info.get("length").unwrap_or(&Value::None),
+            &format!("`{fqn}`: storage length"),
+        )?;
         if bytes_items.contains(fqn) {
             continue;
         }
-        let offsets = size(index.get("offset").unwrap_or(&Value::None), &format!("`{fqn}`: chunk offset"))?;
+        let offsets = size(
+            index.get("offset").unwrap_or(&Value::None),
+            &format!("`{fqn}`: chunk offset"),
+        )?;
         let sizes = declared_chunks
             .get(&(fqn.clone(), offsets.clone()))
             .ok_or_else(|| bad(format!(".metadata: `{fqn}`: stored chunk at {offsets:?} is not among the tensor's chunks")))?
@@ -259,8 +300,13 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
     }
     // Every declared chunk must be stored somewhere.
     for (fqn, offsets) in declared_chunks.keys() {
-        if !chunks.iter().any(|c| &c.fqn == fqn && &c.offsets == offsets) {
-            return Err(bad(format!(".metadata: `{fqn}`: the chunk at {offsets:?} has no storage entry")));
+        if !chunks
+            .iter()
+            .any(|c| &c.fqn == fqn && &c.offsets == offsets)
+        {
+            return Err(bad(format!(
+                ".metadata: `{fqn}`: the chunk at {offsets:?} has no storage entry"
+            )));
         }
     }
     chunks.sort_by(|a, b| (&a.file, a.start).cmp(&(&b.file, b.start)));
@@ -454,9 +500,17 @@ pub fn metadata_bytes(
         e.str("properties");
         emit_object(&mut e, DCP_METADATA, "TensorProperties");
         e.mark().global("torch", t);
-        e.global("torch.serialization", "_get_layout").mark().str("torch.strided").tuple().reduce();
+        e.global("torch.serialization", "_get_layout")
+            .mark()
+            .str("torch.strided")
+            .tuple()
+            .reduce();
         e.bool(false);
-        e.global(DCP_METADATA, "_MEM_FORMAT_ENCODING").mark().int(0).tuple().reduce();
+        e.global(DCP_METADATA, "_MEM_FORMAT_ENCODING")
+            .mark()
+            .int(0)
+            .tuple()
+            .reduce();
         e.bool(false).none().tuple().build();
         e.str("size");
         emit_size(&mut e, shape);
@@ -487,9 +541,18 @@ pub fn metadata_bytes(
         emit_size(&mut e, &c.offsets);
         e.str("index").int(*i).set_items().build();
         *i += 1;
-        emit_object(&mut e, "torch.distributed.checkpoint.filesystem", "_StorageInfo");
+        emit_object(
+            &mut e,
+            "torch.distributed.checkpoint.filesystem",
+            "_StorageInfo",
+        );
         e.empty_dict().mark();
-        e.str("relative_path").str(file).str("offset").int(*at).str("length").int(*len);
+        e.str("relative_path")
+            .str(file)
+            .str("offset")
+            .int(*at)
+            .str("length")
+            .int(*len);
         e.set_items().build();
     }
     e.set_items();
@@ -554,17 +617,35 @@ mod tests {
             (
                 "__0_0.distcp".to_string(),
                 vec![
-                    DistcpChunk { fqn: "w".into(), offsets: vec![0, 0], sizes: vec![4, 3] },
-                    DistcpChunk { fqn: "s".into(), offsets: vec![], sizes: vec![] },
+                    DistcpChunk {
+                        fqn: "w".into(),
+                        offsets: vec![0, 0],
+                        sizes: vec![4, 3],
+                    },
+                    DistcpChunk {
+                        fqn: "s".into(),
+                        offsets: vec![],
+                        sizes: vec![],
+                    },
                 ],
             ),
             (
                 "__1_0.distcp".to_string(),
-                vec![DistcpChunk { fqn: "w".into(), offsets: vec![0, 3], sizes: vec![4, 3] }],
+                vec![DistcpChunk {
+                    fqn: "w".into(),
+                    offsets: vec![0, 3],
+                    sizes: vec![4, 3],
+                }],
             ),
         ];
         let m = parse_metadata(&metadata_bytes(&tensors, &files).unwrap()).unwrap();
-        assert_eq!(m.tensors["w"], DcpTensor { dtype: Dtype::BF16, shape: vec![4, 6] });
+        assert_eq!(
+            m.tensors["w"],
+            DcpTensor {
+                dtype: Dtype::BF16,
+                shape: vec![4, 6]
+            }
+        );
         let got: Vec<_> = m
             .chunks
             .iter()

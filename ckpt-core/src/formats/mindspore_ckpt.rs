@@ -373,7 +373,11 @@ impl MindSporeWriter {
 
     /// [`MindSporeWriter::create`] cutting tensors over `slice` bytes into records of
     /// `slice` bytes, as `save_checkpoint` does.
-    fn create_sliced(dest: &Path, tensors: &[crate::TensorSpec], slice: u64) -> Result<MindSporeWriter> {
+    fn create_sliced(
+        dest: &Path,
+        tensors: &[crate::TensorSpec],
+        slice: u64,
+    ) -> Result<MindSporeWriter> {
         use prost::encoding::{encode_varint, encoded_len_varint};
         let mut framing: Vec<(u64, Vec<u8>)> = Vec::with_capacity(tensors.len());
         let mut content_at = Vec::with_capacity(tensors.len());
@@ -394,7 +398,11 @@ impl MindSporeWriter {
             let mut done = 0u64;
             // One record at least (an empty tensor has one, with empty content).
             while done < total || records.is_empty() {
-                let n = if total > slice { slice.min(total - done) } else { total };
+                let n = if total > slice {
+                    slice.min(total - done)
+                } else {
+                    total
+                };
                 let mut tp = Vec::new();
                 for &d in &t.shape {
                     tp.push(0x08);
@@ -524,7 +532,12 @@ mod tests {
         let f = TensorFile::open(&dest).unwrap();
         let mut got = Vec::new();
         let mut covered = 0;
-        for (i, e) in f.tensors().iter().enumerate().filter(|(_, e)| e.name == "w") {
+        for (i, e) in f
+            .tensors()
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.name == "w")
+        {
             assert!(e.offsets.is_some(), "{e:?}");
             got.extend_from_slice(f.data(i).unwrap());
             covered += e.shape.iter().product::<u64>();

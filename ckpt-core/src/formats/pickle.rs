@@ -32,12 +32,21 @@ pub(crate) enum Value {
     List(Vec<Value>),
     Dict(Vec<(Value, Value)>),
     /// A module-level name (`GLOBAL`, `STACK_GLOBAL`): a class or function, not loaded.
-    Global { module: String, name: String },
+    Global {
+        module: String,
+        name: String,
+    },
     /// `callable(*args)` (`REDUCE`) or `callable.__new__(callable, *args)` (`NEWOBJ`),
     /// recorded, never made.
-    Call { callable: Box<Value>, args: Box<Value> },
+    Call {
+        callable: Box<Value>,
+        args: Box<Value>,
+    },
     /// `BUILD`: an object and the state given to it.
-    Build { object: Box<Value>, state: Box<Value> },
+    Build {
+        object: Box<Value>,
+        state: Box<Value>,
+    },
     /// `BINPERSID`: a reference the loader resolves (torch: a storage).
     PersistentId(Box<Value>),
 }
@@ -87,7 +96,14 @@ impl Value {
                 k.globals(out);
                 v.globals(out);
             }),
-            Value::Call { callable: a, args: b } | Value::Build { object: a, state: b } => {
+            Value::Call {
+                callable: a,
+                args: b,
+            }
+            | Value::Build {
+                object: a,
+                state: b,
+            } => {
                 a.globals(out);
                 b.globals(out);
             }
@@ -153,7 +169,14 @@ fn size(v: &Value, limit: u64) -> u64 {
             add(k);
             add(v);
         }),
-        Value::Call { callable: a, args: b } | Value::Build { object: a, state: b } => {
+        Value::Call {
+            callable: a,
+            args: b,
+        }
+        | Value::Build {
+            object: a,
+            state: b,
+        } => {
             add(a);
             add(b);
         }
@@ -346,7 +369,10 @@ impl<'a> Machine<'a> {
         if ordered_dict {
             return self.push(leaf(Value::Dict(vec![])));
         }
-        self.pair(callable, args, |c, a| Value::Call { callable: c, args: a })
+        self.pair(callable, args, |c, a| Value::Call {
+            callable: c,
+            args: a,
+        })
     }
 
     /// Runs one opcode; `true` at `STOP`.
@@ -507,7 +533,10 @@ impl<'a> Machine<'a> {
             b'b' => {
                 let state = self.pop()?;
                 let object = self.pop()?;
-                self.pair(object, state, |o, s| Value::Build { object: o, state: s })?;
+                self.pair(object, state, |o, s| Value::Build {
+                    object: o,
+                    state: s,
+                })?;
             }
             b'Q' => {
                 let id = self.pop()?;
@@ -580,9 +609,7 @@ pub(crate) struct Emitter {
 
 impl Emitter {
     pub(crate) fn new() -> Emitter {
-        Emitter {
-            out: vec![0x80, 2],
-        }
+        Emitter { out: vec![0x80, 2] }
     }
 
     /// `module.name` (`GLOBAL`).
@@ -754,21 +781,31 @@ mod tests {
     #[test]
     fn ordered_dict_is_a_dict_filled_by_setitems() {
         let p = b"\x80\x02ccollections\nOrderedDict\nq\x00)Rq\x01(X\x01\x00\x00\x00kK\x07u.";
-        assert_eq!(parse(p).unwrap(), Value::Dict(vec![(s("k"), Value::Int(7))]));
+        assert_eq!(
+            parse(p).unwrap(),
+            Value::Dict(vec![(s("k"), Value::Int(7))])
+        );
     }
 
     #[test]
     fn what_the_emitter_writes_parses_back() {
         let mut e = Emitter::new();
-        e.global("collections", "OrderedDict").empty_tuple().reduce();
-        e.mark().str("w").ints(&[0, 255, 256, 65536, 1 << 31, u64::MAX >> 1]);
+        e.global("collections", "OrderedDict")
+            .empty_tuple()
+            .reduce();
+        e.mark()
+            .str("w")
+            .ints(&[0, 255, 256, 65536, 1 << 31, u64::MAX >> 1]);
         e.str("b").bool(false).str("n").none().set_items();
         let v = parse(&e.finish()).unwrap();
         let ints = [0, 255, 256, 65536, 1 << 31, i64::MAX];
         assert_eq!(
             v,
             Value::Dict(vec![
-                (s("w"), Value::Tuple(ints.iter().map(|&i| Value::Int(i)).collect())),
+                (
+                    s("w"),
+                    Value::Tuple(ints.iter().map(|&i| Value::Int(i)).collect())
+                ),
                 (s("b"), Value::Bool(false)),
                 (s("n"), Value::None),
             ])

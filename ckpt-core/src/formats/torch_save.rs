@@ -302,7 +302,9 @@ fn tensor(path: &str, args: Value) -> Result<Found> {
         }
     };
     let dtype = match &storage[1] {
-        Value::Global { name: class_name, .. } => storage_dtype(class_name)
+        Value::Global {
+            name: class_name, ..
+        } => storage_dtype(class_name)
             .ok_or_else(|| bad(format!("`{path}`: storage type `{class_name}` is not read")))?,
         _ => return Err(bad(format!("`{path}`: the storage type is not a class"))),
     };

@@ -14,8 +14,8 @@
 //! `finish` combines the CRC-32 of each write, patches the local headers and writes the
 //! central directory. Zip64 records are used where a size or offset needs them.
 
-use super::pickle::Emitter;
 use super::byte_len;
+use super::pickle::Emitter;
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::output::{commit_staged_file, create_staged_file, discard_staged_file};
 use crate::{Dtype, TensorSpec};
@@ -86,7 +86,9 @@ fn data_pkl(tensors: &[TensorSpec], bare: bool) -> Result<Vec<u8>> {
             .tuple()
             .persistent_id();
         e.int(0).ints(&t.shape).ints(&stride).bool(false);
-        e.global("collections", "OrderedDict").empty_tuple().reduce();
+        e.global("collections", "OrderedDict")
+            .empty_tuple()
+            .reduce();
         e.tuple().reduce();
     }
     if !bare {
@@ -140,7 +142,9 @@ impl Archive {
         let mut add = |name: String, len: u64, content: Option<Vec<u8>>| -> Result<usize> {
             let zip64 = len >= U32_MAX || pos >= U32_MAX;
             let header = local_header_len(&name, zip64);
-            let mut data_at = pos.checked_add(header).ok_or_else(|| overflow("archive size"))?;
+            let mut data_at = pos
+                .checked_add(header)
+                .ok_or_else(|| overflow("archive size"))?;
             // The alignment padding is an extra field of its own (4 bytes + padding).
             let pad = (ALIGN - (data_at + 4) % ALIGN) % ALIGN;
             data_at += 4 + pad;
@@ -156,7 +160,9 @@ impl Archive {
             if let Some(c) = content {
                 small.push((entries.len() - 1, c));
             }
-            pos = data_at.checked_add(len).ok_or_else(|| overflow("archive size"))?;
+            pos = data_at
+                .checked_add(len)
+                .ok_or_else(|| overflow("archive size"))?;
             Ok(entries.len() - 1)
         };
         add("archive/data.pkl".into(), pkl.len() as u64, Some(pkl))?;
@@ -176,7 +182,9 @@ impl Archive {
             len: 0,
         };
         let tail = a.tail(&vec![0; a.tensor_entry.len()]).len() as u64;
-        a.len = cd_at.checked_add(tail).ok_or_else(|| overflow("archive size"))?;
+        a.len = cd_at
+            .checked_add(tail)
+            .ok_or_else(|| overflow("archive size"))?;
         Ok(a)
     }
 
@@ -189,7 +197,11 @@ impl Archive {
         match self.entries[entry].crc {
             Some(c) => c,
             None => {
-                let t = self.tensor_entry.iter().position(|&e| e == entry).unwrap_or(0);
+                let t = self
+                    .tensor_entry
+                    .iter()
+                    .position(|&e| e == entry)
+                    .unwrap_or(0);
                 crcs[t]
             }
         }
@@ -205,7 +217,11 @@ impl Archive {
         h.extend_from_slice(&0u16.to_le_bytes()); // time
         h.extend_from_slice(&0x21u16.to_le_bytes()); // 1980-01-01
         h.extend_from_slice(&crc.to_le_bytes());
-        let size32 = if e.zip64 { U32_MAX as u32 } else { e.len as u32 };
+        let size32 = if e.zip64 {
+            U32_MAX as u32
+        } else {
+            e.len as u32
+        };
         h.extend_from_slice(&size32.to_le_bytes());
         h.extend_from_slice(&size32.to_le_bytes());
         h.extend_from_slice(&(e.name.len() as u16).to_le_bytes());
@@ -247,7 +263,11 @@ impl Archive {
             cd.extend_from_slice(&0u16.to_le_bytes());
             cd.extend_from_slice(&0x21u16.to_le_bytes());
             cd.extend_from_slice(&self.crc_of(i, crcs).to_le_bytes());
-            let size32 = if big_size { U32_MAX as u32 } else { e.len as u32 };
+            let size32 = if big_size {
+                U32_MAX as u32
+            } else {
+                e.len as u32
+            };
             cd.extend_from_slice(&size32.to_le_bytes());
             cd.extend_from_slice(&size32.to_le_bytes());
             cd.extend_from_slice(&(e.name.len() as u16).to_le_bytes());
@@ -255,7 +275,11 @@ impl Archive {
             cd.extend_from_slice(&(extra_len as u16).to_le_bytes());
             cd.extend_from_slice(&[0; 6]); // comment length, disk, internal attributes
             cd.extend_from_slice(&0u32.to_le_bytes()); // external attributes
-            let at32 = if big_at { U32_MAX as u32 } else { e.header_at as u32 };
+            let at32 = if big_at {
+                U32_MAX as u32
+            } else {
+                e.header_at as u32
+            };
             cd.extend_from_slice(&at32.to_le_bytes());
             cd.extend_from_slice(e.name.as_bytes());
             if !extra.is_empty() {
@@ -318,17 +342,24 @@ impl TorchWriter {
     ///
     /// # Errors
     /// Dtypes torch has no storage for, sizes that overflow, I/O errors.
-    pub(crate) fn create(dest: &Path, tensors: &[TensorSpec], per_tensor: bool) -> Result<TorchWriter> {
+    pub(crate) fn create(
+        dest: &Path,
+        tensors: &[TensorSpec],
+        per_tensor: bool,
+    ) -> Result<TorchWriter> {
         let mut archives = Vec::new();
         let mut place = Vec::new();
         let mut pos = 0u64;
-        let mut push = |specs: &[TensorSpec], bare: bool, archives: &mut Vec<(u64, Archive)>| -> Result<()> {
-            let a = Archive::new(specs, bare).map_err(|e| e.with_path(dest))?;
-            let at = pos;
-            pos = pos.checked_add(a.len).ok_or_else(|| overflow("file size"))?;
-            archives.push((at, a));
-            Ok(())
-        };
+        let mut push =
+            |specs: &[TensorSpec], bare: bool, archives: &mut Vec<(u64, Archive)>| -> Result<()> {
+                let a = Archive::new(specs, bare).map_err(|e| e.with_path(dest))?;
+                let at = pos;
+                pos = pos
+                    .checked_add(a.len)
+                    .ok_or_else(|| overflow("file size"))?;
+                archives.push((at, a));
+                Ok(())
+            };
         if per_tensor {
             for (i, t) in tensors.iter().enumerate() {
                 push(std::slice::from_ref(t), true, &mut archives)?;
@@ -366,7 +397,9 @@ impl TorchWriter {
             .map(|t| {
                 let a = Archive::new(std::slice::from_ref(t), true)?;
                 let at = pos;
-                pos = pos.checked_add(a.len).ok_or_else(|| overflow("file size"))?;
+                pos = pos
+                    .checked_add(a.len)
+                    .ok_or_else(|| overflow("file size"))?;
                 Ok((at, a.len))
             })
             .collect()
@@ -420,7 +453,9 @@ impl TorchWriter {
         let mut off = 0;
         while off < len {
             let n = (len - off).min(buf.len() as u64) as usize;
-            self.file.read_exact_at(&mut buf[..n], start + off).at(&self.tmp)?;
+            self.file
+                .read_exact_at(&mut buf[..n], start + off)
+                .at(&self.tmp)?;
             h.update(&buf[..n]);
             off += n as u64;
         }
@@ -433,7 +468,11 @@ impl TorchWriter {
     /// # Errors
     /// I/O errors, with the path.
     pub(crate) fn finish(mut self) -> Result<()> {
-        let mut crcs: Vec<Vec<u32>> = self.archives.iter().map(|(_, a)| vec![0; a.tensor_entry.len()]).collect();
+        let mut crcs: Vec<Vec<u32>> = self
+            .archives
+            .iter()
+            .map(|(_, a)| vec![0; a.tensor_entry.len()])
+            .collect();
         for i in 0..self.place.len() {
             let (a, t) = self.place[i];
             let len = self.archives[a].1.entries[self.archives[a].1.tensor_entry[t]].len;
@@ -442,9 +481,13 @@ impl TorchWriter {
         for ((at, a), crcs) in self.archives.iter().zip(&crcs) {
             for i in 0..a.entries.len() {
                 let h = a.local_header(i, a.crc_of(i, crcs));
-                self.file.write_all_at(&h, at + a.entries[i].header_at).at(&self.tmp)?;
+                self.file
+                    .write_all_at(&h, at + a.entries[i].header_at)
+                    .at(&self.tmp)?;
             }
-            self.file.write_all_at(&a.tail(crcs), at + a.cd_at).at(&self.tmp)?;
+            self.file
+                .write_all_at(&a.tail(crcs), at + a.cd_at)
+                .at(&self.tmp)?;
         }
         commit_staged_file(&self.file, &self.tmp, &self.dest)?;
         self.done = true;

@@ -43,8 +43,7 @@ fn write_cifar(dir: &std::path::Path, n: usize) -> std::io::Result<()> {
 
 /// Parameters of the mlp `{in 64, hidden 4096, width 2048, blocks 2, classes 10}`:
 /// 64x4096 + 4096x2048 + 2048x4096 + 4096x2048 weights, their biases, and the head.
-const SAVE_MODEL: &str =
-    r#"{"in_features":64,"hidden":4096,"width":2048,"blocks":2,"classes":10}"#;
+const SAVE_MODEL: &str = r#"{"in_features":64,"hidden":4096,"width":2048,"blocks":2,"classes":10}"#;
 
 fn save_bench(args: &[String]) -> ExitCode {
     configure_cpu_threads(1);
@@ -59,9 +58,23 @@ fn save_bench(args: &[String]) -> ExitCode {
         for mode in ["sync", "async"] {
             let out = dir.join(format!("{mode}-{r}"));
             let mut a: Vec<String> = [
-                "bench", "--model", "mlp", "--model-config", SAVE_MODEL, "--ranks", r,
-                "--batch-size", "64", "--no-eval", "--max-steps", "6", "--save-every", "2",
-                "--keep", "1", "--out",
+                "bench",
+                "--model",
+                "mlp",
+                "--model-config",
+                SAVE_MODEL,
+                "--ranks",
+                r,
+                "--batch-size",
+                "64",
+                "--no-eval",
+                "--max-steps",
+                "6",
+                "--save-every",
+                "2",
+                "--keep",
+                "1",
+                "--out",
             ]
             .map(String::from)
             .to_vec();
@@ -90,7 +103,11 @@ fn save_bench(args: &[String]) -> ExitCode {
                         r,
                         mode,
                         (state * 4) as f64 / 1e6,
-                        rep.save_stalls.iter().map(|s| format!("{s:.2}")).collect::<Vec<_>>().join(","),
+                        rep.save_stalls
+                            .iter()
+                            .map(|s| format!("{s:.2}"))
+                            .collect::<Vec<_>>()
+                            .join(","),
                         stalls[stalls.len() / 2],
                         memcpy
                     );
@@ -113,14 +130,18 @@ fn cores() -> usize {
 /// PyTorch's images per second for the same job, when `CKPT_TORCH_PYTHON` has torch.
 fn torch_figure(model: &str, steps: u64) -> Option<f64> {
     let py = std::env::var_os("CKPT_TORCH_PYTHON")?;
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_train_bench.py");
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_train_bench.py");
     let out = std::process::Command::new(py)
         .arg(script)
         .args([model, &steps.to_string(), &cores().to_string()])
         .output()
         .ok()?;
     if !out.status.success() {
-        eprintln!("train-bench: torch: {}", String::from_utf8_lossy(&out.stderr));
+        eprintln!(
+            "train-bench: torch: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         return None;
     }
     String::from_utf8_lossy(&out.stdout).trim().parse().ok()
@@ -158,7 +179,14 @@ fn main() -> ExitCode {
             if !child {
                 let status = std::env::current_exe().and_then(|exe| {
                     std::process::Command::new(exe)
-                        .args(["--models", model, "--ranks", r, "--steps", &steps.to_string()])
+                        .args([
+                            "--models",
+                            model,
+                            "--ranks",
+                            r,
+                            "--steps",
+                            &steps.to_string(),
+                        ])
                         .env("TRAIN_BENCH_CHILD", "1")
                         .status()
                 });
