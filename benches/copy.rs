@@ -9,26 +9,16 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+mod common;
+
 fn ckpt() -> Command {
     Command::new(env!("CARGO_BIN_EXE_ckpt"))
 }
 
 /// Runs a command, returns (seconds, peak RSS of the child in MiB).
 fn timed(cmd: &mut Command) -> (f64, f64) {
-    let t = Instant::now();
-    let child = cmd.spawn().expect("spawn");
-    let pid = child.id() as libc::pid_t;
-    let mut status = 0;
-    // SAFETY: plain FFI calls on a child we own; rusage is written by the kernel.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
-    let secs = t.elapsed().as_secs_f64();
-    assert!(
-        r == pid && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        "{cmd:?} failed"
-    );
-    std::mem::forget(child);
-    (secs, ru.ru_maxrss as f64 / 1024.0)
+    let (secs, rss, _) = common::timed(cmd);
+    (secs, rss)
 }
 
 fn rank_files(dir: &Path) -> Vec<PathBuf> {
