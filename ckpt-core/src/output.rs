@@ -312,6 +312,62 @@ pub(crate) fn discard_staged_file(tmp: &Path) {
     crate::fault::unregister_temp(tmp);
 }
 
+/// An output file being written under a temporary name beside its destination: it
+/// appears at `dest` complete, on [`StagedFile::commit`], or not at all (dropped
+/// without a commit, it is removed). Every format's writer writes through one.
+#[derive(Debug)]
+pub(crate) struct StagedFile {
+    tmp: PathBuf,
+    dest: PathBuf,
+    file: File,
+    committed: bool,
+}
+
+impl StagedFile {
+    /// Creates the temporary file for `dest` (see [`create_staged_file`]).
+    pub(crate) fn create(dest: &Path) -> Result<StagedFile> {
+        let (tmp, file) = create_staged_file(dest)?;
+        Ok(StagedFile {
+            tmp,
+            dest: dest.to_path_buf(),
+            file,
+            committed: false,
+        })
+    }
+
+    /// The final name.
+    pub(crate) fn dest(&self) -> &Path {
+        &self.dest
+    }
+
+    pub(crate) fn set_len(&self, len: u64) -> Result<()> {
+        self.file.set_len(len).at(&self.tmp)
+    }
+
+    pub(crate) fn write_at(&self, bytes: &[u8], offset: u64) -> Result<()> {
+        self.file.write_all_at(bytes, offset).at(&self.tmp)
+    }
+
+    pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.file.read_exact_at(buf, offset).at(&self.tmp)
+    }
+
+    /// Syncs the data and renames the file to its final name.
+    pub(crate) fn commit(mut self) -> Result<()> {
+        commit_staged_file(&self.file, &self.tmp, &self.dest)?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Drop for StagedFile {
+    fn drop(&mut self) {
+        if !self.committed {
+            discard_staged_file(&self.tmp);
+        }
+    }
+}
+
 /// Writes a small file atomically (temporary name, sync, rename).
 ///
 /// # Errors

@@ -27,7 +27,7 @@ use super::{bad_tensor, byte_len, TensorEntry, TensorFile};
 use crate::checksum::CHECKSUMS_KEY;
 use crate::checksum::{checksums_enabled, decode_checksums, Checksum};
 use crate::error::{overflow, Error, IoContext, Result};
-use crate::output::{commit_staged_file, create_staged_file, discard_staged_file};
+use crate::output::StagedFile;
 use crate::strategy::dtype_name;
 use crate::Dtype;
 use memmap2::Mmap;
@@ -36,7 +36,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
@@ -846,9 +846,7 @@ type Pending = (Vec<u8>, u64);
 /// largest offsets the data can reach, is written by [`CkptzWriter::finish`].
 #[derive(Debug)]
 pub struct CkptzWriter {
-    tmp: PathBuf,
-    dest: PathBuf,
-    file: File,
+    out: StagedFile,
     specs: Vec<TensorSpec>,
     metadata: BTreeMap<String, String>,
     level: i32,
@@ -864,7 +862,6 @@ pub struct CkptzWriter {
     written: Vec<Mutex<Vec<Option<Written>>>>,
     /// Partly written chunks: `(tensor, chunk)` to the raw bytes and how many arrived.
     pending: Mutex<HashMap<(usize, usize), Pending>>,
-    done: bool,
 }
 
 impl CkptzWriter {
@@ -917,11 +914,9 @@ impl CkptzWriter {
                 ),
             });
         }
-        let (tmp, file) = create_staged_file(dest)?;
+        let out = StagedFile::create(dest)?;
         Ok(CkptzWriter {
-            tmp,
-            dest: dest.to_path_buf(),
-            file,
+            out,
             specs: tensors.to_vec(),
             metadata: metadata.clone(),
             level: compression.level,
@@ -931,7 +926,6 @@ impl CkptzWriter {
             next: AtomicU64::new(0),
             written: counts.iter().map(|&n| Mutex::new(vec![None; n])).collect(),
             pending: Mutex::new(HashMap::new()),
-            done: false,
         })
     }
 
@@ -949,7 +943,7 @@ impl CkptzWriter {
             .ok_or_else(|| {
                 overflow(format!(
                     "{}: write past the end of tensor `{}`",
-                    self.dest.display(),
+                    self.out.dest().display(),
                     self.specs[index].name
                 ))
             })?;
@@ -1001,12 +995,10 @@ impl CkptzWriter {
         let sum = Checksum(crc32c::crc32c(raw));
         let (start, len) = FRAME.with(|f| -> Result<(u64, u64)> {
             let mut out = f.borrow_mut();
-            compress_chunk(raw, self.sizes[index].0, self.level, &mut out).at(&self.tmp)?;
+            compress_chunk(raw, self.sizes[index].0, self.level, &mut out).at(self.out.dest())?;
             let len = out.len() as u64;
             let start = self.next.fetch_add(len, Ordering::Relaxed);
-            self.file
-                .write_all_at(&out, self.data_start + start)
-                .at(&self.tmp)?;
+            self.out.write_at(&out, self.data_start + start)?;
             Ok((start, len))
         })?;
         let mut w = self.written[index]
@@ -1036,7 +1028,7 @@ impl CkptzWriter {
                         &self.specs[i].name,
                         format!("chunk {k} of the output was never completely written"),
                     )
-                    .with_path(&self.dest)
+                    .with_path(self.out.dest())
                 })?;
                 let (_, cs) = self.sizes[i];
                 let lo = k as u64 * cs;
@@ -1052,12 +1044,12 @@ impl CkptzWriter {
             self.metadata.clone()
         };
         let mut header = encode_header(&self.specs, &meta, &self.sizes, &tables)
-            .map_err(|e| e.with_path(&self.dest))?;
+            .map_err(|e| e.with_path(self.out.dest()))?;
         let reserved = self.data_start - 16;
         if header.len() as u64 > reserved {
             return Err(overflow(format!(
                 "{}: header of {} bytes does not fit the {reserved} reserved",
-                self.dest.display(),
+                self.out.dest().display(),
                 header.len()
             )));
         }
@@ -1065,21 +1057,10 @@ impl CkptzWriter {
         let mut preamble = MAGIC.to_vec();
         preamble.extend_from_slice(&reserved.to_le_bytes());
         preamble.extend_from_slice(&header);
-        self.file.write_all_at(&preamble, 0).at(&self.tmp)?;
-        self.file
-            .set_len(self.data_start + self.next.load(Ordering::Relaxed))
-            .at(&self.tmp)?;
-        commit_staged_file(&self.file, &self.tmp, &self.dest)?;
-        self.done = true;
-        Ok(())
-    }
-}
-
-impl Drop for CkptzWriter {
-    fn drop(&mut self) {
-        if !self.done {
-            discard_staged_file(&self.tmp);
-        }
+        self.out.write_at(&preamble, 0)?;
+        self.out
+            .set_len(self.data_start + self.next.load(Ordering::Relaxed))?;
+        self.out.commit()
     }
 }
 
@@ -1145,7 +1126,7 @@ mod tests {
         tensors: &[TensorSpec],
         chunk: u64,
         piece: usize,
-    ) -> (PathBuf, Vec<Vec<u8>>) {
+    ) -> (std::path::PathBuf, Vec<Vec<u8>>) {
         let dest = dir.join("x.ckptz");
         let c = Compression {
             level: 3,

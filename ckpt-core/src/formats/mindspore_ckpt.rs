@@ -21,6 +21,7 @@
 
 use super::{FileFormat, TensorEntry, TensorFile};
 use crate::error::{Error, Result};
+use crate::output::StagedFile;
 use crate::Dtype;
 use memmap2::Mmap;
 use prost::bytes::Buf;
@@ -347,15 +348,12 @@ fn parse_tensor(mut c: Cursor<'_>, name: String) -> Result<TensorEntry> {
 /// when [`MindSporeWriter::finish`] renames it.
 #[derive(Debug)]
 pub struct MindSporeWriter {
-    tmp: std::path::PathBuf,
-    dest: std::path::PathBuf,
-    file: std::fs::File,
+    out: StagedFile,
     /// Where each tensor's content lies in the file: `(offset in the tensor, offset in
     /// the file)` of each of its records, in order.
     content_at: Vec<Vec<(u64, u64)>>,
     /// Each tensor's byte length.
     lens: Vec<u64>,
-    done: bool,
 }
 
 /// MindSpore writes a tensor over this many bytes as records of this many bytes
@@ -439,20 +437,15 @@ impl MindSporeWriter {
             }
             content_at.push(records);
         }
-        let (tmp, file) = crate::output::create_staged_file(dest)?;
+        let out = StagedFile::create(dest)?;
         let w = MindSporeWriter {
-            tmp,
-            dest: dest.to_path_buf(),
-            file,
+            out,
             content_at,
             lens,
-            done: false,
         };
-        use crate::error::IoContext;
-        use std::os::unix::fs::FileExt;
-        w.file.set_len(pos).at(&w.tmp)?;
+        w.out.set_len(pos)?;
         for (at, bytes) in framing {
-            w.file.write_all_at(&bytes, at).at(&w.tmp)?;
+            w.out.write_at(&bytes, at)?;
         }
         Ok(w)
     }
@@ -463,8 +456,6 @@ impl MindSporeWriter {
     /// # Errors
     /// I/O errors, with the path.
     pub fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
-        use crate::error::IoContext;
-        use std::os::unix::fs::FileExt;
         let records = &self.content_at[index];
         let end = offset + bytes.len() as u64;
         for (k, &(from, file_at)) in records.iter().enumerate() {
@@ -474,9 +465,7 @@ impl MindSporeWriter {
                 continue;
             }
             let part = &bytes[(lo - offset) as usize..(hi - offset) as usize];
-            self.file
-                .write_all_at(part, file_at + (lo - from))
-                .at(&self.tmp)?;
+            self.out.write_at(part, file_at + (lo - from))?;
         }
         Ok(())
     }
@@ -485,18 +474,8 @@ impl MindSporeWriter {
     ///
     /// # Errors
     /// I/O errors, with the path.
-    pub fn finish(mut self) -> Result<()> {
-        crate::output::commit_staged_file(&self.file, &self.tmp, &self.dest)?;
-        self.done = true;
-        Ok(())
-    }
-}
-
-impl Drop for MindSporeWriter {
-    fn drop(&mut self) {
-        if !self.done {
-            crate::output::discard_staged_file(&self.tmp);
-        }
+    pub fn finish(self) -> Result<()> {
+        self.out.commit()
     }
 }
 

@@ -8,16 +8,14 @@ use crate::checkpoint::DCP_SHARDING_INFO;
 use crate::checksum::{
     checksums_enabled, decode_checksums, encode_checksums, Checksum, CHECKSUMS_KEY, CHUNK,
 };
-use crate::error::{overflow, Error, IoContext, Result};
-use crate::output::{commit_staged_file, create_staged_file, discard_staged_file};
+use crate::error::{overflow, Error, Result};
+use crate::output::StagedFile;
 use crate::strategy::{dtype_name, parse_dtype};
 use crate::Dtype;
 use memmap2::Mmap;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Mutex;
 
 /// Largest header accepted (the reference implementation's limit).
@@ -289,16 +287,13 @@ pub struct TensorSpec {
 /// out with placeholders of the same length, so no byte of data moves).
 #[derive(Debug)]
 pub struct SafetensorsWriter {
-    tmp: PathBuf,
-    dest: PathBuf,
-    file: File,
+    out: StagedFile,
     data_start: u64,
     offsets: Vec<u64>,
     specs: Vec<TensorSpec>,
     metadata: BTreeMap<String, String>,
     /// Per tensor: `(offset, length, checksum)` of every write; `None` without checksums.
     written: Option<Vec<Mutex<Vec<(u64, u64, Checksum)>>>>,
-    done: bool,
 }
 
 /// Serialises a header: entries in the given order, offsets contiguous, padded with
@@ -375,22 +370,19 @@ impl SafetensorsWriter {
         };
         let (header, offsets) =
             encode_header(tensors, &header_meta).map_err(|e| e.with_path(dest))?;
-        let (tmp, file) = create_staged_file(dest)?;
+        let out = StagedFile::create(dest)?;
         let data_start = header.len() as u64;
         let total = data_start + offsets.last().copied().unwrap_or(0);
         let w = SafetensorsWriter {
-            tmp,
-            dest: dest.to_path_buf(),
-            file,
+            out,
             data_start,
             offsets,
             specs: tensors.to_vec(),
             metadata: metadata.clone(),
             written: sums.then(|| tensors.iter().map(|_| Mutex::new(Vec::new())).collect()),
-            done: false,
         };
-        w.file.set_len(total).at(&w.tmp)?;
-        w.file.write_all_at(&header, 0).at(&w.tmp)?;
+        w.out.set_len(total)?;
+        w.out.write_at(&header, 0)?;
         Ok(w)
     }
 
@@ -400,9 +392,8 @@ impl SafetensorsWriter {
     /// I/O errors, with the path.
     pub fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
         debug_assert!(self.offsets[index] + offset + bytes.len() as u64 <= self.offsets[index + 1]);
-        self.file
-            .write_all_at(bytes, self.data_start + self.offsets[index] + offset)
-            .at(&self.tmp)?;
+        self.out
+            .write_at(bytes, self.data_start + self.offsets[index] + offset)?;
         if let Some(w) = &self.written {
             let sum = Checksum(crc32c::crc32c(bytes));
             w[index]
@@ -444,9 +435,8 @@ impl SafetensorsWriter {
         let mut off = 0;
         while off < len {
             let n = (len - off).min(buf.len() as u64) as usize;
-            self.file
-                .read_exact_at(&mut buf[..n], self.data_start + self.offsets[index] + off)
-                .at(&self.tmp)?;
+            self.out
+                .read_at(&mut buf[..n], self.data_start + self.offsets[index] + off)?;
             parts.push((Checksum(crc32c::crc32c(&buf[..n])), n as u64));
             off += n as u64;
         }
@@ -469,20 +459,18 @@ impl SafetensorsWriter {
             }
             let meta = with_checksums(&self.metadata, sums);
             let (header, _) =
-                encode_header(&self.specs, &meta).map_err(|e| e.with_path(&self.dest))?;
+                encode_header(&self.specs, &meta).map_err(|e| e.with_path(self.out.dest()))?;
             if header.len() as u64 != self.data_start {
                 return Err(overflow(format!(
                     "{}: header with checksums changed size ({} to {} bytes)",
-                    self.dest.display(),
+                    self.out.dest().display(),
                     self.data_start,
                     header.len()
                 )));
             }
-            self.file.write_all_at(&header, 0).at(&self.tmp)?;
+            self.out.write_at(&header, 0)?;
         }
-        commit_staged_file(&self.file, &self.tmp, &self.dest)?;
-        self.done = true;
-        Ok(())
+        self.out.commit()
     }
 }
 
@@ -497,14 +485,6 @@ pub(crate) fn with_checksums(
         encode_checksums(&sums.into_iter().collect()),
     );
     m
-}
-
-impl Drop for SafetensorsWriter {
-    fn drop(&mut self) {
-        if !self.done {
-            discard_staged_file(&self.tmp);
-        }
-    }
 }
 
 #[cfg(test)]

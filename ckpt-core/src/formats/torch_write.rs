@@ -16,12 +16,10 @@
 
 use super::byte_len;
 use super::pickle::Emitter;
-use crate::error::{overflow, Error, IoContext, Result};
-use crate::output::{commit_staged_file, create_staged_file, discard_staged_file};
+use crate::error::{overflow, Error, Result};
+use crate::output::StagedFile;
 use crate::{Dtype, TensorSpec};
-use std::fs::File;
-use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Mutex;
 
 /// torch aligns storage data to this many bytes (so `torch.load(mmap=True)` can map it).
@@ -324,16 +322,13 @@ impl Archive {
 /// tensor) or a `.distcp` file (one archive per tensor).
 #[derive(Debug)]
 pub(crate) struct TorchWriter {
-    tmp: PathBuf,
-    dest: PathBuf,
-    file: File,
+    out: StagedFile,
     /// Each archive and where it starts in the file.
     archives: Vec<(u64, Archive)>,
     /// For each tensor: its archive, and its index in that archive.
     place: Vec<(usize, usize)>,
     /// Each tensor's writes: (offset, length, CRC-32).
     written: Vec<Mutex<Vec<(u64, u64, u32)>>>,
-    done: bool,
 }
 
 impl TorchWriter {
@@ -369,21 +364,18 @@ impl TorchWriter {
             push(tensors, false, &mut archives)?;
             place.extend((0..tensors.len()).map(|i| (0, i)));
         }
-        let (tmp, file) = create_staged_file(dest)?;
+        let out = StagedFile::create(dest)?;
         let w = TorchWriter {
-            tmp,
-            dest: dest.to_path_buf(),
-            file,
+            out,
             archives,
             place,
             written: tensors.iter().map(|_| Mutex::new(Vec::new())).collect(),
-            done: false,
         };
-        w.file.set_len(pos).at(&w.tmp)?;
+        w.out.set_len(pos)?;
         for (at, a) in &w.archives {
             for (entry, bytes) in &a.small {
                 let e = &a.entries[*entry];
-                w.file.write_all_at(bytes, at + e.data_at).at(&w.tmp)?;
+                w.out.write_at(bytes, at + e.data_at)?;
             }
         }
         Ok(w)
@@ -416,9 +408,7 @@ impl TorchWriter {
     /// # Errors
     /// I/O errors, with the path.
     pub(crate) fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
-        self.file
-            .write_all_at(bytes, self.data_start(index) + offset)
-            .at(&self.tmp)?;
+        self.out.write_at(bytes, self.data_start(index) + offset)?;
         self.written[index]
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -453,9 +443,7 @@ impl TorchWriter {
         let mut off = 0;
         while off < len {
             let n = (len - off).min(buf.len() as u64) as usize;
-            self.file
-                .read_exact_at(&mut buf[..n], start + off)
-                .at(&self.tmp)?;
+            self.out.read_at(&mut buf[..n], start + off)?;
             h.update(&buf[..n]);
             off += n as u64;
         }
@@ -467,7 +455,7 @@ impl TorchWriter {
     ///
     /// # Errors
     /// I/O errors, with the path.
-    pub(crate) fn finish(mut self) -> Result<()> {
+    pub(crate) fn finish(self) -> Result<()> {
         let mut crcs: Vec<Vec<u32>> = self
             .archives
             .iter()
@@ -481,25 +469,11 @@ impl TorchWriter {
         for ((at, a), crcs) in self.archives.iter().zip(&crcs) {
             for i in 0..a.entries.len() {
                 let h = a.local_header(i, a.crc_of(i, crcs));
-                self.file
-                    .write_all_at(&h, at + a.entries[i].header_at)
-                    .at(&self.tmp)?;
+                self.out.write_at(&h, at + a.entries[i].header_at)?;
             }
-            self.file
-                .write_all_at(&a.tail(crcs), at + a.cd_at)
-                .at(&self.tmp)?;
+            self.out.write_at(&a.tail(crcs), at + a.cd_at)?;
         }
-        commit_staged_file(&self.file, &self.tmp, &self.dest)?;
-        self.done = true;
-        Ok(())
-    }
-}
-
-impl Drop for TorchWriter {
-    fn drop(&mut self) {
-        if !self.done {
-            discard_staged_file(&self.tmp);
-        }
+        self.out.commit()
     }
 }
 
