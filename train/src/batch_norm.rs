@@ -11,6 +11,7 @@
 //! `dγ = Σ(dy x̂)`, `dβ = Σdy` (averaged over `dp` by the optimizer like any gradient).
 
 use crate::comm::{Comm, ReduceOp};
+use crate::cpu_data::{f32_slice, with_f32, Sums2};
 use crate::parallel::all_reduce_sum_both;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
@@ -29,16 +30,6 @@ struct BatchNormOp {
     eps: f64,
     sync: Option<Arc<dyn Comm>>,
     stats: Arc<Mutex<BatchStats>>,
-}
-
-fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
-    let CpuStorage::F32(v) = s else {
-        candle_core::bail!("batch-norm: {what} must be f32")
-    };
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&v[a..b]),
-        None => candle_core::bail!("batch-norm: {what} must be contiguous"),
-    }
 }
 
 fn dims(shape: &Shape) -> candle_core::Result<(usize, usize, usize)> {
@@ -60,6 +51,26 @@ impl BatchNormOp {
     }
 }
 
+/// Per channel of `[b, c, hw]` data, two f64 sums that `add(channel, range of one
+/// image's channel, sums)` accumulates, image after image; channels in parallel.
+fn channel_sums(
+    b: usize,
+    c: usize,
+    hw: usize,
+    add: impl Fn(usize, std::ops::Range<usize>, &mut Sums2) + Sync,
+) -> Vec<(f64, f64)> {
+    (0..c)
+        .into_par_iter()
+        .map(|ch| {
+            let mut acc = Sums2::default();
+            for bi in 0..b {
+                add(ch, (bi * c + ch) * hw..(bi * c + ch + 1) * hw, &mut acc);
+            }
+            acc.total()
+        })
+        .collect()
+}
+
 impl CustomOp3 for BatchNormOp {
     fn name(&self) -> &'static str {
         "batch-norm"
@@ -74,22 +85,15 @@ impl CustomOp3 for BatchNormOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = slice(s1, l1, "input")?;
-        let (gamma, beta) = (slice(s2, l2, "weight")?, slice(s3, l3, "bias")?);
+        let x = f32_slice(s1, l1, "batch-norm: input")?;
+        let gamma = f32_slice(s2, l2, "batch-norm: weight")?;
+        let beta = f32_slice(s3, l3, "batch-norm: bias")?;
         let (b, c, hw) = dims(l1.shape())?;
-        let per: Vec<(f64, f64)> = (0..c)
-            .into_par_iter()
-            .map(|ch| {
-                let (mut s, mut ss) = (0f64, 0f64);
-                for bi in 0..b {
-                    for &v in &x[(bi * c + ch) * hw..(bi * c + ch + 1) * hw] {
-                        s += f64::from(v);
-                        ss += f64::from(v) * f64::from(v);
-                    }
-                }
-                (s, ss)
-            })
-            .collect();
+        let per = channel_sums(b, c, hw, |_, r, acc| {
+            acc.add(&x[r.clone()], &x[r], |v, _| {
+                (f64::from(v), f64::from(v) * f64::from(v))
+            });
+        });
         let mut sums: Vec<f32> = per
             .iter()
             .map(|p| p.0 as f32)
@@ -143,46 +147,47 @@ impl CustomOp3 for BatchNormOp {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone();
         let (b, c, hw) = dims(x.shape())?;
-        let xv = x.flatten_all()?.to_vec1::<f32>()?;
-        let dy = grad.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
         let g = gamma.to_vec1::<f32>()?;
         let inv: Vec<f32> = stats
             .var
             .iter()
             .map(|&v| (1.0 / (f64::from(v) + self.eps).sqrt()) as f32)
             .collect();
-        let mut sums = vec![0f32; 2 * c];
-        for ch in 0..c {
-            let (mut sdy, mut sdyx) = (0f64, 0f64);
-            let (m, iv) = (stats.mean[ch], inv[ch]);
-            for bi in 0..b {
-                let r = (bi * c + ch) * hw..(bi * c + ch + 1) * hw;
-                for (&d, &v) in dy[r.clone()].iter().zip(&xv[r]) {
-                    sdy += f64::from(d);
-                    sdyx += f64::from(d) * f64::from((v - m) * iv);
-                }
-            }
-            sums[ch] = sdy as f32;
-            sums[c + ch] = sdyx as f32;
-        }
-        let local = sums.clone();
-        self.all_reduce(&mut sums)?;
-        let n = stats.count;
-        let mut dx = vec![0f32; xv.len()];
-        for ch in 0..c {
-            let (m, iv) = (stats.mean[ch], inv[ch]);
-            let k = g[ch] * iv;
-            let (mdy, mdyx) = (
-                (f64::from(sums[ch]) / n) as f32,
-                (f64::from(sums[c + ch]) / n) as f32,
-            );
-            for bi in 0..b {
-                let r = (bi * c + ch) * hw..(bi * c + ch + 1) * hw;
-                for ((o, &d), &v) in dx[r.clone()].iter_mut().zip(&dy[r.clone()]).zip(&xv[r]) {
-                    *o = k * (d - mdy - (v - m) * iv * mdyx);
-                }
-            }
-        }
+        let (dx, local) = with_f32(x, "batch-norm: input", |xv| {
+            with_f32(grad, "batch-norm: gradient", |dy| {
+                let per = channel_sums(b, c, hw, |ch, r, acc| {
+                    let (m, iv) = (stats.mean[ch], inv[ch]);
+                    acc.add(&dy[r.clone()], &xv[r], |d, v| {
+                        (f64::from(d), f64::from(d) * f64::from((v - m) * iv))
+                    });
+                });
+                let mut sums: Vec<f32> = per
+                    .iter()
+                    .map(|p| p.0 as f32)
+                    .chain(per.iter().map(|p| p.1 as f32))
+                    .collect();
+                let local = sums.clone();
+                self.all_reduce(&mut sums)?;
+                let n = stats.count;
+                let mut dx = vec![0f32; xv.len()];
+                dx.par_chunks_mut(hw.max(1))
+                    .zip(dy.par_chunks(hw.max(1)).zip(xv.par_chunks(hw.max(1))))
+                    .enumerate()
+                    .for_each(|(i, (o, (dy, xv)))| {
+                        let ch = i % c;
+                        let (m, iv) = (stats.mean[ch], inv[ch]);
+                        let k = g[ch] * iv;
+                        let (mdy, mdyx) = (
+                            (f64::from(sums[ch]) / n) as f32,
+                            (f64::from(sums[c + ch]) / n) as f32,
+                        );
+                        for ((o, &d), &v) in o.iter_mut().zip(dy).zip(xv) {
+                            *o = k * (d - mdy - (v - m) * iv * mdyx);
+                        }
+                    });
+                Ok::<_, candle_core::Error>((dx, local))
+            })
+        })???;
         let dev = x.device();
         Ok((
             Some(Tensor::from_vec(dx, x.shape(), dev)?),

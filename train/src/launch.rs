@@ -222,17 +222,25 @@ impl Backend {
     }
 }
 
-/// Sizes the CPU thread pools of this process for `ranks` ranks running in it (thread
-/// ranks; 1 under a launcher). Call it once, before any tensor work: candle and rayon
-/// read these settings when their pools first start.
+/// Sets up this process's CPU threads and memory for `ranks` ranks running in it
+/// (thread ranks; 1 under a launcher). Call it once, before any tensor work: candle and
+/// rayon read these settings when their pools first start.
 ///
 /// candle's element-wise ops run on a spinning barrier pool that serializes its callers:
 /// thread ranks sharing it take turns and spin, and even one rank's small ops (the mlp's)
 /// cost more in spinning than they gain, so candle runs them on the calling thread
-/// (`CANDLE_NUM_THREADS=1`). Matrix products (and ckpt's copies) use rayon: with several
-/// ranks in the process each gets its share of the cores (`RAYON_NUM_THREADS`), so the
-/// ranks run side by side instead of every rank assuming every core. Measured with
-/// `train-bench` (see the README). Variables already set by the user are kept.
+/// (`CANDLE_NUM_THREADS=1`). Convolutions, BatchNorm, the optimizer and matrix products
+/// use rayon: each thread rank runs on a pool of its own with its share of the cores
+/// (`RAYON_NUM_THREADS`, threads per rank; set here so that candle does not parse
+/// `/proc/cpuinfo` before every matrix product to find it). Variables already set by
+/// the user are kept.
+///
+/// Memory: every candle op returns a fresh buffer, and glibc's allocator gives freed
+/// ones back to the kernel (trimming the heap top, unmapping large blocks), so each
+/// step faulted in and zeroed the same pages again (a tenth of the mlp's time in the
+/// profile). The step's working set is the same every step, so freed memory stays in the
+/// process: no trimming, and blocks up to 32 MiB (glibc's largest mmap threshold) from
+/// the heap. Measured with `train-bench` (see the README).
 pub fn configure_cpu_threads(ranks: usize) {
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     let set = |k: &str, v: usize| {
@@ -242,10 +250,34 @@ pub fn configure_cpu_threads(ranks: usize) {
         }
     };
     set("CANDLE_NUM_THREADS", 1);
-    if ranks > 1 {
-        set("RAYON_NUM_THREADS", (cores / ranks).max(1));
+    set("RAYON_NUM_THREADS", (cores / ranks.max(1)).max(1));
+    keep_freed_memory();
+}
+
+/// Threads per thread rank: `RAYON_NUM_THREADS` when set (see [`configure_cpu_threads`]),
+/// else an equal share of the cores, at least one.
+pub(crate) fn threads_per_rank(ranks: usize) -> usize {
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+            (cores / ranks.max(1)).max(1)
+        })
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn keep_freed_memory() {
+    // SAFETY: mallopt only sets allocator parameters; called before other threads run.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
     }
 }
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn keep_freed_memory() {}
 
 /// Thread ranks run the whole job in one process: started as one of several processes
 /// by a launcher, every process would run all of it and write the same outputs. Refused,

@@ -25,6 +25,7 @@ mod checkpoint;
 mod comm;
 mod config;
 mod conv;
+mod cpu_data;
 mod cuda;
 mod data;
 mod device;

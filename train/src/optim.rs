@@ -13,6 +13,7 @@ use crate::params::{local_positions, ParamSpec};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use ckpt_core::{Mesh, Placement, TensorLayout};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -94,6 +95,84 @@ struct Slot {
     peers: Vec<Vec<u32>>,
     /// One buffer per state name, as long as the shard.
     state: Vec<Vec<f32>>,
+}
+
+/// One optimizer step's constants: SGD with momentum and weight decay, or AdamW with
+/// its bias corrections for this step.
+#[derive(Clone, Copy)]
+struct UpdateRule {
+    kind: OptimizerKind,
+    lr: f32,
+    mom: f32,
+    wd: f32,
+    b1: f32,
+    b2: f32,
+    eps: f32,
+    bc1: f32,
+    bc2: f32,
+}
+
+/// Elements per parallel task of an update: large enough that a task outweighs its
+/// hand-off, small enough to spread a layer over the cores.
+const UPDATE_CHUNK: usize = 1 << 14;
+
+impl UpdateRule {
+    fn new(c: &OptimConfig, lr: f64, step: u64) -> UpdateRule {
+        UpdateRule {
+            kind: c.kind,
+            lr: lr as f32,
+            mom: c.momentum as f32,
+            wd: c.weight_decay as f32,
+            b1: c.beta1 as f32,
+            b2: c.beta2 as f32,
+            eps: c.eps as f32,
+            bc1: 1.0 - (c.beta1 as f32).powi(step as i32),
+            bc2: 1.0 - (c.beta2 as f32).powi(step as i32),
+        }
+    }
+
+    /// Updates `p` from its averaged gradient `g` and its state (one vector per state
+    /// name, each as long as `p`), element by element: in parallel chunks, the same
+    /// bits whatever the thread count.
+    fn apply(self, p: &mut [f32], g: &[f32], state: &mut [Vec<f32>]) {
+        match (self.kind, state) {
+            (OptimizerKind::Sgd, [buf]) => p
+                .par_chunks_mut(UPDATE_CHUNK)
+                .zip(g.par_chunks(UPDATE_CHUNK))
+                .zip(buf.par_chunks_mut(UPDATE_CHUNK))
+                .for_each(|((p, g), b)| self.sgd(p, g, b)),
+            (OptimizerKind::Adamw, [m, v]) => p
+                .par_chunks_mut(UPDATE_CHUNK)
+                .zip(g.par_chunks(UPDATE_CHUNK))
+                .zip(
+                    m.par_chunks_mut(UPDATE_CHUNK)
+                        .zip(v.par_chunks_mut(UPDATE_CHUNK)),
+                )
+                .for_each(|((p, g), (m, v))| self.adamw(p, g, m, v)),
+            (kind, state) => unreachable!("{kind:?} with {} state vectors", state.len()),
+        }
+    }
+
+    // Straight loops over equal-length slices, so that they vectorize.
+    fn sgd(self, p: &mut [f32], g: &[f32], buf: &mut [f32]) {
+        let (lr, mom, wd) = (self.lr, self.mom, self.wd);
+        for ((p, &g), b) in p.iter_mut().zip(g).zip(buf) {
+            let g = g + wd * *p;
+            *b = mom * *b + g;
+            *p -= lr * *b;
+        }
+    }
+
+    fn adamw(self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        let (lr, b1, b2, eps) = (self.lr, self.b1, self.b2, self.eps);
+        let decay = 1.0 - lr * self.wd;
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
+            let pv = *p * decay;
+            *m = b1 * *m + (1.0 - b1) * g;
+            *v = b2 * *v + (1.0 - b2) * g * g;
+            *p = pv - lr * (*m / self.bc1) / ((*v / self.bc2).sqrt() + eps);
+        }
+    }
 }
 
 /// An optimizer over one rank's local parameters.
@@ -200,42 +279,21 @@ impl Optimizer {
             .iter()
             .map(|s| crate::comm::tensor_to_vec(s.var.as_tensor()))
             .collect::<Result<_>>()?;
-        let (lr, c) = (lr as f32, &self.cfg);
-        let (mom, wd, b1, b2, eps) = (
-            c.momentum as f32,
-            c.weight_decay as f32,
-            c.beta1 as f32,
-            c.beta2 as f32,
-            c.eps as f32,
-        );
-        let bc1 = 1.0 - (c.beta1 as f32).powi(step as i32);
-        let bc2 = 1.0 - (c.beta2 as f32).powi(step as i32);
-        let kind = c.kind;
+        let rule = UpdateRule::new(&self.cfg, lr, step);
         for (i, s) in self.slots.iter_mut().enumerate() {
-            let p = &mut params[i];
             let n = s.state[0].len();
             let g = &grad[grad_at[i]..grad_at[i] + n];
-            for j in 0..n {
-                let pi = s.mine.as_ref().map_or(j, |m| m[j] as usize);
-                let (pv, gv) = (p[pi], g[j]);
-                p[pi] = match kind {
-                    OptimizerKind::Sgd => {
-                        let gv = gv + wd * pv;
-                        let b = &mut s.state[0][j];
-                        *b = mom * *b + gv;
-                        pv - lr * *b
+            match &s.mine {
+                None => rule.apply(&mut params[i], g, &mut s.state),
+                Some(mine) => {
+                    // ZeRO: this rank's elements, gathered, updated, scattered back.
+                    let p = &mut params[i];
+                    let mut sub: Vec<f32> = mine.iter().map(|&pi| p[pi as usize]).collect();
+                    rule.apply(&mut sub, g, &mut s.state);
+                    for (&pi, v) in mine.iter().zip(sub) {
+                        p[pi as usize] = v;
                     }
-                    OptimizerKind::Adamw => {
-                        let pv = pv * (1.0 - lr * wd);
-                        let m = &mut s.state[0][j];
-                        *m = b1 * *m + (1.0 - b1) * gv;
-                        let mhat = *m / bc1;
-                        let v = &mut s.state[1][j];
-                        *v = b2 * *v + (1.0 - b2) * gv * gv;
-                        let vhat = *v / bc2;
-                        pv - lr * mhat / (vhat.sqrt() + eps)
-                    }
-                };
+                }
             }
         }
         if self.zero {

@@ -266,6 +266,23 @@ fn build(mesh: &Mesh, abort: &Arc<AtomicBool>) -> Vec<Dist> {
         .collect()
 }
 
+/// Runs `f` on a rayon pool of `threads` threads of its own, so that the parallel loops
+/// of one rank (convolutions, BatchNorm, matrix products) stay on that rank's share of
+/// the cores: on rayon's one global pool, sized to that share, the ranks' loops would
+/// queue behind each other. With one thread, `f` runs on that thread and its parallel
+/// loops run inline, with no hand-off at all. Without a pool (it could not be started),
+/// `f` runs here on the global pool.
+fn in_own_pool<T: Send>(rank: usize, threads: usize, f: impl FnOnce() -> T + Send) -> T {
+    match rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(move |i| format!("rank-{rank}-{i}"))
+        .build()
+    {
+        Ok(pool) => pool.install(f),
+        Err(_) => f(),
+    }
+}
+
 /// Runs `f` once per rank of `mesh`, each on its own thread, and returns the ranks'
 /// results in rank order.
 ///
@@ -278,6 +295,7 @@ pub fn run_threads<T: Send>(mesh: &Mesh, f: impl Fn(Dist) -> Result<T> + Sync) -
     check_mesh(mesh)?;
     let abort = Arc::new(AtomicBool::new(false));
     let dists = build(mesh, &abort);
+    let share = crate::launch::threads_per_rank(dists.len());
     let results: Vec<Result<T>> = std::thread::scope(|s| {
         let handles: Vec<_> = dists
             .into_iter()
@@ -287,7 +305,9 @@ pub fn run_threads<T: Send>(mesh: &Mesh, f: impl Fn(Dist) -> Result<T> + Sync) -
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(s, move || {
-                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(d)));
+                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            in_own_pool(rank, share, || f(d))
+                        }));
                         let r = match r {
                             Ok(r) => r,
                             Err(p) => {
