@@ -4,9 +4,11 @@ thread count as ckpt's benchmark, images per second over the timed steps.
 
     python3 scripts/torch_train_bench.py MODEL STEPS THREADS
 
-MODEL is `mlp` (64-512-256-10 on 8x8 single-channel images, AdamW) or `resnet`
-(ResNet-20 on CIFAR shapes, 3x32x32, SGD with momentum); random data, as in
-train-bench, since the content does not change the speed. Prints one number.
+MODEL is `mlp` (64-512-256-10 on 8x8 single-channel images, AdamW), `resnet`
+(ResNet-20 on CIFAR shapes, 3x32x32, SGD with momentum) or `resnet50` (bottleneck
+blocks 3-4-6-3 with a 3x3 stem, as ckpt builds it for 32x32 images, SGD); random data,
+as in train-bench, since the content does not change the speed. The same warm-up steps
+as train-bench (20 for the mlp, 2 for the ResNets) are left out. Prints one number.
 """
 import sys
 import time
@@ -31,6 +33,45 @@ class Block(nn.Module):
         y = F.relu(self.bn1(self.conv1(x)))
         y = self.bn2(self.conv2(y))
         return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, cin, width, stride):
+        super().__init__()
+        cout = width * 4
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet50(nn.Module):
+    def __init__(self, classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        layers, cin = [], 64
+        for s, (n, width) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512))):
+            for i in range(n):
+                layers.append(Bottleneck(cin, width, 2 if i == 0 and s > 0 else 1))
+                cin = width * 4
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = self.layers(F.relu(self.bn1(self.conv1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
 class ResNet20(nn.Module):
@@ -62,7 +103,7 @@ def main():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         shape = (batch, 1, 8, 8)
     else:
-        model = ResNet20()
+        model = ResNet50() if model_name == "resnet50" else ResNet20()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
         shape = (batch, 3, 32, 32)
     xs = [torch.rand(shape) for _ in range(4)]

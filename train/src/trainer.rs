@@ -55,6 +55,9 @@ pub struct TrainReport {
     /// How long the training loop stood still for each save (rank 0), in seconds:
     /// the copy into memory, or with [`TrainConfig::sync_save`] the whole save.
     pub save_stalls: Vec<f64>,
+    /// Wall time of each training step of this run (rank 0), in seconds, saves and
+    /// evaluation excluded: benchmarks leave out the first (warm-up) steps.
+    pub step_seconds: Vec<f64>,
 }
 
 impl TrainReport {
@@ -487,6 +490,7 @@ fn broadcast_buffers(buffers: &[Var], dist: &Dist) -> Result<()> {
 
 struct RankResult {
     save_stalls: Vec<f64>,
+    step_seconds: Vec<f64>,
     losses: Vec<f32>,
     accuracy: Vec<(u64, f32)>,
     checkpoints: Vec<PathBuf>,
@@ -659,6 +663,7 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
     let config_json = plan.model.to_json();
     let mut result = RankResult {
         save_stalls: Vec::new(),
+        step_seconds: Vec::new(),
         losses: Vec::new(),
         accuracy: Vec::new(),
         checkpoints: Vec::new(),
@@ -785,7 +790,9 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             dist.dp.all_reduce(&mut l, ReduceOp::Mean)?;
             step += 1;
             pos_batch = b + 1;
-            result.train_seconds += t0.elapsed().as_secs_f64();
+            let took = t0.elapsed().as_secs_f64();
+            result.train_seconds += took;
+            result.step_seconds.push(took);
             result.losses.push(l[0]);
             last_loss = Some(l[0]);
             let ips =
@@ -877,5 +884,6 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainReport> {
         checkpoints: r0.checkpoints,
         weights: r0.weights,
         save_stalls: r0.save_stalls,
+        step_seconds: r0.step_seconds,
     })
 }

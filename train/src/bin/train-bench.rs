@@ -1,8 +1,9 @@
-//! Training throughput benchmark: images per second of resnet-20 (CIFAR-shaped data)
-//! and the mlp (shipped digits) at global batch 64, on 1 and 4 thread ranks (dp).
+//! Training throughput benchmark: images per second of resnet-20 (CIFAR-shaped data),
+//! ResNet-50 (the same data) and the mlp (shipped digits) at global batch 64, on 1 and 4
+//! thread ranks (dp) unless told otherwise, over the steps after a few warm-up steps.
 //!
 //! ```text
-//! cargo run --release -p ckpt-train --bin train-bench [-- --steps N --models mlp,resnet --ranks 1,4]
+//! cargo run --release -p ckpt-train --bin train-bench [-- --steps N --models mlp,resnet,resnet50 --ranks 1,2,4]
 //! cargo run --release -p ckpt-train --bin train-bench -- --save [--ranks 1,2]
 //! ```
 //!
@@ -123,6 +124,18 @@ fn save_bench(args: &[String]) -> ExitCode {
     code
 }
 
+/// Steps run before the timed ones (allocator, caches), here and in PyTorch's script.
+fn warm_up(model: &str) -> usize {
+    if model == "mlp" {
+        20
+    } else {
+        2
+    }
+}
+
+/// ResNet-50 (bottleneck blocks 3-4-6-3) on CIFAR shapes, as the guides train it.
+const RESNET50: &str = r#"{"depth":50,"channels":3,"classes":10}"#;
+
 fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
 }
@@ -158,12 +171,6 @@ fn main() -> ExitCode {
     let models = arg(&args, "--models").unwrap_or_else(|| "mlp,resnet".into());
     let ranks = arg(&args, "--ranks").unwrap_or_else(|| "1,4".into());
     let dir = std::env::temp_dir().join(format!("ckpt-train-bench-{}", std::process::id()));
-    if let Err(e) =
-        std::fs::create_dir_all(&dir).and_then(|()| write_cifar(&dir, 64 * (steps as usize + 1)))
-    {
-        eprintln!("train-bench: {}: {e}", dir.display());
-        return ExitCode::from(2);
-    }
     // Each measurement in a process of its own: the CPU thread pools are sized once per
     // process, for its number of ranks (`configure_cpu_threads`).
     let child = std::env::var_os("TRAIN_BENCH_CHILD").is_some();
@@ -196,6 +203,15 @@ fn main() -> ExitCode {
                 continue;
             }
             configure_cpu_threads(r.parse().unwrap_or(1));
+            if model.starts_with("resnet") {
+                let images = 64 * (steps as usize + warm_up(model));
+                if let Err(e) =
+                    std::fs::create_dir_all(&dir).and_then(|()| write_cifar(&dir, images))
+                {
+                    eprintln!("train-bench: {}: {e}", dir.display());
+                    return ExitCode::from(2);
+                }
+            }
             let data = format!("cifar10:{}", dir.display());
             let mut a = vec![
                 "bench".to_string(),
@@ -205,14 +221,18 @@ fn main() -> ExitCode {
                 r.into(),
             ];
             a.extend(["--batch-size", "64", "--no-eval", "--max-steps"].map(String::from));
-            a.push((steps + 1).to_string());
-            if model == "resnet" {
+            a.push((steps as usize + warm_up(model)).to_string());
+            if model.starts_with("resnet") {
                 a.extend([
                     "--data".to_string(),
                     data,
                     "--optimizer".into(),
                     "sgd".into(),
                 ]);
+            }
+            if model == "resnet50" {
+                a[2] = "resnet".into();
+                a.extend(["--model-config".into(), RESNET50.into()]);
             }
             let cfg = match TrainConfig::try_parse_from(&a) {
                 Ok(c) => c,
@@ -223,13 +243,15 @@ fn main() -> ExitCode {
             };
             match train(&cfg, false) {
                 Ok(rep) => {
+                    let timed = rep.step_seconds.get(warm_up(model)..).unwrap_or_default();
+                    let ips = (64 * timed.len()) as f64 / timed.iter().sum::<f64>().max(1e-9);
                     println!(
                         "{:<10} {:>6} {:>6} {:>8} {:>12.1}",
                         model,
                         r,
                         64,
-                        rep.losses.len(),
-                        rep.images_per_sec
+                        timed.len(),
+                        ips
                     );
                     if r == "1" {
                         if let Some(t) = torch_figure(model, steps) {
@@ -240,7 +262,7 @@ fn main() -> ExitCode {
                                 64,
                                 steps,
                                 t,
-                                rep.images_per_sec / t
+                                ips / t
                             );
                         }
                     }
