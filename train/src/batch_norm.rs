@@ -28,6 +28,8 @@ pub(crate) struct BatchStats {
 
 struct BatchNormOp {
     eps: f64,
+    /// ReLU applied to the output in the same pass (and its mask to the gradient).
+    relu: bool,
     sync: Option<Arc<dyn Comm>>,
     stats: Arc<Mutex<BatchStats>>,
 }
@@ -121,6 +123,9 @@ impl CustomOp3 for BatchNormOp {
                 for (o, &v) in o.iter_mut().zip(xs) {
                     *o = (v - m) * k + bb;
                 }
+                if self.relu {
+                    crate::activation::relu_in_place(o);
+                }
             });
         *self
             .stats
@@ -138,7 +143,7 @@ impl CustomOp3 for BatchNormOp {
         x: &Tensor,
         gamma: &Tensor,
         _beta: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let stats = self
@@ -153,8 +158,15 @@ impl CustomOp3 for BatchNormOp {
             .iter()
             .map(|&v| (1.0 / (f64::from(v) + self.eps).sqrt()) as f32)
             .collect();
+        // With the fused ReLU, the gradient reaching the normalisation is the output's
+        // where the output is positive.
+        let grad = if self.relu {
+            crate::activation::relu_grad(res, grad)?
+        } else {
+            grad.clone()
+        };
         let (dx, local) = with_f32(x, "batch-norm: input", |xv| {
-            with_f32(grad, "batch-norm: gradient", |dy| {
+            with_f32(&grad, "batch-norm: gradient", |dy| {
                 let per = channel_sums(b, c, hw, |ch, r, acc| {
                     let (m, iv) = (stats.mean[ch], inv[ch]);
                     acc.add(&dy[r.clone()], &xv[r], |d, v| {
@@ -198,18 +210,21 @@ impl CustomOp3 for BatchNormOp {
 }
 
 /// Training-mode BatchNorm of `x` `[b, c, h, w]` with weight and bias `[c]`, statistics
-/// synchronized over `sync` when given. Returns the output and the batch statistics.
-/// CPU tensors ([`batch_norm_portable`] runs on every device).
+/// synchronized over `sync` when given, followed by a ReLU when `relu`. Returns the
+/// output and the batch statistics. CPU tensors ([`batch_norm_portable`] runs on every
+/// device).
 pub(crate) fn batch_norm_train(
     x: &Tensor,
     gamma: &Tensor,
     beta: &Tensor,
     eps: f64,
     sync: Option<Arc<dyn Comm>>,
+    relu: bool,
 ) -> candle_core::Result<(Tensor, BatchStats)> {
     let stats = Arc::new(Mutex::new(BatchStats::default()));
     let op = BatchNormOp {
         eps,
+        relu,
         sync,
         stats: stats.clone(),
     };
@@ -234,6 +249,7 @@ pub(crate) fn batch_norm_portable(
     beta: &Tensor,
     eps: f64,
     sync: Option<Arc<dyn Comm>>,
+    relu: bool,
 ) -> candle_core::Result<(Tensor, BatchStats)> {
     let (b, c, h, w) = x.dims4()?;
     let n = (b * h * w) as f64 * sync.as_ref().map_or(1, |g| g.size()) as f64;
@@ -251,6 +267,7 @@ pub(crate) fn batch_norm_portable(
         .broadcast_div(&(&var + eps)?.sqrt()?)?
         .broadcast_mul(&gamma.reshape((1, c, 1, 1))?)?
         .broadcast_add(&beta.reshape((1, c, 1, 1))?)?;
+    let y = if relu { y.relu()? } else { y };
     let stats = BatchStats {
         mean: mean.flatten_all()?.to_vec1()?,
         var: var.flatten_all()?.to_vec1()?,
@@ -264,16 +281,30 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
-    /// The fused op against the same BatchNorm written with differentiable primitives.
+    /// The fused op, with and without its ReLU, against the same BatchNorm written with
+    /// differentiable primitives.
     #[test]
     fn fused_batch_norm_matches_autograd() {
+        for relu in [false, true] {
+            fused_batch_norm_matches_autograd_with(relu);
+        }
+    }
+
+    fn fused_batch_norm_matches_autograd_with(relu: bool) {
         let dev = Device::Cpu;
         let x = Var::from_tensor(&Tensor::randn(1f32, 2.0, (3, 4, 5, 2), &dev).unwrap()).unwrap();
         let g = Var::from_tensor(&Tensor::randn(1f32, 0.2, 4, &dev).unwrap()).unwrap();
         let b = Var::from_tensor(&Tensor::randn(0f32, 0.2, 4, &dev).unwrap()).unwrap();
         let w = Tensor::randn(0f32, 1.0, (3, 4, 5, 2), &dev).unwrap();
-        let (y, stats) =
-            batch_norm_train(x.as_tensor(), g.as_tensor(), b.as_tensor(), 1e-5, None).unwrap();
+        let (y, stats) = batch_norm_train(
+            x.as_tensor(),
+            g.as_tensor(),
+            b.as_tensor(),
+            1e-5,
+            None,
+            relu,
+        )
+        .unwrap();
         let ga = (y * &w).unwrap().sum_all().unwrap().backward().unwrap();
 
         let xs = x.as_tensor();
@@ -287,6 +318,7 @@ mod tests {
             .unwrap()
             .broadcast_add(&b.as_tensor().reshape((1, 4, 1, 1)).unwrap())
             .unwrap();
+        let r = if relu { r.relu().unwrap() } else { r };
         let gb = (r * &w).unwrap().sum_all().unwrap().backward().unwrap();
         let close = |a: &Tensor, b: &Tensor| {
             let d = (a - b)
@@ -297,7 +329,7 @@ mod tests {
                 .unwrap()
                 .to_scalar::<f32>()
                 .unwrap();
-            assert!(d < 1e-4, "differ by {d}");
+            assert!(d < 1e-4, "relu {relu}: differ by {d}");
         };
         for v in [&x, &g, &b] {
             close(
@@ -339,7 +371,14 @@ mod tests {
         } else {
             batch_norm_train
         };
-        let (y, stats) = f(x.as_tensor(), g.as_tensor(), b.as_tensor(), 1e-5, sync)?;
+        let (y, stats) = f(
+            x.as_tensor(),
+            g.as_tensor(),
+            b.as_tensor(),
+            1e-5,
+            sync,
+            false,
+        )?;
         let grads = (&y * probe)?.sum_all()?.backward()?;
         let mut out = vec![y.flatten_all()?.to_vec1::<f32>()?, stats.mean, stats.var];
         for v in [&x, &g, &b] {

@@ -356,6 +356,19 @@ impl BatchNorm2d {
     /// # Errors
     /// Shape or collective errors.
     pub fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.forward_then(x, train, false)
+    }
+
+    /// [`BatchNorm2d::forward_t`] followed by a ReLU (fused into one op when training
+    /// on the CPU kernels).
+    ///
+    /// # Errors
+    /// Shape or collective errors.
+    pub fn forward_relu_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.forward_then(x, train, true)
+    }
+
+    fn forward_then(&self, x: &Tensor, train: bool, relu: bool) -> Result<Tensor> {
         let c = x.dim(1)?;
         let shape = (1, c, 1, 1);
         if train {
@@ -363,7 +376,7 @@ impl BatchNorm2d {
                 Kernels::Cpu => batch_norm_train,
                 Kernels::Portable => batch_norm_portable,
             };
-            let (y, stats) = bn(x, &self.w, &self.b, self.eps, self.sync.clone())?;
+            let (y, stats) = bn(x, &self.w, &self.b, self.eps, self.sync.clone(), relu)?;
             if self.running_mean.is_variable() {
                 let (m, n) = (self.momentum, stats.count);
                 let dev = x.device();
@@ -379,7 +392,13 @@ impl BatchNorm2d {
         let xn = x
             .broadcast_sub(&self.running_mean.reshape(shape)?)?
             .broadcast_div(&(self.running_var.reshape(shape)? + self.eps)?.sqrt()?)?;
-        xn.broadcast_mul(&self.w.reshape(shape)?)?
-            .broadcast_add(&self.b.reshape(shape)?)
+        let y = xn
+            .broadcast_mul(&self.w.reshape(shape)?)?
+            .broadcast_add(&self.b.reshape(shape)?)?;
+        if relu {
+            y.relu()
+        } else {
+            Ok(y)
+        }
     }
 }

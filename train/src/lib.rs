@@ -20,6 +20,7 @@
 //! assert!(report.losses[2] < report.losses[0]);
 //! ```
 
+mod activation;
 mod batch_norm;
 mod checkpoint;
 mod comm;

@@ -97,6 +97,17 @@ struct Slot {
     state: Vec<Vec<f32>>,
 }
 
+/// Appends the values of `t` to `out` as f32: straight from the storage of an f32 CPU
+/// tensor (one copy), through `to_vec1` otherwise.
+fn append_values(t: &Tensor, out: &mut Vec<f32>) -> Result<()> {
+    if t.device().is_cpu() && t.dtype() == candle_core::DType::F32 {
+        crate::cpu_data::with_f32(t, "gradient", |v| out.extend_from_slice(v))?;
+    } else {
+        out.extend(crate::comm::tensor_to_vec(t)?);
+    }
+    Ok(())
+}
+
 /// One optimizer step's constants: SGD with momentum and weight decay, or AdamW with
 /// its bias corrections for this step.
 #[derive(Clone, Copy)]
@@ -241,12 +252,17 @@ impl Optimizer {
     /// # Errors
     /// Collective or tensor errors.
     pub fn step(&mut self, grads: &GradStore, lr: f64, step: u64) -> Result<()> {
-        let mut flat = Vec::new();
+        let total = self
+            .slots
+            .iter()
+            .map(|s| s.var.as_tensor().elem_count())
+            .sum();
+        let mut flat = Vec::with_capacity(total);
         let mut offsets = Vec::with_capacity(self.slots.len());
         for s in &self.slots {
             offsets.push(flat.len());
             match grads.get(s.var.as_tensor()) {
-                Some(g) => flat.extend(crate::comm::tensor_to_vec(g)?),
+                Some(g) => append_values(g, &mut flat)?,
                 None => flat.extend(std::iter::repeat_n(0f32, s.var.as_tensor().elem_count())),
             }
         }

@@ -143,10 +143,6 @@ impl Comm for ThreadComm {
         // Large buffers: each rank reduces its share, then the shares are exchanged (the
         // traffic of a ring all-reduce; the same additions in the same order).
         let (start, len) = crate::parallel::chunk(buf.len(), n, self.me);
-        let mine: Vec<Arc<Vec<f32>>> = parts
-            .iter()
-            .map(|p| Arc::new(p.get(start..start + len).unwrap_or_default().to_vec()))
-            .collect();
         if let Some(p) = parts.iter().find(|p| p.len() != buf.len()) {
             return Err(Error::Collective {
                 op: "all_reduce",
@@ -154,8 +150,9 @@ impl Comm for ThreadComm {
                 problem: format!("buffer lengths differ ({} and {})", buf.len(), p.len()),
             });
         }
+        // This rank's share of every deposit, summed in rank order where it lies.
+        let seg = super::reduce_ordered(parts.iter().map(|p| &p[start..start + len]), n, op);
         drop(parts);
-        let seg = reduce(&mine, op, &self.group, "all_reduce")?;
         let shares = self.group.exchange(self.me, "all_reduce", seg)?;
         let mut at = 0;
         for s in &shares {

@@ -6,7 +6,8 @@
 //! `layer{s}.{i}.bn{1,2,3}.{weight,bias,running_mean,running_var}`,
 //! `layer{s}.{i}.downsample.{0.weight,1.*}`, `fc.{weight,bias}`.
 
-use crate::layers::{BatchNorm2d, Conv2d, Linear, ModelCtx};
+use crate::activation::add_relu;
+use crate::layers::{BatchNorm2d, Conv2d, Kernels, Linear, ModelCtx};
 use crate::params::ShardedVarBuilder;
 use candle_core::{Module, Result, Tensor};
 use serde::{Deserialize, Serialize};
@@ -53,7 +54,12 @@ impl Downsample {
     }
 }
 
-enum Block {
+struct Block {
+    kind: BlockKind,
+    kernels: Kernels,
+}
+
+enum BlockKind {
     Basic {
         conv1: Conv2d,
         bn1: BatchNorm2d,
@@ -76,12 +82,15 @@ impl Block {
         c_out: usize,
         stride: usize,
     ) -> Result<Block> {
-        Ok(Block::Basic {
-            conv1: Conv2d::new(&vb.pp("conv1"), ctx, c_in, c_out, 3, stride, 1)?,
-            bn1: BatchNorm2d::new(&vb.pp("bn1"), ctx, c_out)?,
-            conv2: Conv2d::new(&vb.pp("conv2"), ctx, c_out, c_out, 3, 1, 1)?,
-            bn2: BatchNorm2d::new(&vb.pp("bn2"), ctx, c_out)?,
-            down: Downsample::new(&vb.pp("downsample"), ctx, c_in, c_out, stride)?,
+        Ok(Block {
+            kind: BlockKind::Basic {
+                conv1: Conv2d::new(&vb.pp("conv1"), ctx, c_in, c_out, 3, stride, 1)?,
+                bn1: BatchNorm2d::new(&vb.pp("bn1"), ctx, c_out)?,
+                conv2: Conv2d::new(&vb.pp("conv2"), ctx, c_out, c_out, 3, 1, 1)?,
+                bn2: BatchNorm2d::new(&vb.pp("bn2"), ctx, c_out)?,
+                down: Downsample::new(&vb.pp("downsample"), ctx, c_in, c_out, stride)?,
+            },
+            kernels: ctx.kernels,
         })
     }
 
@@ -93,45 +102,53 @@ impl Block {
         stride: usize,
     ) -> Result<Block> {
         let c_out = width * 4;
-        Ok(Block::Bottleneck {
-            convs: [
-                Conv2d::new(&vb.pp("conv1"), ctx, c_in, width, 1, 1, 0)?,
-                Conv2d::new(&vb.pp("conv2"), ctx, width, width, 3, stride, 1)?,
-                Conv2d::new(&vb.pp("conv3"), ctx, width, c_out, 1, 1, 0)?,
-            ],
-            bns: [
-                BatchNorm2d::new(&vb.pp("bn1"), ctx, width)?,
-                BatchNorm2d::new(&vb.pp("bn2"), ctx, width)?,
-                BatchNorm2d::new(&vb.pp("bn3"), ctx, c_out)?,
-            ],
-            down: Downsample::new(&vb.pp("downsample"), ctx, c_in, c_out, stride)?,
+        Ok(Block {
+            kind: BlockKind::Bottleneck {
+                convs: [
+                    Conv2d::new(&vb.pp("conv1"), ctx, c_in, width, 1, 1, 0)?,
+                    Conv2d::new(&vb.pp("conv2"), ctx, width, width, 3, stride, 1)?,
+                    Conv2d::new(&vb.pp("conv3"), ctx, width, c_out, 1, 1, 0)?,
+                ],
+                bns: [
+                    BatchNorm2d::new(&vb.pp("bn1"), ctx, width)?,
+                    BatchNorm2d::new(&vb.pp("bn2"), ctx, width)?,
+                    BatchNorm2d::new(&vb.pp("bn3"), ctx, c_out)?,
+                ],
+                down: Downsample::new(&vb.pp("downsample"), ctx, c_in, c_out, stride)?,
+            },
+            kernels: ctx.kernels,
         })
     }
 
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        match self {
-            Block::Basic {
+        let (h, down) = match &self.kind {
+            BlockKind::Basic {
                 conv1,
                 bn1,
                 conv2,
                 bn2,
                 down,
             } => {
-                let h = bn1.forward_t(&conv1.forward(x)?, train)?.relu()?;
-                let h = bn2.forward_t(&conv2.forward(&h)?, train)?;
-                (h + Downsample::forward(down.as_ref(), x, train)?)?.relu()
+                let h = bn1.forward_relu_t(&conv1.forward(x)?, train)?;
+                (bn2.forward_t(&conv2.forward(&h)?, train)?, down)
             }
-            Block::Bottleneck { convs, bns, down } => {
+            BlockKind::Bottleneck { convs, bns, down } => {
                 let mut h = x.clone();
                 for (i, (c, b)) in convs.iter().zip(bns).enumerate() {
-                    h = b.forward_t(&c.forward(&h)?, train)?;
-                    if i < 2 {
-                        h = h.relu()?;
-                    }
+                    h = if i < 2 {
+                        b.forward_relu_t(&c.forward(&h)?, train)?
+                    } else {
+                        b.forward_t(&c.forward(&h)?, train)?
+                    };
                 }
-                (h + Downsample::forward(down.as_ref(), x, train)?)?.relu()
+                (h, down)
             }
-        }
+        };
+        add_relu(
+            self.kernels,
+            &h,
+            &Downsample::forward(down.as_ref(), x, train)?,
+        )
     }
 }
 
@@ -222,7 +239,7 @@ impl ResNet {
     /// # Errors
     /// Shape or collective errors.
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let mut h = self.bn1.forward_t(&self.conv1.forward(x)?, train)?.relu()?;
+        let mut h = self.bn1.forward_relu_t(&self.conv1.forward(x)?, train)?;
         for b in &self.layers {
             h = b.forward(&h, train)?;
         }
