@@ -220,7 +220,18 @@ fn main() -> ExitCode {
                 "--ranks".into(),
                 r.into(),
             ];
-            a.extend(["--batch-size", "64", "--no-eval", "--max-steps"].map(String::from));
+            // Enough epochs that --max-steps ends the run (the digits are 22 batches).
+            a.extend(
+                [
+                    "--batch-size",
+                    "64",
+                    "--no-eval",
+                    "--epochs",
+                    "100000",
+                    "--max-steps",
+                ]
+                .map(String::from),
+            );
             a.push((steps as usize + warm_up(model)).to_string());
             if model.starts_with("resnet") {
                 a.extend([
