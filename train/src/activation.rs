@@ -112,9 +112,9 @@ mod tests {
         let plain = (a.as_tensor() + b.as_tensor()).unwrap().relu().unwrap();
         let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(values(&fused), values(&plain));
-        assert!(
-            values(&fused).iter().any(|&v| v == 0.0) && values(&fused).iter().any(|&v| v > 0.0)
-        );
+        // Both sides of the ReLU are exercised.
+        let out = values(&fused);
+        assert!(out.contains(&0.0) && out.iter().any(|&v| v > 0.0));
         let gf = (fused * &probe)
             .unwrap()
             .sum_all()

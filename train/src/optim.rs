@@ -414,3 +414,61 @@ pub fn lr_at(schedule: Schedule, base: f64, step: u64, warmup: u64, total: u64) 
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// PyTorch's SGD (momentum, L2 decay) and AdamW (decoupled decay, bias-corrected
+    /// moments) in f64, element by element, against the chunked parallel update over
+    /// more elements than one chunk, for three steps.
+    #[test]
+    fn update_rules_follow_pytorch_over_every_chunk() {
+        let n = 2 * UPDATE_CHUNK + 7;
+        for kind in [OptimizerKind::Sgd, OptimizerKind::Adamw] {
+            let cfg = OptimConfig {
+                kind,
+                momentum: 0.9,
+                weight_decay: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            };
+            let mut p: Vec<f32> = (0..n).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
+            let mut state = vec![vec![0f32; n]; kind.state_names().len()];
+            let mut want: Vec<f64> = p.iter().map(|&v| f64::from(v)).collect();
+            let (mut a, mut b) = (vec![0f64; n], vec![0f64; n]);
+            for step in 1..=3u64 {
+                let g: Vec<f32> = (0..n)
+                    .map(|i| ((i * 7 + step as usize) % 31) as f32 * 0.003 - 0.04)
+                    .collect();
+                let lr = 0.05;
+                UpdateRule::new(&cfg, lr, step).apply(&mut p, &g, &mut state);
+                for i in 0..n {
+                    let gi = f64::from(g[i]);
+                    match kind {
+                        OptimizerKind::Sgd => {
+                            let gi = gi + 0.01 * want[i];
+                            a[i] = 0.9 * a[i] + gi;
+                            want[i] -= lr * a[i];
+                        }
+                        OptimizerKind::Adamw => {
+                            want[i] *= 1.0 - lr * 0.01;
+                            a[i] = 0.9 * a[i] + 0.1 * gi;
+                            b[i] = 0.999 * b[i] + 0.001 * gi * gi;
+                            let mhat = a[i] / (1.0 - 0.9f64.powi(step as i32));
+                            let vhat = b[i] / (1.0 - 0.999f64.powi(step as i32));
+                            want[i] -= lr * mhat / (vhat.sqrt() + 1e-8);
+                        }
+                    }
+                }
+            }
+            for (i, (&got, &w)) in p.iter().zip(&want).enumerate() {
+                assert!(
+                    (f64::from(got) - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                    "{kind:?} element {i}: {got} vs {w}"
+                );
+            }
+        }
+    }
+}
