@@ -1,5 +1,6 @@
-//! Borrowing the f32 data of CPU tensors inside the fused ops (convolution, BatchNorm),
-//! without the copies `to_vec1` makes, and the f64 sums those ops take over it.
+//! Borrowing the f32 data of CPU tensors inside custom ops (convolution, BatchNorm, the
+//! collective ops) without the copies `to_vec1` makes, and the f64 sums BatchNorm takes
+//! over it.
 
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
 

@@ -51,20 +51,6 @@ struct CommOp {
     kind: Kind,
 }
 
-fn contiguous_f32<'a>(
-    storage: &'a CpuStorage,
-    layout: &Layout,
-    op: &str,
-) -> candle_core::Result<&'a [f32]> {
-    let CpuStorage::F32(v) = storage else {
-        candle_core::bail!("{op}: only f32 tensors are supported")
-    };
-    match layout.contiguous_offsets() {
-        Some((a, b)) => Ok(&v[a..b]),
-        None => candle_core::bail!("{op}: tensor must be contiguous"),
-    }
-}
-
 fn reduce_tensor(comm: &dyn Comm, t: &Tensor) -> candle_core::Result<Tensor> {
     crate::comm::all_reduce_tensor(comm, &t.contiguous()?, ReduceOp::Sum)
         .map_err(candle_core::Error::wrap)
@@ -84,7 +70,7 @@ impl CustomOp1 for CommOp {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let mut v = contiguous_f32(storage, layout, self.name())?.to_vec();
+        let mut v = crate::cpu_data::f32_slice(storage, layout, self.name())?.to_vec();
         if self.kind != Kind::Copy {
             self.comm
                 .all_reduce(&mut v, ReduceOp::Sum)
@@ -175,7 +161,7 @@ impl CustomOp1 for GatherOp {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let v = contiguous_f32(storage, layout, self.name())?;
+        let v = crate::cpu_data::f32_slice(storage, layout, self.name())?;
         let dims = layout.shape().dims();
         let last = *dims.last().unwrap_or(&1);
         let rows = v.len().checked_div(last).unwrap_or(0);
@@ -290,7 +276,7 @@ mod tests {
             unreachable!("a CPU tensor")
         };
         let (out, shape) = on_host(cpu, layout, |s, l| {
-            let v = contiguous_f32(s, l, "double")?;
+            let v = crate::cpu_data::f32_slice(s, l, "double")?;
             let doubled = v.iter().map(|x| 2.0 * x).collect();
             Ok((CpuStorage::F32(doubled), l.shape().clone()))
         })
