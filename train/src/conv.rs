@@ -26,8 +26,10 @@ struct Conv2dOp {
     padding: usize,
 }
 
-/// Images per kernel-gradient group at most this many groups: enough tasks for the
-/// cores, few enough partial gradients (`o·c·k·k` each) to keep memory small.
+/// The batch's kernel gradient is summed in at most this many groups of consecutive
+/// images, one task each: enough tasks for the cores, few enough partial gradients
+/// (`o·c·k·k` floats each) to keep memory small. A constant, not the thread count, so
+/// that the sums do not depend on the machine.
 const GRAD_GROUPS: usize = 8;
 
 /// Geometry of one convolution.
@@ -104,9 +106,9 @@ impl Geom {
         self.k == 1 && self.stride == 1 && self.pad == 0
     }
 
-    /// Calls `f(row of the im2col matrix, output row oy, [ox range], input row)` for
-    /// every stretch of an image's im2col matrix that reads the input; everything else
-    /// is padding.
+    /// Calls `f(row of the im2col matrix, output row oy, (first ox, end ox), start of
+    /// the input row, kx)` for every stretch of an image's im2col matrix that reads the
+    /// input; everything else is padding.
     fn for_each_run(&self, mut f: impl FnMut(usize, usize, (usize, usize), usize, usize)) {
         let (k, s, p) = (self.k, self.stride, self.pad);
         for ci in 0..self.c {
