@@ -72,6 +72,21 @@ def check(name, ok, detail=""):
     print(("ok   " if ok else "FAIL ") + name + (f": {detail}" if detail and not ok else ""))
 
 
+def add_layout(strategy_map, name, world, tensor_map):
+    """Adds `name` to a node_strategy_pb2.ParallelStrategyMap: a 1-D device matrix of
+    `world` devices, the given tensor map, no optimizer sharding."""
+    item = strategy_map.parallel_layout_item.add()
+    item.param_name = name
+    lay = item.parallel_layouts
+    lay.dev_matrix.add().dim.extend([world])
+    lay.tensor_map.add().dim.extend(tensor_map)
+    lay.param_split_shape.add()
+    lay.indices_offset.add()
+    lay.field = 0
+    lay.opt_weight_shard_step = 0
+    lay.opt_weight_shard_size = 0
+
+
 def run(*args):
     subprocess.run([CKPT, *args], check=True, stdout=subprocess.DEVNULL)
 
@@ -173,17 +188,7 @@ with tempfile.TemporaryDirectory() as tmp:
         m = pb.ParallelStrategyMap()
         m.current_stage = 0
         for k in want:
-            item = m.parallel_layout_item.add()
-            item.param_name = k
-            lay = item.parallel_layouts
-            lay.dev_matrix.add().dim.extend([4])
-            tmap = {"mlp.weight": [-1, 0]}.get(k, [-1] * want[k][1].ndim)
-            lay.tensor_map.add().dim.extend(tmap)
-            lay.param_split_shape.add()
-            lay.indices_offset.add()
-            lay.field = 0
-            lay.opt_weight_shard_step = 0
-            lay.opt_weight_shard_size = 0
+            add_layout(m, k, 4, {"mlp.weight": [-1, 0]}.get(k, [-1] * want[k][1].ndim))
         dst = os.path.join(tmp, "dst.ckpt")
         open(dst, "wb").write(m.SerializeToString())
         out = os.path.join(tmp, "tc1")
@@ -244,16 +249,7 @@ def bench(tmp):
     per_rank = [[] for _ in range(BENCH_WORLD)]
     for i in range(BENCH_PARAMS):
         name, tmap, a = bench_param(i)
-        item = m.parallel_layout_item.add()
-        item.param_name = name
-        lay = item.parallel_layouts
-        lay.dev_matrix.add().dim.extend([BENCH_WORLD])
-        lay.tensor_map.add().dim.extend(tmap)
-        lay.param_split_shape.add()
-        lay.indices_offset.add()
-        lay.field = 0
-        lay.opt_weight_shard_step = 0
-        lay.opt_weight_shard_size = 0
+        add_layout(m, name, BENCH_WORLD, tmap)
         axis = 0 if tmap[0] == 0 else 1
         for r, part in enumerate(np.split(a, BENCH_WORLD, axis=axis)):
             per_rank[r].append({"name": name, "data": ms.Tensor(np.ascontiguousarray(part))})

@@ -91,10 +91,18 @@ impl Value {
     pub(crate) fn globals<'a>(&'a self, out: &mut Vec<(&'a str, &'a str)>) {
         match self {
             Value::Global { module, name } => out.push((module, name)),
-            Value::Tuple(v) | Value::List(v) => v.iter().for_each(|c| c.globals(out)),
+            _ => self.for_each_child(|c| c.globals(out)),
+        }
+    }
+
+    /// Calls `f` on each value this one holds directly, in order (a dict: key, then
+    /// value); the one walk that [`Value::globals`] and the size bound share.
+    fn for_each_child<'a>(&'a self, mut f: impl FnMut(&'a Value)) {
+        match self {
+            Value::Tuple(v) | Value::List(v) => v.iter().for_each(f),
             Value::Dict(kv) => kv.iter().for_each(|(k, v)| {
-                k.globals(out);
-                v.globals(out);
+                f(k);
+                f(v);
             }),
             Value::Call {
                 callable: a,
@@ -104,10 +112,10 @@ impl Value {
                 object: a,
                 state: b,
             } => {
-                a.globals(out);
-                b.globals(out);
+                f(a);
+                f(b);
             }
-            Value::PersistentId(v) => v.globals(out),
+            Value::PersistentId(v) => f(v),
             _ => {}
         }
     }
@@ -158,31 +166,11 @@ fn leaf(value: Value) -> Item {
 /// The number of values in `v`, counted up to `limit`.
 fn size(v: &Value, limit: u64) -> u64 {
     let mut n = 1;
-    let mut add = |c: &Value| {
+    v.for_each_child(|c| {
         if n < limit {
             n += size(c, limit - n);
         }
-    };
-    match v {
-        Value::Tuple(x) | Value::List(x) => x.iter().for_each(&mut add),
-        Value::Dict(kv) => kv.iter().for_each(|(k, v)| {
-            add(k);
-            add(v);
-        }),
-        Value::Call {
-            callable: a,
-            args: b,
-        }
-        | Value::Build {
-            object: a,
-            state: b,
-        } => {
-            add(a);
-            add(b);
-        }
-        Value::PersistentId(x) => add(x),
-        _ => {}
-    }
+    });
     n
 }
 
