@@ -3,9 +3,9 @@
 use super::{check_mesh, Comm, Dist, ReduceOp};
 use crate::error::{Error, Result};
 use ckpt_core::Mesh;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// One rank's deposit for a collective: the op name (checked to agree) and its data.
 type Slot = Option<(&'static str, Arc<Vec<f32>>)>;
@@ -14,11 +14,27 @@ type Slot = Option<(&'static str, Arc<Vec<f32>>)>;
 struct Group {
     members: Vec<usize>,
     slots: Mutex<Vec<Slot>>,
-    /// `(arrived, generation)` of the barrier.
-    gate: Mutex<(usize, u64)>,
+    /// The barrier: members arrived, and waiters asleep on `cv`.
+    gate: Mutex<Gate>,
+    /// Barriers completed, written under `gate`'s lock; read without it by spinners.
+    generation: AtomicU64,
     cv: Condvar,
+    /// Whether a waiter spins a little before it sleeps: when every rank has a core of its
+    /// own, the last rank usually arrives within microseconds, sooner than a sleeping
+    /// thread is woken (tens of microseconds on a virtual machine, several times a step).
+    /// Never with more ranks than cores, where a spinner would keep a peer off its core.
+    spin: bool,
     abort: Arc<AtomicBool>,
 }
+
+#[derive(Default)]
+struct Gate {
+    arrived: usize,
+    sleepers: usize,
+}
+
+/// How long a waiter spins before it sleeps.
+const SPIN: Duration = Duration::from_micros(200);
 
 impl Group {
     fn label(&self) -> String {
@@ -27,19 +43,34 @@ impl Group {
 
     /// Waits until every member arrived, or fails when the job was aborted.
     fn wait(&self, op: &'static str) -> Result<()> {
-        let mut g = self
-            .gate
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let gen = g.1;
-        g.0 += 1;
-        if g.0 == self.members.len() {
-            g.0 = 0;
-            g.1 += 1;
-            self.cv.notify_all();
+        let lock = || {
+            self.gate
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        };
+        let mut g = lock();
+        let gen = self.generation.load(Ordering::Acquire);
+        g.arrived += 1;
+        if g.arrived == self.members.len() {
+            g.arrived = 0;
+            self.generation.store(gen + 1, Ordering::Release);
+            if g.sleepers > 0 {
+                self.cv.notify_all();
+            }
             return Ok(());
         }
-        while g.1 == gen {
+        drop(g);
+        if self.spin {
+            let start = Instant::now();
+            while start.elapsed() < SPIN {
+                if self.generation.load(Ordering::Acquire) != gen {
+                    return Ok(());
+                }
+                std::hint::spin_loop();
+            }
+        }
+        let mut g = lock();
+        while self.generation.load(Ordering::Acquire) == gen {
             if self.abort.load(Ordering::SeqCst) {
                 return Err(Error::Collective {
                     op,
@@ -47,11 +78,13 @@ impl Group {
                     problem: "a peer rank stopped".into(),
                 });
             }
+            g.sleepers += 1;
             g = self
                 .cv
                 .wait_timeout(g, Duration::from_millis(50))
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
+            g.sleepers -= 1;
         }
         Ok(())
     }
@@ -202,20 +235,23 @@ impl Comm for ThreadComm {
     }
 }
 
-fn new_group(members: Vec<usize>, abort: &Arc<AtomicBool>) -> Arc<Group> {
+fn new_group(members: Vec<usize>, abort: &Arc<AtomicBool>, spin: bool) -> Arc<Group> {
     let n = members.len();
     Arc::new(Group {
         members,
         slots: Mutex::new(vec![None; n]),
-        gate: Mutex::new((0, 0)),
+        gate: Mutex::new(Gate::default()),
+        generation: AtomicU64::new(0),
         cv: Condvar::new(),
+        spin,
         abort: abort.clone(),
     })
 }
 
-/// Builds the communicators of every rank of `mesh`.
-fn build(mesh: &Mesh, abort: &Arc<AtomicBool>) -> Vec<Dist> {
+/// Builds the communicators of every rank of `mesh`; `spin`: see [`Group::spin`].
+fn build(mesh: &Mesh, abort: &Arc<AtomicBool>, spin: bool) -> Vec<Dist> {
     let world = mesh.world_size() as usize;
+    let new_group = |members, abort| new_group(members, abort, spin);
     let world_group = new_group((0..world).collect(), abort);
     let axis_groups = |name: &str| -> Vec<(Arc<Group>, usize)> {
         let mut per_rank: Vec<Option<(Arc<Group>, usize)>> = vec![None; world];
@@ -291,8 +327,10 @@ fn in_own_pool<T: Send>(rank: usize, threads: usize, f: impl FnOnce() -> T + Sen
 pub fn run_threads<T: Send>(mesh: &Mesh, f: impl Fn(Dist) -> Result<T> + Sync) -> Result<Vec<T>> {
     check_mesh(mesh)?;
     let abort = Arc::new(AtomicBool::new(false));
-    let dists = build(mesh, &abort);
-    let share = crate::launch::threads_per_rank(dists.len());
+    let world = mesh.world_size() as usize;
+    let share = crate::launch::threads_per_rank(world);
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let dists = build(mesh, &abort, world.saturating_mul(share) <= cores);
     let results: Vec<Result<T>> = std::thread::scope(|s| {
         let handles: Vec<_> = dists
             .into_iter()
