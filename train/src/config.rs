@@ -95,6 +95,9 @@ pub struct TrainConfig {
     /// written; the run ends when the last one is complete).
     #[arg(long)]
     pub sync_save: bool,
+    /// Save in the background: the default, accepted so that it can be said.
+    #[arg(long, conflicts_with = "sync_save")]
+    pub async_save: bool,
     /// Output directory for checkpoints (none written without it).
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
@@ -150,6 +153,15 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    /// `--async-save` is the default said aloud; with `--sync-save` it is a usage error.
+    #[test]
+    fn async_save_is_the_default_and_conflicts_with_sync_save() {
+        let c = TrainConfig::try_parse_from(["t", "--async-save"]).unwrap();
+        assert!(c.async_save && !c.sync_save);
+        assert!(!TrainConfig::default().sync_save);
+        let e = TrainConfig::try_parse_from(["t", "--async-save", "--sync-save"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict);
+    }
 
     #[test]
     fn default_is_the_embedded_run() {
