@@ -153,6 +153,7 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
     /// `--async-save` is the default said aloud; with `--sync-save` it is a usage error.
     #[test]
     fn async_save_is_the_default_and_conflicts_with_sync_save() {
