@@ -164,35 +164,14 @@ impl UpdateRule {
         }
     }
 
-    // Straight loops over equal-length slices, so that they vectorize. On x86-64 they are
-    // also built for AVX2 and that build runs when the CPU has it: 8 lanes instead of
-    // SSE2's 4, and AdamW is bound by the throughput of its two divisions and square
-    // root. Division and square root are correctly rounded at every width, and Rust never
-    // fuses a multiply and an add on its own: both builds give the same bits.
+    // Straight loops over equal-length slices, so that they vectorize (wider with
+    // `wide`).
     fn sgd(self, p: &mut [f32], g: &[f32], buf: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            #[target_feature(enable = "avx2")]
-            fn avx2(rule: UpdateRule, p: &mut [f32], g: &[f32], buf: &mut [f32]) {
-                rule.sgd_loop(p, g, buf);
-            }
-            // SAFETY: the CPU was just found to support AVX2.
-            return unsafe { avx2(self, p, g, buf) };
-        }
-        self.sgd_loop(p, g, buf);
+        wide(|| self.sgd_loop(p, g, buf));
     }
 
     fn adamw(self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            #[target_feature(enable = "avx2")]
-            fn avx2(rule: UpdateRule, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
-                rule.adamw_loop(p, g, m, v);
-            }
-            // SAFETY: the CPU was just found to support AVX2.
-            return unsafe { avx2(self, p, g, m, v) };
-        }
-        self.adamw_loop(p, g, m, v);
+        wide(|| self.adamw_loop(p, g, m, v));
     }
 
     #[inline(always)]
@@ -216,6 +195,25 @@ impl UpdateRule {
             *p = pv - lr * (*m / self.bc1) / ((*v / self.bc2).sqrt() + eps);
         }
     }
+}
+
+/// Runs `update` compiled for AVX2 when the CPU has it (on x86-64), else as built: 8
+/// lanes instead of SSE2's 4, and AdamW is bound by the throughput of its two divisions
+/// and square root. Division and square root are correctly rounded at every width and
+/// Rust never fuses a multiply and an add on its own, so both builds give the same bits.
+#[inline(always)]
+fn wide(update: impl FnOnce()) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // `update` (an inline(always) loop) is inlined here and built with AVX2.
+        #[target_feature(enable = "avx2")]
+        fn avx2(update: impl FnOnce()) {
+            update();
+        }
+        // SAFETY: the CPU was just found to support AVX2.
+        return unsafe { avx2(update) };
+    }
+    update();
 }
 
 /// An optimizer over one rank's local parameters.
