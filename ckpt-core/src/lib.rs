@@ -7,24 +7,16 @@
 //! produce any other set of pieces, and [`execute`] carries it out streaming.
 
 mod checkpoint;
-mod checksum;
-mod convert;
-mod copy;
-mod coverage;
+mod engine;
 mod error;
-mod example;
 mod fault;
 mod formats;
 mod layout;
-mod mesh;
-mod mindspore;
-mod output;
-mod plan;
-mod region;
-mod save;
-mod select;
-mod strategy;
-mod verify;
+
+// The modules' old places, while their users are moved over.
+use engine::{convert, copy, example, save, verify};
+use formats::{checksum, output};
+use layout::{coverage, mesh, mindspore, plan, region, select, strategy};
 
 pub use crate::checkpoint::{
     Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, COMPRESSED_INDEX_FILE,
