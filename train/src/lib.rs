@@ -32,6 +32,7 @@ mod data;
 mod device;
 mod error;
 mod inference;
+mod kernels;
 mod launch;
 mod layers;
 pub mod models;
@@ -65,9 +66,10 @@ pub use crate::data::{
 pub use crate::device::DeviceKind;
 pub use crate::error::{Error, Result};
 pub use crate::inference::{load_model, model_strategy, read_model_config};
+pub use crate::kernels::Kernels;
 pub use crate::launch::{configure_cpu_threads, Backend, LaunchEnv, Launcher};
 pub use crate::layers::{
-    linear, BatchNorm2d, ColumnLinear, Conv2d, Kernels, LayerNorm, Linear, ModelCtx, RowLinear,
+    linear, BatchNorm2d, ColumnLinear, Conv2d, LayerNorm, Linear, ModelCtx, RowLinear,
 };
 pub use crate::models::{build_model, Model, ModelConfig, ModelKind};
 pub use crate::optim::{

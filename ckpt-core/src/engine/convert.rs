@@ -7,13 +7,14 @@
 //! header is laid out by the same code from the same tensor order and metadata.
 
 use crate::checkpoint::{COMPRESSED_INDEX_FILE, INDEX_FILE};
-use crate::checksum::CHECKSUMS_KEY;
-use crate::copy::SLAB_BYTES;
+use crate::engine::copy::SLAB_BYTES;
 use crate::error::{Error, IoContext, Result};
-use crate::formats::ckptz::{Compression, EXTENSION};
-use crate::formats::safetensors::TensorSpec;
-use crate::formats::{ChunkCache, FileFormat, FileWriter, TensorFile};
-use crate::output::{check_output_outside_inputs, write_file_atomic, StagedDir};
+use crate::formats::checksum::CHECKSUMS_KEY;
+use crate::formats::output::{check_output_outside_inputs, write_file_atomic, StagedDir};
+use crate::formats::{
+    create_writer, Compression, FileFormat, ReadCache, TensorFile, TensorSpec,
+    COMPRESSED_EXTENSION as EXTENSION,
+};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 
@@ -197,7 +198,7 @@ fn convert_file(src: &Path, dest: &Path, how: Conversion, stats: &mut ConvertSta
         Conversion::Compress(c) => Some(c),
         Conversion::Decompress => None,
     };
-    let writer = FileWriter::create(dest, &specs, &metadata, compression)?;
+    let writer = create_writer(dest, &specs, &metadata, compression)?;
     let mut jobs = Vec::new();
     for (j, &i) in order.iter().enumerate() {
         let t = &f.tensors()[i];
@@ -210,7 +211,7 @@ fn convert_file(src: &Path, dest: &Path, how: Conversion, stats: &mut ConvertSta
         }
     }
     jobs.par_iter()
-        .try_for_each_init(ChunkCache::new, |cache, (j, i, range)| {
+        .try_for_each_init(ReadCache::new, |cache, (j, i, range)| {
             let bytes = f.read(*i, range.clone(), cache)?;
             let r = writer.write_at(*j, range.start, bytes);
             f.release(*i, range.clone());
