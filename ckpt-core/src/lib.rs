@@ -11,6 +11,7 @@ mod checksum;
 mod convert;
 mod copy;
 mod coverage;
+mod draw;
 mod error;
 mod example;
 mod fault;
@@ -35,6 +36,10 @@ pub use crate::checksum::{checksums_enabled, set_checksums_enabled, Checksum, CH
 pub use crate::convert::{convert, Conversion, ConvertStats};
 pub use crate::copy::{assemble, execute, execute_with, CopyStats, SLAB_BYTES};
 pub use crate::coverage::{check_tiling, Defect};
+pub use crate::draw::{
+    fold, holder_label, matching, picture, pieces_json, render_text,
+    Canvas, Extent, Fold, Holding, TensorPicture,
+};
 pub use crate::error::{Error, Problems, Result};
 pub use crate::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,

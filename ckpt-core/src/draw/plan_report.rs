@@ -1,0 +1,1 @@
+//! Plan report (in progress).
