@@ -11,8 +11,8 @@ mod html;
 mod plan_report;
 mod terminal;
 
-// html
-// plan
+pub use html::{html_report, write_html_report};
+pub use plan_report::{PlanReport, SourceRead, TargetReads};
 pub use terminal::{render_text, Canvas};
 
 use crate::checkpoint::{Checkpoint, Kind};
@@ -269,4 +269,20 @@ pub fn pieces_json(ck: &Checkpoint, name: &str) -> Result<Value> {
             })
             .collect(),
     ))
+}
+
+/// The terminal drawings of every tensor of `ck` matching `pattern` (a name or a
+/// glob), one after the other.
+///
+/// # Errors
+/// A malformed glob, or [`Error::TensorNotFound`] when nothing matches.
+pub fn show(ck: &Checkpoint, pattern: &str, canvas: &Canvas) -> Result<String> {
+    let mut out = String::new();
+    for (i, name) in matching(ck, pattern)?.iter().enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        out.push_str(&render_text(&picture(ck, name)?, canvas));
+    }
+    Ok(out)
 }

@@ -32,7 +32,7 @@ impl Default for Canvas {
     fn default() -> Self {
         Canvas {
             width: 64,
-            height: 16,
+            height: 32,
             color: false,
         }
     }
@@ -86,7 +86,10 @@ fn sample(i: usize, cells: usize, n: u64) -> u64 {
 pub fn render_text(p: &TensorPicture, canvas: &Canvas) -> String {
     let f = fold(&p.shape);
     let mut out = String::new();
-    let owners = p.holdings.iter().filter(|h| !h.copy && h.extent.numel() > 0);
+    let owners = p
+        .holdings
+        .iter()
+        .filter(|h| !h.copy && h.extent.numel() > 0);
     let files: std::collections::BTreeSet<usize> = owners.clone().map(|h| h.holder).collect();
     let _ = writeln!(
         out,
@@ -341,7 +344,9 @@ mod tests {
         let p = pic(
             &[2, 3, 40],
             3,
-            (0..3).map(|r| owner(r, &[0..2, r as u64..r as u64 + 1, 0..40])).collect(),
+            (0..3)
+                .map(|r| owner(r, &[0..2, r as u64..r as u64 + 1, 0..40]))
+                .collect(),
         );
         let text = render_text(
             &p,
@@ -351,7 +356,9 @@ mod tests {
                 color: false,
             },
         );
-        assert!(text.contains("3-D folded to 2-D: rows = dims 0..1 (2×3 = 6), columns = dim 2 (40)\n"));
+        assert!(
+            text.contains("3-D folded to 2-D: rows = dims 0..1 (2×3 = 6), columns = dim 2 (40)\n")
+        );
         assert!(text.contains("one character ≈ 1 row(s) × 2 column(s)"));
         let grid: Vec<&str> = text.lines().filter(|l| l.contains(" |")).collect();
         assert_eq!(
@@ -388,7 +395,11 @@ mod tests {
         assert_eq!(grid[5], " 50 |!!|", "{text}");
         assert_eq!(grid[9], " 90 |11|", "{text}");
         assert!(text.contains("! = claimed by two files"));
-        let p = pic(&[100, 1], 2, vec![owner(0, &[0..99, 0..1]), owner(1, &[99..100, 0..1])]);
+        let p = pic(
+            &[100, 1],
+            2,
+            vec![owner(0, &[0..99, 0..1]), owner(1, &[99..100, 0..1])],
+        );
         let text = render_text(
             &p,
             &Canvas {
@@ -397,7 +408,10 @@ mod tests {
                 color: false,
             },
         );
-        assert!(text.contains("rank 1  [99..100, 0..1]  4 B  (smaller than one character: not drawn)"), "{text}");
+        assert!(
+            text.contains("rank 1  [99..100, 0..1]  4 B  (smaller than one character: not drawn)"),
+            "{text}"
+        );
         let p = pic(&[4], 1, vec![owner(0, &[0..2])]);
         let text = render_text(&p, &Canvas::default());
         assert!(text.contains("|0000....|"), "{text}");
@@ -406,7 +420,11 @@ mod tests {
 
     #[test]
     fn colours_only_when_asked() {
-        let p = pic(&[1, 2], 2, vec![owner(0, &[0..1, 0..1]), owner(1, &[0..1, 1..2])]);
+        let p = pic(
+            &[1, 2],
+            2,
+            vec![owner(0, &[0..1, 0..1]), owner(1, &[0..1, 1..2])],
+        );
         let plain = render_text(&p, &Canvas::default());
         assert!(!plain.contains('\x1b'));
         let color = render_text(
@@ -416,6 +434,9 @@ mod tests {
                 ..Canvas::default()
             },
         );
-        assert!(color.contains("|\x1b[97;48;5;25m00\x1b[97;48;5;130m11\x1b[0m|"), "{color}");
+        assert!(
+            color.contains("|\x1b[97;48;5;25m00\x1b[97;48;5;130m11\x1b[0m|"),
+            "{color}"
+        );
     }
 }
