@@ -33,6 +33,21 @@ def ckpt(*args):
     return r.stdout
 
 
+def wait_rows(drv, n, what):
+    """Waits until the table shows `n` rows (the filter runs 120 ms after typing)."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        WebDriverWait(drv, 10).until(
+            lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.row")) == n)
+    except TimeoutException:
+        sys.exit(f"{what}: want {n} rows, the page says "
+                 f"{drv.find_element(By.ID, 'count').text!r} "
+                 f"(filter {drv.find_element(By.ID, 'filter').get_attribute('value')!r})")
+
+
 def browser_check():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -95,20 +110,17 @@ def browser_check():
         box = drv.find_element(By.ID, "filter")
         box.send_keys("qkv")
         want = [n for n in tensors if "qkv" in n.lower()]
-        WebDriverWait(drv, 5).until(
-            lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.row")) == len(want))
+        wait_rows(drv, len(want), "filter qkv")
         assert drv.find_element(By.ID, "count").text == f"{len(want)} of {len(tensors)} tensors"
         box.clear()
         box.send_keys("/^embed|norm/")
         want = [n for n in tensors if n.startswith("embed") or "norm" in n]
-        WebDriverWait(drv, 5).until(
-            lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.row")) == len(want))
+        wait_rows(drv, len(want), "filter /^embed|norm/")
 
         # The picture for the README: the unevenly split embedding, opened.
         box.clear()
-        box.send_keys("embed.weight")
-        WebDriverWait(drv, 5).until(
-            lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.row")) == 1)
+        box.send_keys("/^embed\\.weight$/")
+        wait_rows(drv, 1, "filter embed.weight")
         drv.find_element(By.CSS_SELECTOR, "tr.row").click()
         drv.save_screenshot(SHOT)
         errors = [e for e in drv.get_log("browser") if e["level"] == "SEVERE"]
