@@ -7,6 +7,7 @@
 //! produce any other set of pieces, and [`execute`] carries it out streaming.
 
 mod checkpoint;
+mod draw;
 mod engine;
 mod error;
 mod fault;
@@ -27,6 +28,11 @@ pub use crate::checksum::{checksums_enabled, set_checksums_enabled, Checksum, CH
 pub use crate::convert::{convert, Conversion, ConvertStats};
 pub use crate::copy::{assemble, execute, execute_with, CopyStats, SLAB_BYTES};
 pub use crate::coverage::{check_tiling, Defect};
+pub use crate::draw::{
+    fold, holder_label, html_report, matching, picture, pieces_json, render_text, show,
+    write_html_report, Canvas, Extent, Fold, Holding, PlanReport, SourceRead, TargetReads,
+    TensorPicture,
+};
 pub use crate::error::{Error, Problems, Result};
 pub use crate::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,
