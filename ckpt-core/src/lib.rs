@@ -41,7 +41,7 @@ pub use crate::fault::{bus_error_message, remove_registered_temporaries};
 pub use crate::formats::ckptz::{
     compress_chunk, decompress_chunk, group_bytes, group_of, parse_header as parse_ckptz_header,
     ungroup_bytes, CkptzWriter, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
-    EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC,
+    EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC, MAGIC_V1 as CKPTZ_MAGIC_V1,
 };
 pub use crate::formats::distcp::{metadata_bytes as distcp_metadata, DistcpChunk};
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
