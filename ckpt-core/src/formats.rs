@@ -108,7 +108,7 @@ pub struct TensorFile {
     id: u64,
 }
 
-pub(crate) use ckptz::{Compression, EXTENSION as COMPRESSED_EXTENSION};
+pub(crate) use ckptz::Compression;
 pub(crate) use detect::{create_writer, sniff};
 pub(crate) use writer::{TensorSpec, TensorWriter};
 
@@ -149,13 +149,17 @@ pub enum PieceKind {
 /// [`TensorFile::read`] and [`ReadCache`] and never learns that a file is compressed
 /// beyond [`TensorFile::is_compressed`].
 pub trait Decoder: Send + Sync + std::fmt::Debug + std::any::Any {
-    /// Raw (decoded) bytes per chunk of tensor `t`; the last chunk may be shorter.
-    fn chunk_size(&self, t: usize) -> u64;
-    /// Decodes chunk `k` of tensor `t` into `out` (resized to its raw length).
+    /// Where bytes `range` of tensor `t` lie: the stream of chunks that holds them and
+    /// the range within that stream (a stream may hold several tensors, or one).
+    fn locate(&self, t: usize, range: std::ops::Range<u64>) -> (usize, std::ops::Range<u64>);
+    /// Raw (decoded) bytes per chunk of stream `s`; the last chunk may be shorter.
+    fn chunk_size(&self, s: usize) -> u64;
+    /// Decodes chunk `k` of stream `s` into `out` (resized to its raw length); `name`
+    /// is the tensor being read, for errors.
     ///
     /// # Errors
     /// A damaged chunk ([`Error::CorruptChunk`] naming `path` and `name`); I/O errors.
-    fn decode(&self, path: &Path, name: &str, t: usize, k: usize, out: &mut Vec<u8>) -> Result<()>;
+    fn decode(&self, path: &Path, name: &str, s: usize, k: usize, out: &mut Vec<u8>) -> Result<()>;
     /// The checksum of tensor `t`'s raw bytes, decoding all of it.
     ///
     /// # Errors
@@ -170,6 +174,10 @@ pub trait Decoder: Send + Sync + std::fmt::Debug + std::any::Any {
     fn as_any(&self) -> &dyn std::any::Any;
 }
 
+/// Largest slab assembled in memory at once: the copy engine's unit, and the window
+/// readers and converters stream in.
+pub const SLAB_BYTES: u64 = 4 << 20;
+
 /// The old name of [`ReadCache`].
 pub type ChunkCache = ReadCache;
 
@@ -179,7 +187,7 @@ pub type ChunkCache = ReadCache;
 /// Also holds the buffer a read spanning several chunks is assembled in.
 #[derive(Debug, Default)]
 pub struct ReadCache {
-    /// `(file id, tensor, chunk, bytes)`, most recently used last.
+    /// `(file id, stream, chunk, bytes)`, most recently used last.
     entries: Vec<(u64, usize, usize, Vec<u8>)>,
     span: Vec<u8>,
 }
@@ -195,20 +203,21 @@ impl ReadCache {
         ReadCache::default()
     }
 
-    /// The index of chunk `k` of tensor `t` of `file` in `entries`, decompressed now if
-    /// it was not there.
+    /// The index of chunk `k` of stream `s` of `file` in `entries`, decompressed now if
+    /// it was not there (`t`: the tensor being read, for errors).
     fn get(
         &mut self,
         file: &TensorFile,
         chunked: &dyn Decoder,
         t: usize,
+        s: usize,
         k: usize,
     ) -> Result<usize> {
         let id = file.id();
         if let Some(i) = self
             .entries
             .iter()
-            .position(|e| e.0 == id && e.1 == t && e.2 == k)
+            .position(|e| e.0 == id && e.1 == s && e.2 == k)
         {
             let e = self.entries.remove(i);
             self.entries.push(e);
@@ -220,13 +229,13 @@ impl ReadCache {
             Vec::new()
         };
         let name = &file.tensors()[t].name;
-        chunked.decode(file.path(), name, t, k, &mut buf)?;
-        self.entries.push((id, t, k, buf));
+        chunked.decode(file.path(), name, s, k, &mut buf)?;
+        self.entries.push((id, s, k, buf));
         Ok(self.entries.len() - 1)
     }
 
     /// Bytes `range` (relative to the tensor, inside it) of tensor `t` of a compressed
-    /// file, decoding only the chunks that cover it.
+    /// file, decompressing only the chunks that cover it.
     pub(crate) fn read<'a>(
         &'a mut self,
         file: &TensorFile,
@@ -237,12 +246,13 @@ impl ReadCache {
         if range.is_empty() {
             return Ok(&[]);
         }
-        let cs = chunked.chunk_size(t);
-        let (k0, k1) = ((range.start / cs) as usize, ((range.end - 1) / cs) as usize);
+        let (s, r) = chunked.locate(t, range.clone());
+        let cs = chunked.chunk_size(s);
+        let (k0, k1) = ((r.start / cs) as usize, ((r.end - 1) / cs) as usize);
         if k0 == k1 {
-            let i = self.get(file, chunked, t, k0)?;
-            let lo = (range.start - k0 as u64 * cs) as usize;
-            let hi = (range.end - k0 as u64 * cs) as usize;
+            let i = self.get(file, chunked, t, s, k0)?;
+            let lo = (r.start - k0 as u64 * cs) as usize;
+            let hi = (r.end - k0 as u64 * cs) as usize;
             return Ok(&self.entries[i].3[lo..hi]);
         }
         let mut span = std::mem::take(&mut self.span);
@@ -266,10 +276,11 @@ impl ReadCache {
         if range.is_empty() {
             return Ok(());
         }
-        let cs = chunked.chunk_size(t);
+        let (s, range) = chunked.locate(t, range);
+        let cs = chunked.chunk_size(s);
         let mut at = 0;
         for k in (range.start / cs) as usize..=((range.end - 1) / cs) as usize {
-            let i = self.get(file, chunked, t, k)?;
+            let i = self.get(file, chunked, t, s, k)?;
             let base = k as u64 * cs;
             let lo = (range.start.max(base) - base) as usize;
             let hi = (range.end.min(base + cs) - base) as usize;

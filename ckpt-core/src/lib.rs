@@ -7,6 +7,7 @@
 //! produce any other set of pieces, and [`execute`] carries it out streaming.
 
 mod checkpoint;
+mod draw;
 mod engine;
 mod error;
 mod fault;
@@ -16,6 +17,11 @@ mod layout;
 pub use crate::checkpoint::{
     Checkpoint, Kind, CARRIED_FILES, COMPRESSED_INDEX_FILE, COMPRESSED_MODEL_FILE,
     DCP_SHARDING_INFO, INDEX_FILE, MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_PREFIX, STRATEGY_FILE,
+};
+pub use crate::draw::{
+    fold, holder_label, html_report, matching, picture, pieces_json, render_text, show,
+    write_html_report, Canvas, Extent, Fold, Holding, PlanReport, SourceRead, TargetReads,
+    TensorPicture,
 };
 pub use crate::engine::convert::{convert, Conversion, ConvertStats};
 pub use crate::engine::copy::{assemble, execute, execute_with, CopyStats, SLAB_BYTES};
@@ -34,7 +40,7 @@ pub use crate::formats::checksum::{
 pub use crate::formats::ckptz::{
     compress_chunk, decompress_chunk, group_bytes, group_of, parse_header as parse_ckptz_header,
     ungroup_bytes, CkptzWriter, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
-    EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC,
+    EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC, MAGIC_V1 as CKPTZ_MAGIC_V1,
 };
 pub use crate::formats::detect::sniff;
 pub use crate::formats::distcp::{metadata_bytes as distcp_metadata, DistcpChunk};

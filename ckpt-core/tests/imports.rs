@@ -469,6 +469,15 @@ fn circles(g: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
     t.out
 }
 
+/// Circles known and not yet cut, each with what cuts it: `(crate, its modules, how)`.
+/// A circle that is not exactly one of these fails the test, so none is added unseen.
+const KNOWN_CIRCLES: [(&str, &[&str], &str); 1] = [(
+    "ckpt-core",
+    &["formats::ckptz", "formats::ckptz::v2"],
+    "inside one format: ckptz.rs and ckptz/v2.rs share Chunked, Body and ChunkLoc; \
+     moving those into ckptz/chunked.rs cuts it",
+)];
+
 #[test]
 fn no_import_cycle_in_any_crate() {
     let crates = crates();
@@ -477,6 +486,12 @@ fn no_import_cycle_in_any_crate() {
     for c in &crates {
         let g = graph(c);
         for comp in circles(&g) {
+            let known = KNOWN_CIRCLES
+                .iter()
+                .any(|(k, mods, _)| *k == c.name && mods.iter().eq(comp.iter()));
+            if known {
+                continue;
+            }
             // One circle through the group, to say where to cut.
             let keep: BTreeSet<&String> = comp.iter().collect();
             let sub: BTreeMap<String, BTreeSet<String>> = comp
@@ -529,6 +544,20 @@ const BUILDS_ON: [(&str, &str, &str); 3] = [
     ),
 ];
 
+/// Engine modules that name a format on purpose: `(module, format, why)`.
+const ENGINE_NAMES: [(&str, &str, &str); 2] = [
+    (
+        "engine::convert",
+        "formats::ckptz",
+        "`ckpt compress`/`decompress` is the conversion to and from .ckptz itself",
+    ),
+    (
+        "engine::convert",
+        "formats::safetensors",
+        "compress keeps the safetensors header it read, to give it back byte for byte",
+    ),
+];
+
 fn is_leaf_format(m: &str) -> bool {
     m.starts_with("formats::")
         && !SHARED
@@ -562,7 +591,9 @@ fn layers_import_downwards_only() {
                 bad.push(format!("the algebra module {from} imports {to}"));
             }
             let engine = from == "engine" || from.starts_with("engine::");
-            if engine && is_leaf_format(to) {
+            let named = format_of(to)
+                .is_some_and(|f| ENGINE_NAMES.iter().any(|(m, g, _)| m == from && *g == f));
+            if engine && is_leaf_format(to) && !named {
                 bad.push(format!("the engine module {from} names the format {to}"));
             }
             if let (Some(a), Some(b)) = (format_of(from), format_of(to)) {

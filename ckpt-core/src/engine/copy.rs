@@ -26,8 +26,7 @@ impl std::ops::AddAssign for CopyStats {
     }
 }
 
-/// Largest slab assembled in memory at once.
-pub const SLAB_BYTES: u64 = 4 << 20;
+pub use crate::formats::SLAB_BYTES;
 
 /// What a copy did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
