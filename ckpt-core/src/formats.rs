@@ -9,6 +9,7 @@
 
 pub(crate) mod ckptz;
 pub(crate) mod distcp;
+pub(crate) mod megatron;
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;
 pub(crate) mod pickle;
