@@ -506,10 +506,17 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
         for extra in ["common.pt", "metadata.json"] {
             if path.join(extra).is_file() {
                 x.notes.push(format!(
-                    "{}: Megatron's {extra} is not read or carried (ckpt reads the DCP tensors beside it)",
+                    "{}: Megatron's {extra} is not read into the output or carried (ckpt reads the DCP tensors beside it)",
                     path.join(extra).display()
                 ));
             }
+        }
+        if path
+            .join(crate::formats::megatron::DIST_METADATA_FILE)
+            .is_file()
+        {
+            let notes = crate::formats::megatron::dist_ckpt_notes(path)?;
+            x.notes.extend(notes);
         }
         for f in files {
             x.inputs.push(Input {

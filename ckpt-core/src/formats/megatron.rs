@@ -356,8 +356,6 @@ fn global_name(
 /// global names, and the layout that places them.
 #[derive(Debug)]
 pub(crate) struct Legacy {
-    /// The iteration's directory.
-    pub(crate) dir: PathBuf,
     /// Mesh rank (`pp * tp_size + tp`) and file, in rank order.
     pub(crate) files: Vec<(u64, TensorFile)>,
     /// Where every tensor lies: mesh `pp=P,tp=T` (pipeline axis `pp`; `tp=T` alone when
@@ -458,7 +456,7 @@ pub(crate) fn open(path: &Path) -> Result<Legacy> {
         }
     };
     let mut missing = Vec::new();
-    for p in 0..pp {
+    'ranks: for p in 0..pp {
         for t in 0..tp {
             let d = dir.join(name_of(t, p));
             if !d.join(RANK_FILE).is_file() {
@@ -470,7 +468,7 @@ pub(crate) fn open(path: &Path) -> Result<Legacy> {
                 });
             }
             if missing.len() >= 20 {
-                break;
+                break 'ranks;
             }
         }
     }
@@ -530,7 +528,6 @@ pub(crate) fn open(path: &Path) -> Result<Legacy> {
         }
     }
     Ok(Legacy {
-        dir,
         files,
         strategy,
         notes,
@@ -769,4 +766,79 @@ mod tests {
         assert!(rule("decoder.layers.0.mystery.weight", &a).is_none());
         assert!(rule("lm_head.weight", &a).is_none());
     }
+}
+
+/// Megatron's `metadata.json` beside a DCP directory's `.metadata` (dist_ckpt): the
+/// backend must be torch_dist (the one whose files are DCP's); what `common.pt` holds
+/// is said, since ckpt does not carry it.
+///
+/// # Errors
+/// A metadata.json that is not JSON, or names another sharded backend.
+pub(crate) fn dist_ckpt_notes(dir: &Path) -> Result<Vec<String>> {
+    let meta = dir.join(DIST_METADATA_FILE);
+    let text = std::fs::read_to_string(&meta).at(&meta)?;
+    let doc: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| unknown(format!("{}: not JSON: {e}", meta.display())))?;
+    let backend = doc.get("sharded_backend").and_then(|b| b.as_str());
+    if backend != Some("torch_dist") {
+        return Err(Error::Unsupported {
+            problem: format!(
+                "{}: Megatron dist_ckpt with sharded_backend {}: ckpt reads the torch_dist backend only",
+                meta.display(),
+                backend.map_or("(none)".to_string(), |b| format!("`{b}`"))
+            ),
+        });
+    }
+    let mut notes = vec![];
+    let common = dir.join(COMMON_FILE);
+    if common.is_file() {
+        notes.push(match common_keys(&common) {
+            Ok((keys, args)) => format!(
+                "{}: Megatron dist_ckpt (torch_dist){}; common.pt holds {} (not carried)",
+                dir.display(),
+                args.map_or(String::new(), |a| format!(
+                    ", saved on tensor parallel {} x pipeline {}",
+                    a.tp, a.pp
+                )),
+                if keys.is_empty() {
+                    "nothing".to_string()
+                } else {
+                    keys.join(", ")
+                }
+            ),
+            Err(e) => format!("{}: unreadable ({e}); not carried", common.display()),
+        });
+    }
+    Ok(notes)
+}
+
+/// Megatron dist_ckpt's own metadata file.
+pub(crate) const DIST_METADATA_FILE: &str = "metadata.json";
+/// dist_ckpt's file of the state that is not sharded (args, iteration, ...).
+pub(crate) const COMMON_FILE: &str = "common.pt";
+
+/// The top-level keys of a `common.pt`, and its args when they are Megatron's.
+fn common_keys(path: &Path) -> Result<(Vec<String>, Option<Args>)> {
+    let map = map_file(path)?;
+    let all: &[u8] = map.as_deref().unwrap_or(&[]);
+    let obj = Archive::open(all).and_then(|a| a.object())?;
+    let mut names = Vec::new();
+    obj.globals(&mut names);
+    if let Some((m, n)) = names.into_iter().find(|(m, n)| !allowed(m, n)) {
+        return Err(Error::InvalidTorch {
+            problem: format!("data.pkl names the global `{m}.{n}`"),
+        });
+    }
+    let Value::Dict(kv) = &obj else {
+        return Ok((vec![], None));
+    };
+    let keys = kv
+        .iter()
+        .filter_map(|(k, _)| match k {
+            Value::Str(s) => Some(s.clone()),
+            _ => None,
+        })
+        .collect();
+    let args = obj.get("args").and_then(|a| Args::from_value(a, path).ok());
+    Ok((keys, args))
 }
