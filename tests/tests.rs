@@ -9,6 +9,7 @@ mod inspect_verify;
 mod megatron;
 mod merge;
 mod mindspore;
+mod pictures;
 mod python;
 mod reshard;
 mod torch;
