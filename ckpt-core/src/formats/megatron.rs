@@ -621,6 +621,12 @@ fn read_rank(
             }));
         }
         for mut t in tensors {
+            // TransformerEngine's `_extra_state` (FP8 scaling state) as a byte tensor:
+            // not a weight; said, not carried.
+            if t.name.ends_with("._extra_state") {
+                carried.push("TransformerEngine _extra_state".into());
+                continue;
+            }
             let bad = |problem: String| {
                 at(Error::InvalidTensor {
                     tensor: t.name.clone(),
