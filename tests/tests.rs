@@ -6,6 +6,7 @@ mod bad_inputs;
 mod compress;
 mod crash;
 mod inspect_verify;
+mod megatron;
 mod merge;
 mod mindspore;
 mod pictures;
