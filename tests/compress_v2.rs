@@ -62,7 +62,7 @@ fn issue_26_decompress_gives_every_fixture_back_byte_for_byte() {
     let d = Dir::new();
     let (inputs, refused) = fixture_inputs();
     // Files written by torch, MindSpore and ckpt: headers of other programs too.
-    assert!(inputs.len() >= 8, "{inputs:?}");
+    assert!(inputs.len() >= 7, "{inputs:?}");
     for (i, src) in inputs.iter().enumerate() {
         let src_s = src.to_str().unwrap();
         let z = format!("z{i}");
@@ -124,13 +124,27 @@ fn issue_26_dcp_sharded_safetensors_merge_once_compressed() {
     let d = Dir::new();
     d.example("ex", "dp=2,tp=4");
     // ckpt's DCP sharded safetensors: 8 ranks, offsets in DCP_SHARDING_INFO only.
+    // (The fused QKV is a blocked shard, which DCP cannot store: left out.)
     d.ok(&[
-        "reshard", "ex", "-o", "dcp", "--to", "8", "--format", "dcp", "-q",
+        "reshard",
+        "ex",
+        "-o",
+        "dcp",
+        "--to",
+        "8",
+        "--format",
+        "dcp",
+        "--exclude",
+        "*qkv*",
+        "-q",
     ]);
     d.ok(&["compress", "dcp", "-o", "dcpz"]);
     d.ok(&["merge", "dcp", "-o", "m", "-q"]);
     d.ok(&["merge", "dcpz", "-o", "mz", "-q"]);
     assert_eq!(tree(&d.path("m")), tree(&d.path("mz")));
+    d.ok(&["reshard", "dcp", "-o", "r", "--to", "2", "-q"]);
+    d.ok(&["reshard", "dcpz", "-o", "rz", "--to", "2", "-q"]);
+    assert_eq!(tree(&d.path("r")), tree(&d.path("rz")));
     d.ok(&["decompress", "dcpz", "-o", "back"]);
     assert_eq!(tree(&d.path("back")), tree(&d.path("dcp")));
 }
@@ -160,7 +174,7 @@ fn issue_26_compress_is_deterministic_whatever_the_thread_count() {
         "1000",
         "--optimizer",
     ]);
-    d.ok(&["merge", "ex", "-o", "m", "-q", "--optimizer-in-model"]);
+    d.ok(&["merge", "ex", "-o", "m", "-q", "--one-file"]);
     compress_with_threads(&d, "m", "one", 1);
     compress_with_threads(&d, "m", "four", 4);
     let (a, b) = (tree(&d.path("one")), tree(&d.path("four")));
