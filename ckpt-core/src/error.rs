@@ -177,6 +177,14 @@ pub enum Error {
         /// The output path.
         path: PathBuf,
     },
+    /// No tensor has this name or matches this glob.
+    #[error("no tensor matches `{pattern}` (the checkpoint has {tensors} tensors; `ckpt inspect` lists them)")]
+    TensorNotFound {
+        /// The name or glob asked for.
+        pattern: String,
+        /// How many tensors there are.
+        tensors: usize,
+    },
 }
 
 impl Error {

@@ -7,24 +7,17 @@
 //! produce any other set of pieces, and [`execute`] carries it out streaming.
 
 mod checkpoint;
-mod checksum;
-mod convert;
-mod copy;
-mod coverage;
+mod draw;
+mod engine;
 mod error;
-mod example;
 mod fault;
 mod formats;
 mod layout;
-mod mesh;
-mod mindspore;
-mod output;
-mod plan;
-mod region;
-mod save;
-mod select;
-mod strategy;
-mod verify;
+
+// The modules' old places, while their users are moved over.
+use engine::{convert, copy, example, save, verify};
+use formats::{checksum, output};
+use layout::{coverage, mesh, mindspore, plan, region, select, strategy};
 
 pub use crate::checkpoint::{
     Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, COMPRESSED_INDEX_FILE,
@@ -35,6 +28,11 @@ pub use crate::checksum::{checksums_enabled, set_checksums_enabled, Checksum, CH
 pub use crate::convert::{convert, Conversion, ConvertStats};
 pub use crate::copy::{assemble, execute, execute_with, CopyStats, SLAB_BYTES};
 pub use crate::coverage::{check_tiling, Defect};
+pub use crate::draw::{
+    fold, holder_label, html_report, matching, picture, pieces_json, render_text, show,
+    write_html_report, Canvas, Extent, Fold, Holding, PlanReport, SourceRead, TargetReads,
+    TensorPicture,
+};
 pub use crate::error::{Error, Problems, Result};
 pub use crate::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,
