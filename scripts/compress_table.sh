@@ -37,7 +37,8 @@ import json, sys
 r = json.load(sys.stdin)
 m, d, z = sys.argv[1:4]
 raw = r["bytes"]
-print(f"| {m} | {d.upper()} | {raw:,} | {r[\"zstd\"] / raw:.3f} | {r[\"grouped\"] / raw:.3f} | **{int(z) / raw:.3f}** |")
+print("| {} | {} | {:,} | {:.3f} | {:.3f} | **{:.3f}** |".format(
+    m, d.upper(), raw, r["zstd"] / raw, r["grouped"] / raw, int(z) / raw))
 ' "$m" "$d" "$z"
   done
 done

@@ -3,9 +3,14 @@
 //! ```text
 //! [8 bytes]  magic "CKPTZ\0\x02\0"
 //! [8 bytes]  N: header length, u64 little-endian
-//! [N bytes]  header: UTF-8 JSON object, padded with spaces
-//! [rest]     data area: chunks, each its planes back to back
+//! [D bytes]  data area: chunks, each its planes back to back
+//! [N bytes]  header: one zstd frame holding a UTF-8 JSON object
 //! ```
+//!
+//! The header comes last and compressed: it is written once every chunk's place is
+//! known, with no space reserved beforehand, and a model of many small tensors does not
+//! pay for its tensor table raw (ResNet-20: a 30 kB table, 6 kB compressed, against
+//! 1.1 MB of weights).
 //!
 //! The header is a safetensors header (entries `dtype`, `shape`, `data_offsets` into the
 //! uncompressed data area, nothing else) plus the key `__ckptz__`: the streams (one per
@@ -45,9 +50,31 @@ pub const MAGIC_V2: [u8; 8] = *b"CKPTZ\0\x02\0";
 /// The header key of version 2's own description.
 pub(crate) const KEY: &str = "__ckptz__";
 
+/// The zstd level of the header: a small text, compressed once.
+const HEADER_LEVEL: i32 = 9;
+
 /// Compressed chunks a writer keeps in memory while they wait for their turn; past
 /// this they wait in a spool file beside the output.
 pub(crate) const HOLD_BYTES: u64 = 256 << 20;
+
+/// The header text from its zstd frame (at most [`super::MAX_HEADER_LEN`] bytes).
+///
+/// # Errors
+/// A frame that does not decompress, or to more than the limit.
+pub(crate) fn decompress_header(frame: &[u8]) -> Result<Vec<u8>> {
+    let limit = super::MAX_HEADER_LEN as usize;
+    let declared = zstd::zstd_safe::get_frame_content_size(frame)
+        .map_err(|_| bad("the header is not a zstd frame: damaged or truncated file?"))?;
+    match declared {
+        Some(n) if n > limit as u64 => Err(Error::HeaderTooLarge {
+            len: n,
+            max: super::MAX_HEADER_LEN,
+        }),
+        Some(n) => zstd::bulk::decompress(frame, n as usize)
+            .map_err(|e| bad(format!("the header does not decompress: {e}"))),
+        None => Err(bad("the header's zstd frame does not record its size")),
+    }
+}
 
 /// Parses the entries and `__ckptz__` of a version 2 header (`obj` without
 /// `__metadata__`): the tensors sorted by uncompressed offset, the chunks, and the
@@ -434,7 +461,9 @@ impl CkptzWriter {
         .map_err(|e| e.with_path(dest))?;
         // The fixed order: by the uncompressed position of each chunk's last byte.
         let mut keyed = Vec::new();
-        let mut bound = 0u64;
+        // The largest the data area can get (zstd's bound on every plane), checked once
+        // here so that the positions added up as chunks are placed cannot wrap.
+        let mut bound = 16u64;
         for (s, st) in streams.streams.iter().enumerate() {
             for k in 0..st.chunk_count() {
                 let c = st.chunk_range(k);
@@ -461,47 +490,6 @@ impl CkptzWriter {
         for (i, &(s, k)) in by_order.iter().enumerate() {
             order[s][k] = i;
         }
-        // Sized with every number at its largest, so the real header (same structure,
-        // smaller or equal numbers) always fits; the rest is padded with spaces.
-        let widest: Vec<Vec<Record>> = streams
-            .streams
-            .iter()
-            .map(|st| {
-                let w = PlaneSplit::of(st.dtype).width;
-                vec![
-                    Record {
-                        at: bound,
-                        planes: vec![(PlaneCodec::Zstd, bound); w],
-                        crc: u32::MAX,
-                    };
-                    st.chunk_count()
-                ]
-            })
-            .collect();
-        let header_meta = with_checksums(
-            metadata,
-            tensors.iter().map(|t| (t.name.clone(), Checksum(u32::MAX))),
-        );
-        let reserved = encode_header(
-            tensors,
-            &header_meta,
-            &streams,
-            &widest,
-            source_header.as_deref(),
-        )
-        .map_err(|e| e.with_path(dest))?
-        .len() as u64;
-        let reserved = reserved.div_ceil(8) * 8;
-        if reserved > super::MAX_HEADER_LEN {
-            return Err(Error::Unsupported {
-                problem: format!(
-                    "{}: the header for {} tensors would take {reserved} bytes, over the {}-byte limit: split the output into more files (--max-shard-size)",
-                    dest.display(),
-                    tensors.len(),
-                    super::MAX_HEADER_LEN
-                ),
-            });
-        }
         let parts = (0..tensors.len())
             .map(|t| Mutex::new(vec![None; streams.parts(t).count()]))
             .collect();
@@ -514,7 +502,7 @@ impl CkptzWriter {
             source_header,
             level: compression.level,
             streams,
-            data_start: 16 + reserved,
+            data_start: 16,
             order,
             pending: Mutex::new(HashMap::new()),
             parts,
@@ -750,7 +738,7 @@ impl CkptzWriter {
         } else {
             self.metadata.clone()
         };
-        let mut header = encode_header(
+        let header = encode_header(
             &self.specs,
             &meta,
             &self.streams,
@@ -758,20 +746,30 @@ impl CkptzWriter {
             self.source_header.as_deref(),
         )
         .map_err(|e| e.with_path(self.out.dest()))?;
-        let reserved = self.data_start - 16;
-        if header.len() as u64 > reserved {
-            return Err(overflow(format!(
-                "{}: header of {} bytes does not fit the {reserved} reserved",
-                self.out.dest().display(),
-                header.len()
-            )));
+        if header.len() as u64 > super::MAX_HEADER_LEN {
+            return Err(Error::Unsupported {
+                problem: format!(
+                    "{}: the header for {} tensors would take {} bytes, over the {}-byte limit: split the output into more files (--max-shard-size)",
+                    self.out.dest().display(),
+                    self.specs.len(),
+                    header.len(),
+                    super::MAX_HEADER_LEN
+                ),
+            });
         }
-        header.resize(reserved as usize, b' ');
+        // With zstd's checksum: a damaged header is named as such, not misparsed.
+        let frame = zstd::bulk::Compressor::new(HEADER_LEVEL)
+            .and_then(|mut c| {
+                c.set_parameter(zstd::zstd_safe::CParameter::ChecksumFlag(true))?;
+                c.compress(&header)
+            })
+            .at(self.out.dest())?;
         let mut preamble = MAGIC_V2.to_vec();
-        preamble.extend_from_slice(&reserved.to_le_bytes());
-        preamble.extend_from_slice(&header);
+        preamble.extend_from_slice(&(frame.len() as u64).to_le_bytes());
+        self.out.write_at(&frame, self.data_start + q.pos)?;
         self.out.write_at(&preamble, 0)?;
-        self.out.set_len(self.data_start + q.pos)?;
+        self.out
+            .set_len(self.data_start + q.pos + frame.len() as u64)?;
         self.out.commit()
     }
 }
@@ -1038,7 +1036,9 @@ mod tests {
             let b = std::fs::read(&p).unwrap();
             let h = parse_header(&b, b.len() as u64).unwrap();
             assert_eq!(h.body.chunks[0].len(), 1);
-            b.len() as u64 - h.data_start
+            // The data area: between the preamble and the header.
+            let n = u64::from_le_bytes(b[8..16].try_into().unwrap());
+            b.len() as u64 - h.data_start - n
         };
         assert_eq!(data_len(&many), data_len(&one));
     }
@@ -1070,14 +1070,16 @@ mod tests {
         let specs = [spec("a", Dtype::BF16, &[8]), spec("i", Dtype::U8, &[8])];
         write(&p, &specs, 8, 16, 1, HOLD_BYTES, false);
         let bytes = std::fs::read(&p).unwrap();
-        let h = parse_header(&bytes, bytes.len() as u64).unwrap();
-        let mut doc: Value = serde_json::from_slice(&bytes[16..h.data_start as usize]).unwrap();
+        let n = u64::from_le_bytes(bytes[8..16].try_into().unwrap()) as usize;
+        let at = bytes.len() - n;
+        let mut doc: Value =
+            serde_json::from_slice(&decompress_header(&bytes[at..]).unwrap()).unwrap();
         edit(&mut doc);
-        let text = serde_json::to_vec(&doc).unwrap();
+        let frame = zstd::bulk::compress(&serde_json::to_vec(&doc).unwrap(), 1).unwrap();
         let mut out = MAGIC.to_vec();
-        out.extend_from_slice(&(text.len() as u64).to_le_bytes());
-        out.extend_from_slice(&text);
-        out.extend_from_slice(&bytes[h.data_start as usize..]);
+        out.extend_from_slice(&(frame.len() as u64).to_le_bytes());
+        out.extend_from_slice(&bytes[16..at]);
+        out.extend_from_slice(&frame);
         out
     }
 
@@ -1137,6 +1139,25 @@ mod tests {
             d[KEY]["streams"][1]["chunks"][0]["at"] = 17.into()
         }));
         assert!(e.contains("past the end of the data area"), "{e}");
+        // Truncated, damaged or oversized header frames.
+        assert!(
+            err(&ok[..ok.len() - 1]).contains("header"),
+            "{}",
+            err(&ok[..ok.len() - 1])
+        );
+        let mut big = ok.clone();
+        big[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(matches!(
+            parse_header(&big, big.len() as u64),
+            Err(Error::HeaderTooLarge { .. })
+        ));
+        let mut long = ok.clone();
+        long[8..16].copy_from_slice(&(ok.len() as u64).to_le_bytes());
+        assert!(
+            err(&long).contains("does not fit in the file"),
+            "{}",
+            err(&long)
+        );
         // A later version is its own error.
         let mut later = ok.clone();
         later[6] = 9;
