@@ -214,14 +214,15 @@ fn is_ms_strategy(path: &Path) -> bool {
 }
 
 /// The checkpoint file of a MindSpore rank directory: its only `.ckpt`/`.safetensors`
-/// file, or the newest `<prefix>-<epoch>_<step>` of several.
+/// (or `ckpt compress`ed `.ckptz`) file, or the newest `<prefix>-<epoch>_<step>` of
+/// several.
 fn ms_rank_file(dir: &Path, step: Option<u64>, notes: &mut Vec<String>) -> Result<Option<PathBuf>> {
     let files: Vec<PathBuf> = list_dir(dir)?
         .into_iter()
         .filter(|p| p.is_file())
         .filter(|p| {
             p.extension()
-                .is_some_and(|e| e == "ckpt" || e == "safetensors")
+                .is_some_and(|e| e == "ckpt" || e == "safetensors" || e == "ckptz")
         })
         .collect();
     if files.len() <= 1 && step.is_none() {
