@@ -133,12 +133,11 @@ pub fn render_text(p: &TensorPicture, canvas: &Canvas) -> String {
         } else {
             canvas.height.max(1)
         };
-        let col_unit = f.cols.div_ceil(w as u64);
-        let row_unit = f.rows.div_ceil(h as u64);
-        if col_unit > 1 || row_unit > 1 {
+        if f.rows > h as u64 || f.cols > w as u64 {
             let _ = writeln!(
                 out,
-                "one character ≈ {row_unit} row(s) × {col_unit} column(s), showing the owner of the element at its centre"
+                "scaled: {h} lines for {} rows, {w} characters for {} columns; each shows the owner of the element at its centre",
+                f.rows, f.cols
             );
         }
         let label_w = (f.rows - 1).to_string().len().max(3);
@@ -359,7 +358,7 @@ mod tests {
         assert!(
             text.contains("3-D folded to 2-D: rows = dims 0..1 (2×3 = 6), columns = dim 2 (40)\n")
         );
-        assert!(text.contains("one character ≈ 1 row(s) × 2 column(s)"));
+        assert!(text.contains("scaled: 6 lines for 6 rows, 20 characters for 40 columns;"));
         let grid: Vec<&str> = text.lines().filter(|l| l.contains(" |")).collect();
         assert_eq!(
             grid,
