@@ -65,6 +65,15 @@ pub enum Error {
         /// What is wrong with it.
         problem: String,
     },
+    /// A `.ckptz` file of a format version this build does not read (written by a
+    /// later ckpt).
+    #[error("`.ckptz` format version {version} is not one this ckpt reads (versions {supported:?}): written by a newer ckpt?")]
+    CkptzVersion {
+        /// The file's version byte.
+        version: u8,
+        /// The versions read.
+        supported: Vec<u8>,
+    },
     /// A compressed chunk does not decompress to the bytes its header promises.
     #[error("{path}: tensor `{tensor}`: compressed chunk {chunk} is damaged: {problem}")]
     CorruptChunk {

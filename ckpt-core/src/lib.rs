@@ -7,25 +7,17 @@
 //! produce any other set of pieces, and [`execute`] carries it out streaming.
 
 mod checkpoint;
-mod checksum;
-mod convert;
-mod copy;
-mod coverage;
 mod draw;
+mod engine;
 mod error;
-mod example;
 mod fault;
 mod formats;
 mod layout;
-mod mesh;
-mod mindspore;
-mod output;
-mod plan;
-mod region;
-mod save;
-mod select;
-mod strategy;
-mod verify;
+
+// The modules' old places, while their users are moved over.
+use engine::{convert, copy, example, save, verify};
+use formats::{checksum, output};
+use layout::{coverage, mesh, mindspore, plan, region, select, strategy};
 
 pub use crate::checkpoint::{
     Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, COMPRESSED_INDEX_FILE,
@@ -49,7 +41,7 @@ pub use crate::fault::{bus_error_message, remove_registered_temporaries};
 pub use crate::formats::ckptz::{
     compress_chunk, decompress_chunk, group_bytes, group_of, parse_header as parse_ckptz_header,
     ungroup_bytes, CkptzWriter, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
-    EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC,
+    EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC, MAGIC_V1 as CKPTZ_MAGIC_V1,
 };
 pub use crate::formats::distcp::{metadata_bytes as distcp_metadata, DistcpChunk};
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
