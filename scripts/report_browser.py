@@ -128,6 +128,30 @@ def browser_check():
         assert not errors, errors
         print(f"browser: {len(tensors)} tensors, {drawn} pieces drawn, sort and filter ok; "
               f"report {os.path.getsize(report)} bytes; screenshot {SHOT}")
+
+        # The plan page of a 4 -> 3 reshard: its totals are the plan's, each tensor
+        # shows 3 target pieces (per block) over the source pieces' outlines.
+        plan = json.loads(ckpt("reshard", "ex", "-o", "r3", "--mesh", "dp=2,tp=3", "--plan",
+                               "--json", "--html", "plan.html"))
+        drv.get("file://" + os.path.join(os.path.abspath(WORK), "plan.html"))
+        WebDriverWait(drv, 20).until(
+            lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+        outputs = drv.find_elements(By.CSS_SELECTOR, "#outputs tr.output-row")
+        assert len(outputs) == len(plan["files"]), (len(outputs), len(plan["files"]))
+        assert f"({plan['bytes_read']} B)" in drv.find_element(By.ID, "summary-plan").text
+        drv.find_element(By.ID, "filter").send_keys("/^embed\\.weight$/")
+        wait_rows(drv, 1, "plan: filter embed.weight")
+        drv.find_element(By.CSS_SELECTOR, "tr.row").click()
+        targets = drv.find_elements(By.CSS_SELECTOR, "tr.detail g.piece")
+        sources = drv.find_elements(By.CSS_SELECTOR, "tr.detail g.source")
+        src_pieces = [p for p in tensors["embed.weight"]["pieces"] if not p["copy"]]
+        assert len(sources) == len(src_pieces), (len(sources), len(src_pieces))
+        assert len(targets) == 3, len(targets)
+        drv.save_screenshot(os.path.join(WORK, "plan.png"))
+        errors = [e for e in drv.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+        print(f"plan page: {len(outputs)} outputs, embed.weight as {len(targets)} target "
+              f"pieces over {len(sources)} source pieces")
     finally:
         drv.quit()
 

@@ -29,9 +29,9 @@ pub use crate::convert::{convert, Conversion, ConvertStats};
 pub use crate::copy::{assemble, execute, execute_with, CopyStats, SLAB_BYTES};
 pub use crate::coverage::{check_tiling, Defect};
 pub use crate::draw::{
-    fold, holder_label, html_report, matching, picture, pieces_json, render_text, show,
-    write_html_report, Canvas, Extent, Fold, Holding, PlanReport, SourceRead, TargetReads,
-    TensorPicture,
+    fold, holder_label, html_report, matching, picture, pieces_json, plan_html_report, render_text,
+    show, write_html_report, write_plan_html, Canvas, Extent, Fold, Holding, PlanReport,
+    SourceRead, TargetReads, TensorPicture,
 };
 pub use crate::error::{Error, Problems, Result};
 pub use crate::example::{
