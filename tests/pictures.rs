@@ -186,3 +186,30 @@ fn plan_reads_are_what_the_reshard_then_reports() {
     assert!(o.stdout.contains("largest read: "), "{}", o.stdout);
     assert!(o.stdout.contains("embed.weight  bytes "), "{}", o.stdout);
 }
+
+#[test]
+fn show_draws_a_missing_rank_as_a_gap() {
+    let d = Dir::new();
+    d.example("ex", "tp=4");
+    std::fs::remove_dir_all(d.path("ex/ckpt_2")).unwrap();
+    // The picture is drawn all the same, the hole marked, and the exit says a problem.
+    let o = d.fails(&["inspect", "ex", "--show", "embed.weight"]);
+    let gap_rows: Vec<&str> = o
+        .stdout
+        .lines()
+        .filter(|l| l.contains(" |") && l.split('|').nth(1).unwrap().chars().all(|c| c == '.'))
+        .collect();
+    // Rows 20..30 of 37 were rank 2's, one line per row.
+    assert_eq!(gap_rows.len(), 10, "{}", o.stdout);
+    assert!(gap_rows[0].trim_start().starts_with("20 |"), "{}", o.stdout);
+    assert!(
+        o.stdout.contains(". = held by no file: data missing"),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        o.stderr.contains("elements [20..30, 0..16] are missing"),
+        "{}",
+        o.stderr
+    );
+}
