@@ -134,6 +134,8 @@ struct Expanded {
     dcp: BTreeMap<PathBuf, DcpMetadata>,
     /// The training step asked for (`--step`), where the inputs hold several.
     step: Option<u64>,
+    /// A Megatron legacy checkpoint (save or iteration directory): read on its own.
+    megatron: Option<PathBuf>,
 }
 
 impl Expanded {
@@ -212,14 +214,15 @@ fn is_ms_strategy(path: &Path) -> bool {
 }
 
 /// The checkpoint file of a MindSpore rank directory: its only `.ckpt`/`.safetensors`
-/// file, or the newest `<prefix>-<epoch>_<step>` of several.
+/// (or `ckpt compress`ed `.ckptz`) file, or the newest `<prefix>-<epoch>_<step>` of
+/// several.
 fn ms_rank_file(dir: &Path, step: Option<u64>, notes: &mut Vec<String>) -> Result<Option<PathBuf>> {
     let files: Vec<PathBuf> = list_dir(dir)?
         .into_iter()
         .filter(|p| p.is_file())
         .filter(|p| {
             p.extension()
-                .is_some_and(|e| e == "ckpt" || e == "safetensors")
+                .is_some_and(|e| e == "ckpt" || e == "safetensors" || e == "ckptz")
         })
         .collect();
     if files.len() <= 1 && step.is_none() {
@@ -336,6 +339,16 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
             Ok(_) => "neither a file nor a directory".to_string(),
         };
         return Err(unknown(format!("{}: {why}", path.display())));
+    }
+    if crate::formats::megatron::looks_like(path) {
+        if let Some(other) = x.megatron.replace(path.to_path_buf()) {
+            return Err(unknown(format!(
+                "two Megatron checkpoints given ({} and {}): one at a time",
+                other.display(),
+                path.display()
+            )));
+        }
+        return Ok(());
     }
     // A training output directory: `latest` names its newest complete checkpoint.
     let latest = path.join(LATEST_FILE);
@@ -471,10 +484,17 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
         for extra in ["common.pt", "metadata.json"] {
             if path.join(extra).is_file() {
                 x.notes.push(format!(
-                    "{}: Megatron's {extra} is not read or carried (ckpt reads the DCP tensors beside it)",
+                    "{}: Megatron's {extra} is not read into the output or carried (ckpt reads the DCP tensors beside it)",
                     path.join(extra).display()
                 ));
             }
+        }
+        if path
+            .join(crate::formats::megatron::DIST_METADATA_FILE)
+            .is_file()
+        {
+            let notes = crate::formats::megatron::dist_ckpt_notes(path)?;
+            x.notes.extend(notes);
         }
         for f in files {
             x.inputs.push(Input {
@@ -590,8 +610,18 @@ impl Checkpoint {
             ms,
             mut notes,
             dcp,
+            megatron,
             ..
         } = x;
+        if let Some(dir) = megatron {
+            if !inputs.is_empty() || !ms.given.is_empty() {
+                return Err(unknown(format!(
+                    "{}: a Megatron checkpoint is read on its own, not with other inputs",
+                    dir.display()
+                )));
+            }
+            return Checkpoint::read_megatron(&dir, carried, notes);
+        }
         let ms_strategy = match (ms.given.is_empty(), ms.found.len()) {
             (false, _) => ms.given,
             (true, 0) => vec![],
@@ -759,6 +789,60 @@ impl Checkpoint {
                 .collect();
         }
         Ok(())
+    }
+
+    /// A Megatron legacy checkpoint: each rank's file placed by the layout its reader
+    /// built from megatron-core's rules (a strategy on a `pp`/`tp` mesh, so `--to` and
+    /// `--mesh` reshard it as a sliced checkpoint).
+    fn read_megatron(
+        dir: &Path,
+        carried: BTreeMap<String, PathBuf>,
+        mut notes: Vec<String>,
+    ) -> Result<(Checkpoint, Vec<Error>)> {
+        let legacy = crate::formats::megatron::open(dir)?;
+        notes.extend(legacy.notes);
+        let strategy = legacy.strategy;
+        let mut ck = Checkpoint {
+            kind: Kind::Sliced,
+            files: Vec::with_capacity(legacy.files.len()),
+            ranks: Vec::with_capacity(legacy.files.len()),
+            strategy: None,
+            tensors: BTreeMap::new(),
+            carried,
+            notes,
+        };
+        let mut raw: BTreeMap<String, Vec<SourcePiece>> = BTreeMap::new();
+        for (fi, (rank, f)) in legacy.files.into_iter().enumerate() {
+            for (ti, t) in f.tensors().iter().enumerate() {
+                let layout = &strategy.tensors[&t.name];
+                let entry = raw.entry(t.name.clone()).or_default();
+                for p in layout.pieces(&strategy.mesh, rank) {
+                    entry.push(SourcePiece {
+                        file: fi,
+                        tensor: ti,
+                        global: p.global,
+                        local: p.local,
+                    });
+                }
+            }
+            ck.files.push(f);
+            ck.ranks.push(Some(rank));
+        }
+        for (name, l) in &strategy.tensors {
+            ck.tensors.insert(
+                name.clone(),
+                SourceTensor {
+                    dtype: l.dtype,
+                    shape: l.shape.clone(),
+                    pieces: vec![],
+                    copies: vec![],
+                },
+            );
+        }
+        ck.strategy = Some(strategy);
+        let mut problems = Vec::new();
+        ck.assemble(raw, &mut problems);
+        Ok((ck, problems))
     }
 
     fn read_sliced(

@@ -18,6 +18,7 @@ pub(crate) mod checksum;
 pub(crate) mod ckptz;
 pub(crate) mod detect;
 pub(crate) mod distcp;
+pub(crate) mod megatron;
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;
 pub(crate) mod output;

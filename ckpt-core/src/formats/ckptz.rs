@@ -602,14 +602,28 @@ pub fn parse_header(bytes: &[u8], file_len: u64) -> Result<Header> {
             max: MAX_HEADER_LEN,
         });
     }
-    let data_start = n.checked_add(16).ok_or_else(|| overflow("header length"))?;
-    if data_start > file_len || data_start > bytes.len() as u64 {
-        return Err(bad(format!(
-            "header of {n} bytes runs past the end of the file ({file_len} bytes): truncated?"
-        )));
-    }
-    let (obj, metadata) = split_header(&bytes[16..data_start as usize], bad)?;
-    let data_len = file_len - data_start;
+    // Version 1: the header follows the preamble, the data area follows it. Version 2:
+    // the data area follows the preamble, the header (one zstd frame) ends the file.
+    let (text, data_start, data_len) = if version == 1 {
+        let data_start = n.checked_add(16).ok_or_else(|| overflow("header length"))?;
+        if data_start > file_len || data_start > bytes.len() as u64 {
+            return Err(bad(format!(
+                "header of {n} bytes runs past the end of the file ({file_len} bytes): truncated?"
+            )));
+        }
+        let text = std::borrow::Cow::Borrowed(&bytes[16..data_start as usize]);
+        (text, data_start, file_len - data_start)
+    } else {
+        if n > file_len - 16 || bytes.len() as u64 != file_len {
+            return Err(bad(format!(
+                "header of {n} bytes does not fit in the file ({file_len} bytes after the 16-byte preamble): truncated?"
+            )));
+        }
+        let at = (file_len - n) as usize;
+        let text = v2::decompress_header(&bytes[at..])?;
+        (std::borrow::Cow::Owned(text), 16, file_len - n - 16)
+    };
+    let (obj, metadata) = split_header(&text, bad)?;
     let (tensors, body, source_header) = if version == 1 {
         parse_v1(&obj, data_len)?
     } else {
