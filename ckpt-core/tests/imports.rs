@@ -575,15 +575,10 @@ fn format_of(m: &str) -> Option<String> {
     is_leaf_format(m).then(|| m.split("::").take(2).collect::<Vec<_>>().join("::"))
 }
 
-#[test]
-fn layers_import_downwards_only() {
-    let core = crates()
-        .into_iter()
-        .find(|c| c.name == "ckpt-core")
-        .unwrap();
-    let g = graph(&core);
+/// Every import of `g` (ckpt-core's graph) that goes against the layers.
+fn violations(g: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
     let mut bad = Vec::new();
-    for (from, tos) in &g {
+    for (from, tos) in g {
         for to in tos {
             let algebra = from == "layout" || from.starts_with("layout::");
             if algebra
@@ -615,7 +610,34 @@ fn layers_import_downwards_only() {
             }
         }
     }
+    bad
+}
+
+#[test]
+fn layers_import_downwards_only() {
+    let core = crates().into_iter().find(|c| c.name == "ckpt-core").unwrap();
+    let bad = violations(&graph(&core));
     assert!(bad.is_empty(), "layering broken:\n{}", bad.join("\n"));
+}
+
+/// The layer rules on a planted graph: each kind of upward import is caught, and the
+/// allowed ones pass.
+#[test]
+fn layer_rules_catch_planted_violations() {
+    let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut edge = |a: &str, b: &str| {
+        g.entry(a.into()).or_default().insert(b.into());
+    };
+    edge("layout::plan", "layout::region"); // allowed
+    edge("formats::safetensors", "formats"); // allowed: the interface
+    edge("engine::copy", "formats::detect"); // allowed: the table
+    edge("layout::plan", "checkpoint"); // algebra upwards
+    edge("engine::copy", "formats::safetensors"); // engine names a format
+    edge("formats::mindspore_ckpt", "formats::safetensors"); // format to format
+    edge("formats::safetensors", "engine::copy"); // format upwards
+    let bad = violations(&g);
+    assert_eq!(bad.len(), 4, "{bad:?}");
+    assert!(bad[0].contains("engine::copy names the format formats::safetensors"), "{bad:?}");
 }
 
 /// The scanner itself: a planted circle is found, a chain is not one.
