@@ -530,7 +530,7 @@ const BUILDS_ON: [(&str, &str, &str); 4] = [
     (
         "formats::megatron",
         "formats::torch_save",
-        "Megatron's legacy model_optim_rng.pt files are torch.save archives",
+        "a legacy Megatron rank file (model_optim_rng.pt) is a torch.save archive",
     ),
     (
         "formats::distcp",
@@ -615,7 +615,10 @@ fn violations(g: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
 
 #[test]
 fn layers_import_downwards_only() {
-    let core = crates().into_iter().find(|c| c.name == "ckpt-core").unwrap();
+    let core = crates()
+        .into_iter()
+        .find(|c| c.name == "ckpt-core")
+        .unwrap();
     let bad = violations(&graph(&core));
     assert!(bad.is_empty(), "layering broken:\n{}", bad.join("\n"));
 }
@@ -637,7 +640,10 @@ fn layer_rules_catch_planted_violations() {
     edge("formats::safetensors", "engine::copy"); // format upwards
     let bad = violations(&g);
     assert_eq!(bad.len(), 4, "{bad:?}");
-    assert!(bad[0].contains("engine::copy names the format formats::safetensors"), "{bad:?}");
+    assert!(
+        bad[0].contains("engine::copy names the format formats::safetensors"),
+        "{bad:?}"
+    );
 }
 
 /// The scanner itself: a planted circle is found, a chain is not one.
