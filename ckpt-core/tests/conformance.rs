@@ -1,0 +1,238 @@
+//! The conformance suite: one set of checks every format's writer and reader pass on
+//! their own files (as object_store's `integration.rs` is run by every backend). A new
+//! format adds one `#[test]` calling [`conform`] with its [`Case`]
+//! (docs/architecture.md, "Adding a format").
+//!
+//! For each format: a round trip through our own reader (names, dtypes, shapes, every
+//! byte); coverage (opened as a checkpoint, every element of every tensor held exactly
+//! once); the damaged-input catalogue (truncated file, flipped header bytes, a rank's
+//! file missing), each a named error that names the file; and a fuzz seed for the
+//! format's parser under `fuzz/corpus/`.
+
+use ckpt_core::{
+    check_tiling, CkptzWriter, Compression, Dtype, FileFormat, Mesh, MindSporeWriter, Placement,
+    ReadCache, SafetensorsWriter, Strategy, TensorFile, TensorLayout, TensorSpec, TensorWriter,
+};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// One format under test.
+struct Case {
+    /// File name of a written file (its extension picks nothing here: `create` does).
+    file: &'static str,
+    /// The format the reader must report.
+    format: FileFormat,
+    /// The fuzz target whose committed seeds exercise this format's parser.
+    fuzz_target: &'static str,
+    /// Creates the format's writer.
+    create: fn(&Path, &[TensorSpec]) -> Box<dyn TensorWriter>,
+}
+
+/// Tensors of several dtypes and ranks (a scalar among them), with bytes no two
+/// positions share.
+fn tensors() -> Vec<(TensorSpec, Vec<u8>)> {
+    let spec = |name: &str, dtype, shape: &[u64]| TensorSpec {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+    };
+    let specs = [
+        spec("w", Dtype::F32, &[6, 4]),
+        spec("b", Dtype::BF16, &[7]),
+        spec("steps", Dtype::I64, &[]),
+        spec("emb", Dtype::F16, &[4, 3, 2]),
+    ];
+    specs
+        .into_iter()
+        .enumerate()
+        .map(|(k, s)| {
+            let n = s.shape.iter().product::<u64>() as usize * (s.dtype.bitsize() / 8);
+            let bytes = (0..n).map(|i| (i * 7 + k * 31 + 1) as u8).collect();
+            (s, bytes)
+        })
+        .collect()
+}
+
+/// Writes `tensors` through the case's writer, each tensor in two positional writes
+/// (second half first: writers take bytes in any order).
+fn write(case: &Case, path: &Path, tensors: &[(TensorSpec, Vec<u8>)]) {
+    let specs: Vec<TensorSpec> = tensors.iter().map(|(s, _)| s.clone()).collect();
+    let w = (case.create)(path, &specs);
+    for (i, (_, bytes)) in tensors.iter().enumerate() {
+        let half = bytes.len() / 2;
+        w.write_at(i, half as u64, &bytes[half..]).unwrap();
+        w.write_at(i, 0, &bytes[..half]).unwrap();
+    }
+    w.finish().unwrap();
+}
+
+/// Runs every check of the suite on `case`.
+fn conform(case: &Case) {
+    round_trip(case);
+    coverage(case);
+    damaged_inputs(case);
+    fuzz_seed_present(case);
+}
+
+fn round_trip(case: &Case) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(case.file);
+    let want = tensors();
+    write(case, &path, &want);
+    let f = TensorFile::open(&path).unwrap();
+    assert_eq!(f.format(), case.format);
+    assert_eq!(f.tensors().len(), want.len());
+    let mut cache = ReadCache::new();
+    for (spec, bytes) in &want {
+        let i = f
+            .find(&spec.name)
+            .unwrap_or_else(|| panic!("{} lost", spec.name));
+        let t = &f.tensors()[i];
+        assert_eq!(
+            (t.dtype, &t.shape),
+            (spec.dtype, &spec.shape),
+            "{}",
+            spec.name
+        );
+        let got = f.read(i, 0..bytes.len() as u64, &mut cache).unwrap();
+        assert_eq!(got, &bytes[..], "bytes of {}", spec.name);
+    }
+    // Nothing but the file is left in the directory (no temporary).
+    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert_eq!(names.len(), 1, "{names:?}");
+}
+
+/// A ckpt sliced checkpoint of two ranks in the case's format: `w` sharded on rows,
+/// the others replicated.
+fn sliced(case: &Case, root: &Path) -> Vec<PathBuf> {
+    let all = tensors();
+    let mut strategy = Strategy::new(Mesh::parse("tp=2").unwrap());
+    for (s, _) in &all {
+        let p = if s.name == "w" {
+            Placement::shard(0)
+        } else {
+            Placement::Replicate
+        };
+        let layout = TensorLayout::new(s.shape.clone(), s.dtype, vec![p]);
+        strategy.insert(s.name.clone(), layout).unwrap();
+    }
+    let mut files = Vec::new();
+    for rank in 0..2u64 {
+        let d = root.join(format!("ckpt_{rank}"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("strategy.json"), strategy.to_json()).unwrap();
+        let local: Vec<(TensorSpec, Vec<u8>)> = all
+            .iter()
+            .map(|(s, b)| {
+                if s.name != "w" {
+                    return (s.clone(), b.clone());
+                }
+                // Rows 3r..3r+3 of a [6, 4] F32 tensor.
+                let row = 4 * 4;
+                let lo = (3 * rank as usize) * row;
+                let mut s = s.clone();
+                s.shape = vec![3, 4];
+                (s, b[lo..lo + 3 * row].to_vec())
+            })
+            .collect();
+        let path = d.join(case.file);
+        write(case, &path, &local);
+        files.push(path);
+    }
+    files
+}
+
+fn coverage(case: &Case) {
+    let dir = tempfile::tempdir().unwrap();
+    sliced(case, dir.path());
+    let ck = ckpt_core::Checkpoint::open(&[dir.path().to_path_buf()]).unwrap();
+    for (spec, _) in tensors() {
+        let t = &ck.tensors[&spec.name];
+        assert_eq!(t.shape, spec.shape, "{}", spec.name);
+        let boxes: Vec<_> = t.pieces.iter().map(|p| p.global.clone()).collect();
+        assert_eq!(check_tiling(&t.shape, &boxes), Ok(()), "{}", spec.name);
+        let held: u64 = boxes.iter().map(|b| b.shape.iter().product::<u64>()).sum();
+        assert_eq!(held, spec.shape.iter().product::<u64>(), "{}", spec.name);
+    }
+}
+
+/// The error of opening a damaged file names it.
+fn refused(path: &Path, what: &str) {
+    let e = TensorFile::open(path)
+        .map(|_| ())
+        .expect_err(&format!("{what}: {} opened", path.display()));
+    let text = e.to_string();
+    assert!(
+        text.contains(&*path.to_string_lossy()),
+        "{what}: the error does not name {}: {text}",
+        path.display()
+    );
+}
+
+fn damaged_inputs(case: &Case) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(case.file);
+    write(case, &path, &tensors());
+    let good = std::fs::read(&path).unwrap();
+    // Truncated: the last tensor's bytes are cut off.
+    std::fs::write(&path, &good[..good.len() - good.len() / 3]).unwrap();
+    refused(&path, "truncated");
+    // Flipped header bytes: the first 8 bytes (magic, length or tag) inverted.
+    let mut bad = good.clone();
+    for b in &mut bad[..8] {
+        *b = !*b;
+    }
+    std::fs::write(&path, &bad).unwrap();
+    refused(&path, "flipped header");
+    // A missing piece: rank 1's file of a two-rank checkpoint is gone.
+    let dir = tempfile::tempdir().unwrap();
+    let files = sliced(case, dir.path());
+    std::fs::remove_file(&files[1]).unwrap();
+    let e = ckpt_core::Checkpoint::open(&[dir.path().to_path_buf()])
+        .map(|_| ())
+        .expect_err("a checkpoint missing rank 1 opened");
+    assert!(e.to_string().contains("rank 1 of 2 is missing"), "{e}");
+}
+
+fn fuzz_seed_present(case: &Case) {
+    let corpus = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fuzz/corpus")
+        .join(case.fuzz_target);
+    let seeds = std::fs::read_dir(&corpus)
+        .unwrap_or_else(|e| panic!("{}: {e}", corpus.display()))
+        .count();
+    assert!(seeds > 0, "no fuzz seed in {}", corpus.display());
+}
+
+#[test]
+fn safetensors_conforms() {
+    conform(&Case {
+        file: "model.safetensors",
+        format: FileFormat::Safetensors,
+        fuzz_target: "header",
+        create: |p, s| Box::new(SafetensorsWriter::create(p, s, &BTreeMap::new()).unwrap()),
+    });
+}
+
+#[test]
+fn ckptz_conforms() {
+    conform(&Case {
+        file: "model.ckptz",
+        format: FileFormat::Ckptz,
+        fuzz_target: "ckptz",
+        create: |p, s| {
+            let c = Compression::parse("zstd").unwrap();
+            Box::new(CkptzWriter::create(p, s, &BTreeMap::new(), c).unwrap())
+        },
+    });
+}
+
+#[test]
+fn mindspore_ckpt_conforms() {
+    conform(&Case {
+        file: "model.ckpt",
+        format: FileFormat::MindSporeCkpt,
+        fuzz_target: "mindspore_ckpt",
+        create: |p, s| Box::new(MindSporeWriter::create(p, s).unwrap()),
+    });
+}
