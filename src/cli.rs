@@ -784,7 +784,7 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
 
 /// This process's share of partitioned work: `(rank, world size)` from the launcher.
 fn launch_share() -> Result<(u64, u64)> {
-    let env = ckpt_train::LaunchEnv::from_env()?.context(
+    let env = ckpt_core::LaunchEnv::from_env()?.context(
         "--rank auto: no launcher variables (OMPI_COMM_WORLD_RANK, PMI_RANK, RANK or SLURM_PROCID) are set",
     )?;
     Ok((env.rank as u64, env.world_size as u64))
@@ -938,7 +938,7 @@ fn example(a: ExampleArgs) -> Result<ExitCode> {
 /// Whether this process prints the results: always, unless a launcher (mpirun, srun,
 /// torchrun) started it as a rank other than 0.
 fn is_lead() -> Result<bool> {
-    Ok(ckpt_train::LaunchEnv::from_env()?.is_none_or(|e| e.rank == 0))
+    Ok(ckpt_core::LaunchEnv::from_env()?.is_none_or(|e| e.rank == 0))
 }
 
 /// Ranks of a thread job in this process (1 under a launcher), for sizing the CPU

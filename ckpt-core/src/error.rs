@@ -181,6 +181,14 @@ pub enum Error {
         /// One past its last element.
         end: u64,
     },
+    /// A launcher's environment variables are incomplete or inconsistent.
+    #[error("environment variable {variable}: {problem}")]
+    Launch {
+        /// The variable.
+        variable: String,
+        /// What is wrong with it.
+        problem: String,
+    },
     /// Several problems, one per line.
     #[error("{0}")]
     Many(Problems),

@@ -12,6 +12,7 @@ mod engine;
 mod error;
 mod fault;
 mod formats;
+mod launch;
 mod layout;
 
 pub use crate::checkpoint::{
@@ -60,6 +61,7 @@ pub use crate::formats::writer::{TensorSpec, TensorWriter};
 pub use crate::formats::{
     ChunkCache, Decoder, FileFormat, PieceKind, ReadCache, TensorEntry, TensorFile,
 };
+pub use crate::launch::{LaunchEnv, Launcher};
 pub use crate::layout::coverage::{check_tiling, Defect};
 pub use crate::layout::mesh::{Axis, Mesh};
 pub use crate::layout::mindspore::{from_mindspore, MapEntry, MindSporeLayout};
