@@ -172,7 +172,10 @@ pub fn holder_label(ck: &Checkpoint, file: usize) -> String {
 
 /// The holdings of tensor `t` of `ck` (owners, then replicas) and the files that hold
 /// none of it (sliced checkpoints only: every rank file is expected to hold its part).
-fn holdings_of(ck: &Checkpoint, t: &crate::checkpoint::SourceTensor) -> (Vec<Holding>, Vec<usize>) {
+fn holdings_of(
+    ck: &Checkpoint,
+    t: &crate::layout::source::SourceTensor,
+) -> (Vec<Holding>, Vec<usize>) {
     let holdings: Vec<Holding> = t
         .pieces
         .iter()

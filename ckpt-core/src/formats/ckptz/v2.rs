@@ -864,9 +864,10 @@ pub(crate) fn write_source(f: &TensorFile, header: &str, dest: &Path) -> Result<
 
 #[cfg(test)]
 mod tests {
-    use super::super::{parse_header, ChunkCache, MAGIC};
+    use super::super::{parse_header, MAGIC};
     use super::*;
     use crate::formats::FileFormat;
+    use crate::formats::ReadCache as ChunkCache;
     use crate::Dtype;
 
     fn spec(name: &str, dtype: Dtype, shape: &[u64]) -> TensorSpec {
