@@ -580,7 +580,8 @@ impl Drop for TensorFile {
 pub(crate) enum FileWriter {
     Safetensors(safetensors::SafetensorsWriter),
     MindSpore(mindspore_ckpt::MindSporeWriter),
-    Compressed(ckptz::CkptzWriter),
+    // Boxed: far larger than the other writers (its chunk tables and sequencer).
+    Compressed(Box<ckptz::CkptzWriter>),
     Torch(torch_write::TorchWriter),
 }
 
@@ -592,9 +593,9 @@ impl FileWriter {
         compression: Option<ckptz::Compression>,
     ) -> Result<FileWriter> {
         if let Some(c) = compression {
-            return Ok(FileWriter::Compressed(ckptz::CkptzWriter::create(
-                dest, tensors, metadata, c,
-            )?));
+            return Ok(FileWriter::Compressed(Box::new(
+                ckptz::CkptzWriter::create(dest, tensors, metadata, c)?,
+            )));
         }
         let ext = dest.extension().and_then(|e| e.to_str()).unwrap_or("");
         Ok(if ext == "ckpt" {

@@ -212,13 +212,13 @@ fn convert_file(src: &Path, dest: &Path, how: Conversion, stats: &mut ConvertSta
                 .ok()
                 .filter(|_| crate::checksum::checksums_enabled());
             let same = ours.is_some_and(|(h, _)| h.get(8..) == Some(text.as_bytes()));
-            FileWriter::Compressed(CkptzWriter::create_with_source(
+            FileWriter::Compressed(Box::new(CkptzWriter::create_with_source(
                 dest,
                 &specs,
                 &metadata,
                 c,
                 (!same).then_some(text),
-            )?)
+            )?))
         }
         None => FileWriter::create(dest, &specs, &metadata, None)?,
     };
