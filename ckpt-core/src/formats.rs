@@ -601,10 +601,11 @@ impl FileWriter {
         Ok(if ext == "ckpt" {
             FileWriter::MindSpore(mindspore_ckpt::MindSporeWriter::create(dest, tensors)?)
         } else if matches!(ext, "pth" | "pt" | "bin" | "distcp") {
-            FileWriter::Torch(torch_write::TorchWriter::create(
+            FileWriter::Torch(torch_write::TorchWriter::create_wrapped(
                 dest,
                 tensors,
                 ext == "distcp",
+                torch_write::Wrap::from_metadata(metadata)?.as_ref(),
             )?)
         } else {
             FileWriter::Safetensors(safetensors::SafetensorsWriter::create(

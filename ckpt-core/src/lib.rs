@@ -33,6 +33,9 @@ pub use crate::draw::{
     write_html_report, Canvas, Extent, Fold, Holding, PlanReport, SourceRead, TargetReads,
     TensorPicture,
 };
+pub use crate::engine::megatron_output::{
+    megatron_legacy_plan, megatron_restage, megatron_tracker,
+};
 pub use crate::error::{Error, Problems, Result};
 pub use crate::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,

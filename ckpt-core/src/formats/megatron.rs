@@ -848,3 +848,114 @@ fn common_keys(path: &Path) -> Result<(Vec<String>, Option<Args>)> {
     let args = obj.get("args").and_then(|a| Args::from_value(a, path).ok());
     Ok((keys, args))
 }
+
+/// What a legacy output carries from its source: the pickled args (updated for the new
+/// sizes) and the iteration.
+#[derive(Debug)]
+pub(crate) struct SourceState {
+    args_value: Value,
+    pub(crate) args: Args,
+    pub(crate) iteration: u64,
+}
+
+/// Reads `args` and `iteration` again from a source rank file.
+///
+/// # Errors
+/// A file that is not a Megatron rank file.
+pub(crate) fn source_state(file: &Path) -> Result<SourceState> {
+    let map = map_file(file)?;
+    let all: &[u8] = map.as_deref().unwrap_or(&[]);
+    let at = |e: Error| e.with_path(file);
+    let obj = Archive::open(all).and_then(|a| a.object()).map_err(at)?;
+    let args_value = obj
+        .get("args")
+        .cloned()
+        .ok_or_else(|| at(unknown("no `args`: not a Megatron rank file".into())))?;
+    let args = Args::from_value(&args_value, file)?;
+    let iteration = match obj.get("iteration") {
+        Some(Value::Int(i)) if *i >= 0 => *i as u64,
+        _ => 0,
+    };
+    Ok(SourceState {
+        args_value,
+        args,
+        iteration,
+    })
+}
+
+/// The stage and stage-local name of a global name on `pp` uniform stages (no virtual
+/// stages): the inverse of [`global_name`].
+pub(crate) fn stage_name(
+    global: &str,
+    args: &Args,
+    pp: u64,
+) -> std::result::Result<(u64, String), String> {
+    let last = pp - 1;
+    let Some(rest) = global.strip_prefix("decoder.layers.") else {
+        let stage = match rule(global, args) {
+            Some((_, Stage::First, _)) => 0,
+            Some((_, Stage::Last, _)) => last,
+            _ => return Err("no Megatron GPT rule places it".into()),
+        };
+        return Ok((stage, global.to_string()));
+    };
+    let (g, tail) = rest
+        .split_once('.')
+        .ok_or_else(|| "a layer name without a parameter".to_string())?;
+    let g: u64 = g
+        .parse()
+        .map_err(|_| format!("layer `{g}` is not a number"))?;
+    let l = args.num_layers.ok_or("args have no num_layers")?;
+    if l % pp != 0 {
+        return Err(format!("{l} layers do not split into {pp} equal stages"));
+    }
+    let per = l / pp;
+    Ok((g / per, format!("decoder.layers.{}.{tail}", g % per)))
+}
+
+/// `iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt` (get_checkpoint_name).
+pub(crate) fn rank_path(iteration: u64, tp: u64, pp: u64, pp_size: u64) -> PathBuf {
+    let dir = if pp_size == 1 {
+        format!("mp_rank_{tp:02}")
+    } else {
+        format!("mp_rank_{tp:02}_{pp:03}")
+    };
+    Path::new(&format!("iter_{iteration:07}"))
+        .join(dir)
+        .join(RANK_FILE)
+}
+
+/// The entries beside `model` in a written rank file: `args` with the new sizes (and
+/// `no_save_optim`, `no_save_rng`: ckpt writes neither, as Megatron's own converter
+/// does not), `checkpoint_version` 3.0 and `iteration`; a pickle fragment.
+///
+/// # Errors
+/// Args that cannot be written back.
+pub(crate) fn extra_entries(state: &SourceState, tp: u64, pp: u64) -> Result<Vec<u8>> {
+    let mut args = state.args_value.clone();
+    if let Value::Build { state: fields, .. } = &mut args {
+        if let Value::Dict(kv) = fields.as_mut() {
+            let mut set = |key: &str, v: Value| match kv
+                .iter_mut()
+                .find(|(k, _)| matches!(k, Value::Str(s) if s == key))
+            {
+                Some((_, old)) => *old = v,
+                None => kv.push((Value::Str(key.into()), v)),
+            };
+            let int = |v: u64| Value::Int(i64::try_from(v).unwrap_or(i64::MAX));
+            set("tensor_model_parallel_size", int(tp));
+            set("pipeline_model_parallel_size", int(pp));
+            set("virtual_pipeline_model_parallel_size", Value::None);
+            set("no_save_optim", Value::Bool(true));
+            set("no_save_rng", Value::Bool(true));
+        }
+    }
+    let mut e = super::pickle::Emitter::new();
+    e.str("args");
+    e.value(&args).map_err(|p| Error::Unsupported {
+        problem: format!("the source's args cannot be written back: {p}"),
+    })?;
+    e.str("checkpoint_version").float(3.0);
+    e.str("iteration").int(state.iteration.min(i64::MAX as u64));
+    Ok(e.fragment())
+}
