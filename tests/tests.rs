@@ -4,6 +4,7 @@ mod util;
 
 mod bad_inputs;
 mod compress;
+mod compress_v2;
 mod crash;
 mod inspect_verify;
 mod megatron;

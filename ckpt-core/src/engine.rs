@@ -3,6 +3,5 @@
 pub(crate) mod convert;
 pub(crate) mod copy;
 pub(crate) mod example;
-pub(crate) mod megatron_output;
 pub(crate) mod save;
 pub(crate) mod verify;

@@ -29,9 +29,9 @@ use super::pickle::Value;
 use super::torch_save::{self, Archive};
 use super::{map_file, FileFormat, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, IoContext, Result};
+use crate::layout::mesh::Mesh;
+use crate::layout::strategy::{dtype_name, Strategy};
 use crate::layout::{Placement, TensorLayout};
-use crate::mesh::Mesh;
-use crate::strategy::{dtype_name, Strategy};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

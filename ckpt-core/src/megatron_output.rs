@@ -3,14 +3,18 @@
 //! each a torch.save dict with the rank's stage-local state dict under `model` beside
 //! `args` (new sizes), `checkpoint_version` and `iteration`, as Megatron's legacy
 //! loader reads it; `latest_checkpointed_iteration.txt` names the iteration.
+//!
+//! Beside the checkpoint, not in the engine: it rewrites a plan for one format, which
+//! the engine (format-blind) then executes; the torch writer nests the tensors as the
+//! plan's metadata asks.
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::formats::megatron::{self, TRACKER_FILE};
 use crate::formats::torch_write::{hex, WRAP_EXTRA, WRAP_KEY};
+use crate::layout::plan::CopyPlan;
+use crate::layout::strategy::Strategy;
 use crate::layout::Placement;
-use crate::plan::CopyPlan;
-use crate::strategy::Strategy;
 use std::path::PathBuf;
 
 /// Rewrites `plan` (one file per rank of `ranks`, in order, on `strategy`'s mesh) into
