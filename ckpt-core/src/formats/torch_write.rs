@@ -127,7 +127,7 @@ impl Wrap {
         let bad = || Error::Unsupported {
             problem: format!("{WRAP_EXTRA} is not hex"),
         };
-        if hex.len() % 2 != 0 {
+        if !hex.len().is_multiple_of(2) {
             return Err(bad());
         }
         let extra = (0..hex.len())
