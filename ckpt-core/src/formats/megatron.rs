@@ -750,6 +750,73 @@ mod tests {
     }
 
     #[test]
+    fn written_args_read_back_with_the_new_sizes() {
+        use crate::formats::pickle::{parse, Emitter};
+        // A Namespace as torch.save pickles it: NEWOBJ of the class, then BUILD.
+        let mut e = Emitter::new();
+        e.global("argparse", "Namespace").empty_tuple().new_obj();
+        e.empty_dict().mark();
+        e.str("tensor_model_parallel_size").int(2);
+        e.str("pipeline_model_parallel_size").int(2);
+        e.str("num_layers").int(4);
+        e.str("params_dtype").global("torch", "float32");
+        e.str("lr").float(-1.5e-4);
+        e.set_items().build();
+        let state = SourceState {
+            args_value: parse(&e.finish()).unwrap(),
+            args: args(),
+            iteration: 7,
+        };
+        let fragment = extra_entries(&state, 4, 1).unwrap();
+        let mut d = Emitter::new();
+        d.empty_dict().mark().raw(&fragment).set_items();
+        let back = parse(&d.finish()).unwrap();
+        let a = Args::from_value(back.get("args").unwrap(), Path::new("x")).unwrap();
+        assert_eq!((a.tp, a.pp, a.num_layers), (4, 1, Some(4)));
+        assert_eq!(back.get("iteration"), Some(&Value::Int(7)));
+        assert_eq!(back.get("checkpoint_version"), Some(&Value::Float(3.0)));
+        let fields = namespace_fields(back.get("args").unwrap()).unwrap();
+        let get = |k: &str| {
+            fields
+                .iter()
+                .find(|(n, _)| *n == Value::Str(k.into()))
+                .map(|(_, v)| v)
+        };
+        assert_eq!(get("lr"), Some(&Value::Float(-1.5e-4)));
+        assert_eq!(get("no_save_rng"), Some(&Value::Bool(true)));
+        assert_eq!(
+            get("params_dtype"),
+            Some(&Value::Global {
+                module: "torch".into(),
+                name: "float32".into()
+            })
+        );
+    }
+
+    #[test]
+    fn stage_names_invert_global_names() {
+        let a = args();
+        for pp in [1, 2, 4] {
+            for g in 0..4u64 {
+                let name = format!("decoder.layers.{g}.mlp.linear_fc2.weight");
+                let (s, local) = stage_name(&name, &a, pp).unwrap();
+                let per = 4 / pp;
+                let b = Args { pp, ..a.clone() };
+                assert_eq!(global_name(&local, &b, s, 0).unwrap(), name);
+                assert_eq!(s, g / per);
+            }
+        }
+        assert_eq!(stage_name("output_layer.weight", &a, 4).unwrap().0, 3);
+        assert_eq!(
+            stage_name("embedding.word_embeddings.weight", &a, 4)
+                .unwrap()
+                .0,
+            0
+        );
+        assert!(stage_name("decoder.layers.0.x", &a, 3).is_err());
+    }
+
+    #[test]
     fn rules_give_splits_and_shapes_from_args() {
         let a = args();
         let (s, _, shape) = rule("decoder.layers.0.self_attention.linear_qkv.weight", &a).unwrap();
