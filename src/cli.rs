@@ -351,9 +351,11 @@ struct ReshardArgs {
     /// Output layout: `ckpt` (ckpt_<r>/ directories), `dcp` (PyTorch DCP sharded
     /// safetensors, loadable by torch's HuggingFaceStorageReader), `distcp` (DCP's
     /// default format: __<r>_0.distcp + .metadata, loadable by
-    /// torch.distributed.checkpoint.load; each chunk stored once) or `mindspore`
-    /// (rank_<r>/checkpoint_<r>.ckpt, loadable by mindspore.load_checkpoint).
-    #[arg(long, default_value = "ckpt", value_parser = ["ckpt", "dcp", "distcp", "mindspore"])]
+    /// torch.distributed.checkpoint.load; each chunk stored once), `mindspore`
+    /// (rank_<r>/checkpoint_<r>.ckpt, loadable by mindspore.load_checkpoint) or
+    /// `megatron` (a Megatron legacy checkpoint from a Megatron legacy source:
+    /// iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt).
+    #[arg(long, default_value = "ckpt", value_parser = ["ckpt", "dcp", "distcp", "mindspore", "megatron"])]
     format: String,
     #[command(flatten)]
     copy: CopyArgs,
@@ -841,6 +843,7 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
             "dcp" => ckpt_reshard::OutputFormat::Dcp,
             "mindspore" => ckpt_reshard::OutputFormat::MindSpore,
             "distcp" => ckpt_reshard::OutputFormat::Distcp,
+            "megatron" => ckpt_reshard::OutputFormat::Megatron,
             _ => ckpt_reshard::OutputFormat::Ranks,
         },
     };

@@ -302,3 +302,83 @@ fn damaged_rank_files_never_panic() {
         "{opened} opened, {refused} refused"
     );
 }
+
+/// `reshard --format megatron`: Megatron's legacy layout for another TP x PP, read back
+/// by ckpt's own reader to the same full tensors.
+#[test]
+fn legacy_written_back_for_other_sizes_reads_back() {
+    let d = Dir::new();
+    let want = full_tensors(&fixtures().join("full.safetensors"));
+    for (how, n, dirs) in [
+        ("--to", "4", vec!["mp_rank_00", "mp_rank_03"]),
+        (
+            "--mesh",
+            "pp=4,tp=1",
+            vec!["mp_rank_00_000", "mp_rank_00_003"],
+        ),
+        ("--mesh", "pp=2,tp=2", vec!["mp_rank_01_001"]),
+    ] {
+        let out = format!("w{}", n.replace([',', '='], "_"));
+        d.ok(&[
+            "reshard",
+            &fx("legacy"),
+            how,
+            n,
+            "--format",
+            "megatron",
+            "-o",
+            &out,
+        ]);
+        assert_eq!(
+            std::fs::read_to_string(d.path(&out).join("latest_checkpointed_iteration.txt"))
+                .unwrap(),
+            "1"
+        );
+        for dir in dirs {
+            let f = d
+                .path(&out)
+                .join("iter_0000001")
+                .join(dir)
+                .join("model_optim_rng.pt");
+            assert!(f.is_file(), "{}", f.display());
+        }
+        let m = format!("m{out}");
+        d.ok(&["merge", &out, "-o", &m]);
+        assert_eq!(full_tensors(&d.path(&m)), want, "{how} {n}");
+    }
+    // Stage 3 of 4 holds layer 3 as its layer 0, and the last stage's tensors.
+    let o = d.ok(&["inspect", "wpp_4_tp_1"]);
+    assert!(o.stdout.contains("on mesh pp=4,tp=1"), "{}", o.stdout);
+    // The args say the new sizes: the written files read back as that mesh.
+    let o = d.ok(&["inspect", "w4"]);
+    assert!(o.stdout.contains("on mesh tp=4"), "{}", o.stdout);
+    // 64 vocabulary rows do not split into 3 equal parts: refused, nothing written.
+    let o = d.fails(&[
+        "reshard",
+        &fx("legacy"),
+        "--to",
+        "3",
+        "--format",
+        "megatron",
+        "-o",
+        "w3",
+    ]);
+    assert!(
+        o.stderr.contains("does not split into 3 equal parts"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("w3").exists());
+    // Only from a Megatron source (its args are carried).
+    let o = d.fails(&[
+        "reshard",
+        &fx("dist_ckpt"),
+        "--to",
+        "2",
+        "--format",
+        "megatron",
+        "-o",
+        "wd",
+    ]);
+    assert!(o.stderr.contains("Megatron legacy source"), "{}", o.stderr);
+}

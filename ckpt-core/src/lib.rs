@@ -14,6 +14,7 @@ mod fault;
 mod formats;
 mod launch;
 mod layout;
+mod megatron_output;
 
 pub use crate::checkpoint::{
     Checkpoint, Kind, CARRIED_FILES, COMPRESSED_INDEX_FILE, COMPRESSED_MODEL_FILE,
@@ -76,4 +77,5 @@ pub use crate::layout::strategy::{
     dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION,
 };
 pub use crate::layout::{Piece, Placement, TensorLayout};
+pub use crate::megatron_output::{megatron_legacy_plan, megatron_restage, megatron_tracker};
 pub use ::safetensors::Dtype;

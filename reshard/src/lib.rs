@@ -80,6 +80,10 @@ pub enum OutputFormat {
     /// PyTorch DCP's default format: `OUT/__<r>_0.distcp` (one `torch.save` archive per
     /// chunk) and `OUT/.metadata`, loadable by `torch.distributed.checkpoint.load`.
     Distcp,
+    /// A Megatron legacy checkpoint (from a Megatron legacy source, whose args it
+    /// carries): `OUT/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt` and
+    /// `OUT/latest_checkpointed_iteration.txt`.
+    Megatron,
 }
 
 impl OutputFormat {
@@ -89,7 +93,7 @@ impl OutputFormat {
         match self {
             OutputFormat::Ranks => Some(PathBuf::from(format!("ckpt_{r}"))),
             OutputFormat::MindSpore => Some(PathBuf::from(format!("rank_{r}"))),
-            OutputFormat::Dcp | OutputFormat::Distcp => None,
+            OutputFormat::Dcp | OutputFormat::Distcp | OutputFormat::Megatron => None,
         }
     }
 
@@ -102,6 +106,9 @@ impl OutputFormat {
                 Path::new(&format!("rank_{r}")).join(format!("checkpoint_{r}.ckpt"))
             }
             OutputFormat::Distcp => PathBuf::from(format!("__{r}_0.distcp")),
+            // Named by tensor and pipeline rank once the plan is made
+            // (`megatron_legacy_plan`).
+            OutputFormat::Megatron => PathBuf::from(format!("rank_{r}.pt")),
             // PyTorch numbers shards from 1.
             OutputFormat::Dcp => PathBuf::from(format!(
                 "shard-{:05}-model-00001-of-00001.safetensors",
@@ -317,6 +324,8 @@ pub fn plan(
     let files = list
         .into_iter()
         .map(|r| {
+            // Every Megatron rank file holds its whole state dict, replicas included.
+            let keep_all = keep_all || format == OutputFormat::Megatron;
             let tensors = target_tensors(strategy, r, keep_all, format);
             if matches!(format, OutputFormat::Dcp | OutputFormat::Distcp) {
                 if let Some(t) = tensors.iter().find(|t| t.pieces.len() > 1) {
@@ -391,8 +400,15 @@ pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)>
         });
     }
     let source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
-    let strategy = target_strategy(&source, &req.target, &req.selection, &req.shard)?;
+    let mut strategy = target_strategy(&source, &req.target, &req.selection, &req.shard)?;
+    if req.format == OutputFormat::Megatron {
+        ckpt_core::megatron_restage(&source, &mut strategy)?;
+    }
     let mut plan = plan(&source, &strategy, req.ranks, req.keep_all, req.format)?;
+    if req.format == OutputFormat::Megatron {
+        let ranks = req.ranks.list(strategy.mesh.world_size())?;
+        ckpt_core::megatron_legacy_plan(&source, &strategy, &ranks, &mut plan)?;
+    }
     if req.compression.is_some() {
         for f in &mut plan.files {
             f.path.set_extension(CKPTZ_EXTENSION);
@@ -414,6 +430,11 @@ pub fn reshard(
     on_plan: &dyn Fn(&Checkpoint, &CopyPlan),
 ) -> Result<CopyStats> {
     check_output_outside_inputs(&req.output, &req.inputs)?;
+    if req.format == OutputFormat::Megatron && req.ranks != Ranks::All {
+        return Err(Error::Unsupported {
+            problem: "--format megatron writes every rank at once (no --rank)".into(),
+        });
+    }
     if req.ranks == Ranks::All && req.output.exists() && !req.force {
         return Err(Error::OutputExists {
             path: req.output.clone(),
@@ -436,6 +457,10 @@ pub fn reshard(
         if req.format == OutputFormat::Distcp {
             let meta = distcp_metadata(&strategy)?;
             write_file_atomic(&staged.path().join(".metadata"), &meta)?;
+        }
+        if req.format == OutputFormat::Megatron {
+            let (path, text) = ckpt_core::megatron_tracker(&source)?;
+            write_file_atomic(&staged.path().join(path), &text)?;
         }
         staged.commit()?;
         return Ok(stats);

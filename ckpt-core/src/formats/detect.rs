@@ -163,10 +163,11 @@ pub(crate) fn create_writer(
     Ok(if ext == "ckpt" {
         Box::new(mindspore_ckpt::MindSporeWriter::create(dest, tensors)?)
     } else if matches!(ext, "pth" | "pt" | "bin" | "distcp") {
-        Box::new(torch_write::TorchWriter::create(
+        Box::new(torch_write::TorchWriter::create_wrapped(
             dest,
             tensors,
             ext == "distcp",
+            torch_write::Wrap::from_metadata(metadata)?.as_ref(),
         )?)
     } else {
         Box::new(safetensors::SafetensorsWriter::create(

@@ -750,6 +750,73 @@ mod tests {
     }
 
     #[test]
+    fn written_args_read_back_with_the_new_sizes() {
+        use crate::formats::pickle::{parse, Emitter};
+        // A Namespace as torch.save pickles it: NEWOBJ of the class, then BUILD.
+        let mut e = Emitter::new();
+        e.global("argparse", "Namespace").empty_tuple().new_obj();
+        e.empty_dict().mark();
+        e.str("tensor_model_parallel_size").int(2);
+        e.str("pipeline_model_parallel_size").int(2);
+        e.str("num_layers").int(4);
+        e.str("params_dtype").global("torch", "float32");
+        e.str("lr").float(-1.5e-4);
+        e.set_items().build();
+        let state = SourceState {
+            args_value: parse(&e.finish()).unwrap(),
+            args: args(),
+            iteration: 7,
+        };
+        let fragment = extra_entries(&state, 4, 1).unwrap();
+        let mut d = Emitter::new();
+        d.empty_dict().mark().raw(&fragment).set_items();
+        let back = parse(&d.finish()).unwrap();
+        let a = Args::from_value(back.get("args").unwrap(), Path::new("x")).unwrap();
+        assert_eq!((a.tp, a.pp, a.num_layers), (4, 1, Some(4)));
+        assert_eq!(back.get("iteration"), Some(&Value::Int(7)));
+        assert_eq!(back.get("checkpoint_version"), Some(&Value::Float(3.0)));
+        let fields = namespace_fields(back.get("args").unwrap()).unwrap();
+        let get = |k: &str| {
+            fields
+                .iter()
+                .find(|(n, _)| *n == Value::Str(k.into()))
+                .map(|(_, v)| v)
+        };
+        assert_eq!(get("lr"), Some(&Value::Float(-1.5e-4)));
+        assert_eq!(get("no_save_rng"), Some(&Value::Bool(true)));
+        assert_eq!(
+            get("params_dtype"),
+            Some(&Value::Global {
+                module: "torch".into(),
+                name: "float32".into()
+            })
+        );
+    }
+
+    #[test]
+    fn stage_names_invert_global_names() {
+        let a = args();
+        for pp in [1, 2, 4] {
+            for g in 0..4u64 {
+                let name = format!("decoder.layers.{g}.mlp.linear_fc2.weight");
+                let (s, local) = stage_name(&name, &a, pp).unwrap();
+                let per = 4 / pp;
+                let b = Args { pp, ..a.clone() };
+                assert_eq!(global_name(&local, &b, s, 0).unwrap(), name);
+                assert_eq!(s, g / per);
+            }
+        }
+        assert_eq!(stage_name("output_layer.weight", &a, 4).unwrap().0, 3);
+        assert_eq!(
+            stage_name("embedding.word_embeddings.weight", &a, 4)
+                .unwrap()
+                .0,
+            0
+        );
+        assert!(stage_name("decoder.layers.0.x", &a, 3).is_err());
+    }
+
+    #[test]
     fn rules_give_splits_and_shapes_from_args() {
         let a = args();
         let (s, _, shape) = rule("decoder.layers.0.self_attention.linear_qkv.weight", &a).unwrap();
@@ -847,4 +914,115 @@ fn common_keys(path: &Path) -> Result<(Vec<String>, Option<Args>)> {
         .collect();
     let args = obj.get("args").and_then(|a| Args::from_value(a, path).ok());
     Ok((keys, args))
+}
+
+/// What a legacy output carries from its source: the pickled args (updated for the new
+/// sizes) and the iteration.
+#[derive(Debug)]
+pub(crate) struct SourceState {
+    args_value: Value,
+    pub(crate) args: Args,
+    pub(crate) iteration: u64,
+}
+
+/// Reads `args` and `iteration` again from a source rank file.
+///
+/// # Errors
+/// A file that is not a Megatron rank file.
+pub(crate) fn source_state(file: &Path) -> Result<SourceState> {
+    let map = map_file(file)?;
+    let all: &[u8] = map.as_deref().unwrap_or(&[]);
+    let at = |e: Error| e.with_path(file);
+    let obj = Archive::open(all).and_then(|a| a.object()).map_err(at)?;
+    let args_value = obj
+        .get("args")
+        .cloned()
+        .ok_or_else(|| at(unknown("no `args`: not a Megatron rank file".into())))?;
+    let args = Args::from_value(&args_value, file)?;
+    let iteration = match obj.get("iteration") {
+        Some(Value::Int(i)) if *i >= 0 => *i as u64,
+        _ => 0,
+    };
+    Ok(SourceState {
+        args_value,
+        args,
+        iteration,
+    })
+}
+
+/// The stage and stage-local name of a global name on `pp` uniform stages (no virtual
+/// stages): the inverse of [`global_name`].
+pub(crate) fn stage_name(
+    global: &str,
+    args: &Args,
+    pp: u64,
+) -> std::result::Result<(u64, String), String> {
+    let last = pp - 1;
+    let Some(rest) = global.strip_prefix("decoder.layers.") else {
+        let stage = match rule(global, args) {
+            Some((_, Stage::First, _)) => 0,
+            Some((_, Stage::Last, _)) => last,
+            _ => return Err("no Megatron GPT rule places it".into()),
+        };
+        return Ok((stage, global.to_string()));
+    };
+    let (g, tail) = rest
+        .split_once('.')
+        .ok_or_else(|| "a layer name without a parameter".to_string())?;
+    let g: u64 = g
+        .parse()
+        .map_err(|_| format!("layer `{g}` is not a number"))?;
+    let l = args.num_layers.ok_or("args have no num_layers")?;
+    if l % pp != 0 {
+        return Err(format!("{l} layers do not split into {pp} equal stages"));
+    }
+    let per = l / pp;
+    Ok((g / per, format!("decoder.layers.{}.{tail}", g % per)))
+}
+
+/// `iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt` (get_checkpoint_name).
+pub(crate) fn rank_path(iteration: u64, tp: u64, pp: u64, pp_size: u64) -> PathBuf {
+    let dir = if pp_size == 1 {
+        format!("mp_rank_{tp:02}")
+    } else {
+        format!("mp_rank_{tp:02}_{pp:03}")
+    };
+    Path::new(&format!("iter_{iteration:07}"))
+        .join(dir)
+        .join(RANK_FILE)
+}
+
+/// The entries beside `model` in a written rank file: `args` with the new sizes (and
+/// `no_save_optim`, `no_save_rng`: ckpt writes neither, as Megatron's own converter
+/// does not), `checkpoint_version` 3.0 and `iteration`; a pickle fragment.
+///
+/// # Errors
+/// Args that cannot be written back.
+pub(crate) fn extra_entries(state: &SourceState, tp: u64, pp: u64) -> Result<Vec<u8>> {
+    let mut args = state.args_value.clone();
+    if let Value::Build { state: fields, .. } = &mut args {
+        if let Value::Dict(kv) = fields.as_mut() {
+            let mut set = |key: &str, v: Value| match kv
+                .iter_mut()
+                .find(|(k, _)| matches!(k, Value::Str(s) if s == key))
+            {
+                Some((_, old)) => *old = v,
+                None => kv.push((Value::Str(key.into()), v)),
+            };
+            let int = |v: u64| Value::Int(i64::try_from(v).unwrap_or(i64::MAX));
+            set("tensor_model_parallel_size", int(tp));
+            set("pipeline_model_parallel_size", int(pp));
+            set("virtual_pipeline_model_parallel_size", Value::None);
+            set("no_save_optim", Value::Bool(true));
+            set("no_save_rng", Value::Bool(true));
+        }
+    }
+    let mut e = super::pickle::Emitter::new();
+    e.str("args");
+    e.value(&args).map_err(|p| Error::Unsupported {
+        problem: format!("the source's args cannot be written back: {p}"),
+    })?;
+    e.str("checkpoint_version").float(3.0);
+    e.str("iteration").int(state.iteration.min(i64::MAX as u64));
+    Ok(e.fragment())
 }

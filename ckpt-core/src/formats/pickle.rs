@@ -722,6 +722,87 @@ impl Emitter {
         self.out.push(b'.');
         self.out
     }
+
+    /// The opcodes so far, without the protocol header or `STOP`: a fragment to splice
+    /// into another pickle (it uses no memo, so it fits anywhere).
+    pub(crate) fn fragment(self) -> Vec<u8> {
+        self.out[2..].to_vec()
+    }
+
+    /// Opcodes spliced in as they are (a [`Emitter::fragment`]).
+    pub(crate) fn raw(&mut self, ops: &[u8]) -> &mut Self {
+        self.out.extend_from_slice(ops);
+        self
+    }
+
+    /// A float (`BINFLOAT`: 8 bytes, big-endian).
+    pub(crate) fn float(&mut self, v: f64) -> &mut Self {
+        self.out.push(b'G');
+        self.out.extend_from_slice(&v.to_be_bytes());
+        self
+    }
+
+    /// Any `i64` (`LONG1` of 8 bytes for the negative ones).
+    pub(crate) fn signed(&mut self, v: i64) -> &mut Self {
+        match u64::try_from(v) {
+            Ok(u) => self.int(u),
+            Err(_) => {
+                self.out.extend_from_slice(&[0x8a, 8]);
+                self.out.extend_from_slice(&v.to_le_bytes());
+                self
+            }
+        }
+    }
+
+    /// A parsed [`Value`] written back: calls and objects as `REDUCE` and `BUILD`
+    /// (what loading them gives is the same for the plain classes ckpt carries:
+    /// `argparse.Namespace`, enums, dtypes). Bytes and persistent ids are not written.
+    pub(crate) fn value(&mut self, v: &Value) -> std::result::Result<&mut Self, String> {
+        match v {
+            Value::None => self.none(),
+            Value::Bool(b) => self.bool(*b),
+            Value::Int(i) => self.signed(*i),
+            Value::Float(f) => self.float(*f),
+            Value::Str(s) => self.str(s),
+            Value::Tuple(items) => {
+                self.mark();
+                for i in items {
+                    self.value(i)?;
+                }
+                self.tuple()
+            }
+            Value::List(items) => {
+                self.empty_list().mark();
+                for i in items {
+                    self.value(i)?;
+                }
+                self.appends()
+            }
+            Value::Dict(kv) => {
+                self.empty_dict().mark();
+                for (k, v) in kv {
+                    self.value(k)?;
+                    self.value(v)?;
+                }
+                self.set_items()
+            }
+            Value::Global { module, name } => self.global(module, name),
+            Value::Call { callable, args } => {
+                self.value(callable)?;
+                self.value(args)?;
+                self.reduce()
+            }
+            Value::Build { object, state } => {
+                self.value(object)?;
+                self.value(state)?;
+                self.build()
+            }
+            Value::Bytes(_) | Value::PersistentId(_) => {
+                return Err("bytes and persistent ids are not written back".into())
+            }
+        };
+        Ok(self)
+    }
 }
 
 #[cfg(test)]

@@ -47,10 +47,13 @@ pub(crate) fn storage_class(dtype: Dtype) -> Option<&'static str> {
 
 /// `data.pkl` for tensors stored under keys `0`, `1`, ...: a plain dict (what
 /// `torch.save(dict)` writes) or, for a DCP chunk, the bare tensor.
-fn data_pkl(tensors: &[TensorSpec], bare: bool) -> Result<Vec<u8>> {
+fn data_pkl(tensors: &[TensorSpec], bare: bool, wrap: Option<&Wrap>) -> Result<Vec<u8>> {
     let mut e = Emitter::new();
     if !bare {
         e.empty_dict().mark();
+    }
+    if let Some(w) = wrap.filter(|_| !bare) {
+        e.str(&w.key).empty_dict().mark();
     }
     for (key, t) in tensors.iter().enumerate() {
         let class = storage_class(t.dtype).ok_or_else(|| Error::Unsupported {
@@ -89,10 +92,58 @@ fn data_pkl(tensors: &[TensorSpec], bare: bool) -> Result<Vec<u8>> {
             .reduce();
         e.tuple().reduce();
     }
+    if let Some(w) = wrap.filter(|_| !bare) {
+        e.set_items().raw(&w.extra);
+    }
     if !bare {
         e.set_items();
     }
     Ok(e.finish())
+}
+
+/// Metadata key (of a target file) asking the torch writer to put the tensors under
+/// one key of the saved dict: Megatron's `{'model': {...}, 'args': ...}`.
+pub(crate) const WRAP_KEY: &str = "torch.wrap.key";
+/// Metadata key of the other entries of that dict: a pickle fragment (hex) that pushes
+/// key/value pairs ([`Emitter::fragment`]).
+pub(crate) const WRAP_EXTRA: &str = "torch.wrap.extra";
+
+/// The tensors under one key of the saved dict, beside other entries.
+#[derive(Clone, Debug)]
+pub(crate) struct Wrap {
+    key: String,
+    extra: Vec<u8>,
+}
+
+impl Wrap {
+    /// From a target file's metadata, when it asks for one.
+    pub(crate) fn from_metadata(
+        m: &std::collections::BTreeMap<String, String>,
+    ) -> Result<Option<Wrap>> {
+        let Some(key) = m.get(WRAP_KEY) else {
+            return Ok(None);
+        };
+        let hex = m.get(WRAP_EXTRA).map_or("", String::as_str);
+        let bad = || Error::Unsupported {
+            problem: format!("{WRAP_EXTRA} is not hex"),
+        };
+        if !hex.len().is_multiple_of(2) {
+            return Err(bad());
+        }
+        let extra = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(hex.get(i..i + 2).ok_or_else(bad)?, 16).map_err(|_| bad()))
+            .collect::<Result<Vec<u8>>>()?;
+        Ok(Some(Wrap {
+            key: key.clone(),
+            extra,
+        }))
+    }
+}
+
+/// Hex of a pickle fragment, for [`WRAP_EXTRA`].
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// One entry of an archive.
@@ -131,7 +182,16 @@ impl Archive {
     /// Lays out an archive of `tensors` (`bare`: one tensor, pickled alone, as DCP
     /// stores each chunk).
     pub(crate) fn new(tensors: &[TensorSpec], bare: bool) -> Result<Archive> {
-        let pkl = data_pkl(tensors, bare)?;
+        Archive::wrapped(tensors, bare, None)
+    }
+
+    /// [`Archive::new`], the tensors under `wrap`'s key beside its entries.
+    pub(crate) fn wrapped(
+        tensors: &[TensorSpec],
+        bare: bool,
+        wrap: Option<&Wrap>,
+    ) -> Result<Archive> {
+        let pkl = data_pkl(tensors, bare, wrap)?;
         let mut entries = Vec::new();
         let mut small = Vec::new();
         let mut tensor_entry = Vec::new();
@@ -337,17 +397,32 @@ impl TorchWriter {
     ///
     /// # Errors
     /// Dtypes torch has no storage for, sizes that overflow, I/O errors.
+    #[cfg(test)]
     pub(crate) fn create(
         dest: &Path,
         tensors: &[TensorSpec],
         per_tensor: bool,
+    ) -> Result<TorchWriter> {
+        TorchWriter::create_wrapped(dest, tensors, per_tensor, None)
+    }
+
+    /// [`TorchWriter::create`] of one archive whose dict holds the tensors under
+    /// `wrap`'s key, beside its entries.
+    ///
+    /// # Errors
+    /// Dtypes torch has no storage for, sizes that overflow, I/O errors.
+    pub(crate) fn create_wrapped(
+        dest: &Path,
+        tensors: &[TensorSpec],
+        per_tensor: bool,
+        wrap: Option<&Wrap>,
     ) -> Result<TorchWriter> {
         let mut archives = Vec::new();
         let mut place = Vec::new();
         let mut pos = 0u64;
         let mut push =
             |specs: &[TensorSpec], bare: bool, archives: &mut Vec<(u64, Archive)>| -> Result<()> {
-                let a = Archive::new(specs, bare).map_err(|e| e.with_path(dest))?;
+                let a = Archive::wrapped(specs, bare, wrap).map_err(|e| e.with_path(dest))?;
                 let at = pos;
                 pos = pos
                     .checked_add(a.len)

@@ -1,0 +1,143 @@
+//! Writing a reshard's output as a Megatron legacy checkpoint (`reshard --format
+//! megatron`): the plan's files become `iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`,
+//! each a torch.save dict with the rank's stage-local state dict under `model` beside
+//! `args` (new sizes), `checkpoint_version` and `iteration`, as Megatron's legacy
+//! loader reads it; `latest_checkpointed_iteration.txt` names the iteration.
+//!
+//! Beside the checkpoint, not in the engine: it rewrites a plan for one format, which
+//! the engine (format-blind) then executes; the torch writer nests the tensors as the
+//! plan's metadata asks.
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{Error, Result};
+use crate::formats::megatron::{self, TRACKER_FILE};
+use crate::formats::torch_write::{hex, WRAP_EXTRA, WRAP_KEY};
+use crate::layout::plan::CopyPlan;
+use crate::layout::strategy::Strategy;
+use crate::layout::Placement;
+use std::path::PathBuf;
+
+/// Rewrites `plan` (one file per rank of `ranks`, in order, on `strategy`'s mesh) into
+/// Megatron's legacy layout ([`megatron_tracker`] gives the file to write beside it).
+///
+/// # Errors
+/// A source that is not a Megatron legacy checkpoint (its args are needed); a target mesh
+/// that is not a pipeline axis and one tensor-parallel axis; a split Megatron's loader
+/// cannot take (uneven pieces); a tensor on another stage than Megatron's layout puts it.
+pub fn megatron_legacy_plan(
+    source: &Checkpoint,
+    strategy: &Strategy,
+    ranks: &[u64],
+    plan: &mut CopyPlan,
+) -> Result<()> {
+    let unsupported = |problem: String| Error::Unsupported { problem };
+    let first = source
+        .files
+        .first()
+        .filter(|f| f.metadata().get("format").map(String::as_str) == Some("megatron"))
+        .ok_or_else(|| {
+            unsupported(
+                "--format megatron writes a Megatron legacy checkpoint from a Megatron legacy source (its args are carried): this source is not one".into(),
+            )
+        })?;
+    let state = megatron::source_state(first.path())?;
+    let mesh = &strategy.mesh;
+    let pipe = mesh.pipeline();
+    let tp_axes: Vec<usize> = (0..mesh.axes().len())
+        .filter(|&i| Some(i) != pipe)
+        .collect();
+    let [tp_axis] = tp_axes[..] else {
+        return Err(unsupported(format!(
+            "--format megatron needs a mesh of one tensor-parallel axis and an optional pipeline axis, not {mesh}"
+        )));
+    };
+    let tp = mesh.axes()[tp_axis].size;
+    let pp = pipe.map_or(1, |p| mesh.axes()[p].size);
+    // Megatron splits into equal parts; torch.chunk's uneven ones would not load.
+    for (name, l) in &strategy.tensors {
+        if let Placement::Shard { dim, blocks, .. } = l.placements[tp_axis] {
+            let parts = tp.saturating_mul(blocks);
+            if l.shape.get(dim).is_some_and(|&n| n % parts != 0) {
+                return Err(unsupported(format!(
+                    "tensor `{name}`: dim {dim} of {:?} does not split into {parts} equal parts for tensor parallel {tp} (Megatron needs equal parts: padded_vocab_size, num_query_groups, ffn_hidden_size divisible by it)",
+                    l.shape
+                )));
+            }
+        }
+    }
+    let extra = hex(&megatron::extra_entries(&state, tp, pp)?);
+    for (f, &r) in plan.files.iter_mut().zip(ranks) {
+        let c = mesh.coords(r);
+        let (t, s) = (c[tp_axis], pipe.map_or(0, |p| c[p]));
+        f.path = megatron::rank_path(state.iteration, t, s, pp);
+        f.metadata = [
+            (WRAP_KEY.to_string(), "model".to_string()),
+            (WRAP_EXTRA.to_string(), extra.clone()),
+        ]
+        .into();
+        for tp_plan in &mut f.tensors {
+            let name = &mut tp_plan.target.name;
+            let (stage, local) =
+                megatron::stage_name(name, &state.args, pp).map_err(|p| Error::InvalidTensor {
+                    tensor: name.clone(),
+                    problem: p,
+                })?;
+            if stage != s {
+                return Err(Error::InvalidTensor {
+                    tensor: name.clone(),
+                    problem: format!(
+                        "the target strategy puts it on pipeline stage {s}, Megatron's layout of {pp} stages on stage {stage}"
+                    ),
+                });
+            }
+            *name = local;
+        }
+    }
+    Ok(())
+}
+
+/// The tracker file of a Megatron legacy output made from `source` (path relative to
+/// the output, content): `latest_checkpointed_iteration.txt` holding the iteration.
+///
+/// # Errors
+/// A source that is not a Megatron legacy checkpoint.
+pub fn megatron_tracker(source: &Checkpoint) -> Result<(PathBuf, Vec<u8>)> {
+    let first = source.files.first().ok_or_else(|| Error::Unsupported {
+        problem: "no source files".into(),
+    })?;
+    let state = megatron::source_state(first.path())?;
+    Ok((
+        PathBuf::from(TRACKER_FILE),
+        state.iteration.to_string().into_bytes(),
+    ))
+}
+
+/// Puts every tensor of a target strategy on the pipeline stage Megatron's layout of
+/// the target's stages gives it (uniform stages: layer `g` on stage `g / (layers /
+/// stages)`, embeddings first, final norm and output layer last), so that `--mesh
+/// pp=4,...` on a 2-stage source regroups the layers as Megatron would.
+///
+/// # Errors
+/// A source that is not a Megatron legacy checkpoint; a tensor no rule places; layers
+/// that do not split evenly into the stages.
+pub fn megatron_restage(source: &Checkpoint, strategy: &mut Strategy) -> Result<()> {
+    let Some(p) = strategy.mesh.pipeline() else {
+        return Ok(());
+    };
+    let pp = strategy.mesh.axes()[p].size;
+    let first = source.files.first().ok_or_else(|| Error::Unsupported {
+        problem: "no source files".into(),
+    })?;
+    let state = megatron::source_state(first.path())?;
+    for (name, l) in &mut strategy.tensors {
+        let (stage, _) = megatron::stage_name(name, &state.args, pp).map_err(|problem| {
+            Error::InvalidTensor {
+                tensor: name.clone(),
+                problem,
+            }
+        })?;
+        l.stage = Some(stage);
+        l.validate(name, &strategy.mesh)?;
+    }
+    Ok(())
+}
