@@ -14,6 +14,7 @@ mod coverage;
 mod error;
 mod example;
 mod fault;
+mod flat;
 mod formats;
 mod layout;
 mod mesh;
@@ -40,6 +41,10 @@ pub use crate::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,
 };
 pub use crate::fault::{bus_error_message, remove_registered_temporaries};
+pub use crate::flat::{
+    box_to_flat, check_flat_cover, flat_to_box, numel, FlatBox, FlatDefect, FlatLayout, FlatRange,
+    FlatSlot,
+};
 pub use crate::formats::ckptz::{
     compress_chunk, decompress_chunk, group_bytes, group_of, parse_header as parse_ckptz_header,
     ungroup_bytes, CkptzWriter, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
