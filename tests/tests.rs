@@ -5,6 +5,7 @@ mod util;
 mod bad_inputs;
 mod compress;
 mod crash;
+mod deepspeed;
 mod inspect_verify;
 mod merge;
 mod mindspore;

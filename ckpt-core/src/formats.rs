@@ -8,6 +8,7 @@
 //! [`sniff`], which decides by content, not by the file's name.
 
 pub(crate) mod ckptz;
+pub(crate) mod deepspeed;
 pub(crate) mod distcp;
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;
@@ -41,6 +42,9 @@ pub enum FileFormat {
     /// A data file of PyTorch DCP's default format (`__<rank>_<n>.distcp`), read with
     /// its directory's `.metadata`.
     Distcp,
+    /// A `torch.save` file of a DeepSpeed ZeRO checkpoint, read with its tag directory
+    /// (its entries are the flat pieces of the fp32 weights and moments it holds).
+    DeepSpeed,
 }
 
 impl FileFormat {
@@ -53,6 +57,7 @@ impl FileFormat {
             FileFormat::TorchSave => "torch.save",
             FileFormat::Ckptz => "ckptz",
             FileFormat::Distcp => "PyTorch DCP .distcp",
+            FileFormat::DeepSpeed => "DeepSpeed ZeRO .pt",
         }
     }
 }
@@ -175,7 +180,9 @@ impl TensorFile {
             Some(FileFormat::MindSporeCkpt) => mindspore_ckpt::read(path, map),
             Some(FileFormat::TorchSave) => torch_save::read(path, map),
             Some(FileFormat::Ckptz) => ckptz::read(path, File::open(path).at(path)?, map),
-            Some(FileFormat::Distcp) => unreachable!("sniff never says distcp"),
+            Some(FileFormat::Distcp | FileFormat::DeepSpeed) => {
+                unreachable!("sniff never says distcp or deepspeed")
+            }
             None if torch_save::looks_like_legacy(head) => Err(Error::InvalidTorch {
                 problem: format!(
                     "{}: the legacy torch.save format (before torch 1.6, or _use_new_zipfile_serialization=False) is not read; save it again with a current torch",
