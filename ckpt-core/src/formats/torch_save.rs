@@ -677,6 +677,90 @@ mod tests {
         assert!(e.contains("`os.system`"), "{e}");
     }
 
+    /// A pickle of `{"shape": torch.Size((11, 6)), "stage": ZeroStageEnum(2),
+    /// "scaler": <LossScaler built with {"cur_scale": 16}>, "args": Namespace(),
+    /// "dtype": torch.float16}`, as DeepSpeed's files hold them.
+    fn deepspeed_like() -> Vec<u8> {
+        let mut e = pickle::Emitter::new();
+        e.empty_dict().mark();
+        e.str("shape")
+            .global("torch", "Size")
+            .mark()
+            .ints(&[11, 6])
+            .tuple()
+            .reduce();
+        e.str("stage")
+            .global("deepspeed.runtime.zero.config", "ZeroStageEnum")
+            .mark()
+            .int(2)
+            .tuple()
+            .reduce();
+        e.str("scaler")
+            .global("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+            .empty_tuple()
+            .new_obj()
+            .empty_dict()
+            .mark()
+            .str("cur_scale")
+            .int(16)
+            .set_items()
+            .build();
+        e.str("args")
+            .global("argparse", "Namespace")
+            .empty_tuple()
+            .reduce();
+        e.str("dtype").global("torch", "float16");
+        e.set_items();
+        e.finish()
+    }
+
+    #[test]
+    fn ordinary_globals_are_inert_records() {
+        let obj = unpickle(&deepspeed_like()).unwrap();
+        check_globals(&obj).unwrap();
+        assert_eq!(
+            describe(obj.get("scaler").unwrap()),
+            "a `deepspeed.runtime.fp16.loss_scaler.LossScaler` record"
+        );
+        let (mut found, mut skipped) = (vec![], vec![]);
+        walk(obj, String::new(), &mut found, &mut skipped).unwrap();
+        assert!(found.is_empty());
+        assert_eq!(
+            skipped,
+            vec![
+                "shape (torch.Size)",
+                "stage (deepspeed.runtime.zero.config.ZeroStageEnum)",
+                "scaler (deepspeed.runtime.fp16.loss_scaler.LossScaler)",
+                "args (argparse.Namespace)",
+                "dtype (torch.float16)",
+            ]
+        );
+    }
+
+    #[test]
+    fn globals_that_run_code_stay_refused() {
+        for (m, n) in [
+            ("builtins", "eval"),
+            ("builtins", "exec"),
+            ("__builtin__", "getattr"),
+            ("subprocess", "Popen"),
+            ("posix", "system"),
+            ("os.path", "join"),
+            ("torch.hub", "load"),
+            ("some_module", "eval"),
+        ] {
+            let mut e = pickle::Emitter::new();
+            e.global(m, n).mark().str("x").tuple().reduce();
+            let obj = unpickle(&e.finish()).unwrap();
+            let msg = check_globals(&obj).unwrap_err().to_string();
+            assert!(msg.contains(&format!("`{m}.{n}`")), "{msg}");
+        }
+        // Plain-data builtins are records like any class.
+        let mut e = pickle::Emitter::new();
+        e.global("builtins", "set").mark().empty_list().tuple().reduce();
+        check_globals(&unpickle(&e.finish()).unwrap()).unwrap();
+    }
+
     #[test]
     fn truncated_pickle_is_an_error() {
         let e = unpickle(b"\x80\x02}q\x00(X\x05\x00\x00")
