@@ -4,11 +4,14 @@ mod util;
 
 mod bad_inputs;
 mod compress;
+mod compress_v2;
 mod crash;
 mod deepspeed;
 mod inspect_verify;
+mod megatron;
 mod merge;
 mod mindspore;
+mod pictures;
 mod python;
 mod reshard;
 mod torch;

@@ -74,6 +74,15 @@ pub enum Error {
         /// What is wrong with it.
         problem: String,
     },
+    /// A `.ckptz` file of a format version this build does not read (written by a
+    /// later ckpt).
+    #[error("`.ckptz` format version {version} is not one this ckpt reads (versions {supported:?}): written by a newer ckpt?")]
+    CkptzVersion {
+        /// The file's version byte.
+        version: u8,
+        /// The versions read.
+        supported: Vec<u8>,
+    },
     /// A compressed chunk does not decompress to the bytes its header promises.
     #[error("{path}: tensor `{tensor}`: compressed chunk {chunk} is damaged: {problem}")]
     CorruptChunk {
@@ -168,6 +177,19 @@ pub enum Error {
         /// What was asked.
         problem: String,
     },
+    /// A stored piece that is a flat 1-D element range of its tensor (ZeRO, FSDP1,
+    /// Megatron's distributed optimizer), which planning does not handle yet.
+    #[error("{path}: tensor `{tensor}` is stored as a flat range of elements [{start}, {end}), which ckpt cannot plan yet")]
+    FlatPiece {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// First element of the range.
+        start: u64,
+        /// One past its last element.
+        end: u64,
+    },
     /// Several problems, one per line.
     #[error("{0}")]
     Many(Problems),
@@ -176,6 +198,14 @@ pub enum Error {
     OutputExists {
         /// The output path.
         path: PathBuf,
+    },
+    /// No tensor has this name or matches this glob.
+    #[error("no tensor matches `{pattern}` (the checkpoint has {tensors} tensors; `ckpt inspect` lists them)")]
+    TensorNotFound {
+        /// The name or glob asked for.
+        pattern: String,
+        /// How many tensors there are.
+        tensors: usize,
     },
 }
 

@@ -2,7 +2,7 @@
 //! (`global_step<N>/`, named by `latest` beside it) of `torch.save` files, read as the
 //! fp32 master weights `zero_to_fp32.py` rebuilds, and their Adam moments, without
 //! loading any of them: every parameter is a set of flat ranges inside the ranks'
-//! flat fp32 partitions ([`crate::flat`]), each of which is a few boxes of contiguous
+//! flat fp32 partitions ([`crate::layout::flat`]), each of which is a few boxes of contiguous
 //! bytes in a mapped file. The layout is described in docs/formats.md ("DeepSpeed").
 //!
 //! What is read, following deepspeed/utils/zero_to_fp32.py (0.19.8):
@@ -21,10 +21,10 @@
 //!   weights (ZeRO-1/2: `base_optimizer_state`; ZeRO-3: `optimizer_state_dict`).
 
 use super::pickle::Value;
-use super::torch_save::{self, describe, locate_value, Archive};
+use super::torch_save::{self, describe, locate_value, ArchiveIndex};
 use super::{map_file, FileFormat, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, Result};
-use crate::flat::{numel, FlatRange};
+use crate::layout::flat::{numel, FlatRange};
 use crate::Dtype;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -112,7 +112,7 @@ fn err(path: &Path, problem: impl Into<String>) -> Error {
 struct PtFile {
     path: PathBuf,
     map: Option<memmap2::Mmap>,
-    archive: Archive,
+    archive: ArchiveIndex,
     root: Value,
     entries: Vec<TensorEntry>,
 }

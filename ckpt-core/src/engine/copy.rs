@@ -1,0 +1,425 @@
+//! Carries out a [`CopyPlan`]: every output tensor is cut into slabs of at most
+//! [`SLAB_BYTES`], each slab is gathered from the mapped sources by contiguous runs into
+//! a buffer and written at its final place with one positional write. Slabs run in
+//! parallel (rayon) across tensors and within large ones; memory stays at a few slabs
+//! per thread whatever the checkpoint's size.
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{Error, Result};
+use crate::formats::{create_writer, Compression, ReadCache, TensorSpec, TensorWriter};
+use crate::layout::plan::{bytes_of, CopyPlan, TensorPlan};
+use crate::layout::region::{Region, Runs};
+use crate::Dtype;
+use rayon::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+impl std::ops::AddAssign for CopyStats {
+    fn add_assign(&mut self, o: CopyStats) {
+        self.tensors += o.tensors;
+        self.bytes_written += o.bytes_written;
+        self.bytes_read += o.bytes_read;
+        self.sync_micros += o.sync_micros;
+        self.checksums_verified += o.checksums_verified;
+        self.checksums_unchecked += o.checksums_unchecked;
+    }
+}
+
+pub use crate::formats::SLAB_BYTES;
+
+/// What a copy did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopyStats {
+    /// Output tensors written.
+    pub tensors: u64,
+    /// Bytes of tensor data written.
+    pub bytes_written: u64,
+    /// Bytes of tensor data read.
+    pub bytes_read: u64,
+    /// Time spent making the output durable (fsync before rename), in microseconds.
+    pub sync_micros: u64,
+    /// Source tensors read whole whose recorded checksums were checked.
+    pub checksums_verified: u64,
+    /// Source tensors with a recorded checksum that were read only in part, so that
+    /// their checksums could not be checked (`--rank`, slices of a larger tensor).
+    pub checksums_unchecked: u64,
+}
+
+/// Splits a tensor of `shape` into boxes that are contiguous in row-major order and
+/// hold at most `max_bytes` (at least one innermost row each).
+fn slabs(shape: &[u64], dtype: Dtype, max_bytes: u64) -> Vec<Region> {
+    let n = shape.len();
+    if n == 0 || shape.contains(&0) {
+        return if shape.contains(&0) {
+            vec![]
+        } else {
+            vec![Region::full(shape)]
+        };
+    }
+    if !dtype.bitsize().is_multiple_of(8) {
+        // Sub-byte types: one slab, so no slab edge falls inside a byte.
+        return vec![Region::full(shape)];
+    }
+    // Find the outermost dimension d whose trailing block fits, and cut along it.
+    let mut inner = bytes_of(dtype, 1);
+    let mut d = n - 1;
+    while d > 0 && inner * shape[d] <= max_bytes {
+        inner *= shape[d];
+        d -= 1;
+    }
+    let step = (max_bytes / inner).clamp(1, shape[d]);
+    let mut out = Vec::new();
+    let outer: Vec<u64> = shape[..d].to_vec();
+    let mut idx = vec![0u64; d];
+    loop {
+        let mut lo = 0;
+        while lo < shape[d] {
+            let hi = (lo + step).min(shape[d]);
+            let mut start = idx.clone();
+            start.push(lo);
+            start.extend(std::iter::repeat_n(0, n - d - 1));
+            let mut ext = vec![1; d];
+            ext.push(hi - lo);
+            ext.extend_from_slice(&shape[d + 1..]);
+            out.push(Region::new(start, ext));
+            lo = hi;
+        }
+        let mut k = d;
+        loop {
+            if k == 0 {
+                return out;
+            }
+            k -= 1;
+            idx[k] += 1;
+            if idx[k] < outer[k] {
+                break;
+            }
+            idx[k] = 0;
+        }
+    }
+}
+
+/// Converts `n` elements from `src` (dtype `from`) into `dst` (dtype `to`).
+fn convert(src: &[u8], from: Dtype, dst: &mut [u8], to: Dtype) {
+    use half::{bf16, f16};
+    let read = |i: usize| -> f64 {
+        match from {
+            Dtype::F16 => f16::from_le_bytes([src[2 * i], src[2 * i + 1]]).to_f64(),
+            Dtype::BF16 => bf16::from_le_bytes([src[2 * i], src[2 * i + 1]]).to_f64(),
+            Dtype::F32 => f64::from(f32::from_le_bytes(
+                src[4 * i..4 * i + 4].try_into().unwrap_or_default(),
+            )),
+            _ => f64::from_le_bytes(src[8 * i..8 * i + 8].try_into().unwrap_or_default()),
+        }
+    };
+    let n = src.len() / (from.bitsize() / 8);
+    for i in 0..n {
+        // Via f32 when the source fits in it, so f32->bf16 rounds once, as torch does.
+        let v = read(i);
+        match to {
+            Dtype::F16 => {
+                dst[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(v as f32).to_le_bytes())
+            }
+            Dtype::BF16 => {
+                dst[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v as f32).to_le_bytes())
+            }
+            Dtype::F32 => dst[4 * i..4 * i + 4].copy_from_slice(&(v as f32).to_le_bytes()),
+            _ => dst[8 * i..8 * i + 8].copy_from_slice(&v.to_le_bytes()),
+        }
+    }
+}
+
+/// Fills `buf` with the slab `slab` of the tensor `t` (local coordinates), reading the
+/// sources' bytes (mapped, or decompressed through `cache`); returns the bytes read.
+/// Mapped source pages are released as consumed.
+fn fill_slab(
+    source: &Checkpoint,
+    t: &TensorPlan,
+    slab: &Region,
+    buf: &mut [u8],
+    cache: &mut ReadCache,
+) -> Result<u64> {
+    let sbits = t.src_dtype.bitsize() as u64;
+    let dbits = t.target.dtype.bitsize() as u64;
+    let mut read = 0;
+    for op in &t.ops {
+        let dst_box = Region::new(op.dst_start.clone(), op.src.shape.clone());
+        let Some(part) = dst_box.overlap(slab) else {
+            continue;
+        };
+        let src_start = src_start_of(&part, op);
+        let dst_start: Vec<u64> = part
+            .start
+            .iter()
+            .zip(&slab.start)
+            .map(|(p, s)| p - s)
+            .collect();
+        let file = &source.files[op.file];
+        let (mut lo, mut hi) = (u64::MAX, 0u64);
+        for run in Runs::new(
+            &part.shape,
+            &op.src_shape,
+            &src_start,
+            &slab.shape,
+            &dst_start,
+        ) {
+            let s0 = run.src * sbits / 8;
+            let s1 = (run.src + run.len) * sbits / 8;
+            let d0 = (run.dst * dbits / 8) as usize;
+            let d1 = ((run.dst + run.len) * dbits / 8) as usize;
+            if t.src_dtype == t.target.dtype {
+                file.read_into(op.tensor, s0..s1, &mut buf[d0..d1], cache)?;
+            } else {
+                let from = file.read(op.tensor, s0..s1, cache)?;
+                convert(from, t.src_dtype, &mut buf[d0..d1], t.target.dtype);
+            }
+            lo = lo.min(s0);
+            hi = hi.max(s1);
+            read += s1 - s0;
+        }
+        if hi > lo {
+            file.release(op.tensor, lo..hi);
+        }
+    }
+    Ok(read)
+}
+
+/// Writes the plan's files into `out_dir` (which must exist), calling `progress` with
+/// the bytes of each finished slab. Files are written under temporary names and renamed
+/// only once complete and synced.
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn execute(
+    plan: &CopyPlan,
+    source: &Checkpoint,
+    out_dir: &Path,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<CopyStats> {
+    execute_with(plan, source, out_dir, progress, None)
+}
+
+/// [`execute`], writing every file compressed (`.ckptz`) when `compression` is given.
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn execute_with(
+    plan: &CopyPlan,
+    source: &Checkpoint,
+    out_dir: &Path,
+    progress: &(dyn Fn(u64) + Sync),
+    compression: Option<Compression>,
+) -> Result<CopyStats> {
+    let mut writers = Vec::with_capacity(plan.files.len());
+    for f in &plan.files {
+        let specs: Vec<TensorSpec> = f
+            .tensors
+            .iter()
+            .map(|t| TensorSpec {
+                name: t.target.name.clone(),
+                dtype: t.target.dtype,
+                shape: t.target.shape.clone(),
+            })
+            .collect();
+        let path = out_dir.join(&f.path);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|source| Error::Io {
+                path: parent.into(),
+                source,
+            })?;
+        }
+        writers.push(create_writer(&path, &specs, &f.metadata, compression)?);
+    }
+    let mut jobs: Vec<(usize, usize, Region)> = Vec::new();
+    for (fi, f) in plan.files.iter().enumerate() {
+        for (ti, t) in f.tensors.iter().enumerate() {
+            for s in slabs(&t.target.shape, t.target.dtype, SLAB_BYTES) {
+                jobs.push((fi, ti, s));
+            }
+        }
+    }
+    // Compressed sources: slabs that read the same chunks run one after the other, so
+    // that each chunk is decompressed once while a thread's cache still holds it (in
+    // plan order, a chunk of a column-sharded source feeds one slab of every target
+    // rank, far apart). Positional writes do not care about the order.
+    if source.files.iter().any(|f| f.is_compressed()) {
+        jobs.sort_by_cached_key(|(fi, ti, slab)| first_source(&plan.files[*fi].tensors[*ti], slab));
+    }
+    // Source tensors read whole have their recorded checksums checked while they are
+    // copied, over the same mapped pages; those read only in part cannot be.
+    // (A tensor is read whole when the distinct boxes read from it tile it: blocked
+    // shards are read box by box.)
+    let mut boxes: BTreeMap<(usize, usize), (&[u64], BTreeSet<&Region>)> = BTreeMap::new();
+    for t in plan.files.iter().flat_map(|f| &f.tensors) {
+        for op in &t.ops {
+            let e = boxes
+                .entry((op.file, op.tensor))
+                .or_insert_with(|| (&op.src_shape[..], BTreeSet::new()));
+            e.1.insert(&op.src);
+        }
+    }
+    let touched: BTreeSet<(usize, usize)> = boxes.keys().copied().collect();
+    let whole: BTreeSet<(usize, usize)> = boxes
+        .into_iter()
+        .filter(|(_, (shape, regions))| {
+            let regions: Vec<Region> = regions.iter().map(|r| (*r).clone()).collect();
+            crate::layout::coverage::check_tiling(shape, &regions).is_ok()
+        })
+        .map(|(k, _)| k)
+        .collect();
+    let checking = crate::formats::checksum::checksums_enabled();
+    let has_sum = |&(f, t): &(usize, usize)| source.files[f].checksum(t).is_some();
+    let to_check: Vec<(usize, usize)> = if checking {
+        whole.iter().copied().filter(has_sum).collect()
+    } else {
+        Vec::new()
+    };
+    let unchecked = if checking {
+        touched.difference(&whole).filter(|k| has_sum(k)).count() as u64
+    } else {
+        0
+    };
+    // For the bus-error test: another program truncating an input before it is read.
+    if let Some(victim) = std::env::var_os("CKPT_TEST_TRUNCATE_BEFORE_COPY") {
+        if let Ok(f) = std::fs::OpenOptions::new().write(true).open(&victim) {
+            let _ = f.set_len(f.metadata().map_or(0, |m| m.len() / 2));
+        }
+    }
+    // Mapped sources are hashed alongside the copy; compressed ones after it, from the
+    // checksums of their chunks taken as the copy decompressed them (hashing them
+    // alongside would decompress everything twice).
+    let (after, alongside): (Vec<_>, Vec<_>) = to_check
+        .iter()
+        .partition(|&&(f, _)| source.files[f].is_compressed());
+    let read = AtomicU64::new(0);
+    let (copied, checked) = rayon::join(
+        || copy_slabs(plan, source, &writers, &jobs, &read, progress),
+        || {
+            alongside
+                .par_iter()
+                .try_for_each(|&(f, t)| source.files[f].check_checksum(t).map(|_| ()))
+        },
+    );
+    copied?;
+    checked?;
+    after
+        .par_iter()
+        .try_for_each(|&(f, t)| source.files[f].check_checksum_after_read(t).map(|_| ()))?;
+    let t = std::time::Instant::now();
+    for w in writers {
+        w.finish()?;
+    }
+    Ok(CopyStats {
+        tensors: plan.tensor_count() as u64,
+        bytes_written: plan.bytes_written(),
+        bytes_read: read.load(Ordering::Relaxed),
+        sync_micros: t.elapsed().as_micros() as u64,
+        checksums_verified: to_check.len() as u64,
+        checksums_unchecked: unchecked,
+    })
+}
+
+/// Where `part` (a box of the destination inside `op`'s) starts in `op`'s source tensor.
+fn src_start_of(part: &Region, op: &crate::layout::plan::CopyOp) -> Vec<u64> {
+    part.start
+        .iter()
+        .zip(&op.dst_start)
+        .zip(&op.src.start)
+        .map(|((p, d), s)| p - d + s)
+        .collect()
+}
+
+/// Where a slab's first source bytes are: `(file, tensor, element offset)`.
+fn first_source(t: &TensorPlan, slab: &Region) -> (usize, usize, u64) {
+    for op in &t.ops {
+        let dst_box = Region::new(op.dst_start.clone(), op.src.shape.clone());
+        if let Some(part) = dst_box.overlap(slab) {
+            let start = src_start_of(&part, op);
+            return (op.file, op.tensor, slab_offset(&op.src_shape, &start));
+        }
+    }
+    (usize::MAX, usize::MAX, 0)
+}
+
+/// Copies every slab job into its writer.
+fn copy_slabs(
+    plan: &CopyPlan,
+    source: &Checkpoint,
+    writers: &[Box<dyn TensorWriter>],
+    jobs: &[(usize, usize, Region)],
+    read: &AtomicU64,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<()> {
+    jobs.par_iter().try_for_each_init(
+        || (Vec::new(), ReadCache::new()),
+        |(buf, cache): &mut (Vec<u8>, ReadCache), (fi, ti, slab)| -> Result<()> {
+            let t = &plan.files[*fi].tensors[*ti];
+            let len = bytes_of(t.target.dtype, slab.numel()) as usize;
+            buf.clear();
+            buf.resize(len, 0);
+            read.fetch_add(fill_slab(source, t, slab, buf, cache)?, Ordering::Relaxed);
+            let strides_bytes = bytes_of(t.target.dtype, slab_offset(&t.target.shape, &slab.start));
+            writers[*fi].write_at(*ti, strides_bytes, buf)?;
+            progress(len as u64);
+            Ok(())
+        },
+    )
+}
+
+/// Assembles one tensor in memory (for loading straight into a model).
+///
+/// # Errors
+/// A damaged compressed source; I/O errors.
+pub fn assemble(t: &TensorPlan, source: &Checkpoint) -> Result<Vec<u8>> {
+    let mut buf = vec![0u8; bytes_of(t.target.dtype, t.target.shape.iter().product()) as usize];
+    fill_slab(
+        source,
+        t,
+        &Region::full(&t.target.shape),
+        &mut buf,
+        &mut ReadCache::new(),
+    )?;
+    Ok(buf)
+}
+
+/// Row-major element offset of `start` in a tensor of `shape`.
+fn slab_offset(shape: &[u64], start: &[u64]) -> u64 {
+    shape.iter().zip(start).fold(0, |acc, (&s, &i)| acc * s + i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slabs_tile_the_tensor_contiguously() {
+        let shape = [3u64, 5, 7];
+        for max in [1u64, 4, 28, 30, 140, 1000] {
+            let s = slabs(&shape, Dtype::F32, max);
+            let mut next = 0;
+            for r in &s {
+                assert_eq!(slab_offset(&shape, &r.start), next, "max {max}");
+                next += r.numel();
+                assert!(r.numel() * 4 <= max.max(28), "slab {r} over {max}");
+            }
+            assert_eq!(next, 105);
+            assert_eq!(crate::check_tiling(&shape, &s), Ok(()));
+        }
+    }
+
+    #[test]
+    fn casts_round_to_nearest() {
+        let src: Vec<u8> = [1.0f32, -2.5, 3.140_625]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let mut dst = vec![0u8; 6];
+        convert(&src, Dtype::F32, &mut dst, Dtype::BF16);
+        let back: Vec<f32> = dst
+            .chunks(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect();
+        assert_eq!(back, vec![1.0, -2.5, 3.140_625]);
+    }
+}

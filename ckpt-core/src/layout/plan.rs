@@ -1,0 +1,344 @@
+//! `CopyPlan`: from metadata alone, which source bytes go where in which output.
+//!
+//! Every target piece is intersected with the source pieces that tile its tensor; each
+//! intersection is one [`CopyOp`], a box with its place in the source and in the
+//! destination tensor. The plan is plain data: it can be printed, summed and tested
+//! without touching a byte of tensor data.
+
+use crate::error::{Error, Result};
+use crate::layout::region::Region;
+use crate::layout::source::PieceSource;
+use crate::layout::strategy::{dtype_name, Strategy};
+use crate::layout::{Piece, TensorLayout};
+use crate::Dtype;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+
+/// Metadata key of PyTorch DCP's per-tensor offsets (the global start of each tensor's
+/// box, as its sharded safetensors record them).
+pub const DCP_SHARDING_INFO: &str = "DCP_SHARDING_INFO";
+
+/// A tensor to produce: its output dtype, local shape and the global pieces it holds.
+#[derive(Clone, Debug)]
+pub struct TargetTensor {
+    /// Tensor name.
+    pub name: String,
+    /// Output dtype (the source's unless casting).
+    pub dtype: Dtype,
+    /// Local shape in the output file.
+    pub shape: Vec<u64>,
+    /// Global boxes and where they land locally.
+    pub pieces: Vec<Piece>,
+}
+
+/// An output file to produce.
+#[derive(Clone, Debug)]
+pub struct TargetFile {
+    /// Path relative to the output directory.
+    pub path: PathBuf,
+    /// The tensors, in file order.
+    pub tensors: Vec<TargetTensor>,
+    /// `__metadata__` of the file.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Copy one box from a source tensor into a destination tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CopyOp {
+    /// Source file (index into [`Checkpoint::files`](crate::Checkpoint::files)).
+    pub file: usize,
+    /// Tensor within that file.
+    pub tensor: usize,
+    /// Shape of the source tensor as stored.
+    pub src_shape: Vec<u64>,
+    /// The box, in source-local coordinates.
+    pub src: Region,
+    /// Where the box starts in the destination tensor.
+    pub dst_start: Vec<u64>,
+}
+
+/// How one output tensor is assembled.
+#[derive(Clone, Debug)]
+pub struct TensorPlan {
+    /// What to produce.
+    pub target: TargetTensor,
+    /// Source dtype.
+    pub src_dtype: Dtype,
+    /// The copies; their destination boxes tile the tensor.
+    pub ops: Vec<CopyOp>,
+}
+
+/// How one output file is assembled.
+#[derive(Clone, Debug)]
+pub struct FilePlan {
+    /// Path relative to the output directory.
+    pub path: PathBuf,
+    /// `__metadata__` of the file.
+    pub metadata: BTreeMap<String, String>,
+    /// Its tensors in file order.
+    pub tensors: Vec<TensorPlan>,
+}
+
+/// The whole plan.
+#[derive(Clone, Debug, Default)]
+pub struct CopyPlan {
+    /// The output files.
+    pub files: Vec<FilePlan>,
+}
+
+/// Dtypes a cast may start from or go to.
+fn is_float(d: Dtype) -> bool {
+    matches!(d, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
+}
+
+/// Checks that converting `from` to `to` is allowed.
+///
+/// # Errors
+/// Casts of integer, boolean or 8-bit-and-smaller float tensors are refused.
+pub fn check_cast(tensor: &str, from: Dtype, to: Dtype) -> Result<()> {
+    if from == to || (is_float(from) && is_float(to)) {
+        return Ok(());
+    }
+    Err(Error::Unsupported {
+        problem: format!(
+            "tensor `{tensor}`: cannot cast {} to {} (only F16, BF16, F32 and F64 convert; select the tensor out with --exclude)",
+            dtype_name(from),
+            dtype_name(to)
+        ),
+    })
+}
+
+impl CopyPlan {
+    /// Plans `targets` from `source` by box intersection.
+    ///
+    /// # Errors
+    /// A target tensor the source lacks, a shape or dtype mismatch, an impossible cast,
+    /// or sub-byte elements split inside a byte.
+    pub fn build(source: &impl PieceSource, targets: Vec<TargetFile>) -> Result<CopyPlan> {
+        let mut files = Vec::with_capacity(targets.len());
+        for tf in targets {
+            let mut tensors = Vec::with_capacity(tf.tensors.len());
+            for target in tf.tensors {
+                let src = source.source_tensors().get(&target.name).ok_or_else(|| {
+                    Error::InvalidTensor {
+                        tensor: target.name.clone(),
+                        problem: "is not in the source checkpoint".into(),
+                    }
+                })?;
+                check_cast(&target.name, src.dtype, target.dtype)?;
+                let mut ops = Vec::new();
+                for tp in &target.pieces {
+                    if !Region::full(&src.shape).contains(&tp.global) {
+                        return Err(Error::InvalidTensor {
+                            tensor: target.name.clone(),
+                            problem: format!(
+                                "target piece {} lies outside the source shape {:?}",
+                                tp.global, src.shape
+                            ),
+                        });
+                    }
+                    for sp in &src.pieces {
+                        let Some(i) = tp.global.overlap(&sp.global) else {
+                            continue;
+                        };
+                        let src_box = i.relative_to(&sp.global.start).offset(&sp.local.start);
+                        let dst_start = i
+                            .relative_to(&tp.global.start)
+                            .offset(&tp.local.start)
+                            .start;
+                        let src_shape = source.stored_shape(sp.file, sp.tensor).to_vec();
+                        ops.push(CopyOp {
+                            file: sp.file,
+                            tensor: sp.tensor,
+                            src_shape,
+                            src: src_box,
+                            dst_start,
+                        });
+                    }
+                }
+                check_sub_byte(&target, src.dtype, &ops)?;
+                tensors.push(TensorPlan {
+                    target,
+                    src_dtype: src.dtype,
+                    ops,
+                });
+            }
+            files.push(FilePlan {
+                path: tf.path,
+                metadata: tf.metadata,
+                tensors,
+            });
+        }
+        Ok(CopyPlan { files })
+    }
+
+    /// Bytes the plan reads from the sources.
+    #[must_use]
+    pub fn bytes_read(&self) -> u64 {
+        self.files.iter().map(FilePlan::bytes_read).sum()
+    }
+
+    /// Bytes of tensor data the plan writes.
+    #[must_use]
+    pub fn bytes_written(&self) -> u64 {
+        self.files.iter().map(FilePlan::bytes_written).sum()
+    }
+
+    /// Number of output tensors.
+    #[must_use]
+    pub fn tensor_count(&self) -> usize {
+        self.files.iter().map(|f| f.tensors.len()).sum()
+    }
+}
+
+impl FilePlan {
+    /// Bytes this file reads from the sources.
+    #[must_use]
+    pub fn bytes_read(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|t| {
+                t.ops
+                    .iter()
+                    .map(|o| bytes_of(t.src_dtype, o.src.numel()))
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+
+    /// Bytes of tensor data this file holds.
+    #[must_use]
+    pub fn bytes_written(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|t| bytes_of(t.target.dtype, t.target.shape.iter().product()))
+            .sum()
+    }
+
+    /// The source files this output file reads.
+    #[must_use]
+    pub fn source_files(&self) -> BTreeSet<usize> {
+        self.tensors
+            .iter()
+            .flat_map(|t| t.ops.iter().map(|o| o.file))
+            .collect()
+    }
+}
+
+/// Bytes of `numel` elements (sub-byte types rounded up).
+#[must_use]
+pub fn bytes_of(dtype: Dtype, numel: u64) -> u64 {
+    (numel * dtype.bitsize() as u64).div_ceil(8)
+}
+
+/// Sub-byte elements (F4, F6) can only be copied in whole bytes: every box edge on the
+/// last dimension, and the last dimension itself, must fall on a byte boundary.
+fn check_sub_byte(target: &TargetTensor, src_dtype: Dtype, ops: &[CopyOp]) -> Result<()> {
+    let bits = src_dtype.bitsize() as u64;
+    if bits.is_multiple_of(8) {
+        return Ok(());
+    }
+    let unit = 8 / gcd(bits, 8);
+    let last = |v: &[u64]| v.last().copied().unwrap_or(0);
+    let aligned = ops.iter().all(|o| {
+        [
+            last(&o.src_shape),
+            last(&o.src.start),
+            last(&o.src.shape),
+            last(&o.dst_start),
+            last(&target.shape),
+        ]
+        .iter()
+        .all(|x| x % unit == 0)
+    });
+    if aligned {
+        Ok(())
+    } else {
+        Err(Error::Unsupported {
+            problem: format!(
+                "tensor `{}`: {} packs {} elements per byte group and this layout splits the last dimension inside one",
+                target.name,
+                dtype_name(src_dtype),
+                unit
+            ),
+        })
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// Metadata a ckpt rank file carries: rank, world size, strategy hash and, for every
+/// tensor whose local part is one box (or empty), its global offsets in PyTorch DCP's
+/// convention.
+#[must_use]
+pub fn rank_metadata(
+    strategy: &Strategy,
+    rank: u64,
+    tensors: &[TargetTensor],
+) -> BTreeMap<String, String> {
+    let mut offsets = serde_json::Map::new();
+    for t in tensors {
+        match &t.pieces[..] {
+            [p] => {
+                offsets.insert(
+                    t.name.clone(),
+                    serde_json::json!({ "saved_offsets": p.global.start }),
+                );
+            }
+            // An empty local tensor: PyTorch's reader needs an entry for every key.
+            [] => {
+                offsets.insert(
+                    t.name.clone(),
+                    serde_json::json!({ "saved_offsets": vec![0u64; t.shape.len()] }),
+                );
+            }
+            _ => {}
+        }
+    }
+    let mut m = BTreeMap::new();
+    m.insert("format".into(), "pt".into());
+    m.insert("rank".into(), rank.to_string());
+    m.insert("world_size".into(), strategy.mesh.world_size().to_string());
+    m.insert("strategy_hash".into(), strategy.hash());
+    m.insert(
+        DCP_SHARDING_INFO.into(),
+        serde_json::Value::Object(offsets).to_string(),
+    );
+    m
+}
+
+/// The tensors rank `rank` stores under `strategy`: those it holds and owns (or holds at
+/// all, with `keep_all`), optionally filtered by name and cast to `dtype`.
+#[must_use]
+pub fn rank_tensors(
+    strategy: &Strategy,
+    rank: u64,
+    keep_all: bool,
+    select: &dyn Fn(&str, &TensorLayout) -> Option<Dtype>,
+) -> Vec<TargetTensor> {
+    let mut out = Vec::new();
+    for (name, l) in &strategy.tensors {
+        let Some(shape) = l.local_shape(&strategy.mesh, rank) else {
+            continue;
+        };
+        if !(keep_all || l.is_owner(&strategy.mesh, rank)) {
+            continue;
+        }
+        let Some(dtype) = select(name, l) else {
+            continue;
+        };
+        out.push(TargetTensor {
+            name: name.clone(),
+            dtype,
+            shape,
+            pieces: l.pieces(&strategy.mesh, rank),
+        });
+    }
+    out
+}

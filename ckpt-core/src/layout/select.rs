@@ -1,0 +1,191 @@
+//! `Selection`: which tensors a tool keeps (`--include`/`--exclude` glob patterns) and
+//! the dtype it writes them in (`--dtype`).
+
+use crate::error::{Error, Result};
+use crate::layout::plan::check_cast;
+use crate::Dtype;
+use globset::{Glob, GlobSet, GlobSetBuilder};
+
+/// Tensor selection and casting, shared by merge and reshard.
+#[derive(Clone, Debug, Default)]
+pub struct Selection {
+    include: Option<GlobSet>,
+    exclude: Option<GlobSet>,
+    /// The patterns as given (`--include`, then `--exclude`), for messages.
+    patterns: Vec<(&'static str, String, Glob)>,
+    cast: Option<Dtype>,
+    strip_prefix: Option<String>,
+    add_prefix: Option<String>,
+    step: Option<u64>,
+}
+
+fn glob(p: &str) -> Result<Glob> {
+    Glob::new(p).map_err(|e| Error::Unsupported {
+        problem: format!("bad pattern `{p}`: {}", e.kind()),
+    })
+}
+
+fn globs(patterns: &[String]) -> Result<Option<GlobSet>> {
+    if patterns.is_empty() {
+        return Ok(None);
+    }
+    let mut b = GlobSetBuilder::new();
+    for p in patterns {
+        b.add(glob(p)?);
+    }
+    b.build().map(Some).map_err(|e| Error::Unsupported {
+        problem: e.to_string(),
+    })
+}
+
+impl Selection {
+    /// Keeps names matching any `include` (all when empty) and no `exclude`; casts
+    /// floating-point tensors to `cast` when given.
+    ///
+    /// # Errors
+    /// A malformed pattern.
+    pub fn new(include: &[String], exclude: &[String], cast: Option<Dtype>) -> Result<Selection> {
+        let patterns = [("--include", include), ("--exclude", exclude)]
+            .into_iter()
+            .flat_map(|(flag, ps)| ps.iter().map(move |p| (flag, p)))
+            .map(|(flag, p)| Ok((flag, p.clone(), glob(p)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Selection {
+            include: globs(include)?,
+            exclude: globs(exclude)?,
+            patterns,
+            cast,
+            strip_prefix: None,
+            add_prefix: None,
+            step: None,
+        })
+    }
+
+    /// Renames tensors on the way in: removes `strip` from the start of each name that
+    /// has it (`module.`, DDP's wrapper), then puts `add` in front of every name. The
+    /// `--include`/`--exclude` patterns match the new names.
+    #[must_use]
+    pub fn with_prefixes(mut self, strip: Option<String>, add: Option<String>) -> Selection {
+        self.strip_prefix = strip.filter(|s| !s.is_empty());
+        self.add_prefix = add.filter(|s| !s.is_empty());
+        self
+    }
+
+    /// Takes the checkpoint of training step `step` where the inputs hold several: a
+    /// training output's `step_<step>/` instead of `latest`, MindSpore's
+    /// `<prefix>-<epoch>_<step>.ckpt` in each rank directory instead of the newest.
+    #[must_use]
+    pub fn with_step(mut self, step: Option<u64>) -> Selection {
+        self.step = step;
+        self
+    }
+
+    /// The step [`Selection::with_step`] asked for.
+    #[must_use]
+    pub fn step(&self) -> Option<u64> {
+        self.step
+    }
+
+    /// Whether [`Selection::rename`] changes names at all.
+    #[must_use]
+    pub fn renames(&self) -> bool {
+        self.strip_prefix.is_some() || self.add_prefix.is_some()
+    }
+
+    /// A tensor's name after `--strip-prefix` and `--add-prefix`.
+    #[must_use]
+    pub fn rename(&self, name: &str) -> String {
+        let base = match &self.strip_prefix {
+            Some(p) => name.strip_prefix(p.as_str()).unwrap_or(name),
+            None => name,
+        };
+        match &self.add_prefix {
+            Some(p) => format!("{p}{base}"),
+            None => base.to_string(),
+        }
+    }
+
+    /// Checks the selection against the tensors of an input: a selection that keeps none
+    /// of them is an error (an empty output is never what was meant); a pattern that
+    /// matches no tensor gives a warning, returned.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when the input has tensors and none is kept.
+    pub fn review<'a>(
+        &self,
+        names: impl IntoIterator<Item = &'a str> + Clone,
+    ) -> Result<Vec<String>> {
+        let total = names.clone().into_iter().count();
+        let kept = names.clone().into_iter().filter(|n| self.keeps(n)).count();
+        if total > 0 && kept == 0 {
+            let given: Vec<String> = self
+                .patterns
+                .iter()
+                .map(|(flag, p, _)| format!("{flag} '{p}'"))
+                .collect();
+            let some: Vec<&str> = names.clone().into_iter().take(3).collect();
+            return Err(Error::Unsupported {
+                problem: format!(
+                    "{} leave none of the input's {total} tensors (they are named like `{}`): nothing to write",
+                    given.join(" "),
+                    some.join("`, `")
+                ),
+            });
+        }
+        let mut warnings = Vec::new();
+        for (flag, p, g) in &self.patterns {
+            let m = g.compile_matcher();
+            if !names.clone().into_iter().any(|n| m.is_match(n)) {
+                warnings.push(format!("{flag} '{p}' matches no tensor of the input"));
+            }
+        }
+        Ok(warnings)
+    }
+
+    /// Whether the tensor `name` is kept.
+    #[must_use]
+    pub fn keeps(&self, name: &str) -> bool {
+        self.include.as_ref().is_none_or(|g| g.is_match(name))
+            && !self.exclude.as_ref().is_some_and(|g| g.is_match(name))
+    }
+
+    /// The output dtype of a kept tensor.
+    ///
+    /// # Errors
+    /// A cast of a non-float tensor.
+    pub fn dtype(&self, name: &str, dtype: Dtype) -> Result<Dtype> {
+        match self.cast {
+            None => Ok(dtype),
+            Some(to) => check_cast(name, dtype, to).map(|()| to),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn include_exclude_and_cast() {
+        let s = Selection::new(&[], &["optim.*".into()], Some(Dtype::BF16)).unwrap();
+        assert!(s.keeps("layer.w"));
+        assert!(!s.keeps("optim.layer.w.exp_avg"));
+        assert_eq!(s.dtype("w", Dtype::F32).unwrap(), Dtype::BF16);
+        assert_eq!(
+            s.review(["layer.w", "optim.layer.w.exp_avg"]).unwrap(),
+            Vec::<String>::new()
+        );
+        let w = s.review(["layer.w"]).unwrap();
+        assert_eq!(w, ["--exclude 'optim.*' matches no tensor of the input"]);
+        let e = s.review(["optim.a", "optim.b"]).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "--exclude 'optim.*' leave none of the input's 2 tensors (they are named like `optim.a`, `optim.b`): nothing to write"
+        );
+        assert!(s
+            .dtype("step", Dtype::I64)
+            .unwrap_err()
+            .to_string()
+            .contains("cannot cast I64 to BF16"));
+    }
+}
