@@ -526,7 +526,12 @@ const SHARED: [&str; 6] = [
 
 /// A format built on another's codec, said here so that it is a decision, not drift:
 /// `(format, the format it builds on, why)`.
-const BUILDS_ON: [(&str, &str, &str); 3] = [
+const BUILDS_ON: [(&str, &str, &str); 4] = [
+    (
+        "formats::megatron",
+        "formats::torch_save",
+        "a legacy Megatron rank file (model_optim_rng.pt) is a torch.save archive",
+    ),
     (
         "formats::distcp",
         "formats::torch_save",
