@@ -571,12 +571,13 @@ fn rank_groups(f: &PtFile, stage: u64) -> Result<RankGroups> {
 
 const MOMENTS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
 
+/// The prefix of optimizer state names (the checkpoint layer's `OPTIMIZER_PREFIX`,
+/// spelled here: a format does not import the layer above it; tests/deepspeed.rs
+/// checks that merge puts the moments in optimizer.safetensors, i.e. that they agree).
+const OPTIM_PREFIX: &str = "optim.";
+
 fn moment_name(param: &str, k: usize) -> String {
-    format!(
-        "{}{param}.{}",
-        crate::checkpoint::OPTIMIZER_PREFIX,
-        MOMENTS[k]
-    )
+    format!("{OPTIM_PREFIX}{param}.{}", MOMENTS[k])
 }
 
 /// ZeRO-1/2: per group, the parameters back to back (with their alignment paddings)
@@ -883,6 +884,11 @@ fn read_frozen(models: &mut [PtFile], stage: u64, world: u64, out: &mut DeepSpee
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn moments_are_named_as_ckpt_names_optimizer_state() {
+        assert_eq!(moment_name("fc1.weight", 1), "optim.fc1.weight.exp_avg_sq");
+    }
 
     #[test]
     fn file_roles_from_names() {
