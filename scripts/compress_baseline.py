@@ -10,8 +10,9 @@ For one safetensors file, prints as JSON the file's size and:
   stream;
 - with `--entropy`, per floating-point dtype, for the planes `.ckptz` version 2 codes
   (each element rotated left by one bit, so that the top plane is the exponent): the
-  plane's size, its zstd level 1 size, and its order-0 entropy in bytes (the bound of
-  any Huffman or FSE coding of the plane's bytes taken one by one).
+  plane's size, its zstd level 1 size, its size with zstd tuned to code literals as
+  ckpt does (level 1, minimum match 7, hash log 6), and its order-0 entropy in bytes
+  (the bound of any Huffman or FSE coding of the plane's bytes taken one by one).
 
 Needs numpy and zstandard (`pip install numpy zstandard`).
 
@@ -66,6 +67,11 @@ def planes(raw, k, rotate):
     return [p.tobytes() for p in v.view(np.uint8).reshape(-1, k).T]
 
 
+def zstd_literals(data):
+    params = zstandard.ZstdCompressionParameters.from_level(1, min_match=7, hash_log=6)
+    return len(zstandard.ZstdCompressor(compression_params=params).compress(bytes(data)))
+
+
 def entropy_bytes(plane):
     counts = np.bincount(np.frombuffer(plane, dtype=np.uint8), minlength=256)
     p = counts[counts > 0] / len(plane)
@@ -90,7 +96,12 @@ def main():
     if "--entropy" in sys.argv:
         out["planes"] = {
             dtype: [
-                {"bytes": len(p), "zstd": zstd1(p), "entropy": round(entropy_bytes(p))}
+                {
+                    "bytes": len(p),
+                    "zstd": zstd1(p),
+                    "zstd_literals": zstd_literals(p),
+                    "entropy": round(entropy_bytes(p)),
+                }
                 for p in planes(raw, FLOATS[dtype], rotate=True)
             ]
             for dtype, raw in by.items()

@@ -75,3 +75,27 @@ pub(crate) fn run(
         ExitCode::from(1)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::cli::Cli;
+    use clap::Parser;
+
+    #[test]
+    fn picture_flags_parse() {
+        assert!(Cli::try_parse_from(["ckpt", "inspect", "a", "--show", "layers.*.weight"]).is_ok());
+        assert!(
+            Cli::try_parse_from(["ckpt", "inspect", "a", "--html", "r.html", "--show", "w"])
+                .is_ok()
+        );
+        // --show needs a tensor; --html a file.
+        assert!(Cli::try_parse_from(["ckpt", "inspect", "a", "--show"]).is_err());
+        assert!(Cli::try_parse_from(["ckpt", "inspect", "a", "--html"]).is_err());
+        // A plan page only with --plan: a reshard that writes must not also draw.
+        let base = [
+            "ckpt", "reshard", "a", "-o", "b", "--to", "2", "--html", "p.html",
+        ];
+        assert!(Cli::try_parse_from(base).is_err());
+        assert!(Cli::try_parse_from(base.into_iter().chain(["--plan"])).is_ok());
+    }
+}

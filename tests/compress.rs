@@ -235,19 +235,26 @@ fn damaged_compressed_files_are_named_errors() {
     assert!(!d.path("out").exists());
     // Intact chunks but a recorded checksum that disagrees: the copy checks it from
     // the chunks it decompressed.
-    let mut wrong = good.clone();
-    // In `__metadata__`, not in the source header `ckpt compress` keeps before it.
-    let meta = good
+    // The header is the zstd frame that ends a version 2 file: edit its text.
+    let n = u64::from_le_bytes(good[8..16].try_into().unwrap()) as usize;
+    let at = good.len() - n;
+    let mut text = zstd::bulk::decompress(&good[at..], 1 << 24).unwrap();
+    let meta = text
         .windows(12)
         .rposition(|w| w == b"__metadata__")
         .unwrap();
-    let at = meta
-        + good[meta..]
+    let c = meta
+        + text[meta..]
             .windows(7)
             .position(|w| w == b"crc32c:")
             .unwrap()
         + 7;
-    wrong[at] = if wrong[at] == b'0' { b'1' } else { b'0' };
+    text[c] = if text[c] == b'0' { b'1' } else { b'0' };
+    let frame = zstd::bulk::compress(&text, 1).unwrap();
+    let mut wrong = good[..8].to_vec();
+    wrong.extend_from_slice(&(frame.len() as u64).to_le_bytes());
+    wrong.extend_from_slice(&good[16..at]);
+    wrong.extend_from_slice(&frame);
     std::fs::write(&f, &wrong).unwrap();
     let o = d.fails(&["merge", "exz", "-o", "out", "-q"]);
     assert!(

@@ -4,11 +4,14 @@
 use crate::util::Dir;
 use std::process::Command;
 
+/// The entries of a directory, sorted, less the TensorBoard event files that every
+/// `ckpt train` run adds beside its steps (they are not checkpoints and are never pruned).
 fn listing(d: &Dir, rel: &str) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(d.path(rel))
         .unwrap()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with("events.out.tfevents."))
         .collect();
     v.sort();
     v

@@ -90,6 +90,8 @@ pub struct TensorPicture {
     pub shape: Vec<u64>,
     /// Labels of every holder that may appear (`rank 0`, or a file name).
     pub holders: Vec<String>,
+    /// Rank of each holder, when known (the drawing's symbols are rank numbers then).
+    pub ranks: Vec<Option<u64>>,
     /// The holdings (an empty extent: a piece recorded with no elements).
     pub holdings: Vec<Holding>,
     /// Holders that hold none of the tensor although they hold others (rank files of
@@ -214,6 +216,7 @@ pub fn picture(ck: &Checkpoint, name: &str) -> Result<TensorPicture> {
         dtype: t.dtype,
         shape: t.shape.clone(),
         holders: (0..ck.files.len()).map(|i| holder_label(ck, i)).collect(),
+        ranks: ck.ranks.clone(),
         holdings,
         empty,
     })

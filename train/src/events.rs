@@ -47,7 +47,8 @@ struct Value {
 
 fn masked_crc(data: &[u8]) -> u32 {
     let crc = crc32c::crc32c(data);
-    ((crc >> 15) | (crc << 17)).wrapping_add(0xa282_ead8)
+    // TensorFlow's `((crc >> 15) | (crc << 17)) + 0xa282ead8`, a rotation.
+    crc.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
 /// One TFRecord around `data`.

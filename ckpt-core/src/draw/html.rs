@@ -146,6 +146,9 @@ fn page(data: &Value, title: &str) -> Result<String> {
     ))
 }
 
+/// A target tensor's dtype and pieces: (output file, box in the global tensor).
+type TargetPieces<'a> = (crate::Dtype, Vec<(usize, &'a crate::Region)>);
+
 /// The page of a reshard plan: per tensor, the target pieces over the target files
 /// (filled) with the source pieces they are cut from (dashed outlines, holders after
 /// the targets), and the reads of each output file with the totals.
@@ -161,7 +164,7 @@ pub fn plan_html_report(
     let report = PlanReport::new(source, plan);
     let nt = plan.files.len();
     // Target pieces by tensor name: (target file, box).
-    let mut targets: BTreeMap<&str, (crate::Dtype, Vec<(usize, &crate::Region)>)> = BTreeMap::new();
+    let mut targets: BTreeMap<&str, TargetPieces> = BTreeMap::new();
     for (k, f) in plan.files.iter().enumerate() {
         for t in &f.tensors {
             let e = targets

@@ -73,6 +73,7 @@ fn sample(i: usize, cells: usize, n: u64) -> u64 {
 /// let p = TensorPicture {
 ///     name: "w".into(), dtype: ckpt_core::Dtype::F32, shape: vec![4, 2],
 ///     holders: vec!["rank 0".into(), "rank 1".into()],
+///     ranks: vec![Some(0), Some(1)],
 ///     holdings: vec![
 ///         Holding { holder: 0, extent: Extent::Box(Region::from_ranges(&[0..2, 0..2])), copy: false },
 ///         Holding { holder: 1, extent: Extent::Box(Region::from_ranges(&[2..4, 0..2])), copy: false },
@@ -109,14 +110,21 @@ pub fn render_text(p: &TensorPicture, canvas: &Canvas) -> String {
     let mut order: Vec<usize> = p.holdings.iter().map(|h| h.holder).collect();
     order.sort_unstable();
     order.dedup();
-    let symbol_of = |holder: usize| -> char {
-        let k = order.binary_search(&holder).unwrap_or(usize::MAX);
-        SYMBOLS.get(k).map_or('#', |&b| b as char)
+    // Symbols are rank numbers when every holder drawn has one (so that rank 3 is
+    // `3` even when rank 2 is missing), else the holders' order.
+    let by_rank = order
+        .iter()
+        .all(|&h| p.ranks.get(h).copied().flatten().is_some());
+    let key = |holder: usize| -> usize {
+        if by_rank {
+            p.ranks[holder].map_or(usize::MAX, |r| usize::try_from(r).unwrap_or(usize::MAX))
+        } else {
+            order.binary_search(&holder).unwrap_or(usize::MAX)
+        }
     };
-    let color_of = |holder: usize| -> u8 {
-        let k = order.binary_search(&holder).unwrap_or(0);
-        PALETTE[k % PALETTE.len()]
-    };
+    let symbol_of =
+        |holder: usize| -> char { SYMBOLS.get(key(holder)).map_or('#', |&b| b as char) };
+    let color_of = |holder: usize| -> u8 { PALETTE[key(holder) % PALETTE.len()] };
     let mut drawn = vec![0u64; p.holdings.len()];
     if f.rows == 0 || f.cols == 0 {
         let _ = writeln!(out, "(no elements)");
@@ -154,7 +162,6 @@ pub fn render_text(p: &TensorPicture, canvas: &Canvas) -> String {
         let mut clashes = false;
         for i in 0..h {
             let row = sample(i, h, f.rows);
-            let first_row = (i as u128 * u128::from(f.rows) / h as u128) as u64;
             let mut cells = Vec::with_capacity(w);
             for j in 0..w {
                 let col = sample(j, w, f.cols);
@@ -186,7 +193,9 @@ pub fn render_text(p: &TensorPicture, canvas: &Canvas) -> String {
                 clashes |= cell == Cell::Clash;
                 cells.push(cell);
             }
-            let _ = write!(out, "{first_row:>label_w$} |");
+            // The row whose owners the line shows, not the first of the rows it
+            // stands for: a gap drawn at a row is a gap at that row.
+            let _ = write!(out, "{row:>label_w$} |");
             let mut current: Option<u8> = None;
             for c in cells {
                 let (ch, colour) = match c {
@@ -285,6 +294,7 @@ mod tests {
             dtype: Dtype::F32,
             shape: shape.to_vec(),
             holders: (0..n).map(|r| format!("rank {r}")).collect(),
+            ranks: (0..n as u64).map(Some).collect(),
             holdings,
             empty: vec![],
         }
@@ -412,8 +422,8 @@ mod tests {
             },
         );
         let grid: Vec<&str> = text.lines().filter(|l| l.contains(" |")).collect();
-        assert_eq!(grid[5], " 50 |!!|", "{text}");
-        assert_eq!(grid[9], " 90 |11|", "{text}");
+        assert_eq!(grid[5], " 55 |!!|", "{text}");
+        assert_eq!(grid[9], " 95 |11|", "{text}");
         assert!(text.contains("! = claimed by two files"));
         let p = pic(
             &[100, 1],

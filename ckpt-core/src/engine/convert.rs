@@ -205,14 +205,23 @@ fn convert_file(src: &Path, dest: &Path, how: Conversion, stats: &mut ConvertSta
         return finish_file(src, dest, &f, stats);
     }
     let writer: Box<dyn TensorWriter> = match compression {
-        // Keeps the source's header text, so that decompressing gives it back.
-        Some(c) => Box::new(CkptzWriter::create_with_source(
-            dest,
-            &specs,
-            &metadata,
-            c,
-            Some(safetensors_header(src)?),
-        )?),
+        // Keeps the source's header text, so that decompressing gives it back; not
+        // when it is the header ckpt writes for these tensors and metadata (a file
+        // ckpt wrote), which decompressing writes again anyway.
+        Some(c) => {
+            let text = safetensors_header(src)?;
+            let ours = crate::formats::safetensors::encode_header(&specs, f.metadata())
+                .ok()
+                .filter(|_| crate::formats::checksum::checksums_enabled());
+            let same = ours.is_some_and(|(h, _)| h.get(8..) == Some(text.as_bytes()));
+            Box::new(CkptzWriter::create_with_source(
+                dest,
+                &specs,
+                &metadata,
+                c,
+                (!same).then_some(text),
+            )?)
+        }
         None => create_writer(dest, &specs, &metadata, None)?,
     };
     let mut jobs = Vec::new();

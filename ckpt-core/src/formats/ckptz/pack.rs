@@ -227,7 +227,7 @@ mod tests {
         let tensors: Vec<(Dtype, u64)> =
             (0..60).map(|i| (dts[i % 3], (i as u64 * 7) % 48)).collect();
         let s = Streams::packed(&tensors, |_| 20).unwrap();
-        for t in 0..tensors.len() {
+        for (t, &(_, len)) in tensors.iter().enumerate() {
             let mut at = 0;
             for p in s.parts(t) {
                 assert_eq!(p.in_tensor.start, at);
@@ -237,7 +237,7 @@ mod tests {
                 );
                 at = p.in_tensor.end;
             }
-            assert_eq!(at, tensors[t].1);
+            assert_eq!(at, len);
         }
         for (si, st) in s.streams.iter().enumerate() {
             for k in 0..st.chunk_count() {

@@ -355,6 +355,12 @@ pub(crate) fn encode_chunk(
     Ok(table)
 }
 
+/// The planes of an encoded chunk: codec and stored length of each.
+type Planes = Vec<(PlaneCodec, u64)>;
+
+/// A chunk whose raw bytes have partly arrived: the bytes, and how many have arrived.
+type Partial = (Vec<u8>, u64);
+
 /// A chunk written: where, its planes, the CRC-32C of its raw bytes.
 #[derive(Clone, Debug)]
 struct Record {
@@ -366,8 +372,10 @@ struct Record {
 /// A chunk compressed ahead of its turn.
 #[derive(Debug)]
 enum Held {
-    Memory(Vec<u8>, Vec<(PlaneCodec, u64)>, u32),
-    Spooled(u64, u64, Vec<(PlaneCodec, u64)>, u32),
+    /// The encoded bytes, the planes, the CRC.
+    Memory(Vec<u8>, Planes, u32),
+    /// Where in the spool and how long, the planes, the CRC.
+    Spooled(u64, u64, Planes, u32),
 }
 
 /// Puts chunks into the data area in their fixed order.
@@ -403,7 +411,7 @@ pub struct CkptzWriter {
     /// Per stream, per chunk: its order number in the data area.
     order: Vec<Vec<usize>>,
     /// Partly written chunks: `(stream, chunk)` to the raw bytes and how many arrived.
-    pending: Mutex<HashMap<(usize, usize), (Vec<u8>, u64)>>,
+    pending: Mutex<HashMap<(usize, usize), Partial>>,
     /// Per tensor, per part: the CRC-32C of the part once its chunk is complete.
     parts: Vec<Mutex<Vec<Option<Checksum>>>>,
     seq: Mutex<Sequencer>,
