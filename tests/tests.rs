@@ -6,6 +6,7 @@ mod bad_inputs;
 mod compress;
 mod compress_v2;
 mod crash;
+mod deepspeed;
 mod inspect_verify;
 mod megatron;
 mod merge;

@@ -134,6 +134,8 @@ struct Expanded {
     dcp: BTreeMap<PathBuf, DcpMetadata>,
     /// The training step asked for (`--step`), where the inputs hold several.
     step: Option<u64>,
+    /// DeepSpeed tag directories (read whole: their files are pieces of one another).
+    deepspeed: Vec<PathBuf>,
     /// A Megatron legacy checkpoint (save or iteration directory): read on its own.
     megatron: Option<PathBuf>,
 }
@@ -385,6 +387,10 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
         }
         return expand(&target, x);
     }
+    if crate::formats::deepspeed::looks_like(path) {
+        x.deepspeed.push(path.to_path_buf());
+        return Ok(());
+    }
     note_carried(path, &mut x.carried);
     let model = model_file(path);
     let strategy = path.join(STRATEGY_FILE);
@@ -610,6 +616,7 @@ impl Checkpoint {
             ms,
             mut notes,
             dcp,
+            deepspeed,
             megatron,
             ..
         } = x;
@@ -667,6 +674,18 @@ impl Checkpoint {
                 }
             }
         }
+        let mut ds = Vec::new();
+        for dir in &deepspeed {
+            match crate::formats::deepspeed::read(dir) {
+                Ok(d) => ds.push(d),
+                Err(e) => problems.push(e),
+            }
+        }
+        for d in &mut ds {
+            strategies.extend(d.files.iter().map(|_| None));
+            files.append(&mut d.files);
+            notes.append(&mut d.notes);
+        }
         if files.is_empty() && !problems.is_empty() {
             // Nothing could be read: there is no checkpoint to describe, only why.
             return Err(Error::Many(Problems(problems)));
@@ -720,7 +739,15 @@ impl Checkpoint {
             ck.check_dcp_ranks(&mut problems);
             ck.declare_dcp_shapes(&dcp, &mut problems);
         }
+        for d in &ds {
+            ck.declare_shapes(&d.shapes, &mut problems);
+        }
         ck.assemble(raw, &mut problems);
+        for (alias, of) in ds.iter().flat_map(|d| &d.aliases) {
+            if let Some(t) = ck.tensors.get(of).cloned() {
+                ck.tensors.insert(alias.clone(), t);
+            }
+        }
         for f in &ck.files {
             if let Some(list) = f.metadata().get("torch.non_tensor") {
                 let all: Vec<&str> = list.split(',').collect();
@@ -1276,7 +1303,7 @@ impl Checkpoint {
         let mut recorded = 0;
         let mut sharded = 0;
         for (fi, f) in self.files.iter().enumerate() {
-            if f.format() == FileFormat::Distcp {
+            if matches!(f.format(), FileFormat::Distcp | FileFormat::DeepSpeed) {
                 // `.metadata` lists every chunk: coverage is checked exactly instead.
                 continue;
             }
@@ -1327,6 +1354,35 @@ impl Checkpoint {
                     self.files[fi].path().display()
                 ),
             });
+        }
+    }
+
+    /// Shapes a format's reader declares (DeepSpeed's `param_shapes`): as DCP's.
+    fn declare_shapes(
+        &mut self,
+        shapes: &BTreeMap<String, (Dtype, Vec<u64>)>,
+        problems: &mut Vec<Error>,
+    ) {
+        for (name, (dtype, shape)) in shapes {
+            let t = self.tensors.entry(name.clone()).or_insert(SourceTensor {
+                dtype: *dtype,
+                shape: shape.clone(),
+                pieces: vec![],
+                copies: vec![],
+            });
+            if t.dtype != *dtype || t.shape.len() != shape.len() {
+                problems.push(Error::InvalidTensor {
+                    tensor: name.clone(),
+                    problem: format!(
+                        "declared {} {shape:?}, its pieces hold {} with {} dims",
+                        dtype_name(*dtype),
+                        dtype_name(t.dtype),
+                        t.shape.len()
+                    ),
+                });
+            } else {
+                t.shape.clone_from(shape);
+            }
         }
     }
 

@@ -53,6 +53,15 @@ pub enum Error {
         /// What is wrong with it.
         problem: String,
     },
+    /// A DeepSpeed checkpoint directory is incomplete or inconsistent (the file, and the
+    /// tensor when one is at fault, are named).
+    #[error("{path}: DeepSpeed checkpoint: {problem}")]
+    InvalidDeepSpeed {
+        /// The file or directory at fault.
+        path: PathBuf,
+        /// What is wrong, naming the tensor when one is at fault.
+        problem: String,
+    },
     /// A safetensors header is malformed.
     #[error("invalid safetensors header: {problem}")]
     InvalidHeader {

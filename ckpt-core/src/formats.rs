@@ -16,6 +16,7 @@
 
 pub(crate) mod checksum;
 pub(crate) mod ckptz;
+pub(crate) mod deepspeed;
 pub(crate) mod detect;
 pub(crate) mod distcp;
 pub(crate) mod megatron;
@@ -53,6 +54,9 @@ pub enum FileFormat {
     /// A data file of PyTorch DCP's default format (`__<rank>_<n>.distcp`), read with
     /// its directory's `.metadata`.
     Distcp,
+    /// A `torch.save` file of a DeepSpeed ZeRO checkpoint, read with its tag directory
+    /// (its entries are the flat pieces of the fp32 weights and moments it holds).
+    DeepSpeed,
 }
 
 impl FileFormat {
@@ -65,6 +69,7 @@ impl FileFormat {
             FileFormat::TorchSave => "torch.save",
             FileFormat::Ckptz => "ckptz",
             FileFormat::Distcp => "PyTorch DCP .distcp",
+            FileFormat::DeepSpeed => "DeepSpeed ZeRO .pt",
         }
     }
 }

@@ -1,6 +1,7 @@
 //! `TensorLayout`: how one tensor is laid out over a device mesh.
 
 pub(crate) mod coverage;
+pub(crate) mod flat;
 pub(crate) mod mesh;
 pub(crate) mod mindspore;
 pub(crate) mod plan;

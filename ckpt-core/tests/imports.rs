@@ -526,7 +526,12 @@ const SHARED: [&str; 6] = [
 
 /// A format built on another's codec, said here so that it is a decision, not drift:
 /// `(format, the format it builds on, why)`.
-const BUILDS_ON: [(&str, &str, &str); 4] = [
+const BUILDS_ON: [(&str, &str, &str); 5] = [
+    (
+        "formats::deepspeed",
+        "formats::torch_save",
+        "DeepSpeed's model and optimizer states are torch.save archives",
+    ),
     (
         "formats::megatron",
         "formats::torch_save",

@@ -76,9 +76,11 @@ impl Value {
         }
     }
 
-    /// The value under a string key of a dict.
+    /// The value under a string key of a dict (or of a dict given a state by `BUILD`:
+    /// an `OrderedDict` with attributes, such as a module's state dict).
     pub(crate) fn get(&self, key: &str) -> Option<&Value> {
         match self {
+            Value::Build { object, .. } => object.get(key),
             Value::Dict(kv) => kv
                 .iter()
                 .find(|(k, _)| matches!(k, Value::Str(s) if s == key))

@@ -2,10 +2,13 @@
 //! compressed) holding `<dir>/data.pkl`, a pickle of the saved object, and one entry
 //! `<dir>/data/<key>` per storage with its raw little-endian bytes.
 //!
-//! The pickle is data, not a program: candle's pickle parser turns it into a tree of
-//! objects without importing or calling anything, and ckpt then accepts only the
-//! globals these files use (torch's tensor rebuild functions and storage classes,
-//! `collections.OrderedDict`); any other global is an error that names it. Tensors are
+//! The pickle is data, not a program: ckpt's pickle machine turns it into a tree of
+//! objects without importing or calling anything. Other globals than torch's tensor
+//! rebuild functions and storage classes are inert records (`torch.Size((8, 6))`,
+//! DeepSpeed's `LossScaler` and `ZeroStageEnum`, `argparse.Namespace`: class name and
+//! arguments or state, nothing made), except those whose load would run code that
+//! matters (`os.system`, `builtins.eval`, `subprocess.*`, ...): a file naming one is
+//! refused by name, as `torch.load(weights_only=True)` would refuse it. Tensors are
 //! found anywhere in the saved object and named by their path (`state.0.exp_avg` in an
 //! optimizer's state dict); values that are not tensors are listed in the metadata
 //! (`torch.non_tensor`), never silently dropped. A tensor is a view of a storage: a
@@ -21,11 +24,67 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Cursor;
 use std::path::Path;
 
-/// The globals a `torch.save` pickle may name; anything else is refused.
-const ALLOWED: &[(&str, &str)] = &[
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch._utils", "_rebuild_parameter"),
-    ("collections", "OrderedDict"),
+/// The modules whose globals a checkpoint never names: loading such a pickle with
+/// Python's unpickler would run a command, evaluate code, import or open something.
+/// (ckpt runs nothing; it refuses such a file because it is a trap, not a checkpoint.)
+const REFUSED_MODULES: &[&str] = &[
+    "os",
+    "posix",
+    "nt",
+    "subprocess",
+    "sys",
+    "shutil",
+    "socket",
+    "importlib",
+    "runpy",
+    "pickle",
+    "_pickle",
+    "marshal",
+    "code",
+    "codeop",
+    "pty",
+    "ctypes",
+    "webbrowser",
+    "multiprocessing",
+    "signal",
+    "types",
+    "functools",
+    "operator",
+    "io",
+    "_io",
+    "pathlib",
+    "tempfile",
+    "threading",
+    "asyncio",
+    "inspect",
+    "pdb",
+    "timeit",
+    "commands",
+    "popen2",
+    "platform",
+    "torch.hub",
+    "torch.jit",
+    "torch.serialization",
+    "torch.utils.cpp_extension",
+];
+
+/// The builtins that are inert values (constructors of plain data); every other
+/// builtin (`eval`, `exec`, `getattr`, `open`, `__import__`, ...) is refused.
+const INERT_BUILTINS: &[&str] = &[
+    "set",
+    "frozenset",
+    "slice",
+    "complex",
+    "bytearray",
+    "range",
+    "dict",
+    "list",
+    "tuple",
+    "int",
+    "float",
+    "bool",
+    "str",
+    "bytes",
 ];
 
 /// The start of the legacy (pre-1.6) format: a pickled magic number.
@@ -59,6 +118,61 @@ struct Stored {
     start: u64,
     len: u64,
     compressed: bool,
+}
+
+/// Where a `torch.save` archive's storages lie (owned: a reader keeps it beside the
+/// mapping it was read from), for [`locate_value`].
+pub(crate) struct ArchiveIndex {
+    dir: String,
+    entries: HashMap<String, Stored>,
+}
+
+/// Reads the zip directory and the pickle of a `torch.save` file, checking its globals;
+/// tensors are not located yet ([`locate_value`] does, for the values a caller wants).
+pub(crate) fn open_archive(all: &[u8]) -> Result<(ArchiveIndex, Value)> {
+    let archive = Archive::open(all)?;
+    let obj = archive.object()?;
+    check_globals(&obj)?;
+    Ok((
+        ArchiveIndex {
+            dir: archive.dir,
+            entries: archive.entries,
+        },
+        obj,
+    ))
+}
+
+/// Where the bytes of the tensor `v` lie in the archive, as an entry named `name`.
+///
+/// # Errors
+/// `v` is not a tensor (the message says what it is), or its storage is not in the
+/// archive or too short.
+pub(crate) fn locate_value(archive: &ArchiveIndex, name: &str, v: &Value) -> Result<TensorEntry> {
+    match v.call_of() {
+        Some(((_, "_rebuild_tensor_v2"), args)) => {
+            let t = tensor(name, args.clone())?;
+            locate(&t, &archive.dir, &archive.entries)
+        }
+        Some(((_, "_rebuild_from_type_v2"), args)) => match from_type_inner(args) {
+            Some(inner) => locate_value(archive, name, &inner),
+            None => Err(bad(format!(
+                "`{name}`: _rebuild_from_type_v2 without a tensor"
+            ))),
+        },
+        Some(((_, "_rebuild_parameter"), args)) => match args.items().and_then(|a| a.first()) {
+            Some(inner) => locate_value(archive, name, inner),
+            None => Err(bad(format!(
+                "`{name}`: _rebuild_parameter without a tensor"
+            ))),
+        },
+        _ => match v {
+            Value::Build { object, .. } if is_tensor(object) => locate_value(archive, name, object),
+            _ => Err(Error::InvalidTensor {
+                tensor: name.to_string(),
+                problem: format!("expected a tensor, found {}", describe(v)),
+            }),
+        },
+    }
 }
 
 pub(crate) fn parse(all: &[u8]) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>)> {
@@ -184,20 +298,118 @@ pub(crate) fn unpickle(bytes: &[u8]) -> Result<Value> {
     pickle::parse(bytes).map_err(|e| bad(format!("data.pkl: {e}")))
 }
 
-pub(crate) fn allowed(module: &str, class: &str) -> bool {
-    ALLOWED.contains(&(module, class))
-        || (module == "torch" && class.ends_with("Storage") && storage_dtype(class).is_some())
+/// Whether a pickle may name this global: anything but a refused module (or one
+/// inside it) and the builtins that are not inert.
+pub(crate) fn allowed(module: &str, name: &str) -> bool {
+    let root_refused = REFUSED_MODULES.iter().any(|m| {
+        module == *m
+            || module
+                .strip_prefix(m)
+                .is_some_and(|rest| rest.starts_with('.'))
+    });
+    if root_refused {
+        return false;
+    }
+    if matches!(module, "builtins" | "__builtin__" | "__builtins__") {
+        return INERT_BUILTINS.contains(&name);
+    }
+    // `eval`/`exec` reached through another module's namespace (`numpy.eval` does not
+    // exist, but a crafted pickle may try `some_module.eval`).
+    !matches!(
+        name,
+        "eval" | "exec" | "execfile" | "compile" | "__import__" | "system" | "popen"
+    )
 }
 
-/// Refuses any global outside the allow-list, by name.
-fn check_globals(obj: &Value) -> Result<()> {
+/// Refuses the globals whose load would run code, by name; every other global is an
+/// inert record.
+pub(crate) fn check_globals(obj: &Value) -> Result<()> {
     let mut names = Vec::new();
     obj.globals(&mut names);
     match names.into_iter().find(|(m, c)| !allowed(m, c)) {
         None => Ok(()),
         Some((module, class)) => Err(bad(format!(
-            "data.pkl names the global `{module}.{class}`, which is not allowed in a checkpoint (ckpt accepts only torch's tensor rebuild functions, storage classes and OrderedDict)"
+            "data.pkl names the global `{module}.{class}`, which is not allowed in a checkpoint (loading it with Python would run code; ckpt reads other classes as inert records)"
         ))),
+    }
+}
+
+/// The class or function a value records, when it is a record of one (`REDUCE`,
+/// `NEWOBJ`, `BUILD` of a global that is not a tensor).
+pub(crate) fn record_class(v: &Value) -> Option<String> {
+    match v {
+        Value::Call { callable, .. } => match callable.global() {
+            Some((m, n)) => Some(format!("{m}.{n}")),
+            None => record_class(callable),
+        },
+        Value::Build { object, .. } => record_class(object),
+        Value::Global { module, name } => Some(format!("{module}.{name}")),
+        _ => None,
+    }
+}
+
+/// What a value is, for messages that say what was found where something else was
+/// needed (`a record of `deepspeed...LossScaler``, `an integer`).
+pub(crate) fn describe(v: &Value) -> String {
+    if is_tensor(v) {
+        return "a tensor".into();
+    }
+    if let Some(c) = record_class(v) {
+        return format!("a `{c}` record");
+    }
+    match v {
+        Value::None => "None",
+        Value::Bool(_) => "a boolean",
+        Value::Int(_) => "an integer",
+        Value::Float(_) => "a float",
+        Value::Str(_) => "a string",
+        Value::Bytes(_) => "bytes",
+        Value::Tuple(_) => "a tuple",
+        Value::List(_) => "a list",
+        Value::Dict(_) => "a dict",
+        _ => "a value ckpt does not read",
+    }
+    .into()
+}
+
+/// `_rebuild_from_type_v2(func, type, args, state)` (a tensor subclass, or a plain
+/// tensor saved through `Tensor.__reduce_ex__` as ZeRO-3's flat groups are): the call
+/// `func(*args)` it wraps.
+fn from_type_inner(args: &Value) -> Option<Value> {
+    match args.items()? {
+        [func, _, inner, ..] => Some(Value::Call {
+            callable: Box::new(func.clone()),
+            args: Box::new(inner.clone()),
+        }),
+        _ => None,
+    }
+}
+
+/// Whether `v` is a tensor (`_rebuild_tensor_v2(...)`, or a parameter around one).
+pub(crate) fn is_tensor(v: &Value) -> bool {
+    match v.call_of() {
+        Some(((_, "_rebuild_tensor_v2"), _)) => true,
+        Some(((_, "_rebuild_from_type_v2"), args)) => {
+            from_type_inner(args).is_some_and(|i| is_tensor(&i))
+        }
+        Some(((_, "_rebuild_parameter"), args)) => args
+            .items()
+            .is_some_and(|a| a.first().is_some_and(is_tensor)),
+        _ => matches!(v, Value::Build { object, .. } if is_tensor(object)),
+    }
+}
+
+/// Whether a tensor lies anywhere inside `v`.
+fn holds_tensor(v: &Value) -> bool {
+    if is_tensor(v) {
+        return true;
+    }
+    match v {
+        Value::Tuple(x) | Value::List(x) => x.iter().any(holds_tensor),
+        Value::Dict(kv) => kv.iter().any(|(k, v)| holds_tensor(k) || holds_tensor(v)),
+        Value::Call { callable, args } => holds_tensor(callable) || holds_tensor(args),
+        Value::Build { object, state } => holds_tensor(object) || holds_tensor(state),
+        _ => false,
     }
 }
 
@@ -270,6 +482,12 @@ fn walk(obj: Value, path: String, out: &mut Vec<Found>, skipped: &mut Vec<String
                 out.push(tensor(&path, *args)?);
                 Ok(())
             }
+            Some((_, "_rebuild_from_type_v2")) => match from_type_inner(&args) {
+                Some(inner) if is_tensor(&inner) => walk(inner, path, out, skipped),
+                _ => Err(bad(format!(
+                    "`{path}`: _rebuild_from_type_v2 of something that is not a tensor"
+                ))),
+            },
             Some((_, "_rebuild_parameter")) => {
                 let mut a = tuple(*args, &path)?;
                 if a.is_empty() {
@@ -279,8 +497,15 @@ fn walk(obj: Value, path: String, out: &mut Vec<Found>, skipped: &mut Vec<String
                 }
                 walk(a.remove(0), path, out, skipped)
             }
-            _ => Err(bad(format!("`{path}`: an object ckpt does not read"))),
+            _ => record(Value::Call { callable, args }, path, out, skipped),
         },
+        // A record built with a state (a `LossScaler`); a dict built with a state (a
+        // module's state dict, an OrderedDict carrying `_metadata`) is the dict.
+        Value::Build { object, state }
+            if !is_tensor(&object) && record_class(&object).is_some() =>
+        {
+            record(Value::Build { object, state }, path, out, skipped)
+        }
         Value::Build { object, .. } => walk(*object, path, out, skipped),
         Value::Int(_) | Value::Float(_) | Value::Str(_) | Value::Bool(_) | Value::None => {
             skipped.push(if path.is_empty() {
@@ -289,6 +514,27 @@ fn walk(obj: Value, path: String, out: &mut Vec<Found>, skipped: &mut Vec<String
                 path
             });
             Ok(())
+        }
+        Value::Global { .. } | Value::Bytes(_) => record(obj, path, out, skipped),
+        _ => Err(bad(format!("`{path}`: an object ckpt does not read"))),
+    }
+}
+
+/// An inert record (`torch.Size(...)`, a `LossScaler`): listed with its class among the
+/// values that are not tensors; tensors inside one (an object holding tensors in its
+/// state) are found under its path, never dropped.
+fn record(v: Value, path: String, out: &mut Vec<Found>, skipped: &mut Vec<String>) -> Result<()> {
+    let class = record_class(&v).unwrap_or_else(|| describe(&v));
+    if !holds_tensor(&v) {
+        let at = if path.is_empty() { "<root>" } else { &path };
+        skipped.push(format!("{at} ({class})"));
+        return Ok(());
+    }
+    match v {
+        Value::Call { args, .. } => walk(*args, path, out, skipped),
+        Value::Build { object, state } => {
+            walk(*object, path.clone(), out, skipped)?;
+            walk(*state, path, out, skipped)
         }
         _ => Err(bad(format!("`{path}`: an object ckpt does not read"))),
     }
@@ -479,6 +725,94 @@ mod tests {
         let obj = unpickle(p).unwrap();
         let e = check_globals(&obj).unwrap_err().to_string();
         assert!(e.contains("`os.system`"), "{e}");
+    }
+
+    /// A pickle of `{"shape": torch.Size((11, 6)), "stage": ZeroStageEnum(2),
+    /// "scaler": <LossScaler built with {"cur_scale": 16}>, "args": Namespace(),
+    /// "dtype": torch.float16}`, as DeepSpeed's files hold them.
+    fn deepspeed_like() -> Vec<u8> {
+        let mut e = pickle::Emitter::new();
+        e.empty_dict().mark();
+        e.str("shape")
+            .global("torch", "Size")
+            .mark()
+            .ints(&[11, 6])
+            .tuple()
+            .reduce();
+        e.str("stage")
+            .global("deepspeed.runtime.zero.config", "ZeroStageEnum")
+            .mark()
+            .int(2)
+            .tuple()
+            .reduce();
+        e.str("scaler")
+            .global("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+            .empty_tuple()
+            .new_obj()
+            .empty_dict()
+            .mark()
+            .str("cur_scale")
+            .int(16)
+            .set_items()
+            .build();
+        e.str("args")
+            .global("argparse", "Namespace")
+            .empty_tuple()
+            .reduce();
+        e.str("dtype").global("torch", "float16");
+        e.set_items();
+        e.finish()
+    }
+
+    #[test]
+    fn ordinary_globals_are_inert_records() {
+        let obj = unpickle(&deepspeed_like()).unwrap();
+        check_globals(&obj).unwrap();
+        assert_eq!(
+            describe(obj.get("scaler").unwrap()),
+            "a `deepspeed.runtime.fp16.loss_scaler.LossScaler` record"
+        );
+        let (mut found, mut skipped) = (vec![], vec![]);
+        walk(obj, String::new(), &mut found, &mut skipped).unwrap();
+        assert!(found.is_empty());
+        assert_eq!(
+            skipped,
+            vec![
+                "shape (torch.Size)",
+                "stage (deepspeed.runtime.zero.config.ZeroStageEnum)",
+                "scaler (deepspeed.runtime.fp16.loss_scaler.LossScaler)",
+                "args (argparse.Namespace)",
+                "dtype (torch.float16)",
+            ]
+        );
+    }
+
+    #[test]
+    fn globals_that_run_code_stay_refused() {
+        for (m, n) in [
+            ("builtins", "eval"),
+            ("builtins", "exec"),
+            ("__builtin__", "getattr"),
+            ("subprocess", "Popen"),
+            ("posix", "system"),
+            ("os.path", "join"),
+            ("torch.hub", "load"),
+            ("some_module", "eval"),
+        ] {
+            let mut e = pickle::Emitter::new();
+            e.global(m, n).mark().str("x").tuple().reduce();
+            let obj = unpickle(&e.finish()).unwrap();
+            let msg = check_globals(&obj).unwrap_err().to_string();
+            assert!(msg.contains(&format!("`{m}.{n}`")), "{msg}");
+        }
+        // Plain-data builtins are records like any class.
+        let mut e = pickle::Emitter::new();
+        e.global("builtins", "set")
+            .mark()
+            .empty_list()
+            .tuple()
+            .reduce();
+        check_globals(&unpickle(&e.finish()).unwrap()).unwrap();
     }
 
     #[test]

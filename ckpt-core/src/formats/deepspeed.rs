@@ -1,0 +1,914 @@
+//! DeepSpeed ZeRO-1/2/3 checkpoints (`engine.save_checkpoint`): a tag directory
+//! (`global_step<N>/`, named by `latest` beside it) of `torch.save` files, read as the
+//! fp32 master weights `zero_to_fp32.py` rebuilds, and their Adam moments, without
+//! loading any of them: every parameter is a set of flat ranges inside the ranks'
+//! flat fp32 partitions ([`crate::layout::flat`]), each of which is a few boxes of contiguous
+//! bytes in a mapped file. The layout is described in docs/formats.md ("DeepSpeed").
+//!
+//! What is read, following deepspeed/utils/zero_to_fp32.py (0.19.8):
+//! - weights: ZeRO-1/2 concatenate each group's parameters (in `param_shapes` order,
+//!   with `param_alignment_paddings` after each), cut the result into one partition per
+//!   data-parallel rank and store each rank's part in `single_partition_of_fp32_groups`
+//!   without its padding; ZeRO-3 cuts each parameter alone into `ceil(numel / dp)`
+//!   elements (the last rank's part padded) and stores a rank's parts one after the
+//!   other in `fp32_flat_groups`;
+//! - frozen parameters (`frozen_param_shapes`): ZeRO-2 keeps them whole in
+//!   `frozen_param_fragments`, ZeRO-3 partitioned like trainable ones, in each rank's
+//!   model-states file, in the model's dtype (which `zero_to_fp32` keeps);
+//! - buffers (`buffer_names`, from `module`), and tied parameters (`shared_params`: the
+//!   same tensor under a second name);
+//! - the moments `optim.<param>.exp_avg` / `optim.<param>.exp_avg_sq`, laid out as the
+//!   weights (ZeRO-1/2: `base_optimizer_state`; ZeRO-3: `optimizer_state_dict`).
+
+use super::pickle::Value;
+use super::torch_save::{self, describe, locate_value, ArchiveIndex};
+use super::{map_file, FileFormat, TensorEntry, TensorFile};
+use crate::error::{overflow, Error, Result};
+use crate::layout::flat::{numel, FlatRange};
+use crate::Dtype;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// A DeepSpeed tag directory, read: the files with their pieces, and what the pieces
+/// make.
+#[derive(Debug)]
+pub(crate) struct DeepSpeed {
+    /// One file per optimizer/model-states file that holds a piece.
+    pub(crate) files: Vec<TensorFile>,
+    /// Every tensor's dtype and global shape.
+    pub(crate) shapes: BTreeMap<String, (Dtype, Vec<u64>)>,
+    /// `(name, same_as)`: tied parameters, the same tensor under a second name.
+    pub(crate) aliases: Vec<(String, String)>,
+    /// What the reader could not carry or check, said aloud.
+    pub(crate) notes: Vec<String>,
+}
+
+/// Which kind of file a tag directory's entry is, from its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    /// `[bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt`
+    Optim { dp: u64, mp: u64 },
+    /// `zero_pp_rank_D_mp_rank_XX_model_states.pt` (ZeRO-3)
+    RankModel { dp: u64, mp: u64 },
+    /// `mp_rank_XX_model_states.pt` (ZeRO-1/2)
+    Model { mp: u64 },
+    /// Mixture-of-experts files (`expp_rank_*`, `*expert_*`).
+    Expert,
+}
+
+fn role(name: &str) -> Option<Role> {
+    if name.contains("expp_rank_") || name.contains("expert_") {
+        return name.ends_with(".pt").then_some(Role::Expert);
+    }
+    let num = |s: &str| s.parse::<u64>().ok();
+    if let Some(rest) = name.strip_suffix("_optim_states.pt") {
+        let rest = rest.strip_prefix("bf16_").unwrap_or(rest);
+        let (dp, mp) = rest
+            .strip_prefix("zero_pp_rank_")?
+            .split_once("_mp_rank_")?;
+        return Some(Role::Optim {
+            dp: num(dp)?,
+            mp: num(mp)?,
+        });
+    }
+    let rest = name.strip_suffix("_model_states.pt")?;
+    if let Some(r) = rest.strip_prefix("zero_pp_rank_") {
+        let (dp, mp) = r.split_once("_mp_rank_")?;
+        return Some(Role::RankModel {
+            dp: num(dp)?,
+            mp: num(mp)?,
+        });
+    }
+    Some(Role::Model {
+        mp: num(rest.strip_prefix("mp_rank_")?)?,
+    })
+}
+
+/// Whether `dir` is a DeepSpeed tag directory: model states and optimizer states
+/// named as `engine.save_checkpoint` names them.
+pub(crate) fn looks_like(dir: &Path) -> bool {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    let (mut model, mut optim) = (false, false);
+    for e in rd.flatten() {
+        match e.file_name().to_str().and_then(role) {
+            Some(Role::Optim { .. }) => optim = true,
+            Some(Role::Model { .. } | Role::RankModel { .. }) => model = true,
+            _ => {}
+        }
+    }
+    model && optim
+}
+
+fn err(path: &Path, problem: impl Into<String>) -> Error {
+    Error::InvalidDeepSpeed {
+        path: path.to_path_buf(),
+        problem: problem.into(),
+    }
+}
+
+/// One parsed `torch.save` file, still mapped.
+struct PtFile {
+    path: PathBuf,
+    map: Option<memmap2::Mmap>,
+    archive: ArchiveIndex,
+    root: Value,
+    entries: Vec<TensorEntry>,
+}
+
+impl PtFile {
+    fn open(path: &Path) -> Result<PtFile> {
+        let map = map_file(path)?;
+        let all: &[u8] = map.as_deref().unwrap_or(&[]);
+        let (archive, root) = torch_save::open_archive(all).map_err(|e| e.with_path(path))?;
+        Ok(PtFile {
+            path: path.to_path_buf(),
+            map,
+            archive,
+            root,
+            entries: Vec::new(),
+        })
+    }
+
+    /// The value at a path of string keys from the root, or an error naming the path
+    /// and what was found instead.
+    fn at(&self, keys: &[&str]) -> Result<&Value> {
+        let mut v = &self.root;
+        for (i, k) in keys.iter().enumerate() {
+            v = v.get(k).ok_or_else(|| {
+                let parent = keys[..i].join(".");
+                err(
+                    &self.path,
+                    if dict_items(v).is_some() {
+                        format!("no `{k}` in `{parent}`")
+                    } else {
+                        format!("`{parent}` is {}, not a dict", describe(v))
+                    },
+                )
+            })?;
+        }
+        Ok(v)
+    }
+
+    fn opt_at(&self, keys: &[&str]) -> Option<&Value> {
+        keys.iter().try_fold(&self.root, |v, k| v.get(k))
+    }
+
+    /// Locates the tensor `v` (found under `what`); `name` is the tensor it is a
+    /// piece of, for messages.
+    fn tensor(&self, v: &Value, what: &str) -> Result<TensorEntry> {
+        locate_value(&self.archive, what, v).map_err(|e| e.with_path(&self.path))
+    }
+
+    /// Adds the piece `range` of tensor `name` (global `shape`), whose elements are
+    /// contiguous in this file from element `at` of `src` on.
+    fn piece(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        range: FlatRange,
+        src: &TensorEntry,
+        at: u64,
+    ) -> Result<()> {
+        let elem = (src.dtype.bitsize() / 8) as u64;
+        let src_numel = numel(&src.shape)?;
+        let end = at.checked_add(range.len).ok_or_else(|| overflow(name))?;
+        if end > src_numel {
+            return Err(err(
+                &self.path,
+                format!(
+                    "tensor `{name}`: its elements {range} would lie at {at}..{end} of `{}`, which holds {src_numel}: the partition is short (padding or data missing)",
+                    src.name
+                ),
+            ));
+        }
+        for b in range.boxes(shape).map_err(|e| e.with_path(&self.path))? {
+            let first = at
+                .checked_add(b.offset)
+                .and_then(|x| x.checked_mul(elem))
+                .and_then(|x| x.checked_add(src.start))
+                .ok_or_else(|| overflow(name))?;
+            let len = b.region.numel() * elem;
+            self.entries.push(TensorEntry {
+                name: name.to_string(),
+                dtype: src.dtype,
+                shape: b.region.shape.clone(),
+                start: first,
+                end: first + len,
+                offsets: Some(b.region.start.clone()),
+            });
+        }
+        Ok(())
+    }
+
+    fn finish(self, stage: u64) -> Result<Option<TensorFile>> {
+        if self.entries.is_empty() {
+            return Ok(None);
+        }
+        let metadata = BTreeMap::from([
+            ("format".to_string(), "deepspeed".to_string()),
+            ("deepspeed.zero_stage".to_string(), stage.to_string()),
+        ]);
+        TensorFile::from_parts(
+            &self.path,
+            self.map,
+            FileFormat::DeepSpeed,
+            self.entries,
+            metadata,
+        )
+        .map(Some)
+    }
+}
+
+fn int(v: &Value) -> Option<u64> {
+    match v {
+        Value::Int(i) => u64::try_from(*i).ok(),
+        // `ZeroStageEnum(2)`: an inert record of the enum and its value.
+        Value::Call { args, .. } => args.items().and_then(|a| a.first()).and_then(int),
+        _ => None,
+    }
+}
+
+/// `torch.Size((11, 6))` (a record), or a plain tuple/list of integers.
+fn size(v: &Value) -> Option<Vec<u64>> {
+    match v {
+        Value::Tuple(x) | Value::List(x) => x.iter().map(int).collect(),
+        Value::Call { args, .. } => args.items().and_then(|a| a.first()).and_then(size),
+        _ => None,
+    }
+}
+
+fn dict_items(v: &Value) -> Option<&[(Value, Value)]> {
+    match v {
+        Value::Dict(kv) => Some(kv),
+        Value::Build { object, .. } => dict_items(object),
+        _ => None,
+    }
+}
+
+/// `(name, shape)` pairs of a dict of sizes, in order.
+fn shapes_of(f: &PtFile, v: &Value, what: &str) -> Result<Vec<(String, Vec<u64>)>> {
+    let kv = dict_items(v)
+        .ok_or_else(|| err(&f.path, format!("`{what}` is {}, not a dict", describe(v))))?;
+    kv.iter()
+        .map(|(k, s)| {
+            let Value::Str(name) = k else {
+                return Err(err(&f.path, format!("`{what}`: a key that is not a name")));
+            };
+            let shape = size(s).ok_or_else(|| {
+                err(
+                    &f.path,
+                    format!(
+                        "tensor `{name}`: its shape in `{what}` is {}, not a torch.Size",
+                        describe(s)
+                    ),
+                )
+            })?;
+            Ok((name.clone(), shape))
+        })
+        .collect()
+}
+
+fn list<'a>(f: &PtFile, v: &'a Value, what: &str) -> Result<&'a [Value]> {
+    v.items()
+        .ok_or_else(|| err(&f.path, format!("`{what}` is {}, not a list", describe(v))))
+}
+
+/// Reads a DeepSpeed tag directory.
+///
+/// # Errors
+/// [`Error::InvalidDeepSpeed`] naming the file (and tensor): a missing data-parallel
+/// rank, partitions that do not add up to the parameters, a partition shorter than
+/// its padding says, a truncated or damaged `.pt`, tensor parallelism or experts
+/// (not read yet).
+pub(crate) fn read(dir: &Path) -> Result<DeepSpeed> {
+    let mut optim: BTreeMap<u64, PathBuf> = BTreeMap::new();
+    let mut rank_models: BTreeMap<u64, PathBuf> = BTreeMap::new();
+    let mut model: Option<PathBuf> = None;
+    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| err(dir, e.to_string()))?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    names.sort();
+    for p in names {
+        let Some(r) = p.file_name().and_then(|n| n.to_str()).and_then(role) else {
+            continue;
+        };
+        match r {
+            Role::Expert => {
+                return Err(err(
+                    &p,
+                    "mixture-of-experts files are not read yet (expert parallelism)",
+                ))
+            }
+            Role::Optim { mp, .. } | Role::RankModel { mp, .. } | Role::Model { mp } if mp > 0 => {
+                return Err(err(
+                    &p,
+                    format!("mp_rank_{mp:02}: tensor-parallel DeepSpeed checkpoints (model parallel size > 1) are not read yet"),
+                ))
+            }
+            Role::Optim { dp, .. } => {
+                if let Some(other) = optim.insert(dp, p.clone()) {
+                    return Err(err(
+                        &p,
+                        format!(
+                            "data-parallel rank {dp} also has {} (a bf16_ and a plain file?)",
+                            other.display()
+                        ),
+                    ));
+                }
+            }
+            Role::RankModel { dp, .. } => {
+                rank_models.insert(dp, p);
+            }
+            Role::Model { .. } => model = Some(p),
+        }
+    }
+    let Some((_, first)) = optim.iter().next() else {
+        return Err(err(dir, "no `*_optim_states.pt` file"));
+    };
+    let first = PtFile::open(first)?;
+    let osd = first.at(&["optimizer_state_dict"])?;
+    let stage_v = osd.get("zero_stage").ok_or_else(|| {
+        err(
+            &first.path,
+            "no `optimizer_state_dict.zero_stage`: not a ZeRO checkpoint",
+        )
+    })?;
+    let stage = int(stage_v)
+        .filter(|s| (1..=3).contains(s))
+        .ok_or_else(|| {
+            err(
+                &first.path,
+                format!(
+                    "`zero_stage` is {}, not a ZeRO stage 1..3",
+                    describe(stage_v)
+                ),
+            )
+        })?;
+    let world = match osd.get("partition_count") {
+        Some(v @ (Value::List(_) | Value::Tuple(_))) => {
+            v.items().unwrap_or(&[]).iter().filter_map(int).max()
+        }
+        Some(v) => int(v),
+        None => None,
+    }
+    .filter(|&w| w > 0)
+    .ok_or_else(|| {
+        err(
+            &first.path,
+            "no usable `partition_count` (the data-parallel size)",
+        )
+    })?;
+    drop(first);
+    for dp in 0..world {
+        if !optim.contains_key(&dp) {
+            let like = optim
+                .values()
+                .next()
+                .and_then(|p| p.file_name()?.to_str().map(String::from))
+                .unwrap_or_default();
+            let prefix = if like.starts_with("bf16_") {
+                "bf16_"
+            } else {
+                ""
+            };
+            return Err(err(
+                &dir.join(format!("{prefix}zero_pp_rank_{dp}_mp_rank_00_optim_states.pt")),
+                format!("data-parallel rank {dp} of {world} is missing (its optimizer states hold that rank's part of every parameter)"),
+            ));
+        }
+    }
+    if let Some((&dp, p)) = optim.iter().find(|(&d, _)| d >= world) {
+        return Err(err(
+            p,
+            format!("data-parallel rank {dp}, but `partition_count` says {world} ranks"),
+        ));
+    }
+    let mut ranks: Vec<PtFile> = optim
+        .values()
+        .map(|p| PtFile::open(p))
+        .collect::<Result<_>>()?;
+    let model_path = if stage == 3 {
+        rank_models.get(&0).cloned()
+    } else {
+        model.clone()
+    }
+    .ok_or_else(|| {
+        let want = if stage == 3 {
+            "zero_pp_rank_0_mp_rank_00_model_states.pt"
+        } else {
+            "mp_rank_00_model_states.pt"
+        };
+        err(
+            &dir.join(want),
+            "missing (the model states: parameter shapes, buffers)",
+        )
+    })?;
+    let mut models: Vec<PtFile> = vec![PtFile::open(&model_path)?];
+    if stage == 3 {
+        for dp in 1..world {
+            let p = rank_models.get(&dp).ok_or_else(|| {
+                err(
+                    &dir.join(format!("zero_pp_rank_{dp}_mp_rank_00_model_states.pt")),
+                    format!("data-parallel rank {dp} of {world}: model states missing"),
+                )
+            })?;
+            models.push(PtFile::open(p)?);
+        }
+    }
+    let mut out = DeepSpeed {
+        files: vec![],
+        shapes: BTreeMap::new(),
+        aliases: vec![],
+        notes: vec![],
+    };
+    let groups: Vec<Vec<(String, Vec<u64>)>> = {
+        let m = &models[0];
+        let v = m.at(&["param_shapes"])?;
+        list(m, v, "param_shapes")?
+            .iter()
+            .map(|g| shapes_of(m, g, "param_shapes"))
+            .collect::<Result<_>>()?
+    };
+    for (name, shape) in groups.iter().flatten() {
+        out.shapes.insert(name.clone(), (Dtype::F32, shape.clone()));
+    }
+    read_buffers(&mut models[0], &mut out)?;
+    if stage <= 2 {
+        read_zero12(&mut ranks, &groups, world, &mut out)?;
+    } else {
+        read_zero3(&mut ranks, &groups, world, &mut out)?;
+    }
+    read_frozen(&mut models, stage, world, &mut out)?;
+    // Tied parameters: `shared_params[a] = b` means a is b (zero_to_fp32 sets
+    // state_dict[a] = state_dict[b] when b is there).
+    if let Some(v) = models[0].opt_at(&["shared_params"]) {
+        for (k, t) in dict_items(v).unwrap_or(&[]) {
+            if let (Value::Str(a), Value::Str(b)) = (k, t) {
+                if let Some(s) = out.shapes.get(b).cloned() {
+                    out.shapes.insert(a.clone(), s);
+                    out.aliases.push((a.clone(), b.clone()));
+                }
+            }
+        }
+    }
+    for f in ranks.into_iter().chain(models) {
+        if let Some(t) = f.finish(stage)? {
+            out.files.push(t);
+        }
+    }
+    Ok(out)
+}
+
+/// Buffers are stored whole in `module`; `zero_to_fp32` widens floating ones to fp32,
+/// which ckpt does not do: a buffer that is not fp32 is refused by name.
+fn read_buffers(m: &mut PtFile, out: &mut DeepSpeed) -> Result<()> {
+    let names: Vec<String> = match m.opt_at(&["buffer_names"]) {
+        Some(v) => list(m, v, "buffer_names")?
+            .iter()
+            .filter_map(|n| match n {
+                Value::Str(s) => Some(s.clone()),
+                _ => None,
+            })
+            .collect(),
+        None => {
+            return Err(err(
+                &m.path,
+                "no `buffer_names`: not DeepSpeed model states",
+            ))
+        }
+    };
+    for name in names {
+        let v = m.at(&["module"])?.get(&name).ok_or_else(|| {
+            err(
+                &m.path,
+                format!("buffer `{name}` is named in `buffer_names` but not in `module`"),
+            )
+        })?;
+        let t = m.tensor(v, &name)?;
+        if matches!(t.dtype, Dtype::F16 | Dtype::BF16 | Dtype::F64) {
+            return Err(err(
+                &m.path,
+                format!("buffer `{name}` is stored as {:?}; zero_to_fp32 widens it to fp32, which ckpt does not do yet", t.dtype),
+            ));
+        }
+        let n = numel(&t.shape)?;
+        let shape = t.shape.clone();
+        m.piece(&name, &shape, FlatRange::new(0, n), &t, 0)?;
+        out.shapes.insert(name, (t.dtype, shape));
+    }
+    Ok(())
+}
+
+/// The fp32 flat tensor(s) of one rank, and its moments, located.
+struct RankGroups {
+    weights: Vec<TensorEntry>,
+    /// `exp_avg`, `exp_avg_sq` per group, when the file holds them.
+    moments: Vec<Option<[TensorEntry; 2]>>,
+}
+
+fn rank_groups(f: &PtFile, stage: u64) -> Result<RankGroups> {
+    let key = if stage == 3 {
+        "fp32_flat_groups"
+    } else {
+        "single_partition_of_fp32_groups"
+    };
+    let v = f.at(&["optimizer_state_dict", key])?;
+    let weights: Vec<TensorEntry> = list(f, v, key)?
+        .iter()
+        .enumerate()
+        .map(|(g, t)| f.tensor(t, &format!("{key}.{g}")))
+        .collect::<Result<_>>()?;
+    for w in &weights {
+        if w.dtype != Dtype::F32 || w.shape.len() != 1 {
+            return Err(err(
+                &f.path,
+                format!(
+                    "`{}` is {:?} {:?}, not a flat fp32 partition",
+                    w.name, w.dtype, w.shape
+                ),
+            ));
+        }
+    }
+    // ZeRO-1/2: the torch optimizer's state of each group's one flat parameter
+    // (`base_optimizer_state`: `{state: {g: {...}}}`, or with elastic checkpoints a
+    // list of per-group dicts); ZeRO-3: `optimizer_state_dict.state`.
+    let base = if stage == 3 {
+        f.opt_at(&["optimizer_state_dict", "optimizer_state_dict"])
+    } else {
+        f.opt_at(&["optimizer_state_dict", "base_optimizer_state"])
+    };
+    let mut moments = Vec::with_capacity(weights.len());
+    for g in 0..weights.len() {
+        let state = match base {
+            Some(b @ (Value::List(_) | Value::Tuple(_))) => b.items().and_then(|x| x.get(g)),
+            Some(b) => b.get("state").and_then(|s| match s {
+                Value::Dict(kv) => kv
+                    .iter()
+                    .find(|(k, _)| matches!(k, Value::Int(i) if *i == g as i64))
+                    .map(|(_, v)| v),
+                _ => None,
+            }),
+            None => None,
+        };
+        let m = match state {
+            Some(s) => match (s.get("exp_avg"), s.get("exp_avg_sq")) {
+                (Some(a), Some(b)) => Some([
+                    f.tensor(a, &format!("state.{g}.exp_avg"))?,
+                    f.tensor(b, &format!("state.{g}.exp_avg_sq"))?,
+                ]),
+                _ => None,
+            },
+            None => None,
+        };
+        moments.push(m);
+    }
+    Ok(RankGroups { weights, moments })
+}
+
+const MOMENTS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
+
+/// The prefix of optimizer state names (the checkpoint layer's `OPTIMIZER_PREFIX`,
+/// spelled here: a format does not import the layer above it; tests/deepspeed.rs
+/// checks that merge puts the moments in optimizer.safetensors, i.e. that they agree).
+const OPTIM_PREFIX: &str = "optim.";
+
+fn moment_name(param: &str, k: usize) -> String {
+    format!("{OPTIM_PREFIX}{param}.{}", MOMENTS[k])
+}
+
+/// ZeRO-1/2: per group, the parameters back to back (with their alignment paddings)
+/// over the ranks' partitions back to back.
+fn read_zero12(
+    ranks: &mut [PtFile],
+    groups: &[Vec<(String, Vec<u64>)>],
+    world: u64,
+    out: &mut DeepSpeed,
+) -> Result<()> {
+    let located: Vec<RankGroups> = ranks
+        .iter()
+        .map(|f| rank_groups(f, 2))
+        .collect::<Result<_>>()?;
+    let paddings = ranks[0]
+        .opt_at(&["optimizer_state_dict", "param_alignment_paddings"])
+        .cloned();
+    let mut with_moments = true;
+    for (g, params) in groups.iter().enumerate() {
+        // Where each rank's partition of this group starts in the whole group.
+        let mut starts = Vec::with_capacity(ranks.len());
+        let mut avail = 0u64;
+        for (r, l) in located.iter().enumerate() {
+            let w = l.weights.get(g).ok_or_else(|| {
+                err(&ranks[r].path, format!("no flat partition for parameter group {g} (the model states list {} groups)", groups.len()))
+            })?;
+            starts.push(avail);
+            avail = avail
+                .checked_add(w.shape[0])
+                .ok_or_else(|| overflow("group length"))?;
+        }
+        check_group_padding(ranks, &located, g)?;
+        let pads: Vec<u64> = match paddings
+            .as_ref()
+            .and_then(|p| p.items())
+            .and_then(|p| p.get(g))
+        {
+            Some(v) => {
+                let p: Vec<u64> = v.items().unwrap_or(&[]).iter().filter_map(int).collect();
+                if p.len() != params.len() {
+                    return Err(err(
+                        &ranks[0].path,
+                        format!(
+                            "group {g}: {} parameter alignment paddings for {} parameters",
+                            p.len(),
+                            params.len()
+                        ),
+                    ));
+                }
+                p
+            }
+            None => vec![0; params.len()],
+        };
+        let mut offset = 0u64;
+        for ((name, shape), pad) in params.iter().zip(&pads) {
+            let n = numel(shape)?;
+            let end = offset
+                .checked_add(n)
+                .ok_or_else(|| overflow(name.as_str()))?;
+            if end > avail {
+                return Err(err(
+                    &ranks[ranks.len() - 1].path,
+                    format!("tensor `{name}`: group {g} needs elements {offset}..{end}, but the {world} partitions hold {avail}: partition sizes do not add up to the parameter shapes"),
+                ));
+            }
+            for r in 0..ranks.len() {
+                let len_r = located[r].weights[g].shape[0];
+                let part = FlatRange::new(starts[r], len_r);
+                let Some(o) = part.overlap(&FlatRange::new(offset, n)) else {
+                    continue;
+                };
+                let range = FlatRange::new(o.start - offset, o.len);
+                let at = o.start - starts[r];
+                let w = located[r].weights[g].clone();
+                ranks[r].piece(name, shape, range, &w, at)?;
+                match located[r].moments[g].clone() {
+                    Some(m) => {
+                        for (k, t) in m.iter().enumerate() {
+                            ranks[r].piece(&moment_name(name, k), shape, range, t, at)?;
+                        }
+                    }
+                    None => with_moments = false,
+                }
+            }
+            offset = end
+                .checked_add(*pad)
+                .ok_or_else(|| overflow(name.as_str()))?;
+        }
+        // zero_to_fp32's check: ZeRO-2 aligns the group to 2 * dp, so what the
+        // parameters use and what the partitions hold agree up to that alignment.
+        let align = |x: u64| x.div_ceil(2 * world) * (2 * world);
+        if align(offset) != align(avail) {
+            return Err(err(
+                &ranks[ranks.len() - 1].path,
+                format!("group {g}: the parameters use {offset} elements, the {world} partitions hold {avail}: partition sizes do not add up to the parameter shapes"),
+            ));
+        }
+    }
+    finish_moments(groups, with_moments, out);
+    Ok(())
+}
+
+/// ZeRO-1/2 store each rank's partition without the padding at the group's end and
+/// say how much they removed (`group_paddings`): stored plus removed must be the same
+/// partition size on every rank, padding only where a partition reaches past the
+/// parameters (the last ranks), and the moments (stored padded) that long.
+fn check_group_padding(ranks: &[PtFile], located: &[RankGroups], g: usize) -> Result<()> {
+    let mut size: Option<(u64, usize)> = None;
+    for (r, f) in ranks.iter().enumerate() {
+        let Some(pad) = f
+            .opt_at(&["optimizer_state_dict", "group_paddings"])
+            .and_then(|p| p.items())
+            .and_then(|p| p.get(g))
+            .and_then(int)
+        else {
+            // Older files do not say: nothing to check against.
+            continue;
+        };
+        let stored = located[r].weights[g].shape[0];
+        let whole = stored
+            .checked_add(pad)
+            .ok_or_else(|| overflow("partition"))?;
+        match size {
+            None => size = Some((whole, r)),
+            Some((s, r0)) if s != whole => {
+                return Err(err(
+                    &f.path,
+                    format!("group {g}: this rank's partition is {stored} elements plus {pad} of padding = {whole}, but rank {r0}'s is {s}: the padding is not where ZeRO puts it (only at the end of the group)"),
+                ));
+            }
+            Some(_) => {}
+        }
+        if pad > 0 {
+            if let Some(m) = &located[r].moments[g] {
+                let n = m[0].shape.first().copied().unwrap_or(0);
+                if n != whole && n != stored {
+                    return Err(err(
+                        &f.path,
+                        format!("tensor `{}`: {n} elements, the partition is {stored} plus {pad} of padding", m[0].name),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// ZeRO-3: each parameter cut alone into `ceil(numel / dp)` elements per rank, a
+/// rank's parts back to back over its flat groups.
+fn read_zero3(
+    ranks: &mut [PtFile],
+    groups: &[Vec<(String, Vec<u64>)>],
+    world: u64,
+    out: &mut DeepSpeed,
+) -> Result<()> {
+    let located: Vec<RankGroups> = ranks
+        .iter()
+        .map(|f| rank_groups(f, 3))
+        .collect::<Result<_>>()?;
+    let lens: Vec<u64> = located[0].weights.iter().map(|w| w.shape[0]).collect();
+    for (r, l) in located.iter().enumerate() {
+        let mine: Vec<u64> = l.weights.iter().map(|w| w.shape[0]).collect();
+        if mine != lens {
+            return Err(err(
+                &ranks[r].path,
+                format!("its flat groups hold {mine:?} elements, rank 0's {lens:?}: every ZeRO-3 rank holds equal parts"),
+            ));
+        }
+    }
+    let total: u64 = lens.iter().sum();
+    // Group g spans [bounds[g], bounds[g+1]) of a rank's concatenated groups.
+    let mut bounds = vec![0u64];
+    for l in &lens {
+        bounds.push(bounds[bounds.len() - 1] + l);
+    }
+    let mut with_moments = true;
+    let mut offset = 0u64;
+    for (name, shape) in groups.iter().flatten() {
+        let n = numel(shape)?;
+        let part = n.div_ceil(world);
+        let end = offset
+            .checked_add(part)
+            .ok_or_else(|| overflow(name.as_str()))?;
+        if end > total {
+            return Err(err(
+                &ranks[0].path,
+                format!("tensor `{name}`: its part ({part} elements) would end at {end}, but each rank's flat groups hold {total}: partition sizes do not add up to the parameter shapes"),
+            ));
+        }
+        for r in 0..ranks.len() as u64 {
+            // Rank r holds elements [r*part, (r+1)*part) of the padded parameter; the
+            // padding (past n) is not part of it.
+            let lo = r * part;
+            let hi = ((r + 1) * part).min(n);
+            if hi <= lo {
+                continue;
+            }
+            // Where those lie in the rank's groups (a part may straddle two groups).
+            let mine = FlatRange::new(offset, hi - lo);
+            for g in 0..lens.len() {
+                let Some(o) = mine.overlap(&FlatRange::new(bounds[g], lens[g])) else {
+                    continue;
+                };
+                let range = FlatRange::new(lo + (o.start - offset), o.len);
+                let at = o.start - bounds[g];
+                let ri = r as usize;
+                let w = located[ri].weights[g].clone();
+                ranks[ri].piece(name, shape, range, &w, at)?;
+                match located[ri].moments[g].clone() {
+                    Some(m) => {
+                        for (k, t) in m.iter().enumerate() {
+                            ranks[ri].piece(&moment_name(name, k), shape, range, t, at)?;
+                        }
+                    }
+                    None => with_moments = false,
+                }
+            }
+        }
+        offset = end;
+    }
+    if offset != total {
+        return Err(err(
+            &ranks[0].path,
+            format!("the parameters' parts use {offset} elements of each rank's flat groups, which hold {total}: partition sizes do not add up to the parameter shapes"),
+        ));
+    }
+    finish_moments(groups, with_moments, out);
+    Ok(())
+}
+
+fn finish_moments(groups: &[Vec<(String, Vec<u64>)>], with_moments: bool, out: &mut DeepSpeed) {
+    if with_moments {
+        for (name, shape) in groups.iter().flatten() {
+            for k in 0..MOMENTS.len() {
+                out.shapes
+                    .insert(moment_name(name, k), (Dtype::F32, shape.clone()));
+            }
+        }
+    } else {
+        out.notes.push(
+            "the optimizer states hold no exp_avg/exp_avg_sq for some group (not Adam?): moments are not read".into(),
+        );
+    }
+}
+
+/// Frozen parameters: kept in the model states (ZeRO-2: whole, ZeRO-3: each rank's
+/// part), in the dtype the model trained in, which zero_to_fp32 keeps.
+fn read_frozen(models: &mut [PtFile], stage: u64, world: u64, out: &mut DeepSpeed) -> Result<()> {
+    let frozen = match models[0].opt_at(&["frozen_param_shapes"]) {
+        None | Some(Value::None) => {
+            if stage == 1 {
+                out.notes.push(
+                    "ZeRO-1 checkpoints record no frozen parameters (as zero_to_fp32, none are read)".into(),
+                );
+            }
+            return Ok(());
+        }
+        Some(v) => shapes_of(&models[0], &v.clone(), "frozen_param_shapes")?,
+    };
+    for (name, shape) in frozen {
+        let n = numel(&shape)?;
+        let mut dtype = None;
+        let parts = if stage == 3 { world } else { 1 };
+        let part = n.div_ceil(parts);
+        for r in 0..models.len().min(parts as usize) {
+            let m = &mut models[r];
+            let v = m
+                .opt_at(&["frozen_param_fragments"])
+                .and_then(|f| f.get(&name))
+                .cloned()
+                .ok_or_else(|| {
+                    err(
+                        &m.path,
+                        format!("tensor `{name}`: frozen, but not in `frozen_param_fragments`"),
+                    )
+                })?;
+            let t = m.tensor(&v, &name)?;
+            let have = numel(&t.shape)?;
+            let lo = r as u64 * part;
+            let hi = ((r as u64 + 1) * part).min(n);
+            let want = if stage == 3 { part } else { n };
+            if have != want {
+                return Err(err(
+                    &m.path,
+                    format!("tensor `{name}`: its frozen fragment holds {have} elements, {want} expected for shape {shape:?} over {parts} rank(s)"),
+                ));
+            }
+            if *dtype.get_or_insert(t.dtype) != t.dtype {
+                return Err(err(
+                    &m.path,
+                    format!("tensor `{name}`: frozen fragments of different dtypes"),
+                ));
+            }
+            if hi > lo {
+                m.piece(&name, &shape, FlatRange::new(lo, hi - lo), &t, 0)?;
+            }
+        }
+        out.shapes
+            .insert(name, (dtype.unwrap_or(Dtype::F32), shape));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn moments_are_named_as_ckpt_names_optimizer_state() {
+        assert_eq!(moment_name("fc1.weight", 1), "optim.fc1.weight.exp_avg_sq");
+    }
+
+    #[test]
+    fn file_roles_from_names() {
+        assert_eq!(
+            role("bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt"),
+            Some(Role::Optim { dp: 3, mp: 0 })
+        );
+        assert_eq!(
+            role("zero_pp_rank_1_mp_rank_02_model_states.pt"),
+            Some(Role::RankModel { dp: 1, mp: 2 })
+        );
+        assert_eq!(
+            role("mp_rank_00_model_states.pt"),
+            Some(Role::Model { mp: 0 })
+        );
+        assert_eq!(
+            role("expp_rank_0_mp_rank_00_optim_states.pt"),
+            Some(Role::Expert)
+        );
+        assert_eq!(role("latest"), None);
+        assert_eq!(role("zero_pp_rank_x_mp_rank_00_optim_states.pt"), None);
+    }
+}

@@ -1,0 +1,61 @@
+//! Opening a DeepSpeed ZeRO tag directory must never panic, whatever one of its files
+//! holds: the first input byte picks a real checkpoint (ZeRO-2 or ZeRO-3, from
+//! tests/fixtures/deepspeed) and which of its files the rest of the input replaces; the
+//! reader returns a named error, or pieces that all lie inside the files and assemble.
+//! Seeds: fuzz/corpus/deepspeed (each fixture file behind its selector byte).
+#![no_main]
+
+const ZERO2: [(&str, &[u8]); 3] = [
+    (
+        "mp_rank_00_model_states.pt",
+        include_bytes!("../../tests/fixtures/deepspeed/zero2_fp32/ckpt/global_step2/mp_rank_00_model_states.pt"),
+    ),
+    (
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        include_bytes!("../../tests/fixtures/deepspeed/zero2_fp32/ckpt/global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    ),
+    (
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        include_bytes!("../../tests/fixtures/deepspeed/zero2_fp32/ckpt/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    ),
+];
+
+const ZERO3: [(&str, &[u8]); 4] = [
+    (
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        include_bytes!("../../tests/fixtures/deepspeed/zero3_fp32/ckpt/global_step2/zero_pp_rank_0_mp_rank_00_model_states.pt"),
+    ),
+    (
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        include_bytes!("../../tests/fixtures/deepspeed/zero3_fp32/ckpt/global_step2/zero_pp_rank_1_mp_rank_00_model_states.pt"),
+    ),
+    (
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        include_bytes!("../../tests/fixtures/deepspeed/zero3_fp32/ckpt/global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    ),
+    (
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        include_bytes!("../../tests/fixtures/deepspeed/zero3_fp32/ckpt/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    ),
+];
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    let Some((&sel, rest)) = data.split_first() else {
+        return;
+    };
+    let files: &[(&str, &[u8])] = if sel & 0x80 == 0 { &ZERO2 } else { &ZERO3 };
+    let replaced = usize::from(sel & 0x7f) % files.len();
+    let dir = tempfile::tempdir().unwrap();
+    for (i, (name, bytes)) in files.iter().enumerate() {
+        let b = if i == replaced { rest } else { bytes };
+        std::fs::write(dir.path().join(name), b).unwrap();
+    }
+    let Ok(ck) = ckpt_core::Checkpoint::open(&[dir.path().to_path_buf()]) else {
+        return;
+    };
+    for f in &ck.files {
+        for (i, t) in f.tensors().iter().enumerate() {
+            assert_eq!(f.data(i).map(<[u8]>::len), Some((t.end - t.start) as usize));
+        }
+    }
+});
