@@ -33,7 +33,7 @@ pub use crate::checkpoint::{
 };
 pub use crate::checksum::{checksums_enabled, set_checksums_enabled, Checksum, CHECKSUMS_KEY};
 pub use crate::convert::{convert, Conversion, ConvertStats};
-pub use crate::copy::{assemble, execute, execute_with, CopyStats, SLAB_BYTES};
+pub use crate::copy::{assemble, assemble_into, execute, execute_with, CopyStats, SLAB_BYTES};
 pub use crate::coverage::{check_tiling, Defect};
 pub use crate::error::{Error, Problems, Result};
 pub use crate::example::{

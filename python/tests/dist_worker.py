@@ -1,0 +1,89 @@
+"""One gloo process of the distributed tests (test_torch.py starts them):
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python dist_worker.py MODE DIR
+
+- ``save``: DTensor state on a 2x2 (dp, tp) mesh (4 ranks) or a 1-D mesh (2 ranks),
+  saved with ``ckpt.torch.save_state_dict`` (in the background when CKPT_BG=1).
+- ``load``: a state dict of zeros in *another* layout on this world's mesh, filled by
+  ``ckpt.torch.load_state_dict`` from DIR; every tensor must equal the original bit for
+  bit (``full_tensor()`` gathers the pieces of every rank).
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import ckpt.torch
+
+
+def full_tensors():
+    g = torch.Generator().manual_seed(25)
+    return {
+        "w2d": torch.randn(8, 6, generator=g),
+        "nested": torch.randn(7, 3, generator=g),
+        # 3 rows split twice over 4 ranks: chunk(3, 2) = 2, 1, then 1, 1 and 1, 0.
+        "few": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "col": torch.randn(4, 10, generator=g),
+        "bias": torch.randn(6, generator=g),
+        "step": torch.tensor(7, dtype=torch.int64),
+    }
+
+
+def layouts(world):
+    if world == 4:
+        return ("dp", "tp"), (2, 2), {
+            "w2d": [Shard(0), Shard(1)],
+            "nested": [Shard(0), Shard(0)],
+            "few": [Shard(0), Shard(0)],
+            "col": [Replicate(), Shard(1)],
+        }
+    # Loading: other placements than the save's (load-time resharding).
+    return ("tp",), (world,), {
+        "w2d": [Shard(1)],
+        "nested": [Shard(0)],
+        "few": [Shard(0)],
+        "col": [Replicate()],
+    }
+
+
+def state(world, zeros):
+    names, shape, place = layouts(world)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    sd = {}
+    for k, v in full_tensors().items():
+        v = torch.zeros_like(v) if zeros else v
+        sd[k] = distribute_tensor(v, mesh, place[k]) if k in place else v.clone()
+    return sd
+
+
+def main():
+    mode, d = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    if mode == "save":
+        sd = state(world, zeros=False)
+        if os.environ.get("CKPT_BG") == "1":
+            h = ckpt.torch.save_state_dict(sd, d, background=True)
+            # The training loop may change the tensors once the call returns.
+            for v in sd.values():
+                (v._local_tensor if hasattr(v, "_local_tensor") else v).zero_()
+            assert h.wait() == os.path.abspath(d)
+        else:
+            assert ckpt.torch.save_state_dict(sd, d) == os.path.abspath(d)
+    else:
+        sd = state(world, zeros=True)
+        ckpt.torch.load_state_dict(sd, d)
+        for k, want in full_tensors().items():
+            got = sd[k].full_tensor() if hasattr(sd[k], "full_tensor") else sd[k]
+            assert got.dtype == want.dtype and got.shape == want.shape, k
+            assert torch.equal(got.view(torch.uint8) if got.dim() else got, want.view(torch.uint8) if want.dim() else want), k
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
