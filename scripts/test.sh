@@ -44,7 +44,7 @@ cargo test --workspace "$@"
 # and its pytest suite run, gloo processes included. pytest exits 5 when it collects
 # nothing, which fails here like any failure.
 "$venv/bin/pip" install --quiet --disable-pip-version-check maturin pytest torch
-MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install --quiet --disable-pip-version-check \
+PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install --quiet --disable-pip-version-check \
   --no-build-isolation --no-deps --force-reinstall ./python
 "$venv/bin/python" -m pytest -q python/tests
 

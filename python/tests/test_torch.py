@@ -44,7 +44,7 @@ def test_load_gives_torch_dtypes(fixtures):
 def test_pieces_equal_torch_chunk(tmp_path, fixtures):
     truth = load_file(str(fixtures / "torch" / "full.safetensors"))
     s = tmp_path / "s"
-    ckpt.reshard(fixtures / "torch" / "full.safetensors", s, to=4, shard=[("*", 0)])
+    ckpt.reshard(fixtures / "torch" / "full.safetensors", s, to=4, shard=[("*.*", 0), ("counts", 0)])
     for n in (4, 3):
         for r in range(n):
             got = ckpt.load(s, rank=r, to=n, framework="torch")
@@ -119,7 +119,7 @@ def snapshot(sd):
 def sliced2(tmp_path, fixtures):
     f = fixtures / "torch" / "full.safetensors"
     s = tmp_path / "s2"
-    ckpt.reshard(f, s, to=2, shard=[("*", 0)])
+    ckpt.reshard(f, s, to=2, shard=[("*.*", 0), ("counts", 0)])
     truth = load_file(str(f))
     sd = {k: torch.full_like(v, 3) for k, v in truth.items()}
     return s, sd

@@ -141,6 +141,10 @@ class Checkpoint:
         strip_prefix: Optional[str] = None,
     ) -> None:
         self._paths = _fspaths(paths)
+        for p in self._paths:
+            # The CLI's message, as the class a Python caller looks for.
+            if not os.path.lexists(p):
+                raise MissingData(f"{p}: no such file or directory")
         self._source_strategy = None if source_strategy is None else _fspaths(source_strategy)
         self._strip_prefix = strip_prefix
         self._native = _ckpt.Checkpoint(self._paths, self._source_strategy, strip_prefix)
