@@ -92,6 +92,12 @@ enum Command {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// Draw which rank (file) holds which part of TENSOR (a name or a glob).
+        #[arg(long, value_name = "TENSOR")]
+        show: Option<String>,
+        /// Write a self-contained HTML report (summary, tensor table, drawings) to FILE.
+        #[arg(long, value_name = "FILE")]
+        html: Option<PathBuf>,
     },
     /// Check a checkpoint: headers, rank files, strategy agreement, exact coverage.
     Verify {
@@ -414,11 +420,15 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
             inputs,
             names,
             json,
-        } => inspect(
-            &inputs.all()?,
-            &names.selection().with_step(inputs.step),
-            json,
-        ),
+            show,
+            html,
+        } => {
+            let sel = names.selection().with_step(inputs.step);
+            match (show, html) {
+                (None, None) => inspect(&inputs.all()?, &sel, json),
+                (show, html) => crate::pictures::run(&inputs.all()?, &sel, show, html, json),
+            }
+        }
         Command::Verify {
             inputs,
             names,
@@ -493,6 +503,7 @@ fn inspect(paths: &[PathBuf], sel: &Selection, as_json: bool) -> Result<ExitCode
                 json!({
                     "name": name, "shape": t.shape, "dtype": ckpt_core::dtype_name(t.dtype),
                     "placements": placements_text(&ck, name),
+                    "pieces": ckpt_core::pieces_json(&ck, name).unwrap_or_default(),
                     "bytes": ckpt_core::bytes_of(t.dtype, t.shape.iter().product()),
                 })
             })
@@ -845,49 +856,18 @@ fn print_plan(
     plan: &CopyPlan,
     as_json: bool,
 ) -> Result<()> {
-    let rows: Vec<_> = plan
-        .files
-        .iter()
-        .map(|f| {
-            let files: Vec<String> = f
-                .source_files()
-                .into_iter()
-                .map(|i| source.label(i))
-                .collect();
-            (
-                f.path.display().to_string(),
-                files,
-                f.bytes_read(),
-                f.bytes_written(),
-            )
-        })
-        .collect();
+    let report = ckpt_core::PlanReport::new(source, plan);
     if as_json {
-        let v: Vec<_> = rows
-            .iter()
-            .map(|(p, files, r, w)| json!({"output": p, "reads": files, "bytes_read": r, "bytes_written": w}))
-            .collect();
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({"mesh": strategy.mesh.to_string(), "files": v}))?
-        );
+        let mut doc = report.to_json(source);
+        doc["mesh"] = json!(strategy.mesh.to_string());
+        println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         println!(
             "target mesh {} ({} ranks)",
             strategy.mesh,
             strategy.mesh.world_size()
         );
-        for (p, files, r, w) in rows {
-            println!(
-                "{p}: reads {} from {} files, writes {}",
-                human_bytes(r),
-                files.len(),
-                human_bytes(w)
-            );
-            for f in files {
-                println!("    {f}");
-            }
-        }
+        print!("{}", report.to_text(source, 8));
     }
     Ok(())
 }
@@ -970,6 +950,11 @@ fn train(a: TrainArgs) -> Result<ExitCode> {
     if !is_lead()? {
         return Ok(ExitCode::SUCCESS);
     }
+    // TensorBoard's curves beside the checkpoints: `tensorboard --logdir OUT`.
+    let events = match &a.config.out {
+        Some(out) => Some(ckpt_train::run_scalars(&report).write(out)?),
+        None => None,
+    };
     if a.json {
         println!(
             "{}",
@@ -977,7 +962,7 @@ fn train(a: TrainArgs) -> Result<ExitCode> {
                 "mesh": report.mesh, "model": report.model, "start_step": report.start_step, "steps": report.steps,
                 "epochs": report.epochs, "final_loss": report.losses.last(), "test_accuracy": report.test_accuracy,
                 "images_per_sec": report.images_per_sec, "seconds": report.seconds, "checkpoints": report.checkpoints,
-                "save_stall_seconds": report.save_stalls,
+                "save_stall_seconds": report.save_stalls, "events": events,
             })
         );
     } else {
@@ -995,6 +980,9 @@ fn train(a: TrainArgs) -> Result<ExitCode> {
         );
         if let Some(last) = report.checkpoints.last() {
             println!("checkpoint: {}", last.display());
+        }
+        if let Some(e) = &events {
+            println!("tensorboard: {}", e.display());
         }
     }
     Ok(ExitCode::SUCCESS)

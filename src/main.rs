@@ -6,6 +6,7 @@
 
 mod cli;
 mod demo;
+mod pictures;
 mod report;
 
 use clap::Parser;

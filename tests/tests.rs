@@ -8,6 +8,7 @@ mod crash;
 mod inspect_verify;
 mod merge;
 mod mindspore;
+mod pictures;
 mod python;
 mod reshard;
 mod torch;

@@ -65,6 +65,15 @@ pub enum Error {
         /// What is wrong with it.
         problem: String,
     },
+    /// A `.ckptz` file of a format version this build does not read (written by a
+    /// later ckpt).
+    #[error("`.ckptz` format version {version} is not one this ckpt reads (versions {supported:?}): written by a newer ckpt?")]
+    CkptzVersion {
+        /// The file's version byte.
+        version: u8,
+        /// The versions read.
+        supported: Vec<u8>,
+    },
     /// A compressed chunk does not decompress to the bytes its header promises.
     #[error("{path}: tensor `{tensor}`: compressed chunk {chunk} is damaged: {problem}")]
     CorruptChunk {
@@ -167,6 +176,14 @@ pub enum Error {
     OutputExists {
         /// The output path.
         path: PathBuf,
+    },
+    /// No tensor has this name or matches this glob.
+    #[error("no tensor matches `{pattern}` (the checkpoint has {tensors} tensors; `ckpt inspect` lists them)")]
+    TensorNotFound {
+        /// The name or glob asked for.
+        pattern: String,
+        /// How many tensors there are.
+        tensors: usize,
     },
 }
 

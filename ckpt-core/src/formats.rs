@@ -7,10 +7,12 @@
 //! byte ranges (never copies tensor data), a [`FileFormat`] variant, and a branch in
 //! [`sniff`], which decides by content, not by the file's name.
 
+pub(crate) mod checksum;
 pub(crate) mod ckptz;
 pub(crate) mod distcp;
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;
+pub(crate) mod output;
 pub(crate) mod pickle;
 pub(crate) mod safetensors;
 pub(crate) mod torch_save;

@@ -1,5 +1,13 @@
 //! `TensorLayout`: how one tensor is laid out over a device mesh.
 
+pub(crate) mod coverage;
+pub(crate) mod mesh;
+pub(crate) mod mindspore;
+pub(crate) mod plan;
+pub(crate) mod region;
+pub(crate) mod select;
+pub(crate) mod strategy;
+
 use crate::error::{Error, Result};
 use crate::mesh::Mesh;
 use crate::region::Region;

@@ -7,24 +7,17 @@
 //! produce any other set of pieces, and [`execute`] carries it out streaming.
 
 mod checkpoint;
-mod checksum;
-mod convert;
-mod copy;
-mod coverage;
+mod draw;
+mod engine;
 mod error;
-mod example;
 mod fault;
 mod formats;
 mod layout;
-mod mesh;
-mod mindspore;
-mod output;
-mod plan;
-mod region;
-mod save;
-mod select;
-mod strategy;
-mod verify;
+
+// The modules' old places, while their users are moved over.
+use engine::{convert, copy, example, save, verify};
+use formats::{checksum, output};
+use layout::{coverage, mesh, mindspore, plan, region, select, strategy};
 
 pub use crate::checkpoint::{
     Checkpoint, Kind, SourcePiece, SourceTensor, CARRIED_FILES, COMPRESSED_INDEX_FILE,
@@ -35,6 +28,11 @@ pub use crate::checksum::{checksums_enabled, set_checksums_enabled, Checksum, CH
 pub use crate::convert::{convert, Conversion, ConvertStats};
 pub use crate::copy::{assemble, assemble_into, execute, execute_with, CopyStats, SLAB_BYTES};
 pub use crate::coverage::{check_tiling, Defect};
+pub use crate::draw::{
+    fold, holder_label, html_report, matching, picture, pieces_json, render_text, show,
+    write_html_report, Canvas, Extent, Fold, Holding, PlanReport, SourceRead, TargetReads,
+    TensorPicture,
+};
 pub use crate::error::{Error, Problems, Result};
 pub use crate::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,
@@ -43,7 +41,7 @@ pub use crate::fault::{bus_error_message, remove_registered_temporaries};
 pub use crate::formats::ckptz::{
     compress_chunk, decompress_chunk, group_bytes, group_of, parse_header as parse_ckptz_header,
     ungroup_bytes, CkptzWriter, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
-    EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC,
+    EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC, MAGIC_V1 as CKPTZ_MAGIC_V1,
 };
 pub use crate::formats::distcp::{metadata_bytes as distcp_metadata, DistcpChunk};
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};

@@ -31,6 +31,7 @@ mod cuda;
 mod data;
 mod device;
 mod error;
+mod events;
 mod inference;
 mod launch;
 mod layers;
@@ -64,6 +65,7 @@ pub use crate::data::{
 };
 pub use crate::device::DeviceKind;
 pub use crate::error::{Error, Result};
+pub use crate::events::{run_scalars, Scalars};
 pub use crate::inference::{load_model, model_strategy, read_model_config};
 pub use crate::launch::{configure_cpu_threads, Backend, LaunchEnv, Launcher};
 pub use crate::layers::{

@@ -1,6 +1,12 @@
 //! ckpt's compressed checkpoint files (`.ckptz`): safetensors' description of every
-//! tensor, plus per tensor a table of independently compressed chunks, so that any byte
-//! range can be read by decompressing only the chunks that cover it.
+//! tensor, plus tables of independently compressed chunks, so that any byte range can
+//! be read by decompressing only the chunks that cover it.
+//!
+//! ckpt writes version 2 ([`v2`]: tensors of one dtype packed into shared chunks, each
+//! chunk split into byte planes with the exponent alone in one, each plane zstd or
+//! stored) and reads versions 1 and 2; a later version is [`Error::CkptzVersion`].
+//! This file reads both (their chunks are described by one type, [`Body`]) and holds
+//! version 1's layout:
 //!
 //! ```text
 //! [8 bytes]  magic "CKPTZ\0\x01\0" (format version 1)
@@ -20,30 +26,54 @@
 //! exponent) varies little between neighbours, the low byte (mantissa) is noise; zstd
 //! finds the redundancy of the first stream only once they are apart.
 
-use super::safetensors::{
-    entry_fields, parse_description, split_header, with_checksums, TensorSpec,
-};
-use super::{bad_tensor, byte_len, TensorEntry, TensorFile};
+mod entropy;
+mod pack;
+mod planes;
+pub(crate) mod v2;
+
+pub use v2::CkptzWriter;
+pub use v2::MAGIC_V2 as MAGIC;
+
+use entropy::PlaneCodec;
+use pack::Streams;
+use planes::PlaneSplit;
+
+#[cfg(test)]
+use super::byte_len;
+use super::safetensors::{entry_fields, parse_description, split_header};
+#[cfg(test)]
+use super::safetensors::{with_checksums, TensorSpec};
+use super::{bad_tensor, TensorEntry, TensorFile};
+#[cfg(test)]
+use crate::checksum::checksums_enabled;
 use crate::checksum::CHECKSUMS_KEY;
-use crate::checksum::{checksums_enabled, decode_checksums, Checksum};
+use crate::checksum::{decode_checksums, Checksum};
 use crate::error::{overflow, Error, IoContext, Result};
+#[cfg(test)]
 use crate::output::StagedFile;
 use crate::strategy::dtype_name;
 use crate::Dtype;
 use memmap2::Mmap;
 use serde_json::{Map, Value};
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+#[cfg(test)]
+use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
+#[cfg(test)]
 use std::sync::Mutex;
 
-/// The first 8 bytes of a `.ckptz` file: `CKPTZ`, NUL, the format version (1), NUL.
-/// Read as a safetensors header length it is about 2.8e14, far over every safetensors
-/// reader's limit, so no safetensors reader mistakes a `.ckptz` file for its own.
-pub const MAGIC: [u8; 8] = *b"CKPTZ\0\x01\0";
+/// The first 8 bytes of a version 1 `.ckptz` file: `CKPTZ`, NUL, the format version
+/// (1), NUL. Read as a safetensors header length it is about 2.8e14, far over every
+/// safetensors reader's limit, so no safetensors reader mistakes a `.ckptz` file for
+/// its own. Version 2's ([`MAGIC`]) differs in the version byte only.
+pub const MAGIC_V1: [u8; 8] = *b"CKPTZ\0\x01\0";
+
+/// The versions this build reads.
+pub(crate) const READ_VERSIONS: [u8; 2] = [1, 2];
 
 /// The file extension of compressed files.
 pub const EXTENSION: &str = "ckptz";
@@ -124,7 +154,8 @@ fn bad(problem: impl Into<String>) -> Error {
 
 /// Whether the first bytes are a `.ckptz` file's.
 pub(crate) fn looks_like(head: &[u8]) -> bool {
-    head.starts_with(&MAGIC)
+    // Any version: a later one is then a named error, not "unknown format".
+    head.starts_with(b"CKPTZ\0")
 }
 
 /// The byte streams a dtype is split into: the element size for the floating-point
@@ -141,7 +172,7 @@ pub fn group_of(dtype: Dtype) -> usize {
 /// The smallest number of bytes that holds whole elements of `dtype` (3 for 6-bit
 /// types, 1 for 4-bit ones): chunk sizes are multiples of it, so chunk edges fall on
 /// element edges.
-fn unit_bytes(dtype: Dtype) -> u64 {
+pub(crate) fn unit_bytes(dtype: Dtype) -> u64 {
     let bits = dtype.bitsize() as u64;
     let mut unit = bits;
     while !unit.is_multiple_of(8) {
@@ -152,7 +183,7 @@ fn unit_bytes(dtype: Dtype) -> u64 {
 
 /// The chunk size used for a tensor of `dtype` when `max` bytes are asked for: whole
 /// elements, at least one.
-fn chunk_size_for(dtype: Dtype, max: u64) -> u64 {
+pub(crate) fn chunk_size_for(dtype: Dtype, max: u64) -> u64 {
     let unit = unit_bytes(dtype);
     (max / unit).max(1) * unit
 }
@@ -262,26 +293,51 @@ pub(crate) struct ChunkTable {
     chunks: Vec<[u64; 2]>,
 }
 
-impl ChunkTable {
-    /// Raw byte range of chunk `k`, relative to the tensor.
-    fn raw_range(&self, k: usize) -> std::ops::Range<u64> {
-        let lo = k as u64 * self.chunk_size;
-        lo..(lo + self.chunk_size).min(self.raw_len)
+/// Where one chunk is stored, and how.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum ChunkLoc {
+    /// Version 1: one zstd frame `[start, end)` of the chunk's bytes grouped by `group`.
+    V1 { frame: [u64; 2], group: usize },
+    /// Version 2: the planes back to back from `at`, and the raw bytes' CRC-32C.
+    V2 {
+        at: u64,
+        planes: Vec<(PlaneCodec, u64)>,
+        crc: u32,
+    },
+}
+
+impl ChunkLoc {
+    /// The chunk's bytes in the data area.
+    fn stored(&self) -> std::ops::Range<u64> {
+        match self {
+            ChunkLoc::V1 { frame, .. } => frame[0]..frame[1],
+            ChunkLoc::V2 { at, planes, .. } => *at..at + planes.iter().map(|p| p.1).sum::<u64>(),
+        }
     }
+}
+
+/// The chunks of a file, either version: the streams the tensors lie in (version 1:
+/// one per tensor) and, per stream, per chunk, where it is stored.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Body {
+    pub(crate) streams: Streams,
+    pub(crate) chunks: Vec<Vec<ChunkLoc>>,
 }
 
 /// The compressed side of a `.ckptz` file opened for reading: the file (read with
 /// positional reads, not mapped, so resident memory does not grow with the file) and
-/// each tensor's chunk table.
+/// its chunk tables.
 #[derive(Debug)]
 pub(crate) struct Chunked {
     file: File,
     data_start: u64,
-    tables: Vec<ChunkTable>,
-    /// Per tensor, per chunk: the CRC-32C of its raw bytes once decompressed
-    /// (`1 << 32 | crc`; 0 before), so that a copy that reads a tensor whole has its
-    /// recorded checksum checked without decompressing it a second time.
+    body: Body,
+    /// Per tensor, per part (the tensor's bytes in one chunk): the CRC-32C of the part
+    /// once decompressed (`1 << 32 | crc`; 0 before), so that a copy that reads a
+    /// tensor whole has its recorded checksum checked without decompressing it again.
     crcs: Vec<Vec<AtomicU64>>,
+    /// The header of the safetensors file this one was compressed from (version 2).
+    source_header: Option<String>,
 }
 
 thread_local! {
@@ -338,35 +394,51 @@ pub fn decompress_chunk(
 }
 
 impl Chunked {
-    /// Number of chunks of tensor `t`.
-    pub(crate) fn chunk_count(&self, t: usize) -> usize {
-        self.tables[t].chunks.len()
+    /// The stream and stream offset of tensor `t`.
+    fn place(&self, t: usize) -> (usize, u64) {
+        self.body.streams.place[t]
     }
 
-    /// Raw bytes per chunk of tensor `t`.
-    pub(crate) fn chunk_size(&self, t: usize) -> u64 {
-        self.tables[t].chunk_size
+    /// Number of chunks of stream `s`.
+    #[cfg(test)]
+    pub(crate) fn chunk_count(&self, s: usize) -> usize {
+        self.body.chunks[s].len()
     }
 
-    /// Compressed bytes of tensor `t`.
+    /// Compressed bytes of tensor `t`: its chunks' stored bytes, a chunk it shares with
+    /// other tensors counted in proportion to the raw bytes it holds there.
     pub(crate) fn stored_len(&self, t: usize) -> u64 {
-        self.tables[t].chunks.iter().map(|c| c[1] - c[0]).sum()
+        let (s, _) = self.place(t);
+        let st = &self.body.streams.streams[s];
+        self.body
+            .streams
+            .parts(t)
+            .map(|p| {
+                let c = st.chunk_range(p.chunk);
+                let stored = self.body.chunks[s][p.chunk].stored();
+                let share = u128::from(stored.end - stored.start)
+                    * u128::from(p.in_chunk.end - p.in_chunk.start)
+                    / u128::from(c.end - c.start);
+                share as u64
+            })
+            .sum()
     }
 
-    /// Decompresses chunk `k` of tensor `t` into `out` (resized to its raw length).
-    /// zstd checks each frame's own checksum, so a damaged chunk is an error even when
-    /// only part of a tensor is read.
+    /// Decompresses chunk `k` of stream `s` into `out` (resized to its raw length),
+    /// recording the checksums of the tensors' parts in it. Damage is detected even
+    /// when only part of a tensor is read: version 1 by zstd's frame checksum, version
+    /// 2 by the chunk's CRC-32C. `name` is the tensor being read, for errors.
     pub(crate) fn decode(
         &self,
         path: &Path,
         name: &str,
-        t: usize,
+        s: usize,
         k: usize,
         out: &mut Vec<u8>,
     ) -> Result<()> {
-        let table = &self.tables[t];
-        let [start, end] = table.chunks[k];
-        let raw = table.raw_range(k);
+        let loc = &self.body.chunks[s][k];
+        let stored = loc.stored();
+        let raw = self.body.streams.streams[s].chunk_range(k);
         let raw_len = (raw.end - raw.start) as usize;
         let damaged = |problem: String| Error::CorruptChunk {
             path: path.to_path_buf(),
@@ -377,9 +449,9 @@ impl Chunked {
         let comp = COMPRESSED.with(|c| -> Result<Vec<u8>> {
             let mut buf = std::mem::take(&mut *c.borrow_mut());
             // In range: the header check keeps every chunk inside the file.
-            buf.resize((end - start) as usize, 0);
+            buf.resize((stored.end - stored.start) as usize, 0);
             self.file
-                .read_exact_at(&mut buf, self.data_start + start)
+                .read_exact_at(&mut buf, self.data_start + stored.start)
                 .map_err(|e| match e.kind() {
                     // The header was checked against the file's length when it was
                     // opened: only another program can have cut it since.
@@ -391,26 +463,33 @@ impl Chunked {
                 .at(path)?;
             Ok(buf)
         })?;
-        let r =
-            decompress_chunk(&comp, table.group, raw_len, out).map_err(|e| damaged(e.to_string()));
+        let r = match loc {
+            ChunkLoc::V1 { group, .. } => decompress_chunk(&comp, *group, raw_len, out),
+            ChunkLoc::V2 { planes, crc, .. } => {
+                let split = PlaneSplit::of(self.body.streams.streams[s].dtype);
+                v2::decode_chunk(&comp, planes, split, raw_len, *crc, out)
+            }
+        }
+        .map_err(|e| damaged(e.to_string()));
         COMPRESSED.with(|c| *c.borrow_mut() = comp);
         r?;
-        self.crcs[t][k].store(1 << 32 | u64::from(crc32c::crc32c(out)), Ordering::Relaxed);
+        for (t, j, r) in self.body.streams.in_chunk(s, k) {
+            let sum = crc32c::crc32c(&out[r.start as usize..r.end as usize]);
+            self.crcs[t][j].store(1 << 32 | u64::from(sum), Ordering::Relaxed);
+        }
         Ok(())
     }
 
     /// The CRC-32C of tensor `t`'s raw bytes from the chunks decompressed so far, when
     /// every one of them has been.
     pub(crate) fn decoded_checksum(&self, t: usize) -> Option<Checksum> {
-        let table = &self.tables[t];
-        let mut parts = Vec::with_capacity(table.chunks.len());
-        for (k, c) in self.crcs[t].iter().enumerate() {
+        let mut parts = Vec::with_capacity(self.crcs[t].len());
+        for (p, c) in self.body.streams.parts(t).zip(&self.crcs[t]) {
             let v = c.load(Ordering::Relaxed);
             if v == 0 {
                 return None;
             }
-            let raw = table.raw_range(k);
-            parts.push((Checksum(v as u32), raw.end - raw.start));
+            parts.push((Checksum(v as u32), p.in_tensor.end - p.in_tensor.start));
         }
         Some(Checksum::combine(parts))
     }
@@ -418,14 +497,17 @@ impl Chunked {
     /// The CRC-32C of tensor `t`'s uncompressed bytes, chunks decompressed in parallel.
     pub(crate) fn checksum(&self, path: &Path, name: &str, t: usize) -> Result<Checksum> {
         use rayon::prelude::*;
-        let parts = (0..self.chunk_count(t))
+        let (s, _) = self.place(t);
+        let parts: Vec<pack::Part> = self.body.streams.parts(t).collect();
+        let sums = parts
             .into_par_iter()
-            .map_init(Vec::new, |buf, k| {
-                self.decode(path, name, t, k, buf)?;
-                Ok((Checksum(crc32c::crc32c(buf)), buf.len() as u64))
+            .map_init(Vec::new, |buf, p| {
+                self.decode(path, name, s, p.chunk, buf)?;
+                let r = p.in_chunk.start as usize..p.in_chunk.end as usize;
+                Ok((Checksum(crc32c::crc32c(&buf[r.clone()])), r.len() as u64))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Checksum::combine(parts))
+        Ok(Checksum::combine(sums))
     }
 }
 
@@ -435,7 +517,7 @@ impl Chunked {
 /// Also holds the buffer a read spanning several chunks is assembled in.
 #[derive(Debug, Default)]
 pub struct ChunkCache {
-    /// `(file id, tensor, chunk, bytes)`, most recently used last.
+    /// `(file id, stream, chunk, bytes)`, most recently used last.
     entries: Vec<(u64, usize, usize, Vec<u8>)>,
     span: Vec<u8>,
 }
@@ -451,14 +533,21 @@ impl ChunkCache {
         ChunkCache::default()
     }
 
-    /// The index of chunk `k` of tensor `t` of `file` in `entries`, decompressed now if
-    /// it was not there.
-    fn get(&mut self, file: &TensorFile, chunked: &Chunked, t: usize, k: usize) -> Result<usize> {
+    /// The index of chunk `k` of stream `s` of `file` in `entries`, decompressed now if
+    /// it was not there (`t`: the tensor being read, for errors).
+    fn get(
+        &mut self,
+        file: &TensorFile,
+        chunked: &Chunked,
+        t: usize,
+        s: usize,
+        k: usize,
+    ) -> Result<usize> {
         let id = file.id();
         if let Some(i) = self
             .entries
             .iter()
-            .position(|e| e.0 == id && e.1 == t && e.2 == k)
+            .position(|e| e.0 == id && e.1 == s && e.2 == k)
         {
             let e = self.entries.remove(i);
             self.entries.push(e);
@@ -470,8 +559,8 @@ impl ChunkCache {
             Vec::new()
         };
         let name = &file.tensors()[t].name;
-        chunked.decode(file.path(), name, t, k, &mut buf)?;
-        self.entries.push((id, t, k, buf));
+        chunked.decode(file.path(), name, s, k, &mut buf)?;
+        self.entries.push((id, s, k, buf));
         Ok(self.entries.len() - 1)
     }
 
@@ -487,12 +576,13 @@ impl ChunkCache {
         if range.is_empty() {
             return Ok(&[]);
         }
-        let cs = chunked.chunk_size(t);
-        let (k0, k1) = ((range.start / cs) as usize, ((range.end - 1) / cs) as usize);
+        let (s, r) = chunked.body.streams.locate(t, range.clone());
+        let cs = chunked.body.streams.streams[s].chunk_size;
+        let (k0, k1) = ((r.start / cs) as usize, ((r.end - 1) / cs) as usize);
         if k0 == k1 {
-            let i = self.get(file, chunked, t, k0)?;
-            let lo = (range.start - k0 as u64 * cs) as usize;
-            let hi = (range.end - k0 as u64 * cs) as usize;
+            let i = self.get(file, chunked, t, s, k0)?;
+            let lo = (r.start - k0 as u64 * cs) as usize;
+            let hi = (r.end - k0 as u64 * cs) as usize;
             return Ok(&self.entries[i].3[lo..hi]);
         }
         let mut span = std::mem::take(&mut self.span);
@@ -516,10 +606,11 @@ impl ChunkCache {
         if range.is_empty() {
             return Ok(());
         }
-        let cs = chunked.chunk_size(t);
+        let (s, range) = chunked.body.streams.locate(t, range);
+        let cs = chunked.body.streams.streams[s].chunk_size;
         let mut at = 0;
         for k in (range.start / cs) as usize..=((range.end - 1) / cs) as usize {
-            let i = self.get(file, chunked, t, k)?;
+            let i = self.get(file, chunked, t, s, k)?;
             let base = k as u64 * cs;
             let lo = (range.start.max(base) - base) as usize;
             let hi = (range.end.min(base + cs) - base) as usize;
@@ -542,23 +633,28 @@ pub(crate) fn read(path: &Path, file: File, map: Option<Mmap>) -> Result<TensorF
     drop(map);
     let Header {
         data_start,
-        tensors,
-        tables,
+        mut tensors,
+        body,
         metadata,
+        source_header,
     } = parsed.map_err(|e| e.with_path(path))?;
     let sums = match metadata.get(CHECKSUMS_KEY) {
         Some(text) => decode_checksums(text).map_err(|e| e.with_path(path))?,
         None => BTreeMap::new(),
     };
-    let crcs = tables
-        .iter()
-        .map(|t| t.chunks.iter().map(|_| AtomicU64::new(0)).collect())
+    // What the safetensors reader takes from `__metadata__` (PyTorch DCP's offsets of
+    // each box), taken here too: a compressed file describes the same tensors.
+    super::safetensors::apply_dcp_offsets(&mut tensors, &metadata)
+        .map_err(|e| e.with_path(path))?;
+    let crcs = (0..tensors.len())
+        .map(|t| body.streams.parts(t).map(|_| AtomicU64::new(0)).collect())
         .collect();
     let chunked = Chunked {
         file,
         data_start,
-        tables,
+        body,
         crcs,
+        source_header,
     };
     let mut file = TensorFile::from_chunked(path, chunked, tensors, metadata);
     file.set_checksums(&sums).map_err(|e| e.with_path(path))?;
@@ -572,9 +668,11 @@ pub struct Header {
     pub data_start: u64,
     /// The tensors, by uncompressed offset (`start`/`end` are `data_offsets`).
     pub tensors: Vec<TensorEntry>,
-    tables: Vec<ChunkTable>,
+    body: Body,
     /// `__metadata__`.
     pub metadata: BTreeMap<String, String>,
+    /// Version 2: the header of the safetensors file compressed, as it was.
+    source_header: Option<String>,
 }
 
 /// Parses and validates a `.ckptz` header from the file's first bytes (at least the
@@ -591,8 +689,15 @@ pub fn parse_header(bytes: &[u8], file_len: u64) -> Result<Header> {
             "file of {file_len} bytes is too short for the 16-byte preamble: truncated?"
         )));
     }
-    if !looks_like(bytes) {
+    if !looks_like(bytes) || bytes[7] != 0 {
         return Err(bad("the file does not start with the .ckptz magic"));
+    }
+    let version = bytes[6];
+    if !READ_VERSIONS.contains(&version) {
+        return Err(Error::CkptzVersion {
+            version,
+            supported: READ_VERSIONS.to_vec(),
+        });
     }
     let n = u64::from_le_bytes(bytes[8..16].try_into().map_err(|_| bad("short"))?);
     if n > MAX_HEADER_LEN {
@@ -609,17 +714,17 @@ pub fn parse_header(bytes: &[u8], file_len: u64) -> Result<Header> {
     }
     let (obj, metadata) = split_header(&bytes[16..data_start as usize], bad)?;
     let data_len = file_len - data_start;
-    let mut entries = Vec::with_capacity(obj.len());
-    for (name, v) in &obj {
-        entries.push(parse_entry(name, v, data_len)?);
-    }
+    let (tensors, body, source_header) = if version == 1 {
+        parse_v1(&obj, data_len)?
+    } else {
+        v2::parse(obj, data_len)?
+    };
     // The uncompressed layout: contiguous from 0, as in a safetensors file.
-    entries.sort_by_key(|(t, _)| (t.start, t.end));
     let mut pos = 0u64;
-    for (i, (t, _)) in entries.iter().enumerate() {
+    for (i, t) in tensors.iter().enumerate() {
         if t.start != pos {
             let why = if t.start < pos {
-                format!("overlap tensor `{}`", entries[i - 1].0.name)
+                format!("overlap tensor `{}`", tensors[i - 1].name)
             } else {
                 format!("leave a gap after byte {pos}")
             };
@@ -631,23 +736,33 @@ pub fn parse_header(bytes: &[u8], file_len: u64) -> Result<Header> {
         pos = t.end;
     }
     // The compressed chunks: every byte of the data area in exactly one chunk.
-    let mut all: Vec<(u64, u64, usize)> = Vec::new();
-    for (i, (_, table)) in entries.iter().enumerate() {
-        all.extend(table.chunks.iter().map(|c| (c[0], c[1], i)));
+    let mut all: Vec<(u64, u64, usize, usize)> = Vec::new();
+    for (s, list) in body.chunks.iter().enumerate() {
+        all.extend(list.iter().enumerate().map(|(k, c)| {
+            let r = c.stored();
+            (r.start, r.end, s, k)
+        }));
     }
     all.sort_unstable();
     let mut pos = 0u64;
-    for &(start, end, i) in &all {
+    for &(start, end, s, k) in &all {
         if start != pos {
             let why = if start < pos {
                 "overlaps another chunk"
             } else {
                 "leaves a gap before it"
             };
-            return Err(bad_tensor(
-                &entries[i].0.name,
-                format!("compressed chunk [{start}, {end}) {why} (expected it to start at {pos})"),
-            ));
+            let problem =
+                format!("compressed chunk [{start}, {end}) {why} (expected it to start at {pos})");
+            return Err(if version == 1 {
+                bad_tensor(&tensors[s].name, problem)
+            } else {
+                let st = &body.streams.streams[s];
+                bad(format!(
+                    "stream {s} ({}): chunk {k}: {problem}",
+                    dtype_name(st.dtype)
+                ))
+            });
         }
         pos = end;
     }
@@ -656,13 +771,45 @@ pub fn parse_header(bytes: &[u8], file_len: u64) -> Result<Header> {
             "chunks end at byte {pos} of a data area of {data_len} bytes (trailing bytes)"
         )));
     }
-    let (tensors, tables) = entries.into_iter().unzip();
     Ok(Header {
         data_start,
         tensors,
-        tables,
+        body,
         metadata,
+        source_header,
     })
+}
+
+/// Version 1's entries: the tensors by uncompressed offset, one stream each.
+fn parse_v1(
+    obj: &Map<String, Value>,
+    data_len: u64,
+) -> Result<(Vec<TensorEntry>, Body, Option<String>)> {
+    let mut entries = Vec::with_capacity(obj.len());
+    for (name, v) in obj {
+        entries.push(parse_entry(name, v, data_len)?);
+    }
+    entries.sort_by_key(|(t, _)| (t.start, t.end));
+    let streams = Streams::one_per_tensor(
+        &entries
+            .iter()
+            .map(|(t, c)| (t.dtype, c.raw_len, c.chunk_size))
+            .collect::<Vec<_>>(),
+    );
+    let chunks = entries
+        .iter()
+        .map(|(_, c)| {
+            c.chunks
+                .iter()
+                .map(|&frame| ChunkLoc::V1 {
+                    frame,
+                    group: c.group,
+                })
+                .collect()
+        })
+        .collect();
+    let tensors = entries.into_iter().map(|(t, _)| t).collect();
+    Ok((tensors, Body { streams, chunks }, None))
 }
 
 fn u64_array(v: Option<&Value>) -> Option<Vec<u64>> {
@@ -761,6 +908,7 @@ fn parse_entry(name: &str, v: &Value, data_len: u64) -> Result<(TensorEntry, Chu
 
 /// The header JSON (without preamble or padding) for `specs` laid out contiguously, with
 /// chunk tables `tables` (one `[start, end]` list per tensor).
+#[cfg(test)]
 fn encode_header(
     specs: &[TensorSpec],
     metadata: &BTreeMap<String, String>,
@@ -833,19 +981,23 @@ pub fn compress_chunk(
 }
 
 /// A compressed chunk in the data area: `(start, end, checksum of its raw bytes)`.
+#[cfg(test)]
 type Written = (u64, u64, Checksum);
 
 /// A chunk whose raw bytes have partly arrived: the bytes, and how many have arrived.
+#[cfg(test)]
 type Pending = (Vec<u8>, u64);
 
-/// A `.ckptz` file being written. Data arrives as the safetensors writer's does, by
+/// A version 1 `.ckptz` file being written, kept for the tests that prove version 1
+/// files still read (ckpt writes version 2: [`CkptzWriter`]). Data arrives as the safetensors writer's does, by
 /// positional writes of raw bytes at any place of any tensor from any thread; each chunk
 /// is compressed as soon as all its bytes have arrived (a write covering a whole chunk
 /// is compressed straight from the caller's buffer) and appended to the data area, so
 /// memory holds only the partly written chunks. The header, sized beforehand for the
 /// largest offsets the data can reach, is written by [`CkptzWriter::finish`].
 #[derive(Debug)]
-pub struct CkptzWriter {
+#[cfg(test)]
+pub(crate) struct V1Writer {
     out: StagedFile,
     specs: Vec<TensorSpec>,
     metadata: BTreeMap<String, String>,
@@ -864,17 +1016,18 @@ pub struct CkptzWriter {
     pending: Mutex<HashMap<(usize, usize), Pending>>,
 }
 
-impl CkptzWriter {
+#[cfg(test)]
+impl V1Writer {
     /// Creates `dest` (through a temporary file beside it) for `tensors`.
     ///
     /// # Errors
     /// I/O errors, with the path; sizes that overflow; a header over [`MAX_HEADER_LEN`].
-    pub fn create(
+    pub(crate) fn create(
         dest: &Path,
         tensors: &[TensorSpec],
         metadata: &BTreeMap<String, String>,
         compression: Compression,
-    ) -> Result<CkptzWriter> {
+    ) -> Result<V1Writer> {
         let mut sizes = Vec::with_capacity(tensors.len());
         let mut raw_lens = Vec::with_capacity(tensors.len());
         let mut counts = Vec::with_capacity(tensors.len());
@@ -915,7 +1068,7 @@ impl CkptzWriter {
             });
         }
         let out = StagedFile::create(dest)?;
-        Ok(CkptzWriter {
+        Ok(V1Writer {
             out,
             specs: tensors.to_vec(),
             metadata: metadata.clone(),
@@ -934,7 +1087,7 @@ impl CkptzWriter {
     ///
     /// # Errors
     /// I/O and zstd errors, with the path; bytes past the tensor's end.
-    pub fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+    pub(crate) fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
         let (_, cs) = self.sizes[index];
         let raw_len = self.raw_lens[index];
         let end = offset
@@ -1013,7 +1166,7 @@ impl CkptzWriter {
     ///
     /// # Errors
     /// A chunk that was never (completely) written; I/O errors, with the path.
-    pub fn finish(mut self) -> Result<()> {
+    pub(crate) fn finish(mut self) -> Result<()> {
         let mut tables = Vec::with_capacity(self.specs.len());
         let mut sums = Vec::with_capacity(self.specs.len());
         for (i, w) in std::mem::take(&mut self.written).into_iter().enumerate() {
@@ -1054,7 +1207,7 @@ impl CkptzWriter {
             )));
         }
         header.resize(reserved as usize, b' ');
-        let mut preamble = MAGIC.to_vec();
+        let mut preamble = MAGIC_V1.to_vec();
         preamble.extend_from_slice(&reserved.to_le_bytes());
         preamble.extend_from_slice(&header);
         self.out.write_at(&preamble, 0)?;
@@ -1065,10 +1218,17 @@ impl CkptzWriter {
 }
 
 impl TensorFile {
-    /// Compressed bytes of tensor `index` as stored, when the file is compressed.
+    /// Compressed bytes of tensor `index` as stored, when the file is compressed (a
+    /// chunk shared with other tensors counted in proportion to its raw bytes there).
     #[must_use]
     pub fn compressed_len(&self, index: usize) -> Option<u64> {
         self.chunked().map(|c| c.stored_len(index))
+    }
+
+    /// The header of the safetensors file a compressed file was made from, as it was
+    /// (version 2 files written by `ckpt compress`).
+    pub(crate) fn source_header(&self) -> Option<&str> {
+        self.chunked().and_then(|c| c.source_header.as_deref())
     }
 }
 
@@ -1132,7 +1292,7 @@ mod tests {
             level: 3,
             chunk_bytes: chunk,
         };
-        let w = CkptzWriter::create(&dest, tensors, &BTreeMap::new(), c).unwrap();
+        let w = V1Writer::create(&dest, tensors, &BTreeMap::new(), c).unwrap();
         let mut all = Vec::new();
         for (i, t) in tensors.iter().enumerate() {
             let data = bytes(i, byte_len(t.dtype, &t.shape).unwrap() as usize);
@@ -1259,24 +1419,22 @@ mod tests {
         let (path, _) = write(dir.path(), &specs, 7, 4);
         let bytes = std::fs::read(&path).unwrap();
         let h = parse_header(&bytes, bytes.len() as u64).unwrap();
-        let by: BTreeMap<&str, &ChunkTable> = h
+        // Version 1: one stream per tensor, in offset order.
+        let by: BTreeMap<&str, (usize, u64, usize)> = h
             .tensors
             .iter()
-            .map(|t| t.name.as_str())
-            .zip(&h.tables)
+            .enumerate()
+            .map(|(i, t)| {
+                let ChunkLoc::V1 { group, .. } = h.body.chunks[i][0] else {
+                    panic!("a version 2 chunk in a version 1 file");
+                };
+                let cs = h.body.streams.streams[i].chunk_size;
+                (t.name.as_str(), (group, cs, h.body.chunks[i].len()))
+            })
             .collect();
-        assert_eq!(
-            (by["b"].group, by["b"].chunk_size, by["b"].chunks.len()),
-            (2, 6, 4)
-        );
-        assert_eq!(
-            (by["s"].group, by["s"].chunk_size, by["s"].chunks.len()),
-            (1, 6, 1)
-        );
-        assert_eq!(
-            (by["i"].group, by["i"].chunk_size, by["i"].chunks.len()),
-            (1, 4, 3)
-        );
+        assert_eq!(by["b"], (2, 6, 4));
+        assert_eq!(by["s"], (1, 6, 1));
+        assert_eq!(by["i"], (1, 4, 3));
         // The uncompressed layout is the safetensors one: contiguous, in spec order.
         let offs: Vec<(u64, u64)> = h.tensors.iter().map(|t| (t.start, t.end)).collect();
         assert_eq!(offs, [(0, 20), (20, 26), (26, 38)]);
@@ -1291,7 +1449,7 @@ mod tests {
         let mut doc: Value = serde_json::from_slice(&bytes[16..h.data_start as usize]).unwrap();
         edit(&mut doc);
         let text = serde_json::to_vec(&doc).unwrap();
-        let mut out = MAGIC.to_vec();
+        let mut out = MAGIC_V1.to_vec();
         out.extend_from_slice(&(text.len() as u64).to_le_bytes());
         out.extend_from_slice(&text);
         out.extend_from_slice(&bytes[h.data_start as usize..]);

@@ -49,12 +49,7 @@ pub(crate) fn read(path: &Path, map: Option<Mmap>) -> Result<TensorFile> {
         t.start += data_start;
         t.end += data_start;
     }
-    if let Some(text) = metadata.get(DCP_SHARDING_INFO) {
-        let offsets = parse_dcp_offsets(text).map_err(|e| bad(e).with_path(path))?;
-        for t in &mut tensors {
-            t.offsets = offsets.get(&t.name).cloned();
-        }
-    }
+    apply_dcp_offsets(&mut tensors, &metadata).map_err(|e| e.with_path(path))?;
     let sums = match metadata.get(CHECKSUMS_KEY) {
         Some(text) => decode_checksums(text).map_err(|e| e.with_path(path))?,
         None => BTreeMap::new(),
@@ -240,6 +235,21 @@ pub(crate) fn parse_description(
         end,
         offsets: None,
     })
+}
+
+/// Sets each tensor's `offsets` from PyTorch DCP's `DCP_SHARDING_INFO` metadata, when
+/// there is some (also for a `.ckptz` file compressed from such a file).
+pub(crate) fn apply_dcp_offsets(
+    tensors: &mut [TensorEntry],
+    metadata: &BTreeMap<String, String>,
+) -> Result<()> {
+    if let Some(text) = metadata.get(DCP_SHARDING_INFO) {
+        let offsets = parse_dcp_offsets(text).map_err(bad)?;
+        for t in tensors {
+            t.offsets = offsets.get(&t.name).cloned();
+        }
+    }
+    Ok(())
 }
 
 /// Parses `{"name": {"saved_offsets": [..]}, ...}`.

@@ -10,7 +10,7 @@ use crate::checkpoint::{COMPRESSED_INDEX_FILE, INDEX_FILE};
 use crate::checksum::CHECKSUMS_KEY;
 use crate::copy::SLAB_BYTES;
 use crate::error::{Error, IoContext, Result};
-use crate::formats::ckptz::{Compression, EXTENSION};
+use crate::formats::ckptz::{CkptzWriter, Compression, EXTENSION};
 use crate::formats::safetensors::TensorSpec;
 use crate::formats::{ChunkCache, FileFormat, FileWriter, TensorFile};
 use crate::output::{check_output_outside_inputs, write_file_atomic, StagedDir};
@@ -197,7 +197,22 @@ fn convert_file(src: &Path, dest: &Path, how: Conversion, stats: &mut ConvertSta
         Conversion::Compress(c) => Some(c),
         Conversion::Decompress => None,
     };
-    let writer = FileWriter::create(dest, &specs, &metadata, compression)?;
+    if let (Conversion::Decompress, Some(header)) = (how, f.source_header()) {
+        // The file `ckpt compress` read, byte for byte (header included).
+        crate::formats::ckptz::v2::write_source(&f, header, dest)?;
+        return finish_file(src, dest, &f, stats);
+    }
+    let writer = match compression {
+        // Keeps the source's header text, so that decompressing gives it back.
+        Some(c) => FileWriter::Compressed(CkptzWriter::create_with_source(
+            dest,
+            &specs,
+            &metadata,
+            c,
+            Some(safetensors_header(src)?),
+        )?),
+        None => FileWriter::create(dest, &specs, &metadata, None)?,
+    };
     let mut jobs = Vec::new();
     for (j, &i) in order.iter().enumerate() {
         let t = &f.tensors()[i];
@@ -217,6 +232,26 @@ fn convert_file(src: &Path, dest: &Path, how: Conversion, stats: &mut ConvertSta
             r
         })?;
     writer.finish()?;
+    finish_file(src, dest, &f, stats)
+}
+
+/// The header text of a safetensors file (after its 8-byte length), as it is.
+fn safetensors_header(src: &Path) -> Result<String> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(src).at(src)?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).at(src)?;
+    // The file was opened and checked as safetensors: the length is within the limit.
+    let n = u64::from_le_bytes(len).min(crate::formats::safetensors::MAX_HEADER_LEN);
+    let mut text = vec![0; n as usize];
+    file.read_exact(&mut text).at(src)?;
+    String::from_utf8(text).map_err(|e| Error::UnknownInput {
+        problem: format!("{}: header is not UTF-8: {e}", src.display()),
+    })
+}
+
+/// Checks a converted file's checksums against the source's and counts it.
+fn finish_file(src: &Path, dest: &Path, f: &TensorFile, stats: &mut ConvertStats) -> Result<()> {
     // The output's checksums are those of the bytes read: they must be the ones the
     // source recorded, or the source was damaged (and so is the copy: remove it).
     let written = TensorFile::open(dest)?;

@@ -1,0 +1,168 @@
+//! The HTML report of a checkpoint: one self-contained file (inline CSS, JS and SVG, no
+//! fetches) with a summary, a sortable and filterable table of tensors, and per tensor
+//! a drawing of its pieces over the ranks, built in the browser when the row is opened
+//! from the JSON embedded in the page (`report.html` is the page, `__DATA__` the place
+//! of the JSON).
+
+use super::{holder_label, picture, Extent};
+use crate::checkpoint::{Checkpoint, Kind};
+use crate::error::{Error, Result};
+use crate::plan::bytes_of;
+use crate::strategy::dtype_name;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+const PAGE: &str = include_str!("report.html");
+
+/// Placements of tensor `name` as `inspect` prints them: `tp:Shard(0) dp:Replicate`,
+/// `whole`, or the number of pieces.
+fn placements(ck: &Checkpoint, name: &str) -> String {
+    match (&ck.strategy, ck.kind) {
+        (Some(s), _) => match s.tensors.get(name) {
+            Some(l) => s
+                .mesh
+                .axes()
+                .iter()
+                .zip(&l.placements)
+                .map(|(a, p)| format!("{}:{}", a.name, p))
+                .chain(l.stage.map(|st| format!("stage {st}")))
+                .collect::<Vec<_>>()
+                .join(" "),
+            None => String::new(),
+        },
+        (None, Kind::Integrated) => "whole".into(),
+        (None, _) => format!("{} pieces", ck.tensors[name].pieces.len()),
+    }
+}
+
+/// The data the page draws from. Tensors are arrays, not objects, to keep a report of
+/// 10^5 tensors small: `[name, dtype, shape, bytes, placements, holdings]`, each
+/// holding `[holder, start, shape, copy]` for a box or `[holder, null, len, copy,
+/// start]` for a flat range.
+fn data(ck: &Checkpoint, problems: &[Error], title: &str) -> Result<Value> {
+    let mut dtypes: BTreeMap<String, u64> = BTreeMap::new();
+    let mut bits: BTreeMap<String, usize> = BTreeMap::new();
+    let mut tensors = Vec::with_capacity(ck.tensors.len());
+    for (name, t) in &ck.tensors {
+        let d = dtype_name(t.dtype);
+        *dtypes.entry(d.clone()).or_default() += 1;
+        bits.insert(d.clone(), t.dtype.bitsize());
+        let p = picture(ck, name)?;
+        let holdings: Vec<Value> = p
+            .holdings
+            .iter()
+            .map(|h| {
+                let copy = u8::from(h.copy);
+                match &h.extent {
+                    Extent::Box(r) => json!([h.holder, r.start, r.shape, copy]),
+                    Extent::Flat { start, len } => json!([h.holder, null, len, copy, start]),
+                }
+            })
+            .collect();
+        tensors.push(json!([
+            name,
+            d,
+            t.shape,
+            bytes_of(t.dtype, t.shape.iter().product()),
+            placements(ck, name),
+            holdings
+        ]));
+    }
+    let formats: std::collections::BTreeSet<&str> =
+        ck.files.iter().map(|f| f.format().name()).collect();
+    let kind = match ck.kind {
+        Kind::Sliced => "sliced (ckpt rank files + strategy)",
+        Kind::Integrated => "integrated (whole tensors)",
+        Kind::Dcp => "PyTorch DCP",
+    };
+    let ranks = ck.ranks.iter().flatten().max().map(|r| r + 1);
+    let strategy = ck.strategy.as_ref().map(|s| {
+        let mut placements: BTreeMap<String, u64> = BTreeMap::new();
+        for name in ck.tensors.keys() {
+            *placements.entry(self::placements(ck, name)).or_default() += 1;
+        }
+        let common: Vec<String> = placements
+            .iter()
+            .map(|(p, n)| format!("{p} ({n})"))
+            .collect();
+        format!("mesh {}: {}", s.mesh, common.join(", "))
+    });
+    Ok(json!({
+        "summary": {
+            "path": title,
+            "format": formats.into_iter().collect::<Vec<_>>().join(", "),
+            "kind": kind,
+            "dtypes": dtypes,
+            "bytes": ck.stored_bytes(),
+            "ranks": ranks,
+            "strategy": strategy,
+            "problems": problems.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "notes": ck.notes,
+        },
+        "bits": bits,
+        "files": ck.files.iter().map(|f| f.path().display().to_string()).collect::<Vec<_>>(),
+        "holders": (0..ck.files.len()).map(|i| ck.label(i)).collect::<Vec<_>>(),
+        "short": (0..ck.files.len()).map(|i| match ck.ranks[i] {
+            Some(r) => format!("r{r}"),
+            None => holder_label(ck, i).rsplit('/').next().unwrap_or_default().to_string(),
+        }).collect::<Vec<_>>(),
+        "tensors": tensors,
+    }))
+}
+
+/// The report page of `ck` (with the `problems` its verification found), titled
+/// `title` (the path inspected).
+///
+/// # Errors
+/// [`Error::TensorNotFound`] cannot happen for tensors of `ck`; JSON encoding errors
+/// are reported as [`Error::Unsupported`].
+pub fn html_report(ck: &Checkpoint, problems: &[Error], title: &str) -> Result<String> {
+    let data = data(ck, problems, title)?;
+    let json = serde_json::to_string(&data).map_err(|e| Error::Unsupported {
+        problem: format!("report data: {e}"),
+    })?;
+    // `</` would end the script element early (a tensor named `</script>`); `<\/` is
+    // the same string to JSON.
+    let json = json.replace("</", "<\\/");
+    let title = title
+        .replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;");
+    // Split first, so that neither the title nor the data can be taken for the
+    // other's place.
+    let (head, tail) = PAGE.split_once("__DATA__").unwrap_or((PAGE, ""));
+    Ok(format!(
+        "{}{json}{tail}",
+        head.replacen("__TITLE__", &title, 1)
+    ))
+}
+
+/// Writes the report of `ck` to `dest` (temporary name, sync, rename: a reader never
+/// sees half a report).
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn write_html_report(
+    ck: &Checkpoint,
+    problems: &[Error],
+    title: &str,
+    dest: &Path,
+) -> Result<u64> {
+    let page = html_report(ck, problems, title)?;
+    crate::output::write_file_atomic(dest, page.as_bytes())?;
+    Ok(page.len() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn page_has_one_place_for_data_and_title() {
+        assert_eq!(super::PAGE.matches("__DATA__").count(), 1);
+        assert_eq!(super::PAGE.matches("__TITLE__").count(), 1);
+        // Self-contained: nothing is fetched.
+        for fetch in ["src=", "href=", "@import", "url(", "fetch("] {
+            assert!(!super::PAGE.contains(fetch), "{fetch}");
+        }
+    }
+}

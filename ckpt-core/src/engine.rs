@@ -1,0 +1,7 @@
+//! The engine: carries out plans over any reader and writer.
+
+pub(crate) mod convert;
+pub(crate) mod copy;
+pub(crate) mod example;
+pub(crate) mod save;
+pub(crate) mod verify;

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""The HTML report in a real browser, and the training curves in TensorBoard's reader.
+
+    report_browser.py CKPT_BINARY WORKDIR [SCREENSHOT.png]
+
+1. Makes a sliced example checkpoint (uneven vocabulary, replicated norms, fused QKV,
+   ZeRO-1 optimizer moments), asks `ckpt inspect --json` for its tensors and pieces,
+   writes `ckpt inspect --html`, opens the report in headless Chromium and checks: the
+   tensor count, every tensor's drawing (one group per piece, rectangles for the
+   non-empty owners), sorting, filtering, no errors in the console. Saves a screenshot.
+2. Trains a few steps with `ckpt train --out`, reads the event file with TensorBoard's
+   own EventAccumulator and checks the loss curve against `ckpt train --json`.
+
+Selenium drives Debian's `chromium` through Debian's `chromium-driver`: both come from
+the same source package, so the driver always speaks the browser's protocol version.
+Playwright would need its own Node driver and expects the Chromium revision it was built
+against, which `playwright install` downloads from a CDN these machines cannot reach.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+CKPT, WORK = sys.argv[1], sys.argv[2]
+SHOT = sys.argv[3] if len(sys.argv) > 3 else os.path.join(WORK, "report.png")
+
+
+def ckpt(*args):
+    r = subprocess.run([CKPT, *args], cwd=WORK, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"ckpt {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return r.stdout
+
+
+def wait_rows(drv, n, what):
+    """Waits until the table shows `n` rows (the filter runs 120 ms after typing)."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        WebDriverWait(drv, 10).until(
+            lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.row")) == n)
+    except TimeoutException:
+        sys.exit(f"{what}: want {n} rows, the page says "
+                 f"{drv.find_element(By.ID, 'count').text!r} "
+                 f"(filter {drv.find_element(By.ID, 'filter').get_attribute('value')!r})")
+
+
+def browser_check():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    ckpt("example", "ex", "--mesh", "dp=2,tp=4", "--hidden", "16", "--vocab", "37",
+         "--optimizer", "--force")
+    doc = json.loads(ckpt("inspect", "ex", "--json"))
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    report = os.path.join(WORK, "report.html")
+    ckpt("inspect", "ex", "--html", report)
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+    for a in ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              "--window-size=1200,1000"]:
+        opts.add_argument(a)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    service = Service(os.environ.get("CHROMEDRIVER", "/usr/bin/chromedriver"))
+    drv = webdriver.Chrome(service=service, options=opts)
+    try:
+        drv.get("file://" + os.path.abspath(report))
+        WebDriverWait(drv, 20).until(
+            lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+        count = drv.find_element(By.ID, "count").text
+        assert count == f"{len(tensors)} of {len(tensors)} tensors", count
+        rows = drv.find_elements(By.CSS_SELECTOR, "tr.row")
+        assert len(rows) == len(tensors), (len(rows), len(tensors))
+        assert [r.find_element(By.TAG_NAME, "td").text for r in rows] == sorted(tensors)
+
+        drawn = 0
+        for i in range(len(rows)):
+            row = drv.find_elements(By.CSS_SELECTOR, "tr.row")[i]
+            name = row.find_element(By.TAG_NAME, "td").text
+            row.click()
+            detail = drv.find_element(By.CSS_SELECTOR, "tr.detail")
+            groups = detail.find_elements(By.CSS_SELECTOR, "svg.pieces g.piece")
+            pieces = tensors[name]["pieces"]
+            assert len(groups) == len(pieces), (name, len(groups), len(pieces))
+            with_rects = drv.execute_script(
+                "return [...document.querySelectorAll('tr.detail g.piece')]"
+                ".filter(g => g.querySelector('rect')).length")
+            owners = [p for p in pieces if not p["copy"] and p["bytes"] > 0]
+            assert with_rects == len(owners), (name, with_rects, len(owners))
+            legend = detail.find_elements(By.CSS_SELECTOR, "tr.legend-row")
+            assert len(legend) == len(pieces), (name, len(legend))
+            drawn += with_rects
+            row.click()  # closes it again
+            assert not drv.find_elements(By.CSS_SELECTOR, "tr.detail"), name
+
+        # Sort by bytes, largest first (two clicks), then filter.
+        th = drv.find_element(By.CSS_SELECTOR, "th[data-key=bytes]")
+        th.click()
+        th.click()
+        first = drv.find_element(By.CSS_SELECTOR, "tr.row td").text
+        biggest = max(tensors.values(),
+                      key=lambda t: (t["bytes"], -sorted(tensors).index(t["name"])))
+        assert tensors[first]["bytes"] == biggest["bytes"], (first, biggest["name"])
+        box = drv.find_element(By.ID, "filter")
+        box.send_keys("qkv")
+        want = [n for n in tensors if "qkv" in n.lower()]
+        wait_rows(drv, len(want), "filter qkv")
+        assert drv.find_element(By.ID, "count").text == f"{len(want)} of {len(tensors)} tensors"
+        box.clear()
+        box.send_keys("/^embed|norm/")
+        want = [n for n in tensors if n.startswith("embed") or "norm" in n]
+        wait_rows(drv, len(want), "filter /^embed|norm/")
+
+        # The picture for the README: the unevenly split embedding, opened.
+        box.clear()
+        box.send_keys("/^embed\\.weight$/")
+        wait_rows(drv, 1, "filter embed.weight")
+        drv.find_element(By.CSS_SELECTOR, "tr.row").click()
+        drv.save_screenshot(SHOT)
+        errors = [e for e in drv.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+        print(f"browser: {len(tensors)} tensors, {drawn} pieces drawn, sort and filter ok; "
+              f"report {os.path.getsize(report)} bytes; screenshot {SHOT}")
+    finally:
+        drv.quit()
+
+
+def tensorboard_check():
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = 12
+    out = json.loads(ckpt("train", "--ranks", "2", "--max-steps", str(steps), "--out", "run",
+                          "--json", "--quiet"))
+    acc = EventAccumulator(os.path.join(WORK, "run"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"train/loss", "train/images_per_sec"} <= set(tags), tags
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, steps + 1)), [e.step for e in loss]
+    # f32 in the event, f32 printed by ckpt: equal to the last bit.
+    assert abs(loss[-1].value - out["final_loss"]) <= 1e-6 * abs(out["final_loss"]), (
+        loss[-1].value, out["final_loss"])
+    ips = acc.Scalars("train/images_per_sec")
+    assert len(ips) == steps and all(e.value > 0 for e in ips)
+    accs = acc.Scalars("test/accuracy") if "test/accuracy" in tags else []
+    assert [(e.step, round(e.value, 6)) for e in accs] == [
+        (e, round(a, 6)) for e, a in out["test_accuracy"]], (accs, out["test_accuracy"])
+    print(f"tensorboard: {len(loss)} losses (last {loss[-1].value:.4f}), {len(ips)} "
+          f"throughputs, {len(accs)} accuracies read by EventAccumulator")
+
+
+os.makedirs(WORK, exist_ok=True)
+browser_check()
+tensorboard_check()
