@@ -91,7 +91,8 @@ pub(crate) fn target_of(
     mesh: Option<&str>,
     strategy: Option<PathBuf>,
 ) -> PyResult<Option<ckpt_reshard::Target>> {
-    let given = usize::from(to.is_some()) + usize::from(mesh.is_some()) + usize::from(strategy.is_some());
+    let given =
+        usize::from(to.is_some()) + usize::from(mesh.is_some()) + usize::from(strategy.is_some());
     if given > 1 {
         return Err(usage(py, "give at most one of to, mesh and strategy"));
     }

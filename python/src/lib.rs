@@ -17,6 +17,9 @@ mod cli;
 #[path = "../../src/demo.rs"]
 #[allow(dead_code, unreachable_pub, missing_docs)]
 mod demo;
+#[path = "../../src/pictures.rs"]
+#[allow(dead_code, unreachable_pub, missing_docs)]
+mod pictures;
 #[path = "../../src/report.rs"]
 #[allow(dead_code, unreachable_pub, missing_docs)]
 mod report;

@@ -28,7 +28,10 @@ fn view_of(source: &Checkpoint, t: &TensorPlan) -> Option<(PathBuf, u64)> {
         return None;
     };
     let dtype = t.target.dtype;
-    if dtype != t.src_dtype || !(dtype.bitsize()).is_multiple_of(8) || op.src.shape != t.target.shape {
+    if dtype != t.src_dtype
+        || !(dtype.bitsize()).is_multiple_of(8)
+        || op.src.shape != t.target.shape
+    {
         return None;
     }
     let file = &source.files[op.file];
@@ -55,7 +58,11 @@ fn view_of(source: &Checkpoint, t: &TensorPlan) -> Option<(PathBuf, u64)> {
 }
 
 impl LoadPlan {
-    fn build(py: Python<'_>, source: Arc<Checkpoint>, tensors: Vec<TargetTensor>) -> PyResult<LoadPlan> {
+    fn build(
+        py: Python<'_>,
+        source: Arc<Checkpoint>,
+        tensors: Vec<TargetTensor>,
+    ) -> PyResult<LoadPlan> {
         let plan = CopyPlan::build(
             &source,
             vec![TargetFile {
@@ -78,14 +85,21 @@ impl LoadPlan {
         target: Option<ckpt_reshard::Target>,
     ) -> PyResult<LoadPlan> {
         if let Some(names) = &names {
-            let missing: Vec<&String> = names.iter().filter(|n| !source.tensors.contains_key(*n)).collect();
+            let missing: Vec<&String> = names
+                .iter()
+                .filter(|n| !source.tensors.contains_key(*n))
+                .collect();
             if !missing.is_empty() {
                 return Err(crate::errors::raise(
                     py,
                     "MissingData",
                     format!(
                         "not in the checkpoint: {}",
-                        missing.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
+                        missing
+                            .iter()
+                            .map(|n| format!("`{n}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     ),
                 ));
             }
@@ -106,14 +120,18 @@ impl LoadPlan {
                         pieces: if full.is_empty() {
                             vec![]
                         } else {
-                            vec![Piece { global: full.clone(), local: full }]
+                            vec![Piece {
+                                global: full.clone(),
+                                local: full,
+                            }]
                         },
                     }
                 })
                 .collect(),
-            (None, Some(_)) => {
-                return Err(usage(py, "to, mesh and strategy name a target layout: give the target rank too (rank=...)"))
-            }
+            (None, Some(_)) => return Err(usage(
+                py,
+                "to, mesh and strategy name a target layout: give the target rank too (rank=...)",
+            )),
             (Some(r), target) => {
                 let target = match (target, &source.strategy) {
                     (Some(t), _) => t,
@@ -131,7 +149,13 @@ impl LoadPlan {
                 .py_err(py)?;
                 let world = strategy.mesh.world_size();
                 if r >= world {
-                    return Err(usage(py, format!("rank={r} but the target mesh {} has {world} ranks", strategy.mesh)));
+                    return Err(usage(
+                        py,
+                        format!(
+                            "rank={r} but the target mesh {} has {world} ranks",
+                            strategy.mesh
+                        ),
+                    ));
                 }
                 rank_tensors(&strategy, r, true, &|name, l| keep(name).then_some(l.dtype))
             }
@@ -177,7 +201,10 @@ impl LoadPlan {
             }
             let piece = Region::new(start, local.clone());
             if !Region::full(&global).contains(&piece) && !piece.is_empty() {
-                return Err(usage(py, format!("tensor `{name}`: box {piece} lies outside {global:?}")));
+                return Err(usage(
+                    py,
+                    format!("tensor `{name}`: box {piece} lies outside {global:?}"),
+                ));
             }
             tensors.push(TargetTensor {
                 name,
@@ -185,7 +212,10 @@ impl LoadPlan {
                 pieces: if piece.is_empty() {
                     vec![]
                 } else {
-                    vec![Piece { local: Region::full(&local), global: piece }]
+                    vec![Piece {
+                        local: Region::full(&local),
+                        global: piece,
+                    }]
                 },
                 shape: local,
             });
@@ -269,7 +299,10 @@ impl LoadPlan {
             };
             let want = bytes_of(t.target.dtype, t.target.shape.iter().product());
             if want != n as u64 {
-                return Err(usage(py, format!("tensor `{}` has {want} bytes, {n} given", t.target.name)));
+                return Err(usage(
+                    py,
+                    format!("tensor `{}` has {want} bytes, {n} given", t.target.name),
+                ));
             }
         }
         let source = &self.source;

@@ -67,7 +67,10 @@ fn report<'py>(
 /// and files of the plan, and the seconds taken.
 fn run_copy(
     py: Python<'_>,
-    run: impl FnOnce(&(dyn Fn(u64) + Sync), &dyn Fn(&Checkpoint, &CopyPlan)) -> ckpt_core::Result<CopyStats>
+    run: impl FnOnce(
+            &(dyn Fn(u64) + Sync),
+            &dyn Fn(&Checkpoint, &CopyPlan),
+        ) -> ckpt_core::Result<CopyStats>
         + Send,
 ) -> PyResult<(CopyStats, (u64, u64), f64)> {
     let shape = Mutex::new((0u64, 0u64));
@@ -116,7 +119,10 @@ pub(crate) fn merge<'py>(
     let inputs = Source::new(
         py,
         paths_of(src)?,
-        source_strategy.map(paths_of).transpose()?.unwrap_or_default(),
+        source_strategy
+            .map(paths_of)
+            .transpose()?
+            .unwrap_or_default(),
         None,
     )?
     .paths;
@@ -126,7 +132,8 @@ pub(crate) fn merge<'py>(
             Ok(n) => n,
             Err(_) => {
                 let s: String = v.extract()?;
-                ckpt_merge::parse_size(&s).map_err(|e| usage(py, format!("max_shard_size `{s}`: {e}")))?
+                ckpt_merge::parse_size(&s)
+                    .map_err(|e| usage(py, format!("max_shard_size `{s}`: {e}")))?
             }
         }),
     };
@@ -134,7 +141,12 @@ pub(crate) fn merge<'py>(
         "safetensors" => ckpt_merge::MergeFormat::Safetensors,
         "mindspore" => ckpt_merge::MergeFormat::MindSpore,
         "torch" => ckpt_merge::MergeFormat::Torch,
-        f => return Err(usage(py, format!("format `{f}`: safetensors, mindspore or torch"))),
+        f => {
+            return Err(usage(
+                py,
+                format!("format `{f}`: safetensors, mindspore or torch"),
+            ))
+        }
     };
     let req = ckpt_merge::MergeRequest {
         inputs,
@@ -185,7 +197,10 @@ pub(crate) fn reshard<'py>(
     let inputs = Source::new(
         py,
         paths_of(src)?,
-        source_strategy.map(paths_of).transpose()?.unwrap_or_default(),
+        source_strategy
+            .map(paths_of)
+            .transpose()?
+            .unwrap_or_default(),
         None,
     )?
     .paths;
@@ -194,7 +209,12 @@ pub(crate) fn reshard<'py>(
         "dcp" => ckpt_reshard::OutputFormat::Dcp,
         "distcp" => ckpt_reshard::OutputFormat::Distcp,
         "mindspore" => ckpt_reshard::OutputFormat::MindSpore,
-        f => return Err(usage(py, format!("format `{f}`: ckpt, dcp, distcp or mindspore"))),
+        f => {
+            return Err(usage(
+                py,
+                format!("format `{f}`: ckpt, dcp, distcp or mindspore"),
+            ))
+        }
     };
     let req = ckpt_reshard::ReshardRequest {
         inputs,
@@ -229,7 +249,10 @@ pub(crate) fn verify<'py>(
     let s = Source::new(
         py,
         paths_of(src)?,
-        source_strategy.map(paths_of).transpose()?.unwrap_or_default(),
+        source_strategy
+            .map(paths_of)
+            .transpose()?
+            .unwrap_or_default(),
         strip_prefix,
     )?;
     let depth = ckpt_core::VerifyDepth { checksums, deep };
@@ -243,14 +266,24 @@ pub(crate) fn verify<'py>(
     let recorded: usize = ck
         .files
         .iter()
-        .map(|f| (0..f.tensors().len()).filter(|&i| f.checksum(i).is_some()).count())
+        .map(|f| {
+            (0..f.tensors().len())
+                .filter(|&i| f.checksum(i).is_some())
+                .count()
+        })
         .sum();
     d.set_item("checksums", if checksums { recorded } else { 0 })?;
     d.set_item("notes", ck.notes.clone())?;
     d.set_item("seconds", t.elapsed().as_secs_f64())?;
     // The problems, and the exception the first one maps to (raised by the caller).
-    let errs: Vec<PyErr> = problems.into_iter().map(|e| crate::errors::to_py(py, e)).collect();
-    let objs: Vec<Bound<'py, PyAny>> = errs.into_iter().map(|e| e.into_value(py).into_bound(py).into_any()).collect();
+    let errs: Vec<PyErr> = problems
+        .into_iter()
+        .map(|e| crate::errors::to_py(py, e))
+        .collect();
+    let objs: Vec<Bound<'py, PyAny>> = errs
+        .into_iter()
+        .map(|e| e.into_value(py).into_bound(py).into_any())
+        .collect();
     d.set_item("problems", objs)?;
     Ok(d)
 }
