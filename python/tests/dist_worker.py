@@ -2,8 +2,9 @@
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python dist_worker.py MODE DIR...
 
-- ``save``: DTensor state on a 2x2 (dp, tp) mesh (4 ranks) or a 1-D mesh (2 ranks),
-  saved with ``ckpt.torch.save_state_dict`` (in the background when CKPT_BG=1).
+- ``save``: DTensor state on a 2x2 (dp, tp) mesh (4 ranks), saved with
+  ``ckpt.torch.save_state_dict`` into DIR, and in the background into a second DIR.
+- ``train`` / ``resume``: a tensor-parallel MLP trained, saved, and resumed.
 - ``load``: a state dict of zeros in *another* layout on this world's mesh, filled by
   ``ckpt.torch.load_state_dict`` from each DIR; every tensor must equal the original bit for
   bit (``full_tensor()`` gathers the pieces of every rank).
@@ -120,17 +121,16 @@ def main():
             with open(dirs[0], "w") as f:
                 f.write("\n".join(lines) + "\n")
     elif mode == "save":
+        # DIR saved as the call returns; a second DIR saved in the background.
         sd = state(world, zeros=False)
-        if os.environ.get("CKPT_BG") == "1":
-            d = dirs[0]
-            h = ckpt.torch.save_state_dict(sd, d, background=True)
-            # The training loop may change the tensors once the call returns.
+        assert ckpt.torch.save_state_dict(sd, dirs[0]) == os.path.abspath(dirs[0])
+        if len(dirs) > 1:
+            h = ckpt.torch.save_state_dict(sd, dirs[1], background=True)
+            # The training loop may change the tensors once the call returns: the
+            # write must still hold the values of the call.
             for v in sd.values():
                 (v._local_tensor if hasattr(v, "_local_tensor") else v).zero_()
-            assert h.wait() == os.path.abspath(d)
-        else:
-            d = dirs[0]
-            assert ckpt.torch.save_state_dict(sd, d) == os.path.abspath(d)
+            assert h.wait() == os.path.abspath(dirs[1])
     else:
         # Each directory in turn, into a fresh state dict of zeros.
         for d in dirs:

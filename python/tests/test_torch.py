@@ -214,29 +214,20 @@ def run_ranks(n, mode, *dirs, **env):
 
 def test_gloo_save_4_reshard_to_2_and_load(tmp_path):
     pytest.importorskip("torch.distributed.tensor")
-    saved = tmp_path / "saved4"
-    run_ranks(4, "save", saved)
+    saved, bg = tmp_path / "saved4", tmp_path / "bg4"
+    run_ranks(4, "save", saved, bg)
     ck = ckpt.open(saved)
     assert ck.kind == "sliced" and ck.mesh == "dp=2,tp=2"
     assert ck.tensors["nested"].placements == ("Shard(0)", "Shard(0)")
     assert ck.tensors["bias"].placements == ("Replicate", "Replicate")
-    # No staging directory is left beside the committed checkpoint.
-    assert sorted(os.listdir(tmp_path)) == ["saved4"]
+    # No staging directory is left beside the committed checkpoints.
+    assert sorted(os.listdir(tmp_path)) == ["bg4", "saved4"]
     r2 = tmp_path / "r2"
     ckpt.reshard(saved, r2, to=2)
-    # 2 ranks from the resharded checkpoint, then straight from the 4-rank save (the
-    # pieces cut at load time, no reshard step).
-    run_ranks(2, "load", r2, saved)
-
-
-def test_gloo_background_save(tmp_path):
-    pytest.importorskip("torch.distributed.tensor")
-    saved = tmp_path / "bg"
-    # The workers zero their tensors as soon as save_state_dict returns: the write must
-    # still hold the values of the call.
-    run_ranks(4, "save", saved, CKPT_BG="1")
-    assert sorted(os.listdir(tmp_path)) == ["bg"]
-    run_ranks(2, "load", saved)
+    # 2 ranks from the resharded checkpoint, straight from the 4-rank save (the pieces
+    # cut at load time, no reshard step), and from the background save (the workers
+    # zeroed their tensors as soon as it returned).
+    run_ranks(2, "load", r2, saved, bg)
 
 
 def test_gloo_resume_on_2_ranks_matches_an_uninterrupted_run(tmp_path):
