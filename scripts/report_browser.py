@@ -64,7 +64,7 @@ def browser_check():
     opts = webdriver.ChromeOptions()
     opts.binary_location = os.environ.get("CHROMIUM", "/usr/bin/chromium")
     for a in ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-              "--window-size=1200,1000"]:
+              "--window-size=1100,900"]:
         opts.add_argument(a)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     service = Service(os.environ.get("CHROMEDRIVER", "/usr/bin/chromedriver"))
@@ -117,16 +117,41 @@ def browser_check():
         want = [n for n in tensors if n.startswith("embed") or "norm" in n]
         wait_rows(drv, len(want), "filter /^embed|norm/")
 
-        # The picture for the README: the unevenly split embedding, opened.
+        # The picture for the README: the fused QKV weight, each rank holding its part
+        # of each of the three blocks.
         box.clear()
-        box.send_keys("/^embed\\.weight$/")
-        wait_rows(drv, 1, "filter embed.weight")
+        box.send_keys("/^layers\\.0\\.attn\\.qkv\\.weight$/")
+        wait_rows(drv, 1, "filter qkv of layer 0")
         drv.find_element(By.CSS_SELECTOR, "tr.row").click()
         drv.save_screenshot(SHOT)
         errors = [e for e in drv.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
         print(f"browser: {len(tensors)} tensors, {drawn} pieces drawn, sort and filter ok; "
               f"report {os.path.getsize(report)} bytes; screenshot {SHOT}")
+
+        # The plan page of a 4 -> 3 reshard: its totals are the plan's, each tensor
+        # shows 3 target pieces (per block) over the source pieces' outlines.
+        plan = json.loads(ckpt("reshard", "ex", "-o", "r3", "--mesh", "dp=2,tp=3", "--plan",
+                               "--json", "--html", "plan.html"))
+        drv.get("file://" + os.path.join(os.path.abspath(WORK), "plan.html"))
+        WebDriverWait(drv, 20).until(
+            lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+        outputs = drv.find_elements(By.CSS_SELECTOR, "#outputs tr.output-row")
+        assert len(outputs) == len(plan["files"]), (len(outputs), len(plan["files"]))
+        assert f"({plan['bytes_read']} B)" in drv.find_element(By.ID, "summary-plan").text
+        drv.find_element(By.ID, "filter").send_keys("/^embed\\.weight$/")
+        wait_rows(drv, 1, "plan: filter embed.weight")
+        drv.find_element(By.CSS_SELECTOR, "tr.row").click()
+        targets = drv.find_elements(By.CSS_SELECTOR, "tr.detail g.piece")
+        sources = drv.find_elements(By.CSS_SELECTOR, "tr.detail g.source")
+        src_pieces = [p for p in tensors["embed.weight"]["pieces"] if not p["copy"]]
+        assert len(sources) == len(src_pieces), (len(sources), len(src_pieces))
+        assert len(targets) == 3, len(targets)
+        drv.save_screenshot(os.path.join(WORK, "plan.png"))
+        errors = [e for e in drv.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+        print(f"plan page: {len(outputs)} outputs, embed.weight as {len(targets)} target "
+              f"pieces over {len(sources)} source pieces")
     finally:
         drv.quit()
 
@@ -134,9 +159,12 @@ def browser_check():
 def tensorboard_check():
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    # 2 epochs of 6 updates of 32 images, each followed by a test accuracy.
     steps = 12
-    out = json.loads(ckpt("train", "--ranks", "2", "--max-steps", str(steps), "--out", "run",
+    out = json.loads(ckpt("train", "--ranks", "2", "--epochs", "2", "--train-limit", "192",
+                          "--test-limit", "200", "--batch-size", "32", "--out", "run",
                           "--json", "--quiet"))
+    assert out["steps"] == steps, out
     acc = EventAccumulator(os.path.join(WORK, "run"))
     acc.Reload()
     tags = acc.Tags()["scalars"]
@@ -148,8 +176,8 @@ def tensorboard_check():
         loss[-1].value, out["final_loss"])
     ips = acc.Scalars("train/images_per_sec")
     assert len(ips) == steps and all(e.value > 0 for e in ips)
-    accs = acc.Scalars("test/accuracy") if "test/accuracy" in tags else []
-    assert [(e.step, round(e.value, 6)) for e in accs] == [
+    accs = acc.Scalars("test/accuracy")
+    assert len(accs) == 2 and [(e.step, round(e.value, 6)) for e in accs] == [
         (e, round(a, 6)) for e, a in out["test_accuracy"]], (accs, out["test_accuracy"])
     print(f"tensorboard: {len(loss)} losses (last {loss[-1].value:.4f}), {len(ips)} "
           f"throughputs, {len(accs)} accuracies read by EventAccumulator")

@@ -20,6 +20,8 @@ python3 -m venv --help >/dev/null 2>&1 || need+=(python3-venv)
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
 dpkg -s libopenmpi-dev >/dev/null 2>&1 || need+=(libopenmpi-dev)
 dpkg -s libclang-dev >/dev/null 2>&1 || need+=(libclang-dev)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
@@ -36,6 +38,9 @@ if ! "$venv/bin/python" -c "import numpy, safetensors" 2>/dev/null; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --disable-pip-version-check numpy safetensors
 fi
+# The layout pictures' checks: Selenium drives Chromium, TensorBoard reads event files.
+"$venv/bin/python" -c "import selenium, tensorboard" 2>/dev/null ||
+  "$venv/bin/pip" install --quiet --disable-pip-version-check selenium tensorboard
 export CKPT_PYTHON="$PWD/$venv/bin/python"
 cargo test --workspace "$@"
 
@@ -50,6 +55,13 @@ PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" 
 
 # The README's "By example" block, every line as written, in order, in a new directory.
 scripts/readme_examples.sh target/debug/ckpt
+
+# Layout pictures: `ckpt inspect --html` in headless Chromium (tensor and piece counts
+# against `inspect --json`, sorting, filtering, a screenshot) and `ckpt train`'s
+# TensorBoard event file read by TensorBoard's EventAccumulator. About 20 seconds.
+pics=$(mktemp -d)
+"$venv/bin/python" scripts/report_browser.py target/debug/ckpt "$pics" "$pics/report.png"
+rm -rf "$pics"
 
 # SIGKILL merge, reshard and training saves at random moments: outputs are old, new or
 # absent, never partial, and a training run's `latest` always verifies (about a minute).

@@ -340,6 +340,10 @@ struct ReshardArgs {
     /// Print which files each target rank reads and the bytes, and write nothing.
     #[arg(long)]
     plan: bool,
+    /// With --plan: also write the plan as a self-contained HTML page (per tensor the
+    /// target pieces over the source pieces; per output file its reads).
+    #[arg(long, value_name = "FILE", requires = "plan")]
+    html: Option<PathBuf>,
     /// Write replicated tensors on every rank, not only the lowest (always with
     /// `--format mindspore`).
     #[arg(long)]
@@ -843,6 +847,15 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
     if a.plan {
         let (source, strategy, plan) = ckpt_reshard::prepare(&req)?;
         print_plan(&source, &strategy, &plan, a.copy.json)?;
+        if let Some(dest) = &a.html {
+            let title = req
+                .inputs
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(" ");
+            ckpt_core::write_plan_html(&source, &plan, &strategy.mesh.to_string(), &title, dest)?;
+        }
         return Ok(ExitCode::SUCCESS);
     }
     with_progress("resharded", &req.output, &a.copy, |progress, on_plan| {

@@ -209,8 +209,8 @@ fn damaged_compressed_files_are_named_errors() {
     compressed_example(&d);
     let f = d.path("exz/ckpt_1/model.ckptz");
     let good = std::fs::read(&f).unwrap();
-    // A flipped byte in the middle of the data area: zstd's frame checksum (or its
-    // decoder) catches it, whichever tensor's chunk it lands in.
+    // A flipped byte in the middle of the data area: the chunk's CRC-32C (or zstd's
+    // decoder) catches it, whichever chunk it lands in.
     let mut bad = good.clone();
     let at = data_start(&good) + (good.len() - data_start(&good)) / 2;
     bad[at] ^= 0x5a;
@@ -236,7 +236,17 @@ fn damaged_compressed_files_are_named_errors() {
     // Intact chunks but a recorded checksum that disagrees: the copy checks it from
     // the chunks it decompressed.
     let mut wrong = good.clone();
-    let at = good.windows(7).position(|w| w == b"crc32c:").unwrap() + 7;
+    // In `__metadata__`, not in the source header `ckpt compress` keeps before it.
+    let meta = good
+        .windows(12)
+        .rposition(|w| w == b"__metadata__")
+        .unwrap();
+    let at = meta
+        + good[meta..]
+            .windows(7)
+            .position(|w| w == b"crc32c:")
+            .unwrap()
+        + 7;
     wrong[at] = if wrong[at] == b'0' { b'1' } else { b'0' };
     std::fs::write(&f, &wrong).unwrap();
     let o = d.fails(&["merge", "exz", "-o", "out", "-q"]);

@@ -4,8 +4,10 @@ mod util;
 
 mod bad_inputs;
 mod compress;
+mod compress_v2;
 mod crash;
 mod inspect_verify;
+mod megatron;
 mod merge;
 mod mindspore;
 mod pictures;

@@ -5,21 +5,21 @@
 //! (`model.safetensors` or shards with `model.safetensors.index.json`), and PyTorch
 //! DCP sharded safetensors (`DCP_SHARDING_INFO` offsets, layout inferred).
 
-use crate::coverage::{check_tiling, Defect};
 use crate::error::{Error, IoContext, Problems, Result};
 use crate::formats::distcp::{self, DcpMetadata};
-use crate::formats::{ChunkCache, TensorFile};
+use crate::formats::{FileFormat, PieceKind, ReadCache, TensorFile};
+use crate::layout::coverage::{check_tiling, Defect};
+use crate::layout::mesh::Mesh;
+use crate::layout::region::Region;
+use crate::layout::select::Selection;
+use crate::layout::source::{PieceSource, SourcePiece, SourceTensor};
+use crate::layout::strategy::{dtype_name, Strategy};
 use crate::layout::TensorLayout;
-use crate::mesh::Mesh;
-use crate::region::Region;
-use crate::select::Selection;
-use crate::strategy::{dtype_name, Strategy};
 use crate::Dtype;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// Metadata key of PyTorch DCP's per-tensor offsets.
-pub const DCP_SHARDING_INFO: &str = "DCP_SHARDING_INFO";
+pub use crate::layout::plan::DCP_SHARDING_INFO;
 /// Name of a strategy file.
 pub const STRATEGY_FILE: &str = "strategy.json";
 /// Name of a single-file integrated checkpoint and of a rank's file.
@@ -55,6 +55,9 @@ pub const CARRIED_FILES: [&str; 2] = ["config.json", "trainer_state.json"];
 /// How the note on a prefix every name shares begins.
 const SHARED_PREFIX_NOTE: &str = "every tensor name starts with";
 
+/// Bytes of two copies compared at once (a compressed file decompresses that much).
+const COMPARE_WINDOW: u64 = 4 << 20;
+
 /// Most problems of one kind listed one by one; the rest are counted.
 pub(crate) const MAX_LISTED: usize = 20;
 
@@ -75,32 +78,6 @@ pub enum Kind {
     Integrated,
     /// PyTorch DCP sharded safetensors.
     Dcp,
-}
-
-/// One box of a tensor held by one file.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SourcePiece {
-    /// Index into [`Checkpoint::files`].
-    pub file: usize,
-    /// Index of the tensor within that file.
-    pub tensor: usize,
-    /// Where the box lies in the global tensor.
-    pub global: Region,
-    /// Where it lies in the file's tensor.
-    pub local: Region,
-}
-
-/// A global tensor assembled from pieces.
-#[derive(Clone, Debug)]
-pub struct SourceTensor {
-    /// Element type.
-    pub dtype: Dtype,
-    /// Global shape.
-    pub shape: Vec<u64>,
-    /// The pieces to read: disjoint, each element exactly once (lowest rank first).
-    pub pieces: Vec<SourcePiece>,
-    /// Further copies of pieces (replicated data kept by non-owners), for deep checks.
-    pub copies: Vec<(usize, SourcePiece)>,
 }
 
 /// An opened, checked checkpoint.
@@ -157,6 +134,8 @@ struct Expanded {
     dcp: BTreeMap<PathBuf, DcpMetadata>,
     /// The training step asked for (`--step`), where the inputs hold several.
     step: Option<u64>,
+    /// A Megatron legacy checkpoint (save or iteration directory): read on its own.
+    megatron: Option<PathBuf>,
 }
 
 impl Expanded {
@@ -235,14 +214,15 @@ fn is_ms_strategy(path: &Path) -> bool {
 }
 
 /// The checkpoint file of a MindSpore rank directory: its only `.ckpt`/`.safetensors`
-/// file, or the newest `<prefix>-<epoch>_<step>` of several.
+/// (or `ckpt compress`ed `.ckptz`) file, or the newest `<prefix>-<epoch>_<step>` of
+/// several.
 fn ms_rank_file(dir: &Path, step: Option<u64>, notes: &mut Vec<String>) -> Result<Option<PathBuf>> {
     let files: Vec<PathBuf> = list_dir(dir)?
         .into_iter()
         .filter(|p| p.is_file())
         .filter(|p| {
             p.extension()
-                .is_some_and(|e| e == "ckpt" || e == "safetensors")
+                .is_some_and(|e| e == "ckpt" || e == "safetensors" || e == "ckptz")
         })
         .collect();
     if files.len() <= 1 && step.is_none() {
@@ -359,6 +339,16 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
             Ok(_) => "neither a file nor a directory".to_string(),
         };
         return Err(unknown(format!("{}: {why}", path.display())));
+    }
+    if crate::formats::megatron::looks_like(path) {
+        if let Some(other) = x.megatron.replace(path.to_path_buf()) {
+            return Err(unknown(format!(
+                "two Megatron checkpoints given ({} and {}): one at a time",
+                other.display(),
+                path.display()
+            )));
+        }
+        return Ok(());
     }
     // A training output directory: `latest` names its newest complete checkpoint.
     let latest = path.join(LATEST_FILE);
@@ -494,10 +484,17 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
         for extra in ["common.pt", "metadata.json"] {
             if path.join(extra).is_file() {
                 x.notes.push(format!(
-                    "{}: Megatron's {extra} is not read or carried (ckpt reads the DCP tensors beside it)",
+                    "{}: Megatron's {extra} is not read into the output or carried (ckpt reads the DCP tensors beside it)",
                     path.join(extra).display()
                 ));
             }
+        }
+        if path
+            .join(crate::formats::megatron::DIST_METADATA_FILE)
+            .is_file()
+        {
+            let notes = crate::formats::megatron::dist_ckpt_notes(path)?;
+            x.notes.extend(notes);
         }
         for f in files {
             x.inputs.push(Input {
@@ -613,8 +610,18 @@ impl Checkpoint {
             ms,
             mut notes,
             dcp,
+            megatron,
             ..
         } = x;
+        if let Some(dir) = megatron {
+            if !inputs.is_empty() || !ms.given.is_empty() {
+                return Err(unknown(format!(
+                    "{}: a Megatron checkpoint is read on its own, not with other inputs",
+                    dir.display()
+                )));
+            }
+            return Checkpoint::read_megatron(&dir, carried, notes);
+        }
         let ms_strategy = match (ms.given.is_empty(), ms.found.len()) {
             (false, _) => ms.given,
             (true, 0) => vec![],
@@ -646,6 +653,20 @@ impl Checkpoint {
                 Err(e) => problems.push(e),
             }
         }
+        // Flat element ranges (ZeRO, Megatron) are described by their readers but not
+        // planned yet: refused by name rather than read as boxes.
+        for f in &files {
+            for (i, t) in f.tensors().iter().enumerate() {
+                if let PieceKind::Flat { start, len } = f.piece(i) {
+                    problems.push(Error::FlatPiece {
+                        path: f.path().to_path_buf(),
+                        tensor: t.name.clone(),
+                        start,
+                        end: start.saturating_add(len),
+                    });
+                }
+            }
+        }
         if files.is_empty() && !problems.is_empty() {
             // Nothing could be read: there is no checkpoint to describe, only why.
             return Err(Error::Many(Problems(problems)));
@@ -654,7 +675,7 @@ impl Checkpoint {
         // (MindSpore's split records carry offsets too, within a file's own tensor.)
         let with_offsets = files
             .iter()
-            .filter(|f| f.format() != crate::formats::FileFormat::MindSporeCkpt)
+            .filter(|f| f.format() != FileFormat::MindSporeCkpt)
             .filter(|f| f.tensors().iter().any(|t| t.offsets.is_some()))
             .count();
         let kind = if !ms_strategy.is_empty() {
@@ -768,6 +789,60 @@ impl Checkpoint {
                 .collect();
         }
         Ok(())
+    }
+
+    /// A Megatron legacy checkpoint: each rank's file placed by the layout its reader
+    /// built from megatron-core's rules (a strategy on a `pp`/`tp` mesh, so `--to` and
+    /// `--mesh` reshard it as a sliced checkpoint).
+    fn read_megatron(
+        dir: &Path,
+        carried: BTreeMap<String, PathBuf>,
+        mut notes: Vec<String>,
+    ) -> Result<(Checkpoint, Vec<Error>)> {
+        let legacy = crate::formats::megatron::open(dir)?;
+        notes.extend(legacy.notes);
+        let strategy = legacy.strategy;
+        let mut ck = Checkpoint {
+            kind: Kind::Sliced,
+            files: Vec::with_capacity(legacy.files.len()),
+            ranks: Vec::with_capacity(legacy.files.len()),
+            strategy: None,
+            tensors: BTreeMap::new(),
+            carried,
+            notes,
+        };
+        let mut raw: BTreeMap<String, Vec<SourcePiece>> = BTreeMap::new();
+        for (fi, (rank, f)) in legacy.files.into_iter().enumerate() {
+            for (ti, t) in f.tensors().iter().enumerate() {
+                let layout = &strategy.tensors[&t.name];
+                let entry = raw.entry(t.name.clone()).or_default();
+                for p in layout.pieces(&strategy.mesh, rank) {
+                    entry.push(SourcePiece {
+                        file: fi,
+                        tensor: ti,
+                        global: p.global,
+                        local: p.local,
+                    });
+                }
+            }
+            ck.files.push(f);
+            ck.ranks.push(Some(rank));
+        }
+        for (name, l) in &strategy.tensors {
+            ck.tensors.insert(
+                name.clone(),
+                SourceTensor {
+                    dtype: l.dtype,
+                    shape: l.shape.clone(),
+                    pieces: vec![],
+                    copies: vec![],
+                },
+            );
+        }
+        ck.strategy = Some(strategy);
+        let mut problems = Vec::new();
+        ck.assemble(raw, &mut problems);
+        Ok((ck, problems))
     }
 
     fn read_sliced(
@@ -1113,14 +1188,15 @@ impl Checkpoint {
                         continue;
                     }
                 };
-                let (mesh, layout) =
-                    match crate::mindspore::from_mindspore(t.name, &p.layout, global, t.dtype) {
-                        Ok(x) => x,
-                        Err(e) => {
-                            problems.push(e);
-                            continue;
-                        }
-                    };
+                let (mesh, layout) = match crate::layout::mindspore::from_mindspore(
+                    t.name, &p.layout, global, t.dtype,
+                ) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        problems.push(e);
+                        continue;
+                    }
+                };
                 if let Some((m0, l0)) = known.get(t.name) {
                     if (m0, &l0.shape, l0.dtype) != (&mesh, &layout.shape, layout.dtype) {
                         problems.push(bad(format!(
@@ -1186,7 +1262,7 @@ impl Checkpoint {
             );
         }
         if stages == 1 {
-            self.strategy = common_strategy(&known);
+            self.strategy = crate::layout::mindspore::common_strategy(&known);
         }
         Ok(())
     }
@@ -1200,7 +1276,7 @@ impl Checkpoint {
         let mut recorded = 0;
         let mut sharded = 0;
         for (fi, f) in self.files.iter().enumerate() {
-            if f.format() == crate::formats::FileFormat::Distcp {
+            if f.format() == FileFormat::Distcp {
                 // `.metadata` lists every chunk: coverage is checked exactly instead.
                 continue;
             }
@@ -1339,8 +1415,8 @@ impl Checkpoint {
     fn same_bytes(&self, (fa, ta): (usize, usize), (fb, tb): (usize, usize)) -> bool {
         let (a, b) = (&self.files[fa], &self.files[fb]);
         let len = a.tensors()[ta].end - a.tensors()[ta].start;
-        let (mut ca, mut cb) = (ChunkCache::new(), ChunkCache::new());
-        let window = crate::copy::SLAB_BYTES;
+        let (mut ca, mut cb) = (ReadCache::new(), ReadCache::new());
+        let window = COMPARE_WINDOW;
         let mut pos = 0;
         while pos < len {
             let end = (pos + window).min(len);
@@ -1459,10 +1535,10 @@ fn missing_ranks<V>(
 /// The global shape of a MindSpore tensor whose slice is `local`: each dimension times
 /// the device axes that split it (and dimension 0 times the optimizer shard).
 fn ms_global_shape(
-    l: &crate::mindspore::MindSporeLayout,
+    l: &crate::layout::mindspore::MindSporeLayout,
     local: &[u64],
 ) -> std::result::Result<Vec<u64>, String> {
-    use crate::mindspore::MapEntry;
+    use crate::layout::mindspore::MapEntry;
     if l.tensor_map.len() != local.len() {
         return Err(format!(
             "a slice of {} dims but a tensor_map of {} entries",
@@ -1498,30 +1574,12 @@ fn ms_global_shape(
     Ok(out)
 }
 
-/// One ckpt strategy for MindSpore layouts that share a mesh; fully replicated
-/// tensors fit any mesh. `None` when split tensors use different device matrices.
-pub(crate) fn common_strategy(known: &BTreeMap<String, (Mesh, TensorLayout)>) -> Option<Strategy> {
-    use crate::layout::Placement;
-    let split = |l: &TensorLayout| l.placements.iter().any(|p| *p != Placement::Replicate);
-    let mesh = known
-        .values()
-        .find(|(_, l)| split(l))
-        .or_else(|| known.values().next())
-        .map(|(m, _)| m.clone())?;
-    let mut s = Strategy::new(mesh.clone());
-    for (name, (m, l)) in known {
-        let l = if m == &mesh {
-            l.clone()
-        } else if !split(l) {
-            TensorLayout::new(
-                l.shape.clone(),
-                l.dtype,
-                vec![Placement::Replicate; mesh.axes().len()],
-            )
-        } else {
-            return None;
-        };
-        s.insert(name.clone(), l).ok()?;
+impl PieceSource for Checkpoint {
+    fn source_tensors(&self) -> &BTreeMap<String, SourceTensor> {
+        &self.tensors
     }
-    Some(s)
+
+    fn stored_shape(&self, file: usize, tensor: usize) -> &[u64] {
+        &self.files[file].tensors()[tensor].shape
+    }
 }

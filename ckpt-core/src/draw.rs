@@ -11,14 +11,14 @@ mod html;
 mod plan_report;
 mod terminal;
 
-pub use html::{html_report, write_html_report};
+pub use html::{html_report, plan_html_report, write_html_report, write_plan_html};
 pub use plan_report::{PlanReport, SourceRead, TargetReads};
 pub use terminal::{render_text, Canvas};
 
 use crate::checkpoint::{Checkpoint, Kind};
 use crate::error::{Error, Result};
-use crate::plan::bytes_of;
-use crate::region::Region;
+use crate::layout::plan::bytes_of;
+use crate::layout::region::Region;
 use crate::Dtype;
 use serde_json::{json, Value};
 
@@ -90,8 +90,12 @@ pub struct TensorPicture {
     pub shape: Vec<u64>,
     /// Labels of every holder that may appear (`rank 0`, or a file name).
     pub holders: Vec<String>,
-    /// The holdings; an empty extent is a holder that holds none of the tensor.
+    /// The holdings (an empty extent: a piece recorded with no elements).
     pub holdings: Vec<Holding>,
+    /// Holders that hold none of the tensor although they hold others (rank files of
+    /// a sliced checkpoint: uneven splits, replicated data written once, pipeline
+    /// stages).
+    pub empty: Vec<usize>,
 }
 
 /// A tensor folded to a matrix of `rows` × `cols` elements in row-major order, so that
@@ -164,18 +168,13 @@ pub fn holder_label(ck: &Checkpoint, file: usize) -> String {
     }
 }
 
-/// The picture of tensor `name` of `ck`: owners, then replicas, then (sliced
-/// checkpoints) every rank file that holds none of it, as an empty box.
-///
-/// # Errors
-/// [`Error::TensorNotFound`] when `ck` has no such tensor.
-pub fn picture(ck: &Checkpoint, name: &str) -> Result<TensorPicture> {
-    let t = ck.tensors.get(name).ok_or_else(|| Error::TensorNotFound {
-        pattern: name.to_string(),
-        tensors: ck.tensors.len(),
-    })?;
-    let holders: Vec<String> = (0..ck.files.len()).map(|i| holder_label(ck, i)).collect();
-    let mut holdings: Vec<Holding> = t
+/// The holdings of tensor `t` of `ck` (owners, then replicas) and the files that hold
+/// none of it (sliced checkpoints only: every rank file is expected to hold its part).
+fn holdings_of(
+    ck: &Checkpoint,
+    t: &crate::layout::source::SourceTensor,
+) -> (Vec<Holding>, Vec<usize>) {
+    let holdings: Vec<Holding> = t
         .pieces
         .iter()
         .map(|p| Holding {
@@ -189,26 +188,34 @@ pub fn picture(ck: &Checkpoint, name: &str) -> Result<TensorPicture> {
             copy: true,
         }))
         .collect();
+    let mut empty = Vec::new();
     if ck.kind == Kind::Sliced {
         let mut seen = vec![false; ck.files.len()];
         for h in &holdings {
             seen[h.holder] = true;
         }
-        for (file, _) in seen.iter().enumerate().filter(|(_, s)| !**s) {
-            // Uneven splits leave trailing ranks with an empty piece (torch.chunk).
-            holdings.push(Holding {
-                holder: file,
-                extent: Extent::Box(Region::new(vec![0; t.shape.len()], vec![0; t.shape.len()])),
-                copy: false,
-            });
-        }
+        empty = (0..ck.files.len()).filter(|&f| !seen[f]).collect();
     }
+    (holdings, empty)
+}
+
+/// The picture of tensor `name` of `ck`.
+///
+/// # Errors
+/// [`Error::TensorNotFound`] when `ck` has no such tensor.
+pub fn picture(ck: &Checkpoint, name: &str) -> Result<TensorPicture> {
+    let t = ck.tensors.get(name).ok_or_else(|| Error::TensorNotFound {
+        pattern: name.to_string(),
+        tensors: ck.tensors.len(),
+    })?;
+    let (holdings, empty) = holdings_of(ck, t);
     Ok(TensorPicture {
         name: name.to_string(),
         dtype: t.dtype,
         shape: t.shape.clone(),
-        holders,
+        holders: (0..ck.files.len()).map(|i| holder_label(ck, i)).collect(),
         holdings,
+        empty,
     })
 }
 
@@ -242,20 +249,25 @@ pub fn matching(ck: &Checkpoint, pattern: &str) -> Result<Vec<String>> {
 
 /// The pieces of tensor `name` for `inspect --json`: one object per holding with the
 /// file index, rank, box (`start`, `shape`) or flat range, bytes and whether it is a
-/// replica.
+/// replica. Files holding none of it are left out (a mesh of 1000 ranks would repeat
+/// them for every tensor).
 ///
 /// # Errors
 /// [`Error::TensorNotFound`] when `ck` has no such tensor.
 pub fn pieces_json(ck: &Checkpoint, name: &str) -> Result<Value> {
-    let p = picture(ck, name)?;
+    let t = ck.tensors.get(name).ok_or_else(|| Error::TensorNotFound {
+        pattern: name.to_string(),
+        tensors: ck.tensors.len(),
+    })?;
+    let (holdings, _) = holdings_of(ck, t);
     Ok(Value::Array(
-        p.holdings
+        holdings
             .iter()
             .map(|h| {
                 let mut v = json!({
                     "file": h.holder,
                     "rank": ck.ranks[h.holder],
-                    "bytes": bytes_of(p.dtype, h.extent.numel()),
+                    "bytes": bytes_of(t.dtype, h.extent.numel()),
                     "copy": h.copy,
                 });
                 match &h.extent {

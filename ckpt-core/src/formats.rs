@@ -1,15 +1,24 @@
-//! One home for the file formats ckpt reads: each turns a file into a [`TensorFile`],
-//! the same description whatever the format (tensors, dtypes, shapes as stored, where
-//! their bytes lie in the file, and where each box lies in the global tensor when the
-//! format records it). The planner and the copy engine see only `TensorFile`s.
+//! One home for the file formats ckpt reads and writes. Each format is a leaf module
+//! that imports only the layout algebra, this module's types and the shared codecs
+//! (pickle, checksum, the output commit); nothing above it.
 //!
-//! A format is a module with a `read(path, map)` that parses metadata only and records
-//! byte ranges (never copies tensor data), a [`FileFormat`] variant, and a branch in
-//! [`sniff`], which decides by content, not by the file's name.
+//! Reading: a format is a [`Reader`] (`looks_like(head)`, `read(path, map)`), one row of
+//! the detection table ([`detect`]). `read` parses metadata only and returns a
+//! [`TensorFile`], the same description whatever the format: the tensors (name, dtype,
+//! shape as stored), where each lies in its global tensor ([`TensorFile::piece`]: a box,
+//! or a flat element range), its non-tensor metadata, and how to get its bytes: a range
+//! of the mapped file, or a [`Decoder`] of compressed chunks. The planner and the copy
+//! engine see only `TensorFile`s.
+//!
+//! Writing: a format is a [`TensorWriter`](writer::TensorWriter), chosen by
+//! [`create_writer`](detect::create_writer) from the output's name; every writer
+//! commits through [`output::StagedFile`].
 
 pub(crate) mod checksum;
 pub(crate) mod ckptz;
+pub(crate) mod detect;
 pub(crate) mod distcp;
+pub(crate) mod megatron;
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;
 pub(crate) mod output;
@@ -17,12 +26,13 @@ pub(crate) mod pickle;
 pub(crate) mod safetensors;
 pub(crate) mod torch_save;
 pub(crate) mod torch_write;
+pub(crate) mod writer;
 
-use crate::checksum::Checksum;
 use crate::error::{overflow, Error, IoContext, Result};
-use crate::strategy::dtype_name;
+use crate::formats::checksum::Checksum;
+use crate::layout::region::Region;
+use crate::layout::strategy::dtype_name;
 use crate::Dtype;
-pub use ckptz::ChunkCache;
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -89,11 +99,197 @@ pub struct TensorFile {
     metadata: BTreeMap<String, String>,
     /// The recorded checksum of each tensor, where the file has one.
     checksums: Vec<Option<Checksum>>,
-    /// The chunk tables of a compressed file (then `map` is `None` and entries'
-    /// `start`/`end` are offsets in the uncompressed data area).
-    chunked: Option<ckptz::Chunked>,
-    /// Unique within the process: keys the decompressed chunks a [`ChunkCache`] keeps.
+    /// The decoder of a compressed file (then `map` is `None` and entries' `start`/`end`
+    /// are offsets in the uncompressed data area).
+    chunked: Option<Box<dyn Decoder>>,
+    /// Flat element ranges, for entries that hold a 1-D slice of a flattened tensor
+    /// rather than a box ([`PieceKind::Flat`]); empty when none does.
+    flat: Vec<Option<(u64, u64)>>,
+    /// Unique within the process: keys the decoded chunks a [`ReadCache`] keeps.
     id: u64,
+}
+
+pub(crate) use ckptz::Compression;
+pub(crate) use detect::{create_writer, sniff};
+pub(crate) use writer::{TensorSpec, TensorWriter};
+
+/// A format ckpt reads: one row of the detection table ([`detect`]).
+pub(crate) trait Reader: Sync {
+    /// The format this reader reads.
+    fn format(&self) -> FileFormat;
+    /// Whether a file whose first bytes (up to 64) are `head` is of this format.
+    fn looks_like(&self, head: &[u8]) -> bool;
+    /// Parses the file's metadata (never its tensor data) into a [`TensorFile`] that
+    /// records where each tensor's bytes are.
+    ///
+    /// # Errors
+    /// Every problem of the file's metadata, naming the file and the tensor.
+    fn read(&self, path: &Path, map: Option<Mmap>) -> Result<TensorFile>;
+}
+
+/// Where a stored piece lies in its global tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PieceKind {
+    /// A box of the tensor (whole tensors are the box at the origin).
+    Box(Region),
+    /// Elements `[start, start + len)` of the tensor flattened in row-major order, as
+    /// ZeRO, FSDP1 and Megatron's distributed optimizer store them. Declared for those
+    /// readers; planning refuses it ([`Error::FlatPiece`]) until flat ranges are planned.
+    Flat {
+        /// First element, in the flattened tensor.
+        start: u64,
+        /// Number of elements.
+        len: u64,
+    },
+}
+
+/// How a reader gets the bytes of tensors it stores compressed: chunks of a fixed raw
+/// size, each decoded on its own, so that a read decodes only the chunks it covers.
+/// Compression is a property of the format's reader: the copy engine reads through
+/// [`TensorFile::read`] and [`ReadCache`] and never learns that a file is compressed
+/// beyond [`TensorFile::is_compressed`].
+pub trait Decoder: Send + Sync + std::fmt::Debug + std::any::Any {
+    /// Where bytes `range` of tensor `t` lie: the stream of chunks that holds them and
+    /// the range within that stream (a stream may hold several tensors, or one).
+    fn locate(&self, t: usize, range: std::ops::Range<u64>) -> (usize, std::ops::Range<u64>);
+    /// Raw (decoded) bytes per chunk of stream `s`; the last chunk may be shorter.
+    fn chunk_size(&self, s: usize) -> u64;
+    /// Decodes chunk `k` of stream `s` into `out` (resized to its raw length); `name`
+    /// is the tensor being read, for errors.
+    ///
+    /// # Errors
+    /// A damaged chunk ([`Error::CorruptChunk`] naming `path` and `name`); I/O errors.
+    fn decode(&self, path: &Path, name: &str, s: usize, k: usize, out: &mut Vec<u8>) -> Result<()>;
+    /// The checksum of tensor `t`'s raw bytes, decoding all of it.
+    ///
+    /// # Errors
+    /// As [`Decoder::decode`].
+    fn checksum(&self, path: &Path, name: &str, t: usize) -> Result<Checksum>;
+    /// The checksum of tensor `t`'s raw bytes from the chunks decoded so far, when
+    /// every one of them has been.
+    fn decoded_checksum(&self, t: usize) -> Option<Checksum>;
+    /// Bytes of tensor `t` as stored (compressed).
+    fn stored_len(&self, t: usize) -> u64;
+    /// The decoder as [`std::any::Any`], for its own format's tests.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// Largest slab assembled in memory at once: the copy engine's unit, and the window
+/// readers and converters stream in.
+pub const SLAB_BYTES: u64 = 4 << 20;
+
+/// The old name of [`ReadCache`].
+pub type ChunkCache = ReadCache;
+
+/// Decoded chunks kept for reuse across reads (one per thread): a copy reads the same source chunk
+/// for several output slabs (a column-sharded source feeds every row slab of the
+/// output), so each thread keeps its last few chunks rather than decompress again.
+/// Also holds the buffer a read spanning several chunks is assembled in.
+#[derive(Debug, Default)]
+pub struct ReadCache {
+    /// `(file id, stream, chunk, bytes)`, most recently used last.
+    entries: Vec<(u64, usize, usize, Vec<u8>)>,
+    span: Vec<u8>,
+}
+
+/// Chunks a [`ReadCache`] keeps: 8 covers merging an 8-way sharded tensor slab by slab
+/// with each source's chunk still cached (32 MiB per thread at 4 MiB chunks).
+const CACHED_CHUNKS: usize = 8;
+
+impl ReadCache {
+    /// An empty cache.
+    #[must_use]
+    pub fn new() -> ReadCache {
+        ReadCache::default()
+    }
+
+    /// The index of chunk `k` of stream `s` of `file` in `entries`, decompressed now if
+    /// it was not there (`t`: the tensor being read, for errors).
+    fn get(
+        &mut self,
+        file: &TensorFile,
+        chunked: &dyn Decoder,
+        t: usize,
+        s: usize,
+        k: usize,
+    ) -> Result<usize> {
+        let id = file.id();
+        if let Some(i) = self
+            .entries
+            .iter()
+            .position(|e| e.0 == id && e.1 == s && e.2 == k)
+        {
+            let e = self.entries.remove(i);
+            self.entries.push(e);
+            return Ok(self.entries.len() - 1);
+        }
+        let mut buf = if self.entries.len() >= CACHED_CHUNKS {
+            self.entries.remove(0).3
+        } else {
+            Vec::new()
+        };
+        let name = &file.tensors()[t].name;
+        chunked.decode(file.path(), name, s, k, &mut buf)?;
+        self.entries.push((id, s, k, buf));
+        Ok(self.entries.len() - 1)
+    }
+
+    /// Bytes `range` (relative to the tensor, inside it) of tensor `t` of a compressed
+    /// file, decompressing only the chunks that cover it.
+    pub(crate) fn read<'a>(
+        &'a mut self,
+        file: &TensorFile,
+        chunked: &dyn Decoder,
+        t: usize,
+        range: std::ops::Range<u64>,
+    ) -> Result<&'a [u8]> {
+        if range.is_empty() {
+            return Ok(&[]);
+        }
+        let (s, r) = chunked.locate(t, range.clone());
+        let cs = chunked.chunk_size(s);
+        let (k0, k1) = ((r.start / cs) as usize, ((r.end - 1) / cs) as usize);
+        if k0 == k1 {
+            let i = self.get(file, chunked, t, s, k0)?;
+            let lo = (r.start - k0 as u64 * cs) as usize;
+            let hi = (r.end - k0 as u64 * cs) as usize;
+            return Ok(&self.entries[i].3[lo..hi]);
+        }
+        let mut span = std::mem::take(&mut self.span);
+        span.resize((range.end - range.start) as usize, 0);
+        let r = self.copy_into(file, chunked, t, range, &mut span);
+        self.span = span;
+        r?;
+        Ok(&self.span)
+    }
+
+    /// Copies bytes `range` of tensor `t` of a compressed file into `dst` (of the
+    /// range's length), chunk by chunk, with no intermediate buffer.
+    pub(crate) fn copy_into(
+        &mut self,
+        file: &TensorFile,
+        chunked: &dyn Decoder,
+        t: usize,
+        range: std::ops::Range<u64>,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        if range.is_empty() {
+            return Ok(());
+        }
+        let (s, range) = chunked.locate(t, range);
+        let cs = chunked.chunk_size(s);
+        let mut at = 0;
+        for k in (range.start / cs) as usize..=((range.end - 1) / cs) as usize {
+            let i = self.get(file, chunked, t, s, k)?;
+            let base = k as u64 * cs;
+            let lo = (range.start.max(base) - base) as usize;
+            let hi = (range.end.min(base + cs) - base) as usize;
+            dst[at..at + hi - lo].copy_from_slice(&self.entries[i].3[lo..hi]);
+            at += hi - lo;
+        }
+        Ok(())
+    }
 }
 
 /// A number no other file opened by this process has.
@@ -101,25 +297,6 @@ fn next_file_id() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
     N.fetch_add(1, Ordering::Relaxed)
-}
-
-/// Decides a file's format from its first bytes.
-#[must_use]
-pub fn sniff(head: &[u8]) -> Option<FileFormat> {
-    // First: the magic's 9th byte (the low byte of the header length) may be `{`.
-    if ckptz::looks_like(head) {
-        return Some(FileFormat::Ckptz);
-    }
-    if safetensors::looks_like(head) {
-        return Some(FileFormat::Safetensors);
-    }
-    if mindspore_ckpt::looks_like(head) {
-        return Some(FileFormat::MindSporeCkpt);
-    }
-    if torch_save::looks_like(head) {
-        return Some(FileFormat::TorchSave);
-    }
-    None
 }
 
 /// Number of bytes of a tensor of `dtype` and `shape`, when whole and representable.
@@ -155,45 +332,6 @@ pub(crate) fn map_file(path: &Path) -> Result<Option<Mmap>> {
 }
 
 impl TensorFile {
-    /// Opens and maps a file, finds its format from its content and reads its metadata.
-    /// Errors carry the path.
-    ///
-    /// # Errors
-    /// I/O errors, a format ckpt does not read, and every problem of the file's metadata.
-    pub fn open(path: &Path) -> Result<TensorFile> {
-        if path.extension().is_some_and(|e| e == "distcp") {
-            // Its chunks are found through the directory's `.metadata`.
-            let dir = path.parent().unwrap_or(Path::new("."));
-            return distcp::read_metadata(dir)?.open(path);
-        }
-        let map = map_file(path)?;
-        let head: &[u8] = map.as_deref().unwrap_or(&[]);
-        let head = &head[..head.len().min(64)];
-        // An empty protobuf is an empty MindSpore checkpoint (a rank that holds
-        // nothing): only the name can tell.
-        let empty_ckpt = head.is_empty() && path.extension().is_some_and(|e| e == "ckpt");
-        match sniff(head).or(empty_ckpt.then_some(FileFormat::MindSporeCkpt)) {
-            Some(FileFormat::Safetensors) => safetensors::read(path, map),
-            Some(FileFormat::MindSporeCkpt) => mindspore_ckpt::read(path, map),
-            Some(FileFormat::TorchSave) => torch_save::read(path, map),
-            Some(FileFormat::Ckptz) => ckptz::read(path, File::open(path).at(path)?, map),
-            Some(FileFormat::Distcp) => unreachable!("sniff never says distcp"),
-            None if torch_save::looks_like_legacy(head) => Err(Error::InvalidTorch {
-                problem: format!(
-                    "{}: the legacy torch.save format (before torch 1.6, or _use_new_zipfile_serialization=False) is not read; save it again with a current torch",
-                    path.display()
-                ),
-            }),
-            None => Err(Error::UnknownInput {
-                problem: format!(
-                    "{}: not a checkpoint file ckpt reads ({}; expected safetensors, a MindSpore .ckpt or a torch.save file; encrypted MindSpore checkpoints are not supported)",
-                    path.display(),
-                    describe_head(head)
-                ),
-            }),
-        }
-    }
-
     /// Builds a file from a reader's entries, checking each against the file: bytes
     /// inside it, length equal to shape x dtype, no overlap with another entry.
     ///
@@ -275,33 +413,69 @@ impl TensorFile {
             tensors,
             metadata,
             chunked: None,
+            flat: Vec::new(),
             id: next_file_id(),
         })
     }
 
-    /// Builds a compressed file from its checked header (`ckptz::parse_header` has
-    /// validated every entry and chunk against the file).
-    pub(crate) fn from_chunked(
+    /// Builds a compressed file from its checked header (the format's reader has
+    /// validated every entry and chunk against the file): its bytes come from
+    /// `decoder`, never from a mapping.
+    pub(crate) fn from_decoder(
         path: &Path,
-        chunked: ckptz::Chunked,
+        format: FileFormat,
+        decoder: Box<dyn Decoder>,
         tensors: Vec<TensorEntry>,
         metadata: BTreeMap<String, String>,
     ) -> TensorFile {
         TensorFile {
             path: path.to_path_buf(),
             map: None,
-            format: FileFormat::Ckptz,
+            format,
             checksums: vec![None; tensors.len()],
             tensors,
             metadata,
-            chunked: Some(chunked),
+            chunked: Some(decoder),
+            flat: Vec::new(),
             id: next_file_id(),
         }
     }
 
-    /// The chunk tables, when the file is compressed.
-    pub(crate) fn chunked(&self) -> Option<&ckptz::Chunked> {
-        self.chunked.as_ref()
+    /// The decoder, when the file is compressed.
+    pub(crate) fn decoder(&self) -> Option<&dyn Decoder> {
+        self.chunked.as_deref()
+    }
+
+    /// Whether the bytes come from a decoder (compressed chunks) rather than from the
+    /// mapping: reads of the same chunks are then best made close together.
+    #[must_use]
+    pub fn is_compressed(&self) -> bool {
+        self.chunked.is_some()
+    }
+
+    /// Marks entry `index` as holding elements `[start, start + len)` of its tensor
+    /// flattened (ZeRO, FSDP1 and Megatron's distributed optimizer store such pieces).
+    #[allow(dead_code)] // The flat-range readers arrive with ZeRO/Megatron.
+    pub(crate) fn set_flat(&mut self, index: usize, start: u64, len: u64) {
+        if self.flat.is_empty() {
+            self.flat = vec![None; self.tensors.len()];
+        }
+        self.flat[index] = Some((start, len));
+    }
+
+    /// Where entry `index` lies in its global tensor: a box (at the entry's offsets,
+    /// or the origin), or a flat element range.
+    #[must_use]
+    pub fn piece(&self, index: usize) -> PieceKind {
+        if let Some(Some((start, len))) = self.flat.get(index) {
+            return PieceKind::Flat {
+                start: *start,
+                len: *len,
+            };
+        }
+        let t = &self.tensors[index];
+        let start = t.offsets.clone().unwrap_or_else(|| vec![0; t.shape.len()]);
+        PieceKind::Box(Region::new(start, t.shape.clone()))
     }
 
     /// Unique within the process.
@@ -465,12 +639,12 @@ impl TensorFile {
         &'a self,
         index: usize,
         range: std::ops::Range<u64>,
-        cache: &'a mut ChunkCache,
+        cache: &'a mut ReadCache,
     ) -> Result<&'a [u8]> {
         self.check_range(index, &range)?;
         let t = &self.tensors[index];
         match &self.chunked {
-            Some(c) => cache.read(self, c, index, range),
+            Some(c) => cache.read(self, c.as_ref(), index, range),
             None => {
                 let bytes: &[u8] = self.map.as_deref().unwrap_or(&[]);
                 // In range: checked above and by `from_parts`.
@@ -490,7 +664,7 @@ impl TensorFile {
         index: usize,
         range: std::ops::Range<u64>,
         dst: &mut [u8],
-        cache: &mut ChunkCache,
+        cache: &mut ReadCache,
     ) -> Result<()> {
         self.check_range(index, &range)?;
         if range.end - range.start != dst.len() as u64 {
@@ -503,7 +677,7 @@ impl TensorFile {
             )));
         }
         match &self.chunked {
-            Some(c) => cache.copy_into(self, c, index, range, dst),
+            Some(c) => cache.copy_into(self, c.as_ref(), index, range, dst),
             None => {
                 dst.copy_from_slice(self.read(index, range, cache)?);
                 Ok(())
@@ -570,75 +744,4 @@ impl Drop for TensorFile {
             crate::fault::unregister_map(m.as_ptr() as usize);
         }
     }
-}
-
-/// A file being written, in the format its name asks for: `*.ckpt` MindSpore's,
-/// `*.pth`/`*.pt`/`*.bin` a torch.save archive, `*.distcp` DCP's (one torch.save archive
-/// per tensor), anything else safetensors; compressed `.ckptz` when a compression is
-/// given. The copy engine writes through this and knows no format.
-#[derive(Debug)]
-pub(crate) enum FileWriter {
-    Safetensors(safetensors::SafetensorsWriter),
-    MindSpore(mindspore_ckpt::MindSporeWriter),
-    Compressed(ckptz::CkptzWriter),
-    Torch(torch_write::TorchWriter),
-}
-
-impl FileWriter {
-    pub(crate) fn create(
-        dest: &Path,
-        tensors: &[safetensors::TensorSpec],
-        metadata: &BTreeMap<String, String>,
-        compression: Option<ckptz::Compression>,
-    ) -> Result<FileWriter> {
-        if let Some(c) = compression {
-            return Ok(FileWriter::Compressed(ckptz::CkptzWriter::create(
-                dest, tensors, metadata, c,
-            )?));
-        }
-        let ext = dest.extension().and_then(|e| e.to_str()).unwrap_or("");
-        Ok(if ext == "ckpt" {
-            FileWriter::MindSpore(mindspore_ckpt::MindSporeWriter::create(dest, tensors)?)
-        } else if matches!(ext, "pth" | "pt" | "bin" | "distcp") {
-            FileWriter::Torch(torch_write::TorchWriter::create(
-                dest,
-                tensors,
-                ext == "distcp",
-            )?)
-        } else {
-            FileWriter::Safetensors(safetensors::SafetensorsWriter::create(
-                dest, tensors, metadata,
-            )?)
-        })
-    }
-
-    pub(crate) fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
-        match self {
-            FileWriter::Safetensors(w) => w.write_at(index, offset, bytes),
-            FileWriter::MindSpore(w) => w.write_at(index, offset, bytes),
-            FileWriter::Compressed(w) => w.write_at(index, offset, bytes),
-            FileWriter::Torch(w) => w.write_at(index, offset, bytes),
-        }
-    }
-
-    pub(crate) fn finish(self) -> Result<()> {
-        match self {
-            FileWriter::Safetensors(w) => w.finish(),
-            FileWriter::MindSpore(w) => w.finish(),
-            FileWriter::Compressed(w) => w.finish(),
-            FileWriter::Torch(w) => w.finish(),
-        }
-    }
-}
-
-/// A few words on what the first bytes of an unknown file look like.
-fn describe_head(head: &[u8]) -> String {
-    if head.is_empty() {
-        return "the file is empty".into();
-    }
-    if head.starts_with(b"PK\x03\x04") {
-        return "a zip archive".into();
-    }
-    let shown: Vec<String> = head.iter().take(8).map(|b| format!("{b:02x}")).collect();
-    format!("it starts with bytes {}", shown.join(" "))
 }

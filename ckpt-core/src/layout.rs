@@ -6,11 +6,12 @@ pub(crate) mod mindspore;
 pub(crate) mod plan;
 pub(crate) mod region;
 pub(crate) mod select;
+pub(crate) mod source;
 pub(crate) mod strategy;
 
 use crate::error::{Error, Result};
-use crate::mesh::Mesh;
-use crate::region::Region;
+use crate::layout::mesh::Mesh;
+use crate::layout::region::Region;
 use crate::Dtype;
 use std::fmt;
 

@@ -64,7 +64,7 @@ impl LoadPlan {
         tensors: Vec<TargetTensor>,
     ) -> PyResult<LoadPlan> {
         let plan = CopyPlan::build(
-            &source,
+            &*source,
             vec![TargetFile {
                 path: PathBuf::new(),
                 tensors,

@@ -5,7 +5,7 @@
 //! the output's gradient where the output is positive, zero elsewhere.
 
 use crate::cpu_data::{f32_slice, with_f32};
-use crate::layers::Kernels;
+use crate::kernels::Kernels;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 

@@ -3,7 +3,8 @@
 use crate::checkpoint::{f32_from_bytes, find_meta_file, resolve_checkpoint, CONFIG_FILE};
 use crate::comm::Dist;
 use crate::error::{Error, IoContext, Result};
-use crate::layers::{Kernels, ModelCtx};
+use crate::kernels::Kernels;
+use crate::layers::ModelCtx;
 use crate::models::{build_model, Model, ModelConfig};
 use crate::params::ShardedVars;
 use candle_core::{Device, Tensor};

@@ -4,32 +4,11 @@
 
 use crate::batch_norm::{batch_norm_portable, batch_norm_train};
 use crate::comm::Comm;
+use crate::kernels::Kernels;
 use crate::parallel::{copy_to_group, reduce_from_group};
 use crate::params::{Init, ParamHint, ShardedVarBuilder};
-use candle_core::{Device, Module, Result, Tensor, Var, D};
+use candle_core::{Module, Result, Tensor, Var, D};
 use std::sync::Arc;
-
-/// Which implementation of convolution and training-mode BatchNorm a model uses.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Kernels {
-    /// This crate's ops (im2col convolution, fused BatchNorm): fastest, CPU only.
-    #[default]
-    Cpu,
-    /// The same maths from candle's ops, which every device runs (the GPU path).
-    Portable,
-}
-
-impl Kernels {
-    /// The kernels for tensors on `device`.
-    #[must_use]
-    pub fn for_device(device: &Device) -> Kernels {
-        if device.is_cpu() {
-            Kernels::Cpu
-        } else {
-            Kernels::Portable
-        }
-    }
-}
 
 /// How a model runs on a rank: its `tp` and `dp` groups, whether BatchNorm statistics
 /// are synchronized over `dp`, and the kernels its device needs.

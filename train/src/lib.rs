@@ -33,6 +33,7 @@ mod device;
 mod error;
 mod events;
 mod inference;
+mod kernels;
 mod launch;
 mod layers;
 pub mod models;
@@ -67,9 +68,10 @@ pub use crate::device::DeviceKind;
 pub use crate::error::{Error, Result};
 pub use crate::events::{run_scalars, Scalars};
 pub use crate::inference::{load_model, model_strategy, read_model_config};
+pub use crate::kernels::Kernels;
 pub use crate::launch::{configure_cpu_threads, Backend, LaunchEnv, Launcher};
 pub use crate::layers::{
-    linear, BatchNorm2d, ColumnLinear, Conv2d, Kernels, LayerNorm, Linear, ModelCtx, RowLinear,
+    linear, BatchNorm2d, ColumnLinear, Conv2d, LayerNorm, Linear, ModelCtx, RowLinear,
 };
 pub use crate::models::{build_model, Model, ModelConfig, ModelKind};
 pub use crate::optim::{

@@ -11,8 +11,9 @@ use crate::config::TrainConfig;
 use crate::data::{DataSource, Dataset, DistributedSampler, Split};
 use crate::device::DeviceKind;
 use crate::error::{Error, IoContext, Result};
+use crate::kernels::Kernels;
 use crate::launch::Backend;
-use crate::layers::{Kernels, ModelCtx};
+use crate::layers::ModelCtx;
 use crate::models::{build_model, Model, ModelConfig, ModelKind};
 use crate::optim::{
     lr_at, state_layout, state_tensor_name, OptimConfig, Optimizer, OptimizerKind, Schedule,

@@ -4,11 +4,13 @@
 //! from the JSON embedded in the page (`report.html` is the page, `__DATA__` the place
 //! of the JSON).
 
-use super::{holder_label, picture, Extent};
+use super::PlanReport;
+use super::{holder_label, holdings_of, Extent};
 use crate::checkpoint::{Checkpoint, Kind};
 use crate::error::{Error, Result};
-use crate::plan::bytes_of;
-use crate::strategy::dtype_name;
+use crate::layout::plan::bytes_of;
+use crate::layout::plan::CopyPlan;
+use crate::layout::strategy::dtype_name;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -40,7 +42,7 @@ fn placements(ck: &Checkpoint, name: &str) -> String {
 /// 10^5 tensors small: `[name, dtype, shape, bytes, placements, holdings]`, each
 /// holding `[holder, start, shape, copy]` for a box or `[holder, null, len, copy,
 /// start]` for a flat range.
-fn data(ck: &Checkpoint, problems: &[Error], title: &str) -> Result<Value> {
+fn data(ck: &Checkpoint, problems: &[Error], title: &str) -> Value {
     let mut dtypes: BTreeMap<String, u64> = BTreeMap::new();
     let mut bits: BTreeMap<String, usize> = BTreeMap::new();
     let mut tensors = Vec::with_capacity(ck.tensors.len());
@@ -48,9 +50,8 @@ fn data(ck: &Checkpoint, problems: &[Error], title: &str) -> Result<Value> {
         let d = dtype_name(t.dtype);
         *dtypes.entry(d.clone()).or_default() += 1;
         bits.insert(d.clone(), t.dtype.bitsize());
-        let p = picture(ck, name)?;
-        let holdings: Vec<Value> = p
-            .holdings
+        let (holdings, _) = holdings_of(ck, t);
+        let holdings: Vec<Value> = holdings
             .iter()
             .map(|h| {
                 let copy = u8::from(h.copy);
@@ -88,7 +89,7 @@ fn data(ck: &Checkpoint, problems: &[Error], title: &str) -> Result<Value> {
             .collect();
         format!("mesh {}: {}", s.mesh, common.join(", "))
     });
-    Ok(json!({
+    json!({
         "summary": {
             "path": title,
             "format": formats.into_iter().collect::<Vec<_>>().join(", "),
@@ -101,6 +102,9 @@ fn data(ck: &Checkpoint, problems: &[Error], title: &str) -> Result<Value> {
             "notes": ck.notes,
         },
         "bits": bits,
+        // Rank files of a sliced checkpoint each hold part of every tensor, so the
+        // page lists those holding none of one; the data leaves them out.
+        "sliced": ck.kind == Kind::Sliced,
         "files": ck.files.iter().map(|f| f.path().display().to_string()).collect::<Vec<_>>(),
         "holders": (0..ck.files.len()).map(|i| ck.label(i)).collect::<Vec<_>>(),
         "short": (0..ck.files.len()).map(|i| match ck.ranks[i] {
@@ -108,18 +112,22 @@ fn data(ck: &Checkpoint, problems: &[Error], title: &str) -> Result<Value> {
             None => holder_label(ck, i).rsplit('/').next().unwrap_or_default().to_string(),
         }).collect::<Vec<_>>(),
         "tensors": tensors,
-    }))
+    })
 }
 
 /// The report page of `ck` (with the `problems` its verification found), titled
 /// `title` (the path inspected).
 ///
 /// # Errors
-/// [`Error::TensorNotFound`] cannot happen for tensors of `ck`; JSON encoding errors
-/// are reported as [`Error::Unsupported`].
+/// JSON encoding errors, as [`Error::Unsupported`] (not expected: all keys are
+/// strings).
 pub fn html_report(ck: &Checkpoint, problems: &[Error], title: &str) -> Result<String> {
-    let data = data(ck, problems, title)?;
-    let json = serde_json::to_string(&data).map_err(|e| Error::Unsupported {
+    page(&data(ck, problems, title), title)
+}
+
+/// The page around `data`.
+fn page(data: &Value, title: &str) -> Result<String> {
+    let json = serde_json::to_string(data).map_err(|e| Error::Unsupported {
         problem: format!("report data: {e}"),
     })?;
     // `</` would end the script element early (a tensor named `</script>`); `<\/` is
@@ -138,6 +146,99 @@ pub fn html_report(ck: &Checkpoint, problems: &[Error], title: &str) -> Result<S
     ))
 }
 
+/// The page of a reshard plan: per tensor, the target pieces over the target files
+/// (filled) with the source pieces they are cut from (dashed outlines, holders after
+/// the targets), and the reads of each output file with the totals.
+///
+/// # Errors
+/// JSON encoding errors, as [`Error::Unsupported`].
+pub fn plan_html_report(
+    source: &Checkpoint,
+    plan: &CopyPlan,
+    mesh: &str,
+    title: &str,
+) -> Result<String> {
+    let report = PlanReport::new(source, plan);
+    let nt = plan.files.len();
+    // Target pieces by tensor name: (target file, box).
+    let mut targets: BTreeMap<&str, (crate::Dtype, Vec<(usize, &crate::Region)>)> = BTreeMap::new();
+    for (k, f) in plan.files.iter().enumerate() {
+        for t in &f.tensors {
+            let e = targets
+                .entry(t.target.name.as_str())
+                .or_insert((t.target.dtype, Vec::new()));
+            e.1.extend(t.target.pieces.iter().map(|p| (k, &p.global)));
+        }
+    }
+    let mut dtypes: BTreeMap<String, u64> = BTreeMap::new();
+    let mut bits: BTreeMap<String, usize> = BTreeMap::new();
+    let mut tensors = Vec::with_capacity(targets.len());
+    for (name, (dtype, pieces)) in &targets {
+        let d = dtype_name(*dtype);
+        *dtypes.entry(d.clone()).or_default() += 1;
+        bits.insert(d.clone(), dtype.bitsize());
+        let src = source.tensors.get(*name);
+        // The global shape: the source's, or (a renamed tensor) the target pieces' extent.
+        let shape: Vec<u64> = match src {
+            Some(t) => t.shape.clone(),
+            None => (0..pieces.first().map_or(0, |p| p.1.ndim()))
+                .map(|dim| pieces.iter().map(|p| p.1.end(dim)).max().unwrap_or(0))
+                .collect(),
+        };
+        let mut holdings: Vec<Value> = pieces
+            .iter()
+            .map(|(k, r)| json!([k, r.start, r.shape, 0]))
+            .collect();
+        if let Some(t) = src {
+            holdings.extend(
+                t.pieces
+                    .iter()
+                    .map(|p| json!([nt + p.file, p.global.start, p.global.shape, 2])),
+            );
+        }
+        tensors.push(json!([
+            name,
+            d,
+            shape,
+            bytes_of(*dtype, shape.iter().product()),
+            "",
+            holdings
+        ]));
+    }
+    let short = |p: &Path| {
+        p.parent().and_then(|d| d.file_name()).map_or_else(
+            || p.display().to_string(),
+            |d| d.to_string_lossy().into_owned(),
+        )
+    };
+    let data = json!({
+        "summary": {
+            "path": title,
+            "format": "reshard plan (nothing written)",
+            "kind": format!("{} source file(s) -> {nt} output file(s) on mesh {mesh}", source.files.len()),
+            "dtypes": dtypes,
+            "bytes": report.bytes_written,
+            "ranks": null,
+            "strategy": format!("target mesh {mesh}"),
+            "problems": [],
+            "notes": source.notes,
+        },
+        "bits": bits,
+        "sliced": false,
+        "files": plan.files.iter().map(|f| f.path.display().to_string()).collect::<Vec<_>>(),
+        "holders": plan.files.iter().map(|f| format!("output {}", f.path.display()))
+            .chain((0..source.files.len()).map(|i| format!("source {}", source.label(i)))).collect::<Vec<_>>(),
+        "short": plan.files.iter().map(|f| short(&f.path))
+            .chain((0..source.files.len()).map(|i| match source.ranks[i] {
+                Some(r) => format!("src r{r}"),
+                None => short(source.files[i].path()),
+            })).collect::<Vec<_>>(),
+        "plan": report.to_json(source),
+        "tensors": tensors,
+    });
+    page(&data, title)
+}
+
 /// Writes the report of `ck` to `dest` (temporary name, sync, rename: a reader never
 /// sees half a report).
 ///
@@ -150,7 +251,7 @@ pub fn write_html_report(
     dest: &Path,
 ) -> Result<u64> {
     let page = html_report(ck, problems, title)?;
-    crate::output::write_file_atomic(dest, page.as_bytes())?;
+    crate::formats::output::write_file_atomic(dest, page.as_bytes())?;
     Ok(page.len() as u64)
 }
 
@@ -165,4 +266,21 @@ mod tests {
             assert!(!super::PAGE.contains(fetch), "{fetch}");
         }
     }
+}
+
+/// Writes the page of a reshard plan (see [`plan_html_report`]) to `dest`, through a
+/// temporary name; returns its size.
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn write_plan_html(
+    source: &Checkpoint,
+    plan: &CopyPlan,
+    mesh: &str,
+    title: &str,
+    dest: &Path,
+) -> Result<u64> {
+    let page = plan_html_report(source, plan, mesh, title)?;
+    crate::formats::output::write_file_atomic(dest, page.as_bytes())?;
+    Ok(page.len() as u64)
 }

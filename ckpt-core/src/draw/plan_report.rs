@@ -2,8 +2,8 @@
 //! ranges of them and how many bytes, with the totals the copy then reports.
 
 use crate::checkpoint::Checkpoint;
-use crate::plan::{CopyPlan, FilePlan};
-use crate::region::Runs;
+use crate::layout::plan::{CopyPlan, FilePlan};
+use crate::layout::region::Runs;
 use serde_json::{json, Value};
 use std::fmt::Write;
 use std::path::PathBuf;
@@ -95,7 +95,7 @@ fn reads_of(source: &Checkpoint, f: &FilePlan) -> Vec<SourceRead> {
                     entry.start + byte_of(first, bits),
                     entry.start + byte_of(last + 1, bits),
                 ),
-                bytes: crate::plan::bytes_of(t.src_dtype, numel),
+                bytes: crate::layout::plan::bytes_of(t.src_dtype, numel),
                 runs: numel / run_len,
             });
         }
@@ -133,7 +133,7 @@ impl PlanReport {
                         &op.src.shape,
                         &vec![0; op.src.shape.len()],
                     );
-                    crate::plan::bytes_of(
+                    crate::layout::plan::bytes_of(
                         t.src_dtype,
                         if op.src.numel() == 0 { 0 } else { r.run_len() },
                     )

@@ -3,7 +3,7 @@
 //! the holder that owns it, then a legend with every holding's exact extent and bytes.
 
 use super::{fold, Extent, TensorPicture};
-use crate::plan::bytes_of;
+use crate::layout::plan::bytes_of;
 use std::fmt::Write;
 
 /// Symbols of holders, in the order they first appear; `#` once these run out.
@@ -78,6 +78,7 @@ fn sample(i: usize, cells: usize, n: u64) -> u64 {
 ///         Holding { holder: 1, extent: Extent::Box(Region::from_ranges(&[2..4, 0..2])), copy: false },
 ///         Holding { holder: 1, extent: Extent::Box(Region::from_ranges(&[0..2, 0..2])), copy: true },
 ///     ],
+///     empty: vec![],
 /// };
 /// let text = render_text(&p, &Canvas::default());
 /// assert!(text.contains("0 |0000|\n  1 |0000|\n  2 |1111|\n  3 |1111|\n"));
@@ -95,7 +96,7 @@ pub fn render_text(p: &TensorPicture, canvas: &Canvas) -> String {
         out,
         "tensor `{}`  {} {:?}  {} piece(s) in {} file(s), {} replica(s)",
         p.name,
-        crate::strategy::dtype_name(p.dtype),
+        crate::layout::strategy::dtype_name(p.dtype),
         p.shape,
         owners.count(),
         files.len(),
@@ -133,12 +134,11 @@ pub fn render_text(p: &TensorPicture, canvas: &Canvas) -> String {
         } else {
             canvas.height.max(1)
         };
-        let col_unit = f.cols.div_ceil(w as u64);
-        let row_unit = f.rows.div_ceil(h as u64);
-        if col_unit > 1 || row_unit > 1 {
+        if f.rows > h as u64 || f.cols > w as u64 {
             let _ = writeln!(
                 out,
-                "one character ≈ {row_unit} row(s) × {col_unit} column(s), showing the owner of the element at its centre"
+                "scaled: {h} lines for {} rows, {w} characters for {} columns; each shows the owner of the element at its centre",
+                f.rows, f.cols
             );
         }
         let label_w = (f.rows - 1).to_string().len().max(3);
@@ -244,6 +244,23 @@ pub fn render_text(p: &TensorPicture, canvas: &Canvas) -> String {
         };
         let _ = writeln!(out, "  {mark}  {:<lw$}  {what}", p.holders[hd.holder]);
     }
+    if !p.empty.is_empty() {
+        // One line, however many ranks: on a big mesh most hold nothing of a tensor.
+        const LISTED: usize = 16;
+        let names: Vec<&str> = p
+            .empty
+            .iter()
+            .take(LISTED)
+            .map(|&h| p.holders[h].as_str())
+            .collect();
+        let more = p.empty.len().saturating_sub(LISTED);
+        let rest = if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        };
+        let _ = writeln!(out, "  -  holds nothing of it: {}{rest}", names.join(", "));
+    }
     out
 }
 
@@ -251,7 +268,7 @@ pub fn render_text(p: &TensorPicture, canvas: &Canvas) -> String {
 mod tests {
     use super::*;
     use crate::draw::Holding;
-    use crate::region::Region;
+    use crate::layout::region::Region;
     use crate::Dtype;
 
     fn owner(holder: usize, r: &[std::ops::Range<u64>]) -> Holding {
@@ -269,6 +286,7 @@ mod tests {
             shape: shape.to_vec(),
             holders: (0..n).map(|r| format!("rank {r}")).collect(),
             holdings,
+            empty: vec![],
         }
     }
 
@@ -276,9 +294,9 @@ mod tests {
     fn columns_split_unevenly_with_an_empty_rank() {
         // 5 columns over 3 ranks as torch.chunk cuts them: 2, 2, 1... and a 4th rank
         // with nothing.
-        let p = pic(
+        let mut p = pic(
             &[2, 5],
-            4,
+            5,
             vec![
                 owner(0, &[0..2, 0..2]),
                 owner(1, &[0..2, 2..4]),
@@ -286,6 +304,7 @@ mod tests {
                 owner(3, &[0..0, 0..0]),
             ],
         );
+        p.empty = vec![4];
         let text = render_text(&p, &Canvas::default());
         assert_eq!(
             text,
@@ -298,7 +317,8 @@ mod tests {
              \x20 0  rank 0  [0..2, 0..2]  16 B\n\
              \x20 1  rank 1  [0..2, 2..4]  16 B\n\
              \x20 2  rank 2  [0..2, 4..5]  8 B\n\
-             \x20 3  rank 3  holds nothing of it (empty piece)\n"
+             \x20 3  rank 3  holds nothing of it (empty piece)\n\
+             \x20 -  holds nothing of it: rank 4\n"
         );
     }
 
@@ -359,7 +379,7 @@ mod tests {
         assert!(
             text.contains("3-D folded to 2-D: rows = dims 0..1 (2×3 = 6), columns = dim 2 (40)\n")
         );
-        assert!(text.contains("one character ≈ 1 row(s) × 2 column(s)"));
+        assert!(text.contains("scaled: 6 lines for 6 rows, 20 characters for 40 columns;"));
         let grid: Vec<&str> = text.lines().filter(|l| l.contains(" |")).collect();
         assert_eq!(
             grid,

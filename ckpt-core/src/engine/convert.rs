@@ -7,13 +7,15 @@
 //! header is laid out by the same code from the same tensor order and metadata.
 
 use crate::checkpoint::{COMPRESSED_INDEX_FILE, INDEX_FILE};
-use crate::checksum::CHECKSUMS_KEY;
-use crate::copy::SLAB_BYTES;
 use crate::error::{Error, IoContext, Result};
+use crate::formats::checksum::CHECKSUMS_KEY;
+// The conversion to and from `.ckptz` itself: the one engine module that names a
+// format (docs/architecture.md).
 use crate::formats::ckptz::{CkptzWriter, Compression, EXTENSION};
-use crate::formats::safetensors::TensorSpec;
-use crate::formats::{ChunkCache, FileFormat, FileWriter, TensorFile};
-use crate::output::{check_output_outside_inputs, write_file_atomic, StagedDir};
+use crate::formats::output::{check_output_outside_inputs, write_file_atomic, StagedDir};
+use crate::formats::{
+    create_writer, FileFormat, ReadCache, TensorFile, TensorSpec, TensorWriter, SLAB_BYTES,
+};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 
@@ -202,16 +204,16 @@ fn convert_file(src: &Path, dest: &Path, how: Conversion, stats: &mut ConvertSta
         crate::formats::ckptz::v2::write_source(&f, header, dest)?;
         return finish_file(src, dest, &f, stats);
     }
-    let writer = match compression {
+    let writer: Box<dyn TensorWriter> = match compression {
         // Keeps the source's header text, so that decompressing gives it back.
-        Some(c) => FileWriter::Compressed(CkptzWriter::create_with_source(
+        Some(c) => Box::new(CkptzWriter::create_with_source(
             dest,
             &specs,
             &metadata,
             c,
             Some(safetensors_header(src)?),
         )?),
-        None => FileWriter::create(dest, &specs, &metadata, None)?,
+        None => create_writer(dest, &specs, &metadata, None)?,
     };
     let mut jobs = Vec::new();
     for (j, &i) in order.iter().enumerate() {
@@ -225,7 +227,7 @@ fn convert_file(src: &Path, dest: &Path, how: Conversion, stats: &mut ConvertSta
         }
     }
     jobs.par_iter()
-        .try_for_each_init(ChunkCache::new, |cache, (j, i, range)| {
+        .try_for_each_init(ReadCache::new, |cache, (j, i, range)| {
             let bytes = f.read(*i, range.clone(), cache)?;
             let r = writer.write_at(*j, range.start, bytes);
             f.release(*i, range.clone());

@@ -6,11 +6,9 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::formats::ckptz::Compression;
-use crate::formats::safetensors::TensorSpec;
-use crate::formats::{ChunkCache, FileWriter};
-use crate::plan::{bytes_of, CopyPlan, TensorPlan};
-use crate::region::{Region, Runs};
+use crate::formats::{create_writer, Compression, ReadCache, TensorSpec, TensorWriter};
+use crate::layout::plan::{bytes_of, CopyPlan, TensorPlan};
+use crate::layout::region::{Region, Runs};
 use crate::Dtype;
 use rayon::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -28,8 +26,7 @@ impl std::ops::AddAssign for CopyStats {
     }
 }
 
-/// Largest slab assembled in memory at once.
-pub const SLAB_BYTES: u64 = 4 << 20;
+pub use crate::formats::SLAB_BYTES;
 
 /// What a copy did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -141,7 +138,7 @@ fn fill_slab(
     t: &TensorPlan,
     slab: &Region,
     buf: &mut [u8],
-    cache: &mut ChunkCache,
+    cache: &mut ReadCache,
 ) -> Result<u64> {
     let sbits = t.src_dtype.bitsize() as u64;
     let dbits = t.target.dtype.bitsize() as u64;
@@ -232,7 +229,7 @@ pub fn execute_with(
                 source,
             })?;
         }
-        writers.push(FileWriter::create(&path, &specs, &f.metadata, compression)?);
+        writers.push(create_writer(&path, &specs, &f.metadata, compression)?);
     }
     let mut jobs: Vec<(usize, usize, Region)> = Vec::new();
     for (fi, f) in plan.files.iter().enumerate() {
@@ -246,11 +243,7 @@ pub fn execute_with(
     // that each chunk is decompressed once while a thread's cache still holds it (in
     // plan order, a chunk of a column-sharded source feeds one slab of every target
     // rank, far apart). Positional writes do not care about the order.
-    if source
-        .files
-        .iter()
-        .any(|f| f.format() == crate::FileFormat::Ckptz)
-    {
+    if source.files.iter().any(|f| f.is_compressed()) {
         jobs.sort_by_cached_key(|(fi, ti, slab)| first_source(&plan.files[*fi].tensors[*ti], slab));
     }
     // Source tensors read whole have their recorded checksums checked while they are
@@ -271,11 +264,11 @@ pub fn execute_with(
         .into_iter()
         .filter(|(_, (shape, regions))| {
             let regions: Vec<Region> = regions.iter().map(|r| (*r).clone()).collect();
-            crate::coverage::check_tiling(shape, &regions).is_ok()
+            crate::layout::coverage::check_tiling(shape, &regions).is_ok()
         })
         .map(|(k, _)| k)
         .collect();
-    let checking = crate::checksum::checksums_enabled();
+    let checking = crate::formats::checksum::checksums_enabled();
     let has_sum = |&(f, t): &(usize, usize)| source.files[f].checksum(t).is_some();
     let to_check: Vec<(usize, usize)> = if checking {
         whole.iter().copied().filter(has_sum).collect()
@@ -298,7 +291,7 @@ pub fn execute_with(
     // alongside would decompress everything twice).
     let (after, alongside): (Vec<_>, Vec<_>) = to_check
         .iter()
-        .partition(|&&(f, _)| source.files[f].format() == crate::FileFormat::Ckptz);
+        .partition(|&&(f, _)| source.files[f].is_compressed());
     let read = AtomicU64::new(0);
     let (copied, checked) = rayon::join(
         || copy_slabs(plan, source, &writers, &jobs, &read, progress),
@@ -328,7 +321,7 @@ pub fn execute_with(
 }
 
 /// Where `part` (a box of the destination inside `op`'s) starts in `op`'s source tensor.
-fn src_start_of(part: &Region, op: &crate::plan::CopyOp) -> Vec<u64> {
+fn src_start_of(part: &Region, op: &crate::layout::plan::CopyOp) -> Vec<u64> {
     part.start
         .iter()
         .zip(&op.dst_start)
@@ -353,14 +346,14 @@ fn first_source(t: &TensorPlan, slab: &Region) -> (usize, usize, u64) {
 fn copy_slabs(
     plan: &CopyPlan,
     source: &Checkpoint,
-    writers: &[FileWriter],
+    writers: &[Box<dyn TensorWriter>],
     jobs: &[(usize, usize, Region)],
     read: &AtomicU64,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<()> {
     jobs.par_iter().try_for_each_init(
-        || (Vec::new(), ChunkCache::new()),
-        |(buf, cache): &mut (Vec<u8>, ChunkCache), (fi, ti, slab)| -> Result<()> {
+        || (Vec::new(), ReadCache::new()),
+        |(buf, cache): &mut (Vec<u8>, ReadCache), (fi, ti, slab)| -> Result<()> {
             let t = &plan.files[*fi].tensors[*ti];
             let len = bytes_of(t.target.dtype, slab.numel()) as usize;
             buf.clear();
@@ -411,7 +404,7 @@ pub fn assemble_into(t: &TensorPlan, source: &Checkpoint, dst: &mut [u8]) -> Res
         t,
         &Region::full(&t.target.shape),
         dst,
-        &mut ChunkCache::new(),
+        &mut ReadCache::new(),
     )?;
     Ok(())
 }

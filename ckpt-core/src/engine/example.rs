@@ -5,11 +5,11 @@
 //! Every element's value is a hash of the tensor name and its global index, so any
 //! rank's slice can be produced alone and any output checked without the original.
 
+use crate::engine::save::write_rank;
 use crate::error::Result;
+use crate::layout::mesh::Mesh;
+use crate::layout::strategy::Strategy;
 use crate::layout::{Placement, TensorLayout};
-use crate::mesh::Mesh;
-use crate::save::write_rank;
-use crate::strategy::Strategy;
 use crate::Dtype;
 use std::path::Path;
 
@@ -164,7 +164,7 @@ pub fn example_byte(name: &str, i: u64) -> u8 {
 /// The whole of tensor `name` of `layout`, as bytes.
 #[must_use]
 pub fn example_tensor(name: &str, layout: &TensorLayout) -> Vec<u8> {
-    let n = crate::plan::bytes_of(layout.dtype, layout.shape.iter().product());
+    let n = crate::layout::plan::bytes_of(layout.dtype, layout.shape.iter().product());
     (0..n).map(|i| example_byte(name, i)).collect()
 }
 
@@ -184,11 +184,14 @@ pub fn write_example(dir: &Path, model: &ExampleModel, mesh: &Mesh) -> Result<St
             if !l.is_owner(mesh, rank) {
                 continue;
             }
-            let el = crate::plan::bytes_of(l.dtype, 1);
-            let mut buf =
-                vec![0u8; (crate::plan::bytes_of(l.dtype, shape.iter().product())) as usize];
+            let el = crate::layout::plan::bytes_of(l.dtype, 1);
+            let mut buf = vec![
+                0u8;
+                (crate::layout::plan::bytes_of(l.dtype, shape.iter().product()))
+                    as usize
+            ];
             for p in l.pieces(mesh, rank) {
-                for run in crate::region::Runs::new(
+                for run in crate::layout::region::Runs::new(
                     &p.global.shape,
                     &l.shape,
                     &p.global.start,
@@ -209,7 +212,7 @@ pub fn write_example(dir: &Path, model: &ExampleModel, mesh: &Mesh) -> Result<St
             .collect();
         write_rank(dir, &strategy, rank, &refs, false)?;
     }
-    crate::output::write_file_atomic(
+    crate::formats::output::write_file_atomic(
         &dir.join(crate::checkpoint::STRATEGY_FILE),
         strategy.to_json().as_bytes(),
     )?;

@@ -2,14 +2,12 @@
 //! integrated checkpoint, and one rank's tensors loaded from any checkpoint.
 
 use crate::checkpoint::{Checkpoint, COMPRESSED_MODEL_FILE, MODEL_FILE, STRATEGY_FILE};
-use crate::copy::assemble;
+use crate::engine::copy::assemble;
 use crate::error::{Error, IoContext, Result};
-use crate::formats::ckptz::Compression;
-use crate::formats::safetensors::TensorSpec;
-use crate::formats::{byte_len, FileWriter};
-use crate::output::write_file_atomic;
-use crate::plan::{rank_metadata, rank_tensors, CopyPlan, TargetFile};
-use crate::strategy::Strategy;
+use crate::formats::output::write_file_atomic;
+use crate::formats::{byte_len, create_writer, Compression, TensorSpec};
+use crate::layout::plan::{rank_metadata, rank_tensors, CopyPlan, TargetFile};
+use crate::layout::strategy::Strategy;
 use crate::Dtype;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -78,7 +76,7 @@ pub fn write_rank_with(
         .collect();
     let path = rank_dir.join(model_name(compression));
     let meta = rank_metadata(strategy, rank, &targets);
-    let w = FileWriter::create(&path, &specs, &meta, compression)?;
+    let w = create_writer(&path, &specs, &meta, compression)?;
     for (i, t) in targets.iter().enumerate() {
         let data = given[t.name.as_str()];
         if Some(data.len() as u64) != byte_len(t.dtype, &t.shape) {
@@ -137,7 +135,7 @@ pub fn write_integrated_with(
     let path = dir.join(model_name(compression));
     let mut meta = BTreeMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    let w = FileWriter::create(&path, &specs, &meta, compression)?;
+    let w = create_writer(&path, &specs, &meta, compression)?;
     for (i, (n, d, s, data)) in tensors.iter().enumerate() {
         if Some(data.len() as u64) != byte_len(*d, s) {
             return Err(Error::InvalidTensor {

@@ -2,9 +2,9 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::formats::{ChunkCache, TensorFile};
-use crate::region::{Region, Runs};
-use crate::select::Selection;
+use crate::formats::{ReadCache, TensorFile};
+use crate::layout::region::{Region, Runs};
+use crate::layout::select::Selection;
 use rayon::prelude::*;
 use std::path::PathBuf;
 
@@ -41,7 +41,7 @@ pub fn verify_selected(
     depth: VerifyDepth,
 ) -> Result<(Checkpoint, Vec<Error>)> {
     let (mut ck, mut problems) = Checkpoint::scan_step(paths, selection.step())?;
-    if depth.checksums && crate::checksum::checksums_enabled() {
+    if depth.checksums && crate::formats::checksum::checksums_enabled() {
         let all: Vec<(usize, usize)> = ck
             .files
             .iter()
@@ -113,7 +113,7 @@ fn copies_differ(
 ) -> Result<bool> {
     let sa = &fa.tensors()[ta].shape;
     let sb = &fb.tensors()[tb].shape;
-    let (mut ca, mut cb) = (ChunkCache::new(), ChunkCache::new());
+    let (mut ca, mut cb) = (ReadCache::new(), ReadCache::new());
     for r in Runs::new(&ra.shape, sa, &ra.start, sb, &rb.start) {
         let (x, y, n) = (r.src * bits / 8, r.dst * bits / 8, r.len * bits / 8);
         if fa.read(ta, x..x + n, &mut ca)? != fb.read(tb, y..y + n, &mut cb)? {

@@ -43,15 +43,15 @@ use super::byte_len;
 use super::safetensors::{entry_fields, parse_description, split_header};
 #[cfg(test)]
 use super::safetensors::{with_checksums, TensorSpec};
-use super::{bad_tensor, TensorEntry, TensorFile};
-#[cfg(test)]
-use crate::checksum::checksums_enabled;
-use crate::checksum::CHECKSUMS_KEY;
-use crate::checksum::{decode_checksums, Checksum};
+use super::{bad_tensor, Decoder, FileFormat, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, IoContext, Result};
 #[cfg(test)]
-use crate::output::StagedFile;
-use crate::strategy::dtype_name;
+use crate::formats::checksum::checksums_enabled;
+use crate::formats::checksum::CHECKSUMS_KEY;
+use crate::formats::checksum::{decode_checksums, Checksum};
+#[cfg(test)]
+use crate::formats::output::StagedFile;
+use crate::layout::strategy::dtype_name;
 use crate::Dtype;
 use memmap2::Mmap;
 use serde_json::{Map, Value};
@@ -511,116 +511,6 @@ impl Chunked {
     }
 }
 
-/// Decompressed chunks kept for reuse across reads: a copy reads the same source chunk
-/// for several output slabs (a column-sharded source feeds every row slab of the
-/// output), so each thread keeps its last few chunks rather than decompress again.
-/// Also holds the buffer a read spanning several chunks is assembled in.
-#[derive(Debug, Default)]
-pub struct ChunkCache {
-    /// `(file id, stream, chunk, bytes)`, most recently used last.
-    entries: Vec<(u64, usize, usize, Vec<u8>)>,
-    span: Vec<u8>,
-}
-
-/// Chunks a [`ChunkCache`] keeps: 8 covers merging an 8-way sharded tensor slab by slab
-/// with each source's chunk still cached (32 MiB per thread at 4 MiB chunks).
-const CACHED_CHUNKS: usize = 8;
-
-impl ChunkCache {
-    /// An empty cache.
-    #[must_use]
-    pub fn new() -> ChunkCache {
-        ChunkCache::default()
-    }
-
-    /// The index of chunk `k` of stream `s` of `file` in `entries`, decompressed now if
-    /// it was not there (`t`: the tensor being read, for errors).
-    fn get(
-        &mut self,
-        file: &TensorFile,
-        chunked: &Chunked,
-        t: usize,
-        s: usize,
-        k: usize,
-    ) -> Result<usize> {
-        let id = file.id();
-        if let Some(i) = self
-            .entries
-            .iter()
-            .position(|e| e.0 == id && e.1 == s && e.2 == k)
-        {
-            let e = self.entries.remove(i);
-            self.entries.push(e);
-            return Ok(self.entries.len() - 1);
-        }
-        let mut buf = if self.entries.len() >= CACHED_CHUNKS {
-            self.entries.remove(0).3
-        } else {
-            Vec::new()
-        };
-        let name = &file.tensors()[t].name;
-        chunked.decode(file.path(), name, s, k, &mut buf)?;
-        self.entries.push((id, s, k, buf));
-        Ok(self.entries.len() - 1)
-    }
-
-    /// Bytes `range` (relative to the tensor, inside it) of tensor `t` of a compressed
-    /// file, decompressing only the chunks that cover it.
-    pub(crate) fn read<'a>(
-        &'a mut self,
-        file: &TensorFile,
-        chunked: &Chunked,
-        t: usize,
-        range: std::ops::Range<u64>,
-    ) -> Result<&'a [u8]> {
-        if range.is_empty() {
-            return Ok(&[]);
-        }
-        let (s, r) = chunked.body.streams.locate(t, range.clone());
-        let cs = chunked.body.streams.streams[s].chunk_size;
-        let (k0, k1) = ((r.start / cs) as usize, ((r.end - 1) / cs) as usize);
-        if k0 == k1 {
-            let i = self.get(file, chunked, t, s, k0)?;
-            let lo = (r.start - k0 as u64 * cs) as usize;
-            let hi = (r.end - k0 as u64 * cs) as usize;
-            return Ok(&self.entries[i].3[lo..hi]);
-        }
-        let mut span = std::mem::take(&mut self.span);
-        span.resize((range.end - range.start) as usize, 0);
-        let r = self.copy_into(file, chunked, t, range, &mut span);
-        self.span = span;
-        r?;
-        Ok(&self.span)
-    }
-
-    /// Copies bytes `range` of tensor `t` of a compressed file into `dst` (of the
-    /// range's length), chunk by chunk, with no intermediate buffer.
-    pub(crate) fn copy_into(
-        &mut self,
-        file: &TensorFile,
-        chunked: &Chunked,
-        t: usize,
-        range: std::ops::Range<u64>,
-        dst: &mut [u8],
-    ) -> Result<()> {
-        if range.is_empty() {
-            return Ok(());
-        }
-        let (s, range) = chunked.body.streams.locate(t, range);
-        let cs = chunked.body.streams.streams[s].chunk_size;
-        let mut at = 0;
-        for k in (range.start / cs) as usize..=((range.end - 1) / cs) as usize {
-            let i = self.get(file, chunked, t, s, k)?;
-            let base = k as u64 * cs;
-            let lo = (range.start.max(base) - base) as usize;
-            let hi = (range.end.min(base + cs) - base) as usize;
-            dst[at..at + hi - lo].copy_from_slice(&self.entries[i].3[lo..hi]);
-            at += hi - lo;
-        }
-        Ok(())
-    }
-}
-
 /// Reads a `.ckptz` file: parses and checks its header from the mapping, then keeps the
 /// file for positional reads and drops the mapping.
 pub(crate) fn read(path: &Path, file: File, map: Option<Mmap>) -> Result<TensorFile> {
@@ -656,7 +546,13 @@ pub(crate) fn read(path: &Path, file: File, map: Option<Mmap>) -> Result<TensorF
         crcs,
         source_header,
     };
-    let mut file = TensorFile::from_chunked(path, chunked, tensors, metadata);
+    let mut file = TensorFile::from_decoder(
+        path,
+        FileFormat::Ckptz,
+        Box::new(chunked),
+        tensors,
+        metadata,
+    );
     file.set_checksums(&sums).map_err(|e| e.with_path(path))?;
     Ok(file)
 }
@@ -706,14 +602,28 @@ pub fn parse_header(bytes: &[u8], file_len: u64) -> Result<Header> {
             max: MAX_HEADER_LEN,
         });
     }
-    let data_start = n.checked_add(16).ok_or_else(|| overflow("header length"))?;
-    if data_start > file_len || data_start > bytes.len() as u64 {
-        return Err(bad(format!(
-            "header of {n} bytes runs past the end of the file ({file_len} bytes): truncated?"
-        )));
-    }
-    let (obj, metadata) = split_header(&bytes[16..data_start as usize], bad)?;
-    let data_len = file_len - data_start;
+    // Version 1: the header follows the preamble, the data area follows it. Version 2:
+    // the data area follows the preamble, the header (one zstd frame) ends the file.
+    let (text, data_start, data_len) = if version == 1 {
+        let data_start = n.checked_add(16).ok_or_else(|| overflow("header length"))?;
+        if data_start > file_len || data_start > bytes.len() as u64 {
+            return Err(bad(format!(
+                "header of {n} bytes runs past the end of the file ({file_len} bytes): truncated?"
+            )));
+        }
+        let text = std::borrow::Cow::Borrowed(&bytes[16..data_start as usize]);
+        (text, data_start, file_len - data_start)
+    } else {
+        if n > file_len - 16 || bytes.len() as u64 != file_len {
+            return Err(bad(format!(
+                "header of {n} bytes does not fit in the file ({file_len} bytes after the 16-byte preamble): truncated?"
+            )));
+        }
+        let at = (file_len - n) as usize;
+        let text = v2::decompress_header(&bytes[at..])?;
+        (std::borrow::Cow::Owned(text), 16, file_len - n - 16)
+    };
+    let (obj, metadata) = split_header(&text, bad)?;
     let (tensors, body, source_header) = if version == 1 {
         parse_v1(&obj, data_len)?
     } else {
@@ -1217,7 +1127,44 @@ impl V1Writer {
     }
 }
 
+/// Compression as a property of the reader: the engine reads `.ckptz` files through
+/// this, chunk by chunk, without knowing the format.
+impl Decoder for Chunked {
+    fn locate(&self, t: usize, range: std::ops::Range<u64>) -> (usize, std::ops::Range<u64>) {
+        self.body.streams.locate(t, range)
+    }
+
+    fn chunk_size(&self, s: usize) -> u64 {
+        self.body.streams.streams[s].chunk_size
+    }
+
+    fn decode(&self, path: &Path, name: &str, s: usize, k: usize, out: &mut Vec<u8>) -> Result<()> {
+        Chunked::decode(self, path, name, s, k, out)
+    }
+
+    fn checksum(&self, path: &Path, name: &str, t: usize) -> Result<Checksum> {
+        Chunked::checksum(self, path, name, t)
+    }
+
+    fn decoded_checksum(&self, t: usize) -> Option<Checksum> {
+        Chunked::decoded_checksum(self, t)
+    }
+
+    fn stored_len(&self, t: usize) -> u64 {
+        Chunked::stored_len(self, t)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 impl TensorFile {
+    /// The chunk tables, when the file is a `.ckptz` one.
+    pub(crate) fn chunked(&self) -> Option<&Chunked> {
+        self.decoder()?.as_any().downcast_ref::<Chunked>()
+    }
+
     /// Compressed bytes of tensor `index` as stored, when the file is compressed (a
     /// chunk shared with other tensors counted in proportion to its raw bytes there).
     #[must_use]
@@ -1232,10 +1179,20 @@ impl TensorFile {
     }
 }
 
+impl super::writer::TensorWriter for CkptzWriter {
+    fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+        CkptzWriter::write_at(self, index, offset, bytes)
+    }
+
+    fn finish(self: Box<Self>) -> Result<()> {
+        CkptzWriter::finish(*self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::formats::FileFormat;
+    use crate::formats::{ChunkCache, FileFormat};
 
     const ALL: [Dtype; 22] = [
         Dtype::BOOL,

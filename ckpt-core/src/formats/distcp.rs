@@ -78,6 +78,12 @@ fn allowed(module: &str, name: &str) -> bool {
                 | "_MEM_FORMAT_ENCODING"
         ),
         "torch.distributed.checkpoint.filesystem" => name == "_StorageInfo",
+        // `Metadata.all_local_plans` (torch 2.15 as Megatron's torch_dist saves it): the
+        // ranks' save plans, plain dataclasses and an enum; not read.
+        "torch.distributed.checkpoint.planner" => matches!(
+            name,
+            "SavePlan" | "WriteItem" | "TensorWriteData" | "WriteItemType"
+        ),
         "torch" => name == "Size" || torch_dtype(name).is_some(),
         "torch.serialization" => name == "_get_layout",
         "pathlib" => matches!(

@@ -21,7 +21,7 @@
 
 use super::{FileFormat, TensorEntry, TensorFile};
 use crate::error::{Error, Result};
-use crate::output::StagedFile;
+use crate::formats::output::StagedFile;
 use crate::Dtype;
 use memmap2::Mmap;
 use prost::bytes::Buf;
@@ -231,7 +231,7 @@ fn split_tensor(records: &[TensorEntry], out: &mut Vec<TensorEntry>) -> Result<(
             )));
         }
         let mut at = r.start;
-        for b in crate::region::Region::flat_range(&first.shape, pos, end) {
+        for b in crate::layout::region::Region::flat_range(&first.shape, pos, end) {
             let bytes = b.numel() * elem;
             out.push(TensorEntry {
                 name: first.name.clone(),
@@ -476,6 +476,16 @@ impl MindSporeWriter {
     /// I/O errors, with the path.
     pub fn finish(self) -> Result<()> {
         self.out.commit()
+    }
+}
+
+impl super::writer::TensorWriter for MindSporeWriter {
+    fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+        MindSporeWriter::write_at(self, index, offset, bytes)
+    }
+
+    fn finish(self: Box<Self>) -> Result<()> {
+        MindSporeWriter::finish(*self)
     }
 }
 

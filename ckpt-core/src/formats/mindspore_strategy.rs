@@ -7,7 +7,8 @@
 //! `merge_pipeline_strategys` puts on parameter names.
 
 use crate::error::{Error, Result};
-use crate::mindspore::{MapEntry, MindSporeLayout};
+use crate::layout::mindspore::{MapEntry, MindSporeLayout};
+use crate::layout::source::PieceSource;
 use prost::Message;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -322,7 +323,7 @@ pub fn read_mindspore_strategies(paths: &[&Path]) -> Result<BTreeMap<String, Min
 /// source's shapes, or split tensors on different device matrices.
 pub fn mindspore_target_strategy(
     params: &BTreeMap<String, MindSporeParam>,
-    source: &crate::Checkpoint,
+    source: &impl PieceSource,
 ) -> Result<crate::Strategy> {
     let mut known = BTreeMap::new();
     for (name, p) in params {
@@ -335,16 +336,17 @@ pub fn mindspore_target_strategy(
             });
         }
         let t = source
-            .tensors
+            .source_tensors()
             .get(name)
             .ok_or_else(|| Error::InvalidLayout {
                 tensor: name.clone(),
                 problem: "in the target strategy but not in the source".into(),
             })?;
-        let ml = crate::mindspore::from_mindspore(name, &p.layout, t.shape.clone(), t.dtype)?;
+        let ml =
+            crate::layout::mindspore::from_mindspore(name, &p.layout, t.shape.clone(), t.dtype)?;
         known.insert(name.clone(), ml);
     }
-    crate::checkpoint::common_strategy(&known).ok_or_else(|| Error::Unsupported {
+    crate::layout::mindspore::common_strategy(&known).ok_or_else(|| Error::Unsupported {
         problem: "the target strategy splits tensors over different device matrices, which one ckpt mesh cannot hold".into(),
     })
 }

@@ -4,14 +4,13 @@
 //! the reference implementation, but every error names the tensor at fault.
 
 use super::{byte_len, FileFormat, TensorEntry, TensorFile};
-use crate::checkpoint::DCP_SHARDING_INFO;
-use crate::checksum::{
+use crate::error::{overflow, Error, Result};
+use crate::formats::checksum::{
     checksums_enabled, decode_checksums, encode_checksums, Checksum, CHECKSUMS_KEY, CHUNK,
 };
-use crate::error::{overflow, Error, Result};
-use crate::output::StagedFile;
-use crate::strategy::{dtype_name, parse_dtype};
-use crate::Dtype;
+use crate::formats::output::StagedFile;
+use crate::layout::plan::DCP_SHARDING_INFO;
+use crate::layout::strategy::{dtype_name, parse_dtype};
 use memmap2::Mmap;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -277,16 +276,7 @@ fn parse_dcp_offsets(text: &str) -> std::result::Result<BTreeMap<String, Vec<u64
     Ok(out)
 }
 
-/// A header entry to write: name, dtype and shape; offsets follow from the order.
-#[derive(Clone, Debug)]
-pub struct TensorSpec {
-    /// Tensor name.
-    pub name: String,
-    /// Element type.
-    pub dtype: Dtype,
-    /// Shape.
-    pub shape: Vec<u64>,
-}
+pub(crate) use super::writer::TensorSpec;
 
 /// A safetensors file being written: the header is laid out first, then data arrives
 /// by positional writes (from any thread) at each tensor's place; the file is written
@@ -497,9 +487,20 @@ pub(crate) fn with_checksums(
     m
 }
 
+impl super::writer::TensorWriter for SafetensorsWriter {
+    fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+        SafetensorsWriter::write_at(self, index, offset, bytes)
+    }
+
+    fn finish(self: Box<Self>) -> Result<()> {
+        SafetensorsWriter::finish(*self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Dtype;
 
     fn file(tensors: &[TensorSpec], data_len_delta: i64) -> Vec<u8> {
         let (mut h, offs) = encode_header(tensors, &BTreeMap::new()).unwrap();

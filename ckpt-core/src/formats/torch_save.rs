@@ -62,68 +62,109 @@ struct Stored {
 }
 
 pub(crate) fn parse(all: &[u8]) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>)> {
-    let mut zip = zip::ZipArchive::new(Cursor::new(all))
-        .map_err(|e| bad(format!("not a readable zip archive: {e}")))?;
-    let mut entries: HashMap<String, Stored> = HashMap::new();
-    for i in 0..zip.len() {
-        let f = zip
-            .by_index_raw(i)
-            .map_err(|e| bad(format!("zip entry {i}: {e}")))?;
-        let name = f
-            .name()
-            .map_err(|e| bad(format!("zip entry {i}: {e}")))?
-            .to_string();
-        let start = f
-            .data_start()
-            .ok_or_else(|| bad(format!("zip entry `{name}`: no data offset")))?;
-        let compressed = f.compression() != zip::CompressionMethod::Stored;
-        let len = f.compressed_size();
-        entries.insert(
-            name,
-            Stored {
-                start,
-                len,
-                compressed,
-            },
-        );
-    }
-    let mut pickles: Vec<&String> = entries
-        .keys()
-        .filter(|n| n.ends_with("/data.pkl") && n.matches('/').count() == 1)
-        .collect();
-    pickles.sort();
-    let pkl_name = match pickles.as_slice() {
-        [one] => (*one).clone(),
-        [] => {
-            return Err(bad(
-                "a zip archive without `<name>/data.pkl`: not a torch.save file",
-            ))
-        }
-        many => return Err(bad(format!("several pickles in one archive: {many:?}"))),
-    };
-    let dir = pkl_name.trim_end_matches("data.pkl").to_string();
-    let pkl = &entries[&pkl_name];
-    if pkl.compressed {
-        return Err(bad(format!(
-            "`{pkl_name}` is compressed: torch.save stores it"
-        )));
-    }
-    let bytes = slice(all, pkl.start, pkl.len, &pkl_name)?;
-    let obj = unpickle(bytes)?;
+    let archive = Archive::open(all)?;
+    let obj = archive.object()?;
     check_globals(&obj)?;
-
-    let mut found = Vec::new();
-    let mut non_tensor = Vec::new();
-    walk(obj, String::new(), &mut found, &mut non_tensor)?;
-    let mut tensors = Vec::with_capacity(found.len());
-    for t in found {
-        tensors.push(locate(&t, &dir, &entries)?);
-    }
+    let (tensors, non_tensor) = archive.tensors(obj, String::new())?;
     let mut metadata = BTreeMap::from([("format".to_string(), "torch.save".to_string())]);
     if !non_tensor.is_empty() {
         metadata.insert("torch.non_tensor".into(), non_tensor.join(","));
     }
     Ok((tensors, metadata))
+}
+
+/// A `torch.save` archive's index: its pickle and where each storage lies. Readers of
+/// formats built on torch.save (Megatron's `model_optim_rng.pt`) take the object tree
+/// from here, check the globals they accept themselves, and locate the tensors of the
+/// parts they read.
+pub(crate) struct Archive<'a> {
+    all: &'a [u8],
+    /// The archive's folder (`archive/`), before `data.pkl` and `data/<key>`.
+    dir: String,
+    pkl_name: String,
+    entries: HashMap<String, Stored>,
+}
+
+impl<'a> Archive<'a> {
+    /// Reads the zip directory of a mapped file.
+    pub(crate) fn open(all: &'a [u8]) -> Result<Archive<'a>> {
+        let mut zip = zip::ZipArchive::new(Cursor::new(all))
+            .map_err(|e| bad(format!("not a readable zip archive: {e}")))?;
+        let mut entries: HashMap<String, Stored> = HashMap::new();
+        for i in 0..zip.len() {
+            let f = zip
+                .by_index_raw(i)
+                .map_err(|e| bad(format!("zip entry {i}: {e}")))?;
+            let name = f
+                .name()
+                .map_err(|e| bad(format!("zip entry {i}: {e}")))?
+                .to_string();
+            let start = f
+                .data_start()
+                .ok_or_else(|| bad(format!("zip entry `{name}`: no data offset")))?;
+            let compressed = f.compression() != zip::CompressionMethod::Stored;
+            let len = f.compressed_size();
+            entries.insert(
+                name,
+                Stored {
+                    start,
+                    len,
+                    compressed,
+                },
+            );
+        }
+        let mut pickles: Vec<&String> = entries
+            .keys()
+            .filter(|n| n.ends_with("/data.pkl") && n.matches('/').count() == 1)
+            .collect();
+        pickles.sort();
+        let pkl_name = match pickles.as_slice() {
+            [one] => (*one).clone(),
+            [] => {
+                return Err(bad(
+                    "a zip archive without `<name>/data.pkl`: not a torch.save file",
+                ))
+            }
+            many => return Err(bad(format!("several pickles in one archive: {many:?}"))),
+        };
+        let dir = pkl_name.trim_end_matches("data.pkl").to_string();
+        Ok(Archive {
+            all,
+            dir,
+            pkl_name,
+            entries,
+        })
+    }
+
+    /// The saved object, parsed (never run); its globals are the caller's to check.
+    pub(crate) fn object(&self) -> Result<Value> {
+        let pkl = &self.entries[&self.pkl_name];
+        if pkl.compressed {
+            return Err(bad(format!(
+                "`{}` is compressed: torch.save stores it",
+                self.pkl_name
+            )));
+        }
+        unpickle(slice(self.all, pkl.start, pkl.len, &self.pkl_name)?)
+    }
+
+    /// The tensors anywhere in `obj` (a part of [`Archive::object`]), named by their
+    /// path under `path`, located in the file; and the paths of the plain values
+    /// (numbers, strings, `None`) met on the way.
+    pub(crate) fn tensors(
+        &self,
+        obj: Value,
+        path: String,
+    ) -> Result<(Vec<TensorEntry>, Vec<String>)> {
+        let mut found = Vec::new();
+        let mut non_tensor = Vec::new();
+        walk(obj, path, &mut found, &mut non_tensor)?;
+        let mut tensors = Vec::with_capacity(found.len());
+        for t in found {
+            tensors.push(locate(&t, &self.dir, &self.entries)?);
+        }
+        Ok((tensors, non_tensor))
+    }
 }
 
 fn slice<'a>(all: &'a [u8], start: u64, len: u64, what: &str) -> Result<&'a [u8]> {
@@ -143,7 +184,7 @@ pub(crate) fn unpickle(bytes: &[u8]) -> Result<Value> {
     pickle::parse(bytes).map_err(|e| bad(format!("data.pkl: {e}")))
 }
 
-fn allowed(module: &str, class: &str) -> bool {
+pub(crate) fn allowed(module: &str, class: &str) -> bool {
     ALLOWED.contains(&(module, class))
         || (module == "torch" && class.ends_with("Storage") && storage_dtype(class).is_some())
 }

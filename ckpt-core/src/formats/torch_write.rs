@@ -17,7 +17,7 @@
 use super::byte_len;
 use super::pickle::Emitter;
 use crate::error::{overflow, Error, Result};
-use crate::output::StagedFile;
+use crate::formats::output::StagedFile;
 use crate::{Dtype, TensorSpec};
 use std::path::Path;
 use std::sync::Mutex;
@@ -474,6 +474,16 @@ impl TorchWriter {
             self.out.write_at(&a.tail(crcs), at + a.cd_at)?;
         }
         self.out.commit()
+    }
+}
+
+impl super::writer::TensorWriter for TorchWriter {
+    fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+        TorchWriter::write_at(self, index, offset, bytes)
+    }
+
+    fn finish(self: Box<Self>) -> Result<()> {
+        TorchWriter::finish(*self)
     }
 }
 

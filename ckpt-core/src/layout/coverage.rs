@@ -5,7 +5,7 @@
 //! checked the same way. Boxes aligned on a grid (every layout ckpt derives) take part
 //! in exactly one slab per dimension, so the check costs O(n log n).
 
-use crate::region::Region;
+use crate::layout::region::Region;
 
 /// Why a set of boxes does not tile a tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]

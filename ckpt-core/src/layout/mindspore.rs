@@ -10,9 +10,11 @@
 //! axis cut in two for optimizer sharding keeps `d<k>` outside and gets `d<k>_opt` inside.
 
 use crate::error::{Error, Result};
+use crate::layout::mesh::Mesh;
+use crate::layout::strategy::Strategy;
 use crate::layout::{Placement, TensorLayout};
-use crate::mesh::Mesh;
 use crate::Dtype;
+use std::collections::BTreeMap;
 
 /// One `tensor_map` entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -184,6 +186,33 @@ fn cut_at(axes: &mut Vec<(String, u64, usize)>, boundary: u64) -> std::result::R
             "optimizer-shard group of {boundary} ranks exceeds the device matrix"
         ))
     }
+}
+
+/// One ckpt strategy for MindSpore layouts that share a mesh; fully replicated
+/// tensors fit any mesh. `None` when split tensors use different device matrices.
+pub(crate) fn common_strategy(known: &BTreeMap<String, (Mesh, TensorLayout)>) -> Option<Strategy> {
+    let split = |l: &TensorLayout| l.placements.iter().any(|p| *p != Placement::Replicate);
+    let mesh = known
+        .values()
+        .find(|(_, l)| split(l))
+        .or_else(|| known.values().next())
+        .map(|(m, _)| m.clone())?;
+    let mut s = Strategy::new(mesh.clone());
+    for (name, (m, l)) in known {
+        let l = if m == &mesh {
+            l.clone()
+        } else if !split(l) {
+            TensorLayout::new(
+                l.shape.clone(),
+                l.dtype,
+                vec![Placement::Replicate; mesh.axes().len()],
+            )
+        } else {
+            return None;
+        };
+        s.insert(name.clone(), l).ok()?;
+    }
+    Some(s)
 }
 
 #[cfg(test)]

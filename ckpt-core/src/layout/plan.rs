@@ -5,14 +5,18 @@
 //! destination tensor. The plan is plain data: it can be printed, summed and tested
 //! without touching a byte of tensor data.
 
-use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
+use crate::layout::region::Region;
+use crate::layout::source::PieceSource;
+use crate::layout::strategy::{dtype_name, Strategy};
 use crate::layout::{Piece, TensorLayout};
-use crate::region::Region;
-use crate::strategy::{dtype_name, Strategy};
 use crate::Dtype;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
+
+/// Metadata key of PyTorch DCP's per-tensor offsets (the global start of each tensor's
+/// box, as its sharded safetensors record them).
+pub const DCP_SHARDING_INFO: &str = "DCP_SHARDING_INFO";
 
 /// A tensor to produce: its output dtype, local shape and the global pieces it holds.
 #[derive(Clone, Debug)]
@@ -41,7 +45,7 @@ pub struct TargetFile {
 /// Copy one box from a source tensor into a destination tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CopyOp {
-    /// Source file (index into [`Checkpoint::files`]).
+    /// Source file (index into [`Checkpoint::files`](crate::Checkpoint::files)).
     pub file: usize,
     /// Tensor within that file.
     pub tensor: usize,
@@ -110,18 +114,17 @@ impl CopyPlan {
     /// # Errors
     /// A target tensor the source lacks, a shape or dtype mismatch, an impossible cast,
     /// or sub-byte elements split inside a byte.
-    pub fn build(source: &Checkpoint, targets: Vec<TargetFile>) -> Result<CopyPlan> {
+    pub fn build(source: &impl PieceSource, targets: Vec<TargetFile>) -> Result<CopyPlan> {
         let mut files = Vec::with_capacity(targets.len());
         for tf in targets {
             let mut tensors = Vec::with_capacity(tf.tensors.len());
             for target in tf.tensors {
-                let src = source
-                    .tensors
-                    .get(&target.name)
-                    .ok_or_else(|| Error::InvalidTensor {
+                let src = source.source_tensors().get(&target.name).ok_or_else(|| {
+                    Error::InvalidTensor {
                         tensor: target.name.clone(),
                         problem: "is not in the source checkpoint".into(),
-                    })?;
+                    }
+                })?;
                 check_cast(&target.name, src.dtype, target.dtype)?;
                 let mut ops = Vec::new();
                 for tp in &target.pieces {
@@ -143,7 +146,7 @@ impl CopyPlan {
                             .relative_to(&tp.global.start)
                             .offset(&tp.local.start)
                             .start;
-                        let src_shape = source.files[sp.file].tensors()[sp.tensor].shape.clone();
+                        let src_shape = source.stored_shape(sp.file, sp.tensor).to_vec();
                         ops.push(CopyOp {
                             file: sp.file,
                             tensor: sp.tensor,
@@ -304,7 +307,7 @@ pub fn rank_metadata(
     m.insert("world_size".into(), strategy.mesh.world_size().to_string());
     m.insert("strategy_hash".into(), strategy.hash());
     m.insert(
-        crate::checkpoint::DCP_SHARDING_INFO.into(),
+        DCP_SHARDING_INFO.into(),
         serde_json::Value::Object(offsets).to_string(),
     );
     m

@@ -2,7 +2,7 @@
 //! the dtype it writes them in (`--dtype`).
 
 use crate::error::{Error, Result};
-use crate::plan::check_cast;
+use crate::layout::plan::check_cast;
 use crate::Dtype;
 use globset::{Glob, GlobSet, GlobSetBuilder};
 

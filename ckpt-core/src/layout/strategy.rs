@@ -2,8 +2,8 @@
 //! The format is specified in `docs/strategy.md`.
 
 use crate::error::{Error, Result};
+use crate::layout::mesh::Mesh;
 use crate::layout::{Placement, TensorLayout};
-use crate::mesh::Mesh;
 use crate::Dtype;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;

@@ -7,7 +7,8 @@
 //! `layer{s}.{i}.downsample.{0.weight,1.*}`, `fc.{weight,bias}`.
 
 use crate::activation::add_relu;
-use crate::layers::{BatchNorm2d, Conv2d, Kernels, Linear, ModelCtx};
+use crate::kernels::Kernels;
+use crate::layers::{BatchNorm2d, Conv2d, Linear, ModelCtx};
 use crate::params::ShardedVarBuilder;
 use candle_core::{Module, Result, Tensor};
 use serde::{Deserialize, Serialize};

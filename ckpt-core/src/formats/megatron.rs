@@ -1,0 +1,850 @@
+//! Megatron-LM's legacy checkpoints (`--ckpt-format torch`), read with the layer rules
+//! of megatron-core's GPT model.
+//!
+//! The layout, from megatron/training/checkpointing.py (NVIDIA/Megatron-LM):
+//!
+//! ```text
+//! <save>/latest_checkpointed_iteration.txt     the iteration, or `release`
+//! <save>/iter_0000100/                         `iter_{:07d}` (or `release/`)
+//!     mp_rank_00/model_optim_rng.pt            pipeline size 1: `mp_rank_{tp:02d}`
+//!     mp_rank_00_000/model_optim_rng.pt        else `mp_rank_{tp:02d}_{pp:03d}`
+//!     mp_rank_00_000/distrib_optim.pt          the distributed optimizer's state
+//! ```
+//!
+//! Each `model_optim_rng.pt` is a `torch.save` of the dict generate_state_dict builds:
+//! `args` (the run's `argparse.Namespace`), `checkpoint_version` (3.0), `iteration`,
+//! `model` (the module's state dict for this TP rank and pipeline stage; `model0`,
+//! `model1`, ... with virtual pipeline stages), `optimizer`, `opt_param_scheduler`,
+//! `rng_state`. Which parameter is split on which dimension is not in the files: it is
+//! megatron-core's, and [`rule`] is its table for the GPT layers. Layer `N` of a stage is
+//! layer `offset + N` of the model, the offset as get_transformer_layer_offset computes
+//! it for uniform stages. The sizes the rules check against come from `args`.
+//!
+//! The pickle is read as data (nothing is imported or run). Globals other than torch's
+//! tensor machinery are accepted only from the modules these files name (`argparse`'s
+//! Namespace, numpy's arrays of the RNG state, `_codecs.encode`, torch's dtypes,
+//! megatron's own enums); anything else is refused by name.
+
+use super::pickle::Value;
+use super::torch_save::{self, Archive};
+use super::{map_file, FileFormat, TensorEntry, TensorFile};
+use crate::error::{overflow, Error, IoContext, Result};
+use crate::layout::mesh::Mesh;
+use crate::layout::strategy::{dtype_name, Strategy};
+use crate::layout::{Placement, TensorLayout};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The file naming the newest iteration.
+pub(crate) const TRACKER_FILE: &str = "latest_checkpointed_iteration.txt";
+/// A rank's file.
+pub(crate) const RANK_FILE: &str = "model_optim_rng.pt";
+/// The distributed optimizer's per-rank file (not read yet).
+const DISTRIB_OPTIM_FILE: &str = "distrib_optim.pt";
+/// The pipeline axis of the mesh ckpt gives a legacy checkpoint.
+pub(crate) const PP_AXIS: &str = "pp";
+/// The tensor-parallel axis.
+pub(crate) const TP_AXIS: &str = "tp";
+
+/// Whether `dir` is a Megatron legacy checkpoint: a save directory (with the tracker
+/// file) or one iteration's directory (with `mp_rank_*` directories).
+pub(crate) fn looks_like(dir: &Path) -> bool {
+    dir.join(TRACKER_FILE).is_file() || !rank_dirs(dir).is_empty()
+}
+
+/// `(tp, pp, path)` of each `mp_rank_TT[_PPP]` directory holding a rank file;
+/// expert-parallel names (`_EEE`) come back with pp `u64::MAX` to be refused by name.
+fn rank_dirs(dir: &Path) -> Vec<(u64, Option<u64>, PathBuf)> {
+    let Ok(read) = std::fs::read_dir(dir) else {
+        return vec![];
+    };
+    let mut out = Vec::new();
+    for e in read.flatten() {
+        let p = e.path();
+        let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        let Some(rest) = name.strip_prefix("mp_rank_") else {
+            continue;
+        };
+        if !p.is_dir() {
+            continue;
+        }
+        let parts: Vec<&str> = rest.split('_').collect();
+        let num = |s: &str| s.parse::<u64>().ok();
+        match parts.as_slice() {
+            [t] => {
+                if let Some(t) = num(t) {
+                    out.push((t, None, p));
+                }
+            }
+            [t, pp] => {
+                if let (Some(t), Some(pp)) = (num(t), num(pp)) {
+                    out.push((t, Some(pp), p));
+                }
+            }
+            [t, _, _] => {
+                if let Some(t) = num(t) {
+                    out.push((t, Some(u64::MAX), p));
+                }
+            }
+            _ => {}
+        }
+    }
+    out.sort();
+    out
+}
+
+fn unknown(problem: String) -> Error {
+    Error::UnknownInput { problem }
+}
+
+/// The run's sizes, from the pickled `args` (the fields the rules need).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Args {
+    pub(crate) tp: u64,
+    pub(crate) pp: u64,
+    pub(crate) vp: Option<u64>,
+    pub(crate) num_layers: Option<u64>,
+    pub(crate) hidden: Option<u64>,
+    pub(crate) ffn_hidden: Option<u64>,
+    pub(crate) heads: Option<u64>,
+    pub(crate) query_groups: Option<u64>,
+    pub(crate) kv_channels: Option<u64>,
+    pub(crate) padded_vocab: Option<u64>,
+    pub(crate) vocab: Option<u64>,
+    pub(crate) max_positions: Option<u64>,
+    pub(crate) swiglu: bool,
+    /// Uneven pipeline stages (`num_layers_in_first/last_pipeline_stage`,
+    /// `pipeline_model_parallel_layout`): set when args use them, refused for now.
+    pub(crate) uneven: Option<String>,
+}
+
+/// The Namespace's fields: `Build { object: Namespace(), state: {..} }`.
+fn namespace_fields(v: &Value) -> Option<&[(Value, Value)]> {
+    match v {
+        Value::Build { object, state } => {
+            let ((m, n), _) = object.call_of()?;
+            if (m, n) != ("argparse", "Namespace") {
+                return None;
+            }
+            match state.as_ref() {
+                Value::Dict(kv) => Some(kv),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+impl Args {
+    /// Reads the fields ckpt needs; absent optional ones stay `None` and are then
+    /// taken from the files. `path` is for messages.
+    fn from_value(v: &Value, path: &Path) -> Result<Args> {
+        let fields = namespace_fields(v).ok_or_else(|| {
+            unknown(format!(
+                "{}: `args` is not an argparse.Namespace",
+                path.display()
+            ))
+        })?;
+        let get = |key: &str| {
+            fields
+                .iter()
+                .find(|(k, _)| matches!(k, Value::Str(s) if s == key))
+                .map(|(_, v)| v)
+        };
+        let int = |key: &str| -> Result<Option<u64>> {
+            match get(key) {
+                None | Some(Value::None) => Ok(None),
+                Some(Value::Int(i)) if *i > 0 => Ok(Some(*i as u64)),
+                Some(other) => Err(unknown(format!(
+                    "{}: args.{key} is {other:?}, not a positive integer",
+                    path.display()
+                ))),
+            }
+        };
+        let flag = |key: &str| matches!(get(key), Some(Value::Bool(true)));
+        let mut uneven = None;
+        for key in [
+            "num_layers_in_first_pipeline_stage",
+            "num_layers_in_last_pipeline_stage",
+            "pipeline_model_parallel_layout",
+        ] {
+            if !matches!(get(key), None | Some(Value::None)) {
+                uneven = Some(key.to_string());
+            }
+        }
+        let heads = int("num_attention_heads")?;
+        Ok(Args {
+            tp: int("tensor_model_parallel_size")?.unwrap_or(1),
+            pp: int("pipeline_model_parallel_size")?.unwrap_or(1),
+            vp: int("virtual_pipeline_model_parallel_size")?,
+            num_layers: int("num_layers")?,
+            hidden: int("hidden_size")?,
+            ffn_hidden: int("ffn_hidden_size")?,
+            heads,
+            // Megatron sets num_query_groups = heads when GQA is off.
+            query_groups: if flag("group_query_attention") {
+                int("num_query_groups")?
+            } else {
+                heads
+            },
+            kv_channels: int("kv_channels")?,
+            padded_vocab: int("padded_vocab_size")?,
+            vocab: int("vocab_size")?,
+            max_positions: int("max_position_embeddings")?,
+            swiglu: flag("swiglu"),
+            uneven,
+        })
+    }
+
+    fn kv(&self) -> Option<u64> {
+        self.kv_channels
+            .or_else(|| Some(self.hidden? / self.heads?))
+    }
+
+    fn layers_per_chunk(&self) -> Option<u64> {
+        let chunks = self.pp.checked_mul(self.vp.unwrap_or(1))?;
+        let l = self.num_layers?;
+        (chunks > 0 && l % chunks == 0).then(|| l / chunks)
+    }
+
+    /// The global index of layer `n` of model chunk `chunk` on stage `pp`
+    /// (get_transformer_layer_offset, uniform stages).
+    fn global_layer(&self, pp: u64, chunk: u64, n: u64) -> Option<u64> {
+        let per = self.layers_per_chunk()?;
+        let per_vp_stage = self.pp.checked_mul(per)?;
+        chunk
+            .checked_mul(per_vp_stage)?
+            .checked_add(pp.checked_mul(per)?)?
+            .checked_add(n)
+    }
+}
+
+/// How one parameter lies over the tensor-parallel ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Split {
+    /// Every TP rank holds the whole tensor (norms, row-parallel biases).
+    Replicated,
+    /// Split along `dim` into TP pieces; with `blocks` > 1 each of that many equal
+    /// blocks is split (fc1 of a gated MLP: `[gate; up]` per rank).
+    Dim { dim: usize, blocks: u64 },
+}
+
+/// Which pipeline stage a tensor must be on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    First,
+    Last,
+    /// A transformer layer: the stage of its file.
+    Any,
+}
+
+/// megatron-core's GPT rule for a parameter (by its name with the layer prefix
+/// removed for layers): how it is split and the global shape args give it (`None`
+/// where args lack a size).
+fn rule(name: &str, args: &Args) -> Option<(Split, Stage, Option<Vec<u64>>)> {
+    let col = Split::Dim { dim: 0, blocks: 1 };
+    let row = Split::Dim { dim: 1, blocks: 1 };
+    let h = args.hidden;
+    let kv = args.kv();
+    let qkv = (|| {
+        let groups = args.query_groups?;
+        args.heads?
+            .checked_add(groups.checked_mul(2)?)?
+            .checked_mul(kv?)
+    })();
+    let proj_in = (|| args.heads?.checked_mul(kv?))();
+    let gate = if args.swiglu { 2 } else { 1 };
+    let ffn = args.ffn_hidden.or_else(|| h.and_then(|h| h.checked_mul(4)));
+    let fc1 = ffn.and_then(|f| f.checked_mul(gate));
+    let shape = |dims: &[Option<u64>]| dims.iter().copied().collect::<Option<Vec<u64>>>();
+    if let Some(rest) = name.strip_prefix("decoder.layers.") {
+        let (_, rest) = rest.split_once('.')?;
+        let r = match rest {
+            "input_layernorm.weight"
+            | "input_layernorm.bias"
+            | "pre_mlp_layernorm.weight"
+            | "pre_mlp_layernorm.bias"
+            | "self_attention.linear_qkv.layer_norm_weight"
+            | "self_attention.linear_qkv.layer_norm_bias"
+            | "mlp.linear_fc1.layer_norm_weight"
+            | "mlp.linear_fc1.layer_norm_bias" => (Split::Replicated, shape(&[h])),
+            "self_attention.q_layernorm.weight"
+            | "self_attention.q_layernorm.bias"
+            | "self_attention.k_layernorm.weight"
+            | "self_attention.k_layernorm.bias" => (Split::Replicated, shape(&[kv])),
+            "self_attention.linear_qkv.weight" => (col, shape(&[qkv, h])),
+            "self_attention.linear_qkv.bias" => (col, shape(&[qkv])),
+            "self_attention.linear_proj.weight" => (row, shape(&[h, proj_in])),
+            "self_attention.linear_proj.bias" | "mlp.linear_fc2.bias" => {
+                (Split::Replicated, shape(&[h]))
+            }
+            "mlp.linear_fc1.weight" => (
+                Split::Dim {
+                    dim: 0,
+                    blocks: gate,
+                },
+                shape(&[fc1, h]),
+            ),
+            "mlp.linear_fc1.bias" => (
+                Split::Dim {
+                    dim: 0,
+                    blocks: gate,
+                },
+                shape(&[fc1]),
+            ),
+            "mlp.linear_fc2.weight" => (row, shape(&[h, ffn])),
+            _ => return None,
+        };
+        return Some((r.0, Stage::Any, r.1));
+    }
+    let v = args.padded_vocab;
+    Some(match name {
+        "embedding.word_embeddings.weight" => (col, Stage::First, shape(&[v, h])),
+        "embedding.position_embeddings.weight" => (
+            Split::Replicated,
+            Stage::First,
+            shape(&[args.max_positions, h]),
+        ),
+        "decoder.final_layernorm.weight" | "decoder.final_layernorm.bias" => {
+            (Split::Replicated, Stage::Last, shape(&[h]))
+        }
+        "output_layer.weight" => (col, Stage::Last, shape(&[v, h])),
+        "output_layer.bias" => (col, Stage::Last, shape(&[v])),
+        _ => return None,
+    })
+}
+
+/// The global name of a stage-local name: `decoder.layers.N.` renumbered.
+fn global_name(
+    local: &str,
+    args: &Args,
+    pp: u64,
+    chunk: u64,
+) -> std::result::Result<String, String> {
+    let Some(rest) = local.strip_prefix("decoder.layers.") else {
+        return Ok(local.to_string());
+    };
+    let (n, tail) = rest
+        .split_once('.')
+        .ok_or_else(|| "a layer name without a parameter".to_string())?;
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("layer number `{n}` is not a number"))?;
+    let per = args.layers_per_chunk().ok_or_else(|| {
+        format!(
+            "args.num_layers {:?} is not a multiple of pipeline x virtual stages ({} x {})",
+            args.num_layers,
+            args.pp,
+            args.vp.unwrap_or(1)
+        )
+    })?;
+    if n >= per {
+        return Err(format!(
+            "layer {n} on a stage of {per} layers (args.num_layers {:?}, {} stages)",
+            args.num_layers, args.pp
+        ));
+    }
+    let g = args
+        .global_layer(pp, chunk, n)
+        .ok_or_else(|| "layer index overflows".to_string())?;
+    Ok(format!("decoder.layers.{g}.{tail}"))
+}
+
+/// A legacy checkpoint opened: one file per (tp, pp) rank, the tensors under their
+/// global names, and the layout that places them.
+#[derive(Debug)]
+pub(crate) struct Legacy {
+    /// Mesh rank (`pp * tp_size + tp`) and file, in rank order.
+    pub(crate) files: Vec<(u64, TensorFile)>,
+    /// Where every tensor lies: mesh `pp=P,tp=T` (pipeline axis `pp`; `tp=T` alone when
+    /// P is 1).
+    pub(crate) strategy: Strategy,
+    /// What was read and not carried.
+    pub(crate) notes: Vec<String>,
+}
+
+/// The iteration directory a path means: a save directory's tracker names it, an
+/// iteration directory is itself.
+fn iteration_dir(path: &Path) -> Result<PathBuf> {
+    let tracker = path.join(TRACKER_FILE);
+    if !tracker.is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let text = std::fs::read_to_string(&tracker).at(&tracker)?;
+    let text = text.trim();
+    let name = if text == "release" {
+        "release".to_string()
+    } else {
+        let it: u64 = text.parse().map_err(|_| {
+            unknown(format!(
+                "{}: `{text}` is neither an iteration number nor `release`",
+                tracker.display()
+            ))
+        })?;
+        format!("iter_{it:07}")
+    };
+    let dir = path.join(&name);
+    if !dir.is_dir() {
+        return Err(unknown(format!(
+            "{}: names iteration `{text}`, but {} is not there",
+            tracker.display(),
+            dir.display()
+        )));
+    }
+    Ok(dir)
+}
+
+/// Opens a legacy checkpoint: reads `args` from the first rank's file, checks that every
+/// rank directory args call for is there (and no other), places every model tensor by
+/// the rules, and checks each against args.
+///
+/// # Errors
+/// A missing or unexpected `mp_rank` directory; a file that is not a readable
+/// torch.save archive; a tensor the rules cannot place; args that contradict a file's
+/// shapes; a global outside what these files name.
+pub(crate) fn open(path: &Path) -> Result<Legacy> {
+    let dir = iteration_dir(path)?;
+    let found = rank_dirs(&dir);
+    if let Some((_, _, p)) = found.iter().find(|(_, pp, _)| *pp == Some(u64::MAX)) {
+        return Err(Error::Unsupported {
+            problem: format!(
+                "{}: expert-parallel rank directories (mp_rank_TT_PPP_EEE) are not read",
+                p.display()
+            ),
+        });
+    }
+    let Some((_, _, first)) = found.first() else {
+        return Err(unknown(format!(
+            "{}: no mp_rank_TT[_PPP]/ directories",
+            dir.display()
+        )));
+    };
+    let first_file = first.join(RANK_FILE);
+    let args = {
+        let map = map_file(&first_file)?;
+        let all: &[u8] = map.as_deref().unwrap_or(&[]);
+        let archive = Archive::open(all).map_err(|e| e.with_path(&first_file))?;
+        let obj = archive.object().map_err(|e| e.with_path(&first_file))?;
+        let a = obj.get("args").ok_or_else(|| {
+            unknown(format!(
+                "{}: no `args` (not a Megatron checkpoint?)",
+                first_file.display()
+            ))
+        })?;
+        Args::from_value(a, &first_file)?
+    };
+    if let Some(key) = &args.uneven {
+        return Err(Error::Unsupported {
+            problem: format!(
+                "{}: args.{key} is set: stages of uneven layer counts are not read yet",
+                first_file.display()
+            ),
+        });
+    }
+    let (tp, pp) = (args.tp, args.pp);
+    let world = tp
+        .checked_mul(pp)
+        .ok_or_else(|| overflow("tensor x pipeline parallel size"))?;
+    // Every directory the args call for, by name; and none else.
+    let name_of = |t: u64, p: u64| {
+        if pp == 1 {
+            format!("mp_rank_{t:02}")
+        } else {
+            format!("mp_rank_{t:02}_{p:03}")
+        }
+    };
+    let mut missing = Vec::new();
+    'ranks: for p in 0..pp {
+        for t in 0..tp {
+            let d = dir.join(name_of(t, p));
+            if !d.join(RANK_FILE).is_file() {
+                missing.push(Error::Mismatch {
+                    what: format!(
+                        "{}: missing (args say tensor parallel {tp} x pipeline {pp}: rank tp={t} pp={p})",
+                        d.join(RANK_FILE).display()
+                    ),
+                });
+            }
+            if missing.len() >= 20 {
+                break 'ranks;
+            }
+        }
+    }
+    for (t, p, d) in &found {
+        let expected = *t < tp && p.map_or(pp == 1, |p| pp > 1 && p < pp);
+        if !expected {
+            missing.push(Error::Mismatch {
+                what: format!(
+                    "{}: not a rank of tensor parallel {tp} x pipeline {pp} (as {} says)",
+                    d.display(),
+                    first_file.display()
+                ),
+            });
+        }
+    }
+    if !missing.is_empty() {
+        return Err(Error::Many(crate::error::Problems(missing)));
+    }
+    let mesh = if pp > 1 {
+        Mesh::new(vec![(PP_AXIS.into(), pp), (TP_AXIS.into(), tp)])?.with_pipeline(PP_AXIS)?
+    } else {
+        Mesh::new(vec![(TP_AXIS.into(), tp)])?
+    };
+    let mut strategy = Strategy::new(mesh.clone());
+    let mut files = Vec::with_capacity(world as usize);
+    let mut notes = Vec::new();
+    let mut carried: Vec<String> = Vec::new();
+    for p in 0..pp {
+        for t in 0..tp {
+            let rank = p * tp + t;
+            let file = dir.join(name_of(t, p)).join(RANK_FILE);
+            let f = read_rank(&file, &args, t, p, &mesh, rank, &mut strategy, &mut carried)?;
+            files.push((rank, f));
+            let opt = dir.join(name_of(t, p)).join(DISTRIB_OPTIM_FILE);
+            if opt.is_file() {
+                notes.push(format!(
+                    "{}: the distributed optimizer's state is not read (model weights only)",
+                    opt.display()
+                ));
+            }
+        }
+    }
+    carried.sort();
+    carried.dedup();
+    if !carried.is_empty() {
+        notes.push(format!(
+            "{}: read but not carried into the output: {}",
+            dir.display(),
+            carried.join(", ")
+        ));
+    }
+    if let (Some(v), Some(pv)) = (args.vocab, args.padded_vocab) {
+        if pv > v {
+            notes.push(format!(
+                "the vocabulary is padded from {v} to {pv} rows (args.vocab_size, args.padded_vocab_size); the embedding and output layer keep the padding"
+            ));
+        }
+    }
+    Ok(Legacy {
+        files,
+        strategy,
+        notes,
+    })
+}
+
+/// The globals a rank file may name beyond torch's tensor machinery.
+fn allowed(module: &str, name: &str) -> bool {
+    torch_save::allowed(module, name)
+        || matches!(
+            (module, name),
+            ("argparse", "Namespace")
+                | ("_codecs", "encode")
+                | ("numpy", "ndarray")
+                | ("numpy", "dtype")
+                | ("numpy.core.multiarray", "_reconstruct")
+                | ("numpy._core.multiarray", "_reconstruct")
+                | ("numpy.core.multiarray", "scalar")
+                | ("numpy._core.multiarray", "scalar")
+                | ("torch", "Size")
+                | ("builtins", "set")
+                | ("builtins", "frozenset")
+                | ("builtins", "slice")
+        )
+        // torch's dtypes (args.params_dtype) and megatron's enums (args.attention_backend).
+        || (module == "torch" && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+        || (module.starts_with("megatron.core.") && name.chars().next().is_some_and(|c| c.is_ascii_uppercase()))
+}
+
+/// Reads one rank's file: the tensors of `model` (or `model0`, `model1`, ...) under their
+/// global names, each placed into `strategy` and checked against args.
+#[allow(clippy::too_many_arguments)]
+fn read_rank(
+    file: &Path,
+    args: &Args,
+    tp_rank: u64,
+    pp_rank: u64,
+    mesh: &Mesh,
+    rank: u64,
+    strategy: &mut Strategy,
+    carried: &mut Vec<String>,
+) -> Result<TensorFile> {
+    let map = map_file(file)?;
+    let all: &[u8] = map.as_deref().unwrap_or(&[]);
+    let at = |e: Error| e.with_path(file);
+    let archive = Archive::open(all).map_err(at)?;
+    let obj = archive.object().map_err(at)?;
+    let mut names = Vec::new();
+    obj.globals(&mut names);
+    if let Some((m, n)) = names.into_iter().find(|(m, n)| !allowed(m, n)) {
+        return Err(at(Error::InvalidTorch {
+            problem: format!(
+                "data.pkl names the global `{m}.{n}`, which a Megatron checkpoint does not hold"
+            ),
+        }));
+    }
+    let Value::Dict(top) = obj else {
+        return Err(at(unknown("the saved object is not a dict".into())));
+    };
+    // Model chunks: `model`, or `model0`.. with virtual pipeline stages.
+    let mut chunks: Vec<(u64, Value)> = Vec::new();
+    for (k, v) in top {
+        let Value::Str(k) = k else { continue };
+        if k == "model" {
+            chunks.push((0, v));
+        } else if let Some(i) = k.strip_prefix("model").and_then(|i| i.parse::<u64>().ok()) {
+            chunks.push((i, v));
+        } else {
+            carried.push(k);
+        }
+    }
+    if chunks.is_empty() {
+        return Err(at(unknown(
+            "no `model` state dict (saved with --no-save-weights?)".into(),
+        )));
+    }
+    let vp = args.vp.unwrap_or(1);
+    if let Some((i, _)) = chunks.iter().find(|(i, _)| *i >= vp) {
+        return Err(at(unknown(format!(
+            "model chunk `model{i}` but args.virtual_pipeline_model_parallel_size is {vp}"
+        ))));
+    }
+    let mut entries: Vec<TensorEntry> = Vec::new();
+    for (chunk, v) in chunks {
+        let (tensors, plain) = archive.tensors(v, String::new()).map_err(at)?;
+        // `_extra_state` of a local (non-TransformerEngine) layer is None.
+        if let Some(p) = plain.iter().find(|p| !p.ends_with("._extra_state")) {
+            return Err(at(Error::InvalidTensor {
+                tensor: p.clone(),
+                problem: "a model entry that is not a tensor".into(),
+            }));
+        }
+        for mut t in tensors {
+            // TransformerEngine's `_extra_state` (FP8 scaling state) as a byte tensor:
+            // not a weight; said, not carried.
+            if t.name.ends_with("._extra_state") {
+                carried.push("TransformerEngine _extra_state".into());
+                continue;
+            }
+            let bad = |problem: String| {
+                at(Error::InvalidTensor {
+                    tensor: t.name.clone(),
+                    problem,
+                })
+            };
+            let global = global_name(&t.name, args, pp_rank, chunk).map_err(&bad)?;
+            let Some((split, stage, want)) = rule(&global, args) else {
+                return Err(bad(
+                    "no Megatron GPT rule places this tensor (not a layer of megatron-core's GPT model ckpt knows)"
+                        .into(),
+                ));
+            };
+            let want_stage = match stage {
+                Stage::First => Some(0),
+                Stage::Last => Some(args.pp - 1),
+                Stage::Any => None,
+            };
+            if let Some(s) = want_stage.filter(|&s| s != pp_rank) {
+                return Err(bad(format!(
+                    "held by pipeline stage {pp_rank}, but megatron-core keeps it on stage {s}"
+                )));
+            }
+            let mut shape = t.shape.clone();
+            let placement = match split {
+                Split::Replicated => Placement::Replicate,
+                Split::Dim { dim, blocks } => {
+                    if dim >= shape.len() {
+                        return Err(bad(format!(
+                            "split on dim {dim} by the rules, but it has shape {:?}",
+                            t.shape
+                        )));
+                    }
+                    shape[dim] = shape[dim]
+                        .checked_mul(args.tp)
+                        .ok_or_else(|| overflow(format!("global shape of `{}`", t.name)))?;
+                    Placement::blocked(dim, blocks)
+                }
+            };
+            if let Some(w) = want.filter(|w| *w != shape) {
+                return Err(bad(format!(
+                    "args give it the global shape {w:?}, but this file's {} {:?} on {} tensor-parallel ranks makes {shape:?}: the args contradict the file",
+                    dtype_name(t.dtype),
+                    t.shape,
+                    args.tp
+                )));
+            }
+            let mut placements = vec![placement];
+            if args.pp > 1 {
+                placements.insert(0, Placement::Replicate);
+            }
+            let mut layout = TensorLayout::new(shape.clone(), t.dtype, placements);
+            if args.pp > 1 {
+                layout = layout.with_stage(pp_rank);
+            }
+            if layout.local_shape(mesh, rank).as_deref() != Some(&t.shape[..]) {
+                return Err(bad(format!(
+                    "holds {:?}, but a {split:?} split of {shape:?} over {} ranks gives rank tp={tp_rank} another shape",
+                    t.shape, args.tp
+                )));
+            }
+            match strategy.tensors.get(&global) {
+                Some(l) if l != &layout => {
+                    return Err(bad(format!(
+                        "as `{global}` it is {} {shape:?} on stage {pp_rank}, but other ranks hold {} {:?} (stage {:?})",
+                        dtype_name(t.dtype),
+                        dtype_name(l.dtype),
+                        l.shape,
+                        l.stage
+                    )));
+                }
+                Some(_) => {}
+                None => strategy.insert(global.clone(), layout).map_err(&at)?,
+            }
+            t.name = global;
+            entries.push(t);
+        }
+    }
+    let metadata = BTreeMap::from([
+        ("format".to_string(), "megatron".to_string()),
+        ("rank".to_string(), rank.to_string()),
+    ]);
+    TensorFile::from_parts(file, map, FileFormat::TorchSave, entries, metadata)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args() -> Args {
+        Args {
+            tp: 2,
+            pp: 2,
+            num_layers: Some(4),
+            hidden: Some(16),
+            ffn_hidden: Some(32),
+            heads: Some(4),
+            query_groups: Some(2),
+            padded_vocab: Some(64),
+            max_positions: Some(8),
+            ..Args::default()
+        }
+    }
+
+    #[test]
+    fn layers_are_renumbered_by_stage_and_chunk() {
+        let a = args();
+        assert_eq!(
+            global_name("decoder.layers.1.mlp.linear_fc1.weight", &a, 1, 0).unwrap(),
+            "decoder.layers.3.mlp.linear_fc1.weight"
+        );
+        let v = Args { vp: Some(2), ..a };
+        // 4 layers, 2 stages, 2 chunks: one layer per chunk; chunk 1 of stage 0 is layer 2.
+        assert_eq!(
+            global_name("decoder.layers.0.input_layernorm.weight", &v, 0, 1).unwrap(),
+            "decoder.layers.2.input_layernorm.weight"
+        );
+        assert!(global_name("decoder.layers.1.x", &v, 0, 0)
+            .unwrap_err()
+            .contains("stage of 1 layers"));
+    }
+
+    #[test]
+    fn rules_give_splits_and_shapes_from_args() {
+        let a = args();
+        let (s, _, shape) = rule("decoder.layers.0.self_attention.linear_qkv.weight", &a).unwrap();
+        assert_eq!(s, Split::Dim { dim: 0, blocks: 1 });
+        // (4 heads + 2 x 2 groups) x 4 channels.
+        assert_eq!(shape, Some(vec![32, 16]));
+        let (s, _, _) = rule("decoder.layers.3.self_attention.linear_proj.weight", &a).unwrap();
+        assert_eq!(s, Split::Dim { dim: 1, blocks: 1 });
+        let (s, st, _) = rule("output_layer.weight", &a).unwrap();
+        assert_eq!((s, st), (Split::Dim { dim: 0, blocks: 1 }, Stage::Last));
+        let g = Args {
+            swiglu: true,
+            ..a.clone()
+        };
+        let (s, _, shape) = rule("decoder.layers.0.mlp.linear_fc1.weight", &g).unwrap();
+        assert_eq!(
+            (s, shape),
+            (Split::Dim { dim: 0, blocks: 2 }, Some(vec![64, 16]))
+        );
+        assert!(rule("decoder.layers.0.mystery.weight", &a).is_none());
+        assert!(rule("lm_head.weight", &a).is_none());
+    }
+}
+
+/// Megatron's `metadata.json` beside a DCP directory's `.metadata` (dist_ckpt): the
+/// backend must be torch_dist (the one whose files are DCP's); what `common.pt` holds
+/// is said, since ckpt does not carry it.
+///
+/// # Errors
+/// A metadata.json that is not JSON, or names another sharded backend.
+pub(crate) fn dist_ckpt_notes(dir: &Path) -> Result<Vec<String>> {
+    let meta = dir.join(DIST_METADATA_FILE);
+    let text = std::fs::read_to_string(&meta).at(&meta)?;
+    let doc: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| unknown(format!("{}: not JSON: {e}", meta.display())))?;
+    let backend = doc.get("sharded_backend").and_then(|b| b.as_str());
+    if backend != Some("torch_dist") {
+        return Err(Error::Unsupported {
+            problem: format!(
+                "{}: Megatron dist_ckpt with sharded_backend {}: ckpt reads the torch_dist backend only",
+                meta.display(),
+                backend.map_or("(none)".to_string(), |b| format!("`{b}`"))
+            ),
+        });
+    }
+    let mut notes = vec![];
+    let common = dir.join(COMMON_FILE);
+    if common.is_file() {
+        notes.push(match common_keys(&common) {
+            Ok((keys, args)) => format!(
+                "{}: Megatron dist_ckpt (torch_dist){}; common.pt holds {} (not carried)",
+                dir.display(),
+                args.map_or(String::new(), |a| format!(
+                    ", saved on tensor parallel {} x pipeline {}",
+                    a.tp, a.pp
+                )),
+                if keys.is_empty() {
+                    "nothing".to_string()
+                } else {
+                    keys.join(", ")
+                }
+            ),
+            Err(e) => format!("{}: unreadable ({e}); not carried", common.display()),
+        });
+    }
+    Ok(notes)
+}
+
+/// Megatron dist_ckpt's own metadata file.
+pub(crate) const DIST_METADATA_FILE: &str = "metadata.json";
+/// dist_ckpt's file of the state that is not sharded (args, iteration, ...).
+pub(crate) const COMMON_FILE: &str = "common.pt";
+
+/// The top-level keys of a `common.pt`, and its args when they are Megatron's.
+fn common_keys(path: &Path) -> Result<(Vec<String>, Option<Args>)> {
+    let map = map_file(path)?;
+    let all: &[u8] = map.as_deref().unwrap_or(&[]);
+    let obj = Archive::open(all).and_then(|a| a.object())?;
+    let mut names = Vec::new();
+    obj.globals(&mut names);
+    if let Some((m, n)) = names.into_iter().find(|(m, n)| !allowed(m, n)) {
+        return Err(Error::InvalidTorch {
+            problem: format!("data.pkl names the global `{m}.{n}`"),
+        });
+    }
+    let Value::Dict(kv) = &obj else {
+        return Ok((vec![], None));
+    };
+    let keys = kv
+        .iter()
+        .filter_map(|(k, _)| match k {
+            Value::Str(s) => Some(s.clone()),
+            _ => None,
+        })
+        .collect();
+    let args = obj.get("args").and_then(|a| Args::from_value(a, path).ok());
+    Ok((keys, args))
+}

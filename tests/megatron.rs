@@ -1,0 +1,304 @@
+//! Megatron checkpoints written by megatron-core itself (tests/fixtures/megatron, made
+//! by scripts/fixtures/megatron_fixtures.py): a tiny GPTModel on tensor parallel 2 x
+//! pipeline 2, saved as a dist_ckpt (torch_dist) and as a legacy
+//! `iter_*/mp_rank_TT_PPP/model_optim_rng.pt` checkpoint, with the full tensors gathered
+//! by Megatron's own parameter attributes (`full.safetensors`) and torch's unsharding of
+//! the dist_ckpt (`dist_full.safetensors`).
+
+use crate::util::{full_tensors, Dir};
+use std::path::{Path, PathBuf};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/megatron/tp2pp2")
+}
+
+fn fx(rel: &str) -> String {
+    fixtures().join(rel).display().to_string()
+}
+
+/// A copy of the legacy checkpoint to damage.
+fn legacy_copy(d: &Dir) -> PathBuf {
+    let to = d.path("legacy");
+    copy_dir(&fixtures().join("legacy"), &to);
+    to
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        let dest = to.join(p.file_name().unwrap());
+        if p.is_dir() {
+            copy_dir(&p, &dest);
+        } else {
+            std::fs::copy(&p, &dest).unwrap();
+        }
+    }
+}
+
+/// Replaces the one occurrence of `old` in a file by `new` (same length: the pickle's
+/// framing and the zip directory stay valid).
+fn patch(path: &Path, old: &[u8], new: &[u8]) {
+    assert_eq!(old.len(), new.len());
+    let mut b = std::fs::read(path).unwrap();
+    let at: Vec<usize> = b
+        .windows(old.len())
+        .enumerate()
+        .filter(|(_, w)| *w == old)
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(
+        at.len(),
+        1,
+        "{} occurrences in {}",
+        at.len(),
+        path.display()
+    );
+    b[at[0]..at[0] + old.len()].copy_from_slice(new);
+    std::fs::write(path, b).unwrap();
+}
+
+const RANK_01_001: &str = "iter_0000001/mp_rank_01_001/model_optim_rng.pt";
+
+#[test]
+fn legacy_tp_pp_merges_byte_exactly() {
+    let d = Dir::new();
+    let want = full_tensors(&fixtures().join("full.safetensors"));
+    let o = d.ok(&["inspect", &fx("legacy")]);
+    assert!(
+        o.stdout
+            .contains("sliced checkpoint, 4 file(s) on mesh pp=2,tp=2, 53 tensors"),
+        "{}",
+        o.stdout
+    );
+    // Layer 1 of stage 1 is layer 3; its qkv split on dim 0, proj on dim 1.
+    assert!(
+        o.stdout.lines().any(|l| l
+            .starts_with("decoder.layers.3.self_attention.linear_qkv.weight ")
+            && l.contains("[32, 16]")
+            && l.contains("tp:Shard(0) stage 1")),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        o.stdout.lines().any(|l| l
+            .starts_with("decoder.layers.3.self_attention.linear_proj.weight ")
+            && l.contains("tp:Shard(1) stage 1")),
+        "{}",
+        o.stdout
+    );
+    let notes = format!("{}{}", o.stdout, o.stderr);
+    assert!(
+        notes.contains("args, checkpoint_version, iteration, rng_state")
+            && notes.contains("padded from 50 to 64 rows"),
+        "{notes}"
+    );
+    let o = d.ok(&["verify", &fx("legacy")]);
+    assert!(
+        o.stdout.contains("every element owned exactly once"),
+        "{}",
+        o.stdout
+    );
+    d.ok(&["merge", &fx("legacy"), "-o", "m"]);
+    assert_eq!(full_tensors(&d.path("m")), want);
+    // The iteration directory itself reads the same.
+    d.ok(&["merge", &fx("legacy/iter_0000001"), "-o", "m2"]);
+    assert_eq!(full_tensors(&d.path("m2")), want);
+}
+
+#[test]
+fn legacy_reshards_to_other_tensor_parallel_sizes() {
+    let d = Dir::new();
+    let want = full_tensors(&fixtures().join("full.safetensors"));
+    for (how, n) in [("--to", "1"), ("--to", "4"), ("--mesh", "pp=1,tp=2")] {
+        let out = format!("r{n}{}", how.len());
+        d.ok(&["reshard", &fx("legacy"), how, n, "-o", &out]);
+        let m = format!("m{out}");
+        d.ok(&["merge", &out, "-o", &m]);
+        assert_eq!(full_tensors(&d.path(&m)), want, "{how} {n}");
+    }
+    let s = std::fs::read_to_string(d.path("r44/strategy.json")).unwrap();
+    let s: serde_json::Value = serde_json::from_str(&s).unwrap();
+    let t = &s["tensors"]["decoder.layers.2.mlp.linear_fc2.weight"];
+    assert_eq!(
+        t["placements"][t["placements"].as_array().unwrap().len() - 1],
+        "Shard(1)"
+    );
+}
+
+#[test]
+fn dist_ckpt_merges_and_reshards_byte_exactly() {
+    let d = Dir::new();
+    let want = full_tensors(&fixtures().join("dist_full.safetensors"));
+    let o = d.ok(&["inspect", &fx("dist_ckpt")]);
+    assert!(o.stdout.contains("17 tensors"), "{}", o.stdout);
+    let notes = format!("{}{}", o.stdout, o.stderr);
+    assert!(
+        notes.contains("Megatron dist_ckpt (torch_dist), saved on tensor parallel 2 x pipeline 2")
+            && notes.contains("common.pt holds args, checkpoint_version, iteration"),
+        "{notes}"
+    );
+    d.ok(&["verify", &fx("dist_ckpt")]);
+    d.ok(&["merge", &fx("dist_ckpt"), "-o", "m"]);
+    assert_eq!(full_tensors(&d.path("m")), want);
+    d.ok(&["reshard", &fx("dist_ckpt"), "--to", "3", "-o", "r3"]);
+    d.ok(&["merge", "r3", "-o", "m3"]);
+    assert_eq!(full_tensors(&d.path("m3")), want);
+    // The stacked layer tensors of the dist_ckpt are the legacy layers, one per index.
+    let legacy = full_tensors(&fixtures().join("full.safetensors"));
+    let stacked = &want["decoder.layers.self_attention.linear_qkv.weight"];
+    let one = &legacy["decoder.layers.2.self_attention.linear_qkv.weight"];
+    assert_eq!(&stacked[2 * one.len()..3 * one.len()], &one[..]);
+}
+
+#[test]
+fn dist_ckpt_of_another_backend_is_refused() {
+    let d = Dir::new();
+    let to = d.path("dc");
+    copy_dir(&fixtures().join("dist_ckpt"), &to);
+    std::fs::write(to.join("metadata.json"), r#"{"sharded_backend": "zarr"}"#).unwrap();
+    let o = d.fails(&["merge", "dc", "-o", "m"]);
+    assert!(
+        o.stderr.contains("sharded_backend `zarr`") && o.stderr.contains("metadata.json"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("m").exists());
+}
+
+#[test]
+fn missing_rank_directory_is_named() {
+    let d = Dir::new();
+    let l = legacy_copy(&d);
+    std::fs::remove_dir_all(l.join("iter_0000001/mp_rank_01_000")).unwrap();
+    let o = d.fails(&["merge", "legacy", "-o", "m"]);
+    assert!(
+        o.stderr
+            .contains("mp_rank_01_000/model_optim_rng.pt: missing")
+            && o.stderr.contains("rank tp=1 pp=0"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("m").exists());
+}
+
+#[test]
+fn truncated_rank_file_is_named() {
+    let d = Dir::new();
+    let l = legacy_copy(&d);
+    let f = l.join(RANK_01_001);
+    let b = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &b[..b.len() / 2]).unwrap();
+    let o = d.fails(&["merge", "legacy", "-o", "m"]);
+    assert!(
+        o.stderr.contains("mp_rank_01_001/model_optim_rng.pt") && o.stderr.contains("zip archive"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("m").exists());
+}
+
+#[test]
+fn args_that_contradict_the_files_are_named() {
+    let d = Dir::new();
+    let l = legacy_copy(&d);
+    // args.padded_vocab_size 64 -> 96 in the file args are read from (BININT1 0x40).
+    let first = l.join("iter_0000001/mp_rank_00_000/model_optim_rng.pt");
+    patch(
+        &first,
+        b"padded_vocab_sizeq\x13K\x40",
+        b"padded_vocab_sizeq\x13K\x60",
+    );
+    let o = d.fails(&["merge", "legacy", "-o", "m"]);
+    assert!(
+        o.stderr.contains("mp_rank_00_000/model_optim_rng.pt")
+            && o.stderr.contains("`embedding.word_embeddings.weight`")
+            && o.stderr.contains("args give it the global shape [96, 16]")
+            && o.stderr.contains("contradict"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("m").exists());
+}
+
+#[test]
+fn a_tensor_the_rules_cannot_place_is_named() {
+    let d = Dir::new();
+    let l = legacy_copy(&d);
+    patch(
+        &l.join(RANK_01_001),
+        b"output_layer.weight",
+        b"output_layex.weight",
+    );
+    let o = d.fails(&["merge", "legacy", "-o", "m"]);
+    assert!(
+        o.stderr.contains("mp_rank_01_001/model_optim_rng.pt")
+            && o.stderr.contains("`output_layex.weight`")
+            && o.stderr.contains("no Megatron GPT rule places this tensor"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("m").exists());
+}
+
+#[test]
+fn a_stage_holding_another_stages_tensor_is_named() {
+    let d = Dir::new();
+    let l = legacy_copy(&d);
+    // Stage 0's file where stage 1's should be: its embedding is on the wrong stage.
+    std::fs::copy(
+        l.join("iter_0000001/mp_rank_01_000/model_optim_rng.pt"),
+        l.join(RANK_01_001),
+    )
+    .unwrap();
+    let o = d.fails(&["merge", "legacy", "-o", "m"]);
+    assert!(
+        o.stderr.contains("`embedding.word_embeddings.weight`")
+            && o.stderr.contains("held by pipeline stage 1"),
+        "{}",
+        o.stderr
+    );
+}
+
+/// The fuzz target's body (fuzz/fuzz_targets/megatron.rs) on damaged copies of its seed,
+/// so that every test run covers it without cargo-fuzz: truncations and flipped bytes of
+/// the rank file args are read from give errors or a checked checkpoint, never a panic.
+#[test]
+fn damaged_rank_files_never_panic() {
+    let d = Dir::new();
+    let l = legacy_copy(&d);
+    let f = l.join("iter_0000001/mp_rank_00_000/model_optim_rng.pt");
+    let orig = std::fs::read(&f).unwrap();
+    let mut cases: Vec<Vec<u8>> = (0..orig.len())
+        .step_by(orig.len() / 40 + 1)
+        .map(|cut| orig[..cut].to_vec())
+        .collect();
+    for i in (0..orig.len()).step_by(61) {
+        let mut b = orig.clone();
+        b[i] ^= 0xff;
+        cases.push(b);
+    }
+    let (mut opened, mut refused) = (0, 0);
+    for b in cases {
+        std::fs::write(&f, &b).unwrap();
+        match ckpt_core::Checkpoint::scan(&[l.clone()]) {
+            Ok((ck, _)) => {
+                opened += 1;
+                for file in &ck.files {
+                    for (i, t) in file.tensors().iter().enumerate() {
+                        assert_eq!(
+                            file.data(i).map(<[u8]>::len),
+                            Some((t.end - t.start) as usize)
+                        );
+                    }
+                }
+            }
+            Err(_) => refused += 1,
+        }
+    }
+    // Both kinds happen: flips inside tensor data still open, truncations do not.
+    assert!(
+        opened > 0 && refused > 0,
+        "{opened} opened, {refused} refused"
+    );
+}
