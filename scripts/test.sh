@@ -44,6 +44,15 @@ fi
 export CKPT_PYTHON="$PWD/$venv/bin/python"
 cargo test --workspace "$@"
 
+# The Python package (python/): built by maturin in the dev profile into this target/
+# (its dependencies were compiled just above), installed with torch (CPU) into the venv,
+# and its pytest suite run, gloo processes included. pytest exits 5 when it collects
+# nothing, which fails here like any failure.
+"$venv/bin/pip" install --quiet --disable-pip-version-check maturin pytest torch
+PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install --quiet --disable-pip-version-check \
+  --no-build-isolation --no-deps --force-reinstall ./python
+"$venv/bin/python" -m pytest -q python/tests
+
 # The README's "By example" block, every line as written, in order, in a new directory.
 scripts/readme_examples.sh target/debug/ckpt
 

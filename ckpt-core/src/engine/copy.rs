@@ -373,14 +373,40 @@ fn copy_slabs(
 /// A damaged compressed source; I/O errors.
 pub fn assemble(t: &TensorPlan, source: &Checkpoint) -> Result<Vec<u8>> {
     let mut buf = vec![0u8; bytes_of(t.target.dtype, t.target.shape.iter().product()) as usize];
+    assemble_into(t, source, &mut buf)?;
+    Ok(buf)
+}
+
+/// [`assemble`] into memory the caller owns (a framework's tensor), which must be
+/// exactly the tensor's size.
+///
+/// # Errors
+/// A `dst` of another size; a damaged compressed source; I/O errors.
+pub fn assemble_into(t: &TensorPlan, source: &Checkpoint, dst: &mut [u8]) -> Result<()> {
+    let numel = t
+        .target
+        .shape
+        .iter()
+        .try_fold(1u64, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| crate::error::overflow(format!("elements of `{}`", t.target.name)))?;
+    let want = bytes_of(t.target.dtype, numel);
+    if want != dst.len() as u64 {
+        return Err(Error::Mismatch {
+            what: format!(
+                "tensor `{}`: {want} bytes to load into a buffer of {}",
+                t.target.name,
+                dst.len()
+            ),
+        });
+    }
     fill_slab(
         source,
         t,
         &Region::full(&t.target.shape),
-        &mut buf,
+        dst,
         &mut ReadCache::new(),
     )?;
-    Ok(buf)
+    Ok(())
 }
 
 /// Row-major element offset of `start` in a tensor of `shape`.

@@ -1,0 +1,405 @@
+"""ckpt: merge, reshard, verify and load checkpoints of models trained on many devices.
+
+Every format the ``ckpt`` command reads is read here too (safetensors and Hugging Face
+indexes, PyTorch DCP, ``torch.save`` files, MindSpore, ckpt's sliced and compressed
+checkpoints), through the same Rust library::
+
+    import ckpt
+    ck = ckpt.open("run/step_220")            # checked: every element held once
+    ck.format, ck.kind, ck.tensors["embed.weight"]
+    w = ckpt.load("merged")                   # whole tensors, numpy views of the file
+    mine = ckpt.load("run", rank=1, to=2)     # what rank 1 of 2 holds, only its bytes
+    ckpt.reshard("run", "r2", to=2)           # as `ckpt reshard run -o r2 --to 2`
+
+PyTorch (``import ckpt.torch``): ``load_state_dict`` fills a state dict of tensors and
+DTensors in place, ``save_state_dict`` writes each rank's shards with their strategy.
+Errors are ``ckpt.CheckpointError`` subclasses carrying the CLI's messages.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from ckpt import _ckpt
+from ckpt._arrays import materialize
+from ckpt.errors import (
+    AmbiguousInput,
+    CheckpointError,
+    ChecksumMismatch,
+    InvalidInput,
+    Mismatch,
+    MissingData,
+    OutputExists,
+    Unsupported,
+    UsageError,
+    _raise_problems,
+)
+
+__version__ = _ckpt.__version__
+
+PathLike = Union[str, "os.PathLike[str]"]
+Paths = Union[PathLike, Sequence[PathLike]]
+
+__all__ = [
+    "open",
+    "load",
+    "merge",
+    "reshard",
+    "verify",
+    "compress",
+    "decompress",
+    "Checkpoint",
+    "TensorInfo",
+    "CopyReport",
+    "ConvertReport",
+    "VerifyReport",
+    "CheckpointError",
+    "MissingData",
+    "ChecksumMismatch",
+    "AmbiguousInput",
+    "UsageError",
+    "InvalidInput",
+    "Mismatch",
+    "Unsupported",
+    "OutputExists",
+]
+
+
+def _fspaths(p: Paths) -> List[str]:
+    if isinstance(p, (str, bytes, os.PathLike)):
+        return [os.fspath(p)]
+    return [os.fspath(x) for x in p]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One global tensor of a checkpoint."""
+
+    dtype: str
+    """safetensors dtype name: ``F32``, ``BF16``, ``F8_E4M3``, ..."""
+    shape: Tuple[int, ...]
+    """The global shape."""
+    placements: Optional[Tuple[str, ...]]
+    """One placement per mesh axis (``Shard(0)``, ``Replicate``) for sliced checkpoints."""
+    pieces: Tuple[Tuple[str, Tuple[int, ...], Tuple[int, ...]], ...]
+    """``(file, global start, shape)`` of each stored piece (each element once)."""
+
+
+@dataclass(frozen=True)
+class CopyReport:
+    """What a merge or reshard wrote (the CLI's ``--json`` summary)."""
+
+    tensors: int
+    pieces: int
+    files: int
+    bytes_written: int
+    bytes_read: int
+    checksums_verified: int
+    checksums_unchecked: int
+    seconds: float
+    output: str
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    """What ``compress``/``decompress`` did."""
+
+    files: int
+    copied: int
+    raw_bytes: int
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    output: str
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """A sound checkpoint: counts of what was checked."""
+
+    files: int
+    tensors: int
+    checksums: int
+    """Recorded tensor checksums that matched (0 with ``checksums=False``)."""
+    seconds: float
+    notes: List[str] = field(default_factory=list)
+    """What could not be checked from these inputs."""
+
+
+class Checkpoint:
+    """An opened checkpoint (see :func:`open`): files mapped, layout checked."""
+
+    def __init__(
+        self,
+        paths: Paths,
+        *,
+        source_strategy: Optional[Paths] = None,
+        strip_prefix: Optional[str] = None,
+    ) -> None:
+        self._paths = _fspaths(paths)
+        for p in self._paths:
+            # The CLI's message, as the class a Python caller looks for.
+            if not os.path.lexists(p):
+                raise MissingData(f"{p}: no such file or directory")
+        self._source_strategy = None if source_strategy is None else _fspaths(source_strategy)
+        self._strip_prefix = strip_prefix
+        self._native = _ckpt.Checkpoint(self._paths, self._source_strategy, strip_prefix)
+        self._tensors: Optional[Dict[str, TensorInfo]] = None
+
+    @property
+    def format(self) -> str:
+        """The file format(s) read, e.g. ``"safetensors"`` or ``"PyTorch DCP .distcp"``."""
+        return ", ".join(self._native.formats)
+
+    @property
+    def kind(self) -> str:
+        """``"sliced"`` (ckpt rank directories with a strategy), ``"integrated"`` (whole
+        tensors) or ``"dcp"`` (PyTorch DCP pieces with offsets)."""
+        return self._native.kind
+
+    @property
+    def mesh(self) -> Optional[str]:
+        """The device mesh of a sliced checkpoint, e.g. ``"dp=2,tp=2"``."""
+        return self._native.mesh
+
+    @property
+    def strategy(self) -> Optional[str]:
+        """The strategy of a sliced checkpoint, as ckpt's ``strategy.json`` text."""
+        return self._native.strategy
+
+    @property
+    def files(self) -> List[Tuple[str, Optional[int], str]]:
+        """``(path, rank, format)`` of every file read."""
+        return [(os.fspath(p), r, f) for p, r, f in self._native.files]
+
+    @property
+    def notes(self) -> List[str]:
+        """What could not be checked from these inputs (not problems)."""
+        return list(self._native.notes)
+
+    @property
+    def tensors(self) -> Dict[str, TensorInfo]:
+        """name -> :class:`TensorInfo` (dtype, global shape, placements, pieces)."""
+        if self._tensors is None:
+            self._tensors = {
+                name: TensorInfo(
+                    dtype=d["dtype"],
+                    shape=tuple(d["shape"]),
+                    placements=None if d["placements"] is None else tuple(d["placements"]),
+                    pieces=tuple(
+                        (os.fspath(f), tuple(s), tuple(n)) for f, s, n in d["pieces"]
+                    ),
+                )
+                for name, d in self._native.tensors.items()
+            }
+        return self._tensors
+
+    def keys(self) -> List[str]:
+        """The tensor names."""
+        return list(self.tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __repr__(self) -> str:
+        mesh = f" on {self.mesh}" if self.mesh else ""
+        return f"<ckpt.Checkpoint {self.kind} {self.format}{mesh}, {len(self)} tensors>"
+
+    def verify(self, deep: bool = False, checksums: bool = True) -> VerifyReport:
+        """As ``ckpt verify``: every element owned once, recorded checksums match, and
+        with ``deep=True`` replicated copies identical. Raises the problem's
+        :class:`CheckpointError` subclass (every problem in the message)."""
+        return verify(
+            self._paths,
+            deep=deep,
+            checksums=checksums,
+            source_strategy=self._source_strategy,
+            strip_prefix=self._strip_prefix,
+        )
+
+    def inspect(self) -> str:
+        """``ckpt inspect``'s text: shapes, dtypes, placements, bytes per file."""
+        args = [sys.executable, "-m", "ckpt", "inspect", *self._paths]
+        for s in self._source_strategy or []:
+            args += ["--source-strategy", s]
+        if self._strip_prefix:
+            args += ["--strip-prefix", self._strip_prefix]
+        r = subprocess.run(args, capture_output=True, text=True)
+        if r.returncode not in (0, 1):
+            raise CheckpointError(r.stderr.strip())
+        return r.stdout
+
+    def load(self, **kwargs: Any) -> Dict[str, Any]:
+        """:func:`load` from this opened checkpoint."""
+        return load(self, **kwargs)
+
+
+def open(
+    path: Paths,
+    *,
+    source_strategy: Optional[Paths] = None,
+    strip_prefix: Optional[str] = None,
+) -> Checkpoint:
+    """Opens a checkpoint of any format ckpt reads and checks its layout.
+
+    ``path``: a directory (ckpt's sliced ``ckpt_<r>/``, a Hugging Face model, a DCP
+    directory, MindSpore ``rank_<r>/``), a file, or a list of them.
+    ``source_strategy``: MindSpore strategy file(s) for checkpoints saved without one
+    beside them. ``strip_prefix``: remove it from every name (DDP's ``"module."``).
+
+    Raises :class:`MissingData` (a rank or file missing, elements no rank holds),
+    :class:`AmbiguousInput`, :class:`InvalidInput`, ... with the CLI's message.
+    """
+    return Checkpoint(path, source_strategy=source_strategy, strip_prefix=strip_prefix)
+
+
+def load(
+    path: Union[Paths, Checkpoint],
+    *,
+    names: Optional[Sequence[str]] = None,
+    rank: Optional[int] = None,
+    to: Optional[int] = None,
+    mesh: Optional[str] = None,
+    strategy: Optional[PathLike] = None,
+    framework: str = "numpy",
+    device: Optional[str] = None,
+    source_strategy: Optional[Paths] = None,
+    strip_prefix: Optional[str] = None,
+    checksums: bool = True,
+) -> Dict[str, Any]:
+    """Loads tensors into memory: whole, or the piece a target rank owns.
+
+    - No ``rank``: every tensor (or those in ``names``) whole.
+    - ``rank=r`` with ``to=N`` / ``mesh="dp=2,tp=2"`` / ``strategy=path``: what target
+      rank ``r`` holds when the checkpoint is resharded that way (``ckpt reshard``'s
+      target layouts, uneven ``torch.chunk`` pieces and empty pieces included); with
+      ``rank`` alone, what rank ``r`` holds under the checkpoint's own strategy.
+
+    Only the bytes those pieces need are read. ``framework="numpy"`` gives numpy arrays,
+    ``"torch"`` torch tensors. A tensor whose bytes are one contiguous run of an
+    uncompressed file is a zero-copy view of a copy-on-write mapping of that file
+    (writable; writes never reach the file); the others are assembled by ckpt's copy
+    engine into new arrays. numpy has no bfloat16 or 8-bit floats: ``BF16`` comes back
+    as ``uint16`` holding the bit patterns (``torch.from_numpy(a).view(torch.bfloat16)``
+    restores it), ``F8_*`` as ``uint8``, sub-byte ``F4``/``F6`` as their packed bytes
+    (1-D ``uint8``); with ``framework="torch"`` they are real torch dtypes.
+    ``device="cuda:N"`` (torch) copies through pinned memory.
+
+    ``checksums=True`` checks the recorded checksum of every source tensor read whole
+    before returning (:class:`ChecksumMismatch`); pieces of larger tensors cannot be.
+    """
+    if isinstance(path, Checkpoint):
+        ck = path
+    else:
+        ck = Checkpoint(path, source_strategy=source_strategy, strip_prefix=strip_prefix)
+    plan = ck._native.plan(
+        None if names is None else list(names),
+        rank,
+        to,
+        mesh,
+        None if strategy is None else os.fspath(strategy),
+    )
+    return materialize(plan, framework=framework, device=device, checksums=checksums)
+
+
+def merge(src: Paths, out: PathLike, **opts: Any) -> CopyReport:
+    """As ``ckpt merge SRC -o OUT``: one integrated checkpoint (Hugging Face layout).
+
+    Options (the CLI's flags): ``max_shard_size`` (bytes or ``"5GB"``), ``dtype``
+    (``"bf16"``...), ``include``/``exclude`` (lists of globs), ``strip_prefix``,
+    ``add_prefix``, ``format`` (``"safetensors"``, ``"torch"``, ``"mindspore"``),
+    ``one_file``, ``force``, ``compress`` (``"zstd"``, ``"zstd:9"``),
+    ``source_strategy``, ``checksums``. Nothing is written unless everything checks.
+    """
+    r = _ckpt.merge(_fspaths(src), os.fspath(out), **opts)
+    return CopyReport(**{**r, "output": os.fspath(r["output"])})
+
+
+def reshard(
+    src: Paths,
+    out: PathLike,
+    *,
+    to: Optional[int] = None,
+    mesh: Optional[str] = None,
+    strategy: Optional[PathLike] = None,
+    rank: Optional[int] = None,
+    format: Optional[str] = None,
+    compress: Optional[str] = None,
+    **opts: Any,
+) -> CopyReport:
+    """As ``ckpt reshard SRC -o OUT``: sliced for another mesh.
+
+    One of ``to=N`` (the innermost axis becomes N, others 1), ``mesh="dp=1,tp=2"``, or
+    ``strategy=path`` (ckpt's ``strategy.json`` or a MindSpore strategy). ``rank``:
+    build only that target rank. ``format``: ``"ckpt"`` (default), ``"dcp"``,
+    ``"distcp"``, ``"mindspore"``. Other options as :func:`merge`, plus ``keep_all``.
+    """
+    r = _ckpt.reshard(
+        _fspaths(src),
+        os.fspath(out),
+        to=to,
+        mesh=mesh,
+        strategy=None if strategy is None else os.fspath(strategy),
+        rank=rank,
+        format=format or "ckpt",
+        compress=compress,
+        **opts,
+    )
+    return CopyReport(**{**r, "output": os.fspath(r["output"])})
+
+
+def verify(
+    src: Paths,
+    *,
+    deep: bool = False,
+    checksums: bool = True,
+    source_strategy: Optional[Paths] = None,
+    strip_prefix: Optional[str] = None,
+) -> VerifyReport:
+    """As ``ckpt verify``: returns a :class:`VerifyReport` when the checkpoint is sound,
+    raises the problem's :class:`CheckpointError` subclass otherwise (every problem in
+    the message, one per line). ``checksums=False`` is ``--fast``."""
+    r = _ckpt.verify(
+        _fspaths(src),
+        deep=deep,
+        checksums=checksums,
+        source_strategy=None if source_strategy is None else _fspaths(source_strategy),
+        strip_prefix=strip_prefix,
+    )
+    _raise_problems(r["problems"])
+    return VerifyReport(
+        files=r["files"],
+        tensors=r["tensors"],
+        checksums=r["checksums"],
+        seconds=r["seconds"],
+        notes=list(r["notes"]),
+    )
+
+
+def compress(
+    src: PathLike,
+    out: PathLike,
+    *,
+    level: int = 1,
+    chunk_bytes: Optional[int] = None,
+    force: bool = False,
+) -> ConvertReport:
+    """As ``ckpt compress SRC -o OUT``: byte-grouped zstd ``.ckptz`` files that every
+    ckpt command (and :func:`load`) reads."""
+    r = _ckpt.convert(
+        os.fspath(src), os.fspath(out), compress=True, level=level, chunk_bytes=chunk_bytes, force=force
+    )
+    return ConvertReport(**{**r, "output": os.fspath(r["output"])})
+
+
+def decompress(src: PathLike, out: PathLike, *, force: bool = False) -> ConvertReport:
+    """As ``ckpt decompress SRC -o OUT``: the original safetensors, byte for byte."""
+    r = _ckpt.convert(os.fspath(src), os.fspath(out), compress=False, force=force)
+    return ConvertReport(**{**r, "output": os.fspath(r["output"])})

@@ -1,0 +1,312 @@
+"""PyTorch: fill a live state dict from any checkpoint ckpt reads, and save a sliced
+checkpoint with its strategy from every rank.
+
+``load_state_dict`` works on plain tensors and DTensors (``Shard(d)``, ``Replicate``,
+nested shards on a 2-D mesh, uneven ``torch.chunk`` pieces, empty pieces), on CPU or
+GPU: each rank reads only the bytes of its own pieces, with no collective. Everything
+(names, shapes, dtypes, coverage) is checked before the first byte is copied, so a
+refused load leaves the state dict as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import uuid
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from ckpt import Checkpoint, Paths, _ckpt
+from ckpt._arrays import dtype_name_of_torch, materialize
+from ckpt.errors import OutputExists, Unsupported, UsageError
+
+__all__ = ["load", "load_state_dict", "save_state_dict", "SaveHandle"]
+
+
+def load(path, **kwargs: Any) -> Dict[str, torch.Tensor]:
+    """``ckpt.load(path, ..., framework="torch")``."""
+    import ckpt
+
+    return ckpt.load(path, framework="torch", **kwargs)
+
+
+def _flatten(sd: Mapping[str, Any], prefix: str = "") -> List[Tuple[str, Any]]:
+    """``(dotted name, tensor)`` of every tensor in a (nested) state dict, as
+    ``torch.distributed.checkpoint`` names them (``optim.state.<fqn>.exp_avg``)."""
+    out: List[Tuple[str, Any]] = []
+    for k, v in sd.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, torch.Tensor):
+            out.append((name, v))
+        elif isinstance(v, Mapping):
+            out.extend(_flatten(v, name + "."))
+        elif isinstance(v, (list, tuple)):
+            out.extend(_flatten({str(i): x for i, x in enumerate(v)}, name + "."))
+    return out
+
+
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.4
+        return None
+    return DTensor
+
+
+def _placement_text(p) -> str:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if type(p) is Shard:  # not _StridedShard, a subclass whose pieces are not boxes
+        return f"Shard({p.dim})"
+    if isinstance(p, Replicate):
+        return "Replicate"
+    raise Unsupported(
+        f"placement {p!r}: ckpt reads and writes Shard(d) and Replicate placements"
+    )
+
+
+def _local_box(t) -> Tuple[torch.Tensor, List[int], List[int], List[int]]:
+    """(local tensor, global shape, global start, local shape) of a tensor or DTensor."""
+    DTensor = _dtensor_class()
+    if DTensor is not None and isinstance(t, DTensor):
+        for p in t.placements:
+            _placement_text(p)  # Partial, _StridedShard: refused by name
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = t._local_tensor
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if tuple(local.shape) != tuple(shape):
+            raise Unsupported(
+                f"DTensor of local shape {tuple(local.shape)}, its placements give {tuple(shape)}"
+            )
+        return local, list(t.shape), list(offset), list(shape)
+    return t, list(t.shape), [0] * t.dim(), list(t.shape)
+
+
+def load_state_dict(
+    state_dict: Mapping[str, Any],
+    path: Any,
+    *,
+    source_strategy: Optional[Paths] = None,
+    strip_prefix: Optional[str] = None,
+    checksums: bool = True,
+) -> Dict[str, Any]:
+    """Fills ``state_dict`` in place from the checkpoint at ``path`` (any format ckpt
+    reads, or an opened :class:`ckpt.Checkpoint`).
+
+    ``state_dict``: a model's ``state_dict()``, or ``get_state_dict(model, optim)``'s
+    (nested dicts are flattened with dots, as DCP names them). Plain tensors receive the
+    whole tensor; DTensors receive the pieces their ``device_mesh`` and ``placements``
+    give this rank, whatever layout the checkpoint was saved with (load-time
+    resharding). Floating-point tensors may differ in dtype (the values are converted).
+
+    Everything is checked before the first byte is copied: a name the checkpoint lacks
+    (:class:`ckpt.CheckpointError`, ``InvalidInput``), another global shape
+    (:class:`ckpt.Mismatch`, naming both shapes), missing ranks (:class:`ckpt.MissingData`),
+    a recorded checksum that does not match (:class:`ckpt.ChecksumMismatch`); then the
+    state dict is left untouched. Returns ``state_dict``.
+    """
+    ck = path if isinstance(path, Checkpoint) else Checkpoint(
+        path, source_strategy=source_strategy, strip_prefix=strip_prefix
+    )
+    items = _flatten(state_dict)
+    requests = []
+    locals_: List[torch.Tensor] = []
+    for name, t in items:
+        local, global_shape, start, local_shape = _local_box(t)
+        requests.append((name, global_shape, dtype_name_of_torch(local.dtype), start, local_shape))
+        locals_.append(local)
+    plan = ck._native.plan_boxes(requests)
+    if checksums:
+        plan.check_checksums()
+    # Straight into the tensors' memory where it is contiguous on the CPU; through a
+    # (pinned, for GPUs) buffer otherwise.
+    fills = []
+    staged = []
+    for i, local in enumerate(locals_):
+        nbytes = local.numel() * local.element_size()
+        if local.device.type == "cpu" and local.is_contiguous():
+            fills.append((i, local.data_ptr(), nbytes))
+        else:
+            buf = torch.empty(
+                local.shape, dtype=local.dtype, pin_memory=local.device.type == "cuda"
+            )
+            fills.append((i, buf.data_ptr(), nbytes))
+            staged.append((local, buf))
+    with torch.no_grad():
+        plan.fill(fills)
+        for local, buf in staged:
+            local.copy_(buf, non_blocking=True)
+    if any(local.device.type == "cuda" for local, _ in staged):
+        torch.cuda.synchronize()
+    return state_dict
+
+
+def _world() -> Tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _mesh_of(items, world: int) -> Tuple[List[Tuple[str, int]], Any]:
+    """The one device mesh of the state dict's DTensors, as ckpt axes; it must span
+    the world in rank order (ckpt's ranks are the mesh's row-major coordinates)."""
+    DTensor = _dtensor_class()
+    meshes = []
+    for _, t in items:
+        if DTensor is not None and isinstance(t, DTensor) and all(
+            t.device_mesh is not m for m in meshes
+        ):
+            meshes.append(t.device_mesh)
+    if not meshes:
+        return [("dp", world)], None
+    m = meshes[0]
+    ranks = m.mesh.flatten().tolist()
+    for other in meshes[1:]:
+        if other.mesh.tolist() != m.mesh.tolist() or other.mesh_dim_names != m.mesh_dim_names:
+            raise Unsupported(
+                "the state dict's DTensors are on different device meshes: ckpt saves one mesh per checkpoint"
+            )
+    if ranks != list(range(world)):
+        raise Unsupported(
+            f"the device mesh holds ranks {ranks}: ckpt saves meshes that span ranks 0..{world - 1} in order"
+        )
+    names = m.mesh_dim_names or tuple(f"d{i}" for i in range(m.ndim))
+    return [(str(n), int(s)) for n, s in zip(names, m.mesh.shape)], m
+
+
+class SaveHandle:
+    """A save running in the background (``save_state_dict(..., background=True)``)."""
+
+    def __init__(self, run) -> None:
+        self._error: Optional[BaseException] = None
+        self._result: Optional[str] = None
+
+        def target():
+            try:
+                self._result = run()
+            except BaseException as e:  # re-raised by wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=target, name="ckpt-save", daemon=False)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether the write has finished (successfully or not)."""
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[str]:
+        """Finishes the write: returns the checkpoint's path once this rank's part is
+        written (and the whole checkpoint committed, if this rank was the last), or
+        raises the error the write met."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return None
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _token(rank: int, world: int) -> str:
+    """A name shared by every rank of this save (one broadcast from rank 0), so that a
+    stale staging directory of a crashed run is never taken for this one's."""
+    tok = [uuid.uuid4().hex if rank == 0 else None]
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(tok, src=0)
+    return str(tok[0])
+
+
+def _commit(staging: str, out: str, world: int, strategy: str) -> None:
+    """Moves ``staging`` to ``out`` once every rank's ``ckpt_<r>/`` is in it. Each rank
+    checks after its own directory appeared (atomically, by rename), so the last one to
+    finish sees them all and commits; two that finish together race on one rename,
+    which only one can win."""
+    if not all(os.path.isdir(os.path.join(staging, f"ckpt_{r}")) for r in range(world)):
+        return
+    top = os.path.join(staging, "strategy.json")
+    tmp = f"{top}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(strategy)
+        os.replace(tmp, top)
+        os.rename(staging, out)
+    except OSError:
+        # Another finisher committed it first: the staging directory is gone, and the
+        # checkpoint is in place.
+        if not (os.path.isdir(out) and not os.path.isdir(staging)):
+            raise
+
+
+def save_state_dict(
+    state_dict: Mapping[str, Any],
+    path: Any,
+    *,
+    background: bool = False,
+    keep_all: bool = False,
+):
+    """Called on every rank: writes this rank's local shards as a ckpt sliced checkpoint,
+    ``path/ckpt_<rank>/model.safetensors`` plus ``strategy.json`` derived from the
+    DTensors' placements on their device mesh (plain tensors are replicated; their
+    owner, rank 0 of each replica group, stores them unless ``keep_all``).
+
+    The checkpoint is committed atomically once every rank has written: until then it
+    lives in a hidden sibling directory, and ``path`` never exists half-written. One
+    broadcast at the start names that directory; the writes need no collective.
+    ``ckpt merge``, ``ckpt reshard --to N`` and :func:`load_state_dict` (on any mesh)
+    read the result.
+
+    ``background=True`` copies the local shards into memory (the training stall) and
+    writes them on a thread: it returns a :class:`SaveHandle` whose ``wait()`` finishes
+    the write. Otherwise it returns ``path`` once this rank's part is written.
+    """
+    out = os.path.abspath(os.fspath(path))
+    rank, world = _world()
+    if os.path.exists(out):
+        raise OutputExists(f"{out} already exists")
+    items = _flatten(state_dict)
+    axes, _mesh = _mesh_of(items, world)
+    tensors = []
+    local_data = []
+    DTensor = _dtensor_class()
+    for name, t in items:
+        if DTensor is not None and isinstance(t, DTensor):
+            placements = [_placement_text(p) for p in t.placements]
+            local = t._local_tensor
+        else:
+            placements = ["Replicate"] * len(axes)
+            local = t
+        tensors.append((name, dtype_name_of_torch(local.dtype), list(t.shape), placements))
+        local = local.detach()
+        if background:
+            # The one copy the training loop waits for.
+            local = local.to("cpu", copy=True).contiguous()
+        else:
+            local = local.cpu().contiguous()
+        local_data.append((name, local))
+    strategy = _ckpt.strategy_json(axes, tensors)
+    token = _token(rank, world)
+    parent, base = os.path.split(out)
+    staging = os.path.join(parent, f".{base}.partial-{token}")
+
+    def run() -> str:
+        os.makedirs(staging, exist_ok=True)
+        # This rank's directory appears whole: written under a private name, renamed.
+        private = os.path.join(staging, f".rank-{rank}")
+        if os.path.exists(private):
+            shutil.rmtree(private)
+        ptrs = [(n, t.data_ptr(), t.numel() * t.element_size()) for n, t in local_data]
+        _ckpt.write_rank(private, strategy, rank, ptrs, keep_all)
+        os.rename(os.path.join(private, f"ckpt_{rank}"), os.path.join(staging, f"ckpt_{rank}"))
+        os.rmdir(private)
+        _commit(staging, out, world, strategy)
+        return out
+
+    if background:
+        return SaveHandle(run)
+    return run()

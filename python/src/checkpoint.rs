@@ -1,0 +1,261 @@
+//! `ckpt._ckpt.Checkpoint`: an opened, checked checkpoint of any format ckpt reads.
+
+use crate::errors::{usage, IntoPy};
+use crate::load::LoadPlan;
+use ckpt_core::{Checkpoint, Kind, Mesh, Selection, Strategy};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The options every reading call shares: the inputs and how names are read.
+#[derive(Debug)]
+pub(crate) struct Source {
+    /// Inputs, with any MindSpore strategy files given as `source_strategy`.
+    pub(crate) paths: Vec<PathBuf>,
+    /// Renaming (`strip_prefix`).
+    pub(crate) selection: Selection,
+}
+
+impl Source {
+    pub(crate) fn new(
+        py: Python<'_>,
+        paths: Vec<PathBuf>,
+        source_strategy: Vec<PathBuf>,
+        strip_prefix: Option<String>,
+    ) -> PyResult<Source> {
+        for s in &source_strategy {
+            let bytes = std::fs::read(s).map_err(|e| {
+                crate::errors::to_py(
+                    py,
+                    ckpt_core::Error::Io {
+                        path: s.clone(),
+                        source: e,
+                    },
+                )
+            })?;
+            if !ckpt_core::is_mindspore_strategy(&bytes) {
+                return Err(usage(
+                    py,
+                    format!(
+                        "source_strategy {}: not a MindSpore strategy file (protobuf ParallelStrategyMap or its JSON form)",
+                        s.display()
+                    ),
+                ));
+            }
+        }
+        Ok(Source {
+            paths: paths.into_iter().chain(source_strategy).collect(),
+            selection: Selection::default().with_prefixes(strip_prefix, None),
+        })
+    }
+}
+
+/// Paths from a str, a path, or a list of them.
+pub(crate) fn paths_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<PathBuf>> {
+    if let Ok(p) = obj.extract::<PathBuf>() {
+        return Ok(vec![p]);
+    }
+    obj.extract::<Vec<PathBuf>>()
+}
+
+/// An opened checkpoint: its files are mapped, its layout checked (every element of every
+/// tensor held exactly once).
+#[pyclass(name = "Checkpoint", module = "ckpt._ckpt", frozen)]
+pub(crate) struct PyCheckpoint {
+    pub(crate) inner: Arc<Checkpoint>,
+}
+
+pub(crate) fn kind_name(k: Kind) -> &'static str {
+    match k {
+        Kind::Sliced => "sliced",
+        Kind::Integrated => "integrated",
+        Kind::Dcp => "dcp",
+    }
+}
+
+/// `(axis, size)` pairs of a mesh given as `"dp=2,tp=2"`.
+fn mesh_axes(py: Python<'_>, text: &str) -> PyResult<Vec<(String, u64)>> {
+    let mesh = Mesh::parse(text).py_err(py)?;
+    Ok(mesh
+        .axes()
+        .iter()
+        .map(|a| (a.name.clone(), a.size))
+        .collect())
+}
+
+/// The reshard target a `to` / `mesh` / `strategy` argument names (at most one).
+pub(crate) fn target_of(
+    py: Python<'_>,
+    to: Option<u64>,
+    mesh: Option<&str>,
+    strategy: Option<PathBuf>,
+) -> PyResult<Option<ckpt_reshard::Target>> {
+    let given =
+        usize::from(to.is_some()) + usize::from(mesh.is_some()) + usize::from(strategy.is_some());
+    if given > 1 {
+        return Err(usage(py, "give at most one of to, mesh and strategy"));
+    }
+    if let Some(n) = to {
+        if n == 0 {
+            return Err(usage(py, "to=0: a target needs at least one rank"));
+        }
+        return Ok(Some(ckpt_reshard::Target::To(n)));
+    }
+    if let Some(m) = mesh {
+        return Ok(Some(ckpt_reshard::Target::Mesh(mesh_axes(py, m)?)));
+    }
+    if let Some(s) = strategy {
+        let bytes = std::fs::read(&s).map_err(|e| {
+            crate::errors::to_py(
+                py,
+                ckpt_core::Error::Io {
+                    path: s.clone(),
+                    source: e,
+                },
+            )
+        })?;
+        let t = if ckpt_core::is_mindspore_strategy(&bytes) {
+            ckpt_reshard::Target::MindSpore(
+                ckpt_core::read_mindspore_strategies(&[s.as_path()]).py_err(py)?,
+            )
+        } else {
+            ckpt_reshard::Target::Strategy(Strategy::read(&s).py_err(py)?)
+        };
+        return Ok(Some(t));
+    }
+    Ok(None)
+}
+
+#[pymethods]
+impl PyCheckpoint {
+    /// Opens `paths` (a directory, file, or list of them).
+    #[new]
+    #[pyo3(signature = (paths, source_strategy=None, strip_prefix=None))]
+    fn new(
+        py: Python<'_>,
+        paths: &Bound<'_, PyAny>,
+        source_strategy: Option<&Bound<'_, PyAny>>,
+        strip_prefix: Option<String>,
+    ) -> PyResult<PyCheckpoint> {
+        let paths = paths_of(paths)?;
+        let strategies = match source_strategy {
+            Some(s) => paths_of(s)?,
+            None => vec![],
+        };
+        let source = Source::new(py, paths, strategies, strip_prefix)?;
+        let ck = py
+            .detach(move || Checkpoint::open_selected(&source.paths, &source.selection))
+            .py_err(py)?;
+        Ok(PyCheckpoint {
+            inner: Arc::new(ck),
+        })
+    }
+
+    /// "sliced", "integrated" or "dcp".
+    #[getter]
+    fn kind(&self) -> &'static str {
+        kind_name(self.inner.kind)
+    }
+
+    /// The formats of the files read (e.g. `["safetensors"]`), each once.
+    #[getter]
+    fn formats(&self) -> Vec<&'static str> {
+        let mut out: Vec<&'static str> = Vec::new();
+        for f in &self.inner.files {
+            let n = f.format().name();
+            if !out.contains(&n) {
+                out.push(n);
+            }
+        }
+        out
+    }
+
+    /// `(path, rank or None, format)` of every file read.
+    #[getter]
+    fn files(&self) -> Vec<(PathBuf, Option<u64>, &'static str)> {
+        self.inner
+            .files
+            .iter()
+            .zip(&self.inner.ranks)
+            .map(|(f, r)| (f.path().to_path_buf(), *r, f.format().name()))
+            .collect()
+    }
+
+    /// The mesh of a sliced checkpoint (`"dp=2,tp=2"`), else None.
+    #[getter]
+    fn mesh(&self) -> Option<String> {
+        self.inner.strategy.as_ref().map(|s| s.mesh.to_string())
+    }
+
+    /// The strategy of a sliced checkpoint as JSON (ckpt's `strategy.json`), else None.
+    #[getter]
+    fn strategy(&self) -> Option<String> {
+        self.inner.strategy.as_ref().map(Strategy::to_json)
+    }
+
+    /// What could not be checked from these inputs.
+    #[getter]
+    fn notes(&self) -> Vec<String> {
+        self.inner.notes.clone()
+    }
+
+    /// name -> dict(dtype, shape, placements, pieces=[(file, start, shape)]).
+    #[getter]
+    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        let ck = &self.inner;
+        for (name, t) in &ck.tensors {
+            let d = PyDict::new(py);
+            d.set_item("dtype", ckpt_core::dtype_name(t.dtype))?;
+            d.set_item("shape", t.shape.clone())?;
+            let placements: Option<Vec<String>> = ck.strategy.as_ref().and_then(|s| {
+                s.tensors
+                    .get(name)
+                    .map(|l| l.placements.iter().map(ToString::to_string).collect())
+            });
+            d.set_item("placements", placements)?;
+            let pieces: Vec<(PathBuf, Vec<u64>, Vec<u64>)> = t
+                .pieces
+                .iter()
+                .map(|p| {
+                    (
+                        ck.files[p.file].path().to_path_buf(),
+                        p.global.start.clone(),
+                        p.global.shape.clone(),
+                    )
+                })
+                .collect();
+            d.set_item("pieces", pieces)?;
+            out.set_item(name, d)?;
+        }
+        Ok(out)
+    }
+
+    /// Plans loading whole tensors, or the pieces target `rank` holds under a target
+    /// layout (`to`, `mesh`, `strategy`; the source's own strategy when none is given).
+    #[pyo3(signature = (names=None, rank=None, to=None, mesh=None, strategy=None))]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        names: Option<Vec<String>>,
+        rank: Option<u64>,
+        to: Option<u64>,
+        mesh: Option<&str>,
+        strategy: Option<PathBuf>,
+    ) -> PyResult<LoadPlan> {
+        let target = target_of(py, to, mesh, strategy)?;
+        LoadPlan::for_rank(py, self.inner.clone(), names, rank, target)
+    }
+
+    /// Plans loading boxes of global tensors: `(name, global shape, dtype, start, local
+    /// shape)` each (a DTensor's local shard). Every problem (unknown names, other
+    /// shapes, impossible casts) is found before any byte is read.
+    fn plan_boxes(
+        &self,
+        py: Python<'_>,
+        requests: Vec<(String, Vec<u64>, String, Vec<u64>, Vec<u64>)>,
+    ) -> PyResult<LoadPlan> {
+        LoadPlan::for_boxes(py, self.inner.clone(), requests)
+    }
+}

@@ -1,0 +1,71 @@
+//! ckpt-core's error enum as Python exceptions: one class per kind, defined in
+//! `ckpt/errors.py` (plain Python classes, so they pickle across processes).
+
+use ckpt_core::Error;
+use pyo3::prelude::*;
+
+/// The Python class (in `ckpt.errors`) for an error.
+fn class_of(e: &Error) -> &'static str {
+    match e {
+        Error::WithPath { source, .. } => class_of(source),
+        Error::ChecksumMismatch { .. } | Error::CorruptChunk { .. } => "ChecksumMismatch",
+        Error::CoverageGap { .. } => "MissingData",
+        Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => "MissingData",
+        Error::Ambiguous { .. } => "AmbiguousInput",
+        Error::OutputExists { .. } => "OutputExists",
+        Error::InvalidMesh { .. } => "UsageError",
+        Error::Mismatch { .. } => "Mismatch",
+        Error::Unsupported { .. } => "Unsupported",
+        Error::Overlap { .. }
+        | Error::InvalidLayout { .. }
+        | Error::InvalidStrategy { .. }
+        | Error::InvalidHeader { .. }
+        | Error::InvalidCompressed { .. }
+        | Error::InvalidTorch { .. }
+        | Error::InvalidTensor { .. }
+        | Error::HeaderTooLarge { .. }
+        | Error::UnknownInput { .. }
+        | Error::Overflow { .. } => "InvalidInput",
+        // Several problems: the most telling kind among them (a damaged file, then data
+        // missing, then ambiguity), else the first one's.
+        Error::Many(p) => ["ChecksumMismatch", "MissingData", "AmbiguousInput"]
+            .into_iter()
+            .find(|k| p.0.iter().any(|e| class_of(e) == *k))
+            .or_else(|| p.0.first().map(class_of))
+            .unwrap_or("CheckpointError"),
+        _ => "CheckpointError",
+    }
+}
+
+/// Raises `class` (a name in `ckpt.errors`) with `message`.
+pub(crate) fn raise(py: Python<'_>, class: &str, message: String) -> PyErr {
+    let made = py
+        .import("ckpt.errors")
+        .and_then(|m| m.getattr(class))
+        .and_then(|c| c.call1((message.clone(),)));
+    match made {
+        Ok(v) => PyErr::from_value(v),
+        Err(e) => e,
+    }
+}
+
+/// The Python exception for a ckpt-core error, with the CLI's message.
+pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
+    raise(py, class_of(&e), e.to_string())
+}
+
+/// `Result` of ckpt-core into `PyResult`.
+pub(crate) trait IntoPy<T> {
+    fn py_err(self, py: Python<'_>) -> PyResult<T>;
+}
+
+impl<T> IntoPy<T> for ckpt_core::Result<T> {
+    fn py_err(self, py: Python<'_>) -> PyResult<T> {
+        self.map_err(|e| to_py(py, e))
+    }
+}
+
+/// A usage error (bad arguments from Python).
+pub(crate) fn usage(py: Python<'_>, message: impl Into<String>) -> PyErr {
+    raise(py, "UsageError", message.into())
+}

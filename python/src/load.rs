@@ -1,0 +1,328 @@
+//! Loading into memory: a [`LoadPlan`] says, from metadata alone, which bytes every
+//! requested tensor (or piece of one) needs; tensors whose bytes are one run of an
+//! uncompressed file are handed out as views of the mapping, the others are assembled
+//! by ckpt-core's copy engine straight into memory the framework allocated.
+
+use crate::errors::{to_py, usage, IntoPy};
+use ckpt_core::{
+    assemble_into, bytes_of, check_cast, dtype_name, parse_dtype, rank_tensors, Checkpoint,
+    CopyPlan, Dtype, Error, FileFormat, Piece, Problems, Region, Runs, TargetFile, TargetTensor,
+    TensorPlan,
+};
+use pyo3::prelude::*;
+use rayon::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The planned tensors of one load.
+#[pyclass(module = "ckpt._ckpt", frozen)]
+pub(crate) struct LoadPlan {
+    source: Arc<Checkpoint>,
+    tensors: Vec<TensorPlan>,
+}
+
+/// Where tensor `t`'s bytes lie as one run of a plain file: `(path, byte offset)`.
+fn view_of(source: &Checkpoint, t: &TensorPlan) -> Option<(PathBuf, u64)> {
+    let [op] = &t.ops[..] else {
+        return None;
+    };
+    let dtype = t.target.dtype;
+    if dtype != t.src_dtype
+        || !(dtype.bitsize()).is_multiple_of(8)
+        || op.src.shape != t.target.shape
+    {
+        return None;
+    }
+    let file = &source.files[op.file];
+    if file.format() == FileFormat::Ckptz {
+        return None;
+    }
+    let numel = op.src.numel();
+    let mut runs = Runs::new(
+        &op.src.shape,
+        &op.src_shape,
+        &op.src.start,
+        &t.target.shape,
+        &op.dst_start,
+    );
+    let run = runs.next()?;
+    if runs.next().is_some() || run.len != numel || run.dst != 0 {
+        return None;
+    }
+    let entry = &file.tensors()[op.tensor];
+    Some((
+        file.path().to_path_buf(),
+        entry.start.checked_add(bytes_of(dtype, run.src))?,
+    ))
+}
+
+impl LoadPlan {
+    fn build(
+        py: Python<'_>,
+        source: Arc<Checkpoint>,
+        tensors: Vec<TargetTensor>,
+    ) -> PyResult<LoadPlan> {
+        let plan = CopyPlan::build(
+            &*source,
+            vec![TargetFile {
+                path: PathBuf::new(),
+                tensors,
+                metadata: BTreeMap::new(),
+            }],
+        )
+        .py_err(py)?;
+        let tensors = plan.files.into_iter().flat_map(|f| f.tensors).collect();
+        Ok(LoadPlan { source, tensors })
+    }
+
+    /// Whole tensors (`rank` None, no target), or what target `rank` holds.
+    pub(crate) fn for_rank(
+        py: Python<'_>,
+        source: Arc<Checkpoint>,
+        names: Option<Vec<String>>,
+        rank: Option<u64>,
+        target: Option<ckpt_reshard::Target>,
+    ) -> PyResult<LoadPlan> {
+        if let Some(names) = &names {
+            let missing: Vec<&String> = names
+                .iter()
+                .filter(|n| !source.tensors.contains_key(*n))
+                .collect();
+            if !missing.is_empty() {
+                return Err(crate::errors::raise(
+                    py,
+                    "MissingData",
+                    format!(
+                        "not in the checkpoint: {}",
+                        missing
+                            .iter()
+                            .map(|n| format!("`{n}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ));
+            }
+        }
+        let wanted: Option<BTreeSet<String>> = names.map(|n| n.into_iter().collect());
+        let keep = |name: &str| wanted.as_ref().is_none_or(|w| w.contains(name));
+        let tensors = match (rank, target) {
+            (None, None) => source
+                .tensors
+                .iter()
+                .filter(|(n, _)| keep(n))
+                .map(|(name, t)| {
+                    let full = Region::full(&t.shape);
+                    TargetTensor {
+                        name: name.clone(),
+                        dtype: t.dtype,
+                        shape: t.shape.clone(),
+                        pieces: if full.is_empty() {
+                            vec![]
+                        } else {
+                            vec![Piece {
+                                global: full.clone(),
+                                local: full,
+                            }]
+                        },
+                    }
+                })
+                .collect(),
+            (None, Some(_)) => return Err(usage(
+                py,
+                "to, mesh and strategy name a target layout: give the target rank too (rank=...)",
+            )),
+            (Some(r), target) => {
+                let target = match (target, &source.strategy) {
+                    (Some(t), _) => t,
+                    (None, Some(s)) => ckpt_reshard::Target::Strategy(s.clone()),
+                    (None, None) => {
+                        return Err(usage(py, format!("rank={r}: this {} checkpoint has no strategy of its own: give the target layout (to=, mesh= or strategy=)", crate::checkpoint::kind_name(source.kind))))
+                    }
+                };
+                let strategy = ckpt_reshard::target_strategy(
+                    &source,
+                    &target,
+                    &ckpt_core::Selection::default(),
+                    &[],
+                )
+                .py_err(py)?;
+                let world = strategy.mesh.world_size();
+                if r >= world {
+                    return Err(usage(
+                        py,
+                        format!(
+                            "rank={r} but the target mesh {} has {world} ranks",
+                            strategy.mesh
+                        ),
+                    ));
+                }
+                rank_tensors(&strategy, r, true, &|name, l| keep(name).then_some(l.dtype))
+            }
+        };
+        LoadPlan::build(py, source, tensors)
+    }
+
+    /// Boxes of global tensors, every request checked first.
+    pub(crate) fn for_boxes(
+        py: Python<'_>,
+        source: Arc<Checkpoint>,
+        requests: Vec<(String, Vec<u64>, String, Vec<u64>, Vec<u64>)>,
+    ) -> PyResult<LoadPlan> {
+        let mut problems = Vec::new();
+        let mut tensors = Vec::with_capacity(requests.len());
+        for (name, global, dtype, start, local) in requests {
+            let dtype: Dtype = match parse_dtype(&dtype) {
+                Ok(d) => d,
+                Err(e) => return Err(usage(py, format!("tensor `{name}`: {e}"))),
+            };
+            let Some(src) = source.tensors.get(&name) else {
+                problems.push(Error::InvalidTensor {
+                    tensor: name,
+                    problem: "is in the state dict but not in the checkpoint".into(),
+                });
+                continue;
+            };
+            if src.shape != global {
+                problems.push(Error::Mismatch {
+                    what: format!(
+                        "tensor `{name}`: shape {:?} in the checkpoint, {global:?} in the state dict",
+                        src.shape
+                    ),
+                });
+                continue;
+            }
+            if let Err(e) = check_cast(&name, src.dtype, dtype) {
+                problems.push(e);
+                continue;
+            }
+            if start.len() != global.len() || local.len() != global.len() {
+                return Err(usage(py, format!("tensor `{name}`: start {start:?} and local shape {local:?} do not fit global shape {global:?}")));
+            }
+            let piece = Region::new(start, local.clone());
+            if !Region::full(&global).contains(&piece) && !piece.is_empty() {
+                return Err(usage(
+                    py,
+                    format!("tensor `{name}`: box {piece} lies outside {global:?}"),
+                ));
+            }
+            tensors.push(TargetTensor {
+                name,
+                dtype,
+                pieces: if piece.is_empty() {
+                    vec![]
+                } else {
+                    vec![Piece {
+                        local: Region::full(&local),
+                        global: piece,
+                    }]
+                },
+                shape: local,
+            });
+        }
+        match problems.len() {
+            0 => LoadPlan::build(py, source, tensors),
+            1 => Err(to_py(py, problems.remove(0))),
+            _ => Err(to_py(py, Error::Many(Problems(problems)))),
+        }
+    }
+}
+
+#[pymethods]
+impl LoadPlan {
+    /// `(name, dtype, local shape, view)` per tensor, `view` being `(path, byte offset)`
+    /// where the bytes are one run of an uncompressed file, else None.
+    fn entries(&self) -> Vec<(String, String, Vec<u64>, Option<(PathBuf, u64)>)> {
+        self.tensors
+            .iter()
+            .map(|t| {
+                (
+                    t.target.name.clone(),
+                    dtype_name(t.target.dtype),
+                    t.target.shape.clone(),
+                    view_of(&self.source, t),
+                )
+            })
+            .collect()
+    }
+
+    /// Bytes the plan reads from the files.
+    fn bytes_read(&self) -> u64 {
+        self.tensors
+            .iter()
+            .flat_map(|t| t.ops.iter().map(|o| bytes_of(t.src_dtype, o.src.numel())))
+            .sum()
+    }
+
+    /// Checks the recorded checksums of every source tensor the plan reads whole (those
+    /// read in part cannot be: the CLI does the same). Returns `(checked, unchecked)`.
+    fn check_checksums(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
+        let mut boxes: BTreeMap<(usize, usize), (Vec<u64>, BTreeSet<Region>)> = BTreeMap::new();
+        for op in self.tensors.iter().flat_map(|t| &t.ops) {
+            boxes
+                .entry((op.file, op.tensor))
+                .or_insert_with(|| (op.src_shape.clone(), BTreeSet::new()))
+                .1
+                .insert(op.src.clone());
+        }
+        let source = &self.source;
+        let has_sum = |(f, t): (usize, usize)| source.files[f].checksum(t).is_some();
+        let (mut whole, mut part) = (Vec::new(), 0u64);
+        for (k, (shape, regions)) in boxes {
+            if !has_sum(k) {
+                continue;
+            }
+            let regions: Vec<Region> = regions.into_iter().collect();
+            if ckpt_core::check_tiling(&shape, &regions).is_ok() {
+                whole.push(k);
+            } else {
+                part += 1;
+            }
+        }
+        py.detach(|| {
+            whole
+                .par_iter()
+                .try_for_each(|&(f, t)| source.files[f].check_checksum(t).map(|_| ()))
+        })
+        .py_err(py)?;
+        Ok((whole.len() as u64, part))
+    }
+
+    /// Assembles tensors `(index, address, bytes)` into memory the caller owns, in
+    /// parallel, without the GIL. Private to `ckpt`: the addresses are those of live
+    /// numpy arrays or torch tensors of exactly `bytes` bytes, kept alive by the caller
+    /// for the duration of the call.
+    fn fill(&self, py: Python<'_>, items: Vec<(usize, usize, usize)>) -> PyResult<()> {
+        for &(i, _, n) in &items {
+            let Some(t) = self.tensors.get(i) else {
+                return Err(usage(py, format!("no tensor {i} in this plan")));
+            };
+            let want = bytes_of(t.target.dtype, t.target.shape.iter().product());
+            if want != n as u64 {
+                return Err(usage(
+                    py,
+                    format!("tensor `{}` has {want} bytes, {n} given", t.target.name),
+                ));
+            }
+        }
+        let source = &self.source;
+        let tensors = &self.tensors;
+        py.detach(|| {
+            items.par_iter().try_for_each(|&(i, addr, n)| {
+                if n == 0 {
+                    return Ok(());
+                }
+                // SAFETY: `addr` is the start of `n` writable bytes owned by a live
+                // array the caller holds for this call (see above), and no two items
+                // share memory (each is a distinct tensor's storage).
+                let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, n) };
+                assemble_into(&tensors[i], source, dst)
+            })
+        })
+        .py_err(py)
+    }
+
+    fn __len__(&self) -> usize {
+        self.tensors.len()
+    }
+}

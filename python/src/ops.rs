@@ -1,0 +1,327 @@
+//! Whole-checkpoint operations, as the CLI runs them: merge, reshard, verify, compress
+//! and decompress. Each returns a dict the Python layer turns into a report object.
+
+use crate::checkpoint::{paths_of, target_of, Source};
+use crate::errors::{usage, IntoPy};
+use ckpt_core::{Checkpoint, Compression, CopyPlan, CopyStats, Dtype, Selection};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// A dtype for casting: `bf16`, `f16`/`fp16`, `f32`/`fp32`, `f64`, or a safetensors name.
+fn cast_of(py: Python<'_>, s: Option<&str>) -> PyResult<Option<Dtype>> {
+    let Some(s) = s else { return Ok(None) };
+    let name = match s.to_ascii_lowercase().as_str() {
+        "fp16" => "F16".to_string(),
+        "fp32" => "F32".to_string(),
+        other => other.to_ascii_uppercase(),
+    };
+    ckpt_core::parse_dtype(&name)
+        .map(Some)
+        .map_err(|e| usage(py, format!("dtype `{s}`: {e}")))
+}
+
+fn compression_of(py: Python<'_>, s: Option<&str>) -> PyResult<Option<Compression>> {
+    s.map(|s| Compression::parse(s).map_err(|e| usage(py, format!("compress `{s}`: {e}"))))
+        .transpose()
+}
+
+/// The selection: patterns, cast and renaming.
+fn selection(
+    py: Python<'_>,
+    include: Vec<String>,
+    exclude: Vec<String>,
+    dtype: Option<&str>,
+    strip_prefix: Option<String>,
+    add_prefix: Option<String>,
+) -> PyResult<Selection> {
+    Ok(Selection::new(&include, &exclude, cast_of(py, dtype)?)
+        .py_err(py)?
+        .with_prefixes(strip_prefix, add_prefix))
+}
+
+/// The report of a copying operation, as the CLI's `--json` summary.
+fn report<'py>(
+    py: Python<'py>,
+    stats: &CopyStats,
+    shape: (u64, u64),
+    seconds: f64,
+    output: PathBuf,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("tensors", shape.0)?;
+    d.set_item("pieces", stats.tensors)?;
+    d.set_item("files", shape.1)?;
+    d.set_item("bytes_written", stats.bytes_written)?;
+    d.set_item("bytes_read", stats.bytes_read)?;
+    d.set_item("checksums_verified", stats.checksums_verified)?;
+    d.set_item("checksums_unchecked", stats.checksums_unchecked)?;
+    d.set_item("seconds", seconds)?;
+    d.set_item("output", output)?;
+    Ok(d)
+}
+
+/// Runs a copying operation without the GIL; returns its stats, distinct tensor names
+/// and files of the plan, and the seconds taken.
+fn run_copy(
+    py: Python<'_>,
+    run: impl FnOnce(
+            &(dyn Fn(u64) + Sync),
+            &dyn Fn(&Checkpoint, &CopyPlan),
+        ) -> ckpt_core::Result<CopyStats>
+        + Send,
+) -> PyResult<(CopyStats, (u64, u64), f64)> {
+    let shape = Mutex::new((0u64, 0u64));
+    let t = Instant::now();
+    let stats = py
+        .detach(|| {
+            run(&|_| {}, &|_, p: &CopyPlan| {
+                let names: std::collections::BTreeSet<&str> = p
+                    .files
+                    .iter()
+                    .flat_map(|f| f.tensors.iter().map(|t| t.target.name.as_str()))
+                    .collect();
+                if let Ok(mut s) = shape.lock() {
+                    *s = (names.len() as u64, p.files.len() as u64);
+                }
+            })
+        })
+        .py_err(py)?;
+    let shape = shape.into_inner().unwrap_or_default();
+    Ok((stats, shape, t.elapsed().as_secs_f64()))
+}
+
+/// `ckpt merge`.
+#[pyfunction]
+#[pyo3(signature = (src, out, *, max_shard_size=None, dtype=None, include=vec![], exclude=vec![],
+    strip_prefix=None, add_prefix=None, format="safetensors", one_file=false, force=false,
+    compress=None, source_strategy=None, checksums=true))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn merge<'py>(
+    py: Python<'py>,
+    src: &Bound<'py, PyAny>,
+    out: PathBuf,
+    max_shard_size: Option<&Bound<'py, PyAny>>,
+    dtype: Option<&str>,
+    include: Vec<String>,
+    exclude: Vec<String>,
+    strip_prefix: Option<String>,
+    add_prefix: Option<String>,
+    format: &str,
+    one_file: bool,
+    force: bool,
+    compress: Option<&str>,
+    source_strategy: Option<&Bound<'py, PyAny>>,
+    checksums: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let inputs = Source::new(
+        py,
+        paths_of(src)?,
+        source_strategy
+            .map(paths_of)
+            .transpose()?
+            .unwrap_or_default(),
+        None,
+    )?
+    .paths;
+    let max_shard_size = match max_shard_size {
+        None => None,
+        Some(v) => Some(match v.extract::<u64>() {
+            Ok(n) => n,
+            Err(_) => {
+                let s: String = v.extract()?;
+                ckpt_merge::parse_size(&s)
+                    .map_err(|e| usage(py, format!("max_shard_size `{s}`: {e}")))?
+            }
+        }),
+    };
+    let format = match format {
+        "safetensors" => ckpt_merge::MergeFormat::Safetensors,
+        "mindspore" => ckpt_merge::MergeFormat::MindSpore,
+        "torch" => ckpt_merge::MergeFormat::Torch,
+        f => {
+            return Err(usage(
+                py,
+                format!("format `{f}`: safetensors, mindspore or torch"),
+            ))
+        }
+    };
+    let req = ckpt_merge::MergeRequest {
+        inputs,
+        output: out.clone(),
+        max_shard_size,
+        selection: selection(py, include, exclude, dtype, strip_prefix, add_prefix)?,
+        force,
+        format,
+        one_file,
+        share: None,
+        compression: compression_of(py, compress)?,
+    };
+    ckpt_core::set_checksums_enabled(checksums);
+    let (stats, shape, secs) = run_copy(py, |p, on_plan| ckpt_merge::merge(&req, p, on_plan))?;
+    report(py, &stats, shape, secs, out)
+}
+
+/// `ckpt reshard`.
+#[pyfunction]
+#[pyo3(signature = (src, out, *, to=None, mesh=None, strategy=None, rank=None, format="ckpt",
+    compress=None, dtype=None, include=vec![], exclude=vec![], strip_prefix=None, add_prefix=None,
+    keep_all=false, shard=vec![], force=false, source_strategy=None, checksums=true))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn reshard<'py>(
+    py: Python<'py>,
+    src: &Bound<'py, PyAny>,
+    out: PathBuf,
+    to: Option<u64>,
+    mesh: Option<&str>,
+    strategy: Option<PathBuf>,
+    rank: Option<u64>,
+    format: &str,
+    compress: Option<&str>,
+    dtype: Option<&str>,
+    include: Vec<String>,
+    exclude: Vec<String>,
+    strip_prefix: Option<String>,
+    add_prefix: Option<String>,
+    keep_all: bool,
+    shard: Vec<(String, usize)>,
+    force: bool,
+    source_strategy: Option<&Bound<'py, PyAny>>,
+    checksums: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let Some(target) = target_of(py, to, mesh, strategy)? else {
+        return Err(usage(py, "give to=, mesh= or strategy="));
+    };
+    let inputs = Source::new(
+        py,
+        paths_of(src)?,
+        source_strategy
+            .map(paths_of)
+            .transpose()?
+            .unwrap_or_default(),
+        None,
+    )?
+    .paths;
+    let format = match format {
+        "ckpt" => ckpt_reshard::OutputFormat::Ranks,
+        "dcp" => ckpt_reshard::OutputFormat::Dcp,
+        "distcp" => ckpt_reshard::OutputFormat::Distcp,
+        "mindspore" => ckpt_reshard::OutputFormat::MindSpore,
+        f => {
+            return Err(usage(
+                py,
+                format!("format `{f}`: ckpt, dcp, distcp or mindspore"),
+            ))
+        }
+    };
+    let req = ckpt_reshard::ReshardRequest {
+        inputs,
+        output: out.clone(),
+        target,
+        ranks: rank.map_or(ckpt_reshard::Ranks::All, ckpt_reshard::Ranks::One),
+        selection: selection(py, include, exclude, dtype, strip_prefix, add_prefix)?,
+        // MindSpore loads each rank's parameters from that rank's file alone.
+        keep_all: keep_all || format == ckpt_reshard::OutputFormat::MindSpore,
+        force,
+        format,
+        shard,
+        compression: compression_of(py, compress)?,
+    };
+    ckpt_core::set_checksums_enabled(checksums);
+    let (stats, shape, secs) = run_copy(py, |p, on_plan| ckpt_reshard::reshard(&req, p, on_plan))?;
+    report(py, &stats, shape, secs, out)
+}
+
+/// `ckpt verify`: the problems found (empty when the checkpoint is sound), with the
+/// counts of files and tensors and the notes.
+#[pyfunction]
+#[pyo3(signature = (src, *, deep=false, checksums=true, source_strategy=None, strip_prefix=None))]
+pub(crate) fn verify<'py>(
+    py: Python<'py>,
+    src: &Bound<'py, PyAny>,
+    deep: bool,
+    checksums: bool,
+    source_strategy: Option<&Bound<'py, PyAny>>,
+    strip_prefix: Option<String>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let s = Source::new(
+        py,
+        paths_of(src)?,
+        source_strategy
+            .map(paths_of)
+            .transpose()?
+            .unwrap_or_default(),
+        strip_prefix,
+    )?;
+    let depth = ckpt_core::VerifyDepth { checksums, deep };
+    let t = Instant::now();
+    let (ck, problems) = py
+        .detach(|| ckpt_core::verify_selected(&s.paths, &s.selection, depth))
+        .py_err(py)?;
+    let d = PyDict::new(py);
+    d.set_item("files", ck.files.len())?;
+    d.set_item("tensors", ck.tensors.len())?;
+    let recorded: usize = ck
+        .files
+        .iter()
+        .map(|f| {
+            (0..f.tensors().len())
+                .filter(|&i| f.checksum(i).is_some())
+                .count()
+        })
+        .sum();
+    d.set_item("checksums", if checksums { recorded } else { 0 })?;
+    d.set_item("notes", ck.notes.clone())?;
+    d.set_item("seconds", t.elapsed().as_secs_f64())?;
+    // The problems, and the exception the first one maps to (raised by the caller).
+    let errs: Vec<PyErr> = problems
+        .into_iter()
+        .map(|e| crate::errors::to_py(py, e))
+        .collect();
+    let objs: Vec<Bound<'py, PyAny>> = errs
+        .into_iter()
+        .map(|e| e.into_value(py).into_bound(py).into_any())
+        .collect();
+    d.set_item("problems", objs)?;
+    Ok(d)
+}
+
+/// `ckpt compress` (`level` given) or `ckpt decompress` (`level` None).
+#[pyfunction]
+#[pyo3(signature = (src, out, *, compress, level=ckpt_core::DEFAULT_LEVEL, chunk_bytes=None, force=false))]
+pub(crate) fn convert<'py>(
+    py: Python<'py>,
+    src: PathBuf,
+    out: PathBuf,
+    compress: bool,
+    level: i32,
+    chunk_bytes: Option<u64>,
+    force: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let how = if compress {
+        if !(1..=22).contains(&level) {
+            return Err(usage(py, format!("level {level}: zstd levels are 1 to 22")));
+        }
+        ckpt_core::Conversion::Compress(Compression {
+            level,
+            chunk_bytes: chunk_bytes.unwrap_or(ckpt_core::DEFAULT_CHUNK_BYTES),
+        })
+    } else {
+        ckpt_core::Conversion::Decompress
+    };
+    let t = Instant::now();
+    let s = py
+        .detach(|| ckpt_core::convert(&src, &out, how, force))
+        .py_err(py)?;
+    let d = PyDict::new(py);
+    d.set_item("files", s.files)?;
+    d.set_item("copied", s.copied)?;
+    d.set_item("raw_bytes", s.raw_bytes)?;
+    d.set_item("bytes_read", s.bytes_in)?;
+    d.set_item("bytes_written", s.bytes_out)?;
+    d.set_item("seconds", t.elapsed().as_secs_f64())?;
+    d.set_item("output", out)?;
+    Ok(d)
+}

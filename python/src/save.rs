@@ -1,0 +1,66 @@
+//! Saving from a training program's memory: the strategy of a state dict, and one
+//! rank's `ckpt_<rank>/` written by ckpt-core.
+
+use crate::errors::{usage, IntoPy};
+use ckpt_core::{parse_dtype, Mesh, Placement, Strategy, TensorLayout};
+use pyo3::prelude::*;
+use std::path::PathBuf;
+
+/// The strategy (ckpt's `strategy.json`) of tensors laid out on a mesh: `mesh` as
+/// `(axis, size)` pairs, each tensor as `(name, dtype, global shape, placements)` with
+/// one placement per axis (`"Shard(0)"`, `"Replicate"`). Checked as ckpt checks any
+/// strategy file.
+#[pyfunction]
+pub(crate) fn strategy_json(
+    py: Python<'_>,
+    mesh: Vec<(String, u64)>,
+    tensors: Vec<(String, String, Vec<u64>, Vec<String>)>,
+) -> PyResult<String> {
+    let mesh = Mesh::new(mesh).py_err(py)?;
+    let mut s = Strategy::new(mesh.clone());
+    for (name, dtype, shape, placements) in tensors {
+        let dtype = parse_dtype(&dtype).map_err(|e| usage(py, format!("tensor `{name}`: {e}")))?;
+        let placements = placements
+            .iter()
+            .map(|p| Placement::parse(p))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| usage(py, format!("tensor `{name}`: {e}")))?;
+        let layout = TensorLayout::new(shape, dtype, placements);
+        layout.validate(&name, &mesh).py_err(py)?;
+        s.insert(name, layout).py_err(py)?;
+    }
+    Ok(s.to_json())
+}
+
+/// Writes rank `rank`'s `dir/ckpt_<rank>/` (model file and `strategy.json`) from
+/// `(name, address, bytes)` of its local tensors, without the GIL. Private to `ckpt`:
+/// the addresses are those of live contiguous CPU tensors the caller holds for the call.
+#[pyfunction]
+#[pyo3(signature = (dir, strategy, rank, tensors, keep_all=false))]
+pub(crate) fn write_rank(
+    py: Python<'_>,
+    dir: PathBuf,
+    strategy: &str,
+    rank: u64,
+    tensors: Vec<(String, usize, usize)>,
+    keep_all: bool,
+) -> PyResult<PathBuf> {
+    let strategy = Strategy::from_json(strategy).py_err(py)?;
+    py.detach(|| {
+        let views: Vec<(&str, &[u8])> = tensors
+            .iter()
+            .map(|(name, addr, n)| {
+                let bytes: &[u8] = if *n == 0 {
+                    &[]
+                } else {
+                    // SAFETY: `addr` is the start of `n` bytes of a live tensor the caller
+                    // holds, unchanged, for the duration of this call (see above).
+                    unsafe { std::slice::from_raw_parts(*addr as *const u8, *n) }
+                };
+                (name.as_str(), bytes)
+            })
+            .collect();
+        ckpt_core::write_rank(&dir, &strategy, rank, &views, keep_all)
+    })
+    .py_err(py)
+}

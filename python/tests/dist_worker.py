@@ -1,0 +1,148 @@
+"""One gloo process of the distributed tests (test_torch.py starts them):
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python dist_worker.py MODE DIR...
+
+- ``save``: DTensor state on a 2x2 (dp, tp) mesh (4 ranks), saved with
+  ``ckpt.torch.save_state_dict`` into DIR, and in the background into a second DIR.
+- ``train`` / ``resume``: a tensor-parallel MLP trained, saved, and resumed.
+- ``load``: a state dict of zeros in *another* layout on this world's mesh, filled by
+  ``ckpt.torch.load_state_dict`` from each DIR; every tensor must equal the original bit for
+  bit (``full_tensor()`` gathers the pieces of every rank).
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import ckpt.torch
+
+
+def full_tensors():
+    g = torch.Generator().manual_seed(25)
+    return {
+        "w2d": torch.randn(8, 6, generator=g),
+        "nested": torch.randn(7, 3, generator=g),
+        # 3 rows split twice over 4 ranks: chunk(3, 2) = 2, 1, then 1, 1 and 1, 0.
+        "few": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "col": torch.randn(4, 10, generator=g),
+        "bias": torch.randn(6, generator=g),
+        "step": torch.tensor(7, dtype=torch.int64),
+    }
+
+
+def layouts(world):
+    if world == 4:
+        return ("dp", "tp"), (2, 2), {
+            "w2d": [Shard(0), Shard(1)],
+            "nested": [Shard(0), Shard(0)],
+            "few": [Shard(0), Shard(0)],
+            "col": [Replicate(), Shard(1)],
+        }
+    # Loading: other placements than the save's (load-time resharding).
+    return ("tp",), (world,), {
+        "w2d": [Shard(1)],
+        "nested": [Shard(0)],
+        "few": [Shard(0)],
+        "col": [Replicate()],
+    }
+
+
+def state(world, zeros):
+    names, shape, place = layouts(world)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    sd = {}
+    for k, v in full_tensors().items():
+        v = torch.zeros_like(v) if zeros else v
+        sd[k] = distribute_tensor(v, mesh, place[k]) if k in place else v.clone()
+    return sd
+
+
+def mlp(world, init):
+    """A tensor-parallel MLP on a 1-D mesh: column-parallel w1, row-parallel w2."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    place = {"w1": [Shard(1)], "w2": [Shard(0)]}
+    return mesh, {
+        k: torch.nn.Parameter(distribute_tensor(v, mesh, place[k])) for k, v in init.items()
+    }
+
+
+def train(mesh, params, steps, first):
+    """SGD steps on fixed batches; the losses as exact hex floats."""
+    opt = torch.optim.SGD(list(params.values()), lr=0.1)
+    losses = []
+    for s in range(first, first + steps):
+        g = torch.Generator().manual_seed(1000 + s)
+        x = distribute_tensor(torch.randn(16, 12, generator=g), mesh, [Replicate()])
+        y = distribute_tensor(torch.randn(16, 6, generator=g), mesh, [Replicate()])
+        out = torch.relu(x @ params["w1"]) @ params["w2"]
+        loss = ((out - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.full_tensor()).hex())
+    return losses
+
+
+def mlp_init():
+    g = torch.Generator().manual_seed(3)
+    return {"w1": torch.randn(12, 32, generator=g) * 0.3, "w2": torch.randn(32, 6, generator=g) * 0.3}
+
+
+def main():
+    mode, dirs = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    if mode == "train":
+        # Train 3 steps on this world, save with ckpt, and keep the whole state in a
+        # torch.save file: the in-memory state an uninterrupted run would go on from.
+        mesh, params = mlp(world, mlp_init())
+        train(mesh, params, 3, 0)
+        sd = {k: v.detach() for k, v in params.items()}
+        ckpt.torch.save_state_dict(sd, dirs[0])
+        full = {k: v.full_tensor() for k, v in sd.items()}
+        if dist.get_rank() == 0:
+            torch.save(full, dirs[1])
+    elif mode == "resume":
+        # The next 3 steps from each source; rank 0 writes the losses, one line each.
+        lines = []
+        for d in dirs[1:]:
+            if d.endswith(".pt"):
+                mesh, params = mlp(world, torch.load(d))
+            else:
+                mesh, params = mlp(world, {k: torch.zeros_like(v) for k, v in mlp_init().items()})
+                with torch.no_grad():
+                    ckpt.torch.load_state_dict({k: v.data for k, v in params.items()}, d)
+            lines.append(" ".join(train(mesh, params, 3, 3)))
+        if dist.get_rank() == 0:
+            with open(dirs[0], "w") as f:
+                f.write("\n".join(lines) + "\n")
+    elif mode == "save":
+        # DIR saved as the call returns; a second DIR saved in the background.
+        sd = state(world, zeros=False)
+        assert ckpt.torch.save_state_dict(sd, dirs[0]) == os.path.abspath(dirs[0])
+        if len(dirs) > 1:
+            h = ckpt.torch.save_state_dict(sd, dirs[1], background=True)
+            # The training loop may change the tensors once the call returns: the
+            # write must still hold the values of the call.
+            for v in sd.values():
+                (v._local_tensor if hasattr(v, "_local_tensor") else v).zero_()
+            assert h.wait() == os.path.abspath(dirs[1])
+    else:
+        # Each directory in turn, into a fresh state dict of zeros.
+        for d in dirs:
+            sd = state(world, zeros=True)
+            ckpt.torch.load_state_dict(sd, d)
+            for k, want in full_tensors().items():
+                got = sd[k].full_tensor() if hasattr(sd[k], "full_tensor") else sd[k]
+                assert got.dtype == want.dtype and got.shape == want.shape, (d, k)
+                assert torch.equal(got, want), (d, k)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
