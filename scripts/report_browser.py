@@ -22,7 +22,8 @@ import os
 import subprocess
 import sys
 
-CKPT, WORK = sys.argv[1], sys.argv[2]
+# Absolute: the commands run with the scratch directory as their working directory.
+CKPT, WORK = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 SHOT = sys.argv[3] if len(sys.argv) > 3 else os.path.join(WORK, "report.png")
 
 
