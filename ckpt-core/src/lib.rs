@@ -26,7 +26,9 @@ pub use crate::draw::{
     SourceRead, TargetReads, TensorPicture,
 };
 pub use crate::engine::convert::{convert, Conversion, ConvertStats};
-pub use crate::engine::copy::{assemble, assemble_into, execute, execute_with, CopyStats, SLAB_BYTES};
+pub use crate::engine::copy::{
+    assemble, assemble_into, execute, execute_with, CopyStats, SLAB_BYTES,
+};
 pub use crate::engine::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,
 };

@@ -106,6 +106,35 @@ impl Streams {
         })
     }
 
+    /// Puts the streams in the order `dtypes` lists them (a header's order), when that is
+    /// a permutation of theirs; `false` (and nothing changed) otherwise. Tensors that
+    /// hold no bytes share their offset with the next tensor, so "each dtype's first
+    /// tensor in file order" does not decide the order when such a tensor comes first:
+    /// the writer's order, recorded in the header, does.
+    pub(crate) fn follow(&mut self, dtypes: &[Dtype]) -> bool {
+        if dtypes.len() != self.streams.len() {
+            return false;
+        }
+        let mut new_of_old = vec![usize::MAX; self.streams.len()];
+        for (new, d) in dtypes.iter().enumerate() {
+            match self.streams.iter().position(|s| s.dtype == *d) {
+                Some(old) if new_of_old[old] == usize::MAX => new_of_old[old] = new,
+                _ => return false,
+            }
+        }
+        let mut streams: Vec<(usize, Stream)> = std::mem::take(&mut self.streams)
+            .into_iter()
+            .enumerate()
+            .map(|(old, st)| (new_of_old[old], st))
+            .collect();
+        streams.sort_by_key(|(new, _)| *new);
+        self.streams = streams.into_iter().map(|(_, st)| st).collect();
+        for p in &mut self.place {
+            p.0 = new_of_old[p.0];
+        }
+        true
+    }
+
     /// Version 1's layout: every tensor its own stream, with its own chunk size.
     pub(crate) fn one_per_tensor(tensors: &[(Dtype, u64, u64)]) -> Streams {
         Streams {

@@ -119,6 +119,14 @@ pub(crate) fn parse(
     // The chunk sizes come from the header: take them in stream order once the streams
     // are known to be the ones the tensors make.
     let mut streams = Streams::packed(&described, |_| 1)?;
+    let listed: Vec<crate::Dtype> = list
+        .iter()
+        .filter_map(|v| v.get("dtype").and_then(Value::as_str))
+        .filter_map(|d| crate::layout::strategy::parse_dtype(d).ok())
+        .collect();
+    // When the listed dtypes are the tensors' own in another order, that order is the
+    // writer's (see `Streams::follow`); anything else is refused per stream below.
+    streams.follow(&listed);
     if list.len() != streams.streams.len() {
         return Err(bad(format!(
             "`{KEY}.streams` lists {} stream(s), the tensors' dtypes make {}",
@@ -959,6 +967,37 @@ mod tests {
         });
         w.finish().unwrap();
         data
+    }
+
+    /// Found by the fuzz target: empty tensors of several dtypes at one offset, named so
+    /// that name order is not the writer's order (`t10` sorts before `t2`), left the
+    /// order of the streams to the reader's tie-break, and the writer's own file was
+    /// refused. The header's order decides.
+    #[test]
+    fn empty_tensors_first_do_not_reorder_the_streams() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.ckptz");
+        // Written streams: F32, F16, BF16; by name among the empty ones at offset 20:
+        // t1 (F32), t10 (BF16), t2 (F16).
+        let mut specs = vec![spec("t0", Dtype::F32, &[5]), spec("t1", Dtype::F32, &[0])];
+        specs.push(spec("t2", Dtype::F16, &[0]));
+        specs.extend((3..10).map(|i| spec(&format!("t{i}"), Dtype::F32, &[0])));
+        specs.push(spec("t10", Dtype::BF16, &[0]));
+        specs.push(spec("t11", Dtype::F16, &[3]));
+        specs.push(spec("t12", Dtype::BF16, &[3]));
+        let data = write(&p, &specs, 8, 3, 1, HOLD_BYTES, false);
+        let f = TensorFile::open(&p).unwrap();
+        let mut cache = ChunkCache::new();
+        for (i, t) in specs.iter().enumerate() {
+            let k = f.find(&t.name).unwrap();
+            let n = data[i].len() as u64;
+            assert_eq!(
+                f.read(k, 0..n, &mut cache).unwrap(),
+                &data[i][..],
+                "{}",
+                t.name
+            );
+        }
     }
 
     #[test]
