@@ -21,6 +21,24 @@ impl std::fmt::Display for Usage {
 
 impl std::error::Error for Usage {}
 
+/// The error and its causes, each said once: a cause whose text its wrapper already
+/// includes (`path: No such file or directory` over `No such file or directory`) is
+/// not repeated.
+pub(crate) fn message(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
+
 /// Whether an error is the user's way of asking (exit 2) rather than a problem found.
 pub(crate) fn is_usage(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {

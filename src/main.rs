@@ -24,28 +24,10 @@ fn main() -> ExitCode {
     match cli::run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("ckpt: error: {}", message(&e));
+            eprintln!("ckpt: error: {}", cli::message(&e));
             ExitCode::from(if cli::is_usage(&e) { 2 } else { 1 })
         }
     }
-}
-
-/// The error and its causes, each said once: a cause whose text its wrapper already
-/// includes (`path: No such file or directory` over `No such file or directory`) is
-/// not repeated.
-fn message(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if out.contains(&text) {
-            continue;
-        }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&text);
-    }
-    out
 }
 
 /// An input truncated by another program while mapped raises SIGBUS on the next read

@@ -6,22 +6,6 @@ use clap::Parser;
 use pyo3::prelude::*;
 use std::process::ExitCode;
 
-/// The error and its causes, each said once (as src/main.rs prints them).
-fn message(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if out.contains(&text) {
-            continue;
-        }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&text);
-    }
-    out
-}
-
 /// Runs `ckpt` with `argv` (program name first) and returns its exit code.
 #[pyfunction]
 pub(crate) fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
@@ -37,7 +21,7 @@ pub(crate) fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
         let code = match cli::run(parsed) {
             Ok(code) => code,
             Err(e) => {
-                eprintln!("ckpt: error: {}", message(&e));
+                eprintln!("ckpt: error: {}", cli::message(&e));
                 ExitCode::from(if cli::is_usage(&e) { 2 } else { 1 })
             }
         };
