@@ -318,6 +318,16 @@ fn bad_tensor(tensor: &str, problem: impl Into<String>) -> Error {
     }
 }
 
+/// The entries of a directory, sorted (so discovery is the same on every file system).
+pub(crate) fn list_dir(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .at(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
 /// Maps a whole file read-only (`None` when it is empty) and registers the mapping for
 /// the SIGBUS handler.
 pub(crate) fn map_file(path: &Path) -> Result<Option<Mmap>> {
