@@ -4,13 +4,12 @@
 //! `model.safetensors` and `strategy.json`), Hugging Face integrated checkpoints
 //! (`model.safetensors` or shards with `model.safetensors.index.json`), and PyTorch
 //! DCP sharded safetensors (`DCP_SHARDING_INFO` offsets, layout inferred).
-
 //!
-//! The work is split by what it does: [`open`](self::open) (the paths' files, found by
-//! the formats' directory discovery, read and checked), [`sliced`] (pieces placed by a
-//! strategy: ckpt's rank directories, Megatron), [`mindspore`] (by a MindSpore
-//! strategy), [`boxes`] (files that say where their pieces sit, or hold tensors whole:
-//! Hugging Face, DCP, DeepSpeed) and [`coverage`] (every element held exactly once).
+//! The work is split by what it does: `open` (the paths' files, found by the formats'
+//! directory discovery, read and checked), `sliced` (pieces placed by a strategy: ckpt's
+//! rank directories, Megatron), `mindspore` (by a MindSpore strategy), `boxes` (files
+//! that say where their pieces sit, or hold tensors whole: Hugging Face, DCP, DeepSpeed)
+//! and `coverage` (every element held exactly once).
 
 mod boxes;
 mod coverage;
@@ -21,6 +20,7 @@ mod sliced;
 use crate::formats::TensorFile;
 use crate::layout::source::{PieceSource, SourceTensor};
 use crate::layout::strategy::Strategy;
+use crate::Dtype;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -85,6 +85,16 @@ fn shared_prefix<'a>(mut names: impl Iterator<Item = &'a str>) -> Option<String>
     (n > 1).then(|| p.to_string())
 }
 
+/// A global tensor whose pieces are still to be found (the coverage check fills them).
+fn unplaced(dtype: Dtype, shape: Vec<u64>) -> SourceTensor {
+    SourceTensor {
+        dtype,
+        shape,
+        pieces: vec![],
+        copies: vec![],
+    }
+}
+
 impl Checkpoint {
     /// Label of a file for messages: its path, and rank when known.
     #[must_use]
@@ -93,6 +103,20 @@ impl Checkpoint {
             Some(r) => format!("{} (rank {r})", self.files[file].path().display()),
             None => self.files[file].path().display().to_string(),
         }
+    }
+
+    /// How many stored tensors have a recorded checksum (safetensors' and .ckptz's
+    /// per-tensor sums; MindSpore's whole-file `crc_num` is not one).
+    #[must_use]
+    pub fn recorded_checksums(&self) -> usize {
+        self.files
+            .iter()
+            .map(|f| {
+                (0..f.tensors().len())
+                    .filter(|&i| f.checksum(i).is_some())
+                    .count()
+            })
+            .sum()
     }
 
     /// Total bytes of tensor data in all input files.

@@ -3,12 +3,12 @@
 //! by a format's metadata.
 
 use super::sliced::missing_ranks;
-use super::Checkpoint;
+use super::{unplaced, Checkpoint};
 use crate::error::Error;
 use crate::formats::distcp::{self, DcpMetadata};
 use crate::formats::{FileFormat, ReadCache};
 use crate::layout::region::Region;
-use crate::layout::source::{SourcePiece, SourceTensor};
+use crate::layout::source::SourcePiece;
 use crate::layout::strategy::dtype_name;
 use crate::Dtype;
 use std::collections::{BTreeMap, BTreeSet};
@@ -54,12 +54,10 @@ impl Checkpoint {
                 let start = t.offsets.clone().unwrap_or_else(|| vec![0; t.shape.len()]);
                 let global = Region::new(start, t.shape.clone());
                 let dtype = t.dtype;
-                let shape_so_far = self.tensors.entry(t.name.clone()).or_insert(SourceTensor {
-                    dtype,
-                    shape: vec![0; t.shape.len()],
-                    pieces: vec![],
-                    copies: vec![],
-                });
+                let shape_so_far = self
+                    .tensors
+                    .entry(t.name.clone())
+                    .or_insert_with(|| unplaced(dtype, vec![0; t.shape.len()]));
                 if shape_so_far.dtype != dtype || shape_so_far.shape.len() != t.shape.len() {
                     problems.push(Error::InvalidTensor {
                         tensor: t.name.clone(),
@@ -157,12 +155,10 @@ impl Checkpoint {
         problems: &mut Vec<Error>,
     ) {
         for (name, (dtype, shape)) in shapes {
-            let t = self.tensors.entry(name.clone()).or_insert(SourceTensor {
-                dtype: *dtype,
-                shape: shape.clone(),
-                pieces: vec![],
-                copies: vec![],
-            });
+            let t = self
+                .tensors
+                .entry(name.clone())
+                .or_insert_with(|| unplaced(*dtype, shape.clone()));
             if t.dtype != *dtype || t.shape.len() != shape.len() {
                 problems.push(Error::InvalidTensor {
                     tensor: name.clone(),
@@ -205,15 +201,8 @@ impl Checkpoint {
                     }
                     Some(t) => t.shape.clone_from(&d.shape),
                     None => {
-                        self.tensors.insert(
-                            name.clone(),
-                            SourceTensor {
-                                dtype: d.dtype,
-                                shape: d.shape.clone(),
-                                pieces: vec![],
-                                copies: vec![],
-                            },
-                        );
+                        self.tensors
+                            .insert(name.clone(), unplaced(d.dtype, d.shape.clone()));
                     }
                 }
             }

@@ -1,12 +1,12 @@
 //! MindSpore per-rank files placed by a MindSpore strategy.
 
 use super::sliced::missing_ranks;
-use super::Checkpoint;
+use super::{unplaced, Checkpoint};
 use crate::error::{Error, Result};
 use crate::formats::detect::discover::rank_dir_number;
 use crate::layout::mesh::Mesh;
 use crate::layout::region::Region;
-use crate::layout::source::{SourcePiece, SourceTensor};
+use crate::layout::source::SourcePiece;
 use crate::layout::strategy::dtype_name;
 use crate::layout::TensorLayout;
 use crate::Dtype;
@@ -209,15 +209,8 @@ impl Checkpoint {
             });
         }
         for (name, (_, l)) in &known {
-            self.tensors.insert(
-                name.clone(),
-                SourceTensor {
-                    dtype: l.dtype,
-                    shape: l.shape.clone(),
-                    pieces: vec![],
-                    copies: vec![],
-                },
-            );
+            self.tensors
+                .insert(name.clone(), unplaced(l.dtype, l.shape.clone()));
         }
         if stages == 1 {
             self.strategy = crate::layout::mindspore::common_strategy(&known);

@@ -1,11 +1,13 @@
 //! Checkpoints whose pieces a strategy places: ckpt's rank directories (`strategy.json`)
 //! and Megatron's legacy rank files (a strategy built from megatron-core's rules).
 
-use super::{Checkpoint, Kind, MAX_LISTED};
+use super::{unplaced, Checkpoint, Kind, MAX_LISTED};
 use crate::error::{Error, Result};
 use crate::formats::detect::discover::{rank_dir_number, unknown, MODEL_FILE};
-use crate::layout::source::{SourcePiece, SourceTensor};
+use crate::layout::mesh::Mesh;
+use crate::layout::source::SourcePiece;
 use crate::layout::strategy::{dtype_name, Strategy};
+use crate::layout::TensorLayout;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -35,28 +37,14 @@ impl Checkpoint {
             for (ti, t) in f.tensors().iter().enumerate() {
                 let layout = &strategy.tensors[&t.name];
                 let entry = raw.entry(t.name.clone()).or_default();
-                for p in layout.pieces(&strategy.mesh, rank) {
-                    entry.push(SourcePiece {
-                        file: fi,
-                        tensor: ti,
-                        global: p.global,
-                        local: p.local,
-                    });
-                }
+                place(entry, layout, &strategy.mesh, rank, (fi, ti));
             }
             ck.files.push(f);
             ck.ranks.push(Some(rank));
         }
         for (name, l) in &strategy.tensors {
-            ck.tensors.insert(
-                name.clone(),
-                SourceTensor {
-                    dtype: l.dtype,
-                    shape: l.shape.clone(),
-                    pieces: vec![],
-                    copies: vec![],
-                },
-            );
+            ck.tensors
+                .insert(name.clone(), unplaced(l.dtype, l.shape.clone()));
         }
         ck.strategy = Some(strategy);
         let mut problems = Vec::new();
@@ -182,14 +170,7 @@ impl Checkpoint {
                     continue;
                 }
                 let entry = raw.entry(t.name.clone()).or_default();
-                for p in layout.pieces(&strategy.mesh, rank) {
-                    entry.push(SourcePiece {
-                        file: fi,
-                        tensor: ti,
-                        global: p.global,
-                        local: p.local,
-                    });
-                }
+                place(entry, layout, &strategy.mesh, rank, (fi, ti));
             }
         }
         problems.extend(missing_ranks(world, &seen, |r| {
@@ -198,15 +179,8 @@ impl Checkpoint {
         // Tensors of the strategy that no file holds are reported by the coverage check.
         for (name, st) in &strategy.tensors {
             raw.entry(name.clone()).or_default();
-            self.tensors.insert(
-                name.clone(),
-                SourceTensor {
-                    dtype: st.dtype,
-                    shape: st.shape.clone(),
-                    pieces: vec![],
-                    copies: vec![],
-                },
-            );
+            self.tensors
+                .insert(name.clone(), unplaced(st.dtype, st.shape.clone()));
         }
         self.strategy = Some(strategy);
         Ok(())
@@ -216,6 +190,25 @@ impl Checkpoint {
 /// One problem per rank below `world` that is not in `seen`, the first [`MAX_LISTED`]
 /// by name and the rest counted. The work is bounded by the ranks present, not by the
 /// world size a file claims (a mesh of 10^12 ranks costs no more than one of 4).
+/// Adds the pieces that rank `rank`'s stored tensor `(file, tensor)` holds under
+/// `layout` on `mesh`.
+fn place(
+    entry: &mut Vec<SourcePiece>,
+    layout: &TensorLayout,
+    mesh: &Mesh,
+    rank: u64,
+    (file, tensor): (usize, usize),
+) {
+    for p in layout.pieces(mesh, rank) {
+        entry.push(SourcePiece {
+            file,
+            tensor,
+            global: p.global,
+            local: p.local,
+        });
+    }
+}
+
 pub(super) fn missing_ranks<V>(
     world: u64,
     seen: &BTreeMap<u64, V>,

@@ -19,7 +19,7 @@ const PAGE: &str = include_str!("report.html");
 
 /// Placements of tensor `name` as `inspect` prints them: `tp:Shard(0) dp:Replicate`,
 /// `whole`, or the number of pieces.
-fn placements(ck: &Checkpoint, name: &str) -> String {
+pub(crate) fn placements(ck: &Checkpoint, name: &str) -> String {
     match (&ck.strategy, ck.kind) {
         (Some(s), _) => match s.tensors.get(name) {
             Some(l) => s

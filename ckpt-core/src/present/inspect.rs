@@ -3,7 +3,7 @@
 
 use super::human_bytes;
 use crate::checkpoint::{Checkpoint, Kind};
-use crate::draw::pieces_json;
+use crate::draw::{pieces_json, placements};
 use crate::error::Error;
 use crate::formats::FileFormat;
 use crate::layout::plan::bytes_of;
@@ -12,24 +12,10 @@ use serde_json::{json, Value};
 use std::fmt::Write;
 
 /// How tensor `name` is placed: its strategy's placements per mesh axis (and pipeline
-/// stage), `whole`, or the number of pieces.
+/// stage), `whole`, or the number of pieces (the words of the HTML report too).
 #[must_use]
 pub fn placements_text(ck: &Checkpoint, name: &str) -> String {
-    match (&ck.strategy, ck.kind) {
-        (Some(s), _) => {
-            let l = &s.tensors[name];
-            s.mesh
-                .axes()
-                .iter()
-                .zip(&l.placements)
-                .map(|(a, p)| format!("{}:{}", a.name, p))
-                .chain(l.stage.map(|st| format!("stage {st}")))
-                .collect::<Vec<_>>()
-                .join(" ")
-        }
-        (None, Kind::Integrated) => "whole".into(),
-        (None, _) => format!("{} pieces", ck.tensors[name].pieces.len()),
-    }
+    placements(ck, name)
 }
 
 /// Bytes of tensor data in each file.

@@ -27,15 +27,7 @@ pub fn verify_text(ck: &Checkpoint, problems: &[Error], depth: VerifyDepth) -> S
         let _ = writeln!(out, "{}", p.to_string().replace('\n', " "));
     }
     if problems.is_empty() {
-        let recorded: usize = ck
-            .files
-            .iter()
-            .map(|f| {
-                (0..f.tensors().len())
-                    .filter(|&i| f.checksum(i).is_some())
-                    .count()
-            })
-            .sum();
+        let recorded = ck.recorded_checksums();
         // Whole-file checksums (MindSpore's crc_num).
         let file_sums = ck
             .files

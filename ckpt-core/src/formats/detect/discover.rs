@@ -75,13 +75,11 @@ pub(crate) struct Discovery {
     pub(crate) megatron: Option<PathBuf>,
 }
 
-/// A row of the directory table: what it recognises (for readers of the code), whether
-/// the carried files (`config.json`, ...) of a directory it is offered are noted, and
-/// its discovery: `Ok(true)` when it claims the directory (its files then added to the
-/// [`Discovery`]), `Ok(false)` to let the next row try.
+/// A row of the directory table: whether the carried files (`config.json`, ...) of a
+/// directory it is offered are noted, and its discovery: `Ok(true)` when it claims the
+/// directory (its files then added to the [`Discovery`]), `Ok(false)` to let the next
+/// row try.
 struct DirRow {
-    #[allow(dead_code)] // documentation of the table
-    what: &'static str,
     carries: bool,
     discover: fn(&Path, &mut Discovery) -> Result<bool>,
 }
@@ -89,58 +87,58 @@ struct DirRow {
 /// The directory table, tried in this order. Adding a format that is a directory of
 /// files is one function in its module and one row here (see docs/architecture.md).
 static DIRECTORIES: [DirRow; 11] = [
+    // Megatron legacy save or iteration directory
     DirRow {
-        what: "Megatron legacy save or iteration directory",
         carries: false,
         discover: megatron_dir,
     },
+    // ckpt training output (`latest`, step_<n>/)
     DirRow {
-        what: "ckpt training output (`latest`, step_<n>/)",
         carries: false,
         discover: training_output,
     },
+    // DeepSpeed ZeRO tag directory
     DirRow {
-        what: "DeepSpeed ZeRO tag directory",
         carries: false,
         discover: deepspeed_dir,
     },
+    // ckpt rank directory (model file + strategy.json)
     DirRow {
-        what: "ckpt rank directory (model file + strategy.json)",
         carries: true,
         discover: ckpt_rank_dir,
     },
+    // directory of rank directories (ckpt_<r>/, rank_<r>/: ckpt, MindSpore)
     DirRow {
-        what: "directory of rank directories (ckpt_<r>/, rank_<r>/: ckpt, MindSpore)",
         carries: true,
         discover: rank_dirs,
     },
+    // Hugging Face shard index
     DirRow {
-        what: "Hugging Face shard index",
         carries: true,
         discover: hf_index,
     },
+    // integrated model file (model.safetensors, model.ckptz)
     DirRow {
-        what: "integrated model file (model.safetensors, model.ckptz)",
         carries: true,
         discover: integrated,
     },
+    // loose *.safetensors, *.ckptz, MindSpore *.ckpt files
     DirRow {
-        what: "loose *.safetensors, *.ckptz, MindSpore *.ckpt files",
         carries: true,
         discover: loose_files,
     },
+    // PyTorch DCP (.metadata + .distcp)
     DirRow {
-        what: "PyTorch DCP (.metadata + .distcp)",
         carries: true,
         discover: dcp_dir,
     },
+    // torch.save files (*.pth, *.pt, *.bin)
     DirRow {
-        what: "torch.save files (*.pth, *.pt, *.bin)",
         carries: true,
         discover: torch_files,
     },
+    // PyTorch DCP data without its .metadata (refused)
     DirRow {
-        what: "PyTorch DCP data without its .metadata (refused)",
         carries: true,
         discover: dcp_without_metadata,
     },
