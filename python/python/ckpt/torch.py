@@ -2,8 +2,8 @@
 checkpoint with its strategy from every rank.
 
 ``load_state_dict`` works on plain tensors and DTensors (``Shard(d)``, ``Replicate``,
-nested shards on a 2-D mesh, uneven ``torch.chunk`` pieces, empty pieces), on CPU or
-GPU: each rank reads only the bytes of its own pieces, with no collective. Everything
+nested shards on a 2-D mesh, uneven ``torch.chunk`` pieces, empty pieces, FSDP2's
+``_StridedShard`` over tensor parallelism), on CPU or GPU: each rank reads only the bytes of its own pieces, with no collective. Everything
 (names, shapes, dtypes, coverage) is checked before the first byte is copied, so a
 refused load leaves the state dict as it was.
 """
@@ -313,15 +313,37 @@ class SaveHandle:
         return self._result
 
 
-def _token(rank: int, world: int) -> str:
-    """A name shared by every rank of this save (one broadcast from rank 0), so that a
-    stale staging directory of a crashed run is never taken for this one's."""
-    tok = [uuid.uuid4().hex if rank == 0 else None]
-    if world > 1:
-        import torch.distributed as dist
+# Saves started per checkpoint path by this process: every rank calls save_state_dict
+# in the same order, so (path, count) names the same save on every rank.
+_STARTED: Dict[str, int] = {}
 
+
+def _token(out: str, rank: int, world: int):
+    """A name shared by every rank of this save, so that a stale staging directory of a
+    crashed run is never taken for this one's. Returns a function giving it, to call on
+    the save's thread: rank 0 publishes a fresh one in the process group's key-value
+    store under (path, count), the others wait for it there. A store lookup is not a
+    collective, so it can run in the background without racing the training loop's
+    collectives, and the training loop never waits for the other ranks. Without a store
+    (a process group not made by init_process_group), one broadcast now."""
+    n = _STARTED[out] = _STARTED.get(out, 0) + 1
+    mine = uuid.uuid4().hex
+    if world == 1:
+        return lambda: mine
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        store = None
+    if store is None:
+        tok = [mine if rank == 0 else None]
         dist.broadcast_object_list(tok, src=0)
-    return str(tok[0])
+        return lambda: str(tok[0])
+    key = f"ckpt.save_state_dict/{out}/{n}"
+    if rank == 0:
+        return lambda: (store.set(key, mine), mine)[1]
+    return lambda: store.get(key).decode()
 
 
 def _commit(staging: str, out: str, world: int, strategy: str) -> None:
@@ -358,13 +380,15 @@ def save_state_dict(
     owner, rank 0 of each replica group, stores them unless ``keep_all``).
 
     The checkpoint is committed atomically once every rank has written: until then it
-    lives in a hidden sibling directory, and ``path`` never exists half-written. One
-    broadcast at the start names that directory; the writes need no collective.
+    lives in a hidden sibling directory, and ``path`` never exists half-written. Rank 0
+    names that directory through the process group's store; no collective is needed.
+    Every rank must call it for the same paths in the same order (as with any
+    distributed save).
     ``ckpt merge``, ``ckpt reshard --to N`` and :func:`load_state_dict` (on any mesh)
     read the result.
 
-    ``background=True`` copies the local shards into memory (the training stall) and
-    writes them on a thread: it returns a :class:`SaveHandle` whose ``wait()`` finishes
+    ``background=True`` copies the local shards into memory (the training stall: nothing
+    else, no waiting for other ranks) and writes them on a thread: it returns a :class:`SaveHandle` whose ``wait()`` finishes
     the write. Otherwise it returns ``path`` once this rank's part is written.
     """
     out = os.path.abspath(os.fspath(path))
@@ -394,11 +418,11 @@ def save_state_dict(
             local = local.cpu().contiguous()
         local_data.append((name, local))
     strategy = _ckpt.strategy_json(axes, tensors)
-    token = _token(rank, world)
+    token = _token(out, rank, world)
     parent, base = os.path.split(out)
-    staging = os.path.join(parent, f".{base}.partial-{token}")
 
     def run() -> str:
+        staging = os.path.join(parent, f".{base}.partial-{token()}")
         os.makedirs(staging, exist_ok=True)
         # This rank's directory appears whole: written under a private name, renamed.
         private = os.path.join(staging, f".rank-{rank}")
