@@ -111,8 +111,12 @@ def main():
               f"{m['later']['stall']:.2f} | {m['later']['durable']:.2f} | {m['rss']:.0f} | "
               f"{m['save_peak']:.0f} |")
     a, b = rows["dcp"]["later"], rows["ckpt"]["later"]
-    print(f"ckpt vs dcp (later saves): stall {a['stall'] / b['stall']:.1f}x shorter, "
-          f"durable {a['durable'] / b['durable']:.1f}x sooner")
+    print(f"ckpt vs dcp (later saves): stall {ratio(a['stall'], b['stall'], 'shorter', 'longer')}, "
+          f"durable {ratio(a['durable'], b['durable'], 'sooner', 'later')}")
+
+
+def ratio(theirs, ours, better, worse):
+    return f"{theirs / ours:.1f}x {better}" if theirs >= ours else f"{ours / theirs:.1f}x {worse}"
 
 
 if __name__ == "__main__":
