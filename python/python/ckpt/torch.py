@@ -3,9 +3,10 @@ checkpoint with its strategy from every rank.
 
 ``load_state_dict`` works on plain tensors and DTensors (``Shard(d)``, ``Replicate``,
 nested shards on a 2-D mesh, uneven ``torch.chunk`` pieces, empty pieces, FSDP2's
-``_StridedShard`` over tensor parallelism), on CPU or GPU: each rank reads only the bytes of its own pieces, with no collective. Everything
-(names, shapes, dtypes, coverage) is checked before the first byte is copied, so a
-refused load leaves the state dict as it was.
+``_StridedShard`` over tensor parallelism), on CPU or GPU: each rank reads only the
+bytes of its own pieces, with no collective. Everything (names, shapes, dtypes,
+coverage) is checked before the first byte is copied, so a refused load leaves the
+state dict as it was.
 """
 
 from __future__ import annotations
