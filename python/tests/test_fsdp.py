@@ -43,8 +43,14 @@ def run_ranks(n, *args):
         for r in range(n)
     ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
-    for r, (p, o) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} of {n} ({args[0]}) failed:\n{o}"
+    # Every failed rank's end of output: the first rank's is often only "connection
+    # closed by peer", the cause being in another's.
+    failed = [
+        f"rank {r} of {n} ({args[0]}) failed:\n{o[-4000:]}"
+        for r, (p, o) in enumerate(zip(procs, outs))
+        if p.returncode != 0
+    ]
+    assert not failed, "\n".join(failed)
 
 
 def assert_same_bytes(got, want):
