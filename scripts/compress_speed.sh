@@ -10,7 +10,8 @@
 #     raw bytes.
 # Every round times each command once, next to the anchor, and takes the ratio to that
 # round's anchor, so a load that changes between rounds moves both; the tables give the
-# median of ROUNDS rounds (default 3), wall clock, outputs synced.
+# median of ROUNDS rounds (default 3), wall clock, outputs synced, and the CPU seconds
+# (user + system) each took, which a shared machine disturbs less than wall clock.
 #
 #   scripts/compress_speed.sh            # prints the ratio lines and the table
 #   ROUNDS=5 scripts/compress_speed.sh
@@ -42,18 +43,21 @@ raw=$(cat "$src"/ckpt_*/model.safetensors | wc -c)
 zbytes=$(cat "$z"/ckpt_*/model.ckptz | wc -c)
 out=$work/out
 
-# Wall-clock seconds of "$@" (output discarded), $out removed and dirty pages flushed
-# first, so that no run pays for the previous one's writes.
+# "wall CPU" seconds of "$@" (output discarded; CPU = user + system of it and its
+# children), $out removed and dirty pages flushed first, so that no run pays for the
+# previous one's writes.
 seconds() {
   rm -rf "$out"
   sync
-  local t0 t1
-  t0=$(date +%s.%N)
-  "$@" >/dev/null 2>&1 || { echo "failed: $*" >&2; exit 1; }
-  t1=$(date +%s.%N)
-  awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.4f", b - a }'
+  local tf
+  tf=$(mktemp)
+  /usr/bin/time -f "%e %U %S" -o "$tf" "$@" >/dev/null 2>&1 || { echo "failed: $*" >&2; exit 1; }
+  awk '{ printf "%.4f %.4f", $1, $2 + $3 }' "$tf"
+  rm -f "$tf"
 }
 catsync() { cat "$src"/ckpt_*/model.safetensors >"$out" && sync "$out"; }
+export -f catsync
+export src out
 
 names=(
   "ckpt merge (from .ckptz)"
@@ -80,12 +84,12 @@ run() { # index
   esac
 }
 
-# results: one line per round and command: "index seconds anchor".
+# results: one line per round and command: "index wall cpu anchor-wall anchor-cpu".
 results=$(mktemp)
 trap 'rm -f "$results"; rm -rf "$out"' EXIT
 for ((r = 1; r <= rounds; r++)); do
   for i in "${!names[@]}"; do
-    a=$(seconds catsync)
+    a=$(seconds bash -c catsync)
     s=$(run "$i")
     echo "$i $s $a" >>"$results"
   done
@@ -93,21 +97,23 @@ done
 
 median() { sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 col() { awk -v i="$1" -v c="$2" '$1 == i { print $c }' "$results"; }
-ratio() { awk -v i="$1" '$1 == i { print $2 / $3 }' "$results"; }
-anchor=$(awk '{ print $3 }' "$results" | median)
+ratio() { awk -v i="$1" '$1 == i { print $2 / $4 }' "$results"; }
+anchor=$(awk '{ print $4 }' "$results" | median)
+anchor_cpu=$(awk '{ print $5 }' "$results" | median)
 
 echo "raw $raw bytes in $(ls -d "$src"/ckpt_* | wc -l) rank files, compressed $zbytes ($(awk -v a="$zbytes" -v b="$raw" 'BEGIN { printf "%.3f", a / b }')); $rounds rounds, load average $(cut -d' ' -f1-3 /proc/loadavg), $(nproc) cores"
 for i in 0 1 2; do
   printf '%s: %.2f x cat+sync (rounds: %s)\n' "${names[$i]}" "$(ratio "$i" | median)" \
-    "$(ratio "$i" | awk '{ printf "%s%.2f", NR > 1 ? " " : "", $1 }')"
+    "$(ratio "$i" | awk '{ printf "%s%.2f", (NR > 1 ? " " : ""), $1 }')"
 done
 echo
-echo "| run | seconds | x cat+sync | MB/s (raw) |"
-echo "|---|---|---|---|"
-awk -v s="$anchor" -v r="$raw" 'BEGIN { printf "| cat + sync (uncompressed bytes) | %.2f | 1.00 | %.0f |\n", s, r / s / 1e6 }'
+echo "| run | seconds | x cat+sync | MB/s (raw) | CPU seconds |"
+echo "|---|---|---|---|---|"
+awk -v s="$anchor" -v c="$anchor_cpu" -v r="$raw" 'BEGIN { printf "| cat + sync (uncompressed bytes) | %.2f | 1.00 | %.0f | %.2f |\n", s, r / s / 1e6, c }'
 for i in "${!names[@]}"; do
   s=$(col "$i" 2 | median)
+  c=$(col "$i" 3 | median)
   x=$(ratio "$i" | median)
-  awk -v n="${names[$i]}" -v s="$s" -v x="$x" -v r="$raw" \
-    'BEGIN { printf "| %s | %.2f | %.2f | %.0f |\n", n, s, x, r / s / 1e6 }'
+  awk -v n="${names[$i]}" -v s="$s" -v x="$x" -v r="$raw" -v c="$c" \
+    'BEGIN { printf "| %s | %.2f | %.2f | %.0f | %.2f |\n", n, s, x, r / s / 1e6, c }'
 done
