@@ -44,7 +44,7 @@ pub use crate::formats::checksum::{
 };
 pub use crate::formats::ckptz::{
     compress_chunk, decompress_chunk, group_bytes, group_of, parse_header as parse_ckptz_header,
-    ungroup_bytes, CkptzWriter, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
+    ungroup_bytes, CkptzWriter, CodedChunk, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
     EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC, MAGIC_V1 as CKPTZ_MAGIC_V1,
 };
 pub use crate::formats::detect::{create_writer, sniff};
