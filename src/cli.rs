@@ -984,11 +984,9 @@ fn train(a: TrainArgs) -> Result<ExitCode> {
     if !is_lead()? {
         return Ok(ExitCode::SUCCESS);
     }
-    // TensorBoard's curves beside the checkpoints: `tensorboard --logdir OUT`.
-    let events = match &a.config.out {
-        Some(out) => Some(ckpt_train::run_scalars(&report).write(out)?),
-        None => None,
-    };
+    // TensorBoard's curves beside the checkpoints (written during the run):
+    // `tensorboard --logdir OUT`.
+    let events = &report.events;
     if a.json {
         println!(
             "{}",
@@ -1015,7 +1013,7 @@ fn train(a: TrainArgs) -> Result<ExitCode> {
         if let Some(last) = report.checkpoints.last() {
             println!("checkpoint: {}", last.display());
         }
-        if let Some(e) = &events {
+        if let Some(e) = events {
             println!("tensorboard: {}", e.display());
         }
     }

@@ -14,5 +14,6 @@ mod mindspore;
 mod pictures;
 mod python;
 mod reshard;
+mod tensorboard;
 mod torch;
 mod train_infer;
