@@ -17,3 +17,4 @@ mod reshard;
 mod tensorboard;
 mod torch;
 mod train_infer;
+mod zero_pictures;

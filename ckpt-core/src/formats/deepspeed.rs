@@ -115,6 +115,10 @@ struct PtFile {
     archive: ArchiveIndex,
     root: Value,
     entries: Vec<TensorEntry>,
+    /// The flat range (`start`, `len`) each entry was cut from, unless the range is
+    /// the whole tensor (a box like any other then: buffers, frozen and small
+    /// parameters that one partition holds whole).
+    origins: Vec<Option<(u64, u64)>>,
 }
 
 impl PtFile {
@@ -128,6 +132,7 @@ impl PtFile {
             archive,
             root,
             entries: Vec::new(),
+            origins: Vec::new(),
         })
     }
 
@@ -183,6 +188,8 @@ impl PtFile {
                 ),
             ));
         }
+        // A range of the whole tensor is a box like any other.
+        let whole = range.start == 0 && range.len == numel(shape)?;
         for b in range.boxes(shape).map_err(|e| e.with_path(&self.path))? {
             let first = at
                 .checked_add(b.offset)
@@ -198,6 +205,8 @@ impl PtFile {
                 end: first + len,
                 offsets: Some(b.region.start.clone()),
             });
+            self.origins
+                .push((!whole).then_some((range.start, range.len)));
         }
         Ok(())
     }
@@ -210,14 +219,20 @@ impl PtFile {
             ("format".to_string(), "deepspeed".to_string()),
             ("deepspeed.zero_stage".to_string(), stage.to_string()),
         ]);
-        TensorFile::from_parts(
+        let mut f = TensorFile::from_parts(
             &self.path,
             self.map,
             FileFormat::DeepSpeed,
             self.entries,
             metadata,
-        )
-        .map(Some)
+        )?;
+        // Each entry is a box of a flat range: the range is what the rank holds.
+        for (i, origin) in self.origins.into_iter().enumerate() {
+            if let Some((start, len)) = origin {
+                f.set_flat(i, start, len);
+            }
+        }
+        Ok(Some(f))
     }
 }
 
