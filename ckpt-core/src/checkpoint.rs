@@ -7,7 +7,7 @@
 
 use crate::error::{Error, IoContext, Problems, Result};
 use crate::formats::distcp::{self, DcpMetadata};
-use crate::formats::{FileFormat, PieceKind, ReadCache, TensorFile};
+use crate::formats::{FileFormat, ReadCache, TensorFile};
 use crate::layout::coverage::{check_tiling, Defect};
 use crate::layout::mesh::Mesh;
 use crate::layout::region::Region;
@@ -18,6 +18,8 @@ use crate::layout::TensorLayout;
 use crate::Dtype;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+
+mod flat_names;
 
 pub use crate::layout::plan::DCP_SHARDING_INFO;
 /// Name of a strategy file.
@@ -658,20 +660,6 @@ impl Checkpoint {
                     strategies.push(input.strategy);
                 }
                 Err(e) => problems.push(e),
-            }
-        }
-        // Flat element ranges (ZeRO, Megatron) are described by their readers but not
-        // planned yet: refused by name rather than read as boxes.
-        for f in &files {
-            for (i, t) in f.tensors().iter().enumerate() {
-                if let PieceKind::Flat { start, len } = f.piece(i) {
-                    problems.push(Error::FlatPiece {
-                        path: f.path().to_path_buf(),
-                        tensor: t.name.clone(),
-                        start,
-                        end: start.saturating_add(len),
-                    });
-                }
             }
         }
         let mut ds = Vec::new();
@@ -1523,16 +1511,19 @@ impl Checkpoint {
                 let boxes: Vec<Region> = owners.iter().map(|p| p.global.clone()).collect();
                 match check_tiling(&t.shape, &boxes) {
                     Ok(()) => {}
+                    // Pieces reported as flat ranges (ZeRO) are named by those ranges.
                     Err(Defect::Gap { region }) => {
+                        let numel = full.numel();
                         problems.push(Error::CoverageGap {
                             tensor: name.clone(),
-                            region: region.to_string(),
+                            region: flat_names::flat_gap(&self.files, &owners, numel)
+                                .unwrap_or_else(|| region.to_string()),
                         });
                     }
                     Err(Defect::Overlap { a, b, region }) => problems.push(Error::Overlap {
                         tensor: name.clone(),
-                        a: self.files[owners[a].file].path().display().to_string(),
-                        b: self.files[owners[b].file].path().display().to_string(),
+                        a: flat_names::piece_name(&self.files, &owners[a]),
+                        b: flat_names::piece_name(&self.files, &owners[b]),
                         region: region.to_string(),
                     }),
                 }
