@@ -190,6 +190,8 @@ fn json_pieces_are_deepspeeds_partitions() {
                     .iter()
                     .map(|p| {
                         let rank = dp_rank(&files[p["file"].as_u64().unwrap() as usize]);
+                        // Labelled by the data-parallel rank of its file.
+                        assert_eq!(p["rank"].as_u64(), Some(rank), "{v}: `{tensor}`");
                         match p.get("flat") {
                             Some(f) => {
                                 flat_pieces += 1;
@@ -246,8 +248,12 @@ fn show_draws_a_zero3_partition_as_runs_starting_mid_row() {
     // Two holdings, one per rank, each named by its flat range.
     assert!(text.contains("2 piece(s) in 2 file(s)"), "{text}");
     let p = &want.pieces[&name];
-    for (_, s, l) in p {
-        assert!(text.contains(&format!("flat [{s}..{}]", s + l)), "{text}");
+    for (r, s, l) in p {
+        let line = text
+            .lines()
+            .find(|line| line.contains(&format!("flat [{s}..{}]", s + l)))
+            .unwrap_or_else(|| panic!("no flat [{s}..{}]:\n{text}", s + l));
+        assert!(line.contains(&format!("rank {r}")), "{line}");
     }
     // The row where rank 1 begins is drawn half one rank, half the other: its first
     // `start % cols` columns rank 0's, the rest rank 1's (two characters a column).

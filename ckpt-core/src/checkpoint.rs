@@ -713,6 +713,13 @@ impl Checkpoint {
             carried,
             notes,
         };
+        // ZeRO files hold one data-parallel rank's partitions each: labelled by it.
+        for (i, f) in ck.files.iter().enumerate() {
+            let dp = f.metadata().get(crate::formats::deepspeed::DP_RANK);
+            if let Some(r) = dp.and_then(|r| r.parse().ok()) {
+                ck.ranks[i] = Some(r);
+            }
+        }
         let mut raw: BTreeMap<String, Vec<SourcePiece>> = BTreeMap::new();
         match kind {
             Kind::Sliced if !ms_strategy.is_empty() => {

@@ -43,6 +43,9 @@ pub(crate) struct DeepSpeed {
     pub(crate) notes: Vec<String>,
 }
 
+/// Metadata key of a file's data-parallel rank (the checkpoint's rank of the file).
+pub(crate) const DP_RANK: &str = "deepspeed.dp_rank";
+
 /// Which kind of file a tag directory's entry is, from its name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Role {
@@ -215,10 +218,20 @@ impl PtFile {
         if self.entries.is_empty() {
             return Ok(None);
         }
-        let metadata = BTreeMap::from([
+        let mut metadata = BTreeMap::from([
             ("format".to_string(), "deepspeed".to_string()),
             ("deepspeed.zero_stage".to_string(), stage.to_string()),
         ]);
+        // The data-parallel rank whose partition the file holds (pictures label the
+        // file by it); ZeRO-1/2's model states belong to no one rank.
+        if let Some(Role::Optim { dp, .. } | Role::RankModel { dp, .. }) = self
+            .path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(role)
+        {
+            metadata.insert(DP_RANK.to_string(), dp.to_string());
+        }
         let mut f = TensorFile::from_parts(
             &self.path,
             self.map,
