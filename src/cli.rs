@@ -508,7 +508,8 @@ fn placements_text(ck: &Checkpoint, name: &str) -> String {
                 .join(" ")
         }
         (None, Kind::Integrated) => "whole".into(),
-        (None, _) => format!("{} pieces", ck.tensors[name].pieces.len()),
+        // Counted as drawn: a ZeRO rank's flat range is one piece.
+        (None, _) => format!("{} pieces", ckpt_core::piece_count(ck, name).unwrap_or(0)),
     }
 }
 

@@ -255,6 +255,15 @@ fn show_draws_a_zero3_partition_as_runs_starting_mid_row() {
             .unwrap_or_else(|| panic!("no flat [{s}..{}]:\n{text}", s + l));
         assert!(line.contains(&format!("rank {r}")), "{line}");
     }
+    // `inspect`'s table counts the pieces as drawn.
+    let table = d
+        .ok(&["inspect", &fixture("zero3_fp32").display().to_string()])
+        .stdout;
+    let line = table
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(name.as_str()))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(line.ends_with(&format!("{} pieces", p.len())), "{line}");
     // The row where rank 1 begins is drawn half one rank, half the other: its first
     // `start % cols` columns rank 0's, the rest rank 1's (two characters a column).
     let row = (start / cols) as usize;

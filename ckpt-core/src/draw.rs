@@ -294,6 +294,19 @@ pub fn pieces_json(ck: &Checkpoint, name: &str) -> Result<Value> {
     ))
 }
 
+/// How many pieces of tensor `name` `ck` reads (replicas not counted), as the pictures
+/// count them: a flat range is one piece however many boxes it was cut into.
+///
+/// # Errors
+/// [`Error::TensorNotFound`] when `ck` has no such tensor.
+pub fn piece_count(ck: &Checkpoint, name: &str) -> Result<usize> {
+    let t = ck.tensors.get(name).ok_or_else(|| Error::TensorNotFound {
+        pattern: name.to_string(),
+        tensors: ck.tensors.len(),
+    })?;
+    Ok(holdings_of(ck, t).0.iter().filter(|h| !h.copy).count())
+}
+
 /// The terminal drawings of every tensor of `ck` matching `pattern` (a name or a
 /// glob), one after the other.
 ///
