@@ -1,10 +1,13 @@
-//! Compressed checkpoints (issue 15), on real weights, in one run:
+//! Compressed checkpoints (issues 15 and 26), on real weights, in one run:
 //!
-//! - compressed/raw size of byte-grouped zstd against plain zstd at the same level,
-//!   for the FP32 weights and the AdamW moments of a trained model, and for the same
-//!   cast to BF16 (4 MiB chunks, as `--compress` writes them);
-//! - compression and decompression throughput of the grouped codec (chunks in
-//!   parallel on every core, as ckpt runs them);
+//! - compressed/raw size of `.ckptz` version 2's chunk codec (tensors of one dtype
+//!   packed into one stream, sign-rotated byte planes, each plane zstd, literal-tuned
+//!   zstd or stored) against version 1's (each tensor's chunks byte-grouped, one zstd
+//!   frame) and plain zstd at the same level, for the FP32 weights and the AdamW
+//!   moments of a trained model, and for the same cast to BF16 (4 MiB chunks, as
+//!   `--compress` writes them);
+//! - compression and decompression throughput of both codecs (chunks in parallel on
+//!   every core, as ckpt runs them; RAYON_NUM_THREADS=1 for one core);
 //! - `ckpt compress` / `ckpt decompress` of the whole checkpoint, and `ckpt merge` from
 //!   the compressed copy against the same merge from the original.
 //!
@@ -12,7 +15,7 @@
 //! target/bench/zstd-mlp, and keeps it for the next runs). Level 1 and 3 are both
 //! measured; the commands run at the default level.
 
-use ckpt_core::{compress_chunk, decompress_chunk, group_of, Dtype, TensorFile};
+use ckpt_core::{compress_chunk, decompress_chunk, group_of, CodedChunk, Dtype, TensorFile};
 use rayon::prelude::*;
 use std::path::Path;
 use std::process::Command;
@@ -49,11 +52,14 @@ fn best(f: &mut dyn FnMut() -> (f64, f64, f64)) -> (f64, f64, f64) {
         })
 }
 
-/// One set of tensors: its raw bytes cut into element-aligned 4 MiB chunks.
+/// One set of tensors: its raw bytes cut into element-aligned 4 MiB chunks, tensor by
+/// tensor (version 1) and packed into one stream (version 2).
 struct Set {
     name: String,
+    dtype: Dtype,
     group: usize,
     chunks: Vec<Vec<u8>>,
+    packed: Vec<Vec<u8>>,
 }
 
 impl Set {
@@ -63,11 +69,44 @@ impl Set {
             .flat_map(|t| t.chunks(ckpt_core::DEFAULT_CHUNK_BYTES as usize))
             .map(<[u8]>::to_vec)
             .collect();
+        let stream = tensors.concat();
+        let packed = stream
+            .chunks(ckpt_core::DEFAULT_CHUNK_BYTES as usize)
+            .map(<[u8]>::to_vec)
+            .collect();
         Set {
             name: name.into(),
+            dtype,
             group: group_of(dtype),
             chunks,
+            packed,
         }
+    }
+
+    /// Codes every packed chunk as version 2 in parallel: (chunks, wall, CPU seconds).
+    fn encode_v2(&self, level: i32) -> (Vec<CodedChunk>, f64, f64) {
+        clocked(|| {
+            self.packed
+                .par_iter()
+                .map(|c| CodedChunk::encode(c, self.dtype, level).expect("encode"))
+                .collect()
+        })
+    }
+
+    /// Decodes every version 2 chunk in parallel into buffers reused per thread, as
+    /// the reader does: (wall, CPU seconds). Compared afterwards, outside the timing.
+    fn decode_v2(&self, coded: &[CodedChunk]) -> (f64, f64) {
+        let ((), wall, cpu) = clocked(|| {
+            coded.par_iter().for_each_init(Vec::new, |out, c| {
+                c.decode(out).expect("decode");
+            });
+        });
+        for (c, raw) in coded.iter().zip(&self.packed) {
+            let mut out = Vec::new();
+            c.decode(&mut out).expect("decode");
+            assert!(out == *raw, "version 2 round trip");
+        }
+        (wall, cpu)
     }
 
     fn raw(&self) -> u64 {
@@ -86,16 +125,6 @@ impl Set {
                 })
                 .collect()
         })
-    }
-
-    /// Groups every chunk's bytes in parallel (no compression): seconds.
-    fn group_only(&self) -> f64 {
-        let t = Instant::now();
-        self.chunks.par_iter().for_each_init(Vec::new, |g, c| {
-            g.resize(c.len(), 0);
-            ckpt_core::group_bytes(c, self.group, g);
-        });
-        t.elapsed().as_secs_f64()
     }
 
     /// Decompresses every frame in parallel: (wall seconds, CPU seconds). The bytes are
@@ -205,15 +234,14 @@ fn main() {
         ckpt_core::DEFAULT_CHUNK_BYTES >> 20,
         rayon::current_num_threads()
     );
-    println!("| tensors | raw MB | level | byte-grouped zstd | plain zstd | grouped: compress | grouped: decompress | plain: compress | grouping alone |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| tensors | raw MB | level | .ckptz v2 | v1 byte-grouped zstd | plain zstd | v2: compress | v2: decompress | v1: compress | v1: decompress | plain: compress |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     // Each speed twice: wall clock on every thread, and per CPU-second x threads (what
     // the threads would do with the cores to themselves: the machine is shared).
     let threads = rayon::current_num_threads() as f64;
     for s in &sets {
         let raw = s.raw() as f64;
         let size = |frames: &[Vec<u8>]| frames.iter().map(|f| f.len() as f64).sum::<f64>();
-        let grouping = (0..3).map(|_| s.group_only()).fold(f64::MAX, f64::min);
         for level in [1, 3] {
             // Best of three for the timings; sizes are the same every time.
             let best_of = |group: usize| {
@@ -224,6 +252,15 @@ fn main() {
                 }
                 out
             };
+            let mut v2 = (Vec::new(), f64::MAX, f64::MAX);
+            for _ in 0..3 {
+                let (coded, wall, cpu) = s.encode_v2(level);
+                v2 = (coded, v2.1.min(wall), v2.2.min(cpu));
+            }
+            let v2_size: f64 = v2.0.iter().map(|c| c.bytes.len() as f64).sum();
+            let v2_dec = (0..3)
+                .map(|_| s.decode_v2(&v2.0))
+                .fold((f64::MAX, f64::MAX), |a, b| (a.0.min(b.0), a.1.min(b.1)));
             let grouped = best_of(s.group);
             let plain = best_of(1);
             let dec = (0..3)
@@ -233,15 +270,17 @@ fn main() {
                 format!("{:.2} ({:.2})", raw / wall / 1e9, raw / cpu * threads / 1e9)
             };
             println!(
-                "| {} | {:.1} | {level} | {:.3} | {:.3} | {} | {} | {} | {:.2} |",
+                "| {} | {:.1} | {level} | {:.3} | {:.3} | {:.3} | {} | {} | {} | {} | {} |",
                 s.name,
                 raw / 1e6,
+                v2_size / raw,
                 size(&grouped.0) / raw,
                 size(&plain.0) / raw,
+                speed(v2.1, v2.2),
+                speed(v2_dec.0, v2_dec.1),
                 speed(grouped.1, grouped.2),
                 speed(dec.0, dec.1),
                 speed(plain.1, plain.2),
-                raw / grouping / 1e9
             );
         }
     }

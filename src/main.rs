@@ -4,7 +4,9 @@
 //! library request and prints the result. Exit codes: 0 success, 1 a problem was found
 //! or an error occurred, 2 bad usage.
 
+mod args;
 mod cli;
+mod commands;
 mod demo;
 mod pictures;
 mod report;

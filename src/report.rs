@@ -19,13 +19,5 @@ pub(crate) fn bytes_bar(total: u64, quiet: bool) -> ProgressBar {
     bar
 }
 
-/// `1.50 GB`.
-pub(crate) fn human_bytes(n: u64) -> String {
-    let n = n as f64;
-    for (unit, div) in [("GB", 1e9), ("MB", 1e6), ("kB", 1e3)] {
-        if n >= div {
-            return format!("{:.2} {unit}", n / div);
-        }
-    }
-    format!("{n} B")
-}
+/// `1.50 GB` (the library's wording, shared with its reports).
+pub(crate) use ckpt_core::human_bytes;

@@ -11,6 +11,7 @@ mod html;
 mod plan_report;
 mod terminal;
 
+pub(crate) use html::placements;
 pub use html::{html_report, plan_html_report, write_html_report, write_plan_html};
 pub use plan_report::{PlanReport, SourceRead, TargetReads};
 pub use terminal::{render_text, Canvas};

@@ -15,6 +15,7 @@ mod formats;
 mod launch;
 mod layout;
 mod megatron_output;
+mod present;
 
 pub use crate::checkpoint::{
     Checkpoint, Kind, CARRIED_FILES, COMPRESSED_INDEX_FILE, COMPRESSED_MODEL_FILE,
@@ -43,10 +44,10 @@ pub use crate::formats::checksum::{
 };
 pub use crate::formats::ckptz::{
     compress_chunk, decompress_chunk, group_bytes, group_of, parse_header as parse_ckptz_header,
-    ungroup_bytes, CkptzWriter, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
+    ungroup_bytes, CkptzWriter, CodedChunk, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
     EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC, MAGIC_V1 as CKPTZ_MAGIC_V1,
 };
-pub use crate::formats::detect::sniff;
+pub use crate::formats::detect::{create_writer, sniff};
 pub use crate::formats::distcp::{metadata_bytes as distcp_metadata, DistcpChunk};
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
 pub use crate::formats::mindspore_strategy::{
@@ -84,4 +85,8 @@ pub use crate::layout::strategy::{
 };
 pub use crate::layout::{Piece, Placement, TensorLayout};
 pub use crate::megatron_output::{megatron_legacy_plan, megatron_restage, megatron_tracker};
+pub use crate::present::{
+    convert_json, convert_text, human_bytes, inspect_json, inspect_text, placements_text,
+    plan_json, plan_text, verify_json, verify_text, CopySummary,
+};
 pub use ::safetensors::Dtype;

@@ -10,8 +10,10 @@
 //! format's parser under `fuzz/corpus/`.
 
 use ckpt_core::{
-    check_tiling, CkptzWriter, Compression, Dtype, FileFormat, Mesh, MindSporeWriter, Placement,
-    ReadCache, SafetensorsWriter, Strategy, TensorFile, TensorLayout, TensorSpec, TensorWriter,
+    assemble, check_tiling, create_writer, distcp_metadata, CkptzWriter, Compression, CopyPlan,
+    DistcpChunk, Dtype, FileFormat, Mesh, MindSporeWriter, Piece, Placement, ReadCache, Region,
+    SafetensorsWriter, Strategy, TargetFile, TargetTensor, TensorFile, TensorLayout, TensorSpec,
+    TensorWriter,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -26,6 +28,25 @@ struct Case {
     fuzz_target: &'static str,
     /// Creates the format's writer.
     create: fn(&Path, &[TensorSpec]) -> Box<dyn TensorWriter>,
+    /// How a two-rank checkpoint in the format is opened: by its root (discovery finds
+    /// the rank files) or by the rank files themselves (discovery looks for a rank
+    /// directory's model file only in the formats ckpt writes rank directories in).
+    open_by: OpenBy,
+}
+
+/// See [`Case::open_by`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum OpenBy {
+    Root,
+    Files,
+}
+
+/// The paths that open a two-rank checkpoint written under `root` with `files`.
+fn inputs(case: &Case, root: &Path, files: &[PathBuf]) -> Vec<PathBuf> {
+    match case.open_by {
+        OpenBy::Root => vec![root.to_path_buf()],
+        OpenBy::Files => files.iter().filter(|f| f.exists()).cloned().collect(),
+    }
 }
 
 /// Tensors of several dtypes and ranks (a scalar among them), with bytes no two
@@ -144,8 +165,8 @@ fn sliced(case: &Case, root: &Path) -> Vec<PathBuf> {
 
 fn coverage(case: &Case) {
     let dir = tempfile::tempdir().unwrap();
-    sliced(case, dir.path());
-    let ck = ckpt_core::Checkpoint::open(&[dir.path().to_path_buf()]).unwrap();
+    let files = sliced(case, dir.path());
+    let ck = ckpt_core::Checkpoint::open(&inputs(case, dir.path(), &files)).unwrap();
     for (spec, _) in tensors() {
         let t = &ck.tensors[&spec.name];
         assert_eq!(t.shape, spec.shape, "{}", spec.name);
@@ -188,20 +209,14 @@ fn damaged_inputs(case: &Case) {
     let dir = tempfile::tempdir().unwrap();
     let files = sliced(case, dir.path());
     std::fs::remove_file(&files[1]).unwrap();
-    let e = ckpt_core::Checkpoint::open(&[dir.path().to_path_buf()])
+    let e = ckpt_core::Checkpoint::open(&inputs(case, dir.path(), &files))
         .map(|_| ())
         .expect_err("a checkpoint missing rank 1 opened");
     assert!(e.to_string().contains("rank 1 of 2 is missing"), "{e}");
 }
 
 fn fuzz_seed_present(case: &Case) {
-    let corpus = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../fuzz/corpus")
-        .join(case.fuzz_target);
-    let seeds = std::fs::read_dir(&corpus)
-        .unwrap_or_else(|e| panic!("{}: {e}", corpus.display()))
-        .count();
-    assert!(seeds > 0, "no fuzz seed in {}", corpus.display());
+    fuzz_seed_present_for(case.fuzz_target);
 }
 
 #[test]
@@ -211,6 +226,7 @@ fn safetensors_conforms() {
         format: FileFormat::Safetensors,
         fuzz_target: "header",
         create: |p, s| Box::new(SafetensorsWriter::create(p, s, &BTreeMap::new()).unwrap()),
+        open_by: OpenBy::Root,
     });
 }
 
@@ -224,6 +240,7 @@ fn ckptz_conforms() {
             let c = Compression::parse("zstd").unwrap();
             Box::new(CkptzWriter::create(p, s, &BTreeMap::new(), c).unwrap())
         },
+        open_by: OpenBy::Root,
     });
 }
 
@@ -234,5 +251,308 @@ fn mindspore_ckpt_conforms() {
         format: FileFormat::MindSporeCkpt,
         fuzz_target: "mindspore_ckpt",
         create: |p, s| Box::new(MindSporeWriter::create(p, s).unwrap()),
+        open_by: OpenBy::Root,
+    });
+}
+
+#[test]
+fn torch_save_conforms() {
+    conform(&Case {
+        file: "model.pth",
+        format: FileFormat::TorchSave,
+        fuzz_target: "torch_save",
+        create: |p, s| create_writer(p, s, &BTreeMap::new(), None).unwrap(),
+        open_by: OpenBy::Files,
+    });
+}
+
+// Formats that are a directory of files (DCP), or that ckpt only reads (Megatron,
+// DeepSpeed: fixtures written by the real library, tests/fixtures/): the same checks on
+// the directory as a whole.
+
+/// A tensor's dtype, shape and bytes, by name.
+type Tensors = BTreeMap<String, (Dtype, Vec<u64>, Vec<u8>)>;
+
+/// One directory format under test.
+struct DirCase {
+    /// Makes the checkpoint directory in the scratch directory given and returns it.
+    make: fn(&Path) -> PathBuf,
+    /// A rank's data file, relative to the directory: the one damaged and removed.
+    data_file: &'static str,
+    /// What the checkpoint must hold (every tensor named here, equal in dtype, shape
+    /// and bytes; the checkpoint may hold more, such as optimizer state).
+    expected: fn() -> Tensors,
+    /// The format its data files are read as.
+    format: FileFormat,
+    /// The fuzz target whose committed seeds exercise the format's parser.
+    fuzz_target: &'static str,
+}
+
+/// Every tensor of a checkpoint, whole: planned as one file holding them all and
+/// assembled by the copy engine from the pieces the reader gave.
+fn whole_tensors(ck: &ckpt_core::Checkpoint) -> Tensors {
+    let target = TargetFile {
+        path: "all".into(),
+        tensors: ck
+            .tensors
+            .iter()
+            .map(|(name, t)| TargetTensor {
+                name: name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                pieces: vec![Piece {
+                    global: Region::full(&t.shape),
+                    local: Region::full(&t.shape),
+                }],
+            })
+            .collect(),
+        metadata: BTreeMap::new(),
+    };
+    let plan = CopyPlan::build(ck, vec![target]).unwrap();
+    plan.files[0]
+        .tensors
+        .iter()
+        .map(|t| {
+            let bytes = assemble(t, ck).unwrap();
+            let v = (t.target.dtype, t.target.shape.clone(), bytes);
+            (t.target.name.clone(), v)
+        })
+        .collect()
+}
+
+/// Every tensor of a safetensors file (a fixture's expected result).
+fn file_tensors(path: &Path) -> Tensors {
+    let f = TensorFile::open(path).unwrap();
+    let mut cache = ReadCache::new();
+    f.tensors()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let bytes = f.read(i, 0..t.end - t.start, &mut cache).unwrap().to_vec();
+            (t.name.clone(), (t.dtype, t.shape.clone(), bytes))
+        })
+        .collect()
+}
+
+/// The names under `dir`, recursively (to see that a refusal wrote nothing).
+fn listing(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(listing(&p));
+        }
+        out.push(p);
+    }
+    out.sort();
+    out
+}
+
+fn conform_dir(case: &DirCase) {
+    dir_round_trip_and_coverage(case);
+    dir_damaged_inputs(case);
+    fuzz_seed_present_for(case.fuzz_target);
+}
+
+fn dir_round_trip_and_coverage(case: &DirCase) {
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = (case.make)(scratch.path());
+    let before = listing(scratch.path());
+    let ck = ckpt_core::Checkpoint::open(&[dir.clone()]).unwrap();
+    assert!(
+        ck.files.iter().all(|f| f.format() == case.format),
+        "{:?}",
+        ck.files.iter().map(|f| f.format()).collect::<Vec<_>>()
+    );
+    // Coverage: every element of every tensor held by exactly one piece.
+    for (name, t) in &ck.tensors {
+        let boxes: Vec<_> = t.pieces.iter().map(|p| p.global.clone()).collect();
+        assert_eq!(check_tiling(&t.shape, &boxes), Ok(()), "{name}");
+        let held: u64 = boxes.iter().map(|b| b.shape.iter().product::<u64>()).sum();
+        assert_eq!(held, t.shape.iter().product::<u64>(), "{name}");
+    }
+    // Round trip: the tensors read are the tensors written.
+    let want = (case.expected)();
+    assert!(!want.is_empty());
+    let got = whole_tensors(&ck);
+    for (name, (dtype, shape, bytes)) in &want {
+        let (d, s, b) = got
+            .get(name)
+            .unwrap_or_else(|| panic!("`{name}` not read from {}", dir.display()));
+        assert_eq!((d, s), (dtype, shape), "{name}");
+        assert!(b == bytes, "bytes of {name}");
+    }
+    assert_eq!(listing(scratch.path()), before, "reading wrote something");
+}
+
+/// Opening the directory fails with an error naming `what` (a file, a rank), and
+/// writes nothing.
+fn dir_refused(dir: &Path, what: &str, damage: &str) {
+    let before = listing(dir);
+    let e = ckpt_core::Checkpoint::open(&[dir.to_path_buf()])
+        .map(|_| ())
+        .expect_err(&format!("{damage}: {} opened", dir.display()));
+    let text = e.to_string();
+    assert!(
+        text.contains(what),
+        "{damage}: the error does not name {what}: {text}"
+    );
+    assert_eq!(listing(dir), before, "{damage}: something was written");
+}
+
+fn dir_damaged_inputs(case: &DirCase) {
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = (case.make)(scratch.path());
+    let file = dir.join(case.data_file);
+    let named = file.display().to_string();
+    let good = std::fs::read(&file).unwrap();
+    // Truncated: the end of the file cut off.
+    std::fs::write(&file, &good[..good.len() - good.len() / 3]).unwrap();
+    dir_refused(&dir, &named, "truncated");
+    // Flipped header bytes: the first 8 bytes (a zip's signature) inverted.
+    let mut bad = good.clone();
+    for b in &mut bad[..8] {
+        *b = !*b;
+    }
+    std::fs::write(&file, &bad).unwrap();
+    dir_refused(&dir, &named, "flipped header");
+    // A missing piece: the rank's file is gone.
+    std::fs::remove_file(&file).unwrap();
+    dir_refused(&dir, &named, "missing file");
+}
+
+fn fuzz_seed_present_for(target: &str) {
+    let corpus = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fuzz/corpus")
+        .join(target);
+    let seeds = std::fs::read_dir(&corpus)
+        .unwrap_or_else(|e| panic!("{}: {e}", corpus.display()))
+        .count();
+    assert!(seeds > 0, "no fuzz seed in {}", corpus.display());
+}
+
+/// The suite's tensors as a two-rank DCP checkpoint in DCP's default format, written by
+/// ckpt's writer: `w` split on rows between the ranks, the others on rank 0 only.
+fn dcp_dir(scratch: &Path) -> PathBuf {
+    let dir = scratch.join("dcp");
+    std::fs::create_dir_all(&dir).unwrap();
+    let all = tensors();
+    let mut files = Vec::new();
+    for rank in 0..2u64 {
+        let mut specs = Vec::new();
+        let mut chunks = Vec::new();
+        let mut data = Vec::new();
+        for (s, b) in &all {
+            let (offsets, sizes, bytes) = if s.name == "w" {
+                let row = 4 * 4;
+                let lo = 3 * rank as usize * row;
+                (vec![3 * rank, 0], vec![3, 4], b[lo..lo + 3 * row].to_vec())
+            } else if rank == 0 {
+                (vec![0; s.shape.len()], s.shape.clone(), b.clone())
+            } else {
+                continue;
+            };
+            specs.push(TensorSpec {
+                name: s.name.clone(),
+                dtype: s.dtype,
+                shape: sizes.clone(),
+            });
+            chunks.push(DistcpChunk {
+                fqn: s.name.clone(),
+                offsets,
+                sizes,
+            });
+            data.push(bytes);
+        }
+        let name = format!("__{rank}_0.distcp");
+        let w = create_writer(&dir.join(&name), &specs, &BTreeMap::new(), None).unwrap();
+        for (i, bytes) in data.iter().enumerate() {
+            w.write_at(i, 0, bytes).unwrap();
+        }
+        w.finish().unwrap();
+        files.push((name, chunks));
+    }
+    let global = all
+        .iter()
+        .map(|(s, _)| (s.name.clone(), (s.dtype, s.shape.clone())))
+        .collect();
+    let meta = distcp_metadata(&global, &files).unwrap();
+    std::fs::write(dir.join(".metadata"), meta).unwrap();
+    dir
+}
+
+#[test]
+fn dcp_conforms() {
+    conform_dir(&DirCase {
+        make: dcp_dir,
+        data_file: "__1_0.distcp",
+        expected: || {
+            tensors()
+                .into_iter()
+                .map(|(s, b)| (s.name, (s.dtype, s.shape, b)))
+                .collect()
+        },
+        format: FileFormat::Distcp,
+        fuzz_target: "distcp",
+    });
+}
+
+/// A fixture directory of tests/fixtures/, copied into the scratch directory (the
+/// damaged-input checks damage the copy).
+fn fixture_copy(scratch: &Path, fixture: &str) -> PathBuf {
+    fn copy(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let p = e.unwrap().path();
+            let dst = to.join(p.file_name().unwrap());
+            if p.is_dir() {
+                copy(&p, &dst);
+            } else {
+                std::fs::copy(&p, &dst).unwrap();
+            }
+        }
+    }
+    let dst = scratch.join("fixture");
+    copy(&fixture_path(fixture), &dst);
+    dst
+}
+
+fn fixture_path(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(rel)
+}
+
+/// Megatron legacy (tp=2, pp=2), written by Megatron itself; `full.safetensors` holds
+/// the full tensors by Megatron's own parameter attributes
+/// (scripts/fixtures/, tests/fixtures/megatron/).
+#[test]
+fn megatron_legacy_conforms() {
+    conform_dir(&DirCase {
+        make: |s| fixture_copy(s, "megatron/tp2pp2/legacy"),
+        data_file: "iter_0000001/mp_rank_01_001/model_optim_rng.pt",
+        expected: || file_tensors(&fixture_path("megatron/tp2pp2/full.safetensors")),
+        format: FileFormat::TorchSave,
+        fuzz_target: "megatron",
+    });
+}
+
+/// DeepSpeed ZeRO-2 and ZeRO-3 (two data-parallel ranks), written by DeepSpeed;
+/// `expected.safetensors` is its own zero_to_fp32 result (tests/fixtures/deepspeed/).
+#[test]
+fn deepspeed_conforms() {
+    conform_dir(&DirCase {
+        make: |s| fixture_copy(s, "deepspeed/zero2_fp32/ckpt/global_step2"),
+        data_file: "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        expected: || file_tensors(&fixture_path("deepspeed/zero2_fp32/expected.safetensors")),
+        format: FileFormat::DeepSpeed,
+        fuzz_target: "deepspeed",
+    });
+    conform_dir(&DirCase {
+        make: |s| fixture_copy(s, "deepspeed/zero3_bf16/ckpt/global_step2"),
+        data_file: "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        expected: || file_tensors(&fixture_path("deepspeed/zero3_bf16/expected.safetensors")),
+        format: FileFormat::DeepSpeed,
+        fuzz_target: "deepspeed",
     });
 }

@@ -13,6 +13,8 @@ use ckpt_train::{find_meta_file, resolve_checkpoint, DataSource, Dataset, TRAINE
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+mod present;
+
 /// Everything that can go wrong in inference.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -11,9 +11,15 @@ mod save;
 
 // The `ckpt` command, from the binary's own sources: `ckpt` installed by pip is the same
 // CLI as `cargo install`'s, with no second copy of its code.
+#[path = "../../src/args.rs"]
+#[allow(dead_code, unreachable_pub, missing_docs)]
+mod args;
 #[path = "../../src/cli.rs"]
 #[allow(dead_code, unreachable_pub, missing_docs)]
 mod cli;
+#[path = "../../src/commands.rs"]
+#[allow(dead_code, unreachable_pub, missing_docs)]
+mod commands;
 #[path = "../../src/demo.rs"]
 #[allow(dead_code, unreachable_pub, missing_docs)]
 mod demo;

@@ -164,6 +164,20 @@ impl fmt::Display for Backend {
     }
 }
 
+/// Ranks of a job in this process, for sizing the CPU thread pools before any tensor
+/// work: the mesh's (else `ranks`) with the thread backend, 1 under a launcher (one
+/// process per rank).
+#[must_use]
+pub fn ranks_in_process(backend: Backend, mesh: Option<&str>, ranks: Option<u64>) -> usize {
+    if backend != Backend::Threads {
+        return 1;
+    }
+    mesh.and_then(|m| Mesh::parse(m).ok())
+        .map(|m| m.world_size())
+        .or(ranks)
+        .unwrap_or(1) as usize
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

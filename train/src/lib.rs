@@ -40,6 +40,7 @@ pub mod models;
 mod optim;
 mod parallel;
 mod params;
+mod present;
 mod trainer;
 
 pub use crate::checkpoint::{
@@ -69,7 +70,7 @@ pub use crate::error::{Error, Result};
 pub use crate::events::EventWriter;
 pub use crate::inference::{load_model, model_strategy, read_model_config};
 pub use crate::kernels::Kernels;
-pub use crate::launch::{configure_cpu_threads, Backend, LaunchEnv, Launcher};
+pub use crate::launch::{configure_cpu_threads, ranks_in_process, Backend, LaunchEnv, Launcher};
 pub use crate::layers::{
     linear, BatchNorm2d, ColumnLinear, Conv2d, LayerNorm, Linear, ModelCtx, RowLinear,
 };

@@ -19,7 +19,7 @@ const PAGE: &str = include_str!("report.html");
 
 /// Placements of tensor `name` as `inspect` prints them: `tp:Shard(0) dp:Replicate`,
 /// `whole`, or the number of pieces.
-fn placements(ck: &Checkpoint, name: &str) -> String {
+pub(crate) fn placements(ck: &Checkpoint, name: &str) -> String {
     match (&ck.strategy, ck.kind) {
         (Some(s), _) => match s.tensors.get(name) {
             Some(l) => s
@@ -34,7 +34,8 @@ fn placements(ck: &Checkpoint, name: &str) -> String {
             None => String::new(),
         },
         (None, Kind::Integrated) => "whole".into(),
-        (None, _) => format!("{} pieces", ck.tensors[name].pieces.len()),
+        // Counted as drawn: a ZeRO rank's flat range is one piece.
+        (None, _) => format!("{} pieces", super::piece_count(ck, name).unwrap_or(0)),
     }
 }
 

@@ -351,16 +351,22 @@ fn copy_slabs(
     read: &AtomicU64,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<()> {
+    // The slab buffer lives in the thread's cache, reused from job to job.
     jobs.par_iter().try_for_each_init(
-        || (Vec::new(), ReadCache::new()),
-        |(buf, cache): &mut (Vec<u8>, ReadCache), (fi, ti, slab)| -> Result<()> {
+        ReadCache::new,
+        |cache: &mut ReadCache, (fi, ti, slab)| -> Result<()> {
             let t = &plan.files[*fi].tensors[*ti];
             let len = bytes_of(t.target.dtype, slab.numel()) as usize;
+            let mut buf = std::mem::take(&mut cache.slab);
             buf.clear();
             buf.resize(len, 0);
-            read.fetch_add(fill_slab(source, t, slab, buf, cache)?, Ordering::Relaxed);
-            let strides_bytes = bytes_of(t.target.dtype, slab_offset(&t.target.shape, &slab.start));
-            writers[*fi].write_at(*ti, strides_bytes, buf)?;
+            let r = fill_slab(source, t, slab, &mut buf, cache).and_then(|n| {
+                read.fetch_add(n, Ordering::Relaxed);
+                let at = bytes_of(t.target.dtype, slab_offset(&t.target.shape, &slab.start));
+                writers[*fi].write_at(*ti, at, &buf)
+            });
+            cache.slab = buf;
+            r?;
             progress(len as u64);
             Ok(())
         },

@@ -32,6 +32,7 @@ mod planes;
 pub(crate) mod v2;
 
 pub use v2::CkptzWriter;
+pub use v2::CodedChunk;
 pub use v2::MAGIC_V2 as MAGIC;
 
 use entropy::PlaneCodec;

@@ -4,7 +4,10 @@
 //! ambiguous to it is refused here, the same way for all.
 //!
 //! Adding a format is one row in [`READERS`] (and one branch in [`create_writer`] if
-//! ckpt writes it): see docs/architecture.md.
+//! ckpt writes it; one row in [`discover`]'s directory table if it is a directory of
+//! files): see docs/architecture.md.
+
+pub(crate) mod discover;
 
 use super::writer::{TensorSpec, TensorWriter};
 use super::{ckptz, distcp, map_file, mindspore_ckpt, safetensors, torch_save, torch_write};
@@ -148,7 +151,7 @@ fn describe_head(head: &[u8]) -> String {
 ///
 /// # Errors
 /// I/O errors, with the path; tensors the format cannot hold.
-pub(crate) fn create_writer(
+pub fn create_writer(
     dest: &Path,
     tensors: &[TensorSpec],
     metadata: &BTreeMap<String, String>,

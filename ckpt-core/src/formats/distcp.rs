@@ -568,6 +568,31 @@ pub fn metadata_bytes(
     Ok(e.finish())
 }
 
+// Directory discovery (a row of formats/detect/discover.rs).
+
+impl DcpMetadata {
+    /// The note on the values of `dir`'s `.metadata` that are not tensors (ckpt does not
+    /// carry them), when there are any.
+    pub(crate) fn non_tensor_note(&self, dir: &Path) -> Option<String> {
+        if self.bytes.is_empty() {
+            return None;
+        }
+        let shown = self
+            .bytes
+            .iter()
+            .take(8)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ");
+        let more = if self.bytes.len() > 8 { ", ..." } else { "" };
+        Some(format!(
+            "{}: {} value(s) that are not tensors (BYTE_IO) are not carried: {shown}{more}",
+            dir.join(METADATA_FILE).display(),
+            self.bytes.len()
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

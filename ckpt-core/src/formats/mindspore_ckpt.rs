@@ -19,7 +19,7 @@
 //! each record with the whole dims), is read as the boxes those runs cover. Map tensors
 //! are refused by name.
 
-use super::{FileFormat, TensorEntry, TensorFile};
+use super::{list_dir, FileFormat, TensorEntry, TensorFile};
 use crate::error::{Error, Result};
 use crate::formats::output::StagedFile;
 use crate::Dtype;
@@ -27,7 +27,7 @@ use memmap2::Mmap;
 use prost::bytes::Buf;
 use prost::encoding::{decode_key, decode_varint, WireType};
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The trailer `save_checkpoint(crc_check=True)` appends.
 const CRC_TRAILER: &[u8] = b"crc_num";
@@ -487,6 +487,81 @@ impl super::writer::TensorWriter for MindSporeWriter {
     fn finish(self: Box<Self>) -> Result<()> {
         MindSporeWriter::finish(*self)
     }
+}
+
+// Directory discovery (a row of formats/detect/discover.rs).
+
+/// The checkpoint file of a MindSpore rank directory: its only `.ckpt`/`.safetensors`
+/// (or `ckpt compress`ed `.ckptz`) file, or the newest `<prefix>-<epoch>_<step>` of
+/// several.
+///
+/// # Errors
+/// The directory unreadable; several files not named by epoch and step; no file, or
+/// several, of the step asked for.
+pub(crate) fn rank_file(
+    dir: &Path,
+    step: Option<u64>,
+    notes: &mut Vec<String>,
+) -> Result<Option<PathBuf>> {
+    let files: Vec<PathBuf> = list_dir(dir)?
+        .into_iter()
+        .filter(|p| p.is_file())
+        .filter(|p| {
+            p.extension()
+                .is_some_and(|e| e == "ckpt" || e == "safetensors" || e == "ckptz")
+        })
+        .collect();
+    if files.len() <= 1 && step.is_none() {
+        return Ok(files.into_iter().next());
+    }
+    let epoch_step = |p: &Path| -> Option<(u64, u64)> {
+        let stem = p.file_stem()?.to_str()?;
+        let (_, tail) = stem.rsplit_once('-')?;
+        let (e, s) = tail.split_once('_')?;
+        Some((e.parse().ok()?, s.parse().ok()?))
+    };
+    let mut dated: Vec<((u64, u64), PathBuf)> = Vec::new();
+    for f in &files {
+        match epoch_step(f) {
+            Some(k) => dated.push((k, f.clone())),
+            None => {
+                return Err(unknown_input(format!(
+                    "{}: several checkpoint files and `{}` is not named <prefix>-<epoch>_<step>: pass the file to use",
+                    dir.display(),
+                    f.display()
+                )))
+            }
+        }
+    }
+    dated.sort();
+    if let Some(want) = step {
+        let have: Vec<String> = dated.iter().map(|((_, s), _)| s.to_string()).collect();
+        let mut at = dated.into_iter().filter(|((_, s), _)| *s == want);
+        return match (at.next(), at.next()) {
+            (Some((_, f)), None) => Ok(Some(f)),
+            (Some(_), Some(_)) => Err(unknown_input(format!(
+                "{}: several checkpoint files of step {want} (different epochs): pass the file to use",
+                dir.display()
+            ))),
+            (None, _) => Err(unknown_input(format!(
+                "{}: no checkpoint file of step {want} (<prefix>-<epoch>_{want}.ckpt); steps here: {}",
+                dir.display(),
+                if have.is_empty() { "none".to_string() } else { have.join(", ") }
+            ))),
+        };
+    }
+    let (_, newest) = dated.pop().expect("several files");
+    notes.push(format!(
+        "{}: {} checkpoint files, using the newest, {}",
+        dir.display(),
+        files.len(),
+        newest.file_name().unwrap_or_default().to_string_lossy()
+    ));
+    Ok(Some(newest))
+}
+
+fn unknown_input(problem: String) -> Error {
+    Error::UnknownInput { problem }
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! the reference implementation, but every error names the tensor at fault.
 
 use super::{byte_len, FileFormat, TensorEntry, TensorFile};
-use crate::error::{overflow, Error, Result};
+use crate::error::{overflow, Error, IoContext, Result};
 use crate::formats::checksum::{
     checksums_enabled, decode_checksums, encode_checksums, Checksum, CHECKSUMS_KEY, CHUNK,
 };
@@ -13,8 +13,8 @@ use crate::layout::plan::DCP_SHARDING_INFO;
 use crate::layout::strategy::{dtype_name, parse_dtype};
 use memmap2::Mmap;
 use serde_json::{Map, Value};
-use std::collections::BTreeMap;
-use std::path::Path;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 /// Largest header accepted (the reference implementation's limit).
@@ -495,6 +495,26 @@ impl super::writer::TensorWriter for SafetensorsWriter {
     fn finish(self: Box<Self>) -> Result<()> {
         SafetensorsWriter::finish(*self)
     }
+}
+
+// Directory discovery (a row of formats/detect/discover.rs).
+
+/// The shard files a Hugging Face index (`model.safetensors.index.json`, or
+/// `model.ckptz.index.json`) names in its `weight_map`, each once, in name order.
+///
+/// # Errors
+/// The index unreadable, not JSON, or without a `weight_map` object.
+pub(crate) fn index_shards(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
+    let unknown = |problem: String| Error::UnknownInput { problem };
+    let text = std::fs::read_to_string(index).at(index)?;
+    let doc: Value = serde_json::from_str(&text)
+        .map_err(|e| unknown(format!("{}: not JSON: {e}", index.display())))?;
+    let map = doc
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| unknown(format!("{}: no `weight_map` object", index.display())))?;
+    let files: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+    Ok(files.into_iter().map(|f| dir.join(f)).collect())
 }
 
 #[cfg(test)]

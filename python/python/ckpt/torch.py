@@ -2,10 +2,11 @@
 checkpoint with its strategy from every rank.
 
 ``load_state_dict`` works on plain tensors and DTensors (``Shard(d)``, ``Replicate``,
-nested shards on a 2-D mesh, uneven ``torch.chunk`` pieces, empty pieces), on CPU or
-GPU: each rank reads only the bytes of its own pieces, with no collective. Everything
-(names, shapes, dtypes, coverage) is checked before the first byte is copied, so a
-refused load leaves the state dict as it was.
+nested shards on a 2-D mesh, uneven ``torch.chunk`` pieces, empty pieces, FSDP2's
+``_StridedShard`` over tensor parallelism), on CPU or GPU: each rank reads only the
+bytes of its own pieces, with no collective. Everything (names, shapes, dtypes,
+coverage) is checked before the first byte is copied, so a refused load leaves the
+state dict as it was.
 """
 
 from __future__ import annotations
@@ -55,33 +56,106 @@ def _dtensor_class():
     return DTensor
 
 
-def _placement_text(p) -> str:
+def _strided_shard_class():
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # torch without it
+        return None
+    return _StridedShard
+
+
+def _placements(t, name: str) -> List[Tuple[Optional[int], int]]:
+    """A DTensor's placements as ckpt's: per mesh axis ``(dim, order)`` for a shard
+    (axes split a dimension in increasing ``order``, ties outer axis first) or
+    ``(None, 0)`` for ``Replicate``.
+
+    ``_StridedShard(d, split_factor=k)`` is what FSDP2 puts on its data-parallel axis
+    when a tensor-parallel axis to its right already splits dim ``d`` (``fully_shard``
+    over a 2-D mesh): the TP axes cut ``d`` first, then the DP axis cuts each TP piece,
+    which is ckpt's ``Shard(d, order=1)`` beside the TP axes' ``Shard(d)``, provided the
+    plain ``Shard(d)`` axes to its right have ``k`` ranks in all and no other axis
+    splits ``d``. Other strided layouts, and ``Partial``, are refused by name."""
     from torch.distributed.tensor import Replicate, Shard
 
-    if type(p) is Shard:  # not _StridedShard, a subclass whose pieces are not boxes
-        return f"Shard({p.dim})"
-    if isinstance(p, Replicate):
-        return "Replicate"
-    raise Unsupported(
-        f"placement {p!r}: ckpt reads and writes Shard(d) and Replicate placements"
-    )
+    strided = _strided_shard_class()
+    ps = list(t.placements)
+    sizes = list(t.device_mesh.mesh.shape)
+    out: List[Tuple[Optional[int], int]] = []
+    for i, p in enumerate(ps):
+        if strided is not None and isinstance(p, strided):
+            splits_d = [
+                j
+                for j, q in enumerate(ps)
+                if j != i and (isinstance(q, Shard) or isinstance(q, strided)) and q.dim == p.dim
+            ]
+            k = 1
+            for j in splits_d:
+                k *= sizes[j]
+            if any(j < i or type(ps[j]) is not Shard for j in splits_d) or k != p.split_factor:
+                raise Unsupported(
+                    f"tensor `{name}`: placements {tuple(ps)} on mesh {tuple(sizes)}: ckpt maps "
+                    f"_StridedShard(d, split_factor=k) when the only other axes splitting dim d "
+                    f"come after it as Shard(d) with k ranks in all (FSDP2 over tensor "
+                    f"parallelism); redistribute this tensor to Shard/Replicate placements first"
+                )
+            out.append((p.dim, 1))
+        elif type(p) is Shard:
+            out.append((p.dim, 0))
+        elif isinstance(p, Replicate):
+            out.append((None, 0))
+        else:
+            raise Unsupported(
+                f"tensor `{name}`: placement {p!r}: ckpt reads and writes Shard(d), "
+                f"Replicate and FSDP2's _StridedShard placements"
+            )
+    return out
 
 
-def _local_box(t) -> Tuple[torch.Tensor, List[int], List[int], List[int]]:
+def _placement_texts(t, name: str) -> List[str]:
+    return [
+        "Replicate" if d is None else f"Shard({d})" if o == 0 else f"Shard({d},order={o})"
+        for d, o in _placements(t, name)
+    ]
+
+
+def _chunk(n: int, k: int, i: int) -> Tuple[int, int]:
+    """``torch.chunk`` of ``n`` into ``k``: piece ``i`` as ``(start, length)``."""
+    size = -(-n // k)
+    start = min(i * size, n)
+    return start, min(start + size, n) - start
+
+
+def _box_of(t, name: str) -> Tuple[List[int], List[int]]:
+    """(global start, local shape) of this rank's piece of a DTensor, as ckpt cuts it:
+    the sharding axes in increasing order, each taking its ``torch.chunk`` of what the
+    axes before it left (exactly what FSDP2 stores for ``_StridedShard``, whose local
+    data is its DP chunk of the TP chunk)."""
+    places = _placements(t, name)
+    coords = t.device_mesh.get_coordinate()
+    if coords is None:
+        raise Unsupported(f"tensor `{name}`: this rank is not in the DTensor's device mesh")
+    sizes = list(t.device_mesh.mesh.shape)
+    start, length = [0] * t.dim(), list(t.shape)
+    for _, a in sorted((o, a) for a, (d, o) in enumerate(places) if d is not None):
+        d = places[a][0]
+        s, n = _chunk(length[d], sizes[a], coords[a])
+        start[d] += s
+        length[d] = n
+    return start, length
+
+
+def _local_box(t, name: str) -> Tuple[torch.Tensor, List[int], List[int], List[int]]:
     """(local tensor, global shape, global start, local shape) of a tensor or DTensor."""
     DTensor = _dtensor_class()
     if DTensor is not None and isinstance(t, DTensor):
-        for p in t.placements:
-            _placement_text(p)  # Partial, _StridedShard: refused by name
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         local = t._local_tensor
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        offset, shape = _box_of(t, name)
         if tuple(local.shape) != tuple(shape):
             raise Unsupported(
-                f"DTensor of local shape {tuple(local.shape)}, its placements give {tuple(shape)}"
+                f"tensor `{name}`: DTensor of local shape {tuple(local.shape)}, its "
+                f"placements {tuple(t.placements)} give {tuple(shape)}"
             )
-        return local, list(t.shape), list(offset), list(shape)
+        return local, list(t.shape), offset, shape
     return t, list(t.shape), [0] * t.dim(), list(t.shape)
 
 
@@ -115,7 +189,7 @@ def load_state_dict(
     requests = []
     locals_: List[torch.Tensor] = []
     for name, t in items:
-        local, global_shape, start, local_shape = _local_box(t)
+        local, global_shape, start, local_shape = _local_box(t, name)
         requests.append((name, global_shape, dtype_name_of_torch(local.dtype), start, local_shape))
         locals_.append(local)
     plan = ck._native.plan_boxes(requests)
@@ -153,8 +227,11 @@ def _world() -> Tuple[int, int]:
 
 
 def _mesh_of(items, world: int) -> Tuple[List[Tuple[str, int]], Any]:
-    """The one device mesh of the state dict's DTensors, as ckpt axes; it must span
-    the world in rank order (ckpt's ranks are the mesh's row-major coordinates)."""
+    """The device mesh of the state dict's DTensors, as ckpt axes: the one with the
+    most dimensions, spanning the world in rank order (ckpt's ranks are the mesh's
+    row-major coordinates). DTensors on a slice of it (FSDP2 over TP puts the layers TP
+    leaves alone on the ``dp`` slice of the 2-D mesh) are replicated on its other axes;
+    any other mesh is refused."""
     DTensor = _dtensor_class()
     meshes = []
     for _, t in items:
@@ -164,19 +241,45 @@ def _mesh_of(items, world: int) -> Tuple[List[Tuple[str, int]], Any]:
             meshes.append(t.device_mesh)
     if not meshes:
         return [("dp", world)], None
-    m = meshes[0]
+    m = max(meshes, key=lambda x: x.ndim)
     ranks = m.mesh.flatten().tolist()
-    for other in meshes[1:]:
-        if other.mesh.tolist() != m.mesh.tolist() or other.mesh_dim_names != m.mesh_dim_names:
+    for other in meshes:
+        if other is not m and _slice_axes(other, m) is None:
             raise Unsupported(
-                "the state dict's DTensors are on different device meshes: ckpt saves one mesh per checkpoint"
+                f"the state dict's DTensors are on device meshes {m} and {other}, neither a "
+                f"slice of the other: ckpt saves one mesh per checkpoint"
             )
     if ranks != list(range(world)):
         raise Unsupported(
             f"the device mesh holds ranks {ranks}: ckpt saves meshes that span ranks 0..{world - 1} in order"
         )
-    names = m.mesh_dim_names or tuple(f"d{i}" for i in range(m.ndim))
-    return [(str(n), int(s)) for n, s in zip(names, m.mesh.shape)], m
+    return [(str(n), int(s)) for n, s in zip(_axis_names(m), m.mesh.shape)], m
+
+
+def _axis_names(mesh) -> Tuple[str, ...]:
+    return tuple(mesh.mesh_dim_names or (f"d{i}" for i in range(mesh.ndim)))
+
+
+def _slice_axes(sub, mesh) -> Optional[List[int]]:
+    """The axes of ``mesh`` that ``sub`` is the slice of through this rank (``mesh[
+    "dp"]``: same names, in order, and the ranks of ``mesh`` that share this rank's
+    coordinates on the other axes), or None."""
+    if sub is mesh or (
+        sub.mesh_dim_names == mesh.mesh_dim_names and sub.mesh.shape == mesh.mesh.shape
+        and torch.equal(sub.mesh, mesh.mesh)
+    ):
+        return list(range(mesh.ndim))
+    if sub.mesh_dim_names is None or mesh.mesh_dim_names is None:
+        return None
+    names = list(mesh.mesh_dim_names)
+    if not all(n in names for n in sub.mesh_dim_names):
+        return None
+    axes = [names.index(n) for n in sub.mesh_dim_names]
+    coord = mesh.get_coordinate()
+    if axes != sorted(axes) or coord is None:
+        return None
+    index = tuple(slice(None) if i in axes else c for i, c in enumerate(coord))
+    return axes if torch.equal(mesh.mesh[index], sub.mesh) else None
 
 
 class SaveHandle:
@@ -211,15 +314,37 @@ class SaveHandle:
         return self._result
 
 
-def _token(rank: int, world: int) -> str:
-    """A name shared by every rank of this save (one broadcast from rank 0), so that a
-    stale staging directory of a crashed run is never taken for this one's."""
-    tok = [uuid.uuid4().hex if rank == 0 else None]
-    if world > 1:
-        import torch.distributed as dist
+# Saves started per checkpoint path by this process: every rank calls save_state_dict
+# in the same order, so (path, count) names the same save on every rank.
+_STARTED: Dict[str, int] = {}
 
+
+def _token(out: str, rank: int, world: int):
+    """A name shared by every rank of this save, so that a stale staging directory of a
+    crashed run is never taken for this one's. Returns a function giving it, to call on
+    the save's thread: rank 0 publishes a fresh one in the process group's key-value
+    store under (path, count), the others wait for it there. A store lookup is not a
+    collective, so it can run in the background without racing the training loop's
+    collectives, and the training loop never waits for the other ranks. Without a store
+    (a process group not made by init_process_group), one broadcast now."""
+    n = _STARTED[out] = _STARTED.get(out, 0) + 1
+    mine = uuid.uuid4().hex
+    if world == 1:
+        return lambda: mine
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        store = None
+    if store is None:
+        tok = [mine if rank == 0 else None]
         dist.broadcast_object_list(tok, src=0)
-    return str(tok[0])
+        return lambda: str(tok[0])
+    key = f"ckpt.save_state_dict/{out}/{n}"
+    if rank == 0:
+        return lambda: (store.set(key, mine), mine)[1]
+    return lambda: store.get(key).decode()
 
 
 def _commit(staging: str, out: str, world: int, strategy: str) -> None:
@@ -256,13 +381,15 @@ def save_state_dict(
     owner, rank 0 of each replica group, stores them unless ``keep_all``).
 
     The checkpoint is committed atomically once every rank has written: until then it
-    lives in a hidden sibling directory, and ``path`` never exists half-written. One
-    broadcast at the start names that directory; the writes need no collective.
+    lives in a hidden sibling directory, and ``path`` never exists half-written. Rank 0
+    names that directory through the process group's store; no collective is needed.
+    Every rank must call it for the same paths in the same order (as with any
+    distributed save).
     ``ckpt merge``, ``ckpt reshard --to N`` and :func:`load_state_dict` (on any mesh)
     read the result.
 
-    ``background=True`` copies the local shards into memory (the training stall) and
-    writes them on a thread: it returns a :class:`SaveHandle` whose ``wait()`` finishes
+    ``background=True`` copies the local shards into memory (the training stall: nothing
+    else, no waiting for other ranks) and writes them on a thread: it returns a :class:`SaveHandle` whose ``wait()`` finishes
     the write. Otherwise it returns ``path`` once this rank's part is written.
     """
     out = os.path.abspath(os.fspath(path))
@@ -270,13 +397,15 @@ def save_state_dict(
     if os.path.exists(out):
         raise OutputExists(f"{out} already exists")
     items = _flatten(state_dict)
-    axes, _mesh = _mesh_of(items, world)
+    axes, mesh = _mesh_of(items, world)
     tensors = []
     local_data = []
     DTensor = _dtensor_class()
     for name, t in items:
         if DTensor is not None and isinstance(t, DTensor):
-            placements = [_placement_text(p) for p in t.placements]
+            placements = ["Replicate"] * len(axes)
+            for axis, text in zip(_slice_axes(t.device_mesh, mesh), _placement_texts(t, name)):
+                placements[axis] = text
             local = t._local_tensor
         else:
             placements = ["Replicate"] * len(axes)
@@ -290,11 +419,11 @@ def save_state_dict(
             local = local.cpu().contiguous()
         local_data.append((name, local))
     strategy = _ckpt.strategy_json(axes, tensors)
-    token = _token(rank, world)
+    token = _token(out, rank, world)
     parent, base = os.path.split(out)
-    staging = os.path.join(parent, f".{base}.partial-{token}")
 
     def run() -> str:
+        staging = os.path.join(parent, f".{base}.partial-{token()}")
         os.makedirs(staging, exist_ok=True)
         # This rank's directory appears whole: written under a private name, renamed.
         private = os.path.join(staging, f".rank-{rank}")

@@ -1,0 +1,235 @@
+//! Checkpoints whose pieces a strategy places: ckpt's rank directories (`strategy.json`)
+//! and Megatron's legacy rank files (a strategy built from megatron-core's rules).
+
+use super::{unplaced, Checkpoint, Kind, MAX_LISTED};
+use crate::error::{Error, Result};
+use crate::formats::detect::discover::{rank_dir_number, unknown, MODEL_FILE};
+use crate::layout::mesh::Mesh;
+use crate::layout::source::SourcePiece;
+use crate::layout::strategy::{dtype_name, Strategy};
+use crate::layout::TensorLayout;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+impl Checkpoint {
+    /// A Megatron legacy checkpoint: each rank's file placed by the layout its reader
+    /// built from megatron-core's rules (a strategy on a `pp`/`tp` mesh, so `--to` and
+    /// `--mesh` reshard it as a sliced checkpoint).
+    pub(super) fn read_megatron(
+        dir: &Path,
+        carried: BTreeMap<String, PathBuf>,
+        mut notes: Vec<String>,
+    ) -> Result<(Checkpoint, Vec<Error>)> {
+        let legacy = crate::formats::megatron::open(dir)?;
+        notes.extend(legacy.notes);
+        let strategy = legacy.strategy;
+        let mut ck = Checkpoint {
+            kind: Kind::Sliced,
+            files: Vec::with_capacity(legacy.files.len()),
+            ranks: Vec::with_capacity(legacy.files.len()),
+            strategy: None,
+            tensors: BTreeMap::new(),
+            carried,
+            notes,
+        };
+        let mut raw: BTreeMap<String, Vec<SourcePiece>> = BTreeMap::new();
+        for (fi, (rank, f)) in legacy.files.into_iter().enumerate() {
+            for (ti, t) in f.tensors().iter().enumerate() {
+                let layout = &strategy.tensors[&t.name];
+                let entry = raw.entry(t.name.clone()).or_default();
+                place(entry, layout, &strategy.mesh, rank, (fi, ti));
+            }
+            ck.files.push(f);
+            ck.ranks.push(Some(rank));
+        }
+        for (name, l) in &strategy.tensors {
+            ck.tensors
+                .insert(name.clone(), unplaced(l.dtype, l.shape.clone()));
+        }
+        ck.strategy = Some(strategy);
+        let mut problems = Vec::new();
+        ck.assemble(raw, &mut problems);
+        Ok((ck, problems))
+    }
+
+    pub(super) fn read_sliced(
+        &mut self,
+        strategies: &[Option<PathBuf>],
+        raw: &mut BTreeMap<String, Vec<SourcePiece>>,
+        problems: &mut Vec<Error>,
+    ) -> Result<()> {
+        let mut parsed: BTreeMap<PathBuf, std::result::Result<Strategy, String>> = BTreeMap::new();
+        for s in strategies.iter().flatten() {
+            parsed
+                .entry(s.clone())
+                .or_insert_with(|| Strategy::read(s).map_err(|e| e.to_string()));
+        }
+        // The reference strategy: the first that parses.
+        let Some((ref_path, strategy)) = parsed
+            .iter()
+            .find_map(|(p, s)| s.as_ref().ok().map(|s| (p.clone(), s.clone())))
+        else {
+            let first = parsed
+                .values()
+                .find_map(|s| s.as_ref().err().cloned())
+                .unwrap_or_default();
+            return Err(unknown(first));
+        };
+        let hash = strategy.hash();
+        for (p, s) in &parsed {
+            match s {
+                Err(e) => problems.push(unknown(e.clone())),
+                Ok(s) if s.hash() != hash => problems.push(Error::Mismatch {
+                    what: format!(
+                        "{}: strategy differs from {}",
+                        p.display(),
+                        ref_path.display()
+                    ),
+                }),
+                Ok(_) => {}
+            }
+        }
+        let world = strategy.mesh.world_size();
+        let mut seen: BTreeMap<u64, PathBuf> = BTreeMap::new();
+        for (fi, f) in self.files.iter().enumerate() {
+            let path = f.path().to_path_buf();
+            let meta = f.metadata();
+            let rank = meta
+                .get("rank")
+                .and_then(|r| r.parse::<u64>().ok())
+                .or_else(|| path.parent().and_then(rank_dir_number));
+            let Some(rank) = rank else {
+                problems.push(Error::Mismatch {
+                    what: format!("{}: no `rank` in __metadata__", path.display()),
+                });
+                continue;
+            };
+            if let Some(w) = meta.get("world_size") {
+                if w != &world.to_string() {
+                    problems.push(Error::Mismatch {
+                        what: format!(
+                            "{}: world_size {w} but the strategy's mesh has {world} ranks",
+                            path.display()
+                        ),
+                    });
+                }
+            }
+            if let Some(h) = meta.get("strategy_hash") {
+                if h != &hash {
+                    problems.push(Error::Mismatch {
+                        what: format!(
+                            "{}: strategy_hash {h} does not match strategy.json ({hash})",
+                            path.display()
+                        ),
+                    });
+                }
+            }
+            if rank >= world {
+                problems.push(Error::Mismatch {
+                    what: format!(
+                        "{}: rank {rank} but the world size is {world}",
+                        path.display()
+                    ),
+                });
+                continue;
+            }
+            if let Some(other) = seen.insert(rank, path.clone()) {
+                problems.push(Error::Mismatch {
+                    what: format!(
+                        "{}: rank {rank} appears twice (also {})",
+                        path.display(),
+                        other.display()
+                    ),
+                });
+                continue;
+            }
+            self.ranks[fi] = Some(rank);
+            for (ti, t) in f.tensors().iter().enumerate() {
+                let Some(layout) = strategy.tensors.get(&t.name) else {
+                    problems.push(Error::InvalidTensor {
+                        tensor: t.name.clone(),
+                        problem: format!("in {} but not in the strategy", path.display()),
+                    });
+                    continue;
+                };
+                let want = layout.local_shape(&strategy.mesh, rank);
+                if want.as_deref() != Some(&t.shape[..]) || t.dtype != layout.dtype {
+                    problems.push(Error::InvalidTensor {
+                        tensor: t.name.clone(),
+                        problem: format!(
+                            "{} holds {} {:?} but the strategy gives rank {rank} {} {}",
+                            path.display(),
+                            dtype_name(t.dtype),
+                            t.shape,
+                            dtype_name(layout.dtype),
+                            want.map_or("nothing (other pipeline stage)".into(), |w| format!(
+                                "{w:?}"
+                            ))
+                        ),
+                    });
+                    continue;
+                }
+                let entry = raw.entry(t.name.clone()).or_default();
+                place(entry, layout, &strategy.mesh, rank, (fi, ti));
+            }
+        }
+        problems.extend(missing_ranks(world, &seen, |r| {
+            format!("no ckpt_{r}/{MODEL_FILE} among the inputs")
+        }));
+        // Tensors of the strategy that no file holds are reported by the coverage check.
+        for (name, st) in &strategy.tensors {
+            raw.entry(name.clone()).or_default();
+            self.tensors
+                .insert(name.clone(), unplaced(st.dtype, st.shape.clone()));
+        }
+        self.strategy = Some(strategy);
+        Ok(())
+    }
+}
+
+/// One problem per rank below `world` that is not in `seen`, the first [`MAX_LISTED`]
+/// by name and the rest counted. The work is bounded by the ranks present, not by the
+/// world size a file claims (a mesh of 10^12 ranks costs no more than one of 4).
+/// Adds the pieces that rank `rank`'s stored tensor `(file, tensor)` holds under
+/// `layout` on `mesh`.
+fn place(
+    entry: &mut Vec<SourcePiece>,
+    layout: &TensorLayout,
+    mesh: &Mesh,
+    rank: u64,
+    (file, tensor): (usize, usize),
+) {
+    for p in layout.pieces(mesh, rank) {
+        entry.push(SourcePiece {
+            file,
+            tensor,
+            global: p.global,
+            local: p.local,
+        });
+    }
+}
+
+pub(super) fn missing_ranks<V>(
+    world: u64,
+    seen: &BTreeMap<u64, V>,
+    why: impl Fn(u64) -> String,
+) -> Vec<Error> {
+    let present = seen.range(..world).count() as u64;
+    let total = world - present;
+    let mut out = Vec::new();
+    let mut r = 0;
+    while (out.len() as u64) < total.min(MAX_LISTED as u64) {
+        if !seen.contains_key(&r) {
+            out.push(Error::Mismatch {
+                what: format!("rank {r} of {world} is missing ({})", why(r)),
+            });
+        }
+        r += 1;
+    }
+    if total > out.len() as u64 {
+        out.push(Error::Mismatch {
+            what: format!("... and {} more missing ranks", total - out.len() as u64),
+        });
+    }
+    out
+}

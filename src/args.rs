@@ -1,0 +1,335 @@
+//! The commands' arguments (clap), checked as they are parsed where they can be: a bad
+//! glob, mesh, rank or dtype is a usage error (exit 2) before any work.
+
+use anyhow::{Context, Result};
+use ckpt_core::{Dtype, Mesh, Selection};
+use clap::Args;
+use std::path::PathBuf;
+
+/// A usage error found after parsing (exit code 2, like clap's own).
+#[derive(Debug)]
+pub(crate) struct Usage(pub(crate) String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+/// Checks a glob pattern at parse time (a bad one is a usage error).
+fn parse_glob(s: &str) -> std::result::Result<String, String> {
+    ckpt_core::Selection::new(&[s.to_string()], &[], None)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
+}
+
+/// Checks a mesh at parse time, keeping the text.
+fn parse_shard(s: &str) -> std::result::Result<(String, usize), String> {
+    let (glob, dim) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("`{s}`: expected NAME_GLOB=DIM"))?;
+    let dim = dim
+        .parse()
+        .map_err(|_| format!("`{s}`: DIM `{dim}` is not a dimension number"))?;
+    ckpt_core::Selection::new(&[glob.to_string()], &[], None).map_err(|e| e.to_string())?;
+    Ok((glob.to_string(), dim))
+}
+
+fn parse_mesh(s: &str) -> std::result::Result<String, String> {
+    Mesh::parse(s)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
+}
+
+/// Checks `--data` at parse time, keeping the text.
+fn parse_data(s: &str) -> std::result::Result<String, String> {
+    ckpt_train::DataSource::parse(s)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
+}
+
+/// `auto` or a rank number.
+fn parse_rank(s: &str) -> std::result::Result<String, String> {
+    if s == "auto" || s.parse::<u64>().is_ok() {
+        Ok(s.to_string())
+    } else {
+        Err(format!("`{s}` is not a rank number or `auto`"))
+    }
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct TrainArgs {
+    #[command(flatten)]
+    pub(crate) config: ckpt_train::TrainConfig,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// No progress output.
+    #[arg(long, short)]
+    pub(crate) quiet: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct InferArgs {
+    /// Checkpoint: integrated, sliced (root with ckpt_*/), or a training --out directory.
+    pub(crate) checkpoint: PathBuf,
+    /// Data set (default: the one it was trained on): digits, digits:FILE, fashion-mnist[:DIR], cifar10:DIR.
+    #[arg(long, value_parser = parse_data)]
+    pub(crate) data: Option<String>,
+    /// Ranks: a sliced checkpoint's tensor-parallel size (the default) or a multiple of
+    /// it, the extra copies data parallel (the test set split over them).
+    #[arg(long)]
+    pub(crate) ranks: Option<u64>,
+    /// Images per forward pass.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) batch_size: usize,
+    /// Predict these test images (7; 3,5,7; 0..10, the end excluded) or the images in
+    /// these files (digits: CSV rows of 64 pixel values 0..16 and the label, as in the
+    /// data set's own file).
+    #[arg(long, num_args = 1..)]
+    pub(crate) predict: Vec<String>,
+    /// Evaluate only the first N test images.
+    #[arg(long)]
+    pub(crate) limit: Option<usize>,
+    /// How ranks run: threads of this process, or one process per rank under mpirun.
+    #[arg(long, value_enum, default_value_t = ckpt_train::Backend::Threads)]
+    pub(crate) backend: ckpt_train::Backend,
+    /// Where the model maths runs: the CPU, or CUDA GPUs (needs a build with
+    /// `--features cuda-candle`).
+    #[arg(long, value_enum, default_value_t = ckpt_train::DeviceKind::Cpu)]
+    pub(crate) device: ckpt_train::DeviceKind,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// The checkpoint to read, shared by the commands that read one.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct Inputs {
+    /// Rank directories (ckpt_<r>/, MindSpore's rank_<r>/), a sliced checkpoint root or
+    /// training --out, rank files, an integrated or DCP checkpoint, MindSpore .ckpt files.
+    #[arg(required = true)]
+    pub(crate) paths: Vec<PathBuf>,
+    /// The source's MindSpore strategy file (protobuf or JSON; one per pipeline stage),
+    /// when it is not the only one beside the rank directories.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) source_strategy: Vec<PathBuf>,
+    /// Read the checkpoint of this training step where the inputs hold several: a
+    /// training output's step_<N>/ instead of `latest`, MindSpore's
+    /// <prefix>-<epoch>_<N>.ckpt in each rank directory instead of the newest.
+    #[arg(long, value_name = "N")]
+    pub(crate) step: Option<u64>,
+}
+
+impl Inputs {
+    /// Every input path: the strategy files are inputs too (recognised by content).
+    pub(crate) fn all(&self) -> Result<Vec<PathBuf>> {
+        for s in &self.source_strategy {
+            let bytes =
+                std::fs::read(s).with_context(|| format!("--source-strategy {}", s.display()))?;
+            if !ckpt_core::is_mindspore_strategy(&bytes) {
+                return Err(Usage(format!(
+                    "--source-strategy {}: not a MindSpore strategy file (protobuf ParallelStrategyMap or its JSON form)",
+                    s.display()
+                ))
+                .into());
+            }
+        }
+        Ok(self
+            .paths
+            .iter()
+            .chain(&self.source_strategy)
+            .cloned()
+            .collect())
+    }
+}
+
+/// Renaming, on every command that reads a checkpoint.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct Names {
+    /// Remove this prefix from every tensor name that has it (DDP's `module.`).
+    #[arg(long, value_name = "PREFIX")]
+    pub(crate) strip_prefix: Option<String>,
+    /// Put this prefix in front of every tensor name (after --strip-prefix).
+    #[arg(long, value_name = "PREFIX")]
+    pub(crate) add_prefix: Option<String>,
+}
+
+impl Names {
+    pub(crate) fn selection(&self) -> Selection {
+        Selection::default().with_prefixes(self.strip_prefix.clone(), self.add_prefix.clone())
+    }
+}
+
+/// Options shared by the commands that copy tensors.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct CopyArgs {
+    /// Cast floating-point tensors while copying (integers are refused): bf16, f16,
+    /// f32, f64, or any safetensors dtype name (F8_E4M3, F8_E5M2, ...).
+    #[arg(long, value_parser = parse_cast)]
+    pub(crate) dtype: Option<Dtype>,
+    /// Keep only tensors matching these glob patterns.
+    #[arg(long, value_parser = parse_glob)]
+    pub(crate) include: Vec<String>,
+    /// Drop tensors matching these glob patterns (e.g. 'optim.*').
+    #[arg(long, value_parser = parse_glob)]
+    pub(crate) exclude: Vec<String>,
+    #[command(flatten)]
+    pub(crate) names: Names,
+    /// Replace an existing output.
+    #[arg(long)]
+    pub(crate) force: bool,
+    /// Write compressed .ckptz files (byte-grouped zstd chunks, level 1 to 22, default
+    /// 1) that every ckpt command reads: zstd or zstd:LEVEL.
+    #[arg(long, value_name = "zstd[:LEVEL]", value_parser = ckpt_core::Compression::parse)]
+    pub(crate) compress: Option<ckpt_core::Compression>,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// No progress bar.
+    #[arg(long, short)]
+    pub(crate) quiet: bool,
+    /// Neither check the sources' checksums nor record the output's (to measure what
+    /// they cost; benchmarks only).
+    #[arg(long, hide = true)]
+    pub(crate) no_checksums: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct MergeArgs {
+    #[command(flatten)]
+    pub(crate) inputs: Inputs,
+    /// Output directory.
+    #[arg(short, long)]
+    pub(crate) output: PathBuf,
+    /// Split the output into files of at most this size, with an index (e.g. 5GB).
+    #[arg(long, value_parser = ckpt_merge::parse_size)]
+    pub(crate) max_shard_size: Option<u64>,
+    /// `auto`: under mpirun, srun or torchrun, write only this process's share of the
+    /// output files (with --max-shard-size); no data crosses processes.
+    #[arg(long, value_parser = ["auto"])]
+    pub(crate) rank: Option<String>,
+    /// Output format: `safetensors` (Hugging Face layout), `mindspore` (one model.ckpt
+    /// that mindspore.load_checkpoint reads) or `torch` (one model.pth, a dict of
+    /// tensors that torch.load(weights_only=True) reads).
+    #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "mindspore", "torch"])]
+    pub(crate) format: String,
+    /// Keep optimizer state (tensors named `optim.*`) in model.safetensors; by default
+    /// it goes to optimizer.safetensors beside it, and model.safetensors holds the
+    /// weights only (`ckpt infer` and `ckpt train --resume` read both).
+    #[arg(long)]
+    pub(crate) one_file: bool,
+    #[command(flatten)]
+    pub(crate) copy: CopyArgs,
+}
+
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["to", "mesh", "strategy"])))]
+pub(crate) struct ReshardArgs {
+    #[command(flatten)]
+    pub(crate) inputs: Inputs,
+    /// Output directory.
+    #[arg(short, long)]
+    pub(crate) output: PathBuf,
+    /// Keep placements; innermost mesh axis becomes N, others 1.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) to: Option<u64>,
+    /// New sizes for named axes, e.g. dp=2,tp=2.
+    #[arg(long, value_parser = parse_mesh)]
+    pub(crate) mesh: Option<String>,
+    /// With --to N on a whole copy (no strategy): split tensors matching NAME_GLOB along
+    /// DIM over the N ranks, first matching rule wins, others replicated; e.g.
+    /// --shard '*.q_proj.weight=0' '*.o_proj.weight=1'.
+    #[arg(long, value_name = "NAME_GLOB=DIM", num_args = 1.., value_parser = parse_shard, requires = "to")]
+    pub(crate) shard: Vec<(String, usize)>,
+    /// A target strategy file: ckpt's strategy.json, or a MindSpore (predict) strategy
+    /// file, protobuf or JSON.
+    #[arg(long)]
+    pub(crate) strategy: Option<PathBuf>,
+    /// Build only this target rank (`auto`: from mpirun, Slurm or torchrun variables).
+    #[arg(long, value_parser = parse_rank)]
+    pub(crate) rank: Option<String>,
+    /// Print which files each target rank reads and the bytes, and write nothing.
+    #[arg(long)]
+    pub(crate) plan: bool,
+    /// With --plan: also write the plan as a self-contained HTML page (per tensor the
+    /// target pieces over the source pieces; per output file its reads).
+    #[arg(long, value_name = "FILE", requires = "plan")]
+    pub(crate) html: Option<PathBuf>,
+    /// Write replicated tensors on every rank, not only the lowest (always with
+    /// `--format mindspore`).
+    #[arg(long)]
+    pub(crate) keep_all: bool,
+    /// Output layout: `ckpt` (ckpt_<r>/ directories), `dcp` (PyTorch DCP sharded
+    /// safetensors, loadable by torch's HuggingFaceStorageReader), `distcp` (DCP's
+    /// default format: __<r>_0.distcp + .metadata, loadable by
+    /// torch.distributed.checkpoint.load; each chunk stored once), `mindspore`
+    /// (rank_<r>/checkpoint_<r>.ckpt, loadable by mindspore.load_checkpoint) or
+    /// `megatron` (a Megatron legacy checkpoint from a Megatron legacy source:
+    /// iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt).
+    #[arg(long, default_value = "ckpt", value_parser = ["ckpt", "dcp", "distcp", "mindspore", "megatron"])]
+    pub(crate) format: String,
+    #[command(flatten)]
+    pub(crate) copy: CopyArgs,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ConvertArgs {
+    /// A tensor file, or a checkpoint directory (converted with everything under it).
+    pub(crate) source: PathBuf,
+    /// The output file or directory.
+    #[arg(short, long)]
+    pub(crate) output: PathBuf,
+    /// zstd level (compress only).
+    #[arg(long, default_value_t = ckpt_core::DEFAULT_LEVEL, value_parser = clap::value_parser!(i32).range(1..=22))]
+    pub(crate) level: i32,
+    /// Raw bytes per compressed chunk (tests: small chunks make small tensors span
+    /// several).
+    #[arg(long, hide = true, value_parser = ckpt_merge::parse_size)]
+    pub(crate) chunk_bytes: Option<u64>,
+    /// Replace an existing output.
+    #[arg(long)]
+    pub(crate) force: bool,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct ExampleArgs {
+    /// Output directory (a sliced checkpoint root).
+    pub(crate) output: PathBuf,
+    /// Mesh, e.g. tp=4 or dp=2,tp=4 (innermost axis is tensor parallel).
+    #[arg(long, default_value = "tp=4", value_parser = parse_mesh)]
+    pub(crate) mesh: String,
+    /// Hidden size.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) hidden: u64,
+    /// Layers.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) layers: u64,
+    /// Vocabulary rows (odd sizes shard unevenly).
+    #[arg(long, default_value_t = 1000)]
+    pub(crate) vocab: u64,
+    /// Element type.
+    #[arg(long, default_value = "BF16", value_parser = parse_cast)]
+    pub(crate) dtype: Dtype,
+    /// Add ZeRO-sharded F32 optimizer moments (`optim.*.exp_avg`).
+    #[arg(long)]
+    pub(crate) optimizer: bool,
+    /// Replace an existing output.
+    #[arg(long)]
+    pub(crate) force: bool,
+}
+
+pub(crate) fn parse_cast(s: &str) -> std::result::Result<Dtype, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "bf16" => Ok(Dtype::BF16),
+        "f16" | "fp16" => Ok(Dtype::F16),
+        "f32" | "fp32" => Ok(Dtype::F32),
+        "f64" => Ok(Dtype::F64),
+        _ => ckpt_core::parse_dtype(&s.to_ascii_uppercase()),
+    }
+}

@@ -1,0 +1,326 @@
+//! One function per subcommand: the parsed arguments turned into the library's typed
+//! request, the library called, and what the library says about the result printed.
+//! No checkpoint logic and no report wording lives here (`ckpt_core::inspect_text`,
+//! `verify_text`, `CopySummary`, `TrainReport::summary_text`, `InferReport::text`, ...).
+
+use crate::args::{
+    ConvertArgs, CopyArgs, ExampleArgs, InferArgs, MergeArgs, ReshardArgs, TrainArgs, Usage,
+};
+use crate::report::bytes_bar;
+use anyhow::{bail, Context, Result};
+use ckpt_core::{Checkpoint, CopyPlan, Mesh, Selection, Strategy};
+use serde_json::json;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+/// Problems printed are problems found: the exit code says so too.
+fn found(problems: &[ckpt_core::Error]) -> ExitCode {
+    if problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+pub(crate) fn inspect(paths: &[PathBuf], sel: &Selection, as_json: bool) -> Result<ExitCode> {
+    let (ck, problems) = ckpt_core::verify_selected(paths, sel, ckpt_core::VerifyDepth::default())?;
+    if as_json {
+        let doc = ckpt_core::inspect_json(&ck, &problems);
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print!("{}", ckpt_core::inspect_text(&ck, &problems));
+    }
+    Ok(found(&problems))
+}
+
+pub(crate) fn verify(
+    paths: &[PathBuf],
+    sel: &Selection,
+    depth: ckpt_core::VerifyDepth,
+    as_json: bool,
+) -> Result<ExitCode> {
+    let (ck, problems) = match ckpt_core::verify_selected(paths, sel, depth) {
+        Ok(x) => x,
+        Err(e) => {
+            if as_json {
+                println!("{}", json!({"ok": false, "problems": [e.to_string()]}));
+            } else {
+                println!("{e}");
+            }
+            return Ok(ExitCode::from(1));
+        }
+    };
+    if as_json {
+        let doc = ckpt_core::verify_json(&ck, &problems);
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print!("{}", ckpt_core::verify_text(&ck, &problems, depth));
+    }
+    Ok(found(&problems))
+}
+
+/// Runs a copying command with a byte progress bar (sized once the plan is known) and
+/// prints its summary.
+fn with_progress(
+    verb: &str,
+    out: &std::path::Path,
+    copy: &CopyArgs,
+    run: impl FnOnce(
+        &(dyn Fn(u64) + Sync),
+        &dyn Fn(&Checkpoint, &CopyPlan),
+    ) -> ckpt_core::Result<ckpt_core::CopyStats>,
+) -> Result<ExitCode> {
+    if copy.no_checksums {
+        ckpt_core::set_checksums_enabled(false);
+    }
+    let t = Instant::now();
+    let bar = std::sync::OnceLock::new();
+    // Distinct tensors and files of the plan: a reshard writes several pieces of a tensor.
+    let shape = std::sync::OnceLock::new();
+    let stats = run(
+        &|n| {
+            if let Some(b) = bar.get() {
+                indicatif::ProgressBar::inc(b, n);
+            }
+        },
+        &|source: &Checkpoint, p: &CopyPlan| {
+            for note in &source.notes {
+                eprintln!("ckpt: note: {note}");
+            }
+            let _ = bar.set(bytes_bar(p.bytes_written(), copy.quiet || copy.json));
+            let names: std::collections::BTreeSet<&str> = p
+                .files
+                .iter()
+                .flat_map(|f| f.tensors.iter().map(|t| t.target.name.as_str()))
+                .collect();
+            let _ = shape.set((names.len() as u64, p.files.len() as u64));
+        },
+    );
+    if let Some(b) = bar.get() {
+        b.finish_and_clear();
+    }
+    let (names, files) = shape.get().copied().unwrap_or((0, 0));
+    let summary = ckpt_core::CopySummary {
+        verb,
+        stats: &stats?,
+        names,
+        files,
+        seconds: t.elapsed().as_secs_f64(),
+        output: out,
+    };
+    if copy.json {
+        println!("{}", summary.json());
+    } else {
+        print!("{}", summary.text());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The tensors a copy keeps, and their names.
+fn selection(copy: &CopyArgs, step: Option<u64>) -> Result<Selection> {
+    Ok(Selection::new(&copy.include, &copy.exclude, copy.dtype)?
+        .with_prefixes(
+            copy.names.strip_prefix.clone(),
+            copy.names.add_prefix.clone(),
+        )
+        .with_step(step))
+}
+
+pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
+    let req = ckpt_merge::MergeRequest {
+        inputs: a.inputs.all()?,
+        output: a.output,
+        max_shard_size: a.max_shard_size,
+        selection: selection(&a.copy, a.inputs.step)?,
+        force: a.copy.force,
+        one_file: a.one_file,
+        format: match a.format.as_str() {
+            "mindspore" => ckpt_merge::MergeFormat::MindSpore,
+            "torch" => ckpt_merge::MergeFormat::Torch,
+            _ => ckpt_merge::MergeFormat::Safetensors,
+        },
+        compression: a.copy.compress,
+        share: match a.rank {
+            Some(_) => Some(launch_share()?),
+            None => None,
+        },
+    };
+    with_progress("merged", &req.output, &a.copy, |progress, on_plan| {
+        ckpt_merge::merge(&req, progress, on_plan)
+    })
+}
+
+/// This process's share of partitioned work: `(rank, world size)` from the launcher.
+fn launch_share() -> Result<(u64, u64)> {
+    let env = ckpt_core::LaunchEnv::from_env()?.context(
+        "--rank auto: no launcher variables (OMPI_COMM_WORLD_RANK, PMI_RANK, RANK or SLURM_PROCID) are set",
+    )?;
+    Ok((env.rank as u64, env.world_size as u64))
+}
+
+pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
+    let target = if let Some(n) = a.to {
+        ckpt_reshard::Target::To(n)
+    } else if let Some(m) = &a.mesh {
+        let mesh = Mesh::parse(m)?;
+        ckpt_reshard::Target::Mesh(
+            mesh.axes()
+                .iter()
+                .map(|x| (x.name.clone(), x.size))
+                .collect(),
+        )
+    } else if let Some(s) = &a.strategy {
+        let bytes = std::fs::read(s).with_context(|| format!("--strategy {}", s.display()))?;
+        if ckpt_core::is_mindspore_strategy(&bytes) {
+            ckpt_reshard::Target::MindSpore(ckpt_core::read_mindspore_strategies(&[s.as_path()])?)
+        } else {
+            ckpt_reshard::Target::Strategy(Strategy::read(s)?)
+        }
+    } else {
+        bail!("give --to, --mesh or --strategy");
+    };
+    let ranks = match a.rank.as_deref() {
+        None => ckpt_reshard::Ranks::All,
+        // One share per process of the job that started this one.
+        Some("auto") => {
+            let (index, count) = launch_share()?;
+            ckpt_reshard::Ranks::Share { index, count }
+        }
+        // Checked by parse_rank.
+        Some(r) => ckpt_reshard::Ranks::One(r.parse().map_err(|_| Usage(format!("--rank `{r}`")))?),
+    };
+    let req = ckpt_reshard::ReshardRequest {
+        inputs: a.inputs.all()?,
+        output: a.output,
+        target,
+        ranks,
+        selection: selection(&a.copy, a.inputs.step)?,
+        // MindSpore loads each rank's parameters from that rank's file alone.
+        keep_all: a.keep_all || a.format == "mindspore",
+        force: a.copy.force,
+        shard: a.shard,
+        compression: a.copy.compress,
+        format: match a.format.as_str() {
+            "dcp" => ckpt_reshard::OutputFormat::Dcp,
+            "mindspore" => ckpt_reshard::OutputFormat::MindSpore,
+            "distcp" => ckpt_reshard::OutputFormat::Distcp,
+            "megatron" => ckpt_reshard::OutputFormat::Megatron,
+            _ => ckpt_reshard::OutputFormat::Ranks,
+        },
+    };
+    if a.plan {
+        let (source, strategy, plan) = ckpt_reshard::prepare(&req)?;
+        if a.copy.json {
+            let doc = ckpt_core::plan_json(&source, &strategy, &plan);
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+        } else {
+            print!("{}", ckpt_core::plan_text(&source, &strategy, &plan));
+        }
+        if let Some(dest) = &a.html {
+            let title = req
+                .inputs
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(" ");
+            ckpt_core::write_plan_html(&source, &plan, &strategy.mesh.to_string(), &title, dest)?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    with_progress("resharded", &req.output, &a.copy, |progress, on_plan| {
+        ckpt_reshard::reshard(&req, progress, on_plan)
+    })
+}
+
+pub(crate) fn convert(a: ConvertArgs, how: ckpt_core::Conversion) -> Result<ExitCode> {
+    let t = Instant::now();
+    let s = ckpt_core::convert(&a.source, &a.output, how, a.force)?;
+    let secs = t.elapsed().as_secs_f64();
+    if a.json {
+        println!("{}", ckpt_core::convert_json(&s, secs, &a.output));
+    } else {
+        print!("{}", ckpt_core::convert_text(how, &s, secs, &a.output));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(crate) fn example(a: ExampleArgs) -> Result<ExitCode> {
+    let mesh = Mesh::parse(&a.mesh)?;
+    let model = ckpt_core::ExampleModel {
+        hidden: a.hidden,
+        layers: a.layers,
+        vocab: a.vocab,
+        dtype: a.dtype,
+        optimizer: a.optimizer,
+    };
+    let staged = ckpt_core::StagedDir::new(&a.output, a.force)?;
+    let s = ckpt_core::write_example(staged.path(), &model, &mesh)?;
+    staged.commit()?;
+    println!(
+        "wrote a {}-rank example checkpoint ({} tensors, mesh {}) to {}",
+        mesh.world_size(),
+        s.tensors.len(),
+        mesh,
+        a.output.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Whether this process prints the results: always, unless a launcher (mpirun, srun,
+/// torchrun) started it as a rank other than 0.
+fn is_lead() -> Result<bool> {
+    Ok(ckpt_core::LaunchEnv::from_env()?.is_none_or(|e| e.rank == 0))
+}
+
+pub(crate) fn train(a: TrainArgs) -> Result<ExitCode> {
+    ckpt_train::configure_cpu_threads(ckpt_train::ranks_in_process(
+        a.config.backend,
+        a.config.mesh.as_deref(),
+        a.config.ranks,
+    ));
+    let report = ckpt_train::train(&a.config, !(a.quiet || a.json))?;
+    if !is_lead()? {
+        return Ok(ExitCode::SUCCESS);
+    }
+    // TensorBoard's curves beside the checkpoints (written during the run):
+    // `tensorboard --logdir OUT`.
+    let events = report.events.clone();
+    if a.json {
+        println!("{}", report.summary_json(events.as_deref()));
+    } else {
+        print!("{}", report.summary_text(events.as_deref()));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(crate) fn infer(a: InferArgs) -> Result<ExitCode> {
+    ckpt_train::configure_cpu_threads(ckpt_train::ranks_in_process(a.backend, None, a.ranks));
+    let req = ckpt_infer::InferRequest {
+        checkpoint: a.checkpoint,
+        data: a.data,
+        ranks: a.ranks,
+        batch_size: a.batch_size,
+        predict: if a.predict.is_empty() {
+            None
+        } else {
+            Some(
+                ckpt_infer::parse_predict(&a.predict)
+                    .map_err(|e| Usage(format!("--predict {e}")))?,
+            )
+        },
+        limit: a.limit,
+        backend: a.backend,
+        device: a.device,
+    };
+    let r = ckpt_infer::infer(&req)?;
+    if !is_lead()? {
+        return Ok(ExitCode::SUCCESS);
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", r.text());
+    }
+    Ok(ExitCode::SUCCESS)
+}
