@@ -8,6 +8,8 @@
    writes `ckpt inspect --html`, opens the report in headless Chromium and checks: the
    tensor count, every tensor's drawing (one group per piece, rectangles for the
    non-empty owners), sorting, filtering, no errors in the console. Saves a screenshot.
+   Then the report of DeepSpeed's ZeRO-3 fixture: the same piece counts, each rank's
+   flat range drawn as its runs (a partial row, whole rows, a partial row).
 2. Trains a few steps with `ckpt train --out`, reads the event file with TensorBoard's
    own EventAccumulator and checks the loss curve against `ckpt train --json`.
 
@@ -25,6 +27,7 @@ import sys
 # Absolute: the commands run with the scratch directory as their working directory.
 CKPT, WORK = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 SHOT = sys.argv[3] if len(sys.argv) > 3 else os.path.join(WORK, "report.png")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def ckpt(*args):
@@ -153,8 +156,58 @@ def browser_check():
         assert not errors, errors
         print(f"plan page: {len(outputs)} outputs, embed.weight as {len(targets)} target "
               f"pieces over {len(sources)} source pieces")
+        zero_check(drv)
     finally:
         drv.quit()
+
+
+def flat_runs(a, n, cols):
+    """Rectangles of a flat range [a, a+n) over rows of `cols`: the end of a row, whole
+    rows, the start of a row (the report's flatStrips)."""
+    if n == 0:
+        return 0
+    b = a + n
+    if a // cols == b // cols:
+        return 1
+    whole_from = a // cols + (1 if a % cols else 0)
+    return (1 if a % cols else 0) + (1 if b // cols > whole_from else 0) + (1 if b % cols else 0)
+
+
+def zero_check(drv):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    zero = os.path.join(REPO, "tests/fixtures/deepspeed/zero3_fp32/ckpt")
+    tensors = {t["name"]: t for t in json.loads(ckpt("inspect", zero, "--json"))["tensors"]}
+    ckpt("inspect", zero, "--html", "zero.html")
+    drv.get("file://" + os.path.join(WORK, "zero.html"))
+    WebDriverWait(drv, 20).until(
+        lambda d: d.execute_script("return document.body.dataset.ready") == "1")
+    rows = drv.find_elements(By.CSS_SELECTOR, "tr.row")
+    assert len(rows) == len(tensors), (len(rows), len(tensors))
+    flat = mid_row = 0
+    for i in range(len(rows)):
+        row = drv.find_elements(By.CSS_SELECTOR, "tr.row")[i]
+        name = row.find_element(By.TAG_NAME, "td").text
+        row.click()
+        pieces, shape = tensors[name]["pieces"], tensors[name]["shape"]
+        rects = drv.execute_script(
+            "return [...document.querySelectorAll('tr.detail g.piece')]"
+            ".map(g => g.querySelectorAll('rect').length)")
+        assert len(rects) == len(pieces), (name, len(rects), len(pieces))
+        cols = shape[-1] if shape else 1
+        for p, n in zip(pieces, rects):
+            if "flat" in p:
+                flat += 1
+                a, k = p["flat"]
+                mid_row += a % cols != 0
+                assert n == flat_runs(a, k, cols), (name, p, n)
+        row.click()
+    assert flat > 0 and mid_row > 0, (flat, mid_row)
+    errors = [e for e in drv.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+    print(f"zero3 page: {len(tensors)} tensors, {flat} flat pieces drawn as runs "
+          f"({mid_row} starting mid-row)")
 
 
 def tensorboard_check():

@@ -283,11 +283,9 @@ pub(crate) fn train(a: TrainArgs) -> Result<ExitCode> {
     if !is_lead()? {
         return Ok(ExitCode::SUCCESS);
     }
-    // TensorBoard's curves beside the checkpoints: `tensorboard --logdir OUT`.
-    let events = match &a.config.out {
-        Some(out) => Some(ckpt_train::run_scalars(&report).write(out)?),
-        None => None,
-    };
+    // TensorBoard's curves beside the checkpoints (written during the run):
+    // `tensorboard --logdir OUT`.
+    let events = report.events.clone();
     if a.json {
         println!("{}", report.summary_json(events.as_deref()));
     } else {

@@ -14,5 +14,7 @@ mod mindspore;
 mod pictures;
 mod python;
 mod reshard;
+mod tensorboard;
 mod torch;
 mod train_infer;
+mod zero_pictures;

@@ -9,10 +9,12 @@
 //! directory discovery, read and checked), `sliced` (pieces placed by a strategy: ckpt's
 //! rank directories, Megatron), `mindspore` (by a MindSpore strategy), `boxes` (files
 //! that say where their pieces sit, or hold tensors whole: Hugging Face, DCP, DeepSpeed)
-//! and `coverage` (every element held exactly once).
+//! and `coverage` (every element held exactly once; `flat_names` names ZeRO-style flat
+//! pieces in its messages).
 
 mod boxes;
 mod coverage;
+mod flat_names;
 mod mindspore;
 mod open;
 mod sliced;

@@ -18,6 +18,7 @@ pub use terminal::{render_text, Canvas};
 
 use crate::checkpoint::{Checkpoint, Kind};
 use crate::error::{Error, Result};
+use crate::formats::PieceKind;
 use crate::layout::plan::bytes_of;
 use crate::layout::region::Region;
 use crate::Dtype;
@@ -173,24 +174,31 @@ pub fn holder_label(ck: &Checkpoint, file: usize) -> String {
 
 /// The holdings of tensor `t` of `ck` (owners, then replicas) and the files that hold
 /// none of it (sliced checkpoints only: every rank file is expected to hold its part).
+/// A piece its reader reported as a flat range (ZeRO) is one holding of that range,
+/// however many boxes the range was cut into for planning.
 fn holdings_of(
     ck: &Checkpoint,
     t: &crate::layout::source::SourceTensor,
 ) -> (Vec<Holding>, Vec<usize>) {
-    let holdings: Vec<Holding> = t
-        .pieces
-        .iter()
-        .map(|p| Holding {
+    let mut flat_seen = std::collections::HashSet::new();
+    let mut holdings: Vec<Holding> = Vec::with_capacity(t.pieces.len() + t.copies.len());
+    let owners = t.pieces.iter().map(|p| (p, false));
+    for (p, copy) in owners.chain(t.copies.iter().map(|(_, p)| (p, true))) {
+        let extent = match ck.files[p.file].piece(p.tensor) {
+            PieceKind::Flat { start, len } => {
+                if !flat_seen.insert((p.file, start, len, copy)) {
+                    continue;
+                }
+                Extent::Flat { start, len }
+            }
+            _ => Extent::Box(p.global.clone()),
+        };
+        holdings.push(Holding {
             holder: p.file,
-            extent: Extent::Box(p.global.clone()),
-            copy: false,
-        })
-        .chain(t.copies.iter().map(|(_, p)| Holding {
-            holder: p.file,
-            extent: Extent::Box(p.global.clone()),
-            copy: true,
-        }))
-        .collect();
+            extent,
+            copy,
+        });
+    }
     let mut empty = Vec::new();
     if ck.kind == Kind::Sliced {
         let mut seen = vec![false; ck.files.len()];
@@ -285,6 +293,19 @@ pub fn pieces_json(ck: &Checkpoint, name: &str) -> Result<Value> {
             })
             .collect(),
     ))
+}
+
+/// How many pieces of tensor `name` `ck` reads (replicas not counted), as the pictures
+/// count them: a flat range is one piece however many boxes it was cut into.
+///
+/// # Errors
+/// [`Error::TensorNotFound`] when `ck` has no such tensor.
+pub fn piece_count(ck: &Checkpoint, name: &str) -> Result<usize> {
+    let t = ck.tensors.get(name).ok_or_else(|| Error::TensorNotFound {
+        pattern: name.to_string(),
+        tensors: ck.tensors.len(),
+    })?;
+    Ok(holdings_of(ck, t).0.iter().filter(|h| !h.copy).count())
 }
 
 /// The terminal drawings of every tensor of `ck` matching `pattern` (a name or a

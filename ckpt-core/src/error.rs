@@ -177,19 +177,6 @@ pub enum Error {
         /// What was asked.
         problem: String,
     },
-    /// A stored piece that is a flat 1-D element range of its tensor (ZeRO, FSDP1,
-    /// Megatron's distributed optimizer), which planning does not handle yet.
-    #[error("{path}: tensor `{tensor}` is stored as a flat range of elements [{start}, {end}), which ckpt cannot plan yet")]
-    FlatPiece {
-        /// The file.
-        path: PathBuf,
-        /// The tensor.
-        tensor: String,
-        /// First element of the range.
-        start: u64,
-        /// One past its last element.
-        end: u64,
-    },
     /// A launcher's environment variables are incomplete or inconsistent.
     #[error("environment variable {variable}: {problem}")]
     Launch {

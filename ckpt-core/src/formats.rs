@@ -107,8 +107,9 @@ pub struct TensorFile {
     /// The decoder of a compressed file (then `map` is `None` and entries' `start`/`end`
     /// are offsets in the uncompressed data area).
     chunked: Option<Box<dyn Decoder>>,
-    /// Flat element ranges, for entries that hold a 1-D slice of a flattened tensor
-    /// rather than a box ([`PieceKind::Flat`]); empty when none does.
+    /// The flat element range each entry was cut from, for entries a reader reports as
+    /// part of a 1-D slice of a flattened tensor ([`PieceKind::Flat`]); empty when none
+    /// is.
     flat: Vec<Option<(u64, u64)>>,
     /// Unique within the process: keys the decoded chunks a [`ReadCache`] keeps.
     id: u64,
@@ -139,8 +140,10 @@ pub enum PieceKind {
     /// A box of the tensor (whole tensors are the box at the origin).
     Box(Region),
     /// Elements `[start, start + len)` of the tensor flattened in row-major order, as
-    /// ZeRO, FSDP1 and Megatron's distributed optimizer store them. Declared for those
-    /// readers; planning refuses it ([`Error::FlatPiece`]) until flat ranges are planned.
+    /// ZeRO, FSDP1 and Megatron's distributed optimizer store them. Such a range is
+    /// stored as several entries, the boxes [`crate::layout::flat`] cuts it into (each
+    /// at its `offsets`: what planning reads); every one of them reports the whole
+    /// range, the piece's identity in pictures, JSON and coverage messages.
     Flat {
         /// First element, in the flattened tensor.
         start: u64,
@@ -520,9 +523,9 @@ impl TensorFile {
         self.chunked.is_some()
     }
 
-    /// Marks entry `index` as holding elements `[start, start + len)` of its tensor
-    /// flattened (ZeRO, FSDP1 and Megatron's distributed optimizer store such pieces).
-    #[allow(dead_code)] // The flat-range readers arrive with ZeRO/Megatron.
+    /// Marks entry `index` (a box, at its offsets) as cut from elements `[start, start
+    /// + len)` of its tensor flattened (ZeRO, FSDP1 and Megatron's distributed optimizer
+    /// store such pieces): see [`PieceKind::Flat`].
     pub(crate) fn set_flat(&mut self, index: usize, start: u64, len: u64) {
         if self.flat.is_empty() {
             self.flat = vec![None; self.tensors.len()];
@@ -530,8 +533,9 @@ impl TensorFile {
         self.flat[index] = Some((start, len));
     }
 
-    /// Where entry `index` lies in its global tensor: a box (at the entry's offsets,
-    /// or the origin), or a flat element range.
+    /// The piece entry `index` belongs to, as its reader reports it: a box (at the
+    /// entry's offsets, or the origin), or the flat element range the entry's box was
+    /// cut from. (Planning reads the box: the entry's offsets and shape.)
     #[must_use]
     pub fn piece(&self, index: usize) -> PieceKind {
         if let Some(Some((start, len))) = self.flat.get(index) {

@@ -22,9 +22,9 @@ pub use crate::checkpoint::{
     DCP_SHARDING_INFO, INDEX_FILE, MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_PREFIX, STRATEGY_FILE,
 };
 pub use crate::draw::{
-    fold, holder_label, html_report, matching, picture, pieces_json, plan_html_report, render_text,
-    show, write_html_report, write_plan_html, Canvas, Extent, Fold, Holding, PlanReport,
-    SourceRead, TargetReads, TensorPicture,
+    fold, holder_label, html_report, matching, picture, piece_count, pieces_json, plan_html_report,
+    render_text, show, write_html_report, write_plan_html, Canvas, Extent, Fold, Holding,
+    PlanReport, SourceRead, TargetReads, TensorPicture,
 };
 pub use crate::engine::convert::{convert, Conversion, ConvertStats};
 pub use crate::engine::copy::{

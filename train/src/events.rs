@@ -1,5 +1,5 @@
 //! TensorBoard event files: a run's loss, test accuracy and throughput curves, where
-//! `tensorboard --logdir` finds them.
+//! `tensorboard --logdir` finds them, written scalar by scalar while the run goes.
 //!
 //! The file is a sequence of TFRecords, each (as TensorBoard's
 //! `summary/writer/record_writer.py` and TensorFlow's `core/lib/io/record_writer.cc`
@@ -12,7 +12,7 @@
 //! are declared with prost's derive (already a dependency of ckpt-core) with only the
 //! fields written.
 
-use crate::error::{Error, Result};
+use crate::error::{IoContext, Result};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -62,113 +62,123 @@ fn record(data: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Scalars of a run, written as one TensorBoard event file.
-#[derive(Clone, Debug, Default)]
-pub struct Scalars {
-    /// `(tag, step, value)`, in the order written.
-    pub points: Vec<(String, i64, f32)>,
+/// The `Event` record of one scalar.
+fn scalar_event(wall_time: f64, tag: &str, step: i64, value: f32) -> Vec<u8> {
+    use prost::Message;
+    record(
+        &Event {
+            wall_time,
+            step,
+            file_version: None,
+            summary: Some(Summary {
+                value: vec![Value {
+                    tag: tag.to_string(),
+                    simple_value: Some(value),
+                }],
+            }),
+        }
+        .encode_to_vec(),
+    )
 }
 
-impl Scalars {
-    /// Adds `value` of `tag` at `step`.
-    pub fn add(&mut self, tag: &str, step: i64, value: f32) {
-        self.points.push((tag.to_string(), step, value));
-    }
-
-    /// The event file's bytes: the version record, then one record per point, all
-    /// stamped `wall_time` (seconds since the epoch).
-    #[must_use]
-    pub fn encode(&self, wall_time: f64) -> Vec<u8> {
-        use prost::Message;
-        let mut out = record(
-            &Event {
-                wall_time,
-                step: 0,
-                file_version: Some("brain.Event:2".into()),
-                summary: None,
-            }
-            .encode_to_vec(),
-        );
-        for (tag, step, v) in &self.points {
-            out.extend(record(
-                &Event {
-                    wall_time,
-                    step: *step,
-                    file_version: None,
-                    summary: Some(Summary {
-                        value: vec![Value {
-                            tag: tag.clone(),
-                            simple_value: Some(*v),
-                        }],
-                    }),
-                }
-                .encode_to_vec(),
-            ));
+/// The first record of every event file: `file_version = "brain.Event:2"`.
+fn version_event(wall_time: f64) -> Vec<u8> {
+    use prost::Message;
+    record(
+        &Event {
+            wall_time,
+            step: 0,
+            file_version: Some("brain.Event:2".into()),
+            summary: None,
         }
-        out
-    }
+        .encode_to_vec(),
+    )
+}
 
-    /// Writes the event file into `dir` under TensorBoard's naming
-    /// (`events.out.tfevents.<seconds>.<host>.<pid>.0`, the name its loader looks for),
-    /// through a temporary name and a rename; returns its path.
+/// Seconds since the epoch, as TensorBoard stamps events.
+fn now() -> std::time::Duration {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+}
+
+/// The last field of TensorBoard's file names: a counter of the files this process
+/// opened (`EventFileWriter`'s `_global_uid`), so that two runs started by one process
+/// within a second (library users, tests) do not share a name.
+static FILE_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A run's event file, written while the run goes: every scalar is one record appended
+/// and handed to the kernel at once, so `tensorboard --logdir` plots the curves during
+/// training, and a run killed midway leaves every scalar logged so far.
+///
+/// The file is written in place, not under a temporary name: it is a log that
+/// TensorBoard tails. Each record carries its length and two checksums, so a record cut
+/// short by a kill is recognisably incomplete (TensorBoard's reader waits for its end
+/// and never shows it), and the records before it stay readable.
+#[derive(Debug)]
+pub struct EventWriter {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl EventWriter {
+    /// Creates the event file in `dir` (created when missing) under TensorBoard's
+    /// naming, `events.out.tfevents.<seconds>.<host>.<pid>.<n>` (the name its loader
+    /// looks for), and writes the version record.
     ///
     /// # Errors
     /// I/O errors, with the path.
-    pub fn write(&self, dir: &Path) -> Result<PathBuf> {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
+    pub fn create(dir: &Path) -> Result<EventWriter> {
+        std::fs::create_dir_all(dir).at(dir)?;
+        let t = now();
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
             .unwrap_or_else(|_| "localhost".into());
+        let uid = FILE_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let name = format!(
-            "events.out.tfevents.{:010}.{host}.{}.0",
-            now.as_secs(),
+            "events.out.tfevents.{:010}.{host}.{}.{uid}",
+            t.as_secs(),
             std::process::id()
         );
         let path = dir.join(name);
-        let tmp = dir.join(format!(".{}.tmp", std::process::id()));
-        let io = |e: std::io::Error| Error::Io {
-            path: path.clone(),
-            source: e,
-        };
-        let bytes = self.encode(now.as_secs_f64());
-        let mut f = std::fs::File::create(&tmp).map_err(io)?;
-        f.write_all(&bytes).map_err(io)?;
-        f.sync_all().map_err(io)?;
-        std::fs::rename(&tmp, &path).map_err(io)?;
-        Ok(path)
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .at(&path)?;
+        let mut w = EventWriter { path, file };
+        w.append(&version_event(t.as_secs_f64()))?;
+        Ok(w)
     }
-}
 
-/// The curves of a finished run: `train/loss` and `train/images_per_sec` at every
-/// update (global step numbers, so that a resumed run continues the curves), and
-/// `test/accuracy` after each epoch, plotted against the epoch number.
-#[must_use]
-pub fn run_scalars(report: &crate::TrainReport) -> Scalars {
-    let mut s = Scalars::default();
-    let n = report.losses.len();
-    // Images per update, from the run's mean throughput: updates all have the global
-    // batch, so each one's throughput is that over its own time.
-    let total: f64 = report.step_seconds.iter().sum();
-    let per_update = if n > 0 {
-        report.images_per_sec * total / n as f64
-    } else {
-        0.0
-    };
-    for (i, loss) in report.losses.iter().enumerate() {
-        let step = (report.start_step + i as u64 + 1) as i64;
-        s.add("train/loss", step, *loss);
-        if let Some(&t) = report.step_seconds.get(i) {
-            if t > 0.0 {
-                s.add("train/images_per_sec", step, (per_update / t) as f32);
-            }
-        }
+    /// The file's path.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
     }
-    for (epoch, acc) in &report.test_accuracy {
-        s.add("test/accuracy", *epoch as i64, *acc);
+
+    /// Appends `value` of `tag` at `step`, stamped now.
+    ///
+    /// # Errors
+    /// I/O errors, with the path.
+    pub fn scalar(&mut self, tag: &str, step: i64, value: f32) -> Result<()> {
+        self.append(&scalar_event(now().as_secs_f64(), tag, step, value))
     }
-    s
+
+    /// One record in one `write` call: `File` has no user-space buffer, so the record
+    /// is in the kernel (visible to readers, kept if the process dies) on return.
+    fn append(&mut self, record: &[u8]) -> Result<()> {
+        self.file.write_all(record).at(&self.path)
+    }
+
+    /// Syncs the file to disk at the end of the run; returns its path.
+    ///
+    /// # Errors
+    /// I/O errors, with the path.
+    pub fn finish(self) -> Result<PathBuf> {
+        self.file.sync_all().at(&self.path)?;
+        Ok(self.path)
+    }
 }
 
 #[cfg(test)]
@@ -187,19 +197,44 @@ mod tests {
         assert_eq!(r.len(), 8 + 4 + 3 + 4);
     }
 
-    #[test]
-    fn events_decode_back() {
+    /// Splits an event file into its records' data, checking the framing.
+    fn records(mut bytes: &[u8]) -> Vec<Event> {
         use prost::Message;
-        let mut s = Scalars::default();
-        s.add("train/loss", 7, 0.25);
-        let bytes = s.encode(1.5);
-        let first_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-        let second = &bytes[16 + first_len..];
-        let len = u64::from_le_bytes(second[..8].try_into().unwrap()) as usize;
-        let e = Event::decode(&second[12..12 + len]).unwrap();
-        assert_eq!(e.step, 7);
-        assert_eq!(e.wall_time, 1.5);
-        let v = &e.summary.unwrap().value[0];
+        let mut out = Vec::new();
+        while !bytes.is_empty() {
+            let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            assert_eq!(bytes[8..12], masked_crc(&bytes[..8]).to_le_bytes());
+            let data = &bytes[12..12 + len];
+            assert_eq!(bytes[12 + len..16 + len], masked_crc(data).to_le_bytes());
+            out.push(Event::decode(data).unwrap());
+            bytes = &bytes[16 + len..];
+        }
+        out
+    }
+
+    #[test]
+    fn each_scalar_is_in_the_file_as_soon_as_it_is_logged() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = EventWriter::create(dir.path()).unwrap();
+        let path = w.path().to_path_buf();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with("events.out.tfevents."), "{name}");
+        let first = records(&std::fs::read(&path).unwrap());
+        assert_eq!(first.len(), 1);
+        assert_eq!(first[0].file_version.as_deref(), Some("brain.Event:2"));
+        w.scalar("train/loss", 7, 0.25).unwrap();
+        // Read before the writer finishes: the scalar is already there.
+        let now = records(&std::fs::read(&path).unwrap());
+        assert_eq!(now.len(), 2);
+        assert_eq!(now[1].step, 7);
+        assert!(now[1].wall_time >= first[0].wall_time);
+        let v = &now[1].summary.as_ref().unwrap().value[0];
         assert_eq!((v.tag.as_str(), v.simple_value), ("train/loss", Some(0.25)));
+        w.scalar("test/accuracy", 1, 0.5).unwrap();
+        assert_eq!(w.finish().unwrap(), path);
+        assert_eq!(records(&std::fs::read(&path).unwrap()).len(), 3);
+        // A second writer in the same directory and second gets its own file.
+        let other = EventWriter::create(dir.path()).unwrap();
+        assert_ne!(other.path(), path);
     }
 }

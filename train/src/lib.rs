@@ -67,7 +67,7 @@ pub use crate::data::{
 };
 pub use crate::device::DeviceKind;
 pub use crate::error::{Error, Result};
-pub use crate::events::{run_scalars, Scalars};
+pub use crate::events::EventWriter;
 pub use crate::inference::{load_model, model_strategy, read_model_config};
 pub use crate::kernels::Kernels;
 pub use crate::launch::{configure_cpu_threads, ranks_in_process, Backend, LaunchEnv, Launcher};

@@ -11,6 +11,7 @@ use crate::config::TrainConfig;
 use crate::data::{DataSource, Dataset, DistributedSampler, Split};
 use crate::device::DeviceKind;
 use crate::error::{Error, IoContext, Result};
+use crate::events::EventWriter;
 use crate::kernels::Kernels;
 use crate::launch::Backend;
 use crate::layers::ModelCtx;
@@ -59,6 +60,8 @@ pub struct TrainReport {
     /// Wall time of each training step of this run (rank 0), in seconds, saves and
     /// evaluation excluded: benchmarks leave out the first (warm-up) steps.
     pub step_seconds: Vec<f64>,
+    /// The TensorBoard event file written during the run (with `--out`, by rank 0).
+    pub events: Option<PathBuf>,
 }
 
 impl TrainReport {
@@ -500,6 +503,7 @@ struct RankResult {
     start_step: u64,
     steps: u64,
     epochs: u64,
+    events: Option<PathBuf>,
 }
 
 /// Test accuracy: each dp rank evaluates its chunk of the test set; counts are summed.
@@ -673,6 +677,13 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
         start_step,
         steps: step,
         epochs: epoch,
+        events: None,
+    };
+    // The curves, live: `train/loss` and `train/images_per_sec` at each update's global
+    // step (so that a resumed run continues them), `test/accuracy` at each epoch number.
+    let mut events = match &plan.out {
+        Some(out) if lead => Some(EventWriter::create(out)?),
+        _ => None,
     };
     let mut last_loss = None;
     let mut last_saved = plan.resume.as_ref().map(|r| r.state.step);
@@ -796,6 +807,14 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             result.step_seconds.push(took);
             result.losses.push(l[0]);
             last_loss = Some(l[0]);
+            if let Some(ev) = events.as_mut() {
+                ev.scalar("train/loss", step as i64, l[0])?;
+                // Every update has the global batch; its throughput is that over its time.
+                if took > 0.0 {
+                    let ips = plan.global_batch as f64 / took;
+                    ev.scalar("train/images_per_sec", step as i64, ips as f32)?;
+                }
+            }
             let ips =
                 (result.losses.len() * plan.global_batch) as f64 / result.train_seconds.max(1e-9);
             bar.set_message(format!(
@@ -816,6 +835,9 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
         if plan.eval {
             let acc = evaluate(&model, &plan.data.test, &dist, &dev)?;
             result.accuracy.push((epoch - 1, acc));
+            if let Some(ev) = events.as_mut() {
+                ev.scalar("test/accuracy", (epoch - 1) as i64, acc)?;
+            }
             say(format!(
                 "epoch {} step {step} loss {:.4} test accuracy {acc:.4}",
                 epoch - 1,
@@ -842,6 +864,7 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
     }
     result.steps = step;
     result.epochs = final_epoch;
+    result.events = events.map(EventWriter::finish).transpose()?;
     Ok(result)
 }
 
@@ -886,5 +909,6 @@ pub fn train(cfg: &TrainConfig, progress: bool) -> Result<TrainReport> {
         weights: r0.weights,
         save_stalls: r0.save_stalls,
         step_seconds: r0.step_seconds,
+        events: r0.events,
     })
 }

@@ -1,7 +1,7 @@
 //! The coverage check: every element of every tensor held by exactly one owner piece
 //! (identical pieces kept as copies).
 
-use super::Checkpoint;
+use super::{flat_names, Checkpoint};
 use crate::error::Error;
 use crate::layout::coverage::{check_tiling, Defect};
 use crate::layout::region::Region;
@@ -51,16 +51,19 @@ impl Checkpoint {
                 let boxes: Vec<Region> = owners.iter().map(|p| p.global.clone()).collect();
                 match check_tiling(&t.shape, &boxes) {
                     Ok(()) => {}
+                    // Pieces reported as flat ranges (ZeRO) are named by those ranges.
                     Err(Defect::Gap { region }) => {
+                        let numel = full.numel();
                         problems.push(Error::CoverageGap {
                             tensor: name.clone(),
-                            region: region.to_string(),
+                            region: flat_names::flat_gap(&self.files, &owners, numel)
+                                .unwrap_or_else(|| region.to_string()),
                         });
                     }
                     Err(Defect::Overlap { a, b, region }) => problems.push(Error::Overlap {
                         tensor: name.clone(),
-                        a: self.files[owners[a].file].path().display().to_string(),
-                        b: self.files[owners[b].file].path().display().to_string(),
+                        a: flat_names::piece_name(&self.files, &owners[a]),
+                        b: flat_names::piece_name(&self.files, &owners[b]),
                         region: region.to_string(),
                     }),
                 }

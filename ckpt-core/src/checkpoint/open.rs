@@ -4,7 +4,7 @@
 use super::{shared_prefix, Checkpoint, Kind, SHARED_PREFIX_NOTE};
 use crate::error::{Error, Problems, Result};
 use crate::formats::detect::discover::{unknown, Discovery};
-use crate::formats::{FileFormat, PieceKind, TensorFile};
+use crate::formats::{FileFormat, TensorFile};
 use crate::layout::select::Selection;
 use crate::layout::source::SourcePiece;
 use std::collections::BTreeMap;
@@ -116,20 +116,6 @@ impl Checkpoint {
                 Err(e) => problems.push(e),
             }
         }
-        // Flat element ranges (ZeRO, Megatron) are described by their readers but not
-        // planned yet: refused by name rather than read as boxes.
-        for f in &files {
-            for (i, t) in f.tensors().iter().enumerate() {
-                if let PieceKind::Flat { start, len } = f.piece(i) {
-                    problems.push(Error::FlatPiece {
-                        path: f.path().to_path_buf(),
-                        tensor: t.name.clone(),
-                        start,
-                        end: start.saturating_add(len),
-                    });
-                }
-            }
-        }
         let mut ds = Vec::new();
         for dir in &deepspeed {
             match crate::formats::deepspeed::read(dir) {
@@ -181,6 +167,13 @@ impl Checkpoint {
             carried,
             notes,
         };
+        // ZeRO files hold one data-parallel rank's partitions each: labelled by it.
+        for (i, f) in ck.files.iter().enumerate() {
+            let dp = f.metadata().get(crate::formats::deepspeed::DP_RANK);
+            if let Some(r) = dp.and_then(|r| r.parse().ok()) {
+                ck.ranks[i] = Some(r);
+            }
+        }
         let mut raw: BTreeMap<String, Vec<SourcePiece>> = BTreeMap::new();
         match kind {
             Kind::Sliced if !ms_strategy.is_empty() => {

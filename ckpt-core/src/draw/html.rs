@@ -34,7 +34,8 @@ pub(crate) fn placements(ck: &Checkpoint, name: &str) -> String {
             None => String::new(),
         },
         (None, Kind::Integrated) => "whole".into(),
-        (None, _) => format!("{} pieces", ck.tensors[name].pieces.len()),
+        // Counted as drawn: a ZeRO rank's flat range is one piece.
+        (None, _) => format!("{} pieces", super::piece_count(ck, name).unwrap_or(0)),
     }
 }
 

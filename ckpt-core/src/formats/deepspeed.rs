@@ -43,6 +43,9 @@ pub(crate) struct DeepSpeed {
     pub(crate) notes: Vec<String>,
 }
 
+/// Metadata key of a file's data-parallel rank (the checkpoint's rank of the file).
+pub(crate) const DP_RANK: &str = "deepspeed.dp_rank";
+
 /// Which kind of file a tag directory's entry is, from its name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Role {
@@ -115,6 +118,10 @@ struct PtFile {
     archive: ArchiveIndex,
     root: Value,
     entries: Vec<TensorEntry>,
+    /// The flat range (`start`, `len`) each entry was cut from, unless the range is
+    /// the whole tensor (a box like any other then: buffers, frozen and small
+    /// parameters that one partition holds whole).
+    origins: Vec<Option<(u64, u64)>>,
 }
 
 impl PtFile {
@@ -128,6 +135,7 @@ impl PtFile {
             archive,
             root,
             entries: Vec::new(),
+            origins: Vec::new(),
         })
     }
 
@@ -183,6 +191,8 @@ impl PtFile {
                 ),
             ));
         }
+        // A range of the whole tensor is a box like any other.
+        let whole = range.start == 0 && range.len == numel(shape)?;
         for b in range.boxes(shape).map_err(|e| e.with_path(&self.path))? {
             let first = at
                 .checked_add(b.offset)
@@ -198,6 +208,8 @@ impl PtFile {
                 end: first + len,
                 offsets: Some(b.region.start.clone()),
             });
+            self.origins
+                .push((!whole).then_some((range.start, range.len)));
         }
         Ok(())
     }
@@ -206,18 +218,34 @@ impl PtFile {
         if self.entries.is_empty() {
             return Ok(None);
         }
-        let metadata = BTreeMap::from([
+        let mut metadata = BTreeMap::from([
             ("format".to_string(), "deepspeed".to_string()),
             ("deepspeed.zero_stage".to_string(), stage.to_string()),
         ]);
-        TensorFile::from_parts(
+        // The data-parallel rank whose partition the file holds (pictures label the
+        // file by it); ZeRO-1/2's model states belong to no one rank.
+        if let Some(Role::Optim { dp, .. } | Role::RankModel { dp, .. }) = self
+            .path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(role)
+        {
+            metadata.insert(DP_RANK.to_string(), dp.to_string());
+        }
+        let mut f = TensorFile::from_parts(
             &self.path,
             self.map,
             FileFormat::DeepSpeed,
             self.entries,
             metadata,
-        )
-        .map(Some)
+        )?;
+        // Each entry is a box of a flat range: the range is what the rank holds.
+        for (i, origin) in self.origins.into_iter().enumerate() {
+            if let Some((start, len)) = origin {
+                f.set_flat(i, start, len);
+            }
+        }
+        Ok(Some(f))
     }
 }
 
