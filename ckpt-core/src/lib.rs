@@ -46,6 +46,7 @@ pub use crate::formats::ckptz::{
     ungroup_bytes, CkptzWriter, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
     EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC, MAGIC_V1 as CKPTZ_MAGIC_V1,
 };
+pub use crate::formats::deepspeed_write::{write_deepspeed_dp, DeepSpeedWriteStats};
 pub use crate::formats::detect::sniff;
 pub use crate::formats::distcp::{metadata_bytes as distcp_metadata, DistcpChunk};
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
