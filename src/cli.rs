@@ -372,8 +372,9 @@ struct ReshardArgs {
     /// torch.distributed.checkpoint.load; each chunk stored once), `mindspore`
     /// (rank_<r>/checkpoint_<r>.ckpt, loadable by mindspore.load_checkpoint) or
     /// `megatron` (a Megatron legacy checkpoint from a Megatron legacy source:
-    /// iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt).
-    #[arg(long, default_value = "ckpt", value_parser = ["ckpt", "dcp", "distcp", "mindspore", "megatron"])]
+    /// iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt) or `deepspeed` (a DeepSpeed ZeRO-1/2
+    /// checkpoint for --to N data-parallel ranks, from a DeepSpeed source).
+    #[arg(long, default_value = "ckpt", value_parser = ["ckpt", "dcp", "distcp", "mindspore", "megatron", "deepspeed"])]
     format: String,
     #[command(flatten)]
     copy: CopyArgs,
@@ -862,9 +863,23 @@ fn reshard(a: ReshardArgs) -> Result<ExitCode> {
             "mindspore" => ckpt_reshard::OutputFormat::MindSpore,
             "distcp" => ckpt_reshard::OutputFormat::Distcp,
             "megatron" => ckpt_reshard::OutputFormat::Megatron,
+            "deepspeed" => ckpt_reshard::OutputFormat::DeepSpeed,
             _ => ckpt_reshard::OutputFormat::Ranks,
         },
     };
+    if req.format == ckpt_reshard::OutputFormat::DeepSpeed && !a.plan {
+        let t = Instant::now();
+        let s = ckpt_reshard::reshard_deepspeed(&req)?;
+        println!(
+            "wrote {} optimizer-states file(s) of {} tensors, {} in {:.2} s into {}",
+            s.files,
+            s.tensors,
+            human_bytes(s.bytes),
+            t.elapsed().as_secs_f64(),
+            req.output.display()
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
     if a.plan {
         let (source, strategy, plan) = ckpt_reshard::prepare(&req)?;
         print_plan(&source, &strategy, &plan, a.copy.json)?;
