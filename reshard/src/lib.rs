@@ -564,9 +564,17 @@ pub fn reshard_deepspeed(req: &ReshardRequest) -> Result<ckpt_core::DeepSpeedWri
         Target::To(n) => *n,
         Target::Mesh(axes) => match axes[..] {
             [(ref name, n)] if name == "dp" => n,
-            _ => return Err(usage("give the new data-parallel size as --to N or --mesh dp=N")),
+            _ => {
+                return Err(usage(
+                    "give the new data-parallel size as --to N or --mesh dp=N",
+                ))
+            }
         },
-        _ => return Err(usage("give the new data-parallel size as --to N or --mesh dp=N")),
+        _ => {
+            return Err(usage(
+                "give the new data-parallel size as --to N or --mesh dp=N",
+            ))
+        }
     };
     let [input] = &req.inputs[..] else {
         return Err(usage("one DeepSpeed checkpoint directory as the input"));

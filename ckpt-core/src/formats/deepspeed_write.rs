@@ -833,7 +833,23 @@ fn patch_dp_world_size(models: &Path, dp: u64) -> Result<Vec<u8>> {
         .ok_or_else(|| bad("data.pkl truncated".into()))?
         .copy_from_slice(&v.to_le_bytes()[..width]);
     let crc = crc32fast::hash(&bytes[data_at..data_at + len]).to_le_bytes();
-    bytes[header_at + 14..header_at + 18].copy_from_slice(&crc);
+    // torch writes the CRC after the data (flag bit 3, a data descriptor, its
+    // signature optional) and zero in the local header; others in the local header.
+    let flags = u16::from_le_bytes([bytes[header_at + 6], bytes[header_at + 7]]);
+    let local = if flags & 8 != 0 {
+        let d = data_at + len;
+        if bytes.get(d..d + 4) == Some(&b"PK\x07\x08"[..]) {
+            d + 4
+        } else {
+            d
+        }
+    } else {
+        header_at + 14
+    };
+    bytes
+        .get_mut(local..local + 4)
+        .ok_or_else(|| bad("the zip entry of data.pkl is truncated".into()))?
+        .copy_from_slice(&crc);
     bytes[central_at + 16..central_at + 20].copy_from_slice(&crc);
     Ok(bytes)
 }
