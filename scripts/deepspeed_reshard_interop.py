@@ -80,6 +80,10 @@ def worker(rank, world, port, variant, load_dir, out_json, step_out):
     failures = []
     if path is None:
         failures.append(f"rank {rank}: load_checkpoint found nothing in {load_dir}")
+    # DeepSpeed links each parameter to its optimizer-state fragments lazily, at the
+    # first step (stage_1_and_2.py: step() -> _lazy_init_hp_params_optimizer_state);
+    # safe_get_full_optimizer_state needs the link before that.
+    engine.optimizer._lazy_init_hp_params_optimizer_state()
     expected = load_file(os.path.join(FIXTURES, variant, "expected.safetensors"))
     moments = load_file(os.path.join(FIXTURES, variant, "moments.safetensors"))
     full = {}
