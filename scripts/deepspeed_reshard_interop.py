@@ -175,7 +175,10 @@ def main():
     ap.add_argument("--variants", default="zero1_fp32,zero2_fp32,zero2_fp16")
     ap.add_argument("--dps", default="1,3,4")
     ap.add_argument("--keep", help="keep the outputs in this directory")
+    ap.add_argument("--quick", action="store_true", help="zero2_fp16 to dp=3 only (CI)")
     args = ap.parse_args()
+    if args.quick:
+        args.variants, args.dps = "zero2_fp16", "3"
     import torch
     from safetensors.torch import load_file
 
@@ -211,10 +214,16 @@ def main():
                     failures.append(f"{v} dp={dp}: loaded state {s}, the source's {ref_states[0]}")
             a, b = load_file(ref_step), load_file(step)
             worst = max((a[k] - b[k]).abs().max().item() for k in a)
-            close = all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
+            # The gradient is averaged over 2 ranks in one run and N in the other, in
+            # the training dtype: fp32 agrees to a few ulps; fp16 to its epsilon (1e-3)
+            # times Adam's normalised step (lr 0.1).
+            tol = 1e-4 if v.endswith("_fp16") else 1e-6
+            close = all(torch.allclose(a[k], b[k], rtol=0, atol=tol) for k in a)
             if not close:
                 failures.append(f"{v} dp={dp}: after one more step the weights differ by up to {worst:g}")
-            report.append(f"{v} dp=2 -> dp={dp}: loaded byte-equal; one more step: max |diff| {worst:g}")
+            report.append(
+                f"{v} dp=2 -> dp={dp}: loaded byte-equal; one more step: max |diff| {worst:g} (tolerance {tol:g})"
+            )
             print(report[-1], flush=True)
     for f in failures:
         print("FAIL:", f, flush=True)
