@@ -278,7 +278,10 @@ struct NewTensor {
 }
 
 /// The parameter names and element counts of each group, from the model states.
-fn param_shapes(models: &Path) -> Result<(Vec<Vec<(String, u64)>>, Value, Option<memmap2::Mmap>)> {
+/// Parameter names and element counts, per group.
+type Groups = Vec<Vec<(String, u64)>>;
+
+fn param_shapes(models: &Path) -> Result<(Groups, Value)> {
     let map = map_file(models)?;
     let all: &[u8] = map.as_deref().unwrap_or(&[]);
     let (_, root) = torch_save::open_archive(all).map_err(|e| e.with_path(models))?;
@@ -306,7 +309,7 @@ fn param_shapes(models: &Path) -> Result<(Vec<Vec<(String, u64)>>, Value, Option
                 .collect::<Result<Vec<_>>>()
         })
         .collect::<Result<_>>()?;
-    Ok((groups, root, map))
+    Ok((groups, root))
 }
 
 fn size(v: &Value) -> Option<Vec<u64>> {
@@ -517,7 +520,7 @@ pub fn write_deepspeed_dp(
         .map(|(_, p)| Rank::open(p))
         .collect::<Result<_>>()?;
     let models = dir.join("mp_rank_00_model_states.pt");
-    let (groups, model_root, _model_map) = param_shapes(&models)?;
+    let (groups, model_root) = param_shapes(&models)?;
     if let Some(true) = model_root
         .get("ds_config")
         .and_then(|c| c.get("zero_optimization"))

@@ -392,7 +392,7 @@ impl FlatLayout {
     /// [`Error::Overflow`](crate::Error::Overflow); `parts == 0`; an alignment that is
     /// not a positive multiple of `parts`.
     pub fn aligned(numels: &[u64], parts: u64, alignment: u64) -> Result<FlatLayout> {
-        if parts == 0 || alignment == 0 || alignment % parts != 0 {
+        if parts == 0 || alignment == 0 || !alignment.is_multiple_of(parts) {
             return Err(overflow(format!(
                 "a flat buffer aligned to {alignment} cut into {parts} partitions"
             )));
