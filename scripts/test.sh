@@ -53,6 +53,11 @@ PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" 
   --no-build-isolation --no-deps --force-reinstall ./python
 "$venv/bin/python" -m pytest -q python/tests
 
+# DeepSpeed loads a ZeRO-2 checkpoint ckpt wrote for 3 data-parallel ranks (gloo, CPU):
+# weights and Adam moments byte-equal, one more step agrees. deepspeed added to the venv
+# that has torch; about 1 minute of CPU (the full set: scripts/deepspeed_reshard_interop.sh).
+DS_VENV=$venv scripts/deepspeed_reshard_interop.sh target/debug/ckpt --quick
+
 # The README's "By example" block, every line as written, in order, in a new directory.
 scripts/readme_examples.sh target/debug/ckpt
 

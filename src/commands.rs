@@ -206,9 +206,23 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
             "mindspore" => ckpt_reshard::OutputFormat::MindSpore,
             "distcp" => ckpt_reshard::OutputFormat::Distcp,
             "megatron" => ckpt_reshard::OutputFormat::Megatron,
+            "deepspeed" => ckpt_reshard::OutputFormat::DeepSpeed,
             _ => ckpt_reshard::OutputFormat::Ranks,
         },
     };
+    if req.format == ckpt_reshard::OutputFormat::DeepSpeed && !a.plan {
+        let t = Instant::now();
+        let s = ckpt_reshard::reshard_deepspeed(&req)?;
+        println!(
+            "wrote {} optimizer-states file(s) of {} tensors, {} in {:.2} s into {}",
+            s.files,
+            s.tensors,
+            ckpt_core::human_bytes(s.bytes),
+            t.elapsed().as_secs_f64(),
+            req.output.display()
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
     if a.plan {
         let (source, strategy, plan) = ckpt_reshard::prepare(&req)?;
         if a.copy.json {

@@ -7,6 +7,7 @@ mod compress;
 mod compress_v2;
 mod crash;
 mod deepspeed;
+mod deepspeed_write;
 mod inspect_verify;
 mod megatron;
 mod merge;

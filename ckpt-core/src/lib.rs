@@ -47,6 +47,7 @@ pub use crate::formats::ckptz::{
     ungroup_bytes, CkptzWriter, CodedChunk, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
     EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC, MAGIC_V1 as CKPTZ_MAGIC_V1,
 };
+pub use crate::formats::deepspeed_write::{write_deepspeed_dp, DeepSpeedWriteStats};
 pub use crate::formats::detect::{create_writer, sniff};
 pub use crate::formats::distcp::{metadata_bytes as distcp_metadata, DistcpChunk};
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};

@@ -526,7 +526,22 @@ const SHARED: [&str; 6] = [
 
 /// A format built on another's codec, said here so that it is a decision, not drift:
 /// `(format, the format it builds on, why)`.
-const BUILDS_ON: [(&str, &str, &str); 5] = [
+const BUILDS_ON: [(&str, &str, &str); 8] = [
+    (
+        "formats::deepspeed_write",
+        "formats::deepspeed",
+        "the ZeRO writer validates its source with the ZeRO reader first",
+    ),
+    (
+        "formats::deepspeed_write",
+        "formats::torch_save",
+        "the ZeRO writer re-emits DeepSpeed's torch.save pickles around new partitions",
+    ),
+    (
+        "formats::deepspeed_write",
+        "formats::torch_write",
+        "ZeRO optimizer states are written as torch.save archives",
+    ),
     (
         "formats::deepspeed",
         "formats::torch_save",

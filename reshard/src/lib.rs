@@ -84,6 +84,11 @@ pub enum OutputFormat {
     /// carries): `OUT/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt` and
     /// `OUT/latest_checkpointed_iteration.txt`.
     Megatron,
+    /// A DeepSpeed ZeRO-1/2 checkpoint for `--to N` data-parallel ranks (from a
+    /// DeepSpeed source): `OUT/latest`, `OUT/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt`
+    /// and `OUT/<tag>/mp_rank_00_model_states.pt`, loadable by DeepSpeed's
+    /// `engine.load_checkpoint` on N ranks ([`reshard_deepspeed`]).
+    DeepSpeed,
 }
 
 impl OutputFormat {
@@ -93,7 +98,10 @@ impl OutputFormat {
         match self {
             OutputFormat::Ranks => Some(PathBuf::from(format!("ckpt_{r}"))),
             OutputFormat::MindSpore => Some(PathBuf::from(format!("rank_{r}"))),
-            OutputFormat::Dcp | OutputFormat::Distcp | OutputFormat::Megatron => None,
+            OutputFormat::Dcp
+            | OutputFormat::Distcp
+            | OutputFormat::Megatron
+            | OutputFormat::DeepSpeed => None,
         }
     }
 
@@ -109,6 +117,9 @@ impl OutputFormat {
             // Named by tensor and pipeline rank once the plan is made
             // (`megatron_legacy_plan`).
             OutputFormat::Megatron => PathBuf::from(format!("rank_{r}.pt")),
+            OutputFormat::DeepSpeed => {
+                PathBuf::from(format!("zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+            }
             // PyTorch numbers shards from 1.
             OutputFormat::Dcp => PathBuf::from(format!(
                 "shard-{:05}-model-00001-of-00001.safetensors",
@@ -394,6 +405,11 @@ fn distcp_metadata(strategy: &Strategy) -> Result<Vec<u8>> {
 /// # Errors
 /// Any input problem.
 pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)> {
+    if req.format == OutputFormat::DeepSpeed {
+        return Err(Error::Unsupported {
+            problem: "--format deepspeed re-cuts DeepSpeed's flat partitions directly: it has no copy plan to show (--plan)".into(),
+        });
+    }
     if req.compression.is_some() && req.format != OutputFormat::Ranks {
         return Err(Error::Unsupported {
             problem: "--compress writes ckpt's own layout (ckpt_<r>/model.ckptz): PyTorch and MindSpore do not read .ckptz files, so it does not combine with --format dcp or mindspore".into(),
@@ -529,4 +545,47 @@ fn finish_rank_dir(dir: &Path, json: &str, source: &Checkpoint) -> Result<()> {
     })?;
     write_file_atomic(&dir.join(STRATEGY_FILE), json.as_bytes())?;
     copy_carried(&source.carried, dir)
+}
+
+/// `--format deepspeed`: the DeepSpeed ZeRO-1/2 checkpoint given as the one input,
+/// written for the data-parallel size `--to N` (or `--mesh dp=N`) asks, every rank at
+/// once, whole tensors only (no selection, casting or compression: DeepSpeed loads the
+/// optimizer state of every parameter it trains).
+///
+/// # Errors
+/// A request that is not one DeepSpeed input and a dp size; what
+/// [`ckpt_core::write_deepspeed_dp`] refuses.
+pub fn reshard_deepspeed(req: &ReshardRequest) -> Result<ckpt_core::DeepSpeedWriteStats> {
+    let usage = |p: &str| Error::Unsupported {
+        problem: format!("--format deepspeed: {p}"),
+    };
+    check_output_outside_inputs(&req.output, &req.inputs)?;
+    let dp = match &req.target {
+        Target::To(n) => *n,
+        Target::Mesh(axes) => match axes[..] {
+            [(ref name, n)] if name == "dp" => n,
+            _ => {
+                return Err(usage(
+                    "give the new data-parallel size as --to N or --mesh dp=N",
+                ))
+            }
+        },
+        _ => {
+            return Err(usage(
+                "give the new data-parallel size as --to N or --mesh dp=N",
+            ))
+        }
+    };
+    let [input] = &req.inputs[..] else {
+        return Err(usage("one DeepSpeed checkpoint directory as the input"));
+    };
+    if req.ranks != Ranks::All {
+        return Err(usage("every rank is written at once (no --rank)"));
+    }
+    if req.compression.is_some() || !req.shard.is_empty() || !req.selection.is_everything() {
+        return Err(usage(
+            "DeepSpeed loads every parameter's optimizer state: no --include/--exclude/--dtype/--compress/--shard/prefixes",
+        ));
+    }
+    ckpt_core::write_deepspeed_dp(input, &req.output, dp, req.force)
 }

@@ -191,7 +191,13 @@ impl Archive {
         bare: bool,
         wrap: Option<&Wrap>,
     ) -> Result<Archive> {
-        let pkl = data_pkl(tensors, bare, wrap)?;
+        Archive::with_pickle(data_pkl(tensors, bare, wrap)?, tensors)
+    }
+
+    /// An archive whose `data.pkl` is `pkl`, made by the caller, which stores tensor `i`
+    /// of `tensors` under storage key `i` (DeepSpeed's optimizer states: a whole dict
+    /// of carried values around the tensors).
+    pub(crate) fn with_pickle(pkl: Vec<u8>, tensors: &[TensorSpec]) -> Result<Archive> {
         let mut entries = Vec::new();
         let mut small = Vec::new();
         let mut tensor_entry = Vec::new();
@@ -439,12 +445,38 @@ impl TorchWriter {
             push(tensors, false, &mut archives)?;
             place.extend((0..tensors.len()).map(|i| (0, i)));
         }
+        TorchWriter::start(dest, archives, place, tensors.len(), pos)
+    }
+
+    /// One archive at `dest` whose `data.pkl` is `pkl` ([`Archive::with_pickle`]).
+    ///
+    /// # Errors
+    /// Dtypes torch has no storage for, sizes that overflow, I/O errors.
+    pub(crate) fn create_with_pickle(
+        dest: &Path,
+        tensors: &[TensorSpec],
+        pkl: Vec<u8>,
+    ) -> Result<TorchWriter> {
+        let a = Archive::with_pickle(pkl, tensors).map_err(|e| e.with_path(dest))?;
+        let len = a.len;
+        let place = (0..tensors.len()).map(|i| (0, i)).collect();
+        TorchWriter::start(dest, vec![(0, a)], place, tensors.len(), len)
+    }
+
+    /// Creates the staged file of `len` bytes and writes every byte known up front.
+    fn start(
+        dest: &Path,
+        archives: Vec<(u64, Archive)>,
+        place: Vec<(usize, usize)>,
+        tensors: usize,
+        pos: u64,
+    ) -> Result<TorchWriter> {
         let out = StagedFile::create(dest)?;
         let w = TorchWriter {
             out,
             archives,
             place,
-            written: tensors.iter().map(|_| Mutex::new(Vec::new())).collect(),
+            written: (0..tensors).map(|_| Mutex::new(Vec::new())).collect(),
         };
         w.out.set_len(pos)?;
         for (at, a) in &w.archives {

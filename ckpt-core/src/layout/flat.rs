@@ -376,6 +376,37 @@ impl FlatLayout {
         })
     }
 
+    /// [`FlatLayout::new`] with the buffer padded to a multiple of `alignment` (a
+    /// multiple of `parts`) before it is cut: ZeRO-1/2 align each group to
+    /// `2 * dp` elements (`nccl_start_alignment_factor * dp` in DeepSpeed's
+    /// stage_1_and_2.py), so a partition is always an even number of elements.
+    ///
+    /// ```
+    /// use ckpt_core::FlatLayout;
+    /// // 78 + 42 + 7 elements over 3 ranks, aligned to 6: 127 -> 132, 44 each.
+    /// let l = FlatLayout::aligned(&[78, 42, 7], 3, 6).unwrap();
+    /// assert_eq!((l.used, l.padded, l.partition), (127, 132, 44));
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Overflow`](crate::Error::Overflow); `parts == 0`; an alignment that is
+    /// not a positive multiple of `parts`.
+    pub fn aligned(numels: &[u64], parts: u64, alignment: u64) -> Result<FlatLayout> {
+        if parts == 0 || alignment == 0 || !alignment.is_multiple_of(parts) {
+            return Err(overflow(format!(
+                "a flat buffer aligned to {alignment} cut into {parts} partitions"
+            )));
+        }
+        let mut l = FlatLayout::new(numels, parts)?;
+        l.padded = l
+            .used
+            .div_ceil(alignment)
+            .checked_mul(alignment)
+            .ok_or_else(|| overflow("padded flat buffer length"))?;
+        l.partition = l.padded / parts;
+        Ok(l)
+    }
+
     /// What partition `part` holds, in order: `(offset within the partition, slot)`,
     /// one entry per tensor it cuts and one for the padding it holds, if any.
     #[must_use]
@@ -629,6 +660,40 @@ mod tests {
                 }
             }
             prop_assert_eq!(padding, l.padded - l.used);
+            for (t, rs) in per_tensor.iter().enumerate() {
+                prop_assert_eq!(check_flat_cover(numels[t], rs), Ok(()));
+            }
+        }
+
+        /// ZeRO-1/2's cut (align to 2 * dp, then dp equal parts): every element once,
+        /// the padding only at the end, less than one alignment of it.
+        #[test]
+        fn aligned_partitions_hold_every_element_once(
+            numels in prop::collection::vec(0u64..40, 0..6),
+            parts in 1u64..6,
+        ) {
+            let l = FlatLayout::aligned(&numels, parts, 2 * parts).unwrap();
+            prop_assert_eq!(l.padded % (2 * parts), 0);
+            prop_assert!(l.padded - l.used < 2 * parts);
+            prop_assert_eq!(l.partition * parts, l.padded);
+            let mut per_tensor: Vec<Vec<FlatRange>> = vec![vec![]; numels.len()];
+            let mut data_end = 0;
+            for p in 0..parts {
+                let slots = l.partition_slots(p);
+                for (k, (off, s)) in slots.iter().enumerate() {
+                    let next = slots.get(k + 1).map_or(l.partition, |x| x.0);
+                    match s {
+                        FlatSlot::Tensor { tensor, range } => {
+                            prop_assert_eq!(next - off, range.len);
+                            prop_assert_eq!(p * l.partition + off, l.tensors[*tensor].start + range.start);
+                            per_tensor[*tensor].push(*range);
+                            data_end = data_end.max(p * l.partition + next);
+                        }
+                        FlatSlot::Padding => prop_assert!(p * l.partition + off >= l.used),
+                    }
+                }
+            }
+            prop_assert!(data_end <= l.used);
             for (t, rs) in per_tensor.iter().enumerate() {
                 prop_assert_eq!(check_flat_cover(numels[t], rs), Ok(()));
             }

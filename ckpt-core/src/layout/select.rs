@@ -86,6 +86,16 @@ impl Selection {
         self.step
     }
 
+    /// Whether this keeps every tensor as it is (no pattern, cast, rename or step).
+    #[must_use]
+    pub fn is_everything(&self) -> bool {
+        self.include.is_none()
+            && self.exclude.is_none()
+            && self.cast.is_none()
+            && !self.renames()
+            && self.step.is_none()
+    }
+
     /// Whether [`Selection::rename`] changes names at all.
     #[must_use]
     pub fn renames(&self) -> bool {
