@@ -316,9 +316,11 @@ struct MergeArgs {
     #[arg(long, value_parser = ["auto"])]
     rank: Option<String>,
     /// Output format: `safetensors` (Hugging Face layout), `mindspore` (one model.ckpt
-    /// that mindspore.load_checkpoint reads) or `torch` (one model.pth, a dict of
-    /// tensors that torch.load(weights_only=True) reads).
-    #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "mindspore", "torch"])]
+    /// that mindspore.load_checkpoint reads), `torch` (one model.pth, a dict of
+    /// tensors that torch.load(weights_only=True) reads) or `ucp` (DeepSpeed's universal
+    /// checkpoint, from a DeepSpeed ZeRO checkpoint: latest_universal and
+    /// <tag>_universal/zero/<param>/*.pt, loaded with "load_universal": true).
+    #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "mindspore", "torch", "ucp"])]
     format: String,
     /// Keep optimizer state (tensors named `optim.*`) in model.safetensors; by default
     /// it goes to optimizer.safetensors beside it, and model.safetensors holds the
@@ -789,6 +791,7 @@ fn merge(a: MergeArgs) -> Result<ExitCode> {
         format: match a.format.as_str() {
             "mindspore" => ckpt_merge::MergeFormat::MindSpore,
             "torch" => ckpt_merge::MergeFormat::Torch,
+            "ucp" => ckpt_merge::MergeFormat::Ucp,
             _ => ckpt_merge::MergeFormat::Safetensors,
         },
         compression: a.copy.compress,

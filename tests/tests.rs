@@ -16,3 +16,4 @@ mod python;
 mod reshard;
 mod torch;
 mod train_infer;
+mod ucp;

@@ -136,6 +136,8 @@ struct Expanded {
     step: Option<u64>,
     /// DeepSpeed tag directories (read whole: their files are pieces of one another).
     deepspeed: Vec<PathBuf>,
+    /// DeepSpeed universal checkpoints' tag directories (read whole, as DeepSpeed's).
+    ucp: Vec<PathBuf>,
     /// A Megatron legacy checkpoint (save or iteration directory): read on its own.
     megatron: Option<PathBuf>,
 }
@@ -375,6 +377,14 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
         }
         return expand(&target, x);
     }
+    // A DeepSpeed save directory holding only a universal checkpoint: its
+    // `latest_universal` names the tag (`latest`, when there too, wins: the ZeRO one).
+    let universal = path.join(crate::formats::ucp::LATEST_UNIVERSAL);
+    let latest = if !latest.is_file() && universal.is_file() {
+        universal
+    } else {
+        latest
+    };
     if latest.is_file() {
         let name = std::fs::read_to_string(&latest).at(&latest)?;
         let target = path.join(name.trim());
@@ -389,6 +399,10 @@ fn expand(path: &Path, x: &mut Expanded) -> Result<()> {
     }
     if crate::formats::deepspeed::looks_like(path) {
         x.deepspeed.push(path.to_path_buf());
+        return Ok(());
+    }
+    if crate::formats::ucp::looks_like(path) {
+        x.ucp.push(path.to_path_buf());
         return Ok(());
     }
     note_carried(path, &mut x.carried);
@@ -617,6 +631,7 @@ impl Checkpoint {
             mut notes,
             dcp,
             deepspeed,
+            ucp,
             megatron,
             ..
         } = x;
@@ -677,6 +692,12 @@ impl Checkpoint {
         let mut ds = Vec::new();
         for dir in &deepspeed {
             match crate::formats::deepspeed::read(dir) {
+                Ok(d) => ds.push(d),
+                Err(e) => problems.push(e),
+            }
+        }
+        for dir in &ucp {
+            match crate::formats::ucp::read(dir) {
                 Ok(d) => ds.push(d),
                 Err(e) => problems.push(e),
             }

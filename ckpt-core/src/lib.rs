@@ -15,6 +15,7 @@ mod formats;
 mod launch;
 mod layout;
 mod megatron_output;
+mod ucp_output;
 
 pub use crate::checkpoint::{
     Checkpoint, Kind, CARRIED_FILES, COMPRESSED_INDEX_FILE, COMPRESSED_MODEL_FILE,
@@ -84,4 +85,5 @@ pub use crate::layout::strategy::{
 };
 pub use crate::layout::{Piece, Placement, TensorLayout};
 pub use crate::megatron_output::{megatron_legacy_plan, megatron_restage, megatron_tracker};
+pub use crate::ucp_output::{ucp_finish, ucp_plan};
 pub use ::safetensors::Dtype;
