@@ -26,7 +26,8 @@ import tempfile
 
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-sys.path.insert(0, os.path.join(_here, "fixtures"))
+# Last: scripts/fixtures/torch.py must not shadow the torch package.
+sys.path.append(os.path.join(_here, "fixtures"))
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 import torch  # noqa: E402
