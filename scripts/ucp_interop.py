@@ -29,6 +29,9 @@ sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 # Last: scripts/fixtures/torch.py must not shadow the torch package.
 sys.path.append(os.path.join(_here, "fixtures"))
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+# DeepSpeed JIT-builds its CPU communication op into torch's extension cache: one of our
+# own, so that other venvs' builds (another torch) neither rebuild it nor hold its lock.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.abspath("target/torch-extensions"))
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
