@@ -71,7 +71,8 @@ def worker(rank, stage, load_dir, out_file, port):
             if t is not None:
                 got[f"optim.{name}.{key}"] = t.detach().float().cpu().clone()
     group = engine.optimizer.optimizer.param_groups[0]
-    steps = [s.get("step") for s in engine.optimizer.optimizer.state.values() if "step" in s]
+    # (float now: the step is a tensor the next step increments in place.)
+    steps = [float(s["step"]) for s in engine.optimizer.optimizer.state.values() if "step" in s]
     # One more training step on the loaded state must run.
     x = torch.randint(0, 11, (2, 4), generator=torch.Generator().manual_seed(rank))
     loss = engine(x)

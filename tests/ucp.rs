@@ -133,7 +133,11 @@ fn optimizer_state_keeps_ds_to_universal_entries() {
                 let listed = |f: &ckpt_core::TensorFile| -> BTreeSet<String> {
                     f.metadata()["torch.non_tensor"]
                         .split(',')
-                        .map(|n| n.strip_prefix("optimizer_state_dict.").unwrap_or(n).to_string())
+                        .map(|n| {
+                            n.strip_prefix("optimizer_state_dict.")
+                                .unwrap_or(n)
+                                .to_string()
+                        })
                         .collect()
                 };
                 assert_eq!(listed(&x), listed(&y), "{v}");

@@ -33,7 +33,8 @@ use crate::error::{overflow, Error, IoContext, Result};
 use crate::layout::flat::numel;
 use crate::{Dtype, TensorSpec};
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// The file beside the tag directories naming the universal one `load_checkpoint`
@@ -413,7 +414,9 @@ fn write_module_rest(
         let Some(module) = m.opt_at(&["module"]).and_then(dict_items) else {
             continue;
         };
-        let all: &[u8] = m.map.as_deref().unwrap_or(&[]);
+        // Read, not through the mapping: the copy stays in a small buffer however
+        // large the tensor.
+        let file = std::fs::File::open(&m.path).at(&m.path)?;
         for (k, v) in module {
             let Value::Str(name) = k else { continue };
             if params.contains(name) || !keep(name) {
@@ -458,16 +461,18 @@ fn write_module_rest(
             let w = TorchWriter::create_wrapped(&dest, &[spec], false, None::<&Wrap>)?;
             // In slabs: a frozen embedding can be large.
             const SLAB: u64 = 1 << 20;
-            let mut buf = Vec::new();
+            let (mut src, mut buf) = (Vec::new(), Vec::new());
             let mut at = 0u64;
             while at < n {
                 let len = SLAB.min(n - at);
-                let lo =
-                    usize::try_from(t.start + at * esize).map_err(|_| overflow(name.as_str()))?;
-                let hi = lo + (len * esize) as usize;
-                let src = all.get(lo..hi).ok_or_else(|| overflow(name.as_str()))?;
+                let from = at
+                    .checked_mul(esize)
+                    .and_then(|x| x.checked_add(t.start))
+                    .ok_or_else(|| overflow(name.as_str()))?;
+                src.resize((len * esize) as usize, 0);
+                file.read_exact_at(&mut src, from).at(&m.path)?;
                 buf.clear();
-                to_f32(src, t.dtype, &mut buf);
+                to_f32(&src, t.dtype, &mut buf);
                 w.write_at(0, at * 4, &buf)?;
                 at += len;
             }
@@ -575,7 +580,7 @@ fn write_value(src: &PtFile, v: &Value, dest: &Path) -> Result<()> {
         )
     })?;
     let pkl = e.finish();
-    let all: &[u8] = src.map.as_deref().unwrap_or(&[]);
+    let file_len = src.map.as_ref().map_or(0, |m| m.len() as u64);
     let mut storages = Vec::with_capacity(keys.len());
     for k in keys {
         let (start, len) = src.archive.storage(&k).ok_or_else(|| {
@@ -584,19 +589,26 @@ fn write_value(src: &PtFile, v: &Value, dest: &Path) -> Result<()> {
                 format!("storage `{k}` is not in the archive (or compressed)"),
             )
         })?;
-        let range = usize::try_from(start)
-            .ok()
-            .zip(usize::try_from(start.saturating_add(len)).ok())
-            .and_then(|(a, b)| all.get(a..b))
-            .ok_or_else(|| err(&src.path, format!("storage `{k}` lies outside the file")))?;
-        storages.push((k, range));
+        if start.checked_add(len).is_none_or(|end| end > file_len) {
+            return Err(err(
+                &src.path,
+                format!("storage `{k}` lies outside the file"),
+            ));
+        }
+        storages.push((k, start, len));
     }
-    write_archive(dest, &pkl, &storages)
+    write_archive(dest, &pkl, &src.path, &storages)
 }
 
 /// A `torch.save` archive (stored zip entries, data aligned to 64 bytes as torch
-/// aligns them) of `pkl` and `storages`, written to a staged file and committed.
-fn write_archive(dest: &Path, pkl: &[u8], storages: &[(String, &[u8])]) -> Result<()> {
+/// aligns them) of `pkl` and `storages` (`(key, start, len)` in the file `from`),
+/// written to a staged file and committed.
+fn write_archive(
+    dest: &Path,
+    pkl: &[u8],
+    from: &Path,
+    storages: &[(String, u64, u64)],
+) -> Result<()> {
     use zip::write::SimpleFileOptions;
     let (tmp, file) = create_staged_file(dest)?;
     let r = (|| -> Result<()> {
@@ -605,23 +617,31 @@ fn write_archive(dest: &Path, pkl: &[u8], storages: &[(String, &[u8])]) -> Resul
             source: std::io::Error::other(e),
         };
         let mut z = zip::ZipWriter::new(std::io::BufWriter::new(file.try_clone().at(&tmp)?));
-        let opts = |len: usize| {
+        let opts = |len: u64| {
             SimpleFileOptions::default()
                 .compression_method(zip::CompressionMethod::Stored)
-                .large_file(len as u64 >= u64::from(u32::MAX))
+                .large_file(len >= u64::from(u32::MAX))
                 .with_alignment(64)
         };
-        let mut put = |name: &str, bytes: &[u8]| -> Result<()> {
-            z.start_file(format!("archive/{name}"), opts(bytes.len()))
+        let put = |z: &mut zip::ZipWriter<_>, name: &str, bytes: &[u8]| -> Result<()> {
+            z.start_file(format!("archive/{name}"), opts(bytes.len() as u64))
                 .map_err(zerr)?;
             z.write_all(bytes).at(dest)
         };
-        put("data.pkl", pkl)?;
-        put("byteorder", b"little")?;
-        for (k, bytes) in storages {
-            put(&format!("data/{k}"), bytes)?;
+        put(&mut z, "data.pkl", pkl)?;
+        put(&mut z, "byteorder", b"little")?;
+        // Copied by reads, not through the mapping: memory stays bounded.
+        let mut src = std::fs::File::open(from).at(from)?;
+        for (k, start, len) in storages {
+            z.start_file(format!("archive/data/{k}"), opts(*len))
+                .map_err(zerr)?;
+            src.seek(SeekFrom::Start(*start)).at(from)?;
+            let copied = std::io::copy(&mut (&mut src).take(*len), &mut z).at(dest)?;
+            if copied != *len {
+                return Err(err(from, format!("storage `{k}`: the file ends early")));
+            }
         }
-        put("version", b"3\n")?;
+        put(&mut z, "version", b"3\n")?;
         let mut w = z.finish().map_err(zerr)?;
         w.flush().at(dest)?;
         drop(w);
