@@ -57,13 +57,16 @@ def worker(rank, world, stage, layers, out, port):
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=(i % 2 == 0)) for i in range(layers)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage},
     }
+    # ZeRO-3: parameters partitioned as they are made (each of 4 ranks building the
+    # whole 1 GiB model first ran out of memory on a shared 23 GiB machine).
+    with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=stage == 3):
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=(i % 2 == 0)) for i in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     loss = engine(torch.randn(1, WIDTH)).pow(2).mean()
     engine.backward(loss)
