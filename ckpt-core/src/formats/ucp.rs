@@ -161,8 +161,8 @@ pub(crate) fn read(dir: &Path) -> Result<DeepSpeed> {
         let Some(param) = p.file_name().and_then(|n| n.to_str()).map(String::from) else {
             return Err(err(&p, "a parameter directory whose name is not UTF-8"));
         };
-        for k in 0..STATES.len() {
-            let path = p.join(format!("{}.pt", STATES[k]));
+        for (k, state) in STATES.iter().enumerate() {
+            let path = p.join(format!("{state}.pt"));
             if !path.is_file() {
                 if k == 0 {
                     return Err(err(
