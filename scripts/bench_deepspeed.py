@@ -14,6 +14,17 @@ with `engine.save_checkpoint`, then times
   - `python -c get_fp32_state_dict_from_zero_checkpoint + safetensors save_file`
     (zero_to_fp32's own API writing the same safetensors output),
 checks that both outputs hold the same bytes, and prints one line per stage.
+
+With `--modes ucp` (or `merge ucp`, the default) it also times, on the same checkpoint,
+  - `ckpt merge <ckpt> --format ucp -o <out>` (DeepSpeed's universal checkpoint), and
+  - `python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state` with its
+    default workers (4 extracting, 2 merging),
+and checks that every `zero/<param>/*.pt` tensor of the two trees is equal.
+
+The measurements of the README (one run each, on a machine shared with other builds):
+
+    target/venv-ds/bin/python scripts/bench_deepspeed.py --mb 1024 --stages 3 --modes merge
+    target/venv-ds/bin/python scripts/bench_deepspeed.py --mb 384 --stages 2 3 --modes ucp
 """
 
 import argparse
@@ -28,6 +39,9 @@ import time
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") not in (_here, os.path.join(_here, "fixtures"))]
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+# DeepSpeed JIT-builds its CPU communication op into torch's extension cache: one of our
+# own, so that other venvs' builds (another torch) neither rebuild it nor hold its lock.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.abspath("target/torch-extensions"))
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -43,13 +57,16 @@ def worker(rank, world, stage, layers, out, port):
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=(i % 2 == 0)) for i in range(layers)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage},
     }
+    # ZeRO-3: parameters partitioned as they are made (each of 4 ranks building the
+    # whole 1 GiB model first ran out of memory on a shared 23 GiB machine).
+    with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=stage == 3):
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=(i % 2 == 0)) for i in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     loss = engine(torch.randn(1, WIDTH)).pow(2).mean()
     engine.backward(loss)
@@ -67,6 +84,50 @@ def timed(cmd):
     return wall, rss / 1024
 
 
+def same_ucp(mine, theirs):
+    """Every state file of DeepSpeed's tree has its twin in ckpt's, with equal tensors."""
+    n = 0
+    zero = os.path.join(theirs, "zero")
+    for param in sorted(os.listdir(zero)):
+        d = os.path.join(zero, param)
+        if not os.path.isdir(d):
+            continue
+        for f in sorted(os.listdir(d)):
+            a = torch.load(os.path.join(mine, "zero", param, f), weights_only=False)
+            b = torch.load(os.path.join(d, f), weights_only=False)
+            ta, tb = (a["param"], b["param"]) if isinstance(b, dict) else (a, b)
+            if not (ta.dtype == tb.dtype and ta.shape == tb.shape and torch.equal(ta, tb)):
+                return False, n
+            n += 1
+    return True, n
+
+
+def bench_ucp(a, ck, stage, size, work):
+    tag = open(os.path.join(ck, "latest")).read().strip()
+    out_ckpt = os.path.join(work, f"ckpt-ucp{stage}")
+    shutil.rmtree(out_ckpt, ignore_errors=True)
+    t_ckpt, rss_ckpt = timed([a.ckpt, "merge", ck, "--format", "ucp", "-o", out_ckpt])
+    subprocess.run(["sync"])
+    out_ds = os.path.join(work, f"ds-ucp{stage}")
+    shutil.rmtree(out_ds, ignore_errors=True)
+    t_ds, rss_ds = timed([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                          os.path.join(ck, tag), "--output_folder", out_ds, "--inject_missing_state"])
+    mine = os.path.join(out_ckpt, open(os.path.join(out_ckpt, "latest_universal")).read())
+    same, n = same_ucp(mine, out_ds)
+    print(
+        f"ZeRO-{stage} -> UCP: checkpoint {size / 2**20:.0f} MiB; ckpt merge --format ucp {t_ckpt:.2f} s, peak RSS "
+        f"{rss_ckpt:.0f} MiB; ds_to_universal {t_ds:.2f} s, peak RSS {rss_ds:.0f} MiB; speedup {t_ds / t_ckpt:.1f}x; "
+        f"{n} state files, same tensors: {same}",
+        flush=True,
+    )
+    shutil.rmtree(out_ckpt, ignore_errors=True)
+    shutil.rmtree(out_ds, ignore_errors=True)
+    # ds_to_universal writes latest_universal beside its output folder.
+    stray = os.path.join(work, "latest_universal")
+    if os.path.exists(stray):
+        os.remove(stray)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=1024, help="MiB of fp32 master weights")
@@ -74,6 +135,7 @@ def main():
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--ckpt", default="target/release/ckpt")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--modes", nargs="+", default=["merge", "ucp"], choices=["merge", "ucp"])
     a = ap.parse_args()
     layers = max(1, a.mb // 16)
     work = a.work or tempfile.mkdtemp(prefix="bench-ds-")
@@ -91,6 +153,12 @@ def main():
         if any(p.exitcode for p in ps):
             raise SystemExit(f"DeepSpeed training failed (stage {stage})")
         subprocess.run(["sync"])
+        size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(ck) for f in fs)
+        if "ucp" in a.modes:
+            bench_ucp(a, ck, stage, size, work)
+        if "merge" not in a.modes:
+            shutil.rmtree(ck, ignore_errors=True)
+            continue
         out_ckpt = os.path.join(work, f"ckpt-out{stage}")
         shutil.rmtree(out_ckpt, ignore_errors=True)
         # Weights only, as zero_to_fp32 (ckpt would also write the moments).
@@ -107,7 +175,10 @@ def main():
         mine = load_file(os.path.join(out_ckpt, "model.safetensors"))
         theirs = load_file(out_ds)
         same = mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
-        size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(ck) for f in fs)
+        del mine, theirs
+        shutil.rmtree(out_ckpt, ignore_errors=True)
+        os.remove(out_ds)
+        shutil.rmtree(ck, ignore_errors=True)
         print(
             f"ZeRO-{stage}: checkpoint {size / 2**20:.0f} MiB; ckpt merge {t_ckpt:.2f} s, peak RSS {rss_ckpt:.0f} MiB; "
             f"zero_to_fp32 {t_ds:.2f} s, peak RSS {rss_ds:.0f} MiB; speedup {t_ds / t_ckpt:.1f}x; same bytes: {same}",

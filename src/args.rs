@@ -212,9 +212,11 @@ pub(crate) struct MergeArgs {
     #[arg(long, value_parser = ["auto"])]
     pub(crate) rank: Option<String>,
     /// Output format: `safetensors` (Hugging Face layout), `mindspore` (one model.ckpt
-    /// that mindspore.load_checkpoint reads) or `torch` (one model.pth, a dict of
-    /// tensors that torch.load(weights_only=True) reads).
-    #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "mindspore", "torch"])]
+    /// that mindspore.load_checkpoint reads), `torch` (one model.pth, a dict of
+    /// tensors that torch.load(weights_only=True) reads) or `ucp` (DeepSpeed's universal
+    /// checkpoint, from a DeepSpeed ZeRO checkpoint: latest_universal and
+    /// <tag>_universal/zero/<param>/*.pt, loaded with "load_universal": true).
+    #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "mindspore", "torch", "ucp"])]
     pub(crate) format: String,
     /// Keep optimizer state (tensors named `optim.*`) in model.safetensors; by default
     /// it goes to optimizer.safetensors beside it, and model.safetensors holds the

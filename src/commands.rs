@@ -138,6 +138,7 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
         format: match a.format.as_str() {
             "mindspore" => ckpt_merge::MergeFormat::MindSpore,
             "torch" => ckpt_merge::MergeFormat::Torch,
+            "ucp" => ckpt_merge::MergeFormat::Ucp,
             _ => ckpt_merge::MergeFormat::Safetensors,
         },
         compression: a.copy.compress,

@@ -19,3 +19,4 @@ mod tensorboard;
 mod torch;
 mod train_infer;
 mod zero_pictures;
+mod ucp;

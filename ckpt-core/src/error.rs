@@ -62,6 +62,15 @@ pub enum Error {
         /// What is wrong, naming the tensor when one is at fault.
         problem: String,
     },
+    /// A DeepSpeed universal checkpoint (`ds_to_universal.py`'s tree) is incomplete or
+    /// inconsistent (the file, and the tensor when one is at fault, are named).
+    #[error("{path}: DeepSpeed universal checkpoint: {problem}")]
+    InvalidUcp {
+        /// The file or directory at fault.
+        path: PathBuf,
+        /// What is wrong, naming the tensor when one is at fault.
+        problem: String,
+    },
     /// A safetensors header is malformed.
     #[error("invalid safetensors header: {problem}")]
     InvalidHeader {

@@ -28,6 +28,7 @@ pub(crate) mod pickle;
 pub(crate) mod safetensors;
 pub(crate) mod torch_save;
 pub(crate) mod torch_write;
+pub(crate) mod ucp;
 pub(crate) mod writer;
 
 use crate::error::{overflow, Error, IoContext, Result};
@@ -58,6 +59,9 @@ pub enum FileFormat {
     /// A `torch.save` file of a DeepSpeed ZeRO checkpoint, read with its tag directory
     /// (its entries are the flat pieces of the fp32 weights and moments it holds).
     DeepSpeed,
+    /// A `torch.save` file of a DeepSpeed universal checkpoint (`zero/<param>/<state>.pt`:
+    /// one whole tensor), read with its tag directory.
+    Ucp,
 }
 
 impl FileFormat {
@@ -71,6 +75,7 @@ impl FileFormat {
             FileFormat::Ckptz => "ckptz",
             FileFormat::Distcp => "PyTorch DCP .distcp",
             FileFormat::DeepSpeed => "DeepSpeed ZeRO .pt",
+            FileFormat::Ucp => "DeepSpeed universal .pt",
         }
     }
 }

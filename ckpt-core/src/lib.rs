@@ -16,6 +16,7 @@ mod launch;
 mod layout;
 mod megatron_output;
 mod present;
+mod ucp_output;
 
 pub use crate::checkpoint::{
     Checkpoint, Kind, CARRIED_FILES, COMPRESSED_INDEX_FILE, COMPRESSED_MODEL_FILE,
@@ -90,4 +91,5 @@ pub use crate::present::{
     convert_json, convert_text, human_bytes, inspect_json, inspect_text, placements_text,
     plan_json, plan_text, verify_json, verify_text, CopySummary,
 };
+pub use crate::ucp_output::{ucp_finish, ucp_plan};
 pub use ::safetensors::Dtype;

@@ -526,7 +526,7 @@ const SHARED: [&str; 6] = [
 
 /// A format built on another's codec, said here so that it is a decision, not drift:
 /// `(format, the format it builds on, why)`.
-const BUILDS_ON: [(&str, &str, &str); 8] = [
+const BUILDS_ON: [(&str, &str, &str); 11] = [
     (
         "formats::deepspeed_write",
         "formats::deepspeed",
@@ -541,6 +541,21 @@ const BUILDS_ON: [(&str, &str, &str); 8] = [
         "formats::deepspeed_write",
         "formats::torch_write",
         "ZeRO optimizer states are written as torch.save archives",
+    ),
+    (
+        "formats::ucp",
+        "formats::torch_save",
+        "a universal checkpoint's state files are torch.save archives",
+    ),
+    (
+        "formats::ucp",
+        "formats::torch_write",
+        "a universal checkpoint is written as torch.save archives",
+    ),
+    (
+        "formats::ucp",
+        "formats::deepspeed",
+        "a universal checkpoint is DeepSpeed's: it is converted from (and copies) a ZeRO tag directory's files, read with the ZeRO reader's helpers",
     ),
     (
         "formats::deepspeed",

@@ -50,6 +50,11 @@ pub enum MergeFormat {
     MindSpore,
     /// One `model.pth` that `torch.load(weights_only=True)` reads (a dict of tensors).
     Torch,
+    /// DeepSpeed's universal checkpoint (from a DeepSpeed ZeRO source):
+    /// `latest_universal` and `<tag>_universal/` with `zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt`,
+    /// which `engine.load_checkpoint` reads with `"load_universal": true` on any
+    /// data-parallel size.
+    Ucp,
 }
 
 /// Plans a merge: the integrated output files, one tensor per full piece.
@@ -57,6 +62,14 @@ pub enum MergeFormat {
 /// # Errors
 /// Impossible casts or tensors the source cannot provide.
 pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
+    if req.format == MergeFormat::Ucp {
+        if req.compression.is_some() || req.max_shard_size.is_some() || req.one_file {
+            return Err(ckpt_core::Error::Unsupported {
+                problem: "--format ucp writes DeepSpeed's tree of .pt files: --compress, --max-shard-size and --one-file do not apply".into(),
+            });
+        }
+        return ckpt_core::ucp_plan(source, &req.selection);
+    }
     let mut tensors = Vec::new();
     for (name, t) in &source.tensors {
         if !req.selection.keeps(name) {
@@ -78,6 +91,7 @@ pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
         MergeFormat::Safetensors => None,
         MergeFormat::MindSpore => Some(("mindspore", "model.ckpt")),
         MergeFormat::Torch => Some(("torch", "model.pth")),
+        MergeFormat::Ucp => None,
     };
     let files = match single {
         Some((name, file)) => {
@@ -214,7 +228,10 @@ pub fn merge(
     }
     let source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
     let plan = plan(&source, req)?;
-    let index = index_json(&plan);
+    // (A universal checkpoint is DeepSpeed's tree: no Hugging Face index.)
+    let index = (req.format != MergeFormat::Ucp)
+        .then(|| index_json(&plan))
+        .flatten();
     let index_file = if req.compression.is_some() {
         COMPRESSED_INDEX_FILE
     } else {
@@ -227,10 +244,19 @@ pub fn merge(
         if let Some(index) = &index {
             write_file_atomic(&staged.path().join(index_file), index.as_bytes())?;
         }
-        copy_carried(&source.carried, staged.path())?;
+        if req.format == MergeFormat::Ucp {
+            ckpt_core::ucp_finish(&source, &req.selection, staged.path())?;
+        } else {
+            copy_carried(&source.carried, staged.path())?;
+        }
         staged.commit()?;
         return Ok(stats);
     };
+    if req.format == MergeFormat::Ucp {
+        return Err(ckpt_core::Error::Unsupported {
+            problem: "--format ucp writes the whole tree at once (no --rank auto)".into(),
+        });
+    }
     let mine = CopyPlan {
         files: plan
             .files

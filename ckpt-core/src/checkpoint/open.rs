@@ -73,6 +73,7 @@ impl Checkpoint {
             mut notes,
             dcp,
             deepspeed,
+            ucp,
             megatron,
             ..
         } = x;
@@ -119,6 +120,12 @@ impl Checkpoint {
         let mut ds = Vec::new();
         for dir in &deepspeed {
             match crate::formats::deepspeed::read(dir) {
+                Ok(d) => ds.push(d),
+                Err(e) => problems.push(e),
+            }
+        }
+        for dir in &ucp {
+            match crate::formats::ucp::read(dir) {
                 Ok(d) => ds.push(d),
                 Err(e) => problems.push(e),
             }

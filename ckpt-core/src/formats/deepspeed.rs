@@ -112,11 +112,11 @@ fn err(path: &Path, problem: impl Into<String>) -> Error {
 }
 
 /// One parsed `torch.save` file, still mapped.
-struct PtFile {
-    path: PathBuf,
-    map: Option<memmap2::Mmap>,
-    archive: ArchiveIndex,
-    root: Value,
+pub(crate) struct PtFile {
+    pub(crate) path: PathBuf,
+    pub(crate) map: Option<memmap2::Mmap>,
+    pub(crate) archive: ArchiveIndex,
+    pub(crate) root: Value,
     entries: Vec<TensorEntry>,
     /// The flat range (`start`, `len`) each entry was cut from, unless the range is
     /// the whole tensor (a box like any other then: buffers, frozen and small
@@ -125,7 +125,7 @@ struct PtFile {
 }
 
 impl PtFile {
-    fn open(path: &Path) -> Result<PtFile> {
+    pub(crate) fn open(path: &Path) -> Result<PtFile> {
         let map = map_file(path)?;
         let all: &[u8] = map.as_deref().unwrap_or(&[]);
         let (archive, root) = torch_save::open_archive(all).map_err(|e| e.with_path(path))?;
@@ -141,7 +141,7 @@ impl PtFile {
 
     /// The value at a path of string keys from the root, or an error naming the path
     /// and what was found instead.
-    fn at(&self, keys: &[&str]) -> Result<&Value> {
+    pub(crate) fn at(&self, keys: &[&str]) -> Result<&Value> {
         let mut v = &self.root;
         for (i, k) in keys.iter().enumerate() {
             v = v.get(k).ok_or_else(|| {
@@ -159,13 +159,13 @@ impl PtFile {
         Ok(v)
     }
 
-    fn opt_at(&self, keys: &[&str]) -> Option<&Value> {
+    pub(crate) fn opt_at(&self, keys: &[&str]) -> Option<&Value> {
         keys.iter().try_fold(&self.root, |v, k| v.get(k))
     }
 
     /// Locates the tensor `v` (found under `what`); `name` is the tensor it is a
     /// piece of, for messages.
-    fn tensor(&self, v: &Value, what: &str) -> Result<TensorEntry> {
+    pub(crate) fn tensor(&self, v: &Value, what: &str) -> Result<TensorEntry> {
         locate_value(&self.archive, what, v).map_err(|e| e.with_path(&self.path))
     }
 
@@ -249,7 +249,7 @@ impl PtFile {
     }
 }
 
-fn int(v: &Value) -> Option<u64> {
+pub(crate) fn int(v: &Value) -> Option<u64> {
     match v {
         Value::Int(i) => u64::try_from(*i).ok(),
         // `ZeroStageEnum(2)`: an inert record of the enum and its value.
@@ -267,7 +267,7 @@ fn size(v: &Value) -> Option<Vec<u64>> {
     }
 }
 
-fn dict_items(v: &Value) -> Option<&[(Value, Value)]> {
+pub(crate) fn dict_items(v: &Value) -> Option<&[(Value, Value)]> {
     match v {
         Value::Dict(kv) => Some(kv),
         Value::Build { object, .. } => dict_items(object),
@@ -276,7 +276,7 @@ fn dict_items(v: &Value) -> Option<&[(Value, Value)]> {
 }
 
 /// `(name, shape)` pairs of a dict of sizes, in order.
-fn shapes_of(f: &PtFile, v: &Value, what: &str) -> Result<Vec<(String, Vec<u64>)>> {
+pub(crate) fn shapes_of(f: &PtFile, v: &Value, what: &str) -> Result<Vec<(String, Vec<u64>)>> {
     let kv = dict_items(v)
         .ok_or_else(|| err(&f.path, format!("`{what}` is {}, not a dict", describe(v))))?;
     kv.iter()
@@ -298,7 +298,7 @@ fn shapes_of(f: &PtFile, v: &Value, what: &str) -> Result<Vec<(String, Vec<u64>)
         .collect()
 }
 
-fn list<'a>(f: &PtFile, v: &'a Value, what: &str) -> Result<&'a [Value]> {
+pub(crate) fn list<'a>(f: &PtFile, v: &'a Value, what: &str) -> Result<&'a [Value]> {
     v.items()
         .ok_or_else(|| err(&f.path, format!("`{what}` is {}, not a list", describe(v))))
 }

@@ -166,11 +166,13 @@ pub fn create_writer(
     Ok(if ext == "ckpt" {
         Box::new(mindspore_ckpt::MindSporeWriter::create(dest, tensors)?)
     } else if matches!(ext, "pth" | "pt" | "bin" | "distcp") {
+        let wrap = torch_write::Wrap::from_metadata(metadata)?;
+        let bare = ext == "distcp" || wrap.as_ref().is_some_and(|w| w.flat);
         Box::new(torch_write::TorchWriter::create_wrapped(
             dest,
             tensors,
-            ext == "distcp",
-            torch_write::Wrap::from_metadata(metadata)?.as_ref(),
+            bare,
+            wrap.as_ref(),
         )?)
     } else {
         Box::new(safetensors::SafetensorsWriter::create(

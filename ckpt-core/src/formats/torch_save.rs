@@ -127,6 +127,15 @@ pub(crate) struct ArchiveIndex {
     entries: HashMap<String, Stored>,
 }
 
+impl ArchiveIndex {
+    /// The byte range `(start, len)` of storage `key` (`data/<key>`) in the archive,
+    /// when it is there and stored uncompressed.
+    pub(crate) fn storage(&self, key: &str) -> Option<(u64, u64)> {
+        let s = self.entries.get(&format!("{}data/{key}", self.dir))?;
+        (!s.compressed).then_some((s.start, s.len))
+    }
+}
+
 /// Reads the zip directory and the pickle of a `torch.save` file, checking its globals;
 /// tensors are not located yet ([`locate_value`] does, for the values a caller wants).
 pub(crate) fn open_archive(all: &[u8]) -> Result<(ArchiveIndex, Value)> {

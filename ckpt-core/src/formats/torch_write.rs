@@ -51,10 +51,15 @@ fn data_pkl(tensors: &[TensorSpec], bare: bool, wrap: Option<&Wrap>) -> Result<V
     let mut e = Emitter::new();
     if !bare {
         e.empty_dict().mark();
+        if let Some(w) = wrap {
+            e.raw(&w.prefix);
+        }
     }
-    if let Some(w) = wrap.filter(|_| !bare) {
-        e.str(&w.key).empty_dict().mark();
+    let nested = wrap.filter(|_| !bare).and_then(|w| w.key.as_ref());
+    if let Some(key) = nested {
+        e.str(key).empty_dict().mark();
     }
+    let flat = wrap.is_some_and(|w| w.flat);
     for (key, t) in tensors.iter().enumerate() {
         let class = storage_class(t.dtype).ok_or_else(|| Error::Unsupported {
             problem: format!(
@@ -86,13 +91,17 @@ fn data_pkl(tensors: &[TensorSpec], bare: bool, wrap: Option<&Wrap>) -> Result<V
             .int(numel)
             .tuple()
             .persistent_id();
-        e.int(0).ints(&t.shape).ints(&stride).bool(false);
+        if flat {
+            e.int(0).ints(&[numel]).ints(&[1]).bool(false);
+        } else {
+            e.int(0).ints(&t.shape).ints(&stride).bool(false);
+        }
         e.global("collections", "OrderedDict")
             .empty_tuple()
             .reduce();
         e.tuple().reduce();
     }
-    if let Some(w) = wrap.filter(|_| !bare) {
+    if let (Some(w), Some(_)) = (wrap, nested) {
         e.set_items().raw(&w.extra);
     }
     if !bare {
@@ -108,11 +117,36 @@ pub(crate) const WRAP_KEY: &str = "torch.wrap.key";
 /// key/value pairs ([`Emitter::fragment`]).
 pub(crate) const WRAP_EXTRA: &str = "torch.wrap.extra";
 
-/// The tensors under one key of the saved dict, beside other entries.
-#[derive(Clone, Debug)]
+/// Metadata key of entries put in the saved dict before the tensors: a pickle fragment
+/// (hex), as [`WRAP_EXTRA`]. DeepSpeed's universal checkpoint: `{'cat_dim': 0, 'param': t}`.
+pub(crate) const PREFIX: &str = "torch.prefix";
+/// Metadata key asking for each tensor pickled alone (one archive per tensor, as DCP's)
+/// and flattened to one dimension (same bytes): DeepSpeed's ZeRO-3 universal files.
+pub(crate) const BARE_FLAT: &str = "torch.bare_flat";
+
+/// How the tensors sit in the saved object: under one key of the saved dict beside
+/// other entries, after some entries, or alone and flattened.
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Wrap {
-    key: String,
+    key: Option<String>,
     extra: Vec<u8>,
+    prefix: Vec<u8>,
+    /// One bare tensor per archive, pickled with shape `[numel]`.
+    pub(crate) flat: bool,
+}
+
+fn unhex(m: &std::collections::BTreeMap<String, String>, key: &str) -> Result<Vec<u8>> {
+    let hex = m.get(key).map_or("", String::as_str);
+    let bad = || Error::Unsupported {
+        problem: format!("{key} is not hex"),
+    };
+    if !hex.len().is_multiple_of(2) {
+        return Err(bad());
+    }
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(hex.get(i..i + 2).ok_or_else(bad)?, 16).map_err(|_| bad()))
+        .collect()
 }
 
 impl Wrap {
@@ -120,23 +154,15 @@ impl Wrap {
     pub(crate) fn from_metadata(
         m: &std::collections::BTreeMap<String, String>,
     ) -> Result<Option<Wrap>> {
-        let Some(key) = m.get(WRAP_KEY) else {
+        let flat = m.get(BARE_FLAT).is_some_and(|v| v == "1");
+        if !m.contains_key(WRAP_KEY) && !m.contains_key(PREFIX) && !flat {
             return Ok(None);
-        };
-        let hex = m.get(WRAP_EXTRA).map_or("", String::as_str);
-        let bad = || Error::Unsupported {
-            problem: format!("{WRAP_EXTRA} is not hex"),
-        };
-        if !hex.len().is_multiple_of(2) {
-            return Err(bad());
         }
-        let extra = (0..hex.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(hex.get(i..i + 2).ok_or_else(bad)?, 16).map_err(|_| bad()))
-            .collect::<Result<Vec<u8>>>()?;
         Ok(Some(Wrap {
-            key: key.clone(),
-            extra,
+            key: m.get(WRAP_KEY).cloned(),
+            extra: unhex(m, WRAP_EXTRA)?,
+            prefix: unhex(m, PREFIX)?,
+            flat,
         }))
     }
 }

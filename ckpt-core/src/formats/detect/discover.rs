@@ -9,7 +9,7 @@
 
 use crate::error::{Error, IoContext, Result};
 use crate::formats::distcp::{self, DcpMetadata};
-use crate::formats::{ckptz, deepspeed, list_dir, megatron, mindspore_ckpt, safetensors};
+use crate::formats::{ckptz, deepspeed, list_dir, megatron, mindspore_ckpt, safetensors, ucp};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -71,6 +71,8 @@ pub(crate) struct Discovery {
     pub(crate) step: Option<u64>,
     /// DeepSpeed tag directories (read whole: their files are pieces of one another).
     pub(crate) deepspeed: Vec<PathBuf>,
+    /// DeepSpeed universal checkpoints' tag directories (read whole, as DeepSpeed's).
+    pub(crate) ucp: Vec<PathBuf>,
     /// A Megatron legacy checkpoint (save or iteration directory): read on its own.
     pub(crate) megatron: Option<PathBuf>,
 }
@@ -86,7 +88,7 @@ struct DirRow {
 
 /// The directory table, tried in this order. Adding a format that is a directory of
 /// files is one function in its module and one row here (see docs/architecture.md).
-static DIRECTORIES: [DirRow; 11] = [
+static DIRECTORIES: [DirRow; 12] = [
     // Megatron legacy save or iteration directory
     DirRow {
         carries: false,
@@ -101,6 +103,11 @@ static DIRECTORIES: [DirRow; 11] = [
     DirRow {
         carries: false,
         discover: deepspeed_dir,
+    },
+    // DeepSpeed universal checkpoint (`latest_universal`, or the tag directory)
+    DirRow {
+        carries: false,
+        discover: ucp_dir,
     },
     // ckpt rank directory (model file + strategy.json)
     DirRow {
@@ -337,17 +344,22 @@ fn training_output(path: &Path, x: &mut Discovery) -> Result<bool> {
         x.add(&target)?;
         return Ok(true);
     }
-    let name = std::fs::read_to_string(&latest).at(&latest)?;
+    x.add(&named_dir(path, &latest)?)?;
+    Ok(true)
+}
+
+/// The directory beside it that a pointer file (`latest`, `latest_universal`) names.
+fn named_dir(path: &Path, pointer: &Path) -> Result<PathBuf> {
+    let name = std::fs::read_to_string(pointer).at(pointer)?;
     let target = path.join(name.trim());
     if name.trim().is_empty() || name.contains('/') || !target.is_dir() {
         return Err(unknown(format!(
             "{}: names `{}`, which is not a checkpoint directory beside it",
-            latest.display(),
+            pointer.display(),
             name.trim()
         )));
     }
-    x.add(&target)?;
-    Ok(true)
+    Ok(target)
 }
 
 fn deepspeed_dir(path: &Path, x: &mut Discovery) -> Result<bool> {
@@ -355,6 +367,22 @@ fn deepspeed_dir(path: &Path, x: &mut Discovery) -> Result<bool> {
         return Ok(false);
     }
     x.deepspeed.push(path.to_path_buf());
+    Ok(true)
+}
+
+/// A DeepSpeed save directory holding only a universal checkpoint (its
+/// `latest_universal` names the tag; a `latest` beside it, the ZeRO one, was taken by
+/// the training-output row first), or a universal checkpoint's tag directory.
+fn ucp_dir(path: &Path, x: &mut Discovery) -> Result<bool> {
+    let universal = path.join(ucp::LATEST_UNIVERSAL);
+    if universal.is_file() {
+        x.add(&named_dir(path, &universal)?)?;
+        return Ok(true);
+    }
+    if !ucp::looks_like(path) {
+        return Ok(false);
+    }
+    x.ucp.push(path.to_path_buf());
     Ok(true)
 }
 
