@@ -57,6 +57,9 @@ PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" 
 # weights and Adam moments byte-equal, one more step agrees. deepspeed added to the venv
 # that has torch; about 1 minute of CPU (the full set: scripts/deepspeed_reshard_interop.sh).
 DS_VENV=$venv scripts/deepspeed_reshard_interop.sh target/debug/ckpt --quick
+# DeepSpeed's engine loads ckpt's universal checkpoint (merge --format ucp) of the ZeRO-2
+# and ZeRO-3 fixtures on 3 gloo ranks: weights and moments bit for bit, one more step.
+"$venv/bin/python" scripts/ucp_interop.py target/debug/ckpt
 
 # The README's "By example" block, every line as written, in order, in a new directory.
 scripts/readme_examples.sh target/debug/ckpt
