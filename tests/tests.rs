@@ -18,5 +18,5 @@ mod reshard;
 mod tensorboard;
 mod torch;
 mod train_infer;
-mod zero_pictures;
 mod ucp;
+mod zero_pictures;

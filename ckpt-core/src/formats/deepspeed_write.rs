@@ -434,25 +434,7 @@ fn rebuild(
     let class = storage_class(t.dtype)
         .ok_or_else(|| format!("tensor `{}`: no torch storage for its dtype", t.name))?;
     let n: u64 = t.shape.iter().product();
-    let mut stride = vec![1u64; t.shape.len()];
-    for d in (0..t.shape.len().saturating_sub(1)).rev() {
-        stride[d] = stride[d + 1].saturating_mul(t.shape[d + 1].max(1));
-    }
-    e.global("torch._utils", "_rebuild_tensor_v2");
-    e.mark();
-    e.mark()
-        .str("storage")
-        .global("torch", class)
-        .str(&key.to_string())
-        .str("cpu")
-        .int(n)
-        .tuple()
-        .persistent_id();
-    e.int(0).ints(&t.shape).ints(&stride).bool(requires_grad);
-    e.global("collections", "OrderedDict")
-        .empty_tuple()
-        .reduce();
-    e.tuple().reduce();
+    super::torch_write::emit_rebuild(e, key, class, n, &t.shape, requires_grad);
     Ok(())
 }
 

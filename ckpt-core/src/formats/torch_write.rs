@@ -73,33 +73,11 @@ fn data_pkl(tensors: &[TensorSpec], bare: bool, wrap: Option<&Wrap>) -> Result<V
             .iter()
             .try_fold(1u64, |a, &d| a.checked_mul(d))
             .ok_or_else(|| overflow(format!("tensor `{}` element count", t.name)))?;
-        // C-order strides.
-        let mut stride = vec![1u64; t.shape.len()];
-        for d in (0..t.shape.len().saturating_sub(1)).rev() {
-            stride[d] = stride[d + 1].saturating_mul(t.shape[d + 1].max(1));
-        }
         if !bare {
             e.str(&t.name);
         }
-        e.global("torch._utils", "_rebuild_tensor_v2");
-        e.mark();
-        e.mark()
-            .str("storage")
-            .global("torch", class)
-            .str(&key.to_string())
-            .str("cpu")
-            .int(numel)
-            .tuple()
-            .persistent_id();
-        if flat {
-            e.int(0).ints(&[numel]).ints(&[1]).bool(false);
-        } else {
-            e.int(0).ints(&t.shape).ints(&stride).bool(false);
-        }
-        e.global("collections", "OrderedDict")
-            .empty_tuple()
-            .reduce();
-        e.tuple().reduce();
+        let shape = if flat { &[numel][..] } else { &t.shape[..] };
+        emit_rebuild(&mut e, key, class, numel, shape, false);
     }
     if let (Some(w), Some(_)) = (wrap, nested) {
         e.set_items().raw(&w.extra);
@@ -108,6 +86,39 @@ fn data_pkl(tensors: &[TensorSpec], bare: bool, wrap: Option<&Wrap>) -> Result<V
         e.set_items();
     }
     Ok(e.finish())
+}
+
+/// `torch._utils._rebuild_tensor_v2` of storage `key` (`numel` elements of the torch
+/// storage type `class`) viewed as a contiguous tensor of `shape`: what torch.save
+/// pickles for a tensor. Shared by every writer of torch.save archives.
+pub(crate) fn emit_rebuild(
+    e: &mut Emitter,
+    key: usize,
+    class: &str,
+    numel: u64,
+    shape: &[u64],
+    requires_grad: bool,
+) {
+    // C-order strides.
+    let mut stride = vec![1u64; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        stride[d] = stride[d + 1].saturating_mul(shape[d + 1].max(1));
+    }
+    e.global("torch._utils", "_rebuild_tensor_v2");
+    e.mark();
+    e.mark()
+        .str("storage")
+        .global("torch", class)
+        .str(&key.to_string())
+        .str("cpu")
+        .int(numel)
+        .tuple()
+        .persistent_id();
+    e.int(0).ints(shape).ints(&stride).bool(requires_grad);
+    e.global("collections", "OrderedDict")
+        .empty_tuple()
+        .reduce();
+    e.tuple().reduce();
 }
 
 /// Metadata key (of a target file) asking the torch writer to put the tensors under
