@@ -244,3 +244,42 @@ fn ucp_output_needs_a_zero_source() {
     assert!(o.stderr.contains("--format ucp"), "{}", o.stderr);
     assert!(!d.path("out").exists());
 }
+
+/// ds_to_universal run into the save directory leaves `latest` (the ZeRO tag) and
+/// `latest_universal` side by side, possibly of different steps: which one to read is
+/// the user's to say. Refused, naming both; each tag directory reads on its own.
+#[test]
+fn a_save_directory_with_both_latest_files_is_refused() {
+    let d = Dir::new();
+    let save = d.path("save");
+    let copy = |from: &Path, to: &Path| {
+        for rel in files(from) {
+            let dest = to.join(&rel);
+            std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+            std::fs::copy(from.join(&rel), dest).unwrap();
+        }
+    };
+    copy(&fixtures().join("zero2_fp32/ckpt"), &save);
+    copy(
+        &fixtures().join("zero2_fp32/ucp"),
+        &save.join("global_step2_universal"),
+    );
+    std::fs::write(save.join("latest_universal"), "global_step2_universal").unwrap();
+    let o = d.fails(&["merge", "save", "-o", "out"]);
+    assert!(
+        o.stderr.contains("latest_universal")
+            && o.stderr.contains("global_step2_universal")
+            && o.stderr
+                .contains("save/global_step2 or save/global_step2_universal"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("out").exists());
+    d.ok(&["merge", "save/global_step2", "-o", "zero"]);
+    d.ok(&["merge", "save/global_step2_universal", "-o", "universal"]);
+    let (zero, universal) = (
+        full_tensors(&d.path("zero")),
+        full_tensors(&d.path("universal")),
+    );
+    assert_eq!(zero["fc1.weight"], universal["fc1.weight"]);
+}

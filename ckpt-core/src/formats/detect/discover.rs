@@ -322,6 +322,19 @@ fn training_output(path: &Path, x: &mut Discovery) -> Result<bool> {
     if !latest.is_file() {
         return Ok(false);
     }
+    // DeepSpeed's save directory after ds_to_universal: `latest` names the ZeRO tag,
+    // `latest_universal` the universal one, and they may be different steps. Which
+    // one is meant is not ours to guess.
+    let universal = path.join(ucp::LATEST_UNIVERSAL);
+    if universal.is_file() {
+        return Err(unknown(format!(
+            "{}: both `{LATEST_FILE}` and `{}` name a checkpoint here: pass the tag directory to read ({} or {})",
+            path.display(),
+            ucp::LATEST_UNIVERSAL,
+            named_dir(path, &latest)?.display(),
+            named_dir(path, &universal)?.display()
+        )));
+    }
     if let Some(step) = x.step {
         let target = path.join(format!("step_{step}"));
         if !target.is_dir() {
@@ -371,8 +384,9 @@ fn deepspeed_dir(path: &Path, x: &mut Discovery) -> Result<bool> {
 }
 
 /// A DeepSpeed save directory holding only a universal checkpoint (its
-/// `latest_universal` names the tag; a `latest` beside it, the ZeRO one, was taken by
-/// the training-output row first), or a universal checkpoint's tag directory.
+/// `latest_universal` names the tag; with a `latest` beside it the directory was
+/// refused as ambiguous by the training-output row), or a universal checkpoint's tag
+/// directory.
 fn ucp_dir(path: &Path, x: &mut Discovery) -> Result<bool> {
     let universal = path.join(ucp::LATEST_UNIVERSAL);
     if universal.is_file() {
