@@ -283,3 +283,36 @@ fn a_save_directory_with_both_latest_files_is_refused() {
     );
     assert_eq!(zero["fc1.weight"], universal["fc1.weight"]);
 }
+
+/// The writers added for DeepSpeed give the same bytes whatever the thread count: the
+/// universal checkpoint (its state files are copied by the parallel engine) and the
+/// ZeRO checkpoint for another data-parallel size.
+#[test]
+fn deepspeed_outputs_are_the_same_bytes_on_1_and_4_threads() {
+    let d = Dir::new();
+    let zero3 = fx("zero3_fp32/ckpt");
+    let zero2 = fx("zero2_fp16/ckpt");
+    for t in [1, 4] {
+        let (u, z) = (format!("u{t}"), format!("z{t}"));
+        d.ok_with_threads(&["merge", &zero3, "--format", "ucp", "-o", &u], t);
+        let args = [
+            "reshard",
+            &zero2,
+            "--to",
+            "3",
+            "--format",
+            "deepspeed",
+            "-o",
+            &z,
+        ];
+        d.ok_with_threads(&args, t);
+    }
+    for (a, b) in [("u1", "u4"), ("z1", "z4")] {
+        let (a, b) = (d.path(a), d.path(b));
+        assert_eq!(files(&a), files(&b));
+        for rel in files(&a) {
+            let same = std::fs::read(a.join(&rel)).unwrap() == std::fs::read(b.join(&rel)).unwrap();
+            assert!(same, "{} differs between 1 and 4 threads", rel.display());
+        }
+    }
+}

@@ -26,11 +26,27 @@ impl Dir {
 
     /// Runs `ckpt ARGS` in this directory.
     pub fn ckpt(&self, args: &[&str]) -> Out {
-        let o = Command::new(env!("CARGO_BIN_EXE_ckpt"))
-            .args(args)
-            .current_dir(self.tmp.path())
-            .output()
-            .expect("run ckpt");
+        self.run(Command::new(env!("CARGO_BIN_EXE_ckpt")).args(args))
+    }
+
+    /// Runs `ckpt ARGS` with a rayon pool of `threads`, asserting success: for the
+    /// same-bytes-whatever-the-thread-count checks.
+    pub fn ok_with_threads(&self, args: &[&str], threads: usize) -> Out {
+        let o = self.run(
+            Command::new(env!("CARGO_BIN_EXE_ckpt"))
+                .args(args)
+                .env("RAYON_NUM_THREADS", threads.to_string()),
+        );
+        assert_eq!(
+            o.code, 0,
+            "ckpt {args:?} failed:\n{}\n{}",
+            o.stdout, o.stderr
+        );
+        o
+    }
+
+    fn run(&self, cmd: &mut Command) -> Out {
+        let o = cmd.current_dir(self.tmp.path()).output().expect("run ckpt");
         Out {
             code: o.status.code().unwrap_or(-1),
             stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
