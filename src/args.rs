@@ -216,7 +216,8 @@ pub(crate) struct MergeArgs {
     /// tensors that torch.load(weights_only=True) reads) or `ucp` (DeepSpeed's universal
     /// checkpoint, from a DeepSpeed ZeRO checkpoint: latest_universal and
     /// <tag>_universal/zero/<param>/*.pt, loaded with "load_universal": true).
-    #[arg(long, default_value = "safetensors", value_parser = ["safetensors", "mindspore", "torch", "ucp"])]
+    #[arg(long, default_value = "safetensors",
+          value_parser = clap::builder::PossibleValuesParser::new(ckpt_merge::MergeFormat::NAMES.map(|(n, _)| n)))]
     pub(crate) format: String,
     /// Keep optimizer state (tensors named `optim.*`) in model.safetensors; by default
     /// it goes to optimizer.safetensors beside it, and model.safetensors holds the
@@ -272,7 +273,8 @@ pub(crate) struct ReshardArgs {
     /// `megatron` (a Megatron legacy checkpoint from a Megatron legacy source:
     /// iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt) or `deepspeed` (a DeepSpeed ZeRO-1/2
     /// checkpoint for --to N data-parallel ranks, from a DeepSpeed source).
-    #[arg(long, default_value = "ckpt", value_parser = ["ckpt", "dcp", "distcp", "mindspore", "megatron", "deepspeed"])]
+    #[arg(long, default_value = "ckpt",
+          value_parser = clap::builder::PossibleValuesParser::new(ckpt_reshard::OutputFormat::NAMES.map(|(n, _)| n)))]
     pub(crate) format: String,
     #[command(flatten)]
     pub(crate) copy: CopyArgs,

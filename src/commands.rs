@@ -135,12 +135,8 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
         selection: selection(&a.copy, a.inputs.step)?,
         force: a.copy.force,
         one_file: a.one_file,
-        format: match a.format.as_str() {
-            "mindspore" => ckpt_merge::MergeFormat::MindSpore,
-            "torch" => ckpt_merge::MergeFormat::Torch,
-            "ucp" => ckpt_merge::MergeFormat::Ucp,
-            _ => ckpt_merge::MergeFormat::Safetensors,
-        },
+        format: ckpt_merge::MergeFormat::from_name(&a.format)
+            .ok_or_else(|| Usage(format!("--format `{}`", a.format)))?,
         compression: a.copy.compress,
         share: match a.rank {
             Some(_) => Some(launch_share()?),
@@ -202,14 +198,8 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         force: a.copy.force,
         shard: a.shard,
         compression: a.copy.compress,
-        format: match a.format.as_str() {
-            "dcp" => ckpt_reshard::OutputFormat::Dcp,
-            "mindspore" => ckpt_reshard::OutputFormat::MindSpore,
-            "distcp" => ckpt_reshard::OutputFormat::Distcp,
-            "megatron" => ckpt_reshard::OutputFormat::Megatron,
-            "deepspeed" => ckpt_reshard::OutputFormat::DeepSpeed,
-            _ => ckpt_reshard::OutputFormat::Ranks,
-        },
+        format: ckpt_reshard::OutputFormat::from_name(&a.format)
+            .ok_or_else(|| Usage(format!("--format `{}`", a.format)))?,
     };
     if req.format == ckpt_reshard::OutputFormat::DeepSpeed && !a.plan {
         let t = Instant::now();

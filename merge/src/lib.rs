@@ -57,6 +57,24 @@ pub enum MergeFormat {
     Ucp,
 }
 
+impl MergeFormat {
+    /// Every format by the name the CLI and the Python package take (`--format`).
+    pub const NAMES: [(&'static str, MergeFormat); 4] = [
+        ("safetensors", MergeFormat::Safetensors),
+        ("mindspore", MergeFormat::MindSpore),
+        ("torch", MergeFormat::Torch),
+        ("ucp", MergeFormat::Ucp),
+    ];
+
+    /// The format named `name` ([`MergeFormat::NAMES`]).
+    pub fn from_name(name: &str) -> Option<MergeFormat> {
+        Self::NAMES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|&(_, f)| f)
+    }
+}
+
 /// Plans a merge: the integrated output files, one tensor per full piece.
 ///
 /// # Errors

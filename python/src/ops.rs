@@ -137,17 +137,10 @@ pub(crate) fn merge<'py>(
             }
         }),
     };
-    let format = match format {
-        "safetensors" => ckpt_merge::MergeFormat::Safetensors,
-        "mindspore" => ckpt_merge::MergeFormat::MindSpore,
-        "torch" => ckpt_merge::MergeFormat::Torch,
-        f => {
-            return Err(usage(
-                py,
-                format!("format `{f}`: safetensors, mindspore or torch"),
-            ))
-        }
-    };
+    let format = ckpt_merge::MergeFormat::from_name(format).ok_or_else(|| {
+        let names = ckpt_merge::MergeFormat::NAMES.map(|(n, _)| n).join(", ");
+        usage(py, format!("format `{format}`: {names}"))
+    })?;
     let req = ckpt_merge::MergeRequest {
         inputs,
         output: out.clone(),
@@ -204,18 +197,10 @@ pub(crate) fn reshard<'py>(
         None,
     )?
     .paths;
-    let format = match format {
-        "ckpt" => ckpt_reshard::OutputFormat::Ranks,
-        "dcp" => ckpt_reshard::OutputFormat::Dcp,
-        "distcp" => ckpt_reshard::OutputFormat::Distcp,
-        "mindspore" => ckpt_reshard::OutputFormat::MindSpore,
-        f => {
-            return Err(usage(
-                py,
-                format!("format `{f}`: ckpt, dcp, distcp or mindspore"),
-            ))
-        }
-    };
+    let format = ckpt_reshard::OutputFormat::from_name(format).ok_or_else(|| {
+        let names = ckpt_reshard::OutputFormat::NAMES.map(|(n, _)| n).join(", ");
+        usage(py, format!("format `{format}`: {names}"))
+    })?;
     let req = ckpt_reshard::ReshardRequest {
         inputs,
         output: out.clone(),
@@ -230,6 +215,25 @@ pub(crate) fn reshard<'py>(
         compression: compression_of(py, compress)?,
     };
     ckpt_core::set_checksums_enabled(checksums);
+    if format == ckpt_reshard::OutputFormat::DeepSpeed {
+        // DeepSpeed's optimizer files are re-cut by their writer, not planned as copies.
+        let t = Instant::now();
+        let s = py
+            .detach(|| ckpt_reshard::reshard_deepspeed(&req))
+            .py_err(py)?;
+        let d = PyDict::new(py);
+        d.set_item("tensors", s.tensors)?;
+        d.set_item("pieces", s.tensors)?;
+        d.set_item("files", s.files)?;
+        d.set_item("bytes_written", s.bytes)?;
+        // Each partition's bytes are read once from the source, as they are written.
+        d.set_item("bytes_read", s.bytes)?;
+        d.set_item("checksums_verified", 0)?;
+        d.set_item("checksums_unchecked", 0)?;
+        d.set_item("seconds", t.elapsed().as_secs_f64())?;
+        d.set_item("output", out)?;
+        return Ok(d);
+    }
     let (stats, shape, secs) = run_copy(py, |p, on_plan| ckpt_reshard::reshard(&req, p, on_plan))?;
     report(py, &stats, shape, secs, out)
 }

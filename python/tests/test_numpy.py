@@ -217,3 +217,32 @@ def test_console_script_is_the_cli(tmp_path, originals):
     assert bad.returncode == 1, bad
     usage = subprocess.run([exe, "merge", str(d)], capture_output=True, text=True)
     assert usage.returncode == 2, usage
+
+
+def _tree(root):
+    return {
+        p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_every_cli_format_is_taken_and_writes_what_the_cli_writes(tmp_path, fixtures):
+    """The package takes the formats by the CLI's own name table: DeepSpeed's universal
+    checkpoint (merge) and ZeRO for another dp size (reshard), the same bytes as the
+    console script writes."""
+    exe = shutil.which("ckpt", path=os.path.dirname(sys.executable))
+    assert exe, "pip install should put the ckpt command beside python"
+    zero3 = fixtures / "deepspeed" / "zero3_fp32" / "ckpt"
+    zero2 = fixtures / "deepspeed" / "zero2_fp16" / "ckpt"
+    ckpt.merge(zero3, tmp_path / "u", format="ucp")
+    ckpt.reshard(zero2, tmp_path / "z", to=3, format="deepspeed")
+    for args in (
+        ["merge", str(zero3), "--format", "ucp", "-o", str(tmp_path / "u-cli")],
+        ["reshard", str(zero2), "--to", "3", "--format", "deepspeed", "-o", str(tmp_path / "z-cli")],
+    ):
+        r = subprocess.run([exe, *args], capture_output=True, text=True)
+        assert r.returncode == 0, r
+    for name in ("u", "z"):
+        mine, cli = _tree(tmp_path / name), _tree(tmp_path / f"{name}-cli")
+        assert mine and mine == cli, name
+    with pytest.raises(ckpt.UsageError, match="ucp"):
+        ckpt.merge(zero3, tmp_path / "x", format="nope")

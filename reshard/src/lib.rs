@@ -92,6 +92,25 @@ pub enum OutputFormat {
 }
 
 impl OutputFormat {
+    /// Every format by the name the CLI and the Python package take (`--format`;
+    /// `distcp` and `dcp` are PyTorch's two DCP layouts).
+    pub const NAMES: [(&'static str, OutputFormat); 6] = [
+        ("ckpt", OutputFormat::Ranks),
+        ("dcp", OutputFormat::Dcp),
+        ("distcp", OutputFormat::Distcp),
+        ("mindspore", OutputFormat::MindSpore),
+        ("megatron", OutputFormat::Megatron),
+        ("deepspeed", OutputFormat::DeepSpeed),
+    ];
+
+    /// The format named `name` ([`OutputFormat::NAMES`]).
+    pub fn from_name(name: &str) -> Option<OutputFormat> {
+        Self::NAMES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|&(_, f)| f)
+    }
+
     /// The directory of target rank `r`, for the layouts that have one.
     #[must_use]
     pub fn rank_dir(self, r: u64) -> Option<PathBuf> {

@@ -314,7 +314,8 @@ def merge(src: Paths, out: PathLike, **opts: Any) -> CopyReport:
 
     Options (the CLI's flags): ``max_shard_size`` (bytes or ``"5GB"``), ``dtype``
     (``"bf16"``...), ``include``/``exclude`` (lists of globs), ``strip_prefix``,
-    ``add_prefix``, ``format`` (``"safetensors"``, ``"torch"``, ``"mindspore"``),
+    ``add_prefix``, ``format`` (``"safetensors"``, ``"torch"``, ``"mindspore"``,
+    ``"ucp"``: DeepSpeed's universal checkpoint, from a ZeRO source),
     ``one_file``, ``force``, ``compress`` (``"zstd"``, ``"zstd:9"``),
     ``source_strategy``, ``checksums``. Nothing is written unless everything checks.
     """
@@ -339,7 +340,9 @@ def reshard(
     One of ``to=N`` (the innermost axis becomes N, others 1), ``mesh="dp=1,tp=2"``, or
     ``strategy=path`` (ckpt's ``strategy.json`` or a MindSpore strategy). ``rank``:
     build only that target rank. ``format``: ``"ckpt"`` (default), ``"dcp"``,
-    ``"distcp"``, ``"mindspore"``. Other options as :func:`merge`, plus ``keep_all``.
+    ``"distcp"``, ``"mindspore"``, ``"megatron"`` (from a Megatron legacy source),
+    ``"deepspeed"`` (a ZeRO-1/2 checkpoint for ``to`` data-parallel ranks, from a ZeRO
+    source). Other options as :func:`merge`, plus ``keep_all``.
     """
     r = _ckpt.reshard(
         _fspaths(src),
