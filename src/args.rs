@@ -113,7 +113,9 @@ pub(crate) struct Inputs {
     #[arg(required = true)]
     pub(crate) paths: Vec<PathBuf>,
     /// The source's MindSpore strategy file (protobuf or JSON; one per pipeline stage),
-    /// when it is not the only one beside the rank directories.
+    /// when it is not the only one beside the rank directories; or a strategy file with
+    /// a `rules` section: how the tensors of a Megatron or tensor-parallel DeepSpeed
+    /// checkpoint are split (docs/strategy.md, "Split rules").
     #[arg(long, value_name = "FILE")]
     pub(crate) source_strategy: Vec<PathBuf>,
     /// Read the checkpoint of this training step where the inputs hold several: a
@@ -126,23 +128,46 @@ pub(crate) struct Inputs {
 impl Inputs {
     /// Every input path: the strategy files are inputs too (recognised by content).
     pub(crate) fn all(&self) -> Result<Vec<PathBuf>> {
+        let mut strategies = Vec::new();
         for s in &self.source_strategy {
             let bytes =
                 std::fs::read(s).with_context(|| format!("--source-strategy {}", s.display()))?;
+            if ckpt_core::is_split_rules(&bytes) {
+                continue;
+            }
             if !ckpt_core::is_mindspore_strategy(&bytes) {
                 return Err(Usage(format!(
-                    "--source-strategy {}: not a MindSpore strategy file (protobuf ParallelStrategyMap or its JSON form)",
+                    "--source-strategy {}: neither a MindSpore strategy file (protobuf ParallelStrategyMap or its JSON form) nor a strategy file with a `rules` section",
                     s.display()
                 ))
                 .into());
             }
+            strategies.push(s);
         }
-        Ok(self
-            .paths
-            .iter()
-            .chain(&self.source_strategy)
-            .cloned()
-            .collect())
+        Ok(self.paths.iter().chain(strategies).cloned().collect())
+    }
+
+    /// The split rules of the `--source-strategy` files that have a `rules` section, in
+    /// the order given (empty when none has).
+    pub(crate) fn rules(&self) -> Result<ckpt_core::SplitRules> {
+        let mut found = None;
+        for s in &self.source_strategy {
+            let Ok(bytes) = std::fs::read(s) else {
+                continue;
+            };
+            if !ckpt_core::is_split_rules(&bytes) {
+                continue;
+            }
+            if found.is_some() {
+                return Err(Usage(format!(
+                    "--source-strategy {}: a second file with split rules (give them in one `rules` list)",
+                    s.display()
+                ))
+                .into());
+            }
+            found = Some(ckpt_core::SplitRules::read(s)?);
+        }
+        Ok(found.unwrap_or_default())
     }
 }
 

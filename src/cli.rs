@@ -124,7 +124,10 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
             show,
             html,
         } => {
-            let sel = names.selection().with_step(inputs.step);
+            let sel = names
+                .selection()
+                .with_step(inputs.step)
+                .with_rules(inputs.rules()?);
             match (show, html) {
                 (None, None) => commands::inspect(&inputs.all()?, &sel, json),
                 (show, html) => crate::pictures::run(&inputs.all()?, &sel, show, html, json),
@@ -138,7 +141,10 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
             json,
         } => commands::verify(
             &inputs.all()?,
-            &names.selection().with_step(inputs.step),
+            &names
+                .selection()
+                .with_step(inputs.step)
+                .with_rules(inputs.rules()?),
             ckpt_core::VerifyDepth {
                 checksums: !fast,
                 deep,

@@ -4,7 +4,7 @@
 //! `verify_text`, `CopySummary`, `TrainReport::summary_text`, `InferReport::text`, ...).
 
 use crate::args::{
-    ConvertArgs, CopyArgs, ExampleArgs, InferArgs, MergeArgs, ReshardArgs, TrainArgs, Usage,
+    ConvertArgs, CopyArgs, ExampleArgs, InferArgs, Inputs, MergeArgs, ReshardArgs, TrainArgs, Usage,
 };
 use crate::report::bytes_bar;
 use anyhow::{bail, Context, Result};
@@ -118,13 +118,14 @@ fn with_progress(
 }
 
 /// The tensors a copy keeps, and their names.
-fn selection(copy: &CopyArgs, step: Option<u64>) -> Result<Selection> {
+fn selection(copy: &CopyArgs, inputs: &Inputs) -> Result<Selection> {
     Ok(Selection::new(&copy.include, &copy.exclude, copy.dtype)?
         .with_prefixes(
             copy.names.strip_prefix.clone(),
             copy.names.add_prefix.clone(),
         )
-        .with_step(step))
+        .with_step(inputs.step)
+        .with_rules(inputs.rules()?))
 }
 
 pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
@@ -132,7 +133,7 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
         inputs: a.inputs.all()?,
         output: a.output,
         max_shard_size: a.max_shard_size,
-        selection: selection(&a.copy, a.inputs.step)?,
+        selection: selection(&a.copy, &a.inputs)?,
         force: a.copy.force,
         one_file: a.one_file,
         format: ckpt_merge::MergeFormat::from_name(&a.format)
@@ -192,7 +193,7 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         output: a.output,
         target,
         ranks,
-        selection: selection(&a.copy, a.inputs.step)?,
+        selection: selection(&a.copy, &a.inputs)?,
         // MindSpore loads each rank's parameters from that rank's file alone.
         keep_all: a.keep_all || a.format == "mindspore",
         force: a.copy.force,

@@ -8,6 +8,10 @@
 use crate::util::{full_tensors, Dir};
 use std::path::{Path, PathBuf};
 
+pub(crate) fn megatron_fixtures() -> PathBuf {
+    fixtures()
+}
+
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/megatron/tp2pp2")
 }
@@ -17,13 +21,13 @@ fn fx(rel: &str) -> String {
 }
 
 /// A copy of the legacy checkpoint to damage.
-fn legacy_copy(d: &Dir) -> PathBuf {
+pub(crate) fn legacy_copy(d: &Dir) -> PathBuf {
     let to = d.path("legacy");
     copy_dir(&fixtures().join("legacy"), &to);
     to
 }
 
-fn copy_dir(from: &Path, to: &Path) {
+pub(crate) fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {
         let p = e.unwrap().path();
@@ -38,7 +42,7 @@ fn copy_dir(from: &Path, to: &Path) {
 
 /// Replaces the one occurrence of `old` in a file by `new` (same length: the pickle's
 /// framing and the zip directory stay valid).
-fn patch(path: &Path, old: &[u8], new: &[u8]) {
+pub(crate) fn patch(path: &Path, old: &[u8], new: &[u8]) {
     assert_eq!(old.len(), new.len());
     let mut b = std::fs::read(path).unwrap();
     let at: Vec<usize> = b

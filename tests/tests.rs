@@ -15,6 +15,7 @@ mod mindspore;
 mod pictures;
 mod python;
 mod reshard;
+mod split_rules;
 mod tensorboard;
 mod torch;
 mod train_infer;

@@ -53,6 +53,15 @@ pub enum Error {
         /// What is wrong with it.
         problem: String,
     },
+    /// A split-rules file (the `rules` section of a strategy file) is malformed; the
+    /// rule at fault is named by its index and pattern.
+    #[error("{path}: split rules: {problem}")]
+    InvalidSplitRules {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: String,
+    },
     /// A DeepSpeed checkpoint directory is incomplete or inconsistent (the file, and the
     /// tensor when one is at fault, are named).
     #[error("{path}: DeepSpeed checkpoint: {problem}")]

@@ -17,6 +17,7 @@
 pub(crate) mod checksum;
 pub(crate) mod ckptz;
 pub(crate) mod deepspeed;
+pub(crate) mod deepspeed_tp;
 pub(crate) mod deepspeed_write;
 pub(crate) mod detect;
 pub(crate) mod distcp;
@@ -26,6 +27,7 @@ pub(crate) mod mindspore_strategy;
 pub(crate) mod output;
 pub(crate) mod pickle;
 pub(crate) mod safetensors;
+pub(crate) mod split_rules;
 pub(crate) mod torch_save;
 pub(crate) mod torch_write;
 pub(crate) mod ucp;

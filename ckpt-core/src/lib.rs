@@ -63,6 +63,7 @@ pub use crate::formats::output::{
 pub use crate::formats::safetensors::{
     encode_header, parse_header as parse_safetensors_header, SafetensorsWriter, MAX_HEADER_LEN,
 };
+pub use crate::formats::split_rules::{is_split_rules, SplitRules};
 pub use crate::formats::writer::{TensorSpec, TensorWriter};
 pub use crate::formats::{
     ChunkCache, Decoder, FileFormat, PieceKind, ReadCache, TensorEntry, TensorFile,

@@ -4,6 +4,7 @@
 use super::{shared_prefix, Checkpoint, Kind, SHARED_PREFIX_NOTE};
 use crate::error::{Error, Problems, Result};
 use crate::formats::detect::discover::{unknown, Discovery};
+use crate::formats::split_rules::SplitRules;
 use crate::formats::{FileFormat, TensorFile};
 use crate::layout::select::Selection;
 use crate::layout::source::SourcePiece;
@@ -27,7 +28,8 @@ impl Checkpoint {
     /// # Errors
     /// As [`Checkpoint::open`], for the kept tensors; a selection that keeps nothing.
     pub fn open_selected(paths: &[PathBuf], selection: &Selection) -> Result<Checkpoint> {
-        let (mut ck, mut problems) = Checkpoint::scan_step(paths, selection.step())?;
+        let (mut ck, mut problems) =
+            Checkpoint::scan_with(paths, selection.step(), selection.rules())?;
         ck.apply_renames(selection, &mut problems)?;
         let warnings = selection.review(ck.tensors.keys().map(String::as_str))?;
         ck.notes.extend(warnings);
@@ -62,6 +64,16 @@ impl Checkpoint {
     /// # Errors
     /// As [`Checkpoint::scan`]; no checkpoint of that step.
     pub fn scan_step(paths: &[PathBuf], step: Option<u64>) -> Result<(Checkpoint, Vec<Error>)> {
+        Checkpoint::scan_with(paths, step, &SplitRules::default())
+    }
+
+    /// [`Checkpoint::scan_step`], placing the tensors of Megatron legacy and
+    /// tensor-parallel DeepSpeed checkpoints by the user's `rules` first.
+    pub(crate) fn scan_with(
+        paths: &[PathBuf],
+        step: Option<u64>,
+        rules: &SplitRules,
+    ) -> Result<(Checkpoint, Vec<Error>)> {
         let mut x = Discovery::new(step);
         for p in paths {
             x.add(p)?;
@@ -84,7 +96,7 @@ impl Checkpoint {
                     dir.display()
                 )));
             }
-            return Checkpoint::read_megatron(&dir, carried, notes);
+            return Checkpoint::read_megatron(&dir, carried, notes, rules);
         }
         let ms_strategy = match (ms.given.is_empty(), ms.found.len()) {
             (false, _) => ms.given,
@@ -119,7 +131,7 @@ impl Checkpoint {
         }
         let mut ds = Vec::new();
         for dir in &deepspeed {
-            match crate::formats::deepspeed::read(dir) {
+            match crate::formats::deepspeed::read_with_rules(dir, rules) {
                 Ok(d) => ds.push(d),
                 Err(e) => problems.push(e),
             }

@@ -4,6 +4,7 @@
 use super::{unplaced, Checkpoint, Kind, MAX_LISTED};
 use crate::error::{Error, Result};
 use crate::formats::detect::discover::{rank_dir_number, unknown, MODEL_FILE};
+use crate::formats::split_rules::SplitRules;
 use crate::layout::mesh::Mesh;
 use crate::layout::source::SourcePiece;
 use crate::layout::strategy::{dtype_name, Strategy};
@@ -19,8 +20,9 @@ impl Checkpoint {
         dir: &Path,
         carried: BTreeMap<String, PathBuf>,
         mut notes: Vec<String>,
+        rules: &SplitRules,
     ) -> Result<(Checkpoint, Vec<Error>)> {
-        let legacy = crate::formats::megatron::open(dir)?;
+        let legacy = crate::formats::megatron::open(dir, rules)?;
         notes.extend(legacy.notes);
         let strategy = legacy.strategy;
         let mut ck = Checkpoint {

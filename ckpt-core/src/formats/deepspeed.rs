@@ -20,7 +20,9 @@
 //! - the moments `optim.<param>.exp_avg` / `optim.<param>.exp_avg_sq`, laid out as the
 //!   weights (ZeRO-1/2: `base_optimizer_state`; ZeRO-3: `optimizer_state_dict`).
 
+use super::deepspeed_tp::TpPlace;
 use super::pickle::Value;
+use super::split_rules::SplitRules;
 use super::torch_save::{self, describe, locate_value, ArchiveIndex};
 use super::{map_file, FileFormat, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, Result};
@@ -28,6 +30,7 @@ use crate::layout::flat::{numel, FlatRange};
 use crate::Dtype;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// A DeepSpeed tag directory, read: the files with their pieces, and what the pieces
 /// make.
@@ -122,6 +125,8 @@ pub(crate) struct PtFile {
     /// the whole tensor (a box like any other then: buffers, frozen and small
     /// parameters that one partition holds whole).
     origins: Vec<Option<(u64, u64)>>,
+    /// With tensor parallelism: where this rank's shards lie in the global tensors.
+    tp: Option<Arc<TpPlace>>,
 }
 
 impl PtFile {
@@ -136,6 +141,7 @@ impl PtFile {
             root,
             entries: Vec::new(),
             origins: Vec::new(),
+            tp: None,
         })
     }
 
@@ -194,22 +200,38 @@ impl PtFile {
         // A range of the whole tensor is a box like any other.
         let whole = range.start == 0 && range.len == numel(shape)?;
         for b in range.boxes(shape).map_err(|e| e.with_path(&self.path))? {
-            let first = at
-                .checked_add(b.offset)
-                .and_then(|x| x.checked_mul(elem))
-                .and_then(|x| x.checked_add(src.start))
-                .ok_or_else(|| overflow(name))?;
-            let len = b.region.numel() * elem;
-            self.entries.push(TensorEntry {
-                name: name.to_string(),
-                dtype: src.dtype,
-                shape: b.region.shape.clone(),
-                start: first,
-                end: first + len,
-                offsets: Some(b.region.start.clone()),
-            });
-            self.origins
-                .push((!whole).then_some((range.start, range.len)));
+            // A tensor-parallel shard's box lies elsewhere in the global tensor (in
+            // several boxes when it crosses sub-parameter blocks), and is no longer a
+            // flat range of it.
+            let (placed, origin) = match &self.tp {
+                None => (
+                    vec![(b.region, 0)],
+                    (!whole).then_some((range.start, range.len)),
+                ),
+                Some(tp) => match tp.place(name, shape, &b.region) {
+                    Ok(Some(v)) => (v, None),
+                    Ok(None) => continue,
+                    Err(problem) => return Err(err(&self.path, problem)),
+                },
+            };
+            for (region, within) in placed {
+                let first = at
+                    .checked_add(b.offset)
+                    .and_then(|x| x.checked_add(within))
+                    .and_then(|x| x.checked_mul(elem))
+                    .and_then(|x| x.checked_add(src.start))
+                    .ok_or_else(|| overflow(name))?;
+                let len = region.numel() * elem;
+                self.entries.push(TensorEntry {
+                    name: name.to_string(),
+                    dtype: src.dtype,
+                    shape: region.shape,
+                    start: first,
+                    end: first + len,
+                    offsets: Some(region.start),
+                });
+                self.origins.push(origin);
+            }
         }
         Ok(())
     }
@@ -308,12 +330,50 @@ pub(crate) fn list<'a>(f: &PtFile, v: &'a Value, what: &str) -> Result<&'a [Valu
 /// # Errors
 /// [`Error::InvalidDeepSpeed`] naming the file (and tensor): a missing data-parallel
 /// rank, partitions that do not add up to the parameters, a partition shorter than
-/// its padding says, a truncated or damaged `.pt`, tensor parallelism or experts
-/// (not read yet).
+/// its padding says, a truncated or damaged `.pt`, experts (not read yet), a
+/// tensor-parallel checkpoint whose `universal_checkpoint_info` does not place every
+/// parameter.
 pub(crate) fn read(dir: &Path) -> Result<DeepSpeed> {
-    let mut optim: BTreeMap<u64, PathBuf> = BTreeMap::new();
-    let mut rank_models: BTreeMap<u64, PathBuf> = BTreeMap::new();
-    let mut model: Option<PathBuf> = None;
+    read_with_rules(dir, &SplitRules::default())
+}
+
+/// [`read`], placing the shards of a tensor-parallel checkpoint by the user's `rules`
+/// first (docs/formats.md, "Tensor parallelism").
+///
+/// # Errors
+/// As [`read`]; for tensor-parallel checkpoints, those of [`super::deepspeed_tp::read`].
+pub(crate) fn read_with_rules(dir: &Path, rules: &SplitRules) -> Result<DeepSpeed> {
+    let by_mp = scan(dir)?;
+    if by_mp.keys().any(|&mp| mp > 0) {
+        return super::deepspeed_tp::read(dir, &by_mp, rules);
+    }
+    let files = by_mp
+        .get(&0)
+        .ok_or_else(|| err(dir, "no `*_optim_states.pt` file"))?;
+    read_mp(dir, 0, files, None)
+}
+
+/// The files of one model-parallel (tensor-parallel) rank `mp_rank_XX`.
+#[derive(Debug, Default)]
+pub(crate) struct MpFiles {
+    /// Optimizer states by data-parallel rank.
+    pub(crate) optim: BTreeMap<u64, PathBuf>,
+    /// ZeRO-3's per-rank model states by data-parallel rank.
+    pub(crate) rank_models: BTreeMap<u64, PathBuf>,
+    /// ZeRO-1/2's `mp_rank_XX_model_states.pt`.
+    pub(crate) model: Option<PathBuf>,
+}
+
+impl MpFiles {
+    /// The model states that hold `param_shapes` (ZeRO-3: data-parallel rank 0's).
+    pub(crate) fn model_states(&self) -> Option<&PathBuf> {
+        self.model.as_ref().or_else(|| self.rank_models.get(&0))
+    }
+}
+
+/// A tag directory's files by model-parallel rank.
+fn scan(dir: &Path) -> Result<BTreeMap<u64, MpFiles>> {
+    let mut by_mp: BTreeMap<u64, MpFiles> = BTreeMap::new();
     let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| err(dir, e.to_string()))?
         .flatten()
@@ -331,14 +391,8 @@ pub(crate) fn read(dir: &Path) -> Result<DeepSpeed> {
                     "mixture-of-experts files are not read yet (expert parallelism)",
                 ))
             }
-            Role::Optim { mp, .. } | Role::RankModel { mp, .. } | Role::Model { mp } if mp > 0 => {
-                return Err(err(
-                    &p,
-                    format!("mp_rank_{mp:02}: tensor-parallel DeepSpeed checkpoints (model parallel size > 1) are not read yet"),
-                ))
-            }
-            Role::Optim { dp, .. } => {
-                if let Some(other) = optim.insert(dp, p.clone()) {
+            Role::Optim { dp, mp } => {
+                if let Some(other) = by_mp.entry(mp).or_default().optim.insert(dp, p.clone()) {
                     return Err(err(
                         &p,
                         format!(
@@ -348,12 +402,28 @@ pub(crate) fn read(dir: &Path) -> Result<DeepSpeed> {
                     ));
                 }
             }
-            Role::RankModel { dp, .. } => {
-                rank_models.insert(dp, p);
+            Role::RankModel { dp, mp } => {
+                by_mp.entry(mp).or_default().rank_models.insert(dp, p);
             }
-            Role::Model { .. } => model = Some(p),
+            Role::Model { mp } => by_mp.entry(mp).or_default().model = Some(p),
         }
     }
+    Ok(by_mp)
+}
+
+/// Reads the files of model-parallel rank `mp`; with `tp`, each piece is placed in the
+/// global tensor its tensor-parallel shard belongs to (`tp` says how).
+pub(crate) fn read_mp(
+    dir: &Path,
+    mp: u64,
+    files: &MpFiles,
+    tp: Option<&Arc<TpPlace>>,
+) -> Result<DeepSpeed> {
+    let MpFiles {
+        optim,
+        rank_models,
+        model,
+    } = files;
     let Some((_, first)) = optim.iter().next() else {
         return Err(err(dir, "no `*_optim_states.pt` file"));
     };
@@ -404,7 +474,7 @@ pub(crate) fn read(dir: &Path) -> Result<DeepSpeed> {
                 ""
             };
             return Err(err(
-                &dir.join(format!("{prefix}zero_pp_rank_{dp}_mp_rank_00_optim_states.pt")),
+                &dir.join(format!("{prefix}zero_pp_rank_{dp}_mp_rank_{mp:02}_optim_states.pt")),
                 format!("data-parallel rank {dp} of {world} is missing (its optimizer states hold that rank's part of every parameter)"),
             ));
         }
@@ -426,9 +496,9 @@ pub(crate) fn read(dir: &Path) -> Result<DeepSpeed> {
     }
     .ok_or_else(|| {
         let want = if stage == 3 {
-            "zero_pp_rank_0_mp_rank_00_model_states.pt"
+            format!("zero_pp_rank_0_mp_rank_{mp:02}_model_states.pt")
         } else {
-            "mp_rank_00_model_states.pt"
+            format!("mp_rank_{mp:02}_model_states.pt")
         };
         err(
             &dir.join(want),
@@ -440,11 +510,23 @@ pub(crate) fn read(dir: &Path) -> Result<DeepSpeed> {
         for dp in 1..world {
             let p = rank_models.get(&dp).ok_or_else(|| {
                 err(
-                    &dir.join(format!("zero_pp_rank_{dp}_mp_rank_00_model_states.pt")),
+                    &dir.join(format!("zero_pp_rank_{dp}_mp_rank_{mp:02}_model_states.pt")),
                     format!("data-parallel rank {dp} of {world}: model states missing"),
                 )
             })?;
             models.push(PtFile::open(p)?);
+        }
+    }
+    for f in ranks.iter_mut().chain(models.iter_mut()) {
+        f.tp = tp.cloned();
+    }
+    // Tensor-parallel ranks > 0 all gone: rank 0's shards alone are not the model.
+    if let (None, Some(&Value::Int(n))) = (tp, models[0].opt_at(&["mp_world_size"])) {
+        if n > 1 {
+            return Err(err(
+                &dir.join("mp_rank_01_model_states.pt"),
+                format!("tensor-parallel rank 1 of {n} (`mp_world_size` in {}) is missing: its model states and optimizer states hold that rank's shard of every parameter", models[0].path.display()),
+            ));
         }
     }
     let mut out = DeepSpeed {

@@ -221,15 +221,8 @@ impl Args {
     }
 }
 
-/// How one parameter lies over the tensor-parallel ranks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Split {
-    /// Every TP rank holds the whole tensor (norms, row-parallel biases).
-    Replicated,
-    /// Split along `dim` into TP pieces; with `blocks` > 1 each of that many equal
-    /// blocks is split (fc1 of a gated MLP: `[gate; up]` per rank).
-    Dim { dim: usize, blocks: u64 },
-}
+pub(crate) use super::split_rules::Split;
+use super::split_rules::{SplitRules, HOW_TO_ADD};
 
 /// Which pipeline stage a tensor must be on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -404,7 +397,7 @@ fn iteration_dir(path: &Path) -> Result<PathBuf> {
 /// A missing or unexpected `mp_rank` directory; a file that is not a readable
 /// torch.save archive; a tensor the rules cannot place; args that contradict a file's
 /// shapes; a global outside what these files name.
-pub(crate) fn open(path: &Path) -> Result<Legacy> {
+pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     let dir = iteration_dir(path)?;
     let found = rank_dirs(&dir);
     if let Some((_, _, p)) = found.iter().find(|(_, pp, _)| *pp == Some(u64::MAX)) {
@@ -500,7 +493,16 @@ pub(crate) fn open(path: &Path) -> Result<Legacy> {
         for t in 0..tp {
             let rank = p * tp + t;
             let file = dir.join(name_of(t, p)).join(RANK_FILE);
-            let f = read_rank(&file, &args, t, p, &mesh, rank, &mut strategy, &mut carried)?;
+            let f = read_rank(
+                &file,
+                &args,
+                rules,
+                (t, p),
+                &mesh,
+                rank,
+                &mut strategy,
+                &mut carried,
+            )?;
             files.push((rank, f));
             let opt = dir.join(name_of(t, p)).join(DISTRIB_OPTIM_FILE);
             if opt.is_file() {
@@ -563,8 +565,8 @@ fn allowed(module: &str, name: &str) -> bool {
 fn read_rank(
     file: &Path,
     args: &Args,
-    tp_rank: u64,
-    pp_rank: u64,
+    rules: &SplitRules,
+    (tp_rank, pp_rank): (u64, u64),
     mesh: &Mesh,
     rank: u64,
     strategy: &mut Strategy,
@@ -634,11 +636,20 @@ fn read_rank(
                 })
             };
             let global = global_name(&t.name, args, pp_rank, chunk).map_err(&bad)?;
-            let Some((split, stage, want)) = rule(&global, args) else {
-                return Err(bad(
-                    "no Megatron GPT rule places this tensor (not a layer of megatron-core's GPT model ckpt knows)"
-                        .into(),
-                ));
+            // The user's rule first; the table's shape (and stage) still checks it.
+            let (split, stage, want) = match (rules.find(&global), rule(&global, args)) {
+                (Some((split, _)), Some((_, stage, want))) => (split, stage, want),
+                (Some((split, _)), None) => (split, Stage::Any, None),
+                (None, Some(r)) => r,
+                (None, None) => {
+                    return Err(bad(format!(
+                        "no rule places `{global}` (not a layer of megatron-core's GPT model ckpt knows, and no user rule matches): {HOW_TO_ADD}"
+                    )))
+                }
+            };
+            let by = |what: String| match rules.find(&global) {
+                Some((_, pattern)) => format!("{what} (split by {})", rules.describe(pattern)),
+                None => what,
             };
             let want_stage = match stage {
                 Stage::First => Some(0),
@@ -655,10 +666,10 @@ fn read_rank(
                 Split::Replicated => Placement::Replicate,
                 Split::Dim { dim, blocks } => {
                     if dim >= shape.len() {
-                        return Err(bad(format!(
+                        return Err(bad(by(format!(
                             "split on dim {dim} by the rules, but it has shape {:?}",
                             t.shape
-                        )));
+                        ))));
                     }
                     shape[dim] = shape[dim]
                         .checked_mul(args.tp)
@@ -667,12 +678,12 @@ fn read_rank(
                 }
             };
             if let Some(w) = want.filter(|w| *w != shape) {
-                return Err(bad(format!(
+                return Err(bad(by(format!(
                     "args give it the global shape {w:?}, but this file's {} {:?} on {} tensor-parallel ranks makes {shape:?}: the args contradict the file",
                     dtype_name(t.dtype),
                     t.shape,
                     args.tp
-                )));
+                ))));
             }
             let mut placements = vec![placement];
             if args.pp > 1 {
@@ -683,10 +694,10 @@ fn read_rank(
                 layout = layout.with_stage(pp_rank);
             }
             if layout.local_shape(mesh, rank).as_deref() != Some(&t.shape[..]) {
-                return Err(bad(format!(
+                return Err(bad(by(format!(
                     "holds {:?}, but a {split:?} split of {shape:?} over {} ranks gives rank tp={tp_rank} another shape",
                     t.shape, args.tp
-                )));
+                ))));
             }
             match strategy.tensors.get(&global) {
                 Some(l) if l != &layout => {

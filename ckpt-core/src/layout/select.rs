@@ -2,6 +2,7 @@
 //! the dtype it writes them in (`--dtype`).
 
 use crate::error::{Error, Result};
+use crate::formats::split_rules::SplitRules;
 use crate::layout::plan::check_cast;
 use crate::Dtype;
 use globset::{Glob, GlobSet, GlobSetBuilder};
@@ -17,6 +18,8 @@ pub struct Selection {
     strip_prefix: Option<String>,
     add_prefix: Option<String>,
     step: Option<u64>,
+    /// The user's split rules (`--source-strategy` with a `rules` section).
+    rules: SplitRules,
 }
 
 fn glob(p: &str) -> Result<Glob> {
@@ -58,6 +61,7 @@ impl Selection {
             strip_prefix: None,
             add_prefix: None,
             step: None,
+            rules: SplitRules::default(),
         })
     }
 
@@ -69,6 +73,21 @@ impl Selection {
         self.strip_prefix = strip.filter(|s| !s.is_empty());
         self.add_prefix = add.filter(|s| !s.is_empty());
         self
+    }
+
+    /// Places the tensors of checkpoints whose files do not say how they are split
+    /// (Megatron legacy, tensor-parallel DeepSpeed) by `rules` first (before
+    /// megatron-core's table, before DeepSpeed's `universal_checkpoint_info`).
+    #[must_use]
+    pub fn with_rules(mut self, rules: SplitRules) -> Selection {
+        self.rules = rules;
+        self
+    }
+
+    /// The user's split rules (empty unless given).
+    #[must_use]
+    pub fn rules(&self) -> &SplitRules {
+        &self.rules
     }
 
     /// Takes the checkpoint of training step `step` where the inputs hold several: a
