@@ -207,6 +207,31 @@ fn deepspeed_tensor_parallel_with_universal_checkpoint_info_merges_byte_exactly(
         full_tensors(&d.path("m3")),
         full_tensors(&d.path("m-zero2_uci"))
     );
+    // Written back as DeepSpeed or UCP: not yet, said by name, nothing written.
+    let o = d.fails(&[
+        "reshard",
+        &ds("zero2_uci/ckpt"),
+        "--to",
+        "2",
+        "--format",
+        "deepspeed",
+        "-o",
+        "w",
+    ]);
+    assert!(
+        o.stderr.contains("mp_rank_01") && o.stderr.contains("not written back"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("w").exists());
+    let o = d.fails(&["merge", &ds("zero2_uci/ckpt"), "--format", "ucp", "-o", "u"]);
+    assert!(
+        o.stderr
+            .contains("tensor-parallel DeepSpeed checkpoint (mp_world_size 2)"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("u").exists());
 }
 
 #[test]

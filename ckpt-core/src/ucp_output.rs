@@ -31,6 +31,14 @@ fn zero_source(source: &Checkpoint) -> Result<(PathBuf, u64)> {
         .ok_or_else(|| Error::Unsupported {
             problem: "--format ucp writes DeepSpeed's universal checkpoint from a DeepSpeed ZeRO checkpoint (its optimizer and model states are carried): this source is not one".into(),
         })?;
+    if let Some(n) = f.metadata().get(crate::formats::deepspeed::TP_SIZE) {
+        return Err(Error::Unsupported {
+            problem: format!(
+                "{}: --format ucp from a tensor-parallel DeepSpeed checkpoint (mp_world_size {n}) is not written yet",
+                f.path().display()
+            ),
+        });
+    }
     let stage = f
         .metadata()
         .get("deepspeed.zero_stage")

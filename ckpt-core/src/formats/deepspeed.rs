@@ -49,6 +49,9 @@ pub(crate) struct DeepSpeed {
 /// Metadata key of a file's data-parallel rank (the checkpoint's rank of the file).
 pub(crate) const DP_RANK: &str = "deepspeed.dp_rank";
 
+/// Metadata key of a tensor-parallel checkpoint's tensor-parallel size (absent when 1).
+pub(crate) const TP_SIZE: &str = "deepspeed.mp_world_size";
+
 /// Which kind of file a tag directory's entry is, from its name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Role {
@@ -246,6 +249,9 @@ impl PtFile {
         ]);
         // The data-parallel rank whose partition the file holds (pictures label the
         // file by it); ZeRO-1/2's model states belong to no one rank.
+        if let Some(tp) = &self.tp {
+            metadata.insert(TP_SIZE.to_string(), tp.size().to_string());
+        }
         if let Some(Role::Optim { dp, .. } | Role::RankModel { dp, .. }) = self
             .path
             .file_name()
@@ -334,6 +340,22 @@ pub(crate) fn list<'a>(f: &PtFile, v: &'a Value, what: &str) -> Result<&'a [Valu
 /// tensor-parallel checkpoint whose `universal_checkpoint_info` does not place every
 /// parameter.
 pub(crate) fn read(dir: &Path) -> Result<DeepSpeed> {
+    // The writers' entry: they rewrite one tensor-parallel rank's files, so a
+    // tensor-parallel checkpoint is refused here (read_with_rules reads it).
+    let by_mp = scan(dir)?;
+    if let Some((mp, f)) = by_mp.iter().find(|(&mp, _)| mp > 0) {
+        let p = f
+            .optim
+            .values()
+            .chain(f.model_states())
+            .next()
+            .cloned()
+            .unwrap_or_else(|| dir.to_path_buf());
+        return Err(err(
+            &p,
+            format!("mp_rank_{mp:02}: tensor-parallel DeepSpeed checkpoints (model parallel size > 1) are read (merge, reshard) but not written back as DeepSpeed or UCP checkpoints yet"),
+        ));
+    }
     read_with_rules(dir, &SplitRules::default())
 }
 

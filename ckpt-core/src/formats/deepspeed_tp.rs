@@ -50,6 +50,11 @@ pub(crate) struct TpPlace {
 }
 
 impl TpPlace {
+    /// The tensor-parallel size.
+    pub(crate) fn size(&self) -> u64 {
+        self.size
+    }
+
     /// The split of a tensor, or of the parameter whose moment it is.
     fn split_of(&self, name: &str) -> Option<Split> {
         self.splits.get(name).copied().or_else(|| {
