@@ -484,3 +484,31 @@ fn legacy_written_back_for_other_sizes_reads_back() {
     ]);
     assert!(o.stderr.contains("Megatron legacy source"), "{}", o.stderr);
 }
+
+/// Virtual pipeline stages: megatron-core's own interleaved chunks (`model0`, `model1`
+/// per rank file, TP=2 x PP=2 x VP=2, scripts/fixtures/megatron_vp_fixtures.py), seeded
+/// by global names as the plain fixture is, so they merge to the same full tensors;
+/// resharded to Megatron's layout without virtual stages they read back the same.
+#[test]
+fn legacy_virtual_pipeline_chunks_merge_to_the_same_model() {
+    let d = Dir::new();
+    let want = full_tensors(&fixtures().join("full.safetensors"));
+    let vp = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/megatron/tp2pp2vp2/legacy")
+        .display()
+        .to_string();
+    let o = d.ok(&["inspect", &vp]);
+    // Layer 2 is chunk 1 of stage 0: placed on stage 0 under its global number.
+    assert!(
+        o.stdout.lines().any(|l| l
+            .starts_with("decoder.layers.2.self_attention.linear_qkv.weight ")
+            && l.contains("stage 0")),
+        "{}",
+        o.stdout
+    );
+    d.ok(&["merge", &vp, "-o", "m", "--keep-vocab-padding"]);
+    assert_eq!(full_tensors(&d.path("m")), want);
+    d.ok(&["reshard", &vp, "--mesh", "pp=2,tp=1", "--format", "megatron", "-o", "w"]);
+    d.ok(&["merge", "w", "-o", "mw", "--keep-vocab-padding"]);
+    assert_eq!(full_tensors(&d.path("mw")), want);
+}
