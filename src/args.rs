@@ -249,6 +249,14 @@ pub(crate) struct MergeArgs {
     /// weights only (`ckpt infer` and `ckpt train --resume` read both).
     #[arg(long)]
     pub(crate) one_file: bool,
+    /// Megatron: split each fused QKV projection (`linear_qkv.weight`/`.bias`) into
+    /// `linear_q`, `linear_k` and `linear_v` (megatron-core's per-group order).
+    #[arg(long)]
+    pub(crate) split_qkv: bool,
+    /// Megatron: keep the rows that pad the vocabulary for the TP size (by default a
+    /// merge drops them where the checkpoint's args give the real vocab_size).
+    #[arg(long)]
+    pub(crate) keep_vocab_padding: bool,
     #[command(flatten)]
     pub(crate) copy: CopyArgs,
 }

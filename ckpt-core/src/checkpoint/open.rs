@@ -6,7 +6,7 @@ use crate::error::{Error, Problems, Result};
 use crate::formats::detect::discover::{unknown, Discovery};
 use crate::formats::split_rules::SplitRules;
 use crate::formats::{FileFormat, TensorFile};
-use crate::layout::select::Selection;
+use crate::layout::select::{Selection, Views};
 use crate::layout::source::SourcePiece;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -28,8 +28,12 @@ impl Checkpoint {
     /// # Errors
     /// As [`Checkpoint::open`], for the kept tensors; a selection that keeps nothing.
     pub fn open_selected(paths: &[PathBuf], selection: &Selection) -> Result<Checkpoint> {
-        let (mut ck, mut problems) =
-            Checkpoint::scan_with(paths, selection.step(), selection.rules())?;
+        let (mut ck, mut problems) = Checkpoint::scan_with(
+            paths,
+            selection.step(),
+            selection.views(),
+            selection.rules(),
+        )?;
         ck.apply_renames(selection, &mut problems)?;
         let warnings = selection.review(ck.tensors.keys().map(String::as_str))?;
         ck.notes.extend(warnings);
@@ -64,14 +68,28 @@ impl Checkpoint {
     /// # Errors
     /// As [`Checkpoint::scan`]; no checkpoint of that step.
     pub fn scan_step(paths: &[PathBuf], step: Option<u64>) -> Result<(Checkpoint, Vec<Error>)> {
-        Checkpoint::scan_with(paths, step, &SplitRules::default())
+        Checkpoint::scan_views(paths, step, Views::default())
     }
 
-    /// [`Checkpoint::scan_step`], placing the tensors of Megatron legacy and
+    /// [`Checkpoint::scan_step`], with the reader's fused or padded tensors given as
+    /// `views` says.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::scan`]; a view asked of inputs that have no such tensors.
+    pub fn scan_views(
+        paths: &[PathBuf],
+        step: Option<u64>,
+        views: Views,
+    ) -> Result<(Checkpoint, Vec<Error>)> {
+        Checkpoint::scan_with(paths, step, views, &SplitRules::default())
+    }
+
+    /// [`Checkpoint::scan_views`], placing the tensors of Megatron legacy and
     /// tensor-parallel DeepSpeed checkpoints by the user's `rules` first.
     pub(crate) fn scan_with(
         paths: &[PathBuf],
         step: Option<u64>,
+        views: Views,
         rules: &SplitRules,
     ) -> Result<(Checkpoint, Vec<Error>)> {
         let mut x = Discovery::new(step);
@@ -96,7 +114,12 @@ impl Checkpoint {
                     dir.display()
                 )));
             }
-            return Checkpoint::read_megatron(&dir, carried, notes, rules);
+            return Checkpoint::read_megatron(&dir, carried, notes, views, rules);
+        }
+        if views.split_qkv {
+            return Err(Error::Unsupported {
+                problem: "--split-qkv: only a Megatron legacy checkpoint has fused QKV projections ckpt splits (these inputs are not one)".into(),
+            });
         }
         let ms_strategy = match (ms.given.is_empty(), ms.found.len()) {
             (false, _) => ms.given,

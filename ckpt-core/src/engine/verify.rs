@@ -40,7 +40,12 @@ pub fn verify_selected(
     selection: &Selection,
     depth: VerifyDepth,
 ) -> Result<(Checkpoint, Vec<Error>)> {
-    let (mut ck, mut problems) = Checkpoint::scan_with(paths, selection.step(), selection.rules())?;
+    let (mut ck, mut problems) = Checkpoint::scan_with(
+        paths,
+        selection.step(),
+        crate::layout::select::Views::default(),
+        selection.rules(),
+    )?;
     if depth.checksums && crate::formats::checksum::checksums_enabled() {
         let all: Vec<(usize, usize)> = ck
             .files

@@ -18,8 +18,20 @@ pub struct Selection {
     strip_prefix: Option<String>,
     add_prefix: Option<String>,
     step: Option<u64>,
+    views: Views,
     /// The user's split rules (`--source-strategy` with a `rules` section).
     rules: SplitRules,
+}
+
+/// How a reader gives tensors it stores fused or padded. Megatron's is the reader
+/// with such tensors today: fused QKV projections, and a vocabulary padded for the
+/// tensor-parallel size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Views {
+    /// Split fused QKV projections into their query, key and value parts.
+    pub split_qkv: bool,
+    /// Drop the rows that pad the vocabulary, where the checkpoint records its size.
+    pub unpad_vocab: bool,
 }
 
 fn glob(p: &str) -> Result<Glob> {
@@ -61,6 +73,7 @@ impl Selection {
             strip_prefix: None,
             add_prefix: None,
             step: None,
+            views: Views::default(),
             rules: SplitRules::default(),
         })
     }
@@ -99,6 +112,19 @@ impl Selection {
         self
     }
 
+    /// Gives fused or padded tensors as `views` says (where the reader has them).
+    #[must_use]
+    pub fn with_views(mut self, views: Views) -> Selection {
+        self.views = views;
+        self
+    }
+
+    /// The views [`Selection::with_views`] asked for.
+    #[must_use]
+    pub fn views(&self) -> Views {
+        self.views
+    }
+
     /// The step [`Selection::with_step`] asked for.
     #[must_use]
     pub fn step(&self) -> Option<u64> {
@@ -113,6 +139,7 @@ impl Selection {
             && self.cast.is_none()
             && !self.renames()
             && self.step.is_none()
+            && self.views == Views::default()
     }
 
     /// Whether [`Selection::rename`] changes names at all.
