@@ -90,25 +90,42 @@ impl TpPlace {
             }
             Split::Dim { dim, blocks } => (dim, blocks),
         };
-        let lb = local[dim] / blocks;
+        let lb = local.get(dim).map_or(0, |l| l / blocks);
+        if lb == 0 || region.ndim() <= dim || region.shape[dim] == 0 {
+            return Err(format!(
+                "tensor `{name}`: a shard of shape {local:?} split on dim {dim} in {blocks} block(s)"
+            ));
+        }
+        // Element offsets within a box are below its numel, and global starts below the
+        // global extent (local x size, checked by the caller): overflow here means a
+        // shape nothing could hold.
+        let too_big = || format!("tensor `{name}`: global offsets overflow");
         let inner: u64 = region.shape[dim + 1..].iter().product();
-        let shift = |s: u64| (s / lb) * lb * self.size + self.rank * lb + s % lb;
-        let cut = |r: &Region, base: u64, out: &mut Vec<(Region, u64)>| {
+        let shift = |s: u64| -> Option<u64> {
+            (s / lb)
+                .checked_mul(lb)?
+                .checked_mul(self.size)?
+                .checked_add(self.rank.checked_mul(lb)?)?
+                .checked_add(s % lb)
+        };
+        let cut = |r: &Region, base: u64, out: &mut Vec<(Region, u64)>| -> Option<()> {
             let (s0, n) = (r.start[dim], r.shape[dim]);
+            let end = s0.checked_add(n)?;
             let mut s = s0;
-            while s < s0 + n {
-                let e = ((s / lb + 1) * lb).min(s0 + n);
+            while s < end {
+                let e = (s / lb + 1).checked_mul(lb)?.min(end);
                 let mut g = r.clone();
-                g.start[dim] = shift(s);
+                g.start[dim] = shift(s)?;
                 g.shape[dim] = e - s;
-                out.push((g, base + (s - s0) * inner));
+                out.push((g, base.checked_add((s - s0).checked_mul(inner)?)?));
                 s = e;
             }
+            Some(())
         };
         let mut out = Vec::new();
         let crosses = region.start[dim] / lb != (region.start[dim] + region.shape[dim] - 1) / lb;
         if !crosses || region.shape[..dim].iter().all(|&x| x == 1) {
-            cut(region, 0, &mut out);
+            cut(region, 0, &mut out).ok_or_else(too_big)?;
             return Ok(Some(out));
         }
         // One slice per index of the dimensions before `dim`, in row-major order.
@@ -122,7 +139,7 @@ impl TpPlace {
                 r.shape[k] = 1;
                 rest /= region.shape[k];
             }
-            cut(&r, p * slice_len, &mut out);
+            cut(&r, p * slice_len, &mut out).ok_or_else(too_big)?;
         }
         Ok(Some(out))
     }
