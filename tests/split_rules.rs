@@ -194,6 +194,7 @@ fn merges_to_expected(d: &Dir, variant: &str, extra: &[&str]) {
 fn deepspeed_tensor_parallel_with_universal_checkpoint_info_merges_byte_exactly() {
     let d = Dir::new();
     merges_to_expected(&d, "zero2_uci", &[]);
+    merges_to_expected(&d, "zero3_uci", &[]);
     let o = d.ok(&["inspect", &ds("zero2_uci/ckpt")]);
     assert!(
         o.stdout.contains("tensor parallel 2"),
