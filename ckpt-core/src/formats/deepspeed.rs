@@ -248,17 +248,25 @@ impl PtFile {
             ("deepspeed.zero_stage".to_string(), stage.to_string()),
         ]);
         // The data-parallel rank whose partition the file holds (pictures label the
-        // file by it); ZeRO-1/2's model states belong to no one rank.
+        // file by it); ZeRO-1/2's model states belong to no one rank. With tensor
+        // parallelism, the process rank of Megatron's order (tensor-parallel fastest),
+        // so that the ranks' files are told apart.
         if let Some(tp) = &self.tp {
             metadata.insert(TP_SIZE.to_string(), tp.size().to_string());
         }
-        if let Some(Role::Optim { dp, .. } | Role::RankModel { dp, .. }) = self
+        if let Some(Role::Optim { dp, mp } | Role::RankModel { dp, mp }) = self
             .path
             .file_name()
             .and_then(|n| n.to_str())
             .and_then(role)
         {
-            metadata.insert(DP_RANK.to_string(), dp.to_string());
+            let rank = match &self.tp {
+                Some(tp) => dp.checked_mul(tp.size()).and_then(|r| r.checked_add(mp)),
+                None => Some(dp),
+            };
+            if let Some(rank) = rank {
+                metadata.insert(DP_RANK.to_string(), rank.to_string());
+            }
         }
         let mut f = TensorFile::from_parts(
             &self.path,
