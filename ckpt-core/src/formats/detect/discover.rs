@@ -73,6 +73,9 @@ pub(crate) struct Discovery {
     pub(crate) dcp: BTreeMap<PathBuf, DcpMetadata>,
     /// The training step asked for (`--step`), where the inputs hold several.
     pub(crate) step: Option<u64>,
+    /// Whether a row chose among steps by [`Discovery::step`] (else `--step` is refused:
+    /// the inputs hold one checkpoint, which may be of another step).
+    pub(crate) step_taken: bool,
     /// DeepSpeed tag directories (read whole: their files are pieces of one another).
     pub(crate) deepspeed: Vec<PathBuf>,
     /// DeepSpeed universal checkpoints' tag directories (read whole, as DeepSpeed's).
@@ -418,6 +421,7 @@ fn step_dir(path: &Path, step: u64, prefixes: &[&str], spelled: &str) -> Result<
 fn megatron_dir(path: &Path, x: &mut Discovery) -> Result<()> {
     let mut path = path.to_path_buf();
     if let Some(step) = x.step {
+        x.step_taken = true;
         const ITER: &str = "iter_";
         if path.join(megatron::TRACKER_FILE).is_file() {
             path = step_dir(&path, step, &[ITER], &format!("{ITER}{step:07}/"))?;
@@ -454,6 +458,7 @@ fn latest_target(path: &Path) -> Option<PathBuf> {
 
 /// A training output directory: `latest` names its newest complete checkpoint.
 fn training_output(path: &Path, x: &mut Discovery) -> Result<()> {
+    x.step_taken |= x.step.is_some();
     match x.step {
         // ckpt's step_<N>/, DeepSpeed's default tag global_step<N>/.
         Some(step) => x.add(&step_dir(
@@ -480,7 +485,25 @@ fn named_dir(path: &Path, pointer: &Path) -> Result<PathBuf> {
     Ok(target)
 }
 
+/// With `--step N`, a DeepSpeed tag directory must be DeepSpeed's default tag of that
+/// step (`global_step<N>`, with `suffix` for a universal one).
+fn check_tag(path: &Path, x: &mut Discovery, suffix: &str) -> Result<()> {
+    let Some(step) = x.step else {
+        return Ok(());
+    };
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    if name != format!("global_step{step}{suffix}") {
+        return Err(unknown(format!(
+            "{}: --step {step}, but this is the tag `{name}`: pass the save directory, or this tag without --step",
+            path.display()
+        )));
+    }
+    x.step_taken = true;
+    Ok(())
+}
+
 fn deepspeed_dir(path: &Path, x: &mut Discovery) -> Result<()> {
+    check_tag(path, x, "")?;
     x.deepspeed.push(path.to_path_buf());
     Ok(())
 }
@@ -500,8 +523,22 @@ fn universal_target(path: &Path) -> Option<PathBuf> {
 fn ucp_dir(path: &Path, x: &mut Discovery) -> Result<()> {
     let universal = path.join(ucp::LATEST_UNIVERSAL);
     if universal.is_file() {
-        return x.add(&named_dir(path, &universal)?);
+        let tag = match x.step {
+            Some(step) => {
+                let tag = path.join(format!("global_step{step}_universal"));
+                if !tag.is_dir() {
+                    return Err(unknown(format!(
+                        "{}: no universal checkpoint of step {step} (global_step{step}_universal/)",
+                        path.display()
+                    )));
+                }
+                tag
+            }
+            None => named_dir(path, &universal)?,
+        };
+        return x.add(&tag);
     }
+    check_tag(path, x, "_universal")?;
     x.ucp.push(path.to_path_buf());
     Ok(())
 }
@@ -540,6 +577,7 @@ fn rank_dirs(path: &Path, x: &mut Discovery) -> Result<()> {
         if own.is_some() && model_file(&d).is_file() {
             x.add(&d)?;
         } else if let Some(f) = mindspore_ckpt::rank_file(&d, x.step, &mut x.notes)? {
+            x.step_taken |= x.step.is_some();
             // MindSpore's files; with ckpt's strategy.json when ckpt wrote them.
             note_carried(&d, &mut x.carried);
             x.push(f, own, None);
