@@ -119,7 +119,8 @@ pub(crate) struct Inputs {
     #[arg(long, value_name = "FILE")]
     pub(crate) source_strategy: Vec<PathBuf>,
     /// Read the checkpoint of this training step where the inputs hold several: a
-    /// training output's step_<N>/ instead of `latest`, MindSpore's
+    /// training output's step_<N>/ (DeepSpeed's global_step<N>/) instead of `latest`,
+    /// Megatron's iter_<N>/ instead of the tracker's, MindSpore's
     /// <prefix>-<epoch>_<N>.ckpt in each rank directory instead of the newest.
     #[arg(long, value_name = "N")]
     pub(crate) step: Option<u64>,

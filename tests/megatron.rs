@@ -526,3 +526,51 @@ fn legacy_virtual_pipeline_chunks_merge_to_the_same_model() {
     d.ok(&["merge", "w", "-o", "mw", "--keep-vocab-padding"]);
     assert_eq!(full_tensors(&d.path("mw")), want);
 }
+
+/// `--step N` reads iteration N of a save directory (not the tracker's newest), and is
+/// refused, naming the iterations there are, when the save has no such iteration or
+/// an iteration directory given is another step: never another step's weights.
+#[test]
+fn step_picks_an_iteration_or_is_refused() {
+    let d = Dir::new();
+    let save = legacy_copy(&d);
+    // A second iteration beside the first, and the tracker naming it.
+    copy_dir(&save.join("iter_0000001"), &save.join("iter_0000007"));
+    std::fs::write(save.join("latest_checkpointed_iteration.txt"), "7").unwrap();
+    let first = save.join("iter_0000001/mp_rank_00_000/model_optim_rng.pt");
+    std::fs::remove_file(save.join("iter_0000007/mp_rank_00_000/model_optim_rng.pt")).unwrap();
+    // Newest (7, damaged) by default; --step 1 reads iteration 1.
+    let o = d.fails(&["merge", "legacy", "-o", "newest"]);
+    assert!(o.stderr.contains("iter_0000007"), "{}", o.stderr);
+    d.ok(&[
+        "merge",
+        "legacy",
+        "--step",
+        "1",
+        "-o",
+        "one",
+        "--keep-vocab-padding",
+    ]);
+    assert_eq!(
+        full_tensors(&d.path("one")),
+        full_tensors(&fixtures().join("full.safetensors"))
+    );
+    let o = d.fails(&["merge", "legacy", "--step", "5", "-o", "five"]);
+    assert!(
+        o.stderr
+            .contains("no checkpoint of step 5 (iter_0000005/); steps here: 1, 7"),
+        "{}",
+        o.stderr
+    );
+    let o = d.fails(&["merge", "legacy/iter_0000001", "--step", "7", "-o", "other"]);
+    assert!(
+        o.stderr
+            .contains("--step 7, but this is the checkpoint of iteration 1"),
+        "{}",
+        o.stderr
+    );
+    assert!(first.is_file());
+    for out in ["newest", "five", "other"] {
+        assert!(!d.path(out).exists(), "{out}");
+    }
+}

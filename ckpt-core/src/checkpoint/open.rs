@@ -96,6 +96,16 @@ impl Checkpoint {
         for p in paths {
             x.add(p)?;
         }
+        if let (Some(step), false) = (step, x.step_taken) {
+            return Err(unknown(format!(
+                "--step {step}: {} hold(s) one checkpoint, not several steps to choose from (its step is not recorded where ckpt can check it): pass it without --step",
+                paths
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
         let Discovery {
             inputs,
             carried,

@@ -104,7 +104,8 @@ impl Selection {
     }
 
     /// Takes the checkpoint of training step `step` where the inputs hold several: a
-    /// training output's `step_<step>/` instead of `latest`, MindSpore's
+    /// training output's `step_<step>/` (DeepSpeed's `global_step<step>/`) instead of
+    /// `latest`, Megatron's `iter_<step>/` instead of its tracker's, MindSpore's
     /// `<prefix>-<epoch>_<step>.ckpt` in each rank directory instead of the newest.
     #[must_use]
     pub fn with_step(mut self, step: Option<u64>) -> Selection {
