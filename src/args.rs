@@ -138,7 +138,7 @@ impl Inputs {
             }
             if !ckpt_core::is_mindspore_strategy(&bytes) {
                 return Err(Usage(format!(
-                    "--source-strategy {}: neither a MindSpore strategy file (protobuf ParallelStrategyMap or its JSON form) nor a strategy file with a `rules` section",
+                    "--source-strategy {}: not a MindSpore strategy file (protobuf ParallelStrategyMap or its JSON form), nor a strategy file with a `rules` section",
                     s.display()
                 ))
                 .into());
