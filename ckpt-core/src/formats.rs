@@ -27,7 +27,6 @@ pub(crate) mod mindspore_strategy;
 pub(crate) mod output;
 pub(crate) mod pickle;
 pub(crate) mod safetensors;
-pub(crate) mod split_rules;
 pub(crate) mod torch_save;
 pub(crate) mod torch_write;
 pub(crate) mod ucp;

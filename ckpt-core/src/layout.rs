@@ -8,6 +8,7 @@ pub(crate) mod plan;
 pub(crate) mod region;
 pub(crate) mod select;
 pub(crate) mod source;
+pub(crate) mod split_rules;
 pub(crate) mod strategy;
 
 use crate::error::{Error, Result};

@@ -63,7 +63,6 @@ pub use crate::formats::output::{
 pub use crate::formats::safetensors::{
     encode_header, parse_header as parse_safetensors_header, SafetensorsWriter, MAX_HEADER_LEN,
 };
-pub use crate::formats::split_rules::{is_split_rules, SplitRules};
 pub use crate::formats::writer::{TensorSpec, TensorWriter};
 pub use crate::formats::{
     ChunkCache, Decoder, FileFormat, PieceKind, ReadCache, TensorEntry, TensorFile,
@@ -83,6 +82,7 @@ pub use crate::layout::plan::{
 pub use crate::layout::region::{Region, Run, Runs};
 pub use crate::layout::select::{Selection, Views};
 pub use crate::layout::source::{Block, PieceSource, SourcePiece, SourceTensor};
+pub use crate::layout::split_rules::{is_split_rules, SplitRules};
 pub use crate::layout::strategy::{
     dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION,
 };

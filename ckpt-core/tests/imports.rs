@@ -526,7 +526,17 @@ const SHARED: [&str; 6] = [
 
 /// A format built on another's codec, said here so that it is a decision, not drift:
 /// `(format, the format it builds on, why)`.
-const BUILDS_ON: [(&str, &str, &str); 11] = [
+const BUILDS_ON: [(&str, &str, &str); 13] = [
+    (
+        "formats::deepspeed_tp",
+        "formats::deepspeed",
+        "a tensor-parallel DeepSpeed checkpoint is one ZeRO checkpoint per rank, each read with the ZeRO reader",
+    ),
+    (
+        "formats::deepspeed_tp",
+        "formats::torch_save",
+        "DeepSpeed's model states are torch.save archives (their values described in messages)",
+    ),
     (
         "formats::deepspeed_write",
         "formats::deepspeed",

@@ -4,10 +4,10 @@
 use super::{shared_prefix, Checkpoint, Kind, SHARED_PREFIX_NOTE};
 use crate::error::{Error, Problems, Result};
 use crate::formats::detect::discover::{unknown, Discovery};
-use crate::formats::split_rules::SplitRules;
 use crate::formats::{FileFormat, TensorFile};
 use crate::layout::select::{Selection, Views};
 use crate::layout::source::SourcePiece;
+use crate::layout::split_rules::SplitRules;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -164,7 +164,7 @@ impl Checkpoint {
         }
         let mut ds = Vec::new();
         for dir in &deepspeed {
-            match crate::formats::deepspeed::read_with_rules(dir, rules) {
+            match crate::formats::deepspeed_tp::read_with_rules(dir, rules) {
                 Ok(d) => ds.push(d),
                 Err(e) => problems.push(e),
             }

@@ -4,10 +4,10 @@
 use super::{unplaced, Checkpoint, Kind, MAX_LISTED};
 use crate::error::{Error, Result};
 use crate::formats::detect::discover::{rank_dir_number, unknown, MODEL_FILE};
-use crate::formats::split_rules::SplitRules;
 use crate::layout::mesh::Mesh;
 use crate::layout::select::Views;
 use crate::layout::source::SourcePiece;
+use crate::layout::split_rules::SplitRules;
 use crate::layout::strategy::{dtype_name, Strategy};
 use crate::layout::TensorLayout;
 use std::collections::BTreeMap;

@@ -20,12 +20,13 @@
 //!    ranks), `parameter_with_sub_params` and `affine_map` are refused;
 //! 3. else the checkpoint is refused, naming the first parameter nothing places.
 
-use super::deepspeed::{dict_items, list, read_mp, shapes_of, DeepSpeed, MpFiles, PtFile};
+use super::deepspeed::{
+    dict_items, list, read_mp, scan, shapes_of, DeepSpeed, MpFiles, PtFile, TpPlace,
+};
 use super::pickle::Value;
-use super::split_rules::{Split, SplitRules, HOW_TO_ADD};
 use super::torch_save::describe;
 use crate::error::{overflow, Error, Result};
-use crate::layout::region::Region;
+use crate::layout::split_rules::{Split, SplitRules, HOW_TO_ADD};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -37,119 +38,6 @@ fn err(path: &Path, problem: impl Into<String>) -> Error {
     Error::InvalidDeepSpeed {
         path: path.to_path_buf(),
         problem: problem.into(),
-    }
-}
-
-/// Where one tensor-parallel rank's shards lie in the global tensors.
-#[derive(Debug)]
-pub(crate) struct TpPlace {
-    rank: u64,
-    size: u64,
-    /// Each parameter's (and buffer's) split, by name.
-    splits: BTreeMap<String, Split>,
-}
-
-impl TpPlace {
-    /// The tensor-parallel size.
-    pub(crate) fn size(&self) -> u64 {
-        self.size
-    }
-
-    /// The split of a tensor, or of the parameter whose moment it is.
-    fn split_of(&self, name: &str) -> Option<Split> {
-        self.splits.get(name).copied().or_else(|| {
-            let base = name.strip_prefix("optim.")?;
-            let base = base
-                .strip_suffix(".exp_avg")
-                .or_else(|| base.strip_suffix(".exp_avg_sq"))?;
-            self.splits.get(base).copied()
-        })
-    }
-
-    /// The global boxes of the local box `region` of shard `name` (local shape
-    /// `local`), each with its first element's offset among the box's elements; `None`
-    /// when another rank's copy is the one read (replicated, rank > 0).
-    ///
-    /// A box crossing sub-parameter blocks is cut at the block bounds: where the box is
-    /// more than one element wide in a dimension before the split one, it is first cut
-    /// into slices one element wide there, so that each piece is contiguous.
-    pub(crate) fn place(
-        &self,
-        name: &str,
-        local: &[u64],
-        region: &Region,
-    ) -> std::result::Result<Option<Vec<(Region, u64)>>, String> {
-        let Some(split) = self.split_of(name) else {
-            return Err(format!(
-                "tensor `{name}`: no split rule (internal: not placed)"
-            ));
-        };
-        let (dim, blocks) = match split {
-            Split::Replicated => {
-                return Ok((self.rank == 0).then(|| vec![(region.clone(), 0)]));
-            }
-            Split::Dim { dim, blocks } => (dim, blocks),
-        };
-        let lb = local.get(dim).map_or(0, |l| l / blocks);
-        if lb == 0 || region.ndim() <= dim || region.shape[dim] == 0 {
-            return Err(format!(
-                "tensor `{name}`: a shard of shape {local:?} split on dim {dim} in {blocks} block(s)"
-            ));
-        }
-        // Element offsets within a box are below its numel, and global starts below the
-        // global extent (local x size, checked by the caller): overflow here means a
-        // shape nothing could hold.
-        let too_big = || format!("tensor `{name}`: global offsets overflow");
-        let inner: u64 = region.shape[dim + 1..].iter().product();
-        let shift = |s: u64| -> Option<u64> {
-            (s / lb)
-                .checked_mul(lb)?
-                .checked_mul(self.size)?
-                .checked_add(self.rank.checked_mul(lb)?)?
-                .checked_add(s % lb)
-        };
-        let cut = |r: &Region, base: u64, out: &mut Vec<(Region, u64)>| -> Option<()> {
-            let (s0, n) = (r.start[dim], r.shape[dim]);
-            let end = s0.checked_add(n)?;
-            let mut s = s0;
-            while s < end {
-                let e = (s / lb + 1).checked_mul(lb)?.min(end);
-                let mut g = r.clone();
-                g.start[dim] = shift(s)?;
-                g.shape[dim] = e - s;
-                out.push((g, base.checked_add((s - s0).checked_mul(inner)?)?));
-                s = e;
-            }
-            Some(())
-        };
-        let mut out = Vec::new();
-        let crosses = region.start[dim] / lb != (region.start[dim] + region.shape[dim] - 1) / lb;
-        if !crosses || region.shape[..dim].iter().all(|&x| x == 1) {
-            cut(region, 0, &mut out).ok_or_else(too_big)?;
-            return Ok(Some(out));
-        }
-        // One slice per index of the dimensions before `dim`, in row-major order.
-        let outer: u64 = region.shape[..dim].iter().product();
-        let slice_len: u64 = region.shape[dim..].iter().product();
-        for p in 0..outer {
-            let mut r = region.clone();
-            let mut rest = p;
-            for k in (0..dim).rev() {
-                r.start[k] = region.start[k] + rest % region.shape[k];
-                r.shape[k] = 1;
-                rest /= region.shape[k];
-            }
-            cut(&r, p * slice_len, &mut out).ok_or_else(too_big)?;
-        }
-        Ok(Some(out))
-    }
-
-    fn global_shape(&self, name: &str, local: &[u64]) -> Option<Vec<u64>> {
-        let mut g = local.to_vec();
-        if let Some(Split::Dim { dim, .. }) = self.split_of(name) {
-            g[dim] = g[dim].checked_mul(self.size)?;
-        }
-        Some(g)
     }
 }
 
@@ -259,11 +147,18 @@ fn local_shapes(m: &PtFile) -> Result<Vec<(String, Vec<u64>)>> {
 /// rank, ranks whose shards differ in names or shapes, a split that does not divide a
 /// shard; a parameter no rule places (saying how to give one); every error of a
 /// single rank's read.
-pub(crate) fn read(
-    dir: &Path,
-    by_mp: &BTreeMap<u64, MpFiles>,
-    rules: &SplitRules,
-) -> Result<DeepSpeed> {
+pub(crate) fn read_with_rules(dir: &Path, rules: &SplitRules) -> Result<DeepSpeed> {
+    let by_mp = scan(dir)?;
+    if by_mp.keys().all(|&mp| mp == 0) {
+        let files = by_mp
+            .get(&0)
+            .ok_or_else(|| err(dir, "no `*_optim_states.pt` file"))?;
+        return read_mp(dir, 0, files, None);
+    }
+    read_tp(dir, &by_mp, rules)
+}
+
+fn read_tp(dir: &Path, by_mp: &BTreeMap<u64, MpFiles>, rules: &SplitRules) -> Result<DeepSpeed> {
     let first_states = by_mp
         .get(&0)
         .and_then(MpFiles::model_states)
@@ -408,76 +303,4 @@ pub(crate) fn read(
 fn regex_match(pattern: &str, name: &str) -> bool {
     let mut r = SplitRules::default();
     r.push_regex(pattern, Split::Replicated).is_ok() && r.find(name).is_some()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn place(rank: u64, split: Split) -> TpPlace {
-        TpPlace {
-            rank,
-            size: 2,
-            splits: BTreeMap::from([("w".to_string(), split)]),
-        }
-    }
-
-    #[test]
-    fn column_and_row_shards_shift_by_rank() {
-        let col = place(1, Split::Dim { dim: 0, blocks: 1 });
-        // Local [4, 6]; rows 1..3 of rank 1 are rows 5..7 of the global [8, 6].
-        let r = col
-            .place("w", &[4, 6], &Region::new(vec![1, 0], vec![2, 6]))
-            .unwrap()
-            .unwrap();
-        assert_eq!(r, vec![(Region::new(vec![5, 0], vec![2, 6]), 0)]);
-        let row = place(1, Split::Dim { dim: 1, blocks: 1 });
-        let r = row
-            .place(
-                "optim.w.exp_avg",
-                &[5, 4],
-                &Region::new(vec![2, 0], vec![3, 4]),
-            )
-            .unwrap()
-            .unwrap();
-        assert_eq!(r, vec![(Region::new(vec![2, 4], vec![3, 4]), 0)]);
-        let rep = place(1, Split::Replicated);
-        assert_eq!(
-            rep.place("w", &[5], &Region::new(vec![0], vec![5]))
-                .unwrap(),
-            None
-        );
-    }
-
-    #[test]
-    fn fused_blocks_are_cut_at_their_bounds() {
-        // Local [gate_r; up_r] of 3 + 3 rows; global gate 6 rows then up 6 rows.
-        let p = place(1, Split::Dim { dim: 0, blocks: 2 });
-        let r = p
-            .place("w", &[6, 2], &Region::new(vec![2, 0], vec![2, 2]))
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            r,
-            vec![
-                (Region::new(vec![5, 0], vec![1, 2]), 0),
-                (Region::new(vec![9, 0], vec![1, 2]), 2)
-            ]
-        );
-        // Split on dim 1 in 2 blocks, a box two rows tall: cut row by row.
-        let p = place(0, Split::Dim { dim: 1, blocks: 2 });
-        let r = p
-            .place("w", &[2, 4], &Region::new(vec![0, 0], vec![2, 4]))
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            r,
-            vec![
-                (Region::new(vec![0, 0], vec![1, 2]), 0),
-                (Region::new(vec![0, 4], vec![1, 2]), 2),
-                (Region::new(vec![1, 0], vec![1, 2]), 4),
-                (Region::new(vec![1, 4], vec![1, 2]), 6),
-            ]
-        );
-    }
 }

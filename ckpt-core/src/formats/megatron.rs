@@ -221,8 +221,8 @@ impl Args {
     }
 }
 
-pub(crate) use super::split_rules::Split;
-use super::split_rules::{SplitRules, HOW_TO_ADD};
+pub(crate) use crate::layout::split_rules::Split;
+use crate::layout::split_rules::{SplitRules, HOW_TO_ADD};
 
 /// Which pipeline stage a tensor must be on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

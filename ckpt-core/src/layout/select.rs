@@ -2,8 +2,8 @@
 //! the dtype it writes them in (`--dtype`).
 
 use crate::error::{Error, Result};
-use crate::formats::split_rules::SplitRules;
 use crate::layout::plan::check_cast;
+use crate::layout::split_rules::SplitRules;
 use crate::Dtype;
 use globset::{Glob, GlobSet, GlobSetBuilder};
 
