@@ -10,6 +10,7 @@ mod deepspeed;
 mod deepspeed_write;
 mod inspect_verify;
 mod megatron;
+mod megatron_optim;
 mod merge;
 mod mindspore;
 mod pictures;

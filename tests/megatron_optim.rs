@@ -1,0 +1,169 @@
+//! Megatron's distributed optimizer state (`distrib_optim.pt`) written by megatron-core
+//! itself (tests/fixtures/megatron/tp2pp2dp2_distopt, made by
+//! scripts/fixtures/megatron_distopt.py: TP=2 x PP=2 x DP=2 on gloo, one real
+//! DistributedOptimizer step, save_parameter_state): merged, the fp32 master weights and
+//! Adam moments equal what the optimizer held before the save (`optim_full.safetensors`).
+
+use crate::util::{full_tensors, Dir};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/megatron/tp2pp2dp2_distopt")
+}
+
+fn legacy() -> String {
+    fixtures().join("legacy").display().to_string()
+}
+
+fn expected() -> BTreeMap<String, Vec<u8>> {
+    full_tensors(&fixtures().join("optim_full.safetensors"))
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        let dest = to.join(p.file_name().unwrap());
+        if p.is_dir() {
+            copy_dir(&p, &dest);
+        } else {
+            std::fs::copy(&p, &dest).unwrap();
+        }
+    }
+}
+
+fn legacy_copy(d: &Dir) -> PathBuf {
+    let to = d.path("legacy");
+    copy_dir(&fixtures().join("legacy"), &to);
+    to
+}
+
+const OPT_01_001: &str = "iter_0000001/mp_rank_01_001/distrib_optim.pt";
+
+/// Every tensor of both merged files (model.safetensors and optimizer.safetensors).
+fn merged(d: &Dir, out: &str) -> BTreeMap<String, Vec<u8>> {
+    full_tensors(&d.path(out))
+}
+
+#[test]
+fn distributed_optimizer_state_merges_byte_exactly() {
+    let d = Dir::new();
+    let want = expected();
+    let states = want.keys().filter(|k| k.starts_with("optim.")).count();
+    assert!(states > 0 && states % 3 == 0, "{states}");
+    d.ok(&["verify", &legacy()]);
+    d.ok(&["merge", &legacy(), "-o", "m"]);
+    // The optimizer's states in optimizer.safetensors, the weights beside them.
+    assert!(d.path("m/optimizer.safetensors").is_file());
+    let got = merged(&d, "m");
+    for (k, v) in &want {
+        assert_eq!(got.get(k), Some(v), "{k}");
+    }
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "{:?}",
+        got.keys()
+            .filter(|k| !want.contains_key(*k))
+            .collect::<Vec<_>>()
+    );
+    // One real Adam step: the moments are not zero and the master weight is the weight
+    // (fp32 training: the main parameter is the model parameter).
+    let w = &want["decoder.layers.0.mlp.linear_fc1.weight"];
+    assert_eq!(
+        &want["optim.decoder.layers.0.mlp.linear_fc1.weight.fp32"],
+        w
+    );
+    assert!(
+        want["optim.decoder.layers.0.mlp.linear_fc1.weight.exp_avg_sq"]
+            .iter()
+            .any(|&b| b != 0)
+    );
+}
+
+#[test]
+fn distributed_optimizer_state_reshards_like_the_weights() {
+    let d = Dir::new();
+    let want = expected();
+    d.ok(&["reshard", &legacy(), "--to", "4", "-o", "r4"]);
+    d.ok(&["merge", "r4", "-o", "m4"]);
+    let got = merged(&d, "m4");
+    for (k, v) in &want {
+        assert_eq!(got.get(k), Some(v), "{k}");
+    }
+    // And the weights only, as before.
+    d.ok(&["merge", &legacy(), "--exclude", "optim.*", "-o", "w"]);
+    assert!(!d.path("w/optimizer.safetensors").exists());
+}
+
+#[test]
+fn a_missing_distrib_optim_file_is_named() {
+    let d = Dir::new();
+    let l = legacy_copy(&d);
+    std::fs::remove_file(l.join(OPT_01_001)).unwrap();
+    let o = d.fails(&["merge", "legacy", "-o", "m"]);
+    assert!(
+        o.stderr.contains("mp_rank_01_001/distrib_optim.pt") && o.stderr.contains("missing"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("m").exists());
+}
+
+#[test]
+fn a_truncated_distrib_optim_file_is_named() {
+    let d = Dir::new();
+    let l = legacy_copy(&d);
+    let f = l.join(OPT_01_001);
+    let b = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &b[..b.len() / 2]).unwrap();
+    let o = d.fails(&["merge", "legacy", "-o", "m"]);
+    assert!(
+        o.stderr.contains("mp_rank_01_001/distrib_optim.pt")
+            && o.stderr.contains("Megatron distributed optimizer state"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("m").exists());
+}
+
+/// Args whose bucket size is not the run's: the buffer layout computed from them does not
+/// give the file's `numel_unpadded` (stage 0 of the fixture has several buckets).
+#[test]
+fn bucket_sizes_that_do_not_add_up_are_named() {
+    let d = Dir::new();
+    let l = legacy_copy(&d);
+    // Without overlap_grad_reduce there is one bucket per buffer: another layout.
+    for entry in std::fs::read_dir(l.join("iter_0000001")).unwrap() {
+        let f = entry.unwrap().path().join("model_optim_rng.pt");
+        flip_overlap_grad_reduce(&f);
+    }
+    let o = d.fails(&["merge", "legacy", "-o", "m"]);
+    assert!(
+        o.stderr.contains("distrib_optim.pt")
+            && o.stderr
+                .contains("bucket sizes do not add up to the parameters"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("m").exists());
+}
+
+/// `overlap_grad_reduce` True -> False in the pickled args: the key is followed by
+/// NEWTRUE (0x88), replaced by NEWFALSE (0x89), same length.
+fn flip_overlap_grad_reduce(path: &Path) {
+    let key = b"overlap_grad_reduce";
+    let mut b = std::fs::read(path).unwrap();
+    let at = b
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("args.overlap_grad_reduce in the pickle");
+    let v = at + key.len();
+    // BINPUT/MEMOIZE may sit between the key and its value.
+    let t = (v..v + 4)
+        .find(|&i| b[i] == 0x88)
+        .expect("True after the key");
+    b[t] = 0x89;
+    std::fs::write(path, b).unwrap();
+}
