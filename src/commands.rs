@@ -132,7 +132,10 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
         inputs: a.inputs.all()?,
         output: a.output,
         max_shard_size: a.max_shard_size,
-        selection: selection(&a.copy, a.inputs.step)?,
+        selection: selection(&a.copy, a.inputs.step)?.with_views(ckpt_core::Views {
+            split_qkv: a.split_qkv,
+            unpad_vocab: !a.keep_vocab_padding,
+        }),
         force: a.copy.force,
         one_file: a.one_file,
         format: ckpt_merge::MergeFormat::from_name(&a.format)

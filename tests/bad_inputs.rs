@@ -638,6 +638,14 @@ const CASES: &[Case] = &[
         code: 1,
         first_line: "in: holds two checkpoints, a Hugging Face shard index and a PyTorch DCP checkpoint (.metadata); which one is meant is not ckpt's to guess: move one of them aside",
     },
+    // --step asked of inputs that hold one checkpoint: it may be another step's.
+    Case {
+        name: "--step on one checkpoint",
+        setup: ex,
+        args: &["merge", "in", "--step", "3", "-o", "out"],
+        code: 1,
+        first_line: "--step 3: in hold(s) one checkpoint, not several steps to choose from",
+    },
     Case {
         name: "input does not exist",
         setup: |_| {},

@@ -73,6 +73,9 @@ pub(crate) struct Discovery {
     pub(crate) dcp: BTreeMap<PathBuf, DcpMetadata>,
     /// The training step asked for (`--step`), where the inputs hold several.
     pub(crate) step: Option<u64>,
+    /// Whether a row chose among steps by [`Discovery::step`] (else `--step` is refused:
+    /// the inputs hold one checkpoint, which may be of another step).
+    pub(crate) step_taken: bool,
     /// DeepSpeed tag directories (read whole: their files are pieces of one another).
     pub(crate) deepspeed: Vec<PathBuf>,
     /// DeepSpeed universal checkpoints' tag directories (read whole, as DeepSpeed's).
@@ -380,8 +383,61 @@ fn two_checkpoints(path: &Path, a: &DirRow, b: &DirRow) -> Error {
     ))
 }
 
+/// The directories of `path` named `<prefix><N>` (N a step number, leading zeros
+/// allowed), by step.
+fn step_dirs(path: &Path, prefixes: &[&str]) -> Result<BTreeMap<u64, PathBuf>> {
+    Ok(list_dir(path)?
+        .into_iter()
+        .filter(|p| p.is_dir())
+        .filter_map(|p| {
+            let name = p.file_name()?.to_str()?.to_string();
+            let n = prefixes
+                .iter()
+                .find_map(|pre| name.strip_prefix(pre)?.parse().ok())?;
+            Some((n, p))
+        })
+        .collect())
+}
+
+/// The directory of step `step` among `path`'s `<prefix><N>` directories, or the error
+/// listing the steps there are.
+fn step_dir(path: &Path, step: u64, prefixes: &[&str], spelled: &str) -> Result<PathBuf> {
+    let steps = step_dirs(path, prefixes)?;
+    steps.get(&step).cloned().ok_or_else(|| {
+        unknown(format!(
+            "{}: no checkpoint of step {step} ({spelled}); steps here: {}",
+            path.display(),
+            steps
+                .keys()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    })
+}
+
+/// A Megatron save directory (its tracker names the newest iteration; `--step` picks
+/// `iter_{step:07}` instead) or one iteration's directory (which must be that step).
 fn megatron_dir(path: &Path, x: &mut Discovery) -> Result<()> {
-    if let Some(other) = x.megatron.replace(path.to_path_buf()) {
+    let mut path = path.to_path_buf();
+    if let Some(step) = x.step {
+        x.step_taken = true;
+        const ITER: &str = "iter_";
+        if path.join(megatron::TRACKER_FILE).is_file() {
+            path = step_dir(&path, step, &[ITER], &format!("{ITER}{step:07}/"))?;
+        } else {
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            let it: Option<u64> = name.strip_prefix(ITER).and_then(|n| n.parse().ok());
+            if it != Some(step) {
+                return Err(unknown(format!(
+                    "{}: --step {step}, but this is the checkpoint of {}: pass the save directory (iter_*/ beside latest_checkpointed_iteration.txt)",
+                    path.display(),
+                    it.map_or_else(|| format!("`{name}`"), |i| format!("iteration {i}"))
+                )));
+            }
+        }
+    }
+    if let Some(other) = x.megatron.replace(path.clone()) {
         return Err(unknown(format!(
             "two Megatron checkpoints given ({} and {}): one at a time",
             other.display(),
@@ -402,28 +458,17 @@ fn latest_target(path: &Path) -> Option<PathBuf> {
 
 /// A training output directory: `latest` names its newest complete checkpoint.
 fn training_output(path: &Path, x: &mut Discovery) -> Result<()> {
-    if let Some(step) = x.step {
-        let target = path.join(format!("step_{step}"));
-        if !target.is_dir() {
-            let mut steps: Vec<u64> = list_dir(path)?
-                .iter()
-                .filter(|p| p.is_dir())
-                .filter_map(|p| p.file_name()?.to_str()?.strip_prefix("step_")?.parse().ok())
-                .collect();
-            steps.sort_unstable();
-            return Err(unknown(format!(
-                "{}: no checkpoint of step {step} (step_{step}/); steps here: {}",
-                path.display(),
-                steps
-                    .iter()
-                    .map(u64::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
-        }
-        return x.add(&target);
+    x.step_taken |= x.step.is_some();
+    match x.step {
+        // ckpt's step_<N>/, DeepSpeed's default tag global_step<N>/.
+        Some(step) => x.add(&step_dir(
+            path,
+            step,
+            &["step_", "global_step"],
+            &format!("step_{step}/ or global_step{step}/"),
+        )?),
+        None => x.add(&named_dir(path, &path.join(LATEST_FILE))?),
     }
-    x.add(&named_dir(path, &path.join(LATEST_FILE))?)
 }
 
 /// The directory beside it that a pointer file (`latest`, `latest_universal`) names.
@@ -440,7 +485,25 @@ fn named_dir(path: &Path, pointer: &Path) -> Result<PathBuf> {
     Ok(target)
 }
 
+/// With `--step N`, a DeepSpeed tag directory must be DeepSpeed's default tag of that
+/// step (`global_step<N>`, with `suffix` for a universal one).
+fn check_tag(path: &Path, x: &mut Discovery, suffix: &str) -> Result<()> {
+    let Some(step) = x.step else {
+        return Ok(());
+    };
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    if name != format!("global_step{step}{suffix}") {
+        return Err(unknown(format!(
+            "{}: --step {step}, but this is the tag `{name}`: pass the save directory, or this tag without --step",
+            path.display()
+        )));
+    }
+    x.step_taken = true;
+    Ok(())
+}
+
 fn deepspeed_dir(path: &Path, x: &mut Discovery) -> Result<()> {
+    check_tag(path, x, "")?;
     x.deepspeed.push(path.to_path_buf());
     Ok(())
 }
@@ -460,8 +523,22 @@ fn universal_target(path: &Path) -> Option<PathBuf> {
 fn ucp_dir(path: &Path, x: &mut Discovery) -> Result<()> {
     let universal = path.join(ucp::LATEST_UNIVERSAL);
     if universal.is_file() {
-        return x.add(&named_dir(path, &universal)?);
+        let tag = match x.step {
+            Some(step) => {
+                let tag = path.join(format!("global_step{step}_universal"));
+                if !tag.is_dir() {
+                    return Err(unknown(format!(
+                        "{}: no universal checkpoint of step {step} (global_step{step}_universal/)",
+                        path.display()
+                    )));
+                }
+                tag
+            }
+            None => named_dir(path, &universal)?,
+        };
+        return x.add(&tag);
     }
+    check_tag(path, x, "_universal")?;
     x.ucp.push(path.to_path_buf());
     Ok(())
 }
@@ -500,6 +577,7 @@ fn rank_dirs(path: &Path, x: &mut Discovery) -> Result<()> {
         if own.is_some() && model_file(&d).is_file() {
             x.add(&d)?;
         } else if let Some(f) = mindspore_ckpt::rank_file(&d, x.step, &mut x.notes)? {
+            x.step_taken |= x.step.is_some();
             // MindSpore's files; with ckpt's strategy.json when ckpt wrote them.
             note_carried(&d, &mut x.carried);
             x.push(f, own, None);
