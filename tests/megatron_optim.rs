@@ -53,7 +53,7 @@ fn distributed_optimizer_state_merges_byte_exactly() {
     let states = want.keys().filter(|k| k.starts_with("optim.")).count();
     assert!(states > 0 && states % 3 == 0, "{states}");
     d.ok(&["verify", &legacy()]);
-    d.ok(&["merge", &legacy(), "-o", "m"]);
+    d.ok(&["merge", &legacy(), "--keep-vocab-padding", "-o", "m"]);
     // The optimizer's states in optimizer.safetensors, the weights beside them.
     assert!(d.path("m/optimizer.safetensors").is_file());
     let got = merged(&d, "m");
@@ -68,6 +68,18 @@ fn distributed_optimizer_state_merges_byte_exactly() {
             .filter(|k| !want.contains_key(*k))
             .collect::<Vec<_>>()
     );
+    // By default the vocabulary's padding rows (64 -> 50, args.vocab_size) go from the
+    // states as from the weights: the first 50 rows of 16 F32 each.
+    d.ok(&["merge", &legacy(), "-o", "u"]);
+    let unpadded = merged(&d, "u");
+    for k in [
+        "embedding.word_embeddings.weight",
+        "optim.embedding.word_embeddings.weight.exp_avg",
+        "optim.output_layer.weight.exp_avg_sq",
+        "optim.output_layer.weight.fp32",
+    ] {
+        assert_eq!(unpadded[k], want[k][..50 * 16 * 4], "{k}");
+    }
     // One real Adam step: the moments are not zero and the master weight is the weight
     // (fp32 training: the main parameter is the model parameter).
     let w = &want["decoder.layers.0.mlp.linear_fc1.weight"];
