@@ -4,19 +4,30 @@
 # which the megatron-core wheel does not ship, and CUDA for its loader).
 #
 #   scripts/megatron_bench.sh [OUT_DIR]        # default target/megatron-bench
+#   ROUNDS=5 CKPT=target/release/ckpt CKPT_OLD=path/to/other/ckpt scripts/megatron_bench.sh
 #
 # Makes the checkpoint with megatron-core itself (scripts/fixtures/megatron_fixtures.py,
-# a venv under target/ with torch + megatron-core), 4 gloo ranks on CPU; then times, one
-# after the other, with the files in the page cache both times:
+# a venv under target/ with torch + megatron-core), 4 gloo ranks on CPU; then runs
+# ROUNDS rounds (default 5), each timing one after the other:
 #   cat  : cat every model_optim_rng.pt into one file, then sync
 #   ckpt : ckpt reshard legacy --to 2 -o out (ckpt_<r>/model.safetensors), then sync
-# and prints both wall times, their ratio and ckpt's peak RSS.
+#   old  : the same with $CKPT_OLD, when given (to compare two builds in one run)
+# Alternating the steps within a round spreads the machine's slow and fast moments
+# (other processes, the VM's disk writeback) over all of them instead of over one.
+# Before each timed step the inputs are read into the page cache (both tools read them
+# warm), the previous step's outputs are deleted and everything is synced, so no
+# earlier writeback lands inside a timed step. Prints every round's times and ratios
+# (each ckpt time over the cat+sync time of its own round), their medians, and the
+# peak RSS of each binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-target/megatron-bench}
 venv=target/venv-megatron
 ckpt=${CKPT:-target/release/ckpt}
+old=${CKPT_OLD:-}
+rounds=${ROUNDS:-5}
 [ -x "$ckpt" ] || { echo "build first: cargo build --release (or CKPT=target/debug/ckpt)" >&2; exit 1; }
+[ -z "$old" ] || [ -x "$old" ] || { echo "CKPT_OLD=$old is not an executable" >&2; exit 1; }
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q torch megatron-core psutil numpy safetensors
@@ -29,20 +40,55 @@ if [ ! -f "$ck/latest_checkpointed_iteration.txt" ]; then
     "$venv/bin/python" scripts/fixtures/megatron_fixtures.py "$out" --tp 4 --pp 1 --name tp4 \
     > "$out.log" 2>&1 || { tail -20 "$out.log"; exit 1; }
 fi
-bytes=$(du -cb "$ck"/iter_*/mp_rank_*/model_optim_rng.pt | tail -1 | cut -f1)
-cat "$ck"/iter_*/mp_rank_*/model_optim_rng.pt > /dev/null   # into the page cache
+inputs=("$ck"/iter_*/mp_rank_*/model_optim_rng.pt)
+bytes=$(du -cb "${inputs[@]}" | tail -1 | cut -f1)
 now() { date +%s.%N; }
-rm -f "$out/cat.bin"
-t0=$(now); cat "$ck"/iter_*/mp_rank_*/model_optim_rng.pt > "$out/cat.bin"; sync; t1=$(now)
-rm -rf "$out/tp2"
-t2=$(now)
-/usr/bin/time -f "%M" -o "$out/rss.txt" "$ckpt" reshard "$ck" --to 2 -o "$out/tp2" > /dev/null 2>&1
-sync; t3=$(now)
-rm -f "$out/cat.bin"
-python3 - "$bytes" "$t0" "$t1" "$t2" "$t3" "$(cat "$out/rss.txt")" <<'PY'
-import sys
-b, t0, t1, t2, t3, rss = sys.argv[1:]
-b = int(b); cat = float(t1) - float(t0); ck = float(t3) - float(t2)
-print(f"megatron legacy tp=4 -> tp=2, {b / 1e6:.0f} MB: cat+sync {cat:.2f} s, "
-      f"ckpt reshard {ck:.2f} s ({ck / cat:.2f}x cat), ckpt peak RSS {int(rss) / 1024:.0f} MiB")
+# Untimed: outputs of the last step gone, inputs in the page cache, nothing dirty.
+settle() {
+  rm -rf "$out/cat.bin" "$out/tp2"
+  cat "${inputs[@]}" > /dev/null
+  sync
+}
+results="$out/rounds.txt"
+: > "$results"
+for r in $(seq 1 "$rounds"); do
+  settle
+  t0=$(now); cat "${inputs[@]}" > "$out/cat.bin"; sync; t1=$(now)
+  settle
+  t2=$(now)
+  /usr/bin/time -f "%M" -o "$out/rss.txt" "$ckpt" reshard "$ck" --to 2 -o "$out/tp2" > /dev/null 2>&1
+  sync; t3=$(now)
+  line="$r $t0 $t1 $t2 $t3 $(cat "$out/rss.txt")"
+  if [ -n "$old" ]; then
+    settle
+    t4=$(now)
+    /usr/bin/time -f "%M" -o "$out/rss.txt" "$old" reshard "$ck" --to 2 -o "$out/tp2" > /dev/null 2>&1
+    sync; t5=$(now)
+    line="$line $t4 $t5 $(cat "$out/rss.txt")"
+  fi
+  echo "$line" >> "$results"
+done
+settle
+python3 - "$bytes" "$results" <<'PY'
+import statistics, sys
+b = int(sys.argv[1])
+rows = [l.split() for l in open(sys.argv[2]) if l.strip()]
+cats, cks, olds, rss, rss_old = [], [], [], [], []
+print(f"megatron legacy tp=4 -> tp=2, {b / 1e6:.0f} MB, {len(rows)} rounds")
+for row in rows:
+    cat = float(row[2]) - float(row[1]); ck = float(row[4]) - float(row[3])
+    cats.append(cat); cks.append(ck); rss.append(int(row[5]))
+    msg = f"  round {row[0]}: cat+sync {cat:.2f} s, ckpt {ck:.2f} s ({ck / cat:.2f}x)"
+    if len(row) > 6:
+        o = float(row[7]) - float(row[6]); olds.append(o); rss_old.append(int(row[8]))
+        msg += f", old ckpt {o:.2f} s ({o / cat:.2f}x)"
+    print(msg)
+med = statistics.median
+print(f"median: cat+sync {med(cats):.2f} s, ckpt reshard {med(cks):.2f} s, "
+      f"ratio {med([k / c for k, c in zip(cks, cats)]):.2f}x cat+sync, "
+      f"ckpt peak RSS {max(rss) / 1024:.0f} MiB")
+if olds:
+    print(f"median old ckpt {med(olds):.2f} s, ratio "
+          f"{med([o / c for o, c in zip(olds, cats)]):.2f}x cat+sync, "
+          f"peak RSS {max(rss_old) / 1024:.0f} MiB")
 PY
