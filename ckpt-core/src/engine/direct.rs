@@ -17,6 +17,13 @@ use crate::layout::region::{Region, Runs};
 /// kernel's per-buffer work, and the run list stays small.
 const MAX_RUNS: usize = 8192;
 
+/// For the tests comparing both paths' outputs: `CKPT_TEST_NO_DIRECT` set sends every
+/// slab through the gathered path.
+fn gathered_only() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OFF.get_or_init(|| std::env::var_os("CKPT_TEST_NO_DIRECT").is_some())
+}
+
 /// One run of a slab: bytes `src` of tensor `tensor` of source file `file`, to go at
 /// byte `dst` of the slab.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,7 +44,7 @@ pub(crate) fn slab_runs(
     slab: &Region,
     slab_len: u64,
 ) -> Option<Vec<SlabRun>> {
-    if t.src_dtype != t.target.dtype || std::env::var_os("CKPT_DEV_NO_DIRECT").is_some() {
+    if t.src_dtype != t.target.dtype || gathered_only() {
         return None;
     }
     let bits = t.src_dtype.bitsize() as u64;
