@@ -53,16 +53,18 @@ results="$out/rounds.txt"
 : > "$results"
 for r in $(seq 1 "$rounds"); do
   settle
-  t0=$(now); cat "${inputs[@]}" > "$out/cat.bin"; sync; t1=$(now)
+  t0=$(now)
+  /usr/bin/time -f "%M %U %S" -o "$out/cat_t.txt" cat "${inputs[@]}" > "$out/cat.bin"
+  sync; t1=$(now)
   settle
   t2=$(now)
-  /usr/bin/time -f "%M" -o "$out/rss.txt" "$ckpt" reshard "$ck" --to 2 -o "$out/tp2" > /dev/null 2>&1
+  /usr/bin/time -f "%M %U %S" -o "$out/rss.txt" "$ckpt" reshard "$ck" --to 2 -o "$out/tp2" > /dev/null 2>&1
   sync; t3=$(now)
-  line="$r $t0 $t1 $t2 $t3 $(cat "$out/rss.txt")"
+  line="$r $t0 $t1 $t2 $t3 $(cat "$out/rss.txt") $(cat "$out/cat_t.txt")"
   if [ -n "$old" ]; then
     settle
     t4=$(now)
-    /usr/bin/time -f "%M" -o "$out/rss.txt" "$old" reshard "$ck" --to 2 -o "$out/tp2" > /dev/null 2>&1
+    /usr/bin/time -f "%M %U %S" -o "$out/rss.txt" "$old" reshard "$ck" --to 2 -o "$out/tp2" > /dev/null 2>&1
     sync; t5=$(now)
     line="$line $t4 $t5 $(cat "$out/rss.txt")"
   fi
@@ -73,17 +75,21 @@ python3 - "$bytes" "$results" <<'PY'
 import statistics, sys
 b = int(sys.argv[1])
 rows = [l.split() for l in open(sys.argv[2]) if l.strip()]
-cats, cks, olds, rss, rss_old = [], [], [], [], []
+med = statistics.median
+# Per row: round t0 t1 t2 t3 rss user sys cat_rss cat_user cat_sys [t4 t5 rss user sys]
+cats, cks, olds, rss, rss_old, cpu = [], [], [], [], [], {"cat": [], "ckpt": [], "old": []}
 print(f"megatron legacy tp=4 -> tp=2, {b / 1e6:.0f} MB, {len(rows)} rounds")
 for row in rows:
     cat = float(row[2]) - float(row[1]); ck = float(row[4]) - float(row[3])
     cats.append(cat); cks.append(ck); rss.append(int(row[5]))
+    cpu["ckpt"].append(float(row[6]) + float(row[7]))
+    cpu["cat"].append(float(row[9]) + float(row[10]))
     msg = f"  round {row[0]}: cat+sync {cat:.2f} s, ckpt {ck:.2f} s ({ck / cat:.2f}x)"
-    if len(row) > 6:
-        o = float(row[7]) - float(row[6]); olds.append(o); rss_old.append(int(row[8]))
+    if len(row) > 11:
+        o = float(row[12]) - float(row[11]); olds.append(o); rss_old.append(int(row[13]))
+        cpu["old"].append(float(row[14]) + float(row[15]))
         msg += f", old ckpt {o:.2f} s ({o / cat:.2f}x)"
     print(msg)
-med = statistics.median
 print(f"median: cat+sync {med(cats):.2f} s, ckpt reshard {med(cks):.2f} s, "
       f"ratio {med([k / c for k, c in zip(cks, cats)]):.2f}x cat+sync, "
       f"ckpt peak RSS {max(rss) / 1024:.0f} MiB")
@@ -91,4 +97,7 @@ if olds:
     print(f"median old ckpt {med(olds):.2f} s, ratio "
           f"{med([o / c for o, c in zip(olds, cats)]):.2f}x cat+sync, "
           f"peak RSS {max(rss_old) / 1024:.0f} MiB")
+# CPU seconds (user + system) of the processes themselves: steadier than wall time on
+# a loaded machine (the writeback threads' and sync's work is in neither).
+print("median CPU s: " + ", ".join(f"{k} {med(v):.2f}" for k, v in cpu.items() if v))
 PY
