@@ -306,35 +306,6 @@ pub(crate) fn commit_staged_file(file: &File, tmp: &Path, dest: &Path) -> Result
     Ok(())
 }
 
-/// Writes of at least this many bytes start their writeback at once.
-const WRITEBACK_FROM: u64 = 1 << 20;
-
-/// Starts writing the whole pages of bytes `offset..offset + len` of `file` to disk
-/// without waiting (`sync_file_range(SYNC_FILE_RANGE_WRITE)`), so the disk works while
-/// the copy goes on and the fsync at commit finds little left to do; left alone, the
-/// kernel starts only once gigabytes are dirty or at the fsync, and the whole output's
-/// writeback then comes after the copy instead of beside it. Partial pages at the ends
-/// are left to the next write that fills them (so no page is sent twice), and so are
-/// small writes (headers rewritten at commit). Only a hint: an error here is the fsync's
-/// to report.
-fn start_writeback(file: &File, offset: u64, len: u64) {
-    use std::os::fd::AsRawFd;
-    let page = 4096;
-    let lo = offset.div_ceil(page) * page;
-    let hi = offset.saturating_add(len) / page * page;
-    if len < WRITEBACK_FROM || hi <= lo {
-        return;
-    }
-    let (Ok(lo), Ok(n)) = (
-        libc::off64_t::try_from(lo),
-        libc::off64_t::try_from(hi - lo),
-    ) else {
-        return;
-    };
-    // SAFETY: a plain system call on an open descriptor; no memory is passed.
-    let _ = unsafe { libc::sync_file_range(file.as_raw_fd(), lo, n, libc::SYNC_FILE_RANGE_WRITE) };
-}
-
 /// Linux's `IOV_MAX`: most buffers one `pwritev` takes.
 const IOV_MAX: usize = 1024;
 
@@ -418,9 +389,7 @@ impl StagedFile {
     }
 
     pub(crate) fn write_at(&self, bytes: &[u8], offset: u64) -> Result<()> {
-        self.file.write_all_at(bytes, offset).at(&self.tmp)?;
-        start_writeback(&self.file, offset, bytes.len() as u64);
-        Ok(())
+        self.file.write_all_at(bytes, offset).at(&self.tmp)
     }
 
     pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
@@ -432,10 +401,7 @@ impl StagedFile {
     /// runs still in the inputs' mappings, so the only copy of the bytes is the
     /// kernel's into the page cache.
     pub(crate) fn write_vectored_at(&self, parts: &[&[u8]], offset: u64) -> Result<()> {
-        write_all_vectored_at(&self.file, parts, offset).at(&self.tmp)?;
-        let len = parts.iter().map(|p| p.len() as u64).sum();
-        start_writeback(&self.file, offset, len);
-        Ok(())
+        write_all_vectored_at(&self.file, parts, offset).at(&self.tmp)
     }
 
     /// Syncs the data and renames the file to its final name.
