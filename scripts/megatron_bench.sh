@@ -15,8 +15,9 @@
 # Alternating the steps within a round spreads the machine's slow and fast moments
 # (other processes, the VM's disk writeback) over all of them instead of over one.
 # Before each timed step the inputs are read into the page cache (both tools read them
-# warm), the previous step's outputs are deleted and everything is synced, so no
-# earlier writeback lands inside a timed step. Prints every round's times and ratios
+# warm), the previous step's outputs are deleted, everything is synced and the script
+# waits SETTLE_SECONDS (default 3) for the deleted blocks' discard, so no earlier
+# writeback or discard lands inside a timed step. Prints every round's times and ratios
 # (each ckpt time over the cat+sync time of its own round), their medians, and the
 # peak RSS of each binary.
 set -euo pipefail
@@ -48,26 +49,39 @@ settle() {
   rm -rf "$out/cat.bin" "$out/tp2"
   cat "${inputs[@]}" > /dev/null
   sync
+  # Without a pause, a step started right after the previous outputs were deleted ran
+  # in one of two regimes (0.3 or 1.0 s of system CPU for ckpt) decided by which step
+  # came before it, not by the binary; waiting lets the delete's aftermath (this VM's
+  # ext4 is mounted with `discard`) settle, so every step starts alike.
+  sleep "${SETTLE_SECONDS:-3}"
 }
 results="$out/rounds.txt"
 : > "$results"
+# One timed run of binary $1 (after settling): "start end rss user sys".
+timed_ckpt() {
+  settle
+  local a b
+  a=$(now)
+  /usr/bin/time -f "%M %U %S" -o "$out/rss.txt" "$1" reshard "$ck" --to 2 -o "$out/tp2" > /dev/null 2>&1
+  sync; b=$(now)
+  echo "$a $b $(cat "$out/rss.txt")"
+}
 for r in $(seq 1 "$rounds"); do
   settle
   t0=$(now)
   /usr/bin/time -f "%M %U %S" -o "$out/cat_t.txt" cat "${inputs[@]}" > "$out/cat.bin"
   sync; t1=$(now)
-  settle
-  t2=$(now)
-  /usr/bin/time -f "%M %U %S" -o "$out/rss.txt" "$ckpt" reshard "$ck" --to 2 -o "$out/tp2" > /dev/null 2>&1
-  sync; t3=$(now)
-  line="$r $t0 $t1 $t2 $t3 $(cat "$out/rss.txt") $(cat "$out/cat_t.txt")"
-  if [ -n "$old" ]; then
-    settle
-    t4=$(now)
-    /usr/bin/time -f "%M %U %S" -o "$out/rss.txt" "$old" reshard "$ck" --to 2 -o "$out/tp2" > /dev/null 2>&1
-    sync; t5=$(now)
-    line="$line $t4 $t5 $(cat "$out/rss.txt")"
+  cat_t=$(cat "$out/cat_t.txt")
+  # With two builds, their order alternates from round to round: a step's place in the
+  # round (what the step before it left to the kernel to reclaim) must not favour one.
+  if [ -n "$old" ] && [ $((r % 2)) -eq 0 ]; then
+    o=$(timed_ckpt "$old"); n=$(timed_ckpt "$ckpt")
+  else
+    n=$(timed_ckpt "$ckpt"); [ -z "$old" ] || o=$(timed_ckpt "$old")
   fi
+  read -r t2 t3 rss <<< "$n"
+  line="$r $t0 $t1 $t2 $t3 $rss $cat_t"
+  [ -z "$old" ] || line="$line $o"
   echo "$line" >> "$results"
 done
 settle
