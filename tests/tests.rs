@@ -8,6 +8,7 @@ mod compress_v2;
 mod crash;
 mod deepspeed;
 mod deepspeed_write;
+mod direct_write;
 mod inspect_verify;
 mod megatron;
 mod megatron_optim;
