@@ -2,6 +2,7 @@
 
 pub(crate) mod convert;
 pub(crate) mod copy;
+pub(crate) mod direct;
 pub(crate) mod example;
 pub(crate) mod save;
 pub(crate) mod verify;

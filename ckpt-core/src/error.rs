@@ -80,6 +80,16 @@ pub enum Error {
         /// What is wrong, naming the tensor when one is at fault.
         problem: String,
     },
+    /// A Megatron legacy checkpoint's distributed optimizer state (`distrib_optim.pt`) is
+    /// incomplete or does not fit the model's parameters (the file, and the tensor when
+    /// one is at fault, are named).
+    #[error("{path}: Megatron distributed optimizer state: {problem}")]
+    InvalidMegatronOptim {
+        /// The file at fault.
+        path: PathBuf,
+        /// What is wrong, naming the tensor when one is at fault.
+        problem: String,
+    },
     /// A safetensors header is malformed.
     #[error("invalid safetensors header: {problem}")]
     InvalidHeader {

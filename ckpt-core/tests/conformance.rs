@@ -537,6 +537,25 @@ fn megatron_legacy_conforms() {
     });
 }
 
+/// Megatron legacy (tp=2, pp=2, dp=2) with the distributed optimizer's state
+/// (`distrib_optim.pt`), written by megatron-core's own DistributedOptimizer;
+/// `optim_full.safetensors` holds the weights and the optimizer's own fp32 master
+/// weights and Adam moments (scripts/fixtures/megatron_distopt.py).
+#[test]
+fn megatron_distributed_optimizer_conforms() {
+    conform_dir(&DirCase {
+        make: |s| fixture_copy(s, "megatron/tp2pp2dp2_distopt/legacy"),
+        data_file: "iter_0000001/mp_rank_01_001/distrib_optim.pt",
+        expected: || {
+            file_tensors(&fixture_path(
+                "megatron/tp2pp2dp2_distopt/optim_full.safetensors",
+            ))
+        },
+        format: FileFormat::TorchSave,
+        fuzz_target: "megatron_optim",
+    });
+}
+
 /// DeepSpeed ZeRO-2 and ZeRO-3 (two data-parallel ranks), written by DeepSpeed;
 /// `expected.safetensors` is its own zero_to_fp32 result (tests/fixtures/deepspeed/).
 #[test]

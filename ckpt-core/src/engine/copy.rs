@@ -48,7 +48,7 @@ pub struct CopyStats {
 
 /// Splits a tensor of `shape` into boxes that are contiguous in row-major order and
 /// hold at most `max_bytes` (at least one innermost row each).
-fn slabs(shape: &[u64], dtype: Dtype, max_bytes: u64) -> Vec<Region> {
+pub(super) fn slabs(shape: &[u64], dtype: Dtype, max_bytes: u64) -> Vec<Region> {
     let n = shape.len();
     if n == 0 || shape.contains(&0) {
         return if shape.contains(&0) {
@@ -307,9 +307,15 @@ pub fn execute_with(
         .par_iter()
         .try_for_each(|&(f, t)| source.files[f].check_checksum_after_read(t).map(|_| ()))?;
     let t = std::time::Instant::now();
-    for w in writers {
-        w.finish()?;
-    }
+    // All files at once: each finish waits for its file's writeback (fsync), and the
+    // disk takes the files' writeback together better than one after the other. The
+    // first error in file order is reported, as when they finished in turn.
+    writers
+        .into_par_iter()
+        .map(|w| w.finish())
+        .collect::<Vec<Result<()>>>()
+        .into_iter()
+        .collect::<Result<()>>()?;
     Ok(CopyStats {
         tensors: plan.tensor_count() as u64,
         bytes_written: plan.bytes_written(),
@@ -321,7 +327,7 @@ pub fn execute_with(
 }
 
 /// Where `part` (a box of the destination inside `op`'s) starts in `op`'s source tensor.
-fn src_start_of(part: &Region, op: &crate::layout::plan::CopyOp) -> Vec<u64> {
+pub(super) fn src_start_of(part: &Region, op: &crate::layout::plan::CopyOp) -> Vec<u64> {
     part.start
         .iter()
         .zip(&op.dst_start)
@@ -357,12 +363,26 @@ fn copy_slabs(
         |cache: &mut ReadCache, (fi, ti, slab)| -> Result<()> {
             let t = &plan.files[*fi].tensors[*ti];
             let len = bytes_of(t.target.dtype, slab.numel()) as usize;
+            let at = bytes_of(t.target.dtype, slab_offset(&t.target.shape, &slab.start));
+            // Straight from the mapped inputs when the slab is plain runs of them. A
+            // failed direct write is redone by the gathered path below: an input
+            // truncated under us then faults in this process, and the SIGBUS handler
+            // names it (the kernel would only have failed the write with EFAULT); any
+            // other error comes back from that path's write.
+            if let Some(runs) = super::direct::slab_runs(source, t, slab, len as u64) {
+                if let Ok(Some(n)) =
+                    super::direct::write_runs(source, &*writers[*fi], *ti, at, &runs)
+                {
+                    read.fetch_add(n, Ordering::Relaxed);
+                    progress(len as u64);
+                    return Ok(());
+                }
+            }
             let mut buf = std::mem::take(&mut cache.slab);
             buf.clear();
             buf.resize(len, 0);
             let r = fill_slab(source, t, slab, &mut buf, cache).and_then(|n| {
                 read.fetch_add(n, Ordering::Relaxed);
-                let at = bytes_of(t.target.dtype, slab_offset(&t.target.shape, &slab.start));
                 writers[*fi].write_at(*ti, at, &buf)
             });
             cache.slab = buf;

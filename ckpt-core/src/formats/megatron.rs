@@ -39,8 +39,8 @@ use std::path::{Path, PathBuf};
 pub(crate) const TRACKER_FILE: &str = "latest_checkpointed_iteration.txt";
 /// A rank's file.
 pub(crate) const RANK_FILE: &str = "model_optim_rng.pt";
-/// The distributed optimizer's per-rank file (not read yet).
-const DISTRIB_OPTIM_FILE: &str = "distrib_optim.pt";
+/// The distributed optimizer's per-rank file (read by [`super::megatron_optim`]).
+const DISTRIB_OPTIM_FILE: &str = super::megatron_optim::FILE;
 /// The pipeline axis of the mesh ckpt gives a legacy checkpoint.
 pub(crate) const PP_AXIS: &str = "pp";
 /// The tensor-parallel axis.
@@ -121,7 +121,7 @@ pub(crate) struct Args {
 }
 
 /// The Namespace's fields: `Build { object: Namespace(), state: {..} }`.
-fn namespace_fields(v: &Value) -> Option<&[(Value, Value)]> {
+pub(crate) fn namespace_fields(v: &Value) -> Option<&[(Value, Value)]> {
     match v {
         Value::Build { object, state } => {
             let ((m, n), _) = object.call_of()?;
@@ -417,7 +417,7 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
         )));
     };
     let first_file = first.join(RANK_FILE);
-    let args = {
+    let (args, args_value) = {
         let map = map_file(&first_file)?;
         let all: &[u8] = map.as_deref().unwrap_or(&[]);
         let archive = Archive::open(all).map_err(|e| e.with_path(&first_file))?;
@@ -428,7 +428,7 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
                 first_file.display()
             ))
         })?;
-        Args::from_value(a, &first_file)?
+        (Args::from_value(a, &first_file)?, a.clone())
     };
     if let Some(key) = &args.uneven {
         return Err(Error::Unsupported {
@@ -491,6 +491,7 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     let mut files = Vec::with_capacity(world as usize);
     let mut notes = Vec::new();
     let mut carried: Vec<String> = Vec::new();
+    let mut optim = Vec::new();
     for p in 0..pp {
         for t in 0..tp {
             let rank = p * tp + t;
@@ -507,14 +508,20 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
             )?;
             files.push((rank, f));
             let opt = dir.join(name_of(t, p)).join(DISTRIB_OPTIM_FILE);
-            if opt.is_file() {
-                notes.push(format!(
-                    "{}: the distributed optimizer's state is not read (model weights only)",
-                    opt.display()
-                ));
-            }
+            optim.push((rank, p, opt.is_file().then_some(opt)));
         }
     }
+    // The distributed optimizer's state: fp32 master weights and Adam moments.
+    super::megatron_optim::attach(
+        &mut files,
+        &mut strategy,
+        &optim,
+        &args_value,
+        &first_file,
+        pp,
+        args.vp,
+        |rank| dir.join(name_of(rank % tp, rank / tp)).join(RANK_FILE),
+    )?;
     carried.sort();
     carried.dedup();
     if !carried.is_empty() {
@@ -533,7 +540,7 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
 }
 
 /// The globals a rank file may name beyond torch's tensor machinery.
-fn allowed(module: &str, name: &str) -> bool {
+pub(crate) fn allowed(module: &str, name: &str) -> bool {
     torch_save::allowed(module, name)
         || matches!(
             (module, name),

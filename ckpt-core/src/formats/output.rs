@@ -306,6 +306,50 @@ pub(crate) fn commit_staged_file(file: &File, tmp: &Path, dest: &Path) -> Result
     Ok(())
 }
 
+/// Linux's `IOV_MAX`: most buffers one `pwritev` takes.
+const IOV_MAX: usize = 1024;
+
+/// `pwritev` until every byte of `parts` is written from `offset` on (std has no
+/// positional vectored write; partial writes and interrupts are resumed).
+fn write_all_vectored_at(file: &File, parts: &[&[u8]], mut offset: u64) -> std::io::Result<()> {
+    use std::io::{Error, ErrorKind, IoSlice};
+    use std::os::fd::AsRawFd;
+    let mut slices: Vec<IoSlice<'_>> = parts
+        .iter()
+        .filter(|p| !p.is_empty())
+        .map(|p| IoSlice::new(p))
+        .collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let at = libc::off_t::try_from(offset)
+            .map_err(|_| Error::new(ErrorKind::InvalidInput, "write offset over i64::MAX"))?;
+        let n = rest.len().min(IOV_MAX);
+        // SAFETY: `IoSlice` is ABI-compatible with `iovec` on Unix (std guarantees it);
+        // the first `n` slices borrow memory that outlives the call.
+        let r = unsafe {
+            libc::pwritev(
+                file.as_raw_fd(),
+                rest.as_ptr().cast::<libc::iovec>(),
+                n as libc::c_int,
+                at,
+            )
+        };
+        if r < 0 {
+            let e = Error::last_os_error();
+            if e.kind() == ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            return Err(Error::from(ErrorKind::WriteZero));
+        }
+        offset += r as u64;
+        IoSlice::advance_slices(&mut rest, r as usize);
+    }
+    Ok(())
+}
+
 /// Removes a staged file that will not be committed.
 pub(crate) fn discard_staged_file(tmp: &Path) {
     let _ = std::fs::remove_file(tmp);
@@ -350,6 +394,14 @@ impl StagedFile {
 
     pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.file.read_exact_at(buf, offset).at(&self.tmp)
+    }
+
+    /// Writes `parts` one after the other from `offset`, with as few `pwritev` calls as
+    /// the kernel's limit of 1024 buffers per call allows: the copy engine hands over
+    /// runs still in the inputs' mappings, so the only copy of the bytes is the
+    /// kernel's into the page cache.
+    pub(crate) fn write_vectored_at(&self, parts: &[&[u8]], offset: u64) -> Result<()> {
+        write_all_vectored_at(&self.file, parts, offset).at(&self.tmp)
     }
 
     /// Syncs the data and renames the file to its final name.

@@ -33,6 +33,19 @@ pub trait TensorWriter: Send + Sync + std::fmt::Debug {
     /// I/O errors, with the path; a range outside the tensor.
     fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()>;
 
+    /// Writes `parts`, one after the other, from byte `offset` of tensor `index`'s data,
+    /// as one [`TensorWriter::write_at`] of their concatenation would, but without the
+    /// caller gathering them into a buffer first (the copy engine passes runs still in
+    /// the inputs' mappings). `Ok(false)`, having written nothing, when the writer has
+    /// no such path; the caller then gathers and calls `write_at`.
+    ///
+    /// # Errors
+    /// As [`TensorWriter::write_at`].
+    fn write_parts_at(&self, index: usize, offset: u64, parts: &[&[u8]]) -> Result<bool> {
+        let _ = (index, offset, parts);
+        Ok(false)
+    }
+
     /// Completes the file and commits it under its name (fsync, rename).
     ///
     /// # Errors
