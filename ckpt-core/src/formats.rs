@@ -22,7 +22,6 @@ pub(crate) mod deepspeed_write;
 pub(crate) mod detect;
 pub(crate) mod distcp;
 pub(crate) mod megatron;
-pub(crate) mod megatron_optim;
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;
 pub(crate) mod output;

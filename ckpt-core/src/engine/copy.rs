@@ -148,7 +148,7 @@ fn fill_slab(
         let Some(part) = dst_box.overlap(slab) else {
             continue;
         };
-        let src_start = src_start_of(&part, op);
+        let src_start = op.src_start_of(&part);
         let dst_start: Vec<u64> = part
             .start
             .iter()
@@ -326,22 +326,12 @@ pub fn execute_with(
     })
 }
 
-/// Where `part` (a box of the destination inside `op`'s) starts in `op`'s source tensor.
-pub(super) fn src_start_of(part: &Region, op: &crate::layout::plan::CopyOp) -> Vec<u64> {
-    part.start
-        .iter()
-        .zip(&op.dst_start)
-        .zip(&op.src.start)
-        .map(|((p, d), s)| p - d + s)
-        .collect()
-}
-
 /// Where a slab's first source bytes are: `(file, tensor, element offset)`.
 fn first_source(t: &TensorPlan, slab: &Region) -> (usize, usize, u64) {
     for op in &t.ops {
         let dst_box = Region::new(op.dst_start.clone(), op.src.shape.clone());
         if let Some(part) = dst_box.overlap(slab) {
-            let start = src_start_of(&part, op);
+            let start = op.src_start_of(&part);
             return (op.file, op.tensor, slab_offset(&op.src_shape, &start));
         }
     }

@@ -5,7 +5,6 @@
 //! reshard they were a quarter of the process's CPU time. The bytes written, their
 //! order and the checksums recorded are those of the gathered path.
 
-use super::copy::src_start_of;
 use crate::checkpoint::Checkpoint;
 use crate::error::Result;
 use crate::formats::TensorWriter;
@@ -58,7 +57,7 @@ pub(crate) fn slab_runs(
         if file.is_compressed() || file.data(op.tensor).is_none() {
             return None;
         }
-        let src_start = src_start_of(&part, op);
+        let src_start = op.src_start_of(&part);
         let dst_start: Vec<u64> = part
             .start
             .iter()

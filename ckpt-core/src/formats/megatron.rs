@@ -25,13 +25,17 @@
 //! Namespace, numpy's arrays of the RNG state, `_codecs.encode`, torch's dtypes,
 //! megatron's own enums); anything else is refused by name.
 
+mod optim;
+mod pickled;
+
 use super::pickle::Value;
-use super::torch_save::{self, Archive};
+use super::torch_save::Archive;
 use super::{map_file, FileFormat, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::layout::mesh::Mesh;
 use crate::layout::strategy::{dtype_name, Strategy};
 use crate::layout::{Placement, TensorLayout};
+use pickled::{allowed, namespace_fields};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -39,8 +43,8 @@ use std::path::{Path, PathBuf};
 pub(crate) const TRACKER_FILE: &str = "latest_checkpointed_iteration.txt";
 /// A rank's file.
 pub(crate) const RANK_FILE: &str = "model_optim_rng.pt";
-/// The distributed optimizer's per-rank file (read by [`super::megatron_optim`]).
-const DISTRIB_OPTIM_FILE: &str = super::megatron_optim::FILE;
+/// The distributed optimizer's per-rank file (read by [`optim`]).
+const DISTRIB_OPTIM_FILE: &str = optim::FILE;
 /// The pipeline axis of the mesh ckpt gives a legacy checkpoint.
 pub(crate) const PP_AXIS: &str = "pp";
 /// The tensor-parallel axis.
@@ -118,23 +122,6 @@ pub(crate) struct Args {
     /// Uneven pipeline stages (`num_layers_in_first/last_pipeline_stage`,
     /// `pipeline_model_parallel_layout`): set when args use them, refused for now.
     pub(crate) uneven: Option<String>,
-}
-
-/// The Namespace's fields: `Build { object: Namespace(), state: {..} }`.
-pub(crate) fn namespace_fields(v: &Value) -> Option<&[(Value, Value)]> {
-    match v {
-        Value::Build { object, state } => {
-            let ((m, n), _) = object.call_of()?;
-            if (m, n) != ("argparse", "Namespace") {
-                return None;
-            }
-            match state.as_ref() {
-                Value::Dict(kv) => Some(kv),
-                _ => None,
-            }
-        }
-        _ => None,
-    }
 }
 
 impl Args {
@@ -512,7 +499,7 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
         }
     }
     // The distributed optimizer's state: fp32 master weights and Adam moments.
-    super::megatron_optim::attach(
+    optim::attach(
         &mut files,
         &mut strategy,
         &optim,
@@ -537,29 +524,6 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
         notes,
         args,
     })
-}
-
-/// The globals a rank file may name beyond torch's tensor machinery.
-pub(crate) fn allowed(module: &str, name: &str) -> bool {
-    torch_save::allowed(module, name)
-        || matches!(
-            (module, name),
-            ("argparse", "Namespace")
-                | ("_codecs", "encode")
-                | ("numpy", "ndarray")
-                | ("numpy", "dtype")
-                | ("numpy.core.multiarray", "_reconstruct")
-                | ("numpy._core.multiarray", "_reconstruct")
-                | ("numpy.core.multiarray", "scalar")
-                | ("numpy._core.multiarray", "scalar")
-                | ("torch", "Size")
-                | ("builtins", "set")
-                | ("builtins", "frozenset")
-                | ("builtins", "slice")
-        )
-        // torch's dtypes (args.params_dtype) and megatron's enums (args.attention_backend).
-        || (module == "torch" && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
-        || (module.starts_with("megatron.core.") && name.chars().next().is_some_and(|c| c.is_ascii_uppercase()))
 }
 
 /// Reads one rank's file: the tensors of `model` (or `model0`, `model1`, ...) under their

@@ -57,6 +57,20 @@ pub struct CopyOp {
     pub dst_start: Vec<u64>,
 }
 
+impl CopyOp {
+    /// Where `part` (a box of the destination inside this copy's) starts in the source
+    /// tensor.
+    #[must_use]
+    pub fn src_start_of(&self, part: &Region) -> Vec<u64> {
+        part.start
+            .iter()
+            .zip(&self.dst_start)
+            .zip(&self.src.start)
+            .map(|((p, d), s)| p - d + s)
+            .collect()
+    }
+}
+
 /// How one output tensor is assembled.
 #[derive(Clone, Debug)]
 pub struct TensorPlan {

@@ -20,10 +20,11 @@
 //! and the padding (zeros, where get_parameter_state_dp_zero leaves its shards
 //! unwritten) is checked to be zero.
 
-use super::pickle::Value;
-use super::torch_save::{self, describe, locate_value};
-use super::{map_file, FileFormat, TensorEntry, TensorFile};
+use super::pickled::{allowed, namespace_fields};
 use crate::error::{overflow, Error, Result};
+use crate::formats::pickle::Value;
+use crate::formats::torch_save::{self, describe, locate_value};
+use crate::formats::{map_file, FileFormat, TensorEntry, TensorFile};
 use crate::layout::flat::{check_flat_cover, numel, FlatRange};
 use crate::Dtype;
 use std::collections::BTreeMap;
@@ -77,7 +78,7 @@ impl Ddp {
     /// `args` is not a Namespace; a setting of the wrong type; a run that did not use the
     /// distributed optimizer.
     pub(crate) fn from_args(args: &Value, path: &Path) -> Result<Ddp> {
-        let fields = super::megatron::namespace_fields(args)
+        let fields = namespace_fields(args)
             .ok_or_else(|| err(path, "`args` is not an argparse.Namespace"))?;
         let get = |key: &str| {
             fields
@@ -337,10 +338,7 @@ pub(crate) fn read(path: &Path, params: &[Param], layout: &BufferLayout) -> Resu
     let (archive, root) = torch_save::open_archive(all).map_err(|e| err(path, e.to_string()))?;
     let mut names = Vec::new();
     root.globals(&mut names);
-    if let Some((m, n)) = names
-        .into_iter()
-        .find(|(m, n)| !super::megatron::allowed(m, n))
-    {
+    if let Some((m, n)) = names.into_iter().find(|(m, n)| !allowed(m, n)) {
         return Err(err(
             path,
             format!("data.pkl names the global `{m}.{n}`, which a distributed optimizer file does not hold"),
