@@ -18,6 +18,7 @@ pub(crate) mod checksum;
 pub(crate) mod ckptz;
 pub(crate) mod deepspeed;
 pub(crate) mod deepspeed_write;
+pub(crate) mod deepspeed_write3;
 pub(crate) mod detect;
 pub(crate) mod distcp;
 pub(crate) mod megatron;

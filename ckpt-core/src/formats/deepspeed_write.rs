@@ -49,14 +49,14 @@ pub struct DeepSpeedWriteStats {
     pub bytes: u64,
 }
 
-fn err(path: &Path, problem: impl Into<String>) -> Error {
+pub(super) fn err(path: &Path, problem: impl Into<String>) -> Error {
     Error::InvalidDeepSpeed {
         path: path.to_path_buf(),
         problem: problem.into(),
     }
 }
 
-fn unsupported(problem: impl Into<String>) -> Error {
+pub(super) fn unsupported(problem: impl Into<String>) -> Error {
     Error::Unsupported {
         problem: problem.into(),
     }
@@ -64,7 +64,7 @@ fn unsupported(problem: impl Into<String>) -> Error {
 
 /// The tag directory of a DeepSpeed checkpoint (the directory with `latest` in it, or
 /// the tag directory itself) and the tag.
-fn tag_dir(source: &Path) -> Result<(PathBuf, String)> {
+pub(super) fn tag_dir(source: &Path) -> Result<(PathBuf, String)> {
     let latest = source.join("latest");
     if latest.is_file() {
         let tag = std::fs::read_to_string(&latest)
@@ -107,7 +107,7 @@ struct Rank {
     paddings: Vec<u64>,
 }
 
-fn int(v: &Value) -> Option<u64> {
+pub(super) fn int(v: &Value) -> Option<u64> {
     match v {
         Value::Int(i) => u64::try_from(*i).ok(),
         Value::Call { args, .. } => args.items().and_then(|a| a.first()).and_then(int),
@@ -115,11 +115,11 @@ fn int(v: &Value) -> Option<u64> {
     }
 }
 
-fn ints(v: Option<&Value>) -> Option<Vec<u64>> {
+pub(super) fn ints(v: Option<&Value>) -> Option<Vec<u64>> {
     v?.items()?.iter().map(int).collect()
 }
 
-fn dict(v: &Value) -> Option<&[(Value, Value)]> {
+pub(super) fn dict(v: &Value) -> Option<&[(Value, Value)]> {
     match v {
         Value::Dict(kv) => Some(kv),
         Value::Build { object, .. } => dict(object),
@@ -127,7 +127,7 @@ fn dict(v: &Value) -> Option<&[(Value, Value)]> {
     }
 }
 
-fn dict_mut(v: &mut Value) -> Option<&mut Vec<(Value, Value)>> {
+pub(super) fn dict_mut(v: &mut Value) -> Option<&mut Vec<(Value, Value)>> {
     match v {
         Value::Dict(kv) => Some(kv),
         Value::Build { object, .. } => dict_mut(object),
@@ -135,14 +135,14 @@ fn dict_mut(v: &mut Value) -> Option<&mut Vec<(Value, Value)>> {
     }
 }
 
-fn get_mut<'a>(v: &'a mut Value, key: &str) -> Option<&'a mut Value> {
+pub(super) fn get_mut<'a>(v: &'a mut Value, key: &str) -> Option<&'a mut Value> {
     dict_mut(v)?
         .iter_mut()
         .find(|(k, _)| matches!(k, Value::Str(s) if s == key))
         .map(|(_, v)| v)
 }
 
-fn is_tensor(v: &Value) -> bool {
+pub(super) fn is_tensor(v: &Value) -> bool {
     matches!(v.call_of(), Some(((_, name), _)) if name.starts_with("_rebuild_"))
 }
 
@@ -171,10 +171,10 @@ impl Rank {
             .ok_or_else(|| err(path, "no `optimizer_state_dict`"))?;
         let stage = osd.get("zero_stage").and_then(int);
         if stage == Some(3) {
-            return Err(unsupported(format!(
-                "{}: ZeRO-3 checkpoints are not written for another data-parallel size yet (ZeRO-1/2 are)",
-                path.display()
-            )));
+            return Err(err(
+                path,
+                "ZeRO-3 optimizer states beside a single mp_rank_00_model_states.pt (ZeRO-3 keeps one model-states file per rank)",
+            ));
         }
         if stage.is_none_or(|s| !(1..=2).contains(&s)) {
             return Err(err(path, "`zero_stage` is not 1 or 2"));
@@ -258,30 +258,25 @@ impl Rank {
             paddings,
         })
     }
-
-    fn bytes(&self, t: &TensorEntry) -> &[u8] {
-        // `locate_value` checked the entry against the file.
-        &self.map.as_deref().unwrap_or(&[])[t.start as usize..t.end as usize]
-    }
 }
 
 /// Where one new tensor's bytes come from: `(source rank, source tensor, element
 /// range of it, element offset in the new tensor)`; what no segment covers is zero.
-type Segments = Vec<(usize, TensorEntry, FlatRange, u64)>;
+pub(super) type Segments = Vec<(usize, TensorEntry, FlatRange, u64)>;
 
 /// A tensor of a new rank's file: its spec, whether torch rebuilds it with
 /// `requires_grad`, and its contents.
-struct NewTensor {
-    spec: TensorSpec,
-    requires_grad: bool,
-    segments: Segments,
+pub(super) struct NewTensor {
+    pub(super) spec: TensorSpec,
+    pub(super) requires_grad: bool,
+    pub(super) segments: Segments,
 }
 
 /// The parameter names and element counts of each group, from the model states.
 /// Parameter names and element counts, per group.
-type Groups = Vec<Vec<(String, u64)>>;
+pub(super) type Groups = Vec<Vec<(String, u64)>>;
 
-fn param_shapes(models: &Path) -> Result<(Groups, Value)> {
+pub(super) fn param_shapes(models: &Path) -> Result<(Groups, Value)> {
     let map = map_file(models)?;
     let all: &[u8] = map.as_deref().unwrap_or(&[]);
     let (_, root) = torch_save::open_archive(all).map_err(|e| e.with_path(models))?;
@@ -312,7 +307,7 @@ fn param_shapes(models: &Path) -> Result<(Groups, Value)> {
     Ok((groups, root))
 }
 
-fn size(v: &Value) -> Option<Vec<u64>> {
+pub(super) fn size(v: &Value) -> Option<Vec<u64>> {
     match v {
         Value::Tuple(x) | Value::List(x) => x.iter().map(int).collect(),
         Value::Call { args, .. } => args.items().and_then(|a| a.first()).and_then(size),
@@ -341,7 +336,7 @@ fn fragment_address(numel: u64, start: u64) -> Value {
 /// A placeholder in a value tree for new tensor `k` (a persistent id is never a value
 /// of its own in a parsed tree: it only appears inside tensor rebuild calls, which are
 /// all replaced).
-fn placeholder(k: usize) -> Value {
+pub(super) fn placeholder(k: usize) -> Value {
     Value::PersistentId(Box::new(Value::Int(k as i64)))
 }
 
@@ -350,7 +345,11 @@ fn placeholder(k: usize) -> Value {
 /// `fragment_address`) are written as pickle writes them, `NEWOBJ` then `BUILD`, since
 /// calling the class (`REDUCE`) may need arguments; a dict given a state (a module
 /// state dict's `_metadata`) as an `OrderedDict`.
-fn emit(e: &mut Emitter, v: &Value, tensors: &[NewTensor]) -> std::result::Result<(), String> {
+pub(super) fn emit(
+    e: &mut Emitter,
+    v: &Value,
+    tensors: &[NewTensor],
+) -> std::result::Result<(), String> {
     match v {
         Value::PersistentId(k) => {
             let key = match **k {
@@ -438,13 +437,94 @@ fn rebuild(
     Ok(())
 }
 
-fn requires_grad(v: &Value) -> bool {
+pub(super) fn requires_grad(v: &Value) -> bool {
     matches!(
         v.call_of()
             .and_then(|(_, a)| a.items())
             .and_then(|a| a.get(4)),
         Some(Value::Bool(true))
     )
+}
+
+/// The optimizer-states files of a tag directory in rank order (all `bf16_`-prefixed,
+/// as DeepSpeed names them when bf16 is enabled, or none), the prefix, and the
+/// per-rank model-states files (ZeRO-3) in rank order. DeepSpeed's BF16_Optimizer
+/// files (ZeRO-1 with fp32 gradient accumulation) also carry the prefix but hold no
+/// `zero_stage`: the reader refuses those before this is called.
+pub(super) fn optim_files(dir: &Path) -> Result<(String, Vec<PathBuf>, Vec<PathBuf>)> {
+    let mut optim: Vec<(u64, bool, PathBuf)> = Vec::new();
+    let mut models: Vec<(u64, PathBuf)> = Vec::new();
+    for e in std::fs::read_dir(dir)
+        .map_err(|e| err(dir, e.to_string()))?
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let (bf16, rest) = match name.strip_prefix("bf16_") {
+            Some(rest) => (true, rest),
+            None => (false, name.as_str()),
+        };
+        let Some(rank) = rest.strip_prefix("zero_pp_rank_") else {
+            continue;
+        };
+        if let Some(r) = rank
+            .strip_suffix("_mp_rank_00_optim_states.pt")
+            .and_then(|r| r.parse().ok())
+        {
+            optim.push((r, bf16, e.path()));
+        } else if let Some(r) = rank
+            .strip_suffix("_mp_rank_00_model_states.pt")
+            .and_then(|r| r.parse().ok())
+        {
+            if !bf16 {
+                models.push((r, e.path()));
+            }
+        }
+    }
+    optim.sort();
+    models.sort();
+    let bf16 = optim.first().is_some_and(|o| o.1);
+    if let Some((_, _, p)) = optim.iter().find(|o| o.1 != bf16) {
+        return Err(err(
+            p,
+            "a tag directory with both bf16_ and plain optimizer-states files",
+        ));
+    }
+    let prefix = if bf16 { "bf16_" } else { "" }.to_string();
+    Ok((
+        prefix,
+        optim.into_iter().map(|o| o.2).collect(),
+        models.into_iter().map(|m| m.1).collect(),
+    ))
+}
+
+/// Writes one torch.save file at `dest` (staged: a temporary name, renamed by
+/// `finish`): `pkl` with `tensors`, each filled from its segments, which point into
+/// `maps` (a segment's source index is its map). Returns the bytes copied.
+pub(super) fn write_pt(
+    dest: &Path,
+    tensors: &[NewTensor],
+    pkl: Vec<u8>,
+    maps: &[&[u8]],
+) -> Result<u64> {
+    let specs: Vec<TensorSpec> = tensors.iter().map(|t| t.spec.clone()).collect();
+    let w = TorchWriter::create_with_pickle(dest, &specs, pkl)?;
+    let mut bytes = 0u64;
+    for (i, t) in tensors.iter().enumerate() {
+        let elem = (t.spec.dtype.bitsize() / 8) as u64;
+        for (src, entry, range, at) in &t.segments {
+            // `locate_value` checked the entry against its file.
+            let all = &maps[*src][entry.start as usize..entry.end as usize];
+            let lo = (range.start * elem) as usize;
+            let hi = ((range.start + range.len) * elem) as usize;
+            // Bounded pieces: the copy never holds more than this beyond the maps.
+            for (j, chunk) in all[lo..hi].chunks(64 << 20).enumerate() {
+                w.write_at(i, at * elem + (j as u64) * (64 << 20), chunk)?;
+            }
+            bytes += (hi - lo) as u64;
+        }
+    }
+    w.finish()?;
+    Ok(bytes)
 }
 
 /// Writes the ZeRO-1/2 checkpoint at `source` (a directory with `latest`, or a tag
@@ -470,37 +550,14 @@ pub fn write_deepspeed_dp(
     // padding out of place, tensor parallelism and experts are refused there.
     let read = deepspeed::read(&dir)?;
     drop(read);
-    let mut optim: Vec<(u64, PathBuf)> = Vec::new();
-    for e in std::fs::read_dir(&dir)
-        .map_err(|e| err(&dir, e.to_string()))?
-        .flatten()
-    {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with("bf16_") && name.ends_with("_optim_states.pt") {
-            return Err(unsupported(format!(
-                "{}: DeepSpeed's BF16_Optimizer files (bf16_zero_pp_rank_*) are not written for another data-parallel size yet",
-                e.path().display()
-            )));
-        }
-        if let Some(dp) = name
-            .strip_prefix("zero_pp_rank_")
-            .and_then(|r| r.strip_suffix("_mp_rank_00_optim_states.pt"))
-            .and_then(|r| r.parse().ok())
-        {
-            optim.push((dp, e.path()));
-        }
-        if name.starts_with("zero_pp_rank_") && name.ends_with("_model_states.pt") {
-            return Err(unsupported(format!(
-                "{}: ZeRO-3 checkpoints are not written for another data-parallel size yet (ZeRO-1/2 are)",
-                e.path().display()
-            )));
-        }
+    let (prefix, optim, rank_models) = optim_files(&dir)?;
+    if !rank_models.is_empty() {
+        // Per-rank model states: ZeRO-3 (the reader checked the stage).
+        return super::deepspeed_write3::write_zero3(
+            &dir, &tag, output, dp, force, &prefix, &optim,
+        );
     }
-    optim.sort();
-    let ranks: Vec<Rank> = optim
-        .iter()
-        .map(|(_, p)| Rank::open(p))
-        .collect::<Result<_>>()?;
+    let ranks: Vec<Rank> = optim.iter().map(|p| Rank::open(p)).collect::<Result<_>>()?;
     let models = dir.join("mp_rank_00_model_states.pt");
     let (groups, model_root) = param_shapes(&models)?;
     if let Some(true) = model_root
@@ -569,25 +626,16 @@ pub fn write_deepspeed_dp(
     })?;
     let mut stats = DeepSpeedWriteStats::default();
     for r in 0..dp {
-        let dest = out_dir.join(format!("zero_pp_rank_{r}_mp_rank_00_optim_states.pt"));
+        let dest = out_dir.join(format!(
+            "{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        ));
         let (tensors, pkl) =
             new_rank(&ranks, &groups, &align_pads, &cuts, r, dp).map_err(|e| e.with_path(&dest))?;
-        let specs: Vec<TensorSpec> = tensors.iter().map(|t| t.spec.clone()).collect();
-        let w = TorchWriter::create_with_pickle(&dest, &specs, pkl)?;
-        for (i, t) in tensors.iter().enumerate() {
-            let elem = (t.spec.dtype.bitsize() / 8) as u64;
-            for (src, entry, range, at) in &t.segments {
-                let all = ranks[*src].bytes(entry);
-                let lo = (range.start * elem) as usize;
-                let hi = ((range.start + range.len) * elem) as usize;
-                // Bounded pieces: the copy never holds more than this beyond the maps.
-                for (j, chunk) in all[lo..hi].chunks(64 << 20).enumerate() {
-                    w.write_at(i, at * elem + (j as u64) * (64 << 20), chunk)?;
-                }
-                stats.bytes += (hi - lo) as u64;
-            }
-        }
-        w.finish()?;
+        let maps: Vec<&[u8]> = ranks
+            .iter()
+            .map(|k| k.map.as_deref().unwrap_or(&[]))
+            .collect();
+        stats.bytes += write_pt(&dest, &tensors, pkl, &maps)?;
         stats.files += 1;
         stats.tensors += tensors.len() as u64;
     }
