@@ -1,4 +1,5 @@
-//! Writing a DeepSpeed ZeRO-1/2 checkpoint for another data-parallel size
+//! Writing a DeepSpeed ZeRO-1/2 checkpoint for another data-parallel size (ZeRO-3:
+//! [`super::deepspeed_write3`], called from [`write_deepspeed_dp`])
 //! (`ckpt reshard ckpt/ --to N --format deepspeed`): what `engine.load_checkpoint`
 //! of DeepSpeed on N ranks loads, weights and optimizer state included, without the
 //! universal-checkpoint path (layout in docs/formats.md, "DeepSpeed: writing for
@@ -23,9 +24,11 @@
 //! - `engine._load_zero_checkpoint` refuses a checkpoint whose model states say another
 //!   `dp_world_size`: the model-states file is copied with that one integer changed.
 //!
-//! Refused by name, nothing written: ZeRO-3, DeepSpeed's BF16_Optimizer files
-//! (`bf16_zero_pp_rank_*`), elastic checkpoints, round-robin gradient ordering, and
-//! whatever the reader refuses (tensor parallelism, experts).
+//! bf16 runs name the same files `bf16_zero_pp_rank_*` (engine `_get_zero_ckpt_prefix`);
+//! the prefix is kept. Refused by name, nothing written: DeepSpeed's BF16_Optimizer
+//! files (no `zero_stage`: ZeRO-1 with fp32 gradient accumulation; the reader refuses
+//! them), elastic checkpoints, round-robin gradient ordering, and whatever the reader
+//! refuses (tensor parallelism, experts).
 
 use super::deepspeed;
 use super::output::{write_file_atomic, StagedDir};
@@ -527,14 +530,14 @@ pub(super) fn write_pt(
     Ok(bytes)
 }
 
-/// Writes the ZeRO-1/2 checkpoint at `source` (a directory with `latest`, or a tag
+/// Writes the ZeRO-1/2/3 checkpoint at `source` (a directory with `latest`, or a tag
 /// directory) as a checkpoint for `dp` data-parallel ranks at `output`
 /// (`output/latest`, `output/<tag>/`), all of it or nothing.
 ///
 /// # Errors
-/// [`Error::Unsupported`] for what is not written (ZeRO-3, bf16 optimizer files,
-/// elastic checkpoints, round-robin gradients, a dp size the model states cannot
-/// record in place); [`Error::InvalidDeepSpeed`] naming file and tensor for a damaged
+/// [`Error::Unsupported`] for what is not written (ZeRO-3 sub-groups split otherwise on
+/// `dp` ranks, elastic checkpoints, round-robin gradients, a dp size the ZeRO-1/2 model
+/// states cannot record in place); [`Error::InvalidDeepSpeed`] naming file and tensor for a damaged
 /// source; an existing output without `force`; I/O errors.
 pub fn write_deepspeed_dp(
     source: &Path,
