@@ -117,7 +117,8 @@ pub(crate) struct Inputs {
     #[arg(long, value_name = "FILE")]
     pub(crate) source_strategy: Vec<PathBuf>,
     /// Read the checkpoint of this training step where the inputs hold several: a
-    /// training output's step_<N>/ instead of `latest`, MindSpore's
+    /// training output's step_<N>/ (DeepSpeed's global_step<N>/) instead of `latest`,
+    /// Megatron's iter_<N>/ instead of the tracker's, MindSpore's
     /// <prefix>-<epoch>_<N>.ckpt in each rank directory instead of the newest.
     #[arg(long, value_name = "N")]
     pub(crate) step: Option<u64>,
@@ -224,6 +225,14 @@ pub(crate) struct MergeArgs {
     /// weights only (`ckpt infer` and `ckpt train --resume` read both).
     #[arg(long)]
     pub(crate) one_file: bool,
+    /// Megatron: split each fused QKV projection (`linear_qkv.weight`/`.bias`) into
+    /// `linear_q`, `linear_k` and `linear_v` (megatron-core's per-group order).
+    #[arg(long)]
+    pub(crate) split_qkv: bool,
+    /// Megatron: keep the rows that pad the vocabulary for the TP size (by default a
+    /// merge drops them where the checkpoint's args give the real vocab_size).
+    #[arg(long)]
+    pub(crate) keep_vocab_padding: bool,
     #[command(flatten)]
     pub(crate) copy: CopyArgs,
 }

@@ -8,7 +8,7 @@ use crate::args::{
 };
 use crate::report::bytes_bar;
 use anyhow::{bail, Context, Result};
-use ckpt_core::{Checkpoint, CopyPlan, Mesh, Selection, Strategy};
+use ckpt_core::{Checkpoint, CopyPlan, Mesh, Selection};
 use serde_json::json;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -132,7 +132,10 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
         inputs: a.inputs.all()?,
         output: a.output,
         max_shard_size: a.max_shard_size,
-        selection: selection(&a.copy, a.inputs.step)?,
+        selection: selection(&a.copy, a.inputs.step)?.with_views(ckpt_core::Views {
+            split_qkv: a.split_qkv,
+            unpad_vocab: !a.keep_vocab_padding,
+        }),
         force: a.copy.force,
         one_file: a.one_file,
         format: ckpt_merge::MergeFormat::from_name(&a.format)
@@ -160,20 +163,9 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
     let target = if let Some(n) = a.to {
         ckpt_reshard::Target::To(n)
     } else if let Some(m) = &a.mesh {
-        let mesh = Mesh::parse(m)?;
-        ckpt_reshard::Target::Mesh(
-            mesh.axes()
-                .iter()
-                .map(|x| (x.name.clone(), x.size))
-                .collect(),
-        )
+        ckpt_reshard::Target::from_mesh(m)?
     } else if let Some(s) = &a.strategy {
-        let bytes = std::fs::read(s).with_context(|| format!("--strategy {}", s.display()))?;
-        if ckpt_core::is_mindspore_strategy(&bytes) {
-            ckpt_reshard::Target::MindSpore(ckpt_core::read_mindspore_strategies(&[s.as_path()])?)
-        } else {
-            ckpt_reshard::Target::Strategy(Strategy::read(s)?)
-        }
+        ckpt_reshard::Target::from_strategy_file(s).context("--strategy")?
     } else {
         bail!("give --to, --mesh or --strategy");
     };

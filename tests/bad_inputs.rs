@@ -598,6 +598,54 @@ const CASES: &[Case] = &[
         code: 1,
         first_line: "no checkpoint here",
     },
+    // A directory holding two checkpoints: which one is meant is the user's to say.
+    Case {
+        name: "rank directories and a merged model side by side",
+        setup: |d| {
+            ex(d);
+            d.ok(&["merge", "in", "-o", "merged"]);
+            std::fs::remove_file(d.path("in/strategy.json")).unwrap();
+            std::fs::copy(d.path("merged/model.safetensors"), d.path("in/model.safetensors"))
+                .unwrap();
+        },
+        args: &["merge", "in", "-o", "out"],
+        code: 1,
+        first_line: "in: holds two checkpoints, rank directories (ckpt_<r>/ or rank_<r>/) and an integrated model file; which one is meant is not ckpt's to guess: pass in/model.safetensors, or move the other aside",
+    },
+    Case {
+        name: "a merged model beside the rank directories and their strategy",
+        setup: |d| {
+            ex(d);
+            d.ok(&["merge", "in", "-o", "merged"]);
+            std::fs::copy(d.path("merged/model.safetensors"), d.path("in/model.safetensors"))
+                .unwrap();
+        },
+        args: &["reshard", "in", "--to", "1", "-o", "out"],
+        code: 1,
+        first_line: "in: holds two checkpoints, a ckpt rank directory (model file and strategy.json) and rank directories (ckpt_<r>/ or rank_<r>/)",
+    },
+    Case {
+        name: "DCP metadata beside a Hugging Face index",
+        setup: |d| {
+            write(d, "in/.metadata", b"not read");
+            write(
+                d,
+                "in/model.safetensors.index.json",
+                br#"{"weight_map":{"w":"model-00001-of-00001.safetensors"}}"#,
+            );
+        },
+        args: &["inspect", "in"],
+        code: 1,
+        first_line: "in: holds two checkpoints, a Hugging Face shard index and a PyTorch DCP checkpoint (.metadata); which one is meant is not ckpt's to guess: move one of them aside",
+    },
+    // --step asked of inputs that hold one checkpoint: it may be another step's.
+    Case {
+        name: "--step on one checkpoint",
+        setup: ex,
+        args: &["merge", "in", "--step", "3", "-o", "out"],
+        code: 1,
+        first_line: "--step 3: in hold(s) one checkpoint, not several steps to choose from",
+    },
     Case {
         name: "input does not exist",
         setup: |_| {},

@@ -234,3 +234,37 @@ fn padding_not_where_zero_puts_it_is_named() {
         ],
     );
 }
+
+/// `--step N` on a DeepSpeed save directory reads its tag `global_step<N>` (DeepSpeed's
+/// default tag), not `latest`'s; a step that is not there is refused, naming the steps.
+#[test]
+fn step_picks_a_deepspeed_tag_or_is_refused() {
+    let d = Dir::new();
+    let save = d.path("save");
+    std::fs::create_dir_all(&save).unwrap();
+    for tag in ["global_step2", "global_step9"] {
+        std::fs::create_dir_all(save.join(tag)).unwrap();
+        for e in std::fs::read_dir(fixtures().join("zero2_fp32/ckpt/global_step2")).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), save.join(tag).join(e.file_name())).unwrap();
+        }
+    }
+    // `latest` names a tag whose optimizer files were lost.
+    std::fs::write(save.join("latest"), "global_step9").unwrap();
+    std::fs::remove_file(save.join("global_step9/zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+        .unwrap();
+    d.fails(&["merge", "save", "-o", "newest"]);
+    d.ok(&["merge", "save", "--step", "2", "-o", "two"]);
+    assert_eq!(
+        full_tensors(&d.path("two/model.safetensors")),
+        full_tensors(&fixtures().join("zero2_fp32/expected.safetensors"))
+    );
+    let o = d.fails(&["merge", "save", "--step", "4", "-o", "four"]);
+    assert!(
+        o.stderr
+            .contains("no checkpoint of step 4 (step_4/ or global_step4/); steps here: 2, 9"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("newest").exists() && !d.path("four").exists());
+}

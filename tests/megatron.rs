@@ -6,7 +6,28 @@
 //! the dist_ckpt (`dist_full.safetensors`).
 
 use crate::util::{full_tensors, Dir};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+/// The fixture's sizes (scripts/fixtures/megatron_fixtures.py): hidden 16, a vocabulary
+/// of 50 tokens padded to 64 rows for TP=2, 4 attention heads in 2 query groups of
+/// kv_channels 4, 4 layers; fp32.
+const HIDDEN: usize = 16;
+const VOCAB: usize = 50;
+const HEADS: usize = 4;
+const GROUPS: usize = 2;
+const KV: usize = 4;
+const F32: usize = 4;
+
+/// `full` with the vocabulary's padding rows dropped, as `merge` gives it by default.
+fn unpadded(mut full: BTreeMap<String, Vec<u8>>) -> BTreeMap<String, Vec<u8>> {
+    for name in ["embedding.word_embeddings.weight", "output_layer.weight"] {
+        let t = full.get_mut(name).unwrap();
+        assert!(t.len() > VOCAB * HIDDEN * F32, "{name} is not padded");
+        t.truncate(VOCAB * HIDDEN * F32);
+    }
+    full
+}
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/megatron/tp2pp2")
@@ -99,11 +120,92 @@ fn legacy_tp_pp_merges_byte_exactly() {
         "{}",
         o.stdout
     );
-    d.ok(&["merge", &fx("legacy"), "-o", "m"]);
+    d.ok(&["merge", &fx("legacy"), "-o", "m", "--keep-vocab-padding"]);
     assert_eq!(full_tensors(&d.path("m")), want);
     // The iteration directory itself reads the same.
-    d.ok(&["merge", &fx("legacy/iter_0000001"), "-o", "m2"]);
+    d.ok(&[
+        "merge",
+        &fx("legacy/iter_0000001"),
+        "-o",
+        "m2",
+        "--keep-vocab-padding",
+    ]);
     assert_eq!(full_tensors(&d.path("m2")), want);
+    // By default the padding rows args.vocab_size says are padding are dropped.
+    let o = d.ok(&["merge", &fx("legacy"), "-o", "m3"]);
+    assert!(
+        o.stderr.contains("unpadded from 64 to 50 rows"),
+        "{}",
+        o.stderr
+    );
+    assert_eq!(full_tensors(&d.path("m3")), unpadded(want));
+}
+
+/// `merge --split-qkv`: each fused projection becomes linear_q, linear_k and linear_v,
+/// cut from the full tensors Megatron gathered by megatron-core's own split
+/// (get_query_key_value_tensors: per query group, HEADS/GROUPS query heads, one key
+/// head, one value head, KV rows each); every other tensor as without the option.
+#[test]
+fn legacy_merge_splits_fused_qkv_in_megatron_order() {
+    let d = Dir::new();
+    let full = unpadded(full_tensors(&fixtures().join("full.safetensors")));
+    d.ok(&["merge", &fx("legacy"), "-o", "s", "--split-qkv"]);
+    let got = full_tensors(&d.path("s"));
+    let per_group = HEADS / GROUPS;
+    let mut want = BTreeMap::new();
+    for (name, bytes) in &full {
+        let Some(at) = name.find("linear_qkv.") else {
+            want.insert(name.clone(), bytes.clone());
+            continue;
+        };
+        // A weight's row is HIDDEN values, a bias's one.
+        let row = if name.ends_with(".weight") {
+            HIDDEN * F32
+        } else {
+            F32
+        };
+        let rows = |r: std::ops::Range<usize>| bytes[r.start * row..r.end * row].to_vec();
+        let (mut q, mut k, mut v) = (vec![], vec![], vec![]);
+        for g in 0..GROUPS {
+            let base = g * (per_group + 2) * KV;
+            q.extend(rows(base..base + per_group * KV));
+            k.extend(rows(base + per_group * KV..base + (per_group + 1) * KV));
+            v.extend(rows(
+                base + (per_group + 1) * KV..base + (per_group + 2) * KV,
+            ));
+        }
+        let rest = &name[at + "linear_qkv".len()..];
+        for (part, b) in [("linear_q", q), ("linear_k", k), ("linear_v", v)] {
+            want.insert(format!("{}{part}{rest}", &name[..at]), b);
+        }
+    }
+    assert!(
+        got.keys().any(|n| n.contains("linear_k.bias")),
+        "{:?}",
+        got.keys()
+    );
+    assert_eq!(got, want);
+    // Shapes: q [HEADS*KV, HIDDEN], k and v [GROUPS*KV, HIDDEN].
+    let o = d.ok(&["inspect", "s"]);
+    for (part, rows) in [("linear_q", HEADS * KV), ("linear_k", GROUPS * KV)] {
+        let line = format!("decoder.layers.0.self_attention.{part}.weight");
+        assert!(
+            o.stdout
+                .lines()
+                .any(|l| l.starts_with(&line) && l.contains(&format!("[{rows}, {HIDDEN}]"))),
+            "{}",
+            o.stdout
+        );
+    }
+    // Only a Megatron legacy checkpoint has projections ckpt splits: refused elsewhere.
+    let o = d.fails(&["merge", "s", "-o", "t", "--split-qkv"]);
+    assert!(
+        o.stderr
+            .contains("--split-qkv: only a Megatron legacy checkpoint"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("t").exists());
 }
 
 #[test]
@@ -343,7 +445,7 @@ fn legacy_written_back_for_other_sizes_reads_back() {
             assert!(f.is_file(), "{}", f.display());
         }
         let m = format!("m{out}");
-        d.ok(&["merge", &out, "-o", &m]);
+        d.ok(&["merge", &out, "-o", &m, "--keep-vocab-padding"]);
         assert_eq!(full_tensors(&d.path(&m)), want, "{how} {n}");
     }
     // Stage 3 of 4 holds layer 3 as its layer 0, and the last stage's tensors.
@@ -381,4 +483,89 @@ fn legacy_written_back_for_other_sizes_reads_back() {
         "wd",
     ]);
     assert!(o.stderr.contains("Megatron legacy source"), "{}", o.stderr);
+}
+
+/// Virtual pipeline stages: megatron-core's own interleaved chunks (`model0`, `model1`
+/// per rank file, TP=2 x PP=2 x VP=2, scripts/fixtures/megatron_vp_fixtures.py), seeded
+/// by global names as the plain fixture is, so they merge to the same full tensors;
+/// resharded to Megatron's layout without virtual stages they read back the same.
+#[test]
+fn legacy_virtual_pipeline_chunks_merge_to_the_same_model() {
+    let d = Dir::new();
+    let want = full_tensors(&fixtures().join("full.safetensors"));
+    let vp = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/megatron/tp2pp2vp2/legacy")
+        .display()
+        .to_string();
+    let o = d.ok(&["inspect", &vp]);
+    // Layer 2 is chunk 1 of stage 0: placed on stage 0 under its global number.
+    assert!(
+        o.stdout.lines().any(|l| l
+            .starts_with("decoder.layers.2.self_attention.linear_qkv.weight ")
+            && l.contains("stage 0")),
+        "{}",
+        o.stdout
+    );
+    d.ok(&["merge", &vp, "-o", "m", "--keep-vocab-padding"]);
+    assert_eq!(full_tensors(&d.path("m")), want);
+    d.ok(&[
+        "reshard",
+        &vp,
+        "--mesh",
+        "pp=2,tp=1",
+        "--format",
+        "megatron",
+        "-o",
+        "w",
+    ]);
+    d.ok(&["merge", "w", "-o", "mw", "--keep-vocab-padding"]);
+    assert_eq!(full_tensors(&d.path("mw")), want);
+}
+
+/// `--step N` reads iteration N of a save directory (not the tracker's newest), and is
+/// refused, naming the iterations there are, when the save has no such iteration or
+/// an iteration directory given is another step: never another step's weights.
+#[test]
+fn step_picks_an_iteration_or_is_refused() {
+    let d = Dir::new();
+    let save = legacy_copy(&d);
+    // A second iteration beside the first, and the tracker naming it.
+    copy_dir(&save.join("iter_0000001"), &save.join("iter_0000007"));
+    std::fs::write(save.join("latest_checkpointed_iteration.txt"), "7").unwrap();
+    let first = save.join("iter_0000001/mp_rank_00_000/model_optim_rng.pt");
+    std::fs::remove_file(save.join("iter_0000007/mp_rank_00_000/model_optim_rng.pt")).unwrap();
+    // Newest (7, damaged) by default; --step 1 reads iteration 1.
+    let o = d.fails(&["merge", "legacy", "-o", "newest"]);
+    assert!(o.stderr.contains("iter_0000007"), "{}", o.stderr);
+    d.ok(&[
+        "merge",
+        "legacy",
+        "--step",
+        "1",
+        "-o",
+        "one",
+        "--keep-vocab-padding",
+    ]);
+    assert_eq!(
+        full_tensors(&d.path("one")),
+        full_tensors(&fixtures().join("full.safetensors"))
+    );
+    let o = d.fails(&["merge", "legacy", "--step", "5", "-o", "five"]);
+    assert!(
+        o.stderr
+            .contains("no checkpoint of step 5 (iter_0000005/); steps here: 1, 7"),
+        "{}",
+        o.stderr
+    );
+    let o = d.fails(&["merge", "legacy/iter_0000001", "--step", "7", "-o", "other"]);
+    assert!(
+        o.stderr
+            .contains("--step 7, but this is the checkpoint of iteration 1"),
+        "{}",
+        o.stderr
+    );
+    assert!(first.is_file());
+    for out in ["newest", "five", "other"] {
+        assert!(!d.path(out).exists(), "{out}");
+    }
 }

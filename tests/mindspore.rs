@@ -501,7 +501,7 @@ fn step_picks_a_training_checkpoint() {
     let o = d.fails(&["inspect", "run", "--step", "3"]);
     assert!(
         o.stderr
-            .contains("no checkpoint of step 3 (step_3/); steps here: 2, 4"),
+            .contains("no checkpoint of step 3 (step_3/ or global_step3/); steps here: 2, 4"),
         "{}",
         o.stderr
     );

@@ -15,6 +15,7 @@
 mod boxes;
 mod coverage;
 mod flat_names;
+mod megatron_views;
 mod mindspore;
 mod open;
 mod sliced;

@@ -80,8 +80,8 @@ pub use crate::layout::plan::{
     TargetTensor, TensorPlan,
 };
 pub use crate::layout::region::{Region, Run, Runs};
-pub use crate::layout::select::Selection;
-pub use crate::layout::source::{PieceSource, SourcePiece, SourceTensor};
+pub use crate::layout::select::{Selection, Views};
+pub use crate::layout::source::{Block, PieceSource, SourcePiece, SourceTensor};
 pub use crate::layout::strategy::{
     dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION,
 };

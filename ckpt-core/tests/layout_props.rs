@@ -235,3 +235,68 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// A regathered tensor (blocks of rows in any order: a fused projection's parts, a
+    /// vocabulary without padding) is held once per element by the cut pieces, and each
+    /// element reads the stored row its block maps it from.
+    #[test]
+    fn regather_reads_each_element_from_the_row_its_block_names(
+        rows in 1u64..24,
+        cols in 1u64..4,
+        cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..5),
+        segs in prop::collection::vec(any::<prop::sample::Index>(), 0..5),
+        keep in prop::collection::vec(any::<bool>(), 6),
+        order in any::<prop::sample::Index>(),
+    ) {
+        use ckpt_core::{Block, SourcePiece, SourceTensor};
+        // Stored pieces: rows cut at random points, one file each.
+        let mut edges: Vec<u64> = cuts.iter().map(|i| i.index(rows as usize) as u64).collect();
+        edges.extend([0, rows]);
+        edges.sort_unstable();
+        edges.dedup();
+        let pieces: Vec<SourcePiece> = edges.windows(2).enumerate().map(|(f, w)| SourcePiece {
+            file: f,
+            tensor: 0,
+            global: Region::from_ranges(&[w[0]..w[1], 0..cols]),
+            local: Region::from_ranges(&[0..w[1] - w[0], 0..cols]),
+        }).collect();
+        let starts: Vec<u64> = pieces.iter().map(|p| p.global.start[0]).collect();
+        let t = SourceTensor { dtype: Dtype::F32, shape: vec![rows, cols], pieces, copies: vec![] };
+        // Blocks: consecutive segments of the rows, some kept, in a rotated order.
+        let mut b: Vec<u64> = segs.iter().map(|i| i.index(rows as usize) as u64).collect();
+        b.extend([0, rows]);
+        b.sort_unstable();
+        b.dedup();
+        let mut kept: Vec<(u64, u64)> = b.windows(2).enumerate()
+            .filter(|(i, _)| keep[i % keep.len()])
+            .map(|(_, w)| (w[0], w[1] - w[0]))
+            .collect();
+        prop_assume!(!kept.is_empty());
+        let n = kept.len();
+        kept.rotate_left(order.index(n));
+        let mut to = 0;
+        let blocks: Vec<Block> = kept.iter().map(|&(from, len)| {
+            let blk = Block { from, len, to };
+            to += len;
+            blk
+        }).collect();
+        let v = t.regather(0, &blocks, to);
+        prop_assert_eq!(v.shape.clone(), vec![to, cols]);
+        // Where each new row comes from, by the blocks; and by the pieces.
+        let want: Vec<u64> = blocks.iter().flat_map(|b| b.from..b.from + b.len).collect();
+        let mut got = vec![Vec::new(); to as usize];
+        for p in &v.pieces {
+            prop_assert_eq!(p.global.shape.clone(), p.local.shape.clone());
+            prop_assert_eq!(p.global.shape[1], cols);
+            for r in 0..p.global.shape[0] {
+                let stored = starts[p.file] + p.local.start[0] + r;
+                got[(p.global.start[0] + r) as usize].push(stored);
+            }
+        }
+        let got: Vec<Vec<u64>> = got;
+        prop_assert_eq!(got, want.iter().map(|&r| vec![r]).collect::<Vec<_>>());
+    }
+}

@@ -106,22 +106,7 @@ pub(crate) fn target_of(
         return Ok(Some(ckpt_reshard::Target::Mesh(mesh_axes(py, m)?)));
     }
     if let Some(s) = strategy {
-        let bytes = std::fs::read(&s).map_err(|e| {
-            crate::errors::to_py(
-                py,
-                ckpt_core::Error::Io {
-                    path: s.clone(),
-                    source: e,
-                },
-            )
-        })?;
-        let t = if ckpt_core::is_mindspore_strategy(&bytes) {
-            ckpt_reshard::Target::MindSpore(
-                ckpt_core::read_mindspore_strategies(&[s.as_path()]).py_err(py)?,
-            )
-        } else {
-            ckpt_reshard::Target::Strategy(Strategy::read(&s).py_err(py)?)
-        };
+        let t = ckpt_reshard::Target::from_strategy_file(&s).py_err(py)?;
         return Ok(Some(t));
     }
     Ok(None)

@@ -97,7 +97,8 @@ fn run_copy(
 #[pyfunction]
 #[pyo3(signature = (src, out, *, max_shard_size=None, dtype=None, include=vec![], exclude=vec![],
     strip_prefix=None, add_prefix=None, format="safetensors", one_file=false, force=false,
-    compress=None, source_strategy=None, checksums=true))]
+    compress=None, source_strategy=None, checksums=true, split_qkv=false,
+    keep_vocab_padding=false))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn merge<'py>(
     py: Python<'py>,
@@ -115,6 +116,8 @@ pub(crate) fn merge<'py>(
     compress: Option<&str>,
     source_strategy: Option<&Bound<'py, PyAny>>,
     checksums: bool,
+    split_qkv: bool,
+    keep_vocab_padding: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let inputs = Source::new(
         py,
@@ -145,7 +148,14 @@ pub(crate) fn merge<'py>(
         inputs,
         output: out.clone(),
         max_shard_size,
-        selection: selection(py, include, exclude, dtype, strip_prefix, add_prefix)?,
+        // As `ckpt merge`: Megatron's fused QKV split on request, its vocabulary padding
+        // dropped unless kept.
+        selection: selection(py, include, exclude, dtype, strip_prefix, add_prefix)?.with_views(
+            ckpt_core::Views {
+                split_qkv,
+                unpad_vocab: !keep_vocab_padding,
+            },
+        ),
         force,
         format,
         one_file,

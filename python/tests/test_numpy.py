@@ -246,3 +246,33 @@ def test_every_cli_format_is_taken_and_writes_what_the_cli_writes(tmp_path, fixt
         assert mine and mine == cli, name
     with pytest.raises(ckpt.UsageError, match="ucp"):
         ckpt.merge(zero3, tmp_path / "x", format="nope")
+
+
+def test_megatron_merge_views_match_the_console_script(tmp_path, fixtures):
+    """ckpt.merge of megatron-core's legacy save gives the same bytes as `ckpt merge`:
+    vocabulary padding dropped by default (kept on request), fused QKV split on
+    request into linear_q/k/v whose rows add up to the fused projection's."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+
+    legacy = fixtures / "megatron" / "tp2pp2" / "legacy"
+    exe = shutil.which("ckpt", path=os.path.dirname(sys.executable))
+    assert exe, "the package's console script `ckpt` is not beside the interpreter"
+    for opts, flags in [({}, []), ({"split_qkv": True}, ["--split-qkv"]),
+                        ({"keep_vocab_padding": True}, ["--keep-vocab-padding"])]:
+        ours, cli = tmp_path / f"py{len(flags)}{opts}", tmp_path / f"cli{len(flags)}{opts}"
+        ckpt.merge(legacy, ours, **opts)
+        subprocess.run([exe, "merge", str(legacy), "-o", str(cli), *flags], check=True,
+                       capture_output=True)
+        a, b = (load_file(str(p / "model.safetensors")) for p in (ours, cli))
+        assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+        rows = a["embedding.word_embeddings.weight"].shape[0]
+        assert rows == (64 if "keep_vocab_padding" in opts else 50)
+        if "split_qkv" in opts:
+            q, k, v = (a[f"decoder.layers.0.self_attention.linear_{p}.weight"] for p in "qkv")
+            assert "decoder.layers.0.self_attention.linear_qkv.weight" not in a
+            assert q.shape[0] + k.shape[0] + v.shape[0] == 32 and k.shape == v.shape

@@ -28,6 +28,39 @@ pub enum Target {
     MindSpore(std::collections::BTreeMap<String, ckpt_core::MindSporeParam>),
 }
 
+impl Target {
+    /// The target a strategy file gives: ckpt's JSON strategy, or a MindSpore (predict)
+    /// strategy file (protobuf or its JSON form), told apart by content.
+    ///
+    /// # Errors
+    /// The file cannot be read; it is neither kind of strategy, or an invalid one.
+    pub fn from_strategy_file(path: &Path) -> Result<Target> {
+        let bytes = std::fs::read(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Ok(if ckpt_core::is_mindspore_strategy(&bytes) {
+            Target::MindSpore(ckpt_core::read_mindspore_strategies(&[path])?)
+        } else {
+            Target::Strategy(Strategy::read(path)?)
+        })
+    }
+
+    /// The target a mesh specification gives (`pp=1,tp=2`): new sizes for its axes.
+    ///
+    /// # Errors
+    /// An invalid specification.
+    pub fn from_mesh(spec: &str) -> Result<Target> {
+        let mesh = Mesh::parse(spec)?;
+        Ok(Target::Mesh(
+            mesh.axes()
+                .iter()
+                .map(|x| (x.name.clone(), x.size))
+                .collect(),
+        ))
+    }
+}
+
 /// Which target ranks to build.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Ranks {
@@ -607,4 +640,59 @@ pub fn reshard_deepspeed(req: &ReshardRequest) -> Result<ckpt_core::DeepSpeedWri
         ));
     }
     ckpt_core::write_deepspeed_dp(input, &req.output, dp, req.force)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(rel: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures")
+            .join(rel)
+    }
+
+    /// A strategy file is told apart by content: MindSpore's protobuf and its JSON form
+    /// (which may be called strategy.json too) against ckpt's own JSON.
+    #[test]
+    fn a_strategy_file_is_read_as_the_kind_it_is() {
+        for ms in ["mindspore/strategy.ckpt", "mindspore/strategy.json"] {
+            match Target::from_strategy_file(&fixture(ms)).unwrap() {
+                Target::MindSpore(params) => assert!(!params.is_empty(), "{ms}"),
+                other => panic!("{ms}: read as {other:?}"),
+            }
+        }
+        let dir = std::env::temp_dir().join(format!("ckpt-target-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ours = dir.join("strategy.json");
+        let mut s = Strategy::new(Mesh::parse("tp=2").unwrap());
+        s.insert(
+            "w".to_string(),
+            TensorLayout::new(vec![4, 2], ckpt_core::Dtype::F32, vec![Placement::shard(0)]),
+        )
+        .unwrap();
+        std::fs::write(&ours, s.to_json()).unwrap();
+        match Target::from_strategy_file(&ours).unwrap() {
+            Target::Strategy(read) => assert_eq!(read.to_json(), s.to_json()),
+            other => panic!("read as {other:?}"),
+        }
+        let missing = dir.join("missing.json");
+        let e = Target::from_strategy_file(&missing).unwrap_err();
+        assert!(
+            matches!(&e, Error::Io { path, .. } if *path == missing),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_mesh_spec_gives_its_axes_or_is_refused() {
+        match Target::from_mesh("pp=1,tp=2").unwrap() {
+            Target::Mesh(axes) => {
+                assert_eq!(axes, vec![("pp".to_string(), 1), ("tp".to_string(), 2)])
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(Target::from_mesh("tp=x").is_err());
+    }
 }

@@ -5,7 +5,7 @@ use super::{shared_prefix, Checkpoint, Kind, SHARED_PREFIX_NOTE};
 use crate::error::{Error, Problems, Result};
 use crate::formats::detect::discover::{unknown, Discovery};
 use crate::formats::{FileFormat, TensorFile};
-use crate::layout::select::Selection;
+use crate::layout::select::{Selection, Views};
 use crate::layout::source::SourcePiece;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -27,7 +27,8 @@ impl Checkpoint {
     /// # Errors
     /// As [`Checkpoint::open`], for the kept tensors; a selection that keeps nothing.
     pub fn open_selected(paths: &[PathBuf], selection: &Selection) -> Result<Checkpoint> {
-        let (mut ck, mut problems) = Checkpoint::scan_step(paths, selection.step())?;
+        let (mut ck, mut problems) =
+            Checkpoint::scan_views(paths, selection.step(), selection.views())?;
         ck.apply_renames(selection, &mut problems)?;
         let warnings = selection.review(ck.tensors.keys().map(String::as_str))?;
         ck.notes.extend(warnings);
@@ -62,9 +63,32 @@ impl Checkpoint {
     /// # Errors
     /// As [`Checkpoint::scan`]; no checkpoint of that step.
     pub fn scan_step(paths: &[PathBuf], step: Option<u64>) -> Result<(Checkpoint, Vec<Error>)> {
+        Checkpoint::scan_views(paths, step, Views::default())
+    }
+
+    /// [`Checkpoint::scan_step`], with the reader's fused or padded tensors given as
+    /// `views` says.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::scan`]; a view asked of inputs that have no such tensors.
+    pub fn scan_views(
+        paths: &[PathBuf],
+        step: Option<u64>,
+        views: Views,
+    ) -> Result<(Checkpoint, Vec<Error>)> {
         let mut x = Discovery::new(step);
         for p in paths {
             x.add(p)?;
+        }
+        if let (Some(step), false) = (step, x.step_taken) {
+            return Err(unknown(format!(
+                "--step {step}: {} hold(s) one checkpoint, not several steps to choose from (its step is not recorded where ckpt can check it): pass it without --step",
+                paths
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
         }
         let Discovery {
             inputs,
@@ -84,7 +108,12 @@ impl Checkpoint {
                     dir.display()
                 )));
             }
-            return Checkpoint::read_megatron(&dir, carried, notes);
+            return Checkpoint::read_megatron(&dir, carried, notes, views);
+        }
+        if views.split_qkv {
+            return Err(Error::Unsupported {
+                problem: "--split-qkv: only a Megatron legacy checkpoint has fused QKV projections ckpt splits (these inputs are not one)".into(),
+            });
         }
         let ms_strategy = match (ms.given.is_empty(), ms.found.len()) {
             (false, _) => ms.given,

@@ -5,6 +5,7 @@ use super::{unplaced, Checkpoint, Kind, MAX_LISTED};
 use crate::error::{Error, Result};
 use crate::formats::detect::discover::{rank_dir_number, unknown, MODEL_FILE};
 use crate::layout::mesh::Mesh;
+use crate::layout::select::Views;
 use crate::layout::source::SourcePiece;
 use crate::layout::strategy::{dtype_name, Strategy};
 use crate::layout::TensorLayout;
@@ -19,8 +20,10 @@ impl Checkpoint {
         dir: &Path,
         carried: BTreeMap<String, PathBuf>,
         mut notes: Vec<String>,
+        views: Views,
     ) -> Result<(Checkpoint, Vec<Error>)> {
         let legacy = crate::formats::megatron::open(dir)?;
+        let args = legacy.args;
         notes.extend(legacy.notes);
         let strategy = legacy.strategy;
         let mut ck = Checkpoint {
@@ -49,6 +52,9 @@ impl Checkpoint {
         ck.strategy = Some(strategy);
         let mut problems = Vec::new();
         ck.assemble(raw, &mut problems);
+        if problems.is_empty() {
+            ck.megatron_views(&args, views)?;
+        }
         Ok((ck, problems))
     }
 

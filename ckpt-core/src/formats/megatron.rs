@@ -198,7 +198,7 @@ impl Args {
         })
     }
 
-    fn kv(&self) -> Option<u64> {
+    pub(crate) fn kv(&self) -> Option<u64> {
         self.kv_channels
             .or_else(|| Some(self.hidden? / self.heads?))
     }
@@ -363,6 +363,8 @@ pub(crate) struct Legacy {
     pub(crate) strategy: Strategy,
     /// What was read and not carried.
     pub(crate) notes: Vec<String>,
+    /// The run's sizes (for the views of its fused and padded tensors).
+    pub(crate) args: Args,
 }
 
 /// The iteration directory a path means: a save directory's tracker names it, an
@@ -520,17 +522,11 @@ pub(crate) fn open(path: &Path) -> Result<Legacy> {
             carried.join(", ")
         ));
     }
-    if let (Some(v), Some(pv)) = (args.vocab, args.padded_vocab) {
-        if pv > v {
-            notes.push(format!(
-                "the vocabulary is padded from {v} to {pv} rows (args.vocab_size, args.padded_vocab_size); the embedding and output layer keep the padding"
-            ));
-        }
-    }
     Ok(Legacy {
         files,
         strategy,
         notes,
+        args,
     })
 }
 

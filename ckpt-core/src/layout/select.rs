@@ -17,6 +17,18 @@ pub struct Selection {
     strip_prefix: Option<String>,
     add_prefix: Option<String>,
     step: Option<u64>,
+    views: Views,
+}
+
+/// How a reader gives tensors it stores fused or padded. Megatron's is the reader
+/// with such tensors today: fused QKV projections, and a vocabulary padded for the
+/// tensor-parallel size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Views {
+    /// Split fused QKV projections into their query, key and value parts.
+    pub split_qkv: bool,
+    /// Drop the rows that pad the vocabulary, where the checkpoint records its size.
+    pub unpad_vocab: bool,
 }
 
 fn glob(p: &str) -> Result<Glob> {
@@ -58,6 +70,7 @@ impl Selection {
             strip_prefix: None,
             add_prefix: None,
             step: None,
+            views: Views::default(),
         })
     }
 
@@ -72,12 +85,26 @@ impl Selection {
     }
 
     /// Takes the checkpoint of training step `step` where the inputs hold several: a
-    /// training output's `step_<step>/` instead of `latest`, MindSpore's
+    /// training output's `step_<step>/` (DeepSpeed's `global_step<step>/`) instead of
+    /// `latest`, Megatron's `iter_<step>/` instead of its tracker's, MindSpore's
     /// `<prefix>-<epoch>_<step>.ckpt` in each rank directory instead of the newest.
     #[must_use]
     pub fn with_step(mut self, step: Option<u64>) -> Selection {
         self.step = step;
         self
+    }
+
+    /// Gives fused or padded tensors as `views` says (where the reader has them).
+    #[must_use]
+    pub fn with_views(mut self, views: Views) -> Selection {
+        self.views = views;
+        self
+    }
+
+    /// The views [`Selection::with_views`] asked for.
+    #[must_use]
+    pub fn views(&self) -> Views {
+        self.views
     }
 
     /// The step [`Selection::with_step`] asked for.
@@ -94,6 +121,7 @@ impl Selection {
             && self.cast.is_none()
             && !self.renames()
             && self.step.is_none()
+            && self.views == Views::default()
     }
 
     /// Whether [`Selection::rename`] changes names at all.

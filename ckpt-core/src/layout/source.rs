@@ -40,3 +40,151 @@ pub trait PieceSource {
     /// The shape of stored tensor `tensor` of file `file`, as stored.
     fn stored_shape(&self, file: usize, tensor: usize) -> &[u64];
 }
+
+/// One block of a [`SourceTensor::regather`]: indices `from..from + len` along the
+/// dimension go to `to..to + len` of the new tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Block {
+    /// First index in this tensor.
+    pub from: u64,
+    /// Number of indices.
+    pub len: u64,
+    /// First index in the new tensor.
+    pub to: u64,
+}
+
+impl SourcePiece {
+    /// The part of this piece within indices `lo..hi` of `dim` (global), moved so that
+    /// `lo` lands on `to`; its stored box is cut the same way. `None` where the piece
+    /// has nothing there.
+    fn cut(&self, dim: usize, lo: u64, hi: u64, to: u64) -> Option<SourcePiece> {
+        let (start, end) = (self.global.start[dim], self.global.end(dim));
+        let (a, b) = (start.max(lo), end.min(hi));
+        if a >= b {
+            return None;
+        }
+        let mut global = self.global.clone();
+        global.start[dim] = to + (a - lo);
+        global.shape[dim] = b - a;
+        let mut local = self.local.clone();
+        local.start[dim] += a - start;
+        local.shape[dim] = b - a;
+        Some(SourcePiece {
+            file: self.file,
+            tensor: self.tensor,
+            global,
+            local,
+        })
+    }
+}
+
+impl SourceTensor {
+    /// A tensor made of blocks of this one along `dim` (a fused projection's query
+    /// rows, a vocabulary without its padding rows), `extent` long on `dim`. Its pieces
+    /// are this one's cut at the blocks' edges, stored boxes with them, so it reads the
+    /// same stored bytes; blocks that cover `0..extent` once keep every element held
+    /// once.
+    ///
+    /// # Panics
+    /// `dim` is not a dimension of the tensor.
+    #[must_use]
+    pub fn regather(&self, dim: usize, blocks: &[Block], extent: u64) -> SourceTensor {
+        assert!(
+            dim < self.shape.len(),
+            "dim {dim} of a {}-d tensor",
+            self.shape.len()
+        );
+        let cut = |p: &SourcePiece| {
+            blocks
+                .iter()
+                .filter_map(|b| p.cut(dim, b.from, b.from + b.len, b.to))
+                .collect::<Vec<_>>()
+        };
+        let mut shape = self.shape.clone();
+        shape[dim] = extent;
+        SourceTensor {
+            dtype: self.dtype,
+            shape,
+            pieces: self.pieces.iter().flat_map(cut).collect(),
+            copies: self
+                .copies
+                .iter()
+                .flat_map(|(owner, p)| cut(p).into_iter().map(|c| (*owner, c)))
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn piece(file: usize, rows: std::ops::Range<u64>, cols: u64) -> SourcePiece {
+        SourcePiece {
+            file,
+            tensor: 0,
+            global: Region::from_ranges(&[rows.clone(), 0..cols]),
+            local: Region::from_ranges(&[0..rows.end - rows.start, 0..cols]),
+        }
+    }
+
+    /// Two ranks' halves of an 8-row tensor; the new tensor takes rows 2..4 and 6..8
+    /// (say, the keys of two groups): each piece gives the block it holds, with its
+    /// stored box cut to the same rows.
+    #[test]
+    fn regather_cuts_pieces_at_block_edges() {
+        let t = SourceTensor {
+            dtype: Dtype::F32,
+            shape: vec![8, 3],
+            pieces: vec![piece(0, 0..4, 3), piece(1, 4..8, 3)],
+            copies: vec![(2, piece(2, 0..4, 3))],
+        };
+        let blocks = [
+            Block {
+                from: 2,
+                len: 2,
+                to: 0,
+            },
+            Block {
+                from: 6,
+                len: 2,
+                to: 2,
+            },
+        ];
+        let k = t.regather(0, &blocks, 4);
+        assert_eq!(k.shape, vec![4, 3]);
+        assert_eq!(
+            k.pieces,
+            vec![
+                SourcePiece {
+                    file: 0,
+                    tensor: 0,
+                    global: Region::from_ranges(&[0..2, 0..3]),
+                    local: Region::from_ranges(&[2..4, 0..3]),
+                },
+                SourcePiece {
+                    file: 1,
+                    tensor: 0,
+                    global: Region::from_ranges(&[2..4, 0..3]),
+                    local: Region::from_ranges(&[2..4, 0..3]),
+                },
+            ]
+        );
+        assert_eq!(k.copies.len(), 1);
+        assert_eq!(k.copies[0].1.local, Region::from_ranges(&[2..4, 0..3]));
+        // A block past every piece gives nothing; a block across both, one cut each.
+        let all = t.regather(
+            0,
+            &[Block {
+                from: 3,
+                len: 2,
+                to: 0,
+            }],
+            2,
+        );
+        assert_eq!(all.pieces.len(), 2);
+        assert_eq!(all.pieces[0].local, Region::from_ranges(&[3..4, 0..3]));
+        assert_eq!(all.pieces[1].local, Region::from_ranges(&[0..1, 0..3]));
+        assert_eq!(all.pieces[1].global, Region::from_ranges(&[1..2, 0..3]));
+    }
+}

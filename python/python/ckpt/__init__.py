@@ -317,7 +317,9 @@ def merge(src: Paths, out: PathLike, **opts: Any) -> CopyReport:
     ``add_prefix``, ``format`` (``"safetensors"``, ``"torch"``, ``"mindspore"``,
     ``"ucp"``: DeepSpeed's universal checkpoint, from a ZeRO source),
     ``one_file``, ``force``, ``compress`` (``"zstd"``, ``"zstd:9"``),
-    ``source_strategy``, ``checksums``. Nothing is written unless everything checks.
+    ``source_strategy``, ``checksums``; for a Megatron legacy source ``split_qkv``
+    (fused QKV as ``linear_q``/``linear_k``/``linear_v``) and ``keep_vocab_padding``.
+    Nothing is written unless everything checks.
     """
     r = _ckpt.merge(_fspaths(src), os.fspath(out), **opts)
     return CopyReport(**{**r, "output": os.fspath(r["output"])})

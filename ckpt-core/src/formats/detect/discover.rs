@@ -1,11 +1,15 @@
 //! Directory discovery: which files of the paths given belong to the checkpoint. A
-//! file is an input as it is; a directory is offered to the rows of [`DIRECTORIES`] in
-//! order and read by the first that claims it (as a file is read by the first reader
-//! that recognises it: the order settles a directory two formats could claim), and
-//! refused the same way, with the same message, when none does. What a format's
-//! directory holds is decided in the format's own module (`megatron::looks_like`,
-//! `mindspore_ckpt::rank_file`, `safetensors::index_shards`, ...); a row only puts its
-//! answer into the [`Discovery`].
+//! file is an input as it is; a directory is offered to the rows of [`DIRECTORIES`].
+//! A format's own directory (Megatron's, DeepSpeed's, a DCP `.metadata`, a Hugging
+//! Face index, ...) is read by the one row that claims it; when two such rows claim
+//! the same directory it holds two checkpoints (a merge written into a directory of
+//! rank directories, `latest` beside `latest_universal`, ...) and is refused, naming
+//! both, because which one is meant is the user's to say. Only where no format claims
+//! the directory are its loose files (safetensors, torch.save, ...) read, by the first
+//! loose-file row that finds some; a directory nothing claims gets one message for all.
+//! What a format's directory holds is decided in the format's own module
+//! (`megatron::looks_like`, `mindspore_ckpt::rank_file`, `safetensors::index_shards`,
+//! ...); a row only puts its answer into the [`Discovery`].
 
 use crate::error::{Error, IoContext, Result};
 use crate::formats::distcp::{self, DcpMetadata};
@@ -69,6 +73,9 @@ pub(crate) struct Discovery {
     pub(crate) dcp: BTreeMap<PathBuf, DcpMetadata>,
     /// The training step asked for (`--step`), where the inputs hold several.
     pub(crate) step: Option<u64>,
+    /// Whether a row chose among steps by [`Discovery::step`] (else `--step` is refused:
+    /// the inputs hold one checkpoint, which may be of another step).
+    pub(crate) step_taken: bool,
     /// DeepSpeed tag directories (read whole: their files are pieces of one another).
     pub(crate) deepspeed: Vec<PathBuf>,
     /// DeepSpeed universal checkpoints' tag directories (read whole, as DeepSpeed's).
@@ -77,77 +84,123 @@ pub(crate) struct Discovery {
     pub(crate) megatron: Option<PathBuf>,
 }
 
-/// A row of the directory table: whether the carried files (`config.json`, ...) of a
-/// directory it is offered are noted, and its discovery: `Ok(true)` when it claims the
-/// directory (its files then added to the [`Discovery`]), `Ok(false)` to let the next
-/// row try.
+/// A row of the directory table.
 struct DirRow {
+    /// What it reads, as the refusal of a directory two rows claim names it.
+    what: &'static str,
+    /// A format's own directory (claimed by at most one such row), or loose files of a
+    /// kind, read only where no format claims the directory.
+    own: bool,
+    /// Whether the carried files (`config.json`, ...) of a directory it reads are noted.
     carries: bool,
-    discover: fn(&Path, &mut Discovery) -> Result<bool>,
+    /// Whether the directory is this row's (cheap, no error: a directory that cannot be
+    /// listed is claimed by none and refused by the row that reads it, or as unknown).
+    claims: fn(&Path) -> bool,
+    /// Adds the directory's files to the [`Discovery`].
+    read: fn(&Path, &mut Discovery) -> Result<()>,
+    /// What to pass instead to read only this row's checkpoint, where there is one
+    /// path that does (the tag directory a pointer file names, the model file).
+    alone: Option<fn(&Path) -> Option<PathBuf>>,
 }
 
-/// The directory table, tried in this order. Adding a format that is a directory of
-/// files is one function in its module and one row here (see docs/architecture.md).
+/// The directory table. Adding a format that is a directory of files is one `claims`
+/// and one `read` function in its module and one row here (see docs/architecture.md).
 static DIRECTORIES: [DirRow; 12] = [
-    // Megatron legacy save or iteration directory
     DirRow {
+        what: "a Megatron legacy checkpoint",
+        own: true,
         carries: false,
-        discover: megatron_dir,
+        claims: megatron::looks_like,
+        read: megatron_dir,
+        alone: None,
     },
-    // ckpt training output (`latest`, step_<n>/)
     DirRow {
+        what: "a save directory whose `latest` names a checkpoint",
+        own: true,
         carries: false,
-        discover: training_output,
+        claims: has_latest,
+        read: training_output,
+        alone: Some(latest_target),
     },
-    // DeepSpeed ZeRO tag directory
     DirRow {
+        what: "a DeepSpeed ZeRO checkpoint",
+        own: true,
         carries: false,
-        discover: deepspeed_dir,
+        claims: deepspeed::looks_like,
+        read: deepspeed_dir,
+        alone: None,
     },
-    // DeepSpeed universal checkpoint (`latest_universal`, or the tag directory)
     DirRow {
+        what: "a DeepSpeed universal checkpoint (`latest_universal` or its tag directory)",
+        own: true,
         carries: false,
-        discover: ucp_dir,
+        claims: is_ucp,
+        read: ucp_dir,
+        alone: Some(universal_target),
     },
-    // ckpt rank directory (model file + strategy.json)
     DirRow {
+        what: "a ckpt rank directory (model file and strategy.json)",
+        own: true,
         carries: true,
-        discover: ckpt_rank_dir,
+        claims: is_ckpt_rank_dir,
+        read: ckpt_rank_dir,
+        alone: None,
     },
-    // directory of rank directories (ckpt_<r>/, rank_<r>/: ckpt, MindSpore)
     DirRow {
+        what: "rank directories (ckpt_<r>/ or rank_<r>/)",
+        own: true,
         carries: true,
-        discover: rank_dirs,
+        claims: has_rank_dirs,
+        read: rank_dirs,
+        alone: None,
     },
-    // Hugging Face shard index
     DirRow {
+        what: "a Hugging Face shard index",
+        own: true,
         carries: true,
-        discover: hf_index,
+        claims: has_index,
+        read: hf_index,
+        alone: None,
     },
-    // integrated model file (model.safetensors, model.ckptz)
     DirRow {
+        what: "an integrated model file",
+        own: true,
         carries: true,
-        discover: integrated,
+        claims: is_integrated,
+        read: integrated,
+        alone: Some(integrated_target),
     },
-    // loose *.safetensors, *.ckptz, MindSpore *.ckpt files
     DirRow {
+        what: "a PyTorch DCP checkpoint (.metadata)",
+        own: true,
         carries: true,
-        discover: loose_files,
+        claims: has_dcp_metadata,
+        read: dcp_dir,
+        alone: None,
     },
-    // PyTorch DCP (.metadata + .distcp)
     DirRow {
+        what: "loose tensor files (*.safetensors, *.ckptz, *.ckpt)",
+        own: false,
         carries: true,
-        discover: dcp_dir,
+        claims: has_loose_files,
+        read: loose_files,
+        alone: None,
     },
-    // torch.save files (*.pth, *.pt, *.bin)
     DirRow {
+        what: "torch.save files (*.pth, *.pt, *.bin)",
+        own: false,
         carries: true,
-        discover: torch_files,
+        claims: has_torch_files,
+        read: torch_files,
+        alone: None,
     },
-    // PyTorch DCP data without its .metadata (refused)
     DirRow {
+        what: "PyTorch DCP data without its .metadata",
+        own: false,
         carries: true,
-        discover: dcp_without_metadata,
+        claims: has_distcp_files,
+        read: dcp_without_metadata,
+        alone: None,
     },
 ];
 
@@ -254,18 +307,27 @@ impl Discovery {
             };
             return Err(unknown(format!("{}: {why}", path.display())));
         }
-        for row in &DIRECTORIES {
-            if row.carries {
-                note_carried(path, &mut self.carried);
-            }
-            if (row.discover)(path, self)? {
-                return Ok(());
-            }
+        let own: Vec<&DirRow> = DIRECTORIES
+            .iter()
+            .filter(|r| r.own && (r.claims)(path))
+            .collect();
+        if let [a, b, ..] = own[..] {
+            return Err(two_checkpoints(path, a, b));
         }
-        Err(unknown(format!(
-            "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors, *.ckptz, *.ckpt or torch.save *.pth/*.pt/*.bin)",
-            path.display()
-        )))
+        let row = match own.first() {
+            Some(row) => Some(*row),
+            None => DIRECTORIES.iter().find(|r| !r.own && (r.claims)(path)),
+        };
+        let Some(row) = row else {
+            return Err(unknown(format!(
+                "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors, *.ckptz, *.ckpt or torch.save *.pth/*.pt/*.bin)",
+                path.display()
+            )));
+        };
+        if row.carries {
+            note_carried(path, &mut self.carried);
+        }
+        (row.read)(path, self)
     }
 
     fn push(&mut self, path: PathBuf, strategy: Option<PathBuf>, dcp: Option<PathBuf>) {
@@ -302,63 +364,111 @@ impl Discovery {
     }
 }
 
-fn megatron_dir(path: &Path, x: &mut Discovery) -> Result<bool> {
-    if !megatron::looks_like(path) {
-        return Ok(false);
+/// Two of the formats' own rows claim `path`: refused, naming both and what to pass to
+/// read one of them.
+fn two_checkpoints(path: &Path, a: &DirRow, b: &DirRow) -> Error {
+    let alone = |r: &DirRow| r.alone.and_then(|f| f(path));
+    let choice = match (alone(a), alone(b)) {
+        (Some(x), Some(y)) => format!("pass {} or {}", x.display(), y.display()),
+        (Some(x), None) | (None, Some(x)) => {
+            format!("pass {}, or move the other aside", x.display())
+        }
+        (None, None) => "move one of them aside".to_string(),
+    };
+    unknown(format!(
+        "{}: holds two checkpoints, {} and {}; which one is meant is not ckpt's to guess: {choice}",
+        path.display(),
+        a.what,
+        b.what
+    ))
+}
+
+/// The directories of `path` named `<prefix><N>` (N a step number, leading zeros
+/// allowed), by step.
+fn step_dirs(path: &Path, prefixes: &[&str]) -> Result<BTreeMap<u64, PathBuf>> {
+    Ok(list_dir(path)?
+        .into_iter()
+        .filter(|p| p.is_dir())
+        .filter_map(|p| {
+            let name = p.file_name()?.to_str()?.to_string();
+            let n = prefixes
+                .iter()
+                .find_map(|pre| name.strip_prefix(pre)?.parse().ok())?;
+            Some((n, p))
+        })
+        .collect())
+}
+
+/// The directory of step `step` among `path`'s `<prefix><N>` directories, or the error
+/// listing the steps there are.
+fn step_dir(path: &Path, step: u64, prefixes: &[&str], spelled: &str) -> Result<PathBuf> {
+    let steps = step_dirs(path, prefixes)?;
+    steps.get(&step).cloned().ok_or_else(|| {
+        unknown(format!(
+            "{}: no checkpoint of step {step} ({spelled}); steps here: {}",
+            path.display(),
+            steps
+                .keys()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    })
+}
+
+/// A Megatron save directory (its tracker names the newest iteration; `--step` picks
+/// `iter_{step:07}` instead) or one iteration's directory (which must be that step).
+fn megatron_dir(path: &Path, x: &mut Discovery) -> Result<()> {
+    let mut path = path.to_path_buf();
+    if let Some(step) = x.step {
+        x.step_taken = true;
+        const ITER: &str = "iter_";
+        if path.join(megatron::TRACKER_FILE).is_file() {
+            path = step_dir(&path, step, &[ITER], &format!("{ITER}{step:07}/"))?;
+        } else {
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            let it: Option<u64> = name.strip_prefix(ITER).and_then(|n| n.parse().ok());
+            if it != Some(step) {
+                return Err(unknown(format!(
+                    "{}: --step {step}, but this is the checkpoint of {}: pass the save directory (iter_*/ beside latest_checkpointed_iteration.txt)",
+                    path.display(),
+                    it.map_or_else(|| format!("`{name}`"), |i| format!("iteration {i}"))
+                )));
+            }
+        }
     }
-    if let Some(other) = x.megatron.replace(path.to_path_buf()) {
+    if let Some(other) = x.megatron.replace(path.clone()) {
         return Err(unknown(format!(
             "two Megatron checkpoints given ({} and {}): one at a time",
             other.display(),
             path.display()
         )));
     }
-    Ok(true)
+    Ok(())
+}
+
+fn has_latest(path: &Path) -> bool {
+    path.join(LATEST_FILE).is_file()
+}
+
+/// The tag directory `latest` names, where it is one.
+fn latest_target(path: &Path) -> Option<PathBuf> {
+    named_dir(path, &path.join(LATEST_FILE)).ok()
 }
 
 /// A training output directory: `latest` names its newest complete checkpoint.
-fn training_output(path: &Path, x: &mut Discovery) -> Result<bool> {
-    let latest = path.join(LATEST_FILE);
-    if !latest.is_file() {
-        return Ok(false);
+fn training_output(path: &Path, x: &mut Discovery) -> Result<()> {
+    x.step_taken |= x.step.is_some();
+    match x.step {
+        // ckpt's step_<N>/, DeepSpeed's default tag global_step<N>/.
+        Some(step) => x.add(&step_dir(
+            path,
+            step,
+            &["step_", "global_step"],
+            &format!("step_{step}/ or global_step{step}/"),
+        )?),
+        None => x.add(&named_dir(path, &path.join(LATEST_FILE))?),
     }
-    // DeepSpeed's save directory after ds_to_universal: `latest` names the ZeRO tag,
-    // `latest_universal` the universal one, and they may be different steps. Which
-    // one is meant is not ours to guess.
-    let universal = path.join(ucp::LATEST_UNIVERSAL);
-    if universal.is_file() {
-        return Err(unknown(format!(
-            "{}: both `{LATEST_FILE}` and `{}` name a checkpoint here: pass the tag directory to read ({} or {})",
-            path.display(),
-            ucp::LATEST_UNIVERSAL,
-            named_dir(path, &latest)?.display(),
-            named_dir(path, &universal)?.display()
-        )));
-    }
-    if let Some(step) = x.step {
-        let target = path.join(format!("step_{step}"));
-        if !target.is_dir() {
-            let mut steps: Vec<u64> = list_dir(path)?
-                .iter()
-                .filter(|p| p.is_dir())
-                .filter_map(|p| p.file_name()?.to_str()?.strip_prefix("step_")?.parse().ok())
-                .collect();
-            steps.sort_unstable();
-            return Err(unknown(format!(
-                "{}: no checkpoint of step {step} (step_{step}/); steps here: {}",
-                path.display(),
-                steps
-                    .iter()
-                    .map(u64::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
-        }
-        x.add(&target)?;
-        return Ok(true);
-    }
-    x.add(&named_dir(path, &latest)?)?;
-    Ok(true)
 }
 
 /// The directory beside it that a pointer file (`latest`, `latest_universal`) names.
@@ -375,51 +485,91 @@ fn named_dir(path: &Path, pointer: &Path) -> Result<PathBuf> {
     Ok(target)
 }
 
-fn deepspeed_dir(path: &Path, x: &mut Discovery) -> Result<bool> {
-    if !deepspeed::looks_like(path) {
-        return Ok(false);
+/// With `--step N`, a DeepSpeed tag directory must be DeepSpeed's default tag of that
+/// step (`global_step<N>`, with `suffix` for a universal one).
+fn check_tag(path: &Path, x: &mut Discovery, suffix: &str) -> Result<()> {
+    let Some(step) = x.step else {
+        return Ok(());
+    };
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    if name != format!("global_step{step}{suffix}") {
+        return Err(unknown(format!(
+            "{}: --step {step}, but this is the tag `{name}`: pass the save directory, or this tag without --step",
+            path.display()
+        )));
     }
-    x.deepspeed.push(path.to_path_buf());
-    Ok(true)
+    x.step_taken = true;
+    Ok(())
 }
 
-/// A DeepSpeed save directory holding only a universal checkpoint (its
-/// `latest_universal` names the tag; with a `latest` beside it the directory was
-/// refused as ambiguous by the training-output row), or a universal checkpoint's tag
-/// directory.
-fn ucp_dir(path: &Path, x: &mut Discovery) -> Result<bool> {
+fn deepspeed_dir(path: &Path, x: &mut Discovery) -> Result<()> {
+    check_tag(path, x, "")?;
+    x.deepspeed.push(path.to_path_buf());
+    Ok(())
+}
+
+/// A DeepSpeed save directory whose `latest_universal` names a universal checkpoint
+/// (ds_to_universal run into the save directory leaves it beside `latest`, possibly
+/// naming another step: then the directory holds two checkpoints), or a universal
+/// checkpoint's tag directory.
+fn is_ucp(path: &Path) -> bool {
+    path.join(ucp::LATEST_UNIVERSAL).is_file() || ucp::looks_like(path)
+}
+
+fn universal_target(path: &Path) -> Option<PathBuf> {
+    named_dir(path, &path.join(ucp::LATEST_UNIVERSAL)).ok()
+}
+
+fn ucp_dir(path: &Path, x: &mut Discovery) -> Result<()> {
     let universal = path.join(ucp::LATEST_UNIVERSAL);
     if universal.is_file() {
-        x.add(&named_dir(path, &universal)?)?;
-        return Ok(true);
+        let tag = match x.step {
+            Some(step) => {
+                let tag = path.join(format!("global_step{step}_universal"));
+                if !tag.is_dir() {
+                    return Err(unknown(format!(
+                        "{}: no universal checkpoint of step {step} (global_step{step}_universal/)",
+                        path.display()
+                    )));
+                }
+                tag
+            }
+            None => named_dir(path, &universal)?,
+        };
+        return x.add(&tag);
     }
-    if !ucp::looks_like(path) {
-        return Ok(false);
-    }
+    check_tag(path, x, "_universal")?;
     x.ucp.push(path.to_path_buf());
-    Ok(true)
+    Ok(())
 }
 
-fn ckpt_rank_dir(path: &Path, x: &mut Discovery) -> Result<bool> {
-    let model = model_file(path);
-    let strategy = path.join(STRATEGY_FILE);
-    if !(model.is_file() && strategy.is_file()) {
-        return Ok(false);
-    }
-    x.push(model, Some(strategy), None);
-    Ok(true)
+fn is_ckpt_rank_dir(path: &Path) -> bool {
+    model_file(path).is_file() && path.join(STRATEGY_FILE).is_file()
 }
 
-fn rank_dirs(path: &Path, x: &mut Discovery) -> Result<bool> {
+fn ckpt_rank_dir(path: &Path, x: &mut Discovery) -> Result<()> {
+    x.push(model_file(path), Some(path.join(STRATEGY_FILE)), None);
+    Ok(())
+}
+
+/// The entries of `path` (none where it cannot be listed: the reading row then says why).
+fn entries(path: &Path) -> Vec<PathBuf> {
+    list_dir(path).unwrap_or_default()
+}
+
+fn has_rank_dirs(path: &Path) -> bool {
+    entries(path)
+        .iter()
+        .any(|p| p.is_dir() && rank_dir_number(p).is_some())
+}
+
+fn rank_dirs(path: &Path, x: &mut Discovery) -> Result<()> {
     let entries = list_dir(path)?;
     let mut rank_dirs: Vec<(u64, PathBuf)> = entries
         .iter()
         .filter(|p| p.is_dir())
         .filter_map(|p| Some((rank_dir_number(p)?, p.clone())))
         .collect();
-    if rank_dirs.is_empty() {
-        return Ok(false);
-    }
     rank_dirs.sort();
     for (_, d) in rank_dirs {
         let own = d.join(STRATEGY_FILE);
@@ -427,6 +577,7 @@ fn rank_dirs(path: &Path, x: &mut Discovery) -> Result<bool> {
         if own.is_some() && model_file(&d).is_file() {
             x.add(&d)?;
         } else if let Some(f) = mindspore_ckpt::rank_file(&d, x.step, &mut x.notes)? {
+            x.step_taken |= x.step.is_some();
             // MindSpore's files; with ckpt's strategy.json when ckpt wrote them.
             note_carried(&d, &mut x.carried);
             x.push(f, own, None);
@@ -441,56 +592,73 @@ fn rank_dirs(path: &Path, x: &mut Discovery) -> Result<bool> {
     if !strategies.is_empty() {
         x.ms.found.insert(path.to_path_buf(), strategies);
     }
-    Ok(true)
+    Ok(())
 }
 
-fn hf_index(path: &Path, x: &mut Discovery) -> Result<bool> {
-    let index = match path.join(INDEX_FILE) {
-        i if !i.is_file() && path.join(COMPRESSED_INDEX_FILE).is_file() => {
-            path.join(COMPRESSED_INDEX_FILE)
-        }
-        i => i,
-    };
-    if !index.is_file() {
-        return Ok(false);
-    }
+/// `path`'s shard index: `model.safetensors.index.json`, else the compressed one.
+fn index_file(path: &Path) -> Option<PathBuf> {
+    [INDEX_FILE, COMPRESSED_INDEX_FILE]
+        .iter()
+        .map(|name| path.join(name))
+        .find(|p| p.is_file())
+}
+
+fn has_index(path: &Path) -> bool {
+    index_file(path).is_some()
+}
+
+fn hf_index(path: &Path, x: &mut Discovery) -> Result<()> {
+    let index = index_file(path).unwrap_or_else(|| path.join(INDEX_FILE));
     for f in safetensors::index_shards(path, &index)? {
         x.push(f, None, None);
     }
     x.push_optimizer_file(path);
-    Ok(true)
+    Ok(())
 }
 
-fn integrated(path: &Path, x: &mut Discovery) -> Result<bool> {
-    let model = model_file(path);
-    if !model.is_file() {
-        return Ok(false);
-    }
-    x.push(model, None, None);
+/// A model file that is not a rank's (no strategy.json beside it) nor a shard of an
+/// index (an index's shards may be called anything, model.safetensors included).
+fn is_integrated(path: &Path) -> bool {
+    model_file(path).is_file() && !is_ckpt_rank_dir(path) && !has_index(path)
+}
+
+fn integrated_target(path: &Path) -> Option<PathBuf> {
+    Some(model_file(path))
+}
+
+fn integrated(path: &Path, x: &mut Discovery) -> Result<()> {
+    x.push(model_file(path), None, None);
     x.push_optimizer_file(path);
-    Ok(true)
+    Ok(())
 }
 
-fn loose_files(path: &Path, x: &mut Discovery) -> Result<bool> {
-    let files: Vec<PathBuf> = list_dir(path)?
+fn loose(path: &Path) -> Vec<PathBuf> {
+    entries(path)
         .into_iter()
         .filter(|p| has_ext(p, &["safetensors", "ckpt", "ckptz"]))
         .filter(|p| !is_ms_strategy(p))
-        .collect();
-    let found = !files.is_empty();
-    for p in files {
+        .collect()
+}
+
+fn has_loose_files(path: &Path) -> bool {
+    !loose(path).is_empty()
+}
+
+fn loose_files(path: &Path, x: &mut Discovery) -> Result<()> {
+    for p in loose(path) {
         x.push(p, None, None);
     }
-    Ok(found)
+    Ok(())
+}
+
+fn has_dcp_metadata(path: &Path) -> bool {
+    path.join(distcp::METADATA_FILE).is_file()
 }
 
 /// PyTorch DCP's default format: every file the metadata names. Megatron's torch_dist
 /// adds `common.pt` and `metadata.json` (its own state, not tensors of the model): said,
 /// not read.
-fn dcp_dir(path: &Path, x: &mut Discovery) -> Result<bool> {
-    if !path.join(distcp::METADATA_FILE).is_file() {
-        return Ok(false);
-    }
+fn dcp_dir(path: &Path, x: &mut Discovery) -> Result<()> {
     let files = x.read_dcp(path)?.files(path);
     for extra in ["common.pt", "metadata.json"] {
         if path.join(extra).is_file() {
@@ -507,29 +675,76 @@ fn dcp_dir(path: &Path, x: &mut Discovery) -> Result<bool> {
     for f in files {
         x.push(f, None, Some(path.to_path_buf()));
     }
-    Ok(true)
+    Ok(())
+}
+
+fn torch_saves(path: &Path) -> Vec<PathBuf> {
+    entries(path)
+        .into_iter()
+        .filter(|p| has_ext(p, &["pth", "pt", "bin"]))
+        .collect()
+}
+
+fn has_torch_files(path: &Path) -> bool {
+    !torch_saves(path).is_empty()
 }
 
 /// torch.save files, only where no safetensors stand beside them (Hugging Face
 /// directories often hold both forms of the same weights: that row comes first).
-fn torch_files(path: &Path, x: &mut Discovery) -> Result<bool> {
-    let files: Vec<PathBuf> = list_dir(path)?
-        .into_iter()
-        .filter(|p| has_ext(p, &["pth", "pt", "bin"]))
-        .collect();
-    let found = !files.is_empty();
-    for p in files {
+fn torch_files(path: &Path, x: &mut Discovery) -> Result<()> {
+    for p in torch_saves(path) {
         x.push(p, None, None);
     }
-    Ok(found)
+    Ok(())
 }
 
-fn dcp_without_metadata(path: &Path, _: &mut Discovery) -> Result<bool> {
-    if list_dir(path)?.iter().any(|p| has_ext(p, &["distcp"])) {
-        return Err(unknown(format!(
-            "{}: .distcp files without the `.metadata` that says what they hold",
-            path.display()
-        )));
+fn has_distcp_files(path: &Path) -> bool {
+    entries(path).iter().any(|p| has_ext(p, &["distcp"]))
+}
+
+fn dcp_without_metadata(path: &Path, _: &mut Discovery) -> Result<()> {
+    Err(unknown(format!(
+        "{}: .distcp files without the `.metadata` that says what they hold",
+        path.display()
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dirs_under(dir: &Path, out: &mut Vec<PathBuf>) {
+        out.push(dir.to_path_buf());
+        for p in list_dir(dir).unwrap() {
+            if p.is_dir() {
+                dirs_under(&p, out);
+            }
+        }
     }
-    Ok(false)
+
+    /// The formats' own rows must not both claim a real checkpoint's directory (that
+    /// is refused as holding two checkpoints): every directory of every committed
+    /// fixture, from every library, is claimed by one own row at most.
+    #[test]
+    fn no_fixture_directory_is_claimed_by_two_formats() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        let mut dirs = Vec::new();
+        dirs_under(&root, &mut dirs);
+        let mut claimed = 0;
+        for d in &dirs {
+            let own: Vec<&str> = DIRECTORIES
+                .iter()
+                .filter(|r| r.own && (r.claims)(d))
+                .map(|r| r.what)
+                .collect();
+            assert!(own.len() <= 1, "{}: claimed by {own:?}", d.display());
+            claimed += own.len();
+        }
+        // Megatron, DeepSpeed (9 runs), UCP, DCP, MindSpore, torch fixtures at least.
+        assert!(
+            claimed >= 20,
+            "only {claimed} of {} directories claimed",
+            dirs.len()
+        );
+    }
 }
