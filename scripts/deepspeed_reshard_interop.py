@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """DeepSpeed loads what `ckpt reshard --format deepspeed --to N` writes, on N ranks.
 
-For each ZeRO-1/2 fixture of tests/fixtures/deepspeed (2 data-parallel ranks, written
-by DeepSpeed 0.19.8) and each N in --dps:
+For each fixture of tests/fixtures/deepspeed (ZeRO-1/2/3, fp32/fp16/bf16, 2
+data-parallel ranks, written by DeepSpeed 0.19.8) and each N in --dps:
 
 1. `ckpt reshard <fixture>/ckpt --to N --format deepspeed -o <tmp>/dpN`;
 2. N gloo CPU ranks build the fixture's model and config, `engine.load_checkpoint`
@@ -11,9 +11,11 @@ by DeepSpeed 0.19.8) and each N in --dps:
    trainable parameter's fp32 master weight and Adam moments: they must equal, byte for
    byte, the fixture's `expected.safetensors` (zero_to_fp32 of the source) and
    `moments.safetensors` (the same gathered by the engine that saved it); each rank's
-   flat fp32 partition must be its part of the group (DeepSpeed's own
-   `get_data_parallel_partitions` of the gathered weights), its padding zero; the loss
-   scaler, step counts and Adam's step must be the source's;
+   flat fp32 partition must be its part of the group (ZeRO-1/2: DeepSpeed's own
+   `get_data_parallel_partitions` of the gathered weights; ZeRO-3: each parameter's
+   `partition_numel()` elements at the rank's place, end to end per sub-group), the
+   moments as long, their padding zero; the loss scaler, step counts and Adam's step
+   must be the source's;
 3. one more optimizer step, with the same batch on every rank, from ckpt's dp=N
    output and from the source on its 2 ranks: the fp32 weights after it must agree
    (to float rounding: averaging a gradient over 2 or N identical copies rounds
@@ -54,6 +56,66 @@ def fixture_module():
     return m
 
 
+def flat_groups(o, stage):
+    """The optimizer's flat fp32 groups (the torch optimizer's parameters)."""
+    if stage == 3:
+        return list(o.fp32_partitioned_groups_flat)
+    return [gr["params"][0] for gr in o.optimizer.param_groups]
+
+
+def zero12_partitions(o, engine, full, rank, world):
+    """This rank's ZeRO-1/2 flat partitions: their part of the group, cut by
+    DeepSpeed's own code; moments as long as the padded partition, padding zero."""
+    import torch
+
+    failures = []
+    for g, part in enumerate(o.single_partition_of_fp32_groups):
+        flat = o.flatten_dense_tensors_aligned(
+            [full[engine.param_names[p]] for p in o.bit16_groups[g]], o.nccl_start_alignment_factor * world
+        )
+        want = o.get_data_parallel_partitions(flat, g)[rank]
+        if not torch.equal(part.detach().cpu().view(torch.int32), want.view(torch.int32)):
+            failures.append(f"rank {rank}: group {g}'s flat fp32 partition is not its part of the group")
+        st = o.optimizer.state[o.optimizer.param_groups[g]["params"][0]]
+        for key in ("exp_avg", "exp_avg_sq"):
+            if st[key].numel() != part.numel():
+                failures.append(f"rank {rank}: group {g} {key} holds {st[key].numel()}, the partition {part.numel()}")
+        pad = o.groups_padding[g]
+        if pad and any(t[-pad:].abs().sum().item() != 0 for t in (part, st["exp_avg"], st["exp_avg_sq"])):
+            failures.append(f"rank {rank}: group {g}'s padding is not zero")
+    return failures
+
+
+def zero3_partitions(o, engine, full, rank, world):
+    """This rank's ZeRO-3 flat groups: each sub-group's parameters' parts
+    (`ds_tensor`: elements [rank * p, (rank + 1) * p) with p = partition_numel())
+    end to end; the moments as long, zero in the padding."""
+    import torch
+
+    failures = []
+    for s, flat in enumerate(o.fp32_partitioned_groups_flat):
+        parts, pads = [], []
+        for p in o.fp16_groups[s]:
+            n, pn = p.ds_numel, p.partition_numel()
+            padded = torch.zeros(pn * world, dtype=torch.float32)
+            padded[:n] = full[engine.param_names[p]].reshape(-1)
+            parts.append(padded[rank * pn : (rank + 1) * pn])
+            pads.append(torch.arange(rank * pn, (rank + 1) * pn) >= n)
+        want, pad = torch.cat(parts), torch.cat(pads)
+        # The weights' padding is whatever memory held in the saving run (DeepSpeed
+        # allocates parts with torch.empty): only the parameters' elements are compared.
+        got = flat.detach().cpu().view(torch.int32)
+        if not torch.equal(got[~pad], want.view(torch.int32)[~pad]):
+            failures.append(f"rank {rank}: sub-group {s}'s flat fp32 group is not its parameters' parts")
+        st = o.optimizer.state[flat]
+        for key in ("exp_avg", "exp_avg_sq"):
+            if st[key].numel() != flat.numel():
+                failures.append(f"rank {rank}: sub-group {s} {key} holds {st[key].numel()}, the flat group {flat.numel()}")
+            elif st[key][pad].abs().sum().item() != 0:
+                failures.append(f"rank {rank}: sub-group {s} {key}: padding is not zero")
+    return failures
+
+
 def worker(rank, world, port, variant, load_dir, out_json, step_out):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -82,8 +144,10 @@ def worker(rank, world, port, variant, load_dir, out_json, step_out):
         failures.append(f"rank {rank}: load_checkpoint found nothing in {load_dir}")
     # DeepSpeed links each parameter to its optimizer-state fragments lazily, at the
     # first step (stage_1_and_2.py: step() -> _lazy_init_hp_params_optimizer_state);
-    # safe_get_full_optimizer_state needs the link before that.
-    engine.optimizer._lazy_init_hp_params_optimizer_state()
+    # safe_get_full_optimizer_state needs the link before that (ZeRO-3 reads its own
+    # flat groups).
+    if stage < 3:
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
     expected = load_file(os.path.join(FIXTURES, variant, "expected.safetensors"))
     moments = load_file(os.path.join(FIXTURES, variant, "moments.safetensors"))
     full = {}
@@ -100,24 +164,13 @@ def worker(rank, world, port, variant, load_dir, out_json, step_out):
             if not torch.equal(m.view(torch.int32), want.view(torch.int32)):
                 failures.append(f"rank {rank}: `{name}` {key} differs from the source's")
     o = engine.optimizer
-    # This rank's flat partition: its part of the group, cut by DeepSpeed's own code.
-    for g, part in enumerate(o.single_partition_of_fp32_groups):
-        flat = o.flatten_dense_tensors_aligned(
-            [full[engine.param_names[p]] for p in o.bit16_groups[g]], o.nccl_start_alignment_factor * world
-        )
-        want = o.get_data_parallel_partitions(flat, g)[rank]
-        if not torch.equal(part.detach().cpu().view(torch.int32), want.view(torch.int32)):
-            failures.append(f"rank {rank}: group {g}'s flat fp32 partition is not its part of the group")
-        st = o.optimizer.state[o.optimizer.param_groups[g]["params"][0]]
-        for key in ("exp_avg", "exp_avg_sq"):
-            if st[key].numel() != part.numel():
-                failures.append(f"rank {rank}: group {g} {key} holds {st[key].numel()}, the partition {part.numel()}")
-        pad = o.groups_padding[g]
-        if pad and any(t[-pad:].abs().sum().item() != 0 for t in (part, st["exp_avg"], st["exp_avg_sq"])):
-            failures.append(f"rank {rank}: group {g}'s padding is not zero")
+    if stage == 3:
+        failures += zero3_partitions(o, engine, full, rank, world)
+    else:
+        failures += zero12_partitions(o, engine, full, rank, world)
     state = {
         "global_steps": engine.global_steps,
-        "adam_step": [float(o.optimizer.state[gr["params"][0]]["step"]) for gr in o.optimizer.param_groups],
+        "adam_step": [float(o.optimizer.state[f]["step"]) for f in flat_groups(o, stage)],
         "loss_scale": float(o.loss_scaler.cur_scale),
         "scaler_iter": int(getattr(o.loss_scaler, "cur_iter", -1)),
     }
@@ -172,13 +225,16 @@ def run(world, variant, load_dir, tmp, tag):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", default=os.path.join(ROOT, "target", "debug", "ckpt"))
-    ap.add_argument("--variants", default="zero1_fp32,zero2_fp32,zero2_fp16")
+    ap.add_argument(
+        "--variants",
+        default="zero1_fp32,zero2_fp32,zero2_fp16,zero1_bf16,zero2_bf16,zero3_fp32,zero3_fp16,zero3_bf16",
+    )
     ap.add_argument("--dps", default="1,3,4")
     ap.add_argument("--keep", help="keep the outputs in this directory")
-    ap.add_argument("--quick", action="store_true", help="zero2_fp16 to dp=3 only (CI)")
+    ap.add_argument("--quick", action="store_true", help="zero2_fp16 and zero3_fp16 to dp=3 only (CI)")
     args = ap.parse_args()
     if args.quick:
-        args.variants, args.dps = "zero2_fp16", "3"
+        args.variants, args.dps = "zero2_fp16,zero3_fp16", "3"
     import torch
     from safetensors.torch import load_file
 
@@ -216,8 +272,8 @@ def main():
             worst = max((a[k] - b[k]).abs().max().item() for k in a)
             # The gradient is averaged over 2 ranks in one run and N in the other, in
             # the training dtype: fp32 agrees to a few ulps; fp16 to its epsilon (1e-3)
-            # times Adam's normalised step (lr 0.1).
-            tol = 1e-4 if v.endswith("_fp16") else 1e-6
+            # times Adam's normalised step (lr 0.1), bf16 to its epsilon (8e-3) times it.
+            tol = {"fp16": 1e-4, "bf16": 1e-3}.get(v.split("_")[1], 1e-6)
             close = all(torch.allclose(a[k], b[k], rtol=0, atol=tol) for k in a)
             if not close:
                 failures.append(f"{v} dp={dp}: after one more step the weights differ by up to {worst:g}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DeepSpeed loads what `ckpt reshard --format deepspeed --to N` writes: the committed
-# 2-rank ZeRO-1/2 fixtures (zero1_fp32, zero2_fp32, zero2_fp16) are written for dp=1, 3
-# and 4, each loaded by DeepSpeed's engine.load_checkpoint on that many gloo CPU ranks;
+# 2-rank ZeRO-1/2/3 fixtures (fp32, fp16 and bf16) are written for dp=1, 3 and 4, each
+# loaded by DeepSpeed's engine.load_checkpoint on that many gloo CPU ranks;
 # fp32 master weights, Adam moments, partitions, padding, loss scaler and step counts
 # must equal the source's byte for byte, and one more step must agree with the source's
 # (scripts/deepspeed_reshard_interop.py says how).

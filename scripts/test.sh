@@ -53,9 +53,10 @@ PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" 
   --no-build-isolation --no-deps --force-reinstall ./python
 "$venv/bin/python" -m pytest -q python/tests
 
-# DeepSpeed loads a ZeRO-2 checkpoint ckpt wrote for 3 data-parallel ranks (gloo, CPU):
-# weights and Adam moments byte-equal, one more step agrees. deepspeed added to the venv
-# that has torch; about 1 minute of CPU (the full set: scripts/deepspeed_reshard_interop.sh).
+# DeepSpeed loads a ZeRO-2 and a ZeRO-3 checkpoint ckpt wrote for 3 data-parallel ranks
+# (gloo, CPU): weights and Adam moments byte-equal, one more step agrees. deepspeed added
+# to the venv that has torch; about 2 minutes of CPU (the full set:
+# scripts/deepspeed_reshard_interop.sh).
 DS_VENV=$venv scripts/deepspeed_reshard_interop.sh target/debug/ckpt --quick
 # DeepSpeed's engine loads ckpt's universal checkpoint (merge --format ucp) of the ZeRO-2
 # and ZeRO-3 fixtures on 3 gloo ranks: weights and moments bit for bit, one more step.

@@ -305,7 +305,7 @@ pub(crate) struct ReshardArgs {
     /// torch.distributed.checkpoint.load; each chunk stored once), `mindspore`
     /// (rank_<r>/checkpoint_<r>.ckpt, loadable by mindspore.load_checkpoint) or
     /// `megatron` (a Megatron legacy checkpoint from a Megatron legacy source:
-    /// iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt) or `deepspeed` (a DeepSpeed ZeRO-1/2
+    /// iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt) or `deepspeed` (a DeepSpeed ZeRO-1/2/3
     /// checkpoint for --to N data-parallel ranks, from a DeepSpeed source).
     #[arg(long, default_value = "ckpt",
           value_parser = clap::builder::PossibleValuesParser::new(ckpt_reshard::OutputFormat::NAMES.map(|(n, _)| n)))]

@@ -343,7 +343,7 @@ def reshard(
     ``strategy=path`` (ckpt's ``strategy.json`` or a MindSpore strategy). ``rank``:
     build only that target rank. ``format``: ``"ckpt"`` (default), ``"dcp"``,
     ``"distcp"``, ``"mindspore"``, ``"megatron"`` (from a Megatron legacy source),
-    ``"deepspeed"`` (a ZeRO-1/2 checkpoint for ``to`` data-parallel ranks, from a ZeRO
+    ``"deepspeed"`` (a ZeRO-1/2/3 checkpoint for ``to`` data-parallel ranks, from a ZeRO
     source). Other options as :func:`merge`, plus ``keep_all``.
     """
     r = _ckpt.reshard(
