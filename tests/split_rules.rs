@@ -17,14 +17,9 @@ fn ds(rel: &str) -> String {
     ds_fixtures().join(rel).display().to_string()
 }
 
-/// The fixture's own split, as the user would write it (`rules.json` in `d`).
-const DS_RULES: &str = r#"{"rules": [
-    {"match": "*norm.weight", "replicated": true},
-    {"match": "row.bias", "replicated": true},
-    {"match": "row.weight", "split": 1},
-    {"match": "fused.weight", "split": 0, "blocks": 2},
-    {"match": "col.*", "split": 0}
-]}"#;
+/// The fixture's own split, as the user would write it (the committed
+/// tests/fixtures/deepspeed_tp/rules.json, which the README's example passes too).
+const DS_RULES: &str = include_str!("fixtures/deepspeed_tp/rules.json");
 
 /// Renames every stage's `mlp.linear_fc2.weight` (layers 0 and 1 of each stage) to
 /// `mlp.linear_xx2.weight`, a name megatron-core's table does not know (same length:
