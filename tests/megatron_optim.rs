@@ -165,3 +165,53 @@ fn bucket_sizes_that_do_not_add_up_are_named() {
     );
     assert!(!d.path("m").exists());
 }
+
+/// dist_ckpt (`--ckpt-format torch_dist`) with the distributed optimizer's state, as
+/// megatron-core's own `dist_checkpointing.save` writes it from
+/// `DistributedOptimizer.sharded_state_dict(..., fully_reshardable)` (the same run as the
+/// legacy files): `optimizer.state.{param,exp_avg,exp_avg_sq}.<name>` are ShardedTensors
+/// in model space, layers stacked along dim 0 as the model's, so ckpt reads them as any
+/// DCP tensors. Every state of every parameter merges byte-equal to the optimizer's own.
+#[test]
+fn dist_ckpt_optimizer_states_merge_to_the_optimizers_own() {
+    let d = Dir::new();
+    let dist = fixtures().join("dist_ckpt").display().to_string();
+    d.ok(&["merge", &dist, "-o", "m"]);
+    let got = full_tensors(&d.path("m"));
+    // megatron-core's local layer spec saves the norms under TransformerEngine's names.
+    let dist_name = |rest: &str| {
+        for (legacy, te) in [
+            ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+            ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+        ] {
+            if let Some(tail) = rest.strip_prefix(legacy) {
+                return format!("{te}{tail}");
+            }
+        }
+        rest.to_string()
+    };
+    let mut checked = 0;
+    for (name, want) in expected() {
+        let Some(body) = name.strip_prefix("optim.") else {
+            continue;
+        };
+        let (param, state) = body.rsplit_once('.').unwrap();
+        let state = if state == "fp32" { "param" } else { state };
+        let layer = param
+            .strip_prefix("decoder.layers.")
+            .and_then(|r| r.split_once('.'))
+            .map(|(l, rest)| (l.parse::<usize>().unwrap(), dist_name(rest)));
+        let bytes = match layer {
+            // Layer L of the stacked tensor: its L-th equal part.
+            Some((l, rest)) => {
+                let all = &got[&format!("optimizer.state.{state}.decoder.layers.{rest}")];
+                let per = all.len() / 4;
+                all[l * per..(l + 1) * per].to_vec()
+            }
+            None => got[&format!("optimizer.state.{state}.{param}")].clone(),
+        };
+        assert_eq!(bytes, want, "{name}");
+        checked += 1;
+    }
+    assert_eq!(checked, 53 * 3);
+}
