@@ -214,4 +214,8 @@ fn dist_ckpt_optimizer_states_merge_to_the_optimizers_own() {
         checked += 1;
     }
     assert_eq!(checked, 53 * 3);
+    // Resharded like any DCP source, the states come back the same.
+    d.ok(&["reshard", &dist, "--to", "2", "-o", "r2"]);
+    d.ok(&["merge", "r2", "-o", "m2"]);
+    assert_eq!(full_tensors(&d.path("m2")), got);
 }
