@@ -4,7 +4,7 @@
 //! `zero_to_fp32` makes of the same files, and the moments with what DeepSpeed's
 //! engine gathers.
 
-use crate::util::{full_tensors, Dir};
+use crate::util::{copy_dir, full_tensors, Dir};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -243,11 +243,10 @@ fn step_picks_a_deepspeed_tag_or_is_refused() {
     let save = d.path("save");
     std::fs::create_dir_all(&save).unwrap();
     for tag in ["global_step2", "global_step9"] {
-        std::fs::create_dir_all(save.join(tag)).unwrap();
-        for e in std::fs::read_dir(fixtures().join("zero2_fp32/ckpt/global_step2")).unwrap() {
-            let e = e.unwrap();
-            std::fs::copy(e.path(), save.join(tag).join(e.file_name())).unwrap();
-        }
+        copy_dir(
+            &fixtures().join("zero2_fp32/ckpt/global_step2"),
+            &save.join(tag),
+        );
     }
     // `latest` names a tag whose optimizer files were lost.
     std::fs::write(save.join("latest"), "global_step9").unwrap();

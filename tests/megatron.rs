@@ -5,7 +5,7 @@
 //! by Megatron's own parameter attributes (`full.safetensors`) and torch's unsharding of
 //! the dist_ckpt (`dist_full.safetensors`).
 
-use crate::util::{full_tensors, Dir};
+use crate::util::{copy_dir, full_tensors, Dir};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -46,19 +46,6 @@ pub(crate) fn legacy_copy(d: &Dir) -> PathBuf {
     let to = d.path("legacy");
     copy_dir(&fixtures().join("legacy"), &to);
     to
-}
-
-pub(crate) fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let p = e.unwrap().path();
-        let dest = to.join(p.file_name().unwrap());
-        if p.is_dir() {
-            copy_dir(&p, &dest);
-        } else {
-            std::fs::copy(&p, &dest).unwrap();
-        }
-    }
 }
 
 /// Replaces the one occurrence of `old` in a file by `new` (same length: the pickle's

@@ -4,7 +4,7 @@
 //! DistributedOptimizer step, save_parameter_state): merged, the fp32 master weights and
 //! Adam moments equal what the optimizer held before the save (`optim_full.safetensors`).
 
-use crate::util::{full_tensors, Dir};
+use crate::util::{copy_dir, full_tensors, Dir};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -18,19 +18,6 @@ fn legacy() -> String {
 
 fn expected() -> BTreeMap<String, Vec<u8>> {
     full_tensors(&fixtures().join("optim_full.safetensors"))
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let p = e.unwrap().path();
-        let dest = to.join(p.file_name().unwrap());
-        if p.is_dir() {
-            copy_dir(&p, &dest);
-        } else {
-            std::fs::copy(&p, &dest).unwrap();
-        }
-    }
 }
 
 fn legacy_copy(d: &Dir) -> PathBuf {

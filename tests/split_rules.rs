@@ -255,7 +255,7 @@ fn deepspeed_tensor_parallel_bad_inputs_are_named_and_nothing_is_written() {
     let d = Dir::new();
     // A missing tensor-parallel rank.
     let to = d.path("ck");
-    crate::megatron::copy_dir(&ds_fixtures().join("zero2_uci/ckpt"), &to);
+    crate::util::copy_dir(&ds_fixtures().join("zero2_uci/ckpt"), &to);
     let tag = to.join("global_step2");
     for f in [
         "mp_rank_01_model_states.pt",
@@ -304,7 +304,7 @@ fn deepspeed_tensor_parallel_bad_inputs_are_named_and_nothing_is_written() {
 fn damaged_tensor_parallel_files_never_panic() {
     let d = Dir::new();
     let to = d.path("ck");
-    crate::megatron::copy_dir(&ds_fixtures().join("zero2_uci/ckpt"), &to);
+    crate::util::copy_dir(&ds_fixtures().join("zero2_uci/ckpt"), &to);
     let (mut opened, mut refused) = (0, 0);
     for name in [
         "mp_rank_01_model_states.pt",

@@ -4,7 +4,7 @@
 //! scripts/fixtures/deepspeed_fixtures.py), tensor for tensor; and UCP trees (DeepSpeed's
 //! and ckpt's) read back as sources.
 
-use crate::util::{full_tensors, Dir};
+use crate::util::{copy_dir, full_tensors, Dir};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -252,15 +252,8 @@ fn ucp_output_needs_a_zero_source() {
 fn a_save_directory_with_both_latest_files_is_refused() {
     let d = Dir::new();
     let save = d.path("save");
-    let copy = |from: &Path, to: &Path| {
-        for rel in files(from) {
-            let dest = to.join(&rel);
-            std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
-            std::fs::copy(from.join(&rel), dest).unwrap();
-        }
-    };
-    copy(&fixtures().join("zero2_fp32/ckpt"), &save);
-    copy(
+    copy_dir(&fixtures().join("zero2_fp32/ckpt"), &save);
+    copy_dir(
         &fixtures().join("zero2_fp32/ucp"),
         &save.join("global_step2_universal"),
     );

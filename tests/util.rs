@@ -141,3 +141,18 @@ pub fn originals_of(
 pub fn example_originals(mesh: &str) -> std::collections::BTreeMap<String, Vec<u8>> {
     originals_of(mesh, 2, false)
 }
+
+/// Copies the directory tree `from` to `to` (created), files byte for byte: a fixture
+/// to damage or to put beside another.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        let dest = to.join(p.file_name().unwrap());
+        if p.is_dir() {
+            copy_dir(&p, &dest);
+        } else {
+            std::fs::copy(&p, &dest).unwrap();
+        }
+    }
+}

@@ -391,17 +391,7 @@ impl SafetensorsWriter {
     /// # Errors
     /// I/O errors, with the path.
     pub fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
-        debug_assert!(self.offsets[index] + offset + bytes.len() as u64 <= self.offsets[index + 1]);
-        self.out
-            .write_at(bytes, self.data_start + self.offsets[index] + offset)?;
-        if let Some(w) = &self.written {
-            let sum = Checksum(crc32c::crc32c(bytes));
-            w[index]
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push((offset, bytes.len() as u64, sum));
-        }
-        Ok(())
+        self.write_parts_at(index, offset, &[bytes])
     }
 
     /// [`SafetensorsWriter::write_at`] of the concatenation of `parts`, written

@@ -552,12 +552,7 @@ impl TorchWriter {
     /// # Errors
     /// I/O errors, with the path.
     pub(crate) fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
-        self.out.write_at(bytes, self.data_start(index) + offset)?;
-        self.written[index]
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push((offset, bytes.len() as u64, crc32fast::hash(bytes)));
-        Ok(())
+        self.write_parts_at(index, offset, &[bytes])
     }
 
     /// [`TorchWriter::write_at`] of the concatenation of `parts`, written straight from
