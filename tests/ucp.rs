@@ -285,27 +285,40 @@ fn deepspeed_outputs_are_the_same_bytes_on_1_and_4_threads() {
     let d = Dir::new();
     let zero3 = fx("zero3_fp32/ckpt");
     let zero2 = fx("zero2_fp16/ckpt");
-    for t in [1, 4] {
-        let (u, z) = (format!("u{t}"), format!("z{t}"));
-        d.ok_with_threads(&["merge", &zero3, "--format", "ucp", "-o", &u], t);
-        let args = [
-            "reshard",
-            &zero2,
-            "--to",
-            "3",
-            "--format",
-            "deepspeed",
-            "-o",
-            &z,
-        ];
-        d.ok_with_threads(&args, t);
-    }
-    for (a, b) in [("u1", "u4"), ("z1", "z4")] {
-        let (a, b) = (d.path(a), d.path(b));
+    let zero3_bf16 = fx("zero3_bf16/ckpt");
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let distopt = fixtures.join("megatron/tp2pp2dp2_distopt/legacy");
+    let tp = fixtures.join("deepspeed_tp/zero3_uci/ckpt");
+    let (distopt, tp) = (distopt.display().to_string(), tp.display().to_string());
+    // Every writer this work added: UCP, ZeRO-1/2 and ZeRO-3 write-back, Megatron's
+    // distributed-optimizer state with the QKV split, DeepSpeed tensor parallelism.
+    let runs: [(&str, Vec<&str>); 5] = [
+        ("u", vec!["merge", &zero3, "--format", "ucp"]),
+        (
+            "z",
+            vec!["reshard", &zero2, "--to", "3", "--format", "deepspeed"],
+        ),
+        (
+            "z3",
+            vec!["reshard", &zero3_bf16, "--to", "3", "--format", "deepspeed"],
+        ),
+        ("m", vec!["merge", &distopt, "--split-qkv"]),
+        ("t", vec!["reshard", &tp, "--to", "3"]),
+    ];
+    for (out, args) in &runs {
+        for t in [1, 4] {
+            let o = format!("{out}{t}");
+            d.ok_with_threads(&[&args[..], &["-o", &o]].concat(), t);
+        }
+        let (a, b) = (d.path(&format!("{out}1")), d.path(&format!("{out}4")));
         assert_eq!(files(&a), files(&b));
         for rel in files(&a) {
             let same = std::fs::read(a.join(&rel)).unwrap() == std::fs::read(b.join(&rel)).unwrap();
-            assert!(same, "{} differs between 1 and 4 threads", rel.display());
+            assert!(
+                same,
+                "{} differs between 1 and 4 threads",
+                a.join(&rel).display()
+            );
         }
     }
 }
