@@ -61,6 +61,9 @@ DS_VENV=$venv scripts/deepspeed_reshard_interop.sh target/debug/ckpt --quick
 # DeepSpeed's engine loads ckpt's universal checkpoint (merge --format ucp) of the ZeRO-2
 # and ZeRO-3 fixtures on 3 gloo ranks: weights and moments bit for bit, one more step.
 "$venv/bin/python" scripts/ucp_interop.py target/debug/ckpt
+# Megatron's per-rank RNG state, carried by `reshard --format megatron` to the same
+# TP x PP grid (and to no other): torch.load compares it with the source's.
+"$venv/bin/python" scripts/megatron_rng_check.py target/debug/ckpt
 
 # The README's "By example" block, every line as written, in order, in a new directory.
 scripts/readme_examples.sh target/debug/ckpt

@@ -514,6 +514,45 @@ fn legacy_virtual_pipeline_chunks_merge_to_the_same_model() {
     assert_eq!(full_tensors(&d.path("mw")), want);
 }
 
+/// Each rank's `rng_state` is carried to the same rank when the TP x PP grid stays
+/// (here: virtual stages dropped), and to no rank of another grid, where Megatron
+/// ignores it (scripts/megatron_rng_check.py has torch.load compare the values).
+#[test]
+fn legacy_rng_state_is_carried_to_the_same_grid_only() {
+    let d = Dir::new();
+    let vp = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/megatron/tp2pp2vp2/legacy")
+        .display()
+        .to_string();
+    for (mesh, out, carried) in [("pp=2,tp=2", "same", true), ("pp=1,tp=4", "other", false)] {
+        d.ok(&[
+            "reshard", &vp, "--mesh", mesh, "--format", "megatron", "-o", out,
+        ]);
+        // ckpt reads back what the written files hold beside their tensors.
+        let o = d.ok(&["inspect", out]);
+        let note = o
+            .stderr
+            .lines()
+            .chain(o.stdout.lines())
+            .find(|l| l.contains("read, not tensors:"))
+            .unwrap_or_else(|| {
+                panic!(
+                    "{mesh}: no note of the entries read: {}{}",
+                    o.stdout, o.stderr
+                )
+            })
+            .to_string();
+        let held = note
+            .split("read, not tensors: ")
+            .nth(1)
+            .and_then(|l| l.split(" (").next())
+            .unwrap_or_default();
+        let held: Vec<&str> = held.split(", ").collect();
+        assert_eq!(held.contains(&"rng_state"), carried, "{mesh}: {note}");
+        assert!(held.contains(&"args"), "{mesh}: {note}");
+    }
+}
+
 /// `--step N` reads iteration N of a save directory (not the tracker's newest), and is
 /// refused, naming the iterations there are, when the save has no such iteration or
 /// an iteration directory given is another step: never another step's weights.

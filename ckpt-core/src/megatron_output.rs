@@ -10,8 +10,8 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::formats::megatron::{self, TRACKER_FILE};
-use crate::formats::torch_write::{hex, WRAP_EXTRA, WRAP_KEY};
+use crate::formats::megatron::{self, RankRng, TRACKER_FILE};
+use crate::formats::torch_write::{hex, WRAP_EXTRA, WRAP_KEY, WRAP_STORAGES};
 use crate::layout::plan::CopyPlan;
 use crate::layout::strategy::Strategy;
 use crate::layout::Placement;
@@ -65,16 +65,29 @@ pub fn megatron_legacy_plan(
             }
         }
     }
-    let extra = hex(&megatron::extra_entries(&state, tp, pp)?);
+    // Each rank's RNG state goes to the same rank of the same grid; Megatron ignores it
+    // on another grid, so there none is written (and args say so).
+    let same_grid = (state.args.tp, state.args.pp) == (tp, pp);
     for (f, &r) in plan.files.iter_mut().zip(ranks) {
         let c = mesh.coords(r);
         let (t, s) = (c[tp_axis], pipe.map_or(0, |p| c[p]));
         f.path = megatron::rank_path(state.iteration, t, s, pp);
+        let rng = if same_grid {
+            source_rank_rng(source, s * tp + t)?
+        } else {
+            None
+        };
+        let extra =
+            megatron::extra_entries(&state, tp, pp, rng.as_ref().map(|g| (g, f.tensors.len())))?;
         f.metadata = [
             (WRAP_KEY.to_string(), "model".to_string()),
-            (WRAP_EXTRA.to_string(), extra.clone()),
+            (WRAP_EXTRA.to_string(), hex(&extra)),
         ]
         .into();
+        if let Some(g) = rng.as_ref().filter(|g| !g.storages().is_empty()) {
+            let list: Vec<String> = g.storages().iter().map(|b| hex(b)).collect();
+            f.metadata.insert(WRAP_STORAGES.to_string(), list.join(","));
+        }
         for tp_plan in &mut f.tensors {
             let name = &mut tp_plan.target.name;
             let (stage, local) =
@@ -94,6 +107,23 @@ pub fn megatron_legacy_plan(
         }
     }
     Ok(())
+}
+
+/// The RNG state of the source's rank `rank` (`pp * tp + tp_rank`, as the reader
+/// numbers Megatron's ranks), when it saved one.
+fn source_rank_rng(source: &Checkpoint, rank: u64) -> Result<Option<RankRng>> {
+    let rank = rank.to_string();
+    let file = source
+        .files
+        .iter()
+        .find(|f| {
+            let m = f.metadata();
+            m.get("format").map(String::as_str) == Some("megatron") && m.get("rank") == Some(&rank)
+        })
+        .ok_or_else(|| Error::Unsupported {
+            problem: format!("the source has no file of rank {rank}"),
+        })?;
+    RankRng::read(file.path())
 }
 
 /// The tracker file of a Megatron legacy output made from `source` (path relative to

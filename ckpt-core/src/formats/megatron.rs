@@ -27,6 +27,8 @@
 
 mod optim;
 mod pickled;
+mod rng;
+pub(crate) use rng::RankRng;
 
 use super::pickle::Value;
 use super::torch_save::Archive;
@@ -513,7 +515,7 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     carried.dedup();
     if !carried.is_empty() {
         notes.push(format!(
-            "{}: read but not carried into the output: {}",
+            "{}: read, not tensors: {} (merge carries none of them; reshard --format megatron carries args, iteration and, to the same TP x PP, rng_state)",
             dir.display(),
             carried.join(", ")
         ));
@@ -745,7 +747,7 @@ mod tests {
             args: args(),
             iteration: 7,
         };
-        let fragment = extra_entries(&state, 4, 1).unwrap();
+        let fragment = extra_entries(&state, 4, 1, None).unwrap();
         let mut d = Emitter::new();
         d.empty_dict().mark().raw(&fragment).set_items();
         let back = parse(&d.finish()).unwrap();
@@ -971,12 +973,19 @@ pub(crate) fn rank_path(iteration: u64, tp: u64, pp: u64, pp_size: u64) -> PathB
 }
 
 /// The entries beside `model` in a written rank file: `args` with the new sizes (and
-/// `no_save_optim`, `no_save_rng`: ckpt writes neither, as Megatron's own converter
-/// does not), `checkpoint_version` 3.0 and `iteration`; a pickle fragment.
+/// `no_save_optim`: ckpt writes no optimizer state, as Megatron's own converter does
+/// not), `checkpoint_version` 3.0, `iteration`, and `rng`'s `rng_state` with its
+/// storages from key `rng.1` on; without one (another grid, or a source saved without
+/// it), `no_save_rng`. A pickle fragment.
 ///
 /// # Errors
-/// Args that cannot be written back.
-pub(crate) fn extra_entries(state: &SourceState, tp: u64, pp: u64) -> Result<Vec<u8>> {
+/// Args or an RNG state that cannot be written back.
+pub(crate) fn extra_entries(
+    state: &SourceState,
+    tp: u64,
+    pp: u64,
+    rng: Option<(&RankRng, usize)>,
+) -> Result<Vec<u8>> {
     let mut args = state.args_value.clone();
     if let Value::Build { state: fields, .. } = &mut args {
         if let Value::Dict(kv) = fields.as_mut() {
@@ -992,7 +1001,9 @@ pub(crate) fn extra_entries(state: &SourceState, tp: u64, pp: u64) -> Result<Vec
             set("pipeline_model_parallel_size", int(pp));
             set("virtual_pipeline_model_parallel_size", Value::None);
             set("no_save_optim", Value::Bool(true));
-            set("no_save_rng", Value::Bool(true));
+            if rng.is_none() {
+                set("no_save_rng", Value::Bool(true));
+            }
         }
     }
     let mut e = super::pickle::Emitter::new();
@@ -1002,5 +1013,8 @@ pub(crate) fn extra_entries(state: &SourceState, tp: u64, pp: u64) -> Result<Vec
     })?;
     e.str("checkpoint_version").float(3.0);
     e.str("iteration").int(state.iteration.min(i64::MAX as u64));
+    if let Some((rng, first_key)) = rng {
+        rng.emit(&mut e, first_key)?;
+    }
     Ok(e.fragment())
 }

@@ -97,6 +97,32 @@ impl Value {
         }
     }
 
+    /// Calls `f` on this value and, depth first, on every value it holds (a dict: key,
+    /// then value), each before its children; `f` may change what it is given.
+    pub(crate) fn visit_mut(&mut self, f: &mut impl FnMut(&mut Value)) {
+        f(self);
+        match self {
+            Value::Tuple(v) | Value::List(v) => v.iter_mut().for_each(|c| c.visit_mut(f)),
+            Value::Dict(kv) => kv.iter_mut().for_each(|(k, v)| {
+                k.visit_mut(f);
+                v.visit_mut(f);
+            }),
+            Value::Call {
+                callable: a,
+                args: b,
+            }
+            | Value::Build {
+                object: a,
+                state: b,
+            } => {
+                a.visit_mut(f);
+                b.visit_mut(f);
+            }
+            Value::PersistentId(v) => v.visit_mut(f),
+            _ => {}
+        }
+    }
+
     /// Calls `f` on each value this one holds directly, in order (a dict: key, then
     /// value); the one walk that [`Value::globals`] and the size bound share.
     fn for_each_child<'a>(&'a self, mut f: impl FnMut(&'a Value)) {
@@ -756,9 +782,19 @@ impl Emitter {
         }
     }
 
+    /// `bytes` (`BINBYTES`, protocol 3: Python's unpickler takes it whatever the
+    /// header's protocol).
+    pub(crate) fn bytes(&mut self, b: &[u8]) -> &mut Self {
+        self.out.push(b'B');
+        let n = u32::try_from(b.len()).expect("carried byte strings are far below 4 GiB");
+        self.out.extend_from_slice(&n.to_le_bytes());
+        self.out.extend_from_slice(b);
+        self
+    }
+
     /// A parsed [`Value`] written back: calls and objects as `REDUCE` and `BUILD`
     /// (what loading them gives is the same for the plain classes ckpt carries:
-    /// `argparse.Namespace`, enums, dtypes). Bytes and persistent ids are not written.
+    /// `argparse.Namespace`, enums, dtypes, RNG states), persistent ids as they are.
     pub(crate) fn value(&mut self, v: &Value) -> std::result::Result<&mut Self, String> {
         match v {
             Value::None => self.none(),
@@ -799,8 +835,12 @@ impl Emitter {
                 self.value(state)?;
                 self.build()
             }
-            Value::Bytes(_) | Value::PersistentId(_) => {
-                return Err("bytes and persistent ids are not written back".into())
+            Value::Bytes(b) => self.bytes(b),
+            // A storage reference: the caller has made its key name a storage of the
+            // archive being written (see `torch_write::Wrap`'s storages).
+            Value::PersistentId(id) => {
+                self.value(id)?;
+                self.persistent_id()
             }
         };
         Ok(self)

@@ -271,6 +271,21 @@ impl<'a> Archive<'a> {
         unpickle(slice(self.all, pkl.start, pkl.len, &self.pkl_name)?)
     }
 
+    /// The stored bytes of storage `key` (`data/<key>`).
+    ///
+    /// # Errors
+    /// No such storage, a compressed one, or one past the end of the file.
+    pub(crate) fn storage_bytes(&self, key: &str) -> Result<&'a [u8]> {
+        let name = format!("{}data/{key}", self.dir);
+        match self.entries.get(&name) {
+            Some(s) if !s.compressed => slice(self.all, s.start, s.len, &name),
+            Some(_) => Err(bad(format!("`{name}` is compressed: torch.save stores it"))),
+            None => Err(bad(format!(
+                "storage `{key}` is referred to but `{name}` is missing"
+            ))),
+        }
+    }
+
     /// The tensors anywhere in `obj` (a part of [`Archive::object`]), named by their
     /// path under `path`, located in the file; and the paths of the plain values
     /// (numbers, strings, `None`) met on the way.

@@ -128,6 +128,11 @@ pub(crate) const WRAP_KEY: &str = "torch.wrap.key";
 /// key/value pairs ([`Emitter::fragment`]).
 pub(crate) const WRAP_EXTRA: &str = "torch.wrap.extra";
 
+/// Metadata key of storages the [`WRAP_EXTRA`] fragment refers to (comma-separated
+/// hex), stored after the tensors' as `data/<n>`, `data/<n+1>`, ... for `n` tensors:
+/// Megatron's carried RNG state holds torch byte tensors.
+pub(crate) const WRAP_STORAGES: &str = "torch.wrap.storages";
+
 /// Metadata key of entries put in the saved dict before the tensors: a pickle fragment
 /// (hex), as [`WRAP_EXTRA`]. DeepSpeed's universal checkpoint: `{'cat_dim': 0, 'param': t}`.
 pub(crate) const PREFIX: &str = "torch.prefix";
@@ -142,12 +147,17 @@ pub(crate) struct Wrap {
     key: Option<String>,
     extra: Vec<u8>,
     prefix: Vec<u8>,
+    /// Raw storages after the tensors' ([`WRAP_STORAGES`]).
+    storages: Vec<Vec<u8>>,
     /// One bare tensor per archive, pickled with shape `[numel]`.
     pub(crate) flat: bool,
 }
 
 fn unhex(m: &std::collections::BTreeMap<String, String>, key: &str) -> Result<Vec<u8>> {
-    let hex = m.get(key).map_or("", String::as_str);
+    unhex_str(m.get(key).map_or("", String::as_str), key)
+}
+
+fn unhex_str(hex: &str, key: &str) -> Result<Vec<u8>> {
     let bad = || Error::Unsupported {
         problem: format!("{key} is not hex"),
     };
@@ -173,6 +183,13 @@ impl Wrap {
             key: m.get(WRAP_KEY).cloned(),
             extra: unhex(m, WRAP_EXTRA)?,
             prefix: unhex(m, PREFIX)?,
+            storages: match m.get(WRAP_STORAGES) {
+                Some(list) => list
+                    .split(',')
+                    .map(|h| unhex_str(h, WRAP_STORAGES))
+                    .collect::<Result<_>>()?,
+                None => Vec::new(),
+            },
             flat,
         }))
     }
@@ -228,13 +245,24 @@ impl Archive {
         bare: bool,
         wrap: Option<&Wrap>,
     ) -> Result<Archive> {
-        Archive::with_pickle(data_pkl(tensors, bare, wrap)?, tensors)
+        let storages = wrap.filter(|_| !bare).map_or(&[][..], |w| &w.storages[..]);
+        Archive::with_storages(data_pkl(tensors, bare, wrap)?, tensors, storages)
     }
 
     /// An archive whose `data.pkl` is `pkl`, made by the caller, which stores tensor `i`
     /// of `tensors` under storage key `i` (DeepSpeed's optimizer states: a whole dict
     /// of carried values around the tensors).
     pub(crate) fn with_pickle(pkl: Vec<u8>, tensors: &[TensorSpec]) -> Result<Archive> {
+        Archive::with_storages(pkl, tensors, &[])
+    }
+
+    /// [`Archive::with_pickle`] with raw `storages` after the tensors': storage key
+    /// `tensors.len() + j` holds `storages[j]`.
+    fn with_storages(
+        pkl: Vec<u8>,
+        tensors: &[TensorSpec],
+        storages: &[Vec<u8>],
+    ) -> Result<Archive> {
         let mut entries = Vec::new();
         let mut small = Vec::new();
         let mut tensor_entry = Vec::new();
@@ -272,6 +300,14 @@ impl Archive {
             let n = byte_len(t.dtype, &t.shape)
                 .ok_or_else(|| overflow(format!("size of tensor `{}`", t.name)))?;
             tensor_entry.push(add(format!("archive/data/{key}"), n, None)?);
+        }
+        for (j, bytes) in storages.iter().enumerate() {
+            let key = tensors.len() + j;
+            add(
+                format!("archive/data/{key}"),
+                bytes.len() as u64,
+                Some(bytes.clone()),
+            )?;
         }
         add("archive/version".into(), 2, Some(b"3\n".to_vec()))?;
         let cd_at = pos;
