@@ -7,16 +7,18 @@
 #
 #   scripts/megatron_interop.sh [path/to/ckpt]    # default: target/debug/ckpt
 #
-# Needs torch and megatron-core (a venv under target/, installed here when missing:
-# several GB of wheels, so it is not part of scripts/test.sh).
+# Needs torch and megatron-core: a venv (MEGATRON_VENV, default target/venv-megatron),
+# installed here when missing. scripts/test.sh runs it with its own venv, which already
+# has torch. About a minute and a half on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-target/debug/ckpt}
 [ -x "$bin" ] || cargo build --quiet
-venv=target/venv-megatron
+venv=${MEGATRON_VENV:-target/venv-megatron}
 if ! "$venv/bin/python" -c "import torch, megatron.core, safetensors" 2>/dev/null; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q torch megatron-core psutil numpy safetensors
+  [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
+  # megatron-core 0.16.1 is the version the fixtures were written with.
+  "$venv/bin/pip" install -q --disable-pip-version-check torch megatron-core==0.16.1 psutil numpy safetensors
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -64,6 +64,9 @@ DS_VENV=$venv scripts/deepspeed_reshard_interop.sh target/debug/ckpt --quick
 # Megatron's per-rank RNG state, carried by `reshard --format megatron` to the same
 # TP x PP grid (and to no other): torch.load compares it with the source's.
 "$venv/bin/python" scripts/megatron_rng_check.py target/debug/ckpt
+# megatron-core's GPTModel loads the legacy checkpoints ckpt writes for TP=4 and PP=4
+# from the TP=2 x PP=2 fixture on that many gloo ranks: every loaded value equal.
+MEGATRON_VENV=$venv scripts/megatron_interop.sh target/debug/ckpt
 
 # The README's "By example" block, every line as written, in order, in a new directory.
 scripts/readme_examples.sh target/debug/ckpt
