@@ -4,12 +4,13 @@
 //! `fully_reshardable` state does: `optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`,
 //! shaped and placed like the model tensor `<key>`.
 //!
-//! The layout, from megatron-core 0.16.1 (`DistributedOptimizer.
-//! sharded_param_state_dp_reshardable`; docs/formats.md, "dp_reshardable"): per (tp, pp)
-//! domain `i` (`data_parallel_group_idx`, the rank in the tp-pp group: `tp_rank + pp_rank
-//! * tp`), per grad buffer `g`, its dtype pair `d` and bucket `b`, one 1-D tensor per
-//! state, `optimizer.distributed.dp_group_idx_<i>.gbuf_idx_<g>.dtype_<d>.bucket_idx_<b>.
-//! <state>`, of the bucket's `numel_unpadded` elements: the bucket's buffer positions as
+//! The layout, from megatron-core 0.16.1
+//! (`DistributedOptimizer.sharded_param_state_dp_reshardable`; docs/formats.md,
+//! "dp_reshardable"): per (tp, pp) domain `i` (`data_parallel_group_idx`, the rank in
+//! the tp-pp group: `tp_rank + pp_rank × tp`), per grad buffer `g`, its dtype pair `d`
+//! and bucket `b`, one 1-D tensor per state,
+//! `optimizer.distributed.dp_group_idx_<i>.gbuf_idx_<g>.dtype_<d>.bucket_idx_<b>.<state>`,
+//! of the bucket's `numel_unpadded` elements: the bucket's buffer positions as
 //! they are (parameters in reverse order, each start padded to 64 elements), every dp
 //! rank's slices of parameters and of padding saved as chunks at their offsets, the
 //! padding `torch.empty` (not zero). Beside them the ShardedObjects
