@@ -293,41 +293,40 @@ fn patch(file: &Path, from: &[u8], to: &[u8]) -> usize {
 const BUCKET_1: &str =
     "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_1";
 
+/// A copy of dist_ckpt_dp in `d`, as `dp`, to damage.
+fn dp_copy(d: &Dir) -> PathBuf {
+    let dir = d.path("dp");
+    copy_dir(&dist_ckpt_dp(), &dir);
+    dir
+}
+
+/// `merge dp` fails with a message naming every one of `needles`, and writes nothing.
+fn merge_dp_is_refused(d: &Dir, needles: &[&str]) {
+    let o = d.fails(&["merge", "dp", "-o", "m"]);
+    assert!(needles.iter().all(|n| o.stderr.contains(n)), "{}", o.stderr);
+    assert!(!d.path("m").exists());
+}
+
 /// A bucket tensor that the metadata does not hold (renamed to bucket 7): named, as
 /// missing, nothing written.
 #[test]
 fn dp_reshardable_a_missing_bucket_tensor_is_named() {
     let d = Dir::new();
-    let dir = d.path("dp");
-    copy_dir(&dist_ckpt_dp(), &dir);
+    let dir = dp_copy(&d);
     let from = format!("{BUCKET_1}.exp_avg_sq");
     let to = from.replace("bucket_idx_1", "bucket_idx_7");
     assert!(patch(&dir.join(".metadata"), from.as_bytes(), to.as_bytes()) > 0);
-    let o = d.fails(&["merge", "dp", "-o", "m"]);
-    assert!(
-        o.stderr.contains(&format!("`{from}`: missing")) && o.stderr.contains("dp/.metadata"),
-        "{}",
-        o.stderr
-    );
-    assert!(!d.path("m").exists());
+    merge_dp_is_refused(&d, &[&format!("`{from}`: missing"), "dp/.metadata"]);
 }
 
 /// A .distcp file cut short, in the middle of the bucket tensors' chunks: named.
 #[test]
 fn dp_reshardable_a_truncated_bucket_tensor_is_named() {
     let d = Dir::new();
-    let dir = d.path("dp");
-    copy_dir(&dist_ckpt_dp(), &dir);
-    let f = dir.join("__6_0.distcp");
+    let f = dp_copy(&d).join("__6_0.distcp");
     let b = std::fs::read(&f).unwrap();
     std::fs::write(&f, &b[..b.len() / 2]).unwrap();
-    let o = d.fails(&["merge", "dp", "-o", "m"]);
-    assert!(
-        o.stderr.contains("__6_0.distcp") && o.stderr.contains("truncated"),
-        "{}",
-        o.stderr
-    );
-    assert!(!d.path("m").exists());
+    merge_dp_is_refused(&d, &["__6_0.distcp", "truncated"]);
 }
 
 /// `per_bucket_numel_unpadded` of domain 0 saying 1409 elements for bucket 1 (the
@@ -336,18 +335,15 @@ fn dp_reshardable_a_truncated_bucket_tensor_is_named() {
 #[test]
 fn dp_reshardable_per_bucket_numel_that_contradicts_the_model_is_named() {
     let d = Dir::new();
-    let dir = d.path("dp");
-    copy_dir(&dist_ckpt_dp(), &dir);
     // The fixture's metadata stores that object in __0_0.distcp; its list [2048, 1408]
     // is pickled as BININT2 0x0800, BININT2 0x0580.
-    let f = dir.join("__0_0.distcp");
+    let f = dp_copy(&d).join("__0_0.distcp");
     assert_eq!(patch(&f, b"M\x00\x08M\x80\x05", b"M\x00\x08M\x81\x05"), 1);
-    let o = d.fails(&["merge", "dp", "-o", "m"]);
-    assert!(
-        o.stderr.contains("dp_group_idx_0.per_bucket_numel_unpadded says [[2048, 1409]]")
-            && o.stderr.contains("make buckets of [[2048, 1408]]"),
-        "{}",
-        o.stderr
+    merge_dp_is_refused(
+        &d,
+        &[
+            "dp_group_idx_0.per_bucket_numel_unpadded says [[2048, 1409]]",
+            "make buckets of [[2048, 1408]]",
+        ],
     );
-    assert!(!d.path("m").exists());
 }
