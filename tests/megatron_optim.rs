@@ -153,6 +153,38 @@ fn bucket_sizes_that_do_not_add_up_are_named() {
     assert!(!d.path("m").exists());
 }
 
+/// The bytes of the expected `optim.<param>.<state>` in a dist_ckpt merge: the state
+/// `optimizer.state.<param|exp_avg|exp_avg_sq>.<key>` of megatron-core's sharded state
+/// dict, whose layers are stacked along dim 0 (layer L: the L-th of 4 equal parts) and
+/// whose norms have TransformerEngine's names (megatron-core's local layer spec saves
+/// them so).
+fn dist_ckpt_state(got: &BTreeMap<String, Vec<u8>>, param: &str, state: &str) -> Vec<u8> {
+    let state = if state == "fp32" { "param" } else { state };
+    let dist_name = |rest: &str| {
+        for (legacy, te) in [
+            ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+            ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+        ] {
+            if let Some(tail) = rest.strip_prefix(legacy) {
+                return format!("{te}{tail}");
+            }
+        }
+        rest.to_string()
+    };
+    let layer = param
+        .strip_prefix("decoder.layers.")
+        .and_then(|r| r.split_once('.'))
+        .map(|(l, rest)| (l.parse::<usize>().unwrap(), dist_name(rest)));
+    match layer {
+        Some((l, rest)) => {
+            let all = &got[&format!("optimizer.state.{state}.decoder.layers.{rest}")];
+            let per = all.len() / 4;
+            all[l * per..(l + 1) * per].to_vec()
+        }
+        None => got[&format!("optimizer.state.{state}.{param}")].clone(),
+    }
+}
+
 /// dist_ckpt (`--ckpt-format torch_dist`) with the distributed optimizer's state, as
 /// megatron-core's own `dist_checkpointing.save` writes it from
 /// `DistributedOptimizer.sharded_state_dict(..., fully_reshardable)` (the same run as the
@@ -165,39 +197,13 @@ fn dist_ckpt_optimizer_states_merge_to_the_optimizers_own() {
     let dist = fixtures().join("dist_ckpt").display().to_string();
     d.ok(&["merge", &dist, "-o", "m"]);
     let got = full_tensors(&d.path("m"));
-    // megatron-core's local layer spec saves the norms under TransformerEngine's names.
-    let dist_name = |rest: &str| {
-        for (legacy, te) in [
-            ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
-            ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
-        ] {
-            if let Some(tail) = rest.strip_prefix(legacy) {
-                return format!("{te}{tail}");
-            }
-        }
-        rest.to_string()
-    };
     let mut checked = 0;
     for (name, want) in expected() {
         let Some(body) = name.strip_prefix("optim.") else {
             continue;
         };
         let (param, state) = body.rsplit_once('.').unwrap();
-        let state = if state == "fp32" { "param" } else { state };
-        let layer = param
-            .strip_prefix("decoder.layers.")
-            .and_then(|r| r.split_once('.'))
-            .map(|(l, rest)| (l.parse::<usize>().unwrap(), dist_name(rest)));
-        let bytes = match layer {
-            // Layer L of the stacked tensor: its L-th equal part.
-            Some((l, rest)) => {
-                let all = &got[&format!("optimizer.state.{state}.decoder.layers.{rest}")];
-                let per = all.len() / 4;
-                all[l * per..(l + 1) * per].to_vec()
-            }
-            None => got[&format!("optimizer.state.{state}.{param}")].clone(),
-        };
-        assert_eq!(bytes, want, "{name}");
+        assert_eq!(dist_ckpt_state(&got, param, state), want, "{name}");
         checked += 1;
     }
     assert_eq!(checked, 53 * 3);
@@ -205,4 +211,139 @@ fn dist_ckpt_optimizer_states_merge_to_the_optimizers_own() {
     d.ok(&["reshard", &dist, "--to", "2", "-o", "r2"]);
     d.ok(&["merge", "r2", "-o", "m2"]);
     assert_eq!(full_tensors(&d.path("m2")), got);
+}
+
+fn dist_ckpt_dp() -> PathBuf {
+    fixtures().join("dist_ckpt_dp")
+}
+
+/// The same state saved `dp_reshardable` (Megatron-LM's default with the distributed
+/// optimizer): one flat tensor per bucket and state, mapped back to the parameters with
+/// the buffer layout ckpt computes for distrib_optim.pt. It merges to the same names
+/// and shapes as `fully_reshardable`; the Adam moments byte-equal to the optimizer's own
+/// (`optim_full.safetensors`: the moments of one step depend on the gradients only,
+/// which the generator seeds by name), the fp32 master weights byte-equal to the
+/// weights of the same save (fp32 training: the main parameter is a view of the model
+/// parameter; dist_ckpt_dp is a later run than the other files, whose fp32 results
+/// differ from them in the last bits, so it is compared with itself).
+#[test]
+fn dist_ckpt_dp_reshardable_states_merge_to_the_optimizers_own() {
+    let d = Dir::new();
+    let dp = dist_ckpt_dp().display().to_string();
+    let full = fixtures().join("dist_ckpt").display().to_string();
+    d.ok(&["merge", &dp, "-o", "m"]);
+    d.ok(&["merge", &full, "-o", "f"]);
+    let got = full_tensors(&d.path("m"));
+    let fully = full_tensors(&d.path("f"));
+    let names = |t: &BTreeMap<String, Vec<u8>>| -> Vec<(String, usize)> {
+        t.iter()
+            .filter(|(k, _)| k.starts_with("optimizer.state."))
+            .map(|(k, v)| (k.clone(), v.len()))
+            .collect()
+    };
+    assert_eq!(names(&got), names(&fully));
+    let mut checked = 0;
+    for (name, want) in expected() {
+        let Some(body) = name.strip_prefix("optim.") else {
+            continue;
+        };
+        let (param, state) = body.rsplit_once('.').unwrap();
+        let bytes = dist_ckpt_state(&got, param, state);
+        if state == "fp32" {
+            // (Compared below with the weights of the same save.)
+            assert_eq!(bytes.len(), want.len(), "{name}");
+        } else {
+            assert_eq!(bytes, want, "{name}");
+            assert_eq!(bytes, dist_ckpt_state(&fully, param, state), "{name}");
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 53 * 3);
+    // The master weights are the model tensors of the same save, key by key.
+    let mut masters = 0;
+    for (k, v) in &got {
+        if let Some(key) = k.strip_prefix("optimizer.state.param.") {
+            assert_eq!(Some(v), got.get(key), "{k}");
+            masters += 1;
+        }
+    }
+    assert_eq!(masters, fully.keys().filter(|k| k.starts_with("optimizer.state.param.")).count());
+    assert!(masters > 0);
+    // Resharded to 2 ranks (DCP) and merged back: the same.
+    d.ok(&["reshard", &dp, "--to", "2", "-o", "r2"]);
+    d.ok(&["merge", "r2", "-o", "m2"]);
+    assert_eq!(full_tensors(&d.path("m2")), got);
+}
+
+/// Replaces every occurrence of `from` by `to` (same length) in `file`.
+fn patch(file: &Path, from: &[u8], to: &[u8]) -> usize {
+    assert_eq!(from.len(), to.len());
+    let mut b = std::fs::read(file).unwrap();
+    let mut n = 0;
+    let mut i = 0;
+    while let Some(at) = b[i..].windows(from.len()).position(|w| w == from) {
+        b[i + at..i + at + to.len()].copy_from_slice(to);
+        i += at + to.len();
+        n += 1;
+    }
+    std::fs::write(file, b).unwrap();
+    n
+}
+
+const BUCKET_1: &str =
+    "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_1";
+
+/// A copy of dist_ckpt_dp in `d`, as `dp`, to damage.
+fn dp_copy(d: &Dir) -> PathBuf {
+    let dir = d.path("dp");
+    copy_dir(&dist_ckpt_dp(), &dir);
+    dir
+}
+
+/// `merge dp` fails with a message naming every one of `needles`, and writes nothing.
+fn merge_dp_is_refused(d: &Dir, needles: &[&str]) {
+    let o = d.fails(&["merge", "dp", "-o", "m"]);
+    assert!(needles.iter().all(|n| o.stderr.contains(n)), "{}", o.stderr);
+    assert!(!d.path("m").exists());
+}
+
+/// A bucket tensor that the metadata does not hold (renamed to bucket 7): named, as
+/// missing, nothing written.
+#[test]
+fn dp_reshardable_a_missing_bucket_tensor_is_named() {
+    let d = Dir::new();
+    let dir = dp_copy(&d);
+    let from = format!("{BUCKET_1}.exp_avg_sq");
+    let to = from.replace("bucket_idx_1", "bucket_idx_7");
+    assert!(patch(&dir.join(".metadata"), from.as_bytes(), to.as_bytes()) > 0);
+    merge_dp_is_refused(&d, &[&format!("`{from}`: missing"), "dp/.metadata"]);
+}
+
+/// A .distcp file cut short, in the middle of the bucket tensors' chunks: named.
+#[test]
+fn dp_reshardable_a_truncated_bucket_tensor_is_named() {
+    let d = Dir::new();
+    let f = dp_copy(&d).join("__6_0.distcp");
+    let b = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &b[..b.len() / 2]).unwrap();
+    merge_dp_is_refused(&d, &["__6_0.distcp", "truncated"]);
+}
+
+/// `per_bucket_numel_unpadded` of domain 0 saying 1409 elements for bucket 1 (the
+/// pickle's BININT2 1408 -> 1409), the tensors left as they are: the model's parameters
+/// make 1408, refused by name.
+#[test]
+fn dp_reshardable_per_bucket_numel_that_contradicts_the_model_is_named() {
+    let d = Dir::new();
+    // The fixture's metadata stores that object in __0_0.distcp; its list [2048, 1408]
+    // is pickled as BININT2 0x0800, BININT2 0x0580.
+    let f = dp_copy(&d).join("__0_0.distcp");
+    assert_eq!(patch(&f, b"M\x00\x08M\x80\x05", b"M\x00\x08M\x81\x05"), 1);
+    merge_dp_is_refused(
+        &d,
+        &[
+            "dp_group_idx_0.per_bucket_numel_unpadded says [[2048, 1409]]",
+            "make buckets of [[2048, 1408]]",
+        ],
+    );
 }

@@ -526,7 +526,7 @@ const SHARED: [&str; 6] = [
 
 /// A format built on another's codec, said here so that it is a decision, not drift:
 /// `(format, the format it builds on, why)`.
-const BUILDS_ON: [(&str, &str, &str); 13] = [
+const BUILDS_ON: [(&str, &str, &str); 14] = [
     (
         "formats::deepspeed_tp",
         "formats::deepspeed",
@@ -576,6 +576,11 @@ const BUILDS_ON: [(&str, &str, &str); 13] = [
         "formats::megatron",
         "formats::torch_save",
         "a legacy Megatron rank file (model_optim_rng.pt) is a torch.save archive",
+    ),
+    (
+        "formats::megatron",
+        "formats::distcp",
+        "a Megatron dist_ckpt is a DCP directory: its dp_reshardable optimizer buckets are mapped to parameters in its metadata",
     ),
     (
         "formats::distcp",

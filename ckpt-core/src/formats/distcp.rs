@@ -20,6 +20,7 @@
 use super::pickle::{self, Emitter, Value};
 use super::{map_file, torch_save, FileFormat, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, IoContext, Result};
+use crate::layout::flat::{numel, FlatRange};
 use crate::Dtype;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -45,14 +46,41 @@ pub(crate) struct DcpChunk {
     /// Where the chunk's `torch.save` archive lies in that file.
     pub(crate) start: u64,
     pub(crate) len: u64,
+    /// When the chunk is a part of the archive's tensor (a reader mapped a flat stored
+    /// tensor to the tensors it holds): which part. `None`: the whole tensor.
+    pub(crate) part: Option<ChunkPart>,
+}
+
+/// A contiguous part of a chunk archive's tensor, taken as a chunk of another tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ChunkPart {
+    /// The shape of the tensor the archive holds.
+    pub(crate) stored: Vec<u64>,
+    /// The elements of it (row-major) that make this chunk, `sizes` in shape.
+    pub(crate) elements: FlatRange,
+}
+
+/// Where a value that is not a tensor (`BytesStorageMetadata`) is stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct DcpBytes {
+    /// The `.distcp` file, relative to the directory.
+    pub(crate) file: String,
+    /// Where its bytes lie in that file.
+    pub(crate) start: u64,
+    pub(crate) len: u64,
 }
 
 /// A DCP directory's `.metadata`, read.
 #[derive(Clone, Debug)]
 pub(crate) struct DcpMetadata {
     pub(crate) tensors: BTreeMap<String, DcpTensor>,
+    /// The tensors' names in the order `state_dict_metadata` lists them (the order of
+    /// the saved state dicts, rank by rank).
+    pub(crate) order: Vec<String>,
     /// Values stored as bytes (`BYTE_IO`), by name.
     pub(crate) bytes: Vec<String>,
+    /// Where each of them is stored.
+    pub(crate) bytes_at: BTreeMap<String, DcpBytes>,
     pub(crate) chunks: Vec<DcpChunk>,
 }
 
@@ -163,7 +191,9 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
         _ => return Err(bad(".metadata: no `state_dict_metadata` dict")),
     };
     let mut tensors = BTreeMap::new();
+    let mut order = Vec::new();
     let mut bytes_items = Vec::new();
+    let mut bytes_at = BTreeMap::new();
     let mut declared_chunks: BTreeMap<(String, Vec<u64>), Vec<u64>> = BTreeMap::new();
     for (k, v) in entries {
         let Value::Str(fqn) = k else {
@@ -221,6 +251,7 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
                     declared_chunks.insert((fqn.clone(), offsets), sizes);
                 }
                 tensors.insert(fqn.clone(), DcpTensor { dtype, shape });
+                order.push(fqn.clone());
             }
             _ => {
                 return Err(bad(what(
@@ -285,6 +316,14 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
             &format!("`{fqn}`: storage length"),
         )?;
         if bytes_items.contains(fqn) {
+            bytes_at.insert(
+                fqn.clone(),
+                DcpBytes {
+                    file: file.clone(),
+                    start,
+                    len,
+                },
+            );
             continue;
         }
         let offsets = size(
@@ -302,6 +341,7 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
             file: file.clone(),
             start,
             len,
+            part: None,
         });
     }
     // Every declared chunk must be stored somewhere.
@@ -318,6 +358,8 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
     chunks.sort_by(|a, b| (&a.file, a.start).cmp(&(&b.file, b.start)));
     Ok(DcpMetadata {
         tensors,
+        order,
+        bytes_at,
         bytes: bytes_items,
         chunks,
     })
@@ -398,11 +440,33 @@ impl DcpMetadata {
             )));
         }
         let mut entry = found.remove(0);
-        if entry.dtype != t.dtype || entry.shape != c.sizes {
+        let stored = c.part.as_ref().map_or(&c.sizes, |p| &p.stored);
+        if entry.dtype != t.dtype || &entry.shape != stored {
             return Err(what(format!(
                 "the chunk at {:?} holds {:?} {:?}, the metadata says {:?} {:?}",
-                c.offsets, entry.dtype, entry.shape, t.dtype, c.sizes
+                c.offsets, entry.dtype, entry.shape, t.dtype, stored
             )));
+        }
+        if let Some(p) = &c.part {
+            // (Whole bytes only: a part of a sub-byte dtype that starts inside a byte
+            // is refused below.)
+            let bits = t.dtype.bitsize() as u64;
+            let bytes = |n: u64| n.checked_mul(bits).filter(|b| b % 8 == 0).map(|b| b / 8);
+            let start = bytes(p.elements.start).and_then(|b| entry.start.checked_add(b));
+            let end = start.and_then(|s| s.checked_add(bytes(p.elements.len)?));
+            match (start, end) {
+                (Some(s), Some(e)) if e <= entry.end && numel(&c.sizes)? == p.elements.len => {
+                    entry.start = s;
+                    entry.end = e;
+                }
+                _ => {
+                    return Err(what(format!(
+                        "the chunk at {:?} is elements {} of a stored {stored:?}, which it does not hold as {:?}",
+                        c.offsets, p.elements, c.sizes
+                    )))
+                }
+            }
+            entry.shape = c.sizes.clone();
         }
         entry.name = c.fqn.clone();
         entry.start += c.start;

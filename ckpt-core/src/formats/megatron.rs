@@ -25,6 +25,7 @@
 //! Namespace, numpy's arrays of the RNG state, `_codecs.encode`, torch's dtypes,
 //! megatron's own enums); anything else is refused by name.
 
+pub(crate) mod dist_optim;
 mod optim;
 mod pickled;
 mod rng;
@@ -870,18 +871,15 @@ pub(crate) const DIST_METADATA_FILE: &str = "metadata.json";
 /// dist_ckpt's file of the state that is not sharded (args, iteration, ...).
 pub(crate) const COMMON_FILE: &str = "common.pt";
 
+/// A `common.pt`'s object, read with the globals Megatron's pickles may name.
+fn common_object(path: &Path) -> Result<Value> {
+    let map = map_file(path)?;
+    pickled::object(map.as_deref().unwrap_or(&[]))
+}
+
 /// The top-level keys of a `common.pt`, and its args when they are Megatron's.
 fn common_keys(path: &Path) -> Result<(Vec<String>, Option<Args>)> {
-    let map = map_file(path)?;
-    let all: &[u8] = map.as_deref().unwrap_or(&[]);
-    let obj = Archive::open(all).and_then(|a| a.object())?;
-    let mut names = Vec::new();
-    obj.globals(&mut names);
-    if let Some((m, n)) = names.into_iter().find(|(m, n)| !allowed(m, n)) {
-        return Err(Error::InvalidTorch {
-            problem: format!("data.pkl names the global `{m}.{n}`"),
-        });
-    }
+    let obj = common_object(path)?;
     let Value::Dict(kv) = &obj else {
         return Ok((vec![], None));
     };

@@ -356,8 +356,13 @@ impl Discovery {
     /// not tensors (ckpt does not carry them).
     fn read_dcp(&mut self, dir: &Path) -> Result<&DcpMetadata> {
         if !self.dcp.contains_key(dir) {
-            let m = distcp::read_metadata(dir)?;
+            let mut m = distcp::read_metadata(dir)?;
             self.notes.extend(m.non_tensor_note(dir));
+            // Megatron's dist_ckpt: the distributed optimizer's per-bucket state, mapped
+            // to the parameters.
+            if dir.join(megatron::DIST_METADATA_FILE).is_file() {
+                megatron::dist_optim::map_buckets(dir, &mut m)?;
+            }
             self.dcp.insert(dir.to_path_buf(), m);
         }
         Ok(&self.dcp[dir])

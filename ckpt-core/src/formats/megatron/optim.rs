@@ -43,7 +43,7 @@ pub(crate) const STATES: [(&str, &str); 3] = [
 /// `_pad_start_of_param_if_needed`: parameters start at multiples of 64 elements.
 const PARAM_ALIGN: u64 = 64;
 
-fn err(path: &Path, problem: impl Into<String>) -> Error {
+pub(super) fn err(path: &Path, problem: impl Into<String>) -> Error {
     Error::InvalidMegatronOptim {
         path: path.to_path_buf(),
         problem: problem.into(),
@@ -158,6 +158,9 @@ pub(crate) struct Param {
 pub(crate) struct BufferLayout {
     /// `(param index, gbuf index, range in that buffer's world tensors)`, per parameter.
     pub(crate) params: Vec<(usize, usize, FlatRange)>,
+    /// Per entry of `params`: the bucket of its buffer it is in, and its range in that
+    /// bucket (what dist_ckpt's dp_reshardable tensors, one per bucket, hold).
+    pub(crate) in_bucket: Vec<(usize, FlatRange)>,
     /// `numel_unpadded` of each buffer: its buckets' unpadded sizes summed.
     pub(crate) numel_unpadded: Vec<u64>,
     /// Per buffer, the elements no parameter holds (each parameter's start padding).
@@ -204,6 +207,7 @@ pub(crate) fn buffer_layout(
     };
     let mut out = BufferLayout {
         params: Vec::with_capacity(params.len()),
+        in_bucket: Vec::with_capacity(params.len()),
         numel_unpadded: Vec::new(),
         padding: Vec::new(),
         buckets: Vec::new(),
@@ -281,6 +285,7 @@ pub(crate) fn buffer_layout(
             let (buf, co) = origins[b];
             let r = FlatRange::new(s - buf + co, e - s);
             out.params.push((i, g, r));
+            out.in_bucket.push((b, FlatRange::new(s - buf, e - s)));
             ranges.push(r);
         }
         ranges.sort();
@@ -645,6 +650,9 @@ mod tests {
         let l = buffer_layout(&ps, &ddp(Some(100)), 0, 1).unwrap();
         assert_eq!(l.buckets, vec![vec![138, 5]]);
         assert_eq!(l.params[3], (0, 0, FlatRange::new(138, 5)));
+        // d is the whole of bucket 1 (which starts at 256 in the buffer).
+        assert_eq!(l.in_bucket[3], (1, FlatRange::new(0, 5)));
+        assert_eq!(l.in_bucket[2], (0, FlatRange::new(128, 10)));
         // On later pipeline stages there is no bucketing.
         let l1 = buffer_layout(&ps, &ddp(Some(100)), 1, 2).unwrap();
         assert_eq!(l1.buckets, vec![vec![197]]);

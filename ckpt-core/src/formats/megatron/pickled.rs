@@ -2,8 +2,26 @@
 //! optimizer's: the globals allowed beyond torch's tensor machinery, and the fields of
 //! the pickled `argparse.Namespace` (`args`).
 
+use crate::error::{Error, Result};
 use crate::formats::pickle::Value;
-use crate::formats::torch_save;
+use crate::formats::torch_save::{self, Archive};
+
+/// The object of a torch.save archive (`common.pt`, a pickled ShardedObject), read with
+/// the globals Megatron's pickles may name ([`allowed`]); nothing is imported or run.
+///
+/// # Errors
+/// Not a torch.save archive; a global outside the list.
+pub(crate) fn object(all: &[u8]) -> Result<Value> {
+    let obj = Archive::open(all).and_then(|a| a.object())?;
+    let mut names = Vec::new();
+    obj.globals(&mut names);
+    if let Some((m, n)) = names.into_iter().find(|(m, n)| !allowed(m, n)) {
+        return Err(Error::InvalidTorch {
+            problem: format!("data.pkl names the global `{m}.{n}`"),
+        });
+    }
+    Ok(obj)
+}
 
 /// The Namespace's fields: `Build { object: Namespace(), state: {..} }`.
 pub(crate) fn namespace_fields(v: &Value) -> Option<&[(Value, Value)]> {
