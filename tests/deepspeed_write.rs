@@ -494,7 +494,7 @@ fn zero3_three_ranks_hold_each_parameters_part_in_place() {
         "fc2.weight",
         "fc2.bias",
     ];
-    let mut at = vec![0usize; 3];
+    let mut at = [0usize; 3];
     for (name, &n) in names.iter().zip(&numels) {
         let k = expected
             .tensors()

@@ -375,7 +375,7 @@ fn damaged_rank_files_never_panic() {
     let (mut opened, mut refused) = (0, 0);
     for b in cases {
         std::fs::write(&f, &b).unwrap();
-        match ckpt_core::Checkpoint::scan(&[l.clone()]) {
+        match ckpt_core::Checkpoint::scan(std::slice::from_ref(&l)) {
             Ok((ck, _)) => {
                 opened += 1;
                 for file in &ck.files {

@@ -267,7 +267,13 @@ fn dist_ckpt_dp_reshardable_states_merge_to_the_optimizers_own() {
             masters += 1;
         }
     }
-    assert_eq!(masters, fully.keys().filter(|k| k.starts_with("optimizer.state.param.")).count());
+    assert_eq!(
+        masters,
+        fully
+            .keys()
+            .filter(|k| k.starts_with("optimizer.state.param."))
+            .count()
+    );
     assert!(masters > 0);
     // Resharded to 2 ranks (DCP) and merged back: the same.
     d.ok(&["reshard", &dp, "--to", "2", "-o", "r2"]);

@@ -323,7 +323,7 @@ fn damaged_tensor_parallel_files_never_panic() {
         }
         for b in cases {
             std::fs::write(&f, &b).unwrap();
-            match ckpt_core::Checkpoint::open(&[to.clone()]) {
+            match ckpt_core::Checkpoint::open(std::slice::from_ref(&to)) {
                 Ok(ck) => {
                     opened += 1;
                     for file in &ck.files {

@@ -35,14 +35,12 @@ fn files(dir: &Path) -> BTreeSet<PathBuf> {
     out
 }
 
+/// A tensor of a `.pt` file: dtype, shape, bytes.
+type PtTensor = (String, Vec<u64>, Vec<u8>);
+
 /// A `.pt` file's tensors: name (its key in the pickled object), dtype, shape, bytes;
 /// and the plain values beside them (`cat_dim`), by name.
-fn pt(
-    path: &Path,
-) -> (
-    BTreeMap<String, (String, Vec<u64>, Vec<u8>)>,
-    Option<String>,
-) {
+fn pt(path: &Path) -> (BTreeMap<String, PtTensor>, Option<String>) {
     let f = ckpt_core::TensorFile::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let bytes = full_tensors(path);
     let tensors = f
@@ -184,7 +182,7 @@ fn ucp_reads_back_as_the_zero_checkpoint() {
             // fc1/fc2 weight and bias, embed: 5 parameters, 3 states each.
             assert_eq!(trainable, 15, "{v}: {src:?}");
             // The shapes are the parameters' (ZeRO-3's files are flat).
-            let ck = ckpt_core::Checkpoint::open(&[src.clone()]).unwrap();
+            let ck = ckpt_core::Checkpoint::open(std::slice::from_ref(&src)).unwrap();
             assert_eq!(ck.tensors["fc1.weight"].shape, vec![7, 6], "{v}");
         }
         // Through `latest_universal`, as DeepSpeed finds it, and with inspect.

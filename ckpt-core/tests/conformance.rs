@@ -358,7 +358,7 @@ fn dir_round_trip_and_coverage(case: &DirCase) {
     let scratch = tempfile::tempdir().unwrap();
     let dir = (case.make)(scratch.path());
     let before = listing(scratch.path());
-    let ck = ckpt_core::Checkpoint::open(&[dir.clone()]).unwrap();
+    let ck = ckpt_core::Checkpoint::open(std::slice::from_ref(&dir)).unwrap();
     assert!(
         ck.files.iter().all(|f| f.format() == case.format),
         "{:?}",
@@ -587,7 +587,7 @@ fn ucp_conforms() {
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/deepspeed");
     for v in ["zero2_fp32", "zero3_fp32"] {
         let tree = fixtures.join(v).join("ucp");
-        let ck = ckpt_core::Checkpoint::open(&[tree.clone()]).unwrap();
+        let ck = ckpt_core::Checkpoint::open(std::slice::from_ref(&tree)).unwrap();
         assert!(
             ck.files.iter().all(|f| f.format() == FileFormat::Ucp),
             "{v}"
@@ -603,7 +603,7 @@ fn ucp_conforms() {
         let file = copy.join("zero/fc1.weight/exp_avg.pt");
         let good = std::fs::read(&file).unwrap();
         let named = |what: &str, path: &Path| {
-            let e = ckpt_core::Checkpoint::open(&[copy.clone()])
+            let e = ckpt_core::Checkpoint::open(std::slice::from_ref(&copy))
                 .map(|_| ())
                 .expect_err(&format!("{v}: {what} opened"));
             assert!(

@@ -239,7 +239,7 @@ impl PyCheckpoint {
     fn plan_boxes(
         &self,
         py: Python<'_>,
-        requests: Vec<(String, Vec<u64>, String, Vec<u64>, Vec<u64>)>,
+        requests: Vec<crate::load::BoxRequest>,
     ) -> PyResult<LoadPlan> {
         LoadPlan::for_boxes(py, self.inner.clone(), requests)
     }

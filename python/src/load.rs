@@ -15,6 +15,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+/// One requested box: `(name, global shape, dtype, start, local shape)`.
+pub(crate) type BoxRequest = (String, Vec<u64>, String, Vec<u64>, Vec<u64>);
+
 /// The planned tensors of one load.
 #[pyclass(module = "ckpt._ckpt", frozen)]
 pub(crate) struct LoadPlan {
@@ -167,7 +170,7 @@ impl LoadPlan {
     pub(crate) fn for_boxes(
         py: Python<'_>,
         source: Arc<Checkpoint>,
-        requests: Vec<(String, Vec<u64>, String, Vec<u64>, Vec<u64>)>,
+        requests: Vec<BoxRequest>,
     ) -> PyResult<LoadPlan> {
         let mut problems = Vec::new();
         let mut tensors = Vec::with_capacity(requests.len());
@@ -228,11 +231,14 @@ impl LoadPlan {
     }
 }
 
+/// `(name, dtype, local shape, view)` of one planned tensor ([`LoadPlan::entries`]).
+type PlanEntry = (String, String, Vec<u64>, Option<(PathBuf, u64)>);
+
 #[pymethods]
 impl LoadPlan {
     /// `(name, dtype, local shape, view)` per tensor, `view` being `(path, byte offset)`
     /// where the bytes are one run of an uncompressed file, else None.
-    fn entries(&self) -> Vec<(String, String, Vec<u64>, Option<(PathBuf, u64)>)> {
+    fn entries(&self) -> Vec<PlanEntry> {
         self.tensors
             .iter()
             .map(|t| {

@@ -150,6 +150,13 @@ impl TrainConfig {
     }
 }
 
+/// Checks `--data` at parse time (an unknown data set is a usage error), keeping the text.
+pub(crate) fn parse_data(s: &str) -> std::result::Result<String, String> {
+    crate::data::DataSource::parse(s)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,11 +218,4 @@ mod tests {
             (true, OptimizerKind::Sgd, 2, 5)
         );
     }
-}
-
-/// Checks `--data` at parse time (an unknown data set is a usage error), keeping the text.
-pub(crate) fn parse_data(s: &str) -> std::result::Result<String, String> {
-    crate::data::DataSource::parse(s)
-        .map(|_| s.to_string())
-        .map_err(|e| e.to_string())
 }

@@ -192,7 +192,7 @@ mod tests {
         assert_eq!(&r[12..15], b"abc");
         // CRC-32C of "abc" is 0x364b3fb7 (RFC 3720's polynomial); masked as TFRecord does.
         let crc: u32 = 0x364b_3fb7;
-        let masked = ((crc >> 15) | (crc << 17)).wrapping_add(0xa282_ead8);
+        let masked = crc.rotate_right(15).wrapping_add(0xa282_ead8);
         assert_eq!(&r[15..], &masked.to_le_bytes());
         assert_eq!(r.len(), 8 + 4 + 3 + 4);
     }

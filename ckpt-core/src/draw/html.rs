@@ -259,19 +259,6 @@ pub fn write_html_report(
     Ok(page.len() as u64)
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn page_has_one_place_for_data_and_title() {
-        assert_eq!(super::PAGE.matches("__DATA__").count(), 1);
-        assert_eq!(super::PAGE.matches("__TITLE__").count(), 1);
-        // Self-contained: nothing is fetched.
-        for fetch in ["src=", "href=", "@import", "url(", "fetch("] {
-            assert!(!super::PAGE.contains(fetch), "{fetch}");
-        }
-    }
-}
-
 /// Writes the page of a reshard plan (see [`plan_html_report`]) to `dest`, through a
 /// temporary name; returns its size.
 ///
@@ -287,4 +274,17 @@ pub fn write_plan_html(
     let page = plan_html_report(source, plan, mesh, title)?;
     crate::formats::output::write_file_atomic(dest, page.as_bytes())?;
     Ok(page.len() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn page_has_one_place_for_data_and_title() {
+        assert_eq!(super::PAGE.matches("__DATA__").count(), 1);
+        assert_eq!(super::PAGE.matches("__TITLE__").count(), 1);
+        // Self-contained: nothing is fetched.
+        for fetch in ["src=", "href=", "@import", "url(", "fetch("] {
+            assert!(!super::PAGE.contains(fetch), "{fetch}");
+        }
+    }
 }

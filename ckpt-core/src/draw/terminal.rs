@@ -274,6 +274,8 @@ pub fn render_text(p: &TensorPicture, canvas: &Canvas) -> String {
 }
 
 #[cfg(test)]
+// One-dimensional regions are written as one range: `&[0..3]`.
+#[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
     use crate::draw::Holding;

@@ -200,6 +200,9 @@ pub fn execute(
     execute_with(plan, source, out_dir, progress, None)
 }
 
+/// Per stored tensor (file, index): its shape and the distinct boxes read from it.
+type BoxesRead<'a> = BTreeMap<(usize, usize), (&'a [u64], BTreeSet<&'a Region>)>;
+
 /// [`execute`], writing every file compressed (`.ckptz`) when `compression` is given.
 ///
 /// # Errors
@@ -250,7 +253,7 @@ pub fn execute_with(
     // copied, over the same mapped pages; those read only in part cannot be.
     // (A tensor is read whole when the distinct boxes read from it tile it: blocked
     // shards are read box by box.)
-    let mut boxes: BTreeMap<(usize, usize), (&[u64], BTreeSet<&Region>)> = BTreeMap::new();
+    let mut boxes: BoxesRead = BTreeMap::new();
     for t in plan.files.iter().flat_map(|f| &f.tensors) {
         for op in &t.ops {
             let e = boxes

@@ -293,8 +293,11 @@ pub struct SafetensorsWriter {
     specs: Vec<TensorSpec>,
     metadata: BTreeMap<String, String>,
     /// Per tensor: `(offset, length, checksum)` of every write; `None` without checksums.
-    written: Option<Vec<Mutex<Vec<(u64, u64, Checksum)>>>>,
+    written: Option<Vec<Mutex<Written>>>,
 }
+
+/// `(offset, length, checksum)` of each write to one tensor.
+type Written = Vec<(u64, u64, Checksum)>;
 
 /// Serialises a header: entries in the given order, offsets contiguous, padded with
 /// spaces to a multiple of 8 bytes. Returns the bytes (with the length prefix) and each

@@ -574,7 +574,7 @@ pub(super) fn write_zero12(
     }
 
     let staged = StagedDir::new(output, force)?;
-    let out_dir = staged.path().join(&tag);
+    let out_dir = staged.path().join(tag);
     std::fs::create_dir_all(&out_dir).map_err(|e| Error::Io {
         path: out_dir.clone(),
         source: e,
@@ -858,10 +858,8 @@ mod tests {
                 let left = r * size;
                 let padding = if used <= left {
                     size
-                } else if used < left + size {
-                    left + size - used
                 } else {
-                    0
+                    (left + size).saturating_sub(used)
                 };
                 (size - padding, padding)
             })

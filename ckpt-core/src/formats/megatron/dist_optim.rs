@@ -248,7 +248,11 @@ fn read_per_bucket_numel(dir: &Path, m: &DcpMetadata, domain: u64) -> Result<Per
     let all: &[u8] = map.as_deref().unwrap_or(&[]);
     let bytes = usize::try_from(at.start)
         .ok()
-        .zip(at.start.checked_add(at.len).and_then(|e| usize::try_from(e).ok()))
+        .zip(
+            at.start
+                .checked_add(at.len)
+                .and_then(|e| usize::try_from(e).ok()),
+        )
         .and_then(|(s, e)| all.get(s..e))
         .ok_or_else(|| {
             err(
@@ -307,14 +311,19 @@ pub(crate) fn map_buckets(dir: &Path, m: &mut DcpMetadata) -> Result<()> {
         return Err(unsupported("with virtual pipeline stages".into()));
     }
     if let Some(key) = &args.uneven {
-        return Err(unsupported(format!("with uneven pipeline stages (args.{key})")));
+        return Err(unsupported(format!(
+            "with uneven pipeline stages (args.{key})"
+        )));
     }
     if ddp.tied && args.pp > 1 {
         return Err(unsupported(
             "with the embedding and output layer tied over several pipeline stages (the last stage's copy has no model tensor of its own)".into(),
         ));
     }
-    if let Some(b) = buckets.keys().find(|b| !STATES.iter().any(|(s, _)| *s == b.state)) {
+    if let Some(b) = buckets
+        .keys()
+        .find(|b| !STATES.iter().any(|(s, _)| *s == b.state))
+    {
         return Err(unsupported(format!(
             "with the state `{}` (Adam's param, exp_avg and exp_avg_sq are read)",
             b.state
@@ -376,7 +385,9 @@ pub(crate) fn map_buckets(dir: &Path, m: &mut DcpMetadata) -> Result<()> {
                     let Some(key) = buckets.get(&want) else {
                         return Err(err(
                             &meta,
-                            format!("`{name}`: missing, yet per_bucket_numel_unpadded has this bucket"),
+                            format!(
+                                "`{name}`: missing, yet per_bucket_numel_unpadded has this bucket"
+                            ),
                         ));
                     };
                     let t = &m.tensors[key];
@@ -424,7 +435,9 @@ pub(crate) fn map_buckets(dir: &Path, m: &mut DcpMetadata) -> Result<()> {
                                 .offsets
                                 .iter()
                                 .zip(&bx.region.start)
-                                .map(|(a, b)| a.checked_add(*b).ok_or_else(|| overflow(fqn.as_str())))
+                                .map(|(a, b)| {
+                                    a.checked_add(*b).ok_or_else(|| overflow(fqn.as_str()))
+                                })
                                 .collect::<Result<Vec<u64>>>()?;
                             let len = bx.region.numel();
                             new_chunks.push(DcpChunk {
@@ -468,8 +481,9 @@ pub(crate) fn map_buckets(dir: &Path, m: &mut DcpMetadata) -> Result<()> {
     }
     m.chunks.retain(|c| bucket_key(&c.fqn).is_none());
     m.chunks.extend(new_chunks);
-    m.chunks
-        .sort_by(|a, b| (&a.file, a.start, &a.fqn, &a.offsets).cmp(&(&b.file, b.start, &b.fqn, &b.offsets)));
+    m.chunks.sort_by(|a, b| {
+        (&a.file, a.start, &a.fqn, &a.offsets).cmp(&(&b.file, b.start, &b.fqn, &b.offsets))
+    });
     m.tensors.retain(|k, _| bucket_key(k).is_none());
     m.order.retain(|k| bucket_key(k).is_none());
     m.order.extend(new_tensors.keys().cloned());
@@ -498,6 +512,9 @@ mod tests {
             bucket_key("optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1"),
             None
         );
-        assert_eq!(bucket_key("optimizer.state.param.output_layer.weight"), None);
+        assert_eq!(
+            bucket_key("optimizer.state.param.output_layer.weight"),
+            None
+        );
     }
 }
