@@ -153,13 +153,12 @@ fn bucket_sizes_that_do_not_add_up_are_named() {
     assert!(!d.path("m").exists());
 }
 
-/// The bytes of the expected `optim.<param>.<state>` in a dist_ckpt merge: the state
-/// `optimizer.state.<param|exp_avg|exp_avg_sq>.<key>` of megatron-core's sharded state
-/// dict, whose layers are stacked along dim 0 (layer L: the L-th of 4 equal parts) and
-/// whose norms have TransformerEngine's names (megatron-core's local layer spec saves
-/// them so).
-fn dist_ckpt_state(got: &BTreeMap<String, Vec<u8>>, param: &str, state: &str) -> Vec<u8> {
-    let state = if state == "fp32" { "param" } else { state };
+/// Where the state `state` (`param`, `fp32_param`, `exp_avg`, `exp_avg_sq`) of the
+/// legacy-named parameter `param` lies in a dist_ckpt merge: the key of megatron-core's
+/// sharded state dict, whose layers are stacked along dim 0 (4 layers) and whose norms
+/// have TransformerEngine's names (megatron-core's local layer spec saves them so); and
+/// for a transformer layer, its index in the stack.
+fn dist_ckpt_key(param: &str, state: &str) -> (String, Option<usize>) {
     let dist_name = |rest: &str| {
         for (legacy, te) in [
             ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
@@ -171,18 +170,70 @@ fn dist_ckpt_state(got: &BTreeMap<String, Vec<u8>>, param: &str, state: &str) ->
         }
         rest.to_string()
     };
-    let layer = param
+    match param
         .strip_prefix("decoder.layers.")
         .and_then(|r| r.split_once('.'))
-        .map(|(l, rest)| (l.parse::<usize>().unwrap(), dist_name(rest)));
+    {
+        Some((l, rest)) => (
+            format!("optimizer.state.{state}.decoder.layers.{}", dist_name(rest)),
+            Some(l.parse().unwrap()),
+        ),
+        None => (format!("optimizer.state.{state}.{param}"), None),
+    }
+}
+
+/// The bytes of that state in a dist_ckpt merge `got` (layer L: the L-th of 4 equal
+/// parts of the stack).
+fn dist_ckpt_state(got: &BTreeMap<String, Vec<u8>>, param: &str, state: &str) -> Vec<u8> {
+    let (key, layer) = dist_ckpt_key(param, state);
+    let all = &got[&key];
     match layer {
-        Some((l, rest)) => {
-            let all = &got[&format!("optimizer.state.{state}.decoder.layers.{rest}")];
+        Some(l) => {
             let per = all.len() / 4;
             all[l * per..(l + 1) * per].to_vec()
         }
-        None => got[&format!("optimizer.state.{state}.{param}")].clone(),
+        None => all.clone(),
     }
+}
+
+/// The optimizer states of a merged dist_ckpt (`got`, with `shapes`) against the
+/// optimizer's own (`want`, legacy names, one tensor per layer, with `want_shapes`):
+/// every state of every parameter byte-equal, with the parameter's shape (the stack's
+/// without its first dim for a layer); the master weight is state `master`. Returns how
+/// many were checked.
+fn assert_dist_ckpt_states(
+    got: &BTreeMap<String, Vec<u8>>,
+    shapes: &BTreeMap<String, Vec<u64>>,
+    want: &BTreeMap<String, Vec<u8>>,
+    want_shapes: &BTreeMap<String, Vec<u64>>,
+    master: &str,
+) -> usize {
+    let mut checked = 0;
+    for (name, want_bytes) in want {
+        let Some(body) = name.strip_prefix("optim.") else {
+            continue;
+        };
+        let (param, state) = body.rsplit_once('.').unwrap();
+        let state = if state == "fp32" { master } else { state };
+        let (key, layer) = dist_ckpt_key(param, state);
+        let shape = match layer {
+            Some(_) => shapes[&key][1..].to_vec(),
+            None => shapes[&key].clone(),
+        };
+        assert_eq!(&dist_ckpt_state(got, param, state), want_bytes, "{name}");
+        assert_eq!(&shape, &want_shapes[name], "{name}");
+        checked += 1;
+    }
+    checked
+}
+
+/// Every tensor's shape.
+fn shapes_of(path: &Path) -> BTreeMap<String, Vec<u64>> {
+    let ck = ckpt_core::Checkpoint::open(&[path.to_path_buf()]).expect("open");
+    ck.tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shape.clone()))
+        .collect()
 }
 
 /// dist_ckpt (`--ckpt-format torch_dist`) with the distributed optimizer's state, as
@@ -197,15 +248,14 @@ fn dist_ckpt_optimizer_states_merge_to_the_optimizers_own() {
     let dist = fixtures().join("dist_ckpt").display().to_string();
     d.ok(&["merge", &dist, "-o", "m"]);
     let got = full_tensors(&d.path("m"));
-    let mut checked = 0;
-    for (name, want) in expected() {
-        let Some(body) = name.strip_prefix("optim.") else {
-            continue;
-        };
-        let (param, state) = body.rsplit_once('.').unwrap();
-        assert_eq!(dist_ckpt_state(&got, param, state), want, "{name}");
-        checked += 1;
-    }
+    let want = fixtures().join("optim_full.safetensors");
+    let checked = assert_dist_ckpt_states(
+        &got,
+        &shapes_of(&d.path("m")),
+        &expected(),
+        &shapes_of(&want),
+        "param",
+    );
     assert_eq!(checked, 53 * 3);
     // Resharded like any DCP source, the states come back the same.
     d.ok(&["reshard", &dist, "--to", "2", "-o", "r2"]);
@@ -248,8 +298,9 @@ fn dist_ckpt_dp_reshardable_states_merge_to_the_optimizers_own() {
             continue;
         };
         let (param, state) = body.rsplit_once('.').unwrap();
+        let state = if state == "fp32" { "param" } else { state };
         let bytes = dist_ckpt_state(&got, param, state);
-        if state == "fp32" {
+        if state == "param" {
             // (Compared below with the weights of the same save.)
             assert_eq!(bytes.len(), want.len(), "{name}");
         } else {
@@ -277,6 +328,83 @@ fn dist_ckpt_dp_reshardable_states_merge_to_the_optimizers_own() {
     assert!(masters > 0);
     // Resharded to 2 ranks (DCP) and merged back: the same.
     d.ok(&["reshard", &dp, "--to", "2", "-o", "r2"]);
+    d.ok(&["merge", "r2", "-o", "m2"]);
+    assert_eq!(full_tensors(&d.path("m2")), got);
+}
+
+/// megatron-core <= 0.15's default sharding type, `fully_sharded_model_space`
+/// (tests/fixtures/megatron/tp2pp2dp2_flat, megatron-core 0.15.3, the same tiny GPT and
+/// step): `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>` hold each dp rank's
+/// `flattened_range` of its TP-local chunk, stored in the reformulated shape
+/// `axis_fragmentations + (chunk elements,)`.
+fn flat_fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/megatron/tp2pp2dp2_flat")
+}
+
+fn flat_dist() -> String {
+    flat_fixtures().join("dist_ckpt").display().to_string()
+}
+
+/// The flattened fixture's dist_ckpt copied into `d`, its `.metadata` edited by `edit`.
+fn flat_copy_with(d: &Dir, edit: impl Fn(&mut Vec<u8>)) -> String {
+    let to = d.path("dist");
+    copy_dir(&flat_fixtures().join("dist_ckpt"), &to);
+    let meta = to.join(".metadata");
+    let mut b = std::fs::read(&meta).unwrap();
+    edit(&mut b);
+    std::fs::write(&meta, b).unwrap();
+    to.display().to_string()
+}
+
+/// Renames every pickled string `from` (SHORT_BINUNICODE) to `to`, of the same length.
+fn rename_string(b: &mut [u8], from: &str, to: &str) {
+    assert_eq!(from.len(), to.len());
+    let mut pat = vec![0x8c, u8::try_from(from.len()).unwrap()];
+    pat.extend_from_slice(from.as_bytes());
+    let mut n = 0;
+    let mut i = 0;
+    while let Some(at) = b[i..].windows(pat.len()).position(|w| w == pat.as_slice()) {
+        b[i + at + 2..i + at + pat.len()].copy_from_slice(to.as_bytes());
+        i += at + pat.len();
+        n += 1;
+    }
+    assert!(n > 0, "`{from}` is not in the pickle");
+}
+
+/// The states merge to the parameter's real shape (not `[L, tp, 1, numel]`) and bytes,
+/// equal to the optimizer's own; resharded, they come back the same.
+#[test]
+fn flattened_optimizer_states_merge_to_the_optimizers_own() {
+    let d = Dir::new();
+    let dist = flat_dist();
+    d.ok(&["merge", &dist, "-o", "m"]);
+    let got = full_tensors(&d.path("m"));
+    let want = flat_fixtures().join("optim_full.safetensors");
+    let shapes = shapes_of(&d.path("m"));
+    let checked = assert_dist_ckpt_states(
+        &got,
+        &shapes,
+        &full_tensors(&want),
+        &shapes_of(&want),
+        "fp32_param",
+    );
+    assert_eq!(checked, 53 * 3);
+    // The stacked shape itself, and the fused QKV state whose layer 1 two dp ranks split
+    // (elements 0..192 and 192..256 of each TP chunk).
+    assert_eq!(
+        shapes["optimizer.state.exp_avg.decoder.layers.self_attention.linear_proj.weight"],
+        vec![4, 16, 16]
+    );
+    assert_eq!(
+        shapes["optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight"],
+        vec![4, 32, 16]
+    );
+    // The model weights beside them, as in any dist_ckpt.
+    assert_eq!(
+        shapes["decoder.layers.self_attention.linear_qkv.weight"],
+        vec![4, 32, 16]
+    );
+    d.ok(&["reshard", &dist, "--to", "2", "-o", "r2"]);
     d.ok(&["merge", "r2", "-o", "m2"]);
     assert_eq!(full_tensors(&d.path("m2")), got);
 }
@@ -352,4 +480,43 @@ fn dp_reshardable_per_bucket_numel_that_contradicts_the_model_is_named() {
             "make buckets of [[2048, 1408]]",
         ],
     );
+}
+
+/// A `.metadata` without `mcore_data` says nothing of flattening: the model tensor's
+/// shape does (the reformulation of it), and the states merge the same.
+#[test]
+fn without_mcore_data_the_model_tensors_give_the_shapes() {
+    let d = Dir::new();
+    let dist = flat_copy_with(&d, |b| rename_string(b, "mcore_data", "mcore_datX"));
+    d.ok(&["merge", &dist, "-o", "m"]);
+    let want = full_tensors(&d.path("m"));
+    d.ok(&["merge", &flat_dist(), "-o", "m0"]);
+    assert_eq!(want, full_tensors(&d.path("m0")));
+}
+
+/// Without `mcore_data` and without the model tensor, a `[1, .., 1, n]`-chunked
+/// optimizer state could be flattened or not: refused by name, nothing written.
+#[test]
+fn a_flattened_state_without_its_model_tensor_is_refused_by_name() {
+    let d = Dir::new();
+    let key = "decoder.layers.self_attention.linear_proj.weight";
+    let dist = flat_copy_with(&d, |b| {
+        rename_string(b, "mcore_data", "mcore_datX");
+        rename_string(b, key, "decoder.layers.self_attention.linear_proj.weighX");
+    });
+    let o = d.fails(&["merge", &dist, "-o", "m"]);
+    assert!(
+        o.stderr.contains(&format!("optimizer.state.exp_avg.{key}"))
+            && o.stderr.contains(&format!("no model tensor `{key}`"))
+            && o.stderr.contains(".metadata"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("m").exists());
+    // With mcore_data the checkpoint says it itself: the model tensor is not needed.
+    let d = Dir::new();
+    let dist = flat_copy_with(&d, |b| {
+        rename_string(b, key, "decoder.layers.self_attention.linear_proj.weighX");
+    });
+    d.ok(&["merge", &dist, "-o", "m"]);
 }

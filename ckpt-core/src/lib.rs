@@ -70,8 +70,8 @@ pub use crate::formats::{
 pub use crate::launch::{LaunchEnv, Launcher};
 pub use crate::layout::coverage::{check_tiling, Defect};
 pub use crate::layout::flat::{
-    box_to_flat, check_flat_cover, flat_to_box, numel, FlatBox, FlatDefect, FlatLayout, FlatRange,
-    FlatSlot,
+    box_to_flat, check_flat_cover, flat_of_box, flat_to_box, numel, FlatBox, FlatDefect,
+    FlatLayout, FlatRange, FlatSlot,
 };
 pub use crate::layout::mesh::{Axis, Mesh};
 pub use crate::layout::mindspore::{from_mindspore, MapEntry, MindSporeLayout};

@@ -1,8 +1,9 @@
 //! Opening a PyTorch DCP directory must never panic, whatever its `.metadata` pickle
 //! holds: the pickle machine, the allow-list of DCP's globals and the chunk table are
 //! checked, and whatever is accepted lies inside the real `.distcp` files beside it
-//! (torch 2.15's, from tests/fixtures/torch/dcp_mesh). Seeds: that `.metadata` and
-//! tests/fixtures/torch/dcp/.metadata.
+//! (torch 2.15's, from tests/fixtures/torch/dcp_mesh). Seeds: that `.metadata`,
+//! tests/fixtures/torch/dcp/.metadata and megatron-core 0.15.3's `MCoreMetadata` with
+//! flattened tensors (`mcore_data`), tests/fixtures/megatron/tp2pp2dp2_flat/dist_ckpt/.metadata.
 #![no_main]
 
 const FILES: [(&str, &[u8]); 4] = [

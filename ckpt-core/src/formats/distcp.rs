@@ -15,8 +15,13 @@
 //! Because the metadata records global shapes and every chunk, completeness is checked
 //! exactly (a missing `.distcp` file is named with the tensors it holds). Chunks stored
 //! with transforms (DCP's experimental compression extensions) and the
-//! `SerializationFormat.SAFETENSORS` variant are refused by name.
+//! `SerializationFormat.SAFETENSORS` variant are refused by name. Megatron's N-D
+//! flattened tensors (megatron-core 0.8 to 0.15) are stored in a reformulated shape:
+//! [`flattened`] reads them as flat ranges of the real tensor.
 
+mod flattened;
+
+use self::flattened::FlatPiece;
 use super::pickle::{self, Emitter, Value};
 use super::{map_file, torch_save, FileFormat, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, IoContext, Result};
@@ -49,6 +54,9 @@ pub(crate) struct DcpChunk {
     /// When the chunk is a part of the archive's tensor (a reader mapped a flat stored
     /// tensor to the tensors it holds): which part. `None`: the whole tensor.
     pub(crate) part: Option<ChunkPart>,
+    /// For a piece of a Megatron flattened tensor (stored `[1, .., 1, len]` in the
+    /// reformulated shape): where it lies in the real tensor.
+    pub(crate) flat: Option<FlatPiece>,
 }
 
 /// A contiguous part of a chunk archive's tensor, taken as a chunk of another tensor.
@@ -106,6 +114,11 @@ fn allowed(module: &str, name: &str) -> bool {
                 | "_MEM_FORMAT_ENCODING"
         ),
         "torch.distributed.checkpoint.filesystem" => name == "_StorageInfo",
+        // megatron-core 0.15's Metadata and SavePlan with its `mcore_data` (the original
+        // shapes of flattened tensors).
+        "megatron.core.dist_checkpointing.strategies.torch" => {
+            matches!(name, "MCoreMetadata" | "MCoreSavePlan")
+        }
         // `Metadata.all_local_plans` (torch 2.15 as Megatron's torch_dist saves it): the
         // ranks' save plans, plain dataclasses and an enum; not read.
         "torch.distributed.checkpoint.planner" => matches!(
@@ -172,6 +185,28 @@ fn size(v: &Value, what: &str) -> Result<Vec<u64>> {
         .collect()
 }
 
+/// The original shapes of Megatron's flattened tensors, by name, from the metadata's
+/// `mcore_data` (megatron-core 0.8 to 0.15: `{key: {'nd_reformulated_orig_global_shape':
+/// (..)}}`, `{}` for the tensors that are not flattened); `None` without one.
+fn mcore_shapes(mcore_data: Option<&Value>) -> Result<Option<BTreeMap<String, Vec<u64>>>> {
+    let kv = match mcore_data {
+        None | Some(Value::None) => return Ok(None),
+        Some(Value::Dict(kv)) => kv,
+        Some(_) => return Err(bad(".metadata: `mcore_data` is not a dict")),
+    };
+    let mut out = BTreeMap::new();
+    for (k, v) in kv {
+        let Value::Str(key) = k else {
+            return Err(bad(".metadata: an `mcore_data` key that is not a string"));
+        };
+        if let Some(shape) = v.get("nd_reformulated_orig_global_shape") {
+            let what = format!("tensor `{key}`: mcore_data's original shape");
+            out.insert(key.clone(), size(shape, &what)?);
+        }
+    }
+    Ok(Some(out))
+}
+
 /// Parses a `.metadata` pickle.
 pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
     let root = pickle::parse(bytes).map_err(|e| bad(format!(".metadata: {e}")))?;
@@ -183,7 +218,7 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
         )));
     }
     let state = match object(&root) {
-        Some(("Metadata", Some(state))) => state,
+        Some(("Metadata" | "MCoreMetadata", Some(state))) => state,
         _ => return Err(bad(".metadata does not hold a DCP Metadata object")),
     };
     let entries = match state.get("state_dict_metadata") {
@@ -342,6 +377,7 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
             start,
             len,
             part: None,
+            flat: None,
         });
     }
     // Every declared chunk must be stored somewhere.
@@ -353,6 +389,28 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
             return Err(bad(format!(
                 ".metadata: `{fqn}`: the chunk at {offsets:?} has no storage entry"
             )));
+        }
+    }
+    let recorded = mcore_shapes(state.get("mcore_data"))?;
+    let shapes = tensors
+        .iter()
+        .map(|(k, t)| (k.clone(), t.shape.clone()))
+        .collect();
+    let stored: Vec<_> = chunks
+        .iter()
+        .map(|c| flattened::Stored {
+            name: &c.fqn,
+            offsets: &c.offsets,
+            sizes: &c.sizes,
+        })
+        .collect();
+    let resolved = flattened::resolve(recorded.as_ref(), &shapes, &stored)?;
+    for (c, p) in chunks.iter_mut().zip(resolved.pieces) {
+        c.flat = p;
+    }
+    for (name, shape) in resolved.shapes {
+        if let Some(t) = tensors.get_mut(&name) {
+            t.shape = shape;
         }
     }
     chunks.sort_by(|a, b| (&a.file, a.start).cmp(&(&b.file, b.start)));
@@ -388,10 +446,23 @@ impl DcpMetadata {
         let map = map_file(path)?;
         let all: &[u8] = map.as_deref().unwrap_or(&[]);
         let mut entries = Vec::new();
+        // The flat range of the tensor each entry was cut from, where it is one.
+        let mut flat = Vec::new();
         for c in self.chunks.iter().filter(|c| c.file == name) {
             let t = &self.tensors[&c.fqn];
             let e = self.chunk_entry(all, c, t).map_err(|e| e.with_path(path))?;
-            entries.push(e);
+            match &c.flat {
+                None => {
+                    entries.push(e);
+                    flat.push(None);
+                }
+                Some(p) => {
+                    for (e, f) in p.entries(e, &t.shape).map_err(|e| e.with_path(path))? {
+                        entries.push(e);
+                        flat.push(f);
+                    }
+                }
+            }
         }
         let rank = name
             .strip_prefix("__")
@@ -401,7 +472,13 @@ impl DcpMetadata {
         if let Some(r) = rank {
             metadata.insert("rank".into(), r.to_string());
         }
-        TensorFile::from_parts(path, map, FileFormat::Distcp, entries, metadata)
+        let mut f = TensorFile::from_parts(path, map, FileFormat::Distcp, entries, metadata)?;
+        for (i, r) in flat.into_iter().enumerate() {
+            if let Some(r) = r {
+                f.set_flat(i, r.start, r.len);
+            }
+        }
+        Ok(f)
     }
 
     fn chunk_entry(&self, all: &[u8], c: &DcpChunk, t: &DcpTensor) -> Result<TensorEntry> {

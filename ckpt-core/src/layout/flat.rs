@@ -140,6 +140,37 @@ pub fn numel(shape: &[u64]) -> Result<u64> {
         .ok_or_else(|| overflow(format!("element count of shape {shape:?}")))
 }
 
+/// The flat range a box of a tensor of `shape` is, when it is one contiguous run of the
+/// tensor's elements: extent 1 on its leading axes, then any extent on one axis, then
+/// whole axes. `None` otherwise (and for an empty box).
+///
+/// ```
+/// use ckpt_core::{flat_of_box, FlatRange, Region};
+/// // Rows 2..4 of layer 1 of a [3, 4, 5] tensor: elements 30..40.
+/// let rows = Region::from_ranges(&[1..2, 2..4, 0..5]);
+/// assert_eq!(flat_of_box(&rows, &[3, 4, 5]), Some(FlatRange::new(30, 10)));
+/// // Columns 0..2 of it are not one run.
+/// assert_eq!(flat_of_box(&Region::from_ranges(&[1..2, 2..4, 0..2]), &[3, 4, 5]), None);
+/// ```
+#[must_use]
+pub fn flat_of_box(region: &Region, shape: &[u64]) -> Option<FlatRange> {
+    if region.ndim() != shape.len() || region.is_empty() {
+        return None;
+    }
+    // The first axis of extent > 1; every later one must be whole.
+    let k = (0..shape.len())
+        .find(|&d| region.shape[d] != 1)
+        .unwrap_or(shape.len());
+    if (k + 1..shape.len()).any(|d| region.start[d] != 0 || region.shape[d] != shape[d]) {
+        return None;
+    }
+    let mut start = 0u64;
+    for (d, &n) in shape.iter().enumerate() {
+        start = start.checked_mul(n)?.checked_add(region.start[d])?;
+    }
+    Some(FlatRange::new(start, region.numel()))
+}
+
 /// The runs that copy the part of `dst` (a box of a tensor of `shape`) that a flat
 /// range holds, from a buffer holding the range's elements (`src` counts from the
 /// range's first element) into a buffer holding the box in row-major order (`dst`

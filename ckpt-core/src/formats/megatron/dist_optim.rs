@@ -451,6 +451,7 @@ pub(crate) fn map_buckets(dir: &Path, m: &mut DcpMetadata) -> Result<()> {
                                     stored: c.sizes.clone(),
                                     elements: FlatRange::new(bx.offset, len),
                                 }),
+                                flat: None,
                             });
                         }
                     }
