@@ -153,11 +153,11 @@ fn bucket_sizes_that_do_not_add_up_are_named() {
     assert!(!d.path("m").exists());
 }
 
-/// Where the state `state` (`param`, `fp32_param`, `exp_avg`, `exp_avg_sq`) of the
-/// legacy-named parameter `param` lies in a dist_ckpt merge: the key of megatron-core's
-/// sharded state dict, whose layers are stacked along dim 0 (4 layers) and whose norms
-/// have TransformerEngine's names (megatron-core's local layer spec saves them so); and
-/// for a transformer layer, its index in the stack.
+/// Where the state `state` (`fp32`, `exp_avg`, `exp_avg_sq`) of the legacy-named
+/// parameter `param` lies in a dist_ckpt merge: `optim.<key>.<state>`, `<key>` the key
+/// of megatron-core's sharded state dict, whose layers are stacked along dim 0 (4
+/// layers) and whose norms have TransformerEngine's names (megatron-core's local layer
+/// spec saves them so); and for a transformer layer, its index in the stack.
 fn dist_ckpt_key(param: &str, state: &str) -> (String, Option<usize>) {
     let dist_name = |rest: &str| {
         for (legacy, te) in [
@@ -175,10 +175,10 @@ fn dist_ckpt_key(param: &str, state: &str) -> (String, Option<usize>) {
         .and_then(|r| r.split_once('.'))
     {
         Some((l, rest)) => (
-            format!("optimizer.state.{state}.decoder.layers.{}", dist_name(rest)),
+            format!("optim.decoder.layers.{}.{state}", dist_name(rest)),
             Some(l.parse().unwrap()),
         ),
-        None => (format!("optimizer.state.{state}.{param}"), None),
+        None => (format!("optim.{param}.{state}"), None),
     }
 }
 
@@ -199,14 +199,12 @@ fn dist_ckpt_state(got: &BTreeMap<String, Vec<u8>>, param: &str, state: &str) ->
 /// The optimizer states of a merged dist_ckpt (`got`, with `shapes`) against the
 /// optimizer's own (`want`, legacy names, one tensor per layer, with `want_shapes`):
 /// every state of every parameter byte-equal, with the parameter's shape (the stack's
-/// without its first dim for a layer); the master weight is state `master`. Returns how
-/// many were checked.
+/// without its first dim for a layer). Returns how many were checked.
 fn assert_dist_ckpt_states(
     got: &BTreeMap<String, Vec<u8>>,
     shapes: &BTreeMap<String, Vec<u64>>,
     want: &BTreeMap<String, Vec<u8>>,
     want_shapes: &BTreeMap<String, Vec<u64>>,
-    master: &str,
 ) -> usize {
     let mut checked = 0;
     for (name, want_bytes) in want {
@@ -214,7 +212,6 @@ fn assert_dist_ckpt_states(
             continue;
         };
         let (param, state) = body.rsplit_once('.').unwrap();
-        let state = if state == "fp32" { master } else { state };
         let (key, layer) = dist_ckpt_key(param, state);
         let shape = match layer {
             Some(_) => shapes[&key][1..].to_vec(),
@@ -241,20 +238,35 @@ fn shapes_of(path: &Path) -> BTreeMap<String, Vec<u64>> {
 /// `DistributedOptimizer.sharded_state_dict(..., fully_reshardable)` (the same run as the
 /// legacy files): `optimizer.state.{param,exp_avg,exp_avg_sq}.<name>` are ShardedTensors
 /// in model space, layers stacked along dim 0 as the model's, so ckpt reads them as any
-/// DCP tensors. Every state of every parameter merges byte-equal to the optimizer's own.
+/// DCP tensors, named `optim.<name>.{fp32,exp_avg,exp_avg_sq}` as every optimizer state
+/// ckpt reads. Every state of every parameter merges byte-equal to the optimizer's own,
+/// into optimizer.safetensors: model.safetensors holds the weights only.
 #[test]
 fn dist_ckpt_optimizer_states_merge_to_the_optimizers_own() {
     let d = Dir::new();
     let dist = fixtures().join("dist_ckpt").display().to_string();
     d.ok(&["merge", &dist, "-o", "m"]);
     let got = full_tensors(&d.path("m"));
+    let weights = full_tensors(&d.path("m/model.safetensors"));
+    let states = full_tensors(&d.path("m/optimizer.safetensors"));
+    assert!(
+        weights.keys().all(|k| !k.starts_with("optim")),
+        "{:?}",
+        weights.keys()
+    );
+    // One state per stacked parameter and state (layers stacked: 17 keys, not 53).
+    for k in states.keys() {
+        let (key, _) = k.strip_prefix("optim.").unwrap().rsplit_once('.').unwrap();
+        assert!(weights.contains_key(key), "{k}");
+    }
+    assert_eq!(states.len(), 17 * 3);
+    assert_eq!(weights.len() + states.len(), got.len());
     let want = fixtures().join("optim_full.safetensors");
     let checked = assert_dist_ckpt_states(
         &got,
         &shapes_of(&d.path("m")),
         &expected(),
         &shapes_of(&want),
-        "param",
     );
     assert_eq!(checked, 53 * 3);
     // Resharded like any DCP source, the states come back the same.
@@ -287,7 +299,7 @@ fn dist_ckpt_dp_reshardable_states_merge_to_the_optimizers_own() {
     let fully = full_tensors(&d.path("f"));
     let names = |t: &BTreeMap<String, Vec<u8>>| -> Vec<(String, usize)> {
         t.iter()
-            .filter(|(k, _)| k.starts_with("optimizer.state."))
+            .filter(|(k, _)| k.starts_with("optim."))
             .map(|(k, v)| (k.clone(), v.len()))
             .collect()
     };
@@ -298,9 +310,8 @@ fn dist_ckpt_dp_reshardable_states_merge_to_the_optimizers_own() {
             continue;
         };
         let (param, state) = body.rsplit_once('.').unwrap();
-        let state = if state == "fp32" { "param" } else { state };
         let bytes = dist_ckpt_state(&got, param, state);
-        if state == "param" {
+        if state == "fp32" {
             // (Compared below with the weights of the same save.)
             assert_eq!(bytes.len(), want.len(), "{name}");
         } else {
@@ -313,17 +324,17 @@ fn dist_ckpt_dp_reshardable_states_merge_to_the_optimizers_own() {
     // The master weights are the model tensors of the same save, key by key.
     let mut masters = 0;
     for (k, v) in &got {
-        if let Some(key) = k.strip_prefix("optimizer.state.param.") {
+        if let Some(key) = k
+            .strip_prefix("optim.")
+            .and_then(|k| k.strip_suffix(".fp32"))
+        {
             assert_eq!(Some(v), got.get(key), "{k}");
             masters += 1;
         }
     }
     assert_eq!(
         masters,
-        fully
-            .keys()
-            .filter(|k| k.starts_with("optimizer.state.param."))
-            .count()
+        fully.keys().filter(|k| k.ends_with(".fp32")).count()
     );
     assert!(masters > 0);
     // Resharded to 2 ranks (DCP) and merged back: the same.
@@ -381,22 +392,16 @@ fn flattened_optimizer_states_merge_to_the_optimizers_own() {
     let got = full_tensors(&d.path("m"));
     let want = flat_fixtures().join("optim_full.safetensors");
     let shapes = shapes_of(&d.path("m"));
-    let checked = assert_dist_ckpt_states(
-        &got,
-        &shapes,
-        &full_tensors(&want),
-        &shapes_of(&want),
-        "fp32_param",
-    );
+    let checked = assert_dist_ckpt_states(&got, &shapes, &full_tensors(&want), &shapes_of(&want));
     assert_eq!(checked, 53 * 3);
     // The stacked shape itself, and the fused QKV state whose layer 1 two dp ranks split
     // (elements 0..192 and 192..256 of each TP chunk).
     assert_eq!(
-        shapes["optimizer.state.exp_avg.decoder.layers.self_attention.linear_proj.weight"],
+        shapes["optim.decoder.layers.self_attention.linear_proj.weight.exp_avg"],
         vec![4, 16, 16]
     );
     assert_eq!(
-        shapes["optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight"],
+        shapes["optim.decoder.layers.self_attention.linear_qkv.weight.exp_avg"],
         vec![4, 32, 16]
     );
     // The model weights beside them, as in any dist_ckpt.

@@ -362,6 +362,7 @@ impl Discovery {
             // to the parameters.
             if dir.join(megatron::DIST_METADATA_FILE).is_file() {
                 megatron::dist_optim::map_buckets(dir, &mut m)?;
+                megatron::dist_optim::name_states(dir, &mut m)?;
             }
             self.dcp.insert(dir.to_path_buf(), m);
         }

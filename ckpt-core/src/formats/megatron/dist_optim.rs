@@ -268,6 +268,71 @@ fn read_per_bucket_numel(dir: &Path, m: &DcpMetadata, domain: u64) -> Result<Per
     parse_per_bucket_numel(bytes).map_err(|e| err(&path, format!("`{name}`: {e}")))
 }
 
+/// What megatron-core calls the states of `optimizer.state.<state>.<key>`, and the
+/// name each gets after `optim.<key>.`: the fp32 master weight is `param` in
+/// `fully_reshardable` and `dp_reshardable`, `fp32_param` in
+/// `fully_sharded_model_space`.
+const DIST_STATES: [(&str, &str); 4] = [
+    ("param", "fp32"),
+    ("fp32_param", "fp32"),
+    ("exp_avg", "exp_avg"),
+    ("exp_avg_sq", "exp_avg_sq"),
+];
+
+/// Renames the distributed optimizer's states of a dist_ckpt, whichever sharding type
+/// saved them (`optimizer.state.<state>.<key>`; for `dp_reshardable`, after
+/// [`map_buckets`]), as ckpt names every optimizer state it reads:
+/// `optim.<key>.{fp32,exp_avg,exp_avg_sq}`, the names `distrib_optim.pt` and DeepSpeed's
+/// states get. So a merge puts them in optimizer.safetensors and model.safetensors
+/// holds the weights only. Other keys are left as they are.
+///
+/// # Errors
+/// Two tensors that would get one name (a master weight saved as both `param` and
+/// `fp32_param`).
+pub(crate) fn name_states(dir: &Path, m: &mut DcpMetadata) -> Result<()> {
+    let renamed: BTreeMap<String, String> = m
+        .tensors
+        .keys()
+        .filter_map(|k| {
+            let rest = k.strip_prefix("optimizer.state.")?;
+            DIST_STATES.iter().find_map(|(state, to)| {
+                let key = rest.strip_prefix(state)?.strip_prefix('.')?;
+                Some((k.clone(), super::optim::state_name(key, to)))
+            })
+        })
+        .collect();
+    let mut seen: BTreeMap<&str, &str> = BTreeMap::new();
+    for (from, to) in &renamed {
+        if let Some(other) = seen.insert(to, from) {
+            return Err(err(
+                &dir.join(crate::formats::distcp::METADATA_FILE),
+                format!("`{other}` and `{from}` are both the state `{to}`: which one is the master weight is not ckpt's to guess"),
+            ));
+        }
+        if m.tensors.contains_key(to) {
+            return Err(err(
+                &dir.join(crate::formats::distcp::METADATA_FILE),
+                format!("`{from}` is the state `{to}`, a name the checkpoint already holds"),
+            ));
+        }
+    }
+    let rename = |k: &mut String| {
+        if let Some(to) = renamed.get(k.as_str()) {
+            *k = to.clone();
+        }
+    };
+    m.tensors = std::mem::take(&mut m.tensors)
+        .into_iter()
+        .map(|(mut k, t)| {
+            rename(&mut k);
+            (k, t)
+        })
+        .collect();
+    m.order.iter_mut().for_each(rename);
+    m.chunks.iter_mut().for_each(|c| rename(&mut c.fqn));
+    Ok(())
+}
+
 /// Maps the dp_reshardable bucket tensors of a Megatron dist_ckpt's metadata to
 /// per-parameter state tensors (see the module's description); a metadata without them
 /// is left as it is.
