@@ -53,7 +53,7 @@ fn run(d: &Dir, args: &[&str], path: WritePath) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ckpt"));
     cmd.args(args).current_dir(d.tmp.path());
     match path {
-        WritePath::Kernel => cmd.env("CKPT_TEST_COPY_RANGE", "all"),
+        WritePath::Kernel => cmd.env("CKPT_TEST_COPY_RANGE", "1"),
         WritePath::Mapped => cmd.env("CKPT_TEST_COPY_RANGE", "off"),
         WritePath::Gathered => cmd.env("CKPT_TEST_NO_DIRECT", "1"),
     };

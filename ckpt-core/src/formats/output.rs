@@ -357,15 +357,16 @@ fn write_all_vectored_at(file: &File, parts: &[&[u8]], mut offset: u64) -> std::
 const KERNEL_COPY_MIN: usize = 64 << 10;
 
 /// Which parts are copied by the kernel: those of [`KERNEL_COPY_MIN`] bytes or more,
-/// unless `CKPT_TEST_COPY_RANGE` says otherwise (for the tests comparing outputs):
-/// `off` writes every part from its bytes (the fallback path), `all` copies every part
-/// that lies in a file, however short (so that small test files take the kernel path).
+/// unless `CKPT_TEST_COPY_RANGE` says otherwise (for the tests comparing outputs, and
+/// to measure the threshold): `off` writes every part from its bytes (the fallback
+/// path), a number is the least length copied by the kernel (`1`: every part that lies
+/// in a file, so that small test files take the kernel path).
 fn kernel_copy_min() -> Option<usize> {
     static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| match std::env::var("CKPT_TEST_COPY_RANGE").as_deref() {
-        Ok("off") => None,
-        Ok("all") => Some(1),
-        _ => Some(KERNEL_COPY_MIN),
+    *MIN.get_or_init(|| match std::env::var("CKPT_TEST_COPY_RANGE") {
+        Ok(v) if v == "off" => None,
+        Ok(v) => Some(v.parse().unwrap_or(KERNEL_COPY_MIN)),
+        Err(_) => Some(KERNEL_COPY_MIN),
     })
 }
 
