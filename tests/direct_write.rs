@@ -1,4 +1,5 @@
-//! The copy engine's direct path (slabs written straight from the mapped inputs with
+//! The copy engine's direct path (slabs written straight from the inputs: runs copied
+//! file to file by the kernel with `copy_file_range`, or from the mappings with
 //! `pwritev`) against its gathered path (`CKPT_TEST_NO_DIRECT`): the same bytes, file
 //! for file, on the reshards and merges that take it (Megatron legacy TP x PP, with
 //! row- and column-sharded matrices) and on one that casts (gathered either way).
@@ -37,16 +38,29 @@ fn files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
     out
 }
 
-fn run(d: &Dir, args: &[&str], gathered: bool) {
+/// How the copy engine writes a slab (set through its test variables).
+#[derive(Clone, Copy, Debug)]
+enum WritePath {
+    /// Every run of an input file copied by the kernel, however short.
+    Kernel,
+    /// Every run written from the mappings (the kernel copy's fallback).
+    Mapped,
+    /// Every slab gathered into a buffer first.
+    Gathered,
+}
+
+fn run(d: &Dir, args: &[&str], path: WritePath) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ckpt"));
     cmd.args(args).current_dir(d.tmp.path());
-    if gathered {
-        cmd.env("CKPT_TEST_NO_DIRECT", "1");
-    }
+    match path {
+        WritePath::Kernel => cmd.env("CKPT_TEST_COPY_RANGE", "1"),
+        WritePath::Mapped => cmd.env("CKPT_TEST_COPY_RANGE", "off"),
+        WritePath::Gathered => cmd.env("CKPT_TEST_NO_DIRECT", "1"),
+    };
     let o = cmd.output().unwrap();
     assert!(
         o.status.success(),
-        "ckpt {args:?} failed: {}",
+        "ckpt {args:?} ({path:?}) failed: {}",
         String::from_utf8_lossy(&o.stderr)
     );
 }
@@ -70,26 +84,29 @@ fn direct_and_gathered_writes_give_the_same_files() {
         &["merge", &src, "--dtype", "bf16"],
     ];
     for (i, args) in cases.iter().enumerate() {
+        let paths = [WritePath::Gathered, WritePath::Mapped, WritePath::Kernel];
         let mut outs = Vec::new();
-        for gathered in [false, true] {
-            let out = format!("o{i}{}", if gathered { "g" } else { "d" });
+        for path in paths {
+            let out = format!("o{i}{path:?}");
             let mut a = args.to_vec();
             a.extend(["-o", &out]);
-            run(&d, &a, gathered);
+            run(&d, &a, path);
             outs.push(files(&d.path(&out)));
         }
         assert!(!outs[0].is_empty(), "{args:?} wrote nothing");
-        assert_eq!(
-            outs[0].keys().collect::<Vec<_>>(),
-            outs[1].keys().collect::<Vec<_>>(),
-            "{args:?}"
-        );
-        for (name, bytes) in &outs[0] {
-            assert!(
-                bytes == &outs[1][name],
-                "{args:?}: {} differs",
-                name.display()
+        for (path, out) in paths.iter().zip(&outs).skip(1) {
+            assert_eq!(
+                outs[0].keys().collect::<Vec<_>>(),
+                out.keys().collect::<Vec<_>>(),
+                "{args:?} {path:?}"
             );
+            for (name, bytes) in &outs[0] {
+                assert!(
+                    bytes == &out[name],
+                    "{args:?}: {} differs between the gathered and the {path:?} path",
+                    name.display()
+                );
+            }
         }
     }
 }

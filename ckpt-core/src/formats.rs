@@ -105,7 +105,7 @@ pub struct TensorEntry {
 #[derive(Debug)]
 pub struct TensorFile {
     path: PathBuf,
-    map: Option<Mmap>,
+    map: Option<Mapped>,
     format: FileFormat,
     tensors: Vec<TensorEntry>,
     metadata: BTreeMap<String, String>,
@@ -124,7 +124,7 @@ pub struct TensorFile {
 
 pub(crate) use ckptz::Compression;
 pub(crate) use detect::{create_writer, sniff};
-pub(crate) use writer::{TensorSpec, TensorWriter};
+pub(crate) use writer::{TensorSpec, TensorWriter, WritePart};
 
 /// A format ckpt reads: one row of the detection table ([`detect`]).
 pub(crate) trait Reader: Sync {
@@ -137,7 +137,7 @@ pub(crate) trait Reader: Sync {
     ///
     /// # Errors
     /// Every problem of the file's metadata, naming the file and the tensor.
-    fn read(&self, path: &Path, map: Option<Mmap>) -> Result<TensorFile>;
+    fn read(&self, path: &Path, map: Option<Mapped>) -> Result<TensorFile>;
 }
 
 /// Where a stored piece lies in its global tensor.
@@ -390,22 +390,37 @@ pub(crate) fn list_dir(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(v)
 }
 
+/// A whole input file mapped read-only, with its open handle: readers and the copy
+/// engine read the bytes through the mapping, and writers may have the kernel copy long
+/// runs of them file to file through the handle (`copy_file_range`), which the mapping
+/// alone cannot name.
+#[derive(Debug)]
+pub(crate) struct Mapped {
+    map: Mmap,
+    file: File,
+}
+
+impl std::ops::Deref for Mapped {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.map
+    }
+}
+
 /// Maps a whole file read-only (`None` when it is empty) and registers the mapping for
 /// the SIGBUS handler.
-pub(crate) fn map_file(path: &Path) -> Result<Option<Mmap>> {
+pub(crate) fn map_file(path: &Path) -> Result<Option<Mapped>> {
     let file = File::open(path).at(path)?;
     let len = file.metadata().at(path)?.len();
+    if len == 0 {
+        return Ok(None);
+    }
     // SAFETY: the mapping is read-only; ckpt never writes to its inputs, and a file
     // changed underneath by another program is outside what any reader can defend.
-    let map = if len == 0 {
-        None
-    } else {
-        Some(unsafe { Mmap::map(&file) }.at(path)?)
-    };
-    if let Some(m) = &map {
-        crate::fault::register_map(m.as_ptr() as usize, m.len(), path);
-    }
-    Ok(map)
+    let map = unsafe { Mmap::map(&file) }.at(path)?;
+    crate::fault::register_map(map.as_ptr() as usize, map.len(), path);
+    Ok(Some(Mapped { map, file }))
 }
 
 impl TensorFile {
@@ -416,7 +431,7 @@ impl TensorFile {
     /// The first entry at fault, by name.
     pub(crate) fn from_parts(
         path: &Path,
-        map: Option<Mmap>,
+        map: Option<Mapped>,
         format: FileFormat,
         tensors: Vec<TensorEntry>,
         metadata: BTreeMap<String, String>,
@@ -707,6 +722,27 @@ impl TensorFile {
         Some(&bytes[t.start as usize..t.end as usize])
     }
 
+    /// Bytes `range` (relative to the tensor) of tensor `index` as a part to write:
+    /// borrowed from the mapping, with where they lie in the file for a kernel copy.
+    /// `None` for a compressed file or a range outside the tensor.
+    pub(crate) fn mapped_part(
+        &self,
+        index: usize,
+        range: std::ops::Range<u64>,
+    ) -> Option<WritePart<'_>> {
+        let m = self.map.as_ref().filter(|_| self.chunked.is_none())?;
+        let t = &self.tensors[index];
+        if range.start > range.end || range.end > t.end - t.start {
+            return None;
+        }
+        // In the file: checked by `from_parts`.
+        let at = t.start + range.start;
+        Some(WritePart {
+            bytes: &m[at as usize..(t.start + range.end) as usize],
+            from: Some((&m.file, at)),
+        })
+    }
+
     /// Bytes `range` (relative to the tensor) of tensor `index`, whatever the file
     /// stores: borrowed from the mapping for plain files, decompressed (only the chunks
     /// covering the range, kept in `cache` for the next reads) for compressed ones.
@@ -793,7 +829,7 @@ impl TensorFile {
                 // loses nothing: a later access faults them back in from the page cache.
                 // Advice only; failure costs nothing but memory.
                 let _ = unsafe {
-                    m.unchecked_advise_range(
+                    m.map.unchecked_advise_range(
                         memmap2::UncheckedAdvice::DontNeed,
                         lo as usize,
                         (hi - lo) as usize,

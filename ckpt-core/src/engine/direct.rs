@@ -1,13 +1,14 @@
 //! The copy engine's direct path: a slab whose bytes are all in mapped (uncompressed)
-//! inputs, in the output's dtype, is written straight from the mappings as a list of
-//! runs (one `pwritev` per 1024 runs) instead of being gathered into a buffer first.
+//! inputs, in the output's dtype, is written straight from the inputs as a list of
+//! runs (long runs copied file to file by the kernel, the others from the mappings, one
+//! `pwritev` per 1024 runs) instead of being gathered into a buffer first.
 //! That saves the gather's copy and the buffer's zeroing: on a Megatron TP=4 -> TP=2
 //! reshard they were a quarter of the process's CPU time. The bytes written, their
 //! order and the checksums recorded are those of the gathered path.
 
 use crate::checkpoint::Checkpoint;
 use crate::error::Result;
-use crate::formats::TensorWriter;
+use crate::formats::{TensorWriter, WritePart};
 use crate::layout::plan::TensorPlan;
 use crate::layout::region::{Region, Runs};
 
@@ -113,13 +114,10 @@ pub(crate) fn write_runs(
     at: u64,
     runs: &[SlabRun],
 ) -> Result<Option<u64>> {
-    let mut parts: Vec<&[u8]> = Vec::with_capacity(runs.len());
+    let mut parts: Vec<WritePart<'_>> = Vec::with_capacity(runs.len());
     for r in runs {
         // Mapped and in range: checked by `slab_runs`.
-        let Some(part) = source.files[r.file]
-            .data(r.tensor)
-            .and_then(|d| d.get(r.src.start as usize..r.src.end as usize))
-        else {
+        let Some(part) = source.files[r.file].mapped_part(r.tensor, r.src.clone()) else {
             return Ok(None);
         };
         parts.push(part);

@@ -44,7 +44,7 @@ use super::byte_len;
 use super::safetensors::{entry_fields, parse_description, split_header};
 #[cfg(test)]
 use super::safetensors::{with_checksums, TensorSpec};
-use super::{bad_tensor, Decoder, FileFormat, TensorEntry, TensorFile};
+use super::{bad_tensor, Decoder, FileFormat, Mapped, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, IoContext, Result};
 #[cfg(test)]
 use crate::formats::checksum::checksums_enabled;
@@ -54,7 +54,6 @@ use crate::formats::checksum::{decode_checksums, Checksum};
 use crate::formats::output::StagedFile;
 use crate::layout::strategy::dtype_name;
 use crate::Dtype;
-use memmap2::Mmap;
 use serde_json::{Map, Value};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -523,7 +522,7 @@ impl Chunked {
 
 /// Reads a `.ckptz` file: parses and checks its header from the mapping, then keeps the
 /// file for positional reads and drops the mapping.
-pub(crate) fn read(path: &Path, file: File, map: Option<Mmap>) -> Result<TensorFile> {
+pub(crate) fn read(path: &Path, file: File, map: Option<Mapped>) -> Result<TensorFile> {
     let len = map.as_ref().map_or(0, |m| m.len() as u64);
     // The header only: the data area is never read through the mapping.
     let parsed = parse_header(map.as_deref().unwrap_or(&[]), len);

@@ -120,7 +120,7 @@ fn err(path: &Path, problem: impl Into<String>) -> Error {
 /// One parsed `torch.save` file, still mapped.
 pub(crate) struct PtFile {
     pub(crate) path: PathBuf,
-    pub(crate) map: Option<memmap2::Mmap>,
+    pub(crate) map: Option<crate::formats::Mapped>,
     pub(crate) archive: ArchiveIndex,
     pub(crate) root: Value,
     entries: Vec<TensorEntry>,

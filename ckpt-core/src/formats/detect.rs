@@ -11,9 +11,8 @@ pub(crate) mod discover;
 
 use super::writer::{TensorSpec, TensorWriter};
 use super::{ckptz, distcp, map_file, mindspore_ckpt, safetensors, torch_save, torch_write};
-use super::{FileFormat, Reader, TensorFile};
+use super::{FileFormat, Mapped, Reader, TensorFile};
 use crate::error::{Error, IoContext, Result};
-use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::Path;
@@ -22,7 +21,7 @@ use std::path::Path;
 struct Row {
     format: FileFormat,
     looks_like: fn(&[u8]) -> bool,
-    read: fn(&Path, Option<Mmap>) -> Result<TensorFile>,
+    read: fn(&Path, Option<Mapped>) -> Result<TensorFile>,
 }
 
 impl Reader for Row {
@@ -34,7 +33,7 @@ impl Reader for Row {
         (self.looks_like)(head)
     }
 
-    fn read(&self, path: &Path, map: Option<Mmap>) -> Result<TensorFile> {
+    fn read(&self, path: &Path, map: Option<Mapped>) -> Result<TensorFile> {
         (self.read)(path, map)
     }
 }
@@ -66,7 +65,7 @@ static READERS: [Row; 4] = [
 ];
 
 /// `.ckptz` reads its chunks with positional reads on its own handle.
-fn read_ckptz(path: &Path, map: Option<Mmap>) -> Result<TensorFile> {
+fn read_ckptz(path: &Path, map: Option<Mapped>) -> Result<TensorFile> {
     ckptz::read(path, File::open(path).at(path)?, map)
 }
 

@@ -19,11 +19,10 @@
 //! each record with the whole dims), is read as the boxes those runs cover. Map tensors
 //! are refused by name.
 
-use super::{list_dir, FileFormat, TensorEntry, TensorFile};
+use super::{list_dir, FileFormat, Mapped, TensorEntry, TensorFile};
 use crate::error::{Error, Result};
 use crate::formats::output::StagedFile;
 use crate::Dtype;
-use memmap2::Mmap;
 use prost::bytes::Buf;
 use prost::encoding::{decode_key, decode_varint, WireType};
 use std::collections::{BTreeMap, BTreeSet};
@@ -128,7 +127,7 @@ fn unexpected(message: &str, field: u32, wire: WireType, at: usize) -> Error {
 }
 
 /// Reads a mapped `.ckpt` file.
-pub(crate) fn read(path: &Path, map: Option<Mmap>) -> Result<TensorFile> {
+pub(crate) fn read(path: &Path, map: Option<Mapped>) -> Result<TensorFile> {
     let all: &[u8] = map.as_deref().unwrap_or(&[]);
     let (tensors, metadata) = parse(all).map_err(|e| e.with_path(path))?;
     TensorFile::from_parts(path, map, FileFormat::MindSporeCkpt, tensors, metadata)

@@ -1,6 +1,7 @@
 //! `StagedDir`: an output directory that appears complete or not at all.
 
 use crate::error::{Error, IoContext, Result};
+use crate::formats::writer::WritePart;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -350,6 +351,96 @@ fn write_all_vectored_at(file: &File, parts: &[&[u8]], mut offset: u64) -> std::
     Ok(())
 }
 
+/// Parts at least this long that lie in an input file are copied into the output by the
+/// kernel (`copy_file_range`), file to file, rather than from the input's mapping;
+/// shorter ones go in the `pwritev` batches, where one call covers up to 1024 of them.
+const KERNEL_COPY_MIN: usize = 64 << 10;
+
+/// Which parts are copied by the kernel: those of [`KERNEL_COPY_MIN`] bytes or more,
+/// unless `CKPT_TEST_COPY_RANGE` says otherwise (for the tests comparing outputs, and
+/// to measure the threshold): `off` writes every part from its bytes (the fallback
+/// path), a number is the least length copied by the kernel (`1`: every part that lies
+/// in a file, so that small test files take the kernel path).
+fn kernel_copy_min() -> Option<usize> {
+    static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| match std::env::var("CKPT_TEST_COPY_RANGE") {
+        Ok(v) if v == "off" => None,
+        Ok(v) => Some(v.parse().unwrap_or(KERNEL_COPY_MIN)),
+        Err(_) => Some(KERNEL_COPY_MIN),
+    })
+}
+
+/// Writes `parts` one after the other from `offset`: long parts of input files by
+/// [`copy_file_range_at`], the others (and whatever the kernel would not copy) from
+/// their bytes by [`write_all_vectored_at`].
+fn write_parts_all_at(
+    file: &File,
+    parts: &[WritePart<'_>],
+    offset: u64,
+    kernel_min: Option<usize>,
+) -> std::io::Result<()> {
+    let mut batch: Vec<&[u8]> = Vec::new();
+    let (mut batch_at, mut at) = (offset, offset);
+    for p in parts {
+        let len = p.bytes.len();
+        let from = p.from.filter(|_| kernel_min.is_some_and(|min| len >= min));
+        let Some((src, src_at)) = from else {
+            batch.push(p.bytes);
+            at += len as u64;
+            continue;
+        };
+        write_all_vectored_at(file, &batch, batch_at)?;
+        batch.clear();
+        let copied = copy_file_range_at(src, src_at, file, at, len);
+        if copied < len {
+            write_all_vectored_at(file, &[&p.bytes[copied..]], at + copied as u64)?;
+        }
+        at += len as u64;
+        batch_at = at;
+    }
+    write_all_vectored_at(file, &batch, batch_at)
+}
+
+/// Copies `len` bytes at `src_at` of `src` to `dst_at` of `dst` in the kernel, without
+/// passing them through this process; returns how many it copied. It stops at the first
+/// error of any kind (another file system, `EXDEV`; a kernel or file system without the
+/// call, `ENOSYS`/`EOPNOTSUPP`/`EINVAL`; a sandbox refusing it, `EPERM`; or a real I/O
+/// error) and at an input shorter than its mapping: the caller writes the rest from the
+/// mapped bytes, which either works or fails with the error that names the problem (a
+/// truncated input faults in this process, where the SIGBUS handler names it).
+fn copy_file_range_at(src: &File, src_at: u64, dst: &File, dst_at: u64, len: usize) -> usize {
+    use std::os::fd::AsRawFd;
+    let mut done = 0;
+    while done < len {
+        let (Ok(mut off_in), Ok(mut off_out)) = (
+            libc::loff_t::try_from(src_at + done as u64),
+            libc::loff_t::try_from(dst_at + done as u64),
+        ) else {
+            break;
+        };
+        // SAFETY: plain file descriptors that outlive the call, and offsets owned here;
+        // the kernel reads and writes the files, never this process's memory.
+        let r = unsafe {
+            libc::copy_file_range(
+                src.as_raw_fd(),
+                &mut off_in,
+                dst.as_raw_fd(),
+                &mut off_out,
+                len - done,
+                0,
+            )
+        };
+        if r < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        if r <= 0 {
+            break;
+        }
+        done += r as usize;
+    }
+    done
+}
+
 /// Removes a staged file that will not be committed.
 pub(crate) fn discard_staged_file(tmp: &Path) {
     let _ = std::fs::remove_file(tmp);
@@ -396,12 +487,14 @@ impl StagedFile {
         self.file.read_exact_at(buf, offset).at(&self.tmp)
     }
 
-    /// Writes `parts` one after the other from `offset`, with as few `pwritev` calls as
-    /// the kernel's limit of 1024 buffers per call allows: the copy engine hands over
+    /// Writes `parts` one after the other from `offset`: the copy engine hands over
     /// runs still in the inputs' mappings, so the only copy of the bytes is the
-    /// kernel's into the page cache.
-    pub(crate) fn write_vectored_at(&self, parts: &[&[u8]], offset: u64) -> Result<()> {
-        write_all_vectored_at(&self.file, parts, offset).at(&self.tmp)
+    /// kernel's into the page cache: for long runs from the input file's own cached
+    /// pages (`copy_file_range`, which costs less CPU than copying from the mapping),
+    /// for the others from the mapping, with as few `pwritev` calls as the limit of
+    /// 1024 buffers per call allows.
+    pub(crate) fn write_parts_at(&self, parts: &[WritePart<'_>], offset: u64) -> Result<()> {
+        write_parts_all_at(&self.file, parts, offset, kernel_copy_min()).at(&self.tmp)
     }
 
     /// Syncs the data and renames the file to its final name.
@@ -436,4 +529,84 @@ pub fn write_file_atomic(dest: &Path, bytes: &[u8]) -> Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `bytes` written to `dir/name`, opened read-only as an input is.
+    fn input(dir: &Path, name: &str, bytes: &[u8]) -> File {
+        std::fs::write(dir.join(name), bytes).unwrap();
+        File::open(dir.join(name)).unwrap()
+    }
+
+    fn output(dir: &Path) -> File {
+        File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(dir.join("out"))
+            .unwrap()
+    }
+
+    /// The input file's bytes differ from the bytes its parts carry, so the output shows
+    /// which path wrote each part: the kernel's copy (the file's) or the write (the part's).
+    #[test]
+    fn long_parts_of_files_are_copied_by_the_kernel_the_others_written_from_their_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk: Vec<u8> = (0..300u32).map(|i| (i * 7 % 251) as u8).collect();
+        let src = input(dir.path(), "in", &disk);
+        let mem = vec![0xaa; 300];
+        let parts = [
+            WritePart {
+                bytes: &mem[..100],
+                from: Some((&src, 0)),
+            },
+            WritePart {
+                bytes: &mem[100..110],
+                from: Some((&src, 100)),
+            },
+            WritePart::from(&mem[110..200]),
+            WritePart {
+                bytes: &mem[200..300],
+                from: Some((&src, 200)),
+            },
+        ];
+        let out = output(dir.path());
+        write_parts_all_at(&out, &parts, 5, Some(50)).unwrap();
+        let mut want = vec![0; 5];
+        want.extend_from_slice(&disk[..100]);
+        want.extend_from_slice(&mem[100..200]);
+        want.extend_from_slice(&disk[200..]);
+        assert_eq!(std::fs::read(dir.path().join("out")).unwrap(), want);
+        // Without the kernel copy every part is written from its bytes.
+        write_parts_all_at(&out, &parts, 5, None).unwrap();
+        assert_eq!(std::fs::read(dir.path().join("out")).unwrap()[5..], mem[..]);
+    }
+
+    #[test]
+    fn what_the_kernel_does_not_copy_is_written_from_the_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = vec![1u8; 100];
+        let mem = vec![2u8; 100];
+        // Not open for reading: copy_file_range fails (EBADF) and copies nothing.
+        input(dir.path(), "in", &disk);
+        let unreadable = File::options()
+            .write(true)
+            .open(dir.path().join("in"))
+            .unwrap();
+        // Shorter than its part claims (truncated after mapping): copied up to its end.
+        let short = input(dir.path(), "short", &disk[..60]);
+        let out = output(dir.path());
+        let part = |f| WritePart {
+            bytes: &mem,
+            from: Some((f, 0)),
+        };
+        write_parts_all_at(&out, &[part(&unreadable), part(&short)], 0, Some(1)).unwrap();
+        let mut want = mem.clone();
+        want.extend_from_slice(&disk[..60]);
+        want.extend_from_slice(&mem[60..]);
+        assert_eq!(std::fs::read(dir.path().join("out")).unwrap(), want);
+    }
 }

@@ -3,7 +3,7 @@
 //! The reader validates the whole header before trusting any of it, in the order of
 //! the reference implementation, but every error names the tensor at fault.
 
-use super::{byte_len, FileFormat, TensorEntry, TensorFile};
+use super::{byte_len, FileFormat, Mapped, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::formats::checksum::{
     checksums_enabled, decode_checksums, encode_checksums, Checksum, CHECKSUMS_KEY, CHUNK,
@@ -11,7 +11,6 @@ use crate::formats::checksum::{
 use crate::formats::output::StagedFile;
 use crate::layout::plan::DCP_SHARDING_INFO;
 use crate::layout::strategy::{dtype_name, parse_dtype};
-use memmap2::Mmap;
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -40,7 +39,7 @@ pub(crate) fn looks_like(head: &[u8]) -> bool {
 
 /// Reads a mapped safetensors file: its header, and for PyTorch DCP's sharded
 /// safetensors the offset of each box in the global tensor (`DCP_SHARDING_INFO`).
-pub(crate) fn read(path: &Path, map: Option<Mmap>) -> Result<TensorFile> {
+pub(crate) fn read(path: &Path, map: Option<Mapped>) -> Result<TensorFile> {
     let bytes: &[u8] = map.as_deref().unwrap_or(&[]);
     let (data_start, mut tensors, metadata) = parse_header(bytes).map_err(|e| e.with_path(path))?;
     for t in &mut tensors {
@@ -277,6 +276,7 @@ fn parse_dcp_offsets(text: &str) -> std::result::Result<BTreeMap<String, Vec<u64
 }
 
 pub(crate) use super::writer::TensorSpec;
+use super::writer::WritePart;
 
 /// A safetensors file being written: the header is laid out first, then data arrives
 /// by positional writes (from any thread) at each tensor's place; the file is written
@@ -394,27 +394,31 @@ impl SafetensorsWriter {
     /// # Errors
     /// I/O errors, with the path.
     pub fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
-        self.write_parts_at(index, offset, &[bytes])
+        self.write_parts_at(index, offset, &[bytes.into()])
     }
 
     /// [`SafetensorsWriter::write_at`] of the concatenation of `parts`, written
-    /// straight from them (one `pwritev` per 1024 parts) and hashed as one write, so the
-    /// checksum recorded is the one `write_at` would record.
+    /// straight from them (one `pwritev` per 1024 parts; long parts of input files
+    /// copied file to file by the kernel) and hashed as one write, so the checksum
+    /// recorded is the one `write_at` would record.
     ///
     /// # Errors
     /// I/O errors, with the path.
-    pub fn write_parts_at(&self, index: usize, offset: u64, parts: &[&[u8]]) -> Result<()> {
-        let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
+    pub fn write_parts_at(&self, index: usize, offset: u64, parts: &[WritePart<'_>]) -> Result<()> {
+        let len: u64 = parts.iter().map(|p| p.bytes.len() as u64).sum();
         debug_assert!(self.offsets[index] + offset + len <= self.offsets[index + 1]);
         // Hashed before the write: the hash is what touches the mapped input pages
         // first, so a truncated input faults here, in this process (the SIGBUS
         // handler names the file), rather than failing the write with EFAULT.
-        let sum = self
-            .written
-            .is_some()
-            .then(|| Checksum(parts.iter().fold(0, |c, p| crc32c::crc32c_append(c, p))));
+        let sum = self.written.is_some().then(|| {
+            Checksum(
+                parts
+                    .iter()
+                    .fold(0, |c, p| crc32c::crc32c_append(c, p.bytes)),
+            )
+        });
         self.out
-            .write_vectored_at(parts, self.data_start + self.offsets[index] + offset)?;
+            .write_parts_at(parts, self.data_start + self.offsets[index] + offset)?;
         if let (Some(w), Some(sum)) = (&self.written, sum) {
             w[index]
                 .lock()
@@ -512,7 +516,7 @@ impl super::writer::TensorWriter for SafetensorsWriter {
         SafetensorsWriter::write_at(self, index, offset, bytes)
     }
 
-    fn write_parts_at(&self, index: usize, offset: u64, parts: &[&[u8]]) -> Result<bool> {
+    fn write_parts_at(&self, index: usize, offset: u64, parts: &[WritePart<'_>]) -> Result<bool> {
         SafetensorsWriter::write_parts_at(self, index, offset, parts).map(|()| true)
     }
 
@@ -633,7 +637,7 @@ mod tests {
         let many = dir.path().join("many.safetensors");
         let w = SafetensorsWriter::create(&many, &specs, &BTreeMap::new()).unwrap();
         w.write_at(0, 0, &[9]).unwrap();
-        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        let refs: Vec<WritePart<'_>> = parts.iter().map(|p| p.as_slice().into()).collect();
         w.write_parts_at(0, 1, &refs).unwrap();
         w.write_at(0, n + 1, &[8]).unwrap();
         w.finish().unwrap();

@@ -15,11 +15,10 @@
 //! storage offset is fine, a non-contiguous stride is refused by name.
 
 use super::pickle::{self, Value};
-use super::{byte_len, TensorEntry, TensorFile};
+use super::{byte_len, Mapped, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, Result};
 use crate::formats::FileFormat;
 use crate::Dtype;
-use memmap2::Mmap;
 use std::collections::{BTreeMap, HashMap};
 use std::io::Cursor;
 use std::path::Path;
@@ -107,7 +106,7 @@ fn bad(problem: impl Into<String>) -> Error {
 }
 
 /// Reads a mapped `torch.save` archive.
-pub(crate) fn read(path: &Path, map: Option<Mmap>) -> Result<TensorFile> {
+pub(crate) fn read(path: &Path, map: Option<Mapped>) -> Result<TensorFile> {
     let all: &[u8] = map.as_deref().unwrap_or(&[]);
     let (tensors, metadata) = parse(all).map_err(|e| e.with_path(path))?;
     TensorFile::from_parts(path, map, FileFormat::TorchSave, tensors, metadata)

@@ -18,6 +18,7 @@ use super::byte_len;
 use super::pickle::Emitter;
 use crate::error::{overflow, Error, Result};
 use crate::formats::output::StagedFile;
+use crate::formats::writer::WritePart;
 use crate::{Dtype, TensorSpec};
 use std::path::Path;
 use std::sync::Mutex;
@@ -588,22 +589,27 @@ impl TorchWriter {
     /// # Errors
     /// I/O errors, with the path.
     pub(crate) fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
-        self.write_parts_at(index, offset, &[bytes])
+        self.write_parts_at(index, offset, &[bytes.into()])
     }
 
     /// [`TorchWriter::write_at`] of the concatenation of `parts`, written straight from
     /// them (`pwritev`) and hashed as one write (the zip entry's CRC-32 comes out the
     /// same).
-    pub(crate) fn write_parts_at(&self, index: usize, offset: u64, parts: &[&[u8]]) -> Result<()> {
+    pub(crate) fn write_parts_at(
+        &self,
+        index: usize,
+        offset: u64,
+        parts: &[WritePart<'_>],
+    ) -> Result<()> {
         // Hashed first, so a truncated mapped input faults in this process (named by
         // the SIGBUS handler) rather than failing the write with EFAULT.
         let mut h = crc32fast::Hasher::new();
         for p in parts {
-            h.update(p);
+            h.update(p.bytes);
         }
-        let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        let len: u64 = parts.iter().map(|p| p.bytes.len() as u64).sum();
         self.out
-            .write_vectored_at(parts, self.data_start(index) + offset)?;
+            .write_parts_at(parts, self.data_start(index) + offset)?;
         self.written[index]
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -677,7 +683,7 @@ impl super::writer::TensorWriter for TorchWriter {
         TorchWriter::write_at(self, index, offset, bytes)
     }
 
-    fn write_parts_at(&self, index: usize, offset: u64, parts: &[&[u8]]) -> Result<bool> {
+    fn write_parts_at(&self, index: usize, offset: u64, parts: &[WritePart<'_>]) -> Result<bool> {
         TorchWriter::write_parts_at(self, index, offset, parts).map(|()| true)
     }
 
@@ -712,7 +718,7 @@ mod tests {
         w.write_at(0, 0, &all).unwrap();
         w.finish().unwrap();
         let w = TorchWriter::create(&many, &specs, false).unwrap();
-        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        let refs: Vec<WritePart<'_>> = parts.iter().map(|p| p.as_slice().into()).collect();
         w.write_parts_at(0, 0, &refs).unwrap();
         w.finish().unwrap();
         // The zip entry's CRC-32 included.

@@ -11,6 +11,25 @@
 
 use crate::error::Result;
 use crate::Dtype;
+use std::fs::File;
+
+/// One run of bytes handed to [`TensorWriter::write_parts_at`]: the bytes (which the
+/// writer hashes), and, when they are a mapped input's, the file and byte offset they
+/// lie at, so that a long run can be copied file to file by the kernel instead of from
+/// the mapping.
+#[derive(Clone, Copy, Debug)]
+pub struct WritePart<'a> {
+    /// The bytes to write.
+    pub bytes: &'a [u8],
+    /// The input file holding `bytes`, and where in it they start.
+    pub from: Option<(&'a File, u64)>,
+}
+
+impl<'a> From<&'a [u8]> for WritePart<'a> {
+    fn from(bytes: &'a [u8]) -> WritePart<'a> {
+        WritePart { bytes, from: None }
+    }
+}
 
 /// A header entry to write: name, dtype and shape; offsets follow from the order.
 #[derive(Clone, Debug)]
@@ -36,12 +55,12 @@ pub trait TensorWriter: Send + Sync + std::fmt::Debug {
     /// Writes `parts`, one after the other, from byte `offset` of tensor `index`'s data,
     /// as one [`TensorWriter::write_at`] of their concatenation would, but without the
     /// caller gathering them into a buffer first (the copy engine passes runs still in
-    /// the inputs' mappings). `Ok(false)`, having written nothing, when the writer has
-    /// no such path; the caller then gathers and calls `write_at`.
+    /// the inputs' mappings, with their files). `Ok(false)`, having written nothing,
+    /// when the writer has no such path; the caller then gathers and calls `write_at`.
     ///
     /// # Errors
     /// As [`TensorWriter::write_at`].
-    fn write_parts_at(&self, index: usize, offset: u64, parts: &[&[u8]]) -> Result<bool> {
+    fn write_parts_at(&self, index: usize, offset: u64, parts: &[WritePart<'_>]) -> Result<bool> {
         let _ = (index, offset, parts);
         Ok(false)
     }

@@ -71,7 +71,7 @@ pub(super) fn tag_dir(source: &Path) -> Result<(PathBuf, String)> {
 /// One source optimizer-states file, parsed and mapped.
 struct Rank {
     path: PathBuf,
-    map: Option<memmap2::Mmap>,
+    map: Option<crate::formats::Mapped>,
     root: Value,
     /// `single_partition_of_fp32_groups`, located.
     weights: Vec<TensorEntry>,

@@ -63,7 +63,7 @@ struct Found {
 /// placeholder numbered as `tensors`.
 struct Source {
     path: PathBuf,
-    map: Option<memmap2::Mmap>,
+    map: Option<crate::formats::Mapped>,
     root: Value,
     tensors: Vec<Found>,
     by_what: HashMap<String, usize>,
