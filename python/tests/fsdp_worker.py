@@ -129,6 +129,10 @@ def main():
                 torch.save(got, os.path.join(out, os.path.basename(d) + ".resumed.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    # As dist_worker.py: skip torch 2.15's gloo exit-time destructors, which sometimes
+    # abort (SIGABRT) after everything has passed.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
