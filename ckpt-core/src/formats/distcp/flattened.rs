@@ -316,11 +316,12 @@ mod tests {
 
     const STATE: &str = "optimizer.state.exp_avg.w";
 
+    /// A test checkpoint: shapes by name, and the stored chunks (offsets, sizes).
+    type Fixture = (BTreeMap<String, Vec<u64>>, Vec<(Vec<u64>, Vec<u64>)>);
+
     /// `w` is [2, 4, 6] (2 stacked layers), cut in 2 along axis 1: chunks [1, 2, 6] of
     /// 12 elements, stored as [2, 2, 1, 12]; layer 1's chunk 0 in the ranges given.
-    fn checkpoint(
-        ranges_of_1_0: &[(u64, u64)],
-    ) -> (BTreeMap<String, Vec<u64>>, Vec<(Vec<u64>, Vec<u64>)>) {
+    fn checkpoint(ranges_of_1_0: &[(u64, u64)]) -> Fixture {
         let shapes = BTreeMap::from([
             ("w".to_string(), vec![2, 4, 6]),
             (STATE.to_string(), vec![2, 2, 1, 12]),
