@@ -561,6 +561,61 @@ pub(crate) fn map_buckets(dir: &Path, m: &mut DcpMetadata) -> Result<()> {
 mod tests {
     use super::*;
 
+    fn metadata(names: &[&str]) -> DcpMetadata {
+        let t = DcpTensor {
+            dtype: crate::Dtype::F32,
+            shape: vec![4],
+        };
+        DcpMetadata {
+            tensors: names.iter().map(|n| (n.to_string(), t.clone())).collect(),
+            order: names.iter().map(|n| n.to_string()).collect(),
+            bytes: Vec::new(),
+            bytes_at: BTreeMap::new(),
+            chunks: Vec::new(),
+        }
+    }
+
+    /// Every sharding type's state names become `optim.<key>.<state>`; other keys stay;
+    /// a master weight under both of megatron-core's names is refused by name.
+    #[test]
+    fn optimizer_states_get_ckpts_names() {
+        let mut m = metadata(&[
+            "decoder.w",
+            "optimizer.state.fp32_param.decoder.w",
+            "optimizer.state.exp_avg.decoder.w",
+            "optimizer.state.exp_avg_sq.decoder.w",
+            "optimizer.state.param.embedding.e",
+            "optimizer.state.momentum_buffer.decoder.w",
+        ]);
+        name_states(Path::new("d"), &mut m).unwrap();
+        let names: Vec<&str> = m.tensors.keys().map(String::as_str).collect();
+        assert_eq!(
+            names,
+            [
+                "decoder.w",
+                "optim.decoder.w.exp_avg",
+                "optim.decoder.w.exp_avg_sq",
+                "optim.decoder.w.fp32",
+                "optim.embedding.e.fp32",
+                "optimizer.state.momentum_buffer.decoder.w",
+            ]
+        );
+        assert_eq!(m.order[1], "optim.decoder.w.fp32");
+        let mut both = metadata(&[
+            "optimizer.state.param.decoder.w",
+            "optimizer.state.fp32_param.decoder.w",
+        ]);
+        let e = name_states(Path::new("d"), &mut both)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("optimizer.state.fp32_param.decoder.w")
+                && e.contains("optimizer.state.param.decoder.w")
+                && e.contains("d/.metadata"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn bucket_keys_are_parsed_with_the_dtype_pair_as_megatron_formats_it() {
         let k = "optimizer.distributed.dp_group_idx_3.gbuf_idx_0.dtype_(torch.float32, torch.bfloat16).bucket_idx_12.exp_avg_sq";
