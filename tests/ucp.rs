@@ -288,9 +288,17 @@ fn deepspeed_outputs_are_the_same_bytes_on_1_and_4_threads() {
     let distopt = fixtures.join("megatron/tp2pp2dp2_distopt/legacy");
     let tp = fixtures.join("deepspeed_tp/zero3_uci/ckpt");
     let (distopt, tp) = (distopt.display().to_string(), tp.display().to_string());
+    let path = |rel: &str| fixtures.join(rel).display().to_string();
+    let (vp, dp_buckets, flat) = (
+        path("megatron/tp2pp2vp2/legacy"),
+        path("megatron/tp2pp2dp2_distopt/dist_ckpt_dp"),
+        path("megatron/tp2pp2dp2_flat/dist_ckpt"),
+    );
     // Every writer this work added: UCP, ZeRO-1/2 and ZeRO-3 write-back, Megatron's
-    // distributed-optimizer state with the QKV split, DeepSpeed tensor parallelism.
-    let runs: [(&str, Vec<&str>); 5] = [
+    // distributed-optimizer state with the QKV split, DeepSpeed tensor parallelism,
+    // Megatron legacy write-back carrying the RNG state, dist_ckpt optimizer states
+    // saved dp_reshardable and flattened (fully_sharded_model_space).
+    let runs: [(&str, Vec<&str>); 8] = [
         ("u", vec!["merge", &zero3, "--format", "ucp"]),
         (
             "z",
@@ -302,6 +310,19 @@ fn deepspeed_outputs_are_the_same_bytes_on_1_and_4_threads() {
         ),
         ("m", vec!["merge", &distopt, "--split-qkv"]),
         ("t", vec!["reshard", &tp, "--to", "3"]),
+        (
+            "r",
+            vec![
+                "reshard",
+                &vp,
+                "--mesh",
+                "pp=2,tp=2",
+                "--format",
+                "megatron",
+            ],
+        ),
+        ("b", vec!["merge", &dp_buckets]),
+        ("f", vec!["reshard", &flat, "--to", "2"]),
     ];
     for (out, args) in &runs {
         for t in [1, 4] {
