@@ -237,7 +237,10 @@ pub(crate) struct MergeArgs {
     /// output files (with --max-shard-size); no data crosses processes.
     #[arg(long, value_parser = ["auto"])]
     pub(crate) rank: Option<String>,
-    /// Output format: `safetensors` (Hugging Face layout), `mindspore` (one model.ckpt
+    /// Output format: `hf` (a Hugging Face model that transformers' from_pretrained
+    /// loads: names, config.json and shards of the model family; from Megatron, or from
+    /// a source already in HF names), `safetensors` (the tensors as named in the source,
+    /// in safetensors files in Hugging Face's layout), `mindspore` (one model.ckpt
     /// that mindspore.load_checkpoint reads), `torch` (one model.pth, a dict of
     /// tensors that torch.load(weights_only=True) reads) or `ucp` (DeepSpeed's universal
     /// checkpoint, from a DeepSpeed ZeRO checkpoint: latest_universal and
@@ -258,6 +261,20 @@ pub(crate) struct MergeArgs {
     /// merge drops them where the checkpoint's args give the real vocab_size).
     #[arg(long)]
     pub(crate) keep_vocab_padding: bool,
+    /// With --format hf: a Hugging Face config.json to follow. It names the model
+    /// family, fills in what the source does not record (and must agree with what it
+    /// does), and is written as the output's config; a generation_config.json beside
+    /// it is copied too.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) hf_config: Option<PathBuf>,
+    /// With --format hf: the model family, where the source's args do not settle it:
+    /// llama, mistral, qwen2, qwen3 or gpt_bigcode (sizes from the args).
+    #[arg(long, value_name = "NAME")]
+    pub(crate) hf_arch: Option<String>,
+    /// With --format hf: copy the tokenizer files of this directory (tokenizer.json,
+    /// tokenizer_config.json, ...) beside the model.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) tokenizer: Option<PathBuf>,
     #[command(flatten)]
     pub(crate) copy: CopyArgs,
 }

@@ -136,6 +136,8 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
         selection: selection(&a.copy, &a.inputs)?.with_views(ckpt_core::Views {
             split_qkv: a.split_qkv,
             unpad_vocab: !a.keep_vocab_padding,
+            // A Hugging Face model has a tensor a layer.
+            per_layer: a.format == "hf",
         }),
         force: a.copy.force,
         one_file: a.one_file,
@@ -146,7 +148,25 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
             Some(_) => Some(launch_share()?),
             None => None,
         },
+        hf: ckpt_core::HfTarget {
+            config: a.hf_config,
+            arch: a.hf_arch,
+        },
+        tokenizer: a.tokenizer,
     };
+    if req.format == ckpt_merge::MergeFormat::Hf && a.split_qkv {
+        return Err(Usage(
+            "--split-qkv does not apply to --format hf: the model family's table splits the QKV projection as the Hugging Face model needs".into(),
+        )
+        .into());
+    }
+    if req.format != ckpt_merge::MergeFormat::Hf
+        && (req.hf.config.is_some() || req.hf.arch.is_some() || req.tokenizer.is_some())
+    {
+        return Err(
+            Usage("--hf-config, --hf-arch and --tokenizer go with --format hf".into()).into(),
+        );
+    }
     with_progress("merged", &req.output, &a.copy, |progress, on_plan| {
         ckpt_merge::merge(&req, progress, on_plan)
     })

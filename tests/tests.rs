@@ -9,6 +9,7 @@ mod crash;
 mod deepspeed;
 mod deepspeed_write;
 mod direct_write;
+mod hf;
 mod inspect_verify;
 mod megatron;
 mod megatron_optim;

@@ -15,6 +15,7 @@
 mod boxes;
 mod coverage;
 mod flat_names;
+mod hf_view;
 mod megatron_views;
 mod mindspore;
 mod open;
@@ -32,6 +33,7 @@ pub use crate::formats::detect::discover::{
     OPTIMIZER_FILE, STRATEGY_FILE,
 };
 pub use crate::layout::plan::DCP_SHARDING_INFO;
+pub use hf_view::{HfModel, HfTarget};
 /// The names of optimizer state, in ckpt's training checkpoints (`optim.<param>.<state>`)
 /// and torch's (`optim.state.<i>.<state>`).
 pub const OPTIMIZER_PREFIX: &str = "optim.";

@@ -12,6 +12,7 @@ mod engine;
 mod error;
 mod fault;
 mod formats;
+mod hf;
 mod launch;
 mod layout;
 mod megatron_output;
@@ -22,6 +23,7 @@ pub use crate::checkpoint::{
     Checkpoint, Kind, CARRIED_FILES, COMPRESSED_INDEX_FILE, COMPRESSED_MODEL_FILE,
     DCP_SHARDING_INFO, INDEX_FILE, MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_PREFIX, STRATEGY_FILE,
 };
+pub use crate::checkpoint::{HfModel, HfTarget};
 pub use crate::draw::{
     fold, holder_label, html_report, matching, picture, piece_count, pieces_json, plan_html_report,
     render_text, show, write_html_report, write_plan_html, Canvas, Extent, Fold, Holding,
@@ -66,6 +68,9 @@ pub use crate::formats::safetensors::{
 pub use crate::formats::writer::{TensorSpec, TensorWriter};
 pub use crate::formats::{
     ChunkCache, Decoder, FileFormat, PieceKind, ReadCache, TensorEntry, TensorFile,
+};
+pub use crate::hf::{
+    config_json as hf_config_json, read_config as read_hf_config, Family, Shape as ModelShape,
 };
 pub use crate::launch::{LaunchEnv, Launcher};
 pub use crate::layout::coverage::{check_tiling, Defect};

@@ -7,9 +7,9 @@
 
 use ckpt_core::{
     check_output_outside_inputs, copy_carried, execute_with, write_file_atomic, Checkpoint,
-    Compression, CopyPlan, CopyStats, Piece, Region, Result, Selection, StagedDir, TargetFile,
-    TargetTensor, CKPTZ_EXTENSION, COMPRESSED_INDEX_FILE, INDEX_FILE, MODEL_FILE, OPTIMIZER_FILE,
-    OPTIMIZER_PREFIX,
+    Compression, CopyPlan, CopyStats, HfModel, HfTarget, Piece, Region, Result, Selection,
+    StagedDir, TargetFile, TargetTensor, CKPTZ_EXTENSION, COMPRESSED_INDEX_FILE, INDEX_FILE,
+    MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_PREFIX,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -38,7 +38,29 @@ pub struct MergeRequest {
     pub share: Option<(u64, u64)>,
     /// Write compressed `.ckptz` files (and `model.ckptz.index.json`).
     pub compression: Option<Compression>,
+    /// With [`MergeFormat::Hf`]: the model's config or family, where the source does
+    /// not record them.
+    pub hf: HfTarget,
+    /// With [`MergeFormat::Hf`]: a directory whose tokenizer files are copied beside the
+    /// model.
+    pub tokenizer: Option<PathBuf>,
 }
+
+/// transformers' `save_pretrained` default `max_shard_size` ("50GB", 10^9 bytes a GB;
+/// transformers 5.24 `modeling_utils.py`).
+pub const HF_MAX_SHARD_SIZE: u64 = 50_000_000_000;
+
+/// The tokenizer files `--tokenizer DIR` copies (those transformers' tokenizers save).
+pub const TOKENIZER_FILES: [&str; 8] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+];
 
 /// The format of a merge's output.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -55,12 +77,16 @@ pub enum MergeFormat {
     /// which `engine.load_checkpoint` reads with `"load_universal": true` on any
     /// data-parallel size.
     Ucp,
+    /// A Hugging Face model that `from_pretrained` loads: the tensors renamed and cut by
+    /// the model family's table, `config.json`, shards as `save_pretrained` writes them.
+    Hf,
 }
 
 impl MergeFormat {
     /// Every format by the name the CLI and the Python package take (`--format`).
-    pub const NAMES: [(&'static str, MergeFormat); 4] = [
+    pub const NAMES: [(&'static str, MergeFormat); 5] = [
         ("safetensors", MergeFormat::Safetensors),
+        ("hf", MergeFormat::Hf),
         ("mindspore", MergeFormat::MindSpore),
         ("torch", MergeFormat::Torch),
         ("ucp", MergeFormat::Ucp),
@@ -106,7 +132,7 @@ pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
         });
     }
     let single = match req.format {
-        MergeFormat::Safetensors => None,
+        MergeFormat::Safetensors | MergeFormat::Hf => None,
         MergeFormat::MindSpore => Some(("mindspore", "model.ckpt")),
         MergeFormat::Torch => Some(("torch", "model.pth")),
         MergeFormat::Ucp => None,
@@ -139,7 +165,11 @@ pub fn plan(source: &Checkpoint, req: &MergeRequest) -> Result<CopyPlan> {
             let (optim, weights): (Vec<_>, Vec<_>) = tensors
                 .into_iter()
                 .partition(|t| !req.one_file && t.name.starts_with(OPTIMIZER_PREFIX));
-            let mut files = shard(weights, req.max_shard_size);
+            let max = match req.format {
+                MergeFormat::Hf => Some(req.max_shard_size.unwrap_or(HF_MAX_SHARD_SIZE)),
+                _ => req.max_shard_size,
+            };
+            let mut files = shard(weights, max);
             if !optim.is_empty() {
                 files.push(TargetFile {
                     path: OPTIMIZER_FILE.into(),
@@ -244,7 +274,17 @@ pub fn merge(
             path: req.output.clone(),
         });
     }
-    let source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
+    let mut source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
+    let hf = if req.format == MergeFormat::Hf {
+        if req.compression.is_some() || req.one_file {
+            return Err(ckpt_core::Error::Unsupported {
+                problem: "--format hf writes what transformers loads: --compress and --one-file do not apply".into(),
+            });
+        }
+        Some(source.hf_view(&req.hf)?)
+    } else {
+        None
+    };
     let plan = plan(&source, req)?;
     // (A universal checkpoint is DeepSpeed's tree: no Hugging Face index.)
     let index = (req.format != MergeFormat::Ucp)
@@ -264,6 +304,8 @@ pub fn merge(
         }
         if req.format == MergeFormat::Ucp {
             ckpt_core::ucp_finish(&source, &req.selection, staged.path())?;
+        } else if let Some(hf) = &hf {
+            write_hf_files(hf, &plan, req, staged.path())?;
         } else {
             copy_carried(&source.carried, staged.path())?;
         }
@@ -300,9 +342,85 @@ pub fn merge(
         if let Some(index) = &index {
             write_file_atomic(&req.output.join(index_file), index.as_bytes())?;
         }
-        copy_carried(&source.carried, &req.output)?;
+        match &hf {
+            Some(hf) => write_hf_files(hf, &mine, req, &req.output)?,
+            None => copy_carried(&source.carried, &req.output)?,
+        }
     }
     Ok(stats)
+}
+
+/// torch's name of a dtype, as `config.json` records it.
+fn torch_dtype_name(d: ckpt_core::Dtype) -> &'static str {
+    use ckpt_core::Dtype;
+    match d {
+        Dtype::BF16 => "bfloat16",
+        Dtype::F16 => "float16",
+        Dtype::F64 => "float64",
+        _ => "float32",
+    }
+}
+
+/// Beside a Hugging Face model's weights: `config.json` (the user's, or made from the
+/// model's shape for the dtype written), the `generation_config.json` beside the user's
+/// config, and the tokenizer files of `--tokenizer`.
+fn write_hf_files(hf: &HfModel, plan: &CopyPlan, req: &MergeRequest, dir: &Path) -> Result<()> {
+    let dtype = plan
+        .files
+        .iter()
+        .flat_map(|f| &f.tensors)
+        .map(|t| t.target.dtype)
+        .find(|d| {
+            matches!(
+                d,
+                ckpt_core::Dtype::BF16
+                    | ckpt_core::Dtype::F16
+                    | ckpt_core::Dtype::F32
+                    | ckpt_core::Dtype::F64
+            )
+        })
+        .unwrap_or(ckpt_core::Dtype::F32);
+    write_file_atomic(
+        &dir.join("config.json"),
+        hf.config_json(torch_dtype_name(dtype))?.as_bytes(),
+    )?;
+    let mut copies: Vec<PathBuf> = vec![];
+    if let Some(gen) = hf
+        .user_config
+        .as_deref()
+        .and_then(Path::parent)
+        .map(|d| d.join("generation_config.json"))
+        .filter(|p| p.is_file())
+    {
+        copies.push(gen);
+    }
+    if let Some(tok) = &req.tokenizer {
+        let found: Vec<PathBuf> = TOKENIZER_FILES
+            .iter()
+            .map(|f| tok.join(f))
+            .filter(|p| p.is_file())
+            .collect();
+        if found.is_empty() {
+            return Err(ckpt_core::Error::UnknownInput {
+                problem: format!(
+                    "--tokenizer {}: holds none of the tokenizer files ({})",
+                    tok.display(),
+                    TOKENIZER_FILES.join(", ")
+                ),
+            });
+        }
+        copies.extend(found);
+    }
+    for from in copies {
+        let bytes = std::fs::read(&from).map_err(|source| ckpt_core::Error::Io {
+            path: from.clone(),
+            source,
+        })?;
+        if let Some(name) = from.file_name() {
+            write_file_atomic(&dir.join(name), &bytes)?;
+        }
+    }
+    Ok(())
 }
 
 /// Parses a size such as `5GB`, `500MB`, `2GiB` or `1000`.

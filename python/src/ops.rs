@@ -154,6 +154,7 @@ pub(crate) fn merge<'py>(
             ckpt_core::Views {
                 split_qkv,
                 unpad_vocab: !keep_vocab_padding,
+                per_layer: false,
             },
         ),
         force,
@@ -161,6 +162,8 @@ pub(crate) fn merge<'py>(
         one_file,
         share: None,
         compression: compression_of(py, compress)?,
+        hf: ckpt_core::HfTarget::default(),
+        tokenizer: None,
     };
     ckpt_core::set_checksums_enabled(checksums);
     let (stats, shape, secs) = run_copy(py, |p, on_plan| ckpt_merge::merge(&req, p, on_plan))?;

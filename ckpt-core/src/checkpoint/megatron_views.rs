@@ -80,19 +80,11 @@ impl Checkpoint {
             }
             let per_group = heads / groups;
             let group_rows = (per_group + 2) * kv;
-            let blocks = |offset: u64, len: u64| -> Vec<Block> {
-                (0..groups)
-                    .map(|g| Block {
-                        from: g * group_rows + offset,
-                        len,
-                        to: g * len,
-                    })
-                    .collect()
-            };
+            let [q, k, v] = crate::hf::qkv_blocks(groups, per_group, kv);
             let parts = [
-                (PARTS[0], blocks(0, per_group * kv), groups * per_group * kv),
-                (PARTS[1], blocks(per_group * kv, kv), groups * kv),
-                (PARTS[2], blocks((per_group + 1) * kv, kv), groups * kv),
+                (PARTS[0], q.0, q.1),
+                (PARTS[1], k.0, k.1),
+                (PARTS[2], v.0, v.1),
             ];
             let fused = self.names_where(|n| {
                 holds(n, &format!("{QKV}.weight")) || holds(n, &format!("{QKV}.bias"))

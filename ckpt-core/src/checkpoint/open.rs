@@ -93,6 +93,7 @@ impl Checkpoint {
         rules: &SplitRules,
     ) -> Result<(Checkpoint, Vec<Error>)> {
         let mut x = Discovery::new(step);
+        x.per_layer = views.per_layer;
         for p in paths {
             x.add(p)?;
         }

@@ -31,15 +31,17 @@ mod pickled;
 mod rng;
 pub(crate) use rng::RankRng;
 
+use super::distcp::{ChunkPart, DcpChunk, DcpMetadata, DcpTensor};
 use super::pickle::Value;
 use super::torch_save::Archive;
 use super::{map_file, FileFormat, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, IoContext, Result};
+use crate::layout::flat::FlatRange;
 use crate::layout::mesh::Mesh;
 use crate::layout::strategy::{dtype_name, Strategy};
 use crate::layout::{Placement, TensorLayout};
 use pickled::{allowed, namespace_fields};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The file naming the newest iteration.
@@ -106,8 +108,9 @@ fn unknown(problem: String) -> Error {
     Error::UnknownInput { problem }
 }
 
-/// The run's sizes, from the pickled `args` (the fields the rules need).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// The run's sizes, from the pickled `args` (the fields the rules and the Hugging Face
+/// export need).
+#[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct Args {
     pub(crate) tp: u64,
     pub(crate) pp: u64,
@@ -122,9 +125,37 @@ pub(crate) struct Args {
     pub(crate) vocab: Option<u64>,
     pub(crate) max_positions: Option<u64>,
     pub(crate) swiglu: bool,
+    /// What the model is, for a Hugging Face export (`None` where args lack the field).
+    pub(crate) model: ModelArgs,
     /// Uneven pipeline stages (`num_layers_in_first/last_pipeline_stage`,
     /// `pipeline_model_parallel_layout`): set when args use them, refused for now.
     pub(crate) uneven: Option<String>,
+}
+
+/// The fields of Megatron-LM's args that say which model family a GPT model is
+/// (arguments.py's names; `None` where the args lack the field).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct ModelArgs {
+    /// `normalization`: `LayerNorm` or `RMSNorm`.
+    pub(crate) normalization: Option<String>,
+    /// `position_embedding_type`: `learned_absolute`, `rope`, ...
+    pub(crate) position_embedding: Option<String>,
+    /// `qk_layernorm`.
+    pub(crate) qk_layernorm: Option<bool>,
+    /// `add_qkv_bias`.
+    pub(crate) qkv_bias: Option<bool>,
+    /// `add_bias_linear`.
+    pub(crate) bias_linear: Option<bool>,
+    /// `untie_embeddings_and_output_weights`.
+    pub(crate) untied: Option<bool>,
+    /// `norm_epsilon` (Megatron-LM's name for TransformerConfig.layernorm_epsilon).
+    pub(crate) norm_epsilon: Option<f64>,
+    /// `rotary_base`.
+    pub(crate) rotary_base: Option<f64>,
+    /// `rotary_percent`.
+    pub(crate) rotary_percent: Option<f64>,
+    /// The args' `params_dtype` (`torch.float32`, ...) or the `bf16`/`fp16` flags.
+    pub(crate) dtype: Option<String>,
 }
 
 impl Args {
@@ -165,6 +196,41 @@ impl Args {
             }
         }
         let heads = int("num_attention_heads")?;
+        let boolean = |key: &str| match get(key) {
+            Some(Value::Bool(b)) => Some(*b),
+            _ => None,
+        };
+        let text = |key: &str| match get(key) {
+            Some(Value::Str(s)) => Some(s.clone()),
+            _ => None,
+        };
+        let float = |key: &str| match get(key) {
+            Some(Value::Float(f)) => Some(*f),
+            Some(Value::Int(i)) => Some(*i as f64),
+            _ => None,
+        };
+        let dtype = if flag("bf16") {
+            Some("bfloat16".to_string())
+        } else if flag("fp16") {
+            Some("float16".to_string())
+        } else {
+            match get("params_dtype") {
+                Some(Value::Global { module, name }) if module == "torch" => Some(name.clone()),
+                _ => None,
+            }
+        };
+        let model = ModelArgs {
+            normalization: text("normalization"),
+            position_embedding: text("position_embedding_type"),
+            qk_layernorm: boolean("qk_layernorm"),
+            qkv_bias: boolean("add_qkv_bias"),
+            bias_linear: boolean("add_bias_linear"),
+            untied: boolean("untie_embeddings_and_output_weights"),
+            norm_epsilon: float("norm_epsilon").or_else(|| float("layernorm_epsilon")),
+            rotary_base: float("rotary_base"),
+            rotary_percent: float("rotary_percent"),
+            dtype,
+        };
         Ok(Args {
             tp: int("tensor_model_parallel_size")?.unwrap_or(1),
             pp: int("pipeline_model_parallel_size")?.unwrap_or(1),
@@ -184,6 +250,7 @@ impl Args {
             vocab: int("vocab_size")?,
             max_positions: int("max_position_embeddings")?,
             swiglu: flag("swiglu"),
+            model,
             uneven,
         })
     }
@@ -693,6 +760,91 @@ fn read_rank(
     TensorFile::from_parts(file, map, FileFormat::TorchSave, entries, metadata)
 }
 
+/// A dist_ckpt's stacked layer tensors (`decoder.layers.<param>`, `[layers, ...]`: the
+/// layer is the offset on the first axis, global over the pipeline stages) given as one
+/// tensor a layer, named as the legacy format names them
+/// (`decoder.layers.<l>.<param>`): each stored chunk's layers become chunks of their
+/// own, parts of the chunk's archive ([`ChunkPart`]), so the same bytes are read.
+/// Optimizer state and flattened chunks keep their names.
+///
+/// # Errors
+/// Size arithmetic that overflows.
+pub(crate) fn unstack_layers(m: &mut DcpMetadata) -> Result<()> {
+    let stacked = |name: &str| {
+        name.strip_prefix("decoder.layers.")
+            .filter(|rest| !rest.starts_with(|c: char| c.is_ascii_digit()))
+            .map(str::to_string)
+    };
+    let flat: BTreeSet<String> = m
+        .chunks
+        .iter()
+        .filter(|c| c.part.is_some() || c.flat.is_some())
+        .map(|c| c.fqn.clone())
+        .collect();
+    let names: Vec<String> = m
+        .tensors
+        .iter()
+        .filter(|(n, t)| stacked(n).is_some() && !flat.contains(*n) && t.shape.len() >= 2)
+        .map(|(n, _)| n.clone())
+        .collect();
+    let overflow = |what: &str| overflow(format!("unstacking `{what}`"));
+    for name in &names {
+        let Some(t) = m.tensors.remove(name) else {
+            continue;
+        };
+        let rest = stacked(name).unwrap_or_default();
+        for l in 0..t.shape[0] {
+            m.tensors.insert(
+                format!("decoder.layers.{l}.{rest}"),
+                DcpTensor {
+                    dtype: t.dtype,
+                    shape: t.shape[1..].to_vec(),
+                },
+            );
+        }
+        if let Some(i) = m.order.iter().position(|n| n == name) {
+            let per: Vec<String> = (0..t.shape[0])
+                .map(|l| format!("decoder.layers.{l}.{rest}"))
+                .collect();
+            m.order.splice(i..=i, per);
+        }
+    }
+    let mut chunks = Vec::with_capacity(m.chunks.len());
+    for c in std::mem::take(&mut m.chunks) {
+        let Some(rest) = stacked(&c.fqn).filter(|_| names.contains(&c.fqn)) else {
+            chunks.push(c);
+            continue;
+        };
+        let layer: u64 = c.sizes[1..]
+            .iter()
+            .try_fold(1u64, |a, &b| a.checked_mul(b))
+            .ok_or_else(|| overflow(&c.fqn))?;
+        for i in 0..c.sizes[0] {
+            let l = c.offsets[0]
+                .checked_add(i)
+                .ok_or_else(|| overflow(&c.fqn))?;
+            chunks.push(DcpChunk {
+                fqn: format!("decoder.layers.{l}.{rest}"),
+                offsets: c.offsets[1..].to_vec(),
+                sizes: c.sizes[1..].to_vec(),
+                file: c.file.clone(),
+                start: c.start,
+                len: c.len,
+                part: Some(ChunkPart {
+                    stored: c.sizes.clone(),
+                    elements: FlatRange::new(
+                        i.checked_mul(layer).ok_or_else(|| overflow(&c.fqn))?,
+                        layer,
+                    ),
+                }),
+                flat: None,
+            });
+        }
+    }
+    m.chunks = chunks;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -892,6 +1044,22 @@ fn common_keys(path: &Path) -> Result<(Vec<String>, Option<Args>)> {
         .collect();
     let args = obj.get("args").and_then(|a| Args::from_value(a, path).ok());
     Ok((keys, args))
+}
+
+/// The args in a dist_ckpt's `common.pt` (Megatron-LM saves them there), when `dir`
+/// is a dist_ckpt whose common state has Megatron's args.
+///
+/// # Errors
+/// A `common.pt` that cannot be read, or args that are not Megatron's.
+pub(crate) fn dist_ckpt_args(dir: &Path) -> Result<Option<Args>> {
+    let common = dir.join(COMMON_FILE);
+    if !common.is_file() || !dir.join(DIST_METADATA_FILE).is_file() {
+        return Ok(None);
+    }
+    let obj = common_object(&common).map_err(|e| e.with_path(&common))?;
+    obj.get("args")
+        .map(|a| Args::from_value(a, &common))
+        .transpose()
 }
 
 /// What a legacy output carries from its source: the pickled args (updated for the new

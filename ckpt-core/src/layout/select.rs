@@ -32,6 +32,10 @@ pub struct Views {
     pub split_qkv: bool,
     /// Drop the rows that pad the vocabulary, where the checkpoint records its size.
     pub unpad_vocab: bool,
+    /// A Megatron dist_ckpt's stacked layer tensors (`decoder.layers.<param>`,
+    /// `[layers, ...]`) as one tensor a layer (`decoder.layers.<l>.<param>`), as the
+    /// legacy format names them.
+    pub per_layer: bool,
 }
 
 fn glob(p: &str) -> Result<Glob> {
@@ -206,16 +210,27 @@ impl Selection {
             && !self.exclude.as_ref().is_some_and(|g| g.is_match(name))
     }
 
-    /// The output dtype of a kept tensor.
+    /// The output dtype of a kept tensor. A cast to a floating-point type converts the
+    /// floating-point tensors and keeps integer and boolean ones as they are (`--dtype
+    /// bf16` of fp32 master weights beside an integer `step` is the usual export).
     ///
     /// # Errors
-    /// A cast of a non-float tensor.
+    /// A cast that cannot convert (to an integer type, or of 8-bit floats).
     pub fn dtype(&self, name: &str, dtype: Dtype) -> Result<Dtype> {
         match self.cast {
             None => Ok(dtype),
+            Some(to) if keeps_integers(dtype, to) => Ok(dtype),
             Some(to) => check_cast(name, dtype, to).map(|()| to),
         }
     }
+}
+
+/// Whether a cast to `to` leaves a `from` tensor as it is: integers and booleans under a
+/// cast to a floating-point type.
+fn keeps_integers(from: Dtype, to: Dtype) -> bool {
+    use Dtype::*;
+    let int = matches!(from, BOOL | U8 | I8 | I16 | U16 | I32 | U32 | I64 | U64);
+    int && matches!(to, F16 | BF16 | F32 | F64)
 }
 
 #[cfg(test)]
@@ -239,10 +254,20 @@ mod tests {
             e,
             "--exclude 'optim.*' leave none of the input's 2 tensors (they are named like `optim.a`, `optim.b`): nothing to write"
         );
-        assert!(s
-            .dtype("step", Dtype::I64)
+        // Integers and booleans stay as they are under a cast to a float type...
+        assert_eq!(s.dtype("step", Dtype::I64).unwrap(), Dtype::I64);
+        assert_eq!(s.dtype("mask", Dtype::BOOL).unwrap(), Dtype::BOOL);
+        // ... while a cast to an integer type, or of 8-bit floats, is refused.
+        let to_int = Selection::new(&[], &[], Some(Dtype::I32)).unwrap();
+        assert!(to_int
+            .dtype("w", Dtype::F32)
             .unwrap_err()
             .to_string()
-            .contains("cannot cast I64 to BF16"));
+            .contains("cannot cast F32 to I32"));
+        assert!(s
+            .dtype("w8", Dtype::F8_E4M3)
+            .unwrap_err()
+            .to_string()
+            .contains("cannot cast F8_E4M3 to BF16"));
     }
 }

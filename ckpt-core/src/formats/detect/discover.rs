@@ -82,6 +82,9 @@ pub(crate) struct Discovery {
     pub(crate) ucp: Vec<PathBuf>,
     /// A Megatron legacy checkpoint (save or iteration directory): read on its own.
     pub(crate) megatron: Option<PathBuf>,
+    /// Give a Megatron dist_ckpt's stacked layer tensors one tensor a layer
+    /// ([`megatron::unstack_layers`]).
+    pub(crate) per_layer: bool,
 }
 
 /// A row of the directory table.
@@ -363,6 +366,9 @@ impl Discovery {
             if dir.join(megatron::DIST_METADATA_FILE).is_file() {
                 megatron::dist_optim::map_buckets(dir, &mut m)?;
                 megatron::dist_optim::name_states(dir, &mut m)?;
+                if self.per_layer {
+                    megatron::unstack_layers(&mut m)?;
+                }
             }
             self.dcp.insert(dir.to_path_buf(), m);
         }

@@ -1,0 +1,878 @@
+//! Hugging Face model families: one table per family says which Megatron GPT tensor
+//! each Hugging Face tensor is and how it is cut from it, so that export (Megatron → HF)
+//! and import (HF → Megatron) are read off the same rows and cannot drift.
+//!
+//! A row names a Megatron tensor (with `{l}` for the layer; aliases where megatron-core
+//! saves the same parameter under two names: the local layer spec's
+//! `input_layernorm.weight` is TransformerEngine's fused
+//! `self_attention.linear_qkv.layer_norm_weight` in dist_ckpt), the Hugging Face
+//! tensor(s) it becomes, and the [`Cut`]: the whole tensor, the fused QKV projection
+//! split per query group, the SwiGLU `linear_fc1` split into gate and up, or the
+//! vocabulary rows without Megatron's padding. Every cut is a set of row blocks along
+//! the tensor's first dimension ([`Block`]), so the export is a view of the stored
+//! pieces and nothing is copied before the output is written.
+//!
+//! The families, from the models' own code (transformers 5.24: `modeling_llama.py`,
+//! `modeling_mistral.py`, `modeling_qwen2.py`, `modeling_qwen3.py`,
+//! `modeling_gpt_bigcode.py`; megatron-core 0.16.1: `SelfAttention`,
+//! `get_gpt_layer_local_spec`):
+//! - `llama` (Llama 1-3, GQA), `mistral`: RMSNorm, SwiGLU, RoPE (rotate-half, as
+//!   megatron-core's), no biases.
+//! - `qwen2` (Qwen2, Qwen2.5): as llama with a bias on the Q, K and V projections
+//!   (`add_qkv_bias`).
+//! - `qwen3`: as llama with RMSNorm on each query and key head (`qk_layernorm`) and a
+//!   head dimension of its own (`kv_channels` = `head_dim`).
+//! - `gpt_bigcode` (Megatron's GPT-2-style model: LayerNorm, GELU, learned absolute
+//!   positions, biases, multi-head attention): `GPTBigCodeForCausalLM` with
+//!   `multi_query: false` computes exactly Megatron's GPT: its `c_attn` is an
+//!   `nn.Linear` whose output rows are, head by head, the head's query, key and value —
+//!   Megatron's fused QKV with one query group per head — so every tensor is stored as
+//!   Megatron stores it. (`GPT2LMHeadModel` stores its projections transposed, as
+//!   `Conv1D`; its `gelu_new` is not Megatron's exact GELU.)
+//!
+//! Tied embeddings (`share_embeddings_and_output_weights`, args'
+//! `untie_embeddings_and_output_weights: false`) are `tie_word_embeddings: true`: no
+//! `lm_head.weight` in the export (the last stage's copy of the embedding is dropped).
+
+use crate::error::{Error, Result};
+use crate::layout::source::Block;
+use serde_json::{json, Map, Value};
+
+/// A model family ckpt converts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `LlamaForCausalLM`.
+    Llama,
+    /// `MistralForCausalLM` (Llama's tensors; sliding window off).
+    Mistral,
+    /// `Qwen2ForCausalLM` (QKV bias).
+    Qwen2,
+    /// `Qwen3ForCausalLM` (q/k norm, own head dim).
+    Qwen3,
+    /// `GPTBigCodeForCausalLM`: Megatron's GPT-2-style model.
+    GptBigCode,
+}
+
+/// How a Hugging Face tensor is cut from its Megatron tensor (rows of dimension 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cut {
+    /// The whole tensor.
+    Whole,
+    /// The fused QKV projection (weight or bias) into query, key and value.
+    Qkv,
+    /// SwiGLU's `linear_fc1` into gate and up.
+    GateUp,
+    /// The first `vocab_size` rows (Megatron pads the vocabulary for the TP size).
+    Vocab,
+}
+
+/// When a row applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum When {
+    Always,
+    /// The model has linear biases (`add_bias_linear`).
+    Bias,
+    /// QKV bias (`add_qkv_bias`, or `add_bias_linear`).
+    QkvBias,
+    /// q/k layernorm.
+    QkNorm,
+    /// An output layer of its own (untied embeddings).
+    Untied,
+}
+
+/// One row of a family's table.
+#[derive(Clone, Copy, Debug)]
+pub struct Row {
+    /// Megatron's names of the tensor (`{l}` the global layer number), first the
+    /// legacy local spec's.
+    pub megatron: &'static [&'static str],
+    /// The Hugging Face tensor(s) it becomes, in the cut's order.
+    pub hf: &'static [&'static str],
+    /// How.
+    pub cut: Cut,
+    when: When,
+}
+
+const fn row(
+    megatron: &'static [&'static str],
+    hf: &'static [&'static str],
+    cut: Cut,
+    when: When,
+) -> Row {
+    Row {
+        megatron,
+        hf,
+        cut,
+        when,
+    }
+}
+
+/// Llama, Mistral, Qwen2 and Qwen3 (rows that a model lacks do not apply to it).
+const LLAMA: &[Row] = &[
+    row(
+        &["embedding.word_embeddings.weight"],
+        &["model.embed_tokens.weight"],
+        Cut::Vocab,
+        When::Always,
+    ),
+    row(
+        &[
+            "decoder.layers.{l}.input_layernorm.weight",
+            "decoder.layers.{l}.self_attention.linear_qkv.layer_norm_weight",
+        ],
+        &["model.layers.{l}.input_layernorm.weight"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &["decoder.layers.{l}.self_attention.linear_qkv.weight"],
+        &[
+            "model.layers.{l}.self_attn.q_proj.weight",
+            "model.layers.{l}.self_attn.k_proj.weight",
+            "model.layers.{l}.self_attn.v_proj.weight",
+        ],
+        Cut::Qkv,
+        When::Always,
+    ),
+    row(
+        &["decoder.layers.{l}.self_attention.linear_qkv.bias"],
+        &[
+            "model.layers.{l}.self_attn.q_proj.bias",
+            "model.layers.{l}.self_attn.k_proj.bias",
+            "model.layers.{l}.self_attn.v_proj.bias",
+        ],
+        Cut::Qkv,
+        When::QkvBias,
+    ),
+    row(
+        &["decoder.layers.{l}.self_attention.q_layernorm.weight"],
+        &["model.layers.{l}.self_attn.q_norm.weight"],
+        Cut::Whole,
+        When::QkNorm,
+    ),
+    row(
+        &["decoder.layers.{l}.self_attention.k_layernorm.weight"],
+        &["model.layers.{l}.self_attn.k_norm.weight"],
+        Cut::Whole,
+        When::QkNorm,
+    ),
+    row(
+        &["decoder.layers.{l}.self_attention.linear_proj.weight"],
+        &["model.layers.{l}.self_attn.o_proj.weight"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &[
+            "decoder.layers.{l}.pre_mlp_layernorm.weight",
+            "decoder.layers.{l}.mlp.linear_fc1.layer_norm_weight",
+        ],
+        &["model.layers.{l}.post_attention_layernorm.weight"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &["decoder.layers.{l}.mlp.linear_fc1.weight"],
+        &[
+            "model.layers.{l}.mlp.gate_proj.weight",
+            "model.layers.{l}.mlp.up_proj.weight",
+        ],
+        Cut::GateUp,
+        When::Always,
+    ),
+    row(
+        &["decoder.layers.{l}.mlp.linear_fc2.weight"],
+        &["model.layers.{l}.mlp.down_proj.weight"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &["decoder.final_layernorm.weight"],
+        &["model.norm.weight"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &["output_layer.weight"],
+        &["lm_head.weight"],
+        Cut::Vocab,
+        When::Untied,
+    ),
+];
+
+/// Megatron's GPT-2-style model as `GPTBigCodeForCausalLM`.
+const GPT_BIGCODE: &[Row] = &[
+    row(
+        &["embedding.word_embeddings.weight"],
+        &["transformer.wte.weight"],
+        Cut::Vocab,
+        When::Always,
+    ),
+    row(
+        &["embedding.position_embeddings.weight"],
+        &["transformer.wpe.weight"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &[
+            "decoder.layers.{l}.input_layernorm.weight",
+            "decoder.layers.{l}.self_attention.linear_qkv.layer_norm_weight",
+        ],
+        &["transformer.h.{l}.ln_1.weight"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &[
+            "decoder.layers.{l}.input_layernorm.bias",
+            "decoder.layers.{l}.self_attention.linear_qkv.layer_norm_bias",
+        ],
+        &["transformer.h.{l}.ln_1.bias"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &["decoder.layers.{l}.self_attention.linear_qkv.weight"],
+        &["transformer.h.{l}.attn.c_attn.weight"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &["decoder.layers.{l}.self_attention.linear_qkv.bias"],
+        &["transformer.h.{l}.attn.c_attn.bias"],
+        Cut::Whole,
+        When::Bias,
+    ),
+    row(
+        &["decoder.layers.{l}.self_attention.linear_proj.weight"],
+        &["transformer.h.{l}.attn.c_proj.weight"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &["decoder.layers.{l}.self_attention.linear_proj.bias"],
+        &["transformer.h.{l}.attn.c_proj.bias"],
+        Cut::Whole,
+        When::Bias,
+    ),
+    row(
+        &[
+            "decoder.layers.{l}.pre_mlp_layernorm.weight",
+            "decoder.layers.{l}.mlp.linear_fc1.layer_norm_weight",
+        ],
+        &["transformer.h.{l}.ln_2.weight"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &[
+            "decoder.layers.{l}.pre_mlp_layernorm.bias",
+            "decoder.layers.{l}.mlp.linear_fc1.layer_norm_bias",
+        ],
+        &["transformer.h.{l}.ln_2.bias"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &["decoder.layers.{l}.mlp.linear_fc1.weight"],
+        &["transformer.h.{l}.mlp.c_fc.weight"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &["decoder.layers.{l}.mlp.linear_fc1.bias"],
+        &["transformer.h.{l}.mlp.c_fc.bias"],
+        Cut::Whole,
+        When::Bias,
+    ),
+    row(
+        &["decoder.layers.{l}.mlp.linear_fc2.weight"],
+        &["transformer.h.{l}.mlp.c_proj.weight"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &["decoder.layers.{l}.mlp.linear_fc2.bias"],
+        &["transformer.h.{l}.mlp.c_proj.bias"],
+        Cut::Whole,
+        When::Bias,
+    ),
+    row(
+        &["decoder.final_layernorm.weight"],
+        &["transformer.ln_f.weight"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &["decoder.final_layernorm.bias"],
+        &["transformer.ln_f.bias"],
+        Cut::Whole,
+        When::Always,
+    ),
+    row(
+        &["output_layer.weight"],
+        &["lm_head.weight"],
+        Cut::Vocab,
+        When::Untied,
+    ),
+];
+
+/// Every family by the names users give (`--hf-arch`), its architecture class and
+/// `model_type`.
+const NAMES: [(Family, &str, &str); 5] = [
+    (Family::Llama, "LlamaForCausalLM", "llama"),
+    (Family::Mistral, "MistralForCausalLM", "mistral"),
+    (Family::Qwen2, "Qwen2ForCausalLM", "qwen2"),
+    (Family::Qwen3, "Qwen3ForCausalLM", "qwen3"),
+    (Family::GptBigCode, "GPTBigCodeForCausalLM", "gpt_bigcode"),
+];
+
+impl Family {
+    /// The family named `name`: its `model_type` (`llama`), its architecture
+    /// (`LlamaForCausalLM`), or `gpt` for `gpt_bigcode`.
+    #[must_use]
+    pub fn from_name(name: &str) -> Option<Family> {
+        let name = if name == "gpt" { "gpt_bigcode" } else { name };
+        NAMES
+            .iter()
+            .find(|(_, arch, ty)| name.eq_ignore_ascii_case(arch) || name.eq_ignore_ascii_case(ty))
+            .map(|(f, _, _)| *f)
+    }
+
+    /// The names `--hf-arch` takes, for messages.
+    #[must_use]
+    pub fn known() -> String {
+        NAMES
+            .iter()
+            .map(|(_, _, t)| *t)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// The Hugging Face architecture class.
+    #[must_use]
+    pub fn architecture(self) -> &'static str {
+        NAMES
+            .iter()
+            .find(|(f, _, _)| *f == self)
+            .map_or("", |(_, a, _)| a)
+    }
+
+    /// The Hugging Face `model_type`.
+    #[must_use]
+    pub fn model_type(self) -> &'static str {
+        NAMES
+            .iter()
+            .find(|(f, _, _)| *f == self)
+            .map_or("", |(_, _, t)| t)
+    }
+
+    /// The family's table.
+    #[must_use]
+    pub fn rows(self) -> &'static [Row] {
+        match self {
+            Family::GptBigCode => GPT_BIGCODE,
+            _ => LLAMA,
+        }
+    }
+
+    /// Whether `row` applies to a model of this family of `shape`.
+    #[must_use]
+    pub fn applies(self, row: &Row, shape: &Shape) -> bool {
+        match row.when {
+            When::Always => true,
+            When::Bias => shape.bias,
+            When::QkvBias => shape.qkv_bias || shape.bias,
+            When::QkNorm => shape.qk_norm,
+            When::Untied => !shape.tied,
+        }
+    }
+
+    /// What the family fixes of a model: refuses a `shape` it cannot describe.
+    ///
+    /// # Errors
+    /// A feature the family's Hugging Face model does not have.
+    pub fn check(self, shape: &Shape) -> Result<()> {
+        let lacks = |what: &str| {
+            Err(unsupported(format!(
+                "the model has {what}, which {} does not: name another family with --hf-arch ({})",
+                self.architecture(),
+                Family::known()
+            )))
+        };
+        let llama_like = self != Family::GptBigCode;
+        if llama_like && !shape.swiglu {
+            return lacks("no SwiGLU (args.swiglu false)");
+        }
+        if llama_like && shape.learned_positions {
+            return lacks("learned absolute position embeddings");
+        }
+        if llama_like && shape.layer_norm {
+            return lacks("LayerNorm (not RMSNorm)");
+        }
+        if llama_like && shape.bias {
+            return lacks("biases on its linear layers (add_bias_linear)");
+        }
+        if shape.qk_norm && self != Family::Qwen3 {
+            return lacks("q/k layernorm");
+        }
+        if self == Family::Qwen3 && !shape.qk_norm {
+            return lacks("no q/k layernorm");
+        }
+        if shape.qkv_bias && !shape.bias && self != Family::Qwen2 {
+            return lacks("a QKV bias without other linear biases");
+        }
+        if self == Family::Qwen2 && !shape.qkv_bias {
+            return lacks("no QKV bias");
+        }
+        if self == Family::GptBigCode {
+            if shape.swiglu || !shape.layer_norm || !shape.learned_positions || !shape.bias {
+                return lacks("SwiGLU, RMSNorm, rotary positions or no biases");
+            }
+            if shape.groups != shape.heads {
+                return lacks(
+                    "grouped-query attention (GPTBigCode takes multi-head attention here)",
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The family a Megatron GPT model is, from its recorded features; `None` where they
+/// do not settle it.
+#[must_use]
+pub(crate) fn family_of(shape: &Shape) -> Option<Family> {
+    let f = if shape.learned_positions && shape.layer_norm && !shape.swiglu {
+        Family::GptBigCode
+    } else if shape.qk_norm {
+        Family::Qwen3
+    } else if shape.qkv_bias && !shape.bias {
+        Family::Qwen2
+    } else {
+        Family::Llama
+    };
+    f.check(shape).ok().map(|()| f)
+}
+
+/// A model's sizes and features: what a Hugging Face config says and what Megatron's
+/// args record.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Shape {
+    /// Transformer layers.
+    pub layers: u64,
+    /// Hidden size.
+    pub hidden: u64,
+    /// Attention (query) heads.
+    pub heads: u64,
+    /// Key/value heads (query groups).
+    pub groups: u64,
+    /// Channels per head.
+    pub head_dim: u64,
+    /// MLP hidden size.
+    pub ffn: u64,
+    /// Vocabulary (without padding).
+    pub vocab: u64,
+    /// Maximum sequence length.
+    pub max_positions: u64,
+    /// Normalisation epsilon.
+    pub eps: f64,
+    /// Rotary base (theta).
+    pub rope_theta: f64,
+    /// SwiGLU MLP.
+    pub swiglu: bool,
+    /// LayerNorm (not RMSNorm).
+    pub layer_norm: bool,
+    /// Learned absolute position embeddings (not rotary).
+    pub learned_positions: bool,
+    /// Biases on every linear layer.
+    pub bias: bool,
+    /// Bias on the QKV projection.
+    pub qkv_bias: bool,
+    /// q/k layernorm.
+    pub qk_norm: bool,
+    /// Output layer tied to the word embedding.
+    pub tied: bool,
+}
+
+fn unsupported(problem: String) -> Error {
+    Error::Unsupported { problem }
+}
+
+/// The row blocks of the query, key and value parts of a fused QKV projection of
+/// `groups` query groups of `per_group` query heads, `kv` rows a head: megatron-core's
+/// `SelfAttention.get_query_key_value_tensors` views the rows as `[groups, (per_group
+/// + 2) * kv]`, each group its query heads, one key head and one value head. Each part
+/// is given with its row count; the query heads come out in their natural order, as
+/// Hugging Face's `q_proj` holds them, and the key/value heads one per group.
+#[must_use]
+pub(crate) fn qkv_blocks(groups: u64, per_group: u64, kv: u64) -> [(Vec<Block>, u64); 3] {
+    let group_rows = (per_group + 2) * kv;
+    let blocks = |offset: u64, len: u64| -> Vec<Block> {
+        (0..groups)
+            .map(|g| Block {
+                from: g * group_rows + offset,
+                len,
+                to: g * len,
+            })
+            .collect()
+    };
+    [
+        (blocks(0, per_group * kv), groups * per_group * kv),
+        (blocks(per_group * kv, kv), groups * kv),
+        (blocks((per_group + 1) * kv, kv), groups * kv),
+    ]
+}
+
+/// The rows of SwiGLU's gate and up parts of `linear_fc1` (`ffn` rows each, gate
+/// first, as megatron-core's `glu` chunks it: `torch.chunk(x, 2, dim=-1)`).
+#[must_use]
+pub(crate) fn gate_up_blocks(ffn: u64) -> [(Vec<Block>, u64); 2] {
+    [
+        (
+            vec![Block {
+                from: 0,
+                len: ffn,
+                to: 0,
+            }],
+            ffn,
+        ),
+        (
+            vec![Block {
+                from: ffn,
+                len: ffn,
+                to: 0,
+            }],
+            ffn,
+        ),
+    ]
+}
+
+/// The Hugging Face `config.json` of a model of `family` and `shape` whose tensors are
+/// `dtype` (torch's name: `float32`, `bfloat16`). Both config forms are written where
+/// they differ (`rope_theta` and transformers 5's `rope_parameters`; `torch_dtype` and
+/// `dtype`), so that transformers 4 and 5 read the same model.
+#[must_use]
+pub fn config_json(family: Family, shape: &Shape, dtype: &str) -> String {
+    let mut c = Map::new();
+    c.insert("architectures".into(), json!([family.architecture()]));
+    c.insert("model_type".into(), json!(family.model_type()));
+    if family == Family::GptBigCode {
+        for (k, v) in [
+            ("n_embd", json!(shape.hidden)),
+            ("n_layer", json!(shape.layers)),
+            ("n_head", json!(shape.heads)),
+            ("n_inner", json!(shape.ffn)),
+            ("n_positions", json!(shape.max_positions)),
+            ("vocab_size", json!(shape.vocab)),
+            ("layer_norm_epsilon", json!(shape.eps)),
+            // Megatron's F.gelu is the exact (erf) GELU.
+            ("activation_function", json!("gelu")),
+            ("multi_query", json!(false)),
+            ("scale_attn_weights", json!(true)),
+            ("attn_pdrop", json!(0.0)),
+            ("embd_pdrop", json!(0.0)),
+            ("resid_pdrop", json!(0.0)),
+        ] {
+            c.insert(k.into(), v);
+        }
+    } else {
+        for (k, v) in [
+            ("hidden_size", json!(shape.hidden)),
+            ("intermediate_size", json!(shape.ffn)),
+            ("num_hidden_layers", json!(shape.layers)),
+            ("num_attention_heads", json!(shape.heads)),
+            ("num_key_value_heads", json!(shape.groups)),
+            ("head_dim", json!(shape.head_dim)),
+            ("vocab_size", json!(shape.vocab)),
+            ("max_position_embeddings", json!(shape.max_positions)),
+            ("rms_norm_eps", json!(shape.eps)),
+            ("hidden_act", json!("silu")),
+            ("rope_theta", json!(shape.rope_theta)),
+            (
+                "rope_parameters",
+                json!({"rope_type": "default", "rope_theta": shape.rope_theta}),
+            ),
+            ("attention_dropout", json!(0.0)),
+        ] {
+            c.insert(k.into(), v);
+        }
+        match family {
+            Family::Llama => {
+                c.insert("attention_bias".into(), json!(false));
+                c.insert("mlp_bias".into(), json!(false));
+            }
+            Family::Mistral => {
+                c.insert("sliding_window".into(), Value::Null);
+            }
+            Family::Qwen2 => {
+                c.insert("use_sliding_window".into(), json!(false));
+                c.insert("sliding_window".into(), Value::Null);
+            }
+            Family::Qwen3 => {
+                c.insert("attention_bias".into(), json!(false));
+                c.insert("use_sliding_window".into(), json!(false));
+                c.insert("sliding_window".into(), Value::Null);
+            }
+            Family::GptBigCode => {}
+        }
+    }
+    c.insert("tie_word_embeddings".into(), json!(shape.tied));
+    c.insert("torch_dtype".into(), json!(dtype));
+    c.insert("dtype".into(), json!(dtype));
+    serde_json::to_string_pretty(&Value::Object(c)).unwrap_or_default() + "\n"
+}
+
+/// What a Hugging Face `config.json` says of a model: its family and shape (the
+/// features its family fixes, the sizes it gives). `path` is for messages.
+///
+/// # Errors
+/// Not JSON, an architecture the tables do not know, a size missing.
+pub fn read_config(text: &str, path: &str) -> Result<(Family, Shape)> {
+    let doc: Value = serde_json::from_str(text)
+        .map_err(|e| unknown(format!("{path}: not a JSON config: {e}")))?;
+    let arch = doc
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str)
+        .or_else(|| doc.get("model_type").and_then(Value::as_str))
+        .ok_or_else(|| {
+            unknown(format!(
+                "{path}: no `architectures` or `model_type`: not a Hugging Face config"
+            ))
+        })?;
+    let family = Family::from_name(arch).ok_or_else(|| {
+        unsupported(format!(
+            "{path}: architecture `{arch}` is not in ckpt's model tables ({})",
+            Family::known()
+        ))
+    })?;
+    let int = |keys: &[&str]| {
+        keys.iter()
+            .find_map(|k| doc.get(*k).and_then(Value::as_u64))
+    };
+    let need =
+        |keys: &[&str]| int(keys).ok_or_else(|| unknown(format!("{path}: no `{}`", keys[0])));
+    let float = |keys: &[&str]| {
+        keys.iter()
+            .find_map(|k| doc.get(*k).and_then(Value::as_f64))
+    };
+    let flag = |key: &str| doc.get(key).and_then(Value::as_bool);
+    let gpt = family == Family::GptBigCode;
+    let hidden = need(&["hidden_size", "n_embd"])?;
+    let heads = need(&["num_attention_heads", "n_head"])?;
+    let groups = if gpt {
+        if flag("multi_query").unwrap_or(true) {
+            1
+        } else {
+            heads
+        }
+    } else {
+        int(&["num_key_value_heads"]).unwrap_or(heads)
+    };
+    let head_dim = int(&["head_dim"]).unwrap_or(if heads == 0 { 0 } else { hidden / heads });
+    let rope_theta = float(&["rope_theta"])
+        .or_else(|| {
+            doc.get("rope_parameters")
+                .and_then(|r| r.get("rope_theta"))
+                .and_then(Value::as_f64)
+        })
+        .unwrap_or(10000.0);
+    let shape = Shape {
+        layers: need(&["num_hidden_layers", "n_layer"])?,
+        hidden,
+        heads,
+        groups,
+        head_dim,
+        ffn: if gpt {
+            int(&["n_inner"]).unwrap_or(4 * hidden)
+        } else {
+            need(&["intermediate_size"])?
+        },
+        vocab: need(&["vocab_size"])?,
+        max_positions: int(&["max_position_embeddings", "n_positions"]).unwrap_or(0),
+        eps: float(&["rms_norm_eps", "layer_norm_epsilon"]).unwrap_or(1e-6),
+        rope_theta,
+        swiglu: !gpt,
+        layer_norm: gpt,
+        learned_positions: gpt,
+        bias: gpt || flag("attention_bias").unwrap_or(false) && flag("mlp_bias").unwrap_or(false),
+        qkv_bias: family == Family::Qwen2 || gpt || flag("attention_bias").unwrap_or(false),
+        qk_norm: family == Family::Qwen3,
+        tied: flag("tie_word_embeddings").unwrap_or(gpt),
+    };
+    Ok((family, shape))
+}
+
+fn unknown(problem: String) -> Error {
+    Error::UnknownInput { problem }
+}
+
+/// The sizes two descriptions of one model disagree on (`what` names each side).
+#[must_use]
+pub(crate) fn disagreements(a: &Shape, b: &Shape) -> Vec<String> {
+    let mut out = vec![];
+    for (name, x, y) in [
+        ("layers", a.layers, b.layers),
+        ("hidden size", a.hidden, b.hidden),
+        ("attention heads", a.heads, b.heads),
+        ("key/value heads (query groups)", a.groups, b.groups),
+        ("head dim (kv_channels)", a.head_dim, b.head_dim),
+        ("MLP size (ffn_hidden_size)", a.ffn, b.ffn),
+        ("vocabulary", a.vocab, b.vocab),
+    ] {
+        if x != y {
+            out.push(format!("{name} {x} vs {y}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 4 heads in 2 groups of 8 channels: rows 0..16 of each 32-row group are the
+    /// group's two query heads, 16..24 its key head, 24..32 its value head.
+    #[test]
+    fn qkv_blocks_follow_megatron_groups() {
+        let [(q, qn), (k, kn), (v, vn)] = qkv_blocks(2, 2, 8);
+        assert_eq!((qn, kn, vn), (32, 16, 16));
+        assert_eq!(
+            q,
+            vec![
+                Block {
+                    from: 0,
+                    len: 16,
+                    to: 0
+                },
+                Block {
+                    from: 32,
+                    len: 16,
+                    to: 16
+                }
+            ]
+        );
+        assert_eq!(
+            k,
+            vec![
+                Block {
+                    from: 16,
+                    len: 8,
+                    to: 0
+                },
+                Block {
+                    from: 48,
+                    len: 8,
+                    to: 8
+                }
+            ]
+        );
+        assert_eq!(
+            v,
+            vec![
+                Block {
+                    from: 24,
+                    len: 8,
+                    to: 0
+                },
+                Block {
+                    from: 56,
+                    len: 8,
+                    to: 8
+                }
+            ]
+        );
+    }
+
+    fn llama() -> Shape {
+        Shape {
+            layers: 2,
+            hidden: 32,
+            heads: 4,
+            groups: 2,
+            head_dim: 8,
+            ffn: 64,
+            vocab: 50,
+            max_positions: 16,
+            eps: 1e-5,
+            rope_theta: 10000.0,
+            swiglu: true,
+            ..Shape::default()
+        }
+    }
+
+    #[test]
+    fn families_are_chosen_from_features() {
+        assert_eq!(family_of(&llama()), Some(Family::Llama));
+        let q2 = Shape {
+            qkv_bias: true,
+            ..llama()
+        };
+        assert_eq!(family_of(&q2), Some(Family::Qwen2));
+        let q3 = Shape {
+            qk_norm: true,
+            ..llama()
+        };
+        assert_eq!(family_of(&q3), Some(Family::Qwen3));
+        let gpt = Shape {
+            swiglu: false,
+            layer_norm: true,
+            learned_positions: true,
+            bias: true,
+            qkv_bias: true,
+            groups: 4,
+            tied: true,
+            ..llama()
+        };
+        assert_eq!(family_of(&gpt), Some(Family::GptBigCode));
+        // SwiGLU with LayerNorm and learned positions: no family has it.
+        let odd = Shape {
+            layer_norm: true,
+            learned_positions: true,
+            ..llama()
+        };
+        assert_eq!(family_of(&odd), None);
+        let e = Family::Qwen2.check(&llama()).unwrap_err().to_string();
+        assert!(e.contains("no QKV bias") && e.contains("--hf-arch"), "{e}");
+    }
+
+    #[test]
+    fn config_round_trips_through_read_config() {
+        for (family, shape) in [
+            (Family::Llama, llama()),
+            (
+                Family::Qwen2,
+                Shape {
+                    qkv_bias: true,
+                    ..llama()
+                },
+            ),
+            (
+                Family::Qwen3,
+                Shape {
+                    qk_norm: true,
+                    head_dim: 16,
+                    ..llama()
+                },
+            ),
+        ] {
+            let text = config_json(family, &shape, "float32");
+            let (f, s) = read_config(&text, "config.json").unwrap();
+            assert_eq!(f, family);
+            assert!(disagreements(&s, &shape).is_empty(), "{family:?}");
+            assert_eq!(
+                (s.qkv_bias, s.qk_norm, s.tied),
+                (shape.qkv_bias, shape.qk_norm, shape.tied)
+            );
+        }
+        let e = read_config(r#"{"architectures": ["BertModel"]}"#, "c.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`BertModel` is not in ckpt's model tables"),
+            "{e}"
+        );
+    }
+}

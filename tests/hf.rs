@@ -1,0 +1,508 @@
+//! `merge --format hf`: Megatron checkpoints written by megatron-core itself
+//! (tests/fixtures/hf/<family>/{legacy,dist_ckpt}, made by
+//! scripts/fixtures/hf_megatron.py on TP=2 x PP=2) exported as Hugging Face models.
+//! That transformers loads them with Megatron's logits is scripts/hf_interop.py's check;
+//! here: the names, shapes, bytes and config, and the refusals.
+
+use crate::util::{full_tensors, Dir};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The fixtures' sizes (scripts/fixtures/hf_megatron.py): 4 layers, hidden 32, 4 heads,
+/// MLP 64, a vocabulary of 50 padded to 64 rows; fp32.
+const LAYERS: usize = 4;
+const HIDDEN: usize = 32;
+const HEADS: usize = 4;
+const FFN: usize = 64;
+const VOCAB: usize = 50;
+const F32: usize = 4;
+
+fn fx(family: &str, layout: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(family)
+        .join(layout)
+        .display()
+        .to_string()
+}
+
+fn config(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+}
+
+/// Rows `rows` of a row-major fp32 matrix of `cols` columns (or a vector: cols 1).
+fn rows(t: &[u8], rows: std::ops::Range<usize>, cols: usize) -> Vec<u8> {
+    t[rows.start * cols * F32..rows.end * cols * F32].to_vec()
+}
+
+/// The Hugging Face tensor names of a Llama-like model of `LAYERS` layers.
+fn llama_names(qkv_bias: bool, qk_norm: bool) -> Vec<String> {
+    let mut n = vec![
+        "model.embed_tokens.weight".to_string(),
+        "model.norm.weight".into(),
+        "lm_head.weight".into(),
+    ];
+    for l in 0..LAYERS {
+        let mut per = vec![
+            "input_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "post_attention_layernorm.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        ];
+        if qkv_bias {
+            per.extend([
+                "self_attn.q_proj.bias",
+                "self_attn.k_proj.bias",
+                "self_attn.v_proj.bias",
+            ]);
+        }
+        if qk_norm {
+            per.extend(["self_attn.q_norm.weight", "self_attn.k_norm.weight"]);
+        }
+        n.extend(per.iter().map(|p| format!("model.layers.{l}.{p}")));
+    }
+    n.sort();
+    n
+}
+
+/// Every family from both layouts: the names transformers expects, the same bytes from
+/// the legacy and the dist_ckpt layout, and each tensor cut from Megatron's as the
+/// family's table says (checked here against ckpt's plain merge, which keeps Megatron's
+/// names and is tested against megatron-core's gathered tensors in megatron.rs).
+#[test]
+fn megatron_families_export_to_hugging_face_names_and_bytes() {
+    let d = Dir::new();
+    for (family, arch, qkv_bias, qk_norm, head_dim) in [
+        ("llama", "LlamaForCausalLM", false, false, 8),
+        ("qwen2", "Qwen2ForCausalLM", true, false, 8),
+        ("qwen3", "Qwen3ForCausalLM", false, true, 16),
+    ] {
+        let legacy = d.path(&format!("{family}-legacy"));
+        let dist = d.path(&format!("{family}-dist"));
+        let plain = d.path(&format!("{family}-plain"));
+        d.ok(&[
+            "merge",
+            &fx(family, "legacy"),
+            "--format",
+            "hf",
+            "-o",
+            legacy.to_str().unwrap(),
+        ]);
+        d.ok(&[
+            "merge",
+            &fx(family, "dist_ckpt"),
+            "--format",
+            "hf",
+            "-o",
+            dist.to_str().unwrap(),
+        ]);
+        d.ok(&[
+            "merge",
+            &fx(family, "legacy"),
+            "-o",
+            plain.to_str().unwrap(),
+        ]);
+        let got = full_tensors(&legacy);
+        assert_eq!(
+            got.keys().cloned().collect::<Vec<_>>(),
+            llama_names(qkv_bias, qk_norm),
+            "{family}"
+        );
+        assert_eq!(
+            got,
+            full_tensors(&dist),
+            "{family}: legacy and dist_ckpt exports differ"
+        );
+        let c = config(&legacy);
+        assert_eq!(c["architectures"][0], arch);
+        assert_eq!(c["num_key_value_heads"], 2);
+        assert_eq!(c["head_dim"], head_dim);
+        assert_eq!(c["vocab_size"], VOCAB);
+        assert_eq!(c["tie_word_embeddings"], false);
+        assert_eq!(c["dtype"], "float32");
+        // Megatron's fused QKV, per group: 2 query heads, a key head, a value head.
+        let m = full_tensors(&plain);
+        let qkv = &m["decoder.layers.2.self_attention.linear_qkv.weight"];
+        let group = 4 * head_dim;
+        let q = [
+            rows(qkv, 0..2 * head_dim, HIDDEN),
+            rows(qkv, group..group + 2 * head_dim, HIDDEN),
+        ]
+        .concat();
+        let k = [
+            rows(qkv, 2 * head_dim..3 * head_dim, HIDDEN),
+            rows(qkv, group + 2 * head_dim..group + 3 * head_dim, HIDDEN),
+        ]
+        .concat();
+        let v = [
+            rows(qkv, 3 * head_dim..group, HIDDEN),
+            rows(qkv, group + 3 * head_dim..2 * group, HIDDEN),
+        ]
+        .concat();
+        assert_eq!(got["model.layers.2.self_attn.q_proj.weight"], q, "{family}");
+        assert_eq!(got["model.layers.2.self_attn.k_proj.weight"], k, "{family}");
+        assert_eq!(got["model.layers.2.self_attn.v_proj.weight"], v, "{family}");
+        let fc1 = &m["decoder.layers.1.mlp.linear_fc1.weight"];
+        assert_eq!(
+            got["model.layers.1.mlp.gate_proj.weight"],
+            rows(fc1, 0..FFN, HIDDEN)
+        );
+        assert_eq!(
+            got["model.layers.1.mlp.up_proj.weight"],
+            rows(fc1, FFN..2 * FFN, HIDDEN)
+        );
+        assert_eq!(
+            got["model.embed_tokens.weight"], m["embedding.word_embeddings.weight"],
+            "{family}: the plain merge drops the padding too"
+        );
+        assert_eq!(got["model.embed_tokens.weight"].len(), VOCAB * HIDDEN * F32);
+        assert_eq!(got["lm_head.weight"], m["output_layer.weight"]);
+        assert_eq!(
+            got["model.layers.3.self_attn.o_proj.weight"],
+            m["decoder.layers.3.self_attention.linear_proj.weight"]
+        );
+        if qkv_bias {
+            let b = &m["decoder.layers.0.self_attention.linear_qkv.bias"];
+            let qb = [
+                rows(b, 0..2 * head_dim, 1),
+                rows(b, group..group + 2 * head_dim, 1),
+            ]
+            .concat();
+            assert_eq!(got["model.layers.0.self_attn.q_proj.bias"], qb);
+        }
+        if qk_norm {
+            assert_eq!(
+                got["model.layers.0.self_attn.q_norm.weight"],
+                m["decoder.layers.0.self_attention.q_layernorm.weight"]
+            );
+        }
+    }
+}
+
+/// Megatron's GPT-2-style model (LayerNorm, GELU, learned positions, biases, tied
+/// embeddings) as GPTBigCode: Megatron's tensors as they are, no lm_head.
+#[test]
+fn gpt_exports_as_gpt_bigcode_with_tied_embeddings() {
+    let d = Dir::new();
+    d.ok(&["merge", &fx("gpt", "legacy"), "--format", "hf", "-o", "hf"]);
+    d.ok(&[
+        "merge",
+        &fx("gpt", "dist_ckpt"),
+        "--format",
+        "hf",
+        "-o",
+        "hf2",
+    ]);
+    d.ok(&["merge", &fx("gpt", "legacy"), "-o", "plain"]);
+    let got = full_tensors(&d.path("hf"));
+    assert_eq!(got, full_tensors(&d.path("hf2")));
+    assert!(!got.contains_key("lm_head.weight"));
+    assert_eq!(got.len(), 4 + LAYERS * 12);
+    let m = full_tensors(&d.path("plain"));
+    assert_eq!(
+        got["transformer.h.1.attn.c_attn.weight"],
+        m["decoder.layers.1.self_attention.linear_qkv.weight"]
+    );
+    assert_eq!(
+        got["transformer.h.1.attn.c_attn.weight"].len(),
+        3 * HIDDEN * HIDDEN * F32
+    );
+    assert_eq!(
+        got["transformer.wpe.weight"],
+        m["embedding.position_embeddings.weight"]
+    );
+    assert_eq!(got["transformer.wte.weight"].len(), VOCAB * HIDDEN * F32);
+    let c = config(&d.path("hf"));
+    assert_eq!(c["architectures"][0], "GPTBigCodeForCausalLM");
+    assert_eq!(c["multi_query"], false);
+    assert_eq!(c["activation_function"], "gelu");
+    assert_eq!(c["tie_word_embeddings"], true);
+    assert_eq!(c["n_head"], HEADS);
+}
+
+/// Shards as save_pretrained writes them, `--dtype bf16` casting the weights, the
+/// config saying so, tokenizer files and a user's config copied.
+#[test]
+fn shards_dtype_tokenizer_and_user_config() {
+    let d = Dir::new();
+    d.ok(&[
+        "merge",
+        &fx("llama", "legacy"),
+        "--format",
+        "hf",
+        "-o",
+        "s",
+        "--max-shard-size",
+        "40KB",
+    ]);
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(d.path("s/model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let shards: std::collections::BTreeSet<String> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    assert!(shards.len() > 2, "{shards:?}");
+    let n = shards.len();
+    for (k, s) in shards.iter().enumerate() {
+        assert_eq!(s, &format!("model-{:05}-of-{n:05}.safetensors", k + 1));
+    }
+    let total: u64 = shards
+        .iter()
+        .map(|s| std::fs::metadata(d.path(&format!("s/{s}"))).unwrap().len())
+        .sum();
+    let data: u64 = full_tensors(&d.path("s"))
+        .values()
+        .map(|v| v.len() as u64)
+        .sum();
+    assert_eq!(index["metadata"]["total_size"], data);
+    assert!(total > data);
+    assert!(d.path("s/config.json").is_file());
+
+    // bf16: every tensor half the bytes, the config says bfloat16.
+    d.ok(&[
+        "merge",
+        &fx("llama", "legacy"),
+        "--format",
+        "hf",
+        "-o",
+        "b",
+        "--dtype",
+        "bf16",
+    ]);
+    let f32s = full_tensors(&d.path("s"));
+    let bf16 = full_tensors(&d.path("b"));
+    for (k, v) in &f32s {
+        assert_eq!(bf16[k].len() * 2, v.len(), "{k}");
+    }
+    assert_eq!(config(&d.path("b"))["dtype"], "bfloat16");
+
+    // A user's config is written as it is, generation_config.json beside it and the
+    // tokenizer files copied.
+    std::fs::create_dir(d.path("user")).unwrap();
+    let text = std::fs::read_to_string(d.path("s/config.json"))
+        .unwrap()
+        .replace(
+            "\"rms_norm_eps\"",
+            "\"_name_or_path\": \"mine\",\n  \"rms_norm_eps\"",
+        );
+    std::fs::write(d.path("user/config.json"), &text).unwrap();
+    std::fs::write(
+        d.path("user/generation_config.json"),
+        "{\"do_sample\": false}\n",
+    )
+    .unwrap();
+    std::fs::create_dir(d.path("tok")).unwrap();
+    std::fs::write(d.path("tok/tokenizer.json"), "{}\n").unwrap();
+    std::fs::write(d.path("tok/tokenizer_config.json"), "{\"x\": 1}\n").unwrap();
+    d.ok(&[
+        "merge",
+        &fx("llama", "dist_ckpt"),
+        "--format",
+        "hf",
+        "-o",
+        "u",
+        "--hf-config",
+        "user/config.json",
+        "--tokenizer",
+        "tok",
+    ]);
+    assert_eq!(
+        std::fs::read_to_string(d.path("u/config.json")).unwrap(),
+        text
+    );
+    assert_eq!(
+        std::fs::read(d.path("u/generation_config.json")).unwrap(),
+        b"{\"do_sample\": false}\n"
+    );
+    assert_eq!(
+        std::fs::read(d.path("u/tokenizer_config.json")).unwrap(),
+        b"{\"x\": 1}\n"
+    );
+    assert_eq!(full_tensors(&d.path("u")), f32s);
+}
+
+/// What ckpt refuses, naming the problem and writing nothing.
+#[test]
+fn refusals_name_the_problem_and_write_nothing() {
+    let d = Dir::new();
+    let gone = |d: &Dir, rel: &str| assert!(!d.path(rel).exists(), "{rel} was written");
+    // megatron_fixtures.py's model: LayerNorm, learned positions, no SwiGLU, GQA: no family.
+    let other = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/megatron/tp2pp2/legacy");
+    let o = d.fails(&[
+        "merge",
+        other.to_str().unwrap(),
+        "--format",
+        "hf",
+        "-o",
+        "o1",
+    ]);
+    assert!(
+        o.stderr.contains("match no Hugging Face family") && o.stderr.contains("--hf-arch"),
+        "{}",
+        o.stderr
+    );
+    gone(&d, "o1");
+    // A family the model's features contradict.
+    let o = d.fails(&[
+        "merge",
+        &fx("gpt", "legacy"),
+        "--format",
+        "hf",
+        "--hf-arch",
+        "llama",
+        "-o",
+        "o2",
+    ]);
+    assert!(
+        o.stderr.contains("LlamaForCausalLM does not"),
+        "{}",
+        o.stderr
+    );
+    gone(&d, "o2");
+    let o = d.fails(&[
+        "merge",
+        &fx("llama", "legacy"),
+        "--format",
+        "hf",
+        "--hf-arch",
+        "bert",
+        "-o",
+        "o3",
+    ]);
+    assert!(
+        o.stderr.contains("--hf-arch bert: not a family"),
+        "{}",
+        o.stderr
+    );
+    // Args that contradict the config; a vocabulary larger than the embedding.
+    d.ok(&[
+        "merge",
+        &fx("llama", "legacy"),
+        "--format",
+        "hf",
+        "-o",
+        "ref",
+    ]);
+    let c = std::fs::read_to_string(d.path("ref/config.json")).unwrap();
+    std::fs::write(
+        d.path("heads.json"),
+        c.replace("\"num_attention_heads\": 4", "\"num_attention_heads\": 8"),
+    )
+    .unwrap();
+    let o = d.fails(&[
+        "merge",
+        &fx("llama", "legacy"),
+        "--format",
+        "hf",
+        "--hf-config",
+        "heads.json",
+        "-o",
+        "o4",
+    ]);
+    assert!(
+        o.stderr.contains("disagree: attention heads 4 vs 8"),
+        "{}",
+        o.stderr
+    );
+    gone(&d, "o4");
+    // Missing layers: layer 3 selected out.
+    let o = d.fails(&[
+        "merge",
+        &fx("qwen3", "dist_ckpt"),
+        "--format",
+        "hf",
+        "--exclude",
+        "decoder.layers.3.*",
+        "-o",
+        "o5",
+    ]);
+    assert!(
+        o.stderr.contains("decoder.layers.3.") && o.stderr.contains("missing"),
+        "{}",
+        o.stderr
+    );
+    gone(&d, "o5");
+    // A config whose vocabulary is larger than the embedding: on the export itself (HF
+    // names, its config beside it), with the config made to say 100 tokens.
+    std::fs::write(
+        d.path("vocab.json"),
+        c.replace("\"vocab_size\": 50", "\"vocab_size\": 100"),
+    )
+    .unwrap();
+    let o = d.fails(&[
+        "merge",
+        "ref",
+        "--format",
+        "hf",
+        "--hf-config",
+        "vocab.json",
+        "-o",
+        "o6",
+    ]);
+    assert!(
+        o.stderr.contains("fewer than the vocabulary of 100"),
+        "{}",
+        o.stderr
+    );
+    gone(&d, "o6");
+    // The same against Megatron's args: they disagree.
+    let o = d.fails(&[
+        "merge",
+        &fx("llama", "legacy"),
+        "--format",
+        "hf",
+        "--hf-config",
+        "vocab.json",
+        "-o",
+        "o6",
+    ]);
+    assert!(o.stderr.contains("vocabulary 50 vs 100"), "{}", o.stderr);
+    gone(&d, "o6");
+    // Options that go with --format hf only, and --split-qkv with it: usage errors.
+    let o = d.ckpt(&[
+        "merge",
+        &fx("llama", "legacy"),
+        "--hf-arch",
+        "llama",
+        "-o",
+        "o7",
+    ]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    let o = d.ckpt(&[
+        "merge",
+        &fx("llama", "legacy"),
+        "--format",
+        "hf",
+        "--split-qkv",
+        "-o",
+        "o8",
+    ]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    gone(&d, "o7");
+    gone(&d, "o8");
+}
+
+/// A source already in Hugging Face's names, its config beside it, passes through.
+#[test]
+fn hf_named_source_with_its_config() {
+    let d = Dir::new();
+    d.ok(&["merge", &fx("qwen2", "legacy"), "--format", "hf", "-o", "a"]);
+    // The export is itself a source: HF names and an HF config.json beside them.
+    d.ok(&["merge", "a", "--format", "hf", "-o", "b"]);
+    assert_eq!(full_tensors(&d.path("a")), full_tensors(&d.path("b")));
+    assert_eq!(
+        std::fs::read_to_string(d.path("a/config.json")).unwrap(),
+        std::fs::read_to_string(d.path("b/config.json")).unwrap()
+    );
+    let names: BTreeMap<String, Vec<u8>> = full_tensors(&d.path("a"));
+    assert!(names.contains_key("model.layers.0.self_attn.k_proj.bias"));
+}
