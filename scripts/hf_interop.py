@@ -10,9 +10,18 @@ and each layout (legacy, dist_ckpt):
   `AutoModelForCausalLM.from_pretrained(OUT, output_loading_info=True)`: no missing,
   unexpected or mismatched keys; its logits on the fixture's input_ids equal Megatron's
   own forward (reference.safetensors) within 1e-4 (max abs difference, fp32);
-- the same with `--dtype bf16`: the model loads in bfloat16 and its logits agree with
-  Megatron's fp32 logits within bf16's rounding (max abs difference at most
-  0.05 + 0.02 x the largest logit), and `config.json` says bfloat16.
+- import, the way back: `ckpt reshard OUT --format megatron --mesh tp=2,pp=2` of that
+  Hugging Face model writes, rank by rank, the state dicts megatron-core's own model
+  wrote into the fixture (same keys in every `mp_rank_TT_PPP` file, every tensor equal;
+  the vocabulary rows unpadded: the TP ranks' rows joined equal the fixture's first
+  vocab_size rows), as a `release` checkpoint; and `ckpt merge --format hf` of that
+  gives back the Hugging Face model's safetensors file byte for byte;
+- the same with `--dtype bf16`: the model loads in bfloat16, `config.json` says so, every
+  weight equals torch's own cast of the fp32 export's (`.to(torch.bfloat16)`, round to
+  nearest even), and its logits agree with Megatron's fp32 logits within bf16's rounding
+  (max abs difference at most 0.1 x the largest logit). (Its logits are not compared
+  with the cast model's exactly: `.to()` also casts the rotary `inv_freq` buffer, which
+  `from_pretrained(dtype=...)` computes in fp32.)
 Needs torch, transformers and safetensors (scripts/test.sh installs them into its venv).
 """
 
@@ -45,6 +54,44 @@ def load(out, dtype):
     return model.eval()
 
 
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def check_import(ckpt, family, hf_dir, work):
+    """HF -> Megatron TP2 x PP2 -> HF."""
+    meg = os.path.join(work, f"{family}-megatron")
+    r = subprocess.run([ckpt, "reshard", hf_dir, "--format", "megatron", "--mesh", "tp=2,pp=2", "-o", meg, "--quiet"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(meg, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read() == "release"
+    fixture = os.path.join(FIXTURES, family, "legacy", "iter_0000001")
+    ranks = sorted(os.listdir(fixture))
+    assert sorted(os.listdir(os.path.join(meg, "release"))) == ranks
+    ours, theirs = {}, {}
+    for sub in ranks:
+        x = torch.load(os.path.join(meg, "release", sub, "model_optim_rng.pt"), weights_only=False)
+        y = torch.load(os.path.join(fixture, sub, "model_optim_rng.pt"), weights_only=False)
+        assert x["args"].tensor_model_parallel_size == 2 and x["args"].pipeline_model_parallel_size == 2
+        xm, ym = x["model"], {k: v for k, v in y["model"].items() if v is not None}
+        assert sorted(xm) == sorted(ym), (sub, sorted(set(xm) ^ set(ym)))
+        for k in xm:
+            if k in VOCAB_TENSORS:
+                ours.setdefault((k, sub[-3:]), []).append(xm[k])
+                theirs.setdefault((k, sub[-3:]), []).append(ym[k])
+            else:
+                assert torch.equal(xm[k], ym[k]), (family, sub, k)
+    vocab = load_file(os.path.join(FIXTURES, family, "reference.safetensors"))["logits"].shape[-1]
+    for key in ours:
+        a, b = torch.cat(ours[key]), torch.cat(theirs[key])
+        assert a.shape[0] == vocab and torch.equal(a, b[:vocab]), key
+    back = os.path.join(work, f"{family}-back")
+    export(ckpt, meg, back)
+    with open(os.path.join(hf_dir, "model.safetensors"), "rb") as f1, open(os.path.join(back, "model.safetensors"), "rb") as f2:
+        assert f1.read() == f2.read(), f"{family}: HF -> Megatron -> HF changed the bytes"
+    print(f"{family}: HF -> Megatron TP2 x PP2 holds megatron-core's state dicts rank by rank; -> HF gives back every byte")
+
+
 def main():
     ckpt = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target", "debug", "ckpt"))
     families = sorted(d for d in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, d)))
@@ -66,19 +113,24 @@ def main():
                 assert diff <= FP32_TOL, f"{family} {layout}: logits differ by {diff}"
                 print(f"{family} {layout}: {type(model).__name__} loads ckpt's export, logits max |diff| {diff:.2e} <= {FP32_TOL}")
                 checked += 1
+                if layout == "legacy":
+                    check_import(ckpt, family, out, work)
 
                 out16 = out + "-bf16"
                 export(ckpt, src, out16, "--dtype", "bf16")
                 with open(os.path.join(out16, "config.json")) as f:
                     assert json.load(f)["dtype"] == "bfloat16"
-                model = load(out16, "auto")
-                assert next(model.parameters()).dtype == torch.bfloat16
+                m16 = load(out16, "auto")
+                assert next(m16.parameters()).dtype == torch.bfloat16
+                cast = load(out, torch.float32).to(torch.bfloat16)
+                for (k, a), (k2, b) in zip(sorted(m16.state_dict().items()), sorted(cast.state_dict().items())):
+                    assert k == k2 and torch.equal(a, b), f"{family} {layout} bf16: {k} is not torch's cast"
                 with torch.no_grad():
-                    got = model(ids).logits.float()
+                    got = m16(ids).logits.float()
                 diff = (got - want).abs().max().item()
-                tol = 0.05 + 0.02 * want.abs().max().item()
+                tol = 0.1 * want.abs().max().item()
                 assert diff <= tol, f"{family} {layout} bf16: logits differ by {diff} > {tol}"
-                print(f"{family} {layout} bf16: logits max |diff| {diff:.3f} <= {tol:.3f}")
+                print(f"{family} {layout} bf16: every weight torch's cast; logits max |diff| from Megatron's fp32 {diff:.3f} <= {tol:.3f}")
     print(f"hf_interop: {checked} exports loaded by transformers with Megatron's logits")
 
 

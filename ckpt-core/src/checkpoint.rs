@@ -73,6 +73,9 @@ pub struct Checkpoint {
     /// What could not be checked from these inputs (not problems; said by inspect
     /// and verify so that an ok is not read as more than it is).
     pub notes: Vec<String>,
+    /// A model imported from Hugging Face as Megatron's tensors
+    /// ([`Checkpoint::megatron_import`]): the args its legacy output carries.
+    pub(crate) imported: Option<crate::formats::megatron::SourceState>,
 }
 
 /// The first dotted component every name shares (`module.`), when there are at least

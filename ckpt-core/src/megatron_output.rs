@@ -31,16 +31,7 @@ pub fn megatron_legacy_plan(
     plan: &mut CopyPlan,
 ) -> Result<()> {
     let unsupported = |problem: String| Error::Unsupported { problem };
-    let first = source
-        .files
-        .first()
-        .filter(|f| f.metadata().get("format").map(String::as_str) == Some("megatron"))
-        .ok_or_else(|| {
-            unsupported(
-                "--format megatron writes a Megatron legacy checkpoint from a Megatron legacy source (its args are carried): this source is not one".into(),
-            )
-        })?;
-    let state = megatron::source_state(first.path())?;
+    let state = source.megatron_state()?;
     let mesh = &strategy.mesh;
     let pipe = mesh.pipeline();
     let tp_axes: Vec<usize> = (0..mesh.axes().len())
@@ -67,11 +58,16 @@ pub fn megatron_legacy_plan(
     }
     // Each rank's RNG state goes to the same rank of the same grid; Megatron ignores it
     // on another grid, so there none is written (and args say so).
-    let same_grid = (state.args.tp, state.args.pp) == (tp, pp);
+    let same_grid = (state.args.tp, state.args.pp) == (tp, pp) && source.imported.is_none();
     for (f, &r) in plan.files.iter_mut().zip(ranks) {
         let c = mesh.coords(r);
         let (t, s) = (c[tp_axis], pipe.map_or(0, |p| c[p]));
-        f.path = megatron::rank_path(state.iteration, t, s, pp);
+        f.path = state.rank_path(t, s, pp);
+        // Tied embeddings on one stage: megatron-core's GPTModel has no output layer
+        // weight then (the last stage of several keeps a copy of the embedding).
+        if pp == 1 && state.args.model.untied == Some(false) {
+            f.tensors.retain(|t| t.target.name != "output_layer.weight");
+        }
         let rng = if same_grid {
             source_rank_rng(source, s * tp + t)?
         } else {
@@ -132,13 +128,10 @@ fn source_rank_rng(source: &Checkpoint, rank: u64) -> Result<Option<RankRng>> {
 /// # Errors
 /// A source that is not a Megatron legacy checkpoint.
 pub fn megatron_tracker(source: &Checkpoint) -> Result<(PathBuf, Vec<u8>)> {
-    let first = source.files.first().ok_or_else(|| Error::Unsupported {
-        problem: "no source files".into(),
-    })?;
-    let state = megatron::source_state(first.path())?;
+    let state = source.megatron_state()?;
     Ok((
         PathBuf::from(TRACKER_FILE),
-        state.iteration.to_string().into_bytes(),
+        state.tracker_text().into_bytes(),
     ))
 }
 
@@ -155,10 +148,7 @@ pub fn megatron_restage(source: &Checkpoint, strategy: &mut Strategy) -> Result<
         return Ok(());
     };
     let pp = strategy.mesh.axes()[p].size;
-    let first = source.files.first().ok_or_else(|| Error::Unsupported {
-        problem: "no source files".into(),
-    })?;
-    let state = megatron::source_state(first.path())?;
+    let state = source.megatron_state()?;
     for (name, l) in &mut strategy.tensors {
         let (stage, _) = megatron::stage_name(name, &state.args, pp).map_err(|problem| {
             Error::InvalidTensor {

@@ -467,7 +467,11 @@ pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)>
             problem: "--compress writes ckpt's own layout (ckpt_<r>/model.ckptz): PyTorch and MindSpore do not read .ckptz files, so it does not combine with --format dcp or mindspore".into(),
         });
     }
-    let source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
+    let mut source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
+    if req.format == OutputFormat::Megatron && !source.is_megatron_legacy() {
+        // A Hugging Face model: Megatron's tensors by its family's table.
+        source.megatron_import(&ckpt_core::HfTarget::default())?;
+    }
     let mut strategy = target_strategy(&source, &req.target, &req.selection, &req.shard)?;
     if req.format == OutputFormat::Megatron {
         ckpt_core::megatron_restage(&source, &mut strategy)?;

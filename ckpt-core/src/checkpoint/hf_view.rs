@@ -135,7 +135,245 @@ fn shape_of_args(a: &Args, notes: &mut Vec<String>) -> Result<Shape> {
     Ok(shape)
 }
 
+/// One tensor made of `parts` placed by `blocks` (each part's blocks map rows of the
+/// whole to rows of the part, as the family's cuts give them): the inverse of the cut,
+/// the stored pieces moved, nothing copied.
+fn fused(
+    parts: &[&SourceTensor],
+    blocks: &[(Vec<Block>, u64)],
+    rows: u64,
+    name: &str,
+) -> Result<SourceTensor> {
+    let mut whole: Option<SourceTensor> = None;
+    for (part, (bs, n)) in parts.iter().zip(blocks) {
+        if part.shape.first() != Some(n) {
+            return Err(invalid(
+                name,
+                format!(
+                    "a part of it has shape {:?}, the model's sizes give it {n} rows",
+                    part.shape
+                ),
+            ));
+        }
+        let back: Vec<Block> = bs
+            .iter()
+            .map(|b| Block {
+                from: b.to,
+                len: b.len,
+                to: b.from,
+            })
+            .collect();
+        let placed = part.regather(0, &back, rows);
+        match &mut whole {
+            None => whole = Some(placed),
+            Some(w) => {
+                if w.dtype != placed.dtype || w.shape != placed.shape {
+                    return Err(invalid(name, "its parts differ in dtype or shape".into()));
+                }
+                w.pieces.extend(placed.pieces);
+                w.copies.extend(placed.copies);
+            }
+        }
+    }
+    whole.ok_or_else(|| invalid(name, "no parts".into()))
+}
+
 impl Checkpoint {
+    /// The args a Megatron legacy output of this checkpoint carries: those of the
+    /// model imported from Hugging Face, or the source's own (its first rank file's).
+    ///
+    /// # Errors
+    /// Neither (the source is not Megatron's and was not imported).
+    pub(crate) fn megatron_state(&self) -> Result<megatron::SourceState> {
+        if let Some(s) = &self.imported {
+            return Ok(s.clone());
+        }
+        let first = self
+            .files
+            .iter()
+            .find(|f| f.metadata().get("format").map(String::as_str) == Some("megatron"))
+            .ok_or_else(|| {
+                unsupported(
+                    "--format megatron writes a Megatron legacy checkpoint from a Megatron legacy source (its args are carried) or from a Hugging Face model (its config.json beside it): this source is neither".into(),
+                )
+            })?;
+        megatron::source_state(first.path())
+    }
+
+    /// Whether the checkpoint is a Megatron legacy one (its rank files carry args).
+    #[must_use]
+    pub fn is_megatron_legacy(&self) -> bool {
+        self.files
+            .iter()
+            .any(|f| f.metadata().get("format").map(String::as_str) == Some("megatron"))
+    }
+
+    /// Replaces a Hugging Face model's tensors by Megatron's, named and fused by the
+    /// family's table (the inverse of [`Checkpoint::hf_view`]: the same rows), placed
+    /// on one rank by megatron-core's rules, with the args a legacy output carries.
+    /// The config is `target.config`, or the `config.json` beside the model.
+    ///
+    /// # Errors
+    /// No Hugging Face config; a family the tables do not know; a tensor missing, of
+    /// another shape than the config gives, or not the family's.
+    pub fn megatron_import(&mut self, target: &HfTarget) -> Result<()> {
+        let path = target
+            .config
+            .clone()
+            .or_else(|| self.carried.get("config.json").cloned())
+            .ok_or_else(|| {
+                unsupported(
+                    "--format megatron from a model that is not Megatron's needs its Hugging Face config.json (beside the safetensors files, or --hf-config)".into(),
+                )
+            })?;
+        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let (config_family, shape) = hf::read_config(&text, &path.display().to_string())?;
+        let family = match &target.arch {
+            Some(a) => Family::from_name(a).ok_or_else(|| {
+                unsupported(format!(
+                    "--hf-arch {a}: not a family ckpt knows ({})",
+                    Family::known()
+                ))
+            })?,
+            None => config_family,
+        };
+        family.check(&shape)?;
+        if shape.groups == 0 || shape.heads % shape.groups != 0 {
+            return Err(unsupported(format!(
+                "{}: {} attention heads in {} key/value heads do not divide",
+                path.display(),
+                shape.heads,
+                shape.groups
+            )));
+        }
+        let have: BTreeSet<&String> = self.tensors.keys().collect();
+        let dtype = self
+            .tensors
+            .values()
+            .map(|t| t.dtype)
+            .next()
+            .unwrap_or(crate::Dtype::F32);
+        let mut out: BTreeMap<String, SourceTensor> = BTreeMap::new();
+        let mut used: BTreeSet<String> = BTreeSet::new();
+        let qkv_rows = (shape.heads + 2 * shape.groups) * shape.head_dim;
+        for row in family.rows() {
+            if !family.applies(row, &shape) {
+                continue;
+            }
+            let layers: Vec<Option<u64>> = if row.megatron[0].contains("{l}") {
+                (0..shape.layers).map(Some).collect()
+            } else {
+                vec![None]
+            };
+            for l in layers {
+                let names: Vec<String> = row.hf.iter().map(|h| fill(h, l)).collect();
+                let mut parts = Vec::with_capacity(names.len());
+                for n in &names {
+                    let t = self.tensors.get(n).ok_or_else(|| {
+                        invalid(
+                            n,
+                            format!(
+                                "missing: {} of {} layers has it ({})",
+                                family.architecture(),
+                                shape.layers,
+                                path.display()
+                            ),
+                        )
+                    })?;
+                    parts.push(t);
+                }
+                let meg = fill(row.megatron[0], l);
+                let t = match row.cut {
+                    Cut::Whole => parts[0].clone(),
+                    Cut::Vocab => {
+                        let rows = parts[0].shape.first().copied().unwrap_or(0);
+                        if rows != shape.vocab {
+                            return Err(invalid(
+                                &names[0],
+                                format!(
+                                    "has {rows} rows, the config's vocabulary is {}",
+                                    shape.vocab
+                                ),
+                            ));
+                        }
+                        parts[0].clone()
+                    }
+                    Cut::Qkv => {
+                        let b = hf::qkv_blocks(
+                            shape.groups,
+                            shape.heads / shape.groups,
+                            shape.head_dim,
+                        );
+                        fused(&parts, &b, qkv_rows, &meg)?
+                    }
+                    Cut::GateUp => {
+                        fused(&parts, &hf::gate_up_blocks(shape.ffn), 2 * shape.ffn, &meg)?
+                    }
+                };
+                out.insert(meg, t);
+                used.extend(names);
+            }
+        }
+        if let Some(extra) = have.iter().find(|n| !used.contains(n.as_str())) {
+            return Err(invalid(
+                extra,
+                format!(
+                    "is not a tensor of {} (nothing written)",
+                    family.architecture()
+                ),
+            ));
+        }
+        // Tied embeddings: the last of several pipeline stages keeps a copy of the word
+        // embedding as its output layer (dropped again where there is one stage).
+        if shape.tied {
+            if let Some(e) = out.get("embedding.word_embeddings.weight").cloned() {
+                out.insert("output_layer.weight".into(), e);
+            }
+        }
+        let dtype_name = match dtype {
+            crate::Dtype::BF16 => "bfloat16",
+            crate::Dtype::F16 => "float16",
+            _ => "float32",
+        };
+        let state = megatron::imported_state(&megatron::ImportedModel {
+            layers: shape.layers,
+            hidden: shape.hidden,
+            heads: shape.heads,
+            groups: shape.groups,
+            kv_channels: shape.head_dim,
+            ffn: shape.ffn,
+            vocab: shape.vocab,
+            max_positions: shape.max_positions,
+            eps: shape.eps,
+            rotary_base: shape.rope_theta,
+            swiglu: shape.swiglu,
+            rms_norm: !shape.layer_norm,
+            learned_positions: shape.learned_positions,
+            bias: shape.bias,
+            qkv_bias: shape.qkv_bias && !shape.bias,
+            qk_layernorm: shape.qk_norm,
+            tied: shape.tied,
+            dtype: dtype_name,
+        })?;
+        let list: Vec<(String, crate::Dtype, Vec<u64>)> = out
+            .iter()
+            .map(|(n, t)| (n.clone(), t.dtype, t.shape.clone()))
+            .collect();
+        self.strategy = Some(megatron::imported_strategy(&state.args, &list)?);
+        self.tensors = out;
+        self.notes.push(format!(
+            "imported {} ({}) as megatron-core's GPT model: a release checkpoint, vocabulary {} unpadded (train it with --make-vocab-size-divisible-by 1)",
+            family.architecture(),
+            path.display(),
+            shape.vocab
+        ));
+        self.imported = Some(state);
+        Ok(())
+    }
+
     /// Megatron's args of a Megatron checkpoint: a legacy rank file's, or a
     /// dist_ckpt's `common.pt`'s; `None` for other checkpoints.
     pub(crate) fn megatron_args(&self) -> Result<Option<Args>> {

@@ -219,6 +219,7 @@ impl Checkpoint {
             tensors: BTreeMap::new(),
             carried,
             notes,
+            imported: None,
         };
         // ZeRO files hold one data-parallel rank's partitions each: labelled by it.
         for (i, f) in ck.files.iter().enumerate() {

@@ -36,6 +36,7 @@ impl Checkpoint {
             tensors: BTreeMap::new(),
             carried,
             notes,
+            imported: None,
         };
         let mut raw: BTreeMap<String, Vec<SourcePiece>> = BTreeMap::new();
         for (fi, (rank, f)) in legacy.files.into_iter().enumerate() {

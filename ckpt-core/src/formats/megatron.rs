@@ -40,6 +40,7 @@ use crate::layout::flat::FlatRange;
 use crate::layout::mesh::Mesh;
 use crate::layout::strategy::{dtype_name, Strategy};
 use crate::layout::{Placement, TensorLayout};
+use crate::Dtype;
 use pickled::{allowed, namespace_fields};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -899,6 +900,7 @@ mod tests {
             args_value: parse(&e.finish()).unwrap(),
             args: args(),
             iteration: 7,
+            release: false,
         };
         let fragment = extra_entries(&state, 4, 1, None).unwrap();
         let mut d = Emitter::new();
@@ -1064,11 +1066,182 @@ pub(crate) fn dist_ckpt_args(dir: &Path) -> Result<Option<Args>> {
 
 /// What a legacy output carries from its source: the pickled args (updated for the new
 /// sizes) and the iteration.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct SourceState {
     args_value: Value,
     pub(crate) args: Args,
     pub(crate) iteration: u64,
+    /// A `release` checkpoint (Megatron's name for one converted from another framework,
+    /// loaded at iteration 0): `release/` and a tracker that says `release`.
+    pub(crate) release: bool,
+}
+
+impl SourceState {
+    /// Where rank `(tp, pp)` of `pp_size` stages goes.
+    pub(crate) fn rank_path(&self, tp: u64, pp: u64, pp_size: u64) -> PathBuf {
+        let path = rank_path(self.iteration, tp, pp, pp_size);
+        if self.release {
+            let mut parts = path.components();
+            parts.next();
+            Path::new("release").join(parts.as_path())
+        } else {
+            path
+        }
+    }
+
+    /// What the tracker file says.
+    pub(crate) fn tracker_text(&self) -> String {
+        if self.release {
+            "release".into()
+        } else {
+            self.iteration.to_string()
+        }
+    }
+}
+
+/// The fields of Megatron-LM's args (arguments.py's names) for a model imported from
+/// another framework: what a training run of it would be started with.
+pub(crate) struct ImportedModel<'a> {
+    pub(crate) layers: u64,
+    pub(crate) hidden: u64,
+    pub(crate) heads: u64,
+    pub(crate) groups: u64,
+    pub(crate) kv_channels: u64,
+    pub(crate) ffn: u64,
+    pub(crate) vocab: u64,
+    pub(crate) max_positions: u64,
+    pub(crate) eps: f64,
+    pub(crate) rotary_base: f64,
+    pub(crate) swiglu: bool,
+    pub(crate) rms_norm: bool,
+    pub(crate) learned_positions: bool,
+    pub(crate) bias: bool,
+    pub(crate) qkv_bias: bool,
+    pub(crate) qk_layernorm: bool,
+    pub(crate) tied: bool,
+    /// torch's dtype name (`float32`, `bfloat16`).
+    pub(crate) dtype: &'a str,
+}
+
+/// The state a legacy output of an imported model carries: an `argparse.Namespace` of
+/// Megatron-LM's args for it (TP 1 x PP 1: the writer sets the output's sizes), as a
+/// `release` checkpoint. The vocabulary is not padded: `padded_vocab_size` is the
+/// vocabulary and `make_vocab_size_divisible_by` 1 (a run must keep that padding).
+pub(crate) fn imported_state(m: &ImportedModel<'_>) -> Result<SourceState> {
+    let int = |v: u64| Value::Int(i64::try_from(v).unwrap_or(i64::MAX));
+    let fields: Vec<(&str, Value)> = vec![
+        ("tensor_model_parallel_size", int(1)),
+        ("pipeline_model_parallel_size", int(1)),
+        ("virtual_pipeline_model_parallel_size", Value::None),
+        ("num_layers", int(m.layers)),
+        ("hidden_size", int(m.hidden)),
+        ("ffn_hidden_size", int(m.ffn)),
+        ("num_attention_heads", int(m.heads)),
+        ("group_query_attention", Value::Bool(m.groups != m.heads)),
+        ("num_query_groups", int(m.groups)),
+        ("kv_channels", int(m.kv_channels)),
+        ("vocab_size", int(m.vocab)),
+        ("padded_vocab_size", int(m.vocab)),
+        ("make_vocab_size_divisible_by", int(1)),
+        ("max_position_embeddings", int(m.max_positions)),
+        ("seq_length", int(m.max_positions)),
+        (
+            "position_embedding_type",
+            Value::Str(
+                if m.learned_positions {
+                    "learned_absolute"
+                } else {
+                    "rope"
+                }
+                .into(),
+            ),
+        ),
+        ("rotary_base", Value::Int(m.rotary_base as i64)),
+        ("rotary_percent", Value::Float(1.0)),
+        (
+            "normalization",
+            Value::Str(if m.rms_norm { "RMSNorm" } else { "LayerNorm" }.into()),
+        ),
+        ("norm_epsilon", Value::Float(m.eps)),
+        ("swiglu", Value::Bool(m.swiglu)),
+        ("add_bias_linear", Value::Bool(m.bias)),
+        ("add_qkv_bias", Value::Bool(m.qkv_bias)),
+        ("qk_layernorm", Value::Bool(m.qk_layernorm)),
+        ("untie_embeddings_and_output_weights", Value::Bool(!m.tied)),
+        (
+            "params_dtype",
+            Value::Global {
+                module: "torch".into(),
+                name: m.dtype.into(),
+            },
+        ),
+        ("bf16", Value::Bool(m.dtype == "bfloat16")),
+        ("fp16", Value::Bool(m.dtype == "float16")),
+        ("num_layers_in_first_pipeline_stage", Value::None),
+        ("num_layers_in_last_pipeline_stage", Value::None),
+        ("ckpt_format", Value::Str("torch".into())),
+        ("no_save_optim", Value::Bool(true)),
+        ("no_save_rng", Value::Bool(true)),
+        ("iteration", int(0)),
+    ];
+    let args_value = Value::Build {
+        object: Box::new(Value::Call {
+            callable: Box::new(Value::Global {
+                module: "argparse".into(),
+                name: "Namespace".into(),
+            }),
+            args: Box::new(Value::Tuple(vec![])),
+        }),
+        state: Box::new(Value::Dict(
+            fields
+                .into_iter()
+                .map(|(k, v)| (Value::Str(k.into()), v))
+                .collect(),
+        )),
+    };
+    let args = Args::from_value(&args_value, Path::new("(imported model)"))?;
+    Ok(SourceState {
+        args_value,
+        args,
+        iteration: 0,
+        release: true,
+    })
+}
+
+/// The strategy of an imported model's tensors (global names) on one rank of a
+/// `pp=1,tp=1` mesh, each placed by megatron-core's rule (its tensor-parallel split):
+/// what a reshard to another TP x PP starts from.
+///
+/// # Errors
+/// A tensor no rule places, or whose shape the args contradict.
+pub(crate) fn imported_strategy(
+    args: &Args,
+    tensors: &[(String, Dtype, Vec<u64>)],
+) -> Result<Strategy> {
+    let mesh = Mesh::new(vec![(PP_AXIS.into(), 1), (TP_AXIS.into(), 1)])?.with_pipeline(PP_AXIS)?;
+    let mut strategy = Strategy::new(mesh);
+    for (name, dtype, shape) in tensors {
+        let bad = |problem: String| Error::InvalidTensor {
+            tensor: name.clone(),
+            problem,
+        };
+        let (split, _, want) = rule(name, args)
+            .ok_or_else(|| bad("no rule of megatron-core's GPT model places it".into()))?;
+        if let Some(w) = want.filter(|w| w != shape) {
+            return Err(bad(format!(
+                "has shape {shape:?}, but the model's sizes give Megatron's tensor {w:?}"
+            )));
+        }
+        let placement = match split {
+            Split::Replicated => Placement::Replicate,
+            Split::Dim { dim, blocks } => Placement::blocked(dim, blocks),
+        };
+        let layout =
+            TensorLayout::new(shape.clone(), *dtype, vec![Placement::Replicate, placement])
+                .with_stage(0);
+        strategy.tensors.insert(name.clone(), layout);
+    }
+    Ok(strategy)
 }
 
 /// Reads `args` and `iteration` again from a source rank file.
@@ -1089,10 +1262,17 @@ pub(crate) fn source_state(file: &Path) -> Result<SourceState> {
         Some(Value::Int(i)) if *i >= 0 => *i as u64,
         _ => 0,
     };
+    // (`<save>/release/mp_rank_*/model_optim_rng.pt`.)
+    let release = file
+        .parent()
+        .and_then(Path::parent)
+        .and_then(Path::file_name)
+        .is_some_and(|n| n == "release");
     Ok(SourceState {
         args_value,
         args,
         iteration,
+        release,
     })
 }
 
