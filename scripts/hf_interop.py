@@ -22,7 +22,15 @@ and each layout (legacy, dist_ckpt):
   (max abs difference at most 0.1 x the largest logit). (Its logits are not compared
   with the cast model's exactly: `.to()` also casts the rotary `inv_freq` buffer, which
   `from_pretrained(dtype=...)` computes in fp32.)
-Needs torch, transformers and safetensors (scripts/test.sh installs them into its venv).
+- import from transformers' own save_pretrained (tests/fixtures/hf_models: Llama,
+  Mistral, Qwen2, Qwen3 in transformers 5's config form, written by
+  scripts/fixtures/hf_transformers.py): `reshard --format megatron --mesh tp=1,pp=1`,
+  then megatron-core's GPTModel built from the args ckpt wrote loads the rank file with
+  `load_state_dict(strict=True)` (only `_extra_state` may be absent) and its own forward
+  gives transformers' logits within 1e-4; `--mesh tp=2,pp=2` and back to Hugging Face
+  gives back the model.safetensors byte for byte.
+Needs torch, transformers, safetensors and megatron-core (scripts/test.sh installs them
+into its venv).
 """
 
 import json
@@ -92,6 +100,100 @@ def check_import(ckpt, family, hf_dir, work):
     print(f"{family}: HF -> Megatron TP2 x PP2 holds megatron-core's state dicts rank by rank; -> HF gives back every byte")
 
 
+MODELS = os.path.join(ROOT, "tests", "fixtures", "hf_models")
+
+
+def megatron_forward(rank, rank_file, ref_file, result):
+    """One gloo rank: megatron-core's GPTModel from the args in `rank_file`, loaded
+    strictly, run on the reference input."""
+    sys.path.append(os.path.join(ROOT, "scripts", "fixtures"))
+    import hf_megatron as H
+
+    H.stub_cuda()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = "29631"
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    sd = torch.load(rank_file, weights_only=False)
+    a = sd["args"]
+    f = dict(norm=a.normalization, swiglu=a.swiglu, rope=a.position_embedding_type == "rope",
+             groups=a.num_query_groups, kv=a.kv_channels, qkv_bias=a.add_qkv_bias, bias=a.add_bias_linear,
+             qk_norm=a.qk_layernorm, tied=not a.untie_embeddings_and_output_weights, base=a.rotary_base,
+             eps=a.norm_epsilon)
+    assert (a.num_layers, a.hidden_size, a.num_attention_heads, a.ffn_hidden_size) == (H.LAYERS, H.HIDDEN, H.HEADS, H.FFN)
+    model = H.build_model(f, 1, 1, a.padded_vocab_size)
+    missing, unexpected = model.load_state_dict(sd["model"], strict=False)
+    assert all(k.endswith("._extra_state") for k in missing), missing
+    assert not unexpected, unexpected
+    model.eval()
+    ref = load_file(ref_file)
+    ids = ref["input_ids"]
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    mask = torch.triu(torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        logits = model(ids, pos, mask)
+    torch.save(logits, result)
+    torch.distributed.destroy_process_group()
+
+
+def check_transformers_import(ckpt, work):
+    import torch.multiprocessing as mp
+
+    for name in sorted(os.listdir(MODELS)):
+        src = os.path.join(MODELS, name)
+        ref = os.path.join(src, "reference.safetensors")
+        # (reference.safetensors sits beside the model: import the model file only.)
+        model_dir = os.path.join(work, f"{name}-hf")
+        os.makedirs(model_dir)
+        for f in ("config.json", "generation_config.json", "model.safetensors"):
+            with open(os.path.join(src, f), "rb") as i, open(os.path.join(model_dir, f), "wb") as o:
+                o.write(i.read())
+        one = os.path.join(work, f"{name}-tp1")
+        r = subprocess.run([ckpt, "reshard", model_dir, "--format", "megatron", "--mesh", "tp=1,pp=1", "-o", one, "--quiet"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        result = os.path.join(work, f"{name}-logits.pt")
+        mp.spawn(megatron_forward, args=(os.path.join(one, "release", "mp_rank_00", "model_optim_rng.pt"), ref, result),
+                 nprocs=1, join=True)
+        got = torch.load(result)
+        want = load_file(ref)["logits"]
+        diff = (got - want).abs().max().item()
+        assert got.shape == want.shape and diff <= FP32_TOL, f"{name}: Megatron's logits of the import differ by {diff}"
+        four = os.path.join(work, f"{name}-tp2pp2")
+        r = subprocess.run([ckpt, "reshard", model_dir, "--format", "megatron", "--mesh", "tp=2,pp=2", "-o", four, "--quiet"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        back = os.path.join(work, f"{name}-model-back")
+        export(ckpt, four, back)
+        same_tensors(os.path.join(model_dir, "model.safetensors"), os.path.join(back, "model.safetensors"), name)
+        print(f"{name} (transformers' save_pretrained): megatron-core loads the import strictly, logits max |diff| {diff:.2e}; TP2 x PP2 and back: every tensor byte")
+
+
+def same_tensors(a, b, what):
+    """Two safetensors files hold the same tensors in the same order, byte for byte: the
+    data areas are equal and the headers differ at most in `__metadata__` (ckpt records
+    its checksums there; transformers' save_pretrained records `format` only)."""
+    import struct
+
+    def parts(p):
+        with open(p, "rb") as f:
+            raw = f.read()
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8:8 + n])
+        meta = header.pop("__metadata__", {})
+        return header, meta, raw[8 + n:]
+
+    ha, ma, da = parts(a)
+    hb, mb, db = parts(b)
+    assert list(ha.items()) == list(hb.items()), f"{what}: tensor entries differ"
+    assert da == db, f"{what}: tensor data differs"
+    assert ma.get("format") == mb.get("format"), (ma, mb)
+
+
 def main():
     ckpt = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target", "debug", "ckpt"))
     families = sorted(d for d in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, d)))
@@ -131,6 +233,7 @@ def main():
                 tol = 0.1 * want.abs().max().item()
                 assert diff <= tol, f"{family} {layout} bf16: logits differ by {diff} > {tol}"
                 print(f"{family} {layout} bf16: every weight torch's cast; logits max |diff| from Megatron's fp32 {diff:.3f} <= {tol:.3f}")
+        check_transformers_import(ckpt, work)
     print(f"hf_interop: {checked} exports loaded by transformers with Megatron's logits")
 
 

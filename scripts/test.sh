@@ -67,6 +67,14 @@ DS_VENV=$venv scripts/deepspeed_reshard_interop.sh target/debug/ckpt --quick
 # megatron-core's GPTModel loads the legacy checkpoints ckpt writes for TP=4 and PP=4
 # from the TP=2 x PP=2 fixture on that many gloo ranks: every loaded value equal.
 MEGATRON_VENV=$venv scripts/megatron_interop.sh target/debug/ckpt
+# Hugging Face models to and from Megatron (merge --format hf, reshard --format megatron
+# from an HF model): transformers loads every export with Megatron's logits (fp32 and
+# bf16), megatron-core loads the imports strictly with transformers' logits, and the
+# round trips keep every tensor byte. Needs transformers beside torch and megatron-core
+# (installed by the line above). About a minute.
+"$venv/bin/python" -c "import transformers" 2>/dev/null ||
+  "$venv/bin/pip" install --quiet --disable-pip-version-check transformers
+"$venv/bin/python" scripts/hf_interop.py target/debug/ckpt
 
 # The README's "By example" block, every line as written, in order, in a new directory.
 scripts/readme_examples.sh target/debug/ckpt
