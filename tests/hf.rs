@@ -506,3 +506,155 @@ fn hf_named_source_with_its_config() {
     let names: BTreeMap<String, Vec<u8>> = full_tensors(&d.path("a"));
     assert!(names.contains_key("model.layers.0.self_attn.k_proj.bias"));
 }
+
+/// Models written by transformers' own save_pretrained (tests/fixtures/hf_models, made by
+/// scripts/fixtures/hf_transformers.py; transformers 5's config form): into Megatron
+/// legacy TP x PP and back, every tensor byte kept; Megatron's layout checked in
+/// scripts/hf_interop.py against megatron-core itself.
+#[test]
+fn hugging_face_models_into_megatron_and_back() {
+    let d = Dir::new();
+    for family in ["llama", "mistral", "qwen2", "qwen3"] {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/hf_models")
+            .join(family);
+        // The model alone (its reference logits sit beside it).
+        let model = d.path(&format!("{family}-model"));
+        std::fs::create_dir(&model).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(src.join(f), model.join(f)).unwrap();
+        }
+        let want = full_tensors(&model);
+        for mesh in ["tp=2,pp=2", "tp=1,pp=4", "tp=2,pp=1"] {
+            let meg = d.path(&format!("{family}-{mesh}"));
+            let back = d.path(&format!("{family}-{mesh}-back"));
+            d.ok(&[
+                "reshard",
+                model.to_str().unwrap(),
+                "--format",
+                "megatron",
+                "--mesh",
+                mesh,
+                "-o",
+                meg.to_str().unwrap(),
+            ]);
+            assert_eq!(
+                std::fs::read_to_string(meg.join("latest_checkpointed_iteration.txt")).unwrap(),
+                "release"
+            );
+            d.ok(&[
+                "merge",
+                meg.to_str().unwrap(),
+                "--format",
+                "hf",
+                "-o",
+                back.to_str().unwrap(),
+            ]);
+            assert_eq!(full_tensors(&back), want, "{family} {mesh}");
+            // (Megatron's args do not say Mistral: its tensors come back as Llama's,
+            // `--hf-arch mistral` names it.)
+            let arch = config(&model)["architectures"][0]
+                .as_str()
+                .unwrap()
+                .replace("Mistral", "Llama");
+            assert_eq!(config(&back)["architectures"][0], arch.as_str());
+        }
+        // The plain merge gives Megatron's fused tensors: QKV rows per group.
+        let meg = d.path(&format!("{family}-tp=2,pp=2"));
+        let plain = d.path(&format!("{family}-plain"));
+        d.ok(&[
+            "merge",
+            meg.to_str().unwrap(),
+            "-o",
+            plain.to_str().unwrap(),
+        ]);
+        let m = full_tensors(&plain);
+        let head_dim = if family == "qwen3" { 16 } else { 8 };
+        let qkv = &m["decoder.layers.0.self_attention.linear_qkv.weight"];
+        let q = &want["model.layers.0.self_attn.q_proj.weight"];
+        let k = &want["model.layers.0.self_attn.k_proj.weight"];
+        // Group 1: query heads 2 and 3, then key head 1.
+        let group = 4 * head_dim;
+        assert_eq!(
+            rows(qkv, group..group + 2 * head_dim, HIDDEN),
+            rows(q, 2 * head_dim..4 * head_dim, HIDDEN)
+        );
+        assert_eq!(
+            rows(qkv, group + 2 * head_dim..group + 3 * head_dim, HIDDEN),
+            rows(k, head_dim..2 * head_dim, HIDDEN)
+        );
+    }
+}
+
+/// What an import refuses: no config beside the model, a TP size that splits a query
+/// group, tensors that are not the family's.
+#[test]
+fn import_refusals() {
+    let d = Dir::new();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf_models/llama");
+    std::fs::create_dir(d.path("bare")).unwrap();
+    std::fs::copy(
+        src.join("model.safetensors"),
+        d.path("bare/model.safetensors"),
+    )
+    .unwrap();
+    let o = d.fails(&[
+        "reshard",
+        "bare",
+        "--format",
+        "megatron",
+        "--mesh",
+        "tp=2,pp=1",
+        "-o",
+        "o1",
+    ]);
+    assert!(
+        o.stderr.contains("needs its Hugging Face config.json"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("o1").exists());
+    std::fs::copy(src.join("config.json"), d.path("bare/config.json")).unwrap();
+    // 2 query groups over 4 TP ranks.
+    let o = d.fails(&[
+        "reshard",
+        "bare",
+        "--format",
+        "megatron",
+        "--mesh",
+        "tp=4,pp=1",
+        "-o",
+        "o2",
+    ]);
+    assert!(
+        o.stderr
+            .contains("num_query_groups 2 does not divide by tensor parallel 4"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("o2").exists());
+    // A config of another family than the tensors: Qwen3 wants q/k norms.
+    let c = std::fs::read_to_string(src.join("config.json")).unwrap();
+    std::fs::write(
+        d.path("bare/config.json"),
+        c.replace("LlamaForCausalLM", "Qwen3ForCausalLM")
+            .replace("\"llama\"", "\"qwen3\""),
+    )
+    .unwrap();
+    let o = d.fails(&[
+        "reshard",
+        "bare",
+        "--format",
+        "megatron",
+        "--mesh",
+        "tp=2,pp=1",
+        "-o",
+        "o3",
+    ]);
+    assert!(
+        o.stderr.contains("q_norm") && o.stderr.contains("missing"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("o3").exists());
+}

@@ -44,6 +44,18 @@ pub fn megatron_legacy_plan(
     };
     let tp = mesh.axes()[tp_axis].size;
     let pp = pipe.map_or(1, |p| mesh.axes()[p].size);
+    // Each tensor-parallel rank holds whole attention heads and whole query groups
+    // (megatron-core's TransformerConfig asserts both divide by the TP size).
+    for (what, n) in [
+        ("num_attention_heads", state.args.heads),
+        ("num_query_groups", state.args.query_groups),
+    ] {
+        if let Some(n) = n.filter(|n| n % tp != 0) {
+            return Err(unsupported(format!(
+                "{what} {n} does not divide by tensor parallel {tp}: megatron-core needs whole heads and query groups on each rank"
+            )));
+        }
+    }
     // Megatron splits into equal parts; torch.chunk's uneven ones would not load.
     for (name, l) in &strategy.tensors {
         if let Placement::Shard { dim, blocks, .. } = l.placements[tp_axis] {
