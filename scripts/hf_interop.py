@@ -143,7 +143,7 @@ def megatron_forward(rank, rank_file, ref_file, result):
 def check_transformers_import(ckpt, work):
     import torch.multiprocessing as mp
 
-    for name in sorted(os.listdir(MODELS)):
+    for name in sorted(d for d in os.listdir(MODELS) if os.path.isdir(os.path.join(MODELS, d))):
         src = os.path.join(MODELS, name)
         ref = os.path.join(src, "reference.safetensors")
         # (reference.safetensors sits beside the model: import the model file only.)

@@ -658,3 +658,27 @@ fn import_refusals() {
     );
     assert!(!d.path("o3").exists());
 }
+
+/// A torch.save whose tensors share storage (GPT-2's tied `lm_head.weight` and
+/// `transformer.wte.weight`, written by torch from transformers' own model; a row view
+/// with an offset): read as the tensors they are, equal to the copies the generator
+/// saved with safetensors.
+#[test]
+fn torch_save_with_shared_storage() {
+    let d = Dir::new();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf_models");
+    d.ok(&[
+        "merge",
+        dir.join("gpt2_tied.pt").to_str().unwrap(),
+        "-o",
+        "m",
+    ]);
+    let got = full_tensors(&d.path("m"));
+    let want = full_tensors(&dir.join("gpt2_tied_expected.safetensors"));
+    assert_eq!(got, want);
+    assert_eq!(got["lm_head.weight"], got["transformer.wte.weight"]);
+    assert_eq!(
+        got["row_view"],
+        rows(&got["transformer.wpe.weight"], 3..4, HIDDEN)
+    );
+}

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Megatron TP=4 legacy checkpoint (a Llama-like model of ~1 GB, fp32, written by
+# megatron-core itself on 4 gloo ranks) exported as a Hugging Face model with
+# `ckpt merge --format hf`, against `cat` + `sync` of the same input bytes.
+#
+#   scripts/hf_export_bench.sh [OUT_DIR]          # default target/hf-bench
+#   ROUNDS=5 CKPT=target/release/ckpt scripts/hf_export_bench.sh
+#
+# Makes the checkpoint with scripts/fixtures/hf_megatron.py (a venv under target/ with
+# torch + megatron-core, or MEGATRON_VENV); then ROUNDS rounds (default 3), each timing
+#   cat  : cat every model_optim_rng.pt into one file, then sync
+#   ckpt : ckpt merge legacy --format hf -o out, then sync
+# after reading the inputs into the page cache, deleting the previous outputs, syncing
+# and waiting SETTLE_SECONDS (default 3). Prints every round and the medians, and ckpt's
+# peak RSS (/usr/bin/time). The anchors (Megatron-Bridge, mbridge, transformers'
+# Megatron GPT-2 script) are in docs/hf.md with why they do not run here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-target/hf-bench}
+venv=${MEGATRON_VENV:-target/venv-megatron}
+ckpt=${CKPT:-target/release/ckpt}
+rounds=${ROUNDS:-3}
+[ -x "$ckpt" ] || { echo "build first: cargo build --release (or CKPT=target/debug/ckpt)" >&2; exit 1; }
+if ! "$venv/bin/python" -c "import torch, megatron.core" 2>/dev/null; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q torch megatron-core==0.16.1 psutil numpy safetensors
+fi
+ck="$out/llama/legacy"
+if [ ! -f "$ck/latest_checkpointed_iteration.txt" ]; then
+  mkdir -p "$out"
+  # ~270M parameters (1.07 GB of fp32): hidden 1024, 12 layers, SwiGLU MLP 4096,
+  # 16 heads in 4 query groups, 32000 tokens; TP 4, one stage.
+  HF_FX_LEGACY_ONLY=1 HF_FX_TP=4 HF_FX_PP=1 HF_FX_LAYERS=12 HF_FX_HIDDEN=1024 HF_FX_HEADS=16 \
+  HF_FX_FFN=4096 HF_FX_VOCAB=32000 \
+    "$venv/bin/python" scripts/fixtures/hf_megatron.py "$out" --family llama > "$out.log" 2>&1 ||
+    { tail -20 "$out.log"; exit 1; }
+fi
+inputs=("$ck"/iter_*/mp_rank_*/model_optim_rng.pt)
+bytes=$(du -cb "${inputs[@]}" | tail -1 | cut -f1)
+now() { date +%s.%N; }
+settle() {
+  rm -rf "$out/cat.bin" "$out/hf"
+  cat "${inputs[@]}" > /dev/null
+  sync
+  sleep "${SETTLE_SECONDS:-3}"
+}
+: > "$out/rounds.txt"
+for r in $(seq 1 "$rounds"); do
+  settle
+  t0=$(now)
+  cat "${inputs[@]}" > "$out/cat.bin"
+  sync; t1=$(now)
+  settle
+  t2=$(now)
+  /usr/bin/time -f "%M" -o "$out/rss.txt" "$ckpt" merge "$ck" --format hf -o "$out/hf" --quiet > /dev/null 2>&1
+  sync; t3=$(now)
+  written=$(du -cb "$out"/hf/*.safetensors | tail -1 | cut -f1)
+  echo "$t0 $t1 $t2 $t3 $(cat "$out/rss.txt") $written" >> "$out/rounds.txt"
+done
+python3 - "$out/rounds.txt" "$bytes" <<'PY'
+import statistics, sys
+rows = [list(map(float, l.split())) for l in open(sys.argv[1])]
+cat = [r[1] - r[0] for r in rows]
+ck = [r[3] - r[2] for r in rows]
+for i, (c, k, r) in enumerate(zip(cat, ck, rows), 1):
+    print(f"round {i}: cat+sync {c:.2f} s, ckpt merge --format hf + sync {k:.2f} s ({k / c:.2f}x), peak RSS {r[4] / 1024:.0f} MiB")
+print(f"inputs {int(sys.argv[2]) / 1e9:.2f} GB, HF safetensors written {rows[0][5] / 1e9:.2f} GB")
+print(f"median: cat+sync {statistics.median(cat):.2f} s, ckpt {statistics.median(ck):.2f} s, "
+      f"ratio {statistics.median([k / c for c, k in zip(cat, ck)]):.2f}x; peak RSS max {max(r[4] for r in rows) / 1024:.0f} MiB")
+PY
