@@ -67,6 +67,7 @@ fn report<'py>(
 /// and files of the plan, and the seconds taken.
 fn run_copy(
     py: Python<'_>,
+    checksums: bool,
     run: impl FnOnce(
             &(dyn Fn(u64) + Sync),
             &dyn Fn(&Checkpoint, &CopyPlan),
@@ -77,15 +78,18 @@ fn run_copy(
     let t = Instant::now();
     let stats = py
         .detach(|| {
-            run(&|_| {}, &|_, p: &CopyPlan| {
-                let names: std::collections::BTreeSet<&str> = p
-                    .files
-                    .iter()
-                    .flat_map(|f| f.tensors.iter().map(|t| t.target.name.as_str()))
-                    .collect();
-                if let Ok(mut s) = shape.lock() {
-                    *s = (names.len() as u64, p.files.len() as u64);
-                }
+            // This call's setting, on this thread only: never the process's.
+            ckpt_core::with_checksums(checksums, || {
+                run(&|_| {}, &|_, p: &CopyPlan| {
+                    let names: std::collections::BTreeSet<&str> = p
+                        .files
+                        .iter()
+                        .flat_map(|f| f.tensors.iter().map(|t| t.target.name.as_str()))
+                        .collect();
+                    if let Ok(mut s) = shape.lock() {
+                        *s = (names.len() as u64, p.files.len() as u64);
+                    }
+                })
             })
         })
         .py_err(py)?;
@@ -162,8 +166,9 @@ pub(crate) fn merge<'py>(
         share: None,
         compression: compression_of(py, compress)?,
     };
-    ckpt_core::set_checksums_enabled(checksums);
-    let (stats, shape, secs) = run_copy(py, |p, on_plan| ckpt_merge::merge(&req, p, on_plan))?;
+    let (stats, shape, secs) = run_copy(py, checksums, |p, on_plan| {
+        ckpt_merge::merge(&req, p, on_plan)
+    })?;
     report(py, &stats, shape, secs, out)
 }
 
@@ -224,12 +229,13 @@ pub(crate) fn reshard<'py>(
         shard,
         compression: compression_of(py, compress)?,
     };
-    ckpt_core::set_checksums_enabled(checksums);
     if format == ckpt_reshard::OutputFormat::DeepSpeed {
         // DeepSpeed's optimizer files are re-cut by their writer, not planned as copies.
         let t = Instant::now();
         let s = py
-            .detach(|| ckpt_reshard::reshard_deepspeed(&req))
+            .detach(|| {
+                ckpt_core::with_checksums(checksums, || ckpt_reshard::reshard_deepspeed(&req))
+            })
             .py_err(py)?;
         let d = PyDict::new(py);
         d.set_item("tensors", s.tensors)?;
@@ -244,7 +250,9 @@ pub(crate) fn reshard<'py>(
         d.set_item("output", out)?;
         return Ok(d);
     }
-    let (stats, shape, secs) = run_copy(py, |p, on_plan| ckpt_reshard::reshard(&req, p, on_plan))?;
+    let (stats, shape, secs) = run_copy(py, checksums, |p, on_plan| {
+        ckpt_reshard::reshard(&req, p, on_plan)
+    })?;
     report(py, &stats, shape, secs, out)
 }
 
@@ -272,7 +280,11 @@ pub(crate) fn verify<'py>(
     let depth = ckpt_core::VerifyDepth { checksums, deep };
     let t = Instant::now();
     let (ck, problems) = py
-        .detach(|| ckpt_core::verify_selected(&s.paths, &s.selection, depth))
+        .detach(|| {
+            ckpt_core::with_checksums(checksums, || {
+                ckpt_core::verify_selected(&s.paths, &s.selection, depth)
+            })
+        })
         .py_err(py)?;
     let d = PyDict::new(py);
     d.set_item("files", ck.files.len())?;
