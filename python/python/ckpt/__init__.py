@@ -34,6 +34,7 @@ from ckpt.errors import (
     Mismatch,
     MissingData,
     OutputExists,
+    PathNotFound,
     Unsupported,
     UsageError,
     _raise_problems,
@@ -59,6 +60,7 @@ __all__ = [
     "VerifyReport",
     "CheckpointError",
     "MissingData",
+    "PathNotFound",
     "ChecksumMismatch",
     "AmbiguousInput",
     "UsageError",
@@ -73,6 +75,16 @@ def _fspaths(p: Paths) -> List[str]:
     if isinstance(p, (str, bytes, os.PathLike)):
         return [os.fspath(p)]
     return [os.fspath(x) for x in p]
+
+
+def _existing(p: Paths) -> List[str]:
+    """:func:`_fspaths`, each checked to exist: a missing one raises
+    :class:`PathNotFound` (a ``FileNotFoundError``) with the CLI's message."""
+    paths = _fspaths(p)
+    for x in paths:
+        if not os.path.lexists(x):
+            raise PathNotFound(f"{x}: no such file or directory", x)
+    return paths
 
 
 @dataclass(frozen=True)
@@ -140,12 +152,8 @@ class Checkpoint:
         source_strategy: Optional[Paths] = None,
         strip_prefix: Optional[str] = None,
     ) -> None:
-        self._paths = _fspaths(paths)
-        for p in self._paths:
-            # The CLI's message, as the class a Python caller looks for.
-            if not os.path.lexists(p):
-                raise MissingData(f"{p}: no such file or directory")
-        self._source_strategy = None if source_strategy is None else _fspaths(source_strategy)
+        self._paths = _existing(paths)
+        self._source_strategy = None if source_strategy is None else _existing(source_strategy)
         self._strip_prefix = strip_prefix
         self._native = _ckpt.Checkpoint(self._paths, self._source_strategy, strip_prefix)
         self._tensors: Optional[Dict[str, TensorInfo]] = None
@@ -321,7 +329,7 @@ def merge(src: Paths, out: PathLike, **opts: Any) -> CopyReport:
     (fused QKV as ``linear_q``/``linear_k``/``linear_v``) and ``keep_vocab_padding``.
     Nothing is written unless everything checks.
     """
-    r = _ckpt.merge(_fspaths(src), os.fspath(out), **opts)
+    r = _ckpt.merge(_existing(src), os.fspath(out), **opts)
     return CopyReport(**{**r, "output": os.fspath(r["output"])})
 
 
@@ -347,7 +355,7 @@ def reshard(
     source). Other options as :func:`merge`, plus ``keep_all``.
     """
     r = _ckpt.reshard(
-        _fspaths(src),
+        _existing(src),
         os.fspath(out),
         to=to,
         mesh=mesh,
@@ -372,7 +380,7 @@ def verify(
     raises the problem's :class:`CheckpointError` subclass otherwise (every problem in
     the message, one per line). ``checksums=False`` is ``--fast``."""
     r = _ckpt.verify(
-        _fspaths(src),
+        _existing(src),
         deep=deep,
         checksums=checksums,
         source_strategy=None if source_strategy is None else _fspaths(source_strategy),
@@ -399,12 +407,12 @@ def compress(
     """As ``ckpt compress SRC -o OUT``: byte-grouped zstd ``.ckptz`` files that every
     ckpt command (and :func:`load`) reads."""
     r = _ckpt.convert(
-        os.fspath(src), os.fspath(out), compress=True, level=level, chunk_bytes=chunk_bytes, force=force
+        _existing(src)[0], os.fspath(out), compress=True, level=level, chunk_bytes=chunk_bytes, force=force
     )
     return ConvertReport(**{**r, "output": os.fspath(r["output"])})
 
 
 def decompress(src: PathLike, out: PathLike, *, force: bool = False) -> ConvertReport:
     """As ``ckpt decompress SRC -o OUT``: the original safetensors, byte for byte."""
-    r = _ckpt.convert(os.fspath(src), os.fspath(out), compress=False, force=force)
+    r = _ckpt.convert(_existing(src)[0], os.fspath(out), compress=False, force=force)
     return ConvertReport(**{**r, "output": os.fspath(r["output"])})
