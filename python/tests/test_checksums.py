@@ -95,3 +95,37 @@ def test_concurrent_calls_keep_their_own_setting(tmp_path, originals):
         t.join()
     assert not errors, errors
 
+
+def test_background_save_keeps_its_setting_while_others_run(tmp_path, originals):
+    torch = pytest.importorskip("torch")
+    import ckpt.torch
+
+    d, _ = originals
+    bad = damaged_copy(tmp_path, d)
+    g = torch.Generator().manual_seed(0)
+    sd = {f"layer{i}.weight": torch.randn(512, 1024, generator=g) for i in range(8)}
+    # A background save with checksums (the default) while this thread merges without.
+    h = ckpt.torch.save_state_dict(sd, tmp_path / "bg_on", background=True)
+    overlapped = 0
+    i = 0
+    while not h.done() or i == 0:
+        overlapped += not h.done()
+        ckpt.merge(d, tmp_path / f"m{i}", one_file=True, checksums=False)
+        i += 1
+    assert h.wait() == str(tmp_path / "bg_on")
+    assert overlapped >= 1, "the merges ran while the save was writing"
+    assert recorded(tmp_path / "bg_on" / "ckpt_0" / "model.safetensors") is not None
+    assert ckpt.verify(tmp_path / "bg_on").checksums == len(sd)
+    # A background save without checksums while this thread verifies with them.
+    h = ckpt.torch.save_state_dict(sd, tmp_path / "bg_off", background=True, checksums=False)
+    checked = 0
+    while not h.done() or checked == 0:
+        with pytest.raises(ckpt.ChecksumMismatch):
+            ckpt.verify(bad)
+        checked += 1
+    h.wait()
+    assert recorded(tmp_path / "bg_off" / "ckpt_0" / "model.safetensors") is None
+    assert ckpt.verify(tmp_path / "bg_off").checksums == 0
+    # And after both, a plain save records them again.
+    ckpt.torch.save_state_dict(sd, tmp_path / "after")
+    assert recorded(tmp_path / "after" / "ckpt_0" / "model.safetensors") is not None
