@@ -5,6 +5,7 @@
 mod checkpoint;
 mod errors;
 mod load;
+mod names;
 mod ops;
 mod run_cli;
 mod save;

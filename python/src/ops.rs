@@ -3,25 +3,13 @@
 
 use crate::checkpoint::{paths_of, target_of, Source};
 use crate::errors::{usage, IntoPy};
-use ckpt_core::{Checkpoint, Compression, CopyPlan, CopyStats, Dtype, Selection};
+use crate::names::cast_of;
+use ckpt_core::{Checkpoint, Compression, CopyPlan, CopyStats, Selection};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Instant;
-
-/// A dtype for casting: `bf16`, `f16`/`fp16`, `f32`/`fp32`, `f64`, or a safetensors name.
-fn cast_of(py: Python<'_>, s: Option<&str>) -> PyResult<Option<Dtype>> {
-    let Some(s) = s else { return Ok(None) };
-    let name = match s.to_ascii_lowercase().as_str() {
-        "fp16" => "F16".to_string(),
-        "fp32" => "F32".to_string(),
-        other => other.to_ascii_uppercase(),
-    };
-    ckpt_core::parse_dtype(&name)
-        .map(Some)
-        .map_err(|e| usage(py, format!("dtype `{s}`: {e}")))
-}
 
 fn compression_of(py: Python<'_>, s: Option<&str>) -> PyResult<Option<Compression>> {
     s.map(|s| Compression::parse(s).map_err(|e| usage(py, format!("compress `{s}`: {e}"))))

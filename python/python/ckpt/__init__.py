@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ckpt import _ckpt
-from ckpt._arrays import materialize
+from ckpt._arrays import dtype_name as _dtype_name, materialize
+from ckpt._lazy import Slice, iter_tensors, safe_open
 from ckpt.errors import (
     AmbiguousInput,
     CheckpointError,
@@ -48,6 +49,9 @@ Paths = Union[PathLike, Sequence[PathLike]]
 __all__ = [
     "open",
     "load",
+    "safe_open",
+    "iter_tensors",
+    "Slice",
     "merge",
     "reshard",
     "verify",
@@ -281,6 +285,7 @@ def load(
     source_strategy: Optional[Paths] = None,
     strip_prefix: Optional[str] = None,
     checksums: bool = True,
+    dtype: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Loads tensors into memory: whole, or the piece a target rank owns.
 
@@ -302,6 +307,10 @@ def load(
 
     ``checksums=True`` checks the recorded checksum of every source tensor read whole
     before returning (:class:`ChecksumMismatch`); pieces of larger tensors cannot be.
+
+    ``dtype`` (``"bf16"``, ``"f16"``, ``"f32"``, ``"f64"``, or a torch/safetensors
+    name): floating-point tensors are converted to it as they are assembled (no second
+    copy); integer and boolean tensors come back as stored (as ``ckpt merge --dtype``).
     """
     if isinstance(path, Checkpoint):
         ck = path
@@ -313,6 +322,7 @@ def load(
         to,
         mesh,
         None if strategy is None else os.fspath(strategy),
+        _dtype_name(dtype),
     )
     return materialize(plan, framework=framework, device=device, checksums=checksums)
 

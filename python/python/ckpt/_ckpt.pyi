@@ -25,6 +25,8 @@ class Checkpoint:
     def notes(self) -> List[str]: ...
     @property
     def tensors(self) -> Dict[str, Dict[str, Any]]: ...
+    @property
+    def metadata(self) -> Optional[Dict[str, str]]: ...
     def plan(
         self,
         names: Optional[List[str]] = None,
@@ -32,6 +34,7 @@ class Checkpoint:
         to: Optional[int] = None,
         mesh: Optional[str] = None,
         strategy: Optional[_Path] = None,
+        dtype: Optional[str] = None,
     ) -> LoadPlan: ...
     def plan_boxes(
         self, requests: List[Tuple[str, List[int], str, List[int], List[int]]]
@@ -54,6 +57,11 @@ def strategy_json(
     mesh: List[Tuple[str, int]], tensors: List[Tuple[str, str, List[int], List[str]]]
 ) -> str: ...
 def write_rank(
-    dir: _Path, strategy: str, rank: int, tensors: List[Tuple[str, int, int]], keep_all: bool = False
+    dir: _Path,
+    strategy: str,
+    rank: int,
+    tensors: List[Tuple[str, int, int]],
+    keep_all: bool = False,
+    checksums: bool = True,
 ) -> str: ...
 def cli_main(argv: List[str]) -> int: ...
