@@ -294,6 +294,41 @@ pub(crate) fn verify<'py>(
     Ok(d)
 }
 
+/// `ckpt inspect`'s text (or its `--json` document, as JSON text), in-process: what the
+/// command prints for these inputs.
+#[pyfunction]
+#[pyo3(signature = (src, *, source_strategy=None, strip_prefix=None, json=false))]
+pub(crate) fn inspect<'py>(
+    py: Python<'py>,
+    src: &Bound<'py, PyAny>,
+    source_strategy: Option<&Bound<'py, PyAny>>,
+    strip_prefix: Option<String>,
+    json: bool,
+) -> PyResult<String> {
+    let s = Source::new(
+        py,
+        paths_of(src)?,
+        source_strategy
+            .map(paths_of)
+            .transpose()?
+            .unwrap_or_default(),
+        strip_prefix,
+    )?;
+    py.detach(|| -> ckpt_core::Result<String> {
+        let (ck, problems) =
+            ckpt_core::verify_selected(&s.paths, &s.selection, ckpt_core::VerifyDepth::default())?;
+        Ok(if json {
+            let doc = ckpt_core::inspect_json(&ck, &problems);
+            serde_json::to_string_pretty(&doc).map_err(|e| ckpt_core::Error::Unsupported {
+                problem: format!("inspect: {e}"),
+            })?
+        } else {
+            ckpt_core::inspect_text(&ck, &problems)
+        })
+    })
+    .py_err(py)
+}
+
 /// `ckpt compress` (`level` given) or `ckpt decompress` (`level` None).
 #[pyfunction]
 #[pyo3(signature = (src, out, *, compress, level=ckpt_core::DEFAULT_LEVEL, chunk_bytes=None, force=false))]

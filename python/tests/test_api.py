@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -240,3 +241,57 @@ def test_load_dtype_torch(fixtures):
             assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], v.to(torch.bfloat16)), k
         else:
             assert torch.equal(got[k], v), k
+
+
+# -- the rest of the surface -----------------------------------------------------------
+
+
+def test_inspect_is_in_process_and_says_what_the_command_says(tmp_path, originals, monkeypatch):
+    import subprocess
+    import sys
+
+    d, _ = originals
+    s2 = sliced(tmp_path, d, 2)
+    for src in (d, s2):
+        cli = subprocess.run(
+            [sys.executable, "-m", "ckpt", "inspect", str(src)], capture_output=True, text=True
+        )
+        assert cli.returncode == 0, cli.stderr
+        # No process is started for it.
+        monkeypatch.setattr(subprocess, "run", None)
+        monkeypatch.setattr(subprocess, "Popen", None)
+        ck = ckpt.open_checkpoint(src)
+        assert ck.inspect() == cli.stdout
+        doc = ck.inspect(json=True)
+        assert isinstance(doc, dict) and doc
+        monkeypatch.undo()
+
+
+def test_star_import_leaves_the_builtin_open_alone():
+    import builtins
+
+    ns = {}
+    exec("from ckpt import *", ns)
+    assert "open" not in ns and "open_checkpoint" in ns and "safe_open" in ns
+    assert ckpt.open is ckpt.open_checkpoint
+    assert "open" not in ckpt.__all__
+    ns3 = {"__builtins__": builtins}
+    exec("from ckpt import *\nresult = open", ns3)
+    assert ns3["result"] is builtins.open
+
+
+def test_merge_and_reshard_have_typed_signatures():
+    import inspect
+
+    for fn, names in (
+        (ckpt.merge, {"max_shard_size", "dtype", "include", "exclude", "format", "one_file", "checksums"}),
+        (ckpt.reshard, {"to", "mesh", "strategy", "rank", "format", "shard", "keep_all", "checksums"}),
+    ):
+        params = inspect.signature(fn).parameters
+        assert names <= set(params), fn
+        assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()), fn
+    # The native stubs say the same.
+    stub = (Path(ckpt.__file__).parent / "_ckpt.pyi").read_text()
+    assert "**opts" not in stub
+    with pytest.raises(TypeError):
+        ckpt.merge("x", "y", no_such_option=1)
