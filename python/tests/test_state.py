@@ -242,6 +242,23 @@ def test_stale_staging_directories_are_removed_and_live_ones_kept(tmp_path):
     assert ckpt.open(tmp_path / "ck").kind == "sliced"
 
 
+def test_a_failed_save_raises_and_leaves_nothing(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt.torch._ckpt, "write_rank", broken)
+    sd = {"w": torch.ones(3), "step": 1}
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.torch.save_state_dict(sd, tmp_path / "ck")
+    h = ckpt.torch.save_state_dict(sd, tmp_path / "bg", background=True)
+    with pytest.raises(OSError, match="No space left"):
+        h.wait()
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    assert ckpt.torch.save_state_dict(sd, tmp_path / "ck") == str(tmp_path / "ck")
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
 def test_gloo_background_save_is_committed_on_every_rank_when_wait_returns(tmp_path):
     """2 gloo ranks save in the background, rank 1's write slowed down by 2 s: rank 0's
     wait() returns only after rank 1 finished, and at that point the checkpoint is

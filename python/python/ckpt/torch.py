@@ -11,6 +11,7 @@ state dict as it was.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -47,15 +48,14 @@ def _is_stateful(v: Any) -> bool:
 
 def _terminal(v: Any) -> bool:
     """Whether ``v`` is stored whole as one non-tensor value, as DCP's traversal decides:
-    mappings are always walked into, lists and tuples only when they hold a tensor, a
-    ``Stateful`` or a container walked into (optimizer ``param_groups``: a list of
-    dicts); anything else is a leaf."""
+    mappings are always walked into, lists only when they hold a tensor, a ``Stateful``
+    or a container walked into (optimizer ``param_groups``: a list of dicts); anything
+    else is a leaf. (Tuples holding tensors are walked into too, as ckpt always did;
+    DCP would pickle them whole.)"""
     if isinstance(v, (torch.Tensor, Mapping)) or _is_stateful(v):
         return False
     if isinstance(v, (list, tuple)):
-        return all(
-            _terminal(e) for e in v
-        )
+        return all(_terminal(e) for e in v)
     return True
 
 
@@ -88,12 +88,6 @@ class _Walk:
                 self._visit(x, child(i), v, i)
         else:
             self.others.append((name, v, container, key))
-
-
-def _flatten(sd: Mapping[str, Any]) -> List[Tuple[str, Any]]:
-    """``(dotted name, tensor)`` of every tensor in a (nested) state dict, as
-    ``torch.distributed.checkpoint`` names them (``optim.state.<fqn>.exp_avg``)."""
-    return _Walk(sd).tensors
 
 
 def _dtensor_class():
@@ -519,12 +513,18 @@ class _Rendezvous:
             return self._mine
         return self.store.get(key).decode()
 
-    def finish(self, failure: Optional[str], commit: Callable[[], None], out: str) -> None:
+    def finish(
+        self, failure: Optional[str], commit: Callable[[], None], out: str, staging: str
+    ) -> None:
         """This rank's part is written (``failure`` None) or failed: returns once the
-        checkpoint is committed on every rank, raises if it will not be."""
+        checkpoint is committed on every rank, raises if it will not be. A save that
+        failed leaves no staging directory where the ranks can tell (every rank has
+        finished: one process, or a store that counted them all)."""
         if self.world == 1:
             if failure is None:
                 commit()
+            else:
+                shutil.rmtree(staging, ignore_errors=True)
             return
         if self.store is None:
             if failure is None:
@@ -541,6 +541,7 @@ class _Rendezvous:
             outcome = "ok"
             if failed:
                 outcome = "; ".join(failed)
+                shutil.rmtree(staging, ignore_errors=True)
             else:
                 try:
                     commit()
@@ -691,11 +692,16 @@ def save_state_dict(
                 os.rmdir(private)
             except BaseException as e:
                 failure = f"rank {rank}: {type(e).__name__}: {e}"
-                meet.finish(failure, lambda: None, out)
+                # No longer writing: this rank's owner file no longer keeps the
+                # directory live.
+                owner.stop()
+                with contextlib.suppress(OSError):
+                    os.remove(owner.path)
+                meet.finish(failure, lambda: None, out, staging)
                 raise
         finally:
             owner.stop()
-        meet.finish(None, lambda: _commit(staging, out, world, strategy), out)
+        meet.finish(None, lambda: _commit(staging, out, world, strategy), out, staging)
         return out
 
     if background:
