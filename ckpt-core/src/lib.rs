@@ -43,7 +43,7 @@ pub use crate::engine::verify::{verify, verify_selected, VerifyDepth};
 pub use crate::error::{Error, Problems, Result};
 pub use crate::fault::{bus_error_message, remove_registered_temporaries};
 pub use crate::formats::checksum::{
-    checksums_enabled, set_checksums_enabled, Checksum, CHECKSUMS_KEY,
+    checksums_enabled, set_checksums_enabled, with_checksums, Checksum, CHECKSUMS_KEY,
 };
 pub use crate::formats::ckptz::{
     compress_chunk, decompress_chunk, group_bytes, group_of, parse_header as parse_ckptz_header,

@@ -2,9 +2,11 @@
 
 use crate::errors::{usage, IntoPy};
 use crate::load::LoadPlan;
-use ckpt_core::{Checkpoint, Kind, Mesh, Selection, Strategy};
+use crate::names::{cast_of, kind_name};
+use ckpt_core::{Checkpoint, Mesh, Selection, Strategy};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -64,14 +66,6 @@ pub(crate) fn paths_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<PathBuf>> {
 #[pyclass(name = "Checkpoint", module = "ckpt._ckpt", frozen)]
 pub(crate) struct PyCheckpoint {
     pub(crate) inner: Arc<Checkpoint>,
-}
-
-pub(crate) fn kind_name(k: Kind) -> &'static str {
-    match k {
-        Kind::Sliced => "sliced",
-        Kind::Integrated => "integrated",
-        Kind::Dcp => "dcp",
-    }
 }
 
 /// `(axis, size)` pairs of a mesh given as `"dp=2,tp=2"`.
@@ -217,9 +211,34 @@ impl PyCheckpoint {
         Ok(out)
     }
 
+    /// The files' own metadata (safetensors' `__metadata__`): one file's as it is;
+    /// for several files, the entries every file that has the key agrees on. None when
+    /// there is none.
+    #[getter]
+    fn metadata(&self) -> Option<BTreeMap<String, String>> {
+        let mut out: BTreeMap<String, String> = BTreeMap::new();
+        let mut conflicting: BTreeSet<String> = BTreeSet::new();
+        for f in &self.inner.files {
+            for (k, v) in f.metadata() {
+                match out.get(k) {
+                    Some(w) if w != v => {
+                        conflicting.insert(k.clone());
+                    }
+                    _ => {
+                        out.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+        }
+        out.retain(|k, _| !conflicting.contains(k));
+        (!out.is_empty()).then_some(out)
+    }
+
     /// Plans loading whole tensors, or the pieces target `rank` holds under a target
     /// layout (`to`, `mesh`, `strategy`; the source's own strategy when none is given).
-    #[pyo3(signature = (names=None, rank=None, to=None, mesh=None, strategy=None))]
+    /// `dtype` (`"bf16"`, ...): floating-point tensors converted to it, others as stored.
+    #[pyo3(signature = (names=None, rank=None, to=None, mesh=None, strategy=None, dtype=None))]
+    #[allow(clippy::too_many_arguments)]
     fn plan(
         &self,
         py: Python<'_>,
@@ -228,9 +247,11 @@ impl PyCheckpoint {
         to: Option<u64>,
         mesh: Option<&str>,
         strategy: Option<PathBuf>,
+        dtype: Option<&str>,
     ) -> PyResult<LoadPlan> {
         let target = target_of(py, to, mesh, strategy)?;
-        LoadPlan::for_rank(py, self.inner.clone(), names, rank, target)
+        let cast = cast_of(py, dtype)?;
+        LoadPlan::for_rank(py, self.inner.clone(), names, rank, target, cast)
     }
 
     /// Plans loading boxes of global tensors: `(name, global shape, dtype, start, local

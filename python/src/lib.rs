@@ -5,6 +5,7 @@
 mod checkpoint;
 mod errors;
 mod load;
+mod names;
 mod ops;
 mod run_cli;
 mod save;
@@ -39,6 +40,7 @@ fn _ckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::merge, m)?)?;
     m.add_function(wrap_pyfunction!(ops::reshard, m)?)?;
     m.add_function(wrap_pyfunction!(ops::verify, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::inspect, m)?)?;
     m.add_function(wrap_pyfunction!(ops::convert, m)?)?;
     m.add_function(wrap_pyfunction!(save::strategy_json, m)?)?;
     m.add_function(wrap_pyfunction!(save::write_rank, m)?)?;

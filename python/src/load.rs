@@ -86,6 +86,7 @@ impl LoadPlan {
         names: Option<Vec<String>>,
         rank: Option<u64>,
         target: Option<ckpt_reshard::Target>,
+        cast: Option<Dtype>,
     ) -> PyResult<LoadPlan> {
         if let Some(names) = &names {
             let missing: Vec<&String> = names
@@ -109,7 +110,7 @@ impl LoadPlan {
         }
         let wanted: Option<BTreeSet<String>> = names.map(|n| n.into_iter().collect());
         let keep = |name: &str| wanted.as_ref().is_none_or(|w| w.contains(name));
-        let tensors = match (rank, target) {
+        let mut tensors: Vec<TargetTensor> = match (rank, target) {
             (None, None) => source
                 .tensors
                 .iter()
@@ -140,7 +141,7 @@ impl LoadPlan {
                     (Some(t), _) => t,
                     (None, Some(s)) => ckpt_reshard::Target::Strategy(s.clone()),
                     (None, None) => {
-                        return Err(usage(py, format!("rank={r}: this {} checkpoint has no strategy of its own: give the target layout (to=, mesh= or strategy=)", crate::checkpoint::kind_name(source.kind))))
+                        return Err(usage(py, format!("rank={r}: this {} checkpoint has no strategy of its own: give the target layout (to=, mesh= or strategy=)", crate::names::kind_name(source.kind))))
                     }
                 };
                 let strategy = ckpt_reshard::target_strategy(
@@ -163,6 +164,14 @@ impl LoadPlan {
                 rank_tensors(&strategy, r, true, &|name, l| keep(name).then_some(l.dtype))
             }
         };
+        if let Some(c) = cast {
+            // As `--dtype`: floating-point tensors convert, the others stay as stored.
+            for t in &mut tensors {
+                if check_cast(&t.name, t.dtype, c).is_ok() {
+                    t.dtype = c;
+                }
+            }
+        }
         LoadPlan::build(py, source, tensors)
     }
 

@@ -3,25 +3,13 @@
 
 use crate::checkpoint::{paths_of, target_of, Source};
 use crate::errors::{usage, IntoPy};
-use ckpt_core::{Checkpoint, Compression, CopyPlan, CopyStats, Dtype, Selection};
+use crate::names::cast_of;
+use ckpt_core::{Checkpoint, Compression, CopyPlan, CopyStats, Selection};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Instant;
-
-/// A dtype for casting: `bf16`, `f16`/`fp16`, `f32`/`fp32`, `f64`, or a safetensors name.
-fn cast_of(py: Python<'_>, s: Option<&str>) -> PyResult<Option<Dtype>> {
-    let Some(s) = s else { return Ok(None) };
-    let name = match s.to_ascii_lowercase().as_str() {
-        "fp16" => "F16".to_string(),
-        "fp32" => "F32".to_string(),
-        other => other.to_ascii_uppercase(),
-    };
-    ckpt_core::parse_dtype(&name)
-        .map(Some)
-        .map_err(|e| usage(py, format!("dtype `{s}`: {e}")))
-}
 
 fn compression_of(py: Python<'_>, s: Option<&str>) -> PyResult<Option<Compression>> {
     s.map(|s| Compression::parse(s).map_err(|e| usage(py, format!("compress `{s}`: {e}"))))
@@ -67,6 +55,7 @@ fn report<'py>(
 /// and files of the plan, and the seconds taken.
 fn run_copy(
     py: Python<'_>,
+    checksums: bool,
     run: impl FnOnce(
             &(dyn Fn(u64) + Sync),
             &dyn Fn(&Checkpoint, &CopyPlan),
@@ -77,15 +66,18 @@ fn run_copy(
     let t = Instant::now();
     let stats = py
         .detach(|| {
-            run(&|_| {}, &|_, p: &CopyPlan| {
-                let names: std::collections::BTreeSet<&str> = p
-                    .files
-                    .iter()
-                    .flat_map(|f| f.tensors.iter().map(|t| t.target.name.as_str()))
-                    .collect();
-                if let Ok(mut s) = shape.lock() {
-                    *s = (names.len() as u64, p.files.len() as u64);
-                }
+            // This call's setting, on this thread only: never the process's.
+            ckpt_core::with_checksums(checksums, || {
+                run(&|_| {}, &|_, p: &CopyPlan| {
+                    let names: std::collections::BTreeSet<&str> = p
+                        .files
+                        .iter()
+                        .flat_map(|f| f.tensors.iter().map(|t| t.target.name.as_str()))
+                        .collect();
+                    if let Ok(mut s) = shape.lock() {
+                        *s = (names.len() as u64, p.files.len() as u64);
+                    }
+                })
             })
         })
         .py_err(py)?;
@@ -165,8 +157,9 @@ pub(crate) fn merge<'py>(
         hf: ckpt_core::HfTarget::default(),
         tokenizer: None,
     };
-    ckpt_core::set_checksums_enabled(checksums);
-    let (stats, shape, secs) = run_copy(py, |p, on_plan| ckpt_merge::merge(&req, p, on_plan))?;
+    let (stats, shape, secs) = run_copy(py, checksums, |p, on_plan| {
+        ckpt_merge::merge(&req, p, on_plan)
+    })?;
     report(py, &stats, shape, secs, out)
 }
 
@@ -227,12 +220,13 @@ pub(crate) fn reshard<'py>(
         shard,
         compression: compression_of(py, compress)?,
     };
-    ckpt_core::set_checksums_enabled(checksums);
     if format == ckpt_reshard::OutputFormat::DeepSpeed {
         // DeepSpeed's optimizer files are re-cut by their writer, not planned as copies.
         let t = Instant::now();
         let s = py
-            .detach(|| ckpt_reshard::reshard_deepspeed(&req))
+            .detach(|| {
+                ckpt_core::with_checksums(checksums, || ckpt_reshard::reshard_deepspeed(&req))
+            })
             .py_err(py)?;
         let d = PyDict::new(py);
         d.set_item("tensors", s.tensors)?;
@@ -247,7 +241,9 @@ pub(crate) fn reshard<'py>(
         d.set_item("output", out)?;
         return Ok(d);
     }
-    let (stats, shape, secs) = run_copy(py, |p, on_plan| ckpt_reshard::reshard(&req, p, on_plan))?;
+    let (stats, shape, secs) = run_copy(py, checksums, |p, on_plan| {
+        ckpt_reshard::reshard(&req, p, on_plan)
+    })?;
     report(py, &stats, shape, secs, out)
 }
 
@@ -275,7 +271,11 @@ pub(crate) fn verify<'py>(
     let depth = ckpt_core::VerifyDepth { checksums, deep };
     let t = Instant::now();
     let (ck, problems) = py
-        .detach(|| ckpt_core::verify_selected(&s.paths, &s.selection, depth))
+        .detach(|| {
+            ckpt_core::with_checksums(checksums, || {
+                ckpt_core::verify_selected(&s.paths, &s.selection, depth)
+            })
+        })
         .py_err(py)?;
     let d = PyDict::new(py);
     d.set_item("files", ck.files.len())?;
@@ -295,6 +295,41 @@ pub(crate) fn verify<'py>(
         .collect();
     d.set_item("problems", objs)?;
     Ok(d)
+}
+
+/// `ckpt inspect`'s text (or its `--json` document, as JSON text), in-process: what the
+/// command prints for these inputs.
+#[pyfunction]
+#[pyo3(signature = (src, *, source_strategy=None, strip_prefix=None, json=false))]
+pub(crate) fn inspect<'py>(
+    py: Python<'py>,
+    src: &Bound<'py, PyAny>,
+    source_strategy: Option<&Bound<'py, PyAny>>,
+    strip_prefix: Option<String>,
+    json: bool,
+) -> PyResult<String> {
+    let s = Source::new(
+        py,
+        paths_of(src)?,
+        source_strategy
+            .map(paths_of)
+            .transpose()?
+            .unwrap_or_default(),
+        strip_prefix,
+    )?;
+    py.detach(|| -> ckpt_core::Result<String> {
+        let (ck, problems) =
+            ckpt_core::verify_selected(&s.paths, &s.selection, ckpt_core::VerifyDepth::default())?;
+        Ok(if json {
+            let doc = ckpt_core::inspect_json(&ck, &problems);
+            serde_json::to_string_pretty(&doc).map_err(|e| ckpt_core::Error::Unsupported {
+                problem: format!("inspect: {e}"),
+            })?
+        } else {
+            ckpt_core::inspect_text(&ck, &problems)
+        })
+    })
+    .py_err(py)
 }
 
 /// `ckpt compress` (`level` given) or `ckpt decompress` (`level` None).

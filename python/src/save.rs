@@ -35,8 +35,10 @@ pub(crate) fn strategy_json(
 /// Writes rank `rank`'s `dir/ckpt_<rank>/` (model file and `strategy.json`) from
 /// `(name, address, bytes)` of its local tensors, without the GIL. Private to `ckpt`:
 /// the addresses are those of live contiguous CPU tensors the caller holds for the call.
+/// `checksums`: record each tensor's CRC-32C (this call only; other calls, on other
+/// threads too, keep their own setting).
 #[pyfunction]
-#[pyo3(signature = (dir, strategy, rank, tensors, keep_all=false))]
+#[pyo3(signature = (dir, strategy, rank, tensors, keep_all=false, checksums=true))]
 pub(crate) fn write_rank(
     py: Python<'_>,
     dir: PathBuf,
@@ -44,6 +46,7 @@ pub(crate) fn write_rank(
     rank: u64,
     tensors: Vec<(String, usize, usize)>,
     keep_all: bool,
+    checksums: bool,
 ) -> PyResult<PathBuf> {
     let strategy = Strategy::from_json(strategy).py_err(py)?;
     py.detach(|| {
@@ -60,7 +63,9 @@ pub(crate) fn write_rank(
                 (name.as_str(), bytes)
             })
             .collect();
-        ckpt_core::write_rank(&dir, &strategy, rank, &views, keep_all)
+        ckpt_core::with_checksums(checksums, || {
+            ckpt_core::write_rank(&dir, &strategy, rank, &views, keep_all)
+        })
     })
     .py_err(py)
 }

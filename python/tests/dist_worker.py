@@ -5,6 +5,10 @@
 - ``save``: DTensor state on a 2x2 (dp, tp) mesh (4 ranks), saved with
   ``ckpt.torch.save_state_dict`` into DIR, and in the background into a second DIR.
 - ``train`` / ``resume``: a tensor-parallel MLP trained, saved, and resumed.
+- ``commit`` (2 ranks): a background save of DTensors, a model, its optimizer, LR
+  scheduler and step into DIR, rank 1's write slowed down by 2 s: once ``wait()``
+  returns, on rank 0 too, the checkpoint is committed and every rank loads it at once
+  (tensors and non-tensor state); then a foreground save into a second DIR.
 - ``load``: a state dict of zeros in *another* layout on this world's mesh, filled by
   ``ckpt.torch.load_state_dict`` from each DIR; every tensor must equal the original bit for
   bit (``full_tensor()`` gathers the pieces of every rank).
@@ -12,6 +16,7 @@
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -92,6 +97,62 @@ def mlp_init():
     return {"w1": torch.randn(12, 32, generator=g) * 0.3, "w2": torch.randn(32, 6, generator=g) * 0.3}
 
 
+def small_training(lr):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(lin.parameters(), lr=lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return lin, opt, sched
+
+
+def commit(dirs):
+    rank = dist.get_rank()
+    if rank == 1:
+        real = ckpt.torch._ckpt.write_rank
+
+        def slow(*args, **kwargs):
+            time.sleep(2.0)
+            return real(*args, **kwargs)
+
+        ckpt.torch._ckpt.write_rank = slow
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    w = distribute_tensor(torch.arange(24.0).reshape(6, 4), mesh, [Shard(0)])
+    lin, opt, sched = small_training(0.1)
+    x = torch.arange(6.0).reshape(2, 3)
+    lin(x).sum().backward()
+    opt.step()
+    sched.step()
+    sd = {"w": w, "model": lin, "optim": opt, "sched": sched, "step": 17}
+    t0 = time.monotonic()
+    h = ckpt.torch.save_state_dict(sd, dirs[0], background=True)
+    assert h.wait() == os.path.abspath(dirs[0])
+    took = time.monotonic() - t0
+    # No barrier of our own: wait() returning means committed, on every rank.
+    assert os.path.isdir(dirs[0]), "wait() returned before the commit"
+    assert took > 1.5, f"rank {rank}: wait() returned after {took:.2f} s, before rank 1 wrote"
+    ckpt.verify(dirs[0])
+    mesh2 = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    w2 = distribute_tensor(torch.zeros(6, 4), mesh2, [Shard(1)])
+    lin2, opt2, sched2 = small_training(1.0)
+    with torch.no_grad():
+        for p in lin2.parameters():
+            p.zero_()
+            p.grad = torch.zeros_like(p)
+    opt2.step()  # creates the momentum buffers the load fills
+    sd2 = {"w": w2, "model": lin2, "optim": opt2, "sched": sched2, "step": 0}
+    ckpt.torch.load_state_dict(sd2, dirs[0])
+    assert torch.equal(w2.full_tensor(), w.full_tensor())
+    for a, b in zip(lin.parameters(), lin2.parameters()):
+        assert torch.equal(a, b)
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 0.05
+    for a, b in zip(opt.state.values(), opt2.state.values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    assert sched2.state_dict() == sched.state_dict() and sd2["step"] == 17
+    # A save that is not in the background returns once committed, too.
+    assert ckpt.torch.save_state_dict(sd, dirs[1]) == os.path.abspath(dirs[1])
+    assert os.path.isdir(dirs[1])
+
+
 def main():
     mode, dirs = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo")
@@ -120,6 +181,8 @@ def main():
         if dist.get_rank() == 0:
             with open(dirs[0], "w") as f:
                 f.write("\n".join(lines) + "\n")
+    elif mode == "commit":
+        commit(dirs)
     elif mode == "save":
         # DIR saved as the call returns; a second DIR saved in the background.
         sd = state(world, zeros=False)

@@ -9,6 +9,7 @@
 
 use crate::error::{Error, Result};
 use rayon::prelude::*;
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -21,16 +22,44 @@ pub(crate) const CHUNK: usize = 4 << 20;
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
 
+thread_local! {
+    /// The setting of the call running on this thread ([`with_checksums`]), which wins
+    /// over the process-wide one.
+    static SCOPED: Cell<Option<bool>> = const { Cell::new(None) };
+}
+
 /// Turns checksums off for this process (neither written nor checked): for measuring
-/// what they cost, never for normal use.
+/// what they cost, never for normal use. A library call that takes the setting per call
+/// (the Python binding's `checksums=`) uses [`with_checksums`] instead, which touches
+/// no other call.
 pub fn set_checksums_enabled(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
 }
 
-/// Whether checksums are written and checked (the default).
+/// Runs `f` with checksums on or off for this call only: the setting is this thread's
+/// until `f` returns (restored on unwinding too), so calls on other threads keep
+/// theirs. Every place that decides whether to write or check checksums reads the
+/// setting on the thread that started the operation, before any work goes to the
+/// thread pool (writers capture it when they are created), so the pool's threads need
+/// not see it.
+pub fn with_checksums<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SCOPED.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(SCOPED.with(|c| c.replace(Some(on))));
+    f()
+}
+
+/// Whether checksums are written and checked (the default): this thread's
+/// [`with_checksums`] setting if one is running, else the process-wide one.
 #[must_use]
 pub fn checksums_enabled() -> bool {
-    ENABLED.load(Ordering::Relaxed)
+    SCOPED
+        .with(Cell::get)
+        .unwrap_or_else(|| ENABLED.load(Ordering::Relaxed))
 }
 
 /// The CRC-32C of a tensor's bytes.
@@ -128,6 +157,30 @@ pub(crate) fn decode_checksums(text: &str) -> Result<BTreeMap<String, Checksum>>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_call_setting_is_its_threads_alone_and_restored() {
+        assert!(checksums_enabled());
+        let other = std::thread::spawn(|| {
+            with_checksums(false, || {
+                assert!(!checksums_enabled());
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                assert!(!checksums_enabled());
+            });
+            checksums_enabled()
+        });
+        // While the other thread runs with checksums off, this one keeps them on.
+        for _ in 0..10 {
+            assert!(checksums_enabled());
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(other.join().unwrap(), "restored after the call");
+        with_checksums(false, || {
+            with_checksums(true, || assert!(checksums_enabled()))
+        });
+        let _ = std::panic::catch_unwind(|| with_checksums(false, || panic!("unwinds")));
+        assert!(checksums_enabled(), "restored on unwinding");
+    }
 
     #[test]
     fn parts_combine_to_the_whole() {

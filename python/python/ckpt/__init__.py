@@ -5,7 +5,7 @@ indexes, PyTorch DCP, ``torch.save`` files, MindSpore, ckpt's sliced and compres
 checkpoints), through the same Rust library::
 
     import ckpt
-    ck = ckpt.open("run/step_220")            # checked: every element held once
+    ck = ckpt.open_checkpoint("run/step_220")  # checked: every element held once
     ck.format, ck.kind, ck.tensors["embed.weight"]
     w = ckpt.load("merged")                   # whole tensors, numpy views of the file
     mine = ckpt.load("run", rank=1, to=2)     # what rank 1 of 2 holds, only its bytes
@@ -19,13 +19,12 @@ Errors are ``ckpt.CheckpointError`` subclasses carrying the CLI's messages.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ckpt import _ckpt
-from ckpt._arrays import materialize
+from ckpt._arrays import dtype_name as _dtype_name, materialize
+from ckpt._lazy import Slice, iter_tensors, safe_open
 from ckpt.errors import (
     AmbiguousInput,
     CheckpointError,
@@ -34,6 +33,7 @@ from ckpt.errors import (
     Mismatch,
     MissingData,
     OutputExists,
+    PathNotFound,
     Unsupported,
     UsageError,
     _raise_problems,
@@ -45,8 +45,11 @@ PathLike = Union[str, "os.PathLike[str]"]
 Paths = Union[PathLike, Sequence[PathLike]]
 
 __all__ = [
-    "open",
+    "open_checkpoint",
     "load",
+    "safe_open",
+    "iter_tensors",
+    "Slice",
     "merge",
     "reshard",
     "verify",
@@ -59,6 +62,7 @@ __all__ = [
     "VerifyReport",
     "CheckpointError",
     "MissingData",
+    "PathNotFound",
     "ChecksumMismatch",
     "AmbiguousInput",
     "UsageError",
@@ -73,6 +77,16 @@ def _fspaths(p: Paths) -> List[str]:
     if isinstance(p, (str, bytes, os.PathLike)):
         return [os.fspath(p)]
     return [os.fspath(x) for x in p]
+
+
+def _existing(p: Paths) -> List[str]:
+    """:func:`_fspaths`, each checked to exist: a missing one raises
+    :class:`PathNotFound` (a ``FileNotFoundError``) with the CLI's message."""
+    paths = _fspaths(p)
+    for x in paths:
+        if not os.path.lexists(x):
+            raise PathNotFound(f"{x}: no such file or directory", x)
+    return paths
 
 
 @dataclass(frozen=True)
@@ -131,7 +145,7 @@ class VerifyReport:
 
 
 class Checkpoint:
-    """An opened checkpoint (see :func:`open`): files mapped, layout checked."""
+    """An opened checkpoint (see :func:`open_checkpoint`): files mapped, layout checked."""
 
     def __init__(
         self,
@@ -140,12 +154,8 @@ class Checkpoint:
         source_strategy: Optional[Paths] = None,
         strip_prefix: Optional[str] = None,
     ) -> None:
-        self._paths = _fspaths(paths)
-        for p in self._paths:
-            # The CLI's message, as the class a Python caller looks for.
-            if not os.path.lexists(p):
-                raise MissingData(f"{p}: no such file or directory")
-        self._source_strategy = None if source_strategy is None else _fspaths(source_strategy)
+        self._paths = _existing(paths)
+        self._source_strategy = None if source_strategy is None else _existing(source_strategy)
         self._strip_prefix = strip_prefix
         self._native = _ckpt.Checkpoint(self._paths, self._source_strategy, strip_prefix)
         self._tensors: Optional[Dict[str, TensorInfo]] = None
@@ -224,24 +234,24 @@ class Checkpoint:
             strip_prefix=self._strip_prefix,
         )
 
-    def inspect(self) -> str:
-        """``ckpt inspect``'s text: shapes, dtypes, placements, bytes per file."""
-        args = [sys.executable, "-m", "ckpt", "inspect", *self._paths]
-        for s in self._source_strategy or []:
-            args += ["--source-strategy", s]
-        if self._strip_prefix:
-            args += ["--strip-prefix", self._strip_prefix]
-        r = subprocess.run(args, capture_output=True, text=True)
-        if r.returncode not in (0, 1):
-            raise CheckpointError(r.stderr.strip())
-        return r.stdout
+    def inspect(self, json: bool = False) -> Union[str, Dict[str, Any]]:
+        """``ckpt inspect``'s text (shapes, dtypes, placements, bytes per file), computed
+        in this process; ``json=True``: its ``--json`` document as a dict."""
+        text = _ckpt.inspect(
+            self._paths, source_strategy=self._source_strategy, strip_prefix=self._strip_prefix, json=json
+        )
+        if json:
+            import json as _json
+
+            return _json.loads(text)
+        return text
 
     def load(self, **kwargs: Any) -> Dict[str, Any]:
         """:func:`load` from this opened checkpoint."""
         return load(self, **kwargs)
 
 
-def open(
+def open_checkpoint(
     path: Paths,
     *,
     source_strategy: Optional[Paths] = None,
@@ -260,6 +270,11 @@ def open(
     return Checkpoint(path, source_strategy=source_strategy, strip_prefix=strip_prefix)
 
 
+# ``ckpt.open`` stays, for code written before ``open_checkpoint``; it is not in
+# ``__all__``, so ``from ckpt import *`` leaves the builtin ``open`` alone.
+open = open_checkpoint
+
+
 def load(
     path: Union[Paths, Checkpoint],
     *,
@@ -273,6 +288,7 @@ def load(
     source_strategy: Optional[Paths] = None,
     strip_prefix: Optional[str] = None,
     checksums: bool = True,
+    dtype: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Loads tensors into memory: whole, or the piece a target rank owns.
 
@@ -294,6 +310,10 @@ def load(
 
     ``checksums=True`` checks the recorded checksum of every source tensor read whole
     before returning (:class:`ChecksumMismatch`); pieces of larger tensors cannot be.
+
+    ``dtype`` (``"bf16"``, ``"f16"``, ``"f32"``, ``"f64"``, or a torch/safetensors
+    name): floating-point tensors are converted to it as they are assembled (no second
+    copy); integer and boolean tensors come back as stored (as ``ckpt merge --dtype``).
     """
     if isinstance(path, Checkpoint):
         ck = path
@@ -305,24 +325,64 @@ def load(
         to,
         mesh,
         None if strategy is None else os.fspath(strategy),
+        _dtype_name(dtype),
     )
     return materialize(plan, framework=framework, device=device, checksums=checksums)
 
 
-def merge(src: Paths, out: PathLike, **opts: Any) -> CopyReport:
-    """As ``ckpt merge SRC -o OUT``: one integrated checkpoint (Hugging Face layout).
+
+def merge(
+    src: Paths,
+    out: PathLike,
+    *,
+    max_shard_size: Union[int, str, None] = None,
+    dtype: Optional[str] = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    strip_prefix: Optional[str] = None,
+    add_prefix: Optional[str] = None,
+    format: str = "safetensors",
+    one_file: bool = False,
+    force: bool = False,
+    compress: Optional[str] = None,
+    source_strategy: Optional[Paths] = None,
+    checksums: bool = True,
+    split_qkv: bool = False,
+    keep_vocab_padding: bool = False,
+) -> CopyReport:
+    """As ``ckpt merge SRC -o OUT``: one integrated checkpoint (Hugging Face's file
+    layout).
 
     Options (the CLI's flags): ``max_shard_size`` (bytes or ``"5GB"``), ``dtype``
     (``"bf16"``...), ``include``/``exclude`` (lists of globs), ``strip_prefix``,
     ``add_prefix``, ``format`` (``"safetensors"``, ``"torch"``, ``"mindspore"``,
     ``"ucp"``: DeepSpeed's universal checkpoint, from a ZeRO source),
     ``one_file``, ``force``, ``compress`` (``"zstd"``, ``"zstd:9"``),
-    ``source_strategy``, ``checksums``; for a Megatron legacy source ``split_qkv``
-    (fused QKV as ``linear_q``/``linear_k``/``linear_v``) and ``keep_vocab_padding``.
+    ``source_strategy``, ``checksums`` (check the sources' and record the output's
+    CRC-32C; this call only); for a Megatron legacy source ``split_qkv`` (fused QKV as
+    ``linear_q``/``linear_k``/``linear_v``) and ``keep_vocab_padding``.
     Nothing is written unless everything checks.
     """
-    r = _ckpt.merge(_fspaths(src), os.fspath(out), **opts)
+    r = _ckpt.merge(
+        _existing(src),
+        os.fspath(out),
+        max_shard_size=max_shard_size,
+        dtype=_dtype_name(dtype),
+        include=list(include),
+        exclude=list(exclude),
+        strip_prefix=strip_prefix,
+        add_prefix=add_prefix,
+        format=format,
+        one_file=one_file,
+        force=force,
+        compress=compress,
+        source_strategy=None if source_strategy is None else _existing(source_strategy),
+        checksums=checksums,
+        split_qkv=split_qkv,
+        keep_vocab_padding=keep_vocab_padding,
+    )
     return CopyReport(**{**r, "output": os.fspath(r["output"])})
+
 
 
 def reshard(
@@ -335,7 +395,16 @@ def reshard(
     rank: Optional[int] = None,
     format: Optional[str] = None,
     compress: Optional[str] = None,
-    **opts: Any,
+    dtype: Optional[str] = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    strip_prefix: Optional[str] = None,
+    add_prefix: Optional[str] = None,
+    keep_all: bool = False,
+    shard: Sequence[Tuple[str, int]] = (),
+    force: bool = False,
+    source_strategy: Optional[Paths] = None,
+    checksums: bool = True,
 ) -> CopyReport:
     """As ``ckpt reshard SRC -o OUT``: sliced for another mesh.
 
@@ -344,10 +413,12 @@ def reshard(
     build only that target rank. ``format``: ``"ckpt"`` (default), ``"dcp"``,
     ``"distcp"``, ``"mindspore"``, ``"megatron"`` (from a Megatron legacy source),
     ``"deepspeed"`` (a ZeRO-1/2/3 checkpoint for ``to`` data-parallel ranks, from a ZeRO
-    source). Other options as :func:`merge`, plus ``keep_all``.
+    source). ``shard``: ``(glob, dim)`` pairs, the dimension to split the matching
+    tensors of an integrated source along. ``keep_all``: every rank stores its
+    replicated tensors too. Other options as :func:`merge`.
     """
     r = _ckpt.reshard(
-        _fspaths(src),
+        _existing(src),
         os.fspath(out),
         to=to,
         mesh=mesh,
@@ -355,9 +426,19 @@ def reshard(
         rank=rank,
         format=format or "ckpt",
         compress=compress,
-        **opts,
+        dtype=_dtype_name(dtype),
+        include=list(include),
+        exclude=list(exclude),
+        strip_prefix=strip_prefix,
+        add_prefix=add_prefix,
+        keep_all=keep_all,
+        shard=[(g, int(d)) for g, d in shard],
+        force=force,
+        source_strategy=None if source_strategy is None else _existing(source_strategy),
+        checksums=checksums,
     )
     return CopyReport(**{**r, "output": os.fspath(r["output"])})
+
 
 
 def verify(
@@ -372,7 +453,7 @@ def verify(
     raises the problem's :class:`CheckpointError` subclass otherwise (every problem in
     the message, one per line). ``checksums=False`` is ``--fast``."""
     r = _ckpt.verify(
-        _fspaths(src),
+        _existing(src),
         deep=deep,
         checksums=checksums,
         source_strategy=None if source_strategy is None else _fspaths(source_strategy),
@@ -399,12 +480,12 @@ def compress(
     """As ``ckpt compress SRC -o OUT``: byte-grouped zstd ``.ckptz`` files that every
     ckpt command (and :func:`load`) reads."""
     r = _ckpt.convert(
-        os.fspath(src), os.fspath(out), compress=True, level=level, chunk_bytes=chunk_bytes, force=force
+        _existing(src)[0], os.fspath(out), compress=True, level=level, chunk_bytes=chunk_bytes, force=force
     )
     return ConvertReport(**{**r, "output": os.fspath(r["output"])})
 
 
 def decompress(src: PathLike, out: PathLike, *, force: bool = False) -> ConvertReport:
     """As ``ckpt decompress SRC -o OUT``: the original safetensors, byte for byte."""
-    r = _ckpt.convert(os.fspath(src), os.fspath(out), compress=False, force=force)
+    r = _ckpt.convert(_existing(src)[0], os.fspath(out), compress=False, force=force)
     return ConvertReport(**{**r, "output": os.fspath(r["output"])})

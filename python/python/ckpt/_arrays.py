@@ -37,6 +37,24 @@ NUMPY = {
 _BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 
+FRAMEWORKS = ("numpy", "np", "torch", "pt")
+
+
+def dtype_name(dtype: Any) -> Optional[str]:
+    """A dtype given as a string, or as a torch/numpy dtype, as ckpt's name."""
+    if dtype is None or isinstance(dtype, str):
+        return dtype
+    text = str(dtype).replace("torch.", "")
+    try:
+        import numpy as np
+
+        if isinstance(dtype, type) or isinstance(dtype, np.dtype):
+            text = np.dtype(dtype).name
+    except TypeError:
+        pass
+    return text
+
+
 def torch_dtypes():
     import torch
 
@@ -99,22 +117,27 @@ class _Maps:
 
 
 def materialize(
-    plan, framework: str = "numpy", device: Optional[str] = None, checksums: bool = True
+    plan,
+    framework: str = "numpy",
+    device: Optional[str] = None,
+    checksums: bool = True,
+    maps: Optional[_Maps] = None,
 ) -> Dict[str, Any]:
-    """Arrays for every entry of ``plan`` (see ``ckpt.load``)."""
-    if framework not in ("numpy", "torch", "pt", "np"):
+    """Arrays for every entry of ``plan`` (see ``ckpt.load``); ``maps``: the file
+    mappings to reuse (a lazy handle's), else new ones."""
+    if framework not in FRAMEWORKS:
         from ckpt.errors import UsageError
 
-        raise UsageError(f"framework={framework!r}: 'numpy' or 'torch'")
+        raise UsageError(f"framework={framework!r}: 'numpy' ('np') or 'torch' ('pt')")
     torch_fw = framework in ("torch", "pt")
-    if device is not None and not torch_fw:
+    if device is not None and not torch_fw and str(device) != "cpu":
         from ckpt.errors import UsageError
 
         raise UsageError("device= needs framework='torch'")
     if checksums:
         plan.check_checksums()
     entries = plan.entries()
-    maps = _Maps()
+    maps = _Maps() if maps is None else maps
     out: Dict[str, Any] = {}
     fills: List[Tuple[int, int, int]] = []
     if torch_fw:

@@ -25,6 +25,8 @@ class Checkpoint:
     def notes(self) -> List[str]: ...
     @property
     def tensors(self) -> Dict[str, Dict[str, Any]]: ...
+    @property
+    def metadata(self) -> Optional[Dict[str, str]]: ...
     def plan(
         self,
         names: Optional[List[str]] = None,
@@ -32,6 +34,7 @@ class Checkpoint:
         to: Optional[int] = None,
         mesh: Optional[str] = None,
         strategy: Optional[_Path] = None,
+        dtype: Optional[str] = None,
     ) -> LoadPlan: ...
     def plan_boxes(
         self, requests: List[Tuple[str, List[int], str, List[int], List[int]]]
@@ -44,9 +47,61 @@ class LoadPlan:
     def fill(self, items: List[Tuple[int, int, int]]) -> None: ...
     def __len__(self) -> int: ...
 
-def merge(src: _Paths, out: _Path, **opts: Any) -> Dict[str, Any]: ...
-def reshard(src: _Paths, out: _Path, **opts: Any) -> Dict[str, Any]: ...
-def verify(src: _Paths, **opts: Any) -> Dict[str, Any]: ...
+def merge(
+    src: _Paths,
+    out: _Path,
+    *,
+    max_shard_size: Union[int, str, None] = None,
+    dtype: Optional[str] = None,
+    include: List[str] = ...,
+    exclude: List[str] = ...,
+    strip_prefix: Optional[str] = None,
+    add_prefix: Optional[str] = None,
+    format: str = "safetensors",
+    one_file: bool = False,
+    force: bool = False,
+    compress: Optional[str] = None,
+    source_strategy: Optional[_Paths] = None,
+    checksums: bool = True,
+    split_qkv: bool = False,
+    keep_vocab_padding: bool = False,
+) -> Dict[str, Any]: ...
+def reshard(
+    src: _Paths,
+    out: _Path,
+    *,
+    to: Optional[int] = None,
+    mesh: Optional[str] = None,
+    strategy: Optional[_Path] = None,
+    rank: Optional[int] = None,
+    format: str = "ckpt",
+    compress: Optional[str] = None,
+    dtype: Optional[str] = None,
+    include: List[str] = ...,
+    exclude: List[str] = ...,
+    strip_prefix: Optional[str] = None,
+    add_prefix: Optional[str] = None,
+    keep_all: bool = False,
+    shard: List[Tuple[str, int]] = ...,
+    force: bool = False,
+    source_strategy: Optional[_Paths] = None,
+    checksums: bool = True,
+) -> Dict[str, Any]: ...
+def verify(
+    src: _Paths,
+    *,
+    deep: bool = False,
+    checksums: bool = True,
+    source_strategy: Optional[_Paths] = None,
+    strip_prefix: Optional[str] = None,
+) -> Dict[str, Any]: ...
+def inspect(
+    src: _Paths,
+    *,
+    source_strategy: Optional[_Paths] = None,
+    strip_prefix: Optional[str] = None,
+    json: bool = False,
+) -> str: ...
 def convert(
     src: _Path, out: _Path, *, compress: bool, level: int = 1, chunk_bytes: Optional[int] = None, force: bool = False
 ) -> Dict[str, Any]: ...
@@ -54,6 +109,11 @@ def strategy_json(
     mesh: List[Tuple[str, int]], tensors: List[Tuple[str, str, List[int], List[str]]]
 ) -> str: ...
 def write_rank(
-    dir: _Path, strategy: str, rank: int, tensors: List[Tuple[str, int, int]], keep_all: bool = False
+    dir: _Path,
+    strategy: str,
+    rank: int,
+    tensors: List[Tuple[str, int, int]],
+    keep_all: bool = False,
+    checksums: bool = True,
 ) -> str: ...
 def cli_main(argv: List[str]) -> int: ...

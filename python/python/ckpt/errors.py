@@ -3,13 +3,24 @@
 
 They are plain Python classes so that they pickle (across ``multiprocessing`` and
 ``torch.multiprocessing`` workers) like any built-in exception.
+
+Where a standard exception means the same thing, ckpt's class is also that one, so
+code written for the standard library catches it:
+
+- :class:`PathNotFound` (a path given, or a file a checkpoint names, that does not
+  exist) is a :class:`MissingData` and a :class:`FileNotFoundError`;
+- :class:`UsageError` (arguments that do not make sense) is a :class:`ValueError`;
+- :class:`OutputExists` is a :class:`FileExistsError`.
 """
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "CheckpointError",
     "MissingData",
+    "PathNotFound",
     "ChecksumMismatch",
     "AmbiguousInput",
     "UsageError",
@@ -34,6 +45,24 @@ class CheckpointError(Exception):
 class MissingData(CheckpointError):
     """Elements, tensors, ranks or files are missing (a rank's file deleted, a tensor the
     state dict has and the checkpoint lacks, a path that does not exist)."""
+
+
+class PathNotFound(MissingData, FileNotFoundError):
+    """A path that does not exist: an input given to ckpt, or a file a checkpoint names
+    (a shard of a Hugging Face index, a rank's file). Also a :class:`FileNotFoundError`
+    (``errno`` is ``ENOENT``; ``filename`` is the path when ckpt knows it)."""
+
+    def __init__(self, message: str, filename: "str | None" = None) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOENT
+        self.strerror = message
+        self.filename = filename
+
+    def __str__(self) -> str:  # the message, as every ckpt error (not OSError's form)
+        return self.message
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.filename))
 
 
 class ChecksumMismatch(CheckpointError):
@@ -66,7 +95,7 @@ class OutputExists(CheckpointError, FileExistsError):
     """The output already exists (pass ``force=True`` to replace it)."""
 
 
-_PRIORITY = (ChecksumMismatch, MissingData, AmbiguousInput)
+_PRIORITY = (ChecksumMismatch, PathNotFound, MissingData, AmbiguousInput)
 
 
 def _raise_problems(problems: list) -> None:

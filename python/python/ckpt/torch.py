@@ -11,17 +11,20 @@ state dict as it was.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
+import time
 import uuid
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+import warnings
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
-from ckpt import Checkpoint, Paths, _ckpt
-from ckpt._arrays import dtype_name_of_torch, materialize
-from ckpt.errors import OutputExists, Unsupported, UsageError
+from ckpt import Checkpoint, Paths, _ckpt, _objects, _staging
+from ckpt._arrays import dtype_name_of_torch
+from ckpt.errors import CheckpointError, MissingData, OutputExists, Unsupported, UsageError
 
 __all__ = ["load", "load_state_dict", "save_state_dict", "SaveHandle"]
 
@@ -33,19 +36,58 @@ def load(path, **kwargs: Any) -> Dict[str, torch.Tensor]:
     return ckpt.load(path, framework="torch", **kwargs)
 
 
-def _flatten(sd: Mapping[str, Any], prefix: str = "") -> List[Tuple[str, Any]]:
-    """``(dotted name, tensor)`` of every tensor in a (nested) state dict, as
-    ``torch.distributed.checkpoint`` names them (``optim.state.<fqn>.exp_avg``)."""
-    out: List[Tuple[str, Any]] = []
-    for k, v in sd.items():
-        name = f"{prefix}{k}"
+def _is_stateful(v: Any) -> bool:
+    """DCP's ``Stateful``: an object with ``state_dict()`` and ``load_state_dict()``
+    (a module, an optimizer, an LR scheduler, an application's own state)."""
+    return (
+        not isinstance(v, torch.Tensor)
+        and callable(getattr(v, "state_dict", None))
+        and callable(getattr(v, "load_state_dict", None))
+    )
+
+
+def _terminal(v: Any) -> bool:
+    """Whether ``v`` is stored whole as one non-tensor value, as DCP's traversal decides:
+    mappings are always walked into, lists only when they hold a tensor, a ``Stateful``
+    or a container walked into (optimizer ``param_groups``: a list of dicts); anything
+    else is a leaf. (Tuples holding tensors are walked into too, as ckpt always did;
+    DCP would pickle them whole.)"""
+    if isinstance(v, (torch.Tensor, Mapping)) or _is_stateful(v):
+        return False
+    if isinstance(v, (list, tuple)):
+        return all(_terminal(e) for e in v)
+    return True
+
+
+class _Walk:
+    """A state dict taken apart: ``tensors`` (dotted name, tensor), ``others`` (dotted
+    name, value, container, key) of every non-tensor leaf, and ``statefuls`` (object,
+    the dict its ``state_dict()`` gave), innermost first."""
+
+    def __init__(self, sd: Mapping[str, Any]) -> None:
+        self.tensors: List[Tuple[str, Any]] = []
+        self.others: List[Tuple[str, Any, Any, Any]] = []
+        self.statefuls: List[Tuple[Any, Any]] = []
+        self._visit(sd, "", None, None)
+
+    def _visit(self, v: Any, name: str, container: Any, key: Any) -> None:
+        def child(k) -> str:
+            return f"{name}.{k}" if name else str(k)
+
         if isinstance(v, torch.Tensor):
-            out.append((name, v))
+            self.tensors.append((name, v))
+        elif _is_stateful(v):
+            inner = v.state_dict()
+            self._visit(inner, name, container, key)
+            self.statefuls.append((v, inner))
         elif isinstance(v, Mapping):
-            out.extend(_flatten(v, name + "."))
-        elif isinstance(v, (list, tuple)):
-            out.extend(_flatten({str(i): x for i, x in enumerate(v)}, name + "."))
-    return out
+            for k, x in v.items():
+                self._visit(x, child(k), v, k)
+        elif not _terminal(v):
+            for i, x in enumerate(v):
+                self._visit(x, child(i), v, i)
+        else:
+            self.others.append((name, v, container, key))
 
 
 def _dtensor_class():
@@ -159,6 +201,34 @@ def _local_box(t, name: str) -> Tuple[torch.Tensor, List[int], List[int], List[i
     return t, list(t.shape), [0] * t.dim(), list(t.shape)
 
 
+KeyMap = Union[Mapping[str, str], Callable[[str], Optional[str]]]
+
+
+def _renamer(key_map: Optional[KeyMap]) -> Callable[[str], Optional[str]]:
+    if key_map is None:
+        return lambda n: n
+    if callable(key_map):
+        return key_map
+    if isinstance(key_map, Mapping):
+        return lambda n: key_map.get(n, n)
+    raise UsageError(f"key_map={key_map!r}: a mapping or a function of the state dict's name")
+
+
+def _saved_objects(ck: Checkpoint) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """The encoded non-tensor values of the checkpoint and the file they are in; (None,
+    None) if it has none. ``non_tensor_state.json`` at the top of an input directory
+    (as :func:`save_state_dict` and ``ckpt merge`` write it), else beside the
+    checkpoint's files (``ckpt reshard`` carries it into each rank directory)."""
+    places = [p for p in ck._paths if os.path.isdir(p)]
+    places += [os.path.dirname(f) for f, _, _ in ck.files]
+    for p in places:
+        f = os.path.join(p, _objects.FILE)
+        if os.path.isfile(f):
+            with open(f, encoding="utf-8") as fh:
+                return _objects.loads(fh.read(), f), f
+    return None, None
+
+
 def load_state_dict(
     state_dict: Mapping[str, Any],
     path: Any,
@@ -166,33 +236,84 @@ def load_state_dict(
     source_strategy: Optional[Paths] = None,
     strip_prefix: Optional[str] = None,
     checksums: bool = True,
-) -> Dict[str, Any]:
+    strict: bool = True,
+    key_map: Optional[KeyMap] = None,
+) -> Mapping[str, Any]:
     """Fills ``state_dict`` in place from the checkpoint at ``path`` (any format ckpt
     reads, or an opened :class:`ckpt.Checkpoint`).
 
-    ``state_dict``: a model's ``state_dict()``, or ``get_state_dict(model, optim)``'s
-    (nested dicts are flattened with dots, as DCP names them). Plain tensors receive the
-    whole tensor; DTensors receive the pieces their ``device_mesh`` and ``placements``
-    give this rank, whatever layout the checkpoint was saved with (load-time
-    resharding). Floating-point tensors may differ in dtype (the values are converted).
+    ``state_dict``: a model's ``state_dict()``, or ``get_state_dict(model, optim)``'s,
+    or a dict of ``Stateful`` objects (``{"model": model, "optim": optimizer, "sched":
+    scheduler, "step": 0}``) as for ``torch.distributed.checkpoint.load``: names are
+    dotted paths (nested dicts, and lists holding tensors or dicts, walked into, as DCP
+    names them). Plain tensors receive the whole tensor; DTensors receive the pieces
+    their ``device_mesh`` and ``placements`` give this rank, whatever layout the
+    checkpoint was saved with (load-time resharding). Floating-point tensors may differ
+    in dtype (the values are converted). Non-tensor values (ints, floats, strings,
+    lists such as ``param_groups``, ...) are replaced by the checkpoint's (its
+    ``non_tensor_state.json``, written by :func:`save_state_dict`); a ``Stateful``
+    object gets ``load_state_dict()`` with its ``state_dict()`` so filled.
+
+    ``key_map``: the checkpoint's name for a state-dict name: a dict (names it lacks are
+    kept) or a function (returning None skips that entry). ``strict=False``: entries the
+    checkpoint lacks are left as they are (a warning names them) instead of refusing the
+    load; shapes and dtypes must still agree.
 
     Everything is checked before the first byte is copied: a name the checkpoint lacks
-    (:class:`ckpt.CheckpointError`, ``InvalidInput``), another global shape
-    (:class:`ckpt.Mismatch`, naming both shapes), missing ranks (:class:`ckpt.MissingData`),
-    a recorded checksum that does not match (:class:`ckpt.ChecksumMismatch`); then the
-    state dict is left untouched. Returns ``state_dict``.
+    (:class:`ckpt.CheckpointError`, ``InvalidInput``; :class:`ckpt.MissingData` for a
+    non-tensor value), another global shape (:class:`ckpt.Mismatch`, naming both
+    shapes), missing ranks (:class:`ckpt.MissingData`), a recorded checksum that does not
+    match (:class:`ckpt.ChecksumMismatch`); then the state dict is left untouched.
+    Returns ``state_dict``.
     """
     ck = path if isinstance(path, Checkpoint) else Checkpoint(
         path, source_strategy=source_strategy, strip_prefix=strip_prefix
     )
-    items = _flatten(state_dict)
+    rename = _renamer(key_map)
+    walk = _Walk(state_dict)
     requests = []
     locals_: List[torch.Tensor] = []
-    for name, t in items:
+    missing: List[str] = []
+    for name, t in walk.tensors:
+        src = rename(name)
+        if src is None:
+            continue
+        if not strict and src not in ck.tensors:
+            missing.append(name)
+            continue
         local, global_shape, start, local_shape = _local_box(t, name)
-        requests.append((name, global_shape, dtype_name_of_torch(local.dtype), start, local_shape))
+        requests.append((src, global_shape, dtype_name_of_torch(local.dtype), start, local_shape))
         locals_.append(local)
     plan = ck._native.plan_boxes(requests)
+    saved, saved_file = _saved_objects(ck) if walk.others else (None, None)
+    values = []
+    absent = []
+    for name, current, container, key in walk.others:
+        src = rename(name)
+        if src is None:
+            continue
+        if saved is None or src not in saved:
+            absent.append(name)
+            continue
+        v = _objects.decode(saved[src], f"{saved_file}: `{src}`")
+        if isinstance(container, tuple) and not _same(v, current):
+            raise Unsupported(
+                f"state dict entry `{name}` sits in a tuple, which cannot be changed in "
+                f"place: the checkpoint holds {v!r}, the state dict {current!r}"
+            )
+        values.append((container, key, v))
+    if absent and strict:
+        where = (
+            f"not in {saved_file}"
+            if saved_file
+            else f"the checkpoint has no non-tensor state (no {_objects.FILE}: "
+            f"ckpt.torch.save_state_dict writes one)"
+        )
+        raise MissingData(
+            f"{where}: {', '.join(f'`{n}`' for n in absent)} (strict=False loads the "
+            f"rest and leaves these as they are)"
+        )
+    missing += absent
     if checksums:
         plan.check_checksums()
     # Straight into the tensors' memory where it is contiguous on the CPU; through a
@@ -215,7 +336,25 @@ def load_state_dict(
             local.copy_(buf, non_blocking=True)
     if any(local.device.type == "cuda" for local, _ in staged):
         torch.cuda.synchronize()
+    for container, key, v in values:
+        if not isinstance(container, tuple):
+            container[key] = v
+    for obj, inner in walk.statefuls:
+        obj.load_state_dict(inner)
+    if missing:
+        warnings.warn(
+            f"ckpt.torch.load_state_dict(strict=False): not in the checkpoint, left as "
+            f"they were: {', '.join(missing)}",
+            stacklevel=2,
+        )
     return state_dict
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # noqa: BLE001 (a comparison that cannot say)
+        return False
 
 
 def _world() -> Tuple[int, int]:
@@ -299,13 +438,14 @@ class SaveHandle:
         self._thread.start()
 
     def done(self) -> bool:
-        """Whether the write has finished (successfully or not)."""
+        """Whether the save has finished (committed on every rank, or failed)."""
         return not self._thread.is_alive()
 
     def wait(self, timeout: Optional[float] = None) -> Optional[str]:
-        """Finishes the write: returns the checkpoint's path once this rank's part is
-        written (and the whole checkpoint committed, if this rank was the last), or
-        raises the error the write met."""
+        """Returns the checkpoint's path once the checkpoint is committed, on every rank
+        (after it returns, any rank may read, copy or upload ``path``); raises the error
+        the save met (on this rank, or ``CheckpointError`` naming the rank that failed);
+        None if ``timeout`` seconds passed first."""
         self._thread.join(timeout)
         if self._thread.is_alive():
             return None
@@ -318,40 +458,117 @@ class SaveHandle:
 # in the same order, so (path, count) names the same save on every rank.
 _STARTED: Dict[str, int] = {}
 
+# Without a process group's store, how long a rank waits for the others to commit.
+_POLL_TIMEOUT_S = 30 * 60.0
 
-def _token(out: str, rank: int, world: int):
-    """A name shared by every rank of this save, so that a stale staging directory of a
-    crashed run is never taken for this one's. Returns a function giving it, to call on
-    the save's thread: rank 0 publishes a fresh one in the process group's key-value
-    store under (path, count), the others wait for it there. A store lookup is not a
-    collective, so it can run in the background without racing the training loop's
-    collectives, and the training loop never waits for the other ranks. Without a store
-    (a process group not made by init_process_group), one broadcast now."""
-    n = _STARTED[out] = _STARTED.get(out, 0) + 1
-    mine = uuid.uuid4().hex
-    if world == 1:
-        return lambda: mine
+
+def _store():
     import torch.distributed as dist
 
     try:
-        store = dist.distributed_c10d._get_default_store()
+        return dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):
-        store = None
-    if store is None:
-        tok = [mine if rank == 0 else None]
-        dist.broadcast_object_list(tok, src=0)
-        return lambda: str(tok[0])
-    key = f"ckpt.save_state_dict/{out}/{n}"
-    if rank == 0:
-        return lambda: (store.set(key, mine), mine)[1]
-    return lambda: store.get(key).decode()
+        return None
+
+
+class _Rendezvous:
+    """What the ranks of one save share: the staging directory's token, and the barrier
+    that makes every rank's ``wait()`` return only once the checkpoint is committed.
+
+    Both go through the process group's key-value store (``init_process_group``'s
+    TCPStore): lookups, not collectives, so they run on the save's thread without
+    racing the training loop's collectives, and the training loop never waits for
+    another rank. Rank 0 publishes a fresh token; each rank, once its part is written
+    (or failed), records its status and adds one to a counter; the rank whose addition
+    completes it commits (or, if a rank failed, does not) and publishes the outcome,
+    which every rank waits for. Without a store (a process group not made by
+    ``init_process_group``): the token by one broadcast now, and each rank polls the
+    directory for the committed checkpoint."""
+
+    def __init__(self, out: str, rank: int, world: int) -> None:
+        n = _STARTED[out] = _STARTED.get(out, 0) + 1
+        self.rank, self.world = rank, world
+        self.key = f"ckpt.save_state_dict/{out}/{n}"
+        self._mine = uuid.uuid4().hex
+        self.store = None
+        self._broadcast: Optional[str] = None
+        if world == 1:
+            return
+        self.store = _store()
+        if self.store is None:
+            import torch.distributed as dist
+
+            tok = [self._mine if rank == 0 else None]
+            dist.broadcast_object_list(tok, src=0)
+            self._broadcast = str(tok[0])
+
+    def token(self) -> str:
+        if self.world == 1:
+            return self._mine
+        if self.store is None:
+            return self._broadcast
+        key = f"{self.key}/token"
+        if self.rank == 0:
+            self.store.set(key, self._mine)
+            return self._mine
+        return self.store.get(key).decode()
+
+    def finish(
+        self, failure: Optional[str], commit: Callable[[], None], out: str, staging: str
+    ) -> None:
+        """This rank's part is written (``failure`` None) or failed: returns once the
+        checkpoint is committed on every rank, raises if it will not be. A save that
+        failed leaves no staging directory where the ranks can tell (every rank has
+        finished: one process, or a store that counted them all)."""
+        if self.world == 1:
+            if failure is None:
+                commit()
+            else:
+                shutil.rmtree(staging, ignore_errors=True)
+            return
+        if self.store is None:
+            if failure is None:
+                commit()  # only the rank that sees every part there commits
+                _poll_committed(out)
+            return
+        self.store.set(f"{self.key}/status/{self.rank}", failure or "ok")
+        if self.store.add(f"{self.key}/written", 1) == self.world:
+            failed = [
+                s.decode()
+                for s in (self.store.get(f"{self.key}/status/{r}") for r in range(self.world))
+                if s != b"ok"
+            ]
+            outcome = "ok"
+            if failed:
+                outcome = "; ".join(failed)
+                shutil.rmtree(staging, ignore_errors=True)
+            else:
+                try:
+                    commit()
+                except Exception as e:  # noqa: BLE001 (told to every rank)
+                    outcome = f"rank {self.rank} could not commit {out}: {e}"
+            self.store.set(f"{self.key}/committed", outcome)
+        outcome = self.store.get(f"{self.key}/committed").decode()
+        if outcome != "ok" and failure is None:
+            raise CheckpointError(f"{out} was not committed: {outcome}")
+
+
+def _poll_committed(out: str) -> None:
+    delay, deadline = 0.01, time.monotonic() + _POLL_TIMEOUT_S
+    while not os.path.isdir(out):
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"{out}: not committed after {_POLL_TIMEOUT_S:.0f} s (a rank did not finish its part)"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
 
 
 def _commit(staging: str, out: str, world: int, strategy: str) -> None:
-    """Moves ``staging`` to ``out`` once every rank's ``ckpt_<r>/`` is in it. Each rank
-    checks after its own directory appeared (atomically, by rename), so the last one to
-    finish sees them all and commits; two that finish together race on one rename,
-    which only one can win."""
+    """Moves ``staging`` to ``out`` once every rank's ``ckpt_<r>/`` is in it (with a
+    store, the one rank that completed the counter calls it; without one, each rank
+    after its own directory appeared, and two that finish together race on one rename,
+    which only one can win)."""
     if not all(os.path.isdir(os.path.join(staging, f"ckpt_{r}")) for r in range(world)):
         return
     top = os.path.join(staging, "strategy.json")
@@ -359,13 +576,30 @@ def _commit(staging: str, out: str, world: int, strategy: str) -> None:
     try:
         with open(tmp, "w") as f:
             f.write(strategy)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, top)
+        for n in os.listdir(staging):
+            if n.startswith(".owner-"):
+                os.remove(os.path.join(staging, n))
+        _staging.fsync_dir(staging)
         os.rename(staging, out)
+        _staging.fsync_dir(os.path.dirname(out))
     except OSError:
         # Another finisher committed it first: the staging directory is gone, and the
         # checkpoint is in place.
         if not (os.path.isdir(out) and not os.path.isdir(staging)):
             raise
+
+
+def _write_objects(staging: str, encoded: Dict[str, Any]) -> None:
+    path = os.path.join(staging, _objects.FILE)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(_objects.dumps(encoded))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def save_state_dict(
@@ -374,29 +608,43 @@ def save_state_dict(
     *,
     background: bool = False,
     keep_all: bool = False,
+    checksums: bool = True,
 ):
     """Called on every rank: writes this rank's local shards as a ckpt sliced checkpoint,
     ``path/ckpt_<rank>/model.safetensors`` plus ``strategy.json`` derived from the
     DTensors' placements on their device mesh (plain tensors are replicated; their
-    owner, rank 0 of each replica group, stores them unless ``keep_all``).
+    owner, rank 0 of each replica group, stores them unless ``keep_all``), and
+    ``path/non_tensor_state.json``: everything in the state dict that is not a tensor
+    (optimizer ``param_groups``, LR scheduler state, step counters), as JSON (rank 0's
+    values, taken as the same on every rank as DCP does). ``Stateful`` objects (with
+    ``state_dict()``/``load_state_dict()``: modules, optimizers, schedulers) are saved
+    as what their ``state_dict()`` returns, as ``torch.distributed.checkpoint.save``
+    does.
 
     The checkpoint is committed atomically once every rank has written: until then it
-    lives in a hidden sibling directory, and ``path`` never exists half-written. Rank 0
-    names that directory through the process group's store; no collective is needed.
+    lives in a hidden sibling directory (``.<name>.partial-<token>``), and ``path``
+    never exists half-written. With a process group, its store names that directory and
+    is the barrier: the call (or the handle's ``wait()``) returns once the checkpoint is
+    committed on every rank. Stale staging directories of crashed saves beside ``path``
+    are removed by rank 0 (never one a live save is writing: see python/README.md).
     Every rank must call it for the same paths in the same order (as with any
-    distributed save).
+    distributed save). ``checksums=False``: no CRC-32C recorded (this call only).
     ``ckpt merge``, ``ckpt reshard --to N`` and :func:`load_state_dict` (on any mesh)
     read the result.
 
     ``background=True`` copies the local shards into memory (the training stall: nothing
-    else, no waiting for other ranks) and writes them on a thread: it returns a :class:`SaveHandle` whose ``wait()`` finishes
-    the write. Otherwise it returns ``path`` once this rank's part is written.
+    else, no waiting for other ranks) and writes them on a thread: it returns a
+    :class:`SaveHandle` whose ``wait()`` returns when the checkpoint is committed.
+    Otherwise it returns ``path`` once the checkpoint is committed.
     """
     out = os.path.abspath(os.fspath(path))
     rank, world = _world()
     if os.path.exists(out):
         raise OutputExists(f"{out} already exists")
-    items = _flatten(state_dict)
+    walk = _Walk(state_dict)
+    items = walk.tensors
+    # Encoded now: refused before anything is written, and the values of this call.
+    encoded = {name: _objects.encode(v, name) for name, v, _, _ in walk.others}
     axes, mesh = _mesh_of(items, world)
     tensors = []
     local_data = []
@@ -419,21 +667,41 @@ def save_state_dict(
             local = local.cpu().contiguous()
         local_data.append((name, local))
     strategy = _ckpt.strategy_json(axes, tensors)
-    token = _token(out, rank, world)
+    meet = _Rendezvous(out, rank, world)
     parent, base = os.path.split(out)
 
     def run() -> str:
-        staging = os.path.join(parent, f".{base}.partial-{token()}")
+        staging = os.path.join(parent, _staging.staging_name(base, meet.token()))
         os.makedirs(staging, exist_ok=True)
-        # This rank's directory appears whole: written under a private name, renamed.
-        private = os.path.join(staging, f".rank-{rank}")
-        if os.path.exists(private):
-            shutil.rmtree(private)
-        ptrs = [(n, t.data_ptr(), t.numel() * t.element_size()) for n, t in local_data]
-        _ckpt.write_rank(private, strategy, rank, ptrs, keep_all)
-        os.rename(os.path.join(private, f"ckpt_{rank}"), os.path.join(staging, f"ckpt_{rank}"))
-        os.rmdir(private)
-        _commit(staging, out, world, strategy)
+        if rank == 0:
+            _staging.remove_stale(parent, keep=staging)
+        owner = _staging.Owner(staging, rank)
+        failure = None
+        try:
+            try:
+                if rank == 0 and encoded:
+                    _write_objects(staging, encoded)
+                # This rank's directory appears whole: written under a private name,
+                # renamed.
+                private = os.path.join(staging, f".rank-{rank}")
+                if os.path.exists(private):
+                    shutil.rmtree(private)
+                ptrs = [(n, t.data_ptr(), t.numel() * t.element_size()) for n, t in local_data]
+                _ckpt.write_rank(private, strategy, rank, ptrs, keep_all, checksums)
+                os.rename(os.path.join(private, f"ckpt_{rank}"), os.path.join(staging, f"ckpt_{rank}"))
+                os.rmdir(private)
+            except BaseException as e:
+                failure = f"rank {rank}: {type(e).__name__}: {e}"
+                # No longer writing: this rank's owner file no longer keeps the
+                # directory live.
+                owner.stop()
+                with contextlib.suppress(OSError):
+                    os.remove(owner.path)
+                meet.finish(failure, lambda: None, out, staging)
+                raise
+        finally:
+            owner.stop()
+        meet.finish(None, lambda: _commit(staging, out, world, strategy), out, staging)
         return out
 
     if background:

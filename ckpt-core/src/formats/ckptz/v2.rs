@@ -496,6 +496,9 @@ pub struct CkptzWriter {
     seq: Mutex<Sequencer>,
     /// Held bytes kept in memory ([`HOLD_BYTES`]; the tests lower it to use the spool).
     hold: u64,
+    /// Whether checksums are recorded: the setting when the writer was created (it
+    /// may be finished on a pool thread, which does not see the caller's setting).
+    sums: bool,
 }
 
 impl CkptzWriter {
@@ -598,6 +601,7 @@ impl CkptzWriter {
                 ..Sequencer::default()
             }),
             hold: HOLD_BYTES,
+            sums: checksums_enabled(),
         })
     }
 
@@ -820,7 +824,7 @@ impl CkptzWriter {
                 Checksum::combine(parts.unwrap_or_default()),
             ));
         }
-        let meta = if checksums_enabled() {
+        let meta = if self.sums {
             with_checksums(&self.metadata, sums)
         } else {
             self.metadata.clone()

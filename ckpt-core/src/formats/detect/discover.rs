@@ -32,8 +32,10 @@ pub const COMPRESSED_INDEX_FILE: &str = "model.ckptz.index.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// In a training output directory, the file naming its newest checkpoint.
 pub(crate) const LATEST_FILE: &str = "latest";
-/// Files carried through from input to output when present.
-pub const CARRIED_FILES: [&str; 2] = ["config.json", "trainer_state.json"];
+/// Files carried through from input to output when present: a model's configuration,
+/// a trainer's state, and the non-tensor state (optimizer `param_groups`, schedulers,
+/// step counters) the Python package's `save_state_dict` writes as JSON.
+pub const CARRIED_FILES: [&str; 3] = ["config.json", "trainer_state.json", "non_tensor_state.json"];
 
 /// `dir`'s model file: `model.safetensors`, else `model.ckptz` when that one is there.
 fn model_file(dir: &Path) -> PathBuf {
