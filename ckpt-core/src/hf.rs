@@ -686,7 +686,7 @@ pub fn read_config(text: &str, path: &str) -> Result<(Family, Shape)> {
         groups,
         head_dim,
         ffn: if gpt {
-            int(&["n_inner"]).unwrap_or(4 * hidden)
+            int(&["n_inner"]).unwrap_or(hidden.saturating_mul(4))
         } else {
             need(&["intermediate_size"])?
         },

@@ -103,7 +103,7 @@ fn shape_of_args(a: &Args, notes: &mut Vec<String>) -> Result<Shape> {
         heads,
         groups: a.query_groups.unwrap_or(heads),
         head_dim: a.kv().unwrap_or(0),
-        ffn: a.ffn_hidden.unwrap_or(4 * hidden),
+        ffn: a.ffn_hidden.unwrap_or(hidden.saturating_mul(4)),
         vocab: a.vocab.or(a.padded_vocab).unwrap_or(0),
         max_positions: a.max_positions.unwrap_or(0),
         eps: m.norm_epsilon.unwrap_or(1e-5),
@@ -133,6 +133,24 @@ fn shape_of_args(a: &Args, notes: &mut Vec<String>) -> Result<Shape> {
         )));
     }
     Ok(shape)
+}
+
+/// The rows of the fused QKV projection: `(heads + 2 * groups) * head_dim`.
+fn qkv_rows(shape: &Shape) -> Result<u64> {
+    shape
+        .groups
+        .checked_mul(2)
+        .and_then(|g| g.checked_add(shape.heads))
+        .and_then(|n| n.checked_mul(shape.head_dim))
+        .ok_or_else(|| crate::error::overflow("the QKV projection's rows"))
+}
+
+/// The rows of SwiGLU's fused `linear_fc1`: `2 * ffn`.
+fn gate_up_rows(shape: &Shape) -> Result<u64> {
+    shape
+        .ffn
+        .checked_mul(2)
+        .ok_or_else(|| crate::error::overflow("the MLP's gate and up rows"))
 }
 
 /// One tensor made of `parts` placed by `blocks` (each part's blocks map rows of the
@@ -258,7 +276,7 @@ impl Checkpoint {
             .unwrap_or(crate::Dtype::F32);
         let mut out: BTreeMap<String, SourceTensor> = BTreeMap::new();
         let mut used: BTreeSet<String> = BTreeSet::new();
-        let qkv_rows = (shape.heads + 2 * shape.groups) * shape.head_dim;
+        let qkv_rows = qkv_rows(&shape)?;
         for row in family.rows() {
             if !family.applies(row, &shape) {
                 continue;
@@ -486,7 +504,7 @@ impl Checkpoint {
         if args.is_none() {
             return self.hf_names_as_they_are(family, shape, user_config, notes);
         }
-        let rows = (shape.heads + 2 * shape.groups) * shape.head_dim;
+        let rows = qkv_rows(&shape)?;
         if shape.groups == 0 || shape.heads % shape.groups != 0 {
             return Err(unsupported(format!(
                 "{} attention heads in {} query groups do not divide",
@@ -553,11 +571,11 @@ impl Checkpoint {
                             .to_vec()
                     }
                     Cut::GateUp => {
-                        if first != 2 * shape.ffn {
+                        if first != gate_up_rows(&shape)? {
                             return Err(invalid(&name, format!(
                                 "has {first} rows, but SwiGLU's gate and up of an MLP of {} make {}",
                                 shape.ffn,
-                                2 * shape.ffn
+                                shape.ffn.saturating_mul(2)
                             )));
                         }
                         hf::gate_up_blocks(shape.ffn).to_vec()
