@@ -28,9 +28,9 @@ fi
 ck="$out/llama/legacy"
 if [ ! -f "$ck/latest_checkpointed_iteration.txt" ]; then
   mkdir -p "$out"
-  # ~270M parameters (1.07 GB of fp32): hidden 1024, 12 layers, SwiGLU MLP 4096,
+  # ~285M parameters (1.05 GB of fp32): hidden 1024, 13 layers, SwiGLU MLP 4096,
   # 16 heads in 4 query groups, 32000 tokens; TP 4, one stage.
-  HF_FX_LEGACY_ONLY=1 HF_FX_TP=4 HF_FX_PP=1 HF_FX_LAYERS=12 HF_FX_HIDDEN=1024 HF_FX_HEADS=16 HF_FX_GROUPS=4 \
+  HF_FX_LEGACY_ONLY=1 HF_FX_TP=4 HF_FX_PP=1 HF_FX_LAYERS=13 HF_FX_HIDDEN=1024 HF_FX_HEADS=16 HF_FX_GROUPS=4 \
   HF_FX_FFN=4096 HF_FX_VOCAB=32000 \
     "$venv/bin/python" scripts/fixtures/hf_megatron.py "$out" --family llama > "$out.log" 2>&1 ||
     { tail -20 "$out.log"; exit 1; }

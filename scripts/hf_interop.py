@@ -29,6 +29,11 @@ and each layout (legacy, dist_ckpt):
   `load_state_dict(strict=True)` (only `_extra_state` may be absent) and its own forward
   gives transformers' logits within 1e-4; `--mesh tp=2,pp=2` and back to Hugging Face
   gives back the model.safetensors byte for byte.
+- DeepSpeed ZeRO-2 of transformers' LlamaForCausalLM (tests/fixtures/hf_deepspeed,
+  written by DeepSpeed itself, scripts/fixtures/hf_deepspeed.py): `merge --format hf
+  --hf-config` gives a model transformers loads with the trained model's logits
+  (reference.safetensors: transformers' forward of DeepSpeed's own zero_to_fp32 state
+  dict) within 1e-4.
 Needs torch, transformers, safetensors and megatron-core (scripts/test.sh installs them
 into its venv).
 """
@@ -234,6 +239,15 @@ def main():
                 assert diff <= tol, f"{family} {layout} bf16: logits differ by {diff} > {tol}"
                 print(f"{family} {layout} bf16: every weight torch's cast; logits max |diff| from Megatron's fp32 {diff:.3f} <= {tol:.3f}")
         check_transformers_import(ckpt, work)
+        ds = os.path.join(ROOT, "tests", "fixtures", "hf_deepspeed")
+        out = os.path.join(work, "deepspeed-hf")
+        export(ckpt, os.path.join(ds, "ckpt"), out, "--hf-config", os.path.join(MODELS, "llama", "config.json"))
+        ref = load_file(os.path.join(ds, "reference.safetensors"))
+        with torch.no_grad():
+            got = load(out, torch.float32)(ref["input_ids"]).logits
+        diff = (got - ref["logits"]).abs().max().item()
+        assert diff <= FP32_TOL, f"DeepSpeed export: logits differ by {diff}"
+        print(f"DeepSpeed ZeRO-2 of LlamaForCausalLM -> HF: logits max |diff| {diff:.2e}")
     print(f"hf_interop: {checked} exports loaded by transformers with Megatron's logits")
 
 

@@ -682,3 +682,42 @@ fn torch_save_with_shared_storage() {
         rows(&got["transformer.wpe.weight"], 3..4, HIDDEN)
     );
 }
+
+/// DeepSpeed ZeRO-2 of transformers' LlamaForCausalLM (written by DeepSpeed itself):
+/// exported with the model's config, its tensors are DeepSpeed's own zero_to_fp32 state
+/// dict's.
+#[test]
+fn deepspeed_zero_of_a_hugging_face_model() {
+    let d = Dir::new();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let ds = root.join("hf_deepspeed");
+    let cfg = root.join("hf_models/llama/config.json");
+    d.ok(&[
+        "merge",
+        ds.join("ckpt").to_str().unwrap(),
+        "--format",
+        "hf",
+        "--hf-config",
+        cfg.to_str().unwrap(),
+        "-o",
+        "hf",
+    ]);
+    assert_eq!(
+        full_tensors(&d.path("hf")),
+        full_tensors(&ds.join("expected.safetensors"))
+    );
+    assert_eq!(
+        std::fs::read(d.path("hf/config.json")).unwrap(),
+        std::fs::read(&cfg).unwrap()
+    );
+    // Without a config there is nothing to say what model it is.
+    let o = d.fails(&[
+        "merge",
+        ds.join("ckpt").to_str().unwrap(),
+        "--format",
+        "hf",
+        "-o",
+        "bare",
+    ]);
+    assert!(o.stderr.contains("--hf-config"), "{}", o.stderr);
+}
