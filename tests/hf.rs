@@ -586,8 +586,8 @@ fn hugging_face_models_into_megatron_and_back() {
     }
 }
 
-/// What an import refuses: no config beside the model, a TP size that splits a query
-/// group, tensors that are not the family's.
+/// What an import refuses: no config beside the model, a TP size that splits a head,
+/// tensors that are not the family's.
 #[test]
 fn import_refusals() {
     let d = Dir::new();
@@ -615,20 +615,20 @@ fn import_refusals() {
     );
     assert!(!d.path("o1").exists());
     std::fs::copy(src.join("config.json"), d.path("bare/config.json")).unwrap();
-    // 2 query groups over 4 TP ranks.
+    // 4 attention heads over 3 TP ranks.
     let o = d.fails(&[
         "reshard",
         "bare",
         "--format",
         "megatron",
         "--mesh",
-        "tp=4,pp=1",
+        "tp=3,pp=1",
         "-o",
         "o2",
     ]);
     assert!(
         o.stderr
-            .contains("num_query_groups 2 does not divide by tensor parallel 4"),
+            .contains("num_attention_heads 4 does not divide by tensor parallel 3"),
         "{}",
         o.stderr
     );

@@ -671,7 +671,7 @@ pub fn read_config(text: &str, path: &str) -> Result<(Family, Shape)> {
     } else {
         int(&["num_key_value_heads"]).unwrap_or(heads)
     };
-    let head_dim = int(&["head_dim"]).unwrap_or(if heads == 0 { 0 } else { hidden / heads });
+    let head_dim = int(&["head_dim"]).unwrap_or(hidden.checked_div(heads).unwrap_or(0));
     let rope_theta = float(&["rope_theta"])
         .or_else(|| {
             doc.get("rope_parameters")

@@ -44,17 +44,22 @@ pub fn megatron_legacy_plan(
     };
     let tp = mesh.axes()[tp_axis].size;
     let pp = pipe.map_or(1, |p| mesh.axes()[p].size);
-    // Each tensor-parallel rank holds whole attention heads and whole query groups
-    // (megatron-core's TransformerConfig asserts both divide by the TP size).
-    for (what, n) in [
-        ("num_attention_heads", state.args.heads),
-        ("num_query_groups", state.args.query_groups),
-    ] {
-        if let Some(n) = n.filter(|n| n % tp != 0) {
-            return Err(unsupported(format!(
-                "{what} {n} does not divide by tensor parallel {tp}: megatron-core needs whole heads and query groups on each rank"
-            )));
-        }
+    // megatron-core's TransformerConfig: the attention heads divide by the TP size, and
+    // the query groups are a multiple or a divisor of it (with fewer groups than ranks,
+    // each rank's part of the fused QKV is all-gathered back into whole groups).
+    if let Some(h) = state.args.heads.filter(|h| h % tp != 0) {
+        return Err(unsupported(format!(
+            "num_attention_heads {h} does not divide by tensor parallel {tp} (megatron-core needs whole heads on each rank)"
+        )));
+    }
+    if let Some(g) = state
+        .args
+        .query_groups
+        .filter(|g| *g > 0 && g % tp != 0 && tp % g != 0)
+    {
+        return Err(unsupported(format!(
+            "num_query_groups {g} is neither a multiple nor a divisor of tensor parallel {tp} (megatron-core needs one or the other)"
+        )));
     }
     // Megatron splits into equal parts; torch.chunk's uneven ones would not load.
     for (name, l) in &strategy.tensors {

@@ -90,7 +90,7 @@ fn run_copy(
 #[pyo3(signature = (src, out, *, max_shard_size=None, dtype=None, include=vec![], exclude=vec![],
     strip_prefix=None, add_prefix=None, format="safetensors", one_file=false, force=false,
     compress=None, source_strategy=None, checksums=true, split_qkv=false,
-    keep_vocab_padding=false))]
+    keep_vocab_padding=false, hf_config=None, hf_arch=None, tokenizer=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn merge<'py>(
     py: Python<'py>,
@@ -110,6 +110,9 @@ pub(crate) fn merge<'py>(
     checksums: bool,
     split_qkv: bool,
     keep_vocab_padding: bool,
+    hf_config: Option<PathBuf>,
+    hf_arch: Option<String>,
+    tokenizer: Option<PathBuf>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let inputs = Source::new(
         py,
@@ -146,7 +149,8 @@ pub(crate) fn merge<'py>(
             ckpt_core::Views {
                 split_qkv,
                 unpad_vocab: !keep_vocab_padding,
-                per_layer: false,
+                // A Hugging Face model has a tensor a layer.
+                per_layer: format == ckpt_merge::MergeFormat::Hf,
             },
         ),
         force,
@@ -154,9 +158,20 @@ pub(crate) fn merge<'py>(
         one_file,
         share: None,
         compression: compression_of(py, compress)?,
-        hf: ckpt_core::HfTarget::default(),
-        tokenizer: None,
+        hf: ckpt_core::HfTarget {
+            config: hf_config,
+            arch: hf_arch,
+        },
+        tokenizer,
     };
+    if format != ckpt_merge::MergeFormat::Hf
+        && (req.hf.config.is_some() || req.hf.arch.is_some() || req.tokenizer.is_some())
+    {
+        return Err(usage(
+            py,
+            "hf_config, hf_arch and tokenizer go with format=\"hf\"",
+        ));
+    }
     let (stats, shape, secs) = run_copy(py, checksums, |p, on_plan| {
         ckpt_merge::merge(&req, p, on_plan)
     })?;

@@ -349,9 +349,15 @@ def merge(
     checksums: bool = True,
     split_qkv: bool = False,
     keep_vocab_padding: bool = False,
+    hf_config: Optional[PathLike] = None,
+    hf_arch: Optional[str] = None,
+    tokenizer: Optional[PathLike] = None,
 ) -> CopyReport:
     """As ``ckpt merge SRC -o OUT``: one integrated checkpoint (Hugging Face's file
-    layout).
+    layout), or with ``format="hf"`` a Hugging Face model that transformers'
+    ``from_pretrained`` loads (from Megatron: names, config.json and shards of the model
+    family; ``hf_config`` an HF config.json to follow, ``hf_arch`` the family where the
+    args do not settle it, ``tokenizer`` a directory whose tokenizer files are copied).
 
     Options (the CLI's flags): ``max_shard_size`` (bytes or ``"5GB"``), ``dtype``
     (``"bf16"``...), ``include``/``exclude`` (lists of globs), ``strip_prefix``,
@@ -380,6 +386,9 @@ def merge(
         checksums=checksums,
         split_qkv=split_qkv,
         keep_vocab_padding=keep_vocab_padding,
+        hf_config=None if hf_config is None else os.fspath(hf_config),
+        hf_arch=hf_arch,
+        tokenizer=None if tokenizer is None else os.fspath(tokenizer),
     )
     return CopyReport(**{**r, "output": os.fspath(r["output"])})
 

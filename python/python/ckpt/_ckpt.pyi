@@ -65,6 +65,9 @@ def merge(
     checksums: bool = True,
     split_qkv: bool = False,
     keep_vocab_padding: bool = False,
+    hf_config: Optional[_Path] = None,
+    hf_arch: Optional[str] = None,
+    tokenizer: Optional[_Path] = None,
 ) -> Dict[str, Any]: ...
 def reshard(
     src: _Paths,
