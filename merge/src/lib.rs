@@ -275,6 +275,9 @@ pub fn merge(
         });
     }
     let mut source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
+    if let Some(e) = source.no_tensors() {
+        return Err(e);
+    }
     let hf = if req.format == MergeFormat::Hf {
         if req.compression.is_some() || req.one_file {
             return Err(ckpt_core::Error::Unsupported {

@@ -468,6 +468,9 @@ pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)>
         });
     }
     let mut source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
+    if let Some(e) = source.no_tensors() {
+        return Err(e);
+    }
     if req.format == OutputFormat::Megatron && !source.is_megatron_legacy() {
         // A Hugging Face model: Megatron's tensors by its family's table.
         source.megatron_import(&ckpt_core::HfTarget::default())?;
