@@ -244,6 +244,8 @@ fn index_json(plan: &CopyPlan) -> Option<String> {
     if shards.len() < 2 {
         return None;
     }
+    // Hugging Face's `total_size`: the tensor bytes of the shards the weight_map lists.
+    let total: u64 = shards.iter().map(|f| f.bytes_written()).sum();
     let mut map = serde_json::Map::new();
     for f in shards {
         for t in &f.tensors {
@@ -253,8 +255,7 @@ fn index_json(plan: &CopyPlan) -> Option<String> {
             );
         }
     }
-    let doc =
-        serde_json::json!({"metadata": {"total_size": plan.bytes_written()}, "weight_map": map});
+    let doc = serde_json::json!({"metadata": {"total_size": total}, "weight_map": map});
     Some(serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n")
 }
 
