@@ -289,7 +289,14 @@ pub(crate) struct ReshardArgs {
     /// Output directory.
     #[arg(short, long)]
     pub(crate) output: PathBuf,
-    /// Keep placements; innermost mesh axis becomes N, others 1.
+    /// Keep placements; the innermost axis of the source's mesh becomes N, the others 1.
+    /// Which axis that is, by source: ckpt rank directories, the last axis of their
+    /// strategy.json (tp in dp=2,tp=4); Megatron, the tensor-parallel size (pipeline
+    /// stages become 1); MindSpore, the innermost axis of its strategy; DeepSpeed ZeRO
+    /// (with --format deepspeed), the data-parallel size; an integrated, DCP or
+    /// torch.save source (no mesh), N ranks on one axis `tp`, each tensor split along
+    /// the dimension --shard gives, else the one its stored pieces divide, else
+    /// replicated.
     #[arg(long, value_name = "N", value_parser = parse_to)]
     pub(crate) to: Option<u64>,
     /// New sizes for named axes, e.g. dp=2,tp=2.
@@ -319,19 +326,28 @@ pub(crate) struct ReshardArgs {
     /// `--format mindspore`).
     #[arg(long)]
     pub(crate) keep_all: bool,
-    /// Output layout: `ckpt` (ckpt_<r>/ directories), `dcp` (PyTorch DCP sharded
-    /// safetensors, loadable by torch's HuggingFaceStorageReader), `distcp` (DCP's
-    /// default format: __<r>_0.distcp + .metadata, loadable by
-    /// torch.distributed.checkpoint.load; each chunk stored once), `mindspore`
+    /// Output layout: `ckpt` (ckpt_<r>/ directories), `distcp` (PyTorch DCP's default
+    /// format: __<r>_0.distcp + .metadata, loadable by torch.distributed.checkpoint.load;
+    /// each chunk stored once), `dcp-safetensors` (DCP's sharded safetensors, loadable
+    /// with torch's HuggingFaceStorageReader; `dcp`, its old name, still works and says
+    /// so), `mindspore`
     /// (rank_<r>/checkpoint_<r>.ckpt, loadable by mindspore.load_checkpoint) or
     /// `megatron` (a Megatron legacy checkpoint from a Megatron legacy source:
     /// iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt) or `deepspeed` (a DeepSpeed ZeRO-1/2/3
     /// checkpoint for --to N data-parallel ranks, from a DeepSpeed source).
-    #[arg(long, default_value = "ckpt",
-          value_parser = clap::builder::PossibleValuesParser::new(ckpt_reshard::OutputFormat::NAMES.map(|(n, _)| n)))]
+    #[arg(long, default_value = "ckpt", value_parser = reshard_formats())]
     pub(crate) format: String,
     #[command(flatten)]
     pub(crate) copy: CopyArgs,
+}
+
+/// `reshard --format`'s names; the old `dcp` is accepted but not listed.
+fn reshard_formats() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(
+        ckpt_reshard::OutputFormat::NAMES.map(|(n, _)| {
+            clap::builder::PossibleValue::new(n).hide(n == ckpt_reshard::OLD_DCP_NAME)
+        }),
+    )
 }
 
 #[derive(Args, Debug)]

@@ -232,6 +232,9 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         // Checked by parse_rank.
         Some(r) => ckpt_reshard::Ranks::One(r.parse().map_err(|_| Usage(format!("--rank `{r}`")))?),
     };
+    if a.format == ckpt_reshard::OLD_DCP_NAME {
+        eprintln!("ckpt: note: {}", ckpt_reshard::OLD_DCP_NOTE);
+    }
     let req = ckpt_reshard::ReshardRequest {
         inputs: a.inputs.all()?,
         output: a.output,

@@ -388,3 +388,85 @@ fn issue_35_help_shows_the_tools_apart_from_the_demo() {
     d.ok(&["example", "--help"]);
     d.ok(&["train", "--help"]);
 }
+
+// ---- DCP's format names ----
+
+#[test]
+fn issue_35_dcp_format_names_say_what_they_mean() {
+    let d = Dir::new();
+    d.example("ex", "tp=2");
+    // (DCP stores one box per tensor: the blocked QKV is left out.)
+    let x = "*.qkv.*";
+    let o = d.ok(&[
+        "reshard",
+        "ex",
+        "-o",
+        "new",
+        "--to",
+        "2",
+        "--format",
+        "dcp-safetensors",
+        "-q",
+        "--exclude",
+        x,
+    ]);
+    assert!(!o.stderr.contains("note: --format dcp"), "{}", o.stderr);
+    let o = d.ok(&[
+        "reshard",
+        "ex",
+        "-o",
+        "old",
+        "--to",
+        "2",
+        "--format",
+        "dcp",
+        "-q",
+        "--exclude",
+        x,
+    ]);
+    assert!(
+        o.stderr
+            .contains("--format dcp is read as --format dcp-safetensors")
+            && o.stderr.contains("--format distcp"),
+        "{}",
+        o.stderr
+    );
+    assert_eq!(tree(&d.path("old")), tree(&d.path("new")));
+    assert!(tree(&d.path("new"))
+        .keys()
+        .any(|k| k.ends_with(".safetensors")));
+    d.ok(&[
+        "reshard",
+        "ex",
+        "-o",
+        "distcp",
+        "--to",
+        "2",
+        "--format",
+        "distcp",
+        "-q",
+        "--exclude",
+        x,
+    ]);
+    assert!(d.path("distcp/.metadata").exists());
+    let mut want = example_originals("tp=2");
+    want.retain(|k, _| !k.contains(".qkv."));
+    assert_eq!(full_tensors(&d.path("distcp")), want);
+    assert_eq!(full_tensors(&d.path("new")), want);
+    let o = d.ok(&["reshard", "--help"]);
+    let values = o
+        .stdout
+        .lines()
+        .find(|l| l.contains("[default: ckpt]"))
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        values.contains("dcp-safetensors")
+            && values.contains("distcp")
+            && !values.contains(" dcp,"),
+        "{values}"
+    );
+    // --to's help says which axis it sets.
+    assert!(o.stdout.contains("tensor-parallel size"), "{}", o.stdout);
+    assert!(o.stdout.contains("data-parallel size"), "{}", o.stdout);
+}
