@@ -239,6 +239,10 @@ pub(crate) struct MergeArgs {
     /// With --rank N: how many processes share the output files.
     #[arg(long, value_name = "M", value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) world_size: Option<u64>,
+    /// Print which source files each output file reads and the bytes, and write nothing
+    /// (with --rank: this process's output files).
+    #[arg(long)]
+    pub(crate) plan: bool,
     /// Output format: `hf` (a Hugging Face model that transformers' from_pretrained
     /// loads: names, config.json and shards of the model family; from Megatron, or from
     /// a source already in HF names), `safetensors` (the tensors as named in the source,

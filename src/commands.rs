@@ -166,6 +166,16 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
             Usage("--hf-config, --hf-arch and --tokenizer go with --format hf".into()).into(),
         );
     }
+    if a.plan {
+        let (source, plan) = ckpt_merge::prepare(&req)?;
+        if a.copy.json {
+            let doc = ckpt_core::merge_plan_json(&source, &plan);
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+        } else {
+            print!("{}", ckpt_core::merge_plan_text(&source, &plan));
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     with_progress("merged", &req.output, &a.copy, |progress, on_plan| {
         ckpt_merge::merge(&req, progress, on_plan)
     })

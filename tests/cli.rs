@@ -389,6 +389,81 @@ fn issue_35_help_shows_the_tools_apart_from_the_demo() {
     d.ok(&["train", "--help"]);
 }
 
+#[test]
+fn issue_35_merge_plan_says_what_each_output_file_reads_and_writes_nothing() {
+    let d = Dir::new();
+    d.example("ex", "tp=2");
+    let o = d.ok(&[
+        "merge",
+        "ex",
+        "-o",
+        "m",
+        "--max-shard-size",
+        "2kB",
+        "--plan",
+    ]);
+    assert!(!d.path("m").exists(), "--plan wrote an output");
+    assert!(
+        o.stdout.contains("ex/ckpt_1/model.safetensors (rank 1)"),
+        "{}",
+        o.stdout
+    );
+    let o = d.ok(&[
+        "merge",
+        "ex",
+        "-o",
+        "m",
+        "--max-shard-size",
+        "2kB",
+        "--plan",
+        "--json",
+    ]);
+    let plan = json_of(&o.stdout);
+    assert!(!d.path("m").exists());
+    d.ok(&["merge", "ex", "-o", "m", "--max-shard-size", "2kB", "-q"]);
+    let planned: Vec<String> = plan["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["output"].as_str().unwrap().to_string())
+        .collect();
+    let written: Vec<String> = tree(&d.path("m"))
+        .into_keys()
+        .filter(|k| k.ends_with(".safetensors"))
+        .collect();
+    let mut sorted = planned.clone();
+    sorted.sort();
+    assert_eq!(sorted, written);
+    let total: u64 = example_originals("tp=2")
+        .values()
+        .map(|v| v.len() as u64)
+        .sum();
+    assert_eq!(plan["bytes_written"], total);
+    // With --rank N: that process's files only.
+    let o = d.ok(&[
+        "merge",
+        "ex",
+        "-o",
+        "m2",
+        "--max-shard-size",
+        "2kB",
+        "--plan",
+        "--json",
+        "--rank",
+        "1",
+        "--world-size",
+        "2",
+    ]);
+    let mine: Vec<String> = json_of(&o.stdout)["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["output"].as_str().unwrap().to_string())
+        .collect();
+    let want: Vec<String> = planned.iter().skip(1).step_by(2).cloned().collect();
+    assert_eq!(mine, want);
+}
+
 // ---- DCP's format names ----
 
 #[test]
