@@ -120,6 +120,17 @@ fn with_progress(
 
 /// The tensors a copy keeps, and their names.
 fn selection(copy: &CopyArgs, inputs: &Inputs) -> Result<Selection> {
+    // `--include A B in`: B, read as an input, was meant as a second pattern.
+    if let Some(p) = inputs.paths.iter().find(|p| {
+        std::fs::symlink_metadata(p).is_err()
+            && p.to_str().is_some_and(|s| s.contains(['*', '?', '[', '{']))
+    }) {
+        return Err(Usage(format!(
+            "{}: no such file or directory, and it looks like a pattern: a list option takes one value each time, so repeat it (--include A --include B) or separate the values with commas (--include A,B)",
+            p.display()
+        ))
+        .into());
+    }
     let (include, exclude) = (flat(&copy.include), flat(&copy.exclude));
     Ok(Selection::new(&include, &exclude, copy.dtype)?
         .with_prefixes(

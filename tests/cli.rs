@@ -212,6 +212,25 @@ fn issue_35_list_options_take_one_value_each_repeated_or_comma_separated() {
         .cloned()
         .collect();
     assert_eq!(rest, want_rest);
+    // The old mistake, several patterns after one --include: the second is an input
+    // that does not exist, said to be a pattern (usage, exit 2).
+    let o = d.ckpt(&[
+        "merge",
+        "--include",
+        "embed.*",
+        "layers.0.*",
+        "ex",
+        "-o",
+        "x",
+    ]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    assert!(
+        o.stderr.contains("layers.0.*: no such file or directory")
+            && o.stderr.contains("--include A --include B"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("x").exists());
     // An empty pattern in a list is a usage error.
     let o = d.ckpt(&["merge", "ex", "-o", "x", "--include", "embed.*,"]);
     assert_eq!(o.code, 2, "{}", o.stderr);
