@@ -9,7 +9,7 @@ because torch is a multi-gigabyte install. Run from the repository root:
 1. Four gloo processes save DTensors (Shard(0), Shard(1), nested, uneven, replicated)
    with torch's HuggingFaceStorageWriter(save_distributed=True); `ckpt merge` joins
    them and every tensor is compared with the originals.
-2. `ckpt reshard --format dcp` writes sharded safetensors that torch's
+2. `ckpt reshard --format dcp-safetensors` writes sharded safetensors that torch's
    HuggingFaceStorageReader loads with dcp.load: every tensor compared again.
 3. The same DTensors saved with DCP's default FileSystemWriter (`.distcp` +
    `.metadata`): `ckpt merge` joins them byte-exactly, `ckpt reshard --to 2 --format
@@ -104,12 +104,12 @@ def interop(work):
     with open(sp, "w") as f:
         json.dump(strategy, f)
     out = os.path.join(work, "dcp3")
-    print(ckpt("reshard", merged, "-o", out, "--strategy", sp, "--format", "dcp").strip())
+    print(ckpt("reshard", merged, "-o", out, "--strategy", sp, "--format", "dcp-safetensors").strip())
     target = {k: torch.empty_like(v) for k, v in orig.items()}
     dcp.load(target, storage_reader=HuggingFaceStorageReader(path=out), no_dist=True)
     for k, v in orig.items():
         assert same(target[k], v), k
-    print(f"2. torch's HuggingFaceStorageReader loads ckpt reshard --format dcp: {len(orig)} tensors byte-identical")
+    print(f"2. torch's HuggingFaceStorageReader loads ckpt reshard --format dcp-safetensors: {len(orig)} tensors byte-identical")
 
 
 def save_default_worker(rank, world, path, port):
@@ -220,7 +220,7 @@ def bench(work, bench_dir):
     dcp_in = os.path.join(work, "dcp_in")
     # torch's consolidation calls torch.finfo on every dtype and fails on integer tensors,
     # so the integer `step` is left out of the comparison.
-    ckpt("reshard", bench_dir, "-o", dcp_in, "--strategy", sp, "--format", "dcp", "-q", "--exclude", "step")
+    ckpt("reshard", bench_dir, "-o", dcp_in, "--strategy", sp, "--format", "dcp-safetensors", "-q", "--exclude", "step")
     os.remove(os.path.join(dcp_in, "strategy.json"))
     nbytes = sum(os.path.getsize(os.path.join(dcp_in, f)) for f in os.listdir(dcp_in))
     subprocess.run(f"cat {dcp_in}/* > /dev/null", shell=True, check=True)

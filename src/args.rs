@@ -4,7 +4,13 @@
 use anyhow::{Context, Result};
 use ckpt_core::{Dtype, Mesh, Selection};
 use clap::Args;
+use lists::{parse_globs, parse_shards, List};
 use std::path::PathBuf;
+
+// List options' rule. The Python package compiles this file too, by `#[path]`
+// (python/src/lib.rs): a path relative to this file names the same file in both crates.
+#[path = "lists.rs"]
+pub(crate) mod lists;
 
 /// A usage error found after parsing (exit code 2, like clap's own).
 #[derive(Debug)]
@@ -18,23 +24,13 @@ impl std::fmt::Display for Usage {
 
 impl std::error::Error for Usage {}
 
-/// Checks a glob pattern at parse time (a bad one is a usage error).
-fn parse_glob(s: &str) -> std::result::Result<String, String> {
-    ckpt_core::Selection::new(&[s.to_string()], &[], None)
-        .map(|_| s.to_string())
-        .map_err(|e| e.to_string())
-}
-
-/// Checks a mesh at parse time, keeping the text.
-fn parse_shard(s: &str) -> std::result::Result<(String, usize), String> {
-    let (glob, dim) = s
-        .rsplit_once('=')
-        .ok_or_else(|| format!("`{s}`: expected NAME_GLOB=DIM"))?;
-    let dim = dim
-        .parse()
-        .map_err(|_| format!("`{s}`: DIM `{dim}` is not a dimension number"))?;
-    ckpt_core::Selection::new(&[glob.to_string()], &[], None).map_err(|e| e.to_string())?;
-    Ok((glob.to_string(), dim))
+/// `--to N`: a number of ranks, at least 1.
+fn parse_to(s: &str) -> std::result::Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(0) => Err("--to must be at least 1 (it is a number of ranks)".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("--to `{s}` is not a number of ranks")),
+    }
 }
 
 fn parse_mesh(s: &str) -> std::result::Result<String, String> {
@@ -85,10 +81,10 @@ pub(crate) struct InferArgs {
     /// Images per forward pass.
     #[arg(long, default_value_t = 256)]
     pub(crate) batch_size: usize,
-    /// Predict these test images (7; 3,5,7; 0..10, the end excluded) or the images in
-    /// these files (digits: CSV rows of 64 pixel values 0..16 and the label, as in the
-    /// data set's own file).
-    #[arg(long, num_args = 1..)]
+    /// Predict these test images (7; 3,5,7; 0..10, the end excluded; repeat --predict
+    /// for more) or the images in these files (digits: CSV rows of 64 pixel values
+    /// 0..16 and the label, as in the data set's own file).
+    #[arg(long)]
     pub(crate) predict: Vec<String>,
     /// Evaluate only the first N test images.
     #[arg(long)]
@@ -196,12 +192,14 @@ pub(crate) struct CopyArgs {
     /// f32, f64, or any safetensors dtype name (F8_E4M3, F8_E5M2, ...).
     #[arg(long, value_parser = parse_cast)]
     pub(crate) dtype: Option<Dtype>,
-    /// Keep only tensors matching these glob patterns.
-    #[arg(long, value_parser = parse_glob)]
-    pub(crate) include: Vec<String>,
-    /// Drop tensors matching these glob patterns (e.g. 'optim.*').
-    #[arg(long, value_parser = parse_glob)]
-    pub(crate) exclude: Vec<String>,
+    /// Keep only tensors matching this glob pattern; repeat it (or separate patterns
+    /// with commas) for several: --include 'layers.0.*' --include 'embed.*'.
+    #[arg(long, value_name = "GLOB", value_parser = parse_globs)]
+    pub(crate) include: Vec<List<String>>,
+    /// Drop tensors matching this glob pattern (e.g. 'optim.*'); repeat it (or separate
+    /// patterns with commas) for several.
+    #[arg(long, value_name = "GLOB", value_parser = parse_globs)]
+    pub(crate) exclude: Vec<List<String>>,
     #[command(flatten)]
     pub(crate) names: Names,
     /// Replace an existing output.
@@ -233,10 +231,18 @@ pub(crate) struct MergeArgs {
     /// Split the output into files of at most this size, with an index (e.g. 5GB).
     #[arg(long, value_parser = ckpt_merge::parse_size)]
     pub(crate) max_shard_size: Option<u64>,
-    /// `auto`: under mpirun, srun or torchrun, write only this process's share of the
-    /// output files (with --max-shard-size); no data crosses processes.
-    #[arg(long, value_parser = ["auto"])]
+    /// Write only this process's share of the output files (with --max-shard-size; no
+    /// data crosses processes): `auto` under mpirun, srun or torchrun, or a number N
+    /// with --world-size M (files k with k % M == N).
+    #[arg(long, value_parser = parse_rank)]
     pub(crate) rank: Option<String>,
+    /// With --rank N: how many processes share the output files.
+    #[arg(long, value_name = "M", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) world_size: Option<u64>,
+    /// Print which source files each output file reads and the bytes, and write nothing
+    /// (with --rank: this process's output files).
+    #[arg(long)]
+    pub(crate) plan: bool,
     /// Output format: `hf` (a Hugging Face model that transformers' from_pretrained
     /// loads: names, config.json and shards of the model family; from Megatron, or from
     /// a source already in HF names), `safetensors` (the tensors as named in the source,
@@ -287,17 +293,25 @@ pub(crate) struct ReshardArgs {
     /// Output directory.
     #[arg(short, long)]
     pub(crate) output: PathBuf,
-    /// Keep placements; innermost mesh axis becomes N, others 1.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Keep placements; the innermost axis of the source's mesh becomes N, the others 1.
+    /// Which axis that is, by source: ckpt rank directories, the last axis of their
+    /// strategy.json (tp in dp=2,tp=4); Megatron, the tensor-parallel size (pipeline
+    /// stages become 1); MindSpore, the innermost axis of its strategy; DeepSpeed ZeRO
+    /// (with --format deepspeed), the data-parallel size; an integrated, DCP or
+    /// torch.save source (no mesh), N ranks on one axis `tp`, each tensor split along
+    /// the dimension --shard gives, else the one its stored pieces divide, else
+    /// replicated.
+    #[arg(long, value_name = "N", value_parser = parse_to)]
     pub(crate) to: Option<u64>,
     /// New sizes for named axes, e.g. dp=2,tp=2.
     #[arg(long, value_parser = parse_mesh)]
     pub(crate) mesh: Option<String>,
     /// With --to N on a whole copy (no strategy): split tensors matching NAME_GLOB along
-    /// DIM over the N ranks, first matching rule wins, others replicated; e.g.
-    /// --shard '*.q_proj.weight=0' '*.o_proj.weight=1'.
-    #[arg(long, value_name = "NAME_GLOB=DIM", num_args = 1.., value_parser = parse_shard, requires = "to")]
-    pub(crate) shard: Vec<(String, usize)>,
+    /// DIM over the N ranks, first matching rule wins, others replicated; one rule per
+    /// --shard, repeated (or comma-separated): --shard '*.q_proj.weight=0' --shard
+    /// '*.o_proj.weight=1'.
+    #[arg(long, value_name = "NAME_GLOB=DIM", value_parser = parse_shards, requires = "to")]
+    pub(crate) shard: Vec<List<(String, usize)>>,
     /// A target strategy file: ckpt's strategy.json, or a MindSpore (predict) strategy
     /// file, protobuf or JSON.
     #[arg(long)]
@@ -316,19 +330,28 @@ pub(crate) struct ReshardArgs {
     /// `--format mindspore`).
     #[arg(long)]
     pub(crate) keep_all: bool,
-    /// Output layout: `ckpt` (ckpt_<r>/ directories), `dcp` (PyTorch DCP sharded
-    /// safetensors, loadable by torch's HuggingFaceStorageReader), `distcp` (DCP's
-    /// default format: __<r>_0.distcp + .metadata, loadable by
-    /// torch.distributed.checkpoint.load; each chunk stored once), `mindspore`
+    /// Output layout: `ckpt` (ckpt_<r>/ directories), `distcp` (PyTorch DCP's default
+    /// format: __<r>_0.distcp + .metadata, loadable by torch.distributed.checkpoint.load;
+    /// each chunk stored once), `dcp-safetensors` (DCP's sharded safetensors, loadable
+    /// with torch's HuggingFaceStorageReader; `dcp`, its old name, still works and says
+    /// so), `mindspore`
     /// (rank_<r>/checkpoint_<r>.ckpt, loadable by mindspore.load_checkpoint) or
     /// `megatron` (a Megatron legacy checkpoint from a Megatron legacy source:
     /// iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt) or `deepspeed` (a DeepSpeed ZeRO-1/2/3
     /// checkpoint for --to N data-parallel ranks, from a DeepSpeed source).
-    #[arg(long, default_value = "ckpt",
-          value_parser = clap::builder::PossibleValuesParser::new(ckpt_reshard::OutputFormat::NAMES.map(|(n, _)| n)))]
+    #[arg(long, default_value = "ckpt", value_parser = reshard_formats())]
     pub(crate) format: String,
     #[command(flatten)]
     pub(crate) copy: CopyArgs,
+}
+
+/// `reshard --format`'s names; the old `dcp` is accepted but not listed.
+fn reshard_formats() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(
+        ckpt_reshard::OutputFormat::NAMES.map(|(n, _)| {
+            clap::builder::PossibleValue::new(n).hide(n == ckpt_reshard::OLD_DCP_NAME)
+        }),
+    )
 }
 
 #[derive(Args, Debug)]

@@ -10,7 +10,8 @@ use crate::args::{
 };
 use crate::commands;
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -32,15 +33,114 @@ pub(crate) fn message(e: &anyhow::Error) -> String {
     out
 }
 
-/// Whether an error is the user's way of asking (exit 2) rather than a problem found.
+/// Whether an error is the user's way of asking (exit 2) rather than a problem found:
+/// a [`Usage`], a trainer option, or a mesh the user gave that does not fit (`--mesh
+/// pp=2` on a source without a `pp` axis; a mesh read from a file is wrapped with the
+/// file's path, a problem of the file, exit 1).
 pub(crate) fn is_usage(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| {
+    matches!(
+        e.downcast_ref::<ckpt_core::Error>(),
+        Some(ckpt_core::Error::InvalidMesh { .. })
+    ) || e.chain().any(|c| {
         c.is::<Usage>()
             || matches!(
                 c.downcast_ref::<ckpt_train::Error>(),
                 Some(ckpt_train::Error::InvalidOption { .. })
             )
     })
+}
+
+/// An error as the JSON object `--json` prints instead of the text line.
+pub(crate) fn error_json(message: &str, exit_code: u8) -> String {
+    serde_json::json!({"error": message, "exit_code": exit_code}).to_string()
+}
+
+/// The commands of the digits model and the synthetic examples: listed in `--help`
+/// apart from the checkpoint tools, after them.
+const DEMO_COMMANDS: [&str; 4] = ["train", "infer", "demo", "example"];
+
+/// The command line's definition: [`Cli`], with `--help` listing the checkpoint tools
+/// under their own heading and the demo commands apart (clap has one heading for all
+/// subcommands: these are hidden from it and listed after it, with their own `about`).
+pub(crate) fn command() -> clap::Command {
+    let mut cmd = Cli::command().subcommand_help_heading("Checkpoint tools");
+    let width = cmd
+        .get_subcommands()
+        .map(|s| s.get_name().len())
+        .max()
+        .unwrap_or(0);
+    let header = *cmd.get_styles().get_header();
+    let literal = *cmd.get_styles().get_literal();
+    let mut text =
+        format!("{header}Demo and examples (the digits model, synthetic checkpoints):{header:#}\n");
+    for name in DEMO_COMMANDS {
+        let about = cmd
+            .find_subcommand(name)
+            .and_then(|s| s.get_about())
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let pad = " ".repeat(width.saturating_sub(name.len()));
+        text.push_str(&format!("  {literal}{name}{literal:#}{pad}  {about}\n"));
+        cmd = cmd.mut_subcommand(name, |s| s.hide(true));
+    }
+    cmd.after_help(text.trim_end().to_string())
+}
+
+/// Runs `ckpt` with `args` (program name first): parsed, run, and an error printed once
+/// (on stderr, or as JSON on stdout under `--json`) with its exit code (0, 1 or 2).
+pub(crate) fn main(args: Vec<OsString>) -> ExitCode {
+    let cli = match parse(args) {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
+    let json = cli.json();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            let code = if is_usage(&e) { 2 } else { 1 };
+            if json {
+                println!("{}", error_json(&message(&e), code));
+            } else {
+                eprintln!("ckpt: error: {}", message(&e));
+            }
+            ExitCode::from(code)
+        }
+    }
+}
+
+/// Parses the command line (with the old spellings of list options kept, see
+/// [`old_spellings`](crate::args::lists::old_spellings)). A usage error is printed, as
+/// JSON when `--json` was given, and its exit code returned; so are `--help` and
+/// `--version` (exit 0).
+fn parse(args: Vec<OsString>) -> std::result::Result<Cli, ExitCode> {
+    let args = crate::args::lists::old_spellings(args);
+    let json = args
+        .iter()
+        .take_while(|a| *a != "--")
+        .any(|a| a == "--json");
+    let parsed = command()
+        .try_get_matches_from(&args)
+        .and_then(|m| Cli::from_arg_matches(&m));
+    match parsed {
+        Ok(cli) => Ok(cli),
+        Err(e) if json && e.use_stderr() => {
+            // The error's own lines, without clap's usage and `--help` hints.
+            let text = e.render().to_string();
+            let first = text.split("\n\n").next().unwrap_or("");
+            let message = first
+                .strip_prefix("error: ")
+                .unwrap_or(first)
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ");
+            println!("{}", error_json(&message, 2));
+            Err(ExitCode::from(2))
+        }
+        Err(e) => {
+            let _ = e.print();
+            Err(ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2)))
+        }
+    }
 }
 
 /// Merge, reshard, check and load checkpoints of models trained on many devices.
@@ -86,7 +186,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Join per-rank slices into one integrated (Hugging Face) checkpoint.
+    /// Join per-rank slices into one integrated checkpoint: safetensors files in
+    /// Hugging Face's layout (--format: a Hugging Face model, torch, MindSpore, ...).
     Merge(MergeArgs),
     /// Re-slice a checkpoint for another mesh or strategy.
     Reshard(ReshardArgs),
@@ -113,6 +214,21 @@ enum Command {
         #[arg(long, short)]
         quiet: bool,
     },
+}
+
+impl Cli {
+    /// Whether the command prints JSON (`--json`): its errors are JSON too.
+    pub(crate) fn json(&self) -> bool {
+        match &self.command {
+            Command::Inspect { json, .. } | Command::Verify { json, .. } => *json,
+            Command::Merge(a) => a.copy.json,
+            Command::Reshard(a) => a.copy.json,
+            Command::Compress(a) | Command::Decompress(a) => a.json,
+            Command::Train(a) => a.json,
+            Command::Infer(a) => a.json,
+            Command::Example(_) | Command::Demo { .. } => false,
+        }
+    }
 }
 
 pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
@@ -180,6 +296,7 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args::lists::flat;
     use crate::args::parse_cast;
     use ckpt_core::Dtype;
 
@@ -227,6 +344,78 @@ mod tests {
             Cli::try_parse_from(["ckpt", "compress", "a", "-o", "b", "--level", "30"]).is_err()
         );
         assert!(Cli::try_parse_from(["ckpt", "decompress", "a"]).is_err());
+    }
+
+    #[test]
+    fn list_options_take_one_value_per_occurrence() {
+        let c = Cli::try_parse_from([
+            "ckpt",
+            "merge",
+            "--include",
+            "a.*",
+            "in",
+            "-o",
+            "o",
+            "--include",
+            "b.*,{c,d}.*",
+            "--exclude",
+            "x",
+        ])
+        .unwrap();
+        match c.command {
+            Command::Merge(m) => {
+                assert_eq!(m.inputs.paths, vec![PathBuf::from("in")]);
+                assert_eq!(flat(&m.copy.include), ["a.*", "b.*", "{c,d}.*"]);
+                assert_eq!(flat(&m.copy.exclude), ["x"]);
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        let c = Cli::try_parse_from([
+            "ckpt", "reshard", "in", "-o", "o", "--to", "2", "--shard", "a=0,b=1", "--shard", "c=1",
+        ])
+        .unwrap();
+        match c.command {
+            Command::Reshard(r) => assert_eq!(
+                flat(&r.shard),
+                [("a".into(), 0), ("b".into(), 1), ("c".into(), 1)]
+            ),
+            other => panic!("parsed as {other:?}"),
+        }
+        assert!(Cli::try_parse_from(["ckpt", "reshard", "i", "-o", "o", "--to", "0"]).is_err());
+        let c = Cli::try_parse_from([
+            "ckpt",
+            "merge",
+            "i",
+            "-o",
+            "o",
+            "--rank",
+            "1",
+            "--world-size",
+            "2",
+        ])
+        .unwrap();
+        match c.command {
+            Command::Merge(m) => {
+                assert_eq!((m.rank.as_deref(), m.world_size), (Some("1"), Some(2)))
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn help_lists_the_demo_commands_apart() {
+        let cmd = command();
+        for name in DEMO_COMMANDS {
+            let sub = cmd.find_subcommand(name).unwrap();
+            assert!(sub.is_hide_set(), "{name}");
+        }
+        let after = cmd.get_after_help().unwrap().to_string();
+        for name in DEMO_COMMANDS {
+            assert!(after.contains(&format!("  {name} ")), "{name}: {after}");
+        }
+        assert!(command()
+            .try_get_matches_from(["ckpt", "train", "--help"])
+            .is_err_and(|e| e.kind() == clap::error::ErrorKind::DisplayHelp));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! No checkpoint logic and no report wording lives here (`ckpt_core::inspect_text`,
 //! `verify_text`, `CopySummary`, `TrainReport::summary_text`, `InferReport::text`, ...).
 
+use crate::args::lists::flat;
 use crate::args::{
     ConvertArgs, CopyArgs, ExampleArgs, InferArgs, Inputs, MergeArgs, ReshardArgs, TrainArgs, Usage,
 };
@@ -119,7 +120,19 @@ fn with_progress(
 
 /// The tensors a copy keeps, and their names.
 fn selection(copy: &CopyArgs, inputs: &Inputs) -> Result<Selection> {
-    Ok(Selection::new(&copy.include, &copy.exclude, copy.dtype)?
+    // `--include A B in`: B, read as an input, was meant as a second pattern.
+    if let Some(p) = inputs.paths.iter().find(|p| {
+        std::fs::symlink_metadata(p).is_err()
+            && p.to_str().is_some_and(|s| s.contains(['*', '?', '[', '{']))
+    }) {
+        return Err(Usage(format!(
+            "{}: no such file or directory, and it looks like a pattern: a list option takes one value each time, so repeat it (--include A --include B) or separate the values with commas (--include A,B)",
+            p.display()
+        ))
+        .into());
+    }
+    let (include, exclude) = (flat(&copy.include), flat(&copy.exclude));
+    Ok(Selection::new(&include, &exclude, copy.dtype)?
         .with_prefixes(
             copy.names.strip_prefix.clone(),
             copy.names.add_prefix.clone(),
@@ -144,10 +157,7 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
         format: ckpt_merge::MergeFormat::from_name(&a.format)
             .ok_or_else(|| Usage(format!("--format `{}`", a.format)))?,
         compression: a.copy.compress,
-        share: match a.rank {
-            Some(_) => Some(launch_share()?),
-            None => None,
-        },
+        share: merge_share(a.rank.as_deref(), a.world_size)?,
         hf: ckpt_core::HfTarget {
             config: a.hf_config,
             arch: a.hf_arch,
@@ -167,9 +177,52 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
             Usage("--hf-config, --hf-arch and --tokenizer go with --format hf".into()).into(),
         );
     }
+    if a.plan {
+        let (source, plan) = ckpt_merge::prepare(&req)?;
+        if a.copy.json {
+            let doc = ckpt_core::merge_plan_json(&source, &plan);
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+        } else {
+            print!("{}", ckpt_core::merge_plan_text(&source, &plan));
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     with_progress("merged", &req.output, &a.copy, |progress, on_plan| {
         ckpt_merge::merge(&req, progress, on_plan)
     })
+}
+
+/// `merge --rank`: this process's share of the output files, `(rank, world size)`, from
+/// the launcher (`auto`) or from `--rank N --world-size M`.
+fn merge_share(rank: Option<&str>, world_size: Option<u64>) -> Result<Option<(u64, u64)>> {
+    match (rank, world_size) {
+        (None, None) => Ok(None),
+        (None, Some(m)) => Err(Usage(format!(
+            "--world-size {m} goes with --rank N (which share of the output files this process writes)"
+        ))
+        .into()),
+        (Some("auto"), None) => Ok(Some(launch_share()?)),
+        (Some("auto"), Some(m)) => Err(Usage(format!(
+            "--world-size {m} goes with --rank N; --rank auto takes it from the launcher"
+        ))
+        .into()),
+        (Some(r), None) => Err(Usage(format!(
+            "--rank {r}: give --world-size M too (how many processes share the output files), or --rank auto under mpirun, srun or torchrun"
+        ))
+        .into()),
+        (Some(r), Some(m)) => {
+            // Checked by parse_rank.
+            let n: u64 = r.parse().map_err(|_| Usage(format!("--rank `{r}`")))?;
+            if n >= m {
+                return Err(Usage(format!(
+                    "--rank {n} with --world-size {m}: ranks are 0 to {}",
+                    m - 1
+                ))
+                .into());
+            }
+            Ok(Some((n, m)))
+        }
+    }
 }
 
 /// This process's share of partitioned work: `(rank, world size)` from the launcher.
@@ -200,6 +253,9 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         // Checked by parse_rank.
         Some(r) => ckpt_reshard::Ranks::One(r.parse().map_err(|_| Usage(format!("--rank `{r}`")))?),
     };
+    if a.format == ckpt_reshard::OLD_DCP_NAME {
+        eprintln!("ckpt: note: {}", ckpt_reshard::OLD_DCP_NOTE);
+    }
     let req = ckpt_reshard::ReshardRequest {
         inputs: a.inputs.all()?,
         output: a.output,
@@ -209,7 +265,7 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         // MindSpore loads each rank's parameters from that rank's file alone.
         keep_all: a.keep_all || a.format == "mindspore",
         force: a.copy.force,
-        shard: a.shard,
+        shard: flat(&a.shard),
         compression: a.copy.compress,
         format: ckpt_reshard::OutputFormat::from_name(&a.format)
             .ok_or_else(|| Usage(format!("--format `{}`", a.format)))?,
@@ -217,14 +273,22 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
     if req.format == ckpt_reshard::OutputFormat::DeepSpeed && !a.plan {
         let t = Instant::now();
         let s = ckpt_reshard::reshard_deepspeed(&req)?;
-        println!(
-            "wrote {} optimizer-states file(s) of {} tensors, {} in {:.2} s into {}",
-            s.files,
-            s.tensors,
-            ckpt_core::human_bytes(s.bytes),
-            t.elapsed().as_secs_f64(),
-            req.output.display()
-        );
+        let seconds = t.elapsed().as_secs_f64();
+        if a.copy.json {
+            println!(
+                "{}",
+                json!({"files": s.files, "tensors": s.tensors, "bytes_written": s.bytes,
+                       "seconds": seconds, "output": req.output})
+            );
+        } else {
+            println!(
+                "wrote {} optimizer-states file(s) of {} tensors, {} in {seconds:.2} s into {}",
+                s.files,
+                s.tensors,
+                ckpt_core::human_bytes(s.bytes),
+                req.output.display()
+            );
+        }
         return Ok(ExitCode::SUCCESS);
     }
     if a.plan {

@@ -2,7 +2,8 @@
 //!
 //! The binary is a thin shell: clap parses, each subcommand turns its arguments into a
 //! library request and prints the result. Exit codes: 0 success, 1 a problem was found
-//! or an error occurred, 2 bad usage.
+//! or an error occurred, 2 bad usage; under `--json` an error is printed as the object
+//! `{"error": MESSAGE, "exit_code": CODE}` on stdout instead of the text line on stderr.
 
 mod args;
 mod cli;
@@ -11,7 +12,6 @@ mod demo;
 mod pictures;
 mod report;
 
-use clap::Parser;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -22,14 +22,7 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     install_bus_error_handler();
-    let cli = cli::Cli::parse();
-    match cli::run(cli) {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("ckpt: error: {}", cli::message(&e));
-            ExitCode::from(if cli::is_usage(&e) { 2 } else { 1 })
-        }
-    }
+    cli::main(std::env::args_os().collect())
 }
 
 /// An input truncated by another program while mapped raises SIGBUS on the next read

@@ -182,12 +182,13 @@ fn compressed_outputs_read_back_to_the_same_bytes() {
         "--to",
         "2",
         "--format",
-        "dcp",
+        "dcp-safetensors",
         "--compress",
         "zstd",
     ]);
     assert!(
-        o.stderr.contains("does not combine with --format dcp"),
+        o.stderr
+            .contains("does not combine with --format dcp-safetensors"),
         "{}",
         o.stderr
     );

@@ -150,7 +150,9 @@ fn integrated_to_sliced_with_a_strategy_then_merge() {
 fn unknown_axis_is_named() {
     let d = Dir::new();
     d.example("ex", "tp=2");
-    let o = d.fails(&["reshard", "ex", "-o", "x", "--mesh", "ep=2"]);
+    // A usage error (exit 2): the mesh asked for, not the input, is wrong (issue 35).
+    let o = d.ckpt(&["reshard", "ex", "-o", "x", "--mesh", "ep=2"]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
     assert!(
         o.stderr
             .contains("invalid mesh `ep=2`: axis `ep` is not an axis of the source mesh tp=2"),

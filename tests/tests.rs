@@ -3,6 +3,7 @@
 mod util;
 
 mod bad_inputs;
+mod cli;
 mod compress;
 mod compress_v2;
 mod crash;

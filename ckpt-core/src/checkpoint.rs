@@ -21,6 +21,7 @@ mod mindspore;
 mod open;
 mod sliced;
 
+use crate::error::Error;
 use crate::formats::TensorFile;
 use crate::layout::source::{PieceSource, SourceTensor};
 use crate::layout::strategy::Strategy;
@@ -125,6 +126,31 @@ impl Checkpoint {
                     .count()
             })
             .sum()
+    }
+
+    /// [`Error::NoTensors`] when the checkpoint holds no tensor (a merge or reshard
+    /// would write an empty output); `None` otherwise.
+    #[must_use]
+    pub fn no_tensors(&self) -> Option<Error> {
+        if !self.tensors.is_empty() {
+            return None;
+        }
+        let mut files: Vec<String> = self
+            .files
+            .iter()
+            .take(4)
+            .map(|f| format!("{} ({})", f.path().display(), f.format().name()))
+            .collect();
+        if self.files.len() > 4 {
+            files.push(format!("{} more", self.files.len() - 4));
+        }
+        Some(Error::NoTensors {
+            files: if files.is_empty() {
+                "the inputs".to_string()
+            } else {
+                files.join(", ")
+            },
+        })
     }
 
     /// Total bytes of tensor data in all input files.

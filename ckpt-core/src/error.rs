@@ -222,6 +222,16 @@ pub enum Error {
         /// The output path.
         path: PathBuf,
     },
+    /// The inputs were read and hold no tensor at all (a save of other state only, or
+    /// the wrong files of a directory): an empty output is never written, and `verify`
+    /// does not call such an input fine.
+    #[error(
+        "no tensors: {files} hold(s) none; an empty checkpoint is not written, nor called fine"
+    )]
+    NoTensors {
+        /// The files read, with their formats.
+        files: String,
+    },
     /// No tensor has this name or matches this glob.
     #[error("no tensor matches `{pattern}` (the checkpoint has {tensors} tensors; `ckpt inspect` lists them)")]
     TensorNotFound {

@@ -94,8 +94,8 @@ pub use crate::layout::strategy::{
 pub use crate::layout::{Piece, Placement, TensorLayout};
 pub use crate::megatron_output::{megatron_legacy_plan, megatron_restage, megatron_tracker};
 pub use crate::present::{
-    convert_json, convert_text, human_bytes, inspect_json, inspect_text, placements_text,
-    plan_json, plan_text, verify_json, verify_text, CopySummary,
+    convert_json, convert_text, human_bytes, inspect_json, inspect_text, merge_plan_json,
+    merge_plan_text, placements_text, plan_json, plan_text, verify_json, verify_text, CopySummary,
 };
 pub use crate::ucp_output::{ucp_finish, ucp_plan};
 pub use ::safetensors::Dtype;

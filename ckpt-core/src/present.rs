@@ -8,7 +8,9 @@ mod summary;
 mod verify;
 
 pub use self::inspect::{inspect_json, inspect_text, placements_text};
-pub use self::summary::{convert_json, convert_text, plan_json, plan_text, CopySummary};
+pub use self::summary::{
+    convert_json, convert_text, merge_plan_json, merge_plan_text, plan_json, plan_text, CopySummary,
+};
 pub use self::verify::{verify_json, verify_text};
 
 /// A byte count for people: `1.50 GB`, `12.00 kB`, `7 B`.

@@ -244,6 +244,8 @@ fn index_json(plan: &CopyPlan) -> Option<String> {
     if shards.len() < 2 {
         return None;
     }
+    // Hugging Face's `total_size`: the tensor bytes of the shards the weight_map lists.
+    let total: u64 = shards.iter().map(|f| f.bytes_written()).sum();
     let mut map = serde_json::Map::new();
     for f in shards {
         for t in &f.tensors {
@@ -253,9 +255,47 @@ fn index_json(plan: &CopyPlan) -> Option<String> {
             );
         }
     }
-    let doc =
-        serde_json::json!({"metadata": {"total_size": plan.bytes_written()}, "weight_map": map});
+    let doc = serde_json::json!({"metadata": {"total_size": total}, "weight_map": map});
     Some(serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n")
+}
+
+/// The source as the merge reads it: opened with the selection, refused when it holds no
+/// tensors, and, for `--format hf`, seen as the Hugging Face model it becomes.
+fn open(req: &MergeRequest) -> Result<(Checkpoint, Option<HfModel>)> {
+    let mut source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
+    if let Some(e) = source.no_tensors() {
+        return Err(e);
+    }
+    let hf = if req.format == MergeFormat::Hf {
+        if req.compression.is_some() || req.one_file {
+            return Err(ckpt_core::Error::Unsupported {
+                problem: "--format hf writes what transformers loads: --compress and --one-file do not apply".into(),
+            });
+        }
+        Some(source.hf_view(&req.hf)?)
+    } else {
+        None
+    };
+    Ok((source, hf))
+}
+
+/// Opens the source and plans the merge, writing nothing (`ckpt merge --plan`): with
+/// `share`, the output files that process writes.
+///
+/// # Errors
+/// As [`merge`], before anything would be written.
+pub fn prepare(req: &MergeRequest) -> Result<(Checkpoint, CopyPlan)> {
+    let (source, _) = open(req)?;
+    let mut plan = plan(&source, req)?;
+    if let Some((share, count)) = req.share {
+        plan.files = std::mem::take(&mut plan.files)
+            .into_iter()
+            .enumerate()
+            .filter(|(k, _)| *k as u64 % count.max(1) == share)
+            .map(|(_, f)| f)
+            .collect();
+    }
+    Ok((source, plan))
 }
 
 /// Merges: checks everything, then writes the output atomically.
@@ -274,17 +314,7 @@ pub fn merge(
             path: req.output.clone(),
         });
     }
-    let mut source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
-    let hf = if req.format == MergeFormat::Hf {
-        if req.compression.is_some() || req.one_file {
-            return Err(ckpt_core::Error::Unsupported {
-                problem: "--format hf writes what transformers loads: --compress and --one-file do not apply".into(),
-            });
-        }
-        Some(source.hf_view(&req.hf)?)
-    } else {
-        None
-    };
+    let (source, hf) = open(req)?;
     let plan = plan(&source, req)?;
     // (A universal checkpoint is DeepSpeed's tree: no Hugging Face index.)
     let index = (req.format != MergeFormat::Ucp)
@@ -314,7 +344,7 @@ pub fn merge(
     };
     if req.format == MergeFormat::Ucp {
         return Err(ckpt_core::Error::Unsupported {
-            problem: "--format ucp writes the whole tree at once (no --rank auto)".into(),
+            problem: "--format ucp writes the whole tree at once (no --rank)".into(),
         });
     }
     let mine = CopyPlan {

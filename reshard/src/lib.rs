@@ -124,16 +124,26 @@ pub enum OutputFormat {
     DeepSpeed,
 }
 
+/// `--format dcp`, the old name of `dcp-safetensors` (DCP's sharded safetensors), still
+/// read as it: said to the user, since DCP's default format is `distcp`.
+pub const OLD_DCP_NAME: &str = "dcp";
+
+/// What `--format dcp` means now, said on stderr when it is given.
+pub const OLD_DCP_NOTE: &str = "--format dcp is read as --format dcp-safetensors (PyTorch DCP's sharded safetensors, for torch's HuggingFaceStorageReader); DCP's default format (__<r>_0.distcp + .metadata, for torch.distributed.checkpoint.load) is --format distcp";
+
 impl OutputFormat {
     /// Every format by the name the CLI and the Python package take (`--format`;
-    /// `distcp` and `dcp` are PyTorch's two DCP layouts).
-    pub const NAMES: [(&'static str, OutputFormat); 6] = [
+    /// `distcp` and `dcp-safetensors` are PyTorch's two DCP layouts, `dcp` the old name
+    /// of the second, [`OLD_DCP_NAME`]).
+    pub const NAMES: [(&'static str, OutputFormat); 7] = [
         ("ckpt", OutputFormat::Ranks),
-        ("dcp", OutputFormat::Dcp),
+        ("dcp-safetensors", OutputFormat::Dcp),
         ("distcp", OutputFormat::Distcp),
         ("mindspore", OutputFormat::MindSpore),
         ("megatron", OutputFormat::Megatron),
         ("deepspeed", OutputFormat::DeepSpeed),
+        // The old name of `dcp-safetensors`, kept: it reads as either DCP format.
+        (OLD_DCP_NAME, OutputFormat::Dcp),
     ];
 
     /// The format named `name` ([`OutputFormat::NAMES`]).
@@ -464,10 +474,13 @@ pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)>
     }
     if req.compression.is_some() && req.format != OutputFormat::Ranks {
         return Err(Error::Unsupported {
-            problem: "--compress writes ckpt's own layout (ckpt_<r>/model.ckptz): PyTorch and MindSpore do not read .ckptz files, so it does not combine with --format dcp or mindspore".into(),
+            problem: "--compress writes ckpt's own layout (ckpt_<r>/model.ckptz): PyTorch and MindSpore do not read .ckptz files, so it does not combine with --format dcp-safetensors, distcp, mindspore or megatron".into(),
         });
     }
     let mut source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
+    if let Some(e) = source.no_tensors() {
+        return Err(e);
+    }
     if req.format == OutputFormat::Megatron && !source.is_megatron_legacy() {
         // A Hugging Face model: Megatron's tensors by its family's table.
         source.megatron_import(&ckpt_core::HfTarget::default())?;

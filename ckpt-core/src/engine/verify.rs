@@ -101,6 +101,9 @@ pub fn verify_selected(
             }
         }
     }
+    // An input of no tensors is never fine (a DCP save's other files read without
+    // its data, a save of other state only).
+    problems.extend(ck.no_tensors());
     ck.apply_renames(selection, &mut problems)?;
     Ok((ck, problems))
 }

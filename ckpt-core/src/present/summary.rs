@@ -102,6 +102,18 @@ pub fn convert_text(how: Conversion, s: &ConvertStats, seconds: f64, output: &Pa
     )
 }
 
+/// `ckpt merge --plan --json`: the plan's report (one integrated output, no mesh).
+#[must_use]
+pub fn merge_plan_json(source: &Checkpoint, plan: &CopyPlan) -> Value {
+    PlanReport::new(source, plan).to_json(source)
+}
+
+/// `ckpt merge --plan`: which files each output file reads, and the bytes.
+#[must_use]
+pub fn merge_plan_text(source: &Checkpoint, plan: &CopyPlan) -> String {
+    PlanReport::new(source, plan).to_text(source, 8)
+}
+
 /// `ckpt reshard --plan --json`: the plan's report with the target mesh.
 #[must_use]
 pub fn plan_json(source: &Checkpoint, strategy: &Strategy, plan: &CopyPlan) -> Value {

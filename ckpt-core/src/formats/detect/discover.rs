@@ -183,6 +183,16 @@ static DIRECTORIES: [DirRow; 12] = [
         read: dcp_dir,
         alone: None,
     },
+    // Before the loose-file rows: the files beside `.distcp` data (Megatron's
+    // `common.pt`) are not the checkpoint, and reading them instead would be silent.
+    DirRow {
+        what: "PyTorch DCP data without its .metadata",
+        own: false,
+        carries: true,
+        claims: has_distcp_files,
+        read: dcp_without_metadata,
+        alone: None,
+    },
     DirRow {
         what: "loose tensor files (*.safetensors, *.ckptz, *.ckpt)",
         own: false,
@@ -197,14 +207,6 @@ static DIRECTORIES: [DirRow; 12] = [
         carries: true,
         claims: has_torch_files,
         read: torch_files,
-        alone: None,
-    },
-    DirRow {
-        what: "PyTorch DCP data without its .metadata",
-        own: false,
-        carries: true,
-        claims: has_distcp_files,
-        read: dcp_without_metadata,
         alone: None,
     },
 ];
@@ -282,6 +284,9 @@ impl Discovery {
         }
         if path.is_file() && path.extension().is_some_and(|e| e == "distcp") {
             let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+            if !has_dcp_metadata(&dir) {
+                return Err(missing_dcp_metadata(&dir));
+            }
             note_carried(&dir, &mut self.carried);
             self.read_dcp(&dir)?;
             self.push(path.to_path_buf(), None, Some(dir));
@@ -717,10 +722,18 @@ fn has_distcp_files(path: &Path) -> bool {
 }
 
 fn dcp_without_metadata(path: &Path, _: &mut Discovery) -> Result<()> {
-    Err(unknown(format!(
-        "{}: .distcp files without the `.metadata` that says what they hold",
-        path.display()
-    )))
+    Err(missing_dcp_metadata(path))
+}
+
+/// The refusal of `.distcp` data whose `.metadata` is not there: named, as the file
+/// that is missing (never read as whatever else lies beside it).
+fn missing_dcp_metadata(dir: &Path) -> Error {
+    unknown(format!(
+        "{}: missing: the .distcp files of {} cannot be read without the `{}` that says which tensor each holds (a PyTorch DCP or Megatron dist_ckpt save copied without it?)",
+        dir.join(distcp::METADATA_FILE).display(),
+        dir.display(),
+        distcp::METADATA_FILE
+    ))
 }
 
 #[cfg(test)]
