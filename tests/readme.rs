@@ -60,8 +60,39 @@ fn values_after(text: &str, prefix: &str) -> BTreeSet<String> {
         .collect()
 }
 
-/// The values `ckpt COMMAND --format` accepts, from clap's refusal of one it does not
-/// (`[possible values: a, b, c]`; hidden aliases are not listed, names are).
+/// The values of `--format` in clap's words: `[possible values: a, b, c]` (an error,
+/// or short help) or, where the values have help texts, the `Possible values:` list of
+/// `--help` (`  - a: ...`). Hidden aliases are not listed; names are.
+fn possible_values(text: &str) -> Option<BTreeSet<String>> {
+    if let Some(i) = text.find("[possible values: ") {
+        let start = i + "[possible values: ".len();
+        let end = start + text[start..].find(']')?;
+        return Some(
+            text[start..end]
+                .split(',')
+                .map(|v| v.trim().to_string())
+                .collect(),
+        );
+    }
+    let i = text.find("Possible values:")?;
+    let values: BTreeSet<String> = text[i..]
+        .lines()
+        .skip(1)
+        .map(str::trim)
+        .take_while(|l| l.starts_with("- "))
+        .map(|l| {
+            l[2..]
+                .split(|c: char| c == ':' || c.is_whitespace())
+                .next()
+                .unwrap_or("")
+                .to_string()
+        })
+        .collect();
+    (!values.is_empty()).then_some(values)
+}
+
+/// The values `ckpt COMMAND --format` accepts: from clap's refusal of one it does not,
+/// else from `ckpt COMMAND --help`'s `--format` entry.
 fn accepted(d: &Dir, command: &str) -> BTreeSet<String> {
     let mut args = vec![command, "--format", "not-a-format", "in", "-o", "out"];
     if command == "reshard" {
@@ -69,16 +100,21 @@ fn accepted(d: &Dir, command: &str) -> BTreeSet<String> {
     }
     let o = d.ckpt(&args);
     assert_ne!(o.code, 0, "ckpt {command} accepted --format not-a-format");
-    let start = o
-        .stderr
-        .find("[possible values: ")
-        .unwrap_or_else(|| panic!("ckpt {command}: no possible values in:\n{}", o.stderr))
-        + "[possible values: ".len();
-    let end = start + o.stderr[start..].find(']').expect("closing ]");
-    o.stderr[start..end]
-        .split(',')
-        .map(|v| v.trim().to_string())
-        .collect()
+    if let Some(v) = possible_values(&o.stderr) {
+        return v;
+    }
+    let help = d.ckpt(&[command, "--help"]).stdout;
+    let entry = help
+        .find("--format")
+        .map(|i| &help[i..])
+        .unwrap_or_else(|| panic!("ckpt {command} --help has no --format:\n{help}"));
+    let next = entry[1..].find("\n  -").map_or(entry.len(), |j| j + 1);
+    possible_values(&entry[..next]).unwrap_or_else(|| {
+        panic!(
+            "ckpt {command}: no possible values of --format in its error:\n{}\nnor in its help:\n{entry}",
+            o.stderr
+        )
+    })
 }
 
 #[test]
@@ -139,4 +175,15 @@ fn the_readme_names_each_format_row_once() {
             r[0]
         );
     }
+}
+
+#[test]
+fn possible_values_are_read_in_both_of_clap_s_forms() {
+    let short =
+        "error: invalid value 'x' for '--format <FORMAT>'\n  [possible values: a, b-c, d_e]\n";
+    let long = "      --format <FORMAT>\n          Output.\n\n          Possible values:\n          - a:   one\n          - b-c: two\n          - d_e\n\n      --one-file\n";
+    let want: BTreeSet<String> = ["a", "b-c", "d_e"].map(String::from).into();
+    assert_eq!(possible_values(short), Some(want.clone()));
+    assert_eq!(possible_values(long), Some(want));
+    assert_eq!(possible_values("no values here"), None);
 }
