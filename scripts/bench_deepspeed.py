@@ -21,7 +21,7 @@ With `--modes ucp` (or `merge ucp`, the default) it also times, on the same chec
     default workers (4 extracting, 2 merging),
 and checks that every `zero/<param>/*.pt` tensor of the two trees is equal.
 
-The measurements of the README (one run each, on a machine shared with other builds):
+The measurements in docs/benchmarks.md (one run each, on a machine shared with other builds):
 
     target/venv-ds/bin/python scripts/bench_deepspeed.py --mb 1024 --stages 3 --modes merge
     target/venv-ds/bin/python scripts/bench_deepspeed.py --mb 384 --stages 2 3 --modes ucp

@@ -17,7 +17,7 @@
 #   ROUNDS=5 scripts/compress_speed.sh
 #
 # Uses target/release/ckpt (build it first: cargo build --release --bin ckpt; CKPT=path
-# overrides). The checkpoint is the README's 30M-parameter MLP trained 40 steps with
+# overrides). The checkpoint is docs/benchmarks.md's 30M-parameter MLP trained 40 steps with
 # AdamW on dp=1,tp=2, saved sliced (356 MB), made once under target/compress-speed/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

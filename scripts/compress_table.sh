@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's compression table (issue 26): per model and dtype, compressed/raw of
+# The compression table of docs/benchmarks.md (issue 26): per model and dtype, compressed/raw of
 #   plain zstd -1 of the file, the byte-grouped numpy baseline
 #   (scripts/compress_baseline.py), and `ckpt compress` (.ckptz version 2).
 #

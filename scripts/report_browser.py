@@ -121,7 +121,7 @@ def browser_check():
         want = [n for n in tensors if n.startswith("embed") or "norm" in n]
         wait_rows(drv, len(want), "filter /^embed|norm/")
 
-        # The picture for the README: the fused QKV weight, each rank holding its part
+        # The picture of docs/pictures.md: the fused QKV weight, each rank holding its part
         # of each of the three blocks.
         box.clear()
         box.send_keys("/^layers\\.0\\.attn\\.qkv\\.weight$/")

@@ -76,7 +76,8 @@ MEGATRON_VENV=$venv scripts/megatron_interop.sh target/debug/ckpt
   "$venv/bin/pip" install --quiet --disable-pip-version-check transformers
 "$venv/bin/python" scripts/hf_interop.py target/debug/ckpt
 
-# The README's "By example" block, every line as written, in order, in a new directory.
+# The "By example" blocks of README.md (the recipes) and docs/examples.md (every
+# command), each line as written, in order, in a new directory.
 scripts/readme_examples.sh target/debug/ckpt
 
 # Layout pictures: `ckpt inspect --html` in headless Chromium (tensor and piece counts

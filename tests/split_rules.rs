@@ -18,7 +18,7 @@ fn ds(rel: &str) -> String {
 }
 
 /// The fixture's own split, as the user would write it (the committed
-/// tests/fixtures/deepspeed_tp/rules.json, which the README's example passes too).
+/// tests/fixtures/deepspeed_tp/rules.json, which docs/examples.md's example passes too).
 const DS_RULES: &str = include_str!("fixtures/deepspeed_tp/rules.json");
 
 /// Renames every stage's `mlp.linear_fc2.weight` (layers 0 and 1 of each stage) to

@@ -18,6 +18,7 @@ mod merge;
 mod mindspore;
 mod pictures;
 mod python;
+mod readme;
 mod reshard;
 mod split_rules;
 mod tensorboard;
