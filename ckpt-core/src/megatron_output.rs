@@ -47,7 +47,7 @@ pub fn megatron_legacy_plan(
     // megatron-core's TransformerConfig: the attention heads divide by the TP size, and
     // the query groups are a multiple or a divisor of it (with fewer groups than ranks,
     // each rank's part of the fused QKV is all-gathered back into whole groups).
-    if let Some(h) = state.args.heads.filter(|h| h % tp != 0) {
+    if let Some(h) = state.args.heads.filter(|h| !h.is_multiple_of(tp)) {
         return Err(unsupported(format!(
             "num_attention_heads {h} does not divide by tensor parallel {tp} (megatron-core needs whole heads on each rank)"
         )));
@@ -55,7 +55,7 @@ pub fn megatron_legacy_plan(
     if let Some(g) = state
         .args
         .query_groups
-        .filter(|g| *g > 0 && g % tp != 0 && tp % g != 0)
+        .filter(|g| *g > 0 && !g.is_multiple_of(tp) && !tp.is_multiple_of(*g))
     {
         return Err(unsupported(format!(
             "num_query_groups {g} is neither a multiple nor a divisor of tensor parallel {tp} (megatron-core needs one or the other)"
