@@ -26,7 +26,8 @@ fn class_of(e: &Error) -> &'static str {
         | Error::InvalidTensor { .. }
         | Error::HeaderTooLarge { .. }
         | Error::UnknownInput { .. }
-        | Error::Overflow { .. } => "InvalidInput",
+        | Error::Overflow { .. }
+        | Error::NoTensors { .. } => "InvalidInput",
         // Several problems: the most telling kind among them (a damaged file, then data
         // missing, then ambiguity), else the first one's.
         Error::Many(p) => [
