@@ -446,7 +446,8 @@ fn legacy_written_back_for_other_sizes_reads_back() {
     // The args say the new sizes: the written files read back as that mesh.
     let o = d.ok(&["inspect", "w4"]);
     assert!(o.stdout.contains("on mesh tp=4"), "{}", o.stdout);
-    // 64 vocabulary rows do not split into 3 equal parts: refused, nothing written.
+    // 4 heads (and 64 vocabulary rows) do not split over 3 TP ranks: refused, nothing
+    // written.
     let o = d.fails(&[
         "reshard",
         &fx("legacy"),
@@ -458,7 +459,8 @@ fn legacy_written_back_for_other_sizes_reads_back() {
         "w3",
     ]);
     assert!(
-        o.stderr.contains("does not split into 3 equal parts"),
+        o.stderr
+            .contains("num_attention_heads 4 does not divide by tensor parallel 3"),
         "{}",
         o.stderr
     );

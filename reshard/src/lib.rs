@@ -481,7 +481,7 @@ pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)>
     if let Some(e) = source.no_tensors() {
         return Err(e);
     }
-    if req.format == OutputFormat::Megatron && !source.is_megatron_legacy() {
+    if req.format == OutputFormat::Megatron && !source.is_megatron() {
         // A Hugging Face model: Megatron's tensors by its family's table.
         source.megatron_import(&ckpt_core::HfTarget::default())?;
     }

@@ -218,12 +218,14 @@ impl Checkpoint {
         megatron::source_state(first.path())
     }
 
-    /// Whether the checkpoint is a Megatron legacy one (its rank files carry args).
+    /// Whether the checkpoint is Megatron's (legacy rank files, or a dist_ckpt with
+    /// Megatron-LM's args in its common.pt): its tensors have Megatron's names already.
     #[must_use]
-    pub fn is_megatron_legacy(&self) -> bool {
+    pub fn is_megatron(&self) -> bool {
         self.files
             .iter()
             .any(|f| f.metadata().get("format").map(String::as_str) == Some("megatron"))
+            || self.megatron_args().ok().flatten().is_some()
     }
 
     /// Replaces a Hugging Face model's tensors by Megatron's, named and fused by the
