@@ -1,0 +1,119 @@
+//! Per-rank `torch.save` files of DTensors written by torch itself (tests/fixtures/dtensor,
+//! made by scripts/fixtures/dtensor_pickles.py: `distribute_tensor` on gloo CPU ranks, a
+//! mesh of 2 and one of 2x2, Shard/Replicate placements, uneven and empty pieces, each
+//! rank's state dict `torch.save`d as verl names it): merged and resharded, compared
+//! byte for byte with the DTensors' `full_tensor()`.
+
+use crate::util::{full_tensors, Dir};
+use std::path::{Path, PathBuf};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dtensor")
+}
+
+fn dir(world: u32) -> String {
+    fixtures().join(format!("ws{world}")).display().to_string()
+}
+
+fn expected(world: u32) -> std::collections::BTreeMap<String, Vec<u8>> {
+    full_tensors(&fixtures().join(format!("ws{world}_expected.safetensors")))
+}
+
+/// `(dtype, shape)` of every tensor, by name.
+fn described(path: &Path) -> Vec<(String, String, Vec<u64>)> {
+    let ck = ckpt_core::Checkpoint::open(&[path.to_path_buf()]).expect("open");
+    ck.tensors
+        .iter()
+        .map(|(n, t)| {
+            let dtype = ckpt_core::dtype_name(t.dtype).to_string();
+            (n.clone(), dtype, t.shape.clone())
+        })
+        .collect()
+}
+
+#[test]
+fn merge_equals_full_tensor_byte_for_byte() {
+    let d = Dir::new();
+    for world in [2, 4] {
+        let out = format!("m{world}");
+        let o = d.ok(&["merge", &dir(world), "-o", &out]);
+        // The plain value beside the DTensors is named, not dropped silently.
+        assert!(o.stderr.contains("epoch"), "{}", o.stderr);
+        assert_eq!(
+            full_tensors(&d.path(&out)),
+            expected(world),
+            "world {world}"
+        );
+        assert_eq!(
+            described(&d.path(&out).join("model.safetensors")),
+            described(&fixtures().join(format!("ws{world}_expected.safetensors"))),
+            "world {world}"
+        );
+    }
+}
+
+#[test]
+fn reshard_to_three_then_merge_gives_the_same_bytes() {
+    let d = Dir::new();
+    for world in [2, 4] {
+        let (r, m) = (format!("r{world}"), format!("b{world}"));
+        d.ok(&["reshard", &dir(world), "--to", "3", "-o", &r]);
+        d.ok(&["merge", &r, "-o", &m]);
+        assert_eq!(full_tensors(&d.path(&m)), expected(world), "world {world}");
+    }
+}
+
+#[test]
+fn a_missing_rank_file_is_refused_by_name() {
+    let d = Dir::new();
+    for gone in [1, 3] {
+        let src = d.path(&format!("ranks{gone}"));
+        std::fs::create_dir_all(&src).unwrap();
+        for r in (0..4).filter(|&r| r != gone) {
+            let name = format!("model_world_size_4_rank_{r}.pt");
+            std::fs::copy(fixtures().join("ws4").join(&name), src.join(&name)).unwrap();
+        }
+        let out = format!("m{gone}");
+        let o = d.fails(&["merge", &src.display().to_string(), "-o", &out]);
+        let want = format!("model_world_size_4_rank_{gone}.pt");
+        assert!(
+            o.stderr.contains(&format!("rank {gone} of 4 is missing")) && o.stderr.contains(&want),
+            "{}",
+            o.stderr
+        );
+        assert!(!d.path(&out).exists());
+    }
+}
+
+#[test]
+fn inspect_shows_the_global_shapes() {
+    let d = Dir::new();
+    let o = d.ok(&["inspect", &dir(4)]);
+    assert!(
+        o.stdout
+            .starts_with("per-rank torch.save (DTensor) checkpoint, 4 file(s), 6 tensors"),
+        "{}",
+        o.stdout
+    );
+    // embed.weight is 9x6 cut by a 2x2 mesh (Shard(0), Shard(1)); norm.weight is
+    // replicated on all four.
+    let line = |name: &str| {
+        o.stdout
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert!(
+        line("embed.weight").contains("[9, 6] 216 4 pieces"),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        line("norm.weight").contains("[6] 24 1 pieces"),
+        "{}",
+        o.stdout
+    );
+}
