@@ -1,8 +1,9 @@
 //! Per-rank `torch.save` files of DTensors written by torch itself (tests/fixtures/dtensor,
 //! made by scripts/fixtures/dtensor_pickles.py: `distribute_tensor` on gloo CPU ranks, a
 //! mesh of 2 and one of 2x2, Shard/Replicate placements, uneven and empty pieces, each
-//! rank's state dict `torch.save`d as verl names it): merged and resharded, compared
-//! byte for byte with the DTensors' `full_tensor()`.
+//! rank's state dict `torch.save`d as verl names it; FSDP1's `SHARDED_STATE_DICT` and
+//! `optim_state_dict` the same way): merged and resharded, compared byte for byte with
+//! the DTensors' `full_tensor()`.
 
 use crate::util::{full_tensors, Dir};
 use std::path::{Path, PathBuf};
@@ -11,12 +12,20 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dtensor")
 }
 
-fn dir(world: u32) -> String {
-    fixtures().join(format!("ws{world}")).display().to_string()
+/// The fixture directories: meshes of 2 and 2x2 (`distribute_tensor`), FSDP1's model
+/// and optimizer state.
+const VARIANTS: [&str; 4] = ["ws2", "ws4", "fsdp1", "fsdp1_optim"];
+
+fn dir(v: &str) -> String {
+    fixtures().join(v).display().to_string()
 }
 
-fn expected(world: u32) -> std::collections::BTreeMap<String, Vec<u8>> {
-    full_tensors(&fixtures().join(format!("ws{world}_expected.safetensors")))
+fn expected_path(v: &str) -> PathBuf {
+    fixtures().join(format!("{v}_expected.safetensors"))
+}
+
+fn expected(v: &str) -> std::collections::BTreeMap<String, Vec<u8>> {
+    full_tensors(&expected_path(v))
 }
 
 /// `(dtype, shape)` of every tensor, by name.
@@ -34,20 +43,23 @@ fn described(path: &Path) -> Vec<(String, String, Vec<u64>)> {
 #[test]
 fn merge_equals_full_tensor_byte_for_byte() {
     let d = Dir::new();
-    for world in [2, 4] {
-        let out = format!("m{world}");
-        let o = d.ok(&["merge", &dir(world), "-o", &out]);
-        // The plain value beside the DTensors is named, not dropped silently.
-        assert!(o.stderr.contains("epoch"), "{}", o.stderr);
-        assert_eq!(
-            full_tensors(&d.path(&out)),
-            expected(world),
-            "world {world}"
-        );
+    for v in VARIANTS {
+        let out = format!("m-{v}");
+        let o = d.ok(&["merge", &dir(v), "-o", &out]);
+        // Plain values beside the DTensors are named, not dropped silently.
+        let plain = match v {
+            "fsdp1" => "",
+            "fsdp1_optim" => "param_groups",
+            _ => "epoch",
+        };
+        assert!(o.stderr.contains(plain), "{v}: {}", o.stderr);
+        let want = expected(v);
+        assert!(want.len() >= 6, "{v}");
+        assert_eq!(full_tensors(&d.path(&out)), want, "{v}");
         assert_eq!(
             described(&d.path(&out).join("model.safetensors")),
-            described(&fixtures().join(format!("ws{world}_expected.safetensors"))),
-            "world {world}"
+            described(&expected_path(v)),
+            "{v}"
         );
     }
 }
@@ -55,11 +67,11 @@ fn merge_equals_full_tensor_byte_for_byte() {
 #[test]
 fn reshard_to_three_then_merge_gives_the_same_bytes() {
     let d = Dir::new();
-    for world in [2, 4] {
-        let (r, m) = (format!("r{world}"), format!("b{world}"));
-        d.ok(&["reshard", &dir(world), "--to", "3", "-o", &r]);
+    for v in VARIANTS {
+        let (r, m) = (format!("r-{v}"), format!("b-{v}"));
+        d.ok(&["reshard", &dir(v), "--to", "3", "-o", &r]);
         d.ok(&["merge", &r, "-o", &m]);
-        assert_eq!(full_tensors(&d.path(&m)), expected(world), "world {world}");
+        assert_eq!(full_tensors(&d.path(&m)), expected(v), "{v}");
     }
 }
 
@@ -88,7 +100,7 @@ fn a_missing_rank_file_is_refused_by_name() {
 #[test]
 fn inspect_shows_the_global_shapes() {
     let d = Dir::new();
-    let o = d.ok(&["inspect", &dir(4)]);
+    let o = d.ok(&["inspect", &dir("ws4")]);
     assert!(
         o.stdout
             .starts_with("per-rank torch.save (DTensor) checkpoint, 4 file(s), 6 tensors"),
