@@ -129,3 +129,28 @@ fn inspect_shows_the_global_shapes() {
         o.stdout
     );
 }
+
+#[test]
+fn model_and_optimizer_files_of_one_rank_side_by_side_say_which_to_pass() {
+    let d = Dir::new();
+    let src = d.path("actor");
+    std::fs::create_dir_all(&src).unwrap();
+    for v in ["fsdp1", "fsdp1_optim"] {
+        for e in std::fs::read_dir(fixtures().join(v)).unwrap() {
+            let p = e.unwrap().path();
+            std::fs::copy(&p, src.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let o = d.fails(&["merge", "actor", "-o", "all"]);
+    assert!(
+        o.stderr.contains("rank 0 appears twice") && o.stderr.contains("model_world_size_*.pt"),
+        "{}",
+        o.stderr
+    );
+    // The model files alone, passed by name, merge.
+    let files: Vec<String> = (0..2)
+        .map(|r| format!("actor/model_world_size_2_rank_{r}.pt"))
+        .collect();
+    d.ok(&["merge", &files[0], &files[1], "-o", "model"]);
+    assert_eq!(full_tensors(&d.path("model")), expected("fsdp1"));
+}

@@ -107,9 +107,20 @@ impl Checkpoint {
                 recorded += 1;
                 worlds.insert(world);
                 if let Some(other) = seen.insert(rank, fi) {
+                    // verl saves `model_`, `optim_` and `extra_state_world_size_N_rank_R.pt`
+                    // side by side: which of them to merge is the user's to say.
+                    let hint = if f.format() == FileFormat::TorchSave
+                        && self.files[other].format() == FileFormat::TorchSave
+                    {
+                        ": several torch.save files per rank (verl's model_, optim_ and \
+                         extra_state_ files): pass the files of one kind, e.g. \
+                         DIR/model_world_size_*.pt"
+                    } else {
+                        ""
+                    };
                     problems.push(Error::Mismatch {
                         what: format!(
-                            "{}: rank {rank} appears twice (also {})",
+                            "{}: rank {rank} appears twice (also {}){hint}",
                             f.path().display(),
                             self.files[other].path().display()
                         ),
