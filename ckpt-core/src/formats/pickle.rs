@@ -351,14 +351,22 @@ impl<'a> Machine<'a> {
         let Some(item) = self.memo.get(&key) else {
             return self.fail(format!("memo {key} was never stored"));
         };
-        self.copied += size(&item.value, MAX_COPIED);
+        let n = size(&item.value, MAX_COPIED);
+        self.count_copy(n)?;
+        let item = self.memo[&key].clone();
+        self.push(item)
+    }
+
+    /// Counts a copy of `n` values (a memo read, `DUP`) against [`MAX_COPIED`], before
+    /// it is made.
+    fn count_copy(&mut self, n: u64) -> Result<()> {
+        self.copied += n;
         if self.copied >= MAX_COPIED {
             return self.fail(format!(
                 "memo references expand to more than {MAX_COPIED} values (a pickle bomb, not a checkpoint)"
             ));
         }
-        let item = item.clone();
-        self.push(item)
+        Ok(())
     }
 
     fn memo_put(&mut self, key: u32) -> Result<()> {
@@ -470,6 +478,8 @@ impl<'a> Machine<'a> {
                 self.pop_mark()?;
             }
             b'2' => {
+                let n = size(&self.top()?.value, MAX_COPIED);
+                self.count_copy(n)?;
                 let top = self.top()?.clone();
                 self.push(top)?;
             }
@@ -1014,6 +1024,14 @@ mod tests {
         let mut p = b"\x80\x02]q\x00".to_vec();
         for _ in 0..60 {
             p.extend_from_slice(b"h\x00h\x00\x86q\x00");
+        }
+        p.push(b'.');
+        let e = parse(&p).unwrap_err().to_string();
+        assert!(e.contains("pickle bomb"), "{e}");
+        // The same doubling with DUP: EMPTY_LIST, then 60 times DUP, TUPLE2.
+        let mut p = b"\x80\x02]".to_vec();
+        for _ in 0..60 {
+            p.extend_from_slice(b"2\x86");
         }
         p.push(b'.');
         let e = parse(&p).unwrap_err().to_string();
