@@ -154,3 +154,18 @@ fn model_and_optimizer_files_of_one_rank_side_by_side_say_which_to_pass() {
     d.ok(&["merge", &files[0], &files[1], "-o", "model"]);
     assert_eq!(full_tensors(&d.path("model")), expected("fsdp1"));
 }
+
+#[test]
+fn partial_and_strided_placements_written_by_torch_are_refused_by_name() {
+    let d = Dir::new();
+    for (v, class) in [
+        ("refused_partial", "Partial"),
+        ("refused_strided", "_StridedShard"),
+    ] {
+        let out = format!("o-{v}");
+        let o = d.fails(&["merge", &dir(v), "-o", &out]);
+        let want = format!("tensor `w`: a DTensor: placement `{class}` on mesh dim 0 is not read");
+        assert!(o.stderr.contains(&want), "{v}: {}", o.stderr);
+        assert!(!d.path(&out).exists(), "{v}");
+    }
+}
