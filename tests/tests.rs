@@ -10,6 +10,7 @@ mod crash;
 mod deepspeed;
 mod deepspeed_write;
 mod direct_write;
+mod dtensor;
 mod hf;
 mod inspect_verify;
 mod megatron;

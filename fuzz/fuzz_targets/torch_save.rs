@@ -1,7 +1,8 @@
 //! Opening a `torch.save` file must never panic, whatever the zip archive and its
 //! pickle hold: the restricted pickle reader (ckpt's data-only pickle machine plus an
 //! allow-list of globals) returns an error, and whatever it accepts lies inside the file.
-//! Seeds: tests/fixtures/torch/*.pth, *.pt, *.bin.
+//! Seeds: tests/fixtures/torch/*.pth, *.pt, *.bin, and a rank file of DTensors
+//! (tests/fixtures/dtensor/ws4/model_world_size_4_rank_1.pt).
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {

@@ -6,6 +6,7 @@ use super::sliced::missing_ranks;
 use super::{unplaced, Checkpoint};
 use crate::error::Error;
 use crate::formats::distcp::{self, DcpMetadata};
+use crate::formats::torch_save;
 use crate::formats::{FileFormat, ReadCache};
 use crate::layout::region::Region;
 use crate::layout::source::SourcePiece;
@@ -106,9 +107,20 @@ impl Checkpoint {
                 recorded += 1;
                 worlds.insert(world);
                 if let Some(other) = seen.insert(rank, fi) {
+                    // verl saves `model_`, `optim_` and `extra_state_world_size_N_rank_R.pt`
+                    // side by side: which of them to merge is the user's to say.
+                    let hint = if f.format() == FileFormat::TorchSave
+                        && self.files[other].format() == FileFormat::TorchSave
+                    {
+                        ": several torch.save files per rank (verl's model_, optim_ and \
+                         extra_state_ files): pass the files of one kind, e.g. \
+                         DIR/model_world_size_*.pt"
+                    } else {
+                        ""
+                    };
                     problems.push(Error::Mismatch {
                         what: format!(
-                            "{}: rank {rank} appears twice (also {})",
+                            "{}: rank {rank} appears twice (also {}){hint}",
                             f.path().display(),
                             self.files[other].path().display()
                         ),
@@ -135,8 +147,21 @@ impl Checkpoint {
             return;
         }
         let world = worlds.into_iter().next().unwrap_or(0);
-        problems.extend(missing_ranks(world, &seen, |_| {
-            "its DCP file is not among the inputs".into()
+        // Per-rank torch.save files of DTensors (`model_world_size_4_rank_0.pt`): the
+        // missing one named after a present one.
+        let torch_name = seen.iter().find_map(|(&r, &fi)| {
+            let f = &self.files[fi];
+            let name = f.path().file_name()?.to_str()?;
+            let at = format!("rank_{r}.");
+            (f.format() == FileFormat::TorchSave && name.contains(&at))
+                .then(|| (name.to_string(), at))
+        });
+        problems.extend(missing_ranks(world, &seen, |m| match &torch_name {
+            Some((name, at)) => format!(
+                "its torch.save file `{}` is not among the inputs",
+                name.replace(at, &format!("rank_{m}."))
+            ),
+            None => "its DCP file is not among the inputs".into(),
         }));
         if let Some((&r, &fi)) = seen.iter().find(|(&r, _)| r >= world) {
             problems.push(Error::Mismatch {
@@ -173,6 +198,51 @@ impl Checkpoint {
                 t.shape.clone_from(shape);
             }
         }
+    }
+
+    /// The global shapes per-rank `torch.save` files of DTensors declare (each file
+    /// those of its own DTensors): as DCP's, so a missing piece is a coverage gap; two
+    /// files that declare different shapes for one tensor are named.
+    pub(super) fn declare_dtensor_shapes(&mut self, problems: &mut Vec<Error>) {
+        let mut shapes: BTreeMap<String, (Dtype, Vec<u64>, usize)> = BTreeMap::new();
+        for (fi, f) in self.files.iter().enumerate() {
+            let Some(text) = f.metadata().get(torch_save::DTENSOR_SHAPES) else {
+                continue;
+            };
+            let declared: BTreeMap<String, Vec<u64>> = match serde_json::from_str(text) {
+                Ok(d) => d,
+                Err(e) => {
+                    problems.push(Error::Mismatch {
+                        what: format!("{}: DTensor shapes unreadable: {e}", f.path().display()),
+                    });
+                    continue;
+                }
+            };
+            for (name, shape) in declared {
+                let Some(t) = f.tensors().iter().find(|t| t.name == name) else {
+                    continue;
+                };
+                match shapes.get(&name) {
+                    Some((_, s, other)) if *s != shape => problems.push(Error::InvalidTensor {
+                        tensor: name.clone(),
+                        problem: format!(
+                            "a DTensor of global shape {s:?} in {}, {shape:?} in {}",
+                            self.files[*other].path().display(),
+                            f.path().display()
+                        ),
+                    }),
+                    Some(_) => {}
+                    None => {
+                        shapes.insert(name, (t.dtype, shape, fi));
+                    }
+                }
+            }
+        }
+        let shapes = shapes
+            .into_iter()
+            .map(|(n, (d, s, _))| (n, (d, s)))
+            .collect();
+        self.declare_shapes(&shapes, problems);
     }
 
     /// DCP's `.metadata` records every tensor's dtype and global shape: they replace

@@ -245,6 +245,7 @@ impl Checkpoint {
         for d in &ds {
             ck.declare_shapes(&d.shapes, &mut problems);
         }
+        ck.declare_dtensor_shapes(&mut problems);
         ck.assemble(raw, &mut problems);
         for (alias, of) in ds.iter().flat_map(|d| &d.aliases) {
             if let Some(t) = ck.tensors.get(of).cloned() {

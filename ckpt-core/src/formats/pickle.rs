@@ -17,7 +17,7 @@
 //! bytes of nested references would otherwise expand exponentially), and nesting is
 //! limited (deep trees overflow the stack of any recursive consumer, and of `Drop`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// A value built by the pickle machine.
 #[derive(Clone, Debug, PartialEq)]
@@ -172,6 +172,11 @@ const MAX_DEPTH: u32 = 128;
 struct Item {
     value: Value,
     depth: u32,
+    /// The memo key this object was last stored under: Python's memo holds the object
+    /// itself, so what `SETITEMS`, `APPENDS` and `BUILD` do to it later is seen by every
+    /// later `GET` (a `DeviceMesh` made once, built with its state, then referred to by
+    /// every DTensor).
+    memo: Option<u32>,
 }
 
 enum Slot {
@@ -184,11 +189,18 @@ struct Machine<'a> {
     pos: usize,
     stack: Vec<Slot>,
     memo: HashMap<u32, Item>,
+    /// Memo keys whose object was changed after it was stored; the memo's copy is
+    /// brought up to date when the object leaves the stack or the key is read.
+    stale: HashSet<u32>,
     copied: u64,
 }
 
 fn leaf(value: Value) -> Item {
-    Item { value, depth: 0 }
+    Item {
+        value,
+        depth: 0,
+        memo: None,
+    }
 }
 
 /// The number of values in `v`, counted up to `limit`.
@@ -268,7 +280,10 @@ impl<'a> Machine<'a> {
 
     fn pop(&mut self) -> Result<Item> {
         match self.stack.pop() {
-            Some(Slot::Item(i)) => Ok(i),
+            Some(Slot::Item(i)) => {
+                self.settle(&i);
+                Ok(i)
+            }
             Some(Slot::Mark) => self.fail("a mark where a value was expected"),
             None => self.fail("the stack is empty"),
         }
@@ -297,35 +312,80 @@ impl<'a> Machine<'a> {
                 Slot::Item(i) => i,
                 Slot::Mark => unreachable!("the topmost mark is at `at`"),
             })
-            .collect();
+            .collect::<Vec<_>>();
         self.stack.pop();
+        for i in &items {
+            self.settle(i);
+        }
         Ok(items)
     }
 
+    /// Brings the memo's copy of `item` up to date if the object changed after it was
+    /// stored (once, when it leaves the stack).
+    fn settle(&mut self, item: &Item) {
+        if let Some(k) = item.memo {
+            if self.stale.remove(&k) {
+                self.memo.insert(k, item.clone());
+            }
+        }
+    }
+
+    /// Marks the object on the top of the stack as changed since it was stored.
+    fn touched(&mut self) {
+        if let Some(Slot::Item(Item { memo: Some(k), .. })) = self.stack.last() {
+            self.stale.insert(*k);
+        }
+    }
+
     fn memo_get(&mut self, key: u32) -> Result<()> {
+        if self.stale.remove(&key) {
+            // Still on the stack (a GET inside the object's own state): its current form.
+            let live = self.stack.iter().rev().find_map(|s| match s {
+                Slot::Item(i) if i.memo == Some(key) => Some(i.clone()),
+                _ => None,
+            });
+            if let Some(i) = live {
+                self.memo.insert(key, i);
+            }
+        }
         let Some(item) = self.memo.get(&key) else {
             return self.fail(format!("memo {key} was never stored"));
         };
-        self.copied += size(&item.value, MAX_COPIED);
+        let n = size(&item.value, MAX_COPIED);
+        self.count_copy(n)?;
+        let item = self.memo[&key].clone();
+        self.push(item)
+    }
+
+    /// Counts a copy of `n` values (a memo read, `DUP`) against [`MAX_COPIED`], before
+    /// it is made.
+    fn count_copy(&mut self, n: u64) -> Result<()> {
+        self.copied += n;
         if self.copied >= MAX_COPIED {
             return self.fail(format!(
                 "memo references expand to more than {MAX_COPIED} values (a pickle bomb, not a checkpoint)"
             ));
         }
-        let item = item.clone();
-        self.push(item)
+        Ok(())
     }
 
     fn memo_put(&mut self, key: u32) -> Result<()> {
-        let item = self.top()?.clone();
+        let top = self.top()?;
+        top.memo = Some(key);
+        let item = top.clone();
         self.memo.insert(key, item);
+        self.stale.remove(&key);
         Ok(())
     }
 
     fn container(&mut self, items: Vec<Item>, make: fn(Vec<Value>) -> Value) -> Result<()> {
         let depth = items.iter().map(|i| i.depth + 1).max().unwrap_or(0);
         let value = make(items.into_iter().map(|i| i.value).collect());
-        self.push(Item { value, depth })
+        self.push(Item {
+            value,
+            depth,
+            memo: None,
+        })
     }
 
     fn pair(&mut self, a: Item, b: Item, make: fn(Box<Value>, Box<Value>) -> Value) -> Result<()> {
@@ -333,6 +393,7 @@ impl<'a> Machine<'a> {
         self.push(Item {
             value: make(Box::new(a.value), Box::new(b.value)),
             depth,
+            memo: None,
         })
     }
 
@@ -357,6 +418,7 @@ impl<'a> Machine<'a> {
         if dict.depth > MAX_DEPTH {
             return self.fail(format!("values nested more than {MAX_DEPTH} deep"));
         }
+        self.touched();
         Ok(())
     }
 
@@ -374,6 +436,7 @@ impl<'a> Machine<'a> {
         if list.depth > MAX_DEPTH {
             return self.fail(format!("values nested more than {MAX_DEPTH} deep"));
         }
+        self.touched();
         Ok(())
     }
 
@@ -415,6 +478,8 @@ impl<'a> Machine<'a> {
                 self.pop_mark()?;
             }
             b'2' => {
+                let n = size(&self.top()?.value, MAX_COPIED);
+                self.count_copy(n)?;
                 let top = self.top()?.clone();
                 self.push(top)?;
             }
@@ -549,10 +614,16 @@ impl<'a> Machine<'a> {
             b'b' => {
                 let state = self.pop()?;
                 let object = self.pop()?;
+                let memo = object.memo;
                 self.pair(object, state, |o, s| Value::Build {
                     object: o,
                     state: s,
                 })?;
+                // BUILD changes the object in place: the memo's copy is the built one.
+                if let Some(Slot::Item(built)) = self.stack.last_mut() {
+                    built.memo = memo;
+                }
+                self.touched();
             }
             b'Q' => {
                 let id = self.pop()?;
@@ -560,6 +631,7 @@ impl<'a> Machine<'a> {
                 self.push(Item {
                     value: Value::PersistentId(Box::new(id.value)),
                     depth,
+                    memo: None,
                 })?;
             }
             b'h' => {
@@ -599,6 +671,7 @@ pub(crate) fn parse(input: &[u8]) -> Result<Value> {
         pos: 0,
         stack: Vec::new(),
         memo: HashMap::new(),
+        stale: HashSet::new(),
         copied: 0,
     };
     while !m.step()? {}
@@ -876,6 +949,28 @@ mod tests {
     }
 
     #[test]
+    fn a_memoized_object_changed_later_is_read_changed() {
+        // (m, m) where m = C() is memoized before BUILD gives it {"a": 1}, and
+        // (d, d) where d = {} is memoized before SETITEMS fills it: Python's memo holds
+        // the object, so both copies are the finished ones.
+        let mut e = Emitter::new();
+        e.mark();
+        e.global("mod", "C").empty_tuple().new_obj().raw(b"q\x01");
+        e.empty_dict().str("a").int(1).raw(b"s").build();
+        e.raw(b"h\x01");
+        e.empty_dict().raw(b"q\x02").str("k").int(2).raw(b"s");
+        e.raw(b"h\x02");
+        e.tuple();
+        let v = parse(&e.finish()).unwrap();
+        let items = v.items().unwrap();
+        assert_eq!(items.len(), 4);
+        assert!(matches!(&items[1], Value::Build { .. }), "{:?}", items[1]);
+        assert_eq!(items[0], items[1]);
+        assert_eq!(items[2], items[3]);
+        assert_eq!(items[3].get("k"), Some(&Value::Int(2)));
+    }
+
+    #[test]
     fn memo_gets_copy_and_long1_is_signed() {
         // ('a', 'a', -129, 2**40): MEMOIZE then BINGET 0; LONG1 of 2 and 6 bytes.
         let p = b"\x80\x04\x8c\x01a\x94h\x00\x8a\x02\x7f\xff\x8a\x06\x00\x00\x00\x00\x00\x01\x94(h\x00h\x01h\x02h\x03t.";
@@ -929,6 +1024,14 @@ mod tests {
         let mut p = b"\x80\x02]q\x00".to_vec();
         for _ in 0..60 {
             p.extend_from_slice(b"h\x00h\x00\x86q\x00");
+        }
+        p.push(b'.');
+        let e = parse(&p).unwrap_err().to_string();
+        assert!(e.contains("pickle bomb"), "{e}");
+        // The same doubling with DUP: EMPTY_LIST, then 60 times DUP, TUPLE2.
+        let mut p = b"\x80\x02]".to_vec();
+        for _ in 0..60 {
+            p.extend_from_slice(b"2\x86");
         }
         p.push(b'.');
         let e = parse(&p).unwrap_err().to_string();

@@ -13,6 +13,13 @@
 //! optimizer's state dict); values that are not tensors are listed in the metadata
 //! (`torch.non_tensor`), never silently dropped. A tensor is a view of a storage: a
 //! storage offset is fine, a non-contiguous stride is refused by name.
+//!
+//! A DTensor (FSDP1's `SHARDED_STATE_DICT`, verl's per-rank files) is read as its local
+//! tensor placed at the box its device mesh and placements give ([`dtensor`]): the entry
+//! carries the box's offsets, and the file's metadata the DTensor's global shape
+//! (`torch.dtensor.shapes`, JSON) and the rank and world size the mesh records.
+
+mod dtensor;
 
 use super::pickle::{self, Value};
 use super::{byte_len, Mapped, TensorEntry, TensorFile};
@@ -183,16 +190,66 @@ pub(crate) fn locate_value(archive: &ArchiveIndex, name: &str, v: &Value) -> Res
     }
 }
 
+/// The metadata key under which a file of DTensors declares their global shapes: a
+/// JSON object of name and shape.
+pub(crate) const DTENSOR_SHAPES: &str = "torch.dtensor.shapes";
+
 pub(crate) fn parse(all: &[u8]) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>)> {
     let archive = Archive::open(all)?;
     let obj = archive.object()?;
     check_globals(&obj)?;
-    let (tensors, non_tensor) = archive.tensors(obj, String::new())?;
+    let (found, non_tensor) = archive.found(obj, String::new())?;
     let mut metadata = BTreeMap::from([("format".to_string(), "torch.save".to_string())]);
     if !non_tensor.is_empty() {
         metadata.insert("torch.non_tensor".into(), non_tensor.join(","));
     }
+    dtensor_metadata(&found, &mut metadata)?;
+    let tensors = found
+        .iter()
+        .map(|t| locate(t, &archive.dir, &archive.entries))
+        .collect::<Result<Vec<_>>>()?;
     Ok((tensors, metadata))
+}
+
+/// The global shapes of the file's DTensors, and the rank and world size their meshes
+/// record (which must agree: one file is one process's save).
+fn dtensor_metadata(found: &[Found], metadata: &mut BTreeMap<String, String>) -> Result<()> {
+    let mut shapes = serde_json::Map::new();
+    let (mut rank, mut world) = (None, None);
+    for t in found {
+        let Some(p) = &t.placed else { continue };
+        shapes.insert(t.name.clone(), serde_json::json!(p.global));
+        for (seen, now, what) in [
+            (&mut rank, p.rank, "rank"),
+            (&mut world, p.world, "world size"),
+        ] {
+            match (&*seen, now) {
+                (Some((a, first)), Some(b)) if *a != b => {
+                    return Err(bad(format!(
+                        "DTensors of different meshes: `{first}` records {what} {a}, `{}` {b}",
+                        t.name
+                    )))
+                }
+                (None, Some(b)) => *seen = Some((b, t.name.clone())),
+                _ => {}
+            }
+        }
+    }
+    if shapes.is_empty() {
+        return Ok(());
+    }
+    metadata.insert(
+        DTENSOR_SHAPES.into(),
+        serde_json::Value::Object(shapes).to_string(),
+    );
+    if let (Some((r, _)), Some((w, _))) = (rank, world) {
+        if r >= w {
+            return Err(bad(format!("a DTensor's mesh records rank {r} of {w}")));
+        }
+        metadata.insert("rank".into(), r.to_string());
+        metadata.insert("world_size".into(), w.to_string());
+    }
+    Ok(())
 }
 
 /// A `torch.save` archive's index: its pickle and where each storage lies. Readers of
@@ -293,14 +350,21 @@ impl<'a> Archive<'a> {
         obj: Value,
         path: String,
     ) -> Result<(Vec<TensorEntry>, Vec<String>)> {
-        let mut found = Vec::new();
-        let mut non_tensor = Vec::new();
-        walk(obj, path, &mut found, &mut non_tensor)?;
+        let (found, non_tensor) = self.found(obj, path)?;
         let mut tensors = Vec::with_capacity(found.len());
         for t in found {
             tensors.push(locate(&t, &self.dir, &self.entries)?);
         }
         Ok((tensors, non_tensor))
+    }
+
+    /// The tensors anywhere in `obj`, named by their path under `path`, not located
+    /// yet; and the paths of the plain values met on the way.
+    fn found(&self, obj: Value, path: String) -> Result<(Vec<Found>, Vec<String>)> {
+        let mut found = Vec::new();
+        let mut non_tensor = Vec::new();
+        walk(obj, path, &mut found, &mut non_tensor)?;
+        Ok((found, non_tensor))
     }
 }
 
@@ -324,6 +388,11 @@ pub(crate) fn unpickle(bytes: &[u8]) -> Result<Value> {
 /// Whether a pickle may name this global: anything but a refused module (or one
 /// inside it) and the builtins that are not inert.
 pub(crate) fn allowed(module: &str, name: &str) -> bool {
+    // A tensor subclass's layout (`torch.strided`, in every DTensor's pickle): a name
+    // looked up in torch, on torch's own `weights_only` allow-list.
+    if (module, name) == ("torch.serialization", "_get_layout") {
+        return true;
+    }
     let root_refused = REFUSED_MODULES.iter().any(|m| {
         module == *m
             || module
@@ -463,6 +532,8 @@ struct Found {
     offset: u64,
     shape: Vec<u64>,
     stride: Vec<u64>,
+    /// A DTensor's local tensor: where it sits in the DTensor's global tensor.
+    placed: Option<dtensor::Placed>,
 }
 
 fn join(path: &str, key: &str) -> String {
@@ -501,6 +572,10 @@ fn walk(obj: Value, path: String, out: &mut Vec<Found>, skipped: &mut Vec<String
             Ok(())
         }
         Value::Call { callable, args } => match callable.global() {
+            Some((_, "_rebuild_from_type_v2")) if dtensor::is_dtensor(&args) => {
+                out.push(dtensor_local(&path, &args)?);
+                Ok(())
+            }
             Some((_, "_rebuild_tensor_v2")) => {
                 out.push(tensor(&path, *args)?);
                 Ok(())
@@ -541,6 +616,35 @@ fn walk(obj: Value, path: String, out: &mut Vec<Found>, skipped: &mut Vec<String
         Value::Global { .. } | Value::Bytes(_) => record(obj, path, out, skipped),
         _ => Err(bad(format!("`{path}`: an object ckpt does not read"))),
     }
+}
+
+/// A DTensor's local tensor, placed in its global tensor.
+fn dtensor_local(path: &str, args: &Value) -> Result<Found> {
+    let (local, placed) = dtensor::read(path, args)?;
+    let mut t = match local.call_of() {
+        Some(((_, "_rebuild_tensor_v2"), a)) => tensor(path, a.clone())?,
+        _ => {
+            return Err(Error::InvalidTensor {
+                tensor: path.to_string(),
+                problem: format!(
+                    "a DTensor whose local tensor is {}, not a tensor ckpt reads",
+                    describe(&local)
+                ),
+            })
+        }
+    };
+    if t.shape != placed.shape {
+        return Err(Error::InvalidTensor {
+            tensor: path.to_string(),
+            problem: format!(
+                "a DTensor of global shape {:?} whose local tensor has shape {:?}, but its mesh \
+                 coordinate and placements give a box of {:?} at {:?}",
+                placed.global, t.shape, placed.shape, placed.offsets
+            ),
+        });
+    }
+    t.placed = Some(placed);
+    Ok(t)
 }
 
 /// An inert record (`torch.Size(...)`, a `LossScaler`): listed with its class among the
@@ -628,6 +732,7 @@ fn tensor(path: &str, args: Value) -> Result<Found> {
         offset: uint(&a[1], path, "the storage offset")?,
         shape: uints(&a[2], path, "the size")?,
         stride: uints(&a[3], path, "the stride")?,
+        placed: None,
     })
 }
 
@@ -697,7 +802,7 @@ fn locate(t: &Found, dir: &str, entries: &HashMap<String, Stored>) -> Result<Ten
         shape: t.shape.clone(),
         start,
         end: start + len,
-        offsets: None,
+        offsets: t.placed.as_ref().map(|p| p.offsets.clone()),
     })
 }
 
@@ -721,6 +826,40 @@ mod tests {
         assert_eq!(by["module.scale"].shape, Vec::<u64>::new());
         // Two views of one storage: b starts 3 rows (3*6*4 bytes) after a.
         assert_eq!(by["module.split.b"].start - by["module.split.a"].start, 72);
+    }
+
+    #[test]
+    fn dtensors_are_their_local_tensors_at_their_boxes() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/dtensor/ws4/model_world_size_4_rank_1.pt");
+        let (t, m) = parse(&std::fs::read(p).unwrap()).unwrap();
+        let by: BTreeMap<_, _> = t.iter().map(|e| (e.name.as_str(), e)).collect();
+        // 9x6 on a 2x2 mesh as (Shard(0), Shard(1)), coordinate (0, 1): rows 0..5,
+        // columns 3..6.
+        assert_eq!(by["embed.weight"].offsets, Some(vec![0, 3]));
+        assert_eq!(by["embed.weight"].shape, vec![5, 3]);
+        assert_eq!(by["plain.buffer"].offsets, None);
+        let shapes: BTreeMap<String, Vec<u64>> = serde_json::from_str(&m[DTENSOR_SHAPES]).unwrap();
+        assert_eq!(shapes["embed.weight"], vec![9, 6]);
+        assert!(!shapes.contains_key("plain.buffer"));
+        assert_eq!((m["rank"].as_str(), m["world_size"].as_str()), ("1", "4"));
+    }
+
+    #[test]
+    fn every_byte_of_a_dtensor_pickle_changed_is_an_error_or_a_reading_never_a_panic() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/dtensor/ws4/model_world_size_4_rank_2.pt");
+        let all = std::fs::read(p).unwrap();
+        let archive = Archive::open(&all).unwrap();
+        let pkl = &archive.entries[&archive.pkl_name];
+        let (start, len) = (pkl.start as usize, pkl.len as usize);
+        for i in start..start + len {
+            for b in [0x00, 0xff] {
+                let mut bad = all.clone();
+                bad[i] = b;
+                let _ = parse(&bad);
+            }
+        }
     }
 
     #[test]
@@ -865,6 +1004,7 @@ mod tests {
             offset: 2,
             shape: vec![3],
             stride: vec![1],
+            placed: None,
         };
         let e = locate(&f, "x/", &entries).unwrap_err().to_string();
         assert!(e.contains("`w`") && e.contains("past the end"), "{e}");

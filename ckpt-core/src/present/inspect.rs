@@ -72,6 +72,10 @@ pub fn inspect_text(ck: &Checkpoint, problems: &[Error]) -> String {
     let kind = match ck.kind {
         Kind::Sliced => "sliced",
         Kind::Integrated => "integrated",
+        // Per-rank torch.save files of DTensors place their pieces as DCP's do.
+        Kind::Dcp if ck.files.iter().all(|f| f.format() == FileFormat::TorchSave) => {
+            "per-rank torch.save (DTensor)"
+        }
         Kind::Dcp => "PyTorch DCP",
     };
     // (Writing to a String cannot fail.)
