@@ -721,3 +721,105 @@ fn deepspeed_zero_of_a_hugging_face_model() {
     ]);
     assert!(o.stderr.contains("--hf-config"), "{}", o.stderr);
 }
+
+/// Args that do not record whether the output layer is tied, beside an output layer:
+/// refused (dropping it as Megatron-LM's default would is a guess), settled by a config;
+/// the export is the same at 1 and 4 threads.
+#[test]
+fn untie_not_recorded_is_refused_and_settled_by_a_config() {
+    let d = Dir::new();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf_variants/llama_untie_unrecorded");
+    let o = d.fails(&["merge", src.to_str().unwrap(), "--format", "hf", "-o", "o"]);
+    assert!(
+        o.stderr.contains("untie_embeddings_and_output_weights")
+            && o.stderr.contains("--hf-config"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("o").exists());
+    d.ok(&[
+        "merge",
+        &fx("llama", "legacy"),
+        "--format",
+        "hf",
+        "-o",
+        "ref",
+    ]);
+    d.ok(&[
+        "merge",
+        src.to_str().unwrap(),
+        "--format",
+        "hf",
+        "--hf-config",
+        "ref/config.json",
+        "-o",
+        "o",
+    ]);
+    assert_eq!(full_tensors(&d.path("o")), full_tensors(&d.path("ref")));
+    // Same bytes whatever the thread count (the Megatron legacy and dist_ckpt paths).
+    for (layout, name) in [("legacy", "t"), ("dist_ckpt", "u")] {
+        d.ok_with_threads(
+            &[
+                "merge",
+                &fx("qwen3", layout),
+                "--format",
+                "hf",
+                "-o",
+                &format!("{name}1"),
+            ],
+            1,
+        );
+        d.ok_with_threads(
+            &[
+                "merge",
+                &fx("qwen3", layout),
+                "--format",
+                "hf",
+                "-o",
+                &format!("{name}4"),
+            ],
+            4,
+        );
+        for f in ["model.safetensors", "config.json"] {
+            assert_eq!(
+                std::fs::read(d.path(&format!("{name}1/{f}"))).unwrap(),
+                std::fs::read(d.path(&format!("{name}4/{f}"))).unwrap(),
+                "{layout} {f}"
+            );
+        }
+    }
+    d.ok_with_threads(
+        &[
+            "reshard",
+            "ref",
+            "--format",
+            "megatron",
+            "--mesh",
+            "tp=2,pp=2",
+            "-o",
+            "m1",
+        ],
+        1,
+    );
+    d.ok_with_threads(
+        &[
+            "reshard",
+            "ref",
+            "--format",
+            "megatron",
+            "--mesh",
+            "tp=2,pp=2",
+            "-o",
+            "m4",
+        ],
+        4,
+    );
+    for r in ["mp_rank_00_000", "mp_rank_01_001"] {
+        let f = format!("release/{r}/model_optim_rng.pt");
+        assert_eq!(
+            std::fs::read(d.path(&format!("m1/{f}"))).unwrap(),
+            std::fs::read(d.path(&format!("m4/{f}"))).unwrap()
+        );
+    }
+}

@@ -503,8 +503,19 @@ impl Checkpoint {
                 ))
             }
         };
-        if args.is_none() {
+        let Some(args) = args else {
             return self.hf_names_as_they_are(family, shape, user_config, notes);
+        };
+        // Args that do not say whether the output layer is tied, beside an output layer:
+        // Megatron-LM's default (tied) would drop it, a guess that is wrong for an untied
+        // model. A config settles it.
+        if args.model.untied.is_none()
+            && user_config.is_none()
+            && self.tensors.contains_key("output_layer.weight")
+        {
+            return Err(unsupported(
+                "the checkpoint's args do not record untie_embeddings_and_output_weights and it holds output_layer.weight: whether lm_head is tied to the embedding is not known; give the model's Hugging Face config (tie_word_embeddings) with --hf-config".into(),
+            ));
         }
         let rows = qkv_rows(&shape)?;
         if shape.groups == 0 || shape.heads % shape.groups != 0 {
