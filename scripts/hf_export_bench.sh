@@ -7,7 +7,8 @@
 #   ROUNDS=5 CKPT=target/release/ckpt scripts/hf_export_bench.sh
 #
 # Makes the checkpoint with scripts/fixtures/hf_megatron.py (a venv under target/ with
-# torch + megatron-core, or MEGATRON_VENV); then ROUNDS rounds (default 3), each timing
+# torch + megatron-core, or MEGATRON_VENV); then ROUNDS rounds (default 3), each timing,
+# in alternating order (odd rounds cat first, even rounds ckpt first),
 #   cat  : cat every model_optim_rng.pt into one file, then sync
 #   ckpt : ckpt merge legacy --format hf -o out, then sync
 # after reading the inputs into the page cache, deleting the previous outputs, syncing
@@ -45,16 +46,23 @@ settle() {
   sleep "${SETTLE_SECONDS:-3}"
 }
 : > "$out/rounds.txt"
-for r in $(seq 1 "$rounds"); do
+time_cat() {
   settle
   t0=$(now)
   cat "${inputs[@]}" > "$out/cat.bin"
   sync; t1=$(now)
+}
+time_ckpt() {
   settle
   t2=$(now)
   /usr/bin/time -f "%M" -o "$out/rss.txt" "$ckpt" merge "$ck" --format hf -o "$out/hf" --quiet > /dev/null 2>&1
   sync; t3=$(now)
   written=$(du -cb "$out"/hf/*.safetensors | tail -1 | cut -f1)
+}
+# The order alternates round by round: this VM's disk write-back favours whichever
+# step runs first in a block, and must not favour one tool.
+for r in $(seq 1 "$rounds"); do
+  if [ $((r % 2)) -eq 1 ]; then time_cat; time_ckpt; else time_ckpt; time_cat; fi
   echo "$t0 $t1 $t2 $t3 $(cat "$out/rss.txt") $written" >> "$out/rounds.txt"
 done
 python3 - "$out/rounds.txt" "$bytes" <<'PY'
