@@ -52,7 +52,9 @@ pub use crate::formats::ckptz::{
 };
 pub use crate::formats::deepspeed_write::{write_deepspeed_dp, DeepSpeedWriteStats};
 pub use crate::formats::detect::{create_writer, sniff};
-pub use crate::formats::distcp::{metadata_bytes as distcp_metadata, DistcpChunk};
+pub use crate::formats::distcp::{
+    metadata_bytes as distcp_metadata, torch_dtype_name, DistcpChunk,
+};
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
 pub use crate::formats::mindspore_strategy::{
     looks_like as is_mindspore_strategy, mindspore_target_strategy, parse_mindspore_strategy,

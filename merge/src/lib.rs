@@ -380,17 +380,6 @@ pub fn merge(
     Ok(stats)
 }
 
-/// torch's name of a dtype, as `config.json` records it.
-fn torch_dtype_name(d: ckpt_core::Dtype) -> &'static str {
-    use ckpt_core::Dtype;
-    match d {
-        Dtype::BF16 => "bfloat16",
-        Dtype::F16 => "float16",
-        Dtype::F64 => "float64",
-        _ => "float32",
-    }
-}
-
 /// Beside a Hugging Face model's weights: `config.json` (the user's, or made from the
 /// model's shape for the dtype written), the `generation_config.json` beside the user's
 /// config, and the tokenizer files of `--tokenizer`.
@@ -412,7 +401,8 @@ fn write_hf_files(hf: &HfModel, plan: &CopyPlan, req: &MergeRequest, dir: &Path)
         .unwrap_or(ckpt_core::Dtype::F32);
     write_file_atomic(
         &dir.join("config.json"),
-        hf.config_json(torch_dtype_name(dtype))?.as_bytes(),
+        hf.config_json(ckpt_core::torch_dtype_name(dtype).unwrap_or("float32"))?
+            .as_bytes(),
     )?;
     let mut copies: Vec<PathBuf> = vec![];
     if let Some(gen) = hf

@@ -8,6 +8,7 @@
 use super::Checkpoint;
 use super::OPTIMIZER_PREFIX;
 use crate::error::{Error, Result};
+use crate::formats::distcp::torch_dtype_name;
 use crate::formats::megatron::{self, Args};
 use crate::hf::{self, Cut, Family, Shape};
 use crate::layout::source::{Block, SourceTensor};
@@ -70,6 +71,16 @@ fn fill(pattern: &str, l: Option<u64>) -> String {
     match l {
         Some(l) => pattern.replace("{l}", &l.to_string()),
         None => pattern.to_string(),
+    }
+}
+
+/// The layers a row's `pattern` is filled for: every layer of `count` where it names
+/// one (`{l}`), else once.
+fn layers(pattern: &str, count: u64) -> Vec<Option<u64>> {
+    if pattern.contains("{l}") {
+        (0..count).map(Some).collect()
+    } else {
+        vec![None]
     }
 }
 
@@ -283,12 +294,7 @@ impl Checkpoint {
             if !family.applies(row, &shape) {
                 continue;
             }
-            let layers: Vec<Option<u64>> = if row.megatron[0].contains("{l}") {
-                (0..shape.layers).map(Some).collect()
-            } else {
-                vec![None]
-            };
-            for l in layers {
+            for l in layers(row.megatron[0], shape.layers) {
                 let names: Vec<String> = row.hf.iter().map(|h| fill(h, l)).collect();
                 let mut parts = Vec::with_capacity(names.len());
                 for n in &names {
@@ -353,11 +359,7 @@ impl Checkpoint {
                 out.insert("output_layer.weight".into(), e);
             }
         }
-        let dtype_name = match dtype {
-            crate::Dtype::BF16 => "bfloat16",
-            crate::Dtype::F16 => "float16",
-            _ => "float32",
-        };
+        let dtype_name = torch_dtype_name(dtype).unwrap_or("float32");
         let state = megatron::imported_state(&megatron::ImportedModel {
             layers: shape.layers,
             hidden: shape.hidden,
@@ -530,13 +532,7 @@ impl Checkpoint {
             if !family.applies(row, &shape) {
                 continue;
             }
-            let per_layer = row.megatron[0].contains("{l}");
-            let layers: Vec<Option<u64>> = if per_layer {
-                (0..shape.layers).map(Some).collect()
-            } else {
-                vec![None]
-            };
-            for l in layers {
+            for l in layers(row.megatron[0], shape.layers) {
                 let names: Vec<String> = row.megatron.iter().map(|m| fill(m, l)).collect();
                 let found: Vec<&String> = names
                     .iter()
@@ -687,12 +683,7 @@ impl Checkpoint {
     ) -> Result<HfModel> {
         let mut want = BTreeSet::new();
         for row in family.rows().iter().filter(|r| family.applies(r, &shape)) {
-            let layers: Vec<Option<u64>> = if row.hf[0].contains("{l}") {
-                (0..shape.layers).map(Some).collect()
-            } else {
-                vec![None]
-            };
-            for l in layers {
+            for l in layers(row.hf[0], shape.layers) {
                 want.extend(row.hf.iter().map(|h| fill(h, l)));
             }
         }

@@ -553,8 +553,8 @@ impl DcpMetadata {
     }
 }
 
-/// torch's dtype attribute for a dtype (the inverse of [`torch_dtype`]).
-fn torch_dtype_name(dtype: Dtype) -> Option<&'static str> {
+/// torch's dtype attribute for a dtype (the inverse of `torch_dtype`).
+pub fn torch_dtype_name(dtype: Dtype) -> Option<&'static str> {
     Some(match dtype {
         Dtype::F32 => "float32",
         Dtype::F64 => "float64",
