@@ -537,6 +537,20 @@ fn megatron_legacy_conforms() {
     });
 }
 
+/// Per-rank torch.save files of DTensors (2 ranks: Shard(0) uneven, Shard(1),
+/// Replicate), written by torch itself; `ws2_expected.safetensors` holds their
+/// `full_tensor()`s (scripts/fixtures/dtensor_pickles.py, tests/fixtures/dtensor/).
+#[test]
+fn dtensor_pickles_conform() {
+    conform_dir(&DirCase {
+        make: |s| fixture_copy(s, "dtensor/ws2"),
+        data_file: "model_world_size_2_rank_1.pt",
+        expected: || file_tensors(&fixture_path("dtensor/ws2_expected.safetensors")),
+        format: FileFormat::TorchSave,
+        fuzz_target: "torch_save",
+    });
+}
+
 /// Megatron legacy (tp=2, pp=2, dp=2) with the distributed optimizer's state
 /// (`distrib_optim.pt`), written by megatron-core's own DistributedOptimizer;
 /// `optim_full.safetensors` holds the weights and the optimizer's own fp32 master

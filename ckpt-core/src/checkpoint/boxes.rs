@@ -149,17 +149,18 @@ impl Checkpoint {
         let world = worlds.into_iter().next().unwrap_or(0);
         // Per-rank torch.save files of DTensors (`model_world_size_4_rank_0.pt`): the
         // missing one named after a present one.
+        // (The path the missing file would have, beside the present one.)
         let torch_name = seen.iter().find_map(|(&r, &fi)| {
             let f = &self.files[fi];
             let name = f.path().file_name()?.to_str()?;
             let at = format!("rank_{r}.");
             (f.format() == FileFormat::TorchSave && name.contains(&at))
-                .then(|| (name.to_string(), at))
+                .then(|| (f.path().with_file_name(""), name.to_string(), at))
         });
         problems.extend(missing_ranks(world, &seen, |m| match &torch_name {
-            Some((name, at)) => format!(
-                "its torch.save file `{}` is not among the inputs",
-                name.replace(at, &format!("rank_{m}."))
+            Some((dir, name, at)) => format!(
+                "its torch.save file {} is not among the inputs",
+                dir.join(name.replace(at, &format!("rank_{m}."))).display()
             ),
             None => "its DCP file is not among the inputs".into(),
         }));
