@@ -41,6 +41,10 @@ fi
 # The layout pictures' checks: Selenium drives Chromium, TensorBoard reads event files.
 "$venv/bin/python" -c "import selenium, tensorboard" 2>/dev/null ||
   "$venv/bin/pip" install --quiet --disable-pip-version-check selenium tensorboard
+# Checkpoints in a bucket (tests/storage.rs): a real S3-compatible server, moto's, which
+# the tests start on the loopback address; boto3 (which it brings) checks what ckpt wrote.
+"$venv/bin/python" -c "import moto.server, boto3" 2>/dev/null ||
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "moto[server]"
 export CKPT_PYTHON="$PWD/$venv/bin/python"
 cargo test --workspace "$@"
 

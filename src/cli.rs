@@ -30,7 +30,8 @@ pub(crate) fn message(e: &anyhow::Error) -> String {
         }
         out.push_str(&text);
     }
-    out
+    // Objects of a bucket are read and written through local trees: name the objects.
+    ckpt_core::unmirror_text(&out)
 }
 
 /// Whether an error is the user's way of asking (exit 2) rather than a problem found:

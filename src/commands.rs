@@ -142,9 +142,10 @@ fn selection(copy: &CopyArgs, inputs: &Inputs) -> Result<Selection> {
 }
 
 pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
+    let output = ckpt_core::output_at(&a.output, a.copy.force)?;
     let req = ckpt_merge::MergeRequest {
         inputs: a.inputs.all()?,
-        output: a.output,
+        output: output.path().to_path_buf(),
         max_shard_size: a.max_shard_size,
         selection: selection(&a.copy, &a.inputs)?.with_views(ckpt_core::Views {
             split_qkv: a.split_qkv,
@@ -187,8 +188,10 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    with_progress("merged", &req.output, &a.copy, |progress, on_plan| {
-        ckpt_merge::merge(&req, progress, on_plan)
+    with_progress("merged", &a.output, &a.copy, |progress, on_plan| {
+        let stats = ckpt_merge::merge(&req, progress, on_plan)?;
+        output.publish()?;
+        Ok(stats)
     })
 }
 
@@ -256,9 +259,10 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
     if a.format == ckpt_reshard::OLD_DCP_NAME {
         eprintln!("ckpt: note: {}", ckpt_reshard::OLD_DCP_NOTE);
     }
+    let output = ckpt_core::output_at(&a.output, a.copy.force)?;
     let req = ckpt_reshard::ReshardRequest {
         inputs: a.inputs.all()?,
-        output: a.output,
+        output: output.path().to_path_buf(),
         target,
         ranks,
         selection: selection(&a.copy, &a.inputs)?,
@@ -273,12 +277,13 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
     if req.format == ckpt_reshard::OutputFormat::DeepSpeed && !a.plan {
         let t = Instant::now();
         let s = ckpt_reshard::reshard_deepspeed(&req)?;
+        output.publish()?;
         let seconds = t.elapsed().as_secs_f64();
         if a.copy.json {
             println!(
                 "{}",
                 json!({"files": s.files, "tensors": s.tensors, "bytes_written": s.bytes,
-                       "seconds": seconds, "output": req.output})
+                       "seconds": seconds, "output": a.output})
             );
         } else {
             println!(
@@ -286,7 +291,7 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
                 s.files,
                 s.tensors,
                 ckpt_core::human_bytes(s.bytes),
-                req.output.display()
+                a.output.display()
             );
         }
         return Ok(ExitCode::SUCCESS);
@@ -310,14 +315,18 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    with_progress("resharded", &req.output, &a.copy, |progress, on_plan| {
-        ckpt_reshard::reshard(&req, progress, on_plan)
+    with_progress("resharded", &a.output, &a.copy, |progress, on_plan| {
+        let stats = ckpt_reshard::reshard(&req, progress, on_plan)?;
+        output.publish()?;
+        Ok(stats)
     })
 }
 
 pub(crate) fn convert(a: ConvertArgs, how: ckpt_core::Conversion) -> Result<ExitCode> {
     let t = Instant::now();
-    let s = ckpt_core::convert(&a.source, &a.output, how, a.force)?;
+    let output = ckpt_core::output_at(&a.output, a.force)?;
+    let s = ckpt_core::convert(&a.source, output.path(), how, a.force)?;
+    output.publish()?;
     let secs = t.elapsed().as_secs_f64();
     if a.json {
         println!("{}", ckpt_core::convert_json(&s, secs, &a.output));
@@ -336,9 +345,11 @@ pub(crate) fn example(a: ExampleArgs) -> Result<ExitCode> {
         dtype: a.dtype,
         optimizer: a.optimizer,
     };
-    let staged = ckpt_core::StagedDir::new(&a.output, a.force)?;
+    let output = ckpt_core::output_at(&a.output, a.force)?;
+    let staged = ckpt_core::StagedDir::new(output.path(), a.force)?;
     let s = ckpt_core::write_example(staged.path(), &model, &mesh)?;
     staged.commit()?;
+    output.publish()?;
     println!(
         "wrote a {}-rank example checkpoint ({} tensors, mesh {}) to {}",
         mesh.world_size(),

@@ -22,6 +22,7 @@ mod python;
 mod readme;
 mod reshard;
 mod split_rules;
+mod storage;
 mod tensorboard;
 mod torch;
 mod train_infer;

@@ -77,6 +77,9 @@ pub struct Checkpoint {
     /// A model imported from Hugging Face as Megatron's tensors
     /// ([`Checkpoint::megatron_import`]): the args its legacy output carries.
     pub(crate) imported: Option<crate::formats::megatron::SourceState>,
+    /// The local trees standing for URL inputs (last: dropped after the files that
+    /// map their objects).
+    pub(crate) mirrors: Vec<std::sync::Arc<ckpt_storage::Mirror>>,
 }
 
 /// The first dotted component every name shares (`module.`), when there are at least

@@ -17,6 +17,9 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// An object store or a URL (the storage layer names the object).
+    #[error(transparent)]
+    Storage(#[from] ckpt_storage::Error),
     /// Another error, with the file it concerns.
     #[error("{path}: {source}")]
     WithPath {

@@ -393,24 +393,67 @@ pub(crate) fn list_dir(dir: &Path) -> Result<Vec<PathBuf>> {
 /// A whole input file mapped read-only, with its open handle: readers and the copy
 /// engine read the bytes through the mapping, and writers may have the kernel copy long
 /// runs of them file to file through the handle (`copy_file_range`), which the mapping
-/// alone cannot name.
+/// alone cannot name. An object of a bucket is mapped the same way, its pages fetched
+/// on first touch ([`ckpt_storage::Paged`]), with no handle.
 #[derive(Debug)]
 pub(crate) struct Mapped {
-    map: Mmap,
-    file: File,
+    map: Backing,
+    file: Option<File>,
+}
+
+#[derive(Debug)]
+enum Backing {
+    File(Mmap),
+    Remote(ckpt_storage::Paged),
 }
 
 impl std::ops::Deref for Mapped {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        &self.map
+        match &self.map {
+            Backing::File(m) => m,
+            Backing::Remote(p) => p.bytes(),
+        }
+    }
+}
+
+impl Mapped {
+    /// Drops the pages of bytes `lo..hi` (page-aligned) from the resident set: a file's
+    /// come back from the page cache, a remote object's from the store.
+    fn release(&self, lo: u64, hi: u64) {
+        match &self.map {
+            // SAFETY: the mapping is read-only and file-backed, so dropping its pages
+            // loses nothing: a later access faults them back in from the page cache.
+            // Advice only; failure costs nothing but memory.
+            Backing::File(m) => {
+                let _ = unsafe {
+                    m.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        lo as usize,
+                        (hi - lo) as usize,
+                    )
+                };
+            }
+            Backing::Remote(p) => p.release(lo..hi),
+        }
     }
 }
 
 /// Maps a whole file read-only (`None` when it is empty) and registers the mapping for
-/// the SIGBUS handler.
+/// the SIGBUS handler. A placeholder of a remote object is demand-paged where the
+/// system allows it, else downloaded into place first.
 pub(crate) fn map_file(path: &Path) -> Result<Option<Mapped>> {
+    if let Some(object) = ckpt_storage::placeholder(path) {
+        ckpt_storage::set_fatal_hook(crate::fault::remove_registered_temporaries);
+        if let Some(p) = ckpt_storage::Paged::map(&object) {
+            return Ok(Some(Mapped {
+                map: Backing::Remote(p),
+                file: None,
+            }));
+        }
+        ckpt_storage::materialize(path)?;
+    }
     let file = File::open(path).at(path)?;
     let len = file.metadata().at(path)?.len();
     if len == 0 {
@@ -420,7 +463,39 @@ pub(crate) fn map_file(path: &Path) -> Result<Option<Mapped>> {
     // changed underneath by another program is outside what any reader can defend.
     let map = unsafe { Mmap::map(&file) }.at(path)?;
     crate::fault::register_map(map.as_ptr() as usize, map.len(), path);
-    Ok(Some(Mapped { map, file }))
+    Ok(Some(Mapped {
+        map: Backing::File(map),
+        file: Some(file),
+    }))
+}
+
+/// The first `n` bytes of a file (fewer if it is shorter): of a placeholder, one ranged
+/// request, not the object.
+pub(crate) fn read_head(path: &Path, n: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    if let Some(o) = ckpt_storage::placeholder(path) {
+        return Ok(o.get_range(0..n.min(o.size))?.to_vec());
+    }
+    let mut head = Vec::new();
+    File::open(path)
+        .at(path)?
+        .take(n)
+        .read_to_end(&mut head)
+        .at(path)?;
+    Ok(head)
+}
+
+/// A whole small file (a tracker, an index, `.metadata`), downloaded first where it is
+/// a placeholder of a larger remote object.
+pub(crate) fn read_small(path: &Path) -> Result<Vec<u8>> {
+    Ok(ckpt_storage::read_whole(path)?)
+}
+
+/// A handle on a file to read with positional reads, downloaded first where it is a
+/// placeholder (such reads cannot be paged).
+pub(crate) fn open_handle(path: &Path) -> Result<File> {
+    ckpt_storage::materialize(path)?;
+    File::open(path).at(path)
 }
 
 impl TensorFile {
@@ -746,7 +821,7 @@ impl TensorFile {
         let at = t.start + range.start;
         Some(WritePart {
             bytes: &m[at as usize..(t.start + range.end) as usize],
-            from: Some((&m.file, at)),
+            from: m.file.as_ref().map(|f| (f, at)),
         })
     }
 
@@ -832,16 +907,7 @@ impl TensorFile {
             let lo = (t.start + range.start).div_ceil(page) * page;
             let hi = ((t.start + range.end) / page) * page;
             if hi > lo {
-                // SAFETY: the mapping is read-only and file-backed, so dropping its pages
-                // loses nothing: a later access faults them back in from the page cache.
-                // Advice only; failure costs nothing but memory.
-                let _ = unsafe {
-                    m.map.unchecked_advise_range(
-                        memmap2::UncheckedAdvice::DontNeed,
-                        lo as usize,
-                        (hi - lo) as usize,
-                    )
-                };
+                m.release(lo, hi);
             }
         }
     }

@@ -41,6 +41,21 @@ pub use crate::engine::save::{
 };
 pub use crate::engine::verify::{verify, verify_selected, VerifyDepth};
 pub use crate::error::{Error, Problems, Result};
+pub use ckpt_storage::{is_url, unmirror_text, Error as StorageError, Output};
+
+/// Where an output goes: a local path as it is, or a URL (`s3://…`) written through a
+/// local staging directory that [`Output::publish`] uploads once the writers are done
+/// (the directory is removed if the process dies, as every temporary is).
+///
+/// # Errors
+/// A read-only store; an output already at the URL without `force`; no access.
+pub fn output_at(path: &std::path::Path, force: bool) -> Result<Output> {
+    let out = Output::new(path, force)?;
+    if let Some(s) = out.staging() {
+        crate::fault::register_temp(s);
+    }
+    Ok(out)
+}
 pub use crate::fault::{bus_error_message, remove_registered_temporaries};
 pub use crate::formats::checksum::{
     checksums_enabled, set_checksums_enabled, with_checksums, Checksum, CHECKSUMS_KEY,

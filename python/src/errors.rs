@@ -13,7 +13,10 @@ fn class_of(e: &Error) -> &'static str {
         Error::CoverageGap { .. } => "MissingData",
         Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => "PathNotFound",
         Error::Ambiguous { .. } => "AmbiguousInput",
-        Error::OutputExists { .. } => "OutputExists",
+        Error::OutputExists { .. } | Error::Storage(ckpt_core::StorageError::Exists { .. }) => {
+            "OutputExists"
+        }
+        Error::Storage(ckpt_core::StorageError::NotFound { .. }) => "PathNotFound",
         Error::InvalidMesh { .. } => "UsageError",
         Error::Mismatch { .. } => "Mismatch",
         Error::Unsupported { .. } => "Unsupported",
@@ -79,7 +82,8 @@ pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let path = (class == "PathNotFound")
         .then(|| missing_path(&e))
         .flatten();
-    raise_with(py, class, e.to_string(), path)
+    // Objects of a bucket are read through local trees: name the objects.
+    raise_with(py, class, ckpt_core::unmirror_text(&e.to_string()), path)
 }
 
 /// `Result` of ckpt-core into `PyResult`.

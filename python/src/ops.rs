@@ -139,9 +139,11 @@ pub(crate) fn merge<'py>(
         let names = ckpt_merge::MergeFormat::NAMES.map(|(n, _)| n).join(", ");
         usage(py, format!("format `{format}`: {names}"))
     })?;
+    // A URL is written through a local staging directory, published at the end.
+    let output = ckpt_core::output_at(&out, force).py_err(py)?;
     let req = ckpt_merge::MergeRequest {
         inputs,
-        output: out.clone(),
+        output: output.path().to_path_buf(),
         max_shard_size,
         // As `ckpt merge`: Megatron's fused QKV split on request, its vocabulary padding
         // dropped unless kept.
@@ -173,7 +175,9 @@ pub(crate) fn merge<'py>(
         ));
     }
     let (stats, shape, secs) = run_copy(py, checksums, |p, on_plan| {
-        ckpt_merge::merge(&req, p, on_plan)
+        let stats = ckpt_merge::merge(&req, p, on_plan)?;
+        output.publish()?;
+        Ok(stats)
     })?;
     report(py, &stats, shape, secs, out)
 }
@@ -222,9 +226,10 @@ pub(crate) fn reshard<'py>(
         let names = ckpt_reshard::OutputFormat::NAMES.map(|(n, _)| n).join(", ");
         usage(py, format!("format `{format}`: {names}"))
     })?;
+    let output = ckpt_core::output_at(&out, force).py_err(py)?;
     let req = ckpt_reshard::ReshardRequest {
         inputs,
-        output: out.clone(),
+        output: output.path().to_path_buf(),
         target,
         ranks: rank.map_or(ckpt_reshard::Ranks::All, ckpt_reshard::Ranks::One),
         selection: selection(py, include, exclude, dtype, strip_prefix, add_prefix)?,
@@ -240,7 +245,11 @@ pub(crate) fn reshard<'py>(
         let t = Instant::now();
         let s = py
             .detach(|| {
-                ckpt_core::with_checksums(checksums, || ckpt_reshard::reshard_deepspeed(&req))
+                ckpt_core::with_checksums(checksums, || {
+                    let s = ckpt_reshard::reshard_deepspeed(&req)?;
+                    output.publish()?;
+                    Ok(s)
+                })
             })
             .py_err(py)?;
         let d = PyDict::new(py);
@@ -257,7 +266,9 @@ pub(crate) fn reshard<'py>(
         return Ok(d);
     }
     let (stats, shape, secs) = run_copy(py, checksums, |p, on_plan| {
-        ckpt_reshard::reshard(&req, p, on_plan)
+        let stats = ckpt_reshard::reshard(&req, p, on_plan)?;
+        output.publish()?;
+        Ok(stats)
     })?;
     report(py, &stats, shape, secs, out)
 }

@@ -92,6 +92,31 @@ impl Checkpoint {
         views: Views,
         rules: &SplitRules,
     ) -> Result<(Checkpoint, Vec<Error>)> {
+        // URLs are listed into local trees (their large objects fetched on demand)
+        // that discovery walks like directories; the trees live as long as the
+        // checkpoint.
+        let mut mirrors = Vec::new();
+        let mut local = Vec::with_capacity(paths.len());
+        for p in paths {
+            if ckpt_storage::is_url(p) {
+                let m = ckpt_storage::mirror(&ckpt_storage::ObjectUrl::parse(p)?)?;
+                local.push(m.path().to_path_buf());
+                mirrors.push(m);
+            } else {
+                local.push(p.clone());
+            }
+        }
+        let (mut ck, problems) = Checkpoint::scan_local(&local, step, views, rules)?;
+        ck.mirrors = mirrors;
+        Ok((ck, problems))
+    }
+
+    fn scan_local(
+        paths: &[PathBuf],
+        step: Option<u64>,
+        views: Views,
+        rules: &SplitRules,
+    ) -> Result<(Checkpoint, Vec<Error>)> {
         let mut x = Discovery::new(step);
         x.per_layer = views.per_layer;
         for p in paths {
@@ -220,6 +245,7 @@ impl Checkpoint {
             carried,
             notes,
             imported: None,
+            mirrors: Vec::new(),
         };
         // ZeRO files hold one data-parallel rank's partitions each: labelled by it.
         for (i, f) in ck.files.iter().enumerate() {

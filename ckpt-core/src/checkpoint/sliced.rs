@@ -37,6 +37,7 @@ impl Checkpoint {
             carried,
             notes,
             imported: None,
+            mirrors: Vec::new(),
         };
         let mut raw: BTreeMap<String, Vec<SourcePiece>> = BTreeMap::new();
         for (fi, (rank, f)) in legacy.files.into_iter().enumerate() {

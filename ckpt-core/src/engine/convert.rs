@@ -114,11 +114,11 @@ fn convert_dir(src: &Path, out: &Path, how: Conversion, stats: &mut ConvertStats
         } else if p.extension().is_some_and(|e| e == from_ext) {
             convert_file(&p, &out.join(&name).with_extension(to_ext), how, stats)?;
         } else if let Some(index) = index_name(&name, how) {
-            let text = std::fs::read_to_string(&p).at(&p)?;
+            let text = String::from_utf8_lossy(&crate::formats::read_small(&p)?).into_owned();
             write_file_atomic(&out.join(index), renamed_index(&text, &p, how)?.as_bytes())?;
             stats.copied += 1;
         } else {
-            let bytes = std::fs::read(&p).at(&p)?;
+            let bytes = crate::formats::read_small(&p)?;
             write_file_atomic(&out.join(&name), &bytes)?;
             stats.copied += 1;
         }
@@ -249,7 +249,7 @@ fn convert_file(src: &Path, dest: &Path, how: Conversion, stats: &mut ConvertSta
 /// The header text of a safetensors file (after its 8-byte length), as it is.
 fn safetensors_header(src: &Path) -> Result<String> {
     use std::io::Read;
-    let mut file = std::fs::File::open(src).at(src)?;
+    let mut file = crate::formats::open_handle(src)?;
     let mut len = [0u8; 8];
     file.read_exact(&mut len).at(src)?;
     // The file was opened and checked as safetensors: the length is within the limit.

@@ -12,9 +12,8 @@ pub(crate) mod discover;
 use super::writer::{TensorSpec, TensorWriter};
 use super::{ckptz, distcp, map_file, mindspore_ckpt, safetensors, torch_save, torch_write};
 use super::{FileFormat, Mapped, Reader, TensorFile};
-use crate::error::{Error, IoContext, Result};
+use crate::error::{Error, Result};
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::path::Path;
 
 /// A row of the table: a format and its reader's two functions.
@@ -66,7 +65,7 @@ static READERS: [Row; 4] = [
 
 /// `.ckptz` reads its chunks with positional reads on its own handle.
 fn read_ckptz(path: &Path, map: Option<Mapped>) -> Result<TensorFile> {
-    ckptz::read(path, File::open(path).at(path)?, map)
+    ckptz::read(path, super::open_handle(path)?, map)
 }
 
 /// The reader of a file starting with `head`, if one recognises it.

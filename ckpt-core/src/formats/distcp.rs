@@ -24,7 +24,7 @@ mod flattened;
 use self::flattened::FlatPiece;
 use super::pickle::{self, Emitter, Value};
 use super::{map_file, torch_save, FileFormat, TensorEntry, TensorFile};
-use crate::error::{overflow, Error, IoContext, Result};
+use crate::error::{overflow, Error, Result};
 use crate::layout::flat::{numel, FlatRange};
 use crate::Dtype;
 use std::collections::BTreeMap;
@@ -426,7 +426,7 @@ pub(crate) fn parse_metadata(bytes: &[u8]) -> Result<DcpMetadata> {
 /// Reads a DCP directory's `.metadata`.
 pub(crate) fn read_metadata(dir: &Path) -> Result<DcpMetadata> {
     let path = dir.join(METADATA_FILE);
-    let bytes = std::fs::read(&path).at(&path)?;
+    let bytes = super::read_small(&path)?;
     parse_metadata(&bytes).map_err(|e| e.with_path(&path))
 }
 

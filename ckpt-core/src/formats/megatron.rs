@@ -35,7 +35,7 @@ use super::distcp::{ChunkPart, DcpChunk, DcpMetadata, DcpTensor};
 use super::pickle::Value;
 use super::torch_save::Archive;
 use super::{map_file, FileFormat, TensorEntry, TensorFile};
-use crate::error::{overflow, Error, IoContext, Result};
+use crate::error::{overflow, Error, Result};
 use crate::layout::flat::FlatRange;
 use crate::layout::mesh::Mesh;
 use crate::layout::strategy::{dtype_name, Strategy};
@@ -425,7 +425,7 @@ fn iteration_dir(path: &Path) -> Result<PathBuf> {
     if !tracker.is_file() {
         return Ok(path.to_path_buf());
     }
-    let text = std::fs::read_to_string(&tracker).at(&tracker)?;
+    let text = String::from_utf8_lossy(&crate::formats::read_small(&tracker)?).into_owned();
     let text = text.trim();
     let name = if text == "release" {
         "release".to_string()
@@ -984,7 +984,7 @@ mod tests {
 /// A metadata.json that is not JSON, or names another sharded backend.
 pub(crate) fn dist_ckpt_notes(dir: &Path) -> Result<Vec<String>> {
     let meta = dir.join(DIST_METADATA_FILE);
-    let text = std::fs::read_to_string(&meta).at(&meta)?;
+    let text = String::from_utf8_lossy(&crate::formats::read_small(&meta)?).into_owned();
     let doc: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| unknown(format!("{}: not JSON: {e}", meta.display())))?;
     let backend = doc.get("sharded_backend").and_then(|b| b.as_str());

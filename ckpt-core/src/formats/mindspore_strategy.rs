@@ -292,10 +292,7 @@ pub fn parse_mindspore_strategy(bytes: &[u8]) -> Result<BTreeMap<String, MindSpo
 pub fn read_mindspore_strategies(paths: &[&Path]) -> Result<BTreeMap<String, MindSporeParam>> {
     let mut all = BTreeMap::new();
     for p in paths {
-        let bytes = std::fs::read(p).map_err(|source| Error::Io {
-            path: p.to_path_buf(),
-            source,
-        })?;
+        let bytes = super::read_small(p)?;
         for (name, param) in parse_mindspore_strategy(&bytes).map_err(|e| e.with_path(p))? {
             if let Some(old) = all.insert(name.clone(), param.clone()) {
                 if old.stage == param.stage {

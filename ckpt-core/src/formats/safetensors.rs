@@ -4,7 +4,7 @@
 //! the reference implementation, but every error names the tensor at fault.
 
 use super::{byte_len, FileFormat, Mapped, TensorEntry, TensorFile};
-use crate::error::{overflow, Error, IoContext, Result};
+use crate::error::{overflow, Error, Result};
 use crate::formats::checksum::{
     checksums_enabled, decode_checksums, encode_checksums, Checksum, CHECKSUMS_KEY, CHUNK,
 };
@@ -534,7 +534,7 @@ impl super::writer::TensorWriter for SafetensorsWriter {
 /// The index unreadable, not JSON, or without a `weight_map` object.
 pub(crate) fn index_shards(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
     let unknown = |problem: String| Error::UnknownInput { problem };
-    let text = std::fs::read_to_string(index).at(index)?;
+    let text = String::from_utf8_lossy(&super::read_small(index)?).into_owned();
     let doc: Value = serde_json::from_str(&text)
         .map_err(|e| unknown(format!("{}: not JSON: {e}", index.display())))?;
     let map = doc

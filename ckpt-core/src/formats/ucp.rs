@@ -361,7 +361,7 @@ pub(crate) fn write_extras(
 fn copy_file(src: &Path, dest: &Path) -> Result<()> {
     let (tmp, mut file) = create_staged_file(dest)?;
     let r = (|| -> Result<()> {
-        let mut from = std::fs::File::open(src).at(src)?;
+        let mut from = crate::formats::open_handle(src)?;
         std::io::copy(&mut from, &mut file).at(dest)?;
         commit_staged_file(&file, &tmp, dest)
     })();
@@ -416,7 +416,7 @@ fn write_module_rest(
         };
         // Read, not through the mapping: the copy stays in a small buffer however
         // large the tensor.
-        let file = std::fs::File::open(&m.path).at(&m.path)?;
+        let file = crate::formats::open_handle(&m.path)?;
         for (k, v) in module {
             let Value::Str(name) = k else { continue };
             if params.contains(name) || !keep(name) {
@@ -631,7 +631,7 @@ fn write_archive(
         put(&mut z, "data.pkl", pkl)?;
         put(&mut z, "byteorder", b"little")?;
         // Copied by reads, not through the mapping: memory stays bounded.
-        let mut src = std::fs::File::open(from).at(from)?;
+        let mut src = crate::formats::open_handle(from)?;
         for (k, start, len) in storages {
             z.start_file(format!("archive/data/{k}"), opts(*len))
                 .map_err(zerr)?;

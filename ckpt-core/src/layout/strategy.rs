@@ -198,10 +198,10 @@ impl Strategy {
     /// # Errors
     /// I/O errors and parse errors, with the path.
     pub fn read(path: &std::path::Path) -> Result<Strategy> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
-            path: path.into(),
-            source,
-        })?;
+        // Through the storage layer: in a bucket's tree the file may stand for an
+        // object not yet fetched.
+        let bytes = ckpt_storage::read_whole(path)?;
+        let text = String::from_utf8_lossy(&bytes);
         Strategy::from_json(&text).map_err(|e| e.with_path(path))
     }
 }

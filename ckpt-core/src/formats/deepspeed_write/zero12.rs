@@ -763,10 +763,7 @@ fn osd_state<'a>(root: &'a Value, g: usize, key: &str) -> Option<&'a Value> {
 /// DeepSpeed wrote it: the integer is rewritten in place in `data.pkl` (same opcode,
 /// so same length) and the entry's CRC-32 updated in the zip headers.
 fn patch_dp_world_size(models: &Path, dp: u64) -> Result<Vec<u8>> {
-    let mut bytes = std::fs::read(models).map_err(|e| Error::Io {
-        path: models.to_path_buf(),
-        source: e,
-    })?;
+    let mut bytes = crate::formats::read_small(models)?;
     let bad = |p: String| err(models, p);
     let (data_at, len, header_at, central_at) = {
         let mut z = zip::ZipArchive::new(std::io::Cursor::new(&bytes[..]))

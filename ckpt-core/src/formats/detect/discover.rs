@@ -11,7 +11,7 @@
 //! (`megatron::looks_like`, `mindspore_ckpt::rank_file`, `safetensors::index_shards`,
 //! ...); a row only puts its answer into the [`Discovery`].
 
-use crate::error::{Error, IoContext, Result};
+use crate::error::{Error, Result};
 use crate::formats::distcp::{self, DcpMetadata};
 use crate::formats::{ckptz, deepspeed, list_dir, megatron, mindspore_ckpt, safetensors, ucp};
 use std::collections::BTreeMap;
@@ -227,20 +227,17 @@ pub(crate) fn rank_dir_number(dir: &Path) -> Option<u64> {
 /// Whether `path` is a MindSpore strategy file (by content). Only small files are
 /// read whole: a strategy is kilobytes, a checkpoint may be gigabytes.
 fn is_ms_strategy(path: &Path) -> bool {
-    use std::io::Read;
     const MAX_STRATEGY_BYTES: u64 = 64 << 20;
-    let Ok(mut f) = std::fs::File::open(path) else {
+    let Ok(head) = crate::formats::read_head(path, 64) else {
         return false;
     };
-    let mut head = [0u8; 64];
-    let n = f.read(&mut head).unwrap_or(0);
-    if crate::formats::sniff(&head[..n]).is_some() {
+    if crate::formats::sniff(&head).is_some() {
         return false;
     }
-    if f.metadata().map_or(true, |m| m.len() > MAX_STRATEGY_BYTES) {
+    if std::fs::metadata(path).map_or(true, |m| m.len() > MAX_STRATEGY_BYTES) {
         return false;
     }
-    let Ok(bytes) = std::fs::read(path) else {
+    let Ok(bytes) = crate::formats::read_small(path) else {
         return false;
     };
     crate::formats::mindspore_strategy::looks_like(&bytes)
@@ -492,7 +489,7 @@ fn training_output(path: &Path, x: &mut Discovery) -> Result<()> {
 
 /// The directory beside it that a pointer file (`latest`, `latest_universal`) names.
 fn named_dir(path: &Path, pointer: &Path) -> Result<PathBuf> {
-    let name = std::fs::read_to_string(pointer).at(pointer)?;
+    let name = String::from_utf8_lossy(&crate::formats::read_small(pointer)?).into_owned();
     let target = path.join(name.trim());
     if name.trim().is_empty() || name.contains('/') || !target.is_dir() {
         return Err(unknown(format!(

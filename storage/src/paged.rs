@@ -1,0 +1,385 @@
+//! Demand paging of remote objects: a placeholder mapped as anonymous memory whose
+//! pages the kernel asks this module for on first touch (Linux `userfaultfd`), so that
+//! every reader and the copy engine read an object in a bucket through a mapping, as
+//! they read a local file, without learning that it is remote.
+//!
+//! - A fault at an address fetches the whole block (16 MiB, one ranged request) that
+//!   holds it, and reads ahead the next blocks of that object while the budget allows:
+//!   many requests in flight, each a large streamed range (some S3-compatible servers
+//!   read the whole object to answer any ranged request: small ranges would cost them
+//!   the object each time).
+//! - Resident and in-flight blocks of all objects together stay under
+//!   [`BUDGET_BYTES`]: the least recently filled blocks are dropped
+//!   (`MADV_DONTNEED`), and a later touch fetches them again. The copy engine
+//!   releases what it has consumed, so a streaming merge reads each byte once.
+//! - A block the store cannot give after the retries ends the process (exit 1) with
+//!   the object named: the thread that touched the page waits inside the kernel and
+//!   cannot be handed an error ([`crate::set_fatal_hook`] removes the temporaries).
+//! - `userfaultfd` needs Linux and, for the kernel's own reads of such pages (a write
+//!   to a file from the mapping), `CAP_SYS_PTRACE` or `vm.unprivileged_userfaultfd=1`;
+//!   where it cannot be had, or `CKPT_REMOTE_PAGING=0`, [`Paged::map`] says so and
+//!   callers download the object into its placeholder instead
+//!   ([`crate::materialize`]).
+
+use crate::mirror::RemoteObject;
+use crate::store::{fatal, runtime};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use userfaultfd::{Event, Uffd, UffdBuilder};
+
+/// Bytes fetched per request, and the unit pages are filled and dropped in.
+pub const BLOCK_BYTES: u64 = 16 << 20;
+/// Resident plus in-flight bytes of all paged objects together.
+pub const BUDGET_BYTES: u64 = 128 << 20;
+/// Blocks read ahead of the one faulted, per object, when the budget allows.
+const READ_AHEAD: u64 = 3;
+
+const PAGE: u64 = 4096;
+
+/// A remote object mapped read-only, its pages fetched on demand.
+pub struct Paged {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Paged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Paged({})", self.inner.object.url)
+    }
+}
+
+struct Inner {
+    object: Arc<RemoteObject>,
+    base: usize,
+    /// The mapping's length (the object's, rounded up to pages).
+    len: usize,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Set when the mapping is being unmapped: late fetches are dropped.
+    closed: bool,
+    resident: BTreeSet<u64>,
+    in_flight: BTreeSet<u64>,
+}
+
+impl Inner {
+    fn blocks(&self) -> u64 {
+        self.object.size.div_ceil(BLOCK_BYTES)
+    }
+
+    fn block_range(&self, k: u64) -> std::ops::Range<u64> {
+        k * BLOCK_BYTES..((k + 1) * BLOCK_BYTES).min(self.object.size)
+    }
+
+    /// Bytes the mapping gives block `k` (its object bytes rounded up to pages).
+    fn mapped_len(&self, k: u64) -> usize {
+        let r = self.block_range(k);
+        ((r.end - r.start).div_ceil(PAGE) * PAGE) as usize
+    }
+}
+
+/// The process's one `userfaultfd`, its fault thread, and the budget.
+struct Pager {
+    uffd: Uffd,
+    /// Live mappings by base address.
+    maps: Mutex<BTreeMap<usize, Weak<Inner>>>,
+    /// Filled blocks, least recently filled first, with the bytes they hold.
+    lru: Mutex<(VecDeque<(Weak<Inner>, u64)>, u64)>,
+}
+
+fn pager() -> Option<&'static Pager> {
+    static PAGER: OnceLock<Option<&'static Pager>> = OnceLock::new();
+    *PAGER.get_or_init(|| {
+        if std::env::var("CKPT_REMOTE_PAGING").is_ok_and(|v| v == "0") {
+            return None;
+        }
+        let uffd = UffdBuilder::new()
+            .close_on_exec(true)
+            .non_blocking(true)
+            .user_mode_only(false)
+            .create()
+            .ok()?;
+        let pager: &'static Pager = Box::leak(Box::new(Pager {
+            uffd,
+            maps: Mutex::new(BTreeMap::new()),
+            lru: Mutex::new((VecDeque::new(), 0)),
+        }));
+        std::thread::Builder::new()
+            .name("ckpt-pager".into())
+            .spawn(move || pager.serve())
+            .ok()?;
+        Some(pager)
+    })
+}
+
+/// Whether remote objects are demand-paged in this process (else they are downloaded
+/// into their placeholders before being read).
+#[must_use]
+pub fn available() -> bool {
+    pager().is_some()
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Paged {
+    /// Maps `object` for demand paging; `None` where paging is not available.
+    #[must_use]
+    pub fn map(object: &Arc<RemoteObject>) -> Option<Paged> {
+        let pager = pager()?;
+        let len = (object.size.div_ceil(PAGE) * PAGE) as usize;
+        if len == 0 {
+            return None;
+        }
+        // SAFETY: a fresh private anonymous mapping, owned by the returned value.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return None;
+        }
+        if pager.uffd.register(base, len).is_err() {
+            // SAFETY: the mapping made above, never handed out.
+            unsafe { libc::munmap(base, len) };
+            return None;
+        }
+        let inner = Arc::new(Inner {
+            object: object.clone(),
+            base: base as usize,
+            len,
+            state: Mutex::new(State::default()),
+        });
+        lock(&pager.maps).insert(base as usize, Arc::downgrade(&inner));
+        Some(Paged { inner })
+    }
+
+    /// The object's bytes (each page fetched on first touch).
+    #[must_use]
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: `len` bytes at `base` are mapped for as long as `self` lives; the
+        // object's first `size` bytes never change (a page dropped and fetched again
+        // holds the same bytes).
+        unsafe {
+            std::slice::from_raw_parts(
+                self.inner.base as *const u8,
+                self.inner.object.size as usize,
+            )
+        }
+    }
+
+    /// The object.
+    #[must_use]
+    pub fn object(&self) -> &Arc<RemoteObject> {
+        &self.inner.object
+    }
+
+    /// Drops the whole blocks inside bytes `range`: consumed, they leave the budget to
+    /// the blocks still to come.
+    pub fn release(&self, range: std::ops::Range<u64>) {
+        let lo = range.start.div_ceil(BLOCK_BYTES);
+        let hi = if range.end >= self.inner.object.size {
+            self.inner.blocks()
+        } else {
+            range.end / BLOCK_BYTES
+        };
+        for k in lo..hi {
+            drop_block(&self.inner, k);
+        }
+    }
+}
+
+impl Drop for Paged {
+    fn drop(&mut self) {
+        lock(&self.inner.state).closed = true;
+        if let Some(p) = pager() {
+            lock(&p.maps).remove(&self.inner.base);
+            let _ = p.uffd.unregister(self.inner.base as *mut _, self.inner.len);
+            let mut lru = lock(&p.lru);
+            let mut freed = 0;
+            let me = Arc::as_ptr(&self.inner);
+            lru.0.retain(|(w, k)| {
+                let mine = w.as_ptr() == me;
+                if mine {
+                    freed += self.inner.mapped_len(*k) as u64;
+                }
+                !mine
+            });
+            lru.1 -= freed.min(lru.1);
+        }
+        // SAFETY: the mapping made by `map`; no reference to it outlives `self`.
+        unsafe { libc::munmap(self.inner.base as *mut _, self.inner.len) };
+    }
+}
+
+/// Drops block `k` of `inner` if resident.
+fn drop_block(inner: &Inner, k: u64) {
+    let mut st = lock(&inner.state);
+    if st.closed || !st.resident.remove(&k) {
+        return;
+    }
+    let at = inner.base + (k * BLOCK_BYTES) as usize;
+    // SAFETY: inside the mapping; anonymous private pages dropped are faulted in again
+    // (through the pager) on the next touch.
+    unsafe { libc::madvise(at as *mut _, inner.mapped_len(k), libc::MADV_DONTNEED) };
+    drop(st);
+    if let Some(p) = pager() {
+        let mut lru = lock(&p.lru);
+        let me = inner as *const Inner;
+        if let Some(i) = lru.0.iter().position(|(w, b)| w.as_ptr() == me && *b == k) {
+            lru.0.remove(i);
+            lru.1 -= (inner.mapped_len(k) as u64).min(lru.1);
+        }
+    }
+}
+
+impl Pager {
+    /// The fault thread: each fault asks for its block (and the blocks after it).
+    fn serve(&'static self) {
+        let fd = self.uffd.as_raw_fd();
+        loop {
+            let mut poll = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            if unsafe { libc::poll(&mut poll, 1, -1) } < 0 {
+                continue;
+            }
+            while let Ok(Some(event)) = self.uffd.read_event() {
+                if let Event::Pagefault { addr, .. } = event {
+                    self.fault(addr as usize);
+                }
+            }
+        }
+    }
+
+    fn fault(&'static self, addr: usize) {
+        let inner = {
+            let maps = lock(&self.maps);
+            maps.range(..=addr)
+                .next_back()
+                .and_then(|(_, w)| w.upgrade())
+                .filter(|i| addr < i.base + i.len)
+        };
+        let Some(inner) = inner else {
+            return;
+        };
+        let k = ((addr - inner.base) as u64) / BLOCK_BYTES;
+        let mut wanted = vec![k];
+        wanted.extend((k + 1..inner.blocks()).take(READ_AHEAD as usize));
+        for (i, b) in wanted.into_iter().enumerate() {
+            let len = inner.mapped_len(b) as u64;
+            {
+                let mut st = lock(&inner.state);
+                if st.resident.contains(&b) {
+                    if i == 0 {
+                        // Filled between the fault and now: wake the thread waiting.
+                        let at = inner.base + (b * BLOCK_BYTES) as usize;
+                        let _ = self.uffd.wake(at as *mut _, inner.mapped_len(b));
+                    }
+                    continue;
+                }
+                if st.in_flight.contains(&b) {
+                    continue;
+                }
+                // Read-ahead only inside the budget; the faulted block always.
+                if i > 0 && lock(&self.lru).1 + self.in_flight_bytes() + len > BUDGET_BYTES {
+                    break;
+                }
+                st.in_flight.insert(b);
+            }
+            IN_FLIGHT.fetch_add(len, std::sync::atomic::Ordering::Relaxed);
+            let inner = inner.clone();
+            runtime().spawn(async move {
+                let r = inner.block_range(b);
+                let fetched = inner.object.fetch(r).await;
+                IN_FLIGHT.fetch_sub(len, std::sync::atomic::Ordering::Relaxed);
+                match fetched {
+                    Ok(bytes) => self.fill(&inner, b, &bytes),
+                    Err(e) => fatal(&e.to_string()),
+                }
+            });
+        }
+    }
+
+    fn in_flight_bytes(&self) -> u64 {
+        IN_FLIGHT.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Copies a fetched block into the mapping (waking the threads waiting on it) and
+    /// keeps the budget.
+    fn fill(&self, inner: &Arc<Inner>, k: u64, bytes: &[u8]) {
+        let len = inner.mapped_len(k);
+        let padded;
+        let src: &[u8] = if bytes.len() == len {
+            bytes
+        } else {
+            let mut v = vec![0u8; len];
+            v[..bytes.len()].copy_from_slice(bytes);
+            padded = v;
+            &padded
+        };
+        {
+            let mut st = lock(&inner.state);
+            st.in_flight.remove(&k);
+            if st.closed {
+                return;
+            }
+            let at = inner.base + (k * BLOCK_BYTES) as usize;
+            // SAFETY: `at..at+len` lies in a registered mapping that stays mapped while
+            // `closed` is false (checked under the same lock `Drop` takes first).
+            let whole = unsafe { self.uffd.copy(src.as_ptr().cast(), at as *mut _, len, true) };
+            if whole.map_or(true, |n| n != len) {
+                // Some pages are there already (a release dropped part of the block):
+                // page by page, leaving those.
+                for p in (0..len).step_by(PAGE as usize) {
+                    // SAFETY: as above, one page.
+                    let _ = unsafe {
+                        self.uffd.copy(
+                            src[p..].as_ptr().cast(),
+                            (at + p) as *mut _,
+                            PAGE as usize,
+                            false,
+                        )
+                    };
+                }
+                let _ = self.uffd.wake(at as *mut _, len);
+            }
+            st.resident.insert(k);
+        }
+        let mut evict = Vec::new();
+        {
+            let mut lru = lock(&self.lru);
+            lru.0.push_back((Arc::downgrade(inner), k));
+            lru.1 += len as u64;
+            while lru.1 + self.in_flight_bytes() > BUDGET_BYTES && lru.0.len() > 1 {
+                let (w, b) = lru.0.pop_front().expect("non-empty");
+                if let Some(i) = w.upgrade() {
+                    lru.1 -= (i.mapped_len(b) as u64).min(lru.1);
+                    evict.push((i, b));
+                }
+            }
+        }
+        for (i, b) in evict {
+            let mut st = lock(&i.state);
+            if !st.closed && st.resident.remove(&b) {
+                let at = i.base + (b * BLOCK_BYTES) as usize;
+                // SAFETY: inside the live mapping (not closed, under its lock).
+                unsafe { libc::madvise(at as *mut _, i.mapped_len(b), libc::MADV_DONTNEED) };
+            }
+        }
+    }
+}
+
+static IN_FLIGHT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

@@ -1,0 +1,404 @@
+//! Outputs at a URL: written locally by the ordinary writers (each file committed by
+//! its own rename), then published so that the checkpoint appears complete or not at
+//! all to a reader that opens it by its entry file.
+//!
+//! 1. A journal (`<output>.ckpt-partial.json`, beside the output prefix, never under
+//!    it) lists the uploads about to be made; a journal left by a killed run is
+//!    acted on first: its uploads aborted, the objects it had completed deleted.
+//! 2. Every file larger than [`PART_BYTES`] becomes a multipart upload; all parts of
+//!    all files go up in parallel ([`UPLOADS`] at a time), and nothing is visible
+//!    while parts are uploaded.
+//! 3. The uploads are completed and the small files put (each atomic), the files
+//!    named in [`COMMIT_LAST`] (what readers open first: the index, `.metadata`,
+//!    `latest`) after all the others.
+//! 4. Objects of an older output at the prefix that the new one does not have are
+//!    deleted (only with `force`), and the journal is deleted.
+
+use crate::error::{Error, IoAt, Result};
+use crate::location::ObjectUrl;
+use crate::store::{block_on, store_for, Store};
+use futures::{StreamExt, TryStreamExt};
+use object_store::multipart::PartId;
+use object_store::path::Path as Key;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Bytes per uploaded part (S3 takes 5 MiB to 5 GiB, up to 10 000 parts: 16 MiB parts
+/// reach 156 GiB per file; larger files get larger parts).
+pub const PART_BYTES: u64 = 16 << 20;
+/// Parts in flight at once (memory: this many parts).
+pub const UPLOADS: usize = 8;
+
+/// The names readers open first, completed after every other object: while they are
+/// missing, a reader finds no checkpoint at all.
+pub const COMMIT_LAST: [&str; 8] = [
+    "model.safetensors.index.json",
+    "model.ckptz.index.json",
+    ".metadata",
+    "latest",
+    "latest_checkpointed_iteration.txt",
+    "strategy.json",
+    "config.json",
+    "metadata.json",
+];
+
+/// Where an output goes: a local path as it is, or a URL written through a local
+/// staging directory and published by [`Output::publish`].
+#[derive(Debug)]
+pub struct Output {
+    url: Option<ObjectUrl>,
+    local: PathBuf,
+    staging: Option<PathBuf>,
+    force: bool,
+}
+
+impl Output {
+    /// An output at `path` (a local path or a URL).
+    ///
+    /// # Errors
+    /// A URL of a read-only store, or a bad URL.
+    pub fn new(path: &Path, force: bool) -> Result<Output> {
+        if !crate::is_url(path) {
+            return Ok(Output {
+                url: None,
+                local: path.to_path_buf(),
+                staging: None,
+                force,
+            });
+        }
+        let url = ObjectUrl::parse(path)?;
+        if !url.writable() {
+            return Err(Error::BadUrl {
+                url: url.to_string(),
+                problem: "http(s) URLs are read-only: write to s3://, gs:// or az://".into(),
+            });
+        }
+        if !force {
+            let store = store_for(&url)?;
+            let prefix = Key::from(url.key());
+            let any =
+                block_on(async { store.objects.list(Some(&prefix)).next().await.transpose() })
+                    .map_err(|e| Error::from_store(&url.to_string(), e))?;
+            let journal = block_on(store.objects.head(&journal_key(&url))).is_ok();
+            if any.is_some() && !journal {
+                return Err(Error::Exists {
+                    url: url.to_string(),
+                });
+            }
+        }
+        let staging = crate::mirror::tempdir()?;
+        let local = staging.join(url.name());
+        crate::mirror::name_root(&local, &url.to_string());
+        Ok(Output {
+            url: Some(url),
+            local,
+            staging: Some(staging),
+            force,
+        })
+    }
+
+    /// The local path the writers write to.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.local
+    }
+
+    /// The staging directory to remove if the process is killed (`None` for a local
+    /// output).
+    #[must_use]
+    pub fn staging(&self) -> Option<&Path> {
+        self.staging.as_deref()
+    }
+
+    /// Whether the output is a URL.
+    #[must_use]
+    pub fn is_remote(&self) -> bool {
+        self.url.is_some()
+    }
+
+    /// Publishes the written output to its URL (nothing to do for a local one).
+    ///
+    /// # Errors
+    /// An output already at the URL (without `force`), failed requests: nothing of
+    /// this output is left visible, and the journal says what to clean up otherwise.
+    pub fn publish(&self) -> Result<()> {
+        let Some(url) = &self.url else {
+            return Ok(());
+        };
+        let store = store_for(url)?;
+        publish_tree(&store, url, &self.local, self.force)
+    }
+}
+
+impl Drop for Output {
+    fn drop(&mut self) {
+        if let Some(s) = &self.staging {
+            let _ = std::fs::remove_dir_all(s);
+        }
+    }
+}
+
+/// One file to publish.
+struct Upload {
+    local: PathBuf,
+    key: Key,
+    size: u64,
+    last: bool,
+}
+
+fn journal_key(url: &ObjectUrl) -> Key {
+    Key::from(format!("{}.ckpt-partial.json", url.key()))
+}
+
+fn files(local: &Path, url: &ObjectUrl) -> Result<Vec<Upload>> {
+    let mut out = Vec::new();
+    let meta = std::fs::metadata(local).at(local)?;
+    if meta.is_file() {
+        out.push(Upload {
+            local: local.to_path_buf(),
+            key: Key::from(url.key()),
+            size: meta.len(),
+            last: true,
+        });
+        return Ok(out);
+    }
+    let mut stack = vec![local.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).at(&dir)? {
+            let p = e.at(&dir)?.path();
+            let m = std::fs::metadata(&p).at(&p)?;
+            if m.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            let rel = p
+                .strip_prefix(local)
+                .unwrap_or(&p)
+                .to_string_lossy()
+                .replace('\\', "/");
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            out.push(Upload {
+                key: Key::from(format!("{}/{rel}", url.key())),
+                local: p.clone(),
+                size: m.len(),
+                last: COMMIT_LAST.contains(&name),
+            });
+        }
+    }
+    out.sort_by(|a, b| a.key.as_ref().cmp(b.key.as_ref()));
+    Ok(out)
+}
+
+fn shown(url: &ObjectUrl, key: &Key) -> String {
+    format!("{}/{}", url.root(), key)
+}
+
+/// Acts on a journal left by a killed run: aborts its uploads, deletes what it
+/// completed. Returns whether there was one.
+fn clean_up(store: &Store, url: &ObjectUrl) -> Result<bool> {
+    let jk = journal_key(url);
+    let text = match block_on(async { store.objects.get(&jk).await?.bytes().await }) {
+        Ok(b) => b,
+        Err(object_store::Error::NotFound { .. }) => return Ok(false),
+        Err(e) => return Err(Error::from_store(&shown(url, &jk), e)),
+    };
+    let doc: serde_json::Value = serde_json::from_slice(&text).unwrap_or_default();
+    let entries = doc
+        .get("objects")
+        .and_then(|v| v.as_array())
+        .cloned()
+        .unwrap_or_default();
+    block_on(async {
+        for e in entries {
+            let Some(key) = e.get("key").and_then(|k| k.as_str()) else {
+                continue;
+            };
+            let key = Key::from(key);
+            if let (Some(id), Some(mp)) =
+                (e.get("upload").and_then(|u| u.as_str()), &store.multipart)
+            {
+                let _ = mp.abort_multipart(&key, &id.to_string()).await;
+            }
+            match store.objects.delete(&key).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(Error::from_store(&shown(url, &key), e)),
+            }
+        }
+        store
+            .objects
+            .delete(&jk)
+            .await
+            .map_err(|e| Error::from_store(&shown(url, &jk), e))
+    })?;
+    Ok(true)
+}
+
+fn publish_tree(store: &Arc<Store>, url: &ObjectUrl, local: &Path, force: bool) -> Result<()> {
+    let had_journal = clean_up(store, url)?;
+    let uploads = files(local, url)?;
+    let prefix = Key::from(url.key());
+    let existing: Vec<Key> = block_on(
+        store
+            .objects
+            .list(Some(&prefix))
+            .map_ok(|m| m.location)
+            .try_collect(),
+    )
+    .map_err(|e| Error::from_store(&url.to_string(), e))?;
+    if !existing.is_empty() && !force && !had_journal {
+        return Err(Error::Exists {
+            url: url.to_string(),
+        });
+    }
+    let part = PART_BYTES.max(
+        uploads
+            .iter()
+            .map(|u| u.size.div_ceil(10_000))
+            .max()
+            .unwrap_or(0),
+    );
+    let mp = store.multipart.clone().ok_or_else(|| Error::BadUrl {
+        url: url.to_string(),
+        problem: "this store takes no multipart uploads".into(),
+    })?;
+    // 1. The uploads, and the journal that names them.
+    let big: Vec<usize> = (0..uploads.len())
+        .filter(|&i| uploads[i].size > part)
+        .collect();
+    let ids: Vec<String> = block_on(
+        futures::stream::iter(big.iter().map(|&i| {
+            let mp = mp.clone();
+            let key = uploads[i].key.clone();
+            async move {
+                mp.create_multipart(&key)
+                    .await
+                    .map_err(|e| Error::from_store(&shown(url, &key), e))
+            }
+        }))
+        .buffered(UPLOADS)
+        .try_collect(),
+    )?;
+    let journal = serde_json::json!({
+        "what": "ckpt: an output being published; a later ckpt run to this output aborts these uploads and deletes these objects",
+        "objects": uploads.iter().enumerate().map(|(i, u)| {
+            let id = big.iter().position(|&b| b == i).map(|j| ids[j].clone());
+            serde_json::json!({"key": u.key.as_ref(), "upload": id})
+        }).collect::<Vec<_>>(),
+    });
+    let jk = journal_key(url);
+    block_on(
+        store
+            .objects
+            .put(&jk, PutPayload::from(journal.to_string().into_bytes())),
+    )
+    .map_err(|e| Error::from_store(&shown(url, &jk), e))?;
+    let result = (|| -> Result<()> {
+        // 2. Every part of every large file, in parallel.
+        let jobs: Vec<(usize, usize, u64)> = big
+            .iter()
+            .enumerate()
+            .flat_map(|(j, &i)| {
+                let n = uploads[i].size.div_ceil(part);
+                (0..n).map(move |p| (j, i, p))
+            })
+            .collect();
+        let mut parts: Vec<Vec<Option<PartId>>> = big
+            .iter()
+            .map(|&i| vec![None; uploads[i].size.div_ceil(part) as usize])
+            .collect();
+        let done: Vec<(usize, u64, PartId)> = block_on(
+            futures::stream::iter(jobs.into_iter().map(|(j, i, p)| {
+                let mp = mp.clone();
+                let u = &uploads[i];
+                let id = ids[j].clone();
+                async move {
+                    let start = p * part;
+                    let len = part.min(u.size - start);
+                    let bytes = read_at(&u.local, start, len)?;
+                    let pid = mp
+                        .put_part(&u.key, &id, p as usize, PutPayload::from(bytes))
+                        .await
+                        .map_err(|e| Error::from_store(&shown(url, &u.key), e))?;
+                    Ok::<_, Error>((j, p, pid))
+                }
+            }))
+            .buffer_unordered(UPLOADS)
+            .try_collect(),
+        )?;
+        for (j, p, pid) in done {
+            parts[j][p as usize] = Some(pid);
+        }
+        // 3. Complete and put: data first, entry files last.
+        for last in [false, true] {
+            block_on(
+                futures::stream::iter(
+                    uploads
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, u)| u.last == last)
+                        .map(|(i, u)| {
+                            let mp = mp.clone();
+                            let objects = store.objects.clone();
+                            let slot = big.iter().position(|&b| b == i);
+                            let (id, ps) = match slot {
+                                Some(j) => (
+                                    Some(ids[j].clone()),
+                                    parts[j]
+                                        .iter()
+                                        .map(|p| p.clone().expect("every part uploaded"))
+                                        .collect(),
+                                ),
+                                None => (None, Vec::new()),
+                            };
+                            async move {
+                                let sent = match id {
+                                    Some(id) => {
+                                        mp.complete_multipart(&u.key, &id, ps).await.map(|_| ())
+                                    }
+                                    None => {
+                                        let bytes = std::fs::read(&u.local).at(&u.local)?;
+                                        objects
+                                            .put(&u.key, PutPayload::from(bytes))
+                                            .await
+                                            .map(|_| ())
+                                    }
+                                };
+                                sent.map_err(|e| Error::from_store(&shown(url, &u.key), e))
+                            }
+                        }),
+                )
+                .buffer_unordered(UPLOADS)
+                .try_collect::<Vec<()>>(),
+            )?;
+        }
+        Ok(())
+    })();
+    match result {
+        Ok(()) => {
+            // 4. What the old output had and the new one has not; the journal.
+            let new: std::collections::HashSet<&str> =
+                uploads.iter().map(|u| u.key.as_ref()).collect();
+            block_on(async {
+                for k in existing.iter().filter(|k| !new.contains(k.as_ref())) {
+                    let _ = store.objects.delete(k).await;
+                }
+                store.objects.delete(&jk).await
+            })
+            .map_err(|e| Error::from_store(&shown(url, &jk), e))
+        }
+        Err(e) => {
+            // Nothing of this output stays: the uploads aborted, what completed deleted.
+            let _ = clean_up(store, url);
+            Err(e)
+        }
+    }
+}
+
+fn read_at(path: &Path, start: u64, len: u64) -> Result<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(path).at(path)?;
+    let mut buf = vec![0u8; len as usize];
+    f.read_exact_at(&mut buf, start).at(path)?;
+    Ok(buf)
+}
