@@ -260,7 +260,14 @@ fn reshard_bucket_to_bucket_equals_local() {
     d.ok(&["reshard", "src", "--to", "2", "-o", "want"]);
     s.ok(
         &d,
-        &["reshard", "s3://ckpt-test/src", "--to", "2", "-o", "s3://ckpt-test/out"],
+        &[
+            "reshard",
+            "s3://ckpt-test/src",
+            "--to",
+            "2",
+            "-o",
+            "s3://ckpt-test/out",
+        ],
         &[("CKPT_SMALL_OBJECT_BYTES", "512")],
     );
     s.s3(&["get", "s3://ckpt-test/out", d.path("got").to_str().unwrap()]);
@@ -286,7 +293,11 @@ fn reshard_bucket_to_bucket_equals_local() {
         "merge to the bucket",
     );
     // An output that exists is refused without --force, replaced with it.
-    let o = s.ckpt(&d, &["merge", "s3://ckpt-test/src", "-o", "s3://ckpt-test/merged"], &[]);
+    let o = s.ckpt(
+        &d,
+        &["merge", "s3://ckpt-test/src", "-o", "s3://ckpt-test/merged"],
+        &[],
+    );
     assert_eq!(o.code, 1, "{}", o.stderr);
     assert!(
         o.stderr.contains("s3://ckpt-test/merged already exists"),
@@ -295,7 +306,13 @@ fn reshard_bucket_to_bucket_equals_local() {
     );
     s.ok(
         &d,
-        &["merge", "s3://ckpt-test/src", "-o", "s3://ckpt-test/merged", "--force"],
+        &[
+            "merge",
+            "s3://ckpt-test/src",
+            "-o",
+            "s3://ckpt-test/merged",
+            "--force",
+        ],
         &[],
     );
     let o = s.ckpt(&d, &["verify", "s3://ckpt-test/merged"], &[]);

@@ -487,8 +487,12 @@ pub(crate) fn read_head(path: &Path, n: u64) -> Result<Vec<u8>> {
 
 /// A whole small file (a tracker, an index, `.metadata`), downloaded first where it is
 /// a placeholder of a larger remote object.
-pub(crate) fn read_small(path: &Path) -> Result<Vec<u8>> {
-    Ok(ckpt_storage::read_whole(path)?)
+///
+/// # Errors
+/// The download; the read, as [`Error::Io`] with the path.
+pub fn read_small(path: &Path) -> Result<Vec<u8>> {
+    ckpt_storage::materialize(path)?;
+    std::fs::read(path).at(path)
 }
 
 /// A handle on a file to read with positional reads, downloaded first where it is a

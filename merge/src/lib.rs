@@ -432,10 +432,9 @@ fn write_hf_files(hf: &HfModel, plan: &CopyPlan, req: &MergeRequest, dir: &Path)
         copies.extend(found);
     }
     for from in copies {
-        let bytes = std::fs::read(&from).map_err(|source| ckpt_core::Error::Io {
-            path: from.clone(),
-            source,
-        })?;
+        // Through the storage layer: beside a bucket's checkpoint, the file may stand
+        // for an object not yet fetched.
+        let bytes = ckpt_core::read_file(&from)?;
         if let Some(name) = from.file_name() {
             write_file_atomic(&dir.join(name), &bytes)?;
         }

@@ -257,10 +257,7 @@ impl Checkpoint {
                     "--format megatron from a model that is not Megatron's needs its Hugging Face config.json (beside the safetensors files, or --hf-config)".into(),
                 )
             })?;
-        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
-            path: path.clone(),
-            source,
-        })?;
+        let text = String::from_utf8_lossy(&crate::formats::read_small(&path)?).into_owned();
         let (config_family, shape) = hf::read_config(&text, &path.display().to_string())?;
         let family = match &target.arch {
             Some(a) => Family::from_name(a).ok_or_else(|| {
@@ -446,7 +443,7 @@ impl Checkpoint {
                 Some(hf::read_config(&text, &p.display().to_string())?)
             }
             None => self.carried.get("config.json").and_then(|p| {
-                let text = std::fs::read_to_string(p).ok()?;
+                let text = String::from_utf8(crate::formats::read_small(p).ok()?).ok()?;
                 let c = hf::read_config(&text, &p.display().to_string()).ok()?;
                 notes.push(format!("Hugging Face config: {}", p.display()));
                 user_config = Some(p.clone());

@@ -134,7 +134,9 @@ pub fn copy_carried(
     dir: &Path,
 ) -> Result<()> {
     for (name, from) in carried {
-        let bytes = std::fs::read(from).at(from)?;
+        // Through the storage layer: in a bucket's tree the file may stand for an
+        // object not yet fetched.
+        let bytes = super::read_small(from)?;
         write_file_atomic(&dir.join(name), &bytes)?;
     }
     Ok(())

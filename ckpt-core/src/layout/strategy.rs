@@ -200,8 +200,11 @@ impl Strategy {
     pub fn read(path: &std::path::Path) -> Result<Strategy> {
         // Through the storage layer: in a bucket's tree the file may stand for an
         // object not yet fetched.
-        let bytes = ckpt_storage::read_whole(path)?;
-        let text = String::from_utf8_lossy(&bytes);
+        ckpt_storage::materialize(path)?;
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.into(),
+            source,
+        })?;
         Strategy::from_json(&text).map_err(|e| e.with_path(path))
     }
 }

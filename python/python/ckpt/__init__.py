@@ -79,11 +79,24 @@ def _fspaths(p: Paths) -> List[str]:
     return [os.fspath(x) for x in p]
 
 
+_URL_SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "http", "https")
+
+
+def _is_url(x: str) -> bool:
+    """Whether ``x`` names an object store location (pass URLs as strings: pathlib
+    folds their ``//``)."""
+    scheme, sep, _ = x.partition("://")
+    return bool(sep) and scheme.lower() in _URL_SCHEMES
+
+
 def _existing(p: Paths) -> List[str]:
     """:func:`_fspaths`, each checked to exist: a missing one raises
     :class:`PathNotFound` (a ``FileNotFoundError``) with the CLI's message."""
     paths = _fspaths(p)
     for x in paths:
+        # Object store URLs (s3://, gs://, az://, http(s)://) are checked by the store.
+        if _is_url(x):
+            continue
         if not os.path.lexists(x):
             raise PathNotFound(f"{x}: no such file or directory", x)
     return paths

@@ -41,7 +41,7 @@ pub(super) fn unsupported(problem: impl Into<String>) -> Error {
 pub(super) fn tag_dir(source: &Path) -> Result<(PathBuf, String)> {
     let latest = source.join("latest");
     if latest.is_file() {
-        let tag = std::fs::read_to_string(&latest)
+        let tag = String::from_utf8(crate::formats::read_small(&latest)?)
             .map_err(|e| err(&latest, e.to_string()))?
             .trim()
             .to_string();
