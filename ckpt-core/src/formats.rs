@@ -916,6 +916,14 @@ impl TensorFile {
         }
     }
 
+    /// Whether the bytes come from an object of a store, paged on demand: the local
+    /// file at [`TensorFile::path`] is then an empty placeholder that no other program
+    /// may map or read in its place.
+    #[must_use]
+    pub fn is_remote(&self) -> bool {
+        matches!(self.map.as_ref().map(|m| &m.map), Some(Backing::Remote(_)))
+    }
+
     /// Index of the tensor called `name`.
     #[must_use]
     pub fn find(&self, name: &str) -> Option<usize> {

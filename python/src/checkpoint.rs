@@ -152,12 +152,12 @@ impl PyCheckpoint {
 
     /// `(path, rank or None, format)` of every file read.
     #[getter]
-    fn files(&self) -> Vec<(PathBuf, Option<u64>, &'static str)> {
+    fn files(&self) -> Vec<(String, Option<u64>, &'static str)> {
         self.inner
             .files
             .iter()
             .zip(&self.inner.ranks)
-            .map(|(f, r)| (f.path().to_path_buf(), *r, f.format().name()))
+            .map(|(f, r)| (shown(f.path()), *r, f.format().name()))
             .collect()
     }
 
@@ -194,12 +194,12 @@ impl PyCheckpoint {
                     .map(|l| l.placements.iter().map(ToString::to_string).collect())
             });
             d.set_item("placements", placements)?;
-            let pieces: Vec<(PathBuf, Vec<u64>, Vec<u64>)> = t
+            let pieces: Vec<(String, Vec<u64>, Vec<u64>)> = t
                 .pieces
                 .iter()
                 .map(|p| {
                     (
-                        ck.files[p.file].path().to_path_buf(),
+                        shown(ck.files[p.file].path()),
                         p.global.start.clone(),
                         p.global.shape.clone(),
                     )
@@ -264,4 +264,11 @@ impl PyCheckpoint {
     ) -> PyResult<LoadPlan> {
         LoadPlan::for_boxes(py, self.inner.clone(), requests)
     }
+}
+
+/// A file's path as the user knows it: the object's URL for a file of a bucket (read
+/// through a local tree of ckpt's), else the path. A string: `pathlib` would fold a
+/// URL's `//`.
+fn shown(path: &std::path::Path) -> String {
+    ckpt_core::unmirror_text(&path.to_string_lossy())
 }

@@ -38,7 +38,9 @@ fn view_of(source: &Checkpoint, t: &TensorPlan) -> Option<(PathBuf, u64)> {
         return None;
     }
     let file = &source.files[op.file];
-    if file.format() == FileFormat::Ckptz {
+    // A compressed file has no run of plain bytes; an object of a bucket has no local
+    // file Python could map (its pages come through ckpt's own mapping).
+    if file.format() == FileFormat::Ckptz || file.is_remote() {
         return None;
     }
     let numel = op.src.numel();

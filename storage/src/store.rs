@@ -73,10 +73,21 @@ fn retry() -> RetryConfig {
 pub(crate) fn store_for(url: &ObjectUrl) -> Result<Arc<Store>> {
     static STORES: Mutex<Option<HashMap<String, Arc<Store>>>> = Mutex::new(None);
     let root = url.root();
+    // Keyed by the configuration too: a process whose environment changes (a test's
+    // new endpoint, a new profile) gets a new client, not one bound to the old settings.
+    let mut config: Vec<(String, String)> = std::env::vars()
+        .filter(|(k, _)| {
+            ["AWS_", "GOOGLE_", "AZURE_", "HOME"]
+                .iter()
+                .any(|p| k.starts_with(p))
+        })
+        .collect();
+    config.sort();
+    let key = format!("{root}\n{config:?}");
     let mut stores = STORES
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some(s) = stores.get_or_insert_with(HashMap::new).get(&root) {
+    if let Some(s) = stores.get_or_insert_with(HashMap::new).get(&key) {
         return Ok(s.clone());
     }
     let bad = |e: object_store::Error| Error::BadUrl {
@@ -146,7 +157,7 @@ pub(crate) fn store_for(url: &ObjectUrl) -> Result<Arc<Store>> {
     let store = Arc::new(store);
     stores
         .get_or_insert_with(HashMap::new)
-        .insert(root, store.clone());
+        .insert(key, store.clone());
     Ok(store)
 }
 
