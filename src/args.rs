@@ -267,6 +267,12 @@ pub(crate) struct MergeArgs {
     /// merge drops them where the checkpoint's args give the real vocab_size).
     #[arg(long)]
     pub(crate) keep_vocab_padding: bool,
+    /// Megatron dist_ckpt: one tensor a layer and a tensor an expert, under the legacy
+    /// names and global ids (`decoder.layers.3.mlp.experts.local_experts.5.…`), instead
+    /// of the stacked `[layers, experts, …]` tensors dist_ckpt stores (always so with
+    /// --format hf).
+    #[arg(long)]
+    pub(crate) per_layer: bool,
     /// With --format hf: a Hugging Face config.json to follow. It names the model
     /// family, fills in what the source does not record (and must agree with what it
     /// does), and is written as the output's config; a generation_config.json beside

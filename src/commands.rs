@@ -151,7 +151,7 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
             split_qkv: a.split_qkv,
             unpad_vocab: !a.keep_vocab_padding,
             // A Hugging Face model has a tensor a layer.
-            per_layer: a.format == "hf",
+            per_layer: a.per_layer || a.format == "hf",
         }),
         force: a.copy.force,
         one_file: a.one_file,

@@ -17,6 +17,7 @@ mod megatron;
 mod megatron_optim;
 mod merge;
 mod mindspore;
+mod moe;
 mod pictures;
 mod python;
 mod readme;

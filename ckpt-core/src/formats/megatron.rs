@@ -55,6 +55,19 @@ const DISTRIB_OPTIM_FILE: &str = optim::FILE;
 pub(crate) const PP_AXIS: &str = "pp";
 /// The tensor-parallel axis.
 pub(crate) const TP_AXIS: &str = "tp";
+/// The expert-parallel axis of a legacy checkpoint without pipeline stages.
+pub(crate) const EP_AXIS: &str = "ep";
+/// The pipeline and expert-parallel axes of a legacy checkpoint with both, as one
+/// (coordinate `pp x EP + ep`).
+pub(crate) const PP_EP_AXIS: &str = "pp_ep";
+
+/// Where a legacy rank file sits on the grid.
+#[derive(Clone, Copy, Debug)]
+struct RankAt {
+    tp: u64,
+    pp: u64,
+    ep: u64,
+}
 
 /// Whether `dir` is a Megatron legacy checkpoint: a save directory (with the tracker
 /// file) or one iteration's directory (with `mp_rank_*` directories).
@@ -62,9 +75,10 @@ pub(crate) fn looks_like(dir: &Path) -> bool {
     dir.join(TRACKER_FILE).is_file() || !rank_dirs(dir).is_empty()
 }
 
-/// `(tp, pp, path)` of each `mp_rank_TT[_PPP]` directory holding a rank file;
-/// expert-parallel names (`_EEE`) come back with pp `u64::MAX` to be refused by name.
-fn rank_dirs(dir: &Path) -> Vec<(u64, Option<u64>, PathBuf)> {
+/// `(tp, rest, path)` of each `mp_rank_TT[_PPP][_EEE]` directory: the tensor-parallel
+/// rank and the numbers after it (pipeline stage, expert-parallel rank, or both: only
+/// args tell `mp_rank_TT_EEE` from `mp_rank_TT_PPP`).
+fn rank_dirs(dir: &Path) -> Vec<(u64, Vec<u64>, PathBuf)> {
     let Ok(read) = std::fs::read_dir(dir) else {
         return vec![];
     };
@@ -80,25 +94,9 @@ fn rank_dirs(dir: &Path) -> Vec<(u64, Option<u64>, PathBuf)> {
         if !p.is_dir() {
             continue;
         }
-        let parts: Vec<&str> = rest.split('_').collect();
-        let num = |s: &str| s.parse::<u64>().ok();
-        match parts.as_slice() {
-            [t] => {
-                if let Some(t) = num(t) {
-                    out.push((t, None, p));
-                }
-            }
-            [t, pp] => {
-                if let (Some(t), Some(pp)) = (num(t), num(pp)) {
-                    out.push((t, Some(pp), p));
-                }
-            }
-            [t, _, _] => {
-                if let Some(t) = num(t) {
-                    out.push((t, Some(u64::MAX), p));
-                }
-            }
-            _ => {}
+        let nums: Option<Vec<u64>> = rest.split('_').map(|s| s.parse::<u64>().ok()).collect();
+        if let Some(nums) = nums.filter(|n| (1..=3).contains(&n.len())) {
+            out.push((nums[0], nums[1..].to_vec(), p));
         }
     }
     out.sort();
@@ -131,6 +129,33 @@ pub(crate) struct Args {
     /// Uneven pipeline stages (`num_layers_in_first/last_pipeline_stage`,
     /// `pipeline_model_parallel_layout`): set when args use them, refused for now.
     pub(crate) uneven: Option<String>,
+    /// Mixture of experts (docs/moe.md); `experts` is `None` for a dense model.
+    pub(crate) moe: MoeArgs,
+}
+
+/// Megatron-LM's mixture-of-experts fields (arguments.py's names).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct MoeArgs {
+    /// `num_experts`: experts of each MoE layer, over all expert-parallel ranks.
+    pub(crate) experts: Option<u64>,
+    /// `expert_model_parallel_size` (1 when absent).
+    pub(crate) ep: u64,
+    /// `expert_tensor_parallel_size` (`None`: the tensor-parallel size).
+    pub(crate) etp: Option<u64>,
+    /// `moe_ffn_hidden_size` (`None`: `ffn_hidden_size`).
+    pub(crate) ffn: Option<u64>,
+    /// `moe_shared_expert_intermediate_size`.
+    pub(crate) shared_ffn: Option<u64>,
+    /// `moe_grouped_gemm`: experts as one grouped layer.
+    pub(crate) grouped_gemm: bool,
+}
+
+impl MoeArgs {
+    /// Experts each expert-parallel rank holds.
+    fn local_experts(&self) -> Option<u64> {
+        let e = self.experts?;
+        (self.ep > 0 && e % self.ep == 0).then(|| e / self.ep)
+    }
 }
 
 /// The fields of Megatron-LM's args that say which model family a GPT model is
@@ -253,6 +278,14 @@ impl Args {
             swiglu: flag("swiglu"),
             model,
             uneven,
+            moe: MoeArgs {
+                experts: int("num_experts")?,
+                ep: int("expert_model_parallel_size")?.unwrap_or(1),
+                etp: int("expert_tensor_parallel_size")?,
+                ffn: int("moe_ffn_hidden_size")?,
+                shared_ffn: int("moe_shared_expert_intermediate_size")?,
+                grouped_gemm: flag("moe_grouped_gemm"),
+            },
         })
     }
 
@@ -346,7 +379,32 @@ fn rule(name: &str, args: &Args) -> Option<(Split, Stage, Option<Vec<u64>>)> {
                 shape(&[fc1]),
             ),
             "mlp.linear_fc2.weight" => (row, shape(&[h, ffn])),
-            _ => return None,
+            "mlp.router.weight" => (Split::Replicated, shape(&[args.moe.experts, h])),
+            "mlp.router.expert_bias" => (Split::Replicated, shape(&[args.moe.experts])),
+            "mlp.shared_experts.gate_weight" => (Split::Replicated, shape(&[Some(1), h])),
+            _ => {
+                // An expert (`mlp.experts.local_experts.<g>.`, global id) or the shared
+                // expert: an MLP of its own FFN size, split like the dense one.
+                let (tail, f) = if let Some(e) = rest.strip_prefix("mlp.experts.local_experts.") {
+                    (e.split_once('.')?.1, args.moe.ffn.or(ffn))
+                } else if let Some(t) = rest.strip_prefix("mlp.shared_experts.") {
+                    (t, args.moe.shared_ffn)
+                } else {
+                    return None;
+                };
+                let f1 = f.and_then(|f| f.checked_mul(gate));
+                let fc1 = Split::Dim {
+                    dim: 0,
+                    blocks: gate,
+                };
+                match tail {
+                    "linear_fc1.weight" => (fc1, shape(&[f1, h])),
+                    "linear_fc1.bias" => (fc1, shape(&[f1])),
+                    "linear_fc2.weight" => (row, shape(&[h, f])),
+                    "linear_fc2.bias" => (Split::Replicated, shape(&[h])),
+                    _ => return None,
+                }
+            }
         };
         return Some((r.0, Stage::Any, r.1));
     }
@@ -401,6 +459,38 @@ fn global_name(
         .global_layer(pp, chunk, n)
         .ok_or_else(|| "layer index overflows".to_string())?;
     Ok(format!("decoder.layers.{g}.{tail}"))
+}
+
+/// The global name of an expert's tensor named with its local index
+/// (`…mlp.experts.local_experts.<i>.…`): `None` for any other tensor, an error for an
+/// index the args do not allow.
+fn expert_name(
+    name: &str,
+    args: &Args,
+    ep_rank: u64,
+) -> Option<std::result::Result<String, String>> {
+    const LOCAL: &str = ".mlp.experts.local_experts.";
+    let at = name.find(LOCAL)? + LOCAL.len();
+    let (i, tail) = name[at..].split_once('.')?;
+    Some((|| {
+        let i: u64 = i
+            .parse()
+            .map_err(|_| format!("expert number `{i}` is not a number"))?;
+        let Some(per) = args.moe.local_experts() else {
+            return Err(format!(
+                "an expert, but args.num_experts {:?} is not set or not a multiple of args.expert_model_parallel_size {}",
+                args.moe.experts, args.moe.ep
+            ));
+        };
+        if i >= per {
+            return Err(format!(
+                "local expert {i}, but args give {per} per expert-parallel rank (num_experts {:?} / expert_model_parallel_size {})",
+                args.moe.experts, args.moe.ep
+            ));
+        }
+        let g = ep_rank * per + i;
+        Ok(format!("{}{g}.{tail}", &name[..at]))
+    })())
 }
 
 /// A legacy checkpoint opened: one file per (tp, pp) rank, the tensors under their
@@ -460,17 +550,9 @@ fn iteration_dir(path: &Path) -> Result<PathBuf> {
 pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     let dir = iteration_dir(path)?;
     let found = rank_dirs(&dir);
-    if let Some((_, _, p)) = found.iter().find(|(_, pp, _)| *pp == Some(u64::MAX)) {
-        return Err(Error::Unsupported {
-            problem: format!(
-                "{}: expert-parallel rank directories (mp_rank_TT_PPP_EEE) are not read",
-                p.display()
-            ),
-        });
-    }
     let Some((_, _, first)) = found.first() else {
         return Err(unknown(format!(
-            "{}: no mp_rank_TT[_PPP]/ directories",
+            "{}: no mp_rank_TT[_PPP][_EEE]/ directories",
             dir.display()
         )));
     };
@@ -496,41 +578,97 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
             ),
         });
     }
-    let (tp, pp) = (args.tp, args.pp);
+    let (tp, pp, ep) = (args.tp, args.pp, args.moe.ep);
+    let unsupported = |problem: String| Error::Unsupported {
+        problem: format!("{}: {problem}", first_file.display()),
+    };
+    if ep > 1 {
+        // docs/moe.md: what is read of expert parallelism, and what not yet.
+        if args.moe.local_experts().is_none() {
+            return Err(unknown(format!(
+                "{}: args.num_experts {:?} is not a multiple of args.expert_model_parallel_size {ep}",
+                first_file.display(),
+                args.moe.experts
+            )));
+        }
+        if let Some(etp) = args.moe.etp.filter(|&e| e != tp) {
+            return Err(unsupported(format!(
+                "args.expert_tensor_parallel_size {etp} differs from tensor_model_parallel_size {tp}: experts split otherwise than the dense layers are not read yet"
+            )));
+        }
+        if args.moe.grouped_gemm {
+            return Err(unsupported(
+                "args.moe_grouped_gemm: the grouped expert layers (mlp.experts.weight1/weight2, or Transformer Engine's) are not read yet; SequentialMLP experts (local_experts.<i>) are".into(),
+            ));
+        }
+    }
     let world = tp
         .checked_mul(pp)
-        .ok_or_else(|| overflow("tensor x pipeline parallel size"))?;
-    // Every directory the args call for, by name; and none else.
-    let name_of = |t: u64, p: u64| {
-        if pp == 1 {
-            format!("mp_rank_{t:02}")
-        } else {
-            format!("mp_rank_{t:02}_{p:03}")
+        .and_then(|w| w.checked_mul(ep))
+        .ok_or_else(|| overflow("tensor x pipeline x expert parallel size"))?;
+    // Every directory the args call for, by name; and none else. Megatron-LM's
+    // get_checkpoint_name: `_PPP` when pipeline-parallel, then `_EEE` when
+    // expert-parallel.
+    let name_of = |t: u64, p: u64, e: u64| {
+        let mut n = format!("mp_rank_{t:02}");
+        if pp > 1 {
+            n.push_str(&format!("_{p:03}"));
         }
+        if ep > 1 {
+            n.push_str(&format!("_{e:03}"));
+        }
+        n
+    };
+    let parts = usize::from(pp > 1) + usize::from(ep > 1);
+    let sizes = if ep > 1 {
+        format!("tensor parallel {tp} x pipeline {pp} x expert parallel {ep}")
+    } else {
+        format!("tensor parallel {tp} x pipeline {pp}")
     };
     let mut missing = Vec::new();
     'ranks: for p in 0..pp {
-        for t in 0..tp {
-            let d = dir.join(name_of(t, p));
-            if !d.join(RANK_FILE).is_file() {
-                missing.push(Error::Mismatch {
-                    what: format!(
-                        "{}: missing (args say tensor parallel {tp} x pipeline {pp}: rank tp={t} pp={p})",
-                        d.join(RANK_FILE).display()
-                    ),
-                });
-            }
-            if missing.len() >= 20 {
-                break 'ranks;
+        for e in 0..ep {
+            for t in 0..tp {
+                let d = dir.join(name_of(t, p, e));
+                if !d.join(RANK_FILE).is_file() {
+                    missing.push(Error::Mismatch {
+                        what: format!(
+                            "{}: missing (args say {sizes}: rank tp={t} pp={p}{})",
+                            d.join(RANK_FILE).display(),
+                            if ep > 1 {
+                                format!(" ep={e}")
+                            } else {
+                                String::new()
+                            }
+                        ),
+                    });
+                }
+                if missing.len() >= 20 {
+                    break 'ranks;
+                }
             }
         }
     }
-    for (t, p, d) in &found {
-        let expected = *t < tp && p.map_or(pp == 1, |p| pp > 1 && p < pp);
+    for (t, rest, d) in &found {
+        let expected = rest.len() == parts
+            && *t < tp
+            && match rest[..] {
+                [] => true,
+                [x] => x < if pp > 1 { pp } else { ep },
+                [p, e] => p < pp && e < ep,
+                _ => false,
+            };
         if !expected {
+            // A name with one more part than the args explain, the args saying no
+            // expert parallelism: an expert-parallel checkpoint without its args.
+            let why = if rest.len() == parts + 1 && ep == 1 {
+                " (named like an expert-parallel rank, mp_rank_TT[_PPP]_EEE, but args.expert_model_parallel_size is 1: the args are not this checkpoint's, or expert parallelism is not recorded)"
+            } else {
+                ""
+            };
             missing.push(Error::Mismatch {
                 what: format!(
-                    "{}: not a rank of tensor parallel {tp} x pipeline {pp} (as {} says)",
+                    "{}: not a rank of {sizes} (as {} says){why}",
                     d.display(),
                     first_file.display()
                 ),
@@ -540,10 +678,21 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     if !missing.is_empty() {
         return Err(Error::Many(crate::error::Problems(missing)));
     }
-    let mesh = if pp > 1 {
-        Mesh::new(vec![(PP_AXIS.into(), pp), (TP_AXIS.into(), tp)])?.with_pipeline(PP_AXIS)?
-    } else {
-        Mesh::new(vec![(TP_AXIS.into(), tp)])?
+    // The axis whose coordinate says which files hold a tensor: the pipeline stage,
+    // the expert-parallel rank, or both (`pp_ep` = pp x EP + ep). Dense tensors live on
+    // expert rank 0's coordinate (the other expert ranks hold data-parallel replicas of
+    // them, not read); each expert on its own rank's.
+    let stage_axis = match (pp > 1, ep > 1) {
+        (true, false) => Some((PP_AXIS, pp)),
+        (false, true) => Some((EP_AXIS, ep)),
+        (true, true) => Some((PP_EP_AXIS, pp * ep)),
+        (false, false) => None,
+    };
+    let mesh = match stage_axis {
+        Some((name, n)) => {
+            Mesh::new(vec![(name.into(), n), (TP_AXIS.into(), tp)])?.with_pipeline(name)?
+        }
+        None => Mesh::new(vec![(TP_AXIS.into(), tp)])?,
     };
     let mut strategy = Strategy::new(mesh.clone());
     let mut files = Vec::with_capacity(world as usize);
@@ -551,23 +700,43 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     let mut carried: Vec<String> = Vec::new();
     let mut optim = Vec::new();
     for p in 0..pp {
-        for t in 0..tp {
-            let rank = p * tp + t;
-            let file = dir.join(name_of(t, p)).join(RANK_FILE);
-            let f = read_rank(
-                &file,
-                &args,
-                rules,
-                (t, p),
-                &mesh,
-                rank,
-                &mut strategy,
-                &mut carried,
-            )?;
-            files.push((rank, f));
-            let opt = dir.join(name_of(t, p)).join(DISTRIB_OPTIM_FILE);
-            optim.push((rank, p, opt.is_file().then_some(opt)));
+        for e in 0..ep {
+            for t in 0..tp {
+                let rank = (p * ep + e) * tp + t;
+                let file = dir.join(name_of(t, p, e)).join(RANK_FILE);
+                let f = read_rank(
+                    &file,
+                    &args,
+                    rules,
+                    RankAt {
+                        tp: t,
+                        pp: p,
+                        ep: e,
+                    },
+                    &mesh,
+                    rank,
+                    &mut strategy,
+                    &mut carried,
+                )?;
+                files.push((rank, f));
+                let opt = dir.join(name_of(t, p, e)).join(DISTRIB_OPTIM_FILE);
+                if ep > 1 && opt.is_file() {
+                    return Err(Error::Unsupported {
+                        problem: format!(
+                            "{}: the distributed optimizer's state with expert parallelism ([dense, expert] per file) is not read yet",
+                            opt.display()
+                        ),
+                    });
+                }
+                optim.push((rank, p, opt.is_file().then_some(opt)));
+            }
         }
+    }
+    if ep > 1 {
+        notes.push(format!(
+            "{}: expert-parallel ranks 1..{ep} hold data-parallel copies of the dense tensors: read from expert rank 0",
+            dir.display()
+        ));
     }
     // The distributed optimizer's state: fp32 master weights and Adam moments.
     optim::attach(
@@ -578,7 +747,7 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
         &first_file,
         pp,
         args.vp,
-        |rank| dir.join(name_of(rank % tp, rank / tp)).join(RANK_FILE),
+        |rank| dir.join(name_of(rank % tp, rank / tp, 0)).join(RANK_FILE),
     )?;
     carried.sort();
     carried.dedup();
@@ -604,12 +773,21 @@ fn read_rank(
     file: &Path,
     args: &Args,
     rules: &SplitRules,
-    (tp_rank, pp_rank): (u64, u64),
+    at_rank: RankAt,
     mesh: &Mesh,
     rank: u64,
     strategy: &mut Strategy,
     carried: &mut Vec<String>,
 ) -> Result<TensorFile> {
+    let RankAt {
+        tp: tp_rank,
+        pp: pp_rank,
+        ep: ep_rank,
+    } = at_rank;
+    let ep = args.moe.ep;
+    // The coordinate on the mesh's stage axis (pipeline, expert, or both).
+    let stage_of = |expert: bool| pp_rank * ep + if expert { ep_rank } else { 0 };
+    let has_stage_axis = args.pp > 1 || ep > 1;
     let map = map_file(file)?;
     let all: &[u8] = map.as_deref().unwrap_or(&[]);
     let at = |e: Error| e.with_path(file);
@@ -674,6 +852,15 @@ fn read_rank(
                 })
             };
             let global = global_name(&t.name, args, pp_rank, chunk).map_err(&bad)?;
+            // Experts are numbered locally in the file: `g = ep_rank x E/EP + i`.
+            let (global, expert) = match expert_name(&global, args, ep_rank) {
+                Some(r) => (r.map_err(&bad)?, true),
+                None => (global, false),
+            };
+            if !expert && ep_rank > 0 {
+                // A data-parallel copy of expert rank 0's dense tensor.
+                continue;
+            }
             // The user's rule first; the table's shape (and stage) still checks it.
             let (split, stage, want) = match (rules.find(&global), rule(&global, args)) {
                 (Some((split, _)), Some((_, stage, want))) => (split, stage, want),
@@ -724,12 +911,12 @@ fn read_rank(
                 ))));
             }
             let mut placements = vec![placement];
-            if args.pp > 1 {
+            if has_stage_axis {
                 placements.insert(0, Placement::Replicate);
             }
             let mut layout = TensorLayout::new(shape.clone(), t.dtype, placements);
-            if args.pp > 1 {
-                layout = layout.with_stage(pp_rank);
+            if has_stage_axis {
+                layout = layout.with_stage(stage_of(expert));
             }
             if layout.local_shape(mesh, rank).as_deref() != Some(&t.shape[..]) {
                 return Err(bad(by(format!(
@@ -764,17 +951,40 @@ fn read_rank(
 /// A dist_ckpt's stacked layer tensors (`decoder.layers.<param>`, `[layers, ...]`: the
 /// layer is the offset on the first axis, global over the pipeline stages) given as one
 /// tensor a layer, named as the legacy format names them
-/// (`decoder.layers.<l>.<param>`): each stored chunk's layers become chunks of their
-/// own, parts of the chunk's archive ([`ChunkPart`]), so the same bytes are read.
+/// (`decoder.layers.<l>.<param>`); the experts, stacked `[layers, experts, …]`
+/// (`decoder.layers.mlp.experts.experts.<param>`), as one tensor a layer and expert
+/// (`decoder.layers.<l>.mlp.experts.local_experts.<e>.<param>`, global expert ids, the
+/// offset on the experts axis). Each stored chunk's layers (and experts) become chunks
+/// of their own, parts of the chunk's archive ([`ChunkPart`]), so the same bytes are
+/// read.
 /// Optimizer state and flattened chunks keep their names.
 ///
 /// # Errors
 /// Size arithmetic that overflows.
 pub(crate) fn unstack_layers(m: &mut DcpMetadata) -> Result<()> {
+    // `rest` after `decoder.layers.`, and how many leading axes are stacked: the layers,
+    // and for experts (`mlp.experts.experts.<param>`, `[layers, experts, …]`) the
+    // experts too.
     let stacked = |name: &str| {
         name.strip_prefix("decoder.layers.")
             .filter(|rest| !rest.starts_with(|c: char| c.is_ascii_digit()))
-            .map(str::to_string)
+            .map(|rest| {
+                let lead = if rest.starts_with(STACKED_EXPERTS) {
+                    2
+                } else {
+                    1
+                };
+                (rest.to_string(), lead)
+            })
+    };
+    // The name of one layer's (and expert's) tensor: legacy names, global numbers.
+    let one = |rest: &str, at: &[u64]| match at {
+        [l, e] => format!(
+            "decoder.layers.{l}.mlp.experts.local_experts.{e}.{}",
+            &rest[STACKED_EXPERTS.len()..]
+        ),
+        [l] => format!("decoder.layers.{l}.{rest}"),
+        _ => unreachable!("one or two stacked axes"),
     };
     let flat: BTreeSet<String> = m
         .chunks
@@ -785,57 +995,76 @@ pub(crate) fn unstack_layers(m: &mut DcpMetadata) -> Result<()> {
     let names: Vec<String> = m
         .tensors
         .iter()
-        .filter(|(n, t)| stacked(n).is_some() && !flat.contains(*n) && t.shape.len() >= 2)
+        .filter(|(n, t)| {
+            stacked(n).is_some_and(|(_, lead)| t.shape.len() > lead) && !flat.contains(*n)
+        })
         .map(|(n, _)| n.clone())
         .collect();
     let overflow = |what: &str| overflow(format!("unstacking `{what}`"));
+    // Every index of the leading `lead` axes of `sizes`, row-major.
+    let indices = |sizes: &[u64], lead: usize| -> Vec<Vec<u64>> {
+        let mut out = vec![vec![]];
+        for &n in &sizes[..lead] {
+            out = out
+                .into_iter()
+                .flat_map(|p| (0..n).map(move |i| [p.clone(), vec![i]].concat()))
+                .collect();
+        }
+        out
+    };
     for name in &names {
         let Some(t) = m.tensors.remove(name) else {
             continue;
         };
-        let rest = stacked(name).unwrap_or_default();
-        for l in 0..t.shape[0] {
+        let (rest, lead) = stacked(name).unwrap_or_default();
+        let per: Vec<String> = indices(&t.shape, lead)
+            .iter()
+            .map(|at| one(&rest, at))
+            .collect();
+        for n in &per {
             m.tensors.insert(
-                format!("decoder.layers.{l}.{rest}"),
+                n.clone(),
                 DcpTensor {
                     dtype: t.dtype,
-                    shape: t.shape[1..].to_vec(),
+                    shape: t.shape[lead..].to_vec(),
                 },
             );
         }
         if let Some(i) = m.order.iter().position(|n| n == name) {
-            let per: Vec<String> = (0..t.shape[0])
-                .map(|l| format!("decoder.layers.{l}.{rest}"))
-                .collect();
             m.order.splice(i..=i, per);
         }
     }
     let mut chunks = Vec::with_capacity(m.chunks.len());
     for c in std::mem::take(&mut m.chunks) {
-        let Some(rest) = stacked(&c.fqn).filter(|_| names.contains(&c.fqn)) else {
+        let Some((rest, lead)) = stacked(&c.fqn).filter(|_| names.contains(&c.fqn)) else {
             chunks.push(c);
             continue;
         };
-        let layer: u64 = c.sizes[1..]
+        let inner: u64 = c.sizes[lead..]
             .iter()
             .try_fold(1u64, |a, &b| a.checked_mul(b))
             .ok_or_else(|| overflow(&c.fqn))?;
-        for i in 0..c.sizes[0] {
-            let l = c.offsets[0]
-                .checked_add(i)
+        for (k, at) in indices(&c.sizes, lead).into_iter().enumerate() {
+            let global = at
+                .iter()
+                .zip(&c.offsets)
+                .map(|(i, o)| o.checked_add(*i))
+                .collect::<Option<Vec<u64>>>()
                 .ok_or_else(|| overflow(&c.fqn))?;
             chunks.push(DcpChunk {
-                fqn: format!("decoder.layers.{l}.{rest}"),
-                offsets: c.offsets[1..].to_vec(),
-                sizes: c.sizes[1..].to_vec(),
+                fqn: one(&rest, &global),
+                offsets: c.offsets[lead..].to_vec(),
+                sizes: c.sizes[lead..].to_vec(),
                 file: c.file.clone(),
                 start: c.start,
                 len: c.len,
                 part: Some(ChunkPart {
                     stored: c.sizes.clone(),
                     elements: FlatRange::new(
-                        i.checked_mul(layer).ok_or_else(|| overflow(&c.fqn))?,
-                        layer,
+                        (k as u64)
+                            .checked_mul(inner)
+                            .ok_or_else(|| overflow(&c.fqn))?,
+                        inner,
                     ),
                 }),
                 flat: None,
@@ -845,6 +1074,10 @@ pub(crate) fn unstack_layers(m: &mut DcpMetadata) -> Result<()> {
     m.chunks = chunks;
     Ok(())
 }
+
+/// A dist_ckpt's experts of one kind, stacked over layers and experts (after
+/// `decoder.layers.`): `SequentialMLP.sharded_state_dict`'s `experts.experts.` prefix.
+const STACKED_EXPERTS: &str = "mlp.experts.experts.";
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,146 @@
+//! Mixture-of-experts checkpoints that megatron-core wrote on gloo ranks
+//! (scripts/fixtures/moe_megatron.py, tests/fixtures/moe/megatron/): expert-parallel
+//! legacy directories and dist_ckpt's stacked experts merge to every tensor of the
+//! model under global expert ids, equal byte for byte to what the generator gathered
+//! from every rank (`reference.safetensors`); what is not read yet is refused by name.
+
+use crate::util::{copy_dir, full_tensors, Dir};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn case(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/moe/megatron")
+        .join(name)
+}
+
+/// The model's tensors as the generator gathered them from every rank.
+fn reference(name: &str) -> BTreeMap<String, Vec<u8>> {
+    full_tensors(&case(name).join("reference.safetensors"))
+}
+
+/// EP2 with TP1 (a shared expert and router expert bias), EP2 x TP2, EP2 x PP2
+/// (`mp_rank_00_PPP_EEE`), EP4, and EP1: legacy files merged give the model.
+#[test]
+fn legacy_expert_parallel_checkpoints_merge_to_global_experts() {
+    let d = Dir::new();
+    for c in ["ep2tp1", "ep2tp2", "ep2pp2", "ep4tp1", "ep1tp1"] {
+        let out = d.path(c);
+        d.ok(&[
+            "merge",
+            case(c).join("legacy").to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--keep-vocab-padding",
+        ]);
+        let (got, want) = (full_tensors(&out), reference(c));
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{c}"
+        );
+        for (k, v) in &want {
+            assert!(&got[k] == v, "{c}: {k} differs");
+        }
+        assert!(
+            want.keys().any(|k| k.contains("local_experts.3.")),
+            "{c}: the reference has every expert"
+        );
+    }
+    // The EP ranks on the mesh: experts 2 and 3 on expert rank 1.
+    let o = d.ok(&["inspect", case("ep2tp1").join("legacy").to_str().unwrap()]);
+    assert!(o.stdout.contains("mesh ep=2,tp=1"), "{}", o.stdout);
+    let line = o
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"))
+        .unwrap();
+    assert!(line.contains("stage 1"), "{line}");
+}
+
+/// dist_ckpt's stacked `[layers, experts, …]` tensors, with --per-layer, one tensor a
+/// layer and an expert under the same global ids (dist_ckpt names the norms as
+/// Transformer Engine's fused layers do); without it, the stacked tensors as stored.
+#[test]
+fn dist_ckpt_experts_unstack_to_global_ids() {
+    let d = Dir::new();
+    let alias = |k: &str| {
+        k.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
+            .replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")
+    };
+    for c in ["ep2tp1", "ep2tp2", "ep2pp2", "ep4tp1"] {
+        let out = d.path(c);
+        let src = case(c).join("dist_ckpt");
+        d.ok(&[
+            "merge",
+            src.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--keep-vocab-padding",
+            "--per-layer",
+        ]);
+        let got = full_tensors(&out);
+        let want: BTreeMap<String, Vec<u8>> = reference(c)
+            .into_iter()
+            .map(|(k, v)| (alias(&k), v))
+            .collect();
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{c}"
+        );
+        for (k, v) in &want {
+            assert!(&got[k] == v, "{c}: {k} differs");
+        }
+        let stacked = d.path(&format!("{c}.stacked"));
+        d.ok(&[
+            "merge",
+            src.to_str().unwrap(),
+            "-o",
+            stacked.to_str().unwrap(),
+        ]);
+        assert!(full_tensors(&stacked)
+            .contains_key("decoder.layers.mlp.experts.experts.linear_fc1.weight"));
+    }
+}
+
+/// What is not read yet, and what is wrong, said by name with exit code 1.
+#[test]
+fn expert_parallel_refusals_are_named() {
+    let d = Dir::new();
+    let legacy = |c: &str| case(c).join("legacy").to_str().unwrap().to_string();
+    let o = d.fails(&["merge", &legacy("ep2grouped"), "-o", "out"]);
+    assert!(o.stderr.contains("moe_grouped_gemm"), "{}", o.stderr);
+    let o = d.fails(&["merge", &legacy("ep2tp2etp1"), "-o", "out"]);
+    assert!(
+        o.stderr.contains("expert_tensor_parallel_size 1 differs"),
+        "{}",
+        o.stderr
+    );
+    // A missing expert-parallel rank.
+    copy_dir(&case("ep2tp1").join("legacy"), &d.path("gap"));
+    std::fs::remove_dir_all(d.path("gap/iter_0000001/mp_rank_00_001")).unwrap();
+    let o = d.fails(&["merge", "gap", "-o", "out"]);
+    assert!(
+        o.stderr
+            .contains("mp_rank_00_001/model_optim_rng.pt: missing"),
+        "{}",
+        o.stderr
+    );
+    assert!(o.stderr.contains("ep=1"), "{}", o.stderr);
+    // Expert-parallel directory names under args without expert parallelism: the
+    // refusal names expert parallelism, not a missing dense rank.
+    let rank = case("ep1tp1").join("legacy/iter_0000001/mp_rank_00/model_optim_rng.pt");
+    for e in ["000", "001"] {
+        let dir = d.path(&format!("noargs/mp_rank_00_{e}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(&rank, dir.join("model_optim_rng.pt")).unwrap();
+    }
+    let o = d.fails(&["merge", "noargs", "-o", "out"]);
+    assert!(
+        o.stderr.contains("expert_model_parallel_size is 1"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("out").exists());
+}
