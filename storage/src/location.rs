@@ -57,9 +57,21 @@ impl ObjectUrl {
         !matches!(self.scheme(), "http" | "https")
     }
 
-    /// The store's root URL (`s3://bucket`), for building and caching the client.
+    /// The store's root URL (`s3://bucket`) as printed: without user or password.
     #[must_use]
     pub fn root(&self) -> String {
+        let mut u = self.url.clone();
+        let _ = u.set_username("");
+        let _ = u.set_password(None);
+        u.set_path("");
+        u.set_query(None);
+        u.set_fragment(None);
+        u.to_string().trim_end_matches('/').to_string()
+    }
+
+    /// The store's root URL as given (with any user and password, which an `http(s)`
+    /// server may need), for building the client; never printed.
+    pub(crate) fn client_root(&self) -> String {
         let mut u = self.url.clone();
         u.set_path("");
         u.set_query(None);

@@ -72,7 +72,7 @@ fn retry() -> RetryConfig {
 /// The store of `url` (built once per root and kept).
 pub(crate) fn store_for(url: &ObjectUrl) -> Result<Arc<Store>> {
     static STORES: Mutex<Option<HashMap<String, Arc<Store>>>> = Mutex::new(None);
-    let root = url.root();
+    let root = url.client_root();
     // Keyed by the configuration too: a process whose environment changes (a test's
     // new endpoint, a new profile) gets a new client, not one bound to the old settings.
     let mut config: Vec<(String, String)> = std::env::vars()
