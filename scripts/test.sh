@@ -79,6 +79,10 @@ MEGATRON_VENV=$venv scripts/megatron_interop.sh target/debug/ckpt
 "$venv/bin/python" -c "import transformers" 2>/dev/null ||
   "$venv/bin/pip" install --quiet --disable-pip-version-check transformers
 "$venv/bin/python" scripts/hf_interop.py target/debug/ckpt
+# Mixture-of-experts models to Hugging Face (Mixtral, Qwen2-MoE, Qwen3-MoE from
+# megatron-core's EP2 legacy and dist_ckpt files): transformers loads every export with
+# Megatron's logits. Seconds.
+"$venv/bin/python" scripts/moe_hf_check.py target/debug/ckpt
 
 # The "By example" blocks of README.md (the recipes) and docs/examples.md (every
 # command), each line as written, in order, in a new directory.

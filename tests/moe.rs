@@ -144,3 +144,95 @@ fn expert_parallel_refusals_are_named() {
     );
     assert!(!d.path("out").exists());
 }
+
+/// Mixtral, Qwen2-MoE (gated shared expert) and Qwen3-MoE from megatron-core's MoE
+/// checkpoints (EP 2, legacy and dist_ckpt): `--format hf` writes every tensor as
+/// transformers' own `save_pretrained` of the same model wrote it (the fixture's `hf/`),
+/// and the way back (`reshard HF --format megatron`, TP 2) merges to Megatron's tensors.
+/// scripts/moe_hf_check.py loads the exports in transformers and compares the logits.
+#[test]
+fn moe_families_export_to_hugging_face_and_back() {
+    let d = Dir::new();
+    let hf = |f: &str| {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/moe/hf")
+            .join(f)
+    };
+    for f in ["mixtral", "qwen2_moe", "qwen3_moe"] {
+        let want = full_tensors(&hf(f).join("hf/model.safetensors"));
+        for src in ["legacy", "dist_ckpt"] {
+            let out = d.path(&format!("{f}-{src}"));
+            d.ok(&[
+                "merge",
+                hf(f).join(src).to_str().unwrap(),
+                "--format",
+                "hf",
+                "-o",
+                out.to_str().unwrap(),
+            ]);
+            let got = full_tensors(&out.join("model.safetensors"));
+            assert_eq!(
+                got.keys().collect::<Vec<_>>(),
+                want.keys().collect::<Vec<_>>(),
+                "{f} {src}"
+            );
+            for (k, v) in &want {
+                assert!(&got[k] == v, "{f} {src}: {k}");
+            }
+            let config: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+            let fixture: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(hf(f).join("hf/config.json")).unwrap())
+                    .unwrap();
+            assert_eq!(config["architectures"], fixture["architectures"], "{f}");
+            assert_eq!(
+                config["num_experts_per_tok"], fixture["num_experts_per_tok"],
+                "{f}"
+            );
+        }
+        let back = d.path(&format!("{f}-megatron"));
+        let exported = d.path(&format!("{f}-legacy"));
+        d.ok(&[
+            "reshard",
+            exported.to_str().unwrap(),
+            "--format",
+            "megatron",
+            "--mesh",
+            "tp=2",
+            "-o",
+            back.to_str().unwrap(),
+        ]);
+        let merged = d.path(&format!("{f}-merged"));
+        d.ok(&[
+            "merge",
+            back.to_str().unwrap(),
+            "-o",
+            merged.to_str().unwrap(),
+            "--keep-vocab-padding",
+        ]);
+        let (got, want) = (
+            full_tensors(&merged),
+            full_tensors(&hf(f).join("reference.safetensors")),
+        );
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{f} back"
+        );
+        for (k, v) in &want {
+            assert!(&got[k] == v, "{f} back: {k}");
+        }
+    }
+    // A router no Hugging Face family here has (sigmoid scores with an expert bias):
+    // refused by name, nothing written.
+    let o = d.fails(&[
+        "merge",
+        case("ep2tp1").join("legacy").to_str().unwrap(),
+        "--format",
+        "hf",
+        "-o",
+        "refused",
+    ]);
+    assert!(o.stderr.contains("sigmoid"), "{}", o.stderr);
+    assert!(!d.path("refused").exists());
+}

@@ -51,6 +51,13 @@ pub enum Family {
     Qwen3,
     /// `GPTBigCodeForCausalLM`: Megatron's GPT-2-style model.
     GptBigCode,
+    /// `MixtralForCausalLM`: Llama's attention, every layer a mixture of experts
+    /// (`block_sparse_moe`, top-k renormalised).
+    Mixtral,
+    /// `Qwen2MoeForCausalLM`: Qwen2's attention, experts plus a gated shared expert.
+    Qwen2Moe,
+    /// `Qwen3MoeForCausalLM`: Qwen3's attention, experts.
+    Qwen3Moe,
 }
 
 /// How a Hugging Face tensor is cut from its Megatron tensor (rows of dimension 0).
@@ -62,6 +69,10 @@ pub enum Cut {
     Qkv,
     /// SwiGLU's `linear_fc1` into gate and up.
     GateUp,
+    /// An expert's `linear_fc1` into gate and up (the experts' FFN size).
+    ExpertGateUp,
+    /// The shared expert's `linear_fc1` into gate and up (its own FFN size).
+    SharedGateUp,
     /// The first `vocab_size` rows (Megatron pads the vocabulary for the TP size).
     Vocab,
 }
@@ -78,13 +89,21 @@ enum When {
     QkNorm,
     /// An output layer of its own (untied embeddings).
     Untied,
+    /// A dense MLP (no experts).
+    Dense,
+    /// Experts (and their router).
+    Moe,
+    /// A shared expert.
+    Shared,
+    /// A gate on the shared expert.
+    SharedGate,
 }
 
 /// One row of a family's table.
 #[derive(Clone, Copy, Debug)]
 pub struct Row {
-    /// Megatron's names of the tensor (`{l}` the global layer number), first the
-    /// legacy local spec's.
+    /// Megatron's names of the tensor (`{l}` the global layer number, `{e}` the global
+    /// expert id), first the legacy local spec's.
     pub megatron: &'static [&'static str],
     /// The Hugging Face tensor(s) it becomes, in the cut's order.
     pub hf: &'static [&'static str],
@@ -178,13 +197,13 @@ const LLAMA: &[Row] = &[
             "model.layers.{l}.mlp.up_proj.weight",
         ],
         Cut::GateUp,
-        When::Always,
+        When::Dense,
     ),
     row(
         &["decoder.layers.{l}.mlp.linear_fc2.weight"],
         &["model.layers.{l}.mlp.down_proj.weight"],
         Cut::Whole,
-        When::Always,
+        When::Dense,
     ),
     row(
         &["decoder.final_layernorm.weight"],
@@ -197,6 +216,79 @@ const LLAMA: &[Row] = &[
         &["lm_head.weight"],
         Cut::Vocab,
         When::Untied,
+    ),
+];
+
+/// Mixtral's experts and router (`modeling_mixtral.py`: `block_sparse_moe`, `w1` the
+/// gate, `w3` the up, `w2` the down projection), beside Llama's rows.
+const MIXTRAL_EXPERTS: &[Row] = &[
+    row(
+        &["decoder.layers.{l}.mlp.router.weight"],
+        &["model.layers.{l}.block_sparse_moe.gate.weight"],
+        Cut::Whole,
+        When::Moe,
+    ),
+    row(
+        &["decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1.weight"],
+        &[
+            "model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight",
+            "model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight",
+        ],
+        Cut::ExpertGateUp,
+        When::Moe,
+    ),
+    row(
+        &["decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc2.weight"],
+        &["model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight"],
+        Cut::Whole,
+        When::Moe,
+    ),
+];
+
+/// Qwen2-MoE's and Qwen3-MoE's experts, router and (Qwen2-MoE) gated shared expert
+/// (`modeling_qwen2_moe.py`, `modeling_qwen3_moe.py`), beside Llama's rows.
+const QWEN_EXPERTS: &[Row] = &[
+    row(
+        &["decoder.layers.{l}.mlp.router.weight"],
+        &["model.layers.{l}.mlp.gate.weight"],
+        Cut::Whole,
+        When::Moe,
+    ),
+    row(
+        &["decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1.weight"],
+        &[
+            "model.layers.{l}.mlp.experts.{e}.gate_proj.weight",
+            "model.layers.{l}.mlp.experts.{e}.up_proj.weight",
+        ],
+        Cut::ExpertGateUp,
+        When::Moe,
+    ),
+    row(
+        &["decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc2.weight"],
+        &["model.layers.{l}.mlp.experts.{e}.down_proj.weight"],
+        Cut::Whole,
+        When::Moe,
+    ),
+    row(
+        &["decoder.layers.{l}.mlp.shared_experts.linear_fc1.weight"],
+        &[
+            "model.layers.{l}.mlp.shared_expert.gate_proj.weight",
+            "model.layers.{l}.mlp.shared_expert.up_proj.weight",
+        ],
+        Cut::SharedGateUp,
+        When::Shared,
+    ),
+    row(
+        &["decoder.layers.{l}.mlp.shared_experts.linear_fc2.weight"],
+        &["model.layers.{l}.mlp.shared_expert.down_proj.weight"],
+        Cut::Whole,
+        When::Shared,
+    ),
+    row(
+        &["decoder.layers.{l}.mlp.shared_experts.gate_weight"],
+        &["model.layers.{l}.mlp.shared_expert_gate.weight"],
+        Cut::Whole,
+        When::SharedGate,
     ),
 ];
 
@@ -320,12 +412,15 @@ const GPT_BIGCODE: &[Row] = &[
 
 /// Every family by the names users give (`--hf-arch`), its architecture class and
 /// `model_type`.
-const NAMES: [(Family, &str, &str); 5] = [
+const NAMES: [(Family, &str, &str); 8] = [
     (Family::Llama, "LlamaForCausalLM", "llama"),
     (Family::Mistral, "MistralForCausalLM", "mistral"),
     (Family::Qwen2, "Qwen2ForCausalLM", "qwen2"),
     (Family::Qwen3, "Qwen3ForCausalLM", "qwen3"),
     (Family::GptBigCode, "GPTBigCodeForCausalLM", "gpt_bigcode"),
+    (Family::Mixtral, "MixtralForCausalLM", "mixtral"),
+    (Family::Qwen2Moe, "Qwen2MoeForCausalLM", "qwen2_moe"),
+    (Family::Qwen3Moe, "Qwen3MoeForCausalLM", "qwen3_moe"),
 ];
 
 impl Family {
@@ -368,13 +463,21 @@ impl Family {
             .map_or("", |(_, _, t)| t)
     }
 
-    /// The family's table.
+    /// The family's table (a mixture-of-experts family: Llama's rows and its experts').
     #[must_use]
-    pub fn rows(self) -> &'static [Row] {
+    pub fn rows(self) -> Vec<Row> {
         match self {
-            Family::GptBigCode => GPT_BIGCODE,
-            _ => LLAMA,
+            Family::GptBigCode => GPT_BIGCODE.to_vec(),
+            Family::Mixtral => [LLAMA, MIXTRAL_EXPERTS].concat(),
+            Family::Qwen2Moe | Family::Qwen3Moe => [LLAMA, QWEN_EXPERTS].concat(),
+            _ => LLAMA.to_vec(),
         }
+    }
+
+    /// Whether the family's layers are mixtures of experts.
+    #[must_use]
+    pub fn is_moe(self) -> bool {
+        matches!(self, Family::Mixtral | Family::Qwen2Moe | Family::Qwen3Moe)
     }
 
     /// Whether `row` applies to a model of this family of `shape`.
@@ -386,6 +489,10 @@ impl Family {
             When::QkvBias => shape.qkv_bias || shape.bias,
             When::QkNorm => shape.qk_norm,
             When::Untied => !shape.tied,
+            When::Dense => shape.experts == 0,
+            When::Moe => shape.experts > 0,
+            When::Shared => shape.experts > 0 && shape.shared_ffn > 0,
+            When::SharedGate => shape.experts > 0 && shape.shared_ffn > 0 && shape.shared_gate,
         }
     }
 
@@ -401,6 +508,29 @@ impl Family {
                 Family::known()
             )))
         };
+        if self.is_moe() && shape.experts == 0 {
+            return lacks("no experts (args.num_experts)");
+        }
+        if !self.is_moe() && shape.experts > 0 {
+            return lacks(&format!("{} experts in each layer", shape.experts));
+        }
+        if let Some(why) = &shape.moe_unsupported {
+            return Err(unsupported(format!(
+                "the model's experts: {why}, which no Hugging Face family ckpt writes has"
+            )));
+        }
+        match self {
+            Family::Mixtral if !shape.norm_topk => {
+                return lacks("router weights kept as the softmax over all experts gives them (moe_router_pre_softmax); Mixtral renormalises the top-k");
+            }
+            Family::Mixtral | Family::Qwen3Moe if shape.shared_ffn > 0 => {
+                return lacks("a shared expert");
+            }
+            Family::Qwen2Moe if shape.shared_ffn == 0 || !shape.shared_gate => {
+                return lacks("no gated shared expert (moe_shared_expert_intermediate_size, moe_shared_expert_gate)");
+            }
+            _ => {}
+        }
         let llama_like = self != Family::GptBigCode;
         if llama_like && !shape.swiglu {
             return lacks("no SwiGLU (args.swiglu false)");
@@ -414,16 +544,18 @@ impl Family {
         if llama_like && shape.bias {
             return lacks("biases on its linear layers (add_bias_linear)");
         }
-        if shape.qk_norm && self != Family::Qwen3 {
+        let qwen3 = matches!(self, Family::Qwen3 | Family::Qwen3Moe);
+        let qwen2 = matches!(self, Family::Qwen2 | Family::Qwen2Moe);
+        if shape.qk_norm && !qwen3 {
             return lacks("q/k layernorm");
         }
-        if self == Family::Qwen3 && !shape.qk_norm {
+        if qwen3 && !shape.qk_norm {
             return lacks("no q/k layernorm");
         }
-        if shape.qkv_bias && !shape.bias && self != Family::Qwen2 {
+        if shape.qkv_bias && !shape.bias && !qwen2 {
             return lacks("a QKV bias without other linear biases");
         }
-        if self == Family::Qwen2 && !shape.qkv_bias {
+        if qwen2 && !shape.qkv_bias {
             return lacks("no QKV bias");
         }
         if self == Family::GptBigCode {
@@ -444,7 +576,15 @@ impl Family {
 /// do not settle it.
 #[must_use]
 pub(crate) fn family_of(shape: &Shape) -> Option<Family> {
-    let f = if shape.learned_positions && shape.layer_norm && !shape.swiglu {
+    let f = if shape.experts > 0 {
+        if shape.qk_norm {
+            Family::Qwen3Moe
+        } else if shape.shared_ffn > 0 || shape.qkv_bias {
+            Family::Qwen2Moe
+        } else {
+            Family::Mixtral
+        }
+    } else if shape.learned_positions && shape.layer_norm && !shape.swiglu {
         Family::GptBigCode
     } else if shape.qk_norm {
         Family::Qwen3
@@ -494,6 +634,22 @@ pub struct Shape {
     pub qk_norm: bool,
     /// Output layer tied to the word embedding.
     pub tied: bool,
+    /// Experts of each layer (0: a dense model).
+    pub experts: u64,
+    /// Experts each token is routed to.
+    pub topk: u64,
+    /// An expert's FFN size.
+    pub moe_ffn: u64,
+    /// The shared expert's FFN size (0: none).
+    pub shared_ffn: u64,
+    /// A sigmoid gate on the shared expert's output.
+    pub shared_gate: bool,
+    /// The top-k router weights renormalised to sum to 1 (Megatron's softmax over the
+    /// top-k logits; Hugging Face's `norm_topk_prob`).
+    pub norm_topk: bool,
+    /// What of the model's experts no family here has (sigmoid routing, expert bias,
+    /// layers without experts), said when a family is asked for.
+    pub moe_unsupported: Option<String>,
 }
 
 fn unsupported(problem: String) -> Error {
@@ -615,7 +771,48 @@ pub fn config_json(family: Family, shape: &Shape, dtype: &str) -> String {
                 c.insert("use_sliding_window".into(), json!(false));
                 c.insert("sliding_window".into(), Value::Null);
             }
+            Family::Mixtral => {
+                c.insert("sliding_window".into(), Value::Null);
+            }
+            Family::Qwen2Moe => {
+                c.insert("qkv_bias".into(), json!(true));
+                c.insert("use_sliding_window".into(), json!(false));
+                c.insert("sliding_window".into(), Value::Null);
+            }
+            Family::Qwen3Moe => {
+                c.insert("attention_bias".into(), json!(false));
+                c.insert("use_sliding_window".into(), json!(false));
+                c.insert("sliding_window".into(), Value::Null);
+            }
             Family::GptBigCode => {}
+        }
+        if family.is_moe() {
+            // transformers' MoE configs: Mixtral's FFN size is `intermediate_size`,
+            // the Qwen families' `moe_intermediate_size`; every layer sparse.
+            let moe = [
+                ("num_local_experts", json!(shape.experts)),
+                ("num_experts", json!(shape.experts)),
+                ("num_experts_per_tok", json!(shape.topk)),
+                ("moe_intermediate_size", json!(shape.moe_ffn)),
+                ("norm_topk_prob", json!(shape.norm_topk)),
+                ("decoder_sparse_step", json!(1)),
+                ("mlp_only_layers", json!([])),
+                ("output_router_logits", json!(false)),
+                ("router_aux_loss_coef", json!(0.0)),
+            ];
+            for (k, v) in moe {
+                c.insert(k.into(), v);
+            }
+            if family == Family::Mixtral {
+                c.insert("intermediate_size".into(), json!(shape.moe_ffn));
+                c.insert("router_jitter_noise".into(), json!(0.0));
+            }
+            if family == Family::Qwen2Moe {
+                c.insert(
+                    "shared_expert_intermediate_size".into(),
+                    json!(shape.shared_ffn),
+                );
+            }
         }
     }
     c.insert("tie_word_embeddings".into(), json!(shape.tied));
@@ -699,9 +896,36 @@ pub fn read_config(text: &str, path: &str) -> Result<(Family, Shape)> {
         learned_positions: gpt,
         bias: gpt || flag("attention_bias").unwrap_or(false) && flag("mlp_bias").unwrap_or(false),
         qkv_bias: family == Family::Qwen2 || gpt || flag("attention_bias").unwrap_or(false),
-        qk_norm: family == Family::Qwen3,
+        qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe),
         tied: flag("tie_word_embeddings").unwrap_or(gpt),
+        ..Shape::default()
     };
+    let mut shape = shape;
+    if family.is_moe() {
+        shape.qkv_bias = family == Family::Qwen2Moe && flag("qkv_bias").unwrap_or(true);
+        shape.experts = need(&["num_local_experts", "num_experts"])?;
+        shape.topk = need(&["num_experts_per_tok"])?;
+        shape.moe_ffn = if family == Family::Mixtral {
+            need(&["intermediate_size"])?
+        } else {
+            need(&["moe_intermediate_size"])?
+        };
+        if family == Family::Qwen2Moe {
+            shape.shared_ffn = need(&["shared_expert_intermediate_size"])?;
+            shape.shared_gate = true;
+        }
+        shape.norm_topk = family == Family::Mixtral || flag("norm_topk_prob").unwrap_or(false);
+        let sparse_step = int(&["decoder_sparse_step"]).unwrap_or(1);
+        let dense_layers = doc
+            .get("mlp_only_layers")
+            .and_then(Value::as_array)
+            .is_some_and(|a| !a.is_empty());
+        if sparse_step != 1 || dense_layers {
+            return Err(unsupported(format!(
+                "{path}: layers without experts (decoder_sparse_step {sparse_step}, mlp_only_layers) are not converted yet: every layer must be sparse"
+            )));
+        }
+    }
     Ok((family, shape))
 }
 
@@ -719,8 +943,18 @@ pub(crate) fn disagreements(a: &Shape, b: &Shape) -> Vec<String> {
         ("attention heads", a.heads, b.heads),
         ("key/value heads (query groups)", a.groups, b.groups),
         ("head dim (kv_channels)", a.head_dim, b.head_dim),
-        ("MLP size (ffn_hidden_size)", a.ffn, b.ffn),
+        // A mixture of experts has no dense MLP (Mixtral's intermediate_size is the
+        // experts' size, compared below).
+        (
+            "MLP size (ffn_hidden_size)",
+            if a.experts > 0 { 0 } else { a.ffn },
+            if b.experts > 0 { 0 } else { b.ffn },
+        ),
         ("vocabulary", a.vocab, b.vocab),
+        ("experts", a.experts, b.experts),
+        ("experts per token", a.topk, b.topk),
+        ("expert MLP size", a.moe_ffn, b.moe_ffn),
+        ("shared expert MLP size", a.shared_ffn, b.shared_ffn),
     ] {
         if x != y {
             out.push(format!("{name} {x} vs {y}"));

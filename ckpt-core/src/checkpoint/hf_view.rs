@@ -66,21 +66,50 @@ fn invalid(tensor: &str, problem: String) -> Error {
     }
 }
 
-/// A row's name for layer `l`.
-fn fill(pattern: &str, l: Option<u64>) -> String {
-    match l {
-        Some(l) => pattern.replace("{l}", &l.to_string()),
-        None => pattern.to_string(),
-    }
+/// Where a row is filled: a layer (`{l}`) and an expert (`{e}`), where it names them.
+#[derive(Clone, Copy, Debug)]
+struct At {
+    layer: Option<u64>,
+    expert: Option<u64>,
 }
 
-/// The layers a row's `pattern` is filled for: every layer of `count` where it names
-/// one (`{l}`), else once.
-fn layers(pattern: &str, count: u64) -> Vec<Option<u64>> {
-    if pattern.contains("{l}") {
-        (0..count).map(Some).collect()
+/// A row's name at `at`.
+fn fill(pattern: &str, at: At) -> String {
+    let mut n = pattern.to_string();
+    if let Some(l) = at.layer {
+        n = n.replace("{l}", &l.to_string());
+    }
+    if let Some(e) = at.expert {
+        n = n.replace("{e}", &e.to_string());
+    }
+    n
+}
+
+/// Where a row's `pattern` is filled: every layer of the model where it names one
+/// (`{l}`), and every expert where it names one (`{e}`); else once.
+fn layers(pattern: &str, shape: &Shape) -> Vec<At> {
+    let ls: Vec<Option<u64>> = if pattern.contains("{l}") {
+        (0..shape.layers).map(Some).collect()
     } else {
         vec![None]
+    };
+    let es: Vec<Option<u64>> = if pattern.contains("{e}") {
+        (0..shape.experts).map(Some).collect()
+    } else {
+        vec![None]
+    };
+    ls.iter()
+        .flat_map(|&layer| es.iter().map(move |&expert| At { layer, expert }))
+        .collect()
+}
+
+/// The FFN size a gate/up cut splits at: the dense MLP's, an expert's or the shared
+/// expert's.
+fn gate_up_ffn(cut: Cut, shape: &Shape) -> u64 {
+    match cut {
+        Cut::ExpertGateUp => shape.moe_ffn,
+        Cut::SharedGateUp => shape.shared_ffn,
+        _ => shape.ffn,
     }
 }
 
@@ -130,7 +159,31 @@ fn shape_of_args(a: &Args, notes: &mut Vec<String>) -> Result<Shape> {
         qkv_bias: m.qkv_bias.unwrap_or(false) || bias,
         qk_norm: m.qk_layernorm.unwrap_or(false),
         tied: !m.untied.unwrap_or(false),
+        ..Shape::default()
     };
+    let mut shape = shape;
+    let moe = &a.moe;
+    if let Some(experts) = moe.experts {
+        shape.experts = experts;
+        shape.topk = need(moe.topk, "moe_router_topk")?;
+        shape.moe_ffn = moe.ffn.unwrap_or(shape.ffn);
+        shape.shared_ffn = moe.shared_ffn.unwrap_or(0);
+        shape.shared_gate = moe.shared_gate;
+        // Megatron's softmax over the top-k logits is a renormalised top-k.
+        shape.norm_topk = !moe.pre_softmax;
+        let score = moe.score_function.as_deref().unwrap_or("softmax");
+        shape.moe_unsupported = if score != "softmax" {
+            Some(format!(
+                "router scores by {score} (args.moe_router_score_function)"
+            ))
+        } else if moe.expert_bias {
+            Some("a router expert bias (args.moe_router_enable_expert_bias)".into())
+        } else {
+            moe.dense_layers
+                .as_ref()
+                .map(|f| format!("layers without experts (args.moe_layer_freq {f})"))
+        };
+    }
     if !defaulted.is_empty() {
         notes.push(format!(
             "the args do not record {}: Megatron-LM's defaults taken",
@@ -154,14 +207,6 @@ fn qkv_rows(shape: &Shape) -> Result<u64> {
         .and_then(|g| g.checked_add(shape.heads))
         .and_then(|n| n.checked_mul(shape.head_dim))
         .ok_or_else(|| crate::error::overflow("the QKV projection's rows"))
-}
-
-/// The rows of SwiGLU's fused `linear_fc1`: `2 * ffn`.
-fn gate_up_rows(shape: &Shape) -> Result<u64> {
-    shape
-        .ffn
-        .checked_mul(2)
-        .ok_or_else(|| crate::error::overflow("the MLP's gate and up rows"))
 }
 
 /// One tensor made of `parts` placed by `blocks` (each part's blocks map rows of the
@@ -287,11 +332,11 @@ impl Checkpoint {
         let mut out: BTreeMap<String, SourceTensor> = BTreeMap::new();
         let mut used: BTreeSet<String> = BTreeSet::new();
         let qkv_rows = qkv_rows(&shape)?;
-        for row in family.rows() {
+        for row in &family.rows() {
             if !family.applies(row, &shape) {
                 continue;
             }
-            for l in layers(row.megatron[0], shape.layers) {
+            for l in layers(row.megatron[0], &shape) {
                 let names: Vec<String> = row.hf.iter().map(|h| fill(h, l)).collect();
                 let mut parts = Vec::with_capacity(names.len());
                 for n in &names {
@@ -332,8 +377,9 @@ impl Checkpoint {
                         );
                         fused(&parts, &b, qkv_rows, &meg)?
                     }
-                    Cut::GateUp => {
-                        fused(&parts, &hf::gate_up_blocks(shape.ffn), 2 * shape.ffn, &meg)?
+                    Cut::GateUp | Cut::ExpertGateUp | Cut::SharedGateUp => {
+                        let ffn = gate_up_ffn(row.cut, &shape);
+                        fused(&parts, &hf::gate_up_blocks(ffn), 2 * ffn, &meg)?
                     }
                 };
                 out.insert(meg, t);
@@ -375,6 +421,14 @@ impl Checkpoint {
             qkv_bias: shape.qkv_bias && !shape.bias,
             qk_layernorm: shape.qk_norm,
             tied: shape.tied,
+            experts: (shape.experts > 0).then_some(megatron::ImportedExperts {
+                experts: shape.experts,
+                topk: shape.topk,
+                ffn: shape.moe_ffn,
+                shared_ffn: shape.shared_ffn,
+                shared_gate: shape.shared_gate,
+                norm_topk: shape.norm_topk,
+            }),
             dtype: dtype_name,
         })?;
         let list: Vec<(String, crate::Dtype, Vec<u64>)> = out
@@ -481,7 +535,7 @@ impl Checkpoint {
                     }
                     None => hf::family_of(s).ok_or_else(|| {
                         unsupported(format!(
-                            "the checkpoint's args (swiglu {}, normalization {}, {} positions, linear bias {}, qkv bias {}, qk layernorm {}, {} heads in {} query groups) match no Hugging Face family ckpt knows ({}): name one with --hf-arch, or give the model's config with --hf-config",
+                            "the checkpoint's args (swiglu {}, normalization {}, {} positions, linear bias {}, qkv bias {}, qk layernorm {}, {} heads in {} query groups{}) match no Hugging Face family ckpt knows ({}): name one with --hf-arch, or give the model's config with --hf-config",
                             s.swiglu,
                             if s.layer_norm { "LayerNorm" } else { "RMSNorm" },
                             if s.learned_positions { "learned" } else { "rotary" },
@@ -490,6 +544,11 @@ impl Checkpoint {
                             s.qk_norm,
                             s.heads,
                             s.groups,
+                            match (&s.moe_unsupported, s.experts) {
+                                (Some(why), _) => format!(", {} experts with {why}", s.experts),
+                                (None, 0) => String::new(),
+                                (None, e) => format!(", {e} experts"),
+                            },
                             Family::known()
                         ))
                     })?,
@@ -525,11 +584,11 @@ impl Checkpoint {
         }
         let mut out: BTreeMap<String, SourceTensor> = BTreeMap::new();
         let mut used = BTreeSet::new();
-        for row in family.rows() {
+        for row in &family.rows() {
             if !family.applies(row, &shape) {
                 continue;
             }
-            for l in layers(row.megatron[0], shape.layers) {
+            for l in layers(row.megatron[0], &shape) {
                 let names: Vec<String> = row.megatron.iter().map(|m| fill(m, l)).collect();
                 let found: Vec<&String> = names
                     .iter()
@@ -576,15 +635,15 @@ impl Checkpoint {
                         hf::qkv_blocks(shape.groups, shape.heads / shape.groups, shape.head_dim)
                             .to_vec()
                     }
-                    Cut::GateUp => {
-                        if first != gate_up_rows(&shape)? {
+                    Cut::GateUp | Cut::ExpertGateUp | Cut::SharedGateUp => {
+                        let ffn = gate_up_ffn(row.cut, &shape);
+                        if Some(first) != ffn.checked_mul(2) {
                             return Err(invalid(&name, format!(
-                                "has {first} rows, but SwiGLU's gate and up of an MLP of {} make {}",
-                                shape.ffn,
-                                shape.ffn.saturating_mul(2)
+                                "has {first} rows, but SwiGLU's gate and up of an MLP of {ffn} make {}",
+                                ffn.saturating_mul(2)
                             )));
                         }
-                        hf::gate_up_blocks(shape.ffn).to_vec()
+                        hf::gate_up_blocks(ffn).to_vec()
                     }
                     Cut::Vocab => {
                         if first < shape.vocab {
@@ -680,7 +739,7 @@ impl Checkpoint {
     ) -> Result<HfModel> {
         let mut want = BTreeSet::new();
         for row in family.rows().iter().filter(|r| family.applies(r, &shape)) {
-            for l in layers(row.hf[0], shape.layers) {
+            for l in layers(row.hf[0], &shape) {
                 want.extend(row.hf.iter().map(|h| fill(h, l)));
             }
         }

@@ -148,6 +148,20 @@ pub(crate) struct MoeArgs {
     pub(crate) shared_ffn: Option<u64>,
     /// `moe_grouped_gemm`: experts as one grouped layer.
     pub(crate) grouped_gemm: bool,
+    /// `moe_router_topk`.
+    pub(crate) topk: Option<u64>,
+    /// `moe_router_pre_softmax`: softmax over all experts, the top-k kept as they are
+    /// (else softmax over the top-k logits: renormalised).
+    pub(crate) pre_softmax: bool,
+    /// `moe_router_score_function` (`softmax`, `sigmoid`).
+    pub(crate) score_function: Option<String>,
+    /// `moe_router_enable_expert_bias`.
+    pub(crate) expert_bias: bool,
+    /// `moe_shared_expert_gate`.
+    pub(crate) shared_gate: bool,
+    /// `moe_layer_freq` when it makes some layers dense (an int above 1, or a list
+    /// with a 0), as written.
+    pub(crate) dense_layers: Option<String>,
 }
 
 impl MoeArgs {
@@ -285,6 +299,16 @@ impl Args {
                 ffn: int("moe_ffn_hidden_size")?,
                 shared_ffn: int("moe_shared_expert_intermediate_size")?,
                 grouped_gemm: flag("moe_grouped_gemm"),
+                topk: int("moe_router_topk")?,
+                pre_softmax: flag("moe_router_pre_softmax"),
+                score_function: text("moe_router_score_function"),
+                expert_bias: flag("moe_router_enable_expert_bias"),
+                shared_gate: flag("moe_shared_expert_gate"),
+                dense_layers: match get("moe_layer_freq") {
+                    None | Some(Value::None) | Some(Value::Int(1)) => None,
+                    Some(Value::List(v)) if v.iter().all(|x| matches!(x, Value::Int(1))) => None,
+                    Some(other) => Some(format!("{other:?}")),
+                },
             },
         })
     }
@@ -734,8 +758,9 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     }
     if ep > 1 {
         notes.push(format!(
-            "{}: expert-parallel ranks 1..{ep} hold data-parallel copies of the dense tensors: read from expert rank 0",
-            dir.display()
+            "{}: the dense tensors are read from expert-parallel rank 0 (ranks 1 to {} hold data-parallel copies of them)",
+            dir.display(),
+            ep - 1
         ));
     }
     // The distributed optimizer's state: fp32 master weights and Adam moments.
@@ -1352,8 +1377,22 @@ pub(crate) struct ImportedModel<'a> {
     pub(crate) qkv_bias: bool,
     pub(crate) qk_layernorm: bool,
     pub(crate) tied: bool,
+    /// A mixture of experts in every layer.
+    pub(crate) experts: Option<ImportedExperts>,
     /// torch's dtype name (`float32`, `bfloat16`).
     pub(crate) dtype: &'a str,
+}
+
+/// The experts of an imported model (docs/moe.md's args).
+pub(crate) struct ImportedExperts {
+    pub(crate) experts: u64,
+    pub(crate) topk: u64,
+    pub(crate) ffn: u64,
+    /// 0: no shared expert.
+    pub(crate) shared_ffn: u64,
+    pub(crate) shared_gate: bool,
+    /// The top-k router weights renormalised (`moe_router_pre_softmax` false).
+    pub(crate) norm_topk: bool,
 }
 
 /// The state a legacy output of an imported model carries: an `argparse.Namespace` of
@@ -1362,6 +1401,32 @@ pub(crate) struct ImportedModel<'a> {
 /// vocabulary and `make_vocab_size_divisible_by` 1 (a run must keep that padding).
 pub(crate) fn imported_state(m: &ImportedModel<'_>) -> Result<SourceState> {
     let int = |v: u64| Value::Int(i64::try_from(v).unwrap_or(i64::MAX));
+    // Megatron-LM's MoE args (docs/moe.md), every layer sparse, experts on one
+    // expert-parallel rank (the writer sets the output's sizes).
+    let moe: Vec<(&str, Value)> = match &m.experts {
+        None => vec![("num_experts", Value::None)],
+        Some(e) => vec![
+            ("num_experts", int(e.experts)),
+            ("moe_router_topk", int(e.topk)),
+            ("moe_ffn_hidden_size", int(e.ffn)),
+            (
+                "moe_shared_expert_intermediate_size",
+                if e.shared_ffn > 0 {
+                    int(e.shared_ffn)
+                } else {
+                    Value::None
+                },
+            ),
+            ("moe_shared_expert_gate", Value::Bool(e.shared_gate)),
+            ("moe_router_pre_softmax", Value::Bool(!e.norm_topk)),
+            ("moe_router_score_function", Value::Str("softmax".into())),
+            ("moe_router_enable_expert_bias", Value::Bool(false)),
+            ("moe_layer_freq", int(1)),
+            ("moe_grouped_gemm", Value::Bool(false)),
+            ("expert_model_parallel_size", int(1)),
+            ("expert_tensor_parallel_size", Value::None),
+        ],
+    };
     let fields: Vec<(&str, Value)> = vec![
         ("tensor_model_parallel_size", int(1)),
         ("pipeline_model_parallel_size", int(1)),
@@ -1416,7 +1481,10 @@ pub(crate) fn imported_state(m: &ImportedModel<'_>) -> Result<SourceState> {
         ("no_save_optim", Value::Bool(true)),
         ("no_save_rng", Value::Bool(true)),
         ("iteration", int(0)),
-    ];
+    ]
+    .into_iter()
+    .chain(moe)
+    .collect();
     let args_value = Value::Build {
         object: Box::new(Value::Call {
             callable: Box::new(Value::Global {
