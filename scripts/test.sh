@@ -83,6 +83,9 @@ MEGATRON_VENV=$venv scripts/megatron_interop.sh target/debug/ckpt
 # megatron-core's EP2 legacy and dist_ckpt files): transformers loads every export with
 # Megatron's logits. Seconds.
 "$venv/bin/python" scripts/moe_hf_check.py target/debug/ckpt
+# Expert-parallel reshards (EP2 -> EP4, EP4 -> EP1 x TP2, EP2 x TP2 -> EP2 x PP2) loaded
+# by megatron-core on gloo ranks: every tensor and the logits equal. About a minute.
+"$venv/bin/python" scripts/moe_reshard_interop.py target/debug/ckpt
 
 # The "By example" blocks of README.md (the recipes) and docs/examples.md (every
 # command), each line as written, in order, in a new directory.

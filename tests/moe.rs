@@ -236,3 +236,86 @@ fn moe_families_export_to_hugging_face_and_back() {
     assert!(o.stderr.contains("sigmoid"), "{}", o.stderr);
     assert!(!d.path("refused").exists());
 }
+
+/// Reshards to another expert-parallel size, written back as Megatron legacy files:
+/// the directories Megatron-LM names (`mp_rank_TT[_PPP]_EEE`), each with the dense
+/// tensors and its own experts under local ids, merging to the model's tensors.
+/// scripts/moe_reshard_interop.py loads them in megatron-core and compares the logits.
+#[test]
+fn expert_parallel_reshards_write_megatrons_directories() {
+    let d = Dir::new();
+    for (c, mesh, dirs) in [
+        (
+            "ep2tp1",
+            "ep=4",
+            vec![
+                "mp_rank_00_000",
+                "mp_rank_00_001",
+                "mp_rank_00_002",
+                "mp_rank_00_003",
+            ],
+        ),
+        ("ep4tp1", "ep=1,tp=2", vec!["mp_rank_00", "mp_rank_01"]),
+        (
+            "ep2tp2",
+            "ep=2,tp=1,pp=2",
+            vec![
+                "mp_rank_00_000_000",
+                "mp_rank_00_000_001",
+                "mp_rank_00_001_000",
+                "mp_rank_00_001_001",
+            ],
+        ),
+    ] {
+        let out = d.path(&format!("{c}-{mesh}"));
+        d.ok(&[
+            "reshard",
+            case(c).join("legacy").to_str().unwrap(),
+            "--format",
+            "megatron",
+            "--mesh",
+            mesh,
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        let mut found: Vec<String> = std::fs::read_dir(out.join("iter_0000001"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        found.sort();
+        assert_eq!(found, dirs, "{c} to {mesh}");
+        let merged = d.path(&format!("{c}-{mesh}.merged"));
+        d.ok(&[
+            "merge",
+            out.to_str().unwrap(),
+            "-o",
+            merged.to_str().unwrap(),
+            "--keep-vocab-padding",
+        ]);
+        let (got, want) = (full_tensors(&merged), reference(c));
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{c} to {mesh}"
+        );
+        for (k, v) in &want {
+            assert!(&got[k] == v, "{c} to {mesh}: {k}");
+        }
+    }
+    // Experts that do not divide, a dense model given an expert-parallel size.
+    let o = d.fails(&[
+        "reshard",
+        case("ep2tp1").join("legacy").to_str().unwrap(),
+        "--format",
+        "megatron",
+        "--mesh",
+        "ep=3",
+        "-o",
+        "x",
+    ]);
+    assert!(
+        o.stderr.contains("4 experts do not divide into 3"),
+        "{}",
+        o.stderr
+    );
+}

@@ -110,7 +110,10 @@ pub use crate::layout::strategy::{
     dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION,
 };
 pub use crate::layout::{Piece, Placement, TensorLayout};
-pub use crate::megatron_output::{megatron_legacy_plan, megatron_restage, megatron_tracker};
+pub use crate::megatron_output::{
+    megatron_legacy_plan, megatron_legacy_plan_ep, megatron_moe_strategy, megatron_restage,
+    megatron_tracker,
+};
 pub use crate::present::{
     convert_json, convert_text, human_bytes, inspect_json, inspect_text, merge_plan_json,
     merge_plan_text, placements_text, plan_json, plan_text, verify_json, verify_text, CopySummary,

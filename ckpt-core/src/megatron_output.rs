@@ -30,6 +30,24 @@ pub fn megatron_legacy_plan(
     ranks: &[u64],
     plan: &mut CopyPlan,
 ) -> Result<()> {
+    megatron_legacy_plan_ep(source, strategy, ranks, plan, None)
+}
+
+/// [`megatron_legacy_plan`] with `ep` expert-parallel ranks (`None`: the source's):
+/// each `(tp, pp)` file of the plan becomes `ep` files (`mp_rank_TT[_PPP]_EEE`), each
+/// with the dense tensors (Megatron's every rank loads them) and its own experts, named
+/// by their local index.
+///
+/// # Errors
+/// As [`megatron_legacy_plan`]; experts that do not divide by `ep`; `ep` for a model
+/// without experts.
+pub fn megatron_legacy_plan_ep(
+    source: &Checkpoint,
+    strategy: &Strategy,
+    ranks: &[u64],
+    plan: &mut CopyPlan,
+    ep: Option<u64>,
+) -> Result<()> {
     let unsupported = |problem: String| Error::Unsupported { problem };
     let state = source.megatron_state()?;
     let mesh = &strategy.mesh;
@@ -75,7 +93,23 @@ pub fn megatron_legacy_plan(
     }
     // Each rank's RNG state goes to the same rank of the same grid; Megatron ignores it
     // on another grid, so there none is written (and args say so).
-    let same_grid = (state.args.tp, state.args.pp) == (tp, pp) && source.imported.is_none();
+    let ep = ep.unwrap_or(state.args.moe.ep);
+    let per = match state.args.moe.experts {
+        None if ep > 1 => {
+            return Err(unsupported(format!(
+                "expert parallel {ep}: the model has no experts (args.num_experts)"
+            )))
+        }
+        None => 1,
+        Some(e) if ep == 0 || e % ep != 0 => {
+            return Err(unsupported(format!(
+                "{e} experts do not divide into {ep} expert-parallel ranks"
+            )))
+        }
+        Some(e) => e / ep,
+    };
+    let same_grid = (state.args.tp, state.args.pp, state.args.moe.ep) == (tp, pp, ep)
+        && source.imported.is_none();
     for (f, &r) in plan.files.iter_mut().zip(ranks) {
         let c = mesh.coords(r);
         let (t, s) = (c[tp_axis], pipe.map_or(0, |p| c[p]));
@@ -90,8 +124,11 @@ pub fn megatron_legacy_plan(
         } else {
             None
         };
-        let extra =
-            megatron::extra_entries(&state, tp, pp, rng.as_ref().map(|g| (g, f.tensors.len())))?;
+        let extra = megatron::extra_entries(
+            &state,
+            (tp, pp, ep),
+            rng.as_ref().map(|g| (g, f.tensors.len())),
+        )?;
         f.metadata = [
             (WRAP_KEY.to_string(), "model".to_string()),
             (WRAP_EXTRA.to_string(), hex(&extra)),
@@ -119,7 +156,98 @@ pub fn megatron_legacy_plan(
             *name = local;
         }
     }
+    if ep > 1 {
+        // One file per expert-parallel rank: the dense tensors in each, the experts
+        // where they live.
+        let files = std::mem::take(&mut plan.files);
+        for f in files {
+            for e in 0..ep {
+                let mut g = f.clone();
+                g.path = megatron::expert_rank_path(&f.path, e);
+                g.tensors.retain_mut(|t| {
+                    match megatron::local_expert_name(&t.target.name, e, per) {
+                        Some(local) => {
+                            t.target.name = local;
+                            true
+                        }
+                        None => false,
+                    }
+                });
+                plan.files.push(g);
+            }
+        }
+    }
     Ok(())
+}
+
+/// The target of a mixture-of-experts Megatron output on `mesh` (axes `tp`, `pp`, `ep`;
+/// those not given keep the source's sizes): the strategy of its `tp` x `pp` ranks and
+/// the expert-parallel size (the split by experts is made by
+/// [`megatron_legacy_plan_ep`]); `None` for a dense model, whose source strategy is
+/// resized as it is.
+///
+/// # Errors
+/// A source that is not a Megatron checkpoint; an axis other than `tp`, `pp` and `ep`;
+/// a tensor no rule places.
+pub fn megatron_moe_strategy(
+    source: &Checkpoint,
+    mesh: &[(String, u64)],
+) -> Result<Option<(Strategy, u64)>> {
+    let state = source.megatron_state()?;
+    if state.args.moe.experts.is_none() {
+        return Ok(None);
+    }
+    let size = |axis: &str, default: u64| -> Result<u64> {
+        Ok(mesh
+            .iter()
+            .find(|(n, _)| n == axis)
+            .map_or(default, |(_, s)| *s))
+    };
+    if let Some((n, _)) = mesh
+        .iter()
+        .find(|(n, _)| !["tp", "pp", "ep"].contains(&n.as_str()))
+    {
+        return Err(Error::InvalidMesh {
+            mesh: mesh
+                .iter()
+                .map(|(n, s)| format!("{n}={s}"))
+                .collect::<Vec<_>>()
+                .join(","),
+            problem: format!("axis `{n}`: a Megatron mixture of experts takes tp, pp and ep"),
+        });
+    }
+    let (tp, pp, ep) = (
+        size("tp", state.args.tp)?,
+        size("pp", state.args.pp)?,
+        size("ep", state.args.moe.ep)?,
+    );
+    let list: Vec<(String, crate::Dtype, Vec<u64>)> = source
+        .tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.dtype, t.shape.clone()))
+        .collect();
+    let Some(one) = megatron::moe_strategy(&state, &list)? else {
+        return Ok(None);
+    };
+    let mesh = if pp > 1 {
+        crate::layout::mesh::Mesh::new(vec![
+            (megatron::PP_AXIS.into(), pp),
+            (megatron::TP_AXIS.into(), tp),
+        ])?
+        .with_pipeline(megatron::PP_AXIS)?
+    } else {
+        crate::layout::mesh::Mesh::new(vec![(megatron::TP_AXIS.into(), tp)])?
+    };
+    let mut s = Strategy::new(mesh);
+    for (name, mut l) in one.tensors {
+        if pp == 1 {
+            // No pipeline axis: the tensor-parallel placement alone.
+            l.placements.remove(0);
+            l.stage = None;
+        }
+        s.insert(name, l)?;
+    }
+    Ok(Some((s, ep)))
 }
 
 /// The RNG state of the source's rank `rank` (`pp * tp + tp_rank`, as the reader

@@ -485,14 +485,32 @@ pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)>
         // A Hugging Face model: Megatron's tensors by its family's table.
         source.megatron_import(&ckpt_core::HfTarget::default())?;
     }
-    let mut strategy = target_strategy(&source, &req.target, &req.selection, &req.shard)?;
+    // A Megatron mixture of experts: the target's tensor x pipeline ranks from
+    // megatron-core's rules, split again by experts into `ep` ranks when written.
+    let moe = match (&req.target, req.format) {
+        (Target::Mesh(m), OutputFormat::Megatron) => ckpt_core::megatron_moe_strategy(&source, m)?,
+        (Target::To(k), OutputFormat::Megatron) => {
+            ckpt_core::megatron_moe_strategy(&source, &[("tp".into(), *k), ("pp".into(), 1)])?
+        }
+        _ => None,
+    };
+    let (mut strategy, ep) = match moe {
+        Some((s, ep)) => (
+            target_strategy(&source, &Target::Strategy(s), &req.selection, &req.shard)?,
+            Some(ep),
+        ),
+        None => (
+            target_strategy(&source, &req.target, &req.selection, &req.shard)?,
+            None,
+        ),
+    };
     if req.format == OutputFormat::Megatron {
         ckpt_core::megatron_restage(&source, &mut strategy)?;
     }
     let mut plan = plan(&source, &strategy, req.ranks, req.keep_all, req.format)?;
     if req.format == OutputFormat::Megatron {
         let ranks = req.ranks.list(strategy.mesh.world_size())?;
-        ckpt_core::megatron_legacy_plan(&source, &strategy, &ranks, &mut plan)?;
+        ckpt_core::megatron_legacy_plan_ep(&source, &strategy, &ranks, &mut plan, ep)?;
     }
     if req.compression.is_some() {
         for f in &mut plan.files {

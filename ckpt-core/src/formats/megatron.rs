@@ -1160,7 +1160,7 @@ mod tests {
             iteration: 7,
             release: false,
         };
-        let fragment = extra_entries(&state, 4, 1, None).unwrap();
+        let fragment = extra_entries(&state, (4, 1, 1), None).unwrap();
         let mut d = Emitter::new();
         d.empty_dict().mark().raw(&fragment).set_items();
         let back = parse(&d.finish()).unwrap();
@@ -1608,6 +1608,46 @@ pub(crate) fn stage_name(
 }
 
 /// `iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt` (get_checkpoint_name).
+/// The path of the expert-parallel rank `ep` of a rank file at `path`
+/// (`…/mp_rank_TT[_PPP]/model_optim_rng.pt` becomes `…/mp_rank_TT[_PPP]_EEE/…`,
+/// Megatron-LM's get_checkpoint_name).
+pub(crate) fn expert_rank_path(path: &Path, ep: u64) -> PathBuf {
+    let dir = path.parent().unwrap_or(Path::new(""));
+    let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    dir.with_file_name(format!("{name}_{ep:03}"))
+        .join(RANK_FILE)
+}
+
+/// An expert's global name (`…local_experts.<g>.…`) as expert-parallel rank `ep` of
+/// `per` experts names it, when that rank holds it: `Some(local name)`; `None` for
+/// another rank's expert; the name itself for a tensor that is not an expert's.
+pub(crate) fn local_expert_name(name: &str, ep: u64, per: u64) -> Option<String> {
+    const LOCAL: &str = ".mlp.experts.local_experts.";
+    let Some(at) = name.find(LOCAL).map(|i| i + LOCAL.len()) else {
+        return Some(name.to_string());
+    };
+    let (g, tail) = name[at..].split_once('.')?;
+    let g: u64 = g.parse().ok()?;
+    (g / per == ep).then(|| format!("{}{}.{tail}", &name[..at], g % per))
+}
+
+/// The strategy a mixture-of-experts Megatron checkpoint is written back with: every
+/// tensor under its global name placed by megatron-core's rule on a `pp=1,tp=1` mesh
+/// (whatever axes the source was read on), for the target's sizes to resize; `None` for
+/// a dense model (its source strategy is resized as it is).
+///
+/// # Errors
+/// A tensor no rule places.
+pub(crate) fn moe_strategy(
+    state: &SourceState,
+    tensors: &[(String, Dtype, Vec<u64>)],
+) -> Result<Option<Strategy>> {
+    if state.args.moe.experts.is_none() {
+        return Ok(None);
+    }
+    imported_strategy(&state.args, tensors).map(Some)
+}
+
 pub(crate) fn rank_path(iteration: u64, tp: u64, pp: u64, pp_size: u64) -> PathBuf {
     let dir = if pp_size == 1 {
         format!("mp_rank_{tp:02}")
@@ -1629,8 +1669,7 @@ pub(crate) fn rank_path(iteration: u64, tp: u64, pp: u64, pp_size: u64) -> PathB
 /// Args or an RNG state that cannot be written back.
 pub(crate) fn extra_entries(
     state: &SourceState,
-    tp: u64,
-    pp: u64,
+    (tp, pp, ep): (u64, u64, u64),
     rng: Option<(&RankRng, usize)>,
 ) -> Result<Vec<u8>> {
     let mut args = state.args_value.clone();
@@ -1646,6 +1685,11 @@ pub(crate) fn extra_entries(
             let int = |v: u64| Value::Int(i64::try_from(v).unwrap_or(i64::MAX));
             set("tensor_model_parallel_size", int(tp));
             set("pipeline_model_parallel_size", int(pp));
+            if state.args.moe.experts.is_some() {
+                set("expert_model_parallel_size", int(ep));
+                // Experts split over the tensor-parallel ranks, as the dense layers.
+                set("expert_tensor_parallel_size", Value::None);
+            }
             set("virtual_pipeline_model_parallel_size", Value::None);
             set("no_save_optim", Value::Bool(true));
             if rng.is_none() {
