@@ -319,3 +319,58 @@ fn expert_parallel_reshards_write_megatrons_directories() {
         o.stderr
     );
 }
+
+/// DeepSpeed's `deepspeed.moe` checkpoints (EP2 with ZeRO-2, the same with
+/// `use_data_before_expert_parallelism`, EP4 with ZeRO-1, 4 gloo ranks): the expert
+/// groups' fp32 partitions over each expert-parallel rank's expert-data-parallel ranks
+/// (DeepSpeed's group rule), under global expert ids, with their Adam moments: every
+/// tensor equal to the model's and the optimizer's, gathered by the generator.
+#[test]
+fn deepspeed_expert_parallel_checkpoints_merge_with_their_moments() {
+    let d = Dir::new();
+    let ds = |c: &str| {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/moe/deepspeed")
+            .join(c)
+    };
+    for c in ["ep2_zero2", "ep2_zero2_dbe", "ep4_zero1"] {
+        let out = d.path(c);
+        d.ok(&[
+            "merge",
+            ds(c).join("ckpt").to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        let got = full_tensors(&out);
+        let mut want = full_tensors(&ds(c).join("reference.safetensors"));
+        want.extend(full_tensors(&ds(c).join("moments.safetensors")));
+        assert_eq!(got.len(), want.len(), "{c}");
+        for (k, v) in &want {
+            let g = got.get(k).or_else(|| got.get(&format!("optim.{k}")));
+            assert!(g == Some(v), "{c}: {k}");
+        }
+    }
+    // ZeRO-0's expert-parallel optimizer files: refused by name.
+    let o = d.fails(&[
+        "merge",
+        ds("ep2_zero0").join("ckpt").to_str().unwrap(),
+        "-o",
+        "x",
+    ]);
+    assert!(
+        o.stderr.contains("expp_rank_0_mp_rank_00_optim_states.pt"),
+        "{}",
+        o.stderr
+    );
+    // A missing expert file.
+    copy_dir(&ds("ep2_zero2").join("ckpt"), &d.path("gap"));
+    std::fs::remove_file(d.path("gap/global_step2/layer_1_expert_2_mp_rank_00_model_states.pt"))
+        .unwrap();
+    let o = d.fails(&["merge", "gap", "-o", "x"]);
+    assert!(
+        o.stderr
+            .contains("layer_1_expert_2_mp_rank_00_model_states.pt: DeepSpeed checkpoint: missing"),
+        "{}",
+        o.stderr
+    );
+}

@@ -78,6 +78,19 @@ fn params(source: &Checkpoint, selection: &Selection) -> Result<(PathBuf, u64, B
 /// A source that is not a DeepSpeed ZeRO checkpoint; a parameter name that cannot be a
 /// directory; states that are not fp32; a cast asked for (the master weights stay fp32).
 pub fn ucp_plan(source: &Checkpoint, selection: &Selection) -> Result<CopyPlan> {
+    // DeepSpeed's universal checkpoints of `deepspeed.moe` layers (ds_to_universal's
+    // expert handling) are not written yet: refused rather than guessed.
+    if let Some(n) = source
+        .tensors
+        .keys()
+        .find(|n| n.contains("deepspeed_experts."))
+    {
+        return Err(crate::error::Error::Unsupported {
+            problem: format!(
+                "tensor `{n}`: a mixture-of-experts checkpoint: --format ucp does not write expert parameters yet"
+            ),
+        });
+    }
     let (tag, stage, names) = params(source, selection)?;
     let dir = PathBuf::from(universal_tag(&tag));
     let metadata: BTreeMap<String, String> = if stage == 3 {

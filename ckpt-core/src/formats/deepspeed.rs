@@ -61,13 +61,32 @@ enum Role {
     RankModel { dp: u64, mp: u64 },
     /// `mp_rank_XX_model_states.pt` (ZeRO-1/2)
     Model { mp: u64 },
-    /// Mixture-of-experts files (`expp_rank_*`, `*expert_*`).
-    Expert,
+    /// `layer_<l>_expert_<g>_mp_rank_XX_model_states.pt`: one expert's weights, global
+    /// id (docs/moe.md).
+    ExpertWeights { layer: u64, expert: u64 },
+    /// `expp_rank_<e>_mp_rank_XX_optim_states.pt`: ZeRO-0's optimizer of an
+    /// expert-parallel rank.
+    ExpertOptim,
 }
 
 fn role(name: &str) -> Option<Role> {
-    if name.contains("expp_rank_") || name.contains("expert_") {
-        return name.ends_with(".pt").then_some(Role::Expert);
+    if name.contains("expp_rank_") {
+        return name.ends_with(".pt").then_some(Role::ExpertOptim);
+    }
+    if let Some(rest) = name
+        .strip_prefix("layer_")
+        .filter(|n| n.ends_with("_model_states.pt"))
+    {
+        let (layer, rest) = rest.split_once("_expert_")?;
+        let (expert, _) = rest.split_once('_')?;
+        return Some(Role::ExpertWeights {
+            layer: layer.parse().ok()?,
+            expert: expert.parse().ok()?,
+        });
+    }
+    if name.contains("expert_") {
+        // The older naming without the layer (`expert_<g>_mp_rank_XX_...`).
+        return name.ends_with(".pt").then_some(Role::ExpertOptim);
     }
     let num = |s: &str| s.parse::<u64>().ok();
     if let Some(rest) = name.strip_suffix("_optim_states.pt") {
@@ -102,7 +121,7 @@ pub(crate) fn looks_like(dir: &Path) -> bool {
     let (mut model, mut optim) = (false, false);
     for e in rd.flatten() {
         match e.file_name().to_str().and_then(role) {
-            Some(Role::Optim { .. }) => optim = true,
+            Some(Role::Optim { .. } | Role::ExpertOptim) => optim = true,
             Some(Role::Model { .. } | Role::RankModel { .. }) => model = true,
             _ => {}
         }
@@ -379,6 +398,8 @@ pub(crate) struct MpFiles {
     pub(crate) rank_models: BTreeMap<u64, PathBuf>,
     /// ZeRO-1/2's `mp_rank_XX_model_states.pt`.
     pub(crate) model: Option<PathBuf>,
+    /// Mixture-of-experts weights by (MoE layer, global expert id).
+    pub(crate) experts: BTreeMap<(u64, u64), PathBuf>,
 }
 
 impl MpFiles {
@@ -402,11 +423,14 @@ pub(crate) fn scan(dir: &Path) -> Result<BTreeMap<u64, MpFiles>> {
             continue;
         };
         match r {
-            Role::Expert => {
+            Role::ExpertOptim => {
                 return Err(err(
                     &p,
-                    "mixture-of-experts files are not read yet (expert parallelism)",
+                    "mixture-of-experts optimizer files without ZeRO (expp_rank_*, ZeRO-0), or experts in the old naming (expert_<g>_...), are not read yet; ZeRO-1/2 checkpoints with experts are",
                 ))
+            }
+            Role::ExpertWeights { layer, expert } => {
+                by_mp.entry(0).or_default().experts.insert((layer, expert), p);
             }
             Role::Optim { dp, mp } => {
                 if let Some(other) = by_mp.entry(mp).or_default().optim.insert(dp, p.clone()) {
@@ -440,6 +464,7 @@ pub(crate) fn read_mp(
         optim,
         rank_models,
         model,
+        experts,
     } = files;
     let Some((_, first)) = optim.iter().next() else {
         return Err(err(dir, "no `*_optim_states.pt` file"));
@@ -564,8 +589,25 @@ pub(crate) fn read_mp(
         out.shapes.insert(name.clone(), (Dtype::F32, shape.clone()));
     }
     read_buffers(&mut models[0], &mut out)?;
+    // Mixture of experts: which groups are the experts', over which ranks.
+    let layouts = group_layouts(&ranks, &models[0], &groups, world, experts, tp.is_some())?;
+    let groups: Vec<Vec<(String, Vec<u64>)>> = layouts
+        .iter()
+        .map(|parts| parts.iter().flat_map(|(_, p)| p.iter().cloned()).collect())
+        .collect();
+    if layouts.iter().any(|l| l.len() > 1) {
+        out.shapes.clear();
+        for (name, shape) in groups.iter().flatten() {
+            out.shapes.insert(name.clone(), (Dtype::F32, shape.clone()));
+        }
+        read_buffers(&mut models[0], &mut out)?;
+        out.notes.push(format!(
+            "{}: the experts' weights are read from the fp32 partitions, as zero_to_fp32 reads every weight (the layer_<l>_expert_<g> files hold them in the model's dtype: not read)",
+            dir.display()
+        ));
+    }
     if stage <= 2 {
-        read_zero12(&mut ranks, &groups, world, &mut out)?;
+        read_zero12(&mut ranks, &layouts, world, &mut out)?;
     } else {
         read_zero3(&mut ranks, &groups, world, &mut out)?;
     }
@@ -711,7 +753,7 @@ fn moment_name(param: &str, k: usize) -> String {
 /// over the ranks' partitions back to back.
 fn read_zero12(
     ranks: &mut [PtFile],
-    groups: &[Vec<(String, Vec<u64>)>],
+    layouts: &[GroupLayout],
     world: u64,
     out: &mut DeepSpeed,
 ) -> Result<()> {
@@ -723,88 +765,235 @@ fn read_zero12(
         .opt_at(&["optimizer_state_dict", "param_alignment_paddings"])
         .cloned();
     let mut with_moments = true;
-    for (g, params) in groups.iter().enumerate() {
-        // Where each rank's partition of this group starts in the whole group.
-        let mut starts = Vec::with_capacity(ranks.len());
-        let mut avail = 0u64;
-        for (r, l) in located.iter().enumerate() {
-            let w = l.weights.get(g).ok_or_else(|| {
-                err(&ranks[r].path, format!("no flat partition for parameter group {g} (the model states list {} groups)", groups.len()))
-            })?;
-            starts.push(avail);
-            avail = avail
-                .checked_add(w.shape[0])
-                .ok_or_else(|| overflow("group length"))?;
-        }
+    for (g, parts) in layouts.iter().enumerate() {
         check_group_padding(ranks, &located, g)?;
-        let pads: Vec<u64> = match paddings
-            .as_ref()
-            .and_then(|p| p.items())
-            .and_then(|p| p.get(g))
-        {
-            Some(v) => {
-                let p: Vec<u64> = v.items().unwrap_or(&[]).iter().filter_map(int).collect();
-                if p.len() != params.len() {
+        for (members, params) in parts {
+            // Where each member's partition of this group starts in its buffer.
+            let mut starts = Vec::with_capacity(members.len());
+            let mut avail = 0u64;
+            for &r in members {
+                let w = located[r].weights.get(g).ok_or_else(|| {
+                    err(&ranks[r].path, format!("no flat partition for parameter group {g} (the model states list {} groups)", layouts.len()))
+                })?;
+                starts.push(avail);
+                avail = avail
+                    .checked_add(w.shape[0])
+                    .ok_or_else(|| overflow("group length"))?;
+            }
+            let pads: Vec<u64> = match paddings
+                .as_ref()
+                .and_then(|p| p.items())
+                .and_then(|p| p.get(g))
+            {
+                Some(v) => {
+                    let p: Vec<u64> = v.items().unwrap_or(&[]).iter().filter_map(int).collect();
+                    if p.len() != params.len() {
+                        return Err(err(
+                            &ranks[0].path,
+                            format!(
+                                "group {g}: {} parameter alignment paddings for {} parameters",
+                                p.len(),
+                                params.len()
+                            ),
+                        ));
+                    }
+                    p
+                }
+                None => vec![0; params.len()],
+            };
+            let last = ranks[*members.last().unwrap_or(&0)].path.clone();
+            let mut offset = 0u64;
+            for ((name, shape), pad) in params.iter().zip(&pads) {
+                let n = numel(shape)?;
+                let end = offset
+                    .checked_add(n)
+                    .ok_or_else(|| overflow(name.as_str()))?;
+                if end > avail {
                     return Err(err(
-                        &ranks[0].path,
+                        &last,
+                        format!("tensor `{name}`: group {g} needs elements {offset}..{end}, but the {} partitions hold {avail}: partition sizes do not add up to the parameter shapes", members.len()),
+                    ));
+                }
+                for (i, &r) in members.iter().enumerate() {
+                    let len_r = located[r].weights[g].shape[0];
+                    let part = FlatRange::new(starts[i], len_r);
+                    let Some(o) = part.overlap(&FlatRange::new(offset, n)) else {
+                        continue;
+                    };
+                    let range = FlatRange::new(o.start - offset, o.len);
+                    let at = o.start - starts[i];
+                    let w = located[r].weights[g].clone();
+                    ranks[r].piece(name, shape, range, &w, at)?;
+                    match located[r].moments[g].clone() {
+                        Some(m) => {
+                            for (k, t) in m.iter().enumerate() {
+                                ranks[r].piece(&moment_name(name, k), shape, range, t, at)?;
+                            }
+                        }
+                        None => with_moments = false,
+                    }
+                }
+                offset = end
+                    .checked_add(*pad)
+                    .ok_or_else(|| overflow(name.as_str()))?;
+            }
+            // zero_to_fp32's check: ZeRO-2 aligns the group to 2 * (its partition
+            // count), so what the parameters use and what the partitions hold agree up
+            // to that alignment.
+            let count = members.len() as u64;
+            let align = |x: u64| x.div_ceil(2 * count) * (2 * count);
+            if align(offset) != align(avail) {
+                return Err(err(
+                    &last,
+                    format!("group {g}: the parameters use {offset} elements, the {count} partitions hold {avail}: partition sizes do not add up to the parameter shapes"),
+                ));
+            }
+        }
+    }
+    let _ = world;
+    let groups: Vec<Vec<(String, Vec<u64>)>> = layouts
+        .iter()
+        .map(|parts| parts.iter().flat_map(|(_, p)| p.iter().cloned()).collect())
+        .collect();
+    finish_moments(&groups, with_moments, out);
+    Ok(())
+}
+
+/// How a parameter group lies over the ranks' files: `(members, parameters)` parts,
+/// each part's parameters back to back over its members' partitions in order. A dense
+/// group is one part over every rank; an expert group (`moe: True`, named
+/// `ep_size_<EP>`) one part per expert-parallel rank over its expert-data-parallel
+/// ranks, its parameters under their global expert ids.
+type GroupLayout = Vec<(Vec<usize>, Vec<(String, Vec<u64>)>)>;
+
+/// Each group's [`GroupLayout`], from the optimizer's group names, the model states'
+/// `num_experts` and `ds_config`, and DeepSpeed's group rule (docs/moe.md: with
+/// `use_data_before_expert_parallelism` the expert-parallel groups stride, else the
+/// expert-data-parallel ones do).
+fn group_layouts(
+    ranks: &[PtFile],
+    model: &PtFile,
+    groups: &[Vec<(String, Vec<u64>)>],
+    world: u64,
+    expert_files: &BTreeMap<(u64, u64), PathBuf>,
+    tensor_parallel: bool,
+) -> Result<Vec<GroupLayout>> {
+    let all: Vec<usize> = (0..ranks.len()).collect();
+    let param_groups = ranks[0]
+        .opt_at(&[
+            "optimizer_state_dict",
+            "base_optimizer_state",
+            "param_groups",
+        ])
+        .and_then(Value::items)
+        .unwrap_or(&[]);
+    let ep_of = |g: usize| -> Option<u64> {
+        let pg = param_groups.get(g)?;
+        if !matches!(pg.get("moe"), Some(Value::Bool(true))) {
+            return None;
+        }
+        match pg.get("name") {
+            Some(Value::Str(n)) => n.strip_prefix("ep_size_")?.parse().ok(),
+            _ => None,
+        }
+    };
+    let any_moe = (0..groups.len()).any(|g| ep_of(g).is_some());
+    if !any_moe {
+        if let Some(p) = expert_files.values().next() {
+            return Err(err(p, "an expert's weights, but no optimizer group holds experts (no group `moe: True`, named ep_size_<EP>)"));
+        }
+        return Ok(groups
+            .iter()
+            .map(|p| vec![(all.clone(), p.clone())])
+            .collect());
+    }
+    if tensor_parallel {
+        return Err(err(&model.path, "experts with tensor parallelism (DeepSpeed's TP-strided expert groups) are not read yet"));
+    }
+    let dbe = matches!(
+        model
+            .opt_at(&["ds_config"])
+            .and_then(|c| c.get("use_data_before_expert_parallelism")),
+        Some(Value::Bool(true))
+    );
+    let num_experts: Vec<u64> = model
+        .opt_at(&["num_experts"])
+        .and_then(Value::items)
+        .map(|v| v.iter().filter_map(int).collect())
+        .unwrap_or_default();
+    let mut out = Vec::with_capacity(groups.len());
+    for (g, params) in groups.iter().enumerate() {
+        let Some(ep) = ep_of(g) else {
+            out.push(vec![(all.clone(), params.clone())]);
+            continue;
+        };
+        if ep == 0 || world % ep != 0 {
+            return Err(err(&ranks[0].path, format!("group {g} is ep_size_{ep}, which does not divide the {world} data-parallel ranks")));
+        }
+        let edp = world / ep;
+        // The local experts the group names (`deepspeed_experts.<i>.`).
+        let local = |name: &str| -> Option<(usize, u64, usize)> {
+            const AT: &str = "deepspeed_experts.";
+            let at = name.find(AT)? + AT.len();
+            let (i, _) = name[at..].split_once('.')?;
+            Some((at, i.parse().ok()?, at + i.len()))
+        };
+        let per = params
+            .iter()
+            .filter_map(|(n, _)| local(n).map(|(_, i, _)| i + 1))
+            .max()
+            .unwrap_or(0);
+        if let Some(&e) = num_experts.iter().find(|&&e| e != ep * per) {
+            return Err(err(
+                &model.path,
+                format!("num_experts {e} in the model states, but the optimizer's group {g} holds {per} local experts on each of {ep} expert-parallel ranks (ep_size_{ep}): {}", ep * per),
+            ));
+        }
+        // Every MoE layer's every expert has its weights file.
+        for l in 0..num_experts.len() as u64 {
+            for x in 0..ep * per {
+                if !expert_files.contains_key(&(l, x)) {
+                    let dir = model.path.parent().unwrap_or(Path::new(""));
+                    return Err(err(
+                        &dir.join(format!("layer_{l}_expert_{x}_mp_rank_00_model_states.pt")),
                         format!(
-                            "group {g}: {} parameter alignment paddings for {} parameters",
-                            p.len(),
-                            params.len()
+                            "missing: MoE layer {l}'s expert {x} of {} (num_experts)",
+                            ep * per
                         ),
                     ));
                 }
-                p
             }
-            None => vec![0; params.len()],
-        };
-        let mut offset = 0u64;
-        for ((name, shape), pad) in params.iter().zip(&pads) {
-            let n = numel(shape)?;
-            let end = offset
-                .checked_add(n)
-                .ok_or_else(|| overflow(name.as_str()))?;
-            if end > avail {
-                return Err(err(
-                    &ranks[ranks.len() - 1].path,
-                    format!("tensor `{name}`: group {g} needs elements {offset}..{end}, but the {world} partitions hold {avail}: partition sizes do not add up to the parameter shapes"),
-                ));
-            }
-            for r in 0..ranks.len() {
-                let len_r = located[r].weights[g].shape[0];
-                let part = FlatRange::new(starts[r], len_r);
-                let Some(o) = part.overlap(&FlatRange::new(offset, n)) else {
-                    continue;
-                };
-                let range = FlatRange::new(o.start - offset, o.len);
-                let at = o.start - starts[r];
-                let w = located[r].weights[g].clone();
-                ranks[r].piece(name, shape, range, &w, at)?;
-                match located[r].moments[g].clone() {
-                    Some(m) => {
-                        for (k, t) in m.iter().enumerate() {
-                            ranks[r].piece(&moment_name(name, k), shape, range, t, at)?;
-                        }
-                    }
-                    None => with_moments = false,
+        }
+        let mut parts = Vec::with_capacity(ep as usize);
+        for e in 0..ep {
+            // (expert-parallel rank, expert-data-parallel rank) of data-parallel rank r.
+            let place = |r: u64| {
+                if dbe {
+                    (r / edp, r % edp)
+                } else {
+                    (r % ep, r / ep)
                 }
-            }
-            offset = end
-                .checked_add(*pad)
-                .ok_or_else(|| overflow(name.as_str()))?;
+            };
+            let mut members: Vec<(u64, usize)> = (0..world)
+                .filter(|&r| place(r).0 == e)
+                .map(|r| (place(r).1, r as usize))
+                .collect();
+            members.sort();
+            let named: Vec<(String, Vec<u64>)> = params
+                .iter()
+                .map(|(n, shape)| match local(n) {
+                    Some((at, i, end)) => (
+                        format!("{}{}{}", &n[..at], e * per + i, &n[end..]),
+                        shape.clone(),
+                    ),
+                    None => (n.clone(), shape.clone()),
+                })
+                .collect();
+            parts.push((members.into_iter().map(|(_, r)| r).collect(), named));
         }
-        // zero_to_fp32's check: ZeRO-2 aligns the group to 2 * dp, so what the
-        // parameters use and what the partitions hold agree up to that alignment.
-        let align = |x: u64| x.div_ceil(2 * world) * (2 * world);
-        if align(offset) != align(avail) {
-            return Err(err(
-                &ranks[ranks.len() - 1].path,
-                format!("group {g}: the parameters use {offset} elements, the {world} partitions hold {avail}: partition sizes do not add up to the parameter shapes"),
-            ));
-        }
+        out.push(parts);
     }
-    finish_moments(groups, with_moments, out);
-    Ok(())
+    Ok(out)
 }
 
 /// ZeRO-1/2 store each rank's partition without the padding at the group's end and

@@ -63,6 +63,17 @@ pub fn write_deepspeed_dp(
     // padding out of place, tensor parallelism and experts are refused there.
     let read = deepspeed::read(&dir)?;
     drop(read);
+    // Experts: each expert group is partitioned over its expert-data-parallel ranks
+    // (docs/moe.md), which the re-cut below does not know.
+    if let Some(p) = deepspeed::scan(&dir)?
+        .values()
+        .find_map(|f| f.experts.values().next().cloned())
+    {
+        return Err(unsupported(format!(
+            "{}: a mixture-of-experts checkpoint: --format deepspeed does not re-cut expert groups yet (merge reads them)",
+            p.display()
+        )));
+    }
     let (prefix, optim, rank_models) = optim_files(&dir)?;
     // Per-rank model states: ZeRO-3 (the reader checked the stage).
     if rank_models.is_empty() {

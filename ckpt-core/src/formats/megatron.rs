@@ -762,6 +762,20 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
             dir.display(),
             ep - 1
         ));
+        // Which rank holds which experts (the same in every MoE layer): mesh axis
+        // `{EP_AXIS}` or `{PP_EP_AXIS}` is the stage coordinate in pictures.
+        let per = args.moe.local_experts().unwrap_or(0);
+        let held: Vec<String> = (0..ep)
+            .map(|e| match per {
+                1 => format!("ep {e}: expert {e}"),
+                _ => format!("ep {e}: experts {}-{}", e * per, e * per + per - 1),
+            })
+            .collect();
+        notes.push(format!(
+            "experts by expert-parallel rank, every MoE layer ({} experts, global ids): {}",
+            args.moe.experts.unwrap_or(0),
+            held.join("; ")
+        ));
     }
     // The distributed optimizer's state: fp32 master weights and Adam moments.
     optim::attach(
