@@ -445,3 +445,67 @@ fn a_server_stopped_mid_merge_is_named() {
     assert!(stderr.contains("s3://ckpt-test/src"), "{stderr}");
     assert!(!d.path("out").exists(), "{stderr}");
 }
+
+/// `kill -9` of ckpt while it uploads (once its journal is there: parts going up):
+/// nothing is visible at the output prefix, and the next run to that output aborts the
+/// killed run's uploads, leaving only its own complete output.
+#[test]
+fn kill_9_during_an_upload_leaves_nothing_visible() {
+    let Some(py) = python_with_moto() else { return };
+    let s = Server::start(&py);
+    let d = Dir::new();
+    // Large enough for multipart uploads of several parts.
+    d.ok(&[
+        "example", "src", "--mesh", "tp=2", "--hidden", "2048", "--vocab", "8192", "--layers", "4",
+    ]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .args(["merge", "src", "-o", "s3://ckpt-test/out"])
+        .current_dir(d.tmp.path())
+        .env("AWS_ENDPOINT_URL", &s.endpoint)
+        .env("AWS_ALLOW_HTTP", "true")
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_DEFAULT_REGION", "us-east-1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    let journaled = loop {
+        if s.keys("s3://ckpt-test/out.ckpt-partial.json")
+            .contains_key("out.ckpt-partial.json")
+        {
+            break true;
+        }
+        if child.try_wait().unwrap().is_some() || t.elapsed() > Duration::from_secs(120) {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = child.kill();
+    let status = child.wait().unwrap();
+    if !journaled || status.success() {
+        let _ = writeln!(
+            std::io::stderr(),
+            "kill_9_during_an_upload_leaves_nothing_visible: the upload finished before the kill: SKIPPED"
+        );
+        return;
+    }
+    let keys = s.keys("s3://ckpt-test/out");
+    assert!(
+        keys.keys().all(|k| !k.starts_with("out/")),
+        "visible after the kill: {keys:?}"
+    );
+    assert!(keys.contains_key("out.ckpt-partial.json"), "{keys:?}");
+    assert_ne!(s.s3(&["uploads", "ckpt-test"]).trim(), "[]", "the killed run's uploads");
+    s.ok(&d, &["merge", "src", "-o", "s3://ckpt-test/out"], &[]);
+    assert_eq!(s.s3(&["uploads", "ckpt-test"]).trim(), "[]");
+    assert!(s.keys("s3://ckpt-test/out.ckpt-partial.json").is_empty());
+    d.ok(&["merge", "src", "-o", "want"]);
+    s.s3(&["get", "s3://ckpt-test/out", d.path("got").to_str().unwrap()]);
+    assert_same_tree(
+        &d.path("want"),
+        &d.path("got"),
+        "after the kill and the next run",
+    );
+}
