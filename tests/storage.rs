@@ -338,7 +338,8 @@ fn the_next_run_cleans_up_after_a_killed_upload() {
         {"key": "out/model.safetensors", "upload": id.trim()},
         {"key": "out/old-part.safetensors", "upload": null},
     ]});
-    std::fs::write(d.path("left/out.ckpt-partial.json"), journal.to_string()).unwrap();
+    std::fs::create_dir_all(d.path("left/out.ckpt-partial")).unwrap();
+    std::fs::write(d.path("left/out.ckpt-partial/0.json"), journal.to_string()).unwrap();
     s.s3(&["put", d.path("left").to_str().unwrap(), "s3://ckpt-test"]);
     assert_eq!(
         s.s3(&["uploads", "ckpt-test"]).trim(),
@@ -472,8 +473,8 @@ fn kill_9_during_an_upload_leaves_nothing_visible() {
         .unwrap();
     let t = Instant::now();
     let journaled = loop {
-        if s.keys("s3://ckpt-test/out.ckpt-partial.json")
-            .contains_key("out.ckpt-partial.json")
+        if s.keys("s3://ckpt-test/out.ckpt-partial")
+            .contains_key("out.ckpt-partial/0.json")
         {
             break true;
         }
@@ -496,11 +497,15 @@ fn kill_9_during_an_upload_leaves_nothing_visible() {
         keys.keys().all(|k| !k.starts_with("out/")),
         "visible after the kill: {keys:?}"
     );
-    assert!(keys.contains_key("out.ckpt-partial.json"), "{keys:?}");
-    assert_ne!(s.s3(&["uploads", "ckpt-test"]).trim(), "[]", "the killed run's uploads");
+    assert!(keys.contains_key("out.ckpt-partial/0.json"), "{keys:?}");
+    assert_ne!(
+        s.s3(&["uploads", "ckpt-test"]).trim(),
+        "[]",
+        "the killed run's uploads"
+    );
     s.ok(&d, &["merge", "src", "-o", "s3://ckpt-test/out"], &[]);
     assert_eq!(s.s3(&["uploads", "ckpt-test"]).trim(), "[]");
-    assert!(s.keys("s3://ckpt-test/out.ckpt-partial.json").is_empty());
+    assert!(s.keys("s3://ckpt-test/out.ckpt-partial").is_empty());
     d.ok(&["merge", "src", "-o", "want"]);
     s.s3(&["get", "s3://ckpt-test/out", d.path("got").to_str().unwrap()]);
     assert_same_tree(

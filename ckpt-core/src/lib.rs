@@ -42,7 +42,10 @@ pub use crate::engine::save::{
 pub use crate::engine::verify::{verify, verify_selected, VerifyDepth};
 pub use crate::error::{Error, Problems, Result};
 pub use crate::formats::read_small as read_file;
-pub use ckpt_storage::{is_url, unmirror_text, Error as StorageError, Output};
+pub use ckpt_storage::{
+    commit_staged, is_url, prepare_staged, stage_files, unmirror_text, Error as StorageError,
+    Output,
+};
 
 /// Where an output goes: a local path as it is, or a URL (`s3://…`) written through a
 /// local staging directory that [`Output::publish`] uploads once the writers are done

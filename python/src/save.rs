@@ -69,3 +69,31 @@ pub(crate) fn write_rank(
     })
     .py_err(py)
 }
+
+/// Before the ranks of a save to a URL stage their files: the clean-up after a killed
+/// save to it, and the refusal of an existing output (rank 0, once).
+#[pyfunction]
+pub(crate) fn prepare_remote_output(py: Python<'_>, url: PathBuf) -> PyResult<()> {
+    py.detach(|| ckpt_core::prepare_staged(&url).map_err(ckpt_core::Error::from))
+        .py_err(py)
+}
+
+/// Uploads one rank's files under `local` to the output at `url` as multipart uploads
+/// not yet completed (nothing visible); returns what completes them (JSON).
+#[pyfunction]
+pub(crate) fn stage_remote(
+    py: Python<'_>,
+    local: PathBuf,
+    url: PathBuf,
+    writer: u64,
+) -> PyResult<String> {
+    py.detach(|| ckpt_core::stage_files(&local, &url, writer).map_err(ckpt_core::Error::from))
+        .py_err(py)
+}
+
+/// Completes every rank's staged uploads (entry files last): the output appears.
+#[pyfunction]
+pub(crate) fn commit_remote(py: Python<'_>, url: PathBuf, staged: Vec<String>) -> PyResult<()> {
+    py.detach(|| ckpt_core::commit_staged(&url, &staged).map_err(ckpt_core::Error::from))
+        .py_err(py)
+}

@@ -104,3 +104,29 @@ def test_files_of_a_bucket_are_named_by_their_urls(bucket, tmp_path, originals):
     c = ckpt.open_checkpoint("s3://ckpt-py/s2")
     names = sorted(os.fspath(p) for p, _, _ in c.files)
     assert names == [f"s3://ckpt-py/s2/ckpt_{r}/model.safetensors" for r in range(2)], names
+
+
+def test_save_state_dict_to_a_bucket_then_reshard(bucket, tmp_path):
+    """One process (world 1) saves to the bucket; the output appears whole, the local
+    save of the same state dict is the same files, `load_state_dict` and
+    `ckpt reshard s3://… --to 2` read it."""
+    torch = pytest.importorskip("torch")
+    import ckpt.torch as ct
+
+    sd = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "step": torch.tensor(7)}
+    url = "s3://ckpt-py/saved"
+    assert ct.save_state_dict(sd, url) == url
+    ct.save_state_dict(sd, tmp_path / "local")
+    keys = sorted(o["Key"] for o in bucket.list_objects_v2(Bucket="ckpt-py", Prefix="saved")["Contents"])
+    want = sorted("saved/" + str(p.relative_to(tmp_path / "local")) for p in (tmp_path / "local").rglob("*") if p.is_file())
+    assert keys == want
+    for k in keys:
+        body = bucket.get_object(Bucket="ckpt-py", Key=k)["Body"].read()
+        assert body == (tmp_path / "local" / k[len("saved/"):]).read_bytes(), k
+    got = {"w": torch.zeros(3, 4), "step": torch.tensor(0)}
+    ct.load_state_dict(got, url)
+    assert torch.equal(got["w"], sd["w"]) and int(got["step"]) == 7
+    with pytest.raises(ckpt.errors.OutputExists):
+        ct.save_state_dict(sd, url)
+    subprocess.run([sys.executable, "-m", "ckpt", "reshard", url, "--to", "2", "-o", str(tmp_path / "r2")], check=True)
+    assert (tmp_path / "r2" / "ckpt_1" / "model.safetensors").exists()

@@ -33,5 +33,7 @@ pub use crate::mirror::{
     materialize, mirror, placeholder, read_whole, unmirror_text, Mirror, RemoteObject,
     SMALL_OBJECT_BYTES,
 };
-pub use crate::publish::{Output, COMMIT_LAST, PART_BYTES, UPLOADS};
+pub use crate::publish::{
+    commit_staged, prepare_staged, stage_files, Output, COMMIT_LAST, PART_BYTES, UPLOADS,
+};
 pub use crate::store::set_fatal_hook;

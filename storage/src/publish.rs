@@ -80,7 +80,17 @@ impl Output {
             let any =
                 block_on(async { store.objects.list(Some(&prefix)).next().await.transpose() })
                     .map_err(|e| Error::from_store(&url.to_string(), e))?;
-            let journal = block_on(store.objects.head(&journal_key(&url))).is_ok();
+            let journal = block_on(async {
+                store
+                    .objects
+                    .list(Some(&journal_prefix(&url)))
+                    .next()
+                    .await
+                    .transpose()
+            })
+            .ok()
+            .flatten()
+            .is_some();
             if any.is_some() && !journal {
                 return Err(Error::Exists {
                     url: url.to_string(),
@@ -139,6 +149,8 @@ impl Drop for Output {
     }
 }
 
+const JOURNAL_WHAT: &str = "ckpt: an output being published; a later ckpt run to this output aborts these uploads and deletes these objects";
+
 /// One file to publish.
 struct Upload {
     local: PathBuf,
@@ -147,8 +159,15 @@ struct Upload {
     last: bool,
 }
 
-fn journal_key(url: &ObjectUrl) -> Key {
-    Key::from(format!("{}.ckpt-partial.json", url.key()))
+/// The journals beside an output (`<output>.ckpt-partial/<writer>.json`): one per
+/// process writing it (a single `0.json` for the CLI, one per rank for Python's
+/// `save_state_dict`), never under the output's prefix.
+fn journal_prefix(url: &ObjectUrl) -> Key {
+    Key::from(format!("{}.ckpt-partial", url.key()))
+}
+
+fn journal_key(url: &ObjectUrl, writer: u64) -> Key {
+    Key::from(format!("{}.ckpt-partial/{writer}.json", url.key()))
 }
 
 fn files(local: &Path, url: &ObjectUrl) -> Result<Vec<Upload>> {
@@ -194,44 +213,53 @@ fn shown(url: &ObjectUrl, key: &Key) -> String {
     format!("{}/{}", url.root(), key)
 }
 
-/// Acts on a journal left by a killed run: aborts its uploads, deletes what it
+/// Acts on the journals left by a killed run: aborts their uploads, deletes what they
 /// completed. Returns whether there was one.
 fn clean_up(store: &Store, url: &ObjectUrl) -> Result<bool> {
-    let jk = journal_key(url);
-    let text = match block_on(async { store.objects.get(&jk).await?.bytes().await }) {
-        Ok(b) => b,
-        Err(object_store::Error::NotFound { .. }) => return Ok(false),
-        Err(e) => return Err(Error::from_store(&shown(url, &jk), e)),
-    };
-    let doc: serde_json::Value = serde_json::from_slice(&text).unwrap_or_default();
-    let entries = doc
-        .get("objects")
-        .and_then(|v| v.as_array())
-        .cloned()
-        .unwrap_or_default();
-    block_on(async {
-        for e in entries {
-            let Some(key) = e.get("key").and_then(|k| k.as_str()) else {
-                continue;
-            };
-            let key = Key::from(key);
-            if let (Some(id), Some(mp)) =
-                (e.get("upload").and_then(|u| u.as_str()), &store.multipart)
-            {
-                let _ = mp.abort_multipart(&key, &id.to_string()).await;
-            }
-            match store.objects.delete(&key).await {
-                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-                Err(e) => return Err(Error::from_store(&shown(url, &key), e)),
-            }
-        }
+    let journals: Vec<Key> = block_on(
         store
             .objects
-            .delete(&jk)
-            .await
-            .map_err(|e| Error::from_store(&shown(url, &jk), e))
-    })?;
-    Ok(true)
+            .list(Some(&journal_prefix(url)))
+            .map_ok(|m| m.location)
+            .try_collect(),
+    )
+    .map_err(|e| Error::from_store(&url.to_string(), e))?;
+    for jk in &journals {
+        let text = match block_on(async { store.objects.get(jk).await?.bytes().await }) {
+            Ok(b) => b,
+            Err(object_store::Error::NotFound { .. }) => continue,
+            Err(e) => return Err(Error::from_store(&shown(url, jk), e)),
+        };
+        let doc: serde_json::Value = serde_json::from_slice(&text).unwrap_or_default();
+        let entries = doc
+            .get("objects")
+            .and_then(|v| v.as_array())
+            .cloned()
+            .unwrap_or_default();
+        block_on(async {
+            for e in entries {
+                let Some(key) = e.get("key").and_then(|k| k.as_str()) else {
+                    continue;
+                };
+                let key = Key::from(key);
+                if let (Some(id), Some(mp)) =
+                    (e.get("upload").and_then(|u| u.as_str()), &store.multipart)
+                {
+                    let _ = mp.abort_multipart(&key, &id.to_string()).await;
+                }
+                match store.objects.delete(&key).await {
+                    Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                    Err(e) => return Err(Error::from_store(&shown(url, &key), e)),
+                }
+            }
+            store
+                .objects
+                .delete(jk)
+                .await
+                .map_err(|e| Error::from_store(&shown(url, jk), e))
+        })?;
+    }
+    Ok(!journals.is_empty())
 }
 
 fn publish_tree(store: &Arc<Store>, url: &ObjectUrl, local: &Path, force: bool) -> Result<()> {
@@ -280,13 +308,13 @@ fn publish_tree(store: &Arc<Store>, url: &ObjectUrl, local: &Path, force: bool) 
         .try_collect(),
     )?;
     let journal = serde_json::json!({
-        "what": "ckpt: an output being published; a later ckpt run to this output aborts these uploads and deletes these objects",
+        "what": JOURNAL_WHAT,
         "objects": uploads.iter().enumerate().map(|(i, u)| {
             let id = big.iter().position(|&b| b == i).map(|j| ids[j].clone());
             serde_json::json!({"key": u.key.as_ref(), "upload": id})
         }).collect::<Vec<_>>(),
     });
-    let jk = journal_key(url);
+    let jk = journal_key(url, 0);
     block_on(
         store
             .objects
@@ -401,4 +429,221 @@ fn read_at(path: &Path, start: u64, len: u64) -> Result<Vec<u8>> {
     let mut buf = vec![0u8; len as usize];
     f.read_exact_at(&mut buf, start).at(path)?;
     Ok(buf)
+}
+
+/// Prepares `path` (a URL) for writers that each stage part of it ([`stage_files`]):
+/// acts on the journals a killed run left (aborts its uploads, deletes what it
+/// completed) and refuses an output already there. Called once, before any writer
+/// stages.
+///
+/// # Errors
+/// An output at the URL; failed requests; a read-only store.
+pub fn prepare_staged(path: &Path) -> Result<()> {
+    let url = ObjectUrl::parse(path)?;
+    if !url.writable() {
+        return Err(Error::BadUrl {
+            url: url.to_string(),
+            problem: "http(s) URLs are read-only: write to s3://, gs:// or az://".into(),
+        });
+    }
+    let store = store_for(&url)?;
+    clean_up(&store, &url)?;
+    let prefix = Key::from(url.key());
+    let any = block_on(async { store.objects.list(Some(&prefix)).next().await.transpose() })
+        .map_err(|e| Error::from_store(&url.to_string(), e))?;
+    if any.is_some() {
+        return Err(Error::Exists {
+            url: url.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// Uploads the files under `local` (one writer's part of the output at `path`, a
+/// URL; their keys are their paths relative to `local`) as multipart uploads whose
+/// parts are all sent and which are not completed, so nothing is visible yet; a journal
+/// (`<output>.ckpt-partial/<writer>.json`) names them for the clean-up after a kill.
+/// Returns what [`commit_staged`] needs to complete them (JSON).
+///
+/// # Errors
+/// Failed requests; an empty file (a multipart upload needs a part).
+pub fn stage_files(local: &Path, path: &Path, writer: u64) -> Result<String> {
+    let url = ObjectUrl::parse(path)?;
+    let store = store_for(&url)?;
+    let mp = store.multipart.clone().ok_or_else(|| Error::BadUrl {
+        url: url.to_string(),
+        problem: "this store takes no multipart uploads".into(),
+    })?;
+    let uploads = files(local, &url)?;
+    if let Some(u) = uploads.iter().find(|u| u.size == 0) {
+        return Err(Error::Io {
+            path: u.local.clone(),
+            source: std::io::Error::other("an empty file cannot be staged as a multipart upload"),
+        });
+    }
+    let part = PART_BYTES.max(
+        uploads
+            .iter()
+            .map(|u| u.size.div_ceil(10_000))
+            .max()
+            .unwrap_or(0),
+    );
+    let ids: Vec<String> = block_on(
+        futures::stream::iter(uploads.iter().map(|u| {
+            let mp = mp.clone();
+            let url = &url;
+            async move {
+                mp.create_multipart(&u.key)
+                    .await
+                    .map_err(|e| Error::from_store(&shown(url, &u.key), e))
+            }
+        }))
+        .buffered(UPLOADS)
+        .try_collect(),
+    )?;
+    let journal = serde_json::json!({
+        "what": JOURNAL_WHAT,
+        "objects": uploads.iter().zip(&ids).map(|(u, id)| serde_json::json!({"key": u.key.as_ref(), "upload": id})).collect::<Vec<_>>(),
+    });
+    let jk = journal_key(&url, writer);
+    block_on(
+        store
+            .objects
+            .put(&jk, PutPayload::from(journal.to_string().into_bytes())),
+    )
+    .map_err(|e| Error::from_store(&shown(&url, &jk), e))?;
+    let jobs: Vec<(usize, u64)> = uploads
+        .iter()
+        .enumerate()
+        .flat_map(|(i, u)| (0..u.size.div_ceil(part)).map(move |p| (i, p)))
+        .collect();
+    let done: Vec<(usize, u64, PartId)> = block_on(
+        futures::stream::iter(jobs.into_iter().map(|(i, p)| {
+            let mp = mp.clone();
+            let u = &uploads[i];
+            let id = ids[i].clone();
+            let url = &url;
+            async move {
+                let start = p * part;
+                let bytes = read_at(&u.local, start, part.min(u.size - start))?;
+                let pid = mp
+                    .put_part(&u.key, &id, p as usize, PutPayload::from(bytes))
+                    .await
+                    .map_err(|e| Error::from_store(&shown(url, &u.key), e))?;
+                Ok::<_, Error>((i, p, pid))
+            }
+        }))
+        .buffer_unordered(UPLOADS)
+        .try_collect(),
+    )?;
+    let mut parts: Vec<Vec<String>> = uploads
+        .iter()
+        .map(|u| vec![String::new(); u.size.div_ceil(part) as usize])
+        .collect();
+    for (i, p, pid) in done {
+        parts[i][p as usize] = pid.content_id;
+    }
+    Ok(serde_json::json!({
+        "writer": writer,
+        "files": uploads.iter().zip(&ids).zip(&parts).map(|((u, id), ps)| serde_json::json!({
+            "key": u.key.as_ref(), "upload": id, "parts": ps, "last": u.last,
+        })).collect::<Vec<_>>(),
+    })
+    .to_string())
+}
+
+/// Completes the uploads every writer staged ([`stage_files`]'s JSON, one per writer)
+/// into the output at `path`: the data first, the entry files ([`COMMIT_LAST`]) last,
+/// then deletes the journals. On a failure the uploads are aborted and what completed
+/// deleted.
+///
+/// # Errors
+/// A staged description that is not [`stage_files`]'s; failed requests.
+pub fn commit_staged(path: &Path, staged: &[String]) -> Result<()> {
+    let url = ObjectUrl::parse(path)?;
+    let store = store_for(&url)?;
+    let mp = store.multipart.clone().ok_or_else(|| Error::BadUrl {
+        url: url.to_string(),
+        problem: "this store takes no multipart uploads".into(),
+    })?;
+    let bad = |what: &str| Error::BadUrl {
+        url: url.to_string(),
+        problem: format!("a staged part of the output is not ckpt's description: {what}"),
+    };
+    let mut all: Vec<(Key, String, Vec<PartId>, bool)> = Vec::new();
+    for text in staged {
+        let doc: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(&e.to_string()))?;
+        for f in doc
+            .get("files")
+            .and_then(|v| v.as_array())
+            .ok_or_else(|| bad("no files"))?
+        {
+            let key = f
+                .get("key")
+                .and_then(|v| v.as_str())
+                .ok_or_else(|| bad("a file without a key"))?;
+            let id = f
+                .get("upload")
+                .and_then(|v| v.as_str())
+                .ok_or_else(|| bad("a file without an upload"))?;
+            let parts = f
+                .get("parts")
+                .and_then(|v| v.as_array())
+                .ok_or_else(|| bad("a file without parts"))?
+                .iter()
+                .map(|p| {
+                    p.as_str().map(|c| PartId {
+                        content_id: c.to_string(),
+                    })
+                })
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| bad("a part that is not a string"))?;
+            let last = f.get("last").and_then(|v| v.as_bool()).unwrap_or(false);
+            all.push((Key::from(key), id.to_string(), parts, last));
+        }
+    }
+    let result = (|| -> Result<()> {
+        for last in [false, true] {
+            block_on(
+                futures::stream::iter(all.iter().filter(|f| f.3 == last).map(
+                    |(key, id, parts, _)| {
+                        let mp = mp.clone();
+                        let url = &url;
+                        async move {
+                            mp.complete_multipart(key, id, parts.clone())
+                                .await
+                                .map(|_| ())
+                                .map_err(|e| Error::from_store(&shown(url, key), e))
+                        }
+                    },
+                ))
+                .buffer_unordered(UPLOADS)
+                .try_collect::<Vec<()>>(),
+            )?;
+        }
+        Ok(())
+    })();
+    match result {
+        Ok(()) => {
+            let journals: Vec<Key> = block_on(
+                store
+                    .objects
+                    .list(Some(&journal_prefix(&url)))
+                    .map_ok(|m| m.location)
+                    .try_collect(),
+            )
+            .map_err(|e| Error::from_store(&url.to_string(), e))?;
+            block_on(async {
+                for j in &journals {
+                    store.objects.delete(j).await?;
+                }
+                Ok::<(), object_store::Error>(())
+            })
+            .map_err(|e| Error::from_store(&url.to_string(), e))
+        }
+        Err(e) => {
+            let _ = clean_up(&store, &url);
+            Err(e)
+        }
+    }
 }

@@ -592,6 +592,85 @@ def _commit(staging: str, out: str, world: int, strategy: str) -> None:
             raise
 
 
+def _is_url(x: str) -> bool:
+    from ckpt import _is_url as is_url
+
+    return is_url(x)
+
+
+def _gather(value: Any, rank: int, world: int) -> List[Any]:
+    """Every rank's ``value`` (rank order), on every rank; the process group's when
+    there is one."""
+    if world == 1:
+        return [value]
+    import torch.distributed as dist
+
+    out: List[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _remote_prepare(url: str, rank: int, world: int) -> None:
+    """Rank 0 cleans up after a killed save to ``url`` and refuses an existing output;
+    every rank learns the outcome before anything is staged."""
+    failure = None
+    if rank == 0:
+        try:
+            _ckpt.prepare_remote_output(url)
+        except Exception as e:  # noqa: BLE001 - passed to every rank, then raised
+            failure = e
+    outcome = _gather(None if failure is None else (type(failure).__name__, str(failure)), rank, world)[0]
+    if failure is not None:
+        raise failure
+    if outcome is not None:
+        raise CheckpointError(f"rank 0 could not prepare {url}: {outcome[0]}: {outcome[1]}")
+
+
+def _save_remote(url, rank, world, strategy, encoded, local_data, keep_all, checksums) -> str:
+    """``save_state_dict`` to an object store: each rank writes its ``ckpt_<rank>/``
+    locally, uploads it as multipart uploads that are not completed (nothing visible),
+    and once every rank has staged, rank 0 completes them all, ``strategy.json`` last
+    (docs/storage.md)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="ckpt-save-") as tmp:
+        local = os.path.join(tmp, "out")
+        private = os.path.join(tmp, "rank")
+        ptrs = [(n, t.data_ptr(), t.numel() * t.element_size()) for n, t in local_data]
+        failure = None
+        staged = None
+        try:
+            _ckpt.write_rank(private, strategy, rank, ptrs, keep_all, checksums)
+            os.makedirs(local)
+            os.rename(os.path.join(private, f"ckpt_{rank}"), os.path.join(local, f"ckpt_{rank}"))
+            if rank == 0:
+                with open(os.path.join(local, "strategy.json"), "w") as f:
+                    f.write(strategy)
+                if encoded:
+                    _write_objects(local, encoded)
+            staged = _ckpt.stage_remote(local, url, rank)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below
+            failure = e
+        everyone = _gather(staged if failure is None else None, rank, world)
+        if failure is not None:
+            raise failure
+        missing = [r for r, x in enumerate(everyone) if x is None]
+        if missing:
+            raise CheckpointError(f"{url}: rank(s) {missing} failed to stage their files: nothing was committed")
+        failure = None
+        if rank == 0:
+            try:
+                _ckpt.commit_remote(url, everyone)
+            except Exception as e:  # noqa: BLE001 - every rank learns of it below
+                failure = e
+        outcome = _gather(None if failure is None else f"{type(failure).__name__}: {failure}", rank, world)[0]
+        if failure is not None:
+            raise failure
+        if outcome is not None:
+            raise CheckpointError(f"{url}: rank 0 could not commit the save: {outcome}")
+    return url
+
+
 def _write_objects(staging: str, encoded: Dict[str, Any]) -> None:
     path = os.path.join(staging, _objects.FILE)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -637,9 +716,14 @@ def save_state_dict(
     :class:`SaveHandle` whose ``wait()`` returns when the checkpoint is committed.
     Otherwise it returns ``path`` once the checkpoint is committed.
     """
-    out = os.path.abspath(os.fspath(path))
+    remote = _is_url(os.fspath(path))
+    out = os.fspath(path) if remote else os.path.abspath(os.fspath(path))
     rank, world = _world()
-    if os.path.exists(out):
+    if remote:
+        if background:
+            raise Unsupported("background=True with a URL: not yet (save without it)")
+        _remote_prepare(out, rank, world)
+    elif os.path.exists(out):
         raise OutputExists(f"{out} already exists")
     walk = _Walk(state_dict)
     items = walk.tensors
@@ -667,6 +751,8 @@ def save_state_dict(
             local = local.cpu().contiguous()
         local_data.append((name, local))
     strategy = _ckpt.strategy_json(axes, tensors)
+    if remote:
+        return _save_remote(out, rank, world, strategy, encoded, local_data, keep_all, checksums)
     meet = _Rendezvous(out, rank, world)
     parent, base = os.path.split(out)
 
