@@ -186,7 +186,9 @@ def main():
     elif mode == "save":
         # DIR saved as the call returns; a second DIR saved in the background.
         sd = state(world, zeros=False)
-        assert ckpt.torch.save_state_dict(sd, dirs[0]) == os.path.abspath(dirs[0])
+        # A URL (a bucket) is returned as given.
+        want = dirs[0] if "://" in dirs[0] else os.path.abspath(dirs[0])
+        assert ckpt.torch.save_state_dict(sd, dirs[0]) == want
         if len(dirs) > 1:
             h = ckpt.torch.save_state_dict(sd, dirs[1], background=True)
             # The training loop may change the tensors once the call returns: the

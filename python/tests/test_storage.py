@@ -130,3 +130,23 @@ def test_save_state_dict_to_a_bucket_then_reshard(bucket, tmp_path):
         ct.save_state_dict(sd, url)
     subprocess.run([sys.executable, "-m", "ckpt", "reshard", url, "--to", "2", "-o", str(tmp_path / "r2")], check=True)
     assert (tmp_path / "r2" / "ckpt_1" / "model.safetensors").exists()
+
+
+def test_gloo_ranks_save_to_and_load_from_a_bucket(bucket, tmp_path):
+    """4 gloo ranks save DTensors of a (dp, tp) mesh to the bucket: the same files as
+    their save to a local directory; 2 ranks of another layout then load from the bucket
+    every tensor bit for bit, fetching only their ranges."""
+    pytest.importorskip("torch.distributed.tensor")
+    from test_torch import run_ranks
+
+    url = "s3://ckpt-py/g4"
+    run_ranks(4, "save", url)
+    run_ranks(4, "save", tmp_path / "local")
+    local = tmp_path / "local"
+    keys = sorted(o["Key"] for o in bucket.list_objects_v2(Bucket="ckpt-py", Prefix="g4/")["Contents"])
+    want = sorted("g4/" + str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
+    assert keys == want
+    for k in keys:
+        assert bucket.get_object(Bucket="ckpt-py", Key=k)["Body"].read() == (local / k[3:]).read_bytes(), k
+    assert "Uploads" not in bucket.list_multipart_uploads(Bucket="ckpt-py")
+    run_ranks(2, "load", url)
