@@ -30,7 +30,8 @@ s5 mb s3://ckpt-bench >/dev/null
 # DCP's default format.
 hidden=$(( $(awk "BEGIN{print int(sqrt($size_mb*1024*1024/4/8/4)/64)*64}") ))
 "$ckpt" example ex --mesh tp=8 --hidden "$hidden" --vocab 4096 --layers 8 >/dev/null
-"$ckpt" reshard ex --to 8 --format distcp -o dcp >/dev/null
+# (The fused QKV is cut in blocks, which DCP cannot store as one box: left out.)
+"$ckpt" reshard ex --to 8 --format distcp --exclude "*.qkv.weight" -o dcp >/dev/null
 rm -rf ex
 bytes=$(du -sb dcp | cut -f1)
 s5 cp "dcp/*" s3://ckpt-bench/dcp/ >/dev/null

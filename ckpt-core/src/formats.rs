@@ -419,23 +419,30 @@ impl std::ops::Deref for Mapped {
 }
 
 impl Mapped {
-    /// Drops the pages of bytes `lo..hi` (page-aligned) from the resident set: a file's
-    /// come back from the page cache, a remote object's from the store.
-    fn release(&self, lo: u64, hi: u64) {
+    /// Drops bytes `start..end`, consumed, from the resident set: a file's whole pages
+    /// inside the range (they come back from the page cache); a remote object's pages
+    /// the range touches, its blocks dropped once every page of them has been released
+    /// (a neighbour still to be read is fetched again if need be).
+    fn release(&self, start: u64, end: u64) {
         match &self.map {
-            // SAFETY: the mapping is read-only and file-backed, so dropping its pages
-            // loses nothing: a later access faults them back in from the page cache.
-            // Advice only; failure costs nothing but memory.
             Backing::File(m) => {
-                let _ = unsafe {
-                    m.unchecked_advise_range(
-                        memmap2::UncheckedAdvice::DontNeed,
-                        lo as usize,
-                        (hi - lo) as usize,
-                    )
-                };
+                let page = 4096u64;
+                let lo = start.div_ceil(page) * page;
+                let hi = (end / page) * page;
+                if hi > lo {
+                    // SAFETY: the mapping is read-only and file-backed, so dropping its
+                    // pages loses nothing: a later access faults them back in from the
+                    // page cache. Advice only; failure costs nothing but memory.
+                    let _ = unsafe {
+                        m.unchecked_advise_range(
+                            memmap2::UncheckedAdvice::DontNeed,
+                            lo as usize,
+                            (hi - lo) as usize,
+                        )
+                    };
+                }
             }
-            Backing::Remote(p) => p.release(lo..hi),
+            Backing::Remote(p) => p.release(start..end),
         }
     }
 }
@@ -583,6 +590,23 @@ impl TensorFile {
             Ok(())
         };
         check().map_err(|e| e.with_path(path))?;
+        // An object of a store: the bytes that are not tensor data (headers, archive
+        // records, read while parsing) count as consumed, so that a block is dropped
+        // once its tensors' bytes have been copied.
+        if let Some(m) = map.as_ref().filter(|m| matches!(m.map, Backing::Remote(_))) {
+            let mut spans: Vec<(u64, u64)> = tensors.iter().map(|t| (t.start, t.end)).collect();
+            spans.sort_unstable();
+            let mut at = 0u64;
+            for (start, end) in spans {
+                if start > at {
+                    m.release(at, start);
+                }
+                at = at.max(end);
+            }
+            if len > at {
+                m.release(at, len);
+            }
+        }
         Ok(TensorFile {
             path: path.to_path_buf(),
             map,
@@ -907,12 +931,7 @@ impl TensorFile {
     pub fn release(&self, index: usize, range: std::ops::Range<u64>) {
         if let Some(m) = &self.map {
             let t = &self.tensors[index];
-            let page = 4096u64;
-            let lo = (t.start + range.start).div_ceil(page) * page;
-            let hi = ((t.start + range.end) / page) * page;
-            if hi > lo {
-                m.release(lo, hi);
-            }
+            m.release(t.start + range.start, t.start + range.end);
         }
     }
 

@@ -31,9 +31,9 @@ use userfaultfd::{Event, Uffd, UffdBuilder};
 /// Bytes fetched per request, and the unit pages are filled and dropped in.
 pub const BLOCK_BYTES: u64 = 16 << 20;
 /// Resident plus in-flight bytes of all paged objects together.
-pub const BUDGET_BYTES: u64 = 128 << 20;
+pub const BUDGET_BYTES: u64 = 192 << 20;
 /// Blocks read ahead of the one faulted, per object, when the budget allows.
-const READ_AHEAD: u64 = 3;
+const READ_AHEAD: u64 = 2;
 
 const PAGE: u64 = 4096;
 
@@ -62,6 +62,8 @@ struct State {
     closed: bool,
     resident: BTreeSet<u64>,
     in_flight: BTreeSet<u64>,
+    /// Pages of resident blocks released by their reader (a bit a page).
+    released: BTreeMap<u64, Vec<u64>>,
 }
 
 impl Inner {
@@ -183,17 +185,41 @@ impl Paged {
         &self.inner.object
     }
 
-    /// Drops the whole blocks inside bytes `range`: consumed, they leave the budget to
-    /// the blocks still to come.
+    /// Marks bytes `range` consumed; a block all of whose pages are consumed is
+    /// dropped, leaving the budget to the blocks still to come. (A copy reads each byte
+    /// once, but the pieces it reads are not aligned to blocks: counted by pages.)
     pub fn release(&self, range: std::ops::Range<u64>) {
-        let lo = range.start.div_ceil(BLOCK_BYTES);
-        let hi = if range.end >= self.inner.object.size {
-            self.inner.blocks()
-        } else {
-            range.end / BLOCK_BYTES
-        };
-        for k in lo..hi {
-            drop_block(&self.inner, k);
+        if range.is_empty() {
+            return;
+        }
+        let inner = &self.inner;
+        let (first, last) = (range.start / BLOCK_BYTES, (range.end - 1) / BLOCK_BYTES);
+        let mut done = Vec::new();
+        {
+            let mut st = lock(&inner.state);
+            for k in first..=last {
+                // Marked whether or not the block is there now (pages of headers are
+                // released before their block is first fetched); kept when it is
+                // dropped: consumed bytes stay consumed.
+                let base = k * BLOCK_BYTES;
+                let pages = (inner.mapped_len(k) as u64) / PAGE;
+                let bits = st
+                    .released
+                    .entry(k)
+                    .or_insert_with(|| vec![0u64; pages.div_ceil(64) as usize]);
+                let lo = (range.start.max(base) - base) / PAGE;
+                let hi = ((range.end.min(base + BLOCK_BYTES) - base).div_ceil(PAGE)).min(pages);
+                for p in lo..hi {
+                    bits[(p / 64) as usize] |= 1 << (p % 64);
+                }
+                let all = (0..pages).all(|p| bits[(p / 64) as usize] & (1 << (p % 64)) != 0);
+                if all && st.resident.contains(&k) {
+                    done.push(k);
+                }
+            }
+        }
+        for k in done {
+            drop_block(inner, k);
         }
     }
 }
@@ -301,6 +327,13 @@ impl Pager {
             }
             IN_FLIGHT.fetch_add(len, std::sync::atomic::Ordering::Relaxed);
             let inner = inner.clone();
+            if trace() {
+                eprintln!(
+                    "ckpt-pager: fetch {} block {b}{}",
+                    inner.object.url,
+                    if i == 0 { "" } else { " (ahead)" }
+                );
+            }
             runtime().spawn(async move {
                 let r = inner.block_range(b);
                 let fetched = inner.object.fetch(r).await;
@@ -363,7 +396,7 @@ impl Pager {
             let mut lru = lock(&self.lru);
             lru.0.push_back((Arc::downgrade(inner), k));
             lru.1 += len as u64;
-            while lru.1 + self.in_flight_bytes() > BUDGET_BYTES && lru.0.len() > 1 {
+            while lru.1 + self.in_flight_bytes() > budget() && lru.0.len() > 1 {
                 let (w, b) = lru.0.pop_front().expect("non-empty");
                 if let Some(i) = w.upgrade() {
                     lru.1 -= (i.mapped_len(b) as u64).min(lru.1);
@@ -383,3 +416,20 @@ impl Pager {
 }
 
 static IN_FLIGHT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// [`BUDGET_BYTES`], or `CKPT_PAGER_BUDGET_MB` where set.
+fn budget() -> u64 {
+    static B: OnceLock<u64> = OnceLock::new();
+    *B.get_or_init(|| {
+        std::env::var("CKPT_PAGER_BUDGET_MB")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(BUDGET_BYTES, |mb| mb << 20)
+    })
+}
+
+/// `CKPT_PAGER_TRACE=1`: each fetch said on stderr (for tuning and benchmarks).
+fn trace() -> bool {
+    static T: OnceLock<bool> = OnceLock::new();
+    *T.get_or_init(|| std::env::var("CKPT_PAGER_TRACE").is_ok_and(|v| v == "1"))
+}
