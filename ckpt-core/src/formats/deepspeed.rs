@@ -1335,7 +1335,11 @@ mod tests {
         );
         assert_eq!(
             role("expp_rank_0_mp_rank_00_optim_states.pt"),
-            Some(Role::Expert)
+            Some(Role::ExpertOptim)
+        );
+        assert_eq!(
+            role("layer_1_expert_3_mp_rank_00_model_states.pt"),
+            Some(Role::ExpertWeights { layer: 1, expert: 3 })
         );
         assert_eq!(role("latest"), None);
         assert_eq!(role("zero_pp_rank_x_mp_rank_00_optim_states.pt"), None);
