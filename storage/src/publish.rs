@@ -323,40 +323,12 @@ fn publish_tree(store: &Arc<Store>, url: &ObjectUrl, local: &Path, force: bool) 
     .map_err(|e| Error::from_store(&shown(url, &jk), e))?;
     let result = (|| -> Result<()> {
         // 2. Every part of every large file, in parallel.
-        let jobs: Vec<(usize, usize, u64)> = big
+        let sending: Vec<(&Upload, &str)> = big
             .iter()
-            .enumerate()
-            .flat_map(|(j, &i)| {
-                let n = uploads[i].size.div_ceil(part);
-                (0..n).map(move |p| (j, i, p))
-            })
+            .zip(&ids)
+            .map(|(&i, id)| (&uploads[i], id.as_str()))
             .collect();
-        let mut parts: Vec<Vec<Option<PartId>>> = big
-            .iter()
-            .map(|&i| vec![None; uploads[i].size.div_ceil(part) as usize])
-            .collect();
-        let done: Vec<(usize, u64, PartId)> = block_on(
-            futures::stream::iter(jobs.into_iter().map(|(j, i, p)| {
-                let mp = mp.clone();
-                let u = &uploads[i];
-                let id = ids[j].clone();
-                async move {
-                    let start = p * part;
-                    let len = part.min(u.size - start);
-                    let bytes = read_at(&u.local, start, len)?;
-                    let pid = mp
-                        .put_part(&u.key, &id, p as usize, PutPayload::from(bytes))
-                        .await
-                        .map_err(|e| Error::from_store(&shown(url, &u.key), e))?;
-                    Ok::<_, Error>((j, p, pid))
-                }
-            }))
-            .buffer_unordered(UPLOADS)
-            .try_collect(),
-        )?;
-        for (j, p, pid) in done {
-            parts[j][p as usize] = Some(pid);
-        }
+        let parts = send_parts(&mp, url, &sending, part)?;
         // 3. Complete and put: data first, entry files last.
         for last in [false, true] {
             block_on(
@@ -370,13 +342,9 @@ fn publish_tree(store: &Arc<Store>, url: &ObjectUrl, local: &Path, force: bool) 
                             let objects = store.objects.clone();
                             let slot = big.iter().position(|&b| b == i);
                             let (id, ps) = match slot {
-                                Some(j) => (
-                                    Some(ids[j].clone()),
-                                    parts[j]
-                                        .iter()
-                                        .map(|p| p.clone().expect("every part uploaded"))
-                                        .collect(),
-                                ),
+                                Some(j) => {
+                                    (Some(ids[j].clone()), parts[j].iter().cloned().collect())
+                                }
                                 None => (None, Vec::new()),
                             };
                             async move {
@@ -421,6 +389,53 @@ fn publish_tree(store: &Arc<Store>, url: &ObjectUrl, local: &Path, force: bool) 
             Err(e)
         }
     }
+}
+
+/// Sends every part of `files` (each with its upload id) as parts of `part` bytes,
+/// [`UPLOADS`] at a time (memory: that many parts); each file's part ids in order.
+fn send_parts(
+    mp: &Arc<dyn object_store::multipart::MultipartStore>,
+    url: &ObjectUrl,
+    files: &[(&Upload, &str)],
+    part: u64,
+) -> Result<Vec<Vec<PartId>>> {
+    let jobs: Vec<(usize, u64)> = files
+        .iter()
+        .enumerate()
+        .flat_map(|(j, (u, _))| (0..u.size.div_ceil(part)).map(move |p| (j, p)))
+        .collect();
+    let done: Vec<(usize, u64, PartId)> = block_on(
+        futures::stream::iter(jobs.into_iter().map(|(j, p)| {
+            let mp = mp.clone();
+            let (u, id) = files[j];
+            async move {
+                let start = p * part;
+                let bytes = read_at(&u.local, start, part.min(u.size - start))?;
+                let pid = mp
+                    .put_part(&u.key, &id.to_string(), p as usize, PutPayload::from(bytes))
+                    .await
+                    .map_err(|e| Error::from_store(&shown(url, &u.key), e))?;
+                Ok::<_, Error>((j, p, pid))
+            }
+        }))
+        .buffer_unordered(UPLOADS)
+        .try_collect(),
+    )?;
+    let mut parts: Vec<Vec<Option<PartId>>> = files
+        .iter()
+        .map(|(u, _)| vec![None; u.size.div_ceil(part) as usize])
+        .collect();
+    for (j, p, pid) in done {
+        parts[j][p as usize] = Some(pid);
+    }
+    Ok(parts
+        .into_iter()
+        .map(|ps| {
+            ps.into_iter()
+                .map(|p| p.expect("every part was sent"))
+                .collect()
+        })
+        .collect())
 }
 
 fn read_at(path: &Path, start: u64, len: u64) -> Result<Vec<u8>> {
@@ -512,37 +527,15 @@ pub fn stage_files(local: &Path, path: &Path, writer: u64) -> Result<String> {
             .put(&jk, PutPayload::from(journal.to_string().into_bytes())),
     )
     .map_err(|e| Error::from_store(&shown(&url, &jk), e))?;
-    let jobs: Vec<(usize, u64)> = uploads
+    let sending: Vec<(&Upload, &str)> = uploads
         .iter()
-        .enumerate()
-        .flat_map(|(i, u)| (0..u.size.div_ceil(part)).map(move |p| (i, p)))
+        .zip(&ids)
+        .map(|(u, id)| (u, id.as_str()))
         .collect();
-    let done: Vec<(usize, u64, PartId)> = block_on(
-        futures::stream::iter(jobs.into_iter().map(|(i, p)| {
-            let mp = mp.clone();
-            let u = &uploads[i];
-            let id = ids[i].clone();
-            let url = &url;
-            async move {
-                let start = p * part;
-                let bytes = read_at(&u.local, start, part.min(u.size - start))?;
-                let pid = mp
-                    .put_part(&u.key, &id, p as usize, PutPayload::from(bytes))
-                    .await
-                    .map_err(|e| Error::from_store(&shown(url, &u.key), e))?;
-                Ok::<_, Error>((i, p, pid))
-            }
-        }))
-        .buffer_unordered(UPLOADS)
-        .try_collect(),
-    )?;
-    let mut parts: Vec<Vec<String>> = uploads
-        .iter()
-        .map(|u| vec![String::new(); u.size.div_ceil(part) as usize])
+    let parts: Vec<Vec<String>> = send_parts(&mp, &url, &sending, part)?
+        .into_iter()
+        .map(|ps| ps.into_iter().map(|p| p.content_id).collect())
         .collect();
-    for (i, p, pid) in done {
-        parts[i][p as usize] = pid.content_id;
-    }
     Ok(serde_json::json!({
         "writer": writer,
         "files": uploads.iter().zip(&ids).zip(&parts).map(|((u, id), ps)| serde_json::json!({

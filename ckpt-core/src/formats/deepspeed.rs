@@ -1339,7 +1339,10 @@ mod tests {
         );
         assert_eq!(
             role("layer_1_expert_3_mp_rank_00_model_states.pt"),
-            Some(Role::ExpertWeights { layer: 1, expert: 3 })
+            Some(Role::ExpertWeights {
+                layer: 1,
+                expert: 3
+            })
         );
         assert_eq!(role("latest"), None);
         assert_eq!(role("zero_pp_rank_x_mp_rank_00_optim_states.pt"), None);
