@@ -95,19 +95,23 @@ impl Server {
         serde_json::from_str(&self.s3(&["ls", url])).unwrap()
     }
 
-    /// `ckpt ARGS` with this server as the S3 endpoint (and `env`).
-    fn ckpt(&self, dir: &Dir, args: &[&str], env: &[(&str, &str)]) -> crate::util::Out {
-        let o = Command::new(env!("CARGO_BIN_EXE_ckpt"))
-            .args(args)
+    /// `ckpt ARGS` in `dir` with this server as the S3 endpoint (and `env`), to run.
+    fn command(&self, dir: &Dir, args: &[&str], env: &[(&str, &str)]) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_ckpt"));
+        c.args(args)
             .current_dir(dir.tmp.path())
             .env("AWS_ENDPOINT_URL", &self.endpoint)
             .env("AWS_ALLOW_HTTP", "true")
             .env("AWS_ACCESS_KEY_ID", "test")
             .env("AWS_SECRET_ACCESS_KEY", "test")
             .env("AWS_DEFAULT_REGION", "us-east-1")
-            .envs(env.iter().copied())
-            .output()
-            .unwrap();
+            .envs(env.iter().copied());
+        c
+    }
+
+    /// `ckpt ARGS` with this server as the S3 endpoint (and `env`).
+    fn ckpt(&self, dir: &Dir, args: &[&str], env: &[(&str, &str)]) -> crate::util::Out {
+        let o = self.command(dir, args, env).output().unwrap();
         crate::util::Out {
             code: o.status.code().unwrap_or(-1),
             stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
@@ -414,16 +418,15 @@ fn a_server_stopped_mid_merge_is_named() {
         "example", "src", "--mesh", "tp=2", "--hidden", "2048", "--vocab", "4096", "--layers", "4",
     ]);
     s.s3(&["put", d.path("src").to_str().unwrap(), "s3://ckpt-test/src"]);
-    let child = Command::new(env!("CARGO_BIN_EXE_ckpt"))
-        .args(["merge", "s3://ckpt-test/src", "-o", "out"])
-        .current_dir(d.tmp.path())
-        .env("AWS_ENDPOINT_URL", &s.endpoint)
-        .env("AWS_ALLOW_HTTP", "true")
-        .env("AWS_ACCESS_KEY_ID", "test")
-        .env("AWS_SECRET_ACCESS_KEY", "test")
-        .env("AWS_DEFAULT_REGION", "us-east-1")
-        .env("CKPT_SMALL_OBJECT_BYTES", "512")
-        .env("CKPT_STORAGE_RETRIES", "2")
+    let child = s
+        .command(
+            &d,
+            &["merge", "s3://ckpt-test/src", "-o", "out"],
+            &[
+                ("CKPT_SMALL_OBJECT_BYTES", "512"),
+                ("CKPT_STORAGE_RETRIES", "2"),
+            ],
+        )
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
@@ -459,14 +462,8 @@ fn kill_9_during_an_upload_leaves_nothing_visible() {
     d.ok(&[
         "example", "src", "--mesh", "tp=2", "--hidden", "2048", "--vocab", "8192", "--layers", "4",
     ]);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ckpt"))
-        .args(["merge", "src", "-o", "s3://ckpt-test/out"])
-        .current_dir(d.tmp.path())
-        .env("AWS_ENDPOINT_URL", &s.endpoint)
-        .env("AWS_ALLOW_HTTP", "true")
-        .env("AWS_ACCESS_KEY_ID", "test")
-        .env("AWS_SECRET_ACCESS_KEY", "test")
-        .env("AWS_DEFAULT_REGION", "us-east-1")
+    let mut child = s
+        .command(&d, &["merge", "src", "-o", "s3://ckpt-test/out"], &[])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
