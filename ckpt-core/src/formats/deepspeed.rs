@@ -585,29 +585,25 @@ pub(crate) fn read_mp(
             .map(|g| shapes_of(m, g, "param_shapes"))
             .collect::<Result<_>>()?
     };
-    for (name, shape) in groups.iter().flatten() {
-        out.shapes.insert(name.clone(), (Dtype::F32, shape.clone()));
-    }
-    read_buffers(&mut models[0], &mut out)?;
-    // Mixture of experts: which groups are the experts', over which ranks.
+    // Mixture of experts: which groups are the experts', over which ranks (each
+    // group's parameters under their global names).
     let layouts = group_layouts(&ranks, &models[0], &groups, world, experts, tp.is_some())?;
     let groups: Vec<Vec<(String, Vec<u64>)>> = layouts
         .iter()
         .map(|parts| parts.iter().flat_map(|(_, p)| p.iter().cloned()).collect())
         .collect();
+    for (name, shape) in groups.iter().flatten() {
+        out.shapes.insert(name.clone(), (Dtype::F32, shape.clone()));
+    }
+    read_buffers(&mut models[0], &mut out)?;
     if layouts.iter().any(|l| l.len() > 1) {
-        out.shapes.clear();
-        for (name, shape) in groups.iter().flatten() {
-            out.shapes.insert(name.clone(), (Dtype::F32, shape.clone()));
-        }
-        read_buffers(&mut models[0], &mut out)?;
         out.notes.push(format!(
             "{}: the experts' weights are read from the fp32 partitions, as zero_to_fp32 reads every weight (the layer_<l>_expert_<g> files hold them in the model's dtype: not read)",
             dir.display()
         ));
     }
     if stage <= 2 {
-        read_zero12(&mut ranks, &layouts, world, &mut out)?;
+        read_zero12(&mut ranks, &layouts, &groups, &mut out)?;
     } else {
         read_zero3(&mut ranks, &groups, world, &mut out)?;
     }
@@ -750,11 +746,12 @@ fn moment_name(param: &str, k: usize) -> String {
 }
 
 /// ZeRO-1/2: per group, the parameters back to back (with their alignment paddings)
-/// over the ranks' partitions back to back.
+/// over the ranks' partitions back to back (`layouts`: over which ranks; `groups`:
+/// every group's parameters by global name, for the moments).
 fn read_zero12(
     ranks: &mut [PtFile],
     layouts: &[GroupLayout],
-    world: u64,
+    groups: &[Vec<(String, Vec<u64>)>],
     out: &mut DeepSpeed,
 ) -> Result<()> {
     let located: Vec<RankGroups> = ranks
@@ -850,12 +847,7 @@ fn read_zero12(
             }
         }
     }
-    let _ = world;
-    let groups: Vec<Vec<(String, Vec<u64>)>> = layouts
-        .iter()
-        .map(|parts| parts.iter().flat_map(|(_, p)| p.iter().cloned()).collect())
-        .collect();
-    finish_moments(&groups, with_moments, out);
+    finish_moments(groups, with_moments, out);
     Ok(())
 }
 
