@@ -374,3 +374,53 @@ fn deepspeed_expert_parallel_checkpoints_merge_with_their_moments() {
         o.stderr
     );
 }
+
+/// Same input, same bytes: the EP2 x PP2 merge and the EP4 reshard with 1 and 4
+/// threads.
+#[test]
+fn moe_outputs_do_not_depend_on_the_thread_count() {
+    let d = Dir::new();
+    let src = case("ep2pp2").join("legacy");
+    for (args, out) in [
+        (vec!["merge", src.to_str().unwrap()], "merged"),
+        (
+            vec![
+                "reshard",
+                src.to_str().unwrap(),
+                "--format",
+                "megatron",
+                "--mesh",
+                "ep=4,pp=1",
+            ],
+            "ep4",
+        ),
+    ] {
+        let mut trees = Vec::new();
+        for threads in [1, 4] {
+            let o = d.path(&format!("{out}-{threads}"));
+            let mut a = args.clone();
+            a.extend(["-o", o.to_str().unwrap()]);
+            d.ok_with_threads(&a, threads);
+            let mut files = BTreeMap::new();
+            let mut stack = vec![o.clone()];
+            while let Some(p) = stack.pop() {
+                for e in std::fs::read_dir(&p).unwrap() {
+                    let e = e.unwrap().path();
+                    if e.is_dir() {
+                        stack.push(e);
+                    } else {
+                        files.insert(
+                            e.strip_prefix(&o).unwrap().to_path_buf(),
+                            std::fs::read(&e).unwrap(),
+                        );
+                    }
+                }
+            }
+            trees.push(files);
+        }
+        assert!(
+            !trees[0].is_empty() && trees[0] == trees[1],
+            "{out}: 1 and 4 threads differ"
+        );
+    }
+}
