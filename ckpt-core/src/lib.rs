@@ -31,7 +31,8 @@ pub use crate::draw::{
 };
 pub use crate::engine::convert::{convert, Conversion, ConvertStats};
 pub use crate::engine::copy::{
-    assemble, assemble_into, execute, execute_with, CopyStats, SLAB_BYTES,
+    assemble, assemble_into, assemble_part_into, execute, execute_with, tensor_parts, CopyStats,
+    TensorPart, SLAB_BYTES,
 };
 pub use crate::engine::example::{
     example_byte, example_strategy, example_tensor, write_example, ExampleModel,

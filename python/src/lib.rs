@@ -37,6 +37,7 @@ use pyo3::prelude::*;
 fn _ckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<checkpoint::PyCheckpoint>()?;
     m.add_class::<load::LoadPlan>()?;
+    m.add_class::<load::Chunks>()?;
     m.add_function(wrap_pyfunction!(ops::merge, m)?)?;
     m.add_function(wrap_pyfunction!(ops::reshard, m)?)?;
     m.add_function(wrap_pyfunction!(ops::verify, m)?)?;

@@ -5,9 +5,9 @@
 
 use crate::errors::{to_py, usage, IntoPy};
 use ckpt_core::{
-    assemble_into, bytes_of, check_cast, dtype_name, parse_dtype, rank_tensors, Checkpoint,
-    CopyPlan, Dtype, Error, FileFormat, Piece, Problems, Region, Runs, TargetFile, TargetTensor,
-    TensorPlan,
+    assemble_into, assemble_part_into, bytes_of, check_cast, dtype_name, parse_dtype, rank_tensors,
+    Checkpoint, CopyPlan, Dtype, Error, FileFormat, Piece, Problems, Region, Runs, TargetFile,
+    TargetTensor, TensorPlan,
 };
 use pyo3::prelude::*;
 use rayon::prelude::*;
@@ -22,7 +22,7 @@ pub(crate) type BoxRequest = (String, Vec<u64>, String, Vec<u64>, Vec<u64>);
 #[pyclass(module = "ckpt._ckpt", frozen)]
 pub(crate) struct LoadPlan {
     source: Arc<Checkpoint>,
-    tensors: Vec<TensorPlan>,
+    tensors: Arc<Vec<TensorPlan>>,
 }
 
 /// Where tensor `t`'s bytes lie as one run of a plain file: `(path, byte offset)`.
@@ -77,7 +77,7 @@ impl LoadPlan {
             }],
         )
         .py_err(py)?;
-        let tensors = plan.files.into_iter().flat_map(|f| f.tensors).collect();
+        let tensors = Arc::new(plan.files.into_iter().flat_map(|f| f.tensors).collect());
         Ok(LoadPlan { source, tensors })
     }
 
@@ -339,7 +339,137 @@ impl LoadPlan {
         .py_err(py)
     }
 
+    /// Cuts tensors `indices` into chunks of at most `max_bytes` for a load through a
+    /// bounded buffer (see [`Chunks`]); `part_bytes` bounds the pieces a chunk is
+    /// filled in, in parallel.
+    fn chunks(
+        &self,
+        py: Python<'_>,
+        indices: Vec<usize>,
+        max_bytes: u64,
+        part_bytes: u64,
+    ) -> PyResult<Chunks> {
+        if max_bytes == 0 || part_bytes == 0 {
+            return Err(usage(py, "chunk and part sizes must be positive"));
+        }
+        let mut chunks: Vec<Vec<ChunkItem>> = vec![];
+        let mut used = 0u64;
+        for &i in &indices {
+            let Some(t) = self.tensors.get(i) else {
+                return Err(usage(py, format!("no tensor {i} in this plan")));
+            };
+            for part in ckpt_core::tensor_parts(t, part_bytes.min(max_bytes)) {
+                if part.bytes == 0 {
+                    continue;
+                }
+                if chunks.is_empty() || used + part.bytes > max_bytes {
+                    chunks.push(vec![]);
+                    used = 0;
+                }
+                chunks.last_mut().expect("pushed").push(ChunkItem {
+                    tensor: i,
+                    at: used,
+                    part,
+                });
+                used += chunks
+                    .last()
+                    .expect("pushed")
+                    .last()
+                    .expect("pushed")
+                    .part
+                    .bytes;
+            }
+        }
+        Ok(Chunks {
+            source: self.source.clone(),
+            tensors: self.tensors.clone(),
+            chunks,
+        })
+    }
+
     fn __len__(&self) -> usize {
         self.tensors.len()
+    }
+}
+
+/// One part of a tensor in a chunk, at byte `at` of the chunk's buffer.
+struct ChunkItem {
+    tensor: usize,
+    at: u64,
+    part: ckpt_core::TensorPart,
+}
+
+/// A load cut into chunks that each fit one reused buffer (Python's device loads: a
+/// chunk is assembled into pinned memory while the previous ones are on their way to
+/// the GPU). Source pages are released as they are consumed, so the host memory a
+/// load adds is the buffers plus a window of the sources, whatever the checkpoint's
+/// size.
+#[pyclass(module = "ckpt._ckpt", frozen)]
+pub(crate) struct Chunks {
+    source: Arc<Checkpoint>,
+    tensors: Arc<Vec<TensorPlan>>,
+    chunks: Vec<Vec<ChunkItem>>,
+}
+
+#[pymethods]
+impl Chunks {
+    fn __len__(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// Bytes of the largest chunk: the buffer size a load needs (at most the chunk
+    /// size asked for, unless one innermost row is larger).
+    fn buffer_bytes(&self) -> u64 {
+        self.chunks
+            .iter()
+            .map(|c| c.last().map_or(0, |i| i.at + i.part.bytes))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// `(tensor index, byte offset in the tensor, bytes, byte offset in the buffer)`
+    /// of each part of chunk `k`.
+    fn layout(&self, py: Python<'_>, k: usize) -> PyResult<Vec<(usize, u64, u64, u64)>> {
+        let chunk = self
+            .chunks
+            .get(k)
+            .ok_or_else(|| usage(py, format!("no chunk {k}")))?;
+        Ok(chunk
+            .iter()
+            .map(|i| (i.tensor, i.part.offset, i.part.bytes, i.at))
+            .collect())
+    }
+
+    /// Assembles chunk `k` into the buffer at `addr` of `n` bytes, its parts in
+    /// parallel, without the GIL. Private to `ckpt`: `addr` is a live buffer the caller
+    /// holds for the call.
+    fn fill(&self, py: Python<'_>, k: usize, addr: usize, n: usize) -> PyResult<()> {
+        let chunk = self
+            .chunks
+            .get(k)
+            .ok_or_else(|| usage(py, format!("no chunk {k}")))?;
+        let need = chunk.last().map_or(0, |i| i.at + i.part.bytes);
+        if (n as u64) < need {
+            return Err(usage(
+                py,
+                format!("chunk {k} needs {need} bytes, {n} given"),
+            ));
+        }
+        let (source, tensors) = (&self.source, &self.tensors);
+        py.detach(|| {
+            chunk.par_iter().try_for_each(|item| {
+                // SAFETY: `addr..addr+n` is a live buffer the caller holds for this
+                // call (see above); the items' byte ranges lie inside it (checked
+                // above: they end by `need`) and do not overlap (laid end to end).
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        (addr + item.at as usize) as *mut u8,
+                        item.part.bytes as usize,
+                    )
+                };
+                assemble_part_into(&tensors[item.tensor], source, &item.part.region, dst)
+            })
+        })
+        .py_err(py)
     }
 }

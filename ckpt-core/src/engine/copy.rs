@@ -428,6 +428,61 @@ pub fn assemble_into(t: &TensorPlan, source: &Checkpoint, dst: &mut [u8]) -> Res
     Ok(())
 }
 
+/// One part of a tensor's load through a bounded buffer: a box of the tensor that is
+/// contiguous in row-major order, and where its bytes lie in the tensor's buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorPart {
+    /// The box, in the tensor's coordinates.
+    pub region: Region,
+    /// Byte offset of the part in the tensor's row-major bytes.
+    pub offset: u64,
+    /// Its bytes.
+    pub bytes: u64,
+}
+
+/// The parts of `t`, in order, each at most `max_bytes` (but at least one innermost
+/// row, and a sub-byte tensor whole, so that no part edge falls inside a byte): they
+/// tile the tensor, so loading every part loads it.
+#[must_use]
+pub fn tensor_parts(t: &TensorPlan, max_bytes: u64) -> Vec<TensorPart> {
+    let shape = &t.target.shape;
+    let dtype = t.target.dtype;
+    slabs(shape, dtype, max_bytes.max(1))
+        .into_iter()
+        .map(|region| TensorPart {
+            offset: bytes_of(dtype, slab_offset(shape, &region.start)),
+            bytes: bytes_of(dtype, region.numel()),
+            region,
+        })
+        .collect()
+}
+
+/// Assembles one part of `t` ([`tensor_parts`]) into `dst`, which holds exactly its
+/// bytes; mapped source pages are released as they are consumed, so a load part by
+/// part holds a bounded window of the sources.
+///
+/// # Errors
+/// `dst` of another size; read errors, with the file.
+pub fn assemble_part_into(
+    t: &TensorPlan,
+    source: &Checkpoint,
+    part: &Region,
+    dst: &mut [u8],
+) -> Result<()> {
+    let want = bytes_of(t.target.dtype, part.numel());
+    if want != dst.len() as u64 {
+        return Err(Error::Mismatch {
+            what: format!(
+                "tensor `{}`: a part of {want} bytes to load into a buffer of {}",
+                t.target.name,
+                dst.len()
+            ),
+        });
+    }
+    fill_slab(source, t, part, dst, &mut ReadCache::new())?;
+    Ok(())
+}
+
 /// Row-major element offset of `start` in a tensor of `shape`.
 fn slab_offset(shape: &[u64], start: &[u64]) -> u64 {
     shape.iter().zip(start).fold(0, |acc, (&s, &i)| acc * s + i)
@@ -450,6 +505,31 @@ mod tests {
             }
             assert_eq!(next, 105);
             assert_eq!(crate::check_tiling(&shape, &s), Ok(()));
+        }
+    }
+
+    #[test]
+    fn parts_tile_the_tensor_at_their_byte_offsets() {
+        let target = crate::TargetTensor {
+            name: "w".into(),
+            dtype: Dtype::BF16,
+            shape: vec![6, 10, 3],
+            pieces: vec![],
+        };
+        let t = TensorPlan {
+            target,
+            src_dtype: Dtype::BF16,
+            ops: vec![],
+        };
+        for max in [1u64, 6, 60, 100, 360, 10_000] {
+            let parts = tensor_parts(&t, max);
+            let mut next = 0;
+            for p in &parts {
+                assert_eq!(p.offset, next, "max {max}");
+                assert_eq!(p.bytes, p.region.numel() * 2);
+                next += p.bytes;
+            }
+            assert_eq!(next, 360, "max {max}");
         }
     }
 

@@ -302,6 +302,8 @@ def load(
     strip_prefix: Optional[str] = None,
     checksums: bool = True,
     dtype: Optional[str] = None,
+    chunk_mb: Optional[float] = None,
+    streams: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Loads tensors into memory: whole, or the piece a target rank owns.
 
@@ -319,7 +321,11 @@ def load(
     as ``uint16`` holding the bit patterns (``torch.from_numpy(a).view(torch.bfloat16)``
     restores it), ``F8_*`` as ``uint8``, sub-byte ``F4``/``F6`` as their packed bytes
     (1-D ``uint8``); with ``framework="torch"`` they are real torch dtypes.
-    ``device="cuda:N"`` (torch) copies through pinned memory.
+    ``device="cuda:N"`` (torch): the tensors are allocated on the device and filled
+    through ``streams`` (default 2) reused pinned buffers of ``chunk_mb`` (default 64)
+    MiB, each chunk assembled while the previous ones cross the link on their own CUDA
+    streams: the host memory the load adds stays near ``chunk_mb * streams``, whatever
+    the checkpoint's size (docs/gpu.md).
 
     ``checksums=True`` checks the recorded checksum of every source tensor read whole
     before returning (:class:`ChecksumMismatch`); pieces of larger tensors cannot be.
@@ -340,7 +346,15 @@ def load(
         None if strategy is None else os.fspath(strategy),
         _dtype_name(dtype),
     )
-    return materialize(plan, framework=framework, device=device, checksums=checksums)
+    from ckpt._device import Staging
+
+    return materialize(
+        plan,
+        framework=framework,
+        device=device,
+        checksums=checksums,
+        staging=Staging.of(chunk_mb, streams),
+    )
 
 
 

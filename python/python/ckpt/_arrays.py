@@ -122,9 +122,11 @@ def materialize(
     device: Optional[str] = None,
     checksums: bool = True,
     maps: Optional[_Maps] = None,
+    staging: Any = None,
 ) -> Dict[str, Any]:
     """Arrays for every entry of ``plan`` (see ``ckpt.load``); ``maps``: the file
-    mappings to reuse (a lazy handle's), else new ones."""
+    mappings to reuse (a lazy handle's), else new ones; ``staging``: how device loads
+    are staged (``ckpt._device.Staging``, its defaults where None)."""
     if framework not in FRAMEWORKS:
         from ckpt.errors import UsageError
 
@@ -144,26 +146,38 @@ def materialize(
         import torch
 
         tdt = torch_dtypes()
-        cuda = device is not None and torch.device(device).type != "cpu"
+        on_device = device is not None and torch.device(device).type != "cpu"
+        dests: Dict[int, Any] = {}
         for i, (name, dt, shape, view) in enumerate(entries):
-            if dt in _BITS:
+            if on_device:
+                # Allocated on the device, filled through a few small pinned buffers.
+                t = (
+                    torch.empty((_numel(shape) * _BITS[dt] + 7) // 8, dtype=torch.uint8, device=device)
+                    if dt in _BITS
+                    else torch.empty(shape, dtype=tdt[dt], device=device)
+                )
+                dests[i] = t
+            elif dt in _BITS:
                 n = (_numel(shape) * _BITS[dt] + 7) // 8
-                t = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
+                t = torch.empty(n, dtype=torch.uint8)
                 fills.append((i, t.data_ptr(), n))
-            elif view is not None and not cuda:
+            elif view is not None:
                 path, offset = view
                 t = torch.frombuffer(
                     maps.get(os.fspath(path)), dtype=tdt[dt], count=_numel(shape), offset=offset
                 ).reshape(shape)
             else:
-                # GPUs: filled in pinned memory, then copied without blocking.
-                t = torch.empty(shape, dtype=tdt[dt], pin_memory=cuda)
+                t = torch.empty(shape, dtype=tdt[dt])
                 fills.append((i, t.data_ptr(), t.numel() * t.element_size()))
             out[name] = t
         plan.fill(fills)
-        if cuda:
-            out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
-            torch.cuda.synchronize(device)
+        if dests:
+            from ckpt import _device
+
+            staging = staging or _device.Staging()
+            _device.fill_through_buffers(
+                plan, dests, staging, _device.copier_for(device, staging)
+            )
         return out
     for i, (name, dt, shape, view) in enumerate(entries):
         if dt in _BITS:

@@ -41,7 +41,8 @@ class safe_open:  # noqa: N801 (safetensors' name, so that code written for it r
     global (merged) tensors. ``framework``: ``"pt"``/``"torch"`` or ``"np"``/``"numpy"``;
     ``device``: ``"cpu"`` or a torch device (``"cuda:0"``, or an int). ``dtype``: load
     floating-point tensors converted to it (``"bf16"``, ...). ``checksums``: check the
-    recorded CRC-32C of each tensor read whole.
+    recorded CRC-32C of each tensor read whole. ``chunk_mb``, ``streams``: the pinned
+    buffers of device loads (as :func:`ckpt.load`).
     """
 
     def __init__(
@@ -54,13 +55,17 @@ class safe_open:  # noqa: N801 (safetensors' name, so that code written for it r
         strip_prefix: Optional[str] = None,
         checksums: bool = True,
         dtype: Optional[str] = None,
+        chunk_mb: Optional[float] = None,
+        streams: Optional[int] = None,
     ) -> None:
         from ckpt import Checkpoint
+        from ckpt._device import Staging
 
         self._framework = _framework(framework)
         self._device = _device(device)
         self._checksums = checksums
         self._dtype = dtype_name(dtype)
+        self._staging = Staging.of(chunk_mb, streams)
         self._ck = (
             filename
             if isinstance(filename, Checkpoint)
@@ -131,6 +136,7 @@ class safe_open:  # noqa: N801 (safetensors' name, so that code written for it r
             device=self._device,
             checksums=self._checksums,
             maps=self._maps,
+            staging=self._staging,
         )
 
 

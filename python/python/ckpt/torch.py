@@ -22,7 +22,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
-from ckpt import Checkpoint, Paths, _ckpt, _objects, _staging
+from ckpt import Checkpoint, Paths, _ckpt, _device, _objects, _staging
+from ckpt._device import Staging
 from ckpt._arrays import dtype_name_of_torch
 from ckpt.errors import CheckpointError, MissingData, OutputExists, Unsupported, UsageError
 
@@ -238,6 +239,8 @@ def load_state_dict(
     checksums: bool = True,
     strict: bool = True,
     key_map: Optional[KeyMap] = None,
+    chunk_mb: Optional[float] = None,
+    streams: Optional[int] = None,
 ) -> Mapping[str, Any]:
     """Fills ``state_dict`` in place from the checkpoint at ``path`` (any format ckpt
     reads, or an opened :class:`ckpt.Checkpoint`).
@@ -258,6 +261,10 @@ def load_state_dict(
     kept) or a function (returning None skips that entry). ``strict=False``: entries the
     checkpoint lacks are left as they are (a warning names them) instead of refusing the
     load; shapes and dtypes must still agree.
+
+    Tensors on a GPU (plain or DTensors' local shards) are filled through ``streams``
+    (default 2) reused pinned buffers of ``chunk_mb`` (default 64) MiB, as
+    :func:`ckpt.load` with ``device=``: the host memory the load adds stays bounded.
 
     Everything is checked before the first byte is copied: a name the checkpoint lacks
     (:class:`ckpt.CheckpointError`, ``InvalidInput``; :class:`ckpt.MissingData` for a
@@ -316,26 +323,35 @@ def load_state_dict(
     missing += absent
     if checksums:
         plan.check_checksums()
+    staging = Staging.of(chunk_mb, streams)
     # Straight into the tensors' memory where it is contiguous on the CPU; through a
-    # (pinned, for GPUs) buffer otherwise.
+    # buffer where it is not; device tensors through a few small pinned buffers, into
+    # their own memory (or a contiguous twin copied in on the device).
     fills = []
     staged = []
+    on_device: Dict[Any, Dict[int, torch.Tensor]] = {}
     for i, local in enumerate(locals_):
         nbytes = local.numel() * local.element_size()
-        if local.device.type == "cpu" and local.is_contiguous():
-            fills.append((i, local.data_ptr(), nbytes))
+        if local.device.type == "cpu":
+            if local.is_contiguous():
+                fills.append((i, local.data_ptr(), nbytes))
+            else:
+                buf = torch.empty(local.shape, dtype=local.dtype)
+                fills.append((i, buf.data_ptr(), nbytes))
+                staged.append((local, buf))
         else:
-            buf = torch.empty(
-                local.shape, dtype=local.dtype, pin_memory=local.device.type == "cuda"
+            dest = local if local.is_contiguous() else torch.empty_like(
+                local, memory_format=torch.contiguous_format
             )
-            fills.append((i, buf.data_ptr(), nbytes))
-            staged.append((local, buf))
+            on_device.setdefault(local.device, {})[i] = dest
+            if dest is not local:
+                staged.append((local, dest))
     with torch.no_grad():
         plan.fill(fills)
+        for device, dests in on_device.items():
+            _device.fill_through_buffers(plan, dests, staging, _device.copier_for(device, staging))
         for local, buf in staged:
-            local.copy_(buf, non_blocking=True)
-    if any(local.device.type == "cuda" for local, _ in staged):
-        torch.cuda.synchronize()
+            local.copy_(buf)
     for container, key, v in values:
         if not isinstance(container, tuple):
             container[key] = v
