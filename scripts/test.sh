@@ -118,7 +118,9 @@ else
 fi
 
 # candle's CUDA kernels (`--device cuda`, feature cuda-candle) need nvcc to build but no
-# GPU: NVIDIA's nvcc wheels go into a venv under target/ (unless nvcc is on PATH), and
+# GPU: NVIDIA's nvcc wheels of CUDA 13.0 (what the GPU machines' driver 580 runs, and
+# the cudarc bindings cuda-candle selects) go into a venv under target/ (unless nvcc is
+# on PATH), and
 # the GPU code path is type-checked against candle's real CUDA backend. candle compiles
 # its kernels for CUDA_COMPUTE_CAP since there is no GPU to ask. About 10 minutes on 2
 # cores; CKPT_SKIP_CUDA_CANDLE=1 skips it outside CI.
@@ -131,8 +133,8 @@ else
     if ! [ -x "$nv/cuda/bin/nvcc" ]; then
       python3 -m venv "$nv"
       "$nv/bin/pip" install --quiet --disable-pip-version-check \
-        nvidia-cuda-nvcc==13.5.37 nvidia-nvvm==13.5.37 nvidia-cuda-crt==13.5.37 \
-        nvidia-cuda-runtime==13.5.37 nvidia-cuda-cccl==13.3.5.0.6
+        nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \
+        nvidia-cuda-runtime==13.0.88 nvidia-cuda-cccl==13.0.85
       site=$("$nv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
       ln -sfn "$site/nvidia/cu13" "$nv/cuda"
     fi

@@ -2,13 +2,15 @@
 """PyTorch's side of `train-bench`: the same models, optimizers, global batch and
 thread count as ckpt's benchmark, images per second over the timed steps.
 
-    python3 scripts/torch_train_bench.py MODEL STEPS THREADS
+    python3 scripts/torch_train_bench.py MODEL STEPS THREADS [DEVICE [BATCH]]
 
 MODEL is `mlp` (64-512-256-10 on 8x8 single-channel images, AdamW), `resnet`
 (ResNet-20 on CIFAR shapes, 3x32x32, SGD with momentum) or `resnet50` (bottleneck
 blocks 3-4-6-3 with a 3x3 stem, as ckpt builds it for 32x32 images, SGD); random data,
 as in train-bench, since the content does not change the speed. The same warm-up steps
 as train-bench (20 for the mlp, 2 for the ResNets) are left out. Prints one number.
+DEVICE (default cpu; `cuda` for scripts/gpu_check.sh) and BATCH (default 64): PyTorch
+eager on that device, synchronized before the clock stops.
 """
 import sys
 import time
@@ -94,9 +96,10 @@ class ResNet20(nn.Module):
 
 def main():
     model_name, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cpu")
+    batch = int(sys.argv[5]) if len(sys.argv) > 5 else 64
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    batch = 64
     if model_name == "mlp":
         model = nn.Sequential(nn.Flatten(), nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
                               nn.Linear(256, 10))
@@ -106,9 +109,11 @@ def main():
         model = ResNet50() if model_name == "resnet50" else ResNet20()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
         shape = (batch, 3, 32, 32)
-    xs = [torch.rand(shape) for _ in range(4)]
-    ys = [torch.randint(0, 10, (batch,)) for _ in range(4)]
+    model.to(device)
+    xs = [torch.rand(shape, device=device) for _ in range(4)]
+    ys = [torch.randint(0, 10, (batch,), device=device) for _ in range(4)]
     model.train()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def step(i):
         opt.zero_grad(set_to_none=True)
@@ -118,9 +123,11 @@ def main():
 
     for i in range(20 if model_name == "mlp" else 2):  # warm-up (allocator, kernels)
         step(i)
+    sync()
     t = time.perf_counter()
     for i in range(steps):
         step(i)
+    sync()
     print(f"{steps * batch / (time.perf_counter() - t):.1f}")
 
 

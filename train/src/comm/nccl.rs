@@ -265,18 +265,28 @@ fn nccl_dist(
     ids: &Ids,
     timeout: Duration,
 ) -> Result<Dist> {
-    let lib = nccl().map_err(unavailable)?;
+    // A rank alone in every group still gets real communicators of one (NCCL runs each
+    // collective, so a one-GPU machine exercises init, the collectives and abort); the
+    // stand-in only where NCCL itself is absent.
+    let lib = match nccl() {
+        Ok(lib) => Some(lib),
+        Err(problem) if host.world.size() == 1 => {
+            eprintln!("ckpt: {problem}; one rank runs without NCCL (no collective to issue)");
+            None
+        }
+        Err(problem) => return Err(unavailable(problem)),
+    };
     let device = local_rank % devices;
     let cuda = |e: cudarc::driver::DriverError| unavailable(format!("CUDA device {device}: {e}"));
     let ctx = CudaContext::new(device).map_err(cuda)?;
     let stream = ctx.new_stream().map_err(cuda)?;
     let group = |h: &Arc<dyn Comm>| -> Result<Arc<dyn Comm>> {
         let members = h.members().to_vec();
-        if members.len() == 1 {
+        let Some(lib) = lib else {
             return Ok(Arc::new(SoloComm {
                 members: [host.rank],
             }));
-        }
+        };
         let me = h.rank();
         let make = || -> Result<crate::cuda::UniqueId> {
             let mut id = crate::cuda::UniqueId { internal: [0; 128] };
@@ -290,6 +300,8 @@ fn nccl_dist(
             Ok(id)
         };
         let id = match ids {
+            // No peer to share the id with.
+            _ if members.len() == 1 => make()?,
             Ids::Host => {
                 let mut words = if me == 0 {
                     id_to_words(&make()?)
