@@ -106,6 +106,16 @@ scripts/kill_test.sh
 # `ckpt train --backend nccl` must fail with a clear message, not a panic.
 cargo test -p ckpt-train --features cuda --lib -- cuda nccl
 cargo build --features cuda
+# comm-check (scripts/gpu_check.sh's NCCL check) checks every collective's result; here
+# on the thread backend, and without a GPU its NCCL run must name the missing driver.
+cargo build -p ckpt-train --features cuda --bin comm-check
+target/debug/comm-check --backend threads --mesh dp=2,tp=2 | grep -q '"ok": true'
+if ! nvidia-smi >/dev/null 2>&1; then
+  if target/debug/comm-check --backend nccl >/dev/null 2>&1; then
+    echo "comm-check --backend nccl should fail without a GPU" >&2
+    exit 1
+  fi
+fi
 if nvidia-smi >/dev/null 2>&1; then
   echo "scripts/test.sh: a GPU is present; the no-GPU error check is skipped"
 else

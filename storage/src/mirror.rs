@@ -80,6 +80,34 @@ impl RemoteObject {
     }
 }
 
+impl RemoteObject {
+    /// Bytes `range` of the object as they arrive, in the chunks the connection gives
+    /// (one ranged request, its start retried by the store; a failure while reading
+    /// is the caller's to retry from where it got to).
+    ///
+    /// # Errors
+    /// The request failed after the retries.
+    pub(crate) async fn stream(
+        &self,
+        range: std::ops::Range<u64>,
+    ) -> Result<futures::stream::BoxStream<'static, Result<bytes::Bytes>>> {
+        let url = self.url.clone();
+        let got = self
+            .store
+            .objects
+            .get_opts(
+                &self.key,
+                object_store::GetOptions::new().with_range(Some(range)),
+            )
+            .await
+            .map_err(|e| Error::from_store(&url, e))?;
+        Ok(got
+            .into_stream()
+            .map_err(move |e| Error::from_store(&url, e))
+            .boxed())
+    }
+}
+
 /// The placeholders of every live mirror, by local path.
 static PLACEHOLDERS: RwLock<Option<HashMap<PathBuf, Arc<RemoteObject>>>> = RwLock::new(None);
 /// Every mirror root made by this process and its URL, for messages (kept after the

@@ -3,18 +3,25 @@
 //! every reader and the copy engine read an object in a bucket through a mapping, as
 //! they read a local file, without learning that it is remote.
 //!
-//! - A fault at an address fetches the whole block (16 MiB, one ranged request) that
-//!   holds it, and reads ahead the next blocks of that object while the budget allows:
-//!   many requests in flight, each a large streamed range (some S3-compatible servers
-//!   read the whole object to answer any ranged request: small ranges would cost them
-//!   the object each time).
-//! - Resident and in-flight blocks of all objects together stay under
-//!   [`BUDGET_BYTES`]: the least recently filled blocks are dropped
-//!   (`MADV_DONTNEED`), and a later touch fetches them again. The copy engine
-//!   releases what it has consumed, so a streaming merge reads each byte once.
-//! - A block the store cannot give after the retries ends the process (exit 1) with
-//!   the object named: the thread that touched the page waits inside the kernel and
-//!   cannot be handed an error ([`crate::set_fatal_hook`] removes the temporaries).
+//! - A fault at an address starts a stream of the object from the block (4 MiB) that
+//!   holds it: ranged requests of a segment (64 MiB) each, read as the bytes arrive,
+//!   each block installed (and its waiting threads woken) as soon as it is complete,
+//!   the next segment requested when one ends. A reader going through an object in
+//!   order therefore costs one request per segment, whatever the block size: some
+//!   S3-compatible servers read the whole object to answer any ranged request, so
+//!   many small requests would cost them the object each time.
+//! - A stream reads ahead only while the resident and in-flight blocks of all objects
+//!   together stay under [`BUDGET_BYTES`]; past it, it stops before a block no thread
+//!   waits for (a later touch starts it again), and delivers only the blocks threads
+//!   wait on. The copy engine releases what it has consumed (a block all of whose pages
+//!   are consumed is dropped at once), so a streaming merge reads each byte once.
+//!   Over the budget all the same (every resident block still to be read), the least
+//!   recently filled blocks are dropped (`MADV_DONTNEED`); a later touch fetches them
+//!   again.
+//! - A stream broken off is started again from the block it had reached, up to the
+//!   store's retry count; a block the store cannot give then ends the process (exit 1)
+//!   with the object named: the thread that touched the page waits inside the kernel
+//!   and cannot be handed an error ([`crate::set_fatal_hook`] removes the temporaries).
 //! - `userfaultfd` needs Linux and, for the kernel's own reads of such pages (a write
 //!   to a file from the mapping), `CAP_SYS_PTRACE` or `vm.unprivileged_userfaultfd=1`;
 //!   where it cannot be had, or `CKPT_REMOTE_PAGING=0`, [`Paged::map`] says so and
@@ -28,12 +35,14 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use userfaultfd::{Event, Uffd, UffdBuilder};
 
-/// Bytes fetched per request, and the unit pages are filled and dropped in.
-pub const BLOCK_BYTES: u64 = 16 << 20;
+/// The unit pages are installed and dropped in.
+pub const BLOCK_BYTES: u64 = 4 << 20;
+/// Bytes asked for per request (streamed, installed block by block).
+pub const SEGMENT_BYTES: u64 = 64 << 20;
 /// Resident plus in-flight bytes of all paged objects together.
 pub const BUDGET_BYTES: u64 = 192 << 20;
-/// Blocks read ahead of the one faulted, per object, when the budget allows.
-const READ_AHEAD: u64 = 2;
+/// Attempts at a segment whose stream breaks off (each resuming where it stopped).
+const STREAM_ATTEMPTS: u32 = 4;
 
 const PAGE: u64 = 4096;
 
@@ -61,7 +70,10 @@ struct State {
     /// Set when the mapping is being unmapped: late fetches are dropped.
     closed: bool,
     resident: BTreeSet<u64>,
-    in_flight: BTreeSet<u64>,
+    /// Blocks a stream has claimed and will install (or unclaim when it stops).
+    claimed: BTreeSet<u64>,
+    /// Claimed blocks a thread waits on: a stream never stops before these.
+    awaited: BTreeSet<u64>,
     /// Pages of resident blocks released by their reader (a bit a page).
     released: BTreeMap<u64, Vec<u64>>,
 }
@@ -302,47 +314,137 @@ impl Pager {
             return;
         };
         let k = ((addr - inner.base) as u64) / BLOCK_BYTES;
-        let mut wanted = vec![k];
-        wanted.extend((k + 1..inner.blocks()).take(READ_AHEAD as usize));
-        for (i, b) in wanted.into_iter().enumerate() {
-            let len = inner.mapped_len(b) as u64;
+        {
+            let mut st = lock(&inner.state);
+            if st.resident.contains(&k) {
+                // Filled between the fault and now: wake the thread waiting.
+                let at = inner.base + (k * BLOCK_BYTES) as usize;
+                let _ = self.uffd.wake(at as *mut _, inner.mapped_len(k));
+                return;
+            }
+            st.awaited.insert(k);
+            if st.claimed.contains(&k) {
+                // A stream is on its way to it.
+                return;
+            }
+        }
+        if trace() {
+            eprintln!("ckpt-pager: stream {} from block {k}", inner.object.url);
+        }
+        runtime().spawn(self.stream_from(inner, k));
+    }
+
+    /// Claims the blocks of one segment from `first` (up to the first block resident or
+    /// claimed already, and the object's end): the range to ask for, or `None`.
+    fn claim(inner: &Inner, first: u64) -> Option<std::ops::Range<u64>> {
+        let mut st = lock(&inner.state);
+        if st.closed {
+            return None;
+        }
+        let per = SEGMENT_BYTES / BLOCK_BYTES;
+        let mut end = first;
+        while end < inner.blocks()
+            && end < first + per
+            && !st.resident.contains(&end)
+            && !st.claimed.contains(&end)
+        {
+            st.claimed.insert(end);
+            end += 1;
+        }
+        (end > first).then_some(first..end)
+    }
+
+    /// Waits, before a stream assembles block `k`, while the budget is spent and no
+    /// thread waits on a block it claimed from `k` to `claimed_end` (the connection
+    /// waits with it: the server holds back what is not read); false once the mapping
+    /// is closed.
+    async fn room_for(&self, inner: &Inner, k: u64, claimed_end: u64) -> bool {
+        loop {
             {
-                let mut st = lock(&inner.state);
-                if st.resident.contains(&b) {
-                    if i == 0 {
-                        // Filled between the fault and now: wake the thread waiting.
-                        let at = inner.base + (b * BLOCK_BYTES) as usize;
-                        let _ = self.uffd.wake(at as *mut _, inner.mapped_len(b));
-                    }
-                    continue;
+                let st = lock(&inner.state);
+                if st.closed {
+                    return false;
                 }
-                if st.in_flight.contains(&b) {
-                    continue;
+                if st.awaited.range(k..claimed_end.max(k + 1)).next().is_some()
+                    || !self.over_budget()
+                {
+                    return true;
                 }
-                // Read-ahead only inside the budget; the faulted block always.
-                if i > 0 && lock(&self.lru).1 + self.in_flight_bytes() + len > BUDGET_BYTES {
-                    break;
-                }
-                st.in_flight.insert(b);
             }
-            IN_FLIGHT.fetch_add(len, std::sync::atomic::Ordering::Relaxed);
-            let inner = inner.clone();
-            if trace() {
-                eprintln!(
-                    "ckpt-pager: fetch {} block {b}{}",
-                    inner.object.url,
-                    if i == 0 { "" } else { " (ahead)" }
-                );
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+    }
+
+    fn over_budget(&self) -> bool {
+        lock(&self.lru).1 + self.in_flight_bytes() + BLOCK_BYTES > budget()
+    }
+
+    /// Streams the object from block `first` on, segment after segment, installing each
+    /// block as it completes; ahead of the blocks threads wait on only within the
+    /// budget.
+    async fn stream_from(&'static self, inner: Arc<Inner>, first: u64) {
+        use futures::StreamExt;
+        let mut next = first;
+        loop {
+            // Read ahead into the next segment only with room for it (the first is
+            // always awaited).
+            if !self.room_for(&inner, next, next + 1).await {
+                return;
             }
-            runtime().spawn(async move {
-                let r = inner.block_range(b);
-                let fetched = inner.object.fetch(r).await;
-                IN_FLIGHT.fetch_sub(len, std::sync::atomic::Ordering::Relaxed);
-                match fetched {
-                    Ok(bytes) => self.fill(&inner, b, &bytes),
+            let Some(seg) = Self::claim(&inner, next) else {
+                return;
+            };
+            let _buffer = InFlight::block();
+            let mut k = seg.start;
+            let mut attempts = 0;
+            while k < seg.end {
+                let bytes = k * BLOCK_BYTES..(seg.end * BLOCK_BYTES).min(inner.object.size);
+                let mut stream = match inner.object.stream(bytes).await {
+                    Ok(s) => s,
                     Err(e) => fatal(&e.to_string()),
+                };
+                let mut block = Vec::with_capacity(BLOCK_BYTES as usize);
+                let problem = loop {
+                    let want = inner.block_range(k);
+                    let want = (want.end - want.start) as usize;
+                    if block.len() >= want {
+                        let rest = block.split_off(want);
+                        self.fill(&inner, k, &block);
+                        block = rest;
+                        k += 1;
+                        attempts = 0;
+                        if k == seg.end {
+                            break None;
+                        }
+                        if !self.room_for(&inner, k, seg.end).await {
+                            return;
+                        }
+                        continue;
+                    }
+                    match stream.next().await {
+                        Some(Ok(chunk)) => block.extend_from_slice(&chunk),
+                        Some(Err(e)) => break Some(e.to_string()),
+                        None => {
+                            break Some(format!(
+                                "the object ended within block {k}: it changed or is shorter than listed ({} bytes)",
+                                inner.object.size
+                            ))
+                        }
+                    }
+                };
+                if let Some(problem) = problem {
+                    // Broken off (a dropped connection, a timeout while the budget held
+                    // the stream back): again from the block it had reached.
+                    attempts += 1;
+                    if attempts >= STREAM_ATTEMPTS {
+                        fatal(&format!("{}: {problem}", inner.object.url));
+                    }
                 }
-            });
+            }
+            next = seg.end;
+            if next >= inner.blocks() {
+                return;
+            }
         }
     }
 
@@ -365,7 +467,8 @@ impl Pager {
         };
         {
             let mut st = lock(&inner.state);
-            st.in_flight.remove(&k);
+            st.claimed.remove(&k);
+            st.awaited.remove(&k);
             if st.closed {
                 return;
             }
@@ -391,6 +494,9 @@ impl Pager {
             }
             st.resident.insert(k);
         }
+        if trace() {
+            eprintln!("ckpt-pager: {} block {k} in", inner.object.url);
+        }
         let mut evict = Vec::new();
         {
             let mut lru = lock(&self.lru);
@@ -415,7 +521,24 @@ impl Pager {
     }
 }
 
+/// Bytes of the blocks streams are assembling (one block a stream).
 static IN_FLIGHT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A stream's block buffer, counted in [`IN_FLIGHT`] while it lives.
+struct InFlight;
+
+impl InFlight {
+    fn block() -> InFlight {
+        IN_FLIGHT.fetch_add(BLOCK_BYTES, std::sync::atomic::Ordering::Relaxed);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(BLOCK_BYTES, std::sync::atomic::Ordering::Relaxed);
+    }
+}
 
 /// [`BUDGET_BYTES`], or `CKPT_PAGER_BUDGET_MB` where set.
 fn budget() -> u64 {

@@ -9,17 +9,17 @@
 
 #[cfg(feature = "mpi")]
 mod mpi;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-driver")]
 mod nccl;
-#[cfg(any(feature = "mpi", feature = "cuda"))]
+#[cfg(any(feature = "mpi", feature = "cuda-driver"))]
 mod process;
 mod thread;
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::{finalize_mpi, mpi_world, run_mpi, MpiWorld};
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-driver")]
 pub use self::nccl::{run_nccl, JOB_ID_VAR, RENDEZVOUS_DIR_VAR};
-#[cfg(any(feature = "mpi", feature = "cuda"))]
+#[cfg(any(feature = "mpi", feature = "cuda-driver"))]
 pub use self::process::{DEFAULT_TIMEOUT, TIMEOUT_VAR};
 pub use self::thread::run_threads;
 

@@ -24,7 +24,7 @@ pub fn cuda_available() -> Result<(), String> {
     imp::available().map(|_| ())
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(feature = "cuda-driver"))]
 mod imp {
     pub(crate) fn available() -> Result<usize, String> {
         Err("this binary was built without CUDA support; rebuild with `cargo build --release --features cuda`".into())
@@ -38,12 +38,12 @@ mod imp {
 /// Number of visible CUDA devices after checking the driver, or what is missing.
 pub(crate) use imp::devices as gpu_count;
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-driver")]
 pub(crate) use imp::{
     available as device_count, nccl, NcclLib, RawComm, UniqueId, NCCL_FLOAT32, NCCL_UINT64,
 };
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-driver")]
 mod imp {
     use super::{NCCL_CANDIDATES, NCCL_LIB_VAR};
     use std::os::raw::{c_char, c_int, c_void};
@@ -188,7 +188,7 @@ mod tests {
     use super::*;
 
     /// Whether a library loads here, by the dynamic loader alone.
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cuda-driver")]
     fn loads(name: &str) -> bool {
         // SAFETY: test probe of system libraries.
         unsafe { libloading::Library::new(name) }.is_ok()
@@ -197,9 +197,9 @@ mod tests {
     #[test]
     fn missing_cuda_is_a_clear_error_not_a_panic() {
         let r = std::panic::catch_unwind(cuda_available).expect("cuda_available never panics");
-        #[cfg(not(feature = "cuda"))]
+        #[cfg(not(feature = "cuda-driver"))]
         assert!(r.unwrap_err().contains("--features cuda"));
-        #[cfg(feature = "cuda")]
+        #[cfg(feature = "cuda-driver")]
         {
             if !loads("libcuda.so.1") && !loads("libcuda.so") {
                 let e = r.unwrap_err();
@@ -224,7 +224,7 @@ mod tests {
         assert_eq!(NCCL_CANDIDATES[0], "libnccl.so.2");
     }
 
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cuda-driver")]
     #[test]
     fn missing_nccl_names_the_candidates() {
         if loads("libnccl.so.2") || loads("libnccl.so") || std::env::var(NCCL_LIB_VAR).is_ok() {

@@ -41,7 +41,7 @@ impl Backend {
         match self {
             Backend::Threads => true,
             Backend::Mpi => cfg!(feature = "mpi"),
-            Backend::Nccl => cfg!(feature = "cuda"),
+            Backend::Nccl => cfg!(feature = "cuda-driver"),
         }
     }
 
@@ -150,7 +150,7 @@ impl Backend {
             }
             #[cfg(feature = "mpi")]
             Backend::Mpi => Ok(vec![crate::comm::run_mpi(mesh, f)?]),
-            #[cfg(feature = "cuda")]
+            #[cfg(feature = "cuda-driver")]
             Backend::Nccl => crate::comm::run_nccl(mesh, f),
             #[allow(unreachable_patterns)]
             other => other.check_built().map(|()| Vec::new()),
@@ -221,7 +221,7 @@ mod tests {
         assert_eq!(Backend::default(), Backend::Threads);
         assert!(Backend::Threads.check_built().is_ok());
         assert_eq!(Backend::Mpi.check_built().is_ok(), cfg!(feature = "mpi"));
-        if !cfg!(feature = "cuda") {
+        if !cfg!(feature = "cuda-driver") {
             let err = Backend::Nccl.check_built().unwrap_err().to_string();
             assert!(err.contains("--features cuda"), "{err}");
         }

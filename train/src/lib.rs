@@ -20,6 +20,10 @@
 //! assert!(report.losses[2] < report.losses[0]);
 //! ```
 
+// cudarc compiles one CUDA version's bindings: `cuda` picks 12.8's, `cuda-candle` 13.0's.
+#[cfg(all(feature = "cuda", feature = "cuda-candle"))]
+compile_error!("features `cuda` and `cuda-candle` exclude each other: `cuda-candle` includes the NCCL backend (build with one of them)");
+
 mod activation;
 mod batch_norm;
 mod checkpoint;
@@ -54,9 +58,9 @@ pub use crate::comm::{
 };
 #[cfg(feature = "mpi")]
 pub use crate::comm::{finalize_mpi, mpi_world, run_mpi, MpiWorld};
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-driver")]
 pub use crate::comm::{run_nccl, JOB_ID_VAR, RENDEZVOUS_DIR_VAR};
-#[cfg(any(feature = "mpi", feature = "cuda"))]
+#[cfg(any(feature = "mpi", feature = "cuda-driver"))]
 pub use crate::comm::{DEFAULT_TIMEOUT as COMM_DEFAULT_TIMEOUT, TIMEOUT_VAR as COMM_TIMEOUT_VAR};
 pub use crate::config::TrainConfig;
 pub use crate::cuda::{cuda_available, NCCL_CANDIDATES, NCCL_LIB_VAR};

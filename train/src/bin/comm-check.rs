@@ -56,7 +56,7 @@ fn run(backend: &str, mesh: &Mesh) -> Option<ckpt_train::Result<Vec<Vec<(&'stati
     let body = |d: Dist| check(d.world.as_ref());
     match backend {
         "threads" => Some(ckpt_train::run_threads(mesh, body)),
-        #[cfg(feature = "cuda")]
+        #[cfg(feature = "cuda-driver")]
         "nccl" => Some(ckpt_train::run_nccl(mesh, body)),
         _ => None,
     }
@@ -74,7 +74,9 @@ fn main() -> ExitCode {
         }
     };
     let Some(result) = run(&backend, &mesh) else {
-        eprintln!("comm-check: --backend `{backend}`: threads, or nccl (built with the `cuda` feature)");
+        eprintln!(
+            "comm-check: --backend `{backend}`: threads, or nccl (built with the `cuda` feature)"
+        );
         return ExitCode::from(2);
     };
     match result {
@@ -83,7 +85,9 @@ fn main() -> ExitCode {
             let checks: Vec<String> = ranks[0]
                 .iter()
                 .map(|(name, _)| {
-                    let all = ranks.iter().all(|r| r.iter().any(|(n, ok)| n == name && *ok));
+                    let all = ranks
+                        .iter()
+                        .all(|r| r.iter().any(|(n, ok)| n == name && *ok));
                     format!("\"{name}\": {all}")
                 })
                 .collect();
