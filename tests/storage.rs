@@ -42,6 +42,11 @@ struct Server {
 
 impl Server {
     fn start(py: &str) -> Server {
+        Server::start_with(py, &[])
+    }
+
+    /// A server started with `env` (moto's settings).
+    fn start_with(py: &str, env: &[(&str, &str)]) -> Server {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -56,6 +61,7 @@ impl Server {
                 "-p",
                 &port.to_string(),
             ])
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -404,6 +410,32 @@ fn bucket_failures_are_named() {
     let o = s.ckpt(&d, &["merge", "src", "-o", "https://example.com/x"], &[]);
     assert_eq!(o.code, 1, "{}", o.stderr);
     assert!(o.stderr.contains("read-only"), "{}", o.stderr);
+}
+
+/// Credentials the store does not know: moto checks them once its first unchecked
+/// action (making the bucket) is spent. Exit 1, the URL and the refusal named, the
+/// advice given, the secret never printed, nothing written.
+#[test]
+fn wrong_credentials_are_named() {
+    let Some(py) = python_with_moto() else { return };
+    let s = Server::start_with(&py, &[("INITIAL_NO_AUTH_ACTION_COUNT", "1")]);
+    let d = Dir::new();
+    d.example("src", "tp=2");
+    for args in [
+        vec!["merge", "s3://ckpt-test/src", "-o", "out"],
+        vec!["merge", "src", "-o", "s3://ckpt-test/out"],
+    ] {
+        let o = s.ckpt(&d, &args, &[("AWS_SECRET_ACCESS_KEY", "not-the-secret-4711")]);
+        assert_eq!(o.code, 1, "{args:?}: {}", o.stderr);
+        assert!(
+            o.stderr.contains("s3://ckpt-test/") && o.stderr.contains("access denied"),
+            "{args:?}: {}",
+            o.stderr
+        );
+        assert!(o.stderr.contains("AWS_ACCESS_KEY_ID"), "{}", o.stderr);
+        assert!(!o.stderr.contains("not-the-secret-4711"), "{}", o.stderr);
+        assert!(!d.path("out").exists());
+    }
 }
 
 /// The server stopped in the middle of a merge: exit 1 naming an object, and nothing
