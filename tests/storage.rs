@@ -425,7 +425,11 @@ fn wrong_credentials_are_named() {
         vec!["merge", "s3://ckpt-test/src", "-o", "out"],
         vec!["merge", "src", "-o", "s3://ckpt-test/out"],
     ] {
-        let o = s.ckpt(&d, &args, &[("AWS_SECRET_ACCESS_KEY", "not-the-secret-4711")]);
+        let o = s.ckpt(
+            &d,
+            &args,
+            &[("AWS_SECRET_ACCESS_KEY", "not-the-secret-4711")],
+        );
         assert_eq!(o.code, 1, "{args:?}: {}", o.stderr);
         assert!(
             o.stderr.contains("s3://ckpt-test/") && o.stderr.contains("access denied"),

@@ -3,7 +3,7 @@
 //! every reader and the copy engine read an object in a bucket through a mapping, as
 //! they read a local file, without learning that it is remote.
 //!
-//! - A fault at an address starts a stream of the object from the block (4 MiB) that
+//! - A fault at an address starts a stream of the object from the block (1 MiB) that
 //!   holds it: ranged requests of a segment (64 MiB) each, read as the bytes arrive,
 //!   each block installed (and its waiting threads woken) as soon as it is complete,
 //!   the next segment requested when one ends. A reader going through an object in
@@ -11,7 +11,7 @@
 //!   S3-compatible servers read the whole object to answer any ranged request, so
 //!   many small requests would cost them the object each time.
 //! - A stream reads ahead only while the resident and in-flight blocks of all objects
-//!   together stay under [`BUDGET_BYTES`]; past it, it stops before a block no thread
+//!   together stay under half of [`BUDGET_BYTES`]; past it, it stops before a block no thread
 //!   waits for (a later touch starts it again), and delivers only the blocks threads
 //!   wait on. The copy engine releases what it has consumed (a block all of whose pages
 //!   are consumed is dropped at once), so a streaming merge reads each byte once.
@@ -35,8 +35,9 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use userfaultfd::{Event, Uffd, UffdBuilder};
 
-/// The unit pages are installed and dropped in.
-pub const BLOCK_BYTES: u64 = 4 << 20;
+/// The unit pages are installed and dropped in (small, so that the blocks a copy has
+/// begun but not finished, one or two per object it streams from, hold little).
+pub const BLOCK_BYTES: u64 = 1 << 20;
 /// Bytes asked for per request (streamed, installed block by block).
 pub const SEGMENT_BYTES: u64 = 64 << 20;
 /// Resident plus in-flight bytes of all paged objects together.
@@ -65,17 +66,63 @@ struct Inner {
     state: Mutex<State>,
 }
 
+/// The blocks a stream is to install: `pos` next, up to `end` (lowered when a thread
+/// waits on a block far ahead, which a stream of its own then serves).
+#[derive(Clone, Copy)]
+struct Claim {
+    pos: u64,
+    end: u64,
+}
+
+/// Blocks ahead of a stream's position within which a thread waiting is served by
+/// that stream rather than a new one.
+const NEAR_BLOCKS: u64 = 8;
+
 #[derive(Default)]
 struct State {
     /// Set when the mapping is being unmapped: late fetches are dropped.
     closed: bool,
     resident: BTreeSet<u64>,
-    /// Blocks a stream has claimed and will install (or unclaim when it stops).
-    claimed: BTreeSet<u64>,
+    /// The streams of this object by id: each installs blocks `pos..end` in order
+    /// (its claim), then claims the next segment or ends.
+    streams: BTreeMap<u64, Claim>,
+    next_stream: u64,
     /// Claimed blocks a thread waits on: a stream never stops before these.
     awaited: BTreeSet<u64>,
-    /// Pages of resident blocks released by their reader (a bit a page).
-    released: BTreeMap<u64, Vec<u64>>,
+    /// Bytes of each block released by their readers: disjoint, sorted, merged
+    /// intervals relative to the block's start.
+    released: BTreeMap<u64, Vec<(u64, u64)>>,
+}
+
+impl State {
+    /// The stream whose claim holds block `k`.
+    fn claimant(&self, k: u64) -> Option<u64> {
+        self.streams
+            .iter()
+            .find(|(_, c)| c.pos <= k && k < c.end)
+            .map(|(&id, _)| id)
+    }
+
+    /// The end of a segment from `k`: at most `per` blocks, stopping before a block
+    /// resident or claimed and at the object's end (`blocks`).
+    fn free_end(&self, k: u64, per: u64, blocks: u64) -> u64 {
+        let mut end = k;
+        while end < blocks
+            && end < k + per
+            && !self.resident.contains(&end)
+            && self.claimant(end).is_none()
+        {
+            end += 1;
+        }
+        end
+    }
+
+    fn add_stream(&mut self, pos: u64, end: u64) -> u64 {
+        let id = self.next_stream;
+        self.next_stream += 1;
+        self.streams.insert(id, Claim { pos, end });
+        id
+    }
 }
 
 impl Inner {
@@ -197,9 +244,11 @@ impl Paged {
         &self.inner.object
     }
 
-    /// Marks bytes `range` consumed; a block all of whose pages are consumed is
-    /// dropped, leaving the budget to the blocks still to come. (A copy reads each byte
-    /// once, but the pieces it reads are not aligned to blocks: counted by pages.)
+    /// Marks bytes `range` consumed; a block all of whose bytes are consumed is dropped,
+    /// leaving the budget to the blocks still to come. Counted by bytes, not pages: the
+    /// pieces a copy reads share pages with their neighbours, and a block dropped while
+    /// a neighbour is still to be read would be fetched again (a new request, which some
+    /// servers answer by reading the whole object).
     pub fn release(&self, range: std::ops::Range<u64>) {
         if range.is_empty() {
             return;
@@ -210,30 +259,56 @@ impl Paged {
         {
             let mut st = lock(&inner.state);
             for k in first..=last {
-                // Marked whether or not the block is there now (pages of headers are
-                // released before their block is first fetched); kept when it is
-                // dropped: consumed bytes stay consumed.
-                let base = k * BLOCK_BYTES;
-                let pages = (inner.mapped_len(k) as u64) / PAGE;
-                let bits = st
-                    .released
-                    .entry(k)
-                    .or_insert_with(|| vec![0u64; pages.div_ceil(64) as usize]);
-                let lo = (range.start.max(base) - base) / PAGE;
-                let hi = ((range.end.min(base + BLOCK_BYTES) - base).div_ceil(PAGE)).min(pages);
-                for p in lo..hi {
-                    bits[(p / 64) as usize] |= 1 << (p % 64);
-                }
-                let all = (0..pages).all(|p| bits[(p / 64) as usize] & (1 << (p % 64)) != 0);
-                if all && st.resident.contains(&k) {
+                // Marked whether or not the block is there now (headers are released
+                // before their block is first fetched); kept when it is dropped:
+                // consumed bytes stay consumed.
+                let block = inner.block_range(k);
+                let lo = range.start.max(block.start) - block.start;
+                let hi = range.end.min(block.end) - block.start;
+                let spans = st.released.entry(k).or_default();
+                add_span(spans, lo, hi);
+                let whole = spans.as_slice() == [(0, block.end - block.start)];
+                if whole && st.resident.contains(&k) {
                     done.push(k);
                 }
             }
         }
         for k in done {
+            if trace() {
+                eprintln!("ckpt-pager: {} block {k} consumed", inner.object.url);
+            }
+            // Forgotten once dropped: a second reader of the same bytes fetches the
+            // block again, which then stays until read whole again (or evicted) rather
+            // than being dropped under another thread still reading it.
+            lock(&inner.state).released.remove(&k);
             drop_block(inner, k);
         }
     }
+}
+
+/// Adds `lo..hi` to the sorted, disjoint intervals `spans`, merging what touches it.
+fn add_span(spans: &mut Vec<(u64, u64)>, lo: u64, hi: u64) {
+    let (mut lo, mut hi) = (lo, hi);
+    let mut out = Vec::with_capacity(spans.len() + 1);
+    let mut placed = false;
+    for &(a, b) in spans.iter() {
+        if b < lo {
+            out.push((a, b));
+        } else if hi < a {
+            if !placed {
+                out.push((lo, hi));
+                placed = true;
+            }
+            out.push((a, b));
+        } else {
+            lo = lo.min(a);
+            hi = hi.max(b);
+        }
+    }
+    if !placed {
+        out.push((lo, hi));
+    }
+    *spans = out;
 }
 
 impl Drop for Paged {
@@ -314,7 +389,7 @@ impl Pager {
             return;
         };
         let k = ((addr - inner.base) as u64) / BLOCK_BYTES;
-        {
+        let id = {
             let mut st = lock(&inner.state);
             if st.resident.contains(&k) {
                 // Filled between the fault and now: wake the thread waiting.
@@ -323,127 +398,135 @@ impl Pager {
                 return;
             }
             st.awaited.insert(k);
-            if st.claimed.contains(&k) {
-                // A stream is on its way to it.
-                return;
+            match st.claimant(k) {
+                Some(id) if k < st.streams[&id].pos + NEAR_BLOCKS => return,
+                Some(id) => {
+                    // Far ahead of the stream that claimed it: that stream stops
+                    // before it, and a new one reads from it to the old end.
+                    let claim = st.streams.get_mut(&id).expect("claimant");
+                    let end = claim.end;
+                    claim.end = k;
+                    st.add_stream(k, end)
+                }
+                None => {
+                    let end = st.free_end(k, segment_bytes() / BLOCK_BYTES, inner.blocks());
+                    st.add_stream(k, end)
+                }
             }
-        }
+        };
         if trace() {
             eprintln!("ckpt-pager: stream {} from block {k}", inner.object.url);
         }
-        runtime().spawn(self.stream_from(inner, k));
+        runtime().spawn(self.stream(inner, id));
     }
 
-    /// Claims the blocks of one segment from `first` (up to the first block resident or
-    /// claimed already, and the object's end): the range to ask for, or `None`.
-    fn claim(inner: &Inner, first: u64) -> Option<std::ops::Range<u64>> {
-        let mut st = lock(&inner.state);
-        if st.closed {
-            return None;
-        }
-        let per = SEGMENT_BYTES / BLOCK_BYTES;
-        let mut end = first;
-        while end < inner.blocks()
-            && end < first + per
-            && !st.resident.contains(&end)
-            && !st.claimed.contains(&end)
-        {
-            st.claimed.insert(end);
-            end += 1;
-        }
-        (end > first).then_some(first..end)
-    }
-
-    /// Waits, before a stream assembles block `k`, while the budget is spent and no
-    /// thread waits on a block it claimed from `k` to `claimed_end` (the connection
-    /// waits with it: the server holds back what is not read); false once the mapping
-    /// is closed.
-    async fn room_for(&self, inner: &Inner, k: u64, claimed_end: u64) -> bool {
+    /// Waits, before a stream installs its next block, while the read-ahead budget is
+    /// spent and no thread waits on a block of its claim (the connection waits with
+    /// it: the server holds back what is not read). The claim, or `None` once the
+    /// mapping is closed or the claim is gone.
+    async fn room_for(&self, inner: &Inner, id: u64) -> Option<Claim> {
         loop {
             {
                 let st = lock(&inner.state);
                 if st.closed {
-                    return false;
+                    return None;
                 }
-                if st.awaited.range(k..claimed_end.max(k + 1)).next().is_some()
+                let c = *st.streams.get(&id)?;
+                if c.pos >= c.end
+                    || st.awaited.range(c.pos..c.end).next().is_some()
                     || !self.over_budget()
                 {
-                    return true;
+                    return Some(c);
                 }
             }
-            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
     }
 
+    /// Whether reading ahead would pass half the budget: the other half is kept for
+    /// the blocks threads wait on, so that they need not push out blocks in use.
     fn over_budget(&self) -> bool {
-        lock(&self.lru).1 + self.in_flight_bytes() + BLOCK_BYTES > budget()
+        lock(&self.lru).1 + self.in_flight_bytes() + BLOCK_BYTES > budget() / 2
     }
 
-    /// Streams the object from block `first` on, segment after segment, installing each
-    /// block as it completes; ahead of the blocks threads wait on only within the
-    /// budget.
-    async fn stream_from(&'static self, inner: Arc<Inner>, first: u64) {
+    /// Stream `id` of `inner`: installs the blocks of its claim in order, from one ranged
+    /// request (again from where it broke off, if it does), then claims the next
+    /// segment while there is room, until the object's end or a block resident or
+    /// claimed already. Its claim is removed when it ends.
+    async fn stream(&'static self, inner: Arc<Inner>, id: u64) {
+        self.stream_claim(&inner, id).await;
+        lock(&inner.state).streams.remove(&id);
+    }
+
+    async fn stream_claim(&'static self, inner: &Arc<Inner>, id: u64) {
         use futures::StreamExt;
-        let mut next = first;
+        let _buffer = InFlight::block();
+        let mut attempts = 0;
         loop {
-            // Read ahead into the next segment only with room for it (the first is
-            // always awaited).
-            if !self.room_for(&inner, next, next + 1).await {
-                return;
-            }
-            let Some(seg) = Self::claim(&inner, next) else {
+            let Some(mut c) = self.room_for(inner, id).await else {
                 return;
             };
-            let _buffer = InFlight::block();
-            let mut k = seg.start;
-            let mut attempts = 0;
-            while k < seg.end {
-                let bytes = k * BLOCK_BYTES..(seg.end * BLOCK_BYTES).min(inner.object.size);
-                let mut stream = match inner.object.stream(bytes).await {
-                    Ok(s) => s,
-                    Err(e) => fatal(&e.to_string()),
-                };
-                let mut block = Vec::with_capacity(BLOCK_BYTES as usize);
-                let problem = loop {
-                    let want = inner.block_range(k);
-                    let want = (want.end - want.start) as usize;
-                    if block.len() >= want {
-                        let rest = block.split_off(want);
-                        self.fill(&inner, k, &block);
-                        block = rest;
-                        k += 1;
-                        attempts = 0;
-                        if k == seg.end {
+            if c.pos >= c.end {
+                // The claim is done: the next segment, if there is room for it (the
+                // first was awaited) and nothing else holds it.
+                let mut st = lock(&inner.state);
+                let end = st.free_end(c.pos, segment_bytes() / BLOCK_BYTES, inner.blocks());
+                if end == c.pos {
+                    return;
+                }
+                st.streams.insert(id, Claim { pos: c.pos, end });
+                c.end = end;
+            }
+            let bytes = c.pos * BLOCK_BYTES..(c.end * BLOCK_BYTES).min(inner.object.size);
+            let mut body = match inner.object.stream(bytes).await {
+                Ok(s) => s,
+                Err(e) => fatal(&e.to_string()),
+            };
+            let mut k = c.pos;
+            let mut block = Vec::with_capacity(BLOCK_BYTES as usize);
+            let problem = loop {
+                let want = inner.block_range(k);
+                let want = (want.end - want.start) as usize;
+                if block.len() >= want {
+                    let rest = block.split_off(want);
+                    self.fill(inner, id, k, &block);
+                    block = rest;
+                    k += 1;
+                    attempts = 0;
+                    {
+                        let st = lock(&inner.state);
+                        let Some(claim) = st.streams.get(&id) else {
+                            return;
+                        };
+                        if k >= claim.end {
+                            // This request's part of the claim is done (or the claim
+                            // was cut short by a stream of its own ahead).
                             break None;
                         }
-                        if !self.room_for(&inner, k, seg.end).await {
-                            return;
-                        }
-                        continue;
                     }
-                    match stream.next().await {
-                        Some(Ok(chunk)) => block.extend_from_slice(&chunk),
-                        Some(Err(e)) => break Some(e.to_string()),
-                        None => {
-                            break Some(format!(
-                                "the object ended within block {k}: it changed or is shorter than listed ({} bytes)",
-                                inner.object.size
-                            ))
-                        }
+                    if self.room_for(inner, id).await.is_none() {
+                        return;
                     }
-                };
-                if let Some(problem) = problem {
-                    // Broken off (a dropped connection, a timeout while the budget held
-                    // the stream back): again from the block it had reached.
-                    attempts += 1;
-                    if attempts >= STREAM_ATTEMPTS {
-                        fatal(&format!("{}: {problem}", inner.object.url));
+                    continue;
+                }
+                match body.next().await {
+                    Some(Ok(chunk)) => block.extend_from_slice(&chunk),
+                    Some(Err(e)) => break Some(e.to_string()),
+                    None => {
+                        break Some(format!(
+                            "the object ended within block {k}: it changed or is shorter than listed ({} bytes)",
+                            inner.object.size
+                        ))
                     }
                 }
-            }
-            next = seg.end;
-            if next >= inner.blocks() {
-                return;
+            };
+            if let Some(problem) = problem {
+                // Broken off (a dropped connection, a timeout while the budget held
+                // the stream back): again from the block it had reached.
+                attempts += 1;
+                if attempts >= STREAM_ATTEMPTS {
+                    fatal(&format!("{}: {problem}", inner.object.url));
+                }
             }
         }
     }
@@ -454,7 +537,7 @@ impl Pager {
 
     /// Copies a fetched block into the mapping (waking the threads waiting on it) and
     /// keeps the budget.
-    fn fill(&self, inner: &Arc<Inner>, k: u64, bytes: &[u8]) {
+    fn fill(&self, inner: &Arc<Inner>, id: u64, k: u64, bytes: &[u8]) {
         let len = inner.mapped_len(k);
         let padded;
         let src: &[u8] = if bytes.len() == len {
@@ -467,8 +550,13 @@ impl Pager {
         };
         {
             let mut st = lock(&inner.state);
-            st.claimed.remove(&k);
             st.awaited.remove(&k);
+            // The stream's claim moves past `k` under the same lock that makes it
+            // resident: a fault in between would otherwise find `k` neither resident
+            // nor behind the stream, and wait for a stream that has gone on.
+            if let Some(claim) = st.streams.get_mut(&id) {
+                claim.pos = claim.pos.max(k + 1);
+            }
             if st.closed {
                 return;
             }
@@ -512,6 +600,13 @@ impl Pager {
         }
         for (i, b) in evict {
             let mut st = lock(&i.state);
+            if trace() {
+                eprintln!(
+                    "ckpt-pager: {} block {b} evicted (consumed {:?})",
+                    i.object.url,
+                    st.released.get(&b)
+                );
+            }
             if !st.closed && st.resident.remove(&b) {
                 let at = i.base + (b * BLOCK_BYTES) as usize;
                 // SAFETY: inside the live mapping (not closed, under its lock).
@@ -551,8 +646,44 @@ fn budget() -> u64 {
     })
 }
 
+/// [`SEGMENT_BYTES`], or `CKPT_SEGMENT_MB` where set (for tuning against a store).
+fn segment_bytes() -> u64 {
+    static S: OnceLock<u64> = OnceLock::new();
+    *S.get_or_init(|| {
+        std::env::var("CKPT_SEGMENT_MB")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|&mb| mb > 0)
+            .map_or(SEGMENT_BYTES, |mb| mb << 20)
+    })
+}
+
 /// `CKPT_PAGER_TRACE=1`: each fetch said on stderr (for tuning and benchmarks).
 fn trace() -> bool {
     static T: OnceLock<bool> = OnceLock::new();
     *T.get_or_init(|| std::env::var("CKPT_PAGER_TRACE").is_ok_and(|v| v == "1"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::add_span;
+
+    #[test]
+    fn spans_merge_into_the_bytes_consumed() {
+        let mut s = vec![];
+        add_span(&mut s, 10, 20);
+        add_span(&mut s, 30, 40);
+        assert_eq!(s, [(10, 20), (30, 40)]);
+        add_span(&mut s, 0, 5);
+        assert_eq!(s, [(0, 5), (10, 20), (30, 40)]);
+        // Touching and overlapping spans merge; a page shared by two pieces counts
+        // only once both are read.
+        add_span(&mut s, 20, 30);
+        assert_eq!(s, [(0, 5), (10, 40)]);
+        add_span(&mut s, 3, 12);
+        assert_eq!(s, [(0, 40)]);
+        add_span(&mut s, 50, 60);
+        add_span(&mut s, 35, 55);
+        assert_eq!(s, [(0, 60)]);
+    }
 }

@@ -248,6 +248,23 @@ pub fn execute_with(
     // rank, far apart). Positional writes do not care about the order.
     if source.files.iter().any(|f| f.is_compressed()) {
         jobs.sort_by_cached_key(|(fi, ti, slab)| first_source(&plan.files[*fi].tensors[*ti], slab));
+    } else if source.files.iter().any(|f| f.is_remote()) {
+        // Objects in a bucket: in order of position in their files, all files abreast,
+        // so that every object is read front to back by a stream of few requests (in
+        // plan order a file is read where its tensors fall in the output's order, and
+        // jumping about costs a request each time).
+        jobs.sort_by_cached_key(|(fi, ti, slab)| {
+            let t = &plan.files[*fi].tensors[*ti];
+            let (f, tensor, offset) = first_source(t, slab);
+            let at = source
+                .files
+                .get(f)
+                .and_then(|file| file.tensors().get(tensor))
+                .map_or(u64::MAX, |e| {
+                    e.start.saturating_add(bytes_of(t.src_dtype, offset))
+                });
+            (at, f)
+        });
     }
     // Source tensors read whole have their recorded checksums checked while they are
     // copied, over the same mapped pages; those read only in part cannot be.
@@ -263,6 +280,18 @@ pub fn execute_with(
         }
     }
     let touched: BTreeSet<(usize, usize)> = boxes.keys().copied().collect();
+    // The bytes of an object in a bucket that no slab reads (tensors left out) are
+    // consumed from the start: its blocks then leave the pager's budget once the rest
+    // of them is read, instead of holding it until evicted.
+    for (f, file) in source.files.iter().enumerate() {
+        if file.is_remote() {
+            for (t, e) in file.tensors().iter().enumerate() {
+                if !touched.contains(&(f, t)) {
+                    file.release(t, 0..e.end.saturating_sub(e.start));
+                }
+            }
+        }
+    }
     let whole: BTreeSet<(usize, usize)> = boxes
         .into_iter()
         .filter(|(_, (shape, regions))| {
