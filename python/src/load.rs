@@ -366,18 +366,13 @@ impl LoadPlan {
                     chunks.push(vec![]);
                     used = 0;
                 }
+                let at = used;
+                used += part.bytes;
                 chunks.last_mut().expect("pushed").push(ChunkItem {
                     tensor: i,
-                    at: used,
+                    at,
                     part,
                 });
-                used += chunks
-                    .last()
-                    .expect("pushed")
-                    .last()
-                    .expect("pushed")
-                    .part
-                    .bytes;
             }
         }
         Ok(Chunks {

@@ -431,30 +431,14 @@ pub fn assemble(t: &TensorPlan, source: &Checkpoint) -> Result<Vec<u8>> {
 /// # Errors
 /// A `dst` of another size; a damaged compressed source; I/O errors.
 pub fn assemble_into(t: &TensorPlan, source: &Checkpoint, dst: &mut [u8]) -> Result<()> {
-    let numel = t
-        .target
+    // The whole tensor is its one part (its element count checked first: a part's is
+    // then within it).
+    t.target
         .shape
         .iter()
         .try_fold(1u64, |n, &d| n.checked_mul(d))
         .ok_or_else(|| crate::error::overflow(format!("elements of `{}`", t.target.name)))?;
-    let want = bytes_of(t.target.dtype, numel);
-    if want != dst.len() as u64 {
-        return Err(Error::Mismatch {
-            what: format!(
-                "tensor `{}`: {want} bytes to load into a buffer of {}",
-                t.target.name,
-                dst.len()
-            ),
-        });
-    }
-    fill_slab(
-        source,
-        t,
-        &Region::full(&t.target.shape),
-        dst,
-        &mut ReadCache::new(),
-    )?;
-    Ok(())
+    assemble_part_into(t, source, &Region::full(&t.target.shape), dst)
 }
 
 /// One part of a tensor's load through a bounded buffer: a box of the tensor that is
@@ -502,7 +486,7 @@ pub fn assemble_part_into(
     if want != dst.len() as u64 {
         return Err(Error::Mismatch {
             what: format!(
-                "tensor `{}`: a part of {want} bytes to load into a buffer of {}",
+                "tensor `{}`: {want} bytes to load into a buffer of {}",
                 t.target.name,
                 dst.len()
             ),
