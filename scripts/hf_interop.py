@@ -98,6 +98,7 @@ def check_import(ckpt, family, hf_dir, work):
     for key in ours:
         a, b = torch.cat(ours[key]), torch.cat(theirs[key])
         assert a.shape[0] == vocab and torch.equal(a, b[:vocab]), key
+    check_dist_import(ckpt, family, hf_dir, os.path.join(meg, "release"), work, 29700)
     back = os.path.join(work, f"{family}-back")
     export(ckpt, meg, back)
     with open(os.path.join(hf_dir, "model.safetensors"), "rb") as f1, open(os.path.join(back, "model.safetensors"), "rb") as f2:
@@ -106,6 +107,98 @@ def check_import(ckpt, family, hf_dir, work):
 
 
 MODELS = os.path.join(ROOT, "tests", "fixtures", "hf_models")
+
+
+def family_of_args(a):
+    """The fixture generator's family features from Megatron-LM's args."""
+    return dict(norm=a.normalization, swiglu=a.swiglu, rope=a.position_embedding_type == "rope",
+                groups=a.num_query_groups, kv=a.kv_channels, qkv_bias=a.add_qkv_bias, bias=a.add_bias_linear,
+                qk_norm=a.qk_layernorm, tied=not a.untie_embeddings_and_output_weights, base=a.rotary_base,
+                eps=a.norm_epsilon)
+
+
+def run_forward(model, ref_file, result):
+    ref = load_file(ref_file)
+    ids = ref["input_ids"]
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    mask = torch.triu(torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        logits = model.eval()(ids, pos, mask)
+    torch.save(logits, result)
+
+
+def dist_load_worker(rank, world, tp, pp, port, dist_dir, legacy_dir, ref_file, result):
+    """One of tp x pp gloo ranks: megatron-core's GPTModel of the args in the
+    dist_ckpt's common.pt loads it with `dist_checkpointing.load` (every key it expects,
+    the `_extra_state` objects included), then `load_state_dict(strict=True)`; its
+    weights equal, key for key, the legacy import's rank file of the same TP x PP rank;
+    on one rank, its forward's logits are saved to `result`."""
+    sys.path.append(os.path.join(ROOT, "scripts", "fixtures"))
+    import hf_megatron as H
+
+    H.stub_cuda()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    a = torch.load(os.path.join(dist_dir, "common.pt"), weights_only=False)["args"]
+    assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.ckpt_format) == (tp, pp, "torch_dist")
+    model = H.build_model(family_of_args(a), tp, pp, a.padded_vocab_size)
+    for p in model.parameters():
+        torch.nn.init.constant_(p, float("nan"))
+    # As Megatron-LM's load_checkpoint: the model under `model`, common.pt's entries beside.
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, dist_dir)
+    assert loaded["checkpoint_version"] == 3.0 and loaded["args"].num_layers == a.num_layers
+    model.load_state_dict(loaded["model"], strict=True)
+    t, s = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    sub = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{s:03d}"
+    want = torch.load(os.path.join(legacy_dir, sub, "model_optim_rng.pt"), weights_only=False)["model"]
+    have = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    assert sorted(have) == sorted(want), (sub, sorted(set(have) ^ set(want)))
+    for k, v in have.items():
+        assert torch.equal(v, want[k]), (sub, k)
+    if world == 1 and ref_file:
+        run_forward(model, ref_file, result)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def check_dist_import(ckpt, name, hf_dir, legacy_dir, work, port, ref_file=None):
+    """HF -> megatron-dist on TP2 x PP2 (and on one rank, with a forward): megatron-core
+    loads it; the weights are the legacy import's; -> HF gives back the model."""
+    import torch.multiprocessing as mp
+
+    for tp, pp in ((2, 2), (1, 1)) if ref_file else ((2, 2),):
+        out = os.path.join(work, f"{name}-dist-tp{tp}pp{pp}")
+        r = subprocess.run([ckpt, "reshard", hf_dir, "--format", "megatron-dist", "--mesh", f"tp={tp},pp={pp}",
+                            "-o", out, "--quiet"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
+            assert f.read() == "release"
+        legacy = legacy_dir
+        if (tp, pp) != (2, 2):
+            legacy = os.path.join(work, f"{name}-legacy-tp{tp}pp{pp}")
+            r = subprocess.run([ckpt, "reshard", hf_dir, "--format", "megatron", "--mesh", f"tp={tp},pp={pp}",
+                                "-o", legacy, "--quiet"], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+            legacy = os.path.join(legacy, "release")
+        result = os.path.join(work, f"{name}-dist-logits.pt")
+        mp.spawn(dist_load_worker, args=(tp * pp, tp, pp, port + tp * pp, os.path.join(out, "release"), legacy,
+                                         ref_file, result), nprocs=tp * pp, join=True)
+        back = os.path.join(work, f"{name}-dist-back-{tp}{pp}")
+        export(ckpt, out, back)
+        same_tensors(os.path.join(hf_dir, "model.safetensors"), os.path.join(back, "model.safetensors"), name)
+        print(f"{name}: HF -> megatron-dist TP{tp} x PP{pp}: megatron-core's dist_checkpointing.load takes it "
+              f"strictly, weights equal the legacy import's rank by rank; -> HF gives back every tensor byte")
+    if ref_file:
+        got, want = torch.load(result), load_file(ref_file)["logits"]
+        diff = (got - want).abs().max().item()
+        assert got.shape == want.shape and diff <= FP32_TOL, f"{name}: logits of the dist import differ by {diff}"
+        print(f"{name}: megatron-core's forward of the dist_ckpt import gives transformers' logits, max |diff| {diff:.2e}")
 
 
 def megatron_forward(rank, rank_file, ref_file, result):
@@ -125,23 +218,13 @@ def megatron_forward(rank, rank_file, ref_file, result):
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     sd = torch.load(rank_file, weights_only=False)
     a = sd["args"]
-    f = dict(norm=a.normalization, swiglu=a.swiglu, rope=a.position_embedding_type == "rope",
-             groups=a.num_query_groups, kv=a.kv_channels, qkv_bias=a.add_qkv_bias, bias=a.add_bias_linear,
-             qk_norm=a.qk_layernorm, tied=not a.untie_embeddings_and_output_weights, base=a.rotary_base,
-             eps=a.norm_epsilon)
+    f = family_of_args(a)
     assert (a.num_layers, a.hidden_size, a.num_attention_heads, a.ffn_hidden_size) == (H.LAYERS, H.HIDDEN, H.HEADS, H.FFN)
     model = H.build_model(f, 1, 1, a.padded_vocab_size)
     missing, unexpected = model.load_state_dict(sd["model"], strict=False)
     assert all(k.endswith("._extra_state") for k in missing), missing
     assert not unexpected, unexpected
-    model.eval()
-    ref = load_file(ref_file)
-    ids = ref["input_ids"]
-    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-    mask = torch.triu(torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)
-    with torch.no_grad():
-        logits = model(ids, pos, mask)
-    torch.save(logits, result)
+    run_forward(model, ref_file, result)
     torch.distributed.destroy_process_group()
 
 
@@ -172,6 +255,7 @@ def check_transformers_import(ckpt, work):
         r = subprocess.run([ckpt, "reshard", model_dir, "--format", "megatron", "--mesh", "tp=2,pp=2", "-o", four, "--quiet"],
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
+        check_dist_import(ckpt, name, model_dir, os.path.join(four, "release"), work, 29720, ref)
         back = os.path.join(work, f"{name}-model-back")
         export(ckpt, four, back)
         same_tensors(os.path.join(model_dir, "model.safetensors"), os.path.join(back, "model.safetensors"), name)

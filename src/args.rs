@@ -342,9 +342,12 @@ pub(crate) struct ReshardArgs {
     /// with torch's HuggingFaceStorageReader; `dcp`, its old name, still works and says
     /// so), `mindspore`
     /// (rank_<r>/checkpoint_<r>.ckpt, loadable by mindspore.load_checkpoint) or
-    /// `megatron` (a Megatron legacy checkpoint from a Megatron legacy source:
-    /// iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt) or `deepspeed` (a DeepSpeed ZeRO-1/2/3
-    /// checkpoint for --to N data-parallel ranks, from a DeepSpeed source).
+    /// `megatron` (a Megatron legacy checkpoint, from a Megatron legacy source or a
+    /// Hugging Face model: iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt), `megatron-dist`
+    /// (a megatron-core dist_ckpt from the same sources, loadable by
+    /// dist_checkpointing.load: iter_*/ with .metadata and __<r>_0.distcp) or `deepspeed`
+    /// (a DeepSpeed ZeRO-1/2/3 checkpoint for --to N data-parallel ranks, from a
+    /// DeepSpeed source).
     #[arg(long, default_value = "ckpt", value_parser = reshard_formats())]
     pub(crate) format: String,
     #[command(flatten)]

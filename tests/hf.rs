@@ -525,14 +525,20 @@ fn hugging_face_models_into_megatron_and_back() {
             std::fs::copy(src.join(f), model.join(f)).unwrap();
         }
         let want = full_tensors(&model);
-        for mesh in ["tp=2,pp=2", "tp=1,pp=4", "tp=2,pp=1"] {
-            let meg = d.path(&format!("{family}-{mesh}"));
-            let back = d.path(&format!("{family}-{mesh}-back"));
+        for (mesh, format) in [
+            ("tp=2,pp=2", "megatron"),
+            ("tp=1,pp=4", "megatron"),
+            ("tp=2,pp=1", "megatron"),
+            ("tp=2,pp=2", "megatron-dist"),
+            ("tp=1,pp=1", "megatron-dist"),
+        ] {
+            let meg = d.path(&format!("{family}-{mesh}-{format}"));
+            let back = d.path(&format!("{family}-{mesh}-{format}-back"));
             d.ok(&[
                 "reshard",
                 model.to_str().unwrap(),
                 "--format",
-                "megatron",
+                format,
                 "--mesh",
                 mesh,
                 "-o",
@@ -550,7 +556,7 @@ fn hugging_face_models_into_megatron_and_back() {
                 "-o",
                 back.to_str().unwrap(),
             ]);
-            assert_eq!(full_tensors(&back), want, "{family} {mesh}");
+            assert_eq!(full_tensors(&back), want, "{family} {mesh} {format}");
             // (Megatron's args do not say Mistral: its tensors come back as Llama's,
             // `--hf-arch mistral` names it.)
             let arch = config(&model)["architectures"][0]
@@ -560,7 +566,7 @@ fn hugging_face_models_into_megatron_and_back() {
             assert_eq!(config(&back)["architectures"][0], arch.as_str());
         }
         // The plain merge gives Megatron's fused tensors: QKV rows per group.
-        let meg = d.path(&format!("{family}-tp=2,pp=2"));
+        let meg = d.path(&format!("{family}-tp=2,pp=2-megatron"));
         let plain = d.path(&format!("{family}-plain"));
         d.ok(&[
             "merge",
@@ -584,6 +590,158 @@ fn hugging_face_models_into_megatron_and_back() {
             rows(k, head_dim..2 * head_dim, HIDDEN)
         );
     }
+}
+
+/// An HF model imported as a megatron-core dist_ckpt on TP 2 x PP 2 holds what
+/// megatron-core itself saved for that model (the fixture's dist_ckpt, written by
+/// `dist_checkpointing.save`): the same tensors under the same stacked keys, every byte
+/// equal but the vocabulary's padding rows (the import writes none), and the files
+/// megatron-core's loader reads; a legacy source gives the same tensors.
+#[test]
+fn hugging_face_model_into_a_dist_ckpt_as_megatron_core_saves_it() {
+    let d = Dir::new();
+    for family in ["llama", "qwen3", "gpt"] {
+        let hf = d.path(&format!("{family}-hf"));
+        d.ok(&[
+            "merge",
+            &fx(family, "dist_ckpt"),
+            "--format",
+            "hf",
+            "-o",
+            hf.to_str().unwrap(),
+        ]);
+        let dist = d.path(&format!("{family}-dist"));
+        d.ok(&[
+            "reshard",
+            hf.to_str().unwrap(),
+            "--format",
+            "megatron-dist",
+            "--mesh",
+            "tp=2,pp=2",
+            "-o",
+            dist.to_str().unwrap(),
+        ]);
+        assert_eq!(
+            std::fs::read_to_string(dist.join("latest_checkpointed_iteration.txt")).unwrap(),
+            "release"
+        );
+        let it = dist.join("release");
+        let mut files: Vec<String> = std::fs::read_dir(&it)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        files.sort();
+        assert_eq!(
+            files,
+            [
+                ".metadata",
+                "__0_0.distcp",
+                "__0_1.distcp",
+                "__1_0.distcp",
+                "__2_0.distcp",
+                "__3_0.distcp",
+                "common.pt",
+                "metadata.json"
+            ],
+            "{family}"
+        );
+        assert!(std::fs::read_to_string(it.join("metadata.json"))
+            .unwrap()
+            .contains("\"sharded_backend\": \"torch_dist\""));
+        // Read back as a dist_ckpt (layers unstacked by ckpt's reader): megatron-core's
+        // own save of the same model, key for key.
+        let ours = full_tensors(&it);
+        let theirs = full_tensors(Path::new(&fx(family, "dist_ckpt")));
+        assert_eq!(
+            ours.keys().collect::<Vec<_>>(),
+            theirs.keys().collect::<Vec<_>>(),
+            "{family}"
+        );
+        for (name, bytes) in &ours {
+            if name.ends_with("word_embeddings.weight") || name == "output_layer.weight" {
+                assert_eq!(
+                    bytes[..],
+                    theirs[name][..VOCAB * HIDDEN * F32],
+                    "{family} {name}"
+                );
+            } else {
+                assert_eq!(bytes, &theirs[name], "{family} {name}");
+            }
+        }
+        // From the legacy checkpoint megatron-core wrote: the same tensors, padding kept.
+        let from_legacy = d.path(&format!("{family}-legacy-dist"));
+        d.ok(&[
+            "reshard",
+            &fx(family, "legacy"),
+            "--format",
+            "megatron-dist",
+            "--mesh",
+            "tp=1,pp=2",
+            "-o",
+            from_legacy.to_str().unwrap(),
+        ]);
+        assert_eq!(
+            full_tensors(&from_legacy.join("iter_0000001")),
+            theirs,
+            "{family}"
+        );
+    }
+}
+
+/// What a dist_ckpt import refuses, nothing written: one rank (`--rank`), experts,
+/// a dist_ckpt source.
+#[test]
+fn dist_ckpt_import_refusals() {
+    let d = Dir::new();
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf_models/llama");
+    let o = d.fails(&[
+        "reshard",
+        model.to_str().unwrap(),
+        "--format",
+        "megatron-dist",
+        "--mesh",
+        "tp=2,pp=1",
+        "--rank",
+        "0",
+        "-o",
+        "o1",
+    ]);
+    assert!(
+        o.stderr.contains("write every rank at once"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("o1").exists());
+    let o = d.fails(&[
+        "reshard",
+        &fx("llama", "dist_ckpt"),
+        "--format",
+        "megatron-dist",
+        "--mesh",
+        "tp=2,pp=1",
+        "-o",
+        "o2",
+    ]);
+    assert!(
+        o.stderr.contains("--format hf` and import that"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("o2").exists());
+    let moe =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/moe/megatron/ep2tp1/legacy");
+    let o = d.fails(&[
+        "reshard",
+        moe.to_str().unwrap(),
+        "--format",
+        "megatron-dist",
+        "--mesh",
+        "tp=1,pp=1",
+        "-o",
+        "o3",
+    ]);
+    assert!(o.stderr.contains("mixture of experts"), "{}", o.stderr);
+    assert!(!d.path("o3").exists());
 }
 
 /// What an import refuses: no config beside the model, a TP size that splits a head,

@@ -15,6 +15,7 @@ mod formats;
 mod hf;
 mod launch;
 mod layout;
+mod megatron_dist_output;
 mod megatron_output;
 mod present;
 mod ucp_output;
@@ -73,7 +74,7 @@ pub use crate::formats::ckptz::{
 pub use crate::formats::deepspeed_write::{write_deepspeed_dp, DeepSpeedWriteStats};
 pub use crate::formats::detect::{create_writer, sniff};
 pub use crate::formats::distcp::{
-    metadata_bytes as distcp_metadata, torch_dtype_name, DistcpChunk,
+    metadata_bytes as distcp_metadata, torch_dtype_name, DistcpChunk, DistcpObject,
 };
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
 pub use crate::formats::mindspore_strategy::{
@@ -114,6 +115,9 @@ pub use crate::layout::strategy::{
     dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION,
 };
 pub use crate::layout::{Piece, Placement, TensorLayout};
+pub use crate::megatron_dist_output::{
+    megatron_dist_finish, megatron_dist_plan, megatron_dist_strategy, MegatronDist,
+};
 pub use crate::megatron_output::{
     megatron_legacy_plan, megatron_legacy_plan_ep, megatron_moe_strategy, megatron_restage,
     megatron_tracker,

@@ -128,6 +128,7 @@ pub fn megatron_legacy_plan_ep(
             &state,
             (tp, pp, ep),
             rng.as_ref().map(|g| (g, f.tensors.len())),
+            megatron::LEGACY_FORMAT,
         )?;
         f.metadata = [
             (WRAP_KEY.to_string(), "model".to_string()),

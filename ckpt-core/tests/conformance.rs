@@ -476,7 +476,7 @@ fn dcp_dir(scratch: &Path) -> PathBuf {
         .iter()
         .map(|(s, _)| (s.name.clone(), (s.dtype, s.shape.clone())))
         .collect();
-    let meta = distcp_metadata(&global, &files).unwrap();
+    let meta = distcp_metadata(&global, &files, &[]).unwrap();
     std::fs::write(dir.join(".metadata"), meta).unwrap();
     dir
 }

@@ -117,6 +117,12 @@ pub enum OutputFormat {
     /// carries): `OUT/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt` and
     /// `OUT/latest_checkpointed_iteration.txt`.
     Megatron,
+    /// A megatron-core dist_ckpt (`torch_dist`, from a Megatron legacy source or a
+    /// Hugging Face model): `OUT/<iter_NNNNNNN|release>/` with `__<r>_0.distcp`,
+    /// `.metadata`, `common.pt` and `metadata.json`, and
+    /// `OUT/latest_checkpointed_iteration.txt`, loadable by megatron-core's
+    /// `dist_checkpointing.load`.
+    MegatronDist,
     /// A DeepSpeed ZeRO-1/2 checkpoint for `--to N` data-parallel ranks (from a
     /// DeepSpeed source): `OUT/latest`, `OUT/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt`
     /// and `OUT/<tag>/mp_rank_00_model_states.pt`, loadable by DeepSpeed's
@@ -135,12 +141,13 @@ impl OutputFormat {
     /// Every format by the name the CLI and the Python package take (`--format`;
     /// `distcp` and `dcp-safetensors` are PyTorch's two DCP layouts, `dcp` the old name
     /// of the second, [`OLD_DCP_NAME`]).
-    pub const NAMES: [(&'static str, OutputFormat); 7] = [
+    pub const NAMES: [(&'static str, OutputFormat); 8] = [
         ("ckpt", OutputFormat::Ranks),
         ("dcp-safetensors", OutputFormat::Dcp),
         ("distcp", OutputFormat::Distcp),
         ("mindspore", OutputFormat::MindSpore),
         ("megatron", OutputFormat::Megatron),
+        ("megatron-dist", OutputFormat::MegatronDist),
         ("deepspeed", OutputFormat::DeepSpeed),
         // The old name of `dcp-safetensors`, kept: it reads as either DCP format.
         (OLD_DCP_NAME, OutputFormat::Dcp),
@@ -163,8 +170,22 @@ impl OutputFormat {
             OutputFormat::Dcp
             | OutputFormat::Distcp
             | OutputFormat::Megatron
+            | OutputFormat::MegatronDist
             | OutputFormat::DeepSpeed => None,
         }
+    }
+
+    /// Whether the format is PyTorch DCP's default one, which stores each chunk once
+    /// (its metadata maps a chunk to one file) as one box.
+    #[must_use]
+    pub fn is_distcp(self) -> bool {
+        matches!(self, OutputFormat::Distcp | OutputFormat::MegatronDist)
+    }
+
+    /// Whether the format is Megatron's, whose tensors need Megatron's names.
+    #[must_use]
+    pub fn is_megatron(self) -> bool {
+        matches!(self, OutputFormat::Megatron | OutputFormat::MegatronDist)
     }
 
     /// The file of target rank `r`.
@@ -175,7 +196,10 @@ impl OutputFormat {
             OutputFormat::MindSpore => {
                 Path::new(&format!("rank_{r}")).join(format!("checkpoint_{r}.ckpt"))
             }
-            OutputFormat::Distcp => PathBuf::from(format!("__{r}_0.distcp")),
+            // (A dist_ckpt's in its iteration directory, by `megatron_dist_plan`.)
+            OutputFormat::Distcp | OutputFormat::MegatronDist => {
+                PathBuf::from(format!("__{r}_0.distcp"))
+            }
             // Named by tensor and pipeline rank once the plan is made
             // (`megatron_legacy_plan`).
             OutputFormat::Megatron => PathBuf::from(format!("rank_{r}.pt")),
@@ -400,7 +424,7 @@ pub fn plan(
             // Every Megatron rank file holds its whole state dict, replicas included.
             let keep_all = keep_all || format == OutputFormat::Megatron;
             let tensors = target_tensors(strategy, r, keep_all, format);
-            if matches!(format, OutputFormat::Dcp | OutputFormat::Distcp) {
+            if format == OutputFormat::Dcp || format.is_distcp() {
                 if let Some(t) = tensors.iter().find(|t| t.pieces.len() > 1) {
                     return Err(Error::Unsupported {
                         problem: format!(
@@ -427,7 +451,7 @@ fn target_tensors(
     keep_all: bool,
     format: OutputFormat,
 ) -> Vec<TargetTensor> {
-    let distcp = format == OutputFormat::Distcp;
+    let distcp = format.is_distcp();
     let mut tensors = rank_tensors(strategy, r, keep_all && !distcp, &|_, l| Some(l.dtype));
     if distcp {
         tensors.retain(|t| t.shape.iter().all(|&d| d > 0));
@@ -459,7 +483,7 @@ fn distcp_metadata(strategy: &Strategy) -> Result<Vec<u8>> {
             (OutputFormat::Distcp.file(r).display().to_string(), chunks)
         })
         .collect();
-    ckpt_core::distcp_metadata(&tensors, &files)
+    ckpt_core::distcp_metadata(&tensors, &files, &[])
 }
 
 /// Opens the source and derives the target strategy and plan (for `--plan`).
@@ -467,6 +491,20 @@ fn distcp_metadata(strategy: &Strategy) -> Result<Vec<u8>> {
 /// # Errors
 /// Any input problem.
 pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)> {
+    let p = prepare_output(req)?;
+    Ok((p.source, p.strategy, p.plan))
+}
+
+/// What a reshard writes: the source, the target strategy, the plan, and a dist_ckpt's
+/// files beside the plan's.
+struct Prepared {
+    source: Checkpoint,
+    strategy: Strategy,
+    plan: CopyPlan,
+    dist: Option<ckpt_core::MegatronDist>,
+}
+
+fn prepare_output(req: &ReshardRequest) -> Result<Prepared> {
     if req.format == OutputFormat::DeepSpeed {
         return Err(Error::Unsupported {
             problem: "--format deepspeed re-cuts DeepSpeed's flat partitions directly: it has no copy plan to show (--plan)".into(),
@@ -481,15 +519,15 @@ pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)>
     if let Some(e) = source.no_tensors() {
         return Err(e);
     }
-    if req.format == OutputFormat::Megatron && !source.is_megatron() {
+    if req.format.is_megatron() && !source.is_megatron() {
         // A Hugging Face model: Megatron's tensors by its family's table.
         source.megatron_import(&ckpt_core::HfTarget::default())?;
     }
     // A Megatron mixture of experts: the target's tensor x pipeline ranks from
     // megatron-core's rules, split again by experts into `ep` ranks when written.
     let moe = match (&req.target, req.format) {
-        (Target::Mesh(m), OutputFormat::Megatron) => ckpt_core::megatron_moe_strategy(&source, m)?,
-        (Target::To(k), OutputFormat::Megatron) => {
+        (Target::Mesh(m), f) if f.is_megatron() => ckpt_core::megatron_moe_strategy(&source, m)?,
+        (Target::To(k), f) if f.is_megatron() => {
             ckpt_core::megatron_moe_strategy(&source, &[("tp".into(), *k), ("pp".into(), 1)])?
         }
         _ => None,
@@ -504,20 +542,33 @@ pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)>
             None,
         ),
     };
-    if req.format == OutputFormat::Megatron {
-        ckpt_core::megatron_restage(&source, &mut strategy)?;
+    match req.format {
+        OutputFormat::Megatron => ckpt_core::megatron_restage(&source, &mut strategy)?,
+        OutputFormat::MegatronDist => ckpt_core::megatron_dist_strategy(&source, &mut strategy)?,
+        _ => {}
     }
     let mut plan = plan(&source, &strategy, req.ranks, req.keep_all, req.format)?;
+    let mut dist = None;
     if req.format == OutputFormat::Megatron {
         let ranks = req.ranks.list(strategy.mesh.world_size())?;
         ckpt_core::megatron_legacy_plan_ep(&source, &strategy, &ranks, &mut plan, ep)?;
+    }
+    if req.format == OutputFormat::MegatronDist {
+        dist = Some(ckpt_core::megatron_dist_plan(
+            &source, &strategy, &mut plan,
+        )?);
     }
     if req.compression.is_some() {
         for f in &mut plan.files {
             f.path.set_extension(CKPTZ_EXTENSION);
         }
     }
-    Ok((source, strategy, plan))
+    Ok(Prepared {
+        source,
+        strategy,
+        plan,
+        dist,
+    })
 }
 
 /// Reshards: checks everything, then writes. With all ranks, the whole output appears
@@ -533,9 +584,10 @@ pub fn reshard(
     on_plan: &dyn Fn(&Checkpoint, &CopyPlan),
 ) -> Result<CopyStats> {
     check_output_outside_inputs(&req.output, &req.inputs)?;
-    if req.format == OutputFormat::Megatron && req.ranks != Ranks::All {
+    if req.format.is_megatron() && req.ranks != Ranks::All {
         return Err(Error::Unsupported {
-            problem: "--format megatron writes every rank at once (no --rank)".into(),
+            problem: "--format megatron and megatron-dist write every rank at once (no --rank)"
+                .into(),
         });
     }
     if req.ranks == Ranks::All && req.output.exists() && !req.force {
@@ -544,7 +596,12 @@ pub fn reshard(
         });
     }
     // Every target rank's plan is checked before anything is written.
-    let (source, strategy, full) = prepare(req)?;
+    let Prepared {
+        source,
+        strategy,
+        plan: full,
+        dist,
+    } = prepare_output(req)?;
     let json = strategy.to_json();
     let ranks = req.ranks.list(strategy.mesh.world_size())?;
     on_plan(&source, &full);
@@ -564,6 +621,9 @@ pub fn reshard(
         if req.format == OutputFormat::Megatron {
             let (path, text) = ckpt_core::megatron_tracker(&source)?;
             write_file_atomic(&staged.path().join(path), &text)?;
+        }
+        if let Some(d) = &dist {
+            ckpt_core::megatron_dist_finish(d, staged.path())?;
         }
         staged.commit()?;
         return Ok(stats);

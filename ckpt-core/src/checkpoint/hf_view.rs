@@ -268,7 +268,7 @@ impl Checkpoint {
             .find(|f| f.metadata().get("format").map(String::as_str) == Some("megatron"))
             .ok_or_else(|| {
                 unsupported(
-                    "--format megatron writes a Megatron legacy checkpoint from a Megatron legacy source (its args are carried) or from a Hugging Face model (its config.json beside it): this source is neither".into(),
+                    "--format megatron and megatron-dist write Megatron checkpoints from a Megatron legacy source (its args are carried) or from a Hugging Face model (its config.json beside it): this source is neither (a dist_ckpt source: export it with `ckpt merge SRC --format hf` and import that)".into(),
                 )
             })?;
         megatron::source_state(first.path())

@@ -166,9 +166,11 @@ pub fn create_writer(
     } else if matches!(ext, "pth" | "pt" | "bin" | "distcp") {
         let wrap = torch_write::Wrap::from_metadata(metadata)?;
         let bare = ext == "distcp" || wrap.as_ref().is_some_and(|w| w.flat);
+        let tensors =
+            torch_write::with_stored_shapes(tensors, metadata).map_err(|e| e.with_path(dest))?;
         Box::new(torch_write::TorchWriter::create_wrapped(
             dest,
-            tensors,
+            &tensors,
             bare,
             wrap.as_ref(),
         )?)

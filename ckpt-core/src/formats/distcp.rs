@@ -595,17 +595,32 @@ pub struct DistcpChunk {
     pub sizes: Vec<u64>,
 }
 
+/// A value that is not a tensor (DCP's `BytesStorageMetadata`, a `torch.save` of the
+/// object) at bytes `offset..offset + len` of `file`, for [`metadata_bytes`].
+#[derive(Clone, Debug)]
+pub struct DistcpObject {
+    /// Its key.
+    pub fqn: String,
+    /// The file (relative to the directory).
+    pub file: String,
+    /// Where its bytes start in the file.
+    pub offset: u64,
+    /// How many bytes.
+    pub len: u64,
+}
+
 /// The `.metadata` of a DCP directory whose file `files[k].0` holds the chunks
 /// `files[k].1`, in order, each as one `torch.save` archive (as
 /// [`TorchWriter`](super::torch_write::TorchWriter) lays them out), of the tensors
-/// `tensors` (name: dtype and global shape). `torch.distributed.checkpoint.load` with
-/// the default `FileSystemReader` reads it.
+/// `tensors` (name: dtype and global shape), and the values `objects`.
+/// `torch.distributed.checkpoint.load` with the default `FileSystemReader` reads it.
 ///
 /// # Errors
 /// Dtypes torch has no name for, sizes that overflow.
 pub fn metadata_bytes(
     tensors: &BTreeMap<String, (Dtype, Vec<u64>)>,
     files: &[(String, Vec<DistcpChunk>)],
+    objects: &[DistcpObject],
 ) -> Result<Vec<u8>> {
     // Where each chunk's archive lies.
     let mut storage: Vec<(&DistcpChunk, &str, u64, u64)> = Vec::new();
@@ -673,9 +688,14 @@ pub fn metadata_bytes(
         e.appends();
         e.set_items().build();
     }
+    for o in objects {
+        // A dataclass without fields: no state to build.
+        e.str(&o.fqn);
+        emit_object(&mut e, DCP_METADATA, "BytesStorageMetadata");
+    }
     e.set_items();
     e.str("planner_data").empty_dict().mark();
-    for name in tensors.keys() {
+    for name in tensors.keys().chain(objects.iter().map(|o| &o.fqn)) {
         e.str(name).mark().str(name).tuple();
     }
     e.set_items();
@@ -700,6 +720,29 @@ pub fn metadata_bytes(
             .int(*at)
             .str("length")
             .int(*len);
+        e.set_items().build();
+    }
+    for o in objects {
+        emit_object(&mut e, DCP_METADATA, "MetadataIndex");
+        e.empty_dict().mark().str("fqn").str(&o.fqn);
+        e.str("offset")
+            .none()
+            .str("index")
+            .none()
+            .set_items()
+            .build();
+        emit_object(
+            &mut e,
+            "torch.distributed.checkpoint.filesystem",
+            "_StorageInfo",
+        );
+        e.empty_dict().mark();
+        e.str("relative_path")
+            .str(&o.file)
+            .str("offset")
+            .int(o.offset)
+            .str("length")
+            .int(o.len);
         e.set_items().build();
     }
     e.set_items();
@@ -810,7 +853,7 @@ mod tests {
                 }],
             ),
         ];
-        let m = parse_metadata(&metadata_bytes(&tensors, &files).unwrap()).unwrap();
+        let m = parse_metadata(&metadata_bytes(&tensors, &files, &[]).unwrap()).unwrap();
         assert_eq!(
             m.tensors["w"],
             DcpTensor {

@@ -49,6 +49,9 @@ use std::path::{Path, PathBuf};
 pub(crate) const TRACKER_FILE: &str = "latest_checkpointed_iteration.txt";
 /// A rank's file.
 pub(crate) const RANK_FILE: &str = "model_optim_rng.pt";
+/// Megatron-LM's `--ckpt-format` of a legacy checkpoint, and of a dist_ckpt.
+pub(crate) const LEGACY_FORMAT: &str = "torch";
+pub(crate) const DIST_FORMAT: &str = "torch_dist";
 /// The distributed optimizer's per-rank file (read by [`optim`]).
 const DISTRIB_OPTIM_FILE: &str = optim::FILE;
 /// The pipeline axis of the mesh ckpt gives a legacy checkpoint.
@@ -534,7 +537,7 @@ pub(crate) struct Legacy {
 
 /// The iteration directory a path means: a save directory's tracker names it, an
 /// iteration directory is itself.
-fn iteration_dir(path: &Path) -> Result<PathBuf> {
+pub(crate) fn iteration_dir(path: &Path) -> Result<PathBuf> {
     let tracker = path.join(TRACKER_FILE);
     if !tracker.is_file() {
         return Ok(path.to_path_buf());
@@ -1174,7 +1177,7 @@ mod tests {
             iteration: 7,
             release: false,
         };
-        let fragment = extra_entries(&state, (4, 1, 1), None).unwrap();
+        let fragment = extra_entries(&state, (4, 1, 1), None, LEGACY_FORMAT).unwrap();
         let mut d = Emitter::new();
         d.empty_dict().mark().raw(&fragment).set_items();
         let back = parse(&d.finish()).unwrap();
@@ -1685,6 +1688,7 @@ pub(crate) fn extra_entries(
     state: &SourceState,
     (tp, pp, ep): (u64, u64, u64),
     rng: Option<(&RankRng, usize)>,
+    ckpt_format: &str,
 ) -> Result<Vec<u8>> {
     let mut args = state.args_value.clone();
     if let Value::Build { state: fields, .. } = &mut args {
@@ -1705,6 +1709,7 @@ pub(crate) fn extra_entries(
                 set("expert_tensor_parallel_size", Value::None);
             }
             set("virtual_pipeline_model_parallel_size", Value::None);
+            set("ckpt_format", Value::Str(ckpt_format.into()));
             set("no_save_optim", Value::Bool(true));
             if rng.is_none() {
                 set("no_save_rng", Value::Bool(true));

@@ -141,6 +141,45 @@ pub(crate) const PREFIX: &str = "torch.prefix";
 /// and flattened to one dimension (same bytes): DeepSpeed's ZeRO-3 universal files.
 pub(crate) const BARE_FLAT: &str = "torch.bare_flat";
 
+/// Metadata key giving some tensors another shape of the same elements to be pickled
+/// with (a JSON object, name: shape): a chunk of a stacked tensor, `[1, rows, cols]` of
+/// a Megatron dist_ckpt's `decoder.layers.<param>`, holds the bytes of the one layer's
+/// `[rows, cols]` the plan assembles.
+pub(crate) const STORED_SHAPES: &str = "torch.stored_shapes";
+
+/// `tensors` with the shapes [`STORED_SHAPES`] gives them, each checked to hold as many
+/// elements as the tensor.
+///
+/// # Errors
+/// A value that is not such an object; a shape of another element count.
+pub(crate) fn with_stored_shapes(
+    tensors: &[TensorSpec],
+    m: &std::collections::BTreeMap<String, String>,
+) -> Result<Vec<TensorSpec>> {
+    let mut out = tensors.to_vec();
+    let Some(text) = m.get(STORED_SHAPES) else {
+        return Ok(out);
+    };
+    let bad = |problem: String| Error::Unsupported {
+        problem: format!("{STORED_SHAPES}: {problem}"),
+    };
+    let shapes: std::collections::BTreeMap<String, Vec<u64>> =
+        serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+    let numel = |s: &[u64]| s.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+    for t in &mut out {
+        if let Some(shape) = shapes.get(&t.name) {
+            if numel(shape).is_none() || numel(shape) != numel(&t.shape) {
+                return Err(bad(format!(
+                    "tensor `{}` of shape {:?} cannot be stored as {shape:?}",
+                    t.name, t.shape
+                )));
+            }
+            t.shape.clone_from(shape);
+        }
+    }
+    Ok(out)
+}
+
 /// How the tensors sit in the saved object: under one key of the saved dict beside
 /// other entries, after some entries, or alone and flattened.
 #[derive(Clone, Debug, Default)]

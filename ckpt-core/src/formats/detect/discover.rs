@@ -453,6 +453,12 @@ fn megatron_dir(path: &Path, x: &mut Discovery) -> Result<()> {
             }
         }
     }
+    // Megatron-LM's `--ckpt-format torch_dist` saves: the iteration the tracker names
+    // is a dist_ckpt, read as one.
+    let iteration = megatron::iteration_dir(&path)?;
+    if iteration.join(megatron::DIST_METADATA_FILE).is_file() {
+        return x.add(&iteration);
+    }
     if let Some(other) = x.megatron.replace(path.clone()) {
         return Err(unknown(format!(
             "two Megatron checkpoints given ({} and {}): one at a time",

@@ -1,0 +1,345 @@
+//! Writing a reshard's output as a megatron-core dist_ckpt (`reshard --format
+//! megatron-dist`): what `megatron.core.dist_checkpointing.load` reads with the
+//! `torch_dist` backend and Megatron-LM's `--ckpt-format torch_dist` starts from.
+//!
+//! `OUT/latest_checkpointed_iteration.txt` names `OUT/<release|iter_NNNNNNN>/`, which
+//! holds what megatron-core's `dist_checkpointing.save` writes (docs/formats.md):
+//! - `__<r>_0.distcp`: DCP files, one per rank of the target's TP x PP grid, each
+//!   chunk a `torch.save` archive. Layer parameters are stacked over the layers as
+//!   megatron-core's `TransformerBlock.sharded_state_dict` stacks them
+//!   (`decoder.layers.<param>`, `[num_layers, ...]`, the global layer number the offset
+//!   on the first axis), the norms under the fused names its layer specs map them to
+//!   (`input_layernorm.` → `self_attention.linear_qkv.layer_norm_`, `pre_mlp_layernorm.`
+//!   → `mlp.linear_fc1.layer_norm_`); each rank stores its layers' TP slices once;
+//! - `__0_1.distcp`: the `_extra_state` of every parallel linear layer, a
+//!   `ShardedObject` per layer (`decoder.layers.<module>._extra_state/shard_<l>_<L>`),
+//!   as megatron-core's local layers save it (`torch.save([None])`: no FP8 state);
+//! - `.metadata`: DCP's metadata of all of them; `common.pt`: `args` (the new sizes,
+//!   `ckpt_format` `torch_dist`), `checkpoint_version` 3.0 and `iteration`;
+//!   `metadata.json`: the backends.
+//!
+//! As megatron_output.rs: the plan is the engine's (per-layer tensors, streamed and
+//! staged like any other output); this module renames its chunks into the stacked
+//! tensors and writes the small files beside them.
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{Error, Result};
+use crate::formats::distcp::{metadata_bytes, DistcpChunk, DistcpObject};
+use crate::formats::megatron::{self, SourceState, TRACKER_FILE};
+use crate::formats::output::write_file_atomic;
+use crate::formats::pickle::Emitter;
+use crate::formats::torch_write::{TorchWriter, STORED_SHAPES};
+use crate::layout::plan::CopyPlan;
+use crate::layout::strategy::Strategy;
+use crate::layout::Placement;
+use crate::Dtype;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// The prefix of the layers' tensors, per layer and stacked.
+const LAYERS: &str = "decoder.layers.";
+/// megatron-core's local layer spec's `sharded_state_dict_keys_map` (the
+/// TransformerEngine spec has these names itself).
+const FUSED_NORMS: [(&str, &str); 2] = [
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+];
+/// The file of the non-tensor values (rank 0's second file, as DCP names them).
+const OBJECTS_FILE: &str = "__0_1.distcp";
+const COMMON_FILE: &str = "common.pt";
+const CONFIG_FILE: &str = "metadata.json";
+/// `metadata.json` of a `torch_dist` save (megatron-core's `CheckpointingConfig`).
+const CONFIG: &str = r#"{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}"#;
+
+fn unsupported(problem: String) -> Error {
+    Error::Unsupported { problem }
+}
+
+/// The dist_ckpt key of a Megatron tensor's global name, and the layer it is of:
+/// `decoder.layers.3.input_layernorm.weight` is layer 3 of
+/// `decoder.layers.self_attention.linear_qkv.layer_norm_weight`.
+fn dist_key(name: &str) -> (String, Option<u64>) {
+    let Some(rest) = name.strip_prefix(LAYERS) else {
+        return (name.to_string(), None);
+    };
+    let Some((layer, param)) = rest.split_once('.') else {
+        return (name.to_string(), None);
+    };
+    let Ok(layer) = layer.parse::<u64>() else {
+        return (name.to_string(), None);
+    };
+    let param = FUSED_NORMS
+        .iter()
+        .find_map(|(from, to)| param.strip_prefix(from).map(|p| format!("{to}{p}")))
+        .unwrap_or_else(|| param.to_string());
+    (format!("{LAYERS}{param}"), Some(layer))
+}
+
+/// The parallel linear module of a stacked parameter (`decoder.layers.mlp.linear_fc1`
+/// of `decoder.layers.mlp.linear_fc1.weight`): megatron-core's `ColumnParallelLinear`
+/// and `RowParallelLinear` (and TransformerEngine's) save an `_extra_state`.
+fn linear_module(key: &str) -> Option<&str> {
+    let module = key.strip_suffix(".weight")?;
+    let last = module.rsplit('.').next()?;
+    (module.starts_with(LAYERS) && last.starts_with("linear_")).then_some(module)
+}
+
+/// A dist_ckpt output being written: what [`megatron_dist_finish`] writes beside the
+/// engine's files.
+#[derive(Debug)]
+pub struct MegatronDist {
+    state: SourceState,
+    /// The iteration directory, relative to the output.
+    dir: PathBuf,
+    sizes: (u64, u64),
+    tensors: BTreeMap<String, (Dtype, Vec<u64>)>,
+    files: Vec<(String, Vec<DistcpChunk>)>,
+    /// The `_extra_state` modules, stacked names.
+    modules: BTreeSet<String>,
+    layers: u64,
+}
+
+/// Prepares a target strategy (one tensor-parallel axis, an optional pipeline axis)
+/// for a dist_ckpt: every tensor on the stage Megatron's layout puts it
+/// ([`crate::megatron_restage`]), split along its TP dimension in one block (DCP stores
+/// one box per rank; megatron-core's loader reads any chunks, so a SwiGLU `linear_fc1`
+/// need not be stored as each rank's gate and up rows), and no output layer where the
+/// embeddings are tied (megatron-core's `GPTModel` saves the word embedding once).
+///
+/// # Errors
+/// A source with experts (not written yet); what [`crate::megatron_restage`] refuses.
+pub fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strategy) -> Result<()> {
+    let state = source.megatron_state()?;
+    if let Some(e) = state.args.moe.experts {
+        return Err(unsupported(format!(
+            "--format megatron-dist of a mixture of experts ({e} experts) is not written yet: use --format megatron (legacy)"
+        )));
+    }
+    crate::megatron_restage(source, strategy)?;
+    if state.args.model.untied == Some(false) {
+        strategy.tensors.remove("output_layer.weight");
+    }
+    for l in strategy.tensors.values_mut() {
+        for p in &mut l.placements {
+            if let Placement::Shard { blocks, .. } = p {
+                *blocks = 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Rewrites `plan` (one file per rank of `ranks` of `strategy`'s mesh, as for DCP)
+/// into a dist_ckpt's `.distcp` files: the per-layer tensors become chunks of the
+/// stacked ones, stored with a leading layer axis of 1 (same bytes).
+///
+/// # Errors
+/// A source that is not Megatron's and was not imported; a mesh that is not one
+/// tensor-parallel axis and an optional pipeline axis; a tensor of a layer outside
+/// `num_layers`, or whose layers differ in shape; a tensor in several boxes on a rank.
+pub fn megatron_dist_plan(
+    source: &Checkpoint,
+    strategy: &Strategy,
+    plan: &mut CopyPlan,
+) -> Result<MegatronDist> {
+    let state = source.megatron_state()?;
+    let mesh = &strategy.mesh;
+    let pipe = mesh.pipeline();
+    let others: Vec<usize> = (0..mesh.axes().len())
+        .filter(|&i| Some(i) != pipe)
+        .collect();
+    let [tp_axis] = others[..] else {
+        return Err(unsupported(format!(
+            "--format megatron-dist needs a mesh of one tensor-parallel axis and an optional pipeline axis, not {mesh}"
+        )));
+    };
+    let tp = mesh.axes()[tp_axis].size;
+    let pp = pipe.map_or(1, |p| mesh.axes()[p].size);
+    let layers = state.args.num_layers.ok_or_else(|| {
+        unsupported("the source's args lack num_layers (a dist_ckpt stacks the layers)".into())
+    })?;
+    let dir = state
+        .rank_path(0, 0, 1)
+        .components()
+        .next()
+        .map(|c| PathBuf::from(c.as_os_str()))
+        .unwrap_or_default();
+    let mut tensors: BTreeMap<String, (Dtype, Vec<u64>)> = BTreeMap::new();
+    let mut files = Vec::with_capacity(plan.files.len());
+    let mut modules = BTreeSet::new();
+    for (r, f) in plan.files.iter_mut().enumerate() {
+        let name = format!("__{r}_0.distcp");
+        f.path = dir.join(&name);
+        let mut chunks = Vec::with_capacity(f.tensors.len());
+        let mut stored: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+        for t in &f.tensors {
+            let t = &t.target;
+            let bad = |problem: String| Error::InvalidTensor {
+                tensor: t.name.clone(),
+                problem,
+            };
+            let [piece] = &t.pieces[..] else {
+                return Err(bad(format!(
+                    "rank {r} holds it as {} boxes; a dist_ckpt chunk is one",
+                    t.pieces.len()
+                )));
+            };
+            let (key, layer) = dist_key(&t.name);
+            let global_shape = strategy
+                .tensors
+                .get(&t.name)
+                .map(|l| l.shape.clone())
+                .ok_or_else(|| bad("not in the target strategy".into()))?;
+            let (global_shape, offsets, sizes) = match layer {
+                Some(l) if l >= layers => {
+                    return Err(bad(format!(
+                        "layer {l}, but the args give num_layers {layers}"
+                    )))
+                }
+                Some(l) => {
+                    let lead = |v: &[u64], first: u64| {
+                        std::iter::once(first)
+                            .chain(v.iter().copied())
+                            .collect::<Vec<_>>()
+                    };
+                    if let Some(m) = linear_module(&key) {
+                        modules.insert(m.to_string());
+                    }
+                    let sizes = lead(&t.shape, 1);
+                    stored.insert(&t.name, sizes.clone());
+                    (
+                        lead(&global_shape, layers),
+                        lead(&piece.global.start, l),
+                        sizes,
+                    )
+                }
+                None => (global_shape, piece.global.start.clone(), t.shape.clone()),
+            };
+            match tensors.get(&key) {
+                Some((d, s)) if (*d, s) != (t.dtype, &global_shape) => {
+                    return Err(bad(format!(
+                        "is {} {:?} in this layer, {} {s:?} (stacked) in another: a dist_ckpt stacks layers of one shape",
+                        crate::dtype_name(t.dtype),
+                        t.shape,
+                        crate::dtype_name(*d)
+                    )))
+                }
+                Some(_) => {}
+                None => {
+                    tensors.insert(key.clone(), (t.dtype, global_shape));
+                }
+            }
+            chunks.push(DistcpChunk {
+                fqn: key,
+                offsets,
+                sizes,
+            });
+        }
+        if !stored.is_empty() {
+            let json = serde_json::to_string(&stored).map_err(|e| unsupported(e.to_string()))?;
+            f.metadata.insert(STORED_SHAPES.to_string(), json);
+        }
+        files.push((name, chunks));
+    }
+    Ok(MegatronDist {
+        state,
+        dir,
+        sizes: (tp, pp),
+        tensors,
+        files,
+        modules,
+        layers,
+    })
+}
+
+/// Writes the files of a dist_ckpt beside the engine's `.distcp` files, into `out`
+/// (the staged output): the linear layers' extra state, `.metadata`, `common.pt`,
+/// `metadata.json` and the tracker.
+///
+/// # Errors
+/// I/O errors; args that cannot be written back.
+pub fn megatron_dist_finish(dist: &MegatronDist, out: &Path) -> Result<()> {
+    let dir = out.join(&dist.dir);
+    // One `torch.save([None])` that every layer's extra state points at.
+    let objects_path = dir.join(OBJECTS_FILE);
+    let mut e = Emitter::new();
+    e.empty_list().mark().none().appends();
+    TorchWriter::create_with_pickle(&objects_path, &[], e.finish())?.finish()?;
+    let len = std::fs::metadata(&objects_path)
+        .map_err(|source| Error::Io {
+            path: objects_path.clone(),
+            source,
+        })?
+        .len();
+    let objects: Vec<DistcpObject> = dist
+        .modules
+        .iter()
+        .flat_map(|m| {
+            (0..dist.layers).map(move |l| DistcpObject {
+                fqn: format!("{m}._extra_state/shard_{l}_{}", dist.layers),
+                file: OBJECTS_FILE.into(),
+                offset: 0,
+                len,
+            })
+        })
+        .collect();
+    let meta = metadata_bytes(&dist.tensors, &dist.files, &objects)?;
+    write_file_atomic(&dir.join(crate::formats::distcp::METADATA_FILE), &meta)?;
+    let (tp, pp) = dist.sizes;
+    let entries = megatron::extra_entries(&dist.state, (tp, pp, 1), None, megatron::DIST_FORMAT)?;
+    let mut e = Emitter::new();
+    e.empty_dict().mark().raw(&entries).set_items();
+    TorchWriter::create_with_pickle(&dir.join(COMMON_FILE), &[], e.finish())?.finish()?;
+    write_file_atomic(&dir.join(CONFIG_FILE), CONFIG.as_bytes())?;
+    write_file_atomic(
+        &out.join(TRACKER_FILE),
+        dist.state.tracker_text().as_bytes(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_names_become_stacked_dist_keys() {
+        assert_eq!(
+            dist_key("decoder.layers.3.input_layernorm.weight"),
+            (
+                "decoder.layers.self_attention.linear_qkv.layer_norm_weight".into(),
+                Some(3)
+            )
+        );
+        assert_eq!(
+            dist_key("decoder.layers.0.pre_mlp_layernorm.bias"),
+            (
+                "decoder.layers.mlp.linear_fc1.layer_norm_bias".into(),
+                Some(0)
+            )
+        );
+        assert_eq!(
+            dist_key("decoder.layers.12.self_attention.linear_qkv.weight"),
+            (
+                "decoder.layers.self_attention.linear_qkv.weight".into(),
+                Some(12)
+            )
+        );
+        assert_eq!(
+            dist_key("decoder.final_layernorm.weight"),
+            ("decoder.final_layernorm.weight".into(), None)
+        );
+        assert_eq!(
+            linear_module("decoder.layers.self_attention.linear_proj.weight"),
+            Some("decoder.layers.self_attention.linear_proj")
+        );
+        assert_eq!(
+            linear_module("decoder.layers.self_attention.linear_proj.bias"),
+            None
+        );
+        assert_eq!(
+            linear_module("decoder.layers.self_attention.q_layernorm.weight"),
+            None
+        );
+        assert_eq!(linear_module("output_layer.weight"), None);
+    }
+}
