@@ -16,6 +16,11 @@ and each layout (legacy, dist_ckpt):
   the vocabulary rows unpadded: the TP ranks' rows joined equal the fixture's first
   vocab_size rows), as a `release` checkpoint; and `ckpt merge --format hf` of that
   gives back the Hugging Face model's safetensors file byte for byte;
+- import as a dist_ckpt (`--format megatron-dist`, TP2 x PP2; for transformers' models
+  also TP1 x PP1): megatron-core's GPTModel on that many gloo ranks loads it with
+  `dist_checkpointing.load` and `load_state_dict(strict=True)`, its weights equal the
+  legacy import's rank by rank, the one-rank forward gives transformers' logits within
+  1e-4, and `merge --format hf` of it gives back every tensor byte;
 - the same with `--dtype bf16`: the model loads in bfloat16, `config.json` says so, every
   weight equals torch's own cast of the fp32 export's (`.to(torch.bfloat16)`, round to
   nearest even), and its logits agree with Megatron's fp32 logits within bf16's rounding
@@ -172,8 +177,9 @@ def check_dist_import(ckpt, name, hf_dir, legacy_dir, work, port, ref_file=None)
     loads it; the weights are the legacy import's; -> HF gives back the model."""
     import torch.multiprocessing as mp
 
+    tag = name.replace(" ", "_").replace("(", "").replace(")", "")
     for tp, pp in ((2, 2), (1, 1)) if ref_file else ((2, 2),):
-        out = os.path.join(work, f"{name}-dist-tp{tp}pp{pp}")
+        out = os.path.join(work, f"{tag}-dist-tp{tp}pp{pp}")
         r = subprocess.run([ckpt, "reshard", hf_dir, "--format", "megatron-dist", "--mesh", f"tp={tp},pp={pp}",
                             "-o", out, "--quiet"], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
@@ -181,15 +187,15 @@ def check_dist_import(ckpt, name, hf_dir, legacy_dir, work, port, ref_file=None)
             assert f.read() == "release"
         legacy = legacy_dir
         if (tp, pp) != (2, 2):
-            legacy = os.path.join(work, f"{name}-legacy-tp{tp}pp{pp}")
+            legacy = os.path.join(work, f"{tag}-legacy-tp{tp}pp{pp}")
             r = subprocess.run([ckpt, "reshard", hf_dir, "--format", "megatron", "--mesh", f"tp={tp},pp={pp}",
                                 "-o", legacy, "--quiet"], capture_output=True, text=True)
             assert r.returncode == 0, r.stderr
             legacy = os.path.join(legacy, "release")
-        result = os.path.join(work, f"{name}-dist-logits.pt")
+        result = os.path.join(work, f"{tag}-dist-logits.pt")
         mp.spawn(dist_load_worker, args=(tp * pp, tp, pp, port + tp * pp, os.path.join(out, "release"), legacy,
                                          ref_file, result), nprocs=tp * pp, join=True)
-        back = os.path.join(work, f"{name}-dist-back-{tp}{pp}")
+        back = os.path.join(work, f"{tag}-dist-back-{tp}{pp}")
         export(ckpt, out, back)
         same_tensors(os.path.join(hf_dir, "model.safetensors"), os.path.join(back, "model.safetensors"), name)
         print(f"{name}: HF -> megatron-dist TP{tp} x PP{pp}: megatron-core's dist_checkpointing.load takes it "
@@ -255,7 +261,8 @@ def check_transformers_import(ckpt, work):
         r = subprocess.run([ckpt, "reshard", model_dir, "--format", "megatron", "--mesh", "tp=2,pp=2", "-o", four, "--quiet"],
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
-        check_dist_import(ckpt, name, model_dir, os.path.join(four, "release"), work, 29720, ref)
+        check_dist_import(ckpt, f"{name} (save_pretrained)", model_dir, os.path.join(four, "release"),
+                          work, 29720, ref)
         back = os.path.join(work, f"{name}-model-back")
         export(ckpt, four, back)
         same_tensors(os.path.join(model_dir, "model.safetensors"), os.path.join(back, "model.safetensors"), name)

@@ -20,6 +20,7 @@ mod megatron_views;
 mod mindspore;
 mod open;
 mod sliced;
+mod titan_view;
 
 use crate::error::Error;
 use crate::formats::TensorFile;

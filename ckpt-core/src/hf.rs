@@ -963,6 +963,78 @@ pub(crate) fn disagreements(a: &Shape, b: &Shape) -> Vec<String> {
     out
 }
 
+/// Which heads a torchtitan projection's rows are in its interleaved rotary layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RopeRows {
+    /// Not rotated (or rotated as Hugging Face's `rotate_half`): rows as they are.
+    AsTheyAre,
+    /// The query heads (`Shape::heads`).
+    Query,
+    /// The key heads (`Shape::groups`).
+    Key,
+}
+
+/// A tensor of torchtitan's Llama (torchtitan 0.3, `Llama3Model`) and the Hugging Face
+/// tensor it is, from torchtitan's own `Llama3StateDictAdapter.from_hf_map`
+/// (`torchtitan/models/llama3/state_dict_adapter.py`); `{l}` is the layer. One table
+/// gives both directions, as the Megatron rows do.
+pub(crate) struct TitanRow {
+    pub(crate) titan: &'static str,
+    pub(crate) hf: &'static str,
+    pub(crate) rope: RopeRows,
+}
+
+/// torchtitan's Llama (`--hf-arch llama`/`mistral` tensors).
+pub(crate) const TORCHTITAN_LLAMA: [TitanRow; 12] = {
+    const fn row(titan: &'static str, hf: &'static str, rope: RopeRows) -> TitanRow {
+        TitanRow { titan, hf, rope }
+    }
+    use RopeRows::{AsTheyAre as N, Key as K, Query as Q};
+    [
+        row("tok_embeddings.weight", "model.embed_tokens.weight", N),
+        row("layers.{l}.attention.qkv_linear.wq.weight", "model.layers.{l}.self_attn.q_proj.weight", Q),
+        row("layers.{l}.attention.qkv_linear.wk.weight", "model.layers.{l}.self_attn.k_proj.weight", K),
+        row("layers.{l}.attention.qkv_linear.wv.weight", "model.layers.{l}.self_attn.v_proj.weight", N),
+        row("layers.{l}.attention.wo.weight", "model.layers.{l}.self_attn.o_proj.weight", N),
+        row("layers.{l}.feed_forward.w1.weight", "model.layers.{l}.mlp.gate_proj.weight", N),
+        row("layers.{l}.feed_forward.w3.weight", "model.layers.{l}.mlp.up_proj.weight", N),
+        row("layers.{l}.feed_forward.w2.weight", "model.layers.{l}.mlp.down_proj.weight", N),
+        row("layers.{l}.attention_norm.weight", "model.layers.{l}.input_layernorm.weight", N),
+        row("layers.{l}.ffn_norm.weight", "model.layers.{l}.post_attention_layernorm.weight", N),
+        row("norm.weight", "model.norm.weight", N),
+        row("lm_head.weight", "lm_head.weight", N),
+    ]
+};
+
+/// The entries of a torchtitan checkpoint that are training state, not the model
+/// (torchtitan's `CheckpointManager` saves them beside the model's flattened keys).
+pub(crate) const TORCHTITAN_TRAINING_STATE: [&str; 4] =
+    ["optimizer.", "lr_scheduler.", "dataloader.", "train_state"];
+
+/// The row blocks that turn a projection of `heads` heads of `head_dim` rows from
+/// torchtitan's rotary layout into Hugging Face's (`to_hf`), or back. torchtitan's
+/// `ComplexRoPE` rotates consecutive pairs (rows `2j`, `2j + 1` of a head are the real
+/// and imaginary parts of pair `j`); Hugging Face's `rotate_half` pairs row `j` with
+/// `j + head_dim / 2`. So Hugging Face's row `half * head_dim / 2 + j` of a head is
+/// torchtitan's row `2j + half` (`Llama3StateDictAdapter._permute`:
+/// `w.view(heads, head_dim / 2, 2, dim).transpose(1, 2)`). Blocks of one row each.
+#[must_use]
+pub(crate) fn rope_blocks(heads: u64, head_dim: u64, to_hf: bool) -> Vec<Block> {
+    let pairs = head_dim / 2;
+    let mut blocks = Vec::with_capacity(usize::try_from(heads * head_dim).unwrap_or(0));
+    for h in 0..heads {
+        for half in 0..2 {
+            for j in 0..pairs {
+                let titan = h * head_dim + 2 * j + half;
+                let hf = h * head_dim + half * pairs + j;
+                let (from, to) = if to_hf { (titan, hf) } else { (hf, titan) };
+                blocks.push(Block { from, len: 1, to });
+            }
+        }
+    }
+    blocks
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1109,4 +1181,20 @@ mod tests {
             "{e}"
         );
     }
+
+    /// torchtitan's interleaved rotary rows to Hugging Face's halves and back: head 1
+    /// of 4 rows holds torchtitan's (re0, im0, re1, im1) as (re0, re1, im0, im1); the
+    /// two directions are each other's inverse.
+    #[test]
+    fn rope_blocks_permute_each_head_and_invert() {
+        let to_hf = rope_blocks(2, 4, true);
+        let map: Vec<(u64, u64)> = to_hf.iter().map(|b| (b.from, b.to)).collect();
+        assert!(to_hf.iter().all(|b| b.len == 1));
+        assert_eq!(&map[4..], &[(4, 4), (6, 5), (5, 6), (7, 7)]);
+        let back = rope_blocks(2, 4, false);
+        for b in &to_hf {
+            assert!(back.iter().any(|c| c.from == b.to && c.to == b.from));
+        }
+    }
 }
+

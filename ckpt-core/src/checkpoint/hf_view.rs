@@ -562,6 +562,9 @@ impl Checkpoint {
             }
         };
         let Some(args) = args else {
+            if self.is_torchtitan() {
+                self.rename_torchtitan(family, &shape, true)?;
+            }
             return self.hf_names_as_they_are(family, shape, user_config, notes);
         };
         // Args that do not say whether the output layer is tied, beside an output layer:
