@@ -39,6 +39,9 @@ and each layout (legacy, dist_ckpt):
   --hf-config` gives a model transformers loads with the trained model's logits
   (reference.safetensors: transformers' forward of DeepSpeed's own zero_to_fp32 state
   dict) within 1e-4.
+- torchtitan's Llama (tests/fixtures/torchtitan/llama, a DCP save by torchtitan 0.3
+  itself, scripts/fixtures/torchtitan_llama.py): `merge --format hf --hf-config` gives a
+  model transformers loads with torchtitan's own logits within 1e-4.
 Needs torch, transformers, safetensors and megatron-core (scripts/test.sh installs them
 into its venv).
 """
@@ -339,6 +342,15 @@ def main():
         diff = (got - ref["logits"]).abs().max().item()
         assert diff <= FP32_TOL, f"DeepSpeed export: logits differ by {diff}"
         print(f"DeepSpeed ZeRO-2 of LlamaForCausalLM -> HF: logits max |diff| {diff:.2e}")
+        titan = os.path.join(ROOT, "tests", "fixtures", "torchtitan", "llama")
+        out = os.path.join(work, "torchtitan-hf")
+        export(ckpt, os.path.join(titan, "dcp"), out, "--hf-config", os.path.join(titan, "config.json"))
+        ref = load_file(os.path.join(titan, "reference.safetensors"))
+        with torch.no_grad():
+            got = load(out, torch.float32)(ref["input_ids"]).logits
+        diff = (got - ref["logits"]).abs().max().item()
+        assert diff <= FP32_TOL, f"torchtitan export: logits differ by {diff}"
+        print(f"torchtitan's Llama (DCP) -> HF: transformers gives torchtitan's own logits, max |diff| {diff:.2e}")
     print(f"hf_interop: {checked} exports loaded by transformers with Megatron's logits")
 
 

@@ -345,7 +345,8 @@ pub(crate) struct ReshardArgs {
     /// `megatron` (a Megatron legacy checkpoint, from a Megatron legacy source or a
     /// Hugging Face model: iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt), `megatron-dist`
     /// (a megatron-core dist_ckpt from the same sources, loadable by
-    /// dist_checkpointing.load: iter_*/ with .metadata and __<r>_0.distcp) or `deepspeed`
+    /// dist_checkpointing.load: iter_*/ with .metadata and __<r>_0.distcp), `torchtitan`
+    /// (DCP in torchtitan's Llama names, from a Hugging Face Llama) or `deepspeed`
     /// (a DeepSpeed ZeRO-1/2/3 checkpoint for --to N data-parallel ranks, from a
     /// DeepSpeed source).
     #[arg(long, default_value = "ckpt", value_parser = reshard_formats())]

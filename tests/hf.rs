@@ -688,6 +688,83 @@ fn hugging_face_model_into_a_dist_ckpt_as_megatron_core_saves_it() {
     }
 }
 
+/// torchtitan's Llama (a DCP save written by torchtitan 0.3 itself) exported to Hugging
+/// Face's names equals torchtitan's own `Llama3StateDictAdapter.to_hf` of the model,
+/// every tensor byte (the query and key rows permuted from torchtitan's rotary pairs);
+/// and the way back, `--format torchtitan` of that HF model, holds torchtitan's own
+/// save, every tensor byte.
+#[test]
+fn torchtitan_llama_to_hugging_face_and_back() {
+    let d = Dir::new();
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/torchtitan/llama");
+    let config = fx.join("config.json");
+    d.ok(&[
+        "merge",
+        fx.join("dcp").to_str().unwrap(),
+        "--format",
+        "hf",
+        "--hf-config",
+        config.to_str().unwrap(),
+        "-o",
+        "hf",
+    ]);
+    let anchor = full_tensors(&fx.join("adapter_to_hf.safetensors"));
+    assert_eq!(anchor.len(), 21);
+    assert_eq!(full_tensors(&d.path("hf")), anchor);
+    // The permutation is not the identity here: the rows moved.
+    let titan = full_tensors(&fx.join("dcp"));
+    assert_ne!(
+        titan["layers.0.attention.qkv_linear.wq.weight"],
+        anchor["model.layers.0.self_attn.q_proj.weight"]
+    );
+    d.ok(&[
+        "reshard",
+        "hf",
+        "--format",
+        "torchtitan",
+        "--to",
+        "1",
+        "-o",
+        "titan",
+    ]);
+    assert!(d.path("titan/.metadata").is_file());
+    assert_eq!(full_tensors(&d.path("titan")), titan);
+    // Without a config the heads (and so the rotary rows) are not known: refused.
+    let o = d.fails(&[
+        "merge",
+        fx.join("dcp").to_str().unwrap(),
+        "--format",
+        "hf",
+        "-o",
+        "o1",
+    ]);
+    assert!(o.stderr.contains("--hf-config"), "{}", o.stderr);
+    assert!(!d.path("o1").exists());
+    // A config of another family than torchtitan's Llama.
+    let qwen = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("LlamaForCausalLM", "Qwen2ForCausalLM")
+        .replace("\"llama\"", "\"qwen2\"");
+    std::fs::write(d.path("qwen.json"), qwen).unwrap();
+    let o = d.fails(&[
+        "merge",
+        fx.join("dcp").to_str().unwrap(),
+        "--format",
+        "hf",
+        "--hf-config",
+        "qwen.json",
+        "-o",
+        "o2",
+    ]);
+    assert!(
+        o.stderr
+            .contains("torchtitan's names are known for its Llama"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("o2").exists());
+}
+
 /// What a dist_ckpt import refuses, nothing written: one rank (`--rank`), experts,
 /// a dist_ckpt source.
 #[test]

@@ -992,15 +992,51 @@ pub(crate) const TORCHTITAN_LLAMA: [TitanRow; 12] = {
     use RopeRows::{AsTheyAre as N, Key as K, Query as Q};
     [
         row("tok_embeddings.weight", "model.embed_tokens.weight", N),
-        row("layers.{l}.attention.qkv_linear.wq.weight", "model.layers.{l}.self_attn.q_proj.weight", Q),
-        row("layers.{l}.attention.qkv_linear.wk.weight", "model.layers.{l}.self_attn.k_proj.weight", K),
-        row("layers.{l}.attention.qkv_linear.wv.weight", "model.layers.{l}.self_attn.v_proj.weight", N),
-        row("layers.{l}.attention.wo.weight", "model.layers.{l}.self_attn.o_proj.weight", N),
-        row("layers.{l}.feed_forward.w1.weight", "model.layers.{l}.mlp.gate_proj.weight", N),
-        row("layers.{l}.feed_forward.w3.weight", "model.layers.{l}.mlp.up_proj.weight", N),
-        row("layers.{l}.feed_forward.w2.weight", "model.layers.{l}.mlp.down_proj.weight", N),
-        row("layers.{l}.attention_norm.weight", "model.layers.{l}.input_layernorm.weight", N),
-        row("layers.{l}.ffn_norm.weight", "model.layers.{l}.post_attention_layernorm.weight", N),
+        row(
+            "layers.{l}.attention.qkv_linear.wq.weight",
+            "model.layers.{l}.self_attn.q_proj.weight",
+            Q,
+        ),
+        row(
+            "layers.{l}.attention.qkv_linear.wk.weight",
+            "model.layers.{l}.self_attn.k_proj.weight",
+            K,
+        ),
+        row(
+            "layers.{l}.attention.qkv_linear.wv.weight",
+            "model.layers.{l}.self_attn.v_proj.weight",
+            N,
+        ),
+        row(
+            "layers.{l}.attention.wo.weight",
+            "model.layers.{l}.self_attn.o_proj.weight",
+            N,
+        ),
+        row(
+            "layers.{l}.feed_forward.w1.weight",
+            "model.layers.{l}.mlp.gate_proj.weight",
+            N,
+        ),
+        row(
+            "layers.{l}.feed_forward.w3.weight",
+            "model.layers.{l}.mlp.up_proj.weight",
+            N,
+        ),
+        row(
+            "layers.{l}.feed_forward.w2.weight",
+            "model.layers.{l}.mlp.down_proj.weight",
+            N,
+        ),
+        row(
+            "layers.{l}.attention_norm.weight",
+            "model.layers.{l}.input_layernorm.weight",
+            N,
+        ),
+        row(
+            "layers.{l}.ffn_norm.weight",
+            "model.layers.{l}.post_attention_layernorm.weight",
+            N,
+        ),
         row("norm.weight", "model.norm.weight", N),
         row("lm_head.weight", "lm_head.weight", N),
     ]
@@ -1197,4 +1233,3 @@ mod tests {
         }
     }
 }
-

@@ -123,6 +123,10 @@ pub enum OutputFormat {
     /// `OUT/latest_checkpointed_iteration.txt`, loadable by megatron-core's
     /// `dist_checkpointing.load`.
     MegatronDist,
+    /// PyTorch DCP's default format in torchtitan's names (from a Hugging Face Llama
+    /// and its config.json): what torchtitan's `CheckpointManager` loads as a
+    /// model-only checkpoint (`initial_load_path`).
+    Torchtitan,
     /// A DeepSpeed ZeRO-1/2 checkpoint for `--to N` data-parallel ranks (from a
     /// DeepSpeed source): `OUT/latest`, `OUT/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt`
     /// and `OUT/<tag>/mp_rank_00_model_states.pt`, loadable by DeepSpeed's
@@ -141,13 +145,14 @@ impl OutputFormat {
     /// Every format by the name the CLI and the Python package take (`--format`;
     /// `distcp` and `dcp-safetensors` are PyTorch's two DCP layouts, `dcp` the old name
     /// of the second, [`OLD_DCP_NAME`]).
-    pub const NAMES: [(&'static str, OutputFormat); 8] = [
+    pub const NAMES: [(&'static str, OutputFormat); 9] = [
         ("ckpt", OutputFormat::Ranks),
         ("dcp-safetensors", OutputFormat::Dcp),
         ("distcp", OutputFormat::Distcp),
         ("mindspore", OutputFormat::MindSpore),
         ("megatron", OutputFormat::Megatron),
         ("megatron-dist", OutputFormat::MegatronDist),
+        ("torchtitan", OutputFormat::Torchtitan),
         ("deepspeed", OutputFormat::DeepSpeed),
         // The old name of `dcp-safetensors`, kept: it reads as either DCP format.
         (OLD_DCP_NAME, OutputFormat::Dcp),
@@ -171,6 +176,7 @@ impl OutputFormat {
             | OutputFormat::Distcp
             | OutputFormat::Megatron
             | OutputFormat::MegatronDist
+            | OutputFormat::Torchtitan
             | OutputFormat::DeepSpeed => None,
         }
     }
@@ -179,7 +185,17 @@ impl OutputFormat {
     /// (its metadata maps a chunk to one file) as one box.
     #[must_use]
     pub fn is_distcp(self) -> bool {
-        matches!(self, OutputFormat::Distcp | OutputFormat::MegatronDist)
+        matches!(
+            self,
+            OutputFormat::Distcp | OutputFormat::MegatronDist | OutputFormat::Torchtitan
+        )
+    }
+
+    /// Whether the output is a plain DCP directory, its `.metadata` at the top (a
+    /// dist_ckpt's is in its iteration directory).
+    #[must_use]
+    pub fn writes_dcp_metadata(self) -> bool {
+        matches!(self, OutputFormat::Distcp | OutputFormat::Torchtitan)
     }
 
     /// Whether the format is Megatron's, whose tensors need Megatron's names.
@@ -197,7 +213,7 @@ impl OutputFormat {
                 Path::new(&format!("rank_{r}")).join(format!("checkpoint_{r}.ckpt"))
             }
             // (A dist_ckpt's in its iteration directory, by `megatron_dist_plan`.)
-            OutputFormat::Distcp | OutputFormat::MegatronDist => {
+            OutputFormat::Distcp | OutputFormat::MegatronDist | OutputFormat::Torchtitan => {
                 PathBuf::from(format!("__{r}_0.distcp"))
             }
             // Named by tensor and pipeline rank once the plan is made
@@ -519,6 +535,9 @@ fn prepare_output(req: &ReshardRequest) -> Result<Prepared> {
     if let Some(e) = source.no_tensors() {
         return Err(e);
     }
+    if req.format == OutputFormat::Torchtitan {
+        source.torchtitan_import(&ckpt_core::HfTarget::default())?;
+    }
     if req.format.is_megatron() && !source.is_megatron() {
         // A Hugging Face model: Megatron's tensors by its family's table.
         source.megatron_import(&ckpt_core::HfTarget::default())?;
@@ -614,7 +633,7 @@ pub fn reshard(
             }
         }
         finish_rank_dir(staged.path(), &json, &source)?;
-        if req.format == OutputFormat::Distcp {
+        if req.format.writes_dcp_metadata() {
             let meta = distcp_metadata(&strategy)?;
             write_file_atomic(&staged.path().join(".metadata"), &meta)?;
         }
@@ -677,7 +696,7 @@ pub fn reshard(
     // The shared top-level strategy (and DCP metadata), written by every process (same
     // bytes, atomically).
     finish_rank_dir(&req.output, &json, &source)?;
-    if req.format == OutputFormat::Distcp {
+    if req.format.writes_dcp_metadata() {
         let meta = distcp_metadata(&strategy)?;
         write_file_atomic(&req.output.join(".metadata"), &meta)?;
     }

@@ -31,7 +31,13 @@ fn at(pattern: &str, l: Option<u64>) -> String {
 }
 
 /// The rows of one projection turned from one rotary layout into the other.
-fn rope_view(t: &SourceTensor, rope: RopeRows, shape: &Shape, to_hf: bool, name: &str) -> Result<SourceTensor> {
+fn rope_view(
+    t: &SourceTensor,
+    rope: RopeRows,
+    shape: &Shape,
+    to_hf: bool,
+    name: &str,
+) -> Result<SourceTensor> {
     let heads = match rope {
         RopeRows::AsTheyAre => return Ok(t.clone()),
         RopeRows::Query => shape.heads,
@@ -65,7 +71,12 @@ impl Checkpoint {
     /// # Errors
     /// A family torchtitan's names are not known for; a tensor of the table missing, or
     /// not the table's; a projection of another shape than the config gives.
-    pub(crate) fn rename_torchtitan(&mut self, family: Family, shape: &Shape, to_hf: bool) -> Result<()> {
+    pub(crate) fn rename_torchtitan(
+        &mut self,
+        family: Family,
+        shape: &Shape,
+        to_hf: bool,
+    ) -> Result<()> {
         if !matches!(family, Family::Llama | Family::Mistral) || shape.experts > 0 {
             return Err(Error::Unsupported {
                 problem: format!(
@@ -74,10 +85,18 @@ impl Checkpoint {
                 ),
             });
         }
-        let (from_dir, to_dir) = if to_hf { ("torchtitan", "Hugging Face") } else { ("Hugging Face", "torchtitan") };
+        let (from_dir, to_dir) = if to_hf {
+            ("torchtitan", "Hugging Face")
+        } else {
+            ("Hugging Face", "torchtitan")
+        };
         let mut out: BTreeMap<String, SourceTensor> = BTreeMap::new();
         for row in &TORCHTITAN_LLAMA {
-            let (from, to) = if to_hf { (row.titan, row.hf) } else { (row.hf, row.titan) };
+            let (from, to) = if to_hf {
+                (row.titan, row.hf)
+            } else {
+                (row.hf, row.titan)
+            };
             let layers: Vec<Option<u64>> = if from.contains("{l}") {
                 (0..shape.layers).map(Some).collect()
             } else {
@@ -91,7 +110,10 @@ impl Checkpoint {
                     }
                     return Err(invalid(
                         &src,
-                        format!("missing: {from_dir}'s Llama of {} layers has it", shape.layers),
+                        format!(
+                            "missing: {from_dir}'s Llama of {} layers has it",
+                            shape.layers
+                        ),
                     ));
                 };
                 // Tied: one embedding in Hugging Face's names; torchtitan keeps the
@@ -131,5 +153,29 @@ impl Checkpoint {
             "{from_dir}'s Llama names as {to_dir}'s; the query and key rows permuted between torchtitan's interleaved rotary pairs and Hugging Face's halves"
         ));
         Ok(())
+    }
+}
+
+impl Checkpoint {
+    /// Replaces a Hugging Face Llama's tensors by torchtitan's (the inverse of the
+    /// export's renaming: the same table), for a DCP save torchtitan's
+    /// `CheckpointManager` loads. The config is `target.config`, or the `config.json`
+    /// beside the model.
+    ///
+    /// # Errors
+    /// No Hugging Face config; a family other than Llama's; a tensor missing or not the
+    /// family's.
+    pub fn torchtitan_import(&mut self, target: &super::HfTarget) -> Result<()> {
+        let path = target
+            .config
+            .clone()
+            .or_else(|| self.carried.get("config.json").cloned())
+            .ok_or_else(|| Error::Unsupported {
+                problem: "--format torchtitan needs the model's Hugging Face config.json (beside the safetensors files, or --hf-config)".into(),
+            })?;
+        let text = String::from_utf8_lossy(&crate::formats::read_small(&path)?).into_owned();
+        let (family, shape) = hf::read_config(&text, &path.display().to_string())?;
+        family.check(&shape)?;
+        self.rename_torchtitan(family, &shape, false)
     }
 }
