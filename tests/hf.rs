@@ -789,6 +789,24 @@ fn dist_ckpt_import_refusals() {
         o.stderr
     );
     assert!(!d.path("o1").exists());
+    // 4 attention heads over 3 TP ranks: megatron-core could not build the model.
+    let o = d.fails(&[
+        "reshard",
+        model.to_str().unwrap(),
+        "--format",
+        "megatron-dist",
+        "--mesh",
+        "tp=3,pp=1",
+        "-o",
+        "o4",
+    ]);
+    assert!(
+        o.stderr
+            .contains("num_attention_heads 4 does not divide by tensor parallel 3"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("o4").exists());
     let o = d.fails(&[
         "reshard",
         &fx("llama", "dist_ckpt"),

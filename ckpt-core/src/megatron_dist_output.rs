@@ -32,6 +32,7 @@ use crate::formats::torch_write::{TorchWriter, STORED_SHAPES};
 use crate::layout::plan::CopyPlan;
 use crate::layout::strategy::Strategy;
 use crate::layout::Placement;
+use crate::megatron_output::megatron_grid;
 use crate::Dtype;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -107,7 +108,8 @@ pub struct MegatronDist {
 /// embeddings are tied (megatron-core's `GPTModel` saves the word embedding once).
 ///
 /// # Errors
-/// A source with experts (not written yet); what [`crate::megatron_restage`] refuses.
+/// A source with experts (not written yet); what [`crate::megatron_restage`] and
+/// [`megatron_grid`] refuse.
 pub fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strategy) -> Result<()> {
     let state = source.megatron_state()?;
     if let Some(e) = state.args.moe.experts {
@@ -116,6 +118,9 @@ pub fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strategy) -> R
         )));
     }
     crate::megatron_restage(source, strategy)?;
+    // Checked with the split Megatron makes (SwiGLU's gate and up rows each in TP
+    // parts), before it is stored in one block.
+    megatron_grid(&state, strategy, "megatron-dist")?;
     if state.args.model.untied == Some(false) {
         strategy.tensors.remove("output_layer.weight");
     }
@@ -134,8 +139,8 @@ pub fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strategy) -> R
 /// stacked ones, stored with a leading layer axis of 1 (same bytes).
 ///
 /// # Errors
-/// A source that is not Megatron's and was not imported; a mesh that is not one
-/// tensor-parallel axis and an optional pipeline axis; a tensor of a layer outside
+/// A source that is not Megatron's and was not imported; a mesh megatron-core cannot
+/// run the model on ([`megatron_grid`]); a tensor of a layer outside
 /// `num_layers`, or whose layers differ in shape; a tensor in several boxes on a rank.
 pub fn megatron_dist_plan(
     source: &Checkpoint,
@@ -143,18 +148,7 @@ pub fn megatron_dist_plan(
     plan: &mut CopyPlan,
 ) -> Result<MegatronDist> {
     let state = source.megatron_state()?;
-    let mesh = &strategy.mesh;
-    let pipe = mesh.pipeline();
-    let others: Vec<usize> = (0..mesh.axes().len())
-        .filter(|&i| Some(i) != pipe)
-        .collect();
-    let [tp_axis] = others[..] else {
-        return Err(unsupported(format!(
-            "--format megatron-dist needs a mesh of one tensor-parallel axis and an optional pipeline axis, not {mesh}"
-        )));
-    };
-    let tp = mesh.axes()[tp_axis].size;
-    let pp = pipe.map_or(1, |p| mesh.axes()[p].size);
+    let (_, tp, pp) = megatron_grid(&state, strategy, "megatron-dist")?;
     let layers = state.args.num_layers.ok_or_else(|| {
         unsupported("the source's args lack num_layers (a dist_ckpt stacks the layers)".into())
     })?;

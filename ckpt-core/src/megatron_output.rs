@@ -17,6 +17,63 @@ use crate::layout::strategy::Strategy;
 use crate::layout::Placement;
 use std::path::PathBuf;
 
+/// The tensor-parallel axis and the TP and PP sizes of a Megatron target (`--format
+/// {format}`): a mesh of one tensor-parallel axis and an optional pipeline axis, checked
+/// against megatron-core's rules for the model `state`'s args describe.
+///
+/// # Errors
+/// Another mesh; heads or query groups that do not fit the TP size; a split into
+/// unequal parts.
+pub(crate) fn megatron_grid(
+    state: &megatron::SourceState,
+    strategy: &Strategy,
+    format: &str,
+) -> Result<(usize, u64, u64)> {
+    let unsupported = |problem: String| Error::Unsupported { problem };
+    let mesh = &strategy.mesh;
+    let pipe = mesh.pipeline();
+    let tp_axes: Vec<usize> = (0..mesh.axes().len())
+        .filter(|&i| Some(i) != pipe)
+        .collect();
+    let [tp_axis] = tp_axes[..] else {
+        return Err(unsupported(format!(
+            "--format {format} needs a mesh of one tensor-parallel axis and an optional pipeline axis, not {mesh}"
+        )));
+    };
+    let tp = mesh.axes()[tp_axis].size;
+    let pp = pipe.map_or(1, |p| mesh.axes()[p].size);
+    // megatron-core's TransformerConfig: the attention heads divide by the TP size, and
+    // the query groups are a multiple or a divisor of it (with fewer groups than ranks,
+    // each rank's part of the fused QKV is all-gathered back into whole groups).
+    if let Some(h) = state.args.heads.filter(|h| !h.is_multiple_of(tp)) {
+        return Err(unsupported(format!(
+            "num_attention_heads {h} does not divide by tensor parallel {tp} (megatron-core needs whole heads on each rank)"
+        )));
+    }
+    if let Some(g) = state
+        .args
+        .query_groups
+        .filter(|g| *g > 0 && !g.is_multiple_of(tp) && !tp.is_multiple_of(*g))
+    {
+        return Err(unsupported(format!(
+            "num_query_groups {g} is neither a multiple nor a divisor of tensor parallel {tp} (megatron-core needs one or the other)"
+        )));
+    }
+    // Megatron splits into equal parts; torch.chunk's uneven ones would not load.
+    for (name, l) in &strategy.tensors {
+        if let Placement::Shard { dim, blocks, .. } = l.placements[tp_axis] {
+            let parts = tp.saturating_mul(blocks);
+            if l.shape.get(dim).is_some_and(|&n| n % parts != 0) {
+                return Err(unsupported(format!(
+                    "tensor `{name}`: dim {dim} of {:?} does not split into {parts} equal parts for tensor parallel {tp} (Megatron needs equal parts: padded_vocab_size, num_query_groups, ffn_hidden_size divisible by it)",
+                    l.shape
+                )));
+            }
+        }
+    }
+    Ok((tp_axis, tp, pp))
+}
+
 /// Rewrites `plan` (one file per rank of `ranks`, in order, on `strategy`'s mesh) into
 /// Megatron's legacy layout ([`megatron_tracker`] gives the file to write beside it).
 ///
@@ -52,45 +109,7 @@ pub fn megatron_legacy_plan_ep(
     let state = source.megatron_state()?;
     let mesh = &strategy.mesh;
     let pipe = mesh.pipeline();
-    let tp_axes: Vec<usize> = (0..mesh.axes().len())
-        .filter(|&i| Some(i) != pipe)
-        .collect();
-    let [tp_axis] = tp_axes[..] else {
-        return Err(unsupported(format!(
-            "--format megatron needs a mesh of one tensor-parallel axis and an optional pipeline axis, not {mesh}"
-        )));
-    };
-    let tp = mesh.axes()[tp_axis].size;
-    let pp = pipe.map_or(1, |p| mesh.axes()[p].size);
-    // megatron-core's TransformerConfig: the attention heads divide by the TP size, and
-    // the query groups are a multiple or a divisor of it (with fewer groups than ranks,
-    // each rank's part of the fused QKV is all-gathered back into whole groups).
-    if let Some(h) = state.args.heads.filter(|h| !h.is_multiple_of(tp)) {
-        return Err(unsupported(format!(
-            "num_attention_heads {h} does not divide by tensor parallel {tp} (megatron-core needs whole heads on each rank)"
-        )));
-    }
-    if let Some(g) = state
-        .args
-        .query_groups
-        .filter(|g| *g > 0 && !g.is_multiple_of(tp) && !tp.is_multiple_of(*g))
-    {
-        return Err(unsupported(format!(
-            "num_query_groups {g} is neither a multiple nor a divisor of tensor parallel {tp} (megatron-core needs one or the other)"
-        )));
-    }
-    // Megatron splits into equal parts; torch.chunk's uneven ones would not load.
-    for (name, l) in &strategy.tensors {
-        if let Placement::Shard { dim, blocks, .. } = l.placements[tp_axis] {
-            let parts = tp.saturating_mul(blocks);
-            if l.shape.get(dim).is_some_and(|&n| n % parts != 0) {
-                return Err(unsupported(format!(
-                    "tensor `{name}`: dim {dim} of {:?} does not split into {parts} equal parts for tensor parallel {tp} (Megatron needs equal parts: padded_vocab_size, num_query_groups, ffn_hidden_size divisible by it)",
-                    l.shape
-                )));
-            }
-        }
-    }
+    let (tp_axis, tp, pp) = megatron_grid(&state, strategy, "megatron")?;
     // Each rank's RNG state goes to the same rank of the same grid; Megatron ignores it
     // on another grid, so there none is written (and args say so).
     let ep = ep.unwrap_or(state.args.moe.ep);

@@ -584,6 +584,19 @@ fn emit_object(e: &mut Emitter, module: &str, class: &str) {
     e.global(module, class).empty_tuple().new_obj();
 }
 
+/// `_StorageInfo(relative_path, offset, length)`: where a stored value's bytes are.
+fn emit_storage_info(e: &mut Emitter, file: &str, offset: u64, len: u64) {
+    emit_object(e, "torch.distributed.checkpoint.filesystem", "_StorageInfo");
+    e.empty_dict().mark();
+    e.str("relative_path")
+        .str(file)
+        .str("offset")
+        .int(offset)
+        .str("length")
+        .int(len);
+    e.set_items().build();
+}
+
 /// One chunk a `.distcp` file will hold, for [`metadata_bytes`].
 #[derive(Clone, Debug)]
 pub struct DistcpChunk {
@@ -708,19 +721,7 @@ pub fn metadata_bytes(
         emit_size(&mut e, &c.offsets);
         e.str("index").int(*i).set_items().build();
         *i += 1;
-        emit_object(
-            &mut e,
-            "torch.distributed.checkpoint.filesystem",
-            "_StorageInfo",
-        );
-        e.empty_dict().mark();
-        e.str("relative_path")
-            .str(file)
-            .str("offset")
-            .int(*at)
-            .str("length")
-            .int(*len);
-        e.set_items().build();
+        emit_storage_info(&mut e, file, *at, *len);
     }
     for o in objects {
         emit_object(&mut e, DCP_METADATA, "MetadataIndex");
@@ -731,19 +732,7 @@ pub fn metadata_bytes(
             .none()
             .set_items()
             .build();
-        emit_object(
-            &mut e,
-            "torch.distributed.checkpoint.filesystem",
-            "_StorageInfo",
-        );
-        e.empty_dict().mark();
-        e.str("relative_path")
-            .str(&o.file)
-            .str("offset")
-            .int(o.offset)
-            .str("length")
-            .int(o.len);
-        e.set_items().build();
+        emit_storage_info(&mut e, &o.file, o.offset, o.len);
     }
     e.set_items();
     e.str("storage_meta").none();
