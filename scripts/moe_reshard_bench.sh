@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# An expert-parallel Megatron checkpoint of ~1.6 GB (experts ~1.5 GB; EP 4, written by
+# megatron-core itself on 4 gloo ranks) resharded to EP 2 with
+# `ckpt reshard --format megatron --mesh tp=1,pp=1,ep=2`, against `cat` + `sync` of the
+# same input bytes.
+#
+#   scripts/moe_reshard_bench.sh [OUT_DIR]          # default target/moe-bench
+#   ROUNDS=5 CKPT=target/release/ckpt scripts/moe_reshard_bench.sh
+#
+# Makes the checkpoint with scripts/fixtures/moe_megatron.py (case ep4tp1, legacy
+# only: 4 layers, hidden 1024, 8 experts of FFN 4096 with SwiGLU, a shared expert of
+# 1024, vocabulary 1024; a venv under target/ with torch + megatron-core, or
+# MEGATRON_VENV); then ROUNDS rounds (default 3), each timing, in alternating order
+# (odd rounds cat first, even rounds ckpt first),
+#   cat  : cat every model_optim_rng.pt into one file, then sync
+#   ckpt : ckpt reshard legacy --format megatron --mesh tp=1,pp=1,ep=2 -o out, then sync
+# after reading the inputs into the page cache, deleting the previous outputs, syncing
+# and waiting SETTLE_SECONDS (default 3). Prints every round, the medians and ckpt's
+# peak RSS (/usr/bin/time).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-target/moe-bench}
+venv=${MEGATRON_VENV:-target/venv-megatron}
+ckpt=${CKPT:-target/release/ckpt}
+rounds=${ROUNDS:-3}
+[ -x "$ckpt" ] || { echo "build first: cargo build --release (or CKPT=target/debug/ckpt)" >&2; exit 1; }
+if ! "$venv/bin/python" -c "import torch, megatron.core" 2>/dev/null; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q torch megatron-core==0.16.1 psutil numpy safetensors
+fi
+ck="$out/ep4tp1/legacy"
+if [ ! -f "$ck/latest_checkpointed_iteration.txt" ]; then
+  mkdir -p "$out"
+  MOE_FX_LEGACY_ONLY=1 MOE_FX_LAYERS=4 MOE_FX_HIDDEN=1024 MOE_FX_HEADS=8 MOE_FX_FFN=4096 \
+  MOE_FX_MOE_FFN=4096 MOE_FX_SHARED_FFN=1024 MOE_FX_EXPERTS=8 MOE_FX_VOCAB=1024 \
+    "$venv/bin/python" scripts/fixtures/moe_megatron.py "$out" --case ep4tp1 --port 29911 > "$out.log" 2>&1 ||
+    { tail -20 "$out.log"; exit 1; }
+fi
+inputs=("$ck"/iter_*/mp_rank_*/model_optim_rng.pt)
+bytes=$(du -cb "${inputs[@]}" | tail -1 | cut -f1)
+now() { date +%s.%N; }
+settle() {
+  rm -rf "$out/cat.bin" "$out/ep2"
+  cat "${inputs[@]}" > /dev/null
+  sync
+  sleep "${SETTLE_SECONDS:-3}"
+}
+: > "$out/rounds.txt"
+time_cat() {
+  settle
+  t0=$(now)
+  cat "${inputs[@]}" > "$out/cat.bin"
+  sync; t1=$(now)
+}
+time_ckpt() {
+  settle
+  t2=$(now)
+  /usr/bin/time -f "%M" -o "$out/rss.txt" "$ckpt" reshard "$ck" --format megatron --mesh tp=1,pp=1,ep=2 \
+    -o "$out/ep2" --quiet > /dev/null 2>&1
+  sync; t3=$(now)
+  written=$(du -cb "$out"/ep2/iter_*/*/model_optim_rng.pt | tail -1 | cut -f1)
+}
+# The order alternates round by round: this VM's disk write-back favours whichever
+# step runs first in a block, and must not favour one tool.
+for r in $(seq 1 "$rounds"); do
+  if [ $((r % 2)) -eq 1 ]; then time_cat; time_ckpt; else time_ckpt; time_cat; fi
+  echo "$t0 $t1 $t2 $t3 $(cat "$out/rss.txt") $written" >> "$out/rounds.txt"
+done
+python3 - "$out/rounds.txt" "$bytes" <<'PY'
+import statistics, sys
+rows = [list(map(float, l.split())) for l in open(sys.argv[1])]
+cat = [r[1] - r[0] for r in rows]
+ck = [r[3] - r[2] for r in rows]
+for i, (c, k, r) in enumerate(zip(cat, ck, rows), 1):
+    print(f"round {i}: cat+sync {c:.2f} s, ckpt reshard EP4->EP2 + sync {k:.2f} s ({k / c:.2f}x), peak RSS {r[4] / 1024:.0f} MiB")
+print(f"inputs {int(sys.argv[2]) / 1e9:.2f} GB, EP2 rank files written {rows[0][5] / 1e9:.2f} GB")
+print(f"median: cat+sync {statistics.median(cat):.2f} s, ckpt {statistics.median(ck):.2f} s, "
+      f"ratio {statistics.median([k / c for c, k in zip(cat, ck)]):.2f}x; peak RSS max {max(r[4] for r in rows) / 1024:.0f} MiB")
+PY
