@@ -29,6 +29,31 @@ pub(crate) fn unregister_map(start: usize) {
     lock(&MAPS).retain(|m| m.0 != start);
 }
 
+/// Drops the pages holding `addr..addr + len` from the resident set when they lie in a
+/// registered file mapping (read-only and file-backed: they come back from the page
+/// cache if read again); memory the process owns is never touched. For parsers that
+/// read a few bytes here and there through a mapping (a zip archive's entry headers),
+/// where each read may map a whole large folio of the page cache.
+pub(crate) fn forget_mapped(addr: usize, len: usize) {
+    const PAGE: usize = 4096;
+    let Some((start, map_len)) = lock(&MAPS)
+        .iter()
+        .find(|(s, l, _)| addr >= *s && addr.saturating_add(len) <= s + l)
+        .map(|(s, l, _)| (*s, *l))
+    else {
+        return;
+    };
+    let lo = (addr - start) / PAGE * PAGE;
+    let hi = ((addr - start + len).div_ceil(PAGE) * PAGE).min(map_len);
+    if hi > lo {
+        // SAFETY: a registered mapping is a read-only, file-backed mapping of an input
+        // (formats::map_file), alive while registered; dropping its pages loses nothing.
+        unsafe {
+            libc::madvise((start + lo) as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED);
+        }
+    }
+}
+
 /// Records a temporary output to remove if the process dies of a bus error.
 pub(crate) fn register_temp(path: &Path) {
     lock(&TEMPS).push(path.to_path_buf());
