@@ -49,7 +49,11 @@ pub(crate) fn forget_mapped(addr: usize, len: usize) {
         // SAFETY: a registered mapping is a read-only, file-backed mapping of an input
         // (formats::map_file), alive while registered; dropping its pages loses nothing.
         unsafe {
-            libc::madvise((start + lo) as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED);
+            libc::madvise(
+                (start + lo) as *mut libc::c_void,
+                hi - lo,
+                libc::MADV_DONTNEED,
+            );
         }
     }
 }

@@ -430,9 +430,8 @@ impl Mapped {
         if let Backing::File(m) = &self.map {
             // SAFETY: read-only and file-backed: dropping the mapping's pages loses
             // nothing. Advice only.
-            let _ = unsafe {
-                m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, 0, m.len())
-            };
+            let _ =
+                unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, 0, m.len()) };
         }
     }
 

@@ -150,8 +150,12 @@ struct Pager {
     /// Live mappings by base address.
     maps: Mutex<BTreeMap<usize, Weak<Inner>>>,
     /// Filled blocks, least recently filled first, with the bytes they hold.
-    lru: Mutex<(VecDeque<(Weak<Inner>, u64)>, u64)>,
+    lru: Mutex<FilledBlocks>,
 }
+
+/// Filled blocks (mapping, block index), least recently filled first, and the bytes
+/// they hold together.
+type FilledBlocks = (VecDeque<(Weak<Inner>, u64)>, u64);
 
 fn pager() -> Option<&'static Pager> {
     static PAGER: OnceLock<Option<&'static Pager>> = OnceLock::new();

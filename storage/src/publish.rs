@@ -342,9 +342,7 @@ fn publish_tree(store: &Arc<Store>, url: &ObjectUrl, local: &Path, force: bool) 
                             let objects = store.objects.clone();
                             let slot = big.iter().position(|&b| b == i);
                             let (id, ps) = match slot {
-                                Some(j) => {
-                                    (Some(ids[j].clone()), parts[j].iter().cloned().collect())
-                                }
+                                Some(j) => (Some(ids[j].clone()), parts[j].to_vec()),
                                 None => (None, Vec::new()),
                             };
                             async move {

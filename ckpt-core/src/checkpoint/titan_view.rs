@@ -44,7 +44,7 @@ fn rope_view(
         RopeRows::Key => shape.groups,
     };
     let rows = heads.checked_mul(shape.head_dim);
-    if shape.head_dim % 2 != 0 || t.shape.first().copied() != rows || t.shape.len() != 2 {
+    if !shape.head_dim.is_multiple_of(2) || t.shape.first().copied() != rows || t.shape.len() != 2 {
         return Err(invalid(
             name,
             format!(

@@ -919,7 +919,7 @@ fn group_layouts(
             out.push(vec![(all.clone(), params.clone())]);
             continue;
         };
-        if ep == 0 || world % ep != 0 {
+        if ep == 0 || !world.is_multiple_of(ep) {
             return Err(err(&ranks[0].path, format!("group {g} is ep_size_{ep}, which does not divide the {world} data-parallel ranks")));
         }
         let edp = world / ep;

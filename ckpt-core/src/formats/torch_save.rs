@@ -285,10 +285,16 @@ impl<'a> Archive<'a> {
             // whole 2 MiB folio): dropped again, so that opening an archive of many
             // entries does not hold them all.
             let header = f.header_start();
-            if let Some(len) = usize::try_from(start.saturating_sub(header)).ok().filter(|&l| l > 0) {
+            if let Some(len) = usize::try_from(start.saturating_sub(header))
+                .ok()
+                .filter(|&l| l > 0)
+            {
                 let at = usize::try_from(header).unwrap_or(usize::MAX);
                 if at < all.len() {
-                    crate::fault::forget_mapped(all.as_ptr() as usize + at, len.min(all.len() - at));
+                    crate::fault::forget_mapped(
+                        all.as_ptr() as usize + at,
+                        len.min(all.len() - at),
+                    );
                 }
             }
             let compressed = f.compression() != zip::CompressionMethod::Stored;

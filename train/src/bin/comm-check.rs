@@ -24,7 +24,7 @@ fn arg(args: &[String], name: &str) -> Option<String> {
 }
 
 /// Each collective on `comm`, checked: `(name, ok)`.
-fn check(comm: &dyn Comm) -> ckpt_train::Result<Vec<(&'static str, bool)>> {
+fn check(comm: &dyn Comm) -> ckpt_train::Result<RankChecks> {
     let (me, p) = (comm.rank(), comm.size());
     let mine: Vec<f32> = (0..4).map(|i| (me * 10 + i) as f32).collect();
     let sum: Vec<f32> = (0..4)
@@ -51,8 +51,11 @@ fn check(comm: &dyn Comm) -> ckpt_train::Result<Vec<(&'static str, bool)>> {
     Ok(out)
 }
 
+/// One rank's checks: each collective's name and whether its result was right.
+type RankChecks = Vec<(&'static str, bool)>;
+
 /// The checks of every rank, or `None` for a backend this build does not have.
-fn run(backend: &str, mesh: &Mesh) -> Option<ckpt_train::Result<Vec<Vec<(&'static str, bool)>>>> {
+fn run(backend: &str, mesh: &Mesh) -> Option<ckpt_train::Result<Vec<RankChecks>>> {
     let body = |d: Dist| check(d.world.as_ref());
     match backend {
         "threads" => Some(ckpt_train::run_threads(mesh, body)),
