@@ -6,7 +6,15 @@ tensor equal to the model's and the same logits (scripts/fixtures/moe_megatron.p
 
   EP2 -> EP4;  EP4 -> EP1 x TP2;  EP2 x TP2 -> EP2 x PP2
 
+and the megatron-core dist_ckpts `ckpt reshard --format megatron-dist` writes from the
+legacy fixtures (experts stacked `[layers, experts, ...]` under megatron-core's keys, the
+`_extra_state` objects of every expert), loaded with `dist_checkpointing.load` at the EP
+size the args say and at another (Megatron reshards a dist_ckpt itself):
+
+  EP2 x TP1 -> dist TP1 (loaded at EP1 and EP2);  EP2 x TP2 -> dist TP2 x PP2 (at EP1)
+
   moe_reshard_interop.py CKPT"""
+import os
 import pathlib
 import subprocess
 import sys
@@ -15,6 +23,8 @@ import tempfile
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "moe" / "megatron"
 CASES = [("ep2tp1", "ep=4"), ("ep4tp1", "ep=1,tp=2"), ("ep2tp2", "ep=2,tp=1,pp=2")]
+# (fixture, --mesh, the EP sizes megatron-core loads the dist_ckpt at)
+DIST_CASES = [("ep2tp1", "tp=1,pp=1", (1, 2)), ("ep2tp2", "tp=2,pp=2", (1,))]
 
 
 def main():
@@ -30,6 +40,19 @@ def main():
                 [sys.executable, str(REPO / "scripts" / "fixtures" / "moe_megatron.py"), str(FIXTURES / case), "--load", str(out)],
                 check=True,
             )
+        for case, mesh, eps in DIST_CASES:
+            out = pathlib.Path(tmp) / f"{case}-dist-{mesh.replace(',', '-').replace('=', '')}"
+            subprocess.run(
+                [ckpt, "reshard", str(FIXTURES / case / "legacy"), "--format", "megatron-dist", "--mesh", mesh,
+                 "-o", str(out), "-q"],
+                check=True,
+            )
+            for ep in eps:
+                subprocess.run(
+                    [sys.executable, str(REPO / "scripts" / "fixtures" / "moe_megatron.py"), str(FIXTURES / case),
+                     "--load", str(out / "iter_0000001")],
+                    check=True, env={**os.environ, "MOE_FX_LOAD_EP": str(ep)},
+                )
 
 
 if __name__ == "__main__":

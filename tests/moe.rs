@@ -222,6 +222,28 @@ fn moe_families_export_to_hugging_face_and_back() {
         for (k, v) in &want {
             assert!(&got[k] == v, "{f} back: {k}");
         }
+        // The same Hugging Face model as a dist_ckpt: merged back to HF, every tensor.
+        let dist = d.path(&format!("{f}-dist"));
+        d.ok(&[
+            "reshard",
+            exported.to_str().unwrap(),
+            "--format",
+            "megatron-dist",
+            "--mesh",
+            "tp=2,pp=1",
+            "-o",
+            dist.to_str().unwrap(),
+        ]);
+        let again = d.path(&format!("{f}-dist-hf"));
+        d.ok(&[
+            "merge",
+            dist.to_str().unwrap(),
+            "--format",
+            "hf",
+            "-o",
+            again.to_str().unwrap(),
+        ]);
+        assert_eq!(full_tensors(&again), full_tensors(&exported), "{f} dist");
     }
     // A router no Hugging Face family here has (sigmoid scores with an expert bias):
     // refused by name, nothing written.
@@ -325,6 +347,43 @@ fn expert_parallel_reshards_write_megatrons_directories() {
 /// groups' fp32 partitions over each expert-parallel rank's expert-data-parallel ranks
 /// (DeepSpeed's group rule), under global expert ids, with their Adam moments: every
 /// tensor equal to the model's and the optimizer's, gathered by the generator.
+/// Expert-parallel legacy checkpoints written again as megatron-core dist_ckpts
+/// (`--format megatron-dist`): the same keys, shapes and bytes as megatron-core's own
+/// `dist_checkpointing.save` of the same model (each fixture's `dist_ckpt/`), the
+/// experts stacked `[layers, experts, …]` by global id, TP and PP meshes alike.
+#[test]
+fn expert_parallel_checkpoints_into_dist_ckpts_as_megatron_core_saves_them() {
+    let d = Dir::new();
+    for (name, mesh) in [
+        ("ep2tp1", "tp=1,pp=1"),
+        ("ep2tp2", "tp=2,pp=1"),
+        ("ep2pp2", "tp=1,pp=2"),
+        ("ep4tp1", "tp=2,pp=2"),
+    ] {
+        let out = d.path(name);
+        d.ok(&[
+            "reshard",
+            case(name).join("legacy").to_str().unwrap(),
+            "--format",
+            "megatron-dist",
+            "--mesh",
+            mesh,
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        let ours = full_tensors(&out.join("iter_0000001"));
+        let theirs = full_tensors(&case(name).join("dist_ckpt"));
+        assert_eq!(
+            ours.keys().collect::<Vec<_>>(),
+            theirs.keys().collect::<Vec<_>>(),
+            "{name}"
+        );
+        for (k, v) in &theirs {
+            assert!(&ours[k] == v, "{name}: {k}");
+        }
+    }
+}
+
 #[test]
 fn deepspeed_expert_parallel_checkpoints_merge_with_their_moments() {
     let d = Dir::new();

@@ -11,9 +11,13 @@
 //!   on the first axis), the norms under the fused names its layer specs map them to
 //!   (`input_layernorm.` → `self_attention.linear_qkv.layer_norm_`, `pre_mlp_layernorm.`
 //!   → `mlp.linear_fc1.layer_norm_`); each rank stores its layers' TP slices once;
+//!   Experts (SequentialMLP's `local_experts.<e>`, global ids) are stacked over layers
+//!   and experts (`decoder.layers.mlp.experts.experts.<param>`, `[layers, experts,
+//!   ...]`), as `SequentialMLP.sharded_state_dict` stacks them;
 //! - `__0_1.distcp`: the `_extra_state` of every parallel linear layer, a
-//!   `ShardedObject` per layer (`decoder.layers.<module>._extra_state/shard_<l>_<L>`),
-//!   as megatron-core's local layers save it (`torch.save([None])`: no FP8 state);
+//!   `ShardedObject` per layer (`decoder.layers.<module>._extra_state/shard_<l>_<L>`;
+//!   an expert's per layer and expert, `shard_<l>.<e>_<L>.<E>`), as megatron-core's
+//!   local layers save it (`torch.save([None])`: no FP8 state);
 //! - `.metadata`: DCP's metadata of all of them; `common.pt`: `args` (the new sizes,
 //!   `ckpt_format` `torch_dist`), `checkpoint_version` 3.0 and `iteration`;
 //!   `metadata.json`: the backends.
@@ -34,7 +38,7 @@ use crate::layout::strategy::Strategy;
 use crate::layout::Placement;
 use crate::megatron_output::megatron_grid;
 use crate::Dtype;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// The prefix of the layers' tensors, per layer and stacked.
@@ -56,24 +60,49 @@ fn unsupported(problem: String) -> Error {
     Error::Unsupported { problem }
 }
 
-/// The dist_ckpt key of a Megatron tensor's global name, and the layer it is of:
-/// `decoder.layers.3.input_layernorm.weight` is layer 3 of
-/// `decoder.layers.self_attention.linear_qkv.layer_norm_weight`.
-fn dist_key(name: &str) -> (String, Option<u64>) {
+/// The experts of a layer, per expert (global ids) and stacked
+/// (`SequentialMLP.sharded_state_dict`'s `experts.experts.` prefix).
+const LOCAL_EXPERTS: &str = "mlp.experts.local_experts.";
+const STACKED_EXPERTS: &str = "mlp.experts.experts.";
+
+/// The dist_ckpt key of a Megatron tensor's global name, and where it sits on the
+/// stacked axes (the layer; then the expert, for an expert's tensor):
+/// `decoder.layers.3.input_layernorm.weight` is `[3]` of
+/// `decoder.layers.self_attention.linear_qkv.layer_norm_weight`,
+/// `decoder.layers.1.mlp.experts.local_experts.5.linear_fc2.weight` is `[1, 5]` of
+/// `decoder.layers.mlp.experts.experts.linear_fc2.weight`.
+fn dist_key(name: &str) -> (String, Vec<u64>) {
+    let as_is = || (name.to_string(), Vec::new());
     let Some(rest) = name.strip_prefix(LAYERS) else {
-        return (name.to_string(), None);
+        return as_is();
     };
     let Some((layer, param)) = rest.split_once('.') else {
-        return (name.to_string(), None);
+        return as_is();
     };
     let Ok(layer) = layer.parse::<u64>() else {
-        return (name.to_string(), None);
+        return as_is();
     };
+    if let Some((expert, param)) = param
+        .strip_prefix(LOCAL_EXPERTS)
+        .and_then(|p| p.split_once('.'))
+    {
+        if let Ok(expert) = expert.parse::<u64>() {
+            return (
+                format!("{LAYERS}{STACKED_EXPERTS}{param}"),
+                vec![layer, expert],
+            );
+        }
+    }
     let param = FUSED_NORMS
         .iter()
         .find_map(|(from, to)| param.strip_prefix(from).map(|p| format!("{to}{p}")))
         .unwrap_or_else(|| param.to_string());
-    (format!("{LAYERS}{param}"), Some(layer))
+    (format!("{LAYERS}{param}"), vec![layer])
+}
+
+/// `prefix` then `v`.
+fn lead(prefix: &[u64], v: &[u64]) -> Vec<u64> {
+    prefix.iter().chain(v).copied().collect()
 }
 
 /// The parallel linear module of a stacked parameter (`decoder.layers.mlp.linear_fc1`
@@ -95,9 +124,9 @@ pub struct MegatronDist {
     sizes: (u64, u64),
     tensors: BTreeMap<String, (Dtype, Vec<u64>)>,
     files: Vec<(String, Vec<DistcpChunk>)>,
-    /// The `_extra_state` modules, stacked names.
-    modules: BTreeSet<String>,
-    layers: u64,
+    /// The `_extra_state` modules (stacked names) and the extents of their stacked
+    /// axes (`[layers]`, or `[layers, experts]`).
+    modules: BTreeMap<String, Vec<u64>>,
 }
 
 /// Prepares a target strategy (one tensor-parallel axis, an optional pipeline axis)
@@ -108,15 +137,9 @@ pub struct MegatronDist {
 /// embeddings are tied (megatron-core's `GPTModel` saves the word embedding once).
 ///
 /// # Errors
-/// A source with experts (not written yet); what [`crate::megatron_restage`] and
-/// [`megatron_grid`] refuse.
+/// What [`crate::megatron_restage`] and [`megatron_grid`] refuse.
 pub fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strategy) -> Result<()> {
     let state = source.megatron_state()?;
-    if let Some(e) = state.args.moe.experts {
-        return Err(unsupported(format!(
-            "--format megatron-dist of a mixture of experts ({e} experts) is not written yet: use --format megatron (legacy)"
-        )));
-    }
     crate::megatron_restage(source, strategy)?;
     // Checked with the split Megatron makes (SwiGLU's gate and up rows each in TP
     // parts), before it is stored in one block.
@@ -160,7 +183,8 @@ pub fn megatron_dist_plan(
         .unwrap_or_default();
     let mut tensors: BTreeMap<String, (Dtype, Vec<u64>)> = BTreeMap::new();
     let mut files = Vec::with_capacity(plan.files.len());
-    let mut modules = BTreeSet::new();
+    let experts = state.args.moe.experts.unwrap_or(0);
+    let mut modules: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     for (r, f) in plan.files.iter_mut().enumerate() {
         let name = format!("__{r}_0.distcp");
         f.path = dir.join(&name);
@@ -178,41 +202,43 @@ pub fn megatron_dist_plan(
                     t.pieces.len()
                 )));
             };
-            let (key, layer) = dist_key(&t.name);
+            let (key, at) = dist_key(&t.name);
             let global_shape = strategy
                 .tensors
                 .get(&t.name)
                 .map(|l| l.shape.clone())
                 .ok_or_else(|| bad("not in the target strategy".into()))?;
-            let (global_shape, offsets, sizes) = match layer {
-                Some(l) if l >= layers => {
-                    return Err(bad(format!(
-                        "layer {l}, but the args give num_layers {layers}"
-                    )))
+            let extents = [layers, experts];
+            let extents = &extents[..at.len()];
+            if let Some(((i, n), what)) = at
+                .iter()
+                .zip(extents)
+                .zip(["layer", "expert"])
+                .find(|((i, n), _)| i >= n)
+            {
+                return Err(bad(format!(
+                    "{what} {i}, but the args give {n} (num_layers, num_experts)"
+                )));
+            }
+            let (global_shape, offsets, sizes) = if at.is_empty() {
+                (global_shape, piece.global.start.clone(), t.shape.clone())
+            } else {
+                if let Some(m) = linear_module(&key) {
+                    modules.insert(m.to_string(), extents.to_vec());
                 }
-                Some(l) => {
-                    let lead = |v: &[u64], first: u64| {
-                        std::iter::once(first)
-                            .chain(v.iter().copied())
-                            .collect::<Vec<_>>()
-                    };
-                    if let Some(m) = linear_module(&key) {
-                        modules.insert(m.to_string());
-                    }
-                    let sizes = lead(&t.shape, 1);
-                    stored.insert(&t.name, sizes.clone());
-                    (
-                        lead(&global_shape, layers),
-                        lead(&piece.global.start, l),
-                        sizes,
-                    )
-                }
-                None => (global_shape, piece.global.start.clone(), t.shape.clone()),
+                let ones = vec![1; at.len()];
+                let sizes = lead(&ones, &t.shape);
+                stored.insert(&t.name, sizes.clone());
+                (
+                    lead(extents, &global_shape),
+                    lead(&at, &piece.global.start),
+                    sizes,
+                )
             };
             match tensors.get(&key) {
                 Some((d, s)) if (*d, s) != (t.dtype, &global_shape) => {
                     return Err(bad(format!(
-                        "is {} {:?} in this layer, {} {s:?} (stacked) in another: a dist_ckpt stacks layers of one shape",
+                        "is {} {:?} here, {} {s:?} (stacked) in another layer or expert: a dist_ckpt stacks tensors of one shape",
                         crate::dtype_name(t.dtype),
                         t.shape,
                         crate::dtype_name(*d)
@@ -242,7 +268,6 @@ pub fn megatron_dist_plan(
         tensors,
         files,
         modules,
-        layers,
     })
 }
 
@@ -265,18 +290,29 @@ pub fn megatron_dist_finish(dist: &MegatronDist, out: &Path) -> Result<()> {
             source,
         })?
         .len();
-    let objects: Vec<DistcpObject> = dist
-        .modules
-        .iter()
-        .flat_map(|m| {
-            (0..dist.layers).map(move |l| DistcpObject {
-                fqn: format!("{m}._extra_state/shard_{l}_{}", dist.layers),
+    // One object per index of the module's stacked axes, keyed as megatron-core's
+    // `ShardedObject.unique_key`: `shard_<offsets>_<shape>`, each dot-joined.
+    let mut objects = Vec::new();
+    for (m, extents) in &dist.modules {
+        let shape = dotted(extents);
+        let mut at = vec![0u64; extents.len()];
+        'all: loop {
+            objects.push(DistcpObject {
+                fqn: format!("{m}._extra_state/shard_{}_{shape}", dotted(&at)),
                 file: OBJECTS_FILE.into(),
                 offset: 0,
                 len,
-            })
-        })
-        .collect();
+            });
+            for d in (0..at.len()).rev() {
+                at[d] += 1;
+                if at[d] < extents[d] {
+                    continue 'all;
+                }
+                at[d] = 0;
+            }
+            break;
+        }
+    }
     let meta = metadata_bytes(&dist.tensors, &dist.files, &objects)?;
     write_file_atomic(&dir.join(crate::formats::distcp::METADATA_FILE), &meta)?;
     let (tp, pp) = dist.sizes;
@@ -291,6 +327,11 @@ pub fn megatron_dist_finish(dist: &MegatronDist, out: &Path) -> Result<()> {
     )
 }
 
+/// `[0, 3]` as `0.3`.
+fn dotted(v: &[u64]) -> String {
+    v.iter().map(u64::to_string).collect::<Vec<_>>().join(".")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -301,7 +342,7 @@ mod tests {
             dist_key("decoder.layers.3.input_layernorm.weight"),
             (
                 "decoder.layers.self_attention.linear_qkv.layer_norm_weight".into(),
-                Some(3)
+                vec![3]
             )
         );
         assert_eq!(
@@ -315,12 +356,24 @@ mod tests {
             dist_key("decoder.layers.12.self_attention.linear_qkv.weight"),
             (
                 "decoder.layers.self_attention.linear_qkv.weight".into(),
-                Some(12)
+                vec![12]
             )
         );
         assert_eq!(
+            dist_key("decoder.layers.1.mlp.experts.local_experts.5.linear_fc2.weight"),
+            (
+                "decoder.layers.mlp.experts.experts.linear_fc2.weight".into(),
+                vec![1, 5]
+            )
+        );
+        assert_eq!(
+            dist_key("decoder.layers.1.mlp.router.weight"),
+            ("decoder.layers.mlp.router.weight".into(), vec![1])
+        );
+        assert_eq!(dotted(&[0, 3]), "0.3");
+        assert_eq!(
             dist_key("decoder.final_layernorm.weight"),
-            ("decoder.final_layernorm.weight".into(), None)
+            ("decoder.final_layernorm.weight".into(), vec![])
         );
         assert_eq!(
             linear_module("decoder.layers.self_attention.linear_proj.weight"),
