@@ -106,7 +106,8 @@ def check_import(ckpt, family, hf_dir, work):
     for key in ours:
         a, b = torch.cat(ours[key]), torch.cat(theirs[key])
         assert a.shape[0] == vocab and torch.equal(a, b[:vocab]), key
-    check_dist_import(ckpt, family, hf_dir, os.path.join(meg, "release"), work, 29700)
+    check_dist_import(ckpt, family, hf_dir, os.path.join(meg, "release"), work, 29700,
+                      os.path.join(FIXTURES, family, "reference.safetensors"))
     back = os.path.join(work, f"{family}-back")
     export(ckpt, meg, back)
     with open(os.path.join(hf_dir, "model.safetensors"), "rb") as f1, open(os.path.join(back, "model.safetensors"), "rb") as f2:
@@ -133,6 +134,37 @@ def run_forward(model, ref_file, result):
     with torch.no_grad():
         logits = model.eval()(ids, pos, mask)
     torch.save(logits, result)
+
+
+def pipeline_forward(model, ids, hidden):
+    """Megatron's forward of `ids` over the TP x PP ranks, driven by hand (its schedules
+    need CUDA streams): each stage's output [s, b, h] is sent to the next, which takes it
+    as its input tensor; the last stage's vocab-parallel logits are gathered over TP.
+    The logits on the last stage, None elsewhere."""
+    from megatron.core import parallel_state as ps
+
+    b, s = ids.shape
+    pos = torch.arange(s).unsqueeze(0).expand_as(ids)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    model.eval()
+    with torch.no_grad():
+        if stages > 1:
+            ranks = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+            if stage > 0:
+                h = torch.empty(s, b, hidden)
+                torch.distributed.recv(h, ranks[stage - 1])
+                model.set_input_tensor(h)
+        out = model(ids if stage == 0 else None, pos, mask)
+        if stage < stages - 1:
+            torch.distributed.send(out.contiguous(), ranks[stage + 1])
+            return None
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(out) for _ in range(tp)]
+        torch.distributed.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+        out = torch.cat(parts, dim=-1)
+    return out
 
 
 def dist_load_worker(rank, world, tp, pp, port, dist_dir, legacy_dir, ref_file, result):
@@ -169,19 +201,22 @@ def dist_load_worker(rank, world, tp, pp, port, dist_dir, legacy_dir, ref_file, 
     assert sorted(have) == sorted(want), (sub, sorted(set(have) ^ set(want)))
     for k, v in have.items():
         assert torch.equal(v, want[k]), (sub, k)
-    if world == 1 and ref_file:
-        run_forward(model, ref_file, result)
+    if ref_file:
+        logits = pipeline_forward(model, load_file(ref_file)["input_ids"], a.hidden_size)
+        if logits is not None and t == 0:
+            torch.save(logits, result)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def check_dist_import(ckpt, name, hf_dir, legacy_dir, work, port, ref_file=None):
-    """HF -> megatron-dist on TP2 x PP2 (and on one rank, with a forward): megatron-core
-    loads it; the weights are the legacy import's; -> HF gives back the model."""
+def check_dist_import(ckpt, name, hf_dir, legacy_dir, work, port, ref_file):
+    """HF -> megatron-dist on TP2 x PP2 and on one rank: megatron-core loads it, the
+    weights are the legacy import's, its forward gives `ref_file`'s logits; -> HF gives
+    back the model."""
     import torch.multiprocessing as mp
 
     tag = name.replace(" ", "_").replace("(", "").replace(")", "")
-    for tp, pp in ((2, 2), (1, 1)) if ref_file else ((2, 2),):
+    for tp, pp in ((2, 2), (1, 1)):
         out = os.path.join(work, f"{tag}-dist-tp{tp}pp{pp}")
         r = subprocess.run([ckpt, "reshard", hf_dir, "--format", "megatron-dist", "--mesh", f"tp={tp},pp={pp}",
                             "-o", out, "--quiet"], capture_output=True, text=True)
@@ -195,19 +230,18 @@ def check_dist_import(ckpt, name, hf_dir, legacy_dir, work, port, ref_file=None)
                                 "-o", legacy, "--quiet"], capture_output=True, text=True)
             assert r.returncode == 0, r.stderr
             legacy = os.path.join(legacy, "release")
-        result = os.path.join(work, f"{tag}-dist-logits.pt")
+        result = os.path.join(work, f"{tag}-dist-logits-{tp}{pp}.pt")
         mp.spawn(dist_load_worker, args=(tp * pp, tp, pp, port + tp * pp, os.path.join(out, "release"), legacy,
                                          ref_file, result), nprocs=tp * pp, join=True)
+        got, want = torch.load(result), load_file(ref_file)["logits"]
+        diff = (got - want).abs().max().item()
+        assert got.shape == want.shape and diff <= FP32_TOL, f"{name} TP{tp} x PP{pp}: logits differ by {diff}"
         back = os.path.join(work, f"{tag}-dist-back-{tp}{pp}")
         export(ckpt, out, back)
         same_tensors(os.path.join(hf_dir, "model.safetensors"), os.path.join(back, "model.safetensors"), name)
         print(f"{name}: HF -> megatron-dist TP{tp} x PP{pp}: megatron-core's dist_checkpointing.load takes it "
-              f"strictly, weights equal the legacy import's rank by rank; -> HF gives back every tensor byte")
-    if ref_file:
-        got, want = torch.load(result), load_file(ref_file)["logits"]
-        diff = (got - want).abs().max().item()
-        assert got.shape == want.shape and diff <= FP32_TOL, f"{name}: logits of the dist import differ by {diff}"
-        print(f"{name}: megatron-core's forward of the dist_ckpt import gives transformers' logits, max |diff| {diff:.2e}")
+              f"strictly, weights equal the legacy import's rank by rank, its forward's logits the reference's "
+              f"(max |diff| {diff:.2e}); -> HF gives back every tensor byte")
 
 
 def megatron_forward(rank, rank_file, ref_file, result):

@@ -349,7 +349,7 @@ mod tests {
             dist_key("decoder.layers.0.pre_mlp_layernorm.bias"),
             (
                 "decoder.layers.mlp.linear_fc1.layer_norm_bias".into(),
-                Some(0)
+                vec![0]
             )
         );
         assert_eq!(
