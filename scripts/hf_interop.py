@@ -16,11 +16,12 @@ and each layout (legacy, dist_ckpt):
   the vocabulary rows unpadded: the TP ranks' rows joined equal the fixture's first
   vocab_size rows), as a `release` checkpoint; and `ckpt merge --format hf` of that
   gives back the Hugging Face model's safetensors file byte for byte;
-- import as a dist_ckpt (`--format megatron-dist`, TP2 x PP2; for transformers' models
-  also TP1 x PP1): megatron-core's GPTModel on that many gloo ranks loads it with
+- import as a dist_ckpt (`--format megatron-dist`, TP2 x PP2 and TP1 x PP1):
+  megatron-core's GPTModel on that many gloo ranks loads it with
   `dist_checkpointing.load` and `load_state_dict(strict=True)`, its weights equal the
-  legacy import's rank by rank, the one-rank forward gives transformers' logits within
-  1e-4, and `merge --format hf` of it gives back every tensor byte;
+  legacy import's rank by rank, its forward (pipeline driven by hand) gives the
+  reference logits within 1e-4, and `merge --format hf` of it gives back every tensor
+  byte;
 - the same with `--dtype bf16`: the model loads in bfloat16, `config.json` says so, every
   weight equals torch's own cast of the fp32 export's (`.to(torch.bfloat16)`, round to
   nearest even), and its logits agree with Megatron's fp32 logits within bf16's rounding
