@@ -37,42 +37,9 @@ if [ ! -f "$ck/latest_checkpointed_iteration.txt" ]; then
     { tail -20 "$out.log"; exit 1; }
 fi
 inputs=("$ck"/iter_*/mp_rank_*/model_optim_rng.pt)
-bytes=$(du -cb "${inputs[@]}" | tail -1 | cut -f1)
-now() { date +%s.%N; }
-settle() {
-  rm -rf "$out/cat.bin" "$out/hf"
-  cat "${inputs[@]}" > /dev/null
-  sync
-  sleep "${SETTLE_SECONDS:-3}"
-}
-: > "$out/rounds.txt"
-time_cat() {
-  settle
-  t0=$(now)
-  cat "${inputs[@]}" > "$out/cat.bin"
-  sync; t1=$(now)
-}
-time_ckpt() {
-  settle
-  t2=$(now)
-  /usr/bin/time -f "%M" -o "$out/rss.txt" "$ckpt" merge "$ck" --format hf -o "$out/hf" --quiet > /dev/null 2>&1
-  sync; t3=$(now)
-  written=$(du -cb "$out"/hf/*.safetensors | tail -1 | cut -f1)
-}
-# The order alternates round by round: this VM's disk write-back favours whichever
-# step runs first in a block, and must not favour one tool.
-for r in $(seq 1 "$rounds"); do
-  if [ $((r % 2)) -eq 1 ]; then time_cat; time_ckpt; else time_ckpt; time_cat; fi
-  echo "$t0 $t1 $t2 $t3 $(cat "$out/rss.txt") $written" >> "$out/rounds.txt"
-done
-python3 - "$out/rounds.txt" "$bytes" <<'PY'
-import statistics, sys
-rows = [list(map(float, l.split())) for l in open(sys.argv[1])]
-cat = [r[1] - r[0] for r in rows]
-ck = [r[3] - r[2] for r in rows]
-for i, (c, k, r) in enumerate(zip(cat, ck, rows), 1):
-    print(f"round {i}: cat+sync {c:.2f} s, ckpt merge --format hf + sync {k:.2f} s ({k / c:.2f}x), peak RSS {r[4] / 1024:.0f} MiB")
-print(f"inputs {int(sys.argv[2]) / 1e9:.2f} GB, HF safetensors written {rows[0][5] / 1e9:.2f} GB")
-print(f"median: cat+sync {statistics.median(cat):.2f} s, ckpt {statistics.median(ck):.2f} s, "
-      f"ratio {statistics.median([k / c for c, k in zip(cat, ck)]):.2f}x; peak RSS max {max(r[4] for r in rows) / 1024:.0f} MiB")
-PY
+output="$out/hf"
+label="ckpt merge --format hf;HF safetensors"
+ckpt_cmd=("$ckpt" merge "$ck" --format hf -o "$output" --quiet)
+written_bytes() { du -cb "$output"/*.safetensors | tail -1 | cut -f1; }
+. scripts/cat_bench.sh
+cat_bench
