@@ -409,18 +409,36 @@ fn deepspeed_expert_parallel_checkpoints_merge_with_their_moments() {
             assert!(g == Some(v), "{c}: {k}");
         }
     }
-    // ZeRO-0's expert-parallel optimizer files: refused by name.
-    let o = d.fails(&[
+    // Without ZeRO (stage 0): the weights whole from `module` and the expert files,
+    // every one the model's own; the optimizer (by position only) said, not carried.
+    let o = d.ok(&[
         "merge",
         ds("ep2_zero0").join("ckpt").to_str().unwrap(),
         "-o",
-        "x",
+        "zero0",
     ]);
     assert!(
-        o.stderr.contains("expp_rank_0_mp_rank_00_optim_states.pt"),
+        o.stderr.contains("trained without ZeRO (stage 0)") && o.stderr.contains("not carried"),
         "{}",
         o.stderr
     );
+    assert_eq!(
+        full_tensors(&d.path("zero0")),
+        full_tensors(&ds("ep2_zero0").join("reference.safetensors"))
+    );
+    // A missing expert file of a stage-0 checkpoint.
+    copy_dir(&ds("ep2_zero0").join("ckpt"), &d.path("gap0"));
+    std::fs::remove_file(d.path("gap0/global_step2/layer_0_expert_3_mp_rank_00_model_states.pt"))
+        .unwrap();
+    let o = d.fails(&["merge", "gap0", "-o", "x"]);
+    assert!(
+        o.stderr
+            .contains("layer_0_expert_3_mp_rank_00_model_states.pt")
+            && o.stderr.contains("missing"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("x").exists());
     // A missing expert file.
     copy_dir(&ds("ep2_zero2").join("ckpt"), &d.path("gap"));
     std::fs::remove_file(d.path("gap/global_step2/layer_1_expert_2_mp_rank_00_model_states.pt"))

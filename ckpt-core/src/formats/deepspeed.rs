@@ -67,6 +67,8 @@ enum Role {
     /// `expp_rank_<e>_mp_rank_XX_optim_states.pt`: ZeRO-0's optimizer of an
     /// expert-parallel rank.
     ExpertOptim,
+    /// `expert_<g>_mp_rank_XX_...`: experts in DeepSpeed's older naming (no layer).
+    OldExpert,
 }
 
 fn role(name: &str) -> Option<Role> {
@@ -86,7 +88,7 @@ fn role(name: &str) -> Option<Role> {
     }
     if name.contains("expert_") {
         // The older naming without the layer (`expert_<g>_mp_rank_XX_...`).
-        return name.ends_with(".pt").then_some(Role::ExpertOptim);
+        return name.ends_with(".pt").then_some(Role::OldExpert);
     }
     let num = |s: &str| s.parse::<u64>().ok();
     if let Some(rest) = name.strip_suffix("_optim_states.pt") {
@@ -304,6 +306,117 @@ impl PtFile {
     }
 }
 
+/// A mixture of experts trained without ZeRO (stage 0): the weights are whole in the
+/// model states' `module` (the dense parameters and buffers) and in the
+/// `layer_<l>_expert_<g>` files (each expert's, under its global id); every expert
+/// `num_experts` names must have its file. The optimizer state (`expp_rank_*` files,
+/// and the model states' own `optimizer`) is torch's plain `state_dict`, which names
+/// parameters by position only: not carried, and said.
+///
+/// # Errors
+/// Tensor parallelism; an expert file missing or an expert's tensor also in `module`;
+/// damaged files.
+fn read_zero0(
+    model: &Path,
+    experts: &BTreeMap<(u64, u64), PathBuf>,
+    expert_optim: &[PathBuf],
+    tensor_parallel: bool,
+) -> Result<DeepSpeed> {
+    if tensor_parallel {
+        return Err(err(
+            model,
+            "a mixture of experts without ZeRO (stage 0) with tensor parallelism is not read",
+        ));
+    }
+    let mut shapes: BTreeMap<String, (Dtype, Vec<u64>)> = BTreeMap::new();
+    let mut whole = |f: &mut PtFile, name: &str, v: &Value| -> Result<()> {
+        let entry = f.tensor(v, name)?;
+        let len = numel(&entry.shape)?;
+        if shapes
+            .insert(name.to_string(), (entry.dtype, entry.shape.clone()))
+            .is_some()
+        {
+            return Err(err(
+                &f.path,
+                format!("tensor `{name}` is also in another file"),
+            ));
+        }
+        f.piece(
+            name,
+            &entry.shape.clone(),
+            FlatRange { start: 0, len },
+            &entry,
+            0,
+        )
+    };
+    let mut m = PtFile::open(model)?;
+    let module: Vec<(String, Value)> = dict_items(m.at(&["module"])?)
+        .unwrap_or(&[])
+        .iter()
+        .filter_map(|(k, v)| match k {
+            Value::Str(k) => Some((k.clone(), v.clone())),
+            _ => None,
+        })
+        .collect();
+    for (name, v) in &module {
+        whole(&mut m, name, v)?;
+    }
+    let num_experts: Vec<u64> = m
+        .opt_at(&["num_experts"])
+        .and_then(Value::items)
+        .map(|l| l.iter().filter_map(int).collect())
+        .unwrap_or_default();
+    for (l, &n) in num_experts.iter().enumerate() {
+        for g in 0..n {
+            if !experts.contains_key(&(l as u64, g)) {
+                return Err(err(
+                    &model
+                        .with_file_name(format!("layer_{l}_expert_{g}_mp_rank_00_model_states.pt")),
+                    format!("missing: MoE layer {l}'s expert {g} of {n} (num_experts)"),
+                ));
+            }
+        }
+    }
+    let mut files = vec![];
+    let mut dtypes = std::collections::BTreeSet::new();
+    for p in experts.values() {
+        let mut f = PtFile::open(p)?;
+        let items: Vec<(String, Value)> = dict_items(&f.root)
+            .unwrap_or(&[])
+            .iter()
+            .filter_map(|(k, v)| match k {
+                Value::Str(k) => Some((k.clone(), v.clone())),
+                _ => None,
+            })
+            .collect();
+        for (name, v) in &items {
+            whole(&mut f, name, v)?;
+        }
+        files.extend(f.finish(0)?);
+    }
+    for (d, _) in shapes.values() {
+        dtypes.insert(crate::dtype_name(*d));
+    }
+    files.insert(
+        0,
+        m.finish(0)?
+            .ok_or_else(|| err(model, "`module` holds no tensor"))?,
+    );
+    let notes = vec![format!(
+        "{}: trained without ZeRO (stage 0): the weights are read whole from `module` and the {} expert files, in the model's dtype ({}); the optimizer state ({} expp_rank_* file(s) and the model states' `optimizer`) names parameters by position only and is not carried",
+        model.display(),
+        experts.len(),
+        dtypes.into_iter().collect::<Vec<_>>().join(", "),
+        expert_optim.len()
+    )];
+    Ok(DeepSpeed {
+        files,
+        shapes,
+        aliases: vec![],
+        notes,
+    })
+}
+
 pub(crate) fn int(v: &Value) -> Option<u64> {
     match v {
         Value::Int(i) => u64::try_from(*i).ok(),
@@ -400,6 +513,8 @@ pub(crate) struct MpFiles {
     pub(crate) model: Option<PathBuf>,
     /// Mixture-of-experts weights by (MoE layer, global expert id).
     pub(crate) experts: BTreeMap<(u64, u64), PathBuf>,
+    /// ZeRO-0's optimizer files of the expert-parallel ranks (`expp_rank_*`).
+    pub(crate) expert_optim: Vec<PathBuf>,
 }
 
 impl MpFiles {
@@ -423,12 +538,13 @@ pub(crate) fn scan(dir: &Path) -> Result<BTreeMap<u64, MpFiles>> {
             continue;
         };
         match r {
-            Role::ExpertOptim => {
+            Role::OldExpert => {
                 return Err(err(
                     &p,
-                    "mixture-of-experts optimizer files without ZeRO (expp_rank_*, ZeRO-0), or experts in the old naming (expert_<g>_...), are not read yet; ZeRO-1/2 checkpoints with experts are",
+                    "experts in DeepSpeed's older naming (expert_<g>_..., without the layer) are not read; layer_<l>_expert_<g>_... files are",
                 ))
             }
+            Role::ExpertOptim => by_mp.entry(0).or_default().expert_optim.push(p),
             Role::ExpertWeights { layer, expert } => {
                 by_mp.entry(0).or_default().experts.insert((layer, expert), p);
             }
@@ -465,7 +581,20 @@ pub(crate) fn read_mp(
         rank_models,
         model,
         experts,
+        expert_optim,
     } = files;
+    match (optim.is_empty(), model, expert_optim.first()) {
+        (true, Some(model), Some(_)) => {
+            return read_zero0(model, experts, expert_optim, tp.is_some())
+        }
+        (false, _, Some(p)) => {
+            return Err(err(
+                p,
+                "a mixture-of-experts optimizer file without ZeRO (ZeRO-0's expp_rank_*) beside ZeRO optimizer files (zero_pp_rank_*): not one checkpoint",
+            ))
+        }
+        _ => {}
+    }
     let Some((_, first)) = optim.iter().next() else {
         return Err(err(dir, "no `*_optim_states.pt` file"));
     };
