@@ -195,7 +195,7 @@ def main():
             # write must still hold the values of the call.
             for v in sd.values():
                 (v._local_tensor if hasattr(v, "_local_tensor") else v).zero_()
-            assert h.wait() == os.path.abspath(dirs[1])
+            assert h.wait() == (dirs[1] if "://" in dirs[1] else os.path.abspath(dirs[1]))
     else:
         # Each directory in turn, into a fresh state dict of zeros.
         for d in dirs:

@@ -12,6 +12,7 @@ state dict as it was.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import threading
@@ -642,11 +643,31 @@ def _remote_prepare(url: str, rank: int, world: int) -> None:
         raise CheckpointError(f"rank 0 could not prepare {url}: {outcome[0]}: {outcome[1]}")
 
 
-def _save_remote(url, rank, world, strategy, encoded, local_data, keep_all, checksums) -> str:
+def _store_gather(store, key: str, rank: int, world: int) -> Callable[[Any], List[Any]]:
+    """``_gather`` through the process group's key-value store (lookups, not
+    collectives): for a save on a background thread, which must not race the training
+    loop's collectives. Values are JSON; each call gets keys of its own under ``key``."""
+    calls = [0]
+
+    def gather(value: Any) -> List[Any]:
+        if world == 1:
+            return [value]
+        calls[0] += 1
+        at = f"{key}/gather/{calls[0]}"
+        store.set(f"{at}/{rank}", json.dumps(value))
+        return [json.loads(store.get(f"{at}/{r}").decode()) for r in range(world)]
+
+    return gather
+
+
+def _save_remote(url, rank, world, strategy, encoded, local_data, keep_all, checksums, gather=None) -> str:
     """``save_state_dict`` to an object store: each rank writes its ``ckpt_<rank>/``
     locally, uploads it as multipart uploads that are not completed (nothing visible),
     and once every rank has staged, rank 0 completes them all, ``strategy.json`` last
-    (docs/storage.md)."""
+    (docs/storage.md). ``gather``: how the ranks exchange what they staged (the process
+    group's collectives by default; its store from a background thread)."""
+    if gather is None:
+        gather = lambda value: _gather(value, rank, world)  # noqa: E731
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="ckpt-save-") as tmp:
@@ -667,7 +688,7 @@ def _save_remote(url, rank, world, strategy, encoded, local_data, keep_all, chec
             staged = _ckpt.stage_remote(local, url, rank)
         except Exception as e:  # noqa: BLE001 - every rank learns of it below
             failure = e
-        everyone = _gather(staged if failure is None else None, rank, world)
+        everyone = gather(staged if failure is None else None)
         if failure is not None:
             raise failure
         missing = [r for r, x in enumerate(everyone) if x is None]
@@ -679,7 +700,7 @@ def _save_remote(url, rank, world, strategy, encoded, local_data, keep_all, chec
                 _ckpt.commit_remote(url, everyone)
             except Exception as e:  # noqa: BLE001 - every rank learns of it below
                 failure = e
-        outcome = _gather(None if failure is None else f"{type(failure).__name__}: {failure}", rank, world)[0]
+        outcome = gather(None if failure is None else f"{type(failure).__name__}: {failure}")[0]
         if failure is not None:
             raise failure
         if outcome is not None:
@@ -729,15 +750,23 @@ def save_state_dict(
 
     ``background=True`` copies the local shards into memory (the training stall: nothing
     else, no waiting for other ranks) and writes them on a thread: it returns a
-    :class:`SaveHandle` whose ``wait()`` returns when the checkpoint is committed.
-    Otherwise it returns ``path`` once the checkpoint is committed.
+    :class:`SaveHandle` whose ``wait()`` returns when the checkpoint is committed (to
+    a URL too: the ranks then meet through the process group's store, never its
+    collectives). Otherwise it returns ``path`` once the checkpoint is committed.
     """
     remote = _is_url(os.fspath(path))
     out = os.fspath(path) if remote else os.path.abspath(os.fspath(path))
     rank, world = _world()
+    store = None
     if remote:
-        if background:
-            raise Unsupported("background=True with a URL: not yet (save without it)")
+        if background and world > 1:
+            # The ranks meet through the store from the save's thread (collectives
+            # there would race the training loop's).
+            store = _store()
+            if store is None:
+                raise Unsupported(
+                    "background=True with a URL needs the process group's key-value store (a group made by init_process_group): save without background"
+                )
         _remote_prepare(out, rank, world)
     elif os.path.exists(out):
         raise OutputExists(f"{out} already exists")
@@ -768,6 +797,12 @@ def save_state_dict(
         local_data.append((name, local))
     strategy = _ckpt.strategy_json(axes, tensors)
     if remote:
+        if background:
+            n = _STARTED[out] = _STARTED.get(out, 0) + 1
+            gather = _store_gather(store, f"ckpt.save_state_dict/{out}/{n}", rank, world)
+            return SaveHandle(
+                lambda: _save_remote(out, rank, world, strategy, encoded, local_data, keep_all, checksums, gather)
+            )
         return _save_remote(out, rank, world, strategy, encoded, local_data, keep_all, checksums)
     meet = _Rendezvous(out, rank, world)
     parent, base = os.path.split(out)
