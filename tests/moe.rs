@@ -15,6 +15,13 @@ fn case(name: &str) -> PathBuf {
 }
 
 /// The model's tensors as the generator gathered them from every rank.
+/// A DeepSpeed MoE fixture.
+fn ds(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/moe/deepspeed")
+        .join(name)
+}
+
 fn reference(name: &str) -> BTreeMap<String, Vec<u8>> {
     full_tensors(&case(name).join("reference.safetensors"))
 }
@@ -387,11 +394,6 @@ fn expert_parallel_checkpoints_into_dist_ckpts_as_megatron_core_saves_them() {
 #[test]
 fn deepspeed_expert_parallel_checkpoints_merge_with_their_moments() {
     let d = Dir::new();
-    let ds = |c: &str| {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures/moe/deepspeed")
-            .join(c)
-    };
     for c in ["ep2_zero2", "ep2_zero2_dbe", "ep4_zero1"] {
         let out = d.path(c);
         d.ok(&[
@@ -458,8 +460,35 @@ fn deepspeed_expert_parallel_checkpoints_merge_with_their_moments() {
 fn moe_outputs_do_not_depend_on_the_thread_count() {
     let d = Dir::new();
     let src = case("ep2pp2").join("legacy");
+    let zero0 = ds("ep2_zero0").join("ckpt");
+    let titan = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/torchtitan/llama");
+    let titan_config = titan.join("config.json");
+    let titan_dcp = titan.join("dcp");
     for (args, out) in [
         (vec!["merge", src.to_str().unwrap()], "merged"),
+        (
+            vec![
+                "reshard",
+                src.to_str().unwrap(),
+                "--format",
+                "megatron-dist",
+                "--mesh",
+                "tp=1,pp=2",
+            ],
+            "dist",
+        ),
+        (vec!["merge", zero0.to_str().unwrap()], "zero0"),
+        (
+            vec![
+                "merge",
+                titan_dcp.to_str().unwrap(),
+                "--format",
+                "hf",
+                "--hf-config",
+                titan_config.to_str().unwrap(),
+            ],
+            "titan-hf",
+        ),
         (
             vec![
                 "reshard",

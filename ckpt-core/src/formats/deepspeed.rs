@@ -341,24 +341,21 @@ fn read_zero0(
                 format!("tensor `{name}` is also in another file"),
             ));
         }
-        f.piece(
-            name,
-            &entry.shape.clone(),
-            FlatRange { start: 0, len },
-            &entry,
-            0,
-        )
+        f.piece(name, &entry.shape, FlatRange { start: 0, len }, &entry, 0)
+    };
+    // A dict's entries under string keys (a state dict's tensors by name).
+    let named = |v: &Value| -> Vec<(String, Value)> {
+        dict_items(v)
+            .unwrap_or(&[])
+            .iter()
+            .filter_map(|(k, v)| match k {
+                Value::Str(k) => Some((k.clone(), v.clone())),
+                _ => None,
+            })
+            .collect()
     };
     let mut m = PtFile::open(model)?;
-    let module: Vec<(String, Value)> = dict_items(m.at(&["module"])?)
-        .unwrap_or(&[])
-        .iter()
-        .filter_map(|(k, v)| match k {
-            Value::Str(k) => Some((k.clone(), v.clone())),
-            _ => None,
-        })
-        .collect();
-    for (name, v) in &module {
+    for (name, v) in &named(m.at(&["module"])?) {
         whole(&mut m, name, v)?;
     }
     let num_experts: Vec<u64> = m
@@ -378,25 +375,17 @@ fn read_zero0(
         }
     }
     let mut files = vec![];
-    let mut dtypes = std::collections::BTreeSet::new();
     for p in experts.values() {
         let mut f = PtFile::open(p)?;
-        let items: Vec<(String, Value)> = dict_items(&f.root)
-            .unwrap_or(&[])
-            .iter()
-            .filter_map(|(k, v)| match k {
-                Value::Str(k) => Some((k.clone(), v.clone())),
-                _ => None,
-            })
-            .collect();
-        for (name, v) in &items {
+        for (name, v) in &named(&f.root) {
             whole(&mut f, name, v)?;
         }
         files.extend(f.finish(0)?);
     }
-    for (d, _) in shapes.values() {
-        dtypes.insert(crate::dtype_name(*d));
-    }
+    let dtypes: std::collections::BTreeSet<String> = shapes
+        .values()
+        .map(|(d, _)| crate::dtype_name(*d))
+        .collect();
     files.insert(
         0,
         m.finish(0)?
