@@ -428,10 +428,7 @@ impl Mapped {
     /// copy consumes: not touched here.)
     fn forget_pages(&self) {
         if let Backing::File(m) = &self.map {
-            // SAFETY: read-only and file-backed: dropping the mapping's pages loses
-            // nothing. Advice only.
-            let _ =
-                unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, 0, m.len()) };
+            crate::fault::forget_mapped(m.as_ptr() as usize, m.len());
         }
     }
 
