@@ -1,5 +1,6 @@
 # Sourced by the benchmarks that time a ckpt command against `cat` + `sync` of the same
-# input bytes (hf_export_bench.sh, moe_reshard_bench.sh). The caller sets
+# input bytes (hf_export_bench.sh, moe_reshard_bench.sh): `bench_setup` first, then the
+# caller sets
 #   inputs   the input files (an array)
 #   out      a work directory (the outputs go under it)
 #   rounds   how many rounds
@@ -10,6 +11,20 @@
 # steps after reading the inputs into the page cache, deleting the previous outputs,
 # syncing and waiting SETTLE_SECONDS (default 3); the order alternates round by round
 # (odd rounds `cat` first). Prints every round, the medians and the peak RSS.
+
+# The ckpt binary (CKPT, default the release build), ROUNDS (default 3), and a venv
+# with torch and megatron-core for the generators (MEGATRON_VENV, made under target/
+# when missing).
+bench_setup() {
+  venv=${MEGATRON_VENV:-target/venv-megatron}
+  ckpt=${CKPT:-target/release/ckpt}
+  rounds=${ROUNDS:-3}
+  [ -x "$ckpt" ] || { echo "build first: cargo build --release (or CKPT=target/debug/ckpt)" >&2; exit 1; }
+  if ! "$venv/bin/python" -c "import torch, megatron.core" 2>/dev/null; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q torch megatron-core==0.16.1 psutil numpy safetensors
+  fi
+}
 
 now() { date +%s.%N; }
 

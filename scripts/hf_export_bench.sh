@@ -18,14 +18,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-target/hf-bench}
-venv=${MEGATRON_VENV:-target/venv-megatron}
-ckpt=${CKPT:-target/release/ckpt}
-rounds=${ROUNDS:-3}
-[ -x "$ckpt" ] || { echo "build first: cargo build --release (or CKPT=target/debug/ckpt)" >&2; exit 1; }
-if ! "$venv/bin/python" -c "import torch, megatron.core" 2>/dev/null; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q torch megatron-core==0.16.1 psutil numpy safetensors
-fi
+. scripts/cat_bench.sh
+bench_setup
 ck="$out/llama/legacy"
 if [ ! -f "$ck/latest_checkpointed_iteration.txt" ]; then
   mkdir -p "$out"
@@ -41,5 +35,4 @@ output="$out/hf"
 label="ckpt merge --format hf;HF safetensors"
 ckpt_cmd=("$ckpt" merge "$ck" --format hf -o "$output" --quiet)
 written_bytes() { du -cb "$output"/*.safetensors | tail -1 | cut -f1; }
-. scripts/cat_bench.sh
 cat_bench
