@@ -590,6 +590,33 @@ fn deepspeed_conforms() {
     });
 }
 
+/// Mixtures of experts, written by the libraries themselves (tests/fixtures/moe/,
+/// scripts/fixtures/moe_*.py): Megatron's legacy expert-parallel rank directories (EP 2,
+/// `mp_rank_00_00E`) and DeepSpeed's MoE without ZeRO (stage 0: `module` and one file
+/// per expert). `reference.safetensors` holds every tensor of the model under its
+/// global expert id, gathered by the generators from every rank's own state dict.
+#[test]
+fn mixture_of_experts_conforms() {
+    conform_dir(&DirCase {
+        make: |s| fixture_copy(s, "moe/megatron/ep2tp1/legacy"),
+        data_file: "iter_0000001/mp_rank_00_001/model_optim_rng.pt",
+        expected: || file_tensors(&fixture_path("moe/megatron/ep2tp1/reference.safetensors")),
+        format: FileFormat::TorchSave,
+        fuzz_target: "megatron",
+    });
+    conform_dir(&DirCase {
+        make: |s| fixture_copy(s, "moe/deepspeed/ep2_zero0/ckpt/global_step2"),
+        data_file: "layer_1_expert_2_mp_rank_00_model_states.pt",
+        expected: || {
+            file_tensors(&fixture_path(
+                "moe/deepspeed/ep2_zero0/reference.safetensors",
+            ))
+        },
+        format: FileFormat::DeepSpeed,
+        fuzz_target: "deepspeed",
+    });
+}
+
 /// A directory format (DeepSpeed's universal checkpoint, which ckpt writes only from a
 /// ZeRO checkpoint, through `merge --format ucp`): the suite's checks on trees written
 /// by the real library (tests/fixtures/deepspeed/zero{2,3}_fp32/ucp, ds_to_universal's):
