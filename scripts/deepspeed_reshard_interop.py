@@ -191,7 +191,7 @@ def worker(rank, world, port, variant, load_dir, out_json, step_out):
     else:
         with open(out_json + f".{rank}", "w") as f:
             json.dump({"failures": failures, "state": state}, f)
-    torch.distributed.barrier()
+    fx.finish_rank()
 
 
 def run(world, variant, load_dir, tmp, tag):

@@ -36,7 +36,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.abspath("target/torch-exte
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from deepspeed_fixtures import Tiny, config  # noqa: E402
+from deepspeed_fixtures import Tiny, config, finish_rank  # noqa: E402
 
 LOAD_WORLD = 3
 
@@ -85,7 +85,7 @@ def worker(rank, stage, load_dir, out_file, port):
         with open(out_file + ".txt", "w") as f:
             step = float(steps[0]) if steps else -1
             f.write(f"{group['lr']} {group['weight_decay']} {step} {float(loss)}\n")
-    torch.distributed.barrier()
+    finish_rank()
 
 
 def main():
