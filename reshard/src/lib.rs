@@ -714,7 +714,8 @@ fn finish_rank_dir(dir: &Path, json: &str, source: &Checkpoint) -> Result<()> {
 }
 
 /// `--format deepspeed`: the DeepSpeed ZeRO-1/2 checkpoint given as the one input,
-/// written for the data-parallel size `--to N` (or `--mesh dp=N`) asks, every rank at
+/// written for the data-parallel size `--to N` (or `--mesh dp=N`; a mixture of experts
+/// also at the EP size `--mesh dp=N,ep=K` asks, else at its own) asks, every rank at
 /// once, whole tensors only (no selection, casting or compression: DeepSpeed loads the
 /// optimizer state of every parameter it trains).
 ///
@@ -726,21 +727,24 @@ pub fn reshard_deepspeed(req: &ReshardRequest) -> Result<ckpt_core::DeepSpeedWri
         problem: format!("--format deepspeed: {p}"),
     };
     check_output_outside_inputs(&req.output, &req.inputs)?;
-    let dp = match &req.target {
-        Target::To(n) => *n,
-        Target::Mesh(axes) => match axes[..] {
-            [(ref name, n)] if name == "dp" => n,
-            _ => {
-                return Err(usage(
-                    "give the new data-parallel size as --to N or --mesh dp=N",
-                ))
+    // The new data-parallel size, and for a mixture of experts the new EP size.
+    let sizes = match &req.target {
+        Target::To(n) => Some((*n, None)),
+        Target::Mesh(axes) => {
+            let size = |name: &str| axes.iter().find(|(n, _)| n == name).map(|(_, s)| *s);
+            match (size("dp"), size("ep")) {
+                (Some(dp), ep) if axes.iter().all(|(n, _)| n == "dp" || n == "ep") => {
+                    Some((dp, ep))
+                }
+                _ => None,
             }
-        },
-        _ => {
-            return Err(usage(
-                "give the new data-parallel size as --to N or --mesh dp=N",
-            ))
         }
+        _ => None,
+    };
+    let Some((dp, ep)) = sizes else {
+        return Err(usage(
+            "give the new data-parallel size as --to N or --mesh dp=N (and for a mixture of experts --mesh dp=N,ep=K)",
+        ));
     };
     let [input] = &req.inputs[..] else {
         return Err(usage("one DeepSpeed checkpoint directory as the input"));
@@ -753,7 +757,7 @@ pub fn reshard_deepspeed(req: &ReshardRequest) -> Result<ckpt_core::DeepSpeedWri
             "DeepSpeed loads every parameter's optimizer state: no --include/--exclude/--dtype/--compress/--shard/prefixes",
         ));
     }
-    ckpt_core::write_deepspeed_dp(input, &req.output, dp, req.force)
+    ckpt_core::write_deepspeed_dp(input, &req.output, dp, ep, req.force)
 }
 
 #[cfg(test)]

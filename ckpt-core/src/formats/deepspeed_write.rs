@@ -28,8 +28,10 @@
 //! the prefix is kept. Refused by name, nothing written: DeepSpeed's BF16_Optimizer
 //! files (no `zero_stage`: ZeRO-1 with fp32 gradient accumulation; the reader refuses
 //! them), elastic checkpoints, round-robin gradient ordering, and whatever the reader
-//! refuses (tensor parallelism, experts).
+//! refuses (tensor parallelism). A ZeRO-1/2 mixture of experts is written for another
+//! world and expert-parallel size ([`experts`]: docs/moe.md).
 
+mod experts;
 mod zero12;
 mod zero3;
 
@@ -42,42 +44,47 @@ pub use zero12::DeepSpeedWriteStats;
 
 /// Writes the ZeRO-1/2/3 checkpoint at `source` (a directory with `latest`, or a tag
 /// directory) as a checkpoint for `dp` data-parallel ranks at `output`
-/// (`output/latest`, `output/<tag>/`), all of it or nothing.
+/// (`output/latest`, `output/<tag>/`), all of it or nothing. A ZeRO-1/2 mixture of
+/// experts (`deepspeed.moe`) is written for expert-parallel size `ep` (the source's
+/// when `None`): its expert group regrouped by expert, the expert files copied.
 ///
 /// # Errors
 /// [`crate::Error::Unsupported`] for what is not written (ZeRO-3 sub-groups split otherwise on
 /// `dp` ranks, elastic checkpoints, round-robin gradients, a dp size the ZeRO-1/2 model
-/// states cannot record in place); [`crate::Error::InvalidDeepSpeed`] naming file and tensor for a damaged
+/// states cannot record in place, `ep` without experts, experts without ZeRO);
+/// [`crate::Error::InvalidDeepSpeed`] naming file and tensor for a damaged
 /// source; an existing output without `force`; I/O errors.
 pub fn write_deepspeed_dp(
     source: &Path,
     output: &Path,
     dp: u64,
+    ep: Option<u64>,
     force: bool,
 ) -> Result<DeepSpeedWriteStats> {
     if dp == 0 {
         return Err(unsupported("a data-parallel size of 0"));
     }
     let (dir, tag) = tag_dir(source)?;
-    // The reader's checks first: missing ranks, partitions that do not add up,
-    // padding out of place, tensor parallelism and experts are refused there.
+    // The reader's checks first: missing ranks or expert files, partitions that do
+    // not add up, padding out of place, tensor parallelism are refused there.
     let read = deepspeed::read(&dir)?;
     drop(read);
-    // Experts: each expert group is partitioned over its expert-data-parallel ranks
-    // (docs/moe.md), which the re-cut below does not know.
-    if let Some(p) = deepspeed::scan(&dir)?
-        .values()
-        .find_map(|f| f.experts.values().next().cloned())
-    {
+    let (prefix, optim, rank_models) = optim_files(&dir)?;
+    if optim.is_empty() {
         return Err(unsupported(format!(
-            "{}: a mixture-of-experts checkpoint: --format deepspeed does not re-cut expert groups yet (merge reads them)",
-            p.display()
+            "{}: no ZeRO optimizer-states files (zero_pp_rank_*): a checkpoint without ZeRO is not re-cut; `ckpt merge` reads its weights",
+            dir.display()
         )));
     }
-    let (prefix, optim, rank_models) = optim_files(&dir)?;
-    // Per-rank model states: ZeRO-3 (the reader checked the stage).
+    // Per-rank model states: ZeRO-3 (the reader checked the stage), which DeepSpeed
+    // refuses with experts.
     if rank_models.is_empty() {
-        zero12::write_zero12(&dir, &tag, output, dp, force, &prefix, &optim)
+        zero12::write_zero12(&dir, &tag, output, dp, ep, force, &prefix, &optim)
+    } else if ep.is_some() {
+        Err(unsupported(format!(
+            "{}: an EP size was given for a ZeRO-3 checkpoint, which has no expert groups (DeepSpeed refuses ZeRO-3 with its MoE layers)",
+            dir.display()
+        )))
     } else {
         zero3::write_zero3(&dir, &tag, output, dp, force, &prefix, &optim)
     }

@@ -76,6 +76,14 @@ impl Value {
         }
     }
 
+    /// `Some(items)` for a tuple or a list, to change them.
+    pub(crate) fn items_mut(&mut self) -> Option<&mut [Value]> {
+        match self {
+            Value::Tuple(v) | Value::List(v) => Some(v),
+            _ => None,
+        }
+    }
+
     /// The value under a string key of a dict (or of a dict given a state by `BUILD`:
     /// an `OrderedDict` with attributes, such as a module's state dict).
     pub(crate) fn get(&self, key: &str) -> Option<&Value> {

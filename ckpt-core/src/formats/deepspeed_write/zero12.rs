@@ -9,6 +9,8 @@ use crate::formats::torch_save::{self, describe, locate_value};
 use crate::formats::torch_write::{storage_class, TorchWriter};
 use crate::formats::{map_file, TensorEntry};
 use crate::layout::flat::{numel, FlatLayout, FlatRange, FlatSlot};
+use super::experts::{self, ExpertGrid};
+use super::zero3::{copy_of, Source};
 use crate::{Dtype, TensorSpec};
 use std::path::{Path, PathBuf};
 
@@ -246,9 +248,86 @@ pub(super) struct NewTensor {
     pub(super) segments: Segments,
 }
 
-/// The parameter names and element counts of each group, from the model states.
 /// Parameter names and element counts, per group.
 pub(super) type Groups = Vec<Vec<(String, u64)>>;
+
+/// Elements `range` of source file `k`'s stored partition of a group.
+pub(super) type Run = (usize, FlatRange);
+
+/// One parameter group as the new ranks hold it: flat buffers (one for a dense group,
+/// one per expert-parallel rank for an expert group), each a sequence of runs of the
+/// source files' stored partitions, padded as DeepSpeed pads (to `2 * parts`) and cut
+/// into `parts` partitions.
+pub(super) struct GroupPlan {
+    /// Each new buffer's runs, in order.
+    pub(super) buffers: Vec<Vec<Run>>,
+    /// New rank -> (its buffer, its partition of that buffer).
+    pub(super) place: Vec<(usize, u64)>,
+    /// Partitions per buffer (`partition_count`).
+    pub(super) parts: u64,
+    /// The parameters of every buffer in order (names as the files give them: an
+    /// expert group's under local ids, the same in every buffer), element counts.
+    pub(super) params: Vec<(String, u64)>,
+    /// The alignment padding after each parameter (`param_alignment_paddings`).
+    pub(super) pads: Vec<u64>,
+    /// The group's new name, where it changes (`ep_size_<EP>`).
+    pub(super) name: Option<String>,
+}
+
+/// One new partition: where its elements come from.
+pub(super) struct PartitionPlan {
+    /// `(offset in the partition, run)`; what no run covers is padding (zeros).
+    pub(super) runs: Vec<(u64, Run)>,
+    /// Elements of the partition, padding included (the optimizer moments' length).
+    pub(super) partition: u64,
+    /// Elements stored (`single_partition_of_fp32_groups`: the group's end padding cut).
+    pub(super) stored: u64,
+    /// Where the partition starts in its buffer.
+    pub(super) start: u64,
+}
+
+impl GroupPlan {
+    /// A dense group: one buffer, the source files' partitions end to end, cut for
+    /// `dp` ranks.
+    fn dense(stored: &[u64], dp: u64, params: Vec<(String, u64)>, pads: Vec<u64>) -> GroupPlan {
+        GroupPlan {
+            buffers: vec![stored
+                .iter()
+                .enumerate()
+                .map(|(k, &n)| (k, FlatRange::new(0, n)))
+                .collect()],
+            place: (0..dp).map(|r| (0, r)).collect(),
+            parts: dp,
+            params,
+            pads,
+            name: None,
+        }
+    }
+
+    /// Partition `part` of buffer `b`.
+    pub(super) fn partition(&self, b: usize, part: u64) -> Result<PartitionPlan> {
+        let runs = &self.buffers[b];
+        let lens: Vec<u64> = runs.iter().map(|(_, r)| r.len).collect();
+        let l = FlatLayout::aligned(&lens, self.parts, 2 * self.parts)?;
+        let out = l
+            .partition_slots(part)
+            .into_iter()
+            .filter_map(|(off, s)| match s {
+                FlatSlot::Tensor { tensor, range } => {
+                    let (k, r) = runs[tensor];
+                    Some((off, (k, FlatRange::new(r.start + range.start, range.len))))
+                }
+                FlatSlot::Padding => None,
+            })
+            .collect();
+        Ok(PartitionPlan {
+            runs: out,
+            partition: l.partition,
+            stored: l.partition.min(l.used.saturating_sub(part * l.partition)),
+            start: part * l.partition,
+        })
+    }
+}
 
 pub(super) fn param_shapes(models: &Path) -> Result<(Groups, Value)> {
     let map = map_file(models)?;
@@ -508,6 +587,7 @@ pub(super) fn write_zero12(
     tag: &str,
     output: &Path,
     dp: u64,
+    ep: Option<u64>,
     force: bool,
     prefix: &str,
     optim: &[PathBuf],
@@ -551,12 +631,63 @@ pub(super) fn write_zero12(
         ));
     }
 
-    // Per group: the old partitions end to end (a FlatLayout of their stored lengths)
-    // re-cut for `dp`.
+    // Per group: how the new ranks' partitions are made of the old ones. A dense
+    // group is the old partitions end to end re-cut for `dp`; an expert group is
+    // regrouped by expert first (experts.rs).
     let ngroups = groups.len();
-    let mut cuts = Vec::with_capacity(ngroups);
+    let world = ranks.len() as u64;
+    let expert_eps: Vec<Option<u64>> = (0..ngroups).map(|g| expert_group_ep(osd0, g)).collect();
+    let old_ep = match expert_eps.iter().flatten().collect::<Vec<_>>()[..] {
+        [] => None,
+        [&ep] => Some(ep),
+        _ => {
+            return Err(unsupported(format!(
+                "{}: several expert groups (experts split above DeepSpeed's group size, or several EP sizes): not re-cut",
+                first.path.display()
+            )))
+        }
+    };
+    let new_ep = match (old_ep, ep) {
+        (None, Some(_)) => {
+            return Err(unsupported(format!(
+                "{}: an EP size was given, but the checkpoint has no expert group (no `moe: True` group named ep_size_<EP>)",
+                first.path.display()
+            )))
+        }
+        (Some(old), None) => Some(old),
+        (_, new) => new,
+    };
+    let data_before_expert = matches!(
+        model_root
+            .get("ds_config")
+            .and_then(|c| c.get("use_data_before_expert_parallelism")),
+        Some(Value::Bool(true))
+    );
+    let mut plans = Vec::with_capacity(ngroups);
     for g in 0..ngroups {
         let stored: Vec<u64> = ranks.iter().map(|r| r.weights[g].shape[0]).collect();
+        if let (Some(old), Some(new)) = (expert_eps[g], new_ep) {
+            if old == 0 || !world.is_multiple_of(old) {
+                return Err(err(
+                    &first.path,
+                    format!("group {g} is ep_size_{old}, which does not divide the {world} data-parallel ranks"),
+                ));
+            }
+            let grid = |world, ep| ExpertGrid {
+                world,
+                ep,
+                data_before_expert,
+            };
+            plans.push(experts::plan(
+                g,
+                &groups[g],
+                &align_pads[g],
+                &stored,
+                grid(world, old),
+                grid(dp, new),
+            )?);
+            continue;
+        }
         let used: u64 = stored.iter().sum();
         let params: u64 = groups[g]
             .iter()
@@ -569,8 +700,12 @@ pub(super) fn write_zero12(
                 format!("group {g}: its parameters and alignment paddings make {params} elements, the ranks' partitions hold {used}"),
             ));
         }
-        let layout = FlatLayout::aligned(&stored, dp, 2 * dp)?;
-        cuts.push(layout);
+        plans.push(GroupPlan::dense(
+            &stored,
+            dp,
+            groups[g].clone(),
+            align_pads[g].clone(),
+        ));
     }
 
     let staged = StagedDir::new(output, force)?;
@@ -585,7 +720,7 @@ pub(super) fn write_zero12(
             "{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
         ));
         let (tensors, pkl) =
-            new_rank(&ranks, &groups, &align_pads, &cuts, r, dp).map_err(|e| e.with_path(&dest))?;
+            new_rank(&ranks, &plans, r).map_err(|e| e.with_path(&dest))?;
         let maps: Vec<&[u8]> = ranks
             .iter()
             .map(|k| k.map.as_deref().unwrap_or(&[]))
@@ -594,24 +729,36 @@ pub(super) fn write_zero12(
         stats.files += 1;
         stats.tensors += tensors.len() as u64;
     }
-    let model_bytes = patch_dp_world_size(&models, dp)?;
-    write_file_atomic(&out_dir.join("mp_rank_00_model_states.pt"), &model_bytes)?;
+    let models_out = out_dir.join("mp_rank_00_model_states.pt");
+    if new_ep.is_some() {
+        stats.bytes += model_states_for_experts(&models, &plans, dp, &models_out)?;
+        stats.files += 1;
+        // One file per global expert: the same at every EP size.
+        for e in std::fs::read_dir(dir).map_err(|e| err(dir, e.to_string()))? {
+            let e = e.map_err(|e| err(dir, e.to_string()))?;
+            let name = e.file_name();
+            if name.to_str().is_some_and(|n| n.starts_with("layer_") && n.contains("_expert_")) {
+                let to = out_dir.join(&name);
+                stats.bytes += std::fs::copy(e.path(), &to).map_err(|source| Error::Io {
+                    path: e.path(),
+                    source,
+                })?;
+                stats.files += 1;
+            }
+        }
+    } else {
+        let model_bytes = patch_dp_world_size(&models, dp)?;
+        write_file_atomic(&models_out, &model_bytes)?;
+    }
     write_file_atomic(&staged.path().join("latest"), tag.as_bytes())?;
     staged.commit()?;
     Ok(stats)
 }
 
 /// New rank `r`'s tensors and its `data.pkl`: rank 0's file with the partitions, the
-/// partition-shaped optimizer state, the paddings, the partition count and the
-/// parameter slice mappings made for `dp` ranks.
-fn new_rank(
-    ranks: &[Rank],
-    groups: &[Vec<(String, u64)>],
-    align_pads: &[Vec<u64>],
-    cuts: &[FlatLayout],
-    r: u64,
-    dp: u64,
-) -> Result<(Vec<NewTensor>, Vec<u8>)> {
+/// partition-shaped optimizer state, the paddings, the partition counts, the group
+/// names and the parameter slice mappings the plans give.
+fn new_rank(ranks: &[Rank], plans: &[GroupPlan], r: u64) -> Result<(Vec<NewTensor>, Vec<u8>)> {
     let first = &ranks[0];
     let mut root = first.root.clone();
     let mut tensors: Vec<NewTensor> = Vec::new();
@@ -619,33 +766,30 @@ fn new_rank(
     let mut weights = Vec::new();
     let mut paddings = Vec::new();
     let mut mappings = Vec::new();
-    for (g, l) in cuts.iter().enumerate() {
-        // The copy: each slot of the new partition from an old rank's stored partition.
-        let slots = l.partition_slots(r);
+    for (g, plan) in plans.iter().enumerate() {
+        let (b, part) = plan.place[r as usize];
+        let l = plan.partition(b, part)?;
+        // The copy: each run of the new partition from an old rank's stored partition.
         let seg = |pick: &dyn Fn(&Rank) -> Option<TensorEntry>| -> Result<Segments> {
             let mut out = Vec::new();
-            for (off, s) in &slots {
-                if let FlatSlot::Tensor { tensor, range } = s {
-                    let t = pick(&ranks[*tensor]).ok_or_else(|| {
-                        err(
-                            &ranks[*tensor].path,
-                            format!("group {g}: optimizer state missing on this rank"),
-                        )
-                    })?;
-                    out.push((*tensor, t, *range, *off));
-                }
+            for &(off, (k, range)) in &l.runs {
+                let t = pick(&ranks[k]).ok_or_else(|| {
+                    err(
+                        &ranks[k].path,
+                        format!("group {g}: optimizer state missing on this rank"),
+                    )
+                })?;
+                out.push((k, t, range, off));
             }
             Ok(out)
         };
-        let stored = l.partition.min(l.used.saturating_sub(r * l.partition));
-        let pad = l.partition - stored;
-        paddings.push(Value::Int(pad as i64));
+        paddings.push(Value::Int((l.partition - l.stored) as i64));
         weights.push(placeholder(tensors.len()));
         tensors.push(NewTensor {
             spec: TensorSpec {
                 name: format!("single_partition_of_fp32_groups.{g}"),
                 dtype: Dtype::F32,
-                shape: vec![stored],
+                shape: vec![l.stored],
             },
             requires_grad: true,
             segments: seg(&|k: &Rank| Some(k.weights[g].clone()))?,
@@ -694,7 +838,8 @@ fn new_rank(
             state.push((key.clone(), placeholder(tensors.len())));
             tensors.push(nt);
         }
-        if let Some(s) = get_mut(osd, "base_optimizer_state")
+        let base = get_mut(osd, "base_optimizer_state");
+        if let Some(s) = base
             .and_then(|b| get_mut(b, "state"))
             .and_then(dict_mut)
             .and_then(|kv| {
@@ -711,14 +856,27 @@ fn new_rank(
                 }
             }
         }
+        // An expert group is named by its EP size, which DeepSpeed looks its process
+        // groups up by.
+        if let Some(name) = &plan.name {
+            if let Some(slot) = get_mut(osd, "base_optimizer_state")
+                .and_then(|b| get_mut(b, "param_groups"))
+                .and_then(Value::items_mut)
+                .and_then(|pg| pg.get_mut(g))
+                .and_then(|pg| get_mut(pg, "name"))
+            {
+                *slot = Value::Str(name.clone());
+            }
+        }
         // Which parameters' elements this partition holds, and where (what
         // `_create_param_mapping` records, for ds_to_universal).
-        let mine = FlatRange::new(r * l.partition, l.partition);
+        let mine = FlatRange::new(l.start, l.partition);
         let mut at = 0u64;
         let mut map = Vec::new();
-        for ((name, n), p) in groups[g]
+        for ((name, n), p) in plan
+            .params
             .iter()
-            .zip(align_pads[g].iter().chain(std::iter::repeat(&0)))
+            .zip(plan.pads.iter().chain(std::iter::repeat(&0)))
         {
             if let Some(o) = FlatRange::new(at, *n).overlap(&mine) {
                 map.push((
@@ -740,14 +898,83 @@ fn new_rank(
     set(osd, "single_partition_of_fp32_groups", Value::List(weights));
     set(osd, "group_paddings", Value::List(paddings));
     let count = match osd.get("partition_count") {
-        Some(Value::List(_)) => Value::List(vec![Value::Int(dp as i64); cuts.len()]),
-        _ => Value::Int(dp as i64),
+        Some(Value::List(_)) => Value::List(
+            plans
+                .iter()
+                .map(|p| Value::Int(p.parts as i64))
+                .collect(),
+        ),
+        _ => Value::Int(plans.first().map_or(1, |p| p.parts) as i64),
     };
     set(osd, "partition_count", count);
     set(osd, "param_slice_mappings", Value::List(mappings));
+    if osd.get("param_alignment_paddings").is_some() {
+        let pads = plans
+            .iter()
+            .map(|p| Value::List(p.pads.iter().map(|&x| Value::Int(x as i64)).collect()))
+            .collect();
+        set(osd, "param_alignment_paddings", Value::List(pads));
+    }
     let mut e = Emitter::new();
     emit(&mut e, &root, &tensors).map_err(|p| err(&first.path, p))?;
     Ok((tensors, e.finish()))
+}
+
+/// The model-states file of a mixture of experts for `dp` ranks: `dp_world_size` and
+/// each expert group's `param_shapes` (its local experts at the new EP size, which
+/// readers such as ckpt's take the group's layout from) changed, every tensor copied.
+/// Returns the bytes copied.
+fn model_states_for_experts(models: &Path, plans: &[GroupPlan], dp: u64, dest: &Path) -> Result<u64> {
+    let src = Source::open(models)?;
+    let mut root = src.root.clone();
+    if let Some(v) = get_mut(&mut root, "dp_world_size") {
+        *v = Value::Int(dp as i64);
+    }
+    let shapes = get_mut(&mut root, "param_shapes")
+        .and_then(Value::items_mut)
+        .filter(|s| s.len() == plans.len())
+        .ok_or_else(|| err(models, "`param_shapes` is not a list of one dict per group"))?;
+    for (g, plan) in plans.iter().enumerate() {
+        if plan.name.is_none() {
+            continue;
+        }
+        let kv = dict_mut(&mut shapes[g])
+            .ok_or_else(|| err(models, format!("`param_shapes[{g}]` is not a dict")))?;
+        // Every local expert has local expert 0's shapes.
+        let new = plan
+            .params
+            .iter()
+            .map(|(name, _)| {
+                let zero = experts::as_local_expert_zero(name);
+                kv.iter()
+                    .find(|(k, _)| matches!(k, Value::Str(s) if *s == zero))
+                    .map(|(_, v)| (Value::Str(name.clone()), v.clone()))
+                    .ok_or_else(|| err(models, format!("`param_shapes[{g}]` has no `{zero}`")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        *kv = new;
+    }
+    let tensors = src.tensors.iter().map(copy_of).collect::<Result<Vec<_>>>()?;
+    let mut e = Emitter::new();
+    emit(&mut e, &root, &tensors).map_err(|p| err(models, p))?;
+    write_pt(dest, &tensors, e.finish(), &[src.bytes()])
+}
+
+/// The EP size of group `g` when it is an expert group (`moe: True`, named
+/// `ep_size_<EP>`).
+fn expert_group_ep(osd: &Value, g: usize) -> Option<u64> {
+    let pg = osd
+        .get("base_optimizer_state")?
+        .get("param_groups")?
+        .items()?
+        .get(g)?;
+    if !matches!(pg.get("moe"), Some(Value::Bool(true))) {
+        return None;
+    }
+    match pg.get("name") {
+        Some(Value::Str(n)) => n.strip_prefix("ep_size_")?.parse().ok(),
+        _ => None,
+    }
 }
 
 fn osd_state<'a>(root: &'a Value, g: usize, key: &str) -> Option<&'a Value> {

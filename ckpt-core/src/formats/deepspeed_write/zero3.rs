@@ -53,7 +53,7 @@ const FROZEN: &str = "frozen_param_fragments.";
 
 /// A tensor found in a source file's tree: its dotted path there (`a.b.0.c`), where
 /// its bytes are, and whether torch rebuilds it with `requires_grad`.
-struct Found {
+pub(super) struct Found {
     what: String,
     entry: TensorEntry,
     requires_grad: bool,
@@ -61,16 +61,16 @@ struct Found {
 
 /// A source torch.save file, mapped: its tree with every tensor replaced by a
 /// placeholder numbered as `tensors`.
-struct Source {
+pub(super) struct Source {
     path: PathBuf,
     map: Option<crate::formats::Mapped>,
-    root: Value,
-    tensors: Vec<Found>,
+    pub(super) root: Value,
+    pub(super) tensors: Vec<Found>,
     by_what: HashMap<String, usize>,
 }
 
 impl Source {
-    fn open(path: &Path) -> Result<Source> {
+    pub(super) fn open(path: &Path) -> Result<Source> {
         let map = map_file(path)?;
         let all: &[u8] = map.as_deref().unwrap_or(&[]);
         let (archive, mut root) = torch_save::open_archive(all).map_err(|e| e.with_path(path))?;
@@ -90,7 +90,7 @@ impl Source {
         })
     }
 
-    fn bytes(&self) -> &[u8] {
+    pub(super) fn bytes(&self) -> &[u8] {
         self.map.as_deref().unwrap_or(&[])
     }
 
@@ -239,7 +239,7 @@ fn recut(
 }
 
 /// A tensor copied whole from rank 0's file.
-fn copy_of(f: &Found) -> Result<NewTensor> {
+pub(super) fn copy_of(f: &Found) -> Result<NewTensor> {
     let n = numel(&f.entry.shape)?;
     Ok(NewTensor {
         spec: TensorSpec {
