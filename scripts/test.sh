@@ -65,6 +65,10 @@ DS_VENV=$venv scripts/deepspeed_reshard_interop.sh target/debug/ckpt --quick
 # DeepSpeed's engine loads ckpt's universal checkpoint (merge --format ucp) of the ZeRO-2
 # and ZeRO-3 fixtures on 3 gloo ranks: weights and moments bit for bit, one more step.
 "$venv/bin/python" scripts/ucp_interop.py target/debug/ckpt
+# DeepSpeed loads its own MoE checkpoints re-cut by ckpt for another world and EP size
+# (reshard --format deepspeed --mesh dp=N,ep=K): weights and moments bit for bit, the
+# loss before and after one more step as at the source's own EP size.
+"$venv/bin/python" scripts/moe_deepspeed_interop.py target/debug/ckpt
 # Megatron's per-rank RNG state, carried by `reshard --format megatron` to the same
 # TP x PP grid (and to no other): torch.load compares it with the source's.
 "$venv/bin/python" scripts/megatron_rng_check.py target/debug/ckpt

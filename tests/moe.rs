@@ -349,11 +349,6 @@ fn expert_parallel_reshards_write_megatrons_directories() {
     );
 }
 
-/// DeepSpeed's `deepspeed.moe` checkpoints (EP2 with ZeRO-2, the same with
-/// `use_data_before_expert_parallelism`, EP4 with ZeRO-1, 4 gloo ranks): the expert
-/// groups' fp32 partitions over each expert-parallel rank's expert-data-parallel ranks
-/// (DeepSpeed's group rule), under global expert ids, with their Adam moments: every
-/// tensor equal to the model's and the optimizer's, gathered by the generator.
 /// Expert-parallel legacy checkpoints written again as megatron-core dist_ckpts
 /// (`--format megatron-dist`): the same keys, shapes and bytes as megatron-core's own
 /// `dist_checkpointing.save` of the same model (each fixture's `dist_ckpt/`), the
@@ -391,6 +386,11 @@ fn expert_parallel_checkpoints_into_dist_ckpts_as_megatron_core_saves_them() {
     }
 }
 
+/// DeepSpeed's `deepspeed.moe` checkpoints (EP2 with ZeRO-2, the same with
+/// `use_data_before_expert_parallelism`, EP4 with ZeRO-1, 4 gloo ranks): the expert
+/// groups' fp32 partitions over each expert-parallel rank's expert-data-parallel ranks
+/// (DeepSpeed's group rule), under global expert ids, with their Adam moments: every
+/// tensor equal to the model's and the optimizer's, gathered by the generator.
 #[test]
 fn deepspeed_expert_parallel_checkpoints_merge_with_their_moments() {
     let d = Dir::new();
@@ -452,6 +452,93 @@ fn deepspeed_expert_parallel_checkpoints_merge_with_their_moments() {
         "{}",
         o.stderr
     );
+}
+
+/// The model and its Adam moments as DeepSpeed's training run held them.
+fn ds_expected(c: &str) -> BTreeMap<String, Vec<u8>> {
+    let mut want = full_tensors(&ds(c).join("reference.safetensors"));
+    // (Named `optim.<parameter>.exp_avg`, as ckpt names optimizer state.)
+    want.extend(full_tensors(&ds(c).join("moments.safetensors")));
+    want
+}
+
+/// DeepSpeed MoE ZeRO-1/2 checkpoints re-cut for another world and EP size
+/// (`reshard --format deepspeed --mesh dp=N,ep=K`; DeepSpeed itself loads them in
+/// scripts/moe_deepspeed_interop.py): one optimizer file per new rank, the expert files
+/// copied as they are, and every weight and moment read back equal to the training
+/// run's. What is not re-cut is refused by name, nothing written.
+#[test]
+fn deepspeed_expert_parallel_checkpoints_reshard_to_other_ep_sizes() {
+    let d = Dir::new();
+    for (c, mesh, world) in [
+        ("ep2_zero2", "dp=4,ep=4", 4),
+        ("ep2_zero2", "dp=2,ep=1", 2),
+        ("ep4_zero1", "dp=2,ep=1", 2),
+        ("ep2_zero2_dbe", "dp=6,ep=2", 6),
+        ("ep4_zero1", "dp=8", 8),
+    ] {
+        let out = d.path(&format!("{c}-{mesh}"));
+        let src = ds(c).join("ckpt");
+        d.ok(&[
+            "reshard",
+            src.to_str().unwrap(),
+            "--format",
+            "deepspeed",
+            "--mesh",
+            mesh,
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        let tag = out.join("global_step2");
+        for r in 0..world {
+            assert!(
+                tag.join(format!("zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+                    .is_file(),
+                "{c} {mesh}: rank {r}"
+            );
+        }
+        assert!(!tag
+            .join(format!("zero_pp_rank_{world}_mp_rank_00_optim_states.pt"))
+            .exists());
+        for l in 0..2 {
+            for e in 0..4 {
+                let f = format!("layer_{l}_expert_{e}_mp_rank_00_model_states.pt");
+                assert_eq!(
+                    std::fs::read(tag.join(&f)).unwrap(),
+                    std::fs::read(src.join("global_step2").join(&f)).unwrap(),
+                    "{c} {mesh}: {f}"
+                );
+            }
+        }
+        let merged = d.path(&format!("{c}-{mesh}.merged"));
+        d.ok(&["merge", out.to_str().unwrap(), "-o", merged.to_str().unwrap()]);
+        let (got, want) = (full_tensors(&merged), ds_expected(c));
+        assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{c} {mesh}");
+        for (k, v) in &want {
+            assert!(&got[k] == v, "{c} {mesh}: {k}");
+        }
+    }
+    let refused = |src: &Path, mesh: &str, why: &str| {
+        let o = d.fails(&[
+            "reshard",
+            src.to_str().unwrap(),
+            "--format",
+            "deepspeed",
+            "--mesh",
+            mesh,
+            "-o",
+            "x",
+        ]);
+        assert!(o.stderr.contains(why), "{mesh}: {}", o.stderr);
+        assert!(!d.path("x").exists(), "{mesh}");
+    };
+    let ep2 = ds("ep2_zero2").join("ckpt");
+    refused(&ep2, "dp=3,ep=2", "the EP size must divide both");
+    refused(&ep2, "dp=6,ep=3", "4 experts on 6 ranks at EP 3");
+    refused(&ep2, "dp=4,tp=2", "--mesh dp=N,ep=K");
+    refused(&ds("ep2_zero0").join("ckpt"), "dp=2,ep=1", "without ZeRO");
+    let dense = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepspeed/zero2_fp32/ckpt");
+    refused(&dense, "dp=2,ep=2", "no expert group");
 }
 
 /// Same input, same bytes: the EP2 x PP2 merge and the EP4 reshard with 1 and 4
