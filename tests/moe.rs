@@ -541,6 +541,39 @@ fn deepspeed_expert_parallel_checkpoints_reshard_to_other_ep_sizes() {
     refused(&dense, "dp=2,ep=2", "no expert group");
 }
 
+/// `inspect --show` over experts draws which file holds which expert: at EP2 x TP2
+/// each of an EP rank's two files holds a TP half of its two experts; in DeepSpeed's
+/// ZeRO-2 files each expert-data-parallel rank holds whole experts of its partition.
+#[test]
+fn inspect_draws_which_rank_holds_which_expert() {
+    let d = Dir::new();
+    let o = d.ok(&[
+        "inspect",
+        case("ep2tp2").join("legacy").to_str().unwrap(),
+        "--show",
+        "decoder.layers.0.mlp.experts.local_experts.*.linear_fc1.weight",
+    ]);
+    let map = "expert  0123\nrank 0  ++..\nrank 1  ++..\nrank 2  ..++\nrank 3  ..++\n";
+    assert!(o.stdout.starts_with("experts of `decoder.layers.0.mlp.experts.local_experts.*.linear_fc1.weight`: 4 experts"), "{}", o.stdout);
+    assert!(o.stdout.contains(map), "{}", o.stdout);
+    // The per-tensor pictures follow, one per expert.
+    assert_eq!(o.stdout.matches("\ntensor `").count(), 4, "{}", o.stdout);
+    let o = d.ok(&[
+        "inspect",
+        ds("ep2_zero2").join("ckpt").to_str().unwrap(),
+        "--show",
+        "blocks.*.moe.deepspeed_moe.experts.deepspeed_experts.*.fc1.weight",
+    ]);
+    // blocks.0's experts in the first partition of each EP rank's buffer (ranks 0, 1),
+    // blocks.1's in the second (ranks 2, 3).
+    for map in [
+        "expert  0123\nrank 0  ##..\nrank 1  ..##\n none:  rank 2, rank 3\n",
+        "expert  0123\nrank 2  ##..\nrank 3  ..##\n none:  rank 0, rank 1\n",
+    ] {
+        assert!(o.stdout.contains(map), "{}", o.stdout);
+    }
+}
+
 /// Same input, same bytes: the EP2 x PP2 merge and the EP4 reshard with 1 and 4
 /// threads.
 #[test]

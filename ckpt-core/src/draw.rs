@@ -7,6 +7,7 @@
 //! --json` ([`pieces_json`]) and the HTML report ([`write_html_report`]) all read that
 //! list, so a new kind of piece only needs a new [`Extent`] case.
 
+mod experts;
 mod html;
 mod plan_report;
 mod terminal;
@@ -309,13 +310,16 @@ pub fn piece_count(ck: &Checkpoint, name: &str) -> Result<usize> {
 }
 
 /// The terminal drawings of every tensor of `ck` matching `pattern` (a name or a
-/// glob), one after the other.
+/// glob), one after the other, after a map of which file holds which expert where
+/// the tensors are a mixture of experts' (one per expert).
 ///
 /// # Errors
 /// A malformed glob, or [`Error::TensorNotFound`] when nothing matches.
 pub fn show(ck: &Checkpoint, pattern: &str, canvas: &Canvas) -> Result<String> {
-    let mut out = String::new();
-    for (i, name) in matching(ck, pattern)?.iter().enumerate() {
+    let names = matching(ck, pattern)?;
+    // Experts first: which file holds which expert, across the tensors.
+    let mut out = experts::expert_maps(ck, &names);
+    for (i, name) in names.iter().enumerate() {
         if i > 0 {
             out.push('\n');
         }
