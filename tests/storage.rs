@@ -406,6 +406,32 @@ fn bucket_failures_are_named() {
     assert_eq!(o.code, 1, "{}", o.stderr);
     assert!(o.stderr.contains(&url), "{url}: {}", o.stderr);
     assert!(!d.path("out").exists());
+    // A DCP chunk whose archive lost its storage record: a chunk in a bucket is read
+    // from its header when the copy reaches it, and the damage is named then, with
+    // nothing written.
+    let dcp = d.path("dcp");
+    std::fs::create_dir_all(&dcp).unwrap();
+    for (name, bytes) in tree(&fixture("torch/dcp")) {
+        std::fs::write(dcp.join(name), bytes).unwrap();
+    }
+    let file = dcp.join("__1_0.distcp");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.windows(7).position(|w| w == b"/data/0").unwrap();
+    bytes[at + 6] = b'9';
+    std::fs::write(&file, bytes).unwrap();
+    s.s3(&["put", dcp.to_str().unwrap(), "s3://ckpt-test/damaged-dcp"]);
+    let o = s.ckpt(
+        &d,
+        &["merge", "s3://ckpt-test/damaged-dcp", "-o", "out"],
+        &[("CKPT_SMALL_OBJECT_BYTES", "512")],
+    );
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    assert!(
+        o.stderr.contains("__1_0.distcp") && o.stderr.contains("before the tensor's storage"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("out").exists());
     // An http(s) URL is read-only.
     let o = s.ckpt(&d, &["merge", "src", "-o", "https://example.com/x"], &[]);
     assert_eq!(o.code, 1, "{}", o.stderr);

@@ -118,8 +118,33 @@ pub struct TensorFile {
     /// part of a 1-D slice of a flattened tensor ([`PieceKind::Flat`]); empty when none
     /// is.
     flat: Vec<Option<(u64, u64)>>,
+    /// Entries located on first access ([`TensorFile::set_lazy`]); empty when none is.
+    lazy: Vec<Option<LazyEntry>>,
     /// Unique within the process: keys the decoded chunks a [`ReadCache`] keeps.
     id: u64,
+}
+
+/// Finds where an entry's bytes lie, given the file's bytes: `(start, end)`.
+pub(crate) type Locate = Box<dyn Fn(&[u8]) -> Result<(u64, u64)> + Send + Sync>;
+
+/// An entry whose bytes are located when first read: its reader knows the span of the
+/// file that holds them and how to find them there, but finding them means reading
+/// bytes that, in an object of a store, the copy reaches only later (a DCP chunk's
+/// `torch.save` header lies just before its data). Its [`TensorEntry`]'s `start`/`end`
+/// meanwhile are the span's start and the data's length: right for sizes and for
+/// ordering reads by position, never for reading.
+struct LazyEntry {
+    /// The bytes of the file that hold the entry (its header and its data).
+    span: (u64, u64),
+    locate: Locate,
+    /// `(start, end)`, or the problem, once located.
+    at: std::sync::OnceLock<std::result::Result<(u64, u64), String>>,
+}
+
+impl std::fmt::Debug for LazyEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LazyEntry({:?}, {:?})", self.span, self.at.get())
+    }
 }
 
 pub(crate) use ckptz::Compression;
@@ -419,6 +444,11 @@ impl std::ops::Deref for Mapped {
 }
 
 impl Mapped {
+    /// Whether the bytes are an object of a store, paged on demand.
+    pub(crate) fn is_remote(&self) -> bool {
+        matches!(self.map, Backing::Remote(_))
+    }
+
     /// Drops a local file's pages from the resident set after its header was parsed:
     /// a read of a few bytes maps a whole large folio of the page cache (2 MiB where
     /// the kernel made them, as after `cat` read the file), and a reader's scattered
@@ -632,6 +662,7 @@ impl TensorFile {
             metadata,
             chunked: None,
             flat: Vec::new(),
+            lazy: Vec::new(),
             id: next_file_id(),
         })
     }
@@ -655,6 +686,7 @@ impl TensorFile {
             metadata,
             chunked: Some(decoder),
             flat: Vec::new(),
+            lazy: Vec::new(),
             id: next_file_id(),
         }
     }
@@ -679,6 +711,60 @@ impl TensorFile {
             self.flat = vec![None; self.tensors.len()];
         }
         self.flat[index] = Some((start, len));
+    }
+
+    /// Makes entry `index` one located on first access: its bytes lie in `span` of the
+    /// file, where `locate` finds them (given the file's bytes), and must then be as
+    /// long as the entry says. Readers of objects in a store use it for what they can
+    /// only find by reading ahead of the copy.
+    pub(crate) fn set_lazy(&mut self, index: usize, span: (u64, u64), locate: Locate) {
+        if self.lazy.is_empty() {
+            self.lazy = (0..self.tensors.len()).map(|_| None).collect();
+        }
+        self.lazy[index] = Some(LazyEntry {
+            span,
+            locate,
+            at: std::sync::OnceLock::new(),
+        });
+    }
+
+    /// Where tensor `index`'s bytes lie in the file, located first where it is a lazy
+    /// entry (the bytes of its span outside them then count as consumed).
+    ///
+    /// # Errors
+    /// What locating the entry found wrong, naming file and tensor.
+    fn bounds(&self, index: usize) -> Result<(u64, u64)> {
+        let t = &self.tensors[index];
+        let Some(Some(lazy)) = self.lazy.get(index) else {
+            return Ok((t.start, t.end));
+        };
+        let at = lazy.at.get_or_init(|| {
+            let all: &[u8] = self.map.as_deref().unwrap_or(&[]);
+            let (s, e) = (lazy.locate)(all).map_err(|e| match e {
+                Error::InvalidTensor { problem, .. } => problem,
+                e => e.to_string(),
+            })?;
+            let (lo, hi) = lazy.span;
+            if s < lo || e > hi || e.checked_sub(s) != Some(t.end - t.start) {
+                return Err(format!(
+                    "its bytes were found at {s}..{e}, not {} bytes within {lo}..{hi} as the metadata says",
+                    t.end - t.start
+                ));
+            }
+            if let Some(m) = &self.map {
+                // The header and whatever follows the data: never read by the copy.
+                m.release(lo, s);
+                m.release(e, hi);
+            }
+            Ok((s, e))
+        });
+        at.clone().map_err(|problem| {
+            Error::InvalidTensor {
+                tensor: t.name.clone(),
+                problem,
+            }
+            .with_path(&self.path)
+        })
     }
 
     /// The piece entry `index` belongs to, as its reader reports it: a box (at the
@@ -842,10 +928,11 @@ impl TensorFile {
         if self.chunked.is_some() {
             return None;
         }
-        let t = &self.tensors[index];
+        // (A lazy entry that cannot be located has no bytes: `read` names why.)
+        let (start, end) = self.bounds(index).ok()?;
         let bytes: &[u8] = self.map.as_deref().unwrap_or(&[]);
-        // In range: checked by `from_parts`.
-        Some(&bytes[t.start as usize..t.end as usize])
+        // In range: checked by `from_parts` (a lazy entry's by `bounds`).
+        Some(&bytes[start as usize..end as usize])
     }
 
     /// Bytes `range` (relative to the tensor) of tensor `index` as a part to write:
@@ -857,14 +944,14 @@ impl TensorFile {
         range: std::ops::Range<u64>,
     ) -> Option<WritePart<'_>> {
         let m = self.map.as_ref().filter(|_| self.chunked.is_none())?;
-        let t = &self.tensors[index];
-        if range.start > range.end || range.end > t.end - t.start {
+        let (start, end) = self.bounds(index).ok()?;
+        if range.start > range.end || range.end > end - start {
             return None;
         }
-        // In the file: checked by `from_parts`.
-        let at = t.start + range.start;
+        // In the file: checked by `from_parts` (a lazy entry's by `bounds`).
+        let at = start + range.start;
         Some(WritePart {
-            bytes: &m[at as usize..(t.start + range.end) as usize],
+            bytes: &m[at as usize..(start + range.end) as usize],
             from: m.file.as_ref().map(|f| (f, at)),
         })
     }
@@ -882,13 +969,14 @@ impl TensorFile {
         cache: &'a mut ReadCache,
     ) -> Result<&'a [u8]> {
         self.check_range(index, &range)?;
-        let t = &self.tensors[index];
         match &self.chunked {
             Some(c) => cache.read(self, c.as_ref(), index, range),
             None => {
+                let (start, _) = self.bounds(index)?;
                 let bytes: &[u8] = self.map.as_deref().unwrap_or(&[]);
-                // In range: checked above and by `from_parts`.
-                Ok(&bytes[(t.start + range.start) as usize..(t.start + range.end) as usize])
+                // In range: checked above and by `from_parts` (a lazy entry's by
+                // `bounds`).
+                Ok(&bytes[(start + range.start) as usize..(start + range.end) as usize])
             }
         }
     }
@@ -945,9 +1033,19 @@ impl TensorFile {
     /// from this process's resident set (the page cache keeps them): keeps RSS bounded
     /// while streaming.
     pub fn release(&self, index: usize, range: std::ops::Range<u64>) {
-        if let Some(m) = &self.map {
-            let t = &self.tensors[index];
-            m.release(t.start + range.start, t.start + range.end);
+        let Some(m) = &self.map else { return };
+        let t = &self.tensors[index];
+        match self.lazy.get(index) {
+            Some(Some(lazy)) => match lazy.at.get() {
+                Some(Ok((start, _))) => m.release(start + range.start, start + range.end),
+                // Not located (or not locatable): released only as a whole, with
+                // its header, when none of it is to be read.
+                _ if range.start == 0 && range.end >= t.end - t.start => {
+                    m.release(lazy.span.0, lazy.span.1);
+                }
+                _ => {}
+            },
+            _ => m.release(t.start + range.start, t.start + range.end),
         }
     }
 

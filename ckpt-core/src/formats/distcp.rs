@@ -23,7 +23,7 @@ mod flattened;
 
 use self::flattened::FlatPiece;
 use super::pickle::{self, Emitter, Value};
-use super::{map_file, torch_save, FileFormat, TensorEntry, TensorFile};
+use super::{map_file, torch_save, FileFormat, Mapped, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, Result};
 use crate::layout::flat::{numel, FlatRange};
 use crate::Dtype;
@@ -445,11 +445,25 @@ impl DcpMetadata {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
         let map = map_file(path)?;
         let all: &[u8] = map.as_deref().unwrap_or(&[]);
+        // An object of a store: each chunk's archive header lies just before its data,
+        // a few MiB from the next; reading them all now would stream the whole object
+        // once before the copy streams it again. They are read when the copy reaches
+        // them (docs/storage.md).
+        let remote = map.as_ref().is_some_and(Mapped::is_remote);
         let mut entries = Vec::new();
+        let mut lazy = Vec::new();
         // The flat range of the tensor each entry was cut from, where it is one.
         let mut flat = Vec::new();
         for c in self.chunks.iter().filter(|c| c.file == name) {
             let t = &self.tensors[&c.fqn];
+            if remote && c.flat.is_none() {
+                if let Some(e) = lazy_entry(all, c, t).map_err(|e| e.with_path(path))? {
+                    lazy.push((entries.len(), c.clone(), t.clone()));
+                    entries.push(e);
+                    flat.push(None);
+                    continue;
+                }
+            }
             let e = self.chunk_entry(all, c, t).map_err(|e| e.with_path(path))?;
             match &c.flat {
                 None => {
@@ -478,79 +492,149 @@ impl DcpMetadata {
                 f.set_flat(i, r.start, r.len);
             }
         }
+        for (i, c, t) in lazy {
+            let span = (c.start, c.start + c.len);
+            f.set_lazy(
+                i,
+                span,
+                Box::new(move |all: &[u8]| {
+                    let bytes = chunk_bytes(all, &c)?;
+                    let entry = torch_save::parse_single_forward(bytes).map_err(|err| {
+                        chunk_problem(&c, format!("the chunk at {:?}: {err}", c.offsets))
+                    })?;
+                    let e = finish_entry(entry, &c, &t)?;
+                    Ok((e.start, e.end))
+                }),
+            );
+        }
         Ok(f)
     }
 
     fn chunk_entry(&self, all: &[u8], c: &DcpChunk, t: &DcpTensor) -> Result<TensorEntry> {
-        let what = |p: String| Error::InvalidTensor {
-            tensor: c.fqn.clone(),
-            problem: p,
-        };
-        let end = c
-            .start
-            .checked_add(c.len)
-            .ok_or_else(|| overflow(format!("`{}`: chunk offset + length", c.fqn)))?;
-        let (Ok(s), Ok(e)) = (usize::try_from(c.start), usize::try_from(end)) else {
-            return Err(overflow(format!("`{}`: chunk range", c.fqn)));
-        };
-        if e > all.len() {
-            return Err(what(format!(
+        let bytes = chunk_bytes(all, c)?;
+        let (mut found, _) = torch_save::parse(bytes)
+            .map_err(|err| chunk_problem(c, format!("the chunk at {:?}: {err}", c.offsets)))?;
+        if found.len() != 1 {
+            return Err(chunk_problem(
+                c,
+                format!("the chunk at {:?} holds {} tensors, not one", c.offsets, found.len()),
+            ));
+        }
+        finish_entry(found.remove(0), c, t)
+    }
+}
+
+/// Chunk `c`'s entry as the metadata gives it, to be located when first read
+/// ([`TensorFile::set_lazy`]): its data's length, its span's start for the position.
+/// `None` where the metadata alone cannot say the length (a sub-byte dtype), so that
+/// the archive is read now; the chunk's range is checked against the file either way.
+fn lazy_entry(all: &[u8], c: &DcpChunk, t: &DcpTensor) -> Result<Option<TensorEntry>> {
+    let end = c
+        .start
+        .checked_add(c.len)
+        .ok_or_else(|| overflow(format!("`{}`: chunk offset + length", c.fqn)))?;
+    if end > all.len() as u64 {
+        // (Said with the offsets by `chunk_bytes`.)
+        chunk_bytes(all, c)?;
+    }
+    let bits = t.dtype.bitsize() as u64;
+    let Some(len) = numel(&c.sizes)?
+        .checked_mul(bits)
+        .filter(|b| b % 8 == 0)
+        .map(|b| b / 8)
+        .filter(|&l| l <= c.len)
+    else {
+        return Ok(None);
+    };
+    Ok(Some(TensorEntry {
+        name: c.fqn.clone(),
+        dtype: t.dtype,
+        shape: c.sizes.clone(),
+        start: c.start,
+        end: c.start + len,
+        offsets: Some(c.offsets.clone()),
+    }))
+}
+
+/// The problem `p` of chunk `c`, naming its tensor.
+fn chunk_problem(c: &DcpChunk, p: String) -> Error {
+    Error::InvalidTensor {
+        tensor: c.fqn.clone(),
+        problem: p,
+    }
+}
+
+/// The bytes of chunk `c`'s archive in the file's bytes `all` (not touched: a slice),
+/// which must hold them, and be a `torch.save` archive.
+fn chunk_bytes<'a>(all: &'a [u8], c: &DcpChunk) -> Result<&'a [u8]> {
+    let end = c
+        .start
+        .checked_add(c.len)
+        .ok_or_else(|| overflow(format!("`{}`: chunk offset + length", c.fqn)))?;
+    let (Ok(s), Ok(e)) = (usize::try_from(c.start), usize::try_from(end)) else {
+        return Err(overflow(format!("`{}`: chunk range", c.fqn)));
+    };
+    if e > all.len() {
+        return Err(chunk_problem(
+            c,
+            format!(
                 "the chunk at {:?} lies at bytes {s}..{e}, past the end of the file ({} bytes): truncated?",
                 c.offsets,
                 all.len()
-            )));
-        }
-        let bytes = &all[s..e];
-        if !torch_save::looks_like(bytes) {
-            return Err(what(format!(
+            ),
+        ));
+    }
+    let bytes = &all[s..e];
+    if !torch_save::looks_like(bytes) {
+        return Err(chunk_problem(
+            c,
+            format!(
                 "the chunk at {:?} (bytes {s}..{e}) is not a torch.save archive (DCP's SerializationFormat.SAFETENSORS is not read)",
                 c.offsets
-            )));
-        }
-        let (mut found, _) = torch_save::parse(bytes)
-            .map_err(|err| what(format!("the chunk at {:?}: {err}", c.offsets)))?;
-        if found.len() != 1 {
-            return Err(what(format!(
-                "the chunk at {:?} holds {} tensors, not one",
-                c.offsets,
-                found.len()
-            )));
-        }
-        let mut entry = found.remove(0);
-        let stored = c.part.as_ref().map_or(&c.sizes, |p| &p.stored);
-        if entry.dtype != t.dtype || &entry.shape != stored {
-            return Err(what(format!(
-                "the chunk at {:?} holds {:?} {:?}, the metadata says {:?} {:?}",
-                c.offsets, entry.dtype, entry.shape, t.dtype, stored
-            )));
-        }
-        if let Some(p) = &c.part {
-            // (Whole bytes only: a part of a sub-byte dtype that starts inside a byte
-            // is refused below.)
-            let bits = t.dtype.bitsize() as u64;
-            let bytes = |n: u64| n.checked_mul(bits).filter(|b| b % 8 == 0).map(|b| b / 8);
-            let start = bytes(p.elements.start).and_then(|b| entry.start.checked_add(b));
-            let end = start.and_then(|s| s.checked_add(bytes(p.elements.len)?));
-            match (start, end) {
-                (Some(s), Some(e)) if e <= entry.end && numel(&c.sizes)? == p.elements.len => {
-                    entry.start = s;
-                    entry.end = e;
-                }
-                _ => {
-                    return Err(what(format!(
-                        "the chunk at {:?} is elements {} of a stored {stored:?}, which it does not hold as {:?}",
-                        c.offsets, p.elements, c.sizes
-                    )))
-                }
-            }
-            entry.shape = c.sizes.clone();
-        }
-        entry.name = c.fqn.clone();
-        entry.start += c.start;
-        entry.end += c.start;
-        entry.offsets = Some(c.offsets.clone());
-        Ok(entry)
+            ),
+        ));
     }
+    Ok(bytes)
+}
+
+/// Chunk `c`'s entry from the tensor its archive holds (`entry`, located within the
+/// archive): checked against the metadata, cut to the chunk's part where it is one,
+/// named and placed in the file.
+fn finish_entry(mut entry: TensorEntry, c: &DcpChunk, t: &DcpTensor) -> Result<TensorEntry> {
+    let what = |p: String| chunk_problem(c, p);
+    let stored = c.part.as_ref().map_or(&c.sizes, |p| &p.stored);
+    if entry.dtype != t.dtype || &entry.shape != stored {
+        return Err(what(format!(
+            "the chunk at {:?} holds {:?} {:?}, the metadata says {:?} {:?}",
+            c.offsets, entry.dtype, entry.shape, t.dtype, stored
+        )));
+    }
+    if let Some(p) = &c.part {
+        // (Whole bytes only: a part of a sub-byte dtype that starts inside a byte
+        // is refused below.)
+        let bits = t.dtype.bitsize() as u64;
+        let bytes = |n: u64| n.checked_mul(bits).filter(|b| b % 8 == 0).map(|b| b / 8);
+        let start = bytes(p.elements.start).and_then(|b| entry.start.checked_add(b));
+        let end = start.and_then(|s| s.checked_add(bytes(p.elements.len)?));
+        match (start, end) {
+            (Some(s), Some(e)) if e <= entry.end && numel(&c.sizes)? == p.elements.len => {
+                entry.start = s;
+                entry.end = e;
+            }
+            _ => {
+                return Err(what(format!(
+                    "the chunk at {:?} is elements {} of a stored {stored:?}, which it does not hold as {:?}",
+                    c.offsets, p.elements, c.sizes
+                )))
+            }
+        }
+        entry.shape = c.sizes.clone();
+    }
+    entry.name = c.fqn.clone();
+    entry.start += c.start;
+    entry.end += c.start;
+    entry.offsets = Some(c.offsets.clone());
+    Ok(entry)
 }
 
 /// torch's dtype attribute for a dtype (the inverse of `torch_dtype`).
@@ -809,6 +893,44 @@ mod tests {
         assert_eq!(e.offsets, Some(vec![5]));
         assert_eq!(e.shape, vec![5]);
         assert_eq!(e.end - e.start, 40);
+    }
+
+    /// Reading a chunk's archive forward from its start (as a chunk of an object in a
+    /// store is located, when the copy reaches it) finds what reading its zip directory
+    /// finds, for every chunk torch wrote (the fixture) and ckpt writes (megatron-core's
+    /// dist_ckpt fixture, parts of chunks included); a damaged storage record is named.
+    #[test]
+    fn chunks_read_forward_are_located_as_from_their_directory() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        let mut checked = 0;
+        for dir in [fixture_dir(), root.join("megatron/tp2pp2/dist_ckpt")] {
+            let m = read_metadata(&dir).unwrap();
+            for c in &m.chunks {
+                let all = std::fs::read(dir.join(&c.file)).unwrap();
+                let t = &m.tensors[&c.fqn];
+                let bytes = chunk_bytes(&all, c).unwrap();
+                let eager = m.chunk_entry(&all, c, t).unwrap();
+                let forward = torch_save::parse_single_forward(bytes)
+                    .and_then(|e| finish_entry(e, c, t))
+                    .unwrap();
+                assert_eq!(forward, eager, "{} at {:?}", c.fqn, c.offsets);
+                checked += 1;
+            }
+        }
+        assert!(checked > 20, "{checked}");
+        // The storage record renamed: the walk reaches the archive's end without it.
+        let dir = fixture_dir();
+        let m = read_metadata(&dir).unwrap();
+        let c = m.chunks.iter().find(|c| c.file == "__1_0.distcp").unwrap();
+        let mut all = std::fs::read(dir.join(&c.file)).unwrap();
+        let at = c.start as usize
+            + all[c.start as usize..]
+                .windows(7)
+                .position(|w| w == b"/data/0")
+                .unwrap();
+        all[at + 6] = b'9';
+        let e = torch_save::parse_single_forward(chunk_bytes(&all, c).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("before the tensor's storage"), "{e}");
     }
 
     #[test]

@@ -211,6 +211,151 @@ pub(crate) fn parse(all: &[u8]) -> Result<(Vec<TensorEntry>, BTreeMap<String, St
     Ok((tensors, metadata))
 }
 
+/// The one tensor of a `torch.save` archive of a single tensor (a DCP chunk), found by
+/// reading forward from the archive's start: its zip records' local headers one after
+/// the other up to the tensor's storage, never the central directory at the end. A
+/// reader streaming the archive from a store thus reads only bytes just before the
+/// data it reads next.
+///
+/// torch writes each record's sizes after its data (a data descriptor, flag bit 3:
+/// `PK\x07\x08`, CRC-32, then the sizes, 4 or 8 bytes each), so a record's length is
+/// where the descriptor that names that very length starts; the storage's own length
+/// is the pickle's (the descriptor after it is not read).
+///
+/// # Errors
+/// Not a walkable zip, no pickle before the storage, not exactly one tensor, as
+/// [`parse`] would say.
+pub(crate) fn parse_single_forward(all: &[u8]) -> Result<TensorEntry> {
+    const LOCAL: &[u8] = b"PK\x03\x04";
+    let mut entries: HashMap<String, Stored> = HashMap::new();
+    let mut at = 0usize;
+    let mut pickle: Option<(String, Found)> = None;
+    loop {
+        let head = all
+            .get(at..at + 30)
+            .filter(|h| h.starts_with(LOCAL))
+            .ok_or_else(|| bad(format!("no zip record at byte {at} before the tensor's storage")))?;
+        let u16_at = |i: usize| u16::from_le_bytes([head[i], head[i + 1]]) as usize;
+        let descriptor = u16_at(6) & 0x8 != 0;
+        let compressed = u16_at(8) != 0;
+        let (name_len, extra_len) = (u16_at(26), u16_at(28));
+        let name_at = at + 30;
+        let name = all
+            .get(name_at..name_at + name_len)
+            .and_then(|n| std::str::from_utf8(n).ok())
+            .ok_or_else(|| bad(format!("the zip record at byte {at}: its name is not readable")))?
+            .to_string();
+        let extra = all
+            .get(name_at + name_len..name_at + name_len + extra_len)
+            .ok_or_else(|| bad(format!("zip record `{name}`: truncated")))?;
+        let start = name_at + name_len + extra_len;
+        if let Some((dir, t)) = &pickle {
+            if name == format!("{dir}data/{}", t.key) {
+                // The storage: as long as the pickle says (checked against the
+                // chunk's length by the caller), located.
+                let len = t
+                    .storage_numel
+                    .checked_mul((t.dtype.bitsize() / 8) as u64)
+                    .ok_or_else(|| overflow(&name))?;
+                entries.insert(
+                    name,
+                    Stored {
+                        start: start as u64,
+                        len,
+                        compressed,
+                    },
+                );
+                let entry = locate(t, dir, &entries)?;
+                if entry.end > all.len() as u64 {
+                    return Err(bad(format!(
+                        "`{}` ends at byte {}, past the archive's {} bytes",
+                        t.name,
+                        entry.end,
+                        all.len()
+                    )));
+                }
+                return Ok(entry);
+            }
+        }
+        let len = if descriptor {
+            descriptor_length(all, start)
+                .ok_or_else(|| bad(format!("zip record `{name}`: no data descriptor names its length")))?
+        } else {
+            local_length(head, extra).ok_or_else(|| bad(format!("zip record `{name}`: a zip64 size without its extra field")))?
+        };
+        let data = slice(all, start as u64, len, &name)?;
+        if pickle.is_none() {
+            if let Some(dir) = name
+                .strip_suffix("data.pkl")
+                .filter(|d| d.ends_with('/') && d.matches('/').count() == 1)
+            {
+                if compressed {
+                    return Err(bad(format!("`{name}` is compressed: torch.save stores it")));
+                }
+                let obj = unpickle(data)?;
+                check_globals(&obj)?;
+                let mut found = Vec::new();
+                walk(obj, String::new(), &mut found, &mut Vec::new())?;
+                let [t] = &found[..] else {
+                    return Err(bad(format!("{} tensors in the archive, not one", found.len())));
+                };
+                pickle = Some((dir.to_string(), t.clone()));
+            }
+        }
+        // Past the data and its descriptor (signature, CRC-32, two sizes of 4 or 8).
+        let mut next = start + len as usize;
+        if descriptor {
+            let small = 16;
+            next += if all.get(next + 8..next + 12).map(u32_le) == Some(len) { small } else { 24 };
+        }
+        at = next;
+    }
+}
+
+fn u32_le(b: &[u8]) -> u64 {
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64
+}
+
+/// The length of a record whose data starts at `start` and is followed by a data
+/// descriptor: the first descriptor signature after `start` whose compressed size (4
+/// or 8 bytes) is its own distance from `start`.
+fn descriptor_length(all: &[u8], start: usize) -> Option<u64> {
+    const DESCRIPTOR: &[u8] = b"PK\x07\x08";
+    let rest = all.get(start..)?;
+    let mut from = 0;
+    while let Some(i) = rest.get(from..)?.windows(4).position(|w| w == DESCRIPTOR) {
+        let pos = from + i;
+        let d = rest.get(pos + 8..)?;
+        let short = d.get(..4).map(u32_le);
+        let long = d.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
+        if short == Some(pos as u64) || long == Some(pos as u64) {
+            return Some(pos as u64);
+        }
+        from = pos + 1;
+    }
+    None
+}
+
+/// A record's compressed size from its local header (`head`, 30 bytes) and extra
+/// field: zip64's (extra field 0x0001: uncompressed, then compressed) where the header
+/// says 0xFFFFFFFF.
+fn local_length(head: &[u8], extra: &[u8]) -> Option<u64> {
+    let len = u32_le(&head[18..22]);
+    if len != 0xFFFF_FFFF {
+        return Some(len);
+    }
+    let mut e = extra;
+    while e.len() >= 4 {
+        let (id, n) = (u16::from_le_bytes([e[0], e[1]]), u16::from_le_bytes([e[2], e[3]]) as usize);
+        let body = e.get(4..4 + n)?;
+        if id == 1 && body.len() >= 16 {
+            return Some(u64::from_le_bytes(body[8..16].try_into().expect("8 bytes")));
+        }
+        e = e.get(4 + n..)?;
+    }
+    None
+}
+
 /// The global shapes of the file's DTensors, and the rank and world size their meshes
 /// record (which must agree: one file is one process's save).
 fn dtensor_metadata(found: &[Found], metadata: &mut BTreeMap<String, String>) -> Result<()> {
@@ -540,6 +685,7 @@ fn storage_dtype(class: &str) -> Option<Dtype> {
 }
 
 /// A tensor found in the pickle, before its bytes are located.
+#[derive(Clone)]
 struct Found {
     name: String,
     dtype: Dtype,
