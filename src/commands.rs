@@ -44,8 +44,10 @@ pub(crate) fn verify(
     let (ck, problems) = match ckpt_core::verify_selected(paths, sel, depth) {
         Ok(x) => x,
         Err(e) => {
+            // (Objects of a bucket are read through local trees: named as objects.)
+            let e = ckpt_core::unmirror_text(&e.to_string());
             if as_json {
-                println!("{}", json!({"ok": false, "problems": [e.to_string()]}));
+                println!("{}", json!({"ok": false, "problems": [e]}));
             } else {
                 println!("{e}");
             }
@@ -54,9 +56,11 @@ pub(crate) fn verify(
     };
     if as_json {
         let doc = ckpt_core::verify_json(&ck, &problems);
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        let text = serde_json::to_string_pretty(&doc)?;
+        println!("{}", ckpt_core::unmirror_text(&text));
     } else {
-        print!("{}", ckpt_core::verify_text(&ck, &problems, depth));
+        let text = ckpt_core::verify_text(&ck, &problems, depth);
+        print!("{}", ckpt_core::unmirror_text(&text));
     }
     Ok(found(&problems))
 }

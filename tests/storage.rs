@@ -432,6 +432,20 @@ fn bucket_failures_are_named() {
         o.stderr
     );
     assert!(!d.path("out").exists());
+    // verify reads every chunk's header, and names the damaged one.
+    let o = s.ckpt(
+        &d,
+        &["verify", "s3://ckpt-test/damaged-dcp"],
+        &[("CKPT_SMALL_OBJECT_BYTES", "512")],
+    );
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    assert!(
+        o.stdout.contains("s3://ckpt-test/damaged-dcp/__1_0.distcp")
+            && o.stdout.contains("before the tensor's storage"),
+        "{}{}",
+        o.stdout,
+        o.stderr
+    );
     // An http(s) URL is read-only.
     let o = s.ckpt(&d, &["merge", "src", "-o", "https://example.com/x"], &[]);
     assert_eq!(o.code, 1, "{}", o.stderr);

@@ -767,6 +767,16 @@ impl TensorFile {
         })
     }
 
+    /// Locates every entry located on first access ([`TensorFile::set_lazy`]) now: what
+    /// is wrong with any of them, each named. (`verify` reads every header.)
+    #[must_use]
+    pub fn locate_all(&self) -> Vec<Error> {
+        (0..self.lazy.len())
+            .filter(|&i| matches!(self.lazy.get(i), Some(Some(_))))
+            .filter_map(|i| self.bounds(i).err())
+            .collect()
+    }
+
     /// The piece entry `index` belongs to, as its reader reports it: a box (at the
     /// entry's offsets, or the origin), or the flat element range the entry's box was
     /// cut from. (Planning reads the box: the entry's offsets and shape.)

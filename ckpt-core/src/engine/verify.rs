@@ -46,6 +46,10 @@ pub fn verify_selected(
         crate::layout::select::Views::default(),
         selection.rules(),
     )?;
+    // Entries of objects in a store located only when read (a DCP chunk's header):
+    // located now, every one.
+    let mut unlocated: Vec<Error> = ck.files.par_iter().flat_map(|f| f.locate_all()).collect();
+    problems.append(&mut unlocated);
     if depth.checksums && crate::formats::checksum::checksums_enabled() {
         let all: Vec<(usize, usize)> = ck
             .files
