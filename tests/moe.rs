@@ -511,9 +511,18 @@ fn deepspeed_expert_parallel_checkpoints_reshard_to_other_ep_sizes() {
             }
         }
         let merged = d.path(&format!("{c}-{mesh}.merged"));
-        d.ok(&["merge", out.to_str().unwrap(), "-o", merged.to_str().unwrap()]);
+        d.ok(&[
+            "merge",
+            out.to_str().unwrap(),
+            "-o",
+            merged.to_str().unwrap(),
+        ]);
         let (got, want) = (full_tensors(&merged), ds_expected(c));
-        assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{c} {mesh}");
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{c} {mesh}"
+        );
         for (k, v) in &want {
             assert!(&got[k] == v, "{c} {mesh}: {k}");
         }
@@ -537,7 +546,8 @@ fn deepspeed_expert_parallel_checkpoints_reshard_to_other_ep_sizes() {
     refused(&ep2, "dp=6,ep=3", "4 experts on 6 ranks at EP 3");
     refused(&ep2, "dp=4,tp=2", "--mesh dp=N,ep=K");
     refused(&ds("ep2_zero0").join("ckpt"), "dp=2,ep=1", "without ZeRO");
-    let dense = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepspeed/zero2_fp32/ckpt");
+    let dense =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepspeed/zero2_fp32/ckpt");
     refused(&dense, "dp=2,ep=2", "no expert group");
 }
 

@@ -128,3 +128,15 @@ pub use crate::present::{
 };
 pub use crate::ucp_output::{ucp_finish, ucp_plan};
 pub use ::safetensors::Dtype;
+
+/// Where the one tensor of a single-tensor `torch.save` archive lies (`start..end` of
+/// `bytes`), read forward from the archive's start as a DCP chunk in a bucket is read
+/// (docs/formats.md, DCP); `None` where that reading refuses the archive. For the fuzz
+/// targets: every parser has one.
+#[doc(hidden)]
+#[must_use]
+pub fn torch_save_single_forward(bytes: &[u8]) -> Option<(u64, u64)> {
+    formats::torch_save::parse_single_forward(bytes)
+        .ok()
+        .map(|e| (e.start, e.end))
+}

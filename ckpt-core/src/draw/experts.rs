@@ -64,7 +64,11 @@ pub(super) fn expert_maps(ck: &Checkpoint, names: &[String]) -> String {
         // Column headers: the expert ids, digit by digit (one column per expert).
         let digits = ids.iter().map(|i| i.to_string().len()).max().unwrap_or(1);
         for d in 0..digits {
-            let _ = write!(out, "{:>width$}  ", if d + 1 == digits { "expert" } else { "" });
+            let _ = write!(
+                out,
+                "{:>width$}  ",
+                if d + 1 == digits { "expert" } else { "" }
+            );
             for i in &ids {
                 let s = format!("{i:>digits$}");
                 out.push(s.as_bytes()[d] as char);
@@ -125,7 +129,10 @@ mod tests {
             assert_eq!(expert_of(name), Some((family.to_string(), id)), "{name}");
         }
         // dist_ckpt's stacked experts and a router are not one expert's.
-        assert_eq!(expert_of("decoder.layers.mlp.experts.experts.linear_fc1.weight"), None);
+        assert_eq!(
+            expert_of("decoder.layers.mlp.experts.experts.linear_fc1.weight"),
+            None
+        );
         assert_eq!(expert_of("model.layers.0.mlp.gate.weight"), None);
     }
 }

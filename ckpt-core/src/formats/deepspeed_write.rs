@@ -79,7 +79,15 @@ pub fn write_deepspeed_dp(
     // Per-rank model states: ZeRO-3 (the reader checked the stage), which DeepSpeed
     // refuses with experts.
     if rank_models.is_empty() {
-        zero12::write_zero12(&dir, &tag, output, dp, ep, force, &prefix, &optim)
+        zero12::write_zero12(
+            &dir,
+            &tag,
+            output,
+            zero12::NewSizes { dp, ep },
+            force,
+            &prefix,
+            &optim,
+        )
     } else if ep.is_some() {
         Err(unsupported(format!(
             "{}: an EP size was given for a ZeRO-3 checkpoint, which has no expert groups (DeepSpeed refuses ZeRO-3 with its MoE layers)",

@@ -517,7 +517,11 @@ impl DcpMetadata {
         if found.len() != 1 {
             return Err(chunk_problem(
                 c,
-                format!("the chunk at {:?} holds {} tensors, not one", c.offsets, found.len()),
+                format!(
+                    "the chunk at {:?} holds {} tensors, not one",
+                    c.offsets,
+                    found.len()
+                ),
             ));
         }
         finish_entry(found.remove(0), c, t)

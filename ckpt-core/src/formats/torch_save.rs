@@ -234,7 +234,11 @@ pub(crate) fn parse_single_forward(all: &[u8]) -> Result<TensorEntry> {
         let head = all
             .get(at..at + 30)
             .filter(|h| h.starts_with(LOCAL))
-            .ok_or_else(|| bad(format!("no zip record at byte {at} before the tensor's storage")))?;
+            .ok_or_else(|| {
+                bad(format!(
+                    "no zip record at byte {at} before the tensor's storage"
+                ))
+            })?;
         let u16_at = |i: usize| u16::from_le_bytes([head[i], head[i + 1]]) as usize;
         let descriptor = u16_at(6) & 0x8 != 0;
         let compressed = u16_at(8) != 0;
@@ -243,7 +247,11 @@ pub(crate) fn parse_single_forward(all: &[u8]) -> Result<TensorEntry> {
         let name = all
             .get(name_at..name_at + name_len)
             .and_then(|n| std::str::from_utf8(n).ok())
-            .ok_or_else(|| bad(format!("the zip record at byte {at}: its name is not readable")))?
+            .ok_or_else(|| {
+                bad(format!(
+                    "the zip record at byte {at}: its name is not readable"
+                ))
+            })?
             .to_string();
         let extra = all
             .get(name_at + name_len..name_at + name_len + extra_len)
@@ -278,10 +286,17 @@ pub(crate) fn parse_single_forward(all: &[u8]) -> Result<TensorEntry> {
             }
         }
         let len = if descriptor {
-            descriptor_length(all, start)
-                .ok_or_else(|| bad(format!("zip record `{name}`: no data descriptor names its length")))?
+            descriptor_length(all, start).ok_or_else(|| {
+                bad(format!(
+                    "zip record `{name}`: no data descriptor names its length"
+                ))
+            })?
         } else {
-            local_length(head, extra).ok_or_else(|| bad(format!("zip record `{name}`: a zip64 size without its extra field")))?
+            local_length(head, extra).ok_or_else(|| {
+                bad(format!(
+                    "zip record `{name}`: a zip64 size without its extra field"
+                ))
+            })?
         };
         let data = slice(all, start as u64, len, &name)?;
         if pickle.is_none() {
@@ -297,7 +312,10 @@ pub(crate) fn parse_single_forward(all: &[u8]) -> Result<TensorEntry> {
                 let mut found = Vec::new();
                 walk(obj, String::new(), &mut found, &mut Vec::new())?;
                 let [t] = &found[..] else {
-                    return Err(bad(format!("{} tensors in the archive, not one", found.len())));
+                    return Err(bad(format!(
+                        "{} tensors in the archive, not one",
+                        found.len()
+                    )));
                 };
                 pickle = Some((dir.to_string(), t.clone()));
             }
@@ -306,7 +324,11 @@ pub(crate) fn parse_single_forward(all: &[u8]) -> Result<TensorEntry> {
         let mut next = start + len as usize;
         if descriptor {
             let small = 16;
-            next += if all.get(next + 8..next + 12).map(u32_le) == Some(len) { small } else { 24 };
+            next += if all.get(next + 8..next + 12).map(u32_le) == Some(len) {
+                small
+            } else {
+                24
+            };
         }
         at = next;
     }
@@ -327,7 +349,9 @@ fn descriptor_length(all: &[u8], start: usize) -> Option<u64> {
         let pos = from + i;
         let d = rest.get(pos + 8..)?;
         let short = d.get(..4).map(u32_le);
-        let long = d.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
+        let long = d
+            .get(..8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
         if short == Some(pos as u64) || long == Some(pos as u64) {
             return Some(pos as u64);
         }
@@ -346,7 +370,10 @@ fn local_length(head: &[u8], extra: &[u8]) -> Option<u64> {
     }
     let mut e = extra;
     while e.len() >= 4 {
-        let (id, n) = (u16::from_le_bytes([e[0], e[1]]), u16::from_le_bytes([e[2], e[3]]) as usize);
+        let (id, n) = (
+            u16::from_le_bytes([e[0], e[1]]),
+            u16::from_le_bytes([e[2], e[3]]) as usize,
+        );
         let body = e.get(4..4 + n)?;
         if id == 1 && body.len() >= 16 {
             return Some(u64::from_le_bytes(body[8..16].try_into().expect("8 bytes")));

@@ -121,7 +121,10 @@ pub(super) fn plan(
     }
     // The source must be exactly layer by layer, local expert by local expert.
     let expected = layers.iter().flat_map(|(head, ps)| {
-        (0..per).flat_map(move |i| ps.iter().map(move |(rest, n)| (format!("{head}{i}.{rest}"), *n)))
+        (0..per).flat_map(move |i| {
+            ps.iter()
+                .map(move |(rest, n)| (format!("{head}{i}.{rest}"), *n))
+        })
     });
     if !expected.eq(params.iter().cloned()) {
         return Err(refuse(
@@ -146,7 +149,9 @@ pub(super) fn plan(
         for i in 0..per {
             for (k, (_, n)) in ps.iter().enumerate() {
                 offset.insert((l, i, k), at);
-                at = at.checked_add(*n).ok_or_else(|| overflow("expert buffer"))?;
+                at = at
+                    .checked_add(*n)
+                    .ok_or_else(|| overflow("expert buffer"))?;
             }
         }
     }
@@ -176,7 +181,10 @@ pub(super) fn plan(
                 let (src, j) = (global / per, global % per);
                 for (k, (_, n)) in ps.iter().enumerate() {
                     let start = offset[&(l, j, k)];
-                    runs.extend(runs_in(&old_buffers[src as usize], FlatRange::new(start, *n)));
+                    runs.extend(runs_in(
+                        &old_buffers[src as usize],
+                        FlatRange::new(start, *n),
+                    ));
                 }
             }
         }
@@ -185,7 +193,10 @@ pub(super) fn plan(
     let new_params = layers
         .iter()
         .flat_map(|(head, ps)| {
-            (0..new_per).flat_map(move |i| ps.iter().map(move |(rest, n)| (format!("{head}{i}.{rest}"), *n)))
+            (0..new_per).flat_map(move |i| {
+                ps.iter()
+                    .map(move |(rest, n)| (format!("{head}{i}.{rest}"), *n))
+            })
         })
         .collect::<Vec<_>>();
     Ok(GroupPlan {
@@ -241,9 +252,10 @@ mod tests {
             .map(|e| {
                 (0..per)
                     .flat_map(|i| {
-                        numels.iter().enumerate().flat_map(move |(k, &n)| {
-                            (0..n).map(move |x| value(e * per + i, k, x))
-                        })
+                        numels
+                            .iter()
+                            .enumerate()
+                            .flat_map(move |(k, &n)| (0..n).map(move |x| value(e * per + i, k, x)))
                     })
                     .collect()
             })
@@ -289,7 +301,10 @@ mod tests {
             let per = experts / old.ep;
             let p = plan(0, &params(per, &numels), &[0; 24], &stored, old, new).unwrap();
             assert_eq!(p.params, params(experts / new.ep, &numels));
-            assert_eq!(p.name.as_deref(), Some(format!("ep_size_{}", new.ep).as_str()));
+            assert_eq!(
+                p.name.as_deref(),
+                Some(format!("ep_size_{}", new.ep).as_str())
+            );
             for r in 0..new.world {
                 let (b, part) = p.place[r as usize];
                 let got = p.partition(b, part).unwrap();
@@ -311,15 +326,43 @@ mod tests {
         let stored: Vec<u64> = src.iter().map(|f| f.len() as u64).collect();
         let p = params(2, &numels);
         let msg = |e: crate::Error| e.to_string();
-        let e = plan(1, &p, &[1, 0, 0, 0], &stored, grid(2, 2, false), grid(2, 1, false));
+        let e = plan(
+            1,
+            &p,
+            &[1, 0, 0, 0],
+            &stored,
+            grid(2, 2, false),
+            grid(2, 1, false),
+        );
         assert!(msg(e.err().unwrap()).contains("parameter_alignment"));
-        let e = plan(1, &p, &[0; 4], &stored, grid(2, 2, false), grid(3, 3, false));
+        let e = plan(
+            1,
+            &p,
+            &[0; 4],
+            &stored,
+            grid(2, 2, false),
+            grid(3, 3, false),
+        );
         assert!(msg(e.err().unwrap()).contains("must divide"));
         let mut swapped = p.clone();
         swapped.swap(0, 2);
-        let e = plan(1, &swapped, &[0; 4], &stored, grid(2, 2, false), grid(2, 1, false));
+        let e = plan(
+            1,
+            &swapped,
+            &[0; 4],
+            &stored,
+            grid(2, 2, false),
+            grid(2, 1, false),
+        );
         assert!(msg(e.err().unwrap()).contains("module order"));
-        let e = plan(1, &p, &[0; 4], &[stored[0], stored[1] - 1], grid(2, 2, false), grid(2, 1, false));
+        let e = plan(
+            1,
+            &p,
+            &[0; 4],
+            &[stored[0], stored[1] - 1],
+            grid(2, 2, false),
+            grid(2, 1, false),
+        );
         assert!(msg(e.err().unwrap()).contains("EP rank 1's files hold"));
     }
 }

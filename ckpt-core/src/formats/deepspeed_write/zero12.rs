@@ -1,6 +1,8 @@
 //! ZeRO-1/2 for another data-parallel size, and the helpers the ZeRO-3 writer shares
 //! (pickled values, the optimizer files, torch.save output).
 
+use super::experts::{self, ExpertGrid};
+use super::zero3::{copy_of, Source};
 use crate::error::{overflow, Error, Result};
 use crate::formats::deepspeed;
 use crate::formats::output::{write_file_atomic, StagedDir};
@@ -9,8 +11,6 @@ use crate::formats::torch_save::{self, describe, locate_value};
 use crate::formats::torch_write::{storage_class, TorchWriter};
 use crate::formats::{map_file, TensorEntry};
 use crate::layout::flat::{numel, FlatLayout, FlatRange, FlatSlot};
-use super::experts::{self, ExpertGrid};
-use super::zero3::{copy_of, Source};
 use crate::{Dtype, TensorSpec};
 use std::path::{Path, PathBuf};
 
@@ -580,14 +580,21 @@ pub(super) fn write_pt(
     Ok(bytes)
 }
 
+/// The sizes a ZeRO-1/2 checkpoint is written for: data-parallel ranks, and for a
+/// mixture of experts the expert-parallel size (`None`: the source's).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct NewSizes {
+    pub(super) dp: u64,
+    pub(super) ep: Option<u64>,
+}
+
 /// Writes the ZeRO-1/2 checkpoint in `dir` (tag `tag`; its optimizer files `optim`,
 /// named with `prefix`) for `dp` data-parallel ranks at `output`.
 pub(super) fn write_zero12(
     dir: &Path,
     tag: &str,
     output: &Path,
-    dp: u64,
-    ep: Option<u64>,
+    NewSizes { dp, ep }: NewSizes,
     force: bool,
     prefix: &str,
     optim: &[PathBuf],
@@ -719,8 +726,7 @@ pub(super) fn write_zero12(
         let dest = out_dir.join(format!(
             "{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
         ));
-        let (tensors, pkl) =
-            new_rank(&ranks, &plans, r).map_err(|e| e.with_path(&dest))?;
+        let (tensors, pkl) = new_rank(&ranks, &plans, r).map_err(|e| e.with_path(&dest))?;
         let maps: Vec<&[u8]> = ranks
             .iter()
             .map(|k| k.map.as_deref().unwrap_or(&[]))
@@ -737,7 +743,10 @@ pub(super) fn write_zero12(
         for e in std::fs::read_dir(dir).map_err(|e| err(dir, e.to_string()))? {
             let e = e.map_err(|e| err(dir, e.to_string()))?;
             let name = e.file_name();
-            if name.to_str().is_some_and(|n| n.starts_with("layer_") && n.contains("_expert_")) {
+            if name
+                .to_str()
+                .is_some_and(|n| n.starts_with("layer_") && n.contains("_expert_"))
+            {
                 let to = out_dir.join(&name);
                 stats.bytes += std::fs::copy(e.path(), &to).map_err(|source| Error::Io {
                     path: e.path(),
@@ -898,12 +907,9 @@ fn new_rank(ranks: &[Rank], plans: &[GroupPlan], r: u64) -> Result<(Vec<NewTenso
     set(osd, "single_partition_of_fp32_groups", Value::List(weights));
     set(osd, "group_paddings", Value::List(paddings));
     let count = match osd.get("partition_count") {
-        Some(Value::List(_)) => Value::List(
-            plans
-                .iter()
-                .map(|p| Value::Int(p.parts as i64))
-                .collect(),
-        ),
+        Some(Value::List(_)) => {
+            Value::List(plans.iter().map(|p| Value::Int(p.parts as i64)).collect())
+        }
         _ => Value::Int(plans.first().map_or(1, |p| p.parts) as i64),
     };
     set(osd, "partition_count", count);
@@ -924,7 +930,12 @@ fn new_rank(ranks: &[Rank], plans: &[GroupPlan], r: u64) -> Result<(Vec<NewTenso
 /// each expert group's `param_shapes` (its local experts at the new EP size, which
 /// readers such as ckpt's take the group's layout from) changed, every tensor copied.
 /// Returns the bytes copied.
-fn model_states_for_experts(models: &Path, plans: &[GroupPlan], dp: u64, dest: &Path) -> Result<u64> {
+fn model_states_for_experts(
+    models: &Path,
+    plans: &[GroupPlan],
+    dp: u64,
+    dest: &Path,
+) -> Result<u64> {
     let src = Source::open(models)?;
     let mut root = src.root.clone();
     if let Some(v) = get_mut(&mut root, "dp_world_size") {
@@ -954,7 +965,11 @@ fn model_states_for_experts(models: &Path, plans: &[GroupPlan], dp: u64, dest: &
             .collect::<Result<Vec<_>>>()?;
         *kv = new;
     }
-    let tensors = src.tensors.iter().map(copy_of).collect::<Result<Vec<_>>>()?;
+    let tensors = src
+        .tensors
+        .iter()
+        .map(copy_of)
+        .collect::<Result<Vec<_>>>()?;
     let mut e = Emitter::new();
     emit(&mut e, &root, &tensors).map_err(|p| err(models, p))?;
     write_pt(dest, &tensors, e.finish(), &[src.bytes()])
