@@ -318,7 +318,24 @@ pub fn piece_count(ck: &Checkpoint, name: &str) -> Result<usize> {
 pub fn show(ck: &Checkpoint, pattern: &str, canvas: &Canvas) -> Result<String> {
     let names = matching(ck, pattern)?;
     // Experts first: which file holds which expert, across the tensors.
-    let mut out = experts::expert_maps(ck, &names);
+    let labels: Vec<String> = (0..ck.files.len()).map(|f| holder_label(ck, f)).collect();
+    let held: Vec<experts::Held> = names
+        .iter()
+        .filter(|n| experts::expert_of(n).is_some())
+        .map(|n| {
+            let t = &ck.tensors[n];
+            experts::Held {
+                name: n.clone(),
+                numel: t.shape.iter().product(),
+                by_file: holdings_of(ck, t)
+                    .0
+                    .iter()
+                    .map(|h| (h.holder, h.extent.numel()))
+                    .collect(),
+            }
+        })
+        .collect();
+    let mut out = experts::expert_maps(&labels, &held);
     for (i, name) in names.iter().enumerate() {
         if i > 0 {
             out.push('\n');

@@ -7,8 +7,6 @@
 //! draws, for each family of such tensors (the name with the expert id as `*`), a
 //! table of files by experts.
 
-use super::{holder_label, holdings_of};
-use crate::checkpoint::Checkpoint;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
@@ -28,29 +26,35 @@ pub(super) fn expert_of(name: &str) -> Option<(String, u64)> {
     Some((family.join("."), id))
 }
 
-/// The expert maps of the tensors `names` of `ck` that are experts' (families of at
-/// least two experts), or an empty string when there are none.
+/// One tensor as the map needs it: its name, its element count, and the elements each
+/// file holds of it (owned pieces and replicas alike).
+pub(super) struct Held {
+    pub(super) name: String,
+    pub(super) numel: u64,
+    pub(super) by_file: Vec<(usize, u64)>,
+}
+
+/// The expert maps of `tensors` (files labelled `labels`) that are experts' (families
+/// of at least two experts), or an empty string when there are none.
 ///
 /// Each cell says what the file holds of that expert's tensor: `#` all of it, `+` a
 /// part (a tensor-parallel or ZeRO piece), `.` nothing.
-pub(super) fn expert_maps(ck: &Checkpoint, names: &[String]) -> String {
-    let mut families: BTreeMap<String, BTreeMap<u64, &str>> = BTreeMap::new();
-    for n in names {
-        if let Some((family, id)) = expert_of(n) {
-            families.entry(family).or_default().insert(id, n.as_str());
+pub(super) fn expert_maps(labels: &[String], tensors: &[Held]) -> String {
+    let mut families: BTreeMap<String, BTreeMap<u64, &Held>> = BTreeMap::new();
+    for t in tensors {
+        if let Some((family, id)) = expert_of(&t.name) {
+            families.entry(family).or_default().insert(id, t);
         }
     }
     let mut out = String::new();
     for (family, experts) in families.iter().filter(|(_, e)| e.len() > 1) {
-        // Per file, per expert: elements held (owned pieces and replicas alike).
-        let mut held = vec![vec![0u64; experts.len()]; ck.files.len()];
+        // Per file, per expert: elements held.
+        let mut held = vec![vec![0u64; experts.len()]; labels.len()];
         let mut whole = Vec::with_capacity(experts.len());
-        for (col, name) in experts.values().enumerate() {
-            let t = &ck.tensors[*name];
-            whole.push(t.shape.iter().product::<u64>());
-            let (holdings, _) = holdings_of(ck, t);
-            for h in holdings {
-                held[h.holder][col] += h.extent.numel();
+        for (col, t) in experts.values().enumerate() {
+            whole.push(t.numel);
+            for &(f, n) in &t.by_file {
+                held[f][col] += n;
             }
         }
         let ids: Vec<u64> = experts.keys().copied().collect();
@@ -59,7 +63,6 @@ pub(super) fn expert_maps(ck: &Checkpoint, names: &[String]) -> String {
             "experts of `{family}`: {} experts, which file holds which (# all, + part, . none)",
             ids.len()
         );
-        let labels: Vec<String> = (0..ck.files.len()).map(|f| holder_label(ck, f)).collect();
         let width = labels.iter().map(String::len).max().unwrap_or(0).max(6);
         // Column headers: the expert ids, digit by digit (one column per expert).
         let digits = ids.iter().map(|i| i.to_string().len()).max().unwrap_or(1);

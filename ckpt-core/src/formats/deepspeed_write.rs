@@ -32,6 +32,7 @@
 //! world and expert-parallel size ([`experts`]: docs/moe.md).
 
 mod experts;
+mod group_plan;
 mod zero12;
 mod zero3;
 

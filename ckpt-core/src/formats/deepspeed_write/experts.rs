@@ -13,7 +13,8 @@
 //! `g % E_l`), and each run is runs of the old files' stored partitions. Nothing is
 //! computed from the values: the new files are copies of flat ranges.
 
-use super::zero12::{unsupported, GroupPlan, Run};
+use super::group_plan::{GroupPlan, Run};
+use crate::error::Error;
 use crate::error::{overflow, Result};
 use crate::layout::flat::FlatRange;
 use std::collections::HashMap;
@@ -60,6 +61,10 @@ fn local_expert(name: &str) -> Option<(&str, u64, &str)> {
     let at = name.find(AT)? + AT.len();
     let (i, rest) = name[at..].split_once('.')?;
     Some((&name[..at], i.parse().ok()?, rest))
+}
+
+fn unsupported(problem: String) -> Error {
+    Error::Unsupported { problem }
 }
 
 /// `name` with its local expert id 0 (whose shapes every local expert has).

@@ -2,16 +2,18 @@
 //! (pickled values, the optimizer files, torch.save output).
 
 use super::experts::{self, ExpertGrid};
-use super::zero3::{copy_of, Source};
+use super::group_plan::GroupPlan;
 use crate::error::{overflow, Error, Result};
 use crate::formats::deepspeed;
 use crate::formats::output::{write_file_atomic, StagedDir};
 use crate::formats::pickle::{Emitter, Value};
+use crate::formats::torch_save::ArchiveIndex;
 use crate::formats::torch_save::{self, describe, locate_value};
 use crate::formats::torch_write::{storage_class, TorchWriter};
 use crate::formats::{map_file, TensorEntry};
-use crate::layout::flat::{numel, FlatLayout, FlatRange, FlatSlot};
+use crate::layout::flat::{numel, FlatRange};
 use crate::{Dtype, TensorSpec};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// What [`write_deepspeed_dp`] wrote.
@@ -251,84 +253,6 @@ pub(super) struct NewTensor {
 /// Parameter names and element counts, per group.
 pub(super) type Groups = Vec<Vec<(String, u64)>>;
 
-/// Elements `range` of source file `k`'s stored partition of a group.
-pub(super) type Run = (usize, FlatRange);
-
-/// One parameter group as the new ranks hold it: flat buffers (one for a dense group,
-/// one per expert-parallel rank for an expert group), each a sequence of runs of the
-/// source files' stored partitions, padded as DeepSpeed pads (to `2 * parts`) and cut
-/// into `parts` partitions.
-pub(super) struct GroupPlan {
-    /// Each new buffer's runs, in order.
-    pub(super) buffers: Vec<Vec<Run>>,
-    /// New rank -> (its buffer, its partition of that buffer).
-    pub(super) place: Vec<(usize, u64)>,
-    /// Partitions per buffer (`partition_count`).
-    pub(super) parts: u64,
-    /// The parameters of every buffer in order (names as the files give them: an
-    /// expert group's under local ids, the same in every buffer), element counts.
-    pub(super) params: Vec<(String, u64)>,
-    /// The alignment padding after each parameter (`param_alignment_paddings`).
-    pub(super) pads: Vec<u64>,
-    /// The group's new name, where it changes (`ep_size_<EP>`).
-    pub(super) name: Option<String>,
-}
-
-/// One new partition: where its elements come from.
-pub(super) struct PartitionPlan {
-    /// `(offset in the partition, run)`; what no run covers is padding (zeros).
-    pub(super) runs: Vec<(u64, Run)>,
-    /// Elements of the partition, padding included (the optimizer moments' length).
-    pub(super) partition: u64,
-    /// Elements stored (`single_partition_of_fp32_groups`: the group's end padding cut).
-    pub(super) stored: u64,
-    /// Where the partition starts in its buffer.
-    pub(super) start: u64,
-}
-
-impl GroupPlan {
-    /// A dense group: one buffer, the source files' partitions end to end, cut for
-    /// `dp` ranks.
-    fn dense(stored: &[u64], dp: u64, params: Vec<(String, u64)>, pads: Vec<u64>) -> GroupPlan {
-        GroupPlan {
-            buffers: vec![stored
-                .iter()
-                .enumerate()
-                .map(|(k, &n)| (k, FlatRange::new(0, n)))
-                .collect()],
-            place: (0..dp).map(|r| (0, r)).collect(),
-            parts: dp,
-            params,
-            pads,
-            name: None,
-        }
-    }
-
-    /// Partition `part` of buffer `b`.
-    pub(super) fn partition(&self, b: usize, part: u64) -> Result<PartitionPlan> {
-        let runs = &self.buffers[b];
-        let lens: Vec<u64> = runs.iter().map(|(_, r)| r.len).collect();
-        let l = FlatLayout::aligned(&lens, self.parts, 2 * self.parts)?;
-        let out = l
-            .partition_slots(part)
-            .into_iter()
-            .filter_map(|(off, s)| match s {
-                FlatSlot::Tensor { tensor, range } => {
-                    let (k, r) = runs[tensor];
-                    Some((off, (k, FlatRange::new(r.start + range.start, range.len))))
-                }
-                FlatSlot::Padding => None,
-            })
-            .collect();
-        Ok(PartitionPlan {
-            runs: out,
-            partition: l.partition,
-            stored: l.partition.min(l.used.saturating_sub(part * l.partition)),
-            start: part * l.partition,
-        })
-    }
-}
-
 pub(super) fn param_shapes(models: &Path) -> Result<(Groups, Value)> {
     let map = map_file(models)?;
     let all: &[u8] = map.as_deref().unwrap_or(&[]);
@@ -497,6 +421,142 @@ pub(super) fn requires_grad(v: &Value) -> bool {
             .and_then(|a| a.get(4)),
         Some(Value::Bool(true))
     )
+}
+
+/// A tensor found in a source file's tree: its dotted path there (`a.b.0.c`), where
+/// its bytes are, and whether torch rebuilds it with `requires_grad`.
+pub(super) struct Found {
+    pub(super) what: String,
+    pub(super) entry: TensorEntry,
+    pub(super) requires_grad: bool,
+}
+
+/// A source torch.save file, mapped: its tree with every tensor replaced by a
+/// placeholder numbered as `tensors`.
+pub(super) struct Source {
+    pub(super) path: PathBuf,
+    pub(super) map: Option<crate::formats::Mapped>,
+    pub(super) root: Value,
+    pub(super) tensors: Vec<Found>,
+    pub(super) by_what: HashMap<String, usize>,
+}
+
+impl Source {
+    pub(super) fn open(path: &Path) -> Result<Source> {
+        let map = map_file(path)?;
+        let all: &[u8] = map.as_deref().unwrap_or(&[]);
+        let (archive, mut root) = torch_save::open_archive(all).map_err(|e| e.with_path(path))?;
+        let mut tensors = Vec::new();
+        take_tensors(&mut root, "", &archive, &mut tensors).map_err(|e| e.with_path(path))?;
+        let by_what = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, f)| (f.what.clone(), i))
+            .collect();
+        Ok(Source {
+            path: path.to_path_buf(),
+            map,
+            root,
+            tensors,
+            by_what,
+        })
+    }
+
+    pub(super) fn bytes(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or(&[])
+    }
+
+    /// Tensor `what`, which must be `like` rank 0's in dtype and hold `len` elements.
+    pub(super) fn part(&self, what: &str, like: &TensorEntry, len: u64) -> Result<TensorEntry> {
+        let t = self
+            .by_what
+            .get(what)
+            .map(|&i| &self.tensors[i].entry)
+            .ok_or_else(|| err(&self.path, format!("no tensor `{what}` (rank 0 has one)")))?;
+        if t.dtype != like.dtype || t.shape != [len] {
+            return Err(err(
+                &self.path,
+                format!(
+                    "tensor `{what}` is {:?} {:?}; {:?} [{len}] expected (rank 0's dtype, this rank's parts)",
+                    t.dtype, t.shape, like.dtype
+                ),
+            ));
+        }
+        Ok(t.clone())
+    }
+}
+
+pub(super) fn key_name(k: &Value) -> String {
+    match k {
+        Value::Str(s) => s.clone(),
+        Value::Int(i) => i.to_string(),
+        _ => "?".into(),
+    }
+}
+
+/// Replaces every tensor under `v` with a placeholder, recording where its bytes are.
+fn take_tensors(
+    v: &mut Value,
+    what: &str,
+    archive: &ArchiveIndex,
+    out: &mut Vec<Found>,
+) -> Result<()> {
+    if is_tensor(v) {
+        let entry = locate_value(archive, what, v)?;
+        let requires_grad = requires_grad(v);
+        *v = placeholder(out.len());
+        out.push(Found {
+            what: what.to_string(),
+            entry,
+            requires_grad,
+        });
+        return Ok(());
+    }
+    let join = |k: &str| {
+        if what.is_empty() {
+            k.to_string()
+        } else {
+            format!("{what}.{k}")
+        }
+    };
+    match v {
+        Value::Tuple(items) | Value::List(items) => {
+            for (i, x) in items.iter_mut().enumerate() {
+                take_tensors(x, &join(&i.to_string()), archive, out)?;
+            }
+        }
+        Value::Dict(kv) => {
+            for (k, x) in kv.iter_mut() {
+                let name = join(&key_name(k));
+                take_tensors(x, &name, archive, out)?;
+            }
+        }
+        Value::Build { object, state } => {
+            take_tensors(object, what, archive, out)?;
+            take_tensors(state, what, archive, out)?;
+        }
+        Value::Call { args, .. } => take_tensors(args, what, archive, out)?,
+        _ => {}
+    }
+    Ok(())
+}
+
+/// A tensor copied whole from rank 0's file.
+pub(super) fn copy_of(f: &Found) -> Result<NewTensor> {
+    let n = numel(&f.entry.shape)?;
+    Ok(NewTensor {
+        spec: TensorSpec {
+            name: f.what.clone(),
+            dtype: f.entry.dtype,
+            shape: f.entry.shape.clone(),
+        },
+        requires_grad: f.requires_grad,
+        segments: if n == 0 {
+            vec![]
+        } else {
+            vec![(0, f.entry.clone(), FlatRange::new(0, n), 0)]
+        },
+    })
 }
 
 /// The optimizer-states files of a tag directory in rank order (all `bf16_`-prefixed,
@@ -1084,6 +1144,7 @@ fn patch_dp_world_size(models: &Path, dp: u64) -> Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::flat::{FlatLayout, FlatSlot};
     use proptest::prelude::*;
 
     /// DeepSpeed's own cut (stage_1_and_2.py: align to 2 * dp, dp equal parts, the

@@ -31,14 +31,14 @@
 //! as zeros.
 
 use super::zero12::{
-    dict, emit, err, get_mut, int, ints, is_tensor, param_shapes, placeholder, requires_grad, size,
-    unsupported, write_pt, DeepSpeedWriteStats, NewTensor, Segments,
+    copy_of, dict, emit, err, get_mut, int, ints, key_name, param_shapes, size, unsupported,
+    write_pt, DeepSpeedWriteStats, Found, NewTensor, Segments, Source,
 };
 use crate::error::{overflow, Error, Result};
 use crate::formats::output::{write_file_atomic, StagedDir};
 use crate::formats::pickle::{Emitter, Value};
-use crate::formats::torch_save::{self, locate_value, ArchiveIndex};
-use crate::formats::{map_file, TensorEntry};
+use crate::formats::torch_save;
+use crate::formats::TensorEntry;
 use crate::layout::flat::{numel, FlatRange};
 use crate::TensorSpec;
 use std::collections::HashMap;
@@ -50,124 +50,6 @@ const DEFAULT_SUB_GROUP_SIZE: u64 = 1_000_000_000;
 const FLAT: &str = "optimizer_state_dict.fp32_flat_groups.";
 const STATE: &str = "optimizer_state_dict.optimizer_state_dict.state.";
 const FROZEN: &str = "frozen_param_fragments.";
-
-/// A tensor found in a source file's tree: its dotted path there (`a.b.0.c`), where
-/// its bytes are, and whether torch rebuilds it with `requires_grad`.
-pub(super) struct Found {
-    what: String,
-    entry: TensorEntry,
-    requires_grad: bool,
-}
-
-/// A source torch.save file, mapped: its tree with every tensor replaced by a
-/// placeholder numbered as `tensors`.
-pub(super) struct Source {
-    path: PathBuf,
-    map: Option<crate::formats::Mapped>,
-    pub(super) root: Value,
-    pub(super) tensors: Vec<Found>,
-    by_what: HashMap<String, usize>,
-}
-
-impl Source {
-    pub(super) fn open(path: &Path) -> Result<Source> {
-        let map = map_file(path)?;
-        let all: &[u8] = map.as_deref().unwrap_or(&[]);
-        let (archive, mut root) = torch_save::open_archive(all).map_err(|e| e.with_path(path))?;
-        let mut tensors = Vec::new();
-        take_tensors(&mut root, "", &archive, &mut tensors).map_err(|e| e.with_path(path))?;
-        let by_what = tensors
-            .iter()
-            .enumerate()
-            .map(|(i, f)| (f.what.clone(), i))
-            .collect();
-        Ok(Source {
-            path: path.to_path_buf(),
-            map,
-            root,
-            tensors,
-            by_what,
-        })
-    }
-
-    pub(super) fn bytes(&self) -> &[u8] {
-        self.map.as_deref().unwrap_or(&[])
-    }
-
-    /// Tensor `what`, which must be `like` rank 0's in dtype and hold `len` elements.
-    fn part(&self, what: &str, like: &TensorEntry, len: u64) -> Result<TensorEntry> {
-        let t = self
-            .by_what
-            .get(what)
-            .map(|&i| &self.tensors[i].entry)
-            .ok_or_else(|| err(&self.path, format!("no tensor `{what}` (rank 0 has one)")))?;
-        if t.dtype != like.dtype || t.shape != [len] {
-            return Err(err(
-                &self.path,
-                format!(
-                    "tensor `{what}` is {:?} {:?}; {:?} [{len}] expected (rank 0's dtype, this rank's parts)",
-                    t.dtype, t.shape, like.dtype
-                ),
-            ));
-        }
-        Ok(t.clone())
-    }
-}
-
-fn key_name(k: &Value) -> String {
-    match k {
-        Value::Str(s) => s.clone(),
-        Value::Int(i) => i.to_string(),
-        _ => "?".into(),
-    }
-}
-
-/// Replaces every tensor under `v` with a placeholder, recording where its bytes are.
-fn take_tensors(
-    v: &mut Value,
-    what: &str,
-    archive: &ArchiveIndex,
-    out: &mut Vec<Found>,
-) -> Result<()> {
-    if is_tensor(v) {
-        let entry = locate_value(archive, what, v)?;
-        let requires_grad = requires_grad(v);
-        *v = placeholder(out.len());
-        out.push(Found {
-            what: what.to_string(),
-            entry,
-            requires_grad,
-        });
-        return Ok(());
-    }
-    let join = |k: &str| {
-        if what.is_empty() {
-            k.to_string()
-        } else {
-            format!("{what}.{k}")
-        }
-    };
-    match v {
-        Value::Tuple(items) | Value::List(items) => {
-            for (i, x) in items.iter_mut().enumerate() {
-                take_tensors(x, &join(&i.to_string()), archive, out)?;
-            }
-        }
-        Value::Dict(kv) => {
-            for (k, x) in kv.iter_mut() {
-                let name = join(&key_name(k));
-                take_tensors(x, &name, archive, out)?;
-            }
-        }
-        Value::Build { object, state } => {
-            take_tensors(object, what, archive, out)?;
-            take_tensors(state, what, archive, out)?;
-        }
-        Value::Call { args, .. } => take_tensors(args, what, archive, out)?,
-        _ => {}
-    }
-    Ok(())
-}
 
 /// How `_create_fp16_sub_groups` splits one parameter group of parameters of these
 /// element counts on `dp` ranks: the number of parameters in each sub-group.
@@ -236,24 +118,6 @@ fn recut(
             .ok_or_else(|| overflow("flat group"))?;
     }
     Ok((new_at, segs))
-}
-
-/// A tensor copied whole from rank 0's file.
-pub(super) fn copy_of(f: &Found) -> Result<NewTensor> {
-    let n = numel(&f.entry.shape)?;
-    Ok(NewTensor {
-        spec: TensorSpec {
-            name: f.what.clone(),
-            dtype: f.entry.dtype,
-            shape: f.entry.shape.clone(),
-        },
-        requires_grad: f.requires_grad,
-        segments: if n == 0 {
-            vec![]
-        } else {
-            vec![(0, f.entry.clone(), FlatRange::new(0, n), 0)]
-        },
-    })
 }
 
 /// `f` re-cut for new rank `r` of `b`: parameters of `numels`, old rank k's tensor
