@@ -4,7 +4,7 @@
 //! model under global expert ids, equal byte for byte to what the generator gathered
 //! from every rank (`reference.safetensors`); what is not read yet is refused by name.
 
-use crate::util::{copy_dir, full_tensors, Dir};
+use crate::util::{assert_same_tensors, copy_dir, full_tensors, Dir};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -41,14 +41,7 @@ fn legacy_expert_parallel_checkpoints_merge_to_global_experts() {
             "--keep-vocab-padding",
         ]);
         let (got, want) = (full_tensors(&out), reference(c));
-        assert_eq!(
-            got.keys().collect::<Vec<_>>(),
-            want.keys().collect::<Vec<_>>(),
-            "{c}"
-        );
-        for (k, v) in &want {
-            assert!(&got[k] == v, "{c}: {k} differs");
-        }
+        assert_same_tensors(&got, &want, c);
         assert!(
             want.keys().any(|k| k.contains("local_experts.3.")),
             "{c}: the reference has every expert"
@@ -91,14 +84,7 @@ fn dist_ckpt_experts_unstack_to_global_ids() {
             .into_iter()
             .map(|(k, v)| (alias(&k), v))
             .collect();
-        assert_eq!(
-            got.keys().collect::<Vec<_>>(),
-            want.keys().collect::<Vec<_>>(),
-            "{c}"
-        );
-        for (k, v) in &want {
-            assert!(&got[k] == v, "{c}: {k} differs");
-        }
+        assert_same_tensors(&got, &want, c);
         let stacked = d.path(&format!("{c}.stacked"));
         d.ok(&[
             "merge",
@@ -178,14 +164,7 @@ fn moe_families_export_to_hugging_face_and_back() {
                 out.to_str().unwrap(),
             ]);
             let got = full_tensors(&out.join("model.safetensors"));
-            assert_eq!(
-                got.keys().collect::<Vec<_>>(),
-                want.keys().collect::<Vec<_>>(),
-                "{f} {src}"
-            );
-            for (k, v) in &want {
-                assert!(&got[k] == v, "{f} {src}: {k}");
-            }
+            assert_same_tensors(&got, &want, &format!("{f} {src}"));
             let config: serde_json::Value =
                 serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
             let fixture: serde_json::Value =
@@ -221,14 +200,7 @@ fn moe_families_export_to_hugging_face_and_back() {
             full_tensors(&merged),
             full_tensors(&hf(f).join("reference.safetensors")),
         );
-        assert_eq!(
-            got.keys().collect::<Vec<_>>(),
-            want.keys().collect::<Vec<_>>(),
-            "{f} back"
-        );
-        for (k, v) in &want {
-            assert!(&got[k] == v, "{f} back: {k}");
-        }
+        assert_same_tensors(&got, &want, &format!("{f} back"));
         // The same Hugging Face model as a dist_ckpt: merged back to HF, every tensor.
         let dist = d.path(&format!("{f}-dist"));
         d.ok(&[
@@ -322,14 +294,7 @@ fn expert_parallel_reshards_write_megatrons_directories() {
             "--keep-vocab-padding",
         ]);
         let (got, want) = (full_tensors(&merged), reference(c));
-        assert_eq!(
-            got.keys().collect::<Vec<_>>(),
-            want.keys().collect::<Vec<_>>(),
-            "{c} to {mesh}"
-        );
-        for (k, v) in &want {
-            assert!(&got[k] == v, "{c} to {mesh}: {k}");
-        }
+        assert_same_tensors(&got, &want, &format!("{c} to {mesh}"));
     }
     // Experts that do not divide, a dense model given an expert-parallel size.
     let o = d.fails(&[
@@ -518,14 +483,7 @@ fn deepspeed_expert_parallel_checkpoints_reshard_to_other_ep_sizes() {
             merged.to_str().unwrap(),
         ]);
         let (got, want) = (full_tensors(&merged), ds_expected(c));
-        assert_eq!(
-            got.keys().collect::<Vec<_>>(),
-            want.keys().collect::<Vec<_>>(),
-            "{c} {mesh}"
-        );
-        for (k, v) in &want {
-            assert!(&got[k] == v, "{c} {mesh}: {k}");
-        }
+        assert_same_tensors(&got, &want, &format!("{c} {mesh}"));
     }
     let refused = |src: &Path, mesh: &str, why: &str| {
         let o = d.fails(&[

@@ -84,6 +84,23 @@ impl Dir {
     }
 }
 
+/// `got` holds exactly `want`'s tensors (names first, then each one's bytes, named by
+/// `what` and the tensor where they differ).
+pub fn assert_same_tensors(
+    got: &std::collections::BTreeMap<String, Vec<u8>>,
+    want: &std::collections::BTreeMap<String, Vec<u8>>,
+    what: &str,
+) {
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "{what}"
+    );
+    for (k, v) in want {
+        assert!(&got[k] == v, "{what}: {k} differs");
+    }
+}
+
 /// Every tensor of the checkpoint at `path`, assembled whole, by name.
 pub fn full_tensors(path: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
     let ck = ckpt_core::Checkpoint::open(&[path.to_path_buf()]).expect("open");
