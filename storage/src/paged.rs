@@ -495,9 +495,11 @@ impl Pager {
                 let want = inner.block_range(k);
                 let want = (want.end - want.start) as usize;
                 if block.len() >= want {
-                    let rest = block.split_off(want);
-                    self.fill(inner, id, k, &block);
-                    block = rest;
+                    self.fill(inner, id, k, &block[..want]);
+                    // The rest (part of one body chunk) to the front, the buffer's
+                    // capacity kept: a new buffer per block grew by doubling, copying
+                    // each byte about twice more.
+                    block.drain(..want);
                     k += 1;
                     attempts = 0;
                     {
