@@ -309,7 +309,8 @@ pub(crate) struct ReshardArgs {
     /// replicated.
     #[arg(long, value_name = "N", value_parser = parse_to)]
     pub(crate) to: Option<u64>,
-    /// New sizes for named axes, e.g. dp=2,tp=2.
+    /// New sizes for named axes, e.g. dp=2,tp=2 (Megatron: tp=, pp=, ep=; DeepSpeed with
+    /// --format deepspeed: dp=, and ep= for a mixture of experts).
     #[arg(long, value_parser = parse_mesh)]
     pub(crate) mesh: Option<String>,
     /// With --to N on a whole copy (no strategy): split tensors matching NAME_GLOB along
@@ -348,7 +349,8 @@ pub(crate) struct ReshardArgs {
     /// dist_checkpointing.load: iter_*/ with .metadata and __<r>_0.distcp), `torchtitan`
     /// (DCP in torchtitan's Llama names, from a Hugging Face Llama) or `deepspeed`
     /// (a DeepSpeed ZeRO-1/2/3 checkpoint for --to N data-parallel ranks, from a
-    /// DeepSpeed source).
+    /// DeepSpeed source; a ZeRO-1/2 mixture of experts also at another EP size with
+    /// --mesh dp=N,ep=K).
     #[arg(long, default_value = "ckpt", value_parser = reshard_formats())]
     pub(crate) format: String,
     #[command(flatten)]
