@@ -449,7 +449,8 @@ def reshard(
     build only that target rank. ``format``: ``"ckpt"`` (default), ``"dcp"``,
     ``"distcp"``, ``"mindspore"``, ``"megatron"`` (from a Megatron legacy source),
     ``"deepspeed"`` (a ZeRO-1/2/3 checkpoint for ``to`` data-parallel ranks, from a ZeRO
-    source). ``shard``: ``(glob, dim)`` pairs, the dimension to split the matching
+    source; a ZeRO-1/2 mixture of experts also at another EP size with
+    ``mesh="dp=N,ep=K"``). ``shard``: ``(glob, dim)`` pairs, the dimension to split the matching
     tensors of an integrated source along. ``keep_all``: every rank stores its
     replicated tensors too. Other options as :func:`merge`.
     """
