@@ -248,6 +248,41 @@ def test_every_cli_format_is_taken_and_writes_what_the_cli_writes(tmp_path, fixt
         ckpt.merge(zero3, tmp_path / "x", format="nope")
 
 
+def test_deepspeed_experts_reshard_to_another_ep_size(tmp_path, fixtures):
+    """ckpt.reshard of DeepSpeed's own MoE checkpoint (EP2, ZeRO-2) to EP4 on 4 ranks
+    and EP1 on 2: the same bytes as the console script writes, and merged back, the
+    source's every weight and moment."""
+    from safetensors.numpy import load_file
+
+    src = fixtures / "moe" / "deepspeed" / "ep2_zero2" / "ckpt"
+    exe = shutil.which("ckpt", path=os.path.dirname(sys.executable))
+    def tensors(d):
+        out = {}
+        for f in sorted(d.glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    ckpt.merge(src, tmp_path / "src-merged")
+    want = tensors(tmp_path / "src-merged")
+    assert any(".exp_avg" in k for k in want), sorted(want)[:4]
+    for mesh in ("dp=4,ep=4", "dp=2,ep=1"):
+        out = tmp_path / mesh.replace("=", "").replace(",", "-")
+        ckpt.reshard(src, out, mesh=mesh, format="deepspeed")
+        cli = tmp_path / f"{out.name}-cli"
+        r = subprocess.run([exe, "reshard", str(src), "--mesh", mesh, "--format", "deepspeed",
+                            "-o", str(cli)], capture_output=True, text=True)
+        assert r.returncode == 0, r
+        assert _tree(out) == _tree(cli), mesh
+        ckpt.merge(out, tmp_path / f"{out.name}-merged")
+        got = tensors(tmp_path / f"{out.name}-merged")
+        assert sorted(got) == sorted(want), mesh
+        for k in want:
+            assert got[k].tobytes() == want[k].tobytes(), (mesh, k)
+    with pytest.raises(ckpt.CheckpointError, match="must divide"):
+        ckpt.reshard(src, tmp_path / "x", mesh="dp=3,ep=2", format="deepspeed")
+    assert not (tmp_path / "x").exists()
+
+
 def test_megatron_merge_views_match_the_console_script(tmp_path, fixtures):
     """ckpt.merge of megatron-core's legacy save gives the same bytes as `ckpt merge`:
     vocabulary padding dropped by default (kept on request), fused QKV split on
