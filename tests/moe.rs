@@ -542,13 +542,14 @@ fn inspect_draws_which_rank_holds_which_expert() {
     }
 }
 
-/// Same input, same bytes: the EP2 x PP2 merge and the EP4 reshard with 1 and 4
-/// threads.
+/// Same input, same bytes with 1 and 4 threads: the EP2 x PP2 merge, its dist_ckpt and
+/// EP4 reshards, the ZeRO-0 merge, the torchtitan export, and DeepSpeed's EP2 -> EP4.
 #[test]
 fn moe_outputs_do_not_depend_on_the_thread_count() {
     let d = Dir::new();
     let src = case("ep2pp2").join("legacy");
     let zero0 = ds("ep2_zero0").join("ckpt");
+    let zero2 = ds("ep2_zero2").join("ckpt");
     let titan = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/torchtitan/llama");
     let titan_config = titan.join("config.json");
     let titan_dcp = titan.join("dcp");
@@ -587,6 +588,17 @@ fn moe_outputs_do_not_depend_on_the_thread_count() {
                 "ep=4,pp=1",
             ],
             "ep4",
+        ),
+        (
+            vec![
+                "reshard",
+                zero2.to_str().unwrap(),
+                "--format",
+                "deepspeed",
+                "--mesh",
+                "dp=4,ep=4",
+            ],
+            "ds-ep4",
         ),
     ] {
         let mut trees = Vec::new();

@@ -969,6 +969,71 @@ fn read_zero12(
     Ok(())
 }
 
+/// The ranks of a DeepSpeed data-parallel world as its MoE groups split them
+/// (`utils/groups.py`, `_create_expert_and_data_parallel`, model parallelism 1, one
+/// pipeline stage; docs/moe.md, "Which EP rank a rank is").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ExpertGrid {
+    /// Data-parallel ranks (the world).
+    pub(crate) world: u64,
+    /// Expert-parallel size.
+    pub(crate) ep: u64,
+    /// `use_data_before_expert_parallelism` (D + E): the EP groups stride.
+    pub(crate) data_before_expert: bool,
+}
+
+impl ExpertGrid {
+    /// `(EP rank, EDP rank)` of data-parallel rank `r`.
+    pub(crate) fn place(&self, r: u64) -> (u64, u64) {
+        let edp = self.world / self.ep;
+        if self.data_before_expert {
+            (r / edp, r % edp)
+        } else {
+            (r % self.ep, r / self.ep)
+        }
+    }
+
+    /// The ranks of EP rank `e`'s expert-data-parallel group, by EDP rank.
+    pub(crate) fn members(&self, e: u64) -> Vec<u64> {
+        let mut m: Vec<(u64, u64)> = (0..self.world)
+            .map(|r| (self.place(r), r))
+            .filter(|((ep, _), _)| *ep == e)
+            .map(|((_, edp), r)| (edp, r))
+            .collect();
+        m.sort_unstable();
+        m.into_iter().map(|(_, r)| r).collect()
+    }
+}
+
+/// `use_data_before_expert_parallelism` of a `ds_config` (absent: false).
+pub(crate) fn data_before_expert(ds_config: Option<&Value>) -> bool {
+    matches!(
+        ds_config.and_then(|c| c.get("use_data_before_expert_parallelism")),
+        Some(Value::Bool(true))
+    )
+}
+
+/// The EP size of an optimizer parameter group that holds experts (`moe: True`, named
+/// `ep_size_<EP>`); `None` for any other group.
+pub(crate) fn expert_group_ep(param_group: &Value) -> Option<u64> {
+    if !matches!(param_group.get("moe"), Some(Value::Bool(true))) {
+        return None;
+    }
+    match param_group.get("name") {
+        Some(Value::Str(n)) => n.strip_prefix("ep_size_")?.parse().ok(),
+        _ => None,
+    }
+}
+
+/// An expert's parameter name split at its local expert id
+/// (`…deepspeed_experts.<i>.<rest>`): `(head, i, rest)`, the head ending with the dot.
+pub(crate) fn local_expert(name: &str) -> Option<(&str, u64, &str)> {
+    const AT: &str = "deepspeed_experts.";
+    let at = name.find(AT)? + AT.len();
+    let (i, rest) = name[at..].split_once('.')?;
+    Some((&name[..at], i.parse().ok()?, rest))
+}
+
 /// How a parameter group lies over the ranks' files: `(members, parameters)` parts,
 /// each part's parameters back to back over its members' partitions in order. A dense
 /// group is one part over every rank; an expert group (`moe: True`, named
@@ -997,16 +1062,7 @@ fn group_layouts(
         ])
         .and_then(Value::items)
         .unwrap_or(&[]);
-    let ep_of = |g: usize| -> Option<u64> {
-        let pg = param_groups.get(g)?;
-        if !matches!(pg.get("moe"), Some(Value::Bool(true))) {
-            return None;
-        }
-        match pg.get("name") {
-            Some(Value::Str(n)) => n.strip_prefix("ep_size_")?.parse().ok(),
-            _ => None,
-        }
-    };
+    let ep_of = |g: usize| param_groups.get(g).and_then(expert_group_ep);
     let any_moe = (0..groups.len()).any(|g| ep_of(g).is_some());
     if !any_moe {
         if let Some(p) = expert_files.values().next() {
@@ -1020,12 +1076,7 @@ fn group_layouts(
     if tensor_parallel {
         return Err(err(&model.path, "experts with tensor parallelism (DeepSpeed's TP-strided expert groups) are not read yet"));
     }
-    let dbe = matches!(
-        model
-            .opt_at(&["ds_config"])
-            .and_then(|c| c.get("use_data_before_expert_parallelism")),
-        Some(Value::Bool(true))
-    );
+    let data_before_expert = data_before_expert(model.opt_at(&["ds_config"]));
     let num_experts: Vec<u64> = model
         .opt_at(&["num_experts"])
         .and_then(Value::items)
@@ -1040,17 +1091,15 @@ fn group_layouts(
         if ep == 0 || !world.is_multiple_of(ep) {
             return Err(err(&ranks[0].path, format!("group {g} is ep_size_{ep}, which does not divide the {world} data-parallel ranks")));
         }
-        let edp = world / ep;
-        // The local experts the group names (`deepspeed_experts.<i>.`).
-        let local = |name: &str| -> Option<(usize, u64, usize)> {
-            const AT: &str = "deepspeed_experts.";
-            let at = name.find(AT)? + AT.len();
-            let (i, _) = name[at..].split_once('.')?;
-            Some((at, i.parse().ok()?, at + i.len()))
+        let grid = ExpertGrid {
+            world,
+            ep,
+            data_before_expert,
         };
+        // The local experts the group names (`deepspeed_experts.<i>.`).
         let per = params
             .iter()
-            .filter_map(|(n, _)| local(n).map(|(_, i, _)| i + 1))
+            .filter_map(|(n, _)| local_expert(n).map(|(_, i, _)| i + 1))
             .max()
             .unwrap_or(0);
         if let Some(&e) = num_experts.iter().find(|&&e| e != ep * per) {
@@ -1076,30 +1125,17 @@ fn group_layouts(
         }
         let mut parts = Vec::with_capacity(ep as usize);
         for e in 0..ep {
-            // (expert-parallel rank, expert-data-parallel rank) of data-parallel rank r.
-            let place = |r: u64| {
-                if dbe {
-                    (r / edp, r % edp)
-                } else {
-                    (r % ep, r / ep)
-                }
-            };
-            let mut members: Vec<(u64, usize)> = (0..world)
-                .filter(|&r| place(r).0 == e)
-                .map(|r| (place(r).1, r as usize))
-                .collect();
-            members.sort();
             let named: Vec<(String, Vec<u64>)> = params
                 .iter()
-                .map(|(n, shape)| match local(n) {
-                    Some((at, i, end)) => (
-                        format!("{}{}{}", &n[..at], e * per + i, &n[end..]),
-                        shape.clone(),
-                    ),
+                .map(|(n, shape)| match local_expert(n) {
+                    Some((head, i, rest)) => {
+                        (format!("{head}{}.{rest}", e * per + i), shape.clone())
+                    }
                     None => (n.clone(), shape.clone()),
                 })
                 .collect();
-            parts.push((members.into_iter().map(|(_, r)| r).collect(), named));
+            let members = grid.members(e).into_iter().map(|r| r as usize).collect();
+            parts.push((members, named));
         }
         out.push(parts);
     }

@@ -16,52 +16,9 @@
 use super::group_plan::{GroupPlan, Run};
 use crate::error::Error;
 use crate::error::{overflow, Result};
+use crate::formats::deepspeed::{local_expert, ExpertGrid};
 use crate::layout::flat::FlatRange;
 use std::collections::HashMap;
-
-/// The ranks of a DeepSpeed data-parallel world as its MoE groups split them
-/// (`utils/groups.py`, `_create_expert_and_data_parallel`, model parallelism 1,
-/// one pipeline stage).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct ExpertGrid {
-    /// Data-parallel ranks (the world).
-    pub(super) world: u64,
-    /// Expert-parallel size.
-    pub(super) ep: u64,
-    /// `use_data_before_expert_parallelism` (D + E): the EP groups stride.
-    pub(super) data_before_expert: bool,
-}
-
-impl ExpertGrid {
-    /// `(EP rank, EDP rank)` of data-parallel rank `r`.
-    pub(super) fn place(&self, r: u64) -> (u64, u64) {
-        let edp = self.world / self.ep;
-        if self.data_before_expert {
-            (r / edp, r % edp)
-        } else {
-            (r % self.ep, r / self.ep)
-        }
-    }
-
-    /// The ranks of EP rank `e`'s expert-data-parallel group, by EDP rank.
-    fn members(&self, e: u64) -> Vec<u64> {
-        let mut m: Vec<(u64, u64)> = (0..self.world)
-            .map(|r| (self.place(r), r))
-            .filter(|((ep, _), _)| *ep == e)
-            .map(|((_, edp), r)| (edp, r))
-            .collect();
-        m.sort_unstable();
-        m.into_iter().map(|(_, r)| r).collect()
-    }
-}
-
-/// `...deepspeed_experts.<i>.<rest>` split into (head, local id, rest).
-fn local_expert(name: &str) -> Option<(&str, u64, &str)> {
-    const AT: &str = "deepspeed_experts.";
-    let at = name.find(AT)? + AT.len();
-    let (i, rest) = name[at..].split_once('.')?;
-    Some((&name[..at], i.parse().ok()?, rest))
-}
 
 fn unsupported(problem: String) -> Error {
     Error::Unsupported { problem }

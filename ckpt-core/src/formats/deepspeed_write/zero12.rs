@@ -1,10 +1,10 @@
 //! ZeRO-1/2 for another data-parallel size, and the helpers the ZeRO-3 writer shares
 //! (pickled values, the optimizer files, torch.save output).
 
-use super::experts::{self, ExpertGrid};
+use super::experts;
 use super::group_plan::GroupPlan;
 use crate::error::{overflow, Error, Result};
-use crate::formats::deepspeed;
+use crate::formats::deepspeed::{self, ExpertGrid};
 use crate::formats::output::{write_file_atomic, StagedDir};
 use crate::formats::pickle::{Emitter, Value};
 use crate::formats::torch_save::ArchiveIndex;
@@ -703,7 +703,14 @@ pub(super) fn write_zero12(
     // regrouped by expert first (experts.rs).
     let ngroups = groups.len();
     let world = ranks.len() as u64;
-    let expert_eps: Vec<Option<u64>> = (0..ngroups).map(|g| expert_group_ep(osd0, g)).collect();
+    let param_groups = osd0
+        .get("base_optimizer_state")
+        .and_then(|b| b.get("param_groups"))
+        .and_then(Value::items)
+        .unwrap_or(&[]);
+    let expert_eps: Vec<Option<u64>> = (0..ngroups)
+        .map(|g| param_groups.get(g).and_then(deepspeed::expert_group_ep))
+        .collect();
     let old_ep = match expert_eps.iter().flatten().collect::<Vec<_>>()[..] {
         [] => None,
         [&ep] => Some(ep),
@@ -724,12 +731,7 @@ pub(super) fn write_zero12(
         (Some(old), None) => Some(old),
         (_, new) => new,
     };
-    let data_before_expert = matches!(
-        model_root
-            .get("ds_config")
-            .and_then(|c| c.get("use_data_before_expert_parallelism")),
-        Some(Value::Bool(true))
-    );
+    let data_before_expert = deepspeed::data_before_expert(model_root.get("ds_config"));
     let mut plans = Vec::with_capacity(ngroups);
     for g in 0..ngroups {
         let stored: Vec<u64> = ranks.iter().map(|r| r.weights[g].shape[0]).collect();
@@ -799,21 +801,18 @@ pub(super) fn write_zero12(
     if new_ep.is_some() {
         stats.bytes += model_states_for_experts(&models, &plans, dp, &models_out)?;
         stats.files += 1;
-        // One file per global expert: the same at every EP size.
-        for e in std::fs::read_dir(dir).map_err(|e| err(dir, e.to_string()))? {
-            let e = e.map_err(|e| err(dir, e.to_string()))?;
-            let name = e.file_name();
-            if name
-                .to_str()
-                .is_some_and(|n| n.starts_with("layer_") && n.contains("_expert_"))
-            {
-                let to = out_dir.join(&name);
-                stats.bytes += std::fs::copy(e.path(), &to).map_err(|source| Error::Io {
-                    path: e.path(),
-                    source,
-                })?;
-                stats.files += 1;
-            }
+        // One file per global expert (the reader found and checked them): the same at
+        // every EP size.
+        for f in deepspeed::scan(dir)?
+            .values()
+            .flat_map(|m| m.experts.values())
+        {
+            let name = f.file_name().unwrap_or_default();
+            stats.bytes += std::fs::copy(f, out_dir.join(name)).map_err(|source| Error::Io {
+                path: f.clone(),
+                source,
+            })?;
+            stats.files += 1;
         }
     } else {
         let model_bytes = patch_dp_world_size(&models, dp)?;
@@ -907,8 +906,7 @@ fn new_rank(ranks: &[Rank], plans: &[GroupPlan], r: u64) -> Result<(Vec<NewTenso
             state.push((key.clone(), placeholder(tensors.len())));
             tensors.push(nt);
         }
-        let base = get_mut(osd, "base_optimizer_state");
-        if let Some(s) = base
+        if let Some(s) = get_mut(osd, "base_optimizer_state")
             .and_then(|b| get_mut(b, "state"))
             .and_then(dict_mut)
             .and_then(|kv| {
@@ -1033,23 +1031,6 @@ fn model_states_for_experts(
     let mut e = Emitter::new();
     emit(&mut e, &root, &tensors).map_err(|p| err(models, p))?;
     write_pt(dest, &tensors, e.finish(), &[src.bytes()])
-}
-
-/// The EP size of group `g` when it is an expert group (`moe: True`, named
-/// `ep_size_<EP>`).
-fn expert_group_ep(osd: &Value, g: usize) -> Option<u64> {
-    let pg = osd
-        .get("base_optimizer_state")?
-        .get("param_groups")?
-        .items()?
-        .get(g)?;
-    if !matches!(pg.get("moe"), Some(Value::Bool(true))) {
-        return None;
-    }
-    match pg.get("name") {
-        Some(Value::Str(n)) => n.strip_prefix("ep_size_")?.parse().ok(),
-        _ => None,
-    }
 }
 
 fn osd_state<'a>(root: &'a Value, g: usize, key: &str) -> Option<&'a Value> {
