@@ -771,9 +771,11 @@ impl TensorFile {
     /// is wrong with any of them, each named. (`verify` reads every header.)
     #[must_use]
     pub fn locate_all(&self) -> Vec<Error> {
-        (0..self.lazy.len())
-            .filter(|&i| matches!(self.lazy.get(i), Some(Some(_))))
-            .filter_map(|i| self.bounds(i).err())
+        self.lazy
+            .iter()
+            .enumerate()
+            .filter(|(_, lazy)| lazy.is_some())
+            .filter_map(|(i, _)| self.bounds(i).err())
             .collect()
     }
 
