@@ -127,7 +127,10 @@ pub fn megatron_legacy_plan_ep(
         }
         Some(e) => e / ep,
     };
+    // The output's experts are split like its dense layers (args say expert TP = TP).
+    let same_etp = state.args.moe.etp.is_none_or(|e| e == state.args.tp);
     let same_grid = (state.args.tp, state.args.pp, state.args.moe.ep) == (tp, pp, ep)
+        && same_etp
         && source.imported.is_none();
     for (f, &r) in plan.files.iter_mut().zip(ranks) {
         let c = mesh.coords(r);

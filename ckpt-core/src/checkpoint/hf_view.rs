@@ -172,7 +172,9 @@ fn shape_of_args(a: &Args, notes: &mut Vec<String>) -> Result<Shape> {
         // Megatron's softmax over the top-k logits is a renormalised top-k.
         shape.norm_topk = !moe.pre_softmax;
         let score = moe.score_function.as_deref().unwrap_or("softmax");
-        shape.moe_unsupported = if score != "softmax" {
+        shape.moe_unsupported = if moe.grouped_gemm {
+            Some("the grouped expert layer (args.moe_grouped_gemm), whose experts' weights are transposed in it".into())
+        } else if score != "softmax" {
             Some(format!(
                 "router scores by {score} (args.moe_router_score_function)"
             ))

@@ -5,6 +5,7 @@ use super::{unplaced, Checkpoint, Kind, MAX_LISTED};
 use crate::error::{Error, Result};
 use crate::formats::detect::discover::{rank_dir_number, unknown, MODEL_FILE};
 use crate::layout::mesh::Mesh;
+use crate::layout::region::Region;
 use crate::layout::select::Views;
 use crate::layout::source::SourcePiece;
 use crate::layout::split_rules::SplitRules;
@@ -44,7 +45,24 @@ impl Checkpoint {
             for (ti, t) in f.tensors().iter().enumerate() {
                 let layout = &strategy.tensors[&t.name];
                 let entry = raw.entry(t.name.clone()).or_default();
-                place(entry, layout, &strategy.mesh, rank, (fi, ti));
+                if let Some(start) = &t.offsets {
+                    // A piece the reader placed itself (GroupedMLP's weights).
+                    entry.push(SourcePiece {
+                        file: fi,
+                        tensor: ti,
+                        global: Region::new(start.clone(), t.shape.clone()),
+                        local: Region::full(&t.shape),
+                    });
+                    continue;
+                }
+                // A dense tensor read from an expert-parallel rank above 0 takes the
+                // place of EP rank 0's.
+                let at = if layout.holds(&strategy.mesh, rank) {
+                    rank
+                } else {
+                    args.dense_rank(rank)
+                };
+                place(entry, layout, &strategy.mesh, at, (fi, ti));
             }
             ck.files.push(f);
             ck.ranks.push(Some(rank));

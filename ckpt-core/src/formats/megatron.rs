@@ -72,6 +72,61 @@ struct RankAt {
     ep: u64,
 }
 
+/// Which `mp_rank_TT[_PPP]_EEE` directories of one pipeline stage a legacy save
+/// writes, and which of them ckpt reads each part of the model from (docs/moe.md,
+/// "Who writes"). A process writes when its dense or its expert data-parallel rank is 0:
+/// processes `r < max(TP, ETP x EP)` of the stage, as `(r % TP, (r / ETP) % EP)`. With
+/// `ETP == TP` that is every `(tp, ep)` pair; with `ETP == 1` (the other value read) one
+/// pair per process, so each TP rank and each EP rank is in few directories.
+#[derive(Clone, Copy, Debug)]
+struct RankDirs {
+    tp: u64,
+    ep: u64,
+    /// The expert tensor-parallel size: `tp` or 1.
+    etp: u64,
+}
+
+impl RankDirs {
+    /// Whether the save wrote directory `(t, e)`.
+    fn written(self, t: u64, e: u64) -> bool {
+        let RankDirs { tp, ep, etp } = self;
+        t < tp
+            && e < ep
+            && (etp == tp || if tp >= ep { t % ep == e } else { e % tp == t })
+    }
+
+    /// The EP coordinate of the directory the dense tensors of TP rank `t` are read from
+    /// (the others hold data-parallel copies of them).
+    fn dense_from(self, t: u64) -> u64 {
+        let RankDirs { tp, ep, etp } = self;
+        if etp == tp {
+            0
+        } else if tp >= ep {
+            t % ep
+        } else {
+            t
+        }
+    }
+
+    /// Whether the experts of EP rank `e` are read from directory `(t, e)`: every
+    /// directory holds its own expert TP part when `ETP == TP`; with `ETP == 1` every
+    /// directory of `e` holds them whole, and one is read.
+    fn experts_from(self, t: u64, e: u64) -> bool {
+        let RankDirs { tp, ep, etp } = self;
+        etp == tp || t == if tp >= ep { e } else { e % tp }
+    }
+}
+
+/// What ckpt reads from one legacy rank file: its dense tensors (placed as those of
+/// `dense_rank`, the mesh rank of expert-parallel rank 0 with the same TP and PP
+/// coordinates), its experts, or both.
+#[derive(Clone, Copy, Debug)]
+struct Reads {
+    dense: bool,
+    experts: bool,
+    dense_rank: u64,
+}
+
 /// Whether `dir` is a Megatron legacy checkpoint: a save directory (with the tracker
 /// file) or one iteration's directory (with `mp_rank_*` directories).
 pub(crate) fn looks_like(dir: &Path) -> bool {
@@ -151,6 +206,9 @@ pub(crate) struct MoeArgs {
     pub(crate) shared_ffn: Option<u64>,
     /// `moe_grouped_gemm`: experts as one grouped layer.
     pub(crate) grouped_gemm: bool,
+    /// `moe_use_legacy_grouped_gemm`: that layer is megatron-core's `GroupedMLP`
+    /// (`weight1`/`weight2`), not Transformer Engine's `TEGroupedMLP`.
+    pub(crate) legacy_grouped: bool,
     /// `moe_router_topk`.
     pub(crate) topk: Option<u64>,
     /// `moe_router_pre_softmax`: softmax over all experts, the top-k kept as they are
@@ -172,6 +230,11 @@ impl MoeArgs {
     fn local_experts(&self) -> Option<u64> {
         let e = self.experts?;
         (self.ep > 0 && e % self.ep == 0).then(|| e / self.ep)
+    }
+
+    /// The FFN size of one expert.
+    fn expert_ffn(&self, dense_ffn: Option<u64>) -> Option<u64> {
+        self.ffn.or(dense_ffn)
     }
 }
 
@@ -302,6 +365,7 @@ impl Args {
                 ffn: int("moe_ffn_hidden_size")?,
                 shared_ffn: int("moe_shared_expert_intermediate_size")?,
                 grouped_gemm: flag("moe_grouped_gemm"),
+                legacy_grouped: flag("moe_use_legacy_grouped_gemm"),
                 topk: int("moe_router_topk")?,
                 pre_softmax: flag("moe_router_pre_softmax"),
                 score_function: text("moe_router_score_function"),
@@ -314,6 +378,16 @@ impl Args {
                 },
             },
         })
+    }
+
+    /// The mesh rank of a legacy checkpoint whose place a dense tensor of rank `rank`'s
+    /// file takes: the rank of expert-parallel coordinate 0 with the same TP and PP
+    /// coordinates. The dense tensors of an expert-parallel rank above 0 are read only
+    /// where the save wrote no directory for EP rank 0 with that TP rank (expert TP 1,
+    /// [`RankDirs`]).
+    pub(crate) fn dense_rank(&self, rank: u64) -> u64 {
+        let per_stage = self.tp * self.moe.ep;
+        rank / per_stage * per_stage + rank % self.tp
     }
 
     pub(crate) fn kv(&self) -> Option<u64> {
@@ -535,6 +609,7 @@ pub(crate) struct Legacy {
     pub(crate) args: Args,
 }
 
+
 /// The iteration directory a path means: a save directory's tracker names it, an
 /// iteration directory is itself.
 pub(crate) fn iteration_dir(path: &Path) -> Result<PathBuf> {
@@ -609,26 +684,42 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     let unsupported = |problem: String| Error::Unsupported {
         problem: format!("{}: {problem}", first_file.display()),
     };
-    if ep > 1 {
-        // docs/moe.md: what is read of expert parallelism, and what not yet.
-        if args.moe.local_experts().is_none() {
-            return Err(unknown(format!(
-                "{}: args.num_experts {:?} is not a multiple of args.expert_model_parallel_size {ep}",
-                first_file.display(),
-                args.moe.experts
-            )));
-        }
-        if let Some(etp) = args.moe.etp.filter(|&e| e != tp) {
-            return Err(unsupported(format!(
-                "args.expert_tensor_parallel_size {etp} differs from tensor_model_parallel_size {tp}: experts split otherwise than the dense layers are not read yet"
-            )));
-        }
-        if args.moe.grouped_gemm {
+    // docs/moe.md: what is read of expert parallelism, and what not yet.
+    if ep > 1 && args.moe.local_experts().is_none() {
+        return Err(unknown(format!(
+            "{}: args.num_experts {:?} is not a multiple of args.expert_model_parallel_size {ep}",
+            first_file.display(),
+            args.moe.experts
+        )));
+    }
+    let etp = match args.moe.etp {
+        Some(etp) if args.moe.experts.is_some() && etp != tp => etp,
+        _ => tp,
+    };
+    if etp != tp && etp != 1 {
+        return Err(unsupported(format!(
+            "args.expert_tensor_parallel_size {etp} with tensor_model_parallel_size {tp}: experts split over another number of ranks than the dense layers are read when that number is 1 (whole experts) or the tensor-parallel size, not yet otherwise"
+        )));
+    }
+    if args.moe.experts.is_some() && args.moe.grouped_gemm {
+        if !args.moe.legacy_grouped {
             return Err(unsupported(
-                "args.moe_grouped_gemm: the grouped expert layers (mlp.experts.weight1/weight2, or Transformer Engine's) are not read yet; SequentialMLP experts (local_experts.<i>) are".into(),
+                "args.moe_grouped_gemm without moe_use_legacy_grouped_gemm: Transformer Engine's grouped expert layers (TEGroupedMLP) are not read yet; megatron-core's GroupedMLP (mlp.experts.weight1/weight2) and SequentialMLP experts (local_experts.<i>) are".into(),
             ));
         }
+        if etp != 1 {
+            return Err(unsupported(format!(
+                "args.moe_grouped_gemm with expert tensor parallel size {etp}: each rank's GroupedMLP weights are then column blocks of every expert, which are not read yet (whole experts, expert_tensor_parallel_size 1, are)"
+            )));
+        }
+        if args.hidden.map_or(true, |h| h % ep != 0) {
+            return Err(unsupported(format!(
+                "args.moe_grouped_gemm: hidden_size {:?} is not a multiple of the expert-parallel size {ep}, so the ranks' GroupedMLP weight1 are not rows of the grouped weight1 of all experts (not read yet)",
+                args.hidden
+            )));
+        }
     }
+    let dirs = RankDirs { tp, ep, etp };
     let world = tp
         .checked_mul(pp)
         .and_then(|w| w.checked_mul(ep))
@@ -655,7 +746,7 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     let mut missing = Vec::new();
     'ranks: for p in 0..pp {
         for e in 0..ep {
-            for t in 0..tp {
+            for t in (0..tp).filter(|&t| dirs.written(t, e)) {
                 let d = dir.join(name_of(t, p, e));
                 if !d.join(RANK_FILE).is_file() {
                     missing.push(Error::Mismatch {
@@ -681,8 +772,9 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
             && *t < tp
             && match rest[..] {
                 [] => true,
-                [x] => x < if pp > 1 { pp } else { ep },
-                [p, e] => p < pp && e < ep,
+                [x] if pp > 1 => x < pp,
+                [e] => dirs.written(*t, e),
+                [p, e] => p < pp && dirs.written(*t, e),
                 _ => false,
             };
         if !expected {
@@ -728,9 +820,14 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     let mut optim = Vec::new();
     for p in 0..pp {
         for e in 0..ep {
-            for t in 0..tp {
+            for t in (0..tp).filter(|&t| dirs.written(t, e)) {
                 let rank = (p * ep + e) * tp + t;
                 let file = dir.join(name_of(t, p, e)).join(RANK_FILE);
+                let reads = Reads {
+                    dense: dirs.dense_from(t) == e,
+                    experts: dirs.experts_from(t, e),
+                    dense_rank: p * ep * tp + t,
+                };
                 let f = read_rank(
                     &file,
                     &args,
@@ -740,6 +837,7 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
                         pp: p,
                         ep: e,
                     },
+                    reads,
                     &mesh,
                     rank,
                     &mut strategy,
@@ -759,7 +857,12 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
             }
         }
     }
-    if ep > 1 {
+    if etp != tp {
+        notes.push(format!(
+            "{}: expert tensor parallel 1 under tensor parallel {tp}: each TP rank's dense tensors and each EP rank's whole experts are read from the first directory that holds them",
+            dir.display()
+        ));
+    } else if ep > 1 {
         notes.push(format!(
             "{}: the dense tensors are read from expert-parallel rank 0 (ranks 1 to {} hold data-parallel copies of them)",
             dir.display(),
@@ -816,6 +919,7 @@ fn read_rank(
     args: &Args,
     rules: &SplitRules,
     at_rank: RankAt,
+    reads: Reads,
     mesh: &Mesh,
     rank: u64,
     strategy: &mut Strategy,
@@ -897,10 +1001,30 @@ fn read_rank(
             // Experts are numbered locally in the file: `g = ep_rank x E/EP + i`.
             let (global, expert) = match expert_name(&global, args, ep_rank) {
                 Some(r) => (r.map_err(&bad)?, true),
-                None => (global, false),
+                None => {
+                    let grouped = is_grouped_weight(&global);
+                    (global, grouped)
+                }
             };
-            if !expert && ep_rank > 0 {
-                // A data-parallel copy of expert rank 0's dense tensor.
+            if (expert && !reads.experts) || (!expert && !reads.dense) {
+                // A copy another file's tensor is read from: a data-parallel replica
+                // (dense tensors on EP ranks above 0), or a whole expert that every
+                // TP rank holds (expert TP 1).
+                continue;
+            }
+            if is_grouped_weight(&global) {
+                let (shape, start, layout) =
+                    grouped_piece(&global, &t.shape, t.dtype, args, ep_rank).map_err(&bad)?;
+                let layout = if has_stage_axis {
+                    layout.with_stage(stage_of(false))
+                } else {
+                    layout
+                };
+                insert_layout(strategy, &global, layout, pp_rank).map_err(&at)?;
+                t.shape = shape;
+                t.offsets = Some(start);
+                t.name = global;
+                entries.push(t);
                 continue;
             }
             // The user's rule first; the table's shape (and stage) still checks it.
@@ -928,6 +1052,12 @@ fn read_rank(
                     "held by pipeline stage {pp_rank}, but megatron-core keeps it on stage {s}"
                 )));
             }
+            // Expert TP 1 under TP > 1: every expert whole in the file.
+            let split = if expert && args.moe.etp == Some(1) && rules.find(&global).is_none() {
+                Split::Replicated
+            } else {
+                split
+            };
             let mut shape = t.shape.clone();
             let placement = match split {
                 Split::Replicated => Placement::Replicate,
@@ -960,25 +1090,14 @@ fn read_rank(
             if has_stage_axis {
                 layout = layout.with_stage(stage_of(expert));
             }
-            if layout.local_shape(mesh, rank).as_deref() != Some(&t.shape[..]) {
+            let placed_at = if expert { rank } else { reads.dense_rank };
+            if layout.local_shape(mesh, placed_at).as_deref() != Some(&t.shape[..]) {
                 return Err(bad(by(format!(
                     "holds {:?}, but a {split:?} split of {shape:?} over {} ranks gives rank tp={tp_rank} another shape",
                     t.shape, args.tp
                 ))));
             }
-            match strategy.tensors.get(&global) {
-                Some(l) if l != &layout => {
-                    return Err(bad(format!(
-                        "as `{global}` it is {} {shape:?} on stage {pp_rank}, but other ranks hold {} {:?} (stage {:?})",
-                        dtype_name(t.dtype),
-                        dtype_name(l.dtype),
-                        l.shape,
-                        l.stage
-                    )));
-                }
-                Some(_) => {}
-                None => strategy.insert(global.clone(), layout).map_err(&at)?,
-            }
+            insert_layout(strategy, &global, layout, pp_rank).map_err(&at)?;
             t.name = global;
             entries.push(t);
         }
@@ -988,6 +1107,95 @@ fn read_rank(
         ("rank".to_string(), rank.to_string()),
     ]);
     TensorFile::from_parts(file, map, FileFormat::TorchSave, entries, metadata)
+}
+
+/// Records `layout` as `name`'s, or checks it against the one other ranks gave it.
+fn insert_layout(
+    strategy: &mut Strategy,
+    name: &str,
+    layout: TensorLayout,
+    pp_rank: u64,
+) -> Result<()> {
+    match strategy.tensors.get(name) {
+        Some(l) if l != &layout => Err(Error::InvalidTensor {
+            tensor: name.to_string(),
+            problem: format!(
+                "it is {} {:?} on stage {pp_rank}, but other ranks hold {} {:?} (stage {:?})",
+                dtype_name(layout.dtype),
+                layout.shape,
+                dtype_name(l.dtype),
+                l.shape,
+                l.stage
+            ),
+        }),
+        Some(_) => Ok(()),
+        None => strategy.insert(name.to_string(), layout),
+    }
+}
+
+/// Whether `name` is a layer's megatron-core `GroupedMLP` weight
+/// (`decoder.layers.<l>.mlp.experts.weight1` or `weight2`).
+fn is_grouped_weight(name: &str) -> bool {
+    name.strip_prefix("decoder.layers.")
+        .and_then(|r| r.split_once('.'))
+        .is_some_and(|(_, tail)| matches!(tail, "mlp.experts.weight1" | "mlp.experts.weight2"))
+}
+
+/// Where expert-parallel rank `ep_rank`'s `GroupedMLP` weight (`stored` shape) lies in
+/// the grouped weight of all experts, which is what an EP 1 model holds (docs/moe.md,
+/// "The legacy grouped GEMM layer"): the EP ranks' memory back to back. `weight2`
+/// `[E_l*F, H]` is rows `ep*E_l*F..` of `[E*F, H]`; `weight1` `[H, E_l*F1]` is read as
+/// its memory is, `H/EP` rows of `[H, E*F1]` (the caller checked that EP divides H).
+/// Returns the piece's shape and start there, and the grouped tensor's layout (whole,
+/// on every TP rank: expert TP 1).
+fn grouped_piece(
+    name: &str,
+    stored: &[u64],
+    dtype: Dtype,
+    args: &Args,
+    ep_rank: u64,
+) -> std::result::Result<(Vec<u64>, Vec<u64>, TensorLayout), String> {
+    let (ep, gate) = (args.moe.ep, if args.swiglu { 2 } else { 1 });
+    let dense_ffn = args.ffn_hidden.or_else(|| args.hidden.and_then(|h| h.checked_mul(4)));
+    let sizes = (|| {
+        let h = args.hidden?;
+        let e = args.moe.experts?;
+        let f = args.moe.expert_ffn(dense_ffn)?;
+        let local = args.moe.local_experts()?;
+        Some((h, e, f, f.checked_mul(gate)?, local))
+    })();
+    let Some((h, e, f, f1, local)) = sizes else {
+        return Err(format!(
+            "a GroupedMLP weight, but args lack hidden_size, num_experts or the FFN size ({:?}, {:?}, {:?})",
+            args.hidden, args.moe.experts, args.moe.ffn.or(dense_ffn)
+        ));
+    };
+    let too_big = || format!("the grouped size of {e} experts overflows");
+    let (want, global, shape, start) = if name.ends_with("weight1") {
+        let rows = h / ep;
+        (
+            vec![h, local.checked_mul(f1).ok_or_else(too_big)?],
+            vec![h, e.checked_mul(f1).ok_or_else(too_big)?],
+            vec![rows, e * f1],
+            vec![ep_rank * rows, 0],
+        )
+    } else {
+        let rows = local.checked_mul(f).ok_or_else(too_big)?;
+        (
+            vec![rows, h],
+            vec![e.checked_mul(f).ok_or_else(too_big)?, h],
+            vec![rows, h],
+            vec![ep_rank * rows, 0],
+        )
+    };
+    if stored != want {
+        return Err(format!(
+            "holds {stored:?}, but args give each of {ep} expert-parallel ranks {want:?} ({local} local experts, FFN {f}{}, hidden {h})",
+            if gate == 2 { " x 2 for SwiGLU" } else { "" }
+        ));
+    }
+    let replicated = vec![Placement::Replicate; usize::from(args.pp > 1 || ep > 1) + 1];
+    Ok((shape, start, TensorLayout::new(global, dtype, replicated)))
 }
 
 /// A dist_ckpt's stacked layer tensors (`decoder.layers.<param>`, `[layers, ...]`: the
@@ -1661,6 +1869,11 @@ pub(crate) fn moe_strategy(
 ) -> Result<Option<Strategy>> {
     if state.args.moe.experts.is_none() {
         return Ok(None);
+    }
+    if state.args.moe.grouped_gemm {
+        return Err(Error::Unsupported {
+            problem: "the source's experts are megatron-core's GroupedMLP (args.moe_grouped_gemm): ckpt merges them into the grouped weights of all experts, but does not write them in Megatron's layouts yet".into(),
+        });
     }
     imported_strategy(&state.args, tensors).map(Some)
 }
