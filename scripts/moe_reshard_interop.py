@@ -4,14 +4,16 @@ writes from its own MoE fixtures, on as many gloo ranks as the new sizes need, w
 tensor equal to the model's and the same logits (scripts/fixtures/moe_megatron.py
 --load does the loading and comparing):
 
-  EP2 -> EP4;  EP4 -> EP1 x TP2;  EP2 x TP2 -> EP2 x PP2
+  EP2 -> EP4;  EP4 -> EP1 x TP2;  EP2 x TP2 -> EP2 x PP2;
+  EP2 x TP2 with expert TP 1 -> EP2 x TP2 (expert TP 2)
 
 and the megatron-core dist_ckpts `ckpt reshard --format megatron-dist` writes from the
 legacy fixtures (experts stacked `[layers, experts, ...]` under megatron-core's keys, the
 `_extra_state` objects of every expert), loaded with `dist_checkpointing.load` at the EP
 size the args say and at another (Megatron reshards a dist_ckpt itself):
 
-  EP2 x TP1 -> dist TP1 (loaded at EP1 and EP2);  EP2 x TP2 -> dist TP2 x PP2 (at EP1)
+  EP2 x TP1 -> dist TP1 (loaded at EP1 and EP2);  EP2 x TP2 -> dist TP2 x PP2 (at EP1);
+  EP2 x TP2 with expert TP 1 -> dist TP1 (at EP2)
 
   moe_reshard_interop.py CKPT"""
 import os
@@ -22,9 +24,19 @@ import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "moe" / "megatron"
-CASES = [("ep2tp1", "ep=4"), ("ep4tp1", "ep=1,tp=2"), ("ep2tp2", "ep=2,tp=1,pp=2")]
+CASES = [
+    ("ep2tp1", "ep=4"),
+    ("ep4tp1", "ep=1,tp=2"),
+    ("ep2tp2", "ep=2,tp=1,pp=2"),
+    # expert TP 1 under TP 2 (two rank directories) written with expert TP = TP
+    ("ep2tp2etp1", "ep=2,tp=2"),
+]
 # (fixture, --mesh, the EP sizes megatron-core loads the dist_ckpt at)
-DIST_CASES = [("ep2tp1", "tp=1,pp=1", (1, 2)), ("ep2tp2", "tp=2,pp=2", (1,))]
+DIST_CASES = [
+    ("ep2tp1", "tp=1,pp=1", (1, 2)),
+    ("ep2tp2", "tp=2,pp=2", (1,)),
+    ("ep2tp2etp1", "tp=1,pp=1", (2,)),
+]
 
 
 def main():
