@@ -449,6 +449,9 @@ pub(crate) fn discard_staged_file(tmp: &Path) {
     crate::fault::unregister_temp(tmp);
 }
 
+/// Bytes written to an output between two requests to start writing them out.
+const WRITEBACK_EVERY: u64 = 64 << 20;
+
 /// An output file being written under a temporary name beside its destination: it
 /// appears at `dest` complete, on [`StagedFile::commit`], or not at all (dropped
 /// without a commit, it is removed). Every format's writer writes through one.
@@ -458,6 +461,8 @@ pub(crate) struct StagedFile {
     dest: PathBuf,
     file: File,
     committed: bool,
+    /// Bytes written since the page cache was last asked to start writing them out.
+    unflushed: std::sync::atomic::AtomicU64,
 }
 
 impl StagedFile {
@@ -469,7 +474,32 @@ impl StagedFile {
             dest: dest.to_path_buf(),
             file,
             committed: false,
+            unflushed: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Counts `n` bytes written, and every [`WRITEBACK_EVERY`] bytes asks the kernel to
+    /// start writing the file's dirty pages to the disk (`sync_file_range` with
+    /// `SYNC_FILE_RANGE_WRITE`: it starts the I/O and does not wait for it). Otherwise the
+    /// kernel starts only when dirty pages pass its background threshold (a tenth of
+    /// memory by default, more than most outputs), so the whole file would be written
+    /// out by the commit's `fsync`, after the copy, instead of while it runs.
+    fn written(&self, n: u64) {
+        use std::sync::atomic::Ordering;
+        let before = self.unflushed.fetch_add(n, Ordering::Relaxed);
+        if before + n >= WRITEBACK_EVERY && before < WRITEBACK_EVERY {
+            self.unflushed.store(0, Ordering::Relaxed);
+            // Advice only: an error (a file system without it) changes nothing.
+            // SAFETY: a valid descriptor; no memory is passed.
+            unsafe {
+                libc::sync_file_range(
+                    std::os::fd::AsRawFd::as_raw_fd(&self.file),
+                    0,
+                    0,
+                    libc::SYNC_FILE_RANGE_WRITE,
+                );
+            }
+        }
     }
 
     /// The final name.
@@ -482,7 +512,9 @@ impl StagedFile {
     }
 
     pub(crate) fn write_at(&self, bytes: &[u8], offset: u64) -> Result<()> {
-        self.file.write_all_at(bytes, offset).at(&self.tmp)
+        self.file.write_all_at(bytes, offset).at(&self.tmp)?;
+        self.written(bytes.len() as u64);
+        Ok(())
     }
 
     pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
@@ -496,7 +528,9 @@ impl StagedFile {
     /// for the others from the mapping, with as few `pwritev` calls as the limit of
     /// 1024 buffers per call allows.
     pub(crate) fn write_parts_at(&self, parts: &[WritePart<'_>], offset: u64) -> Result<()> {
-        write_parts_all_at(&self.file, parts, offset, kernel_copy_min()).at(&self.tmp)
+        write_parts_all_at(&self.file, parts, offset, kernel_copy_min()).at(&self.tmp)?;
+        self.written(parts.iter().map(|p| p.bytes.len() as u64).sum());
+        Ok(())
     }
 
     /// Syncs the data and renames the file to its final name.
