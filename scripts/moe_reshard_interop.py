@@ -5,7 +5,8 @@ tensor equal to the model's and the same logits (scripts/fixtures/moe_megatron.p
 --load does the loading and comparing):
 
   EP2 -> EP4;  EP4 -> EP1 x TP2;  EP2 x TP2 -> EP2 x PP2;
-  EP2 x TP2 with expert TP 1 -> EP2 x TP2 (expert TP 2)
+  EP2 x TP2 with expert TP 1 -> EP2 x TP2 (expert TP 2);
+  GroupedMLP EP2 -> EP4 and -> EP2 x TP2 (expert TP 1): tensors only
 
 and the megatron-core dist_ckpts `ckpt reshard --format megatron-dist` writes from the
 legacy fixtures (experts stacked `[layers, experts, ...]` under megatron-core's keys, the
@@ -30,6 +31,9 @@ CASES = [
     ("ep2tp2", "ep=2,tp=1,pp=2"),
     # expert TP 1 under TP 2 (two rank directories) written with expert TP = TP
     ("ep2tp2etp1", "ep=2,tp=2"),
+    # GroupedMLP (no logits: its forward needs bf16 and CUDA's grouped GEMM)
+    ("ep2grouped", "ep=4"),
+    ("ep2grouped", "ep=2,tp=2"),
 ]
 # (fixture, --mesh, the EP sizes megatron-core loads the dist_ckpt at)
 DIST_CASES = [

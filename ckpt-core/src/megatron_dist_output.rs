@@ -140,6 +140,13 @@ pub struct MegatronDist {
 /// What [`crate::megatron_restage`] and [`megatron_grid`] refuse.
 pub fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strategy) -> Result<()> {
     let state = source.megatron_state()?;
+    if state.args.moe.experts.is_some() && state.args.moe.grouped_gemm {
+        // A dist_ckpt keeps each expert's fc1/fc2 as SequentialMLP's, the transposes of
+        // GroupedMLP's runs; the copy engine moves runs, it does not transpose.
+        return Err(unsupported(
+            "--format megatron-dist: the source's experts are megatron-core's GroupedMLP (args.moe_grouped_gemm), whose dist_ckpt keys hold each expert transposed; write it with --format megatron (legacy), which megatron-core loads".into(),
+        ));
+    }
     crate::megatron_restage(source, strategy)?;
     // Checked with the split Megatron makes (SwiGLU's gate and up rows each in TP
     // parts), before it is stored in one block.

@@ -12,7 +12,7 @@ use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::formats::megatron::{self, RankRng, TRACKER_FILE};
 use crate::formats::torch_write::{hex, WRAP_EXTRA, WRAP_KEY, WRAP_STORAGES};
-use crate::layout::plan::CopyPlan;
+use crate::layout::plan::{CopyPlan, TensorPlan};
 use crate::layout::strategy::Strategy;
 use crate::layout::Placement;
 use std::path::PathBuf;
@@ -127,14 +127,19 @@ pub fn megatron_legacy_plan_ep(
         }
         Some(e) => e / ep,
     };
-    // The output's experts are split like its dense layers (args say expert TP = TP).
-    let same_etp = state.args.moe.etp.is_none_or(|e| e == state.args.tp);
+    // The output's experts are split like its dense layers (args say expert TP = TP),
+    // but GroupedMLP's, which are whole (expert TP 1).
+    let moe = &state.args.moe;
+    let same_etp = moe.experts.is_none()
+        || moe.etp.unwrap_or(state.args.tp) == if moe.grouped_gemm { 1 } else { tp };
     let same_grid = (state.args.tp, state.args.pp, state.args.moe.ep) == (tp, pp, ep)
         && same_etp
         && source.imported.is_none();
+    let mut tp_ranks = Vec::with_capacity(ranks.len());
     for (f, &r) in plan.files.iter_mut().zip(ranks) {
         let c = mesh.coords(r);
         let (t, s) = (c[tp_axis], pipe.map_or(0, |p| c[p]));
+        tp_ranks.push(t);
         f.path = state.rank_path(t, s, pp);
         // Tied embeddings on one stage: megatron-core's GPTModel has no output layer
         // weight then (the last stage of several keeps a copy of the embedding).
@@ -182,9 +187,16 @@ pub fn megatron_legacy_plan_ep(
     if ep > 1 {
         // One file per expert-parallel rank: the dense tensors in each, the experts
         // where they live.
+        // Megatron's save writes the directories of its rank rule: with GroupedMLP's
+        // whole experts (expert TP 1) under TP > 1, not every (tp, ep) pair.
+        let dirs = megatron::RankDirs {
+            tp,
+            ep,
+            etp: if state.args.moe.grouped_gemm { 1 } else { tp },
+        };
         let files = std::mem::take(&mut plan.files);
-        for f in files {
-            for e in 0..ep {
+        for (f, t) in files.into_iter().zip(tp_ranks) {
+            for e in (0..ep).filter(|&e| dirs.written(t, e)) {
                 let mut g = f.clone();
                 g.path = megatron::expert_rank_path(&f.path, e);
                 g.tensors.retain_mut(|t| {
@@ -196,6 +208,16 @@ pub fn megatron_legacy_plan_ep(
                         None => false,
                     }
                 });
+                for t in &mut g.tensors {
+                    if let Some((rows, stored)) =
+                        megatron::grouped_rows(&t.target.name, &state.args, ep, e)?
+                    {
+                        *t = TensorPlan {
+                            stored_shape: stored,
+                            ..t.rows(rows)
+                        };
+                    }
+                }
                 plan.files.push(g);
             }
         }

@@ -124,6 +124,12 @@ fn slice(dir: &Path, mesh: &Mesh, l: &TensorLayout, full: &[u8]) -> Strategy {
 }
 
 fn merge_in_memory(dir: &Path) -> Vec<u8> {
+    let (ck, plan) = merge_plan(dir);
+    assemble(&plan.files[0].tensors[0], &ck).unwrap()
+}
+
+/// The sliced checkpoint in `dir` and the plan of its tensor `t` whole.
+fn merge_plan(dir: &Path) -> (Checkpoint, CopyPlan) {
     let ck = Checkpoint::open(&[dir.to_path_buf()]).unwrap();
     let t = &ck.tensors["t"];
     let full = Region::full(&t.shape);
@@ -145,7 +151,7 @@ fn merge_in_memory(dir: &Path) -> Vec<u8> {
         }],
     )
     .unwrap();
-    assemble(&plan.files[0].tensors[0], &ck).unwrap()
+    (ck, plan)
 }
 
 fn reshard(src: &Path, to: &Strategy, out: &Path) {
@@ -189,6 +195,29 @@ proptest! {
         }
         prop_assert_eq!(check_tiling(&l.shape, &boxes), Ok(()));
         prop_assert_eq!(boxes.iter().map(Region::numel).sum::<u64>(), l.shape.iter().product::<u64>());
+    }
+
+    #[test]
+    fn rows_of_a_plan_assemble_to_those_rows_of_the_tensor(
+        (mesh, l) in arb_layout(),
+        seed in any::<u8>(),
+        (a, b) in (0u64..40, 0u64..40),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let full = full_bytes(&l, seed);
+        slice(dir.path(), &mesh, &l, &full);
+        let (ck, plan) = merge_plan(dir.path());
+        let whole = &plan.files[0].tensors[0];
+        let rows = l.shape[0];
+        let (lo, hi) = (a.min(b) % (rows + 1), a.max(b) % (rows + 1));
+        prop_assume!(lo < hi);
+        let row_bytes = full.len() as u64 / rows;
+        let cut = whole.rows(lo..hi);
+        prop_assert_eq!(cut.target.shape[0], hi - lo);
+        prop_assert_eq!(
+            assemble(&cut, &ck).unwrap(),
+            full[(lo * row_bytes) as usize..(hi * row_bytes) as usize].to_vec()
+        );
     }
 
     #[test]

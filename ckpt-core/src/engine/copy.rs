@@ -222,7 +222,7 @@ pub fn execute_with(
             .map(|t| TensorSpec {
                 name: t.target.name.clone(),
                 dtype: t.target.dtype,
-                shape: t.target.shape.clone(),
+                shape: t.stored_shape.clone().unwrap_or_else(|| t.target.shape.clone()),
             })
             .collect();
         let path = out_dir.join(&f.path);
@@ -533,6 +533,7 @@ mod tests {
             target,
             src_dtype: Dtype::BF16,
             ops: vec![],
+            stored_shape: None,
         };
         for max in [1u64, 6, 60, 100, 360, 10_000] {
             let parts = tensor_parts(&t, max);

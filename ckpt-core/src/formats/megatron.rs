@@ -79,16 +79,16 @@ struct RankAt {
 /// `ETP == TP` that is every `(tp, ep)` pair; with `ETP == 1` (the other value read) one
 /// pair per process, so each TP rank and each EP rank is in few directories.
 #[derive(Clone, Copy, Debug)]
-struct RankDirs {
-    tp: u64,
-    ep: u64,
+pub(crate) struct RankDirs {
+    pub(crate) tp: u64,
+    pub(crate) ep: u64,
     /// The expert tensor-parallel size: `tp` or 1.
-    etp: u64,
+    pub(crate) etp: u64,
 }
 
 impl RankDirs {
     /// Whether the save wrote directory `(t, e)`.
-    fn written(self, t: u64, e: u64) -> bool {
+    pub(crate) fn written(self, t: u64, e: u64) -> bool {
         let RankDirs { tp, ep, etp } = self;
         t < tp
             && e < ep
@@ -480,6 +480,17 @@ fn rule(name: &str, args: &Args) -> Option<(Split, Stage, Option<Vec<u64>>)> {
                 shape(&[fc1]),
             ),
             "mlp.linear_fc2.weight" => (row, shape(&[h, ffn])),
+            // megatron-core's GroupedMLP: the grouped weights of all experts, whole on
+            // every TP rank (expert TP 1; docs/moe.md).
+            "mlp.experts.weight1" => {
+                let f1 = args.moe.expert_ffn(ffn).and_then(|f| f.checked_mul(gate));
+                let n = args.moe.experts.zip(f1).and_then(|(e, f)| e.checked_mul(f));
+                (Split::Replicated, shape(&[h, n]))
+            }
+            "mlp.experts.weight2" => {
+                let n = args.moe.experts.zip(args.moe.expert_ffn(ffn)).and_then(|(e, f)| e.checked_mul(f));
+                (Split::Replicated, shape(&[n, h]))
+            }
             "mlp.router.weight" => (Split::Replicated, shape(&[args.moe.experts, h])),
             "mlp.router.expert_bias" => (Split::Replicated, shape(&[args.moe.experts])),
             "mlp.shared_experts.gate_weight" => (Split::Replicated, shape(&[Some(1), h])),
@@ -1856,6 +1867,57 @@ pub(crate) fn local_expert_name(name: &str, ep: u64, per: u64) -> Option<String>
     (g / per == ep).then(|| format!("{}{}.{tail}", &name[..at], g % per))
 }
 
+/// The rows of a GroupedMLP weight (`…mlp.experts.weight1`/`weight2`, the grouped
+/// weights of all experts) that expert-parallel rank `e` of `ep` holds, and the shape
+/// its file records when that is not the rows' (docs/moe.md, "The legacy grouped GEMM
+/// layer"): `weight2` `[E*F, H]` rows `e*E_l*F..`; `weight1` `[H, E*F1]` rows
+/// `e*H/EP..`, recorded `[H, E_l*F1]`. `None` for any other tensor.
+///
+/// # Errors
+/// A hidden size that `ep` does not divide; args without the sizes.
+pub(crate) fn grouped_rows(
+    name: &str,
+    args: &Args,
+    ep: u64,
+    e: u64,
+) -> Result<Option<(std::ops::Range<u64>, Option<Vec<u64>>)>> {
+    if !is_grouped_weight(name) {
+        return Ok(None);
+    }
+    let bad = |problem: String| Error::Unsupported {
+        problem: format!("tensor `{name}`: {problem}"),
+    };
+    let gate = if args.swiglu { 2 } else { 1 };
+    let dense_ffn = args.ffn_hidden.or_else(|| args.hidden.and_then(|h| h.checked_mul(4)));
+    let (Some(h), Some(experts), Some(f)) =
+        (args.hidden, args.moe.experts, args.moe.expert_ffn(dense_ffn))
+    else {
+        return Err(bad("args lack hidden_size, num_experts or the FFN size".into()));
+    };
+    if ep == 0 || experts % ep != 0 {
+        return Err(bad(format!("{experts} experts do not divide into {ep} expert-parallel ranks")));
+    }
+    let local = experts / ep;
+    if name.ends_with("weight1") {
+        if h % ep != 0 {
+            return Err(bad(format!(
+                "GroupedMLP's weight1 of expert-parallel size {ep}: hidden_size {h} does not divide by it, so a rank's weight1 is not rows of the grouped one (not written yet)"
+            )));
+        }
+        let rows = h / ep;
+        let stored = local
+            .checked_mul(f)
+            .and_then(|n| n.checked_mul(gate))
+            .ok_or_else(|| bad("the size overflows".into()))?;
+        Ok(Some((e * rows..(e + 1) * rows, Some(vec![h, stored]))))
+    } else {
+        let rows = local
+            .checked_mul(f)
+            .ok_or_else(|| bad("the size overflows".into()))?;
+        Ok(Some((e * rows..(e + 1) * rows, None)))
+    }
+}
+
 /// The strategy a mixture-of-experts Megatron checkpoint is written back with: every
 /// tensor under its global name placed by megatron-core's rule on a `pp=1,tp=1` mesh
 /// (whatever axes the source was read on), for the target's sizes to resize; `None` for
@@ -1869,11 +1931,6 @@ pub(crate) fn moe_strategy(
 ) -> Result<Option<Strategy>> {
     if state.args.moe.experts.is_none() {
         return Ok(None);
-    }
-    if state.args.moe.grouped_gemm {
-        return Err(Error::Unsupported {
-            problem: "the source's experts are megatron-core's GroupedMLP (args.moe_grouped_gemm): ckpt merges them into the grouped weights of all experts, but does not write them in Megatron's layouts yet".into(),
-        });
     }
     imported_strategy(&state.args, tensors).map(Some)
 }
@@ -1918,8 +1975,13 @@ pub(crate) fn extra_entries(
             set("pipeline_model_parallel_size", int(pp));
             if state.args.moe.experts.is_some() {
                 set("expert_model_parallel_size", int(ep));
-                // Experts split over the tensor-parallel ranks, as the dense layers.
-                set("expert_tensor_parallel_size", Value::None);
+                if state.args.moe.grouped_gemm {
+                    // GroupedMLP's weights are written whole on every TP rank.
+                    set("expert_tensor_parallel_size", int(1));
+                } else {
+                    // Experts split over the tensor-parallel ranks, as the dense layers.
+                    set("expert_tensor_parallel_size", Value::None);
+                }
             }
             set("virtual_pipeline_model_parallel_size", Value::None);
             set("ckpt_format", Value::Str(ckpt_format.into()));

@@ -80,6 +80,58 @@ pub struct TensorPlan {
     pub src_dtype: Dtype,
     /// The copies; their destination boxes tile the tensor.
     pub ops: Vec<CopyOp>,
+    /// The shape the output file records when it is another view of the same
+    /// row-major bytes than `target.shape` (same element count): megatron-core's
+    /// GroupedMLP `weight1` `[H, E_l*F1]` is rows of the grouped `[H, E*F1]`, planned as
+    /// `[H/EP, E*F1]`. `None`: `target.shape`.
+    pub stored_shape: Option<Vec<u64>>,
+}
+
+impl TensorPlan {
+    /// The rows `rows` (on dim 0) of this tensor, as a tensor of their own: the copies
+    /// and pieces that fall in them, cut to them.
+    #[must_use]
+    pub fn rows(&self, rows: std::ops::Range<u64>) -> TensorPlan {
+        let cut = |start: u64, len: u64| -> Option<(u64, u64)> {
+            let (lo, hi) = (start.max(rows.start), (start + len).min(rows.end));
+            (lo < hi).then(|| (lo, hi - lo))
+        };
+        let mut target = self.target.clone();
+        target.shape[0] = rows.end - rows.start;
+        target.pieces = self
+            .target
+            .pieces
+            .iter()
+            .filter_map(|p| {
+                let (lo, n) = cut(p.local.start[0], p.local.shape[0])?;
+                let skip = lo - p.local.start[0];
+                let mut p = p.clone();
+                p.global.start[0] += skip;
+                p.global.shape[0] = n;
+                p.local.start[0] = lo - rows.start;
+                p.local.shape[0] = n;
+                Some(p)
+            })
+            .collect();
+        let ops = self
+            .ops
+            .iter()
+            .filter_map(|op| {
+                let (lo, n) = cut(op.dst_start[0], op.src.shape[0])?;
+                let mut op = op.clone();
+                op.src.start[0] += lo - op.dst_start[0];
+                op.src.shape[0] = n;
+                op.dst_start[0] = lo - rows.start;
+                Some(op)
+            })
+            .collect();
+        TensorPlan {
+            target,
+            src_dtype: self.src_dtype,
+            ops,
+            stored_shape: None,
+        }
+    }
 }
 
 /// How one output file is assembled.
@@ -175,6 +227,7 @@ impl CopyPlan {
                     target,
                     src_dtype: src.dtype,
                     ops,
+                    stored_shape: None,
                 });
             }
             files.push(FilePlan {
