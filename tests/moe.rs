@@ -79,7 +79,14 @@ fn dist_ckpt_experts_unstack_to_global_ids() {
         k.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
             .replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")
     };
-    for c in ["ep2tp1", "ep2tp2", "ep2pp2", "ep4tp1", "ep2tp2etp1", "ep2grouped"] {
+    for c in [
+        "ep2tp1",
+        "ep2tp2",
+        "ep2pp2",
+        "ep4tp1",
+        "ep2tp2etp1",
+        "ep2grouped",
+    ] {
         let out = d.path(c);
         let src = case(c).join("dist_ckpt");
         d.ok(&[
@@ -131,7 +138,11 @@ fn expert_parallel_refusals_are_named() {
         "-o",
         "out",
     ]);
-    assert!(o.stderr.contains("GroupedMLP (args.moe_grouped_gemm)"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("GroupedMLP (args.moe_grouped_gemm)"),
+        "{}",
+        o.stderr
+    );
     let o = d.fails(&[
         "merge",
         &legacy("ep2grouped"),
@@ -146,11 +157,22 @@ fn expert_parallel_refusals_are_named() {
     // Args of layouts not read yet (the fixtures' args changed by torch): Transformer
     // Engine's grouped layer, expert TP 2 under TP 4.
     let variants = case("args_variants");
-    let o = d.fails(&["merge", variants.join("te_grouped").to_str().unwrap(), "-o", "out"]);
+    let o = d.fails(&[
+        "merge",
+        variants.join("te_grouped").to_str().unwrap(),
+        "-o",
+        "out",
+    ]);
     assert!(o.stderr.contains("TEGroupedMLP"), "{}", o.stderr);
-    let o = d.fails(&["merge", variants.join("etp2tp4").to_str().unwrap(), "-o", "out"]);
+    let o = d.fails(&[
+        "merge",
+        variants.join("etp2tp4").to_str().unwrap(),
+        "-o",
+        "out",
+    ]);
     assert!(
-        o.stderr.contains("expert_tensor_parallel_size 2 with tensor_model_parallel_size 4"),
+        o.stderr
+            .contains("expert_tensor_parallel_size 2 with tensor_model_parallel_size 4"),
         "{}",
         o.stderr
     );
@@ -327,7 +349,11 @@ fn expert_parallel_reshards_write_megatrons_directories() {
                 "mp_rank_00_003",
             ],
         ),
-        ("ep2grouped", "ep=2,tp=2", vec!["mp_rank_00_000", "mp_rank_01_001"]),
+        (
+            "ep2grouped",
+            "ep=2,tp=2",
+            vec!["mp_rank_00_000", "mp_rank_01_001"],
+        ),
         (
             "ep2tp2",
             "ep=2,tp=1,pp=2",

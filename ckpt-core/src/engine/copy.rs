@@ -222,7 +222,10 @@ pub fn execute_with(
             .map(|t| TensorSpec {
                 name: t.target.name.clone(),
                 dtype: t.target.dtype,
-                shape: t.stored_shape.clone().unwrap_or_else(|| t.target.shape.clone()),
+                shape: t
+                    .stored_shape
+                    .clone()
+                    .unwrap_or_else(|| t.target.shape.clone()),
             })
             .collect();
         let path = out_dir.join(&f.path);

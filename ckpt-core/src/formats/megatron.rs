@@ -90,9 +90,7 @@ impl RankDirs {
     /// Whether the save wrote directory `(t, e)`.
     pub(crate) fn written(self, t: u64, e: u64) -> bool {
         let RankDirs { tp, ep, etp } = self;
-        t < tp
-            && e < ep
-            && (etp == tp || if tp >= ep { t % ep == e } else { e % tp == t })
+        t < tp && e < ep && (etp == tp || if tp >= ep { t % ep == e } else { e % tp == t })
     }
 
     /// The EP coordinate of the directory the dense tensors of TP rank `t` are read from
@@ -488,7 +486,11 @@ fn rule(name: &str, args: &Args) -> Option<(Split, Stage, Option<Vec<u64>>)> {
                 (Split::Replicated, shape(&[h, n]))
             }
             "mlp.experts.weight2" => {
-                let n = args.moe.experts.zip(args.moe.expert_ffn(ffn)).and_then(|(e, f)| e.checked_mul(f));
+                let n = args
+                    .moe
+                    .experts
+                    .zip(args.moe.expert_ffn(ffn))
+                    .and_then(|(e, f)| e.checked_mul(f));
                 (Split::Replicated, shape(&[n, h]))
             }
             "mlp.router.weight" => (Split::Replicated, shape(&[args.moe.experts, h])),
@@ -620,7 +622,6 @@ pub(crate) struct Legacy {
     pub(crate) args: Args,
 }
 
-
 /// The iteration directory a path means: a save directory's tracker names it, an
 /// iteration directory is itself.
 pub(crate) fn iteration_dir(path: &Path) -> Result<PathBuf> {
@@ -723,7 +724,7 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
                 "args.moe_grouped_gemm with expert tensor parallel size {etp}: each rank's GroupedMLP weights are then column blocks of every expert, which are not read yet (whole experts, expert_tensor_parallel_size 1, are)"
             )));
         }
-        if args.hidden.map_or(true, |h| h % ep != 0) {
+        if args.hidden.is_none_or(|h| h % ep != 0) {
             return Err(unsupported(format!(
                 "args.moe_grouped_gemm: hidden_size {:?} is not a multiple of the expert-parallel size {ep}, so the ranks' GroupedMLP weight1 are not rows of the grouped weight1 of all experts (not read yet)",
                 args.hidden
@@ -1167,7 +1168,9 @@ fn grouped_piece(
     ep_rank: u64,
 ) -> std::result::Result<(Vec<u64>, Vec<u64>, TensorLayout), String> {
     let (ep, gate) = (args.moe.ep, if args.swiglu { 2 } else { 1 });
-    let dense_ffn = args.ffn_hidden.or_else(|| args.hidden.and_then(|h| h.checked_mul(4)));
+    let dense_ffn = args
+        .ffn_hidden
+        .or_else(|| args.hidden.and_then(|h| h.checked_mul(4)));
     let sizes = (|| {
         let h = args.hidden?;
         let e = args.moe.experts?;
@@ -1867,6 +1870,9 @@ pub(crate) fn local_expert_name(name: &str, ep: u64, per: u64) -> Option<String>
     (g / per == ep).then(|| format!("{}{}.{tail}", &name[..at], g % per))
 }
 
+/// Rows of a GroupedMLP weight, and the shape a file records them with (`None`: theirs).
+pub(crate) type GroupedRows = (std::ops::Range<u64>, Option<Vec<u64>>);
+
 /// The rows of a GroupedMLP weight (`…mlp.experts.weight1`/`weight2`, the grouped
 /// weights of all experts) that expert-parallel rank `e` of `ep` holds, and the shape
 /// its file records when that is not the rows' (docs/moe.md, "The legacy grouped GEMM
@@ -1880,7 +1886,7 @@ pub(crate) fn grouped_rows(
     args: &Args,
     ep: u64,
     e: u64,
-) -> Result<Option<(std::ops::Range<u64>, Option<Vec<u64>>)>> {
+) -> Result<Option<GroupedRows>> {
     if !is_grouped_weight(name) {
         return Ok(None);
     }
@@ -1888,14 +1894,22 @@ pub(crate) fn grouped_rows(
         problem: format!("tensor `{name}`: {problem}"),
     };
     let gate = if args.swiglu { 2 } else { 1 };
-    let dense_ffn = args.ffn_hidden.or_else(|| args.hidden.and_then(|h| h.checked_mul(4)));
-    let (Some(h), Some(experts), Some(f)) =
-        (args.hidden, args.moe.experts, args.moe.expert_ffn(dense_ffn))
-    else {
-        return Err(bad("args lack hidden_size, num_experts or the FFN size".into()));
+    let dense_ffn = args
+        .ffn_hidden
+        .or_else(|| args.hidden.and_then(|h| h.checked_mul(4)));
+    let (Some(h), Some(experts), Some(f)) = (
+        args.hidden,
+        args.moe.experts,
+        args.moe.expert_ffn(dense_ffn),
+    ) else {
+        return Err(bad(
+            "args lack hidden_size, num_experts or the FFN size".into()
+        ));
     };
     if ep == 0 || experts % ep != 0 {
-        return Err(bad(format!("{experts} experts do not divide into {ep} expert-parallel ranks")));
+        return Err(bad(format!(
+            "{experts} experts do not divide into {ep} expert-parallel ranks"
+        )));
     }
     let local = experts / ep;
     if name.ends_with("weight1") {
