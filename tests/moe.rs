@@ -393,6 +393,32 @@ fn expert_parallel_reshards_write_megatrons_directories() {
         let (got, want) = (full_tensors(&merged), reference(c));
         assert_same_tensors(&got, &want, &format!("{c} to {mesh}"));
     }
+    // Written again on its own grid (GroupedMLP under TP 2: two of the four (tp, ep)
+    // directories), each file's RNG state from the same rank.
+    let again = d.path("grouped-again");
+    d.ok(&[
+        "reshard",
+        d.path("ep2grouped-ep=2,tp=2").to_str().unwrap(),
+        "--format",
+        "megatron",
+        "--mesh",
+        "ep=2,tp=2",
+        "-o",
+        again.to_str().unwrap(),
+    ]);
+    let merged = d.path("grouped-again.merged");
+    d.ok(&[
+        "merge",
+        again.to_str().unwrap(),
+        "-o",
+        merged.to_str().unwrap(),
+        "--keep-vocab-padding",
+    ]);
+    assert_same_tensors(
+        &full_tensors(&merged),
+        &reference("ep2grouped"),
+        "grouped again",
+    );
     // Experts that do not divide, a dense model given an expert-parallel size.
     let o = d.fails(&[
         "reshard",

@@ -135,36 +135,17 @@ pub fn megatron_legacy_plan_ep(
     let same_grid = (state.args.tp, state.args.pp, state.args.moe.ep) == (tp, pp, ep)
         && same_etp
         && source.imported.is_none();
-    let mut tp_ranks = Vec::with_capacity(ranks.len());
+    // Each file's (tp, pp) coordinates; named and cut to its stage.
+    let mut at = Vec::with_capacity(ranks.len());
     for (f, &r) in plan.files.iter_mut().zip(ranks) {
         let c = mesh.coords(r);
         let (t, s) = (c[tp_axis], pipe.map_or(0, |p| c[p]));
-        tp_ranks.push(t);
+        at.push((t, s));
         f.path = state.rank_path(t, s, pp);
         // Tied embeddings on one stage: megatron-core's GPTModel has no output layer
         // weight then (the last stage of several keeps a copy of the embedding).
         if pp == 1 && state.args.model.untied == Some(false) {
             f.tensors.retain(|t| t.target.name != "output_layer.weight");
-        }
-        let rng = if same_grid {
-            source_rank_rng(source, s * tp + t)?
-        } else {
-            None
-        };
-        let extra = megatron::extra_entries(
-            &state,
-            (tp, pp, ep),
-            rng.as_ref().map(|g| (g, f.tensors.len())),
-            megatron::LEGACY_FORMAT,
-        )?;
-        f.metadata = [
-            (WRAP_KEY.to_string(), "model".to_string()),
-            (WRAP_EXTRA.to_string(), hex(&extra)),
-        ]
-        .into();
-        if let Some(g) = rng.as_ref().filter(|g| !g.storages().is_empty()) {
-            let list: Vec<String> = g.storages().iter().map(|b| hex(b)).collect();
-            f.metadata.insert(WRAP_STORAGES.to_string(), list.join(","));
         }
         for tp_plan in &mut f.tensors {
             let name = &mut tp_plan.target.name;
@@ -184,20 +165,19 @@ pub fn megatron_legacy_plan_ep(
             *name = local;
         }
     }
-    if ep > 1 {
-        // One file per expert-parallel rank: the dense tensors in each, the experts
-        // where they live.
-        // Megatron's save writes the directories of its rank rule: with GroupedMLP's
-        // whole experts (expert TP 1) under TP > 1, not every (tp, ep) pair.
-        let dirs = megatron::RankDirs {
-            tp,
-            ep,
-            etp: if state.args.moe.grouped_gemm { 1 } else { tp },
-        };
-        let files = std::mem::take(&mut plan.files);
-        for (f, t) in files.into_iter().zip(tp_ranks) {
-            for e in (0..ep).filter(|&e| dirs.written(t, e)) {
-                let mut g = f.clone();
+    // One file per expert-parallel rank: the dense tensors in each, the experts where
+    // they live. Megatron's save writes the directories of its rank rule: with
+    // GroupedMLP's whole experts (expert TP 1) under TP > 1, not every (tp, ep) pair.
+    let dirs = megatron::RankDirs {
+        tp,
+        ep,
+        etp: if state.args.moe.grouped_gemm { 1 } else { tp },
+    };
+    let files = std::mem::take(&mut plan.files);
+    for (f, (t, s)) in files.into_iter().zip(at) {
+        for e in (0..ep).filter(|&e| dirs.written(t, e)) {
+            let mut g = f.clone();
+            if ep > 1 {
                 g.path = megatron::expert_rank_path(&f.path, e);
                 g.tensors.retain_mut(|t| {
                     match megatron::local_expert_name(&t.target.name, e, per) {
@@ -218,8 +198,30 @@ pub fn megatron_legacy_plan_ep(
                         };
                     }
                 }
-                plan.files.push(g);
             }
+            // The RNG state of the same rank of the same grid (the reader numbers
+            // Megatron's ranks (pp x EP + ep) x TP + tp).
+            let rng = if same_grid {
+                source_rank_rng(source, (s * ep + e) * tp + t)?
+            } else {
+                None
+            };
+            let extra = megatron::extra_entries(
+                &state,
+                (tp, pp, ep),
+                rng.as_ref().map(|r| (r, g.tensors.len())),
+                megatron::LEGACY_FORMAT,
+            )?;
+            g.metadata = [
+                (WRAP_KEY.to_string(), "model".to_string()),
+                (WRAP_EXTRA.to_string(), hex(&extra)),
+            ]
+            .into();
+            if let Some(r) = rng.as_ref().filter(|r| !r.storages().is_empty()) {
+                let list: Vec<String> = r.storages().iter().map(|b| hex(b)).collect();
+                g.metadata.insert(WRAP_STORAGES.to_string(), list.join(","));
+            }
+            plan.files.push(g);
         }
     }
     Ok(())
