@@ -5,7 +5,8 @@ tensor equal to the model's and the same logits (scripts/fixtures/moe_megatron.p
 --load does the loading and comparing):
 
   EP2 -> EP4;  EP4 -> EP1 x TP2;  EP2 x TP2 -> EP2 x PP2;
-  EP2 x TP2 with expert TP 1 -> EP2 x TP2 (expert TP 2);
+  EP2 x TP2 with expert TP 1 -> EP2 x TP2 with expert TP 1 and with expert TP 2;
+  EP2 x TP2 -> EP2 x TP2 with expert TP 1;
   GroupedMLP EP2 -> EP4 and -> EP2 x TP2 (expert TP 1): tensors only
 
 and the megatron-core dist_ckpts `ckpt reshard --format megatron-dist` writes from the
@@ -29,8 +30,11 @@ CASES = [
     ("ep2tp1", "ep=4"),
     ("ep4tp1", "ep=1,tp=2"),
     ("ep2tp2", "ep=2,tp=1,pp=2"),
-    # expert TP 1 under TP 2 (two rank directories) written with expert TP = TP
+    # expert TP 1 under TP 2 (two rank directories), kept; and written with expert TP = TP
     ("ep2tp2etp1", "ep=2,tp=2"),
+    ("ep2tp2etp1", "ep=2,tp=2,etp=2"),
+    # expert TP = TP 2 written with expert TP 1
+    ("ep2tp2", "ep=2,tp=2,etp=1"),
     # GroupedMLP (no logits: its forward needs bf16 and CUDA's grouped GEMM)
     ("ep2grouped", "ep=4"),
     ("ep2grouped", "ep=2,tp=2"),

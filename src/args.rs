@@ -309,7 +309,8 @@ pub(crate) struct ReshardArgs {
     /// replicated.
     #[arg(long, value_name = "N", value_parser = parse_to)]
     pub(crate) to: Option<u64>,
-    /// New sizes for named axes, e.g. dp=2,tp=2 (Megatron: tp=, pp=, ep=; DeepSpeed with
+    /// New sizes for named axes, e.g. dp=2,tp=2 (Megatron: tp=, pp=, ep=, and etp=1 or
+    /// etp=TP for whole or TP-split experts, by default the source's; DeepSpeed with
     /// --format deepspeed: dp=, and ep= for a mixture of experts).
     #[arg(long, value_parser = parse_mesh)]
     pub(crate) mesh: Option<String>,

@@ -323,16 +323,28 @@ fn expert_parallel_reshards_write_megatrons_directories() {
             ],
         ),
         ("ep4tp1", "ep=1,tp=2", vec!["mp_rank_00", "mp_rank_01"]),
-        // Expert TP 1 under TP 2 (two directories) written with expert TP = TP.
+        // Expert TP 1 under TP 2 (two directories) kept by default (its own grid, each
+        // file's RNG state its source's), or written with expert TP = TP on request.
         (
             "ep2tp2etp1",
             "ep=2,tp=2",
+            vec!["mp_rank_00_000", "mp_rank_01_001"],
+        ),
+        (
+            "ep2tp2etp1",
+            "ep=2,tp=2,etp=2",
             vec![
                 "mp_rank_00_000",
                 "mp_rank_00_001",
                 "mp_rank_01_000",
                 "mp_rank_01_001",
             ],
+        ),
+        // Expert TP 1 asked for a model trained with expert TP = TP.
+        (
+            "ep2tp2",
+            "ep=2,tp=2,etp=1",
+            vec!["mp_rank_00_000", "mp_rank_01_001"],
         ),
         ("ep2tp2etp1", "ep=1,tp=1", vec!["mp_rank_00"]),
         // GroupedMLP: each EP rank's weight1 rows of the grouped one (the merge back
@@ -435,6 +447,34 @@ fn expert_parallel_reshards_write_megatrons_directories() {
         "{}",
         o.stderr
     );
+    // An expert TP size neither 1 nor TP; GroupedMLP split over TP.
+    for (c, mesh, problem) in [
+        (
+            "ep2tp2",
+            "ep=2,tp=2,etp=4",
+            "etp=4: the expert tensor-parallel size is written as 1",
+        ),
+        (
+            "ep2grouped",
+            "ep=2,tp=2,etp=2",
+            "etp=2: GroupedMLP's experts are written whole",
+        ),
+    ] {
+        // A --mesh the source cannot take: a usage error (exit 2).
+        let o = d.ckpt(&[
+            "reshard",
+            case(c).join("legacy").to_str().unwrap(),
+            "--format",
+            "megatron",
+            "--mesh",
+            mesh,
+            "-o",
+            "x",
+        ]);
+        assert_eq!(o.code, 2, "{}", o.stderr);
+        assert!(o.stderr.contains(problem), "{}", o.stderr);
+        assert!(!d.path("x").exists());
+    }
 }
 
 /// Expert-parallel legacy checkpoints written again as megatron-core dist_ckpts

@@ -120,7 +120,7 @@ pub use crate::megatron_dist_output::{
 };
 pub use crate::megatron_output::{
     megatron_legacy_plan, megatron_legacy_plan_ep, megatron_moe_strategy, megatron_restage,
-    megatron_tracker,
+    megatron_tracker, ExpertLayout,
 };
 pub use crate::present::{
     convert_json, convert_text, human_bytes, inspect_json, inspect_text, merge_plan_json,

@@ -323,7 +323,8 @@ pub fn megatron_dist_finish(dist: &MegatronDist, out: &Path) -> Result<()> {
     let meta = metadata_bytes(&dist.tensors, &dist.files, &objects)?;
     write_file_atomic(&dir.join(crate::formats::distcp::METADATA_FILE), &meta)?;
     let (tp, pp) = dist.sizes;
-    let entries = megatron::extra_entries(&dist.state, (tp, pp, 1), None, megatron::DIST_FORMAT)?;
+    let entries =
+        megatron::extra_entries(&dist.state, (tp, pp, 1), None, None, megatron::DIST_FORMAT)?;
     let mut e = Emitter::new();
     e.empty_dict().mark().raw(&entries).set_items();
     TorchWriter::create_with_pickle(&dir.join(COMMON_FILE), &[], e.finish())?.finish()?;

@@ -74,6 +74,30 @@ pub(crate) fn megatron_grid(
     Ok((tp_axis, tp, pp))
 }
 
+/// The expert layout of a Megatron mixture-of-experts output: its expert-parallel size,
+/// and whether every expert is whole on each tensor-parallel rank (expert TP 1) rather
+/// than split like the dense layers (expert TP = TP).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertLayout {
+    /// `expert_model_parallel_size`.
+    pub ep: u64,
+    /// `expert_tensor_parallel_size` 1 (else unset: the tensor-parallel size).
+    pub whole: bool,
+}
+
+impl ExpertLayout {
+    /// The source's: its EP size, and whole experts where its args say expert TP 1 under
+    /// TP > 1 or its experts are GroupedMLP's (written whole only). A source whose
+    /// expert TP is its TP (Megatron-LM's default, recorded so) keeps experts split like
+    /// the dense layers at the new TP, as Megatron-LM defaults it there.
+    fn of(args: &megatron::Args) -> ExpertLayout {
+        ExpertLayout {
+            ep: args.moe.ep,
+            whole: args.moe.grouped_gemm || (args.moe.etp == Some(1) && args.tp > 1),
+        }
+    }
+}
+
 /// Rewrites `plan` (one file per rank of `ranks`, in order, on `strategy`'s mesh) into
 /// Megatron's legacy layout ([`megatron_tracker`] gives the file to write beside it).
 ///
@@ -90,10 +114,11 @@ pub fn megatron_legacy_plan(
     megatron_legacy_plan_ep(source, strategy, ranks, plan, None)
 }
 
-/// [`megatron_legacy_plan`] with `ep` expert-parallel ranks (`None`: the source's):
-/// each `(tp, pp)` file of the plan becomes `ep` files (`mp_rank_TT[_PPP]_EEE`), each
-/// with the dense tensors (Megatron's every rank loads them) and its own experts, named
-/// by their local index.
+/// [`megatron_legacy_plan`] with the experts laid out by `experts` (`None`: the
+/// source's layout): each `(tp, pp)` file of the plan becomes one file per
+/// expert-parallel rank (`mp_rank_TT[_PPP]_EEE`, those a save of that layout writes),
+/// each with the dense tensors (Megatron's every rank loads them) and its own experts,
+/// named by their local index.
 ///
 /// # Errors
 /// As [`megatron_legacy_plan`]; experts that do not divide by `ep`; `ep` for a model
@@ -103,7 +128,7 @@ pub fn megatron_legacy_plan_ep(
     strategy: &Strategy,
     ranks: &[u64],
     plan: &mut CopyPlan,
-    ep: Option<u64>,
+    experts: Option<ExpertLayout>,
 ) -> Result<()> {
     let unsupported = |problem: String| Error::Unsupported { problem };
     let state = source.megatron_state()?;
@@ -112,7 +137,9 @@ pub fn megatron_legacy_plan_ep(
     let (tp_axis, tp, pp) = megatron_grid(&state, strategy, "megatron")?;
     // Each rank's RNG state goes to the same rank of the same grid; Megatron ignores it
     // on another grid, so there none is written (and args say so).
-    let ep = ep.unwrap_or(state.args.moe.ep);
+    let layout = experts.unwrap_or_else(|| ExpertLayout::of(&state.args));
+    let ep = layout.ep;
+    let out_etp = if layout.whole { 1 } else { tp };
     let per = match state.args.moe.experts {
         None if ep > 1 => {
             return Err(unsupported(format!(
@@ -127,11 +154,8 @@ pub fn megatron_legacy_plan_ep(
         }
         Some(e) => e / ep,
     };
-    // The output's experts are split like its dense layers (args say expert TP = TP),
-    // but GroupedMLP's, which are whole (expert TP 1).
     let moe = &state.args.moe;
-    let same_etp = moe.experts.is_none()
-        || moe.etp.unwrap_or(state.args.tp) == if moe.grouped_gemm { 1 } else { tp };
+    let same_etp = moe.experts.is_none() || moe.etp.unwrap_or(state.args.tp) == out_etp;
     let same_grid = (state.args.tp, state.args.pp, state.args.moe.ep) == (tp, pp, ep)
         && same_etp
         && source.imported.is_none();
@@ -166,12 +190,12 @@ pub fn megatron_legacy_plan_ep(
         }
     }
     // One file per expert-parallel rank: the dense tensors in each, the experts where
-    // they live. Megatron's save writes the directories of its rank rule: with
-    // GroupedMLP's whole experts (expert TP 1) under TP > 1, not every (tp, ep) pair.
+    // they live. Megatron's save writes the directories of its rank rule: with whole
+    // experts (expert TP 1) under TP > 1, not every (tp, ep) pair.
     let dirs = megatron::RankDirs {
         tp,
         ep,
-        etp: if state.args.moe.grouped_gemm { 1 } else { tp },
+        etp: out_etp,
     };
     let files = std::mem::take(&mut plan.files);
     for (f, (t, s)) in files.into_iter().zip(at) {
@@ -209,6 +233,7 @@ pub fn megatron_legacy_plan_ep(
             let extra = megatron::extra_entries(
                 &state,
                 (tp, pp, ep),
+                layout.whole.then_some(1),
                 rng.as_ref().map(|r| (r, g.tensors.len())),
                 megatron::LEGACY_FORMAT,
             )?;
@@ -227,19 +252,20 @@ pub fn megatron_legacy_plan_ep(
     Ok(())
 }
 
-/// The target of a mixture-of-experts Megatron output on `mesh` (axes `tp`, `pp`, `ep`;
-/// those not given keep the source's sizes): the strategy of its `tp` x `pp` ranks and
-/// the expert-parallel size (the split by experts is made by
-/// [`megatron_legacy_plan_ep`]); `None` for a dense model, whose source strategy is
-/// resized as it is.
+/// The target of a mixture-of-experts Megatron output on `mesh` (axes `tp`, `pp`, `ep`
+/// and `etp`, 1 or the TP size; those not given keep the source's sizes, and its
+/// [`ExpertLayout`]): the strategy of its `tp` x `pp` ranks and the expert layout (the
+/// split by experts is made by [`megatron_legacy_plan_ep`]); `None` for a dense model,
+/// whose source strategy is resized as it is.
 ///
 /// # Errors
-/// A source that is not a Megatron checkpoint; an axis other than `tp`, `pp` and `ep`;
-/// a tensor no rule places.
+/// A source that is not a Megatron checkpoint; an axis other than `tp`, `pp`, `ep` and
+/// `etp`; an `etp` neither 1 nor the TP size (or not 1 for GroupedMLP); a tensor no rule
+/// places.
 pub fn megatron_moe_strategy(
     source: &Checkpoint,
     mesh: &[(String, u64)],
-) -> Result<Option<(Strategy, u64)>> {
+) -> Result<Option<(Strategy, ExpertLayout)>> {
     let state = source.megatron_state()?;
     if state.args.moe.experts.is_none() {
         return Ok(None);
@@ -250,24 +276,42 @@ pub fn megatron_moe_strategy(
             .find(|(n, _)| n == axis)
             .map_or(default, |(_, s)| *s))
     };
+    let invalid = |problem: String| Error::InvalidMesh {
+        mesh: mesh
+            .iter()
+            .map(|(n, s)| format!("{n}={s}"))
+            .collect::<Vec<_>>()
+            .join(","),
+        problem,
+    };
     if let Some((n, _)) = mesh
         .iter()
-        .find(|(n, _)| !["tp", "pp", "ep"].contains(&n.as_str()))
+        .find(|(n, _)| !["tp", "pp", "ep", "etp"].contains(&n.as_str()))
     {
-        return Err(Error::InvalidMesh {
-            mesh: mesh
-                .iter()
-                .map(|(n, s)| format!("{n}={s}"))
-                .collect::<Vec<_>>()
-                .join(","),
-            problem: format!("axis `{n}`: a Megatron mixture of experts takes tp, pp and ep"),
-        });
+        return Err(invalid(format!(
+            "axis `{n}`: a Megatron mixture of experts takes tp, pp, ep and etp"
+        )));
     }
     let (tp, pp, ep) = (
         size("tp", state.args.tp)?,
         size("pp", state.args.pp)?,
         size("ep", state.args.moe.ep)?,
     );
+    let whole = match mesh.iter().find(|(n, _)| n == "etp").map(|(_, e)| *e) {
+        None => ExpertLayout::of(&state.args).whole,
+        Some(1) => true,
+        Some(e) if e == tp && !state.args.moe.grouped_gemm => false,
+        Some(e) if state.args.moe.grouped_gemm => {
+            return Err(invalid(format!(
+                "etp={e}: GroupedMLP's experts are written whole (etp=1)"
+            )))
+        }
+        Some(e) => {
+            return Err(invalid(format!(
+                "etp={e}: the expert tensor-parallel size is written as 1 (whole experts) or the tensor-parallel size {tp}"
+            )))
+        }
+    };
     let list: Vec<(String, crate::Dtype, Vec<u64>)> = source
         .tensors
         .iter()
@@ -292,9 +336,15 @@ pub fn megatron_moe_strategy(
             l.placements.remove(0);
             l.stage = None;
         }
+        if whole && megatron::is_expert_name(&name) {
+            // Expert TP 1: every expert whole on each tensor-parallel rank.
+            for p in &mut l.placements {
+                *p = Placement::Replicate;
+            }
+        }
         s.insert(name, l)?;
     }
-    Ok(Some((s, ep)))
+    Ok(Some((s, ExpertLayout { ep, whole })))
 }
 
 /// The RNG state of the source's rank `rank` (`pp * tp + tp_rank`, as the reader

@@ -551,10 +551,10 @@ fn prepare_output(req: &ReshardRequest) -> Result<Prepared> {
         }
         _ => None,
     };
-    let (mut strategy, ep) = match moe {
-        Some((s, ep)) => (
+    let (mut strategy, experts) = match moe {
+        Some((s, experts)) => (
             target_strategy(&source, &Target::Strategy(s), &req.selection, &req.shard)?,
-            Some(ep),
+            Some(experts),
         ),
         None => (
             target_strategy(&source, &req.target, &req.selection, &req.shard)?,
@@ -570,7 +570,7 @@ fn prepare_output(req: &ReshardRequest) -> Result<Prepared> {
     let mut dist = None;
     if req.format == OutputFormat::Megatron {
         let ranks = req.ranks.list(strategy.mesh.world_size())?;
-        ckpt_core::megatron_legacy_plan_ep(&source, &strategy, &ranks, &mut plan, ep)?;
+        ckpt_core::megatron_legacy_plan_ep(&source, &strategy, &ranks, &mut plan, experts)?;
     }
     if req.format == OutputFormat::MegatronDist {
         dist = Some(ckpt_core::megatron_dist_plan(

@@ -1145,6 +1145,12 @@ fn insert_layout(
     }
 }
 
+/// Whether `name` is an expert's tensor: a `SequentialMLP` expert's
+/// (`…mlp.experts.local_experts.<g>.…`) or a `GroupedMLP` weight.
+pub(crate) fn is_expert_name(name: &str) -> bool {
+    name.contains(".mlp.experts.local_experts.") || is_grouped_weight(name)
+}
+
 /// Whether `name` is a layer's megatron-core `GroupedMLP` weight
 /// (`decoder.layers.<l>.mlp.experts.weight1` or `weight2`).
 fn is_grouped_weight(name: &str) -> bool {
@@ -1399,7 +1405,7 @@ mod tests {
             iteration: 7,
             release: false,
         };
-        let fragment = extra_entries(&state, (4, 1, 1), None, LEGACY_FORMAT).unwrap();
+        let fragment = extra_entries(&state, (4, 1, 1), None, None, LEGACY_FORMAT).unwrap();
         let mut d = Emitter::new();
         d.empty_dict().mark().raw(&fragment).set_items();
         let back = parse(&d.finish()).unwrap();
@@ -1971,6 +1977,7 @@ pub(crate) fn rank_path(iteration: u64, tp: u64, pp: u64, pp_size: u64) -> PathB
 pub(crate) fn extra_entries(
     state: &SourceState,
     (tp, pp, ep): (u64, u64, u64),
+    expert_tp: Option<u64>,
     rng: Option<(&RankRng, usize)>,
     ckpt_format: &str,
 ) -> Result<Vec<u8>> {
@@ -1989,13 +1996,12 @@ pub(crate) fn extra_entries(
             set("pipeline_model_parallel_size", int(pp));
             if state.args.moe.experts.is_some() {
                 set("expert_model_parallel_size", int(ep));
-                if state.args.moe.grouped_gemm {
-                    // GroupedMLP's weights are written whole on every TP rank.
-                    set("expert_tensor_parallel_size", int(1));
-                } else {
-                    // Experts split over the tensor-parallel ranks, as the dense layers.
-                    set("expert_tensor_parallel_size", Value::None);
-                }
+                // Unset: experts split over the tensor-parallel ranks, as the dense
+                // layers.
+                set(
+                    "expert_tensor_parallel_size",
+                    expert_tp.map_or(Value::None, int),
+                );
             }
             set("virtual_pipeline_model_parallel_size", Value::None);
             set("ckpt_format", Value::Str(ckpt_format.into()));

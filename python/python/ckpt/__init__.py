@@ -447,7 +447,8 @@ def reshard(
     One of ``to=N`` (the innermost axis becomes N, others 1), ``mesh="dp=1,tp=2"``, or
     ``strategy=path`` (ckpt's ``strategy.json`` or a MindSpore strategy). ``rank``:
     build only that target rank. ``format``: ``"ckpt"`` (default), ``"dcp"``,
-    ``"distcp"``, ``"mindspore"``, ``"megatron"`` (from a Megatron legacy source),
+    ``"distcp"``, ``"mindspore"``, ``"megatron"`` (from a Megatron legacy source; a
+    mixture of experts with ``mesh="tp=T,pp=P,ep=K"``, ``etp=1`` for whole experts),
     ``"deepspeed"`` (a ZeRO-1/2/3 checkpoint for ``to`` data-parallel ranks, from a ZeRO
     source; a ZeRO-1/2 mixture of experts also at another EP size with
     ``mesh="dp=N,ep=K"``). ``shard``: ``(glob, dim)`` pairs, the dimension to split the matching
