@@ -1353,6 +1353,56 @@ const STACKED_EXPERTS: &str = "mlp.experts.experts.";
 mod tests {
     use super::*;
 
+    /// The directories and readers `RankDirs` gives equal those of Megatron's rule
+    /// enumerated process by process (one stage, CP 1): a process writes when its dense
+    /// DP rank (`r / TP`) or its expert DP rank (`r / (ETP x EP)`) is 0, into
+    /// `(r % TP, (r / ETP) % EP)`; whatever the data-parallel size.
+    #[test]
+    fn rank_dirs_follow_megatrons_save_rule() {
+        for tp in 1..=6u64 {
+            for ep in 1..=6u64 {
+                for etp in [1, tp] {
+                    let lcm = |a: u64, b: u64| a / gcd(a, b) * b;
+                    fn gcd(a: u64, b: u64) -> u64 {
+                        if b == 0 {
+                            a
+                        } else {
+                            gcd(b, a % b)
+                        }
+                    }
+                    let dirs = RankDirs { tp, ep, etp };
+                    for k in 1..=3 {
+                        let world = k * lcm(tp, etp * ep);
+                        let mut want = BTreeSet::new();
+                        for r in 0..world {
+                            if r / tp == 0 || r / (etp * ep) == 0 {
+                                want.insert((r % tp, (r / etp) % ep));
+                            }
+                        }
+                        let got: BTreeSet<(u64, u64)> = (0..tp)
+                            .flat_map(|t| (0..ep).map(move |e| (t, e)))
+                            .filter(|&(t, e)| dirs.written(t, e))
+                            .collect();
+                        assert_eq!(got, want, "tp {tp} ep {ep} etp {etp} world {world}");
+                        for t in 0..tp {
+                            let first = want.iter().find(|d| d.0 == t).map(|d| d.1);
+                            assert_eq!(Some(dirs.dense_from(t)), first, "dense of tp {t}");
+                        }
+                        // Each EP rank's experts (each expert-TP part) read once.
+                        for e in 0..ep {
+                            let readers: Vec<u64> = (0..tp)
+                                .filter(|&t| dirs.written(t, e) && dirs.experts_from(t, e))
+                                .collect();
+                            let parts: BTreeSet<u64> = readers.iter().map(|t| t % etp).collect();
+                            assert_eq!(readers.len() as u64, etp, "experts of ep {e}");
+                            assert_eq!(parts.len() as u64, etp, "experts of ep {e}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     fn args() -> Args {
         Args {
             tp: 2,
