@@ -283,6 +283,36 @@ def test_deepspeed_experts_reshard_to_another_ep_size(tmp_path, fixtures):
     assert not (tmp_path / "x").exists()
 
 
+def test_megatron_experts_reshard_keeps_or_changes_the_expert_tp(tmp_path, fixtures):
+    """ckpt.reshard of megatron-core's MoE save with expert TP 1 under TP 2 to Megatron's
+    layout: by default the experts stay whole (the save's two directories), with
+    ``etp=2`` they are split like the dense layers (four); each as the console script
+    writes it, and merged back, the model's every tensor."""
+    from safetensors.numpy import load_file
+
+    case = fixtures / "moe" / "megatron" / "ep2tp2etp1"
+    src = case / "legacy"
+    exe = shutil.which("ckpt", path=os.path.dirname(sys.executable))
+    want = load_file(str(case / "reference.safetensors"))
+    for mesh, dirs in (("ep=2,tp=2", 2), ("ep=2,tp=2,etp=2", 4)):
+        out = tmp_path / mesh.replace("=", "").replace(",", "-")
+        ckpt.reshard(src, out, mesh=mesh, format="megatron")
+        assert len(list((out / "iter_0000001").iterdir())) == dirs, mesh
+        cli = tmp_path / f"{out.name}-cli"
+        r = subprocess.run([exe, "reshard", str(src), "--mesh", mesh, "--format", "megatron",
+                            "-o", str(cli)], capture_output=True, text=True)
+        assert r.returncode == 0, r
+        assert _tree(out) == _tree(cli), mesh
+        ckpt.merge(out, tmp_path / f"{out.name}-merged", keep_vocab_padding=True)
+        got = load_file(str(tmp_path / f"{out.name}-merged" / "model.safetensors"))
+        assert sorted(got) == sorted(want), mesh
+        for k in want:
+            assert got[k].tobytes() == want[k].tobytes(), (mesh, k)
+    with pytest.raises(ckpt.CheckpointError, match="etp=4"):
+        ckpt.reshard(src, tmp_path / "x", mesh="ep=2,tp=2,etp=4", format="megatron")
+    assert not (tmp_path / "x").exists()
+
+
 def test_megatron_merge_views_match_the_console_script(tmp_path, fixtures):
     """ckpt.merge of megatron-core's legacy save gives the same bytes as `ckpt merge`:
     vocabulary padding dropped by default (kept on request), fused QKV split on
