@@ -793,3 +793,81 @@ fn moe_outputs_do_not_depend_on_the_thread_count() {
         );
     }
 }
+
+/// Megatron's distributed optimizer with experts (a ChainedOptimizer: the dense
+/// parameters' state on EP rank 0's directory, each EP rank's experts' state in its
+/// own, sharded over the expert-data-parallel group): merged, every fp32 master weight
+/// and Adam moment equals what the optimizer itself held (the generator gathered
+/// `optim_full.safetensors` from its shards); written back in Megatron's layout only
+/// without the optimizer's state (asked for by name); files that do not match the
+/// directories named.
+#[test]
+fn distributed_optimizer_with_experts_merges_to_the_optimizers_own_state() {
+    let d = Dir::new();
+    let c = case("ep2dp4_distopt");
+    let src = c.join("legacy");
+    let out = d.path("merged");
+    d.ok(&[
+        "merge",
+        src.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--keep-vocab-padding",
+    ]);
+    let mut want = full_tensors(&c.join("optim_full.safetensors"));
+    want.extend(reference("ep2dp4_distopt"));
+    assert!(want.contains_key(
+        "optim.decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight.exp_avg_sq"
+    ));
+    assert_same_tensors(&full_tensors(&out), &want, "ep2dp4_distopt");
+    // Megatron's layout: the weights, once the state is left out.
+    let o = d.fails(&[
+        "reshard",
+        src.to_str().unwrap(),
+        "--format",
+        "megatron",
+        "--mesh",
+        "ep=4",
+        "-o",
+        "x",
+    ]);
+    assert!(o.stderr.contains("--exclude 'optim.*'"), "{}", o.stderr);
+    let ep4 = d.path("ep4");
+    d.ok(&[
+        "reshard",
+        src.to_str().unwrap(),
+        "--format",
+        "megatron",
+        "--mesh",
+        "ep=4",
+        "--exclude",
+        "optim.*",
+        "-o",
+        ep4.to_str().unwrap(),
+    ]);
+    let back = d.path("ep4.merged");
+    d.ok(&[
+        "merge",
+        ep4.to_str().unwrap(),
+        "-o",
+        back.to_str().unwrap(),
+        "--keep-vocab-padding",
+    ]);
+    assert_same_tensors(&full_tensors(&back), &reference("ep2dp4_distopt"), "to EP4");
+    // EP rank 1's directory given EP rank 0's state (dense and expert): named.
+    copy_dir(&src, &d.path("swapped"));
+    let iter = d.path("swapped/iter_0000001");
+    std::fs::copy(
+        iter.join("mp_rank_00_000/distrib_optim.pt"),
+        iter.join("mp_rank_00_001/distrib_optim.pt"),
+    )
+    .unwrap();
+    let o = d.fails(&["merge", "swapped", "-o", "y"]);
+    assert!(
+        o.stderr.contains("mp_rank_00_001/distrib_optim.pt")
+            && o.stderr.contains("holds a dense optimizer's state, but this rank's directory holds none of its parameters"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("y").exists());
+}

@@ -857,10 +857,10 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
                 )?;
                 files.push((rank, f));
                 let opt = dir.join(name_of(t, p, e)).join(DISTRIB_OPTIM_FILE);
-                if ep > 1 && opt.is_file() {
+                if etp != tp && opt.is_file() {
                     return Err(Error::Unsupported {
                         problem: format!(
-                            "{}: the distributed optimizer's state with expert parallelism ([dense, expert] per file) is not read yet",
+                            "{}: the distributed optimizer's state with expert tensor parallel {etp} under tensor parallel {tp} is not read yet",
                             opt.display()
                         ),
                     });
@@ -904,7 +904,13 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
         &first_file,
         pp,
         args.vp,
-        |rank| dir.join(name_of(rank % tp, rank / tp, 0)).join(RANK_FILE),
+        args.moe
+            .experts
+            .map(|_| optim::ExpertParallel { tp, etp, ep }),
+        |rank| {
+            let (t, stage) = (rank % tp, rank / tp);
+            dir.join(name_of(t, stage / ep, stage % ep)).join(RANK_FILE)
+        },
     )?;
     carried.sort();
     carried.dedup();
@@ -1143,6 +1149,12 @@ fn insert_layout(
         Some(_) => Ok(()),
         None => strategy.insert(name.to_string(), layout),
     }
+}
+
+/// Whether `name` is a persistent buffer of megatron-core's GPT model, saved in its
+/// state dict but not a parameter (no optimizer state): the router's `expert_bias`.
+pub(crate) fn is_buffer_name(name: &str) -> bool {
+    name.ends_with(".mlp.router.expert_bias")
 }
 
 /// Whether `name` is an expert's tensor: a `SequentialMLP` expert's
@@ -1821,8 +1833,7 @@ pub(crate) fn imported_strategy(
             tensor: name.clone(),
             problem,
         };
-        let (split, _, want) = rule(name, args)
-            .ok_or_else(|| bad("no rule of megatron-core's GPT model places it".into()))?;
+        let (split, _, want) = rule(name, args).ok_or_else(|| bad(no_rule(name)))?;
         if let Some(w) = want.filter(|w| w != shape) {
             return Err(bad(format!(
                 "has shape {shape:?}, but the model's sizes give Megatron's tensor {w:?}"
@@ -1872,6 +1883,16 @@ pub(crate) fn source_state(file: &Path) -> Result<SourceState> {
     })
 }
 
+/// Why a Megatron output cannot place tensor `name`.
+fn no_rule(name: &str) -> String {
+    if name.starts_with("optim.") {
+        // The distributed optimizer's state read from the source.
+        "the distributed optimizer's state is read, not written in Megatron's layouts: add --exclude 'optim.*' to write the weights".into()
+    } else {
+        "no rule of megatron-core's GPT model places it".into()
+    }
+}
+
 /// The stage and stage-local name of a global name on `pp` uniform stages (no virtual
 /// stages): the inverse of [`global_name`].
 pub(crate) fn stage_name(
@@ -1884,7 +1905,7 @@ pub(crate) fn stage_name(
         let stage = match rule(global, args) {
             Some((_, Stage::First, _)) => 0,
             Some((_, Stage::Last, _)) => last,
-            _ => return Err("no Megatron GPT rule places it".into()),
+            _ => return Err(no_rule(global)),
         };
         return Ok((stage, global.to_string()));
     };

@@ -61,8 +61,11 @@ pub(crate) fn state_name(name: &str, state: &str) -> String {
 pub(crate) struct Ddp {
     /// `args.ddp_bucket_size` (None: DistributedDataParallel's default).
     pub(crate) bucket_size: Option<u64>,
-    /// `args.data_parallel_size`.
+    /// `args.data_parallel_size` (the default bucket size follows it).
     pub(crate) dp: u64,
+    /// The data-parallel size of the buffer's group, whose multiple of 128 pads bucket
+    /// ends: `dp` for the dense parameters, the expert-DP size for the experts'.
+    pub(crate) buffer_dp: u64,
     /// `args.overlap_grad_reduce`: without it there is one bucket per buffer.
     pub(crate) overlap_grad_reduce: bool,
     /// `args.overlap_param_gather_with_optimizer_step`: disables bucketing too.
@@ -113,9 +116,11 @@ impl Ddp {
                 ),
             });
         }
+        let dp = int("data_parallel_size")?.unwrap_or(1);
         Ok(Ddp {
             bucket_size: int("ddp_bucket_size")?,
-            dp: int("data_parallel_size")?.unwrap_or(1),
+            dp,
+            buffer_dp: dp,
             overlap_grad_reduce: flag("overlap_grad_reduce"),
             gather_with_step: flag("overlap_param_gather_with_optimizer_step"),
             tied: !flag("untie_embeddings_and_output_weights"),
@@ -232,7 +237,7 @@ pub(crate) fn buffer_layout(
             bucket_unpadded.push(end - *bucket_start);
             // Bucket ends are padded (to a multiple of lcm(dp, 128)); only where the
             // next bucket starts in the buffer depends on it, not the coalesced tensor.
-            let lcm = lcm(ddp.dp, 128);
+            let lcm = lcm(ddp.buffer_dp, 128);
             let padded = end
                 .checked_next_multiple_of(lcm)
                 .ok_or_else(|| overflow("bucket end"))?;
@@ -276,7 +281,7 @@ pub(crate) fn buffer_layout(
             for &u in &bucket_unpadded {
                 origins.push((buf, coalesced));
                 coalesced += u;
-                buf = (buf + u).next_multiple_of(lcm(ddp.dp, 128));
+                buf = (buf + u).next_multiple_of(lcm(ddp.buffer_dp, 128));
             }
         }
         let total: u64 = bucket_unpadded.iter().sum();
@@ -337,7 +342,7 @@ fn int(v: &Value) -> Option<u64> {
 /// ("bucket sizes do not add up"), padding that is not zero, a global that is not
 /// allowed; [`Error::Unsupported`] for layouts not read (several chained optimizers,
 /// the pre-`buckets_coalesced` per-bucket lists).
-pub(crate) fn read(path: &Path, params: &[Param], layout: &BufferLayout) -> Result<TensorFile> {
+pub(crate) fn read(path: &Path, parts: &[Option<(&[Param], &BufferLayout)>]) -> Result<TensorFile> {
     let map = map_file(path)?;
     let all: &[u8] = map.as_deref().unwrap_or(&[]);
     let (archive, root) = torch_save::open_archive(all).map_err(|e| err(path, e.to_string()))?;
@@ -349,20 +354,71 @@ pub(crate) fn read(path: &Path, params: &[Param], layout: &BufferLayout) -> Resu
             format!("data.pkl names the global `{m}.{n}`, which a distributed optimizer file does not hold"),
         ));
     }
-    // ChainedOptimizer.save_parameter_state: one optimizer's dict as is, several as a list.
-    let root = match &root {
-        Value::List(v) if v.len() == 1 => &v[0],
-        Value::List(v) => {
-            return Err(Error::Unsupported {
-                problem: format!(
-                    "{}: the states of {} chained optimizers (expert parameters or several parameter dtypes): not read yet",
-                    path.display(),
-                    v.len()
-                ),
-            })
-        }
-        v => v,
+    // ChainedOptimizer.save_parameter_state: one optimizer's dict as is, several as a
+    // list (`None` for those this rank is not data-parallel rank 0 of).
+    let roots: Vec<&Value> = match &root {
+        Value::List(v) if v.len() == 1 && parts.len() == 1 => vec![&v[0]],
+        Value::List(v) if parts.len() == 1 => return Err(Error::Unsupported {
+            problem: format!(
+                "{}: the states of {} chained optimizers (several parameter dtypes): not read yet",
+                path.display(),
+                v.len()
+            ),
+        }),
+        Value::List(v) => v.iter().collect(),
+        v => vec![v],
     };
+    if roots.len() != parts.len() {
+        return Err(err(
+            path,
+            format!(
+                "{} optimizer state(s), but a model with experts has {} chained optimizers (dense, expert)",
+                roots.len(),
+                parts.len()
+            ),
+        ));
+    }
+    let mut entries = Vec::new();
+    for (k, (root, part)) in roots.into_iter().zip(parts).enumerate() {
+        let which = match parts.len() {
+            1 => String::new(),
+            _ if k == 0 => "dense optimizer's ".to_string(),
+            _ => "expert optimizer's ".to_string(),
+        };
+        match (root, part) {
+            (Value::None, None) => {}
+            (Value::None, Some(_)) => {
+                return Err(err(
+                    path,
+                    format!("the {which}state is None, but this rank's directory holds its parameters (as data-parallel rank 0)"),
+                ))
+            }
+            (_, None) => {
+                return Err(err(
+                    path,
+                    format!("holds a {which}state, but this rank's directory holds none of its parameters"),
+                ))
+            }
+            (root, Some((params, layout))) => {
+                entries.extend(read_states(path, all, &archive, root, params, layout, &which)?);
+            }
+        }
+    }
+    let metadata = BTreeMap::from([("format".to_string(), FORMAT.to_string())]);
+    TensorFile::from_parts(path, map, FileFormat::TorchSave, entries, metadata)
+}
+
+/// The entries of one optimizer's `get_parameter_state_dp_zero` dict `root`: every
+/// parameter's three states, as flat ranges of the buffers `layout` places them in.
+fn read_states(
+    path: &Path,
+    all: &[u8],
+    archive: &torch_save::ArchiveIndex,
+    root: &Value,
+    params: &[Param],
+    layout: &BufferLayout,
+    which: &str,
+) -> Result<Vec<TensorEntry>> {
     let Value::Dict(top) = root else {
         return Err(err(
             path,
@@ -389,7 +445,7 @@ pub(crate) fn read(path: &Path, params: &[Param], layout: &BufferLayout) -> Resu
         return Err(err(
             path,
             format!(
-                "{} grad buffer(s) ({:?}), but the parameters of this rank make {want} (one per model chunk and dtype)",
+                "{which}{} grad buffer(s) ({:?}), but the parameters of this rank make {want} (one per model chunk and dtype)",
                 buffers.len(),
                 buffers.iter().map(|(k, _)| *k).collect::<Vec<_>>()
             ),
@@ -405,14 +461,14 @@ pub(crate) fn read(path: &Path, params: &[Param], layout: &BufferLayout) -> Resu
         let Value::Dict(by_dtype) = v else {
             return Err(err(
                 path,
-                format!("buffer {g} is {}, not a dict", describe(v)),
+                format!("{which}buffer {g} is {}, not a dict", describe(v)),
             ));
         };
         let [(_, states)] = &by_dtype[..] else {
             return Err(err(
                 path,
                 format!(
-                    "buffer {g} has {} dtype entries; megatron-core saves one",
+                    "{which}buffer {g} has {} dtype entries; megatron-core saves one",
                     by_dtype.len()
                 ),
             ));
@@ -423,7 +479,7 @@ pub(crate) fn read(path: &Path, params: &[Param], layout: &BufferLayout) -> Resu
             return Err(err(
                 path,
                 format!(
-                    "buffer {g}: numel_unpadded is {}, but the rank's parameters make {n} elements in buckets of {:?} (args: bucket size, overlap_grad_reduce, data-parallel size): bucket sizes do not add up to the parameters",
+                    "{which}buffer {g}: numel_unpadded is {}, but the rank's parameters make {n} elements in buckets of {:?} (args: bucket size, overlap_grad_reduce, data-parallel size): bucket sizes do not add up to the parameters",
                     file_n.map_or_else(|| "absent".to_string(), |x| x.to_string()),
                     layout.buckets[g as usize]
                 ),
@@ -433,9 +489,9 @@ pub(crate) fn read(path: &Path, params: &[Param], layout: &BufferLayout) -> Resu
         for (key, _) in STATES {
             let v = states
                 .get(key)
-                .ok_or_else(|| err(path, format!("buffer {g}: no `{key}`")))?;
-            let what = format!("buffer {g} {key}");
-            let t = locate_value(&archive, &what, v).map_err(|e| err(path, e.to_string()))?;
+                .ok_or_else(|| err(path, format!("{which}buffer {g}: no `{key}`")))?;
+            let what = format!("{which}buffer {g} {key}");
+            let t = locate_value(archive, &what, v).map_err(|e| err(path, e.to_string()))?;
             if t.dtype != Dtype::F32 || t.shape != [n] {
                 return Err(err(
                     path,
@@ -461,7 +517,7 @@ pub(crate) fn read(path: &Path, params: &[Param], layout: &BufferLayout) -> Resu
         check_flat_cover(*n, &cover).map_err(|d| {
             err(
                 path,
-                format!("buffer {g}: the layout does not tile it: {d}"),
+                format!("{which}buffer {g}: the layout does not tile it: {d}"),
             )
         })?;
         // get_parameter_state_dp_zero copies only the parameters into zeroed shards.
@@ -508,8 +564,16 @@ pub(crate) fn read(path: &Path, params: &[Param], layout: &BufferLayout) -> Resu
             });
         }
     }
-    let metadata = BTreeMap::from([("format".to_string(), FORMAT.to_string())]);
-    TensorFile::from_parts(path, map, FileFormat::TorchSave, entries, metadata)
+    Ok(entries)
+}
+
+/// A mixture of experts' parallel sizes, which split the distributed optimizer in two
+/// (docs/moe.md, "The distributed optimizer with experts").
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ExpertParallel {
+    pub(crate) tp: u64,
+    pub(crate) etp: u64,
+    pub(crate) ep: u64,
 }
 
 /// Reads the `distrib_optim.pt` of every rank (`optim`: mesh rank, tp, pp and the
@@ -530,6 +594,7 @@ pub(crate) fn attach(
     first: &Path,
     pp: u64,
     vp: Option<u64>,
+    experts: Option<ExpertParallel>,
     rank_file: impl Fn(u64) -> PathBuf,
 ) -> Result<()> {
     let have = optim.iter().filter(|(_, _, f)| f.is_some()).count();
@@ -561,6 +626,34 @@ pub(crate) fn attach(
         });
     }
     let ddp = Ddp::from_args(args, first)?;
+    // The expert parameters' buffers are sharded over the expert-data-parallel group:
+    // the processes of a stage (DP x TP) over the expert TP x EP ranks.
+    let expert_ddp = match experts {
+        Some(x) => {
+            let per_stage = ddp
+                .dp
+                .checked_mul(x.tp)
+                .ok_or_else(|| overflow("DP x TP"))?;
+            let grid = x
+                .etp
+                .checked_mul(x.ep)
+                .ok_or_else(|| overflow("ETP x EP"))?;
+            if per_stage % grid != 0 {
+                return Err(err(
+                    first,
+                    format!(
+                        "args.data_parallel_size {} x tensor parallel {} is not a multiple of expert tensor parallel {} x expert parallel {}",
+                        ddp.dp, x.tp, x.etp, x.ep
+                    ),
+                ));
+            }
+            Some(Ddp {
+                buffer_dp: per_stage / grid,
+                ..ddp.clone()
+            })
+        }
+        None => None,
+    };
     for (rank, pp_rank, path) in optim {
         let path = path.as_ref().expect("checked above");
         let model = files
@@ -571,6 +664,7 @@ pub(crate) fn attach(
         let params: Vec<Param> = model
             .tensors()
             .iter()
+            .filter(|t| !super::is_buffer_name(&t.name))
             .map(|t| Param {
                 name: t.name.clone(),
                 // Only non-layer names are compared (the shared embedding), and those
@@ -581,8 +675,27 @@ pub(crate) fn attach(
                 chunk: 0,
             })
             .collect();
-        let layout = buffer_layout(&params, &ddp, *pp_rank, pp)?;
-        let f = read(path, &params, &layout)?;
+        let f = match &expert_ddp {
+            None => {
+                let layout = buffer_layout(&params, &ddp, *pp_rank, pp)?;
+                read(path, &[Some((&params, &layout))])?
+            }
+            Some(expert_ddp) => {
+                // A ChainedOptimizer of the dense and the expert parameters
+                // (DistributedDataParallel's `allreduce == False` ones), each in module
+                // order; a directory holds the dense ones where it is their
+                // data-parallel rank 0's (expert-parallel rank 0).
+                let (expert, dense): (Vec<Param>, Vec<Param>) = params
+                    .iter()
+                    .cloned()
+                    .partition(|p| super::is_expert_name(&p.name));
+                let dense_layout = buffer_layout(&dense, &ddp, *pp_rank, pp)?;
+                let expert_layout = buffer_layout(&expert, expert_ddp, *pp_rank, pp)?;
+                let dense_part = (!dense.is_empty()).then_some((&dense[..], &dense_layout));
+                let expert_part = (!expert.is_empty()).then_some((&expert[..], &expert_layout));
+                read(path, &[dense_part, expert_part])?
+            }
+        };
         for p in &params {
             let Some(base) = strategy.tensors.get(&p.name).cloned() else {
                 continue;
@@ -619,6 +732,7 @@ mod tests {
         Ddp {
             bucket_size: bucket,
             dp: 2,
+            buffer_dp: 2,
             overlap_grad_reduce: bucket.is_some(),
             gather_with_step: false,
             tied: false,
