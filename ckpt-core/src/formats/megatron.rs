@@ -904,9 +904,9 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
         &first_file,
         pp,
         args.vp,
-        args.moe
-            .experts
-            .map(|_| optim::ExpertParallel { tp, etp, ep }),
+        // megatron-core marks experts `allreduce = False` (their own optimizer) only
+        // when expert-parallel (`expert_model_parallel_size > 1`).
+        (args.moe.experts.is_some() && ep > 1).then_some(optim::ExpertParallel { tp, etp, ep }),
         |rank| {
             let (t, stage) = (rank % tp, rank / tp);
             dir.join(name_of(t, stage / ep, stage % ep)).join(RANK_FILE)

@@ -358,13 +358,15 @@ pub(crate) fn read(path: &Path, parts: &[Option<(&[Param], &BufferLayout)>]) -> 
     // list (`None` for those this rank is not data-parallel rank 0 of).
     let roots: Vec<&Value> = match &root {
         Value::List(v) if v.len() == 1 && parts.len() == 1 => vec![&v[0]],
-        Value::List(v) if parts.len() == 1 => return Err(Error::Unsupported {
-            problem: format!(
+        Value::List(v) if parts.len() == 1 => {
+            return Err(Error::Unsupported {
+                problem: format!(
                 "{}: the states of {} chained optimizers (several parameter dtypes): not read yet",
                 path.display(),
                 v.len()
             ),
-        }),
+            })
+        }
         Value::List(v) => v.iter().collect(),
         v => vec![v],
     };
