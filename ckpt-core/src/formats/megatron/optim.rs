@@ -666,7 +666,7 @@ pub(crate) fn attach(
         let params: Vec<Param> = model
             .tensors()
             .iter()
-            .filter(|t| !super::is_buffer_name(&t.name))
+            .filter(|t| !super::names::is_buffer_name(&t.name))
             .map(|t| Param {
                 name: t.name.clone(),
                 // Only non-layer names are compared (the shared embedding), and those
@@ -690,7 +690,7 @@ pub(crate) fn attach(
                 let (expert, dense): (Vec<Param>, Vec<Param>) = params
                     .iter()
                     .cloned()
-                    .partition(|p| super::is_expert_name(&p.name));
+                    .partition(|p| super::names::is_expert_name(&p.name));
                 let dense_layout = buffer_layout(&dense, &ddp, *pp_rank, pp)?;
                 let expert_layout = buffer_layout(&expert, expert_ddp, *pp_rank, pp)?;
                 let dense_part = (!dense.is_empty()).then_some((&dense[..], &dense_layout));
