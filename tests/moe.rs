@@ -26,6 +26,39 @@ fn reference(name: &str) -> BTreeMap<String, Vec<u8>> {
     full_tensors(&case(name).join("reference.safetensors"))
 }
 
+/// `ckpt reshard SRC --format megatron --mesh MESH [extra] -o <name>` then its merge
+/// (vocabulary padding kept): the output directory and the merged tensors.
+fn megatron_reshard_merged(
+    d: &Dir,
+    src: &Path,
+    mesh: &str,
+    extra: &[&str],
+    name: &str,
+) -> (PathBuf, BTreeMap<String, Vec<u8>>) {
+    let out = d.path(name);
+    let mut args = vec![
+        "reshard",
+        src.to_str().unwrap(),
+        "--format",
+        "megatron",
+        "--mesh",
+        mesh,
+        "-o",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    d.ok(&args);
+    let merged = d.path(&format!("{name}.merged"));
+    d.ok(&[
+        "merge",
+        out.to_str().unwrap(),
+        "-o",
+        merged.to_str().unwrap(),
+        "--keep-vocab-padding",
+    ]);
+    (out, full_tensors(&merged))
+}
+
 /// EP2 with TP1 (a shared expert and router expert bias), EP2 x TP2, EP2 x PP2
 /// (`mp_rank_00_PPP_EEE`), EP4, EP1, EP2 with expert TP 1 under TP 2 (two directories,
 /// not four), and megatron-core's GroupedMLP (merged into the grouped weights an EP1
@@ -377,60 +410,31 @@ fn expert_parallel_reshards_write_megatrons_directories() {
             ],
         ),
     ] {
-        let out = d.path(&format!("{c}-{mesh}"));
-        d.ok(&[
-            "reshard",
-            case(c).join("legacy").to_str().unwrap(),
-            "--format",
-            "megatron",
-            "--mesh",
+        let (out, got) = megatron_reshard_merged(
+            &d,
+            &case(c).join("legacy"),
             mesh,
-            "-o",
-            out.to_str().unwrap(),
-        ]);
+            &[],
+            &format!("{c}-{mesh}"),
+        );
         let mut found: Vec<String> = std::fs::read_dir(out.join("iter_0000001"))
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         found.sort();
         assert_eq!(found, dirs, "{c} to {mesh}");
-        let merged = d.path(&format!("{c}-{mesh}.merged"));
-        d.ok(&[
-            "merge",
-            out.to_str().unwrap(),
-            "-o",
-            merged.to_str().unwrap(),
-            "--keep-vocab-padding",
-        ]);
-        let (got, want) = (full_tensors(&merged), reference(c));
-        assert_same_tensors(&got, &want, &format!("{c} to {mesh}"));
+        assert_same_tensors(&got, &reference(c), &format!("{c} to {mesh}"));
     }
     // Written again on its own grid (GroupedMLP under TP 2: two of the four (tp, ep)
     // directories), each file's RNG state from the same rank.
-    let again = d.path("grouped-again");
-    d.ok(&[
-        "reshard",
-        d.path("ep2grouped-ep=2,tp=2").to_str().unwrap(),
-        "--format",
-        "megatron",
-        "--mesh",
+    let (_, got) = megatron_reshard_merged(
+        &d,
+        &d.path("ep2grouped-ep=2,tp=2"),
         "ep=2,tp=2",
-        "-o",
-        again.to_str().unwrap(),
-    ]);
-    let merged = d.path("grouped-again.merged");
-    d.ok(&[
-        "merge",
-        again.to_str().unwrap(),
-        "-o",
-        merged.to_str().unwrap(),
-        "--keep-vocab-padding",
-    ]);
-    assert_same_tensors(
-        &full_tensors(&merged),
-        &reference("ep2grouped"),
-        "grouped again",
+        &[],
+        "grouped-again",
     );
+    assert_same_tensors(&got, &reference("ep2grouped"), "grouped again");
     // Experts that do not divide, a dense model given an expert-parallel size.
     let o = d.fails(&[
         "reshard",
@@ -832,28 +836,8 @@ fn distributed_optimizer_with_experts_merges_to_the_optimizers_own_state() {
         "x",
     ]);
     assert!(o.stderr.contains("--exclude 'optim.*'"), "{}", o.stderr);
-    let ep4 = d.path("ep4");
-    d.ok(&[
-        "reshard",
-        src.to_str().unwrap(),
-        "--format",
-        "megatron",
-        "--mesh",
-        "ep=4",
-        "--exclude",
-        "optim.*",
-        "-o",
-        ep4.to_str().unwrap(),
-    ]);
-    let back = d.path("ep4.merged");
-    d.ok(&[
-        "merge",
-        ep4.to_str().unwrap(),
-        "-o",
-        back.to_str().unwrap(),
-        "--keep-vocab-padding",
-    ]);
-    assert_same_tensors(&full_tensors(&back), &reference("ep2dp4_distopt"), "to EP4");
+    let (_, back) = megatron_reshard_merged(&d, &src, "ep=4", &["--exclude", "optim.*"], "ep4");
+    assert_same_tensors(&back, &reference("ep2dp4_distopt"), "to EP4");
     // EP rank 1's directory given EP rank 0's state (dense and expert): named.
     copy_dir(&src, &d.path("swapped"));
     let iter = d.path("swapped/iter_0000001");
