@@ -93,7 +93,7 @@ impl ExpertLayout {
     fn of(args: &megatron::Args) -> ExpertLayout {
         ExpertLayout {
             ep: args.moe.ep,
-            whole: args.moe.grouped_gemm || (args.moe.etp == Some(1) && args.tp > 1),
+            whole: args.moe.grouped_gemm || args.expert_tp() != args.tp,
         }
     }
 }
@@ -155,7 +155,7 @@ pub fn megatron_legacy_plan_ep(
         Some(e) => e / ep,
     };
     let moe = &state.args.moe;
-    let same_etp = moe.experts.is_none() || moe.etp.unwrap_or(state.args.tp) == out_etp;
+    let same_etp = moe.experts.is_none() || state.args.expert_tp() == out_etp;
     let same_grid = (state.args.tp, state.args.pp, state.args.moe.ep) == (tp, pp, ep)
         && same_etp
         && source.imported.is_none();
@@ -213,12 +213,17 @@ pub fn megatron_legacy_plan_ep(
                     }
                 });
                 for t in &mut g.tensors {
-                    if let Some((rows, stored)) =
-                        megatron::grouped_rows(&t.target.name, &state.args, ep, e)?
-                    {
+                    let split = megatron::grouped_split(&t.target.name, &state.args, ep, e)
+                        .map_err(|problem| Error::InvalidTensor {
+                            tensor: t.target.name.clone(),
+                            problem,
+                        })?;
+                    if let Some(split) = split {
+                        let rows = t.rows(split.rows.clone());
                         *t = TensorPlan {
-                            stored_shape: stored,
-                            ..t.rows(rows)
+                            stored_shape: (split.stored != rows.target.shape)
+                                .then_some(split.stored),
+                            ..rows
                         };
                     }
                 }

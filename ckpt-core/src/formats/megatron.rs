@@ -119,13 +119,11 @@ impl RankDirs {
 }
 
 /// What ckpt reads from one legacy rank file: its dense tensors (placed as those of
-/// `dense_rank`, the mesh rank of expert-parallel rank 0 with the same TP and PP
-/// coordinates), its experts, or both.
+/// [`Args::dense_rank`]), its experts, or both.
 #[derive(Clone, Copy, Debug)]
 struct Reads {
     dense: bool,
     experts: bool,
-    dense_rank: u64,
 }
 
 /// Whether `dir` is a Megatron legacy checkpoint: a save directory (with the tracker
@@ -391,6 +389,16 @@ impl Args {
         rank / per_stage * per_stage + rank % self.tp
     }
 
+    /// The expert tensor-parallel size the experts were split over: args'
+    /// `expert_tensor_parallel_size` in a model with experts, else (and where unset)
+    /// the tensor-parallel size.
+    pub(crate) fn expert_tp(&self) -> u64 {
+        match (self.moe.experts, self.moe.etp) {
+            (Some(_), Some(etp)) => etp,
+            _ => self.tp,
+        }
+    }
+
     pub(crate) fn kv(&self) -> Option<u64> {
         self.kv_channels
             .or_else(|| Some(self.hidden? / self.heads?))
@@ -483,19 +491,13 @@ fn rule(name: &str, args: &Args) -> Option<(Split, Stage, Option<Vec<u64>>)> {
             "mlp.linear_fc2.weight" => (row, shape(&[h, ffn])),
             // megatron-core's GroupedMLP: the grouped weights of all experts, whole on
             // every TP rank (expert TP 1; docs/moe.md).
-            "mlp.experts.weight1" => {
-                let f1 = args.moe.expert_ffn(ffn).and_then(|f| f.checked_mul(gate));
-                let n = args.moe.experts.zip(f1).and_then(|(e, f)| e.checked_mul(f));
-                (Split::Replicated, shape(&[h, n]))
-            }
-            "mlp.experts.weight2" => {
-                let n = args
-                    .moe
-                    .experts
-                    .zip(args.moe.expert_ffn(ffn))
-                    .and_then(|(e, f)| e.checked_mul(f));
-                (Split::Replicated, shape(&[n, h]))
-            }
+            "mlp.experts.weight1" | "mlp.experts.weight2" => (
+                Split::Replicated,
+                grouped_split(name, args, 1, 0)
+                    .ok()
+                    .flatten()
+                    .map(|g| g.global),
+            ),
             "mlp.router.weight" => (Split::Replicated, shape(&[args.moe.experts, h])),
             "mlp.router.expert_bias" => (Split::Replicated, shape(&[args.moe.experts])),
             "mlp.shared_experts.gate_weight" => (Split::Replicated, shape(&[Some(1), h])),
@@ -707,10 +709,7 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
             args.moe.experts
         )));
     }
-    let etp = match args.moe.etp {
-        Some(etp) if args.moe.experts.is_some() && etp != tp => etp,
-        _ => tp,
-    };
+    let etp = args.expert_tp();
     if etp != tp && etp != 1 {
         return Err(unsupported(format!(
             "args.expert_tensor_parallel_size {etp} with tensor_model_parallel_size {tp}: experts split over another number of ranks than the dense layers are read when that number is 1 (whole experts) or the tensor-parallel size, not yet otherwise"
@@ -841,7 +840,6 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
                 let reads = Reads {
                     dense: dirs.dense_from(t) == e,
                     experts: dirs.experts_from(t, e),
-                    dense_rank: p * ep * tp + t,
                 };
                 let f = read_rank(
                     &file,
@@ -1033,17 +1031,23 @@ fn read_rank(
                 // TP rank holds (expert TP 1).
                 continue;
             }
-            if is_grouped_weight(&global) {
-                let (shape, start, layout) =
-                    grouped_piece(&global, &t.shape, t.dtype, args, ep_rank).map_err(&bad)?;
-                let layout = if has_stage_axis {
-                    layout.with_stage(stage_of(false))
-                } else {
-                    layout
-                };
+            if let Some(g) = grouped_split(&global, args, args.moe.ep, ep_rank).map_err(&bad)? {
+                // A piece placed by the reader: this rank's rows of the grouped weight
+                // (the same bytes), whole on every TP rank (expert TP 1).
+                if t.shape != g.stored {
+                    return Err(bad(format!(
+                        "holds {:?}, but args give each of {} expert-parallel ranks {:?}",
+                        t.shape, args.moe.ep, g.stored
+                    )));
+                }
+                let placements = vec![Placement::Replicate; usize::from(has_stage_axis) + 1];
+                let mut layout = TensorLayout::new(g.global.clone(), t.dtype, placements);
+                if has_stage_axis {
+                    layout = layout.with_stage(stage_of(false));
+                }
                 insert_layout(strategy, &global, layout, pp_rank).map_err(&at)?;
-                t.shape = shape;
-                t.offsets = Some(start);
+                t.shape = g.rows_shape();
+                t.offsets = Some(vec![g.rows.start, 0]);
                 t.name = global;
                 entries.push(t);
                 continue;
@@ -1074,7 +1078,7 @@ fn read_rank(
                 )));
             }
             // Expert TP 1 under TP > 1: every expert whole in the file.
-            let split = if expert && args.moe.etp == Some(1) && rules.find(&global).is_none() {
+            let split = if expert && args.expert_tp() != args.tp && rules.find(&global).is_none() {
                 Split::Replicated
             } else {
                 split
@@ -1111,7 +1115,7 @@ fn read_rank(
             if has_stage_axis {
                 layout = layout.with_stage(stage_of(expert));
             }
-            let placed_at = if expert { rank } else { reads.dense_rank };
+            let placed_at = if expert { rank } else { args.dense_rank(rank) };
             if layout.local_shape(mesh, placed_at).as_deref() != Some(&t.shape[..]) {
                 return Err(bad(by(format!(
                     "holds {:?}, but a {split:?} split of {shape:?} over {} ranks gives rank tp={tp_rank} another shape",
@@ -1152,65 +1156,6 @@ fn insert_layout(
         Some(_) => Ok(()),
         None => strategy.insert(name.to_string(), layout),
     }
-}
-
-/// Where expert-parallel rank `ep_rank`'s `GroupedMLP` weight (`stored` shape) lies in
-/// the grouped weight of all experts, which is what an EP 1 model holds (docs/moe.md,
-/// "The legacy grouped GEMM layer"): the EP ranks' memory back to back. `weight2`
-/// `[E_l*F, H]` is rows `ep*E_l*F..` of `[E*F, H]`; `weight1` `[H, E_l*F1]` is read as
-/// its memory is, `H/EP` rows of `[H, E*F1]` (the caller checked that EP divides H).
-/// Returns the piece's shape and start there, and the grouped tensor's layout (whole,
-/// on every TP rank: expert TP 1).
-fn grouped_piece(
-    name: &str,
-    stored: &[u64],
-    dtype: Dtype,
-    args: &Args,
-    ep_rank: u64,
-) -> std::result::Result<(Vec<u64>, Vec<u64>, TensorLayout), String> {
-    let (ep, gate) = (args.moe.ep, if args.swiglu { 2 } else { 1 });
-    let dense_ffn = args
-        .ffn_hidden
-        .or_else(|| args.hidden.and_then(|h| h.checked_mul(4)));
-    let sizes = (|| {
-        let h = args.hidden?;
-        let e = args.moe.experts?;
-        let f = args.moe.expert_ffn(dense_ffn)?;
-        let local = args.moe.local_experts()?;
-        Some((h, e, f, f.checked_mul(gate)?, local))
-    })();
-    let Some((h, e, f, f1, local)) = sizes else {
-        return Err(format!(
-            "a GroupedMLP weight, but args lack hidden_size, num_experts or the FFN size ({:?}, {:?}, {:?})",
-            args.hidden, args.moe.experts, args.moe.ffn.or(dense_ffn)
-        ));
-    };
-    let too_big = || format!("the grouped size of {e} experts overflows");
-    let (want, global, shape, start) = if name.ends_with("weight1") {
-        let rows = h / ep;
-        (
-            vec![h, local.checked_mul(f1).ok_or_else(too_big)?],
-            vec![h, e.checked_mul(f1).ok_or_else(too_big)?],
-            vec![rows, e * f1],
-            vec![ep_rank * rows, 0],
-        )
-    } else {
-        let rows = local.checked_mul(f).ok_or_else(too_big)?;
-        (
-            vec![rows, h],
-            vec![e.checked_mul(f).ok_or_else(too_big)?, h],
-            vec![rows, h],
-            vec![ep_rank * rows, 0],
-        )
-    };
-    if stored != want {
-        return Err(format!(
-            "holds {stored:?}, but args give each of {ep} expert-parallel ranks {want:?} ({local} local experts, FFN {f}{}, hidden {h})",
-            if gate == 2 { " x 2 for SwiGLU" } else { "" }
-        ));
-    }
-    let replicated = vec![Placement::Replicate; usize::from(args.pp > 1 || ep > 1) + 1];
-    Ok((shape, start, TensorLayout::new(global, dtype, replicated)))
 }
 
 /// A dist_ckpt's stacked layer tensors (`decoder.layers.<param>`, `[layers, ...]`: the
@@ -1930,29 +1875,43 @@ pub(crate) fn local_expert_name(name: &str, ep: u64, per: u64) -> Option<String>
     (g / per == ep).then(|| format!("{}{}.{tail}", &name[..at], g % per))
 }
 
-/// Rows of a GroupedMLP weight, and the shape a file records them with (`None`: theirs).
-pub(crate) type GroupedRows = (std::ops::Range<u64>, Option<Vec<u64>>);
+/// Where expert-parallel rank `e` of `ep` keeps a GroupedMLP weight
+/// (`…mlp.experts.weight1`/`weight2`) in the grouped weight of all experts, which an
+/// EP 1 model holds (docs/moe.md, "The legacy grouped GEMM layer"): the ranks' memory
+/// back to back. `weight2` `[E_l*F, H]` is rows `e*E_l*F..` of `[E*F, H]`; `weight1`
+/// `[H, E_l*F1]` is, as its memory is, rows `e*H/EP..` of `[H, E*F1]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct GroupedSplit {
+    /// The grouped weight's shape.
+    pub(crate) global: Vec<u64>,
+    /// The rank's rows of it.
+    pub(crate) rows: std::ops::Range<u64>,
+    /// The shape the rank's file records (GroupedMLP's parameter).
+    pub(crate) stored: Vec<u64>,
+}
 
-/// The rows of a GroupedMLP weight (`…mlp.experts.weight1`/`weight2`, the grouped
-/// weights of all experts) that expert-parallel rank `e` of `ep` holds, and the shape
-/// its file records when that is not the rows' (docs/moe.md, "The legacy grouped GEMM
-/// layer"): `weight2` `[E*F, H]` rows `e*E_l*F..`; `weight1` `[H, E*F1]` rows
-/// `e*H/EP..`, recorded `[H, E_l*F1]`. `None` for any other tensor.
+impl GroupedSplit {
+    /// The shape of the rank's rows.
+    pub(crate) fn rows_shape(&self) -> Vec<u64> {
+        vec![self.rows.end - self.rows.start, self.global[1]]
+    }
+}
+
+/// [`GroupedSplit`] of `name` for expert-parallel rank `e` of `ep`, `None` for a tensor
+/// that is not a GroupedMLP weight.
 ///
 /// # Errors
-/// A hidden size that `ep` does not divide; args without the sizes.
-pub(crate) fn grouped_rows(
+/// Args without the sizes; experts or (for `weight1`) a hidden size that `ep` does not
+/// divide; sizes that overflow.
+pub(crate) fn grouped_split(
     name: &str,
     args: &Args,
     ep: u64,
     e: u64,
-) -> Result<Option<GroupedRows>> {
+) -> std::result::Result<Option<GroupedSplit>, String> {
     if !is_grouped_weight(name) {
         return Ok(None);
     }
-    let bad = |problem: String| Error::Unsupported {
-        problem: format!("tensor `{name}`: {problem}"),
-    };
     let gate = if args.swiglu { 2 } else { 1 };
     let dense_ffn = args
         .ffn_hidden
@@ -1962,34 +1921,40 @@ pub(crate) fn grouped_rows(
         args.moe.experts,
         args.moe.expert_ffn(dense_ffn),
     ) else {
-        return Err(bad(
-            "args lack hidden_size, num_experts or the FFN size".into()
+        return Err(format!(
+            "a GroupedMLP weight, but args lack hidden_size, num_experts or the FFN size ({:?}, {:?}, {:?})",
+            args.hidden, args.moe.experts, args.moe.ffn.or(dense_ffn)
         ));
     };
     if ep == 0 || experts % ep != 0 {
-        return Err(bad(format!(
+        return Err(format!(
             "{experts} experts do not divide into {ep} expert-parallel ranks"
-        )));
+        ));
     }
     let local = experts / ep;
-    if name.ends_with("weight1") {
+    let too_big = || format!("the grouped size of {experts} experts overflows");
+    let mul = |a: u64, b: u64| a.checked_mul(b).ok_or_else(too_big);
+    let split = if name.ends_with("weight1") {
         if h % ep != 0 {
-            return Err(bad(format!(
-                "GroupedMLP's weight1 of expert-parallel size {ep}: hidden_size {h} does not divide by it, so a rank's weight1 is not rows of the grouped one (not written yet)"
-            )));
+            return Err(format!(
+                "GroupedMLP's weight1 at expert-parallel size {ep}: hidden_size {h} does not divide by it, so a rank's weight1 is not rows of the grouped one (not read or written yet)"
+            ));
         }
-        let rows = h / ep;
-        let stored = local
-            .checked_mul(f)
-            .and_then(|n| n.checked_mul(gate))
-            .ok_or_else(|| bad("the size overflows".into()))?;
-        Ok(Some((e * rows..(e + 1) * rows, Some(vec![h, stored]))))
+        let (rows, f1) = (h / ep, mul(f, gate)?);
+        GroupedSplit {
+            global: vec![h, mul(experts, f1)?],
+            rows: e * rows..(e + 1) * rows,
+            stored: vec![h, mul(local, f1)?],
+        }
     } else {
-        let rows = local
-            .checked_mul(f)
-            .ok_or_else(|| bad("the size overflows".into()))?;
-        Ok(Some((e * rows..(e + 1) * rows, None)))
-    }
+        let rows = mul(local, f)?;
+        GroupedSplit {
+            global: vec![mul(experts, f)?, h],
+            rows: e * rows..(e + 1) * rows,
+            stored: vec![rows, h],
+        }
+    };
+    Ok(Some(split))
 }
 
 /// The strategy a mixture-of-experts Megatron checkpoint is written back with: every
