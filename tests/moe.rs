@@ -720,6 +720,9 @@ fn moe_outputs_do_not_depend_on_the_thread_count() {
     let titan = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/torchtitan/llama");
     let titan_config = titan.join("config.json");
     let titan_dcp = titan.join("dcp");
+    let grouped = case("ep2grouped").join("legacy");
+    let etp1 = case("ep2tp2etp1").join("legacy");
+    let distopt = case("ep2dp4_distopt").join("legacy");
     for (args, out) in [
         (vec!["merge", src.to_str().unwrap()], "merged"),
         (
@@ -767,6 +770,40 @@ fn moe_outputs_do_not_depend_on_the_thread_count() {
             ],
             "ds-ep4",
         ),
+        (
+            vec![
+                "reshard",
+                grouped.to_str().unwrap(),
+                "--format",
+                "megatron",
+                "--mesh",
+                "ep=4",
+            ],
+            "grouped-ep4",
+        ),
+        (
+            vec![
+                "reshard",
+                grouped.to_str().unwrap(),
+                "--format",
+                "megatron",
+                "--mesh",
+                "ep=2,tp=2",
+            ],
+            "grouped-tp2",
+        ),
+        (
+            vec![
+                "reshard",
+                etp1.to_str().unwrap(),
+                "--format",
+                "megatron",
+                "--mesh",
+                "ep=2,tp=2",
+            ],
+            "etp1",
+        ),
+        (vec!["merge", distopt.to_str().unwrap()], "distopt"),
     ] {
         let mut trees = Vec::new();
         for threads in [1, 4] {
