@@ -10,10 +10,11 @@
 //!   a fixed budget; where `userfaultfd` is not allowed, [`materialize`] streams the
 //!   object into its placeholder first.
 //! - **Writing** ([`Output`]): an output URL is written to a local staging directory by
-//!   the ordinary writers, then published: every large file as a multipart upload whose
-//!   parts go in parallel and which completes only when all are sent, small files as
-//!   single atomic puts, and each format's entry file (the index, `.metadata`,
-//!   `latest`) last; a journal beside the output lets the next run clean up after a
+//!   the ordinary writers, whose whole parts go up as multipart-upload parts while they
+//!   write (and leave the disk: [`stream_file`]); then it is published: the rest of
+//!   every part sent, each upload completed only when all its parts are, small files
+//!   as single atomic puts, and each format's entry file (the index, `.metadata`,
+//!   `latest`) last; journals beside the output let the next run clean up after a
 //!   killed one (docs/storage.md).
 //! - **Where**: [`ObjectUrl`] parses the URLs; the stores are Apache Arrow's
 //!   `object_store`, configured the way users already configure them (the AWS variables
@@ -26,6 +27,7 @@ pub mod paged;
 pub use crate::paged::Paged;
 mod publish;
 mod store;
+mod stream;
 
 pub use crate::error::{Error, Result};
 pub use crate::location::{is_url, ObjectUrl};
@@ -37,3 +39,4 @@ pub use crate::publish::{
     commit_staged, prepare_staged, stage_files, Output, COMMIT_LAST, PART_BYTES, UPLOADS,
 };
 pub use crate::store::set_fatal_hook;
+pub use crate::stream::{alias_dir, stream_file, unalias_dir, FileStream, STREAM_UPLOADS};

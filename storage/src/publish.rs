@@ -1,26 +1,29 @@
 //! Outputs at a URL: written locally by the ordinary writers (each file committed by
-//! its own rename), then published so that the checkpoint appears complete or not at
-//! all to a reader that opens it by its entry file.
+//! its own rename; whole parts already sent while they write, [`crate::stream`]), then
+//! published so that the checkpoint appears complete or not at all to a reader that
+//! opens it by its entry file.
 //!
-//! 1. A journal (`<output>.ckpt-partial.json`, beside the output prefix, never under
-//!    it) lists the uploads about to be made; a journal left by a killed run is
-//!    acted on first: its uploads aborted, the objects it had completed deleted.
-//! 2. Every file larger than [`PART_BYTES`] becomes a multipart upload; all parts of
-//!    all files go up in parallel ([`UPLOADS`] at a time), and nothing is visible
+//! 1. Journals (`<output>.ckpt-partial/*.json`, beside the output prefix, never under
+//!    it) name the uploads made; those left by a killed run are acted on when the
+//!    output is opened: their uploads aborted, the objects they had completed deleted.
+//! 2. Every file larger than [`PART_BYTES`] is a multipart upload; the parts not sent
+//!    while writing go up in parallel ([`UPLOADS`] at a time), and nothing is visible
 //!    while parts are uploaded.
 //! 3. The uploads are completed and the small files put (each atomic), the files
 //!    named in [`COMMIT_LAST`] (what readers open first: the index, `.metadata`,
 //!    `latest`) after all the others.
 //! 4. Objects of an older output at the prefix that the new one does not have are
-//!    deleted (only with `force`), and the journal is deleted.
+//!    deleted (only with `force`), and the journals are deleted.
 
 use crate::error::{Error, IoAt, Result};
 use crate::location::ObjectUrl;
 use crate::store::{block_on, store_for, Store};
+use crate::stream::{StreamedUpload, Streaming};
 use futures::{StreamExt, TryStreamExt};
 use object_store::multipart::PartId;
 use object_store::path::Path as Key;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -51,6 +54,12 @@ pub struct Output {
     local: PathBuf,
     staging: Option<PathBuf>,
     force: bool,
+    /// A killed run's journals were found (and acted on) when the output was opened:
+    /// objects at the prefix are its leftovers, not an output to refuse.
+    had_journal: bool,
+    /// The uploads of the files' parts made while they are written.
+    stream: Option<Arc<Streaming>>,
+    published: std::sync::atomic::AtomicBool,
 }
 
 impl Output {
@@ -65,6 +74,9 @@ impl Output {
                 local: path.to_path_buf(),
                 staging: None,
                 force,
+                had_journal: false,
+                stream: None,
+                published: std::sync::atomic::AtomicBool::new(false),
             });
         }
         let url = ObjectUrl::parse(path)?;
@@ -74,24 +86,17 @@ impl Output {
                 problem: "http(s) URLs are read-only: write to s3://, gs:// or az://".into(),
             });
         }
-        if !force {
-            let store = store_for(&url)?;
+        // A killed run's journals first (its uploads aborted, what it completed deleted):
+        // this run's parts go up while it writes, so the clean-up cannot wait for the
+        // publish.
+        let store = store_for(&url)?;
+        let had_journal = clean_up(&store, &url)?;
+        if !force && !had_journal {
             let prefix = Key::from(url.key());
             let any =
                 block_on(async { store.objects.list(Some(&prefix)).next().await.transpose() })
                     .map_err(|e| Error::from_store(&url.to_string(), e))?;
-            let journal = block_on(async {
-                store
-                    .objects
-                    .list(Some(&journal_prefix(&url)))
-                    .next()
-                    .await
-                    .transpose()
-            })
-            .ok()
-            .flatten()
-            .is_some();
-            if any.is_some() && !journal {
+            if any.is_some() {
                 return Err(Error::Exists {
                     url: url.to_string(),
                 });
@@ -100,11 +105,15 @@ impl Output {
         let staging = crate::mirror::tempdir()?;
         let local = staging.join(url.name());
         crate::mirror::name_root(&local, &url.to_string());
+        let stream = Streaming::start(&url, store, &local);
         Ok(Output {
             url: Some(url),
             local,
             staging: Some(staging),
             force,
+            had_journal,
+            stream,
+            published: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -137,12 +146,44 @@ impl Output {
             return Ok(());
         };
         let store = store_for(url)?;
-        publish_tree(&store, url, &self.local, self.force)
+        let (streamed, stream_journals) = match &self.stream {
+            Some(s) => {
+                s.unregister();
+                let done = s.finish();
+                let journals = s.journals();
+                (done, journals)
+            }
+            None => (Ok(HashMap::new()), Vec::new()),
+        };
+        let result = streamed.and_then(|streamed| {
+            publish_tree(
+                &store,
+                url,
+                &self.local,
+                self.force,
+                self.had_journal,
+                &streamed,
+                &stream_journals,
+            )
+        });
+        if result.is_err() {
+            // Nothing of this output stays: the uploads aborted, what completed deleted.
+            let _ = clean_up(&store, url);
+        }
+        self.published
+            .store(true, std::sync::atomic::Ordering::Release);
+        result
     }
 }
 
 impl Drop for Output {
     fn drop(&mut self) {
+        if let Some(s) = &self.stream {
+            s.unregister();
+            if !self.published.load(std::sync::atomic::Ordering::Acquire) {
+                s.abandon();
+            }
+        }
         if let Some(s) = &self.staging {
             let _ = std::fs::remove_dir_all(s);
         }
@@ -168,6 +209,30 @@ fn journal_prefix(url: &ObjectUrl) -> Key {
 
 fn journal_key(url: &ObjectUrl, writer: u64) -> Key {
     Key::from(format!("{}.ckpt-partial/{writer}.json", url.key()))
+}
+
+/// The journal of the `n`th upload the CLI's writer started while writing
+/// ([`crate::stream`]).
+pub(crate) fn stream_journal_key(url: &ObjectUrl, n: usize) -> Key {
+    Key::from(format!("{}.ckpt-partial/0.stream-{n}.json", url.key()))
+}
+
+/// A journal naming `objects` (key, multipart upload id). `abort_only`: the objects
+/// are not being completed yet, so the clean-up aborts the uploads and leaves whatever
+/// object has the key (an older output's, with `--force`) alone.
+pub(crate) fn journal_text(objects: &[(&str, Option<&str>)], abort_only: bool) -> Vec<u8> {
+    serde_json::json!({
+        "what": JOURNAL_WHAT,
+        "objects": objects.iter().map(|(k, id)| {
+            let mut e = serde_json::json!({"key": k, "upload": id});
+            if abort_only {
+                e["abort_only"] = serde_json::Value::Bool(true);
+            }
+            e
+        }).collect::<Vec<_>>(),
+    })
+    .to_string()
+    .into_bytes()
 }
 
 fn files(local: &Path, url: &ObjectUrl) -> Result<Vec<Upload>> {
@@ -247,6 +312,9 @@ fn clean_up(store: &Store, url: &ObjectUrl) -> Result<bool> {
                 {
                     let _ = mp.abort_multipart(&key, &id.to_string()).await;
                 }
+                if e.get("abort_only").and_then(serde_json::Value::as_bool) == Some(true) {
+                    continue;
+                }
                 match store.objects.delete(&key).await {
                     Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                     Err(e) => return Err(Error::from_store(&shown(url, &key), e)),
@@ -262,8 +330,25 @@ fn clean_up(store: &Store, url: &ObjectUrl) -> Result<bool> {
     Ok(!journals.is_empty())
 }
 
-fn publish_tree(store: &Arc<Store>, url: &ObjectUrl, local: &Path, force: bool) -> Result<()> {
-    let had_journal = clean_up(store, url)?;
+/// One large file's multipart upload in the publish: its id, its part size, and the
+/// parts already sent while it was written (by index).
+struct Multipart<'a> {
+    upload: &'a Upload,
+    id: String,
+    part: u64,
+    done: HashMap<u64, PartId>,
+}
+
+#[allow(clippy::too_many_lines)]
+pub(crate) fn publish_tree(
+    store: &Arc<Store>,
+    url: &ObjectUrl,
+    local: &Path,
+    force: bool,
+    had_journal: bool,
+    streamed: &HashMap<PathBuf, StreamedUpload>,
+    stream_journals: &[Key],
+) -> Result<()> {
     let uploads = files(local, url)?;
     let prefix = Key::from(url.key());
     let existing: Vec<Key> = block_on(
@@ -282,7 +367,7 @@ fn publish_tree(store: &Arc<Store>, url: &ObjectUrl, local: &Path, force: bool) 
     let part = PART_BYTES.max(
         uploads
             .iter()
-            .map(|u| u.size.div_ceil(10_000))
+            .map(|u| crate::stream::part_bytes(u.size))
             .max()
             .unwrap_or(0),
     );
@@ -290,129 +375,159 @@ fn publish_tree(store: &Arc<Store>, url: &ObjectUrl, local: &Path, force: bool) 
         url: url.to_string(),
         problem: "this store takes no multipart uploads".into(),
     })?;
-    // 1. The uploads, and the journal that names them.
-    let big: Vec<usize> = (0..uploads.len())
-        .filter(|&i| uploads[i].size > part)
+    // 1. The uploads (those of parts sent while writing exist already), and the journal
+    //    that names them all.
+    let fresh: Vec<&Upload> = uploads
+        .iter()
+        .filter(|u| u.size > part && !streamed.contains_key(&u.local))
         .collect();
     let ids: Vec<String> = block_on(
-        futures::stream::iter(big.iter().map(|&i| {
+        futures::stream::iter(fresh.iter().map(|u| {
             let mp = mp.clone();
-            let key = uploads[i].key.clone();
             async move {
-                mp.create_multipart(&key)
+                mp.create_multipart(&u.key)
                     .await
-                    .map_err(|e| Error::from_store(&shown(url, &key), e))
+                    .map_err(|e| Error::from_store(&shown(url, &u.key), e))
             }
         }))
         .buffered(UPLOADS)
         .try_collect(),
     )?;
-    let journal = serde_json::json!({
-        "what": JOURNAL_WHAT,
-        "objects": uploads.iter().enumerate().map(|(i, u)| {
-            let id = big.iter().position(|&b| b == i).map(|j| ids[j].clone());
-            serde_json::json!({"key": u.key.as_ref(), "upload": id})
-        }).collect::<Vec<_>>(),
-    });
+    let mut multiparts: Vec<Multipart<'_>> = fresh
+        .iter()
+        .zip(ids)
+        .map(|(u, id)| Multipart {
+            upload: u,
+            id,
+            part,
+            done: HashMap::new(),
+        })
+        .collect();
+    for u in &uploads {
+        if let Some(s) = streamed.get(&u.local) {
+            multiparts.push(streamed_parts(u, s)?);
+        }
+    }
+    let named: Vec<(&str, Option<&str>)> = uploads
+        .iter()
+        .map(|u| {
+            let id = multiparts
+                .iter()
+                .find(|m| std::ptr::eq(m.upload, u))
+                .map(|m| m.id.as_str());
+            (u.key.as_ref(), id)
+        })
+        .collect();
     let jk = journal_key(url, 0);
     block_on(
         store
             .objects
-            .put(&jk, PutPayload::from(journal.to_string().into_bytes())),
+            .put(&jk, PutPayload::from(journal_text(&named, false))),
     )
     .map_err(|e| Error::from_store(&shown(url, &jk), e))?;
-    let result = (|| -> Result<()> {
-        // 2. Every part of every large file, in parallel.
-        let sending: Vec<(&Upload, &str)> = big
-            .iter()
-            .zip(&ids)
-            .map(|(&i, id)| (&uploads[i], id.as_str()))
-            .collect();
-        let parts = send_parts(&mp, url, &sending, part)?;
-        // 3. Complete and put: data first, entry files last.
-        for last in [false, true] {
-            block_on(
-                futures::stream::iter(
-                    uploads
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, u)| u.last == last)
-                        .map(|(i, u)| {
-                            let mp = mp.clone();
-                            let objects = store.objects.clone();
-                            let slot = big.iter().position(|&b| b == i);
-                            let (id, ps) = match slot {
-                                Some(j) => (Some(ids[j].clone()), parts[j].to_vec()),
-                                None => (None, Vec::new()),
-                            };
-                            async move {
-                                let sent = match id {
-                                    Some(id) => {
-                                        mp.complete_multipart(&u.key, &id, ps).await.map(|_| ())
-                                    }
-                                    None => {
-                                        let bytes = std::fs::read(&u.local).at(&u.local)?;
-                                        objects
-                                            .put(&u.key, PutPayload::from(bytes))
-                                            .await
-                                            .map(|_| ())
-                                    }
-                                };
-                                sent.map_err(|e| Error::from_store(&shown(url, &u.key), e))
-                            }
-                        }),
-                )
-                .buffer_unordered(UPLOADS)
-                .try_collect::<Vec<()>>(),
-            )?;
-        }
-        Ok(())
-    })();
-    match result {
-        Ok(()) => {
-            // 4. What the old output had and the new one has not; the journal.
-            let new: std::collections::HashSet<&str> =
-                uploads.iter().map(|u| u.key.as_ref()).collect();
-            block_on(async {
-                for k in existing.iter().filter(|k| !new.contains(k.as_ref())) {
-                    let _ = store.objects.delete(k).await;
+    // 2. Every part not sent yet, in parallel.
+    let parts = send_parts(&mp, url, &multiparts)?;
+    // 3. Complete and put: data first, entry files last.
+    for last in [false, true] {
+        block_on(
+            futures::stream::iter(uploads.iter().filter(|u| u.last == last).map(|u| {
+                let mp = mp.clone();
+                let objects = store.objects.clone();
+                let slot = multiparts.iter().position(|m| std::ptr::eq(m.upload, u));
+                let (id, ps) = match slot {
+                    Some(j) => (Some(multiparts[j].id.clone()), parts[j].clone()),
+                    None => (None, Vec::new()),
+                };
+                async move {
+                    let sent = match id {
+                        Some(id) => mp.complete_multipart(&u.key, &id, ps).await.map(|_| ()),
+                        None => {
+                            let bytes = std::fs::read(&u.local).at(&u.local)?;
+                            objects
+                                .put(&u.key, PutPayload::from(bytes))
+                                .await
+                                .map(|_| ())
+                        }
+                    };
+                    sent.map_err(|e| Error::from_store(&shown(url, &u.key), e))
                 }
-                store.objects.delete(&jk).await
-            })
-            .map_err(|e| Error::from_store(&shown(url, &jk), e))
-        }
-        Err(e) => {
-            // Nothing of this output stays: the uploads aborted, what completed deleted.
-            let _ = clean_up(store, url);
-            Err(e)
-        }
+            }))
+            .buffer_unordered(UPLOADS)
+            .try_collect::<Vec<()>>(),
+        )?;
     }
+    // 4. What the old output had and the new one has not; the journals.
+    let new: std::collections::HashSet<&str> = uploads.iter().map(|u| u.key.as_ref()).collect();
+    block_on(async {
+        for k in existing.iter().filter(|k| !new.contains(k.as_ref())) {
+            let _ = store.objects.delete(k).await;
+        }
+        for j in stream_journals {
+            store.objects.delete(j).await?;
+        }
+        store.objects.delete(&jk).await
+    })
+    .map_err(|e| Error::from_store(&shown(url, &jk), e))
 }
 
-/// Sends every part of `files` (each with its upload id) as parts of `part` bytes,
-/// [`UPLOADS`] at a time (memory: that many parts); each file's part ids in order.
+/// The upload of a file some of whose parts went up while it was written: the parts
+/// of its final length that are sent and final are kept; the others (the last, parts
+/// written again) are sent from the staged file, which still holds them.
+fn streamed_parts<'a>(u: &'a Upload, s: &StreamedUpload) -> Result<Multipart<'a>> {
+    let n = u.size.div_ceil(s.part).max(1);
+    let mut done = HashMap::new();
+    for k in 0..n {
+        let full = (k + 1) * s.part <= u.size;
+        match s.done.get(&k) {
+            Some(id) if full => {
+                done.insert(k, id.clone());
+            }
+            _ if s.released.contains(&k) => {
+                return Err(Error::Io {
+                    path: u.local.clone(),
+                    source: std::io::Error::other(format!(
+                        "part {k} was uploaded and released, then changed (the file was cut short)"
+                    )),
+                })
+            }
+            _ => {}
+        }
+    }
+    Ok(Multipart {
+        upload: u,
+        id: s.upload.clone(),
+        part: s.part,
+        done,
+    })
+}
+
+/// Sends every part of every upload that is not in its `done`, [`UPLOADS`] at a time
+/// (memory: that many parts); each upload's part ids in order.
 fn send_parts(
     mp: &Arc<dyn object_store::multipart::MultipartStore>,
     url: &ObjectUrl,
-    files: &[(&Upload, &str)],
-    part: u64,
+    files: &[Multipart<'_>],
 ) -> Result<Vec<Vec<PartId>>> {
     let jobs: Vec<(usize, u64)> = files
         .iter()
         .enumerate()
-        .flat_map(|(j, (u, _))| (0..u.size.div_ceil(part)).map(move |p| (j, p)))
+        .flat_map(|(j, m)| {
+            (0..m.upload.size.div_ceil(m.part).max(1))
+                .filter(|p| !m.done.contains_key(p))
+                .map(move |p| (j, p))
+        })
         .collect();
-    let done: Vec<(usize, u64, PartId)> = block_on(
+    let sent: Vec<(usize, u64, PartId)> = block_on(
         futures::stream::iter(jobs.into_iter().map(|(j, p)| {
             let mp = mp.clone();
-            let (u, id) = files[j];
+            let m = &files[j];
             async move {
-                let start = p * part;
-                let bytes = read_at(&u.local, start, part.min(u.size - start))?;
+                let start = p * m.part;
+                let bytes = read_at(&m.upload.local, start, m.part.min(m.upload.size - start))?;
                 let pid = mp
-                    .put_part(&u.key, &id.to_string(), p as usize, PutPayload::from(bytes))
+                    .put_part(&m.upload.key, &m.id, p as usize, PutPayload::from(bytes))
                     .await
-                    .map_err(|e| Error::from_store(&shown(url, &u.key), e))?;
+                    .map_err(|e| Error::from_store(&shown(url, &m.upload.key), e))?;
                 Ok::<_, Error>((j, p, pid))
             }
         }))
@@ -421,9 +536,13 @@ fn send_parts(
     )?;
     let mut parts: Vec<Vec<Option<PartId>>> = files
         .iter()
-        .map(|(u, _)| vec![None; u.size.div_ceil(part) as usize])
+        .map(|m| {
+            (0..m.upload.size.div_ceil(m.part).max(1))
+                .map(|p| m.done.get(&p).cloned())
+                .collect()
+        })
         .collect();
-    for (j, p, pid) in done {
+    for (j, p, pid) in sent {
         parts[j][p as usize] = Some(pid);
     }
     Ok(parts
@@ -514,23 +633,29 @@ pub fn stage_files(local: &Path, path: &Path, writer: u64) -> Result<String> {
         .buffered(UPLOADS)
         .try_collect(),
     )?;
-    let journal = serde_json::json!({
-        "what": JOURNAL_WHAT,
-        "objects": uploads.iter().zip(&ids).map(|(u, id)| serde_json::json!({"key": u.key.as_ref(), "upload": id})).collect::<Vec<_>>(),
-    });
+    let named: Vec<(&str, Option<&str>)> = uploads
+        .iter()
+        .zip(&ids)
+        .map(|(u, id)| (u.key.as_ref(), Some(id.as_str())))
+        .collect();
     let jk = journal_key(&url, writer);
     block_on(
         store
             .objects
-            .put(&jk, PutPayload::from(journal.to_string().into_bytes())),
+            .put(&jk, PutPayload::from(journal_text(&named, false))),
     )
     .map_err(|e| Error::from_store(&shown(&url, &jk), e))?;
-    let sending: Vec<(&Upload, &str)> = uploads
+    let sending: Vec<Multipart<'_>> = uploads
         .iter()
         .zip(&ids)
-        .map(|(u, id)| (u, id.as_str()))
+        .map(|(u, id)| Multipart {
+            upload: u,
+            id: id.clone(),
+            part,
+            done: HashMap::new(),
+        })
         .collect();
-    let parts: Vec<Vec<String>> = send_parts(&mp, &url, &sending, part)?
+    let parts: Vec<Vec<String>> = send_parts(&mp, &url, &sending)?
         .into_iter()
         .map(|ps| ps.into_iter().map(|p| p.content_id).collect())
         .collect();

@@ -37,6 +37,9 @@ impl StagedDir {
         let tmp = temp_name(dest);
         std::fs::create_dir(&tmp).at(&tmp)?;
         crate::fault::register_temp(&tmp);
+        // Files written under it are streamed under their final names when the output
+        // goes to a URL.
+        ckpt_storage::alias_dir(&tmp, dest);
         Ok(StagedDir {
             dest: dest.to_path_buf(),
             tmp,
@@ -70,6 +73,7 @@ impl StagedDir {
             std::fs::rename(&self.tmp, &self.dest).at(&self.dest)?;
         }
         crate::fault::unregister_temp(&self.tmp);
+        ckpt_storage::unalias_dir(&self.tmp);
         self.done = true;
         Ok(())
     }
@@ -80,6 +84,7 @@ impl Drop for StagedDir {
         if !self.done {
             let _ = std::fs::remove_dir_all(&self.tmp);
             crate::fault::unregister_temp(&self.tmp);
+            ckpt_storage::unalias_dir(&self.tmp);
         }
     }
 }
@@ -455,6 +460,9 @@ const WRITEBACK_EVERY: u64 = 64 << 20;
 /// An output file being written under a temporary name beside its destination: it
 /// appears at `dest` complete, on [`StagedFile::commit`], or not at all (dropped
 /// without a commit, it is removed). Every format's writer writes through one.
+///
+/// In an output at a URL, its writes are also reported to the storage layer, which
+/// uploads each part of the file once it is whole ([`ckpt_storage::FileStream`]).
 #[derive(Debug)]
 pub(crate) struct StagedFile {
     tmp: PathBuf,
@@ -463,18 +471,21 @@ pub(crate) struct StagedFile {
     committed: bool,
     /// Bytes written since the page cache was last asked to start writing them out.
     unflushed: std::sync::atomic::AtomicU64,
+    stream: Option<ckpt_storage::FileStream>,
 }
 
 impl StagedFile {
     /// Creates the temporary file for `dest` (see [`create_staged_file`]).
     pub(crate) fn create(dest: &Path) -> Result<StagedFile> {
         let (tmp, file) = create_staged_file(dest)?;
+        let stream = ckpt_storage::stream_file(dest, &file);
         Ok(StagedFile {
             tmp,
             dest: dest.to_path_buf(),
             file,
             committed: false,
             unflushed: std::sync::atomic::AtomicU64::new(0),
+            stream,
         })
     }
 
@@ -484,8 +495,12 @@ impl StagedFile {
     /// kernel starts only when dirty pages pass its background threshold (a tenth of
     /// memory by default, more than most outputs), so the whole file would be written
     /// out by the commit's `fsync`, after the copy, instead of while it runs.
-    fn written(&self, n: u64) {
+    fn written(&self, offset: u64, n: u64, rewritable: bool) -> Result<()> {
         use std::sync::atomic::Ordering;
+        if let Some(s) = &self.stream {
+            // Its pages go to the bucket and are released, not written to this disk.
+            return Ok(s.written(offset, n, rewritable)?);
+        }
         let before = self.unflushed.fetch_add(n, Ordering::Relaxed);
         if before + n >= WRITEBACK_EVERY && before < WRITEBACK_EVERY {
             self.unflushed.store(0, Ordering::Relaxed);
@@ -500,6 +515,7 @@ impl StagedFile {
                 );
             }
         }
+        Ok(())
     }
 
     /// The final name.
@@ -508,16 +524,29 @@ impl StagedFile {
     }
 
     pub(crate) fn set_len(&self, len: u64) -> Result<()> {
+        if let Some(s) = &self.stream {
+            s.resized(len);
+        }
         self.file.set_len(len).at(&self.tmp)
     }
 
     pub(crate) fn write_at(&self, bytes: &[u8], offset: u64) -> Result<()> {
         self.file.write_all_at(bytes, offset).at(&self.tmp)?;
-        self.written(bytes.len() as u64);
-        Ok(())
+        self.written(offset, bytes.len() as u64, false)
+    }
+
+    /// [`StagedFile::write_at`] of bytes the writer writes again before it commits (a
+    /// header it patches at its finish): in an output at a URL their parts are uploaded
+    /// only at the end.
+    pub(crate) fn write_rewritable_at(&self, bytes: &[u8], offset: u64) -> Result<()> {
+        self.file.write_all_at(bytes, offset).at(&self.tmp)?;
+        self.written(offset, bytes.len() as u64, true)
     }
 
     pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        if let Some(s) = &self.stream {
+            s.readable(offset, buf.len() as u64)?;
+        }
         self.file.read_exact_at(buf, offset).at(&self.tmp)
     }
 
@@ -529,8 +558,11 @@ impl StagedFile {
     /// 1024 buffers per call allows.
     pub(crate) fn write_parts_at(&self, parts: &[WritePart<'_>], offset: u64) -> Result<()> {
         write_parts_all_at(&self.file, parts, offset, kernel_copy_min()).at(&self.tmp)?;
-        self.written(parts.iter().map(|p| p.bytes.len() as u64).sum());
-        Ok(())
+        self.written(
+            offset,
+            parts.iter().map(|p| p.bytes.len() as u64).sum(),
+            false,
+        )
     }
 
     /// Syncs the data and renames the file to its final name.
@@ -545,6 +577,9 @@ impl Drop for StagedFile {
     fn drop(&mut self) {
         if !self.committed {
             discard_staged_file(&self.tmp);
+            if let Some(s) = &self.stream {
+                s.discard();
+            }
         }
     }
 }

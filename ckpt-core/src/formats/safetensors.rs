@@ -385,7 +385,7 @@ impl SafetensorsWriter {
             written: sums.then(|| tensors.iter().map(|_| Mutex::new(Vec::new())).collect()),
         };
         w.out.set_len(total)?;
-        w.out.write_at(&header, 0)?;
+        w.out.write_rewritable_at(&header, 0)?;
         Ok(w)
     }
 
@@ -492,7 +492,7 @@ impl SafetensorsWriter {
                     header.len()
                 )));
             }
-            self.out.write_at(&header, 0)?;
+            self.out.write_rewritable_at(&header, 0)?;
         }
         self.out.commit()
     }
