@@ -46,7 +46,7 @@ pub use crate::error::{Error, Problems, Result};
 pub use crate::formats::read_small as read_file;
 pub use ckpt_storage::{
     commit_staged, is_url, prepare_staged, stage_files, unmirror_text, Error as StorageError,
-    Output,
+    Output, Stream as UploadStream,
 };
 
 /// Where an output goes: a local path as it is, or a URL (`s3://…`) written through a

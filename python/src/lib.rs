@@ -46,7 +46,9 @@ fn _ckpt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save::strategy_json, m)?)?;
     m.add_function(wrap_pyfunction!(save::write_rank, m)?)?;
     m.add_function(wrap_pyfunction!(save::prepare_remote_output, m)?)?;
+    m.add_function(wrap_pyfunction!(save::stream_remote, m)?)?;
     m.add_function(wrap_pyfunction!(save::stage_remote, m)?)?;
+    m.add_class::<save::RemoteStream>()?;
     m.add_function(wrap_pyfunction!(save::commit_remote, m)?)?;
     m.add_function(wrap_pyfunction!(run_cli::cli_main, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -78,17 +78,56 @@ pub(crate) fn prepare_remote_output(py: Python<'_>, url: PathBuf) -> PyResult<()
         .py_err(py)
 }
 
-/// Uploads one rank's files under `local` to the output at `url` as multipart uploads
-/// not yet completed (nothing visible); returns what completes them (JSON).
+/// One rank's files, sent part by part to the output at a URL while `write_rank` writes
+/// them (nothing visible until the commit); closed without being staged, what was sent
+/// is aborted.
+#[pyclass(module = "ckpt._ckpt")]
+pub(crate) struct RemoteStream(Option<ckpt_core::UploadStream>);
+
+#[pymethods]
+impl RemoteStream {
+    /// Aborts the uploads unless `stage_remote` took them over.
+    fn close(&self, py: Python<'_>) {
+        if let Some(s) = &self.0 {
+            py.detach(|| s.abandon());
+        }
+    }
+}
+
+/// Starts streaming the files written under `local` (one rank's local copy of the
+/// output at `url`) as writer `writer` (the rank).
 #[pyfunction]
+pub(crate) fn stream_remote(
+    py: Python<'_>,
+    local: PathBuf,
+    url: PathBuf,
+    writer: u64,
+) -> PyResult<RemoteStream> {
+    py.detach(|| {
+        ckpt_core::UploadStream::start(&local, &url, writer)
+            .map(RemoteStream)
+            .map_err(ckpt_core::Error::from)
+    })
+    .py_err(py)
+}
+
+/// Uploads one rank's files under `local` to the output at `url` as multipart uploads
+/// not yet completed (nothing visible), taking over what `stream` sent while they were
+/// written; returns what completes them (JSON).
+#[pyfunction]
+#[pyo3(signature = (local, url, writer, stream=None))]
 pub(crate) fn stage_remote(
     py: Python<'_>,
     local: PathBuf,
     url: PathBuf,
     writer: u64,
+    stream: Option<PyRef<'_, RemoteStream>>,
 ) -> PyResult<String> {
-    py.detach(|| ckpt_core::stage_files(&local, &url, writer).map_err(ckpt_core::Error::from))
-        .py_err(py)
+    let stream = stream.as_ref().and_then(|s| s.0.as_ref());
+    py.detach(|| {
+        ckpt_core::stage_files(&local, &url, writer, stream).map_err(ckpt_core::Error::from)
+    })
+    .py_err(py)
 }
 
 /// Completes every rank's staged uploads (entry files last): the output appears.

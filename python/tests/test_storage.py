@@ -140,6 +140,32 @@ def test_save_state_dict_to_a_bucket_then_reshard(bucket, tmp_path):
     assert torch.equal(got["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4)) and int(got["step"]) == 7
 
 
+def test_a_large_save_goes_up_while_it_is_written(bucket, tmp_path, monkeypatch, capfd):
+    """`save_state_dict` to a URL sends each whole 16 MiB part of its files while
+    `write_rank` writes them (CKPT_UPLOAD_TRACE counts them), and the objects equal a
+    local save byte for byte."""
+    torch = pytest.importorskip("torch")
+    import ckpt.torch as ct
+
+    g = torch.Generator().manual_seed(3)
+    sd = {f"layer{i}.w": torch.randn(1024, 4096, generator=g) for i in range(5)}  # 80 MiB
+    monkeypatch.setenv("CKPT_UPLOAD_TRACE", "1")
+    ct.save_state_dict(sd, "s3://ckpt-py/big")
+    err = capfd.readouterr().err
+    line = next(l for l in err.splitlines() if l.startswith("ckpt: streamed "))
+    parts = int(line.split()[2])
+    assert parts >= 3, line
+    ct.save_state_dict(sd, tmp_path / "local")
+    keys = sorted(o["Key"] for o in bucket.list_objects_v2(Bucket="ckpt-py", Prefix="big/")["Contents"])
+    want = sorted("big/" + str(p.relative_to(tmp_path / "local")) for p in (tmp_path / "local").rglob("*") if p.is_file())
+    assert keys == want
+    for k in keys:
+        body = bucket.get_object(Bucket="ckpt-py", Key=k)["Body"].read()
+        assert body == (tmp_path / "local" / k[len("big/"):]).read_bytes(), k
+    assert bucket.list_multipart_uploads(Bucket="ckpt-py").get("Uploads", []) == []
+    assert "Contents" not in bucket.list_objects_v2(Bucket="ckpt-py", Prefix="big.ckpt-partial")
+
+
 def test_gloo_ranks_save_to_and_load_from_a_bucket(bucket, tmp_path):
     """4 gloo ranks save DTensors of a (dp, tp) mesh to the bucket: the same files as
     their save to a local directory; 2 ranks of another layout then load from the bucket

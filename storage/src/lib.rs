@@ -39,4 +39,4 @@ pub use crate::publish::{
     commit_staged, prepare_staged, stage_files, Output, COMMIT_LAST, PART_BYTES, UPLOADS,
 };
 pub use crate::store::set_fatal_hook;
-pub use crate::stream::{alias_dir, stream_file, unalias_dir, FileStream, STREAM_UPLOADS};
+pub use crate::stream::{alias_dir, stream_file, unalias_dir, FileStream, Stream, STREAM_UPLOADS};

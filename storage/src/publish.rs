@@ -18,7 +18,7 @@
 use crate::error::{Error, IoAt, Result};
 use crate::location::ObjectUrl;
 use crate::store::{block_on, store_for, Store};
-use crate::stream::{StreamedUpload, Streaming};
+use crate::stream::{Stream, StreamedUpload, Streaming};
 use futures::{StreamExt, TryStreamExt};
 use object_store::multipart::PartId;
 use object_store::path::Path as Key;
@@ -58,8 +58,7 @@ pub struct Output {
     /// objects at the prefix are its leftovers, not an output to refuse.
     had_journal: bool,
     /// The uploads of the files' parts made while they are written.
-    stream: Option<Arc<Streaming>>,
-    published: std::sync::atomic::AtomicBool,
+    stream: Option<Stream>,
 }
 
 impl Output {
@@ -76,7 +75,6 @@ impl Output {
                 force,
                 had_journal: false,
                 stream: None,
-                published: std::sync::atomic::AtomicBool::new(false),
             });
         }
         let url = ObjectUrl::parse(path)?;
@@ -105,7 +103,7 @@ impl Output {
         let staging = crate::mirror::tempdir()?;
         let local = staging.join(url.name());
         crate::mirror::name_root(&local, &url.to_string());
-        let stream = Streaming::start(&url, store, &local);
+        let stream = Streaming::start(&url, store, &local, 0).map(Stream);
         Ok(Output {
             url: Some(url),
             local,
@@ -113,7 +111,6 @@ impl Output {
             force,
             had_journal,
             stream,
-            published: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -147,12 +144,7 @@ impl Output {
         };
         let store = store_for(url)?;
         let (streamed, stream_journals) = match &self.stream {
-            Some(s) => {
-                s.unregister();
-                let done = s.finish();
-                let journals = s.journals();
-                (done, journals)
-            }
+            Some(s) => (s.0.finish(), s.0.journals()),
             None => (Ok(HashMap::new()), Vec::new()),
         };
         let result = streamed.and_then(|streamed| {
@@ -170,20 +162,13 @@ impl Output {
             // Nothing of this output stays: the uploads aborted, what completed deleted.
             let _ = clean_up(&store, url);
         }
-        self.published
-            .store(true, std::sync::atomic::Ordering::Release);
         result
     }
 }
 
 impl Drop for Output {
     fn drop(&mut self) {
-        if let Some(s) = &self.stream {
-            s.unregister();
-            if !self.published.load(std::sync::atomic::Ordering::Acquire) {
-                s.abandon();
-            }
-        }
+        // The stream (dropped with the output) aborts its uploads unless published.
         if let Some(s) = &self.staging {
             let _ = std::fs::remove_dir_all(s);
         }
@@ -211,10 +196,13 @@ fn journal_key(url: &ObjectUrl, writer: u64) -> Key {
     Key::from(format!("{}.ckpt-partial/{writer}.json", url.key()))
 }
 
-/// The journal of the `n`th upload the CLI's writer started while writing
+/// The journal of the `n`th upload `writer` started while writing
 /// ([`crate::stream`]).
-pub(crate) fn stream_journal_key(url: &ObjectUrl, n: usize) -> Key {
-    Key::from(format!("{}.ckpt-partial/0.stream-{n}.json", url.key()))
+pub(crate) fn stream_journal_key(url: &ObjectUrl, writer: u64, n: usize) -> Key {
+    Key::from(format!(
+        "{}.ckpt-partial/{writer}.stream-{n}.json",
+        url.key()
+    ))
 }
 
 /// A journal naming `objects` (key, multipart upload id). `abort_only`: the objects
@@ -346,7 +334,7 @@ pub(crate) fn publish_tree(
     local: &Path,
     force: bool,
     had_journal: bool,
-    streamed: &HashMap<PathBuf, StreamedUpload>,
+    streamed: &HashMap<String, StreamedUpload>,
     stream_journals: &[Key],
 ) -> Result<()> {
     let uploads = files(local, url)?;
@@ -379,7 +367,7 @@ pub(crate) fn publish_tree(
     //    that names them all.
     let fresh: Vec<&Upload> = uploads
         .iter()
-        .filter(|u| u.size > part && !streamed.contains_key(&u.local))
+        .filter(|u| u.size > part && !streamed.contains_key(u.key.as_ref()))
         .collect();
     let ids: Vec<String> = block_on(
         futures::stream::iter(fresh.iter().map(|u| {
@@ -404,7 +392,7 @@ pub(crate) fn publish_tree(
         })
         .collect();
     for u in &uploads {
-        if let Some(s) = streamed.get(&u.local) {
+        if let Some(s) = streamed.get(u.key.as_ref()) {
             multiparts.push(streamed_parts(u, s)?);
         }
     }
@@ -599,13 +587,22 @@ pub fn prepare_staged(path: &Path) -> Result<()> {
 ///
 /// # Errors
 /// Failed requests; an empty file (a multipart upload needs a part).
-pub fn stage_files(local: &Path, path: &Path, writer: u64) -> Result<String> {
+pub fn stage_files(
+    local: &Path,
+    path: &Path,
+    writer: u64,
+    stream: Option<&Stream>,
+) -> Result<String> {
     let url = ObjectUrl::parse(path)?;
     let store = store_for(&url)?;
     let mp = store.multipart.clone().ok_or_else(|| Error::BadUrl {
         url: url.to_string(),
         problem: "this store takes no multipart uploads".into(),
     })?;
+    let streamed = match stream {
+        Some(s) => s.0.finish()?,
+        None => HashMap::new(),
+    };
     let uploads = files(local, &url)?;
     if let Some(u) = uploads.iter().find(|u| u.size == 0) {
         return Err(Error::Io {
@@ -613,15 +610,19 @@ pub fn stage_files(local: &Path, path: &Path, writer: u64) -> Result<String> {
             source: std::io::Error::other("an empty file cannot be staged as a multipart upload"),
         });
     }
-    let part = PART_BYTES.max(
-        uploads
-            .iter()
-            .map(|u| u.size.div_ceil(10_000))
-            .max()
-            .unwrap_or(0),
-    );
+    let part = uploads
+        .iter()
+        .map(|u| crate::stream::part_bytes(u.size))
+        .max()
+        .unwrap_or(PART_BYTES);
+    // Every file is a multipart upload here (rank 0 completes them all); those whose
+    // parts went up while they were written have theirs.
+    let fresh: Vec<&Upload> = uploads
+        .iter()
+        .filter(|u| !streamed.contains_key(u.key.as_ref()))
+        .collect();
     let ids: Vec<String> = block_on(
-        futures::stream::iter(uploads.iter().map(|u| {
+        futures::stream::iter(fresh.iter().map(|u| {
             let mp = mp.clone();
             let url = &url;
             async move {
@@ -633,10 +634,24 @@ pub fn stage_files(local: &Path, path: &Path, writer: u64) -> Result<String> {
         .buffered(UPLOADS)
         .try_collect(),
     )?;
-    let named: Vec<(&str, Option<&str>)> = uploads
+    let mut sending: Vec<Multipart<'_>> = fresh
         .iter()
-        .zip(&ids)
-        .map(|(u, id)| (u.key.as_ref(), Some(id.as_str())))
+        .zip(ids)
+        .map(|(u, id)| Multipart {
+            upload: u,
+            id,
+            part,
+            done: HashMap::new(),
+        })
+        .collect();
+    for u in &uploads {
+        if let Some(s) = streamed.get(u.key.as_ref()) {
+            sending.push(streamed_parts(u, s)?);
+        }
+    }
+    let named: Vec<(&str, Option<&str>)> = sending
+        .iter()
+        .map(|m| (m.upload.key.as_ref(), Some(m.id.as_str())))
         .collect();
     let jk = journal_key(&url, writer);
     block_on(
@@ -645,24 +660,14 @@ pub fn stage_files(local: &Path, path: &Path, writer: u64) -> Result<String> {
             .put(&jk, PutPayload::from(journal_text(&named, false))),
     )
     .map_err(|e| Error::from_store(&shown(&url, &jk), e))?;
-    let sending: Vec<Multipart<'_>> = uploads
-        .iter()
-        .zip(&ids)
-        .map(|(u, id)| Multipart {
-            upload: u,
-            id: id.clone(),
-            part,
-            done: HashMap::new(),
-        })
-        .collect();
     let parts: Vec<Vec<String>> = send_parts(&mp, &url, &sending)?
         .into_iter()
         .map(|ps| ps.into_iter().map(|p| p.content_id).collect())
         .collect();
     Ok(serde_json::json!({
         "writer": writer,
-        "files": uploads.iter().zip(&ids).zip(&parts).map(|((u, id), ps)| serde_json::json!({
-            "key": u.key.as_ref(), "upload": id, "parts": ps, "last": u.last,
+        "files": sending.iter().zip(&parts).map(|(m, ps)| serde_json::json!({
+            "key": m.upload.key.as_ref(), "upload": m.id, "parts": ps, "last": m.upload.last,
         })).collect::<Vec<_>>(),
     })
     .to_string())

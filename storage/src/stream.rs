@@ -161,6 +161,11 @@ pub(crate) struct Streaming {
     mp: Arc<dyn MultipartStore>,
     /// The output's local path (a file or a directory) that the writers write.
     local: PathBuf,
+    /// The process writing (0 for the CLI, the rank for Python's ranks): its journals'
+    /// names.
+    writer: u64,
+    /// Handed over to the publish ([`Streaming::finish`]): not to be abandoned.
+    finished: AtomicBool,
     files: Mutex<Vec<Arc<StreamedFile>>>,
     slots: Arc<tokio::sync::Semaphore>,
     failure: Mutex<Option<Error>>,
@@ -181,6 +186,38 @@ impl std::fmt::Debug for Streaming {
     }
 }
 
+/// The files written under a local directory, streamed to an output at a URL while they
+/// are written: for a process that stages its part of an output itself (a rank of
+/// Python's `save_state_dict`, then [`crate::stage_files`]). Dropped without being
+/// handed to [`crate::stage_files`], its uploads are aborted.
+#[derive(Debug)]
+pub struct Stream(pub(crate) Arc<Streaming>);
+
+impl Stream {
+    /// Streams the files written under `local` (the local copy of the output at `url`,
+    /// a directory) as the writer `writer` (the rank: its journals' names). `None` for a
+    /// store without multipart uploads (its files are sent whole when staged).
+    ///
+    /// # Errors
+    /// A bad or read-only URL; no client for the store.
+    pub fn start(local: &Path, url: &Path, writer: u64) -> Result<Option<Stream>> {
+        let url = ObjectUrl::parse(url)?;
+        let store = crate::store::store_for(&url)?;
+        Ok(Streaming::start(&url, store, local, writer).map(Stream))
+    }
+
+    /// Aborts what was sent, unless the uploads were handed over.
+    pub fn abandon(&self) {
+        self.0.abandon();
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        self.0.abandon();
+    }
+}
+
 /// What the publish needs of one streamed file.
 #[derive(Debug)]
 pub(crate) struct StreamedUpload {
@@ -195,13 +232,20 @@ pub(crate) struct StreamedUpload {
 impl Streaming {
     /// Starts streaming the files written under `local` to `url`, registered so that
     /// [`stream_file`] finds it.
-    pub(crate) fn start(url: &ObjectUrl, store: Arc<Store>, local: &Path) -> Option<Arc<Self>> {
+    pub(crate) fn start(
+        url: &ObjectUrl,
+        store: Arc<Store>,
+        local: &Path,
+        writer: u64,
+    ) -> Option<Arc<Self>> {
         let mp = store.multipart.clone()?;
         let s = Arc::new(Streaming {
             url: url.clone(),
             store,
             mp,
             local: local.to_path_buf(),
+            writer,
+            finished: AtomicBool::new(false),
             files: Mutex::new(Vec::new()),
             slots: Arc::new(tokio::sync::Semaphore::new(STREAM_UPLOADS)),
             failure: Mutex::new(None),
@@ -261,8 +305,11 @@ impl Streaming {
     }
 
     /// Waits for the parts in flight and hands over what the publish completes, by
-    /// local path; the uploads of discarded files are aborted.
-    pub(crate) fn finish(&self) -> Result<HashMap<PathBuf, StreamedUpload>> {
+    /// object key; the uploads of discarded files are aborted. No new file is streamed
+    /// after this.
+    pub(crate) fn finish(self: &Arc<Self>) -> Result<HashMap<String, StreamedUpload>> {
+        self.unregister();
+        self.finished.store(true, Ordering::Release);
         self.drain()?;
         let mut out = HashMap::new();
         let mut abort = Vec::new();
@@ -290,7 +337,7 @@ impl Streaming {
                 }
             }
             out.insert(
-                f.local.clone(),
+                f.key.as_ref().to_string(),
                 StreamedUpload {
                     upload,
                     part: st.part,
@@ -319,9 +366,13 @@ impl Streaming {
         lock(&self.journals).clone()
     }
 
-    /// Gives up: waits for the parts in flight, aborts every upload and deletes the
-    /// journals (the output was not published).
-    pub(crate) fn abandon(&self) {
+    /// Gives up unless [`Streaming::finish`] handed the uploads over: waits for the parts
+    /// in flight, aborts every upload and deletes the journals.
+    fn abandon(self: &Arc<Self>) {
+        self.unregister();
+        if self.finished.swap(true, Ordering::AcqRel) {
+            return;
+        }
         let _ = self.drain();
         let uploads: Vec<(Key, String)> = lock(&self.files)
             .iter()
@@ -365,7 +416,7 @@ impl Streaming {
             .map_err(|e| Error::from_store(&self.shown(&f.key), e))?;
         let n = {
             let mut j = lock(&self.journals);
-            let key = crate::publish::stream_journal_key(&self.url, j.len());
+            let key = crate::publish::stream_journal_key(&self.url, self.writer, j.len());
             j.push(key.clone());
             key
         };
@@ -610,7 +661,7 @@ mod tests {
             multipart: Some(mem),
         });
         let url = ObjectUrl::parse(Path::new("s3://b/out")).unwrap();
-        let s = Streaming::start(&url, store.clone(), &dir.join("out")).unwrap();
+        let s = Streaming::start(&url, store.clone(), &dir.join("out"), 0).unwrap();
         (s, store, url)
     }
 
@@ -658,7 +709,6 @@ mod tests {
     }
 
     fn publish(s: &Arc<Streaming>, store: &Arc<Store>, url: &ObjectUrl, local: &Path) {
-        s.unregister();
         let done = s.finish().unwrap();
         crate::publish::publish_tree(store, url, local, false, false, &done, &s.journals())
             .unwrap();

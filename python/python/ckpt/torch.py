@@ -676,7 +676,11 @@ def _save_remote(url, rank, world, strategy, encoded, local_data, keep_all, chec
         ptrs = [(n, t.data_ptr(), t.numel() * t.element_size()) for n, t in local_data]
         failure = None
         staged = None
+        stream = None
         try:
+            # The rank's whole parts go up while write_rank writes them, and leave the
+            # local disk (docs/storage.md); the rest is sent by stage_remote.
+            stream = _ckpt.stream_remote(private, url, rank)
             _ckpt.write_rank(private, strategy, rank, ptrs, keep_all, checksums)
             os.makedirs(local)
             os.rename(os.path.join(private, f"ckpt_{rank}"), os.path.join(local, f"ckpt_{rank}"))
@@ -685,9 +689,12 @@ def _save_remote(url, rank, world, strategy, encoded, local_data, keep_all, chec
                     f.write(strategy)
                 if encoded:
                     _write_objects(local, encoded)
-            staged = _ckpt.stage_remote(local, url, rank)
+            staged = _ckpt.stage_remote(local, url, rank, stream)
         except Exception as e:  # noqa: BLE001 - every rank learns of it below
             failure = e
+        finally:
+            if stream is not None:
+                stream.close()
         everyone = gather(staged if failure is None else None)
         if failure is not None:
             raise failure
