@@ -314,10 +314,13 @@ pub fn mirror(url: &ObjectUrl) -> Result<Arc<Mirror>> {
 }
 
 /// A new directory under the temporary directory (`TMPDIR`), unique to this call.
+/// Those that killed processes left there are removed first.
 pub(crate) fn tempdir() -> Result<PathBuf> {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
+    static SWEPT: std::sync::Once = std::sync::Once::new();
     let base = std::env::temp_dir();
+    SWEPT.call_once(|| remove_dead_tempdirs(&base));
     let dir = base.join(format!(
         "ckpt-remote-{}-{}",
         std::process::id(),
@@ -325,6 +328,28 @@ pub(crate) fn tempdir() -> Result<PathBuf> {
     ));
     std::fs::create_dir_all(&dir).at(&dir)?;
     Ok(dir)
+}
+
+/// Removes the `ckpt-remote-<pid>-<n>` directories under `base` whose process is gone (a
+/// `kill -9` or a crash leaves its mirror and its staged output there; a process that
+/// ends normally removes its own).
+fn remove_dead_tempdirs(base: &Path) {
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix("ckpt-remote-")
+            .and_then(|r| r.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Makes `path`, if it is a placeholder, a local copy of its object (streamed in
@@ -384,4 +409,27 @@ pub fn materialize(path: &Path) -> Result<()> {
 pub fn read_whole(path: &Path) -> Result<Vec<u8>> {
     materialize(path)?;
     std::fs::read(path).at(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_temporaries_of_dead_processes_are_removed_and_no_others() {
+        let base = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let gone = base.path().join(format!("ckpt-remote-{dead}-0"));
+        std::fs::create_dir_all(gone.join("out")).unwrap();
+        std::fs::write(gone.join("out/model.safetensors"), b"left").unwrap();
+        let mine = base.path().join(format!("ckpt-remote-{}-7", std::process::id()));
+        std::fs::create_dir(&mine).unwrap();
+        let other = base.path().join("ckpt-remote-notapid");
+        std::fs::create_dir(&other).unwrap();
+        remove_dead_tempdirs(base.path());
+        assert!(!gone.exists());
+        assert!(mine.exists() && other.exists());
+    }
 }
