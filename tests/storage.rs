@@ -538,8 +538,12 @@ fn kill_9_during_an_upload_leaves_nothing_visible() {
     d.ok(&[
         "example", "src", "--mesh", "tp=2", "--hidden", "2048", "--vocab", "8192", "--layers", "4",
     ]);
+    // Its own TMPDIR, to see what the kill leaves there and the next run removes.
+    let tmpdir = d.path("tmpdir");
+    std::fs::create_dir_all(&tmpdir).unwrap();
+    let tmp_env = [("TMPDIR", tmpdir.to_str().unwrap())];
     let mut child = s
-        .command(&d, &["merge", "src", "-o", "s3://ckpt-test/out"], &[])
+        .command(&d, &["merge", "src", "-o", "s3://ckpt-test/out"], &tmp_env)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -555,8 +559,20 @@ fn kill_9_during_an_upload_leaves_nothing_visible() {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
+    let killed = child.id();
     let _ = child.kill();
     let status = child.wait().unwrap();
+    let left = |tmpdir: &Path| {
+        std::fs::read_dir(tmpdir)
+            .unwrap()
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&format!("ckpt-remote-{killed}-"))
+            })
+            .count()
+    };
     if !journaled || status.success() {
         let _ = writeln!(
             std::io::stderr(),
@@ -578,7 +594,9 @@ fn kill_9_during_an_upload_leaves_nothing_visible() {
         "[]",
         "the killed run's uploads"
     );
-    s.ok(&d, &["merge", "src", "-o", "s3://ckpt-test/out"], &[]);
+    assert_eq!(left(&tmpdir), 1, "the killed run's staging directory");
+    s.ok(&d, &["merge", "src", "-o", "s3://ckpt-test/out"], &tmp_env);
+    assert_eq!(left(&tmpdir), 0, "removed by the next run");
     assert_eq!(s.s3(&["uploads", "ckpt-test"]).trim(), "[]");
     assert!(s.keys("s3://ckpt-test/out.ckpt-partial").is_empty());
     d.ok(&["merge", "src", "-o", "want"]);

@@ -424,7 +424,9 @@ mod tests {
         let gone = base.path().join(format!("ckpt-remote-{dead}-0"));
         std::fs::create_dir_all(gone.join("out")).unwrap();
         std::fs::write(gone.join("out/model.safetensors"), b"left").unwrap();
-        let mine = base.path().join(format!("ckpt-remote-{}-7", std::process::id()));
+        let mine = base
+            .path()
+            .join(format!("ckpt-remote-{}-7", std::process::id()));
         std::fs::create_dir(&mine).unwrap();
         let other = base.path().join("ckpt-remote-notapid");
         std::fs::create_dir(&other).unwrap();
