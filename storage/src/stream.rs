@@ -39,6 +39,16 @@ pub const STREAM_UPLOADS: usize = 4;
 
 /// The outputs being streamed by this process.
 static STREAMS: RwLock<Vec<Arc<Streaming>>> = RwLock::new(Vec::new());
+/// How many of them there are, for [`upload_buffer_bytes`].
+static STREAMING: AtomicU64 = AtomicU64::new(0);
+
+/// Memory the parts in flight of the outputs being streamed may take: the reads'
+/// budget leaves it to them ([`crate::paged`]).
+pub(crate) fn upload_buffer_bytes() -> u64 {
+    STREAMING
+        .load(Ordering::Relaxed)
+        .saturating_mul(STREAM_UPLOADS as u64 * crate::PART_BYTES)
+}
 /// Temporary directories that become another path when complete (ckpt-core's staged
 /// directories): a file written under one is streamed under its final name.
 static ALIASES: RwLock<Vec<(PathBuf, PathBuf)>> = RwLock::new(Vec::new());
@@ -259,15 +269,20 @@ impl Streaming {
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push(s.clone());
+        STREAMING.fetch_add(1, Ordering::Relaxed);
         Some(s)
     }
 
     /// Stops finding this output for new files.
     pub(crate) fn unregister(self: &Arc<Self>) {
-        STREAMS
+        let mut streams = STREAMS
             .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .retain(|s| !Arc::ptr_eq(s, self));
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let before = streams.len();
+        streams.retain(|s| !Arc::ptr_eq(s, self));
+        if streams.len() < before {
+            STREAMING.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     fn shown(&self, key: &Key) -> String {
