@@ -365,37 +365,7 @@ pub(crate) fn publish_tree(
     })?;
     // 1. The uploads (those of parts sent while writing exist already), and the journal
     //    that names them all.
-    let fresh: Vec<&Upload> = uploads
-        .iter()
-        .filter(|u| u.size > part && !streamed.contains_key(u.key.as_ref()))
-        .collect();
-    let ids: Vec<String> = block_on(
-        futures::stream::iter(fresh.iter().map(|u| {
-            let mp = mp.clone();
-            async move {
-                mp.create_multipart(&u.key)
-                    .await
-                    .map_err(|e| Error::from_store(&shown(url, &u.key), e))
-            }
-        }))
-        .buffered(UPLOADS)
-        .try_collect(),
-    )?;
-    let mut multiparts: Vec<Multipart<'_>> = fresh
-        .iter()
-        .zip(ids)
-        .map(|(u, id)| Multipart {
-            upload: u,
-            id,
-            part,
-            done: HashMap::new(),
-        })
-        .collect();
-    for u in &uploads {
-        if let Some(s) = streamed.get(u.key.as_ref()) {
-            multiparts.push(streamed_parts(u, s)?);
-        }
-    }
+    let multiparts = multiparts(&mp, url, &uploads, part, streamed, |u| u.size > part)?;
     let named: Vec<(&str, Option<&str>)> = uploads
         .iter()
         .map(|u| {
@@ -456,6 +426,51 @@ pub(crate) fn publish_tree(
         store.objects.delete(&jk).await
     })
     .map_err(|e| Error::from_store(&shown(url, &jk), e))
+}
+
+/// The multipart uploads of `uploads`: those whose parts went up while they were
+/// written, with those parts; new ones (`part` bytes per part) for the others that
+/// `needs_one`.
+fn multiparts<'a>(
+    mp: &Arc<dyn object_store::multipart::MultipartStore>,
+    url: &ObjectUrl,
+    uploads: &'a [Upload],
+    part: u64,
+    streamed: &HashMap<String, StreamedUpload>,
+    needs_one: impl Fn(&Upload) -> bool,
+) -> Result<Vec<Multipart<'a>>> {
+    let fresh: Vec<&Upload> = uploads
+        .iter()
+        .filter(|u| !streamed.contains_key(u.key.as_ref()) && needs_one(u))
+        .collect();
+    let ids: Vec<String> = block_on(
+        futures::stream::iter(fresh.iter().map(|u| {
+            let mp = mp.clone();
+            async move {
+                mp.create_multipart(&u.key)
+                    .await
+                    .map_err(|e| Error::from_store(&shown(url, &u.key), e))
+            }
+        }))
+        .buffered(UPLOADS)
+        .try_collect(),
+    )?;
+    let mut out: Vec<Multipart<'a>> = fresh
+        .into_iter()
+        .zip(ids)
+        .map(|(u, id)| Multipart {
+            upload: u,
+            id,
+            part,
+            done: HashMap::new(),
+        })
+        .collect();
+    for u in uploads {
+        if let Some(s) = streamed.get(u.key.as_ref()) {
+            out.push(streamed_parts(u, s)?);
+        }
+    }
+    Ok(out)
 }
 
 /// The upload of a file some of whose parts went up while it was written: the parts
@@ -615,40 +630,8 @@ pub fn stage_files(
         .map(|u| crate::stream::part_bytes(u.size))
         .max()
         .unwrap_or(PART_BYTES);
-    // Every file is a multipart upload here (rank 0 completes them all); those whose
-    // parts went up while they were written have theirs.
-    let fresh: Vec<&Upload> = uploads
-        .iter()
-        .filter(|u| !streamed.contains_key(u.key.as_ref()))
-        .collect();
-    let ids: Vec<String> = block_on(
-        futures::stream::iter(fresh.iter().map(|u| {
-            let mp = mp.clone();
-            let url = &url;
-            async move {
-                mp.create_multipart(&u.key)
-                    .await
-                    .map_err(|e| Error::from_store(&shown(url, &u.key), e))
-            }
-        }))
-        .buffered(UPLOADS)
-        .try_collect(),
-    )?;
-    let mut sending: Vec<Multipart<'_>> = fresh
-        .iter()
-        .zip(ids)
-        .map(|(u, id)| Multipart {
-            upload: u,
-            id,
-            part,
-            done: HashMap::new(),
-        })
-        .collect();
-    for u in &uploads {
-        if let Some(s) = streamed.get(u.key.as_ref()) {
-            sending.push(streamed_parts(u, s)?);
-        }
-    }
+    // Every file is a multipart upload here (rank 0 completes them all).
+    let sending = multiparts(&mp, &url, &uploads, part, &streamed, |_| true)?;
     let named: Vec<(&str, Option<&str>)> = sending
         .iter()
         .map(|m| (m.upload.key.as_ref(), Some(m.id.as_str())))

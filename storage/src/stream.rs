@@ -690,6 +690,15 @@ mod tests {
         (s, store, url)
     }
 
+    fn new_file(path: &Path) -> File {
+        File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .unwrap()
+    }
+
     fn pattern(len: u64, seed: u8) -> Vec<u8> {
         (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
     }
@@ -744,12 +753,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (s, store, url) = streaming(dir.path());
         let local = dir.path().join("out");
-        let f = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&local)
-            .unwrap();
+        let f = new_file(&local);
         let fs = stream_file(&local, &f).unwrap();
         let data = pattern(2 * P + P / 2, 7);
         // Out of order and in uneven pieces: part 1 first, then part 0 in two halves
@@ -806,12 +810,7 @@ mod tests {
         let local = dir.path().join("out");
         std::fs::create_dir(&local).unwrap();
         let path = local.join("model.safetensors");
-        let f = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .unwrap();
+        let f = new_file(&path);
         let fs = stream_file(&path, &f).unwrap();
         fs.resized(3 * P);
         let mut data = pattern(3 * P, 3);
@@ -837,12 +836,7 @@ mod tests {
         });
         // A file dropped uncommitted: its upload is aborted, never completed.
         let other = local.join("gone.bin");
-        let g = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&other)
-            .unwrap();
+        let g = new_file(&other);
         let gs = stream_file(&other, &g).unwrap();
         write(&g, &gs, &pattern(P, 1), 0, false).unwrap();
         gs.discard();
@@ -861,12 +855,7 @@ mod tests {
         std::fs::create_dir_all(tmp.join("ckpt_0")).unwrap();
         alias_dir(&tmp, &local);
         let path = tmp.join("ckpt_0/a.safetensors");
-        let f = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .unwrap();
+        let f = new_file(&path);
         let fs = stream_file(&path, &f).unwrap();
         assert_eq!(fs.file.key.as_ref(), "out/ckpt_0/a.safetensors");
         let data = pattern(P + 1, 5);
