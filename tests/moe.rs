@@ -48,15 +48,23 @@ fn megatron_reshard_merged(
     ];
     args.extend_from_slice(extra);
     d.ok(&args);
-    let merged = d.path(&format!("{name}.merged"));
-    d.ok(&[
+    let merged = merged_tensors(d, &out, &format!("{name}.merged"), &[]);
+    (out, merged)
+}
+
+/// `ckpt merge SRC -o <name> --keep-vocab-padding [extra]`: the merged tensors.
+fn merged_tensors(d: &Dir, src: &Path, name: &str, extra: &[&str]) -> BTreeMap<String, Vec<u8>> {
+    let out = d.path(name);
+    let mut args = vec![
         "merge",
-        out.to_str().unwrap(),
+        src.to_str().unwrap(),
         "-o",
-        merged.to_str().unwrap(),
+        out.to_str().unwrap(),
         "--keep-vocab-padding",
-    ]);
-    (out, full_tensors(&merged))
+    ];
+    args.extend_from_slice(extra);
+    d.ok(&args);
+    full_tensors(&out)
 }
 
 /// EP2 with TP1 (a shared expert and router expert bias), EP2 x TP2, EP2 x PP2
@@ -75,15 +83,10 @@ fn legacy_expert_parallel_checkpoints_merge_to_global_experts() {
         "ep2tp2etp1",
         "ep2grouped",
     ] {
-        let out = d.path(c);
-        d.ok(&[
-            "merge",
-            case(c).join("legacy").to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-            "--keep-vocab-padding",
-        ]);
-        let (got, want) = (full_tensors(&out), reference(c));
+        let (got, want) = (
+            merged_tensors(&d, &case(c).join("legacy"), c, &[]),
+            reference(c),
+        );
         assert_same_tensors(&got, &want, c);
         assert!(
             want.keys()
@@ -120,17 +123,8 @@ fn dist_ckpt_experts_unstack_to_global_ids() {
         "ep2tp2etp1",
         "ep2grouped",
     ] {
-        let out = d.path(c);
         let src = case(c).join("dist_ckpt");
-        d.ok(&[
-            "merge",
-            src.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-            "--keep-vocab-padding",
-            "--per-layer",
-        ]);
-        let got = full_tensors(&out);
+        let got = merged_tensors(&d, &src, c, &["--per-layer"]);
         // GroupedMLP saves its experts as SequentialMLP's (its sharded state dict
         // transposes its memory views): the per-expert reference.
         let per_expert = match c {
@@ -287,16 +281,8 @@ fn moe_families_export_to_hugging_face_and_back() {
             "-o",
             back.to_str().unwrap(),
         ]);
-        let merged = d.path(&format!("{f}-merged"));
-        d.ok(&[
-            "merge",
-            back.to_str().unwrap(),
-            "-o",
-            merged.to_str().unwrap(),
-            "--keep-vocab-padding",
-        ]);
         let (got, want) = (
-            full_tensors(&merged),
+            merged_tensors(&d, &back, &format!("{f}-merged"), &[]),
             full_tensors(&hf(f).join("reference.safetensors")),
         );
         assert_same_tensors(&got, &want, &format!("{f} back"));
@@ -847,20 +833,13 @@ fn distributed_optimizer_with_experts_merges_to_the_optimizers_own_state() {
     let d = Dir::new();
     let c = case("ep2dp4_distopt");
     let src = c.join("legacy");
-    let out = d.path("merged");
-    d.ok(&[
-        "merge",
-        src.to_str().unwrap(),
-        "-o",
-        out.to_str().unwrap(),
-        "--keep-vocab-padding",
-    ]);
+    let got = merged_tensors(&d, &src, "merged", &[]);
     let mut want = full_tensors(&c.join("optim_full.safetensors"));
     want.extend(reference("ep2dp4_distopt"));
     assert!(want.contains_key(
         "optim.decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight.exp_avg_sq"
     ));
-    assert_same_tensors(&full_tensors(&out), &want, "ep2dp4_distopt");
+    assert_same_tensors(&got, &want, "ep2dp4_distopt");
     // Megatron's layout: the weights, once the state is left out.
     let o = d.fails(&[
         "reshard",
