@@ -327,7 +327,6 @@ struct Multipart<'a> {
     done: HashMap<u64, PartId>,
 }
 
-#[allow(clippy::too_many_lines)]
 pub(crate) fn publish_tree(
     store: &Arc<Store>,
     url: &ObjectUrl,
@@ -352,13 +351,11 @@ pub(crate) fn publish_tree(
             url: url.to_string(),
         });
     }
-    let part = PART_BYTES.max(
-        uploads
-            .iter()
-            .map(|u| crate::stream::part_bytes(u.size))
-            .max()
-            .unwrap_or(0),
-    );
+    let part = uploads
+        .iter()
+        .map(|u| crate::stream::part_bytes(u.size))
+        .max()
+        .unwrap_or(PART_BYTES);
     let mp = store.multipart.clone().ok_or_else(|| Error::BadUrl {
         url: url.to_string(),
         problem: "this store takes no multipart uploads".into(),

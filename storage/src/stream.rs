@@ -123,8 +123,14 @@ struct Part {
 }
 
 impl Part {
-    /// Adds `[lo, hi)` and returns the bytes covered.
+    /// Bytes of the part written.
+    fn covered(&self) -> u64 {
+        self.written.iter().map(|(s, e)| e - s).sum()
+    }
+
+    /// Adds `[lo, hi)` and returns the bytes it newly covers.
     fn add(&mut self, lo: u64, hi: u64) -> u64 {
+        let before = self.covered();
         let mut merged = Vec::with_capacity(self.written.len() + 1);
         let (mut a, mut b) = (lo, hi);
         for &(s, e) in &self.written {
@@ -138,7 +144,7 @@ impl Part {
         merged.push((a, b));
         merged.sort_unstable();
         self.written = merged;
-        self.written.iter().map(|(s, e)| e - s).sum()
+        self.covered() - before
     }
 }
 
@@ -164,6 +170,8 @@ struct StreamedFile {
     /// The staged file, for reading parts back and releasing them.
     file: File,
     state: Mutex<FileState>,
+    /// Held while the file's multipart upload is being created.
+    creating: Mutex<()>,
 }
 
 /// Every upload of one output at a URL.
@@ -238,7 +246,7 @@ pub(crate) struct StreamedUpload {
     /// Parts sent whose uploaded bytes are final, by part index.
     pub(crate) done: HashMap<u64, PartId>,
     /// Parts that were sent and released: they cannot be sent again.
-    pub(crate) released: Vec<u64>,
+    pub(crate) released: std::collections::HashSet<u64>,
 }
 
 impl Streaming {
@@ -340,11 +348,11 @@ impl Streaming {
                 continue;
             }
             let mut done = HashMap::new();
-            let mut released = Vec::new();
+            let mut released = std::collections::HashSet::new();
             for (&k, p) in &st.parts {
                 match &p.sent {
                     Sent::Released(id) => {
-                        released.push(k);
+                        released.insert(k);
                         done.insert(k, id.clone());
                     }
                     Sent::Kept(id) if !p.dirty => {
@@ -430,10 +438,9 @@ impl Streaming {
         if let Some(u) = lock(&f.state).upload.clone() {
             return Ok(u);
         }
-        // Only the writer thread that sends a part creates; two threads completing two
-        // parts of one file at once must not make two uploads.
-        static CREATING: Mutex<()> = Mutex::new(());
-        let _one = lock(&CREATING);
+        // Two threads completing two parts of one file at once must not make two uploads
+        // (the state's lock is not held across the request).
+        let _one = lock(&f.creating);
         if let Some(u) = lock(&f.state).upload.clone() {
             return Ok(u);
         }
@@ -547,6 +554,7 @@ pub fn stream_file(dest: &Path, file: &File) -> Option<FileStream> {
         key,
         file: file.try_clone().ok()?,
         state: Mutex::new(FileState::default()),
+        creating: Mutex::new(()),
     });
     {
         let mut files = lock(&stream.files);
@@ -604,10 +612,8 @@ impl FileStream {
                     Sent::No => {}
                 }
                 p.pinned |= rewritable;
-                let before: u64 = p.written.iter().map(|(s, e)| e - s).sum();
-                let covered = p.add(lo, hi);
-                added += covered - before;
-                if covered == part && !p.pinned && matches!(p.sent, Sent::No) {
+                added += p.add(lo, hi);
+                if p.covered() == part && !p.pinned && matches!(p.sent, Sent::No) {
                     p.sent = Sent::Sending;
                     ready.push(k);
                 }
