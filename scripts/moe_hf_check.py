@@ -4,7 +4,7 @@ checkpoints (`ckpt merge SRC --format hf`) and gives Megatron's logits.
 
   moe_hf_check.py CKPT      (for each family of tests/fixtures/moe/hf: Mixtral,
                              Qwen2-MoE, Qwen3-MoE; from the legacy and the dist_ckpt
-                             files)
+                             files, and Mixtral's GroupedMLP legacy files)
 
 For each: `from_pretrained` with no missing, unexpected or mismatched keys; the logits on
 the fixture's input within 1e-4 of the logits megatron-core computed on its EP-sharded
@@ -32,7 +32,8 @@ def main():
             fx = FIXTURES / family
             ref = load_file(fx / "logits.safetensors")
             want = load_file(fx / "hf" / "model.safetensors")
-            for src in ["legacy", "dist_ckpt"]:
+            # Mixtral's also as megatron-core's GroupedMLP (legacy_grouped/).
+            for src in ["legacy", "dist_ckpt"] + (["legacy_grouped"] if family == "mixtral" else []):
                 out = pathlib.Path(tmp) / f"{family}-{src}"
                 subprocess.run([ckpt, "merge", str(fx / src), "--format", "hf", "-o", str(out), "-q"], check=True)
                 model, info = AutoModelForCausalLM.from_pretrained(

@@ -15,7 +15,9 @@ legacy fixtures (experts stacked `[layers, experts, ...]` under megatron-core's 
 size the args say and at another (Megatron reshards a dist_ckpt itself):
 
   EP2 x TP1 -> dist TP1 (loaded at EP1 and EP2);  EP2 x TP2 -> dist TP2 x PP2 (at EP1);
-  EP2 x TP2 with expert TP 1 -> dist TP1 (at EP2)
+  EP2 x TP2 with expert TP 1 -> dist TP1 (at EP2);
+  GroupedMLP EP2 -> dist TP1 (at EP2) and -> dist TP2 x PP2 (at EP1): each expert the
+  transpose of a run of the grouped weights
 
   moe_reshard_interop.py CKPT"""
 import os
@@ -44,6 +46,8 @@ DIST_CASES = [
     ("ep2tp1", "tp=1,pp=1", (1, 2)),
     ("ep2tp2", "tp=2,pp=2", (1,)),
     ("ep2tp2etp1", "tp=1,pp=1", (2,)),
+    ("ep2grouped", "tp=1,pp=1", (2,)),
+    ("ep2grouped", "tp=2,pp=2", (1,)),
 ]
 
 

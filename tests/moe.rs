@@ -146,6 +146,24 @@ fn dist_ckpt_experts_unstack_to_global_ids() {
         assert!(full_tensors(&stacked)
             .contains_key("decoder.layers.mlp.experts.experts.linear_fc1.weight"));
     }
+    // GroupedMLP's legacy files with --per-layer: each expert transposed out of the
+    // grouped weights, equal to what megatron-core's sharded state dict gives.
+    let got = merged_tensors(
+        &d,
+        &case("ep2grouped").join("legacy"),
+        "ep2grouped.legacy",
+        &["--per-layer"],
+    );
+    let want = full_tensors(&case("ep2grouped").join("reference_experts.safetensors"));
+    let experts: BTreeMap<String, Vec<u8>> = want
+        .into_iter()
+        .filter(|(k, _)| k.contains(".local_experts."))
+        .collect();
+    assert_eq!(experts.len(), 16);
+    for (k, v) in &experts {
+        assert!(got.get(k) == Some(v), "ep2grouped legacy --per-layer: {k}");
+    }
+    assert!(!got.keys().any(|k| k.ends_with("mlp.experts.weight1")));
 }
 
 /// What is not read yet, and what is wrong, said by name with exit code 1.
@@ -153,23 +171,8 @@ fn dist_ckpt_experts_unstack_to_global_ids() {
 fn expert_parallel_refusals_are_named() {
     let d = Dir::new();
     let legacy = |c: &str| case(c).join("legacy").to_str().unwrap().to_string();
-    // GroupedMLP's experts are transposed runs of its weights: not written as a
-    // dist_ckpt's or Hugging Face's per-expert tensors yet.
-    let o = d.fails(&[
-        "reshard",
-        &legacy("ep2grouped"),
-        "--format",
-        "megatron-dist",
-        "--mesh",
-        "tp=1,pp=1",
-        "-o",
-        "out",
-    ]);
-    assert!(
-        o.stderr.contains("GroupedMLP (args.moe_grouped_gemm)"),
-        "{}",
-        o.stderr
-    );
+    // GroupedMLP's experts are read per expert for Hugging Face, but this model has
+    // learned absolute position embeddings, which Mixtral has not.
     let o = d.fails(&[
         "merge",
         &legacy("ep2grouped"),
@@ -180,7 +183,12 @@ fn expert_parallel_refusals_are_named() {
         "-o",
         "out",
     ]);
-    assert!(o.stderr.contains("args.moe_grouped_gemm"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("absolute position embeddings"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("out").exists());
     // Args of layouts not read yet (the fixtures' args changed by torch): Transformer
     // Engine's grouped layer, expert TP 2 under TP 4.
     let variants = case("args_variants");
@@ -246,7 +254,14 @@ fn moe_families_export_to_hugging_face_and_back() {
     };
     for f in ["mixtral", "qwen2_moe", "qwen3_moe"] {
         let want = full_tensors(&hf(f).join("hf/model.safetensors"));
-        for src in ["legacy", "dist_ckpt"] {
+        // Mixtral's also as megatron-core's GroupedMLP (each expert the transpose of a
+        // run of the grouped weights), loaded by megatron-core from the dist_ckpt.
+        let grouped: &[&str] = if f == "mixtral" {
+            &["legacy_grouped"]
+        } else {
+            &[]
+        };
+        for &src in ["legacy", "dist_ckpt"].iter().chain(grouped) {
             let out = d.path(&format!("{f}-{src}"));
             d.ok(&[
                 "merge",
@@ -479,8 +494,11 @@ fn expert_parallel_checkpoints_into_dist_ckpts_as_megatron_core_saves_them() {
         ("ep2tp2", "tp=2,pp=1"),
         ("ep2pp2", "tp=1,pp=2"),
         ("ep4tp1", "tp=2,pp=2"),
+        // GroupedMLP: each expert the transpose of a run of its grouped weights.
+        ("ep2grouped", "tp=1,pp=1"),
+        ("ep2grouped", "tp=2,pp=2"),
     ] {
-        let out = d.path(name);
+        let out = d.path(&format!("{name}.{mesh}"));
         d.ok(&[
             "reshard",
             case(name).join("legacy").to_str().unwrap(),

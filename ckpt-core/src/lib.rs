@@ -109,7 +109,7 @@ pub use crate::layout::plan::{
 };
 pub use crate::layout::region::{Region, Run, Runs};
 pub use crate::layout::select::{Selection, Views};
-pub use crate::layout::source::{Block, PieceSource, SourcePiece, SourceTensor};
+pub use crate::layout::source::{Block, PieceSource, SourcePiece, SourceTensor, StoredView};
 pub use crate::layout::split_rules::{is_split_rules, SplitRules};
 pub use crate::layout::strategy::{
     dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION,

@@ -140,12 +140,16 @@ pub struct MegatronDist {
 /// What [`crate::megatron_restage`] and [`megatron_grid`] refuse.
 pub fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strategy) -> Result<()> {
     let state = source.megatron_state()?;
-    if state.args.moe.experts.is_some() && state.args.moe.grouped_gemm {
+    if let Some(name) = source
+        .tensors
+        .keys()
+        .find(|n| crate::formats::megatron::is_grouped_weight(n))
+    {
         // A dist_ckpt keeps each expert's fc1/fc2 as SequentialMLP's, the transposes of
-        // GroupedMLP's runs; the copy engine moves runs, it does not transpose.
-        return Err(unsupported(
-            "--format megatron-dist: the source's experts are megatron-core's GroupedMLP (args.moe_grouped_gemm), whose dist_ckpt keys hold each expert transposed; write it with --format megatron (legacy), which megatron-core loads".into(),
-        ));
+        // GroupedMLP's runs.
+        return Err(unsupported(format!(
+            "--format megatron-dist: `{name}` is a GroupedMLP weight, which a dist_ckpt holds per expert: read it with Checkpoint::grouped_experts_as_sequential first"
+        )));
     }
     crate::megatron_restage(source, strategy)?;
     // Checked with the split Megatron makes (SwiGLU's gate and up rows each in TP
@@ -323,8 +327,16 @@ pub fn megatron_dist_finish(dist: &MegatronDist, out: &Path) -> Result<()> {
     let meta = metadata_bytes(&dist.tensors, &dist.files, &objects)?;
     write_file_atomic(&dir.join(crate::formats::distcp::METADATA_FILE), &meta)?;
     let (tp, pp) = dist.sizes;
-    let entries =
-        megatron::extra_entries(&dist.state, (tp, pp, 1), None, None, megatron::DIST_FORMAT)?;
+    // GroupedMLP's experts whole on every TP rank (expert TP 1), as the legacy output
+    // writes them and as ckpt reads them back; else unset, the TP size.
+    let expert_tp = (dist.state.args.moe.grouped_gemm && tp > 1).then_some(1);
+    let entries = megatron::extra_entries(
+        &dist.state,
+        (tp, pp, 1),
+        expert_tp,
+        None,
+        megatron::DIST_FORMAT,
+    )?;
     let mut e = Emitter::new();
     e.empty_dict().mark().raw(&entries).set_items();
     TorchWriter::create_with_pickle(&dir.join(COMMON_FILE), &[], e.finish())?.finish()?;

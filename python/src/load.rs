@@ -34,6 +34,7 @@ fn view_of(source: &Checkpoint, t: &TensorPlan) -> Option<(PathBuf, u64)> {
     if dtype != t.src_dtype
         || !(dtype.bitsize()).is_multiple_of(8)
         || op.src.shape != t.target.shape
+        || op.axes.is_some()
     {
         return None;
     }
@@ -276,11 +277,15 @@ impl LoadPlan {
     fn check_checksums(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
         let mut boxes: BTreeMap<(usize, usize), (Vec<u64>, BTreeSet<Region>)> = BTreeMap::new();
         for op in self.tensors.iter().flat_map(|t| &t.ops) {
-            boxes
+            let e = boxes
                 .entry((op.file, op.tensor))
-                .or_insert_with(|| (op.src_shape.clone(), BTreeSet::new()))
-                .1
-                .insert(op.src.clone());
+                .or_insert_with(|| (op.src_shape.clone(), BTreeSet::new()));
+            // A tensor read through views of two shapes: not known to be read whole.
+            if e.0 == op.src_shape {
+                e.1.insert(op.stored_box(&op.src));
+            } else {
+                e.1.clear();
+            }
         }
         let source = &self.source;
         let has_sum = |(f, t): (usize, usize)| source.files[f].checksum(t).is_some();

@@ -538,6 +538,10 @@ fn prepare_output(req: &ReshardRequest) -> Result<Prepared> {
     if req.format == OutputFormat::Torchtitan {
         source.torchtitan_import(&ckpt_core::HfTarget::default())?;
     }
+    if req.format == OutputFormat::MegatronDist {
+        // A dist_ckpt holds GroupedMLP's experts one by one, as SequentialMLP's.
+        source.grouped_experts_as_sequential()?;
+    }
     if req.format.is_megatron() && !source.is_megatron() {
         // A Hugging Face model: Megatron's tensors by its family's table.
         source.megatron_import(&ckpt_core::HfTarget::default())?;

@@ -81,6 +81,7 @@ impl Checkpoint {
                     tensor: ti,
                     local: Region::full(&t.shape),
                     global,
+                    view: None,
                 });
             }
         }

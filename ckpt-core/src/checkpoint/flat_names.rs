@@ -85,6 +85,7 @@ mod tests {
                 tensor: i,
                 local: Region::full(&b.region.shape),
                 global: b.region,
+                view: None,
             });
         }
         (f, pieces)

@@ -115,7 +115,7 @@ fn gate_up_ffn(cut: Cut, shape: &Shape) -> u64 {
 
 /// The shape Megatron's args give a model, and which of its features the args did not
 /// record (then Megatron-LM's defaults are taken, and said).
-fn shape_of_args(a: &Args, notes: &mut Vec<String>) -> Result<Shape> {
+fn shape_of_args(a: &Args, grouped_held: bool, notes: &mut Vec<String>) -> Result<Shape> {
     let need = |v: Option<u64>, field: &str| {
         v.ok_or_else(|| {
             unsupported(format!(
@@ -172,8 +172,9 @@ fn shape_of_args(a: &Args, notes: &mut Vec<String>) -> Result<Shape> {
         // Megatron's softmax over the top-k logits is a renormalised top-k.
         shape.norm_topk = !moe.pre_softmax;
         let score = moe.score_function.as_deref().unwrap_or("softmax");
-        shape.moe_unsupported = if moe.grouped_gemm {
-            Some("the grouped expert layer (args.moe_grouped_gemm), whose experts' weights are transposed in it".into())
+        shape.moe_unsupported = if moe.grouped_gemm && grouped_held {
+            // (Read with --per-layer, as `--format hf` reads, they are given per expert.)
+            Some("the grouped expert layer (args.moe_grouped_gemm) read as its grouped weights (mlp.experts.weight1/weight2) rather than per expert".into())
         } else if score != "softmax" {
             Some(format!(
                 "router scores by {score} (args.moe_router_score_function)"
@@ -485,7 +486,10 @@ impl Checkpoint {
         let args = self.megatron_args()?;
         let from_args = args
             .as_ref()
-            .map(|a| shape_of_args(a, &mut notes))
+            .map(|a| {
+                let grouped = self.tensors.keys().any(|n| megatron::is_grouped_weight(n));
+                shape_of_args(a, grouped, &mut notes)
+            })
             .transpose()?;
         // The user's config, or a Hugging Face config.json found beside the source (ckpt's
         // own config.json has another schema: not taken).

@@ -13,7 +13,7 @@
 
 use super::Checkpoint;
 use crate::error::{Error, Result};
-use crate::formats::megatron::Args;
+use crate::formats::megatron::{grouped_split, is_grouped_weight, Args};
 use crate::layout::select::Views;
 use crate::layout::source::{Block, SourceTensor};
 
@@ -66,6 +66,9 @@ impl Checkpoint {
                 ));
             }
         }
+        if views.per_layer {
+            self.ungroup_experts(args)?;
+        }
         if views.split_qkv {
             let sizes = (args.heads, args.query_groups, args.kv());
             let (Some(heads), Some(groups), Some(kv)) = sizes else {
@@ -104,6 +107,89 @@ impl Checkpoint {
                 PARTS.join(", ")
             ));
         }
+        Ok(())
+    }
+
+    /// Gives megatron-core's GroupedMLP weights (`decoder.layers.<l>.mlp.experts.weight1`
+    /// `[H, E*F1]` and `weight2` `[E*F, H]`, as an EP 1 model holds them) as each
+    /// expert's `linear_fc1.weight` `[F1, H]` and `linear_fc2.weight` `[H, F]` under
+    /// SequentialMLP's names and global ids, the tensors a dist_ckpt and a Hugging Face
+    /// model hold: GroupedMLP views expert `g`'s part of `weight1` as the run
+    /// `g*H*F1..` read as `[H, F1]`, and its `linear_fc1` is that transposed
+    /// (`GroupedMLP.sharded_state_dict`; `weight2` likewise with `[F, H]`). The same
+    /// stored bytes are read, through a transposed [`crate::StoredView`]. A checkpoint
+    /// without GroupedMLP weights is left as it is.
+    ///
+    /// # Errors
+    /// A grouped weight of another shape than the args give, or whose pieces are not
+    /// runs of whole experts.
+    pub fn grouped_experts_as_sequential(&mut self) -> Result<()> {
+        if !self.tensors.keys().any(|n| is_grouped_weight(n)) {
+            return Ok(());
+        }
+        let args = self.megatron_state()?.args;
+        self.ungroup_experts(&args)
+    }
+
+    fn ungroup_experts(&mut self, args: &Args) -> Result<()> {
+        let names = self.names_where(is_grouped_weight);
+        if names.is_empty() {
+            return Ok(());
+        }
+        let invalid = |name: &str, problem: String| Error::InvalidTensor {
+            tensor: name.to_string(),
+            problem,
+        };
+        for name in names {
+            let split = grouped_split(&name, args, 1, 0)
+                .map_err(|p| invalid(&name, p))?
+                .ok_or_else(|| invalid(&name, "not a GroupedMLP weight".into()))?;
+            let (Some(experts), Some(h)) = (args.moe.experts, args.hidden) else {
+                return Err(invalid(
+                    &name,
+                    "args lack num_experts or hidden_size".into(),
+                ));
+            };
+            let t = &self.tensors[&name];
+            if t.shape != split.global {
+                return Err(invalid(
+                    &name,
+                    format!("has shape {:?}, but args give {:?}", t.shape, split.global),
+                ));
+            }
+            let (prefix, rows, cols, param) = match name.strip_suffix("weight1") {
+                Some(prefix) => (prefix, h, split.global[1] / experts, "linear_fc1.weight"),
+                None => (
+                    name.strip_suffix("weight2").unwrap_or(&name),
+                    split.global[0] / experts,
+                    h,
+                    "linear_fc2.weight",
+                ),
+            };
+            let files = &self.files;
+            let stored = |f: usize, i: usize| files[f].tensors()[i].shape.clone();
+            let mut per_expert = Vec::new();
+            for g in 0..experts {
+                let view = t
+                    .transposed_run(g * rows * cols, rows, cols, stored)
+                    .map_err(|p| invalid(&name, format!("expert {g}: {p}")))?;
+                per_expert.push((format!("{prefix}local_experts.{g}.{param}"), view));
+            }
+            if let Some(s) = &mut self.strategy {
+                if let Some(l) = s.tensors.remove(&name) {
+                    for (n, v) in &per_expert {
+                        let mut l = l.clone();
+                        l.shape.clone_from(&v.shape);
+                        s.tensors.insert(n.clone(), l);
+                    }
+                }
+            }
+            self.tensors.remove(&name);
+            self.tensors.extend(per_expert);
+        }
+        self.notes.push(
+            "GroupedMLP's weight1/weight2 given as each expert's linear_fc1/linear_fc2 (their runs transposed, as megatron-core's dist_ckpt holds them), under global ids".into(),
+        );
         Ok(())
     }
 

@@ -193,6 +193,7 @@ impl Checkpoint {
                             tensor: ri,
                             global: shift.offset(&piece.global.start),
                             local: part.relative_to(&origin),
+                            view: None,
                         });
                     }
                 }

@@ -52,6 +52,7 @@ impl Checkpoint {
                         tensor: ti,
                         global: Region::new(start.clone(), t.shape.clone()),
                         local: Region::full(&t.shape),
+                        view: None,
                     });
                     continue;
                 }
@@ -233,6 +234,7 @@ fn place(
             tensor,
             global: p.global,
             local: p.local,
+            view: None,
         });
     }
 }

@@ -64,16 +64,17 @@ fn reads_of(source: &Checkpoint, f: &FilePlan) -> Vec<SourceRead> {
         let bits = t.src_dtype.bitsize() as u64;
         for op in &t.ops {
             let entry = &source.files[op.file].tensors()[op.tensor];
-            let numel = op.src.numel();
+            let src = op.stored_box(&op.src);
+            let numel = src.numel();
             if numel == 0 {
                 continue;
             }
             let runs = Runs::new(
-                &op.src.shape,
+                &src.shape,
                 &op.src_shape,
-                &op.src.start,
-                &op.src.shape,
-                &vec![0; op.src.shape.len()],
+                &src.start,
+                &src.shape,
+                &vec![0; src.shape.len()],
             );
             let run_len = runs.run_len().max(1);
             // The first and last elements of the box, row-major, bound its bytes.
@@ -84,10 +85,8 @@ fn reads_of(source: &Checkpoint, f: &FilePlan) -> Vec<SourceRead> {
                 }
                 s
             };
-            let first: u64 = op.src.start.iter().zip(&strides).map(|(a, b)| a * b).sum();
-            let last: u64 = (0..op.src.ndim())
-                .map(|d| (op.src.end(d) - 1) * strides[d])
-                .sum();
+            let first: u64 = src.start.iter().zip(&strides).map(|(a, b)| a * b).sum();
+            let last: u64 = (0..src.ndim()).map(|d| (src.end(d) - 1) * strides[d]).sum();
             out.push(SourceRead {
                 file: op.file,
                 tensor: entry.name.clone(),
@@ -126,12 +125,13 @@ impl PlanReport {
             .flat_map(|f| &f.tensors)
             .flat_map(|t| {
                 t.ops.iter().map(|op| {
+                    let src = op.stored_box(&op.src);
                     let r = Runs::new(
-                        &op.src.shape,
+                        &src.shape,
                         &op.src_shape,
-                        &op.src.start,
-                        &op.src.shape,
-                        &vec![0; op.src.shape.len()],
+                        &src.start,
+                        &src.shape,
+                        &vec![0; src.shape.len()],
                     );
                     crate::layout::plan::bytes_of(
                         t.src_dtype,

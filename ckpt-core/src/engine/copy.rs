@@ -7,7 +7,7 @@
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::formats::{create_writer, Compression, ReadCache, TensorSpec, TensorWriter};
-use crate::layout::plan::{bytes_of, CopyPlan, TensorPlan};
+use crate::layout::plan::{bytes_of, CopyOp, CopyPlan, TensorPlan};
 use crate::layout::region::{Region, Runs};
 use crate::Dtype;
 use rayon::prelude::*;
@@ -156,6 +156,12 @@ fn fill_slab(
             .map(|(p, s)| p - s)
             .collect();
         let file = &source.files[op.file];
+        if let Some(axes) = &op.axes {
+            read += fill_permuted(
+                source, t, op, axes, &part, &src_start, slab, &dst_start, buf, cache,
+            )?;
+            continue;
+        }
         let (mut lo, mut hi) = (u64::MAX, 0u64);
         for run in Runs::new(
             &part.shape,
@@ -185,6 +191,98 @@ fn fill_slab(
     Ok(read)
 }
 
+/// [`fill_slab`]'s copy of `part` (a box of the slab, in the target's coordinates)
+/// from an op whose source box is permuted ([`CopyOp::axes`]): the source box is read
+/// by its runs into a buffer, in the stored order, and each element put at its place
+/// in the slab (converted when the dtypes differ). Returns the bytes read.
+#[allow(clippy::too_many_arguments)]
+fn fill_permuted(
+    source: &Checkpoint,
+    t: &TensorPlan,
+    op: &CopyOp,
+    axes: &[usize],
+    part: &Region,
+    src_start: &[u64],
+    slab: &Region,
+    dst_start: &[u64],
+    buf: &mut [u8],
+    cache: &mut ReadCache,
+) -> Result<u64> {
+    let file = &source.files[op.file];
+    let stored = op.stored_box(&Region::new(src_start.to_vec(), part.shape.clone()));
+    let (sbytes, dbytes) = (t.src_dtype.bitsize() / 8, t.target.dtype.bitsize() / 8);
+    let mut gathered = vec![0u8; stored.numel() as usize * sbytes];
+    let zeros = vec![0; stored.ndim()];
+    let (mut lo, mut hi) = (u64::MAX, 0u64);
+    for run in Runs::new(
+        &stored.shape,
+        &op.src_shape,
+        &stored.start,
+        &stored.shape,
+        &zeros,
+    ) {
+        let (s0, s1) = (run.src * sbytes as u64, (run.src + run.len) * sbytes as u64);
+        let d0 = run.dst as usize * sbytes;
+        file.read_into(
+            op.tensor,
+            s0..s1,
+            &mut gathered[d0..d0 + (s1 - s0) as usize],
+            cache,
+        )?;
+        lo = lo.min(s0);
+        hi = hi.max(s1);
+    }
+    if hi > lo {
+        file.release(op.tensor, lo..hi);
+    }
+    // Element strides of the gathered box along the part's dimensions, and of the slab.
+    let row_major = |shape: &[u64]| {
+        let mut s = vec![1u64; shape.len()];
+        for d in (0..shape.len().saturating_sub(1)).rev() {
+            s[d] = s[d + 1] * shape[d + 1];
+        }
+        s
+    };
+    let g = row_major(&stored.shape);
+    let from: Vec<u64> = axes.iter().map(|&a| g[a]).collect();
+    let to = row_major(&slab.shape);
+    let n = part.ndim();
+    let inner = part.shape[n - 1];
+    let mut index = vec![0u64; n - 1];
+    loop {
+        let mut f = 0u64;
+        let mut d = 0u64;
+        for k in 0..n - 1 {
+            f += index[k] * from[k];
+            d += (dst_start[k] + index[k]) * to[k];
+        }
+        d += dst_start[n - 1];
+        for i in 0..inner {
+            let fs = (f + i * from[n - 1]) as usize * sbytes;
+            let ds = (d + i) as usize * dbytes;
+            let (src, dst) = (&gathered[fs..fs + sbytes], &mut buf[ds..ds + dbytes]);
+            if t.src_dtype == t.target.dtype {
+                dst.copy_from_slice(src);
+            } else {
+                convert(src, t.src_dtype, dst, t.target.dtype);
+            }
+        }
+        // The odometer over the outer dimensions, last fastest.
+        let mut k = n - 1;
+        loop {
+            if k == 0 {
+                return Ok(gathered.len() as u64);
+            }
+            k -= 1;
+            index[k] += 1;
+            if index[k] < part.shape[k] {
+                break;
+            }
+            index[k] = 0;
+        }
+    }
+}
+
 /// Writes the plan's files into `out_dir` (which must exist), calling `progress` with
 /// the bytes of each finished slab. Files are written under temporary names and renamed
 /// only once complete and synced.
@@ -201,7 +299,7 @@ pub fn execute(
 }
 
 /// Per stored tensor (file, index): its shape and the distinct boxes read from it.
-type BoxesRead<'a> = BTreeMap<(usize, usize), (&'a [u64], BTreeSet<&'a Region>)>;
+type BoxesRead<'a> = BTreeMap<(usize, usize), (&'a [u64], BTreeSet<Region>)>;
 
 /// [`execute`], writing every file compressed (`.ckptz`) when `compression` is given.
 ///
@@ -273,16 +371,25 @@ pub fn execute_with(
     // copied, over the same mapped pages; those read only in part cannot be.
     // (A tensor is read whole when the distinct boxes read from it tile it: blocked
     // shards are read box by box.)
+    // (Boxes of a tensor read through a view are in the view's shape; a tensor read in
+    // two shapes is not known to be read whole.)
     let mut boxes: BoxesRead = BTreeMap::new();
+    let mut reshaped = BTreeSet::new();
     for t in plan.files.iter().flat_map(|f| &f.tensors) {
         for op in &t.ops {
             let e = boxes
                 .entry((op.file, op.tensor))
                 .or_insert_with(|| (&op.src_shape[..], BTreeSet::new()));
-            e.1.insert(&op.src);
+            if e.0 != &op.src_shape[..] {
+                reshaped.insert((op.file, op.tensor));
+            }
+            e.1.insert(op.stored_box(&op.src));
         }
     }
     let touched: BTreeSet<(usize, usize)> = boxes.keys().copied().collect();
+    for k in &reshaped {
+        boxes.remove(k);
+    }
     // The bytes of an object in a bucket that no slab reads (tensors left out) are
     // consumed from the start: its blocks then leave the pager's budget once the rest
     // of them is read, instead of holding it until evicted.
@@ -298,7 +405,7 @@ pub fn execute_with(
     let whole: BTreeSet<(usize, usize)> = boxes
         .into_iter()
         .filter(|(_, (shape, regions))| {
-            let regions: Vec<Region> = regions.iter().map(|r| (*r).clone()).collect();
+            let regions: Vec<Region> = regions.iter().cloned().collect();
             crate::layout::coverage::check_tiling(shape, &regions).is_ok()
         })
         .map(|(k, _)| k)
@@ -366,7 +473,9 @@ fn first_source(t: &TensorPlan, slab: &Region) -> (usize, usize, u64) {
     for op in &t.ops {
         let dst_box = Region::new(op.dst_start.clone(), op.src.shape.clone());
         if let Some(part) = dst_box.overlap(slab) {
-            let start = op.src_start_of(&part);
+            let start = op
+                .stored_box(&Region::new(op.src_start_of(&part), part.shape))
+                .start;
             return (op.file, op.tensor, slab_offset(&op.src_shape, &start));
         }
     }

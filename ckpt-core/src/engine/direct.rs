@@ -55,7 +55,8 @@ pub(crate) fn slab_runs(
             continue;
         };
         let file = &source.files[op.file];
-        if file.is_compressed() || file.data(op.tensor).is_none() {
+        // A permuted box is no list of runs: gathered.
+        if file.is_compressed() || file.data(op.tensor).is_none() || op.axes.is_some() {
             return None;
         }
         let src_start = op.src_start_of(&part);

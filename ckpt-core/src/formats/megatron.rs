@@ -28,7 +28,7 @@
 pub(crate) mod dist_optim;
 mod names;
 pub(crate) use names::is_expert_name;
-use names::is_grouped_weight;
+pub(crate) use names::is_grouped_weight;
 mod optim;
 mod pickled;
 mod rng;

@@ -49,12 +49,17 @@ pub struct CopyOp {
     pub file: usize,
     /// Tensor within that file.
     pub tensor: usize,
-    /// Shape of the source tensor as stored.
+    /// Shape of the source tensor as stored, or as a [`StoredView`](crate::StoredView) reshapes it: the
+    /// row-major shape whose element offsets locate the box's bytes.
     pub src_shape: Vec<u64>,
-    /// The box, in source-local coordinates.
+    /// The box, in source-local coordinates: `src_shape`'s, with its axes permuted by
+    /// `axes` when given.
     pub src: Region,
     /// Where the box starts in the destination tensor.
     pub dst_start: Vec<u64>,
+    /// A [`StoredView`](crate::StoredView)'s permutation: the box's dimension `d` (the destination's) is
+    /// `src_shape`'s dimension `axes[d]`. `None`: the same order.
+    pub axes: Option<Vec<usize>>,
 }
 
 impl CopyOp {
@@ -68,6 +73,23 @@ impl CopyOp {
             .zip(&self.src.start)
             .map(|((p, d), s)| p - d + s)
             .collect()
+    }
+
+    /// `region` (a box in [`CopyOp::src`]'s coordinates) in `src_shape`'s order of
+    /// dimensions, where its elements' offsets are.
+    #[must_use]
+    pub fn stored_box(&self, region: &Region) -> Region {
+        match &self.axes {
+            None => region.clone(),
+            Some(axes) => {
+                let mut out = region.clone();
+                for (d, &a) in axes.iter().enumerate() {
+                    out.start[a] = region.start[d];
+                    out.shape[a] = region.shape[d];
+                }
+                out
+            }
+        }
     }
 }
 
@@ -212,13 +234,20 @@ impl CopyPlan {
                             .relative_to(&tp.global.start)
                             .offset(&tp.local.start)
                             .start;
-                        let src_shape = source.stored_shape(sp.file, sp.tensor).to_vec();
+                        let (src_shape, axes) = match &sp.view {
+                            None => (source.stored_shape(sp.file, sp.tensor).to_vec(), None),
+                            Some(v) => {
+                                let identity = v.axes.iter().enumerate().all(|(d, &a)| d == a);
+                                (v.shape.clone(), (!identity).then(|| v.axes.clone()))
+                            }
+                        };
                         ops.push(CopyOp {
                             file: sp.file,
                             tensor: sp.tensor,
                             src_shape,
                             src: src_box,
                             dst_start,
+                            axes,
                         });
                     }
                 }

@@ -15,8 +15,24 @@ pub struct SourcePiece {
     pub tensor: usize,
     /// Where the box lies in the global tensor.
     pub global: Region,
-    /// Where it lies in the file's tensor.
+    /// Where it lies in the file's tensor (in `view`'s coordinates when given).
     pub local: Region,
+    /// How the stored bytes are read when not as the stored tensor: `None` for the
+    /// stored tensor itself.
+    pub view: Option<StoredView>,
+}
+
+/// The bytes of a stored tensor read as another tensor: the row-major tensor of
+/// `shape` (the same elements, another shape: a reshape), its axes then permuted, so
+/// that dimension `d` of a piece's `local` box is dimension `axes[d]` of `shape`.
+/// megatron-core's GroupedMLP keeps each expert's `linear_fc1` as the transpose of a
+/// run of its `weight1`: a reshape to `[rows, F1]` and the axes `[1, 0]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredView {
+    /// The row-major shape the stored elements are read in.
+    pub shape: Vec<u64>,
+    /// `local`'s dimension `d` is `shape`'s dimension `axes[d]`.
+    pub axes: Vec<usize>,
 }
 
 /// A global tensor assembled from pieces.
@@ -74,6 +90,7 @@ impl SourcePiece {
             tensor: self.tensor,
             global,
             local,
+            view: self.view.clone(),
         })
     }
 }
@@ -115,6 +132,100 @@ impl SourceTensor {
     }
 }
 
+/// Where a box lies in a row-major tensor of `shape` when its elements are one run
+/// there: `(first element, count)`; `None` when they are not (a box of columns).
+fn run_of(region: &Region, shape: &[u64]) -> Option<(u64, u64)> {
+    // Contiguous: extent 1 before some dimension k, the whole tensor after it.
+    let k = region.shape.iter().position(|&n| n > 1).unwrap_or(0);
+    if (k + 1..shape.len()).any(|d| region.start[d] != 0 || region.shape[d] != shape[d]) {
+        return None;
+    }
+    let mut first = 0u64;
+    let mut stride = 1u64;
+    for d in (0..shape.len()).rev() {
+        first = first.checked_add(region.start[d].checked_mul(stride)?)?;
+        stride = stride.checked_mul(shape[d])?;
+    }
+    Some((first, region.numel()))
+}
+
+impl SourceTensor {
+    /// The `rows x cols` matrix whose row-major elements are this tensor's elements
+    /// `start..start + rows * cols`, transposed: a `[cols, rows]` tensor that reads the
+    /// same stored bytes through a [`StoredView`] (megatron-core's GroupedMLP keeps
+    /// each expert as such a run of its grouped weights). `stored` gives the shape of
+    /// a piece's stored tensor.
+    ///
+    /// # Errors
+    /// A piece the run does not cut at rows of the matrix, one whose elements are not a
+    /// run of the tensor or of its stored tensor, one already viewed, sub-byte
+    /// elements, or sizes that overflow: the problem in words.
+    pub fn transposed_run(
+        &self,
+        start: u64,
+        rows: u64,
+        cols: u64,
+        stored: impl Fn(usize, usize) -> Vec<u64>,
+    ) -> std::result::Result<SourceTensor, String> {
+        if !self.dtype.bitsize().is_multiple_of(8) || cols == 0 {
+            return Err(format!(
+                "a transposed view of {:?} elements in rows of {cols}",
+                self.dtype
+            ));
+        }
+        let end = rows
+            .checked_mul(cols)
+            .and_then(|n| n.checked_add(start))
+            .ok_or("the run's size overflows")?;
+        let view = |p: &SourcePiece| -> std::result::Result<Option<SourcePiece>, String> {
+            let shape = stored(p.file, p.tensor);
+            let unrun = || format!("a piece ({}) is not one run of its tensor", p.global);
+            let (g0, len) = run_of(&p.global, &self.shape).ok_or_else(unrun)?;
+            let (s0, _) = match &p.view {
+                None => run_of(&p.local, &shape).ok_or_else(unrun)?,
+                Some(_) => return Err("a piece already read through a view".into()),
+            };
+            let (a, b) = (g0.max(start), (g0 + len).min(end));
+            if a >= b {
+                return Ok(None);
+            }
+            let at = s0 + (a - g0);
+            let numel: u64 = shape.iter().product();
+            if [a - start, b - a, at, numel].iter().any(|n| n % cols != 0) {
+                return Err(format!(
+                    "a piece ({}) holds part of a row of {cols} elements",
+                    p.global
+                ));
+            }
+            let n = (b - a) / cols;
+            Ok(Some(SourcePiece {
+                file: p.file,
+                tensor: p.tensor,
+                global: Region::new(vec![0, (a - start) / cols], vec![cols, n]),
+                local: Region::new(vec![0, at / cols], vec![cols, n]),
+                view: Some(StoredView {
+                    shape: vec![numel / cols, cols],
+                    axes: vec![1, 0],
+                }),
+            }))
+        };
+        let mut pieces = Vec::new();
+        for p in &self.pieces {
+            pieces.extend(view(p)?);
+        }
+        let mut copies = Vec::new();
+        for (owner, p) in &self.copies {
+            copies.extend(view(p)?.map(|c| (*owner, c)));
+        }
+        Ok(SourceTensor {
+            dtype: self.dtype,
+            shape: vec![cols, rows],
+            pieces,
+            copies,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,6 +236,7 @@ mod tests {
             tensor: 0,
             global: Region::from_ranges(&[rows.clone(), 0..cols]),
             local: Region::from_ranges(&[0..rows.end - rows.start, 0..cols]),
+            view: None,
         }
     }
 
@@ -161,12 +273,14 @@ mod tests {
                     tensor: 0,
                     global: Region::from_ranges(&[0..2, 0..3]),
                     local: Region::from_ranges(&[2..4, 0..3]),
+                    view: None,
                 },
                 SourcePiece {
                     file: 1,
                     tensor: 0,
                     global: Region::from_ranges(&[2..4, 0..3]),
                     local: Region::from_ranges(&[2..4, 0..3]),
+                    view: None,
                 },
             ]
         );
