@@ -330,3 +330,74 @@ proptest! {
         prop_assert_eq!(got, want.iter().map(|&r| vec![r]).collect::<Vec<_>>());
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    /// A transposed run (GroupedMLP's expert `g`: elements `g*R*C..` of the grouped
+    /// weight read as `[R, C]`, transposed) read from a tensor stored in row blocks of
+    /// whole experts over several files: every element is the stored element at the
+    /// transposed place, read whole or in parts of a few rows, in the stored dtype or
+    /// cast to f32.
+    #[test]
+    fn a_transposed_run_reads_the_transpose_of_the_stored_elements(
+        r in 1u64..7,
+        c in 1u64..6,
+        per_file in 1u64..3,
+        files in 1u64..4,
+        pick in any::<prop::sample::Index>(),
+        part_rows in 1u64..4,
+        cast in any::<bool>(),
+        seed in any::<u8>(),
+    ) {
+        let experts = per_file * files;
+        let mesh = Mesh::new(vec![("dp".into(), files)]).unwrap();
+        let l = TensorLayout::new(vec![experts * r, c], Dtype::BF16, vec![Placement::shard(0)]);
+        let full = full_bytes(&l, seed);
+        let dir = tempfile::tempdir().unwrap();
+        slice(dir.path(), &mesh, &l, &full);
+        let mut ck = Checkpoint::open(&[dir.path().to_path_buf()]).unwrap();
+        let g = pick.index(experts as usize) as u64;
+        let view = {
+            let stored = |f: usize, i: usize| ck.files[f].tensors()[i].shape.clone();
+            ck.tensors["t"].transposed_run(g * r * c, r, c, stored).unwrap()
+        };
+        prop_assert_eq!(view.shape.clone(), vec![c, r]);
+        ck.tensors.insert("u".into(), view);
+        let dtype = if cast { Dtype::F32 } else { Dtype::BF16 };
+        let full_region = Region::full(&[c, r]);
+        let target = TargetTensor {
+            name: "u".into(),
+            dtype,
+            shape: vec![c, r],
+            pieces: vec![Piece { global: full_region.clone(), local: full_region }],
+        };
+        let plan = CopyPlan::build(
+            &ck,
+            vec![TargetFile { path: PathBuf::new(), tensors: vec![target], metadata: Default::default() }],
+        )
+        .unwrap();
+        let t = &plan.files[0].tensors[0];
+        let esize = ckpt_core::bytes_of(dtype, 1) as usize;
+        let mut got = vec![0u8; (c * r) as usize * esize];
+        for part in ckpt_core::tensor_parts(t, part_rows * r * esize as u64) {
+            let at = part.offset as usize;
+            ckpt_core::assemble_part_into(t, &ck, &part.region, &mut got[at..at + part.bytes as usize])
+                .unwrap();
+        }
+        // Element (i, j) of the view is element (j, i) of expert g's [R, C] run.
+        for i in 0..c as usize {
+            for j in 0..r as usize {
+                let s = (g * r * c) as usize + j * c as usize + i;
+                let bits = [full[2 * s], full[2 * s + 1]];
+                let d = (i * r as usize + j) * esize;
+                if cast {
+                    let want = half::bf16::from_le_bytes(bits).to_f32().to_le_bytes();
+                    prop_assert_eq!(&got[d..d + 4], &want[..], "({}, {})", i, j);
+                } else {
+                    prop_assert_eq!(&got[d..d + 2], &bits[..], "({}, {})", i, j);
+                }
+            }
+        }
+    }
+}

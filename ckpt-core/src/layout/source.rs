@@ -301,4 +301,45 @@ mod tests {
         assert_eq!(all.pieces[1].local, Region::from_ranges(&[0..1, 0..3]));
         assert_eq!(all.pieces[1].global, Region::from_ranges(&[1..2, 0..3]));
     }
+
+    /// A transposed run whose rows a piece cuts, or over a piece of columns (not one
+    /// run of the tensor), is refused; a run cut at rows of the matrix reads each
+    /// piece's rows through a transposed view of its stored tensor.
+    #[test]
+    fn transposed_runs_need_pieces_of_whole_rows() {
+        let t = SourceTensor {
+            dtype: Dtype::F32,
+            shape: vec![4, 3],
+            pieces: vec![piece(0, 0..1, 3), piece(1, 1..4, 3)],
+            copies: vec![],
+        };
+        let stored = |f: usize, _: usize| if f == 0 { vec![1, 3] } else { vec![3, 3] };
+        // Elements 0..12 as [4, 3]: rows 0 and 1..4, each piece's rows.
+        let v = t.transposed_run(0, 4, 3, stored).unwrap();
+        assert_eq!(v.shape, vec![3, 4]);
+        assert_eq!(v.pieces[1].global, Region::from_ranges(&[0..3, 1..4]));
+        assert_eq!(v.pieces[1].local, Region::from_ranges(&[0..3, 0..3]));
+        assert_eq!(
+            v.pieces[1].view,
+            Some(StoredView {
+                shape: vec![3, 3],
+                axes: vec![1, 0]
+            })
+        );
+        // As [6, 2]: the pieces meet inside a row of 2.
+        let e = t.transposed_run(0, 6, 2, stored).unwrap_err();
+        assert!(e.contains("part of a row"), "{e}");
+        let cols = SourceTensor {
+            pieces: vec![SourcePiece {
+                file: 0,
+                tensor: 0,
+                global: Region::from_ranges(&[0..4, 0..2]),
+                local: Region::from_ranges(&[0..4, 0..2]),
+                view: None,
+            }],
+            ..t.clone()
+        };
+        let e = cols.transposed_run(0, 4, 3, |_, _| vec![4, 2]).unwrap_err();
+        assert!(e.contains("not one run"), "{e}");
+    }
 }
