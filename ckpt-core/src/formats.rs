@@ -122,6 +122,9 @@ pub struct TensorFile {
     lazy: Vec<Option<LazyEntry>>,
     /// Unique within the process: keys the decoded chunks a [`ReadCache`] keeps.
     id: u64,
+    /// Bytes read so far of each span read in strided parts, by (tensor, span start)
+    /// ([`TensorFile::release_when_read`]).
+    strided: std::sync::Mutex<BTreeMap<(usize, u64), u64>>,
 }
 
 /// Finds where an entry's bytes lie, given the file's bytes: `(start, end)`.
@@ -664,6 +667,7 @@ impl TensorFile {
             flat: Vec::new(),
             lazy: Vec::new(),
             id: next_file_id(),
+            strided: Default::default(),
         })
     }
 
@@ -688,6 +692,7 @@ impl TensorFile {
             flat: Vec::new(),
             lazy: Vec::new(),
             id: next_file_id(),
+            strided: Default::default(),
         }
     }
 
@@ -1058,6 +1063,34 @@ impl TensorFile {
                 _ => {}
             },
             _ => m.release(t.start + range.start, t.start + range.end),
+        }
+    }
+
+    /// [`TensorFile::release`] of bytes `span` of tensor `index` once `bytes` of them
+    /// have been read, counted over calls: for a span read in strided parts (a
+    /// transposed view's slabs each read a column of every row of it), whose pages
+    /// every part touches, so that releasing them part by part would drop the pages
+    /// the next part reads (from a bucket: fetch them again).
+    pub fn release_when_read(
+        &self,
+        index: usize,
+        span: std::ops::Range<u64>,
+        bytes: u64,
+        read: u64,
+    ) {
+        let done = {
+            let mut strided = self.strided.lock().unwrap_or_else(|e| e.into_inner());
+            let key = (index, span.start);
+            let total = strided.entry(key).or_insert(0);
+            *total += read;
+            let done = *total >= bytes;
+            if done {
+                strided.remove(&key);
+            }
+            done
+        };
+        if done {
+            self.release(index, span);
         }
     }
 

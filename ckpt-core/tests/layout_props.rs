@@ -3,8 +3,8 @@
 //! gives back every byte, and resharding A to B to A is the identity.
 
 use ckpt_core::{
-    assemble, check_tiling, execute, rank_metadata, rank_tensors, write_rank, Checkpoint, CopyPlan,
-    Dtype, Mesh, Piece, Placement, Region, Strategy, TargetFile, TargetTensor, TensorLayout,
+    assemble, check_tiling, execute, rank_metadata, rank_tensors, Checkpoint, CopyPlan, Dtype,
+    Mesh, Piece, Placement, Region, Strategy, TargetFile, TargetTensor, TensorLayout,
 };
 use proptest::prelude::{any, prop, prop_assert_eq, prop_assume, proptest, Just, ProptestConfig};
 use proptest::strategy::Strategy as _;
@@ -97,6 +97,17 @@ fn full_bytes(l: &TensorLayout, seed: u8) -> Vec<u8> {
 
 /// Writes the sliced checkpoint of `full` under layout `l` on `mesh` into `dir`.
 fn slice(dir: &Path, mesh: &Mesh, l: &TensorLayout, full: &[u8]) -> Strategy {
+    slice_with(dir, mesh, l, full, None)
+}
+
+/// [`slice`], compressed (`.ckptz`) when `compression` is given.
+fn slice_with(
+    dir: &Path,
+    mesh: &Mesh,
+    l: &TensorLayout,
+    full: &[u8],
+    compression: Option<ckpt_core::Compression>,
+) -> Strategy {
     let mut s = Strategy::new(mesh.clone());
     s.insert("t", l.clone()).unwrap();
     for r in 0..mesh.world_size() {
@@ -118,7 +129,7 @@ fn slice(dir: &Path, mesh: &Mesh, l: &TensorLayout, full: &[u8]) -> Strategy {
                 local[d0..d0 + n].copy_from_slice(&full[s0..s0 + n]);
             }
         }
-        write_rank(dir, &s, r, &[("t", &local)], false).unwrap();
+        ckpt_core::write_rank_with(dir, &s, r, &[("t", &local)], false, compression).unwrap();
     }
     s
 }
@@ -338,7 +349,7 @@ proptest! {
     /// weight read as `[R, C]`, transposed) read from a tensor stored in row blocks of
     /// whole experts over several files: every element is the stored element at the
     /// transposed place, read whole or in parts of a few rows, in the stored dtype or
-    /// cast to f32.
+    /// cast to f32, from mapped files or compressed ones.
     #[test]
     fn a_transposed_run_reads_the_transpose_of_the_stored_elements(
         r in 1u64..7,
@@ -348,6 +359,7 @@ proptest! {
         pick in any::<prop::sample::Index>(),
         part_rows in 1u64..4,
         cast in any::<bool>(),
+        compressed in any::<bool>(),
         seed in any::<u8>(),
     ) {
         let experts = per_file * files;
@@ -355,8 +367,10 @@ proptest! {
         let l = TensorLayout::new(vec![experts * r, c], Dtype::BF16, vec![Placement::shard(0)]);
         let full = full_bytes(&l, seed);
         let dir = tempfile::tempdir().unwrap();
-        slice(dir.path(), &mesh, &l, &full);
+        // Mapped (read in place) or compressed (gathered by runs first).
+        slice_with(dir.path(), &mesh, &l, &full, compressed.then(ckpt_core::Compression::default));
         let mut ck = Checkpoint::open(&[dir.path().to_path_buf()]).unwrap();
+        prop_assert_eq!(ck.files[0].is_compressed(), compressed);
         let g = pick.index(experts as usize) as u64;
         let view = {
             let stored = |f: usize, i: usize| ck.files[f].tensors()[i].shape.clone();

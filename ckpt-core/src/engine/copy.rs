@@ -211,74 +211,164 @@ fn fill_permuted(
     let file = &source.files[op.file];
     let stored = op.stored_box(&Region::new(src_start.to_vec(), part.shape.clone()));
     let (sbytes, dbytes) = (t.src_dtype.bitsize() / 8, t.target.dtype.bitsize() / 8);
-    let mut gathered = vec![0u8; stored.numel() as usize * sbytes];
-    let zeros = vec![0; stored.ndim()];
-    let (mut lo, mut hi) = (u64::MAX, 0u64);
-    for run in Runs::new(
-        &stored.shape,
-        &op.src_shape,
-        &stored.start,
-        &stored.shape,
-        &zeros,
-    ) {
-        let (s0, s1) = (run.src * sbytes as u64, (run.src + run.len) * sbytes as u64);
-        let d0 = run.dst as usize * sbytes;
-        file.read_into(
-            op.tensor,
-            s0..s1,
-            &mut gathered[d0..d0 + (s1 - s0) as usize],
-            cache,
-        )?;
-        lo = lo.min(s0);
-        hi = hi.max(s1);
-    }
-    if hi > lo {
-        file.release(op.tensor, lo..hi);
-    }
-    // Element strides of the gathered box along the part's dimensions, and of the slab.
     let row_major = |shape: &[u64]| {
-        let mut s = vec![1u64; shape.len()];
+        let mut s = vec![1usize; shape.len()];
         for d in (0..shape.len().saturating_sub(1)).rev() {
-            s[d] = s[d + 1] * shape[d + 1];
+            s[d] = s[d + 1] * shape[d + 1] as usize;
         }
         s
     };
-    let g = row_major(&stored.shape);
-    let from: Vec<u64> = axes.iter().map(|&a| g[a]).collect();
-    let to = row_major(&slab.shape);
-    let n = part.ndim();
-    let inner = part.shape[n - 1];
-    let mut index = vec![0u64; n - 1];
-    loop {
-        let mut f = 0u64;
-        let mut d = 0u64;
-        for k in 0..n - 1 {
-            f += index[k] * from[k];
-            d += (dst_start[k] + index[k]) * to[k];
-        }
-        d += dst_start[n - 1];
-        for i in 0..inner {
-            let fs = (f + i * from[n - 1]) as usize * sbytes;
-            let ds = (d + i) as usize * dbytes;
-            let (src, dst) = (&gathered[fs..fs + sbytes], &mut buf[ds..ds + dbytes]);
-            if t.src_dtype == t.target.dtype {
-                dst.copy_from_slice(src);
-            } else {
-                convert(src, t.src_dtype, dst, t.target.dtype);
+    // Element offsets in the stored tensor.
+    let full = row_major(&op.src_shape);
+    let offset =
+        |at: &mut dyn Iterator<Item = usize>| -> usize { at.zip(&full).map(|(a, s)| a * s).sum() };
+    let begin = offset(&mut stored.start.iter().map(|&a| a as usize));
+    // The source elements: the mapped tensor itself, or (compressed) the box gathered
+    // by its runs, in the stored order; where the box starts there and its strides.
+    let gathered;
+    let (elements, first, strides) = match file.data(op.tensor) {
+        Some(bytes) => (bytes, begin, full.clone()),
+        None => {
+            let mut buf = vec![0u8; stored.numel() as usize * sbytes];
+            let zeros = vec![0; stored.ndim()];
+            for run in Runs::new(
+                &stored.shape,
+                &op.src_shape,
+                &stored.start,
+                &stored.shape,
+                &zeros,
+            ) {
+                let (s0, s1) = (run.src * sbytes as u64, (run.src + run.len) * sbytes as u64);
+                let d0 = run.dst as usize * sbytes;
+                file.read_into(
+                    op.tensor,
+                    s0..s1,
+                    &mut buf[d0..d0 + (s1 - s0) as usize],
+                    cache,
+                )?;
             }
+            gathered = buf;
+            (&gathered[..], 0, row_major(&stored.shape))
+        }
+    };
+    let from: Vec<usize> = axes.iter().map(|&a| strides[a]).collect();
+    let to: Vec<usize> = row_major(&slab.shape);
+    let shape: Vec<usize> = part.shape.iter().map(|&s| s as usize).collect();
+    let at: Vec<usize> = dst_start.iter().map(|&s| s as usize).collect();
+    let (from_dtype, to_dtype) = (t.src_dtype, t.target.dtype);
+    // The last two dimensions of the part as tiles (a transpose reads one with a long
+    // stride: tiles keep both sides in cache), the outer ones by an odometer.
+    let n = shape.len();
+    let mut index = vec![0usize; n - 2];
+    loop {
+        let mut f = first;
+        let mut d = at[n - 1] + at[n - 2] * to[n - 2];
+        for k in 0..n - 2 {
+            f += index[k] * from[k];
+            d += (at[k] + index[k]) * to[k];
+        }
+        let plane = Plane {
+            rows: shape[n - 2],
+            cols: shape[n - 1],
+            from: (f, from[n - 2], from[n - 1]),
+            to: (d, to[n - 2]),
+        };
+        match (from_dtype == to_dtype, sbytes) {
+            (true, 2) => plane.copy::<2>(elements, buf),
+            (true, 4) => plane.copy::<4>(elements, buf),
+            (true, 8) => plane.copy::<8>(elements, buf),
+            (true, 1) => plane.copy::<1>(elements, buf),
+            _ => plane.each(|s, d| {
+                convert(
+                    &elements[s * sbytes..(s + 1) * sbytes],
+                    from_dtype,
+                    &mut buf[d * dbytes..(d + 1) * dbytes],
+                    to_dtype,
+                );
+            }),
         }
         // The odometer over the outer dimensions, last fastest.
-        let mut k = n - 1;
+        let mut k = n - 2;
         loop {
             if k == 0 {
-                return Ok(gathered.len() as u64);
+                // The op's stored span leaves the resident set once all of it is read.
+                let whole = op.stored_box(&op.src);
+                let span_start = offset(&mut whole.start.iter().map(|&a| a as usize));
+                let span_end = span_start
+                    + 1
+                    + offset(&mut whole.shape.iter().map(|&n| (n as usize).saturating_sub(1)));
+                let read = stored.numel() * sbytes as u64;
+                file.release_when_read(
+                    op.tensor,
+                    (span_start * sbytes) as u64..(span_end * sbytes) as u64,
+                    whole.numel() * sbytes as u64,
+                    read,
+                );
+                return Ok(read);
             }
             k -= 1;
             index[k] += 1;
-            if index[k] < part.shape[k] {
+            if index[k] < shape[k] {
                 break;
             }
             index[k] = 0;
+        }
+    }
+}
+
+/// A 2-D strided copy: element `(i, j)` of a `rows x cols` plane from element
+/// `from.0 + i*from.1 + j*from.2` of a source to element `to.0 + i*to.1 + j` of a
+/// destination, in tiles.
+struct Plane {
+    rows: usize,
+    cols: usize,
+    from: (usize, usize, usize),
+    to: (usize, usize),
+}
+
+impl Plane {
+    /// Elements a side of a tile: 32 x 32 elements of 8 bytes are 8 KiB a side.
+    const TILE: usize = 8;
+
+    /// Calls `put(source element, destination element)` for every element, tile by
+    /// tile.
+    fn each(&self, mut put: impl FnMut(usize, usize)) {
+        let (f0, fi, fj) = self.from;
+        let (t0, ti) = self.to;
+        for i0 in (0..self.rows).step_by(Self::TILE) {
+            for j0 in (0..self.cols).step_by(Self::TILE) {
+                for i in i0..(i0 + Self::TILE).min(self.rows) {
+                    for j in j0..(j0 + Self::TILE).min(self.cols) {
+                        put(f0 + i * fi + j * fj, t0 + i * ti + j);
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`Plane::each`] copying elements of `N` bytes. A transpose's source is
+    /// contiguous down the destination's columns (`from.1 == 1`): each tile then reads
+    /// a run of the source per column.
+    fn copy<const N: usize>(&self, src: &[u8], dst: &mut [u8]) {
+        let (f0, fi, fj) = self.from;
+        let (t0, ti) = self.to;
+        if fi != 1 {
+            return self.each(|s, d| {
+                dst[d * N..d * N + N].copy_from_slice(&src[s * N..s * N + N]);
+            });
+        }
+        for i0 in (0..self.rows).step_by(Self::TILE) {
+            let i1 = (i0 + Self::TILE).min(self.rows);
+            for j0 in (0..self.cols).step_by(Self::TILE) {
+                for j in j0..(j0 + Self::TILE).min(self.cols) {
+                    let s = f0 + j * fj;
+                    let column = &src[(s + i0) * N..(s + i1) * N];
+                    for (k, e) in column.chunks_exact(N).enumerate() {
+                        let d = t0 + (i0 + k) * ti + j;
+                        dst[d * N..d * N + N].copy_from_slice(e);
+                    }
+                }
+            }
         }
     }
 }
