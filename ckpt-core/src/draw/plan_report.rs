@@ -78,13 +78,7 @@ fn reads_of(source: &Checkpoint, f: &FilePlan) -> Vec<SourceRead> {
             );
             let run_len = runs.run_len().max(1);
             // The first and last elements of the box, row-major, bound its bytes.
-            let strides = {
-                let mut s = vec![1u64; op.src_shape.len()];
-                for d in (0..op.src_shape.len().saturating_sub(1)).rev() {
-                    s[d] = s[d + 1] * op.src_shape[d + 1];
-                }
-                s
-            };
+            let strides = crate::layout::region::strides(&op.src_shape);
             let first: u64 = src.start.iter().zip(&strides).map(|(a, b)| a * b).sum();
             let last: u64 = (0..src.ndim()).map(|d| (src.end(d) - 1) * strides[d]).sum();
             out.push(SourceRead {

@@ -211,12 +211,11 @@ fn fill_permuted(
     let file = &source.files[op.file];
     let stored = op.stored_box(&Region::new(src_start.to_vec(), part.shape.clone()));
     let (sbytes, dbytes) = (t.src_dtype.bitsize() / 8, t.target.dtype.bitsize() / 8);
-    let row_major = |shape: &[u64]| {
-        let mut s = vec![1usize; shape.len()];
-        for d in (0..shape.len().saturating_sub(1)).rev() {
-            s[d] = s[d + 1] * shape[d + 1] as usize;
-        }
-        s
+    let row_major = |shape: &[u64]| -> Vec<usize> {
+        crate::layout::region::strides(shape)
+            .into_iter()
+            .map(|s| s as usize)
+            .collect()
     };
     // Element offsets in the stored tensor.
     let full = row_major(&op.src_shape);

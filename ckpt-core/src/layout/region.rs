@@ -224,7 +224,8 @@ pub struct Runs {
     len: u64,
 }
 
-fn strides(shape: &[u64]) -> Vec<u64> {
+/// Row-major element strides of a tensor of `shape`.
+pub(crate) fn strides(shape: &[u64]) -> Vec<u64> {
     let mut s = vec![1u64; shape.len()];
     for d in (0..shape.len().saturating_sub(1)).rev() {
         s[d] = s[d + 1] * shape[d + 1];
