@@ -7,6 +7,7 @@ tensor equal to the model's and the same logits (scripts/fixtures/moe_megatron.p
   EP2 -> EP4;  EP4 -> EP1 x TP2;  EP2 x TP2 -> EP2 x PP2;
   EP2 x TP2 with expert TP 1 -> EP2 x TP2 with expert TP 1 and with expert TP 2;
   EP2 x TP2 -> EP2 x TP2 with expert TP 1;
+  EP2 x TP4 with expert TP 2 -> EP2 x TP2 (expert TP 1) and -> EP2 x TP4 (expert TP 4);
   GroupedMLP EP2 -> EP4 and -> EP2 x TP2 (expert TP 1): tensors only
 
 and the megatron-core dist_ckpts `ckpt reshard --format megatron-dist` writes from the
@@ -15,7 +16,8 @@ legacy fixtures (experts stacked `[layers, experts, ...]` under megatron-core's 
 size the args say and at another (Megatron reshards a dist_ckpt itself):
 
   EP2 x TP1 -> dist TP1 (loaded at EP1 and EP2);  EP2 x TP2 -> dist TP2 x PP2 (at EP1);
-  EP2 x TP2 with expert TP 1 -> dist TP1 (at EP2);
+  EP2 x TP2 with expert TP 1 -> dist TP1 (at EP2); EP2 x TP4 with expert TP 2 -> dist
+  TP2 (at EP2);
   GroupedMLP EP2 -> dist TP1 (at EP2) and -> dist TP2 x PP2 (at EP1): each expert the
   transpose of a run of the grouped weights
 
@@ -37,6 +39,10 @@ CASES = [
     ("ep2tp2etp1", "ep=2,tp=2,etp=2"),
     # expert TP = TP 2 written with expert TP 1
     ("ep2tp2", "ep=2,tp=2,etp=1"),
+    # expert TP 2 under TP 4 (four rank directories, each an expert-TP half), written
+    # with expert TP 1 and with expert TP = TP
+    ("ep2tp4etp2", "ep=2,tp=2"),
+    ("ep2tp4etp2", "ep=2,tp=4,etp=4"),
     # GroupedMLP (no logits: its forward needs bf16 and CUDA's grouped GEMM)
     ("ep2grouped", "ep=4"),
     ("ep2grouped", "ep=2,tp=2"),
@@ -46,6 +52,7 @@ DIST_CASES = [
     ("ep2tp1", "tp=1,pp=1", (1, 2)),
     ("ep2tp2", "tp=2,pp=2", (1,)),
     ("ep2tp2etp1", "tp=1,pp=1", (2,)),
+    ("ep2tp4etp2", "tp=2,pp=1", (2,)),
     ("ep2grouped", "tp=1,pp=1", (2,)),
     ("ep2grouped", "tp=2,pp=2", (1,)),
 ]

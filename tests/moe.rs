@@ -81,6 +81,7 @@ fn legacy_expert_parallel_checkpoints_merge_to_global_experts() {
         "ep4tp1",
         "ep1tp1",
         "ep2tp2etp1",
+        "ep2tp4etp2",
         "ep2grouped",
     ] {
         let (got, want) = (
@@ -121,6 +122,7 @@ fn dist_ckpt_experts_unstack_to_global_ids() {
         "ep2pp2",
         "ep4tp1",
         "ep2tp2etp1",
+        "ep2tp4etp2",
         "ep2grouped",
     ] {
         let src = case(c).join("dist_ckpt");
@@ -189,8 +191,8 @@ fn expert_parallel_refusals_are_named() {
         o.stderr
     );
     assert!(!d.path("out").exists());
-    // Args of layouts not read yet (the fixtures' args changed by torch): Transformer
-    // Engine's grouped layer, expert TP 2 under TP 4.
+    // Args of layouts not read (the fixtures' args changed by torch): Transformer
+    // Engine's grouped layer, an expert TP size (3) that does not divide TP (4).
     let variants = case("args_variants");
     let o = d.fails(&[
         "merge",
@@ -201,13 +203,13 @@ fn expert_parallel_refusals_are_named() {
     assert!(o.stderr.contains("TEGroupedMLP"), "{}", o.stderr);
     let o = d.fails(&[
         "merge",
-        variants.join("etp2tp4").to_str().unwrap(),
+        variants.join("etp3tp4").to_str().unwrap(),
         "-o",
         "out",
     ]);
     assert!(
         o.stderr
-            .contains("expert_tensor_parallel_size 2 with tensor_model_parallel_size 4"),
+            .contains("expert_tensor_parallel_size 3 with tensor_model_parallel_size 4"),
         "{}",
         o.stderr
     );
@@ -494,6 +496,8 @@ fn expert_parallel_checkpoints_into_dist_ckpts_as_megatron_core_saves_them() {
         ("ep2tp2", "tp=2,pp=1"),
         ("ep2pp2", "tp=1,pp=2"),
         ("ep4tp1", "tp=2,pp=2"),
+        // Expert TP 2 under TP 4.
+        ("ep2tp4etp2", "tp=2,pp=1"),
         // GroupedMLP: each expert the transpose of a run of its grouped weights.
         ("ep2grouped", "tp=1,pp=1"),
         ("ep2grouped", "tp=2,pp=2"),

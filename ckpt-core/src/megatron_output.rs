@@ -86,8 +86,9 @@ pub struct ExpertLayout {
 }
 
 impl ExpertLayout {
-    /// The source's: its EP size, and whole experts where its args say expert TP 1 under
-    /// TP > 1 or its experts are GroupedMLP's (written whole only). A source whose
+    /// The source's: its EP size, and whole experts where its args say an expert TP
+    /// below TP (only 1 and TP are written) or its experts are GroupedMLP's (written
+    /// whole only). A source whose
     /// expert TP is its TP (Megatron-LM's default, recorded so) keeps experts split like
     /// the dense layers at the new TP, as Megatron-LM defaults it there.
     fn of(args: &megatron::Args) -> ExpertLayout {

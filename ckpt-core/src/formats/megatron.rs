@@ -61,6 +61,9 @@ const DISTRIB_OPTIM_FILE: &str = optim::FILE;
 pub(crate) const PP_AXIS: &str = "pp";
 /// The tensor-parallel axis.
 pub(crate) const TP_AXIS: &str = "tp";
+/// The inner tensor-parallel axis, the expert-TP part, where 1 < ETP < TP (the outer
+/// one is then [`TP_AXIS`], of size TP / ETP).
+pub(crate) const ETP_AXIS: &str = "etp";
 /// The expert-parallel axis of a legacy checkpoint without pipeline stages.
 pub(crate) const EP_AXIS: &str = "ep";
 /// The pipeline and expert-parallel axes of a legacy checkpoint with both, as one
@@ -78,43 +81,41 @@ struct RankAt {
 /// Which `mp_rank_TT[_PPP]_EEE` directories of one pipeline stage a legacy save
 /// writes, and which of them ckpt reads each part of the model from (docs/moe.md,
 /// "Who writes"). A process writes when its dense or its expert data-parallel rank is 0:
-/// processes `r < max(TP, ETP x EP)` of the stage, as `(r % TP, (r / ETP) % EP)`. With
-/// `ETP == TP` that is every `(tp, ep)` pair; with `ETP == 1` (the other value read) one
-/// pair per process, so each TP rank and each EP rank is in few directories.
+/// processes `r < max(TP, ETP x EP)` of the stage, as `(r % TP, (r / ETP) % EP)`, and
+/// its experts are expert-TP part `r % ETP` (= `TP rank % ETP`, ETP dividing TP). With
+/// `ETP == TP` that is every `(tp, ep)` pair; with a smaller ETP fewer, so each TP rank
+/// and each EP rank is in fewer directories.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RankDirs {
     pub(crate) tp: u64,
     pub(crate) ep: u64,
-    /// The expert tensor-parallel size: `tp` or 1.
+    /// The expert tensor-parallel size, which divides `tp`.
     pub(crate) etp: u64,
 }
 
 impl RankDirs {
-    /// Whether the save wrote directory `(t, e)`.
+    /// Whether the save wrote directory `(t, e)`: the processes of a stage enumerated
+    /// (the pattern repeats every `lcm(TP, ETP x EP)` processes).
     pub(crate) fn written(self, t: u64, e: u64) -> bool {
         let RankDirs { tp, ep, etp } = self;
-        t < tp && e < ep && (etp == tp || if tp >= ep { t % ep == e } else { e % tp == t })
+        let (Some(group), true) = (etp.checked_mul(ep), t < tp && e < ep) else {
+            return false;
+        };
+        (0..tp.max(group)).any(|r| r % tp == t && (r / etp) % ep == e)
     }
 
-    /// The EP coordinate of the directory the dense tensors of TP rank `t` are read from
-    /// (the others hold data-parallel copies of them).
+    /// The EP coordinate of the directory the dense tensors of TP rank `t` are read from:
+    /// the first the save wrote for `t` (the others hold data-parallel copies of them).
     fn dense_from(self, t: u64) -> u64 {
-        let RankDirs { tp, ep, etp } = self;
-        if etp == tp {
-            0
-        } else if tp >= ep {
-            t % ep
-        } else {
-            t
-        }
+        (0..self.ep).find(|&e| self.written(t, e)).unwrap_or(0)
     }
 
-    /// Whether the experts of EP rank `e` are read from directory `(t, e)`: every
-    /// directory holds its own expert TP part when `ETP == TP`; with `ETP == 1` every
-    /// directory of `e` holds them whole, and one is read.
+    /// Whether the experts of EP rank `e` are read from directory `(t, e)`: the first
+    /// directory of `e` that holds expert-TP part `t % ETP` (every directory when
+    /// `ETP == TP`; one per EP rank when `ETP == 1`).
     fn experts_from(self, t: u64, e: u64) -> bool {
-        let RankDirs { tp, ep, etp } = self;
-        etp == tp || t == if tp >= ep { e } else { e % tp }
+        let etp = self.etp.max(1);
+        self.written(t, e) && !(0..t).any(|u| u % etp == t % etp && self.written(u, e))
     }
 }
 
@@ -710,9 +711,9 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
         )));
     }
     let etp = args.expert_tp();
-    if etp != tp && etp != 1 {
+    if etp == 0 || tp % etp != 0 {
         return Err(unsupported(format!(
-            "args.expert_tensor_parallel_size {etp} with tensor_model_parallel_size {tp}: experts split over another number of ranks than the dense layers are read when that number is 1 (whole experts) or the tensor-parallel size, not yet otherwise"
+            "args.expert_tensor_parallel_size {etp} with tensor_model_parallel_size {tp}: which expert part a rank directory holds is read where the expert TP size divides the TP size, not otherwise"
         )));
     }
     if args.moe.experts.is_some() && args.moe.grouped_gemm {
@@ -821,11 +822,19 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
         (true, true) => Some((PP_EP_AXIS, pp * ep)),
         (false, false) => None,
     };
+    // The TP coordinate as two axes where the experts are split over fewer ranks than
+    // the dense layers (1 < ETP < TP): the dense tensors are split over both, the
+    // experts over the inner one, `tp % ETP`.
+    let mut axes: Vec<(String, u64)> = match etp {
+        e if e > 1 && e < tp => vec![(TP_AXIS.into(), tp / e), (ETP_AXIS.into(), e)],
+        _ => vec![(TP_AXIS.into(), tp)],
+    };
     let mesh = match stage_axis {
         Some((name, n)) => {
-            Mesh::new(vec![(name.into(), n), (TP_AXIS.into(), tp)])?.with_pipeline(name)?
+            axes.insert(0, (name.into(), n));
+            Mesh::new(axes)?.with_pipeline(name)?
         }
-        None => Mesh::new(vec![(TP_AXIS.into(), tp)])?,
+        None => Mesh::new(axes)?,
     };
     let mut strategy = Strategy::new(mesh.clone());
     let mut files = Vec::with_capacity(world as usize);
@@ -872,7 +881,7 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     }
     if etp != tp {
         notes.push(format!(
-            "{}: expert tensor parallel 1 under tensor parallel {tp}: each TP rank's dense tensors and each EP rank's whole experts are read from the first directory that holds them",
+            "{}: expert tensor parallel {etp} under tensor parallel {tp}: each TP rank's dense tensors and each EP rank's experts (each expert-TP part) are read from the first directory that holds them",
             dir.display()
         ));
     } else if ep > 1 {
@@ -1077,11 +1086,18 @@ fn read_rank(
                     "held by pipeline stage {pp_rank}, but megatron-core keeps it on stage {s}"
                 )));
             }
-            // Expert TP 1 under TP > 1: every expert whole in the file.
-            let split = if expert && args.expert_tp() != args.tp && rules.find(&global).is_none() {
+            // Experts are split over the expert TP ranks (whole in every file with
+            // expert TP 1 under TP > 1), the rest over the TP ranks.
+            let etp = args.expert_tp();
+            let split = if expert && etp == 1 && rules.find(&global).is_none() {
                 Split::Replicated
             } else {
                 split
+            };
+            let parts = if expert && rules.find(&global).is_none() {
+                etp
+            } else {
+                args.tp
             };
             let mut shape = t.shape.clone();
             let placement = match split {
@@ -1094,7 +1110,7 @@ fn read_rank(
                         ))));
                     }
                     shape[dim] = shape[dim]
-                        .checked_mul(args.tp)
+                        .checked_mul(parts)
                         .ok_or_else(|| overflow(format!("global shape of `{}`", t.name)))?;
                     Placement::blocked(dim, blocks)
                 }
@@ -1107,7 +1123,18 @@ fn read_rank(
                     args.tp
                 ))));
             }
-            let mut placements = vec![placement];
+            // Two TP axes (1 < ETP < TP): the dense tensors split over both, outer
+            // first, as over TP ranks `outer x ETP + inner`; the experts over the inner.
+            let mut placements = if mesh.axis_index(ETP_AXIS).is_some() {
+                let outer = if parts == args.tp {
+                    placement
+                } else {
+                    Placement::Replicate
+                };
+                vec![outer, placement]
+            } else {
+                vec![placement]
+            };
             if has_stage_axis {
                 placements.insert(0, Placement::Replicate);
             }
@@ -1301,7 +1328,7 @@ mod tests {
     fn rank_dirs_follow_megatrons_save_rule() {
         for tp in 1..=6u64 {
             for ep in 1..=6u64 {
-                for etp in [1, tp] {
+                for etp in (1..=tp).filter(|e| tp % e == 0) {
                     let lcm = |a: u64, b: u64| a / gcd(a, b) * b;
                     fn gcd(a: u64, b: u64) -> u64 {
                         if b == 0 {
