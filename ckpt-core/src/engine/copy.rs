@@ -326,7 +326,9 @@ struct Plane {
 }
 
 impl Plane {
-    /// Elements a side of a tile: 32 x 32 elements of 8 bytes are 8 KiB a side.
+    /// Elements a side of a tile. A transpose's rows lie a power of two apart (4 KiB,
+    /// 32 KiB), in one cache set, so a tile's lines must fit the L1 cache's ways: 32 x 32
+    /// tiles thrashed it (twice the user time of 8 x 8, docs/moe.md "Speed").
     const TILE: usize = 8;
 
     /// Calls `put(source element, destination element)` for every element, tile by
