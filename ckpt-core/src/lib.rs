@@ -104,8 +104,8 @@ pub use crate::layout::flat::{
 pub use crate::layout::mesh::{Axis, Mesh};
 pub use crate::layout::mindspore::{from_mindspore, MapEntry, MindSporeLayout};
 pub use crate::layout::plan::{
-    bytes_of, check_cast, rank_metadata, rank_tensors, CopyOp, CopyPlan, FilePlan, TargetFile,
-    TargetTensor, TensorPlan,
+    bytes_of, check_cast, rank_metadata, rank_tensors, tensors_read, CopyOp, CopyPlan, FilePlan,
+    TargetFile, TargetTensor, TensorPlan, TensorsRead,
 };
 pub use crate::layout::region::{Region, Run, Runs};
 pub use crate::layout::select::{Selection, Views};

@@ -275,32 +275,15 @@ impl LoadPlan {
     /// Checks the recorded checksums of every source tensor the plan reads whole (those
     /// read in part cannot be: the CLI does the same). Returns `(checked, unchecked)`.
     fn check_checksums(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
-        let mut boxes: BTreeMap<(usize, usize), (Vec<u64>, BTreeSet<Region>)> = BTreeMap::new();
-        for op in self.tensors.iter().flat_map(|t| &t.ops) {
-            let e = boxes
-                .entry((op.file, op.tensor))
-                .or_insert_with(|| (op.src_shape.clone(), BTreeSet::new()));
-            // A tensor read through views of two shapes: not known to be read whole.
-            if e.0 == op.src_shape {
-                e.1.insert(op.stored_box(&op.src));
-            } else {
-                e.1.clear();
-            }
-        }
+        let read = ckpt_core::tensors_read(self.tensors.iter().flat_map(|t| &t.ops));
         let source = &self.source;
-        let has_sum = |(f, t): (usize, usize)| source.files[f].checksum(t).is_some();
-        let (mut whole, mut part) = (Vec::new(), 0u64);
-        for (k, (shape, regions)) in boxes {
-            if !has_sum(k) {
-                continue;
-            }
-            let regions: Vec<Region> = regions.into_iter().collect();
-            if ckpt_core::check_tiling(&shape, &regions).is_ok() {
-                whole.push(k);
-            } else {
-                part += 1;
-            }
-        }
+        let has_sum = |&(f, t): &(usize, usize)| source.files[f].checksum(t).is_some();
+        let whole: Vec<(usize, usize)> = read.whole.iter().copied().filter(has_sum).collect();
+        let part = read
+            .read
+            .difference(&read.whole)
+            .filter(|k| has_sum(k))
+            .count() as u64;
         py.detach(|| {
             whole
                 .par_iter()

@@ -144,12 +144,8 @@ impl Checkpoint {
             let split = grouped_split(&name, args, 1, 0)
                 .map_err(|p| invalid(&name, p))?
                 .ok_or_else(|| invalid(&name, "not a GroupedMLP weight".into()))?;
-            let (Some(experts), Some(h)) = (args.moe.experts, args.hidden) else {
-                return Err(invalid(
-                    &name,
-                    "args lack num_experts or hidden_size".into(),
-                ));
-            };
+            // (grouped_split has checked that args give the expert count.)
+            let experts = args.moe.experts.unwrap_or(1);
             let t = &self.tensors[&name];
             if t.shape != split.global {
                 return Err(invalid(
@@ -157,12 +153,17 @@ impl Checkpoint {
                     format!("has shape {:?}, but args give {:?}", t.shape, split.global),
                 ));
             }
+            // Expert g's run read as `[H, F1]` (`weight1 [H, E*F1]`) or `[F, H]`
+            // (`weight2 [E*F, H]`).
+            let [h_or_ef, f1_or_h] = split.global[..] else {
+                return Err(invalid(&name, "a GroupedMLP weight is 2-D".into()));
+            };
             let (prefix, rows, cols, param) = match name.strip_suffix("weight1") {
-                Some(prefix) => (prefix, h, split.global[1] / experts, "linear_fc1.weight"),
+                Some(prefix) => (prefix, h_or_ef, f1_or_h / experts, "linear_fc1.weight"),
                 None => (
                     name.strip_suffix("weight2").unwrap_or(&name),
-                    split.global[0] / experts,
-                    h,
+                    h_or_ef / experts,
+                    f1_or_h,
                     "linear_fc2.weight",
                 ),
             };

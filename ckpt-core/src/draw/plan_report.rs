@@ -78,15 +78,13 @@ fn reads_of(source: &Checkpoint, f: &FilePlan) -> Vec<SourceRead> {
             );
             let run_len = runs.run_len().max(1);
             // The first and last elements of the box, row-major, bound its bytes.
-            let strides = crate::layout::region::strides(&op.src_shape);
-            let first: u64 = src.start.iter().zip(&strides).map(|(a, b)| a * b).sum();
-            let last: u64 = (0..src.ndim()).map(|d| (src.end(d) - 1) * strides[d]).sum();
+            let span = src.element_span(&op.src_shape).unwrap_or(0..0);
             out.push(SourceRead {
                 file: op.file,
                 tensor: entry.name.clone(),
                 span: (
-                    entry.start + byte_of(first, bits),
-                    entry.start + byte_of(last + 1, bits),
+                    entry.start + byte_of(span.start, bits),
+                    entry.start + byte_of(span.end, bits),
                 ),
                 bytes: crate::layout::plan::bytes_of(t.src_dtype, numel),
                 runs: numel / run_len,

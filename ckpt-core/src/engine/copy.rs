@@ -11,7 +11,6 @@ use crate::layout::plan::{bytes_of, CopyOp, CopyPlan, TensorPlan};
 use crate::layout::region::{Region, Runs};
 use crate::Dtype;
 use rayon::prelude::*;
-use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -217,16 +216,20 @@ fn fill_permuted(
             .map(|s| s as usize)
             .collect()
     };
-    // Element offsets in the stored tensor.
+    // Where the box and the op's whole box lie in the stored tensor.
     let full = row_major(&op.src_shape);
-    let offset =
-        |at: &mut dyn Iterator<Item = usize>| -> usize { at.zip(&full).map(|(a, s)| a * s).sum() };
-    let begin = offset(&mut stored.start.iter().map(|&a| a as usize));
+    let whole = op.stored_box(&op.src);
+    let (Some(begin), Some(span)) = (
+        stored.element_span(&op.src_shape),
+        whole.element_span(&op.src_shape),
+    ) else {
+        return Ok(0);
+    };
     // The source elements: the mapped tensor itself, or (compressed) the box gathered
     // by its runs, in the stored order; where the box starts there and its strides.
     let gathered;
     let (elements, first, strides) = match file.data(op.tensor) {
-        Some(bytes) => (bytes, begin, full.clone()),
+        Some(bytes) => (bytes, begin.start as usize, full),
         None => {
             let mut buf = vec![0u8; stored.numel() as usize * sbytes];
             let zeros = vec![0; stored.ndim()];
@@ -291,16 +294,11 @@ fn fill_permuted(
         loop {
             if k == 0 {
                 // The op's stored span leaves the resident set once all of it is read.
-                let whole = op.stored_box(&op.src);
-                let span_start = offset(&mut whole.start.iter().map(|&a| a as usize));
-                let span_end = span_start
-                    + 1
-                    + offset(&mut whole.shape.iter().map(|&n| (n as usize).saturating_sub(1)));
-                let read = stored.numel() * sbytes as u64;
+                let (bytes, read) = (sbytes as u64, stored.numel() * sbytes as u64);
                 file.release_when_read(
                     op.tensor,
-                    (span_start * sbytes) as u64..(span_end * sbytes) as u64,
-                    whole.numel() * sbytes as u64,
+                    span.start * bytes..span.end * bytes,
+                    whole.numel() * bytes,
                     read,
                 );
                 return Ok(read);
@@ -389,9 +387,6 @@ pub fn execute(
     execute_with(plan, source, out_dir, progress, None)
 }
 
-/// Per stored tensor (file, index): its shape and the distinct boxes read from it.
-type BoxesRead<'a> = BTreeMap<(usize, usize), (&'a [u64], BTreeSet<Region>)>;
-
 /// [`execute`], writing every file compressed (`.ckptz`) when `compression` is given.
 ///
 /// # Errors
@@ -460,27 +455,15 @@ pub fn execute_with(
     }
     // Source tensors read whole have their recorded checksums checked while they are
     // copied, over the same mapped pages; those read only in part cannot be.
-    // (A tensor is read whole when the distinct boxes read from it tile it: blocked
-    // shards are read box by box.)
-    // (Boxes of a tensor read through a view are in the view's shape; a tensor read in
-    // two shapes is not known to be read whole.)
-    let mut boxes: BoxesRead = BTreeMap::new();
-    let mut reshaped = BTreeSet::new();
-    for t in plan.files.iter().flat_map(|f| &f.tensors) {
-        for op in &t.ops {
-            let e = boxes
-                .entry((op.file, op.tensor))
-                .or_insert_with(|| (&op.src_shape[..], BTreeSet::new()));
-            if e.0 != &op.src_shape[..] {
-                reshaped.insert((op.file, op.tensor));
-            }
-            e.1.insert(op.stored_box(&op.src));
-        }
-    }
-    let touched: BTreeSet<(usize, usize)> = boxes.keys().copied().collect();
-    for k in &reshaped {
-        boxes.remove(k);
-    }
+    let crate::layout::plan::TensorsRead {
+        read: touched,
+        whole,
+    } = crate::layout::plan::tensors_read(
+        plan.files
+            .iter()
+            .flat_map(|f| &f.tensors)
+            .flat_map(|t| &t.ops),
+    );
     // The bytes of an object in a bucket that no slab reads (tensors left out) are
     // consumed from the start: its blocks then leave the pager's budget once the rest
     // of them is read, instead of holding it until evicted.
@@ -493,14 +476,6 @@ pub fn execute_with(
             }
         }
     }
-    let whole: BTreeSet<(usize, usize)> = boxes
-        .into_iter()
-        .filter(|(_, (shape, regions))| {
-            let regions: Vec<Region> = regions.iter().cloned().collect();
-            crate::layout::coverage::check_tiling(shape, &regions).is_ok()
-        })
-        .map(|(k, _)| k)
-        .collect();
     let checking = crate::formats::checksum::checksums_enabled();
     let has_sum = |&(f, t): &(usize, usize)| source.files[f].checksum(t).is_some();
     let to_check: Vec<(usize, usize)> = if checking {

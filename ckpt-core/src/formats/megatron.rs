@@ -1088,17 +1088,14 @@ fn read_rank(
             }
             // Experts are split over the expert TP ranks (whole in every file with
             // expert TP 1 under TP > 1), the rest over the TP ranks.
+            let by_table = expert && rules.find(&global).is_none();
             let etp = args.expert_tp();
-            let split = if expert && etp == 1 && rules.find(&global).is_none() {
+            let split = if by_table && etp == 1 {
                 Split::Replicated
             } else {
                 split
             };
-            let parts = if expert && rules.find(&global).is_none() {
-                etp
-            } else {
-                args.tp
-            };
+            let parts = if by_table { etp } else { args.tp };
             let mut shape = t.shape.clone();
             let placement = match split {
                 Split::Replicated => Placement::Replicate,

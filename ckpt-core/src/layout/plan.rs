@@ -93,6 +93,47 @@ impl CopyOp {
     }
 }
 
+/// Which stored tensors, `(file, tensor)`, a plan's ops read ([`tensors_read`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TensorsRead {
+    /// Every tensor some op reads.
+    pub read: BTreeSet<(usize, usize)>,
+    /// Those the ops read whole: the distinct boxes read from it tile it (blocked shards
+    /// are read box by box).
+    pub whole: BTreeSet<(usize, usize)>,
+}
+
+/// Per stored tensor: the shape its boxes are in and the distinct boxes read from it.
+type BoxesRead<'a> = BTreeMap<(usize, usize), (&'a [u64], BTreeSet<Region>)>;
+
+/// The stored tensors `ops` read, and those they read whole (whose recorded checksums
+/// can be checked). A tensor read through views of two shapes is not known to be read
+/// whole.
+#[must_use]
+pub fn tensors_read<'a>(ops: impl IntoIterator<Item = &'a CopyOp>) -> TensorsRead {
+    let mut boxes: BoxesRead = BTreeMap::new();
+    let mut reshaped = BTreeSet::new();
+    for op in ops {
+        let e = boxes
+            .entry((op.file, op.tensor))
+            .or_insert_with(|| (&op.src_shape[..], BTreeSet::new()));
+        if e.0 != &op.src_shape[..] {
+            reshaped.insert((op.file, op.tensor));
+        }
+        e.1.insert(op.stored_box(&op.src));
+    }
+    let read = boxes.keys().copied().collect();
+    let whole = boxes
+        .into_iter()
+        .filter(|(k, (shape, regions))| {
+            let regions: Vec<Region> = regions.iter().cloned().collect();
+            !reshaped.contains(k) && crate::layout::coverage::check_tiling(shape, &regions).is_ok()
+        })
+        .map(|(k, _)| k)
+        .collect();
+    TensorsRead { read, whole }
+}
+
 /// How one output tensor is assembled.
 #[derive(Clone, Debug)]
 pub struct TensorPlan {

@@ -70,6 +70,30 @@ impl Region {
         self.shape.iter().fold(1u64, |a, &b| a.saturating_mul(b))
     }
 
+    /// The row-major offsets, in a tensor of `shape`, of the box's first element and of
+    /// one past its last: a box is one run there exactly when this span is as long as
+    /// the box. `None` for an empty box, or offsets that overflow.
+    ///
+    /// ```
+    /// use ckpt_core::Region;
+    /// // Rows 1..3 of a 4x3 tensor: elements 3..9, one run; column 1: 1..11, not one.
+    /// assert_eq!(Region::from_ranges(&[1..3, 0..3]).element_span(&[4, 3]), Some(3..9));
+    /// assert_eq!(Region::from_ranges(&[0..4, 1..2]).element_span(&[4, 3]), Some(1..11));
+    /// ```
+    #[must_use]
+    pub fn element_span(&self, shape: &[u64]) -> Option<std::ops::Range<u64>> {
+        if self.is_empty() {
+            return None;
+        }
+        let (mut first, mut last, mut stride) = (0u64, 0u64, 1u64);
+        for d in (0..shape.len()).rev() {
+            first = first.checked_add(self.start[d].checked_mul(stride)?)?;
+            last = last.checked_add(self.end(d).checked_sub(1)?.checked_mul(stride)?)?;
+            stride = stride.checked_mul(shape[d])?;
+        }
+        Some(first..last.checked_add(1)?)
+    }
+
     /// True when the region holds no element.
     #[must_use]
     pub fn is_empty(&self) -> bool {

@@ -135,18 +135,8 @@ impl SourceTensor {
 /// Where a box lies in a row-major tensor of `shape` when its elements are one run
 /// there: `(first element, count)`; `None` when they are not (a box of columns).
 fn run_of(region: &Region, shape: &[u64]) -> Option<(u64, u64)> {
-    // Contiguous: extent 1 before some dimension k, the whole tensor after it.
-    let k = region.shape.iter().position(|&n| n > 1).unwrap_or(0);
-    if (k + 1..shape.len()).any(|d| region.start[d] != 0 || region.shape[d] != shape[d]) {
-        return None;
-    }
-    let mut first = 0u64;
-    let mut stride = 1u64;
-    for d in (0..shape.len()).rev() {
-        first = first.checked_add(region.start[d].checked_mul(stride)?)?;
-        stride = stride.checked_mul(shape[d])?;
-    }
-    Some((first, region.numel()))
+    let span = region.element_span(shape)?;
+    (span.end - span.start == region.numel()).then_some((span.start, region.numel()))
 }
 
 impl SourceTensor {
