@@ -730,6 +730,9 @@ fn moe_outputs_do_not_depend_on_the_thread_count() {
     let titan_dcp = titan.join("dcp");
     let grouped = case("ep2grouped").join("legacy");
     let etp1 = case("ep2tp2etp1").join("legacy");
+    let etp2 = case("ep2tp4etp2").join("legacy");
+    let grouped_hf =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/moe/hf/mixtral/legacy_grouped");
     let distopt = case("ep2dp4_distopt").join("legacy");
     for (args, out) in [
         (vec!["merge", src.to_str().unwrap()], "merged"),
@@ -812,6 +815,33 @@ fn moe_outputs_do_not_depend_on_the_thread_count() {
             "etp1",
         ),
         (vec!["merge", distopt.to_str().unwrap()], "distopt"),
+        // Transposed copies: GroupedMLP's experts one by one.
+        (
+            vec![
+                "reshard",
+                grouped.to_str().unwrap(),
+                "--format",
+                "megatron-dist",
+                "--mesh",
+                "tp=2,pp=2",
+            ],
+            "grouped-dist",
+        ),
+        (
+            vec!["merge", grouped_hf.to_str().unwrap(), "--format", "hf"],
+            "grouped-hf",
+        ),
+        (
+            vec![
+                "reshard",
+                etp2.to_str().unwrap(),
+                "--format",
+                "megatron",
+                "--mesh",
+                "ep=4,tp=1",
+            ],
+            "etp2",
+        ),
     ] {
         let mut trees = Vec::new();
         for threads in [1, 4] {
