@@ -10,6 +10,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each stage's time, printed as it ends and in a table at the end, so that the next
+# regression of CI's time shows where it is (`stage NAME` starts one).
+stage_name="" stage_start=$SECONDS stage_log=()
+stage() {
+  if [ -n "$stage_name" ]; then
+    stage_log+=("$(printf '%6d s  %s' $((SECONDS - stage_start)) "$stage_name")")
+    echo "scripts/test.sh: stage '$stage_name' took $((SECONDS - stage_start)) s"
+  fi
+  stage_name=${1:-} stage_start=$SECONDS
+}
+stage_table() {
+  stage
+  echo "scripts/test.sh: stage times (total ${SECONDS} s):"
+  printf '  %s\n' "${stage_log[@]}"
+}
+trap stage_table EXIT
+stage "Debian packages and Python venv"
+
 # What the tests need from Debian: Open MPI (the MPI backend's tests), Fashion-MNIST
 # (an accuracy test), python3-venv. Installed here when missing (as root, as on CI and
 # these machines); otherwise the script stops with the line to run, rather than let a
@@ -46,12 +64,14 @@ fi
 "$venv/bin/python" -c "import moto.server, boto3" 2>/dev/null ||
   "$venv/bin/pip" install --quiet --disable-pip-version-check "moto[server]"
 export CKPT_PYTHON="$PWD/$venv/bin/python"
+stage "cargo test --workspace"
 cargo test --workspace "$@"
 
 # The Python package (python/): built by maturin in the dev profile into this target/
 # (its dependencies were compiled just above), installed with torch (CPU) into the venv,
 # and its pytest suite run, gloo processes included. pytest exits 5 when it collects
 # nothing, which fails here like any failure.
+stage "Python package: torch, maturin build, pytest"
 "$venv/bin/pip" install --quiet --disable-pip-version-check maturin pytest torch
 PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install --quiet --disable-pip-version-check \
   --no-build-isolation --no-deps --force-reinstall ./python
@@ -61,6 +81,7 @@ PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" 
 # (gloo, CPU): weights and Adam moments byte-equal, one more step agrees. deepspeed added
 # to the venv that has torch; about 2 minutes of CPU (the full set:
 # scripts/deepspeed_reshard_interop.sh).
+stage "DeepSpeed, UCP and MoE interop"
 DS_VENV=$venv scripts/deepspeed_reshard_interop.sh target/debug/ckpt --quick
 # DeepSpeed's engine loads ckpt's universal checkpoint (merge --format ucp) of the ZeRO-2
 # and ZeRO-3 fixtures on 3 gloo ranks: weights and moments bit for bit, one more step.
@@ -71,6 +92,7 @@ DS_VENV=$venv scripts/deepspeed_reshard_interop.sh target/debug/ckpt --quick
 "$venv/bin/python" scripts/moe_deepspeed_interop.py target/debug/ckpt
 # Megatron's per-rank RNG state, carried by `reshard --format megatron` to the same
 # TP x PP grid (and to no other): torch.load compares it with the source's.
+stage "Megatron interop"
 "$venv/bin/python" scripts/megatron_rng_check.py target/debug/ckpt
 # megatron-core's GPTModel loads the legacy checkpoints ckpt writes for TP=4 and PP=4
 # from the TP=2 x PP=2 fixture on that many gloo ranks: every loaded value equal.
@@ -80,6 +102,7 @@ MEGATRON_VENV=$venv scripts/megatron_interop.sh target/debug/ckpt
 # bf16), megatron-core loads the imports strictly with transformers' logits, and the
 # round trips keep every tensor byte. Needs transformers beside torch and megatron-core
 # (installed by the line above). About a minute.
+stage "Hugging Face and MoE interop"
 "$venv/bin/python" -c "import transformers" 2>/dev/null ||
   "$venv/bin/pip" install --quiet --disable-pip-version-check transformers
 "$venv/bin/python" scripts/hf_interop.py target/debug/ckpt
@@ -93,21 +116,25 @@ MEGATRON_VENV=$venv scripts/megatron_interop.sh target/debug/ckpt
 
 # The "By example" blocks of README.md (the recipes) and docs/examples.md (every
 # command), each line as written, in order, in a new directory.
+stage "README and docs examples"
 scripts/readme_examples.sh target/debug/ckpt
 
 # Layout pictures: `ckpt inspect --html` in headless Chromium (tensor and piece counts
 # against `inspect --json`, sorting, filtering, a screenshot) and `ckpt train`'s
 # TensorBoard event file read by TensorBoard's EventAccumulator. About 20 seconds.
+stage "layout pictures (Chromium, TensorBoard)"
 pics=$(mktemp -d)
 "$venv/bin/python" scripts/report_browser.py target/debug/ckpt "$pics" "$pics/report.png"
 rm -rf "$pics"
 
 # SIGKILL merge, reshard and training saves at random moments: outputs are old, new or
 # absent, never partial, and a training run's `latest` always verifies (about a minute).
+stage "kill -9 test"
 scripts/kill_test.sh
 
 # NCCL/CUDA: builds without CUDA (libraries are loaded at run time), and without a GPU
 # `ckpt train --backend nccl` must fail with a clear message, not a panic.
+stage "CUDA/NCCL build without a GPU"
 cargo test -p ckpt-train --features cuda --lib -- cuda nccl
 cargo build --features cuda
 # comm-check (scripts/gpu_check.sh's NCCL check) checks every collective's result; here
@@ -135,9 +162,12 @@ fi
 # GPU: NVIDIA's nvcc wheels of CUDA 13.0 (what the GPU machines' driver 580 runs, and
 # the cudarc bindings cuda-candle selects) go into a venv under target/ (unless nvcc is
 # on PATH), and
-# the GPU code path is type-checked against candle's real CUDA backend. candle compiles
+# the GPU code path is type-checked against candle's real CUDA backend: the binary and
+# the crates that hold GPU code (train, infer), every target of theirs; the other
+# crates' tests, which no CUDA feature changes, are not checked a second time. candle compiles
 # its kernels for CUDA_COMPUTE_CAP since there is no GPU to ask. About 10 minutes on 2
 # cores; CKPT_SKIP_CUDA_CANDLE=1 skips it outside CI.
+stage "cuda-candle type-check"
 if [ -z "${CI:-}" ] && [ -z "${CKPT_CUDA_CHECK:-}" ]; then
   echo "SKIPPED: cuda-candle type-check (10 minutes; runs in CI, or here with CKPT_CUDA_CHECK=1)"
 else
@@ -156,8 +186,9 @@ else
     nvcc_env=(PATH="$cuda_home/bin:$PATH" CUDA_HOME="$cuda_home")
   fi
   env "${nvcc_env[@]}" CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}" \
-    cargo check --workspace --all-targets --features cuda-candle
+    cargo check -p ckpt -p ckpt-train -p ckpt-infer --all-targets --features cuda-candle
   echo "cuda-candle (candle's CUDA device) type-checks"
 fi
 
+stage "MPI backend"
 train/tests/mpi.sh

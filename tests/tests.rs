@@ -26,6 +26,7 @@ mod split_rules;
 mod storage;
 mod tensorboard;
 mod torch;
+mod trainers;
 mod train_infer;
 mod ucp;
 mod zero_pictures;

@@ -45,13 +45,13 @@ impl Dir {
         o
     }
 
+    /// Runs `ckpt ARGS` in `cwd` (a fixture's directory, for its relative paths).
+    pub fn run_in(&self, cwd: &Path, args: &[&str]) -> Out {
+        run_at(cwd, Command::new(env!("CARGO_BIN_EXE_ckpt")).args(args))
+    }
+
     fn run(&self, cmd: &mut Command) -> Out {
-        let o = cmd.current_dir(self.tmp.path()).output().expect("run ckpt");
-        Out {
-            code: o.status.code().unwrap_or(-1),
-            stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-        }
+        run_at(self.tmp.path(), cmd)
     }
 
     /// Runs and asserts success.
@@ -81,6 +81,15 @@ impl Dir {
         self.ok(&[
             "example", rel, "--mesh", mesh, "--hidden", "16", "--vocab", "37",
         ]);
+    }
+}
+
+fn run_at(cwd: &Path, cmd: &mut Command) -> Out {
+    let o = cmd.current_dir(cwd).output().expect("run ckpt");
+    Out {
+        code: o.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
     }
 }
 

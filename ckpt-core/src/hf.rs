@@ -38,6 +38,19 @@ use crate::error::{Error, Result};
 use crate::layout::source::Block;
 use serde_json::{json, Map, Value};
 
+/// The tokenizer files transformers' tokenizers save (`save_pretrained`): copied beside
+/// a Hugging Face export from `--tokenizer DIR` or from where a trainer kept them.
+pub const TOKENIZER_FILES: [&str; 8] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+];
+
 /// A model family ckpt converts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {

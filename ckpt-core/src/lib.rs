@@ -94,6 +94,7 @@ pub use crate::formats::{
 };
 pub use crate::hf::{
     config_json as hf_config_json, read_config as read_hf_config, Family, Shape as ModelShape,
+    TOKENIZER_FILES as HF_TOKENIZER_FILES,
 };
 pub use crate::launch::{LaunchEnv, Launcher};
 pub use crate::layout::coverage::{check_tiling, Defect};

@@ -51,16 +51,7 @@ pub struct MergeRequest {
 pub const HF_MAX_SHARD_SIZE: u64 = 50_000_000_000;
 
 /// The tokenizer files `--tokenizer DIR` copies (those transformers' tokenizers save).
-pub const TOKENIZER_FILES: [&str; 8] = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-];
+pub use ckpt_core::HF_TOKENIZER_FILES as TOKENIZER_FILES;
 
 /// The format of a merge's output.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -335,7 +326,7 @@ pub fn merge(
         if req.format == MergeFormat::Ucp {
             ckpt_core::ucp_finish(&source, &req.selection, staged.path())?;
         } else if let Some(hf) = &hf {
-            write_hf_files(hf, &plan, req, staged.path())?;
+            write_hf_files(hf, &plan, req, &source.carried, staged.path())?;
         } else {
             copy_carried(&source.carried, staged.path())?;
         }
@@ -373,7 +364,7 @@ pub fn merge(
             write_file_atomic(&req.output.join(index_file), index.as_bytes())?;
         }
         match &hf {
-            Some(hf) => write_hf_files(hf, &mine, req, &req.output)?,
+            Some(hf) => write_hf_files(hf, &mine, req, &source.carried, &req.output)?,
             None => copy_carried(&source.carried, &req.output)?,
         }
     }
@@ -383,7 +374,13 @@ pub fn merge(
 /// Beside a Hugging Face model's weights: `config.json` (the user's, or made from the
 /// model's shape for the dtype written), the `generation_config.json` beside the user's
 /// config, and the tokenizer files of `--tokenizer`.
-fn write_hf_files(hf: &HfModel, plan: &CopyPlan, req: &MergeRequest, dir: &Path) -> Result<()> {
+fn write_hf_files(
+    hf: &HfModel,
+    plan: &CopyPlan,
+    req: &MergeRequest,
+    carried: &std::collections::BTreeMap<String, PathBuf>,
+    dir: &Path,
+) -> Result<()> {
     let dtype = plan
         .files
         .iter()
@@ -413,6 +410,15 @@ fn write_hf_files(hf: &HfModel, plan: &CopyPlan, req: &MergeRequest, dir: &Path)
         .filter(|p| p.is_file())
     {
         copies.push(gen);
+    }
+    // Without --tokenizer: the tokenizer a trainer kept beside its weights.
+    if req.tokenizer.is_none() {
+        copies.extend(
+            TOKENIZER_FILES
+                .iter()
+                .filter_map(|name| carried.get(*name))
+                .cloned(),
+        );
     }
     if let Some(tok) = &req.tokenizer {
         let found: Vec<PathBuf> = TOKENIZER_FILES

@@ -21,6 +21,7 @@
 //!   and files, `AWS_ENDPOINT_URL`; the GCS and Azure variables).
 
 mod error;
+mod journal;
 mod location;
 mod mirror;
 pub mod paged;
@@ -36,7 +37,9 @@ pub use crate::mirror::{
     SMALL_OBJECT_BYTES,
 };
 pub use crate::publish::{
-    commit_staged, prepare_staged, stage_files, Output, COMMIT_LAST, PART_BYTES, UPLOADS,
+    commit_staged, prepare_staged, stage_files, Output, COMMIT_LAST, UPLOADS,
 };
 pub use crate::store::set_fatal_hook;
-pub use crate::stream::{alias_dir, stream_file, unalias_dir, FileStream, Stream, STREAM_UPLOADS};
+pub use crate::stream::{
+    alias_dir, stream_file, unalias_dir, FileStream, Stream, PART_BYTES, STREAM_UPLOADS,
+};

@@ -18,7 +18,8 @@
 use crate::error::{Error, IoAt, Result};
 use crate::location::ObjectUrl;
 use crate::store::{block_on, store_for, Store};
-use crate::stream::{Stream, StreamedUpload, Streaming};
+use crate::journal::{journal_key, journal_prefix, journal_text};
+use crate::stream::{Stream, StreamedUpload, Streaming, PART_BYTES};
 use futures::{StreamExt, TryStreamExt};
 use object_store::multipart::PartId;
 use object_store::path::Path as Key;
@@ -27,9 +28,6 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// Bytes per uploaded part (S3 takes 5 MiB to 5 GiB, up to 10 000 parts: 16 MiB parts
-/// reach 156 GiB per file; larger files get larger parts).
-pub const PART_BYTES: u64 = 16 << 20;
 /// Parts in flight at once (memory: this many parts).
 pub const UPLOADS: usize = 8;
 
@@ -175,52 +173,12 @@ impl Drop for Output {
     }
 }
 
-const JOURNAL_WHAT: &str = "ckpt: an output being published; a later ckpt run to this output aborts these uploads and deletes these objects";
-
 /// One file to publish.
 struct Upload {
     local: PathBuf,
     key: Key,
     size: u64,
     last: bool,
-}
-
-/// The journals beside an output (`<output>.ckpt-partial/<writer>.json`): one per
-/// process writing it (a single `0.json` for the CLI, one per rank for Python's
-/// `save_state_dict`), never under the output's prefix.
-fn journal_prefix(url: &ObjectUrl) -> Key {
-    Key::from(format!("{}.ckpt-partial", url.key()))
-}
-
-fn journal_key(url: &ObjectUrl, writer: u64) -> Key {
-    Key::from(format!("{}.ckpt-partial/{writer}.json", url.key()))
-}
-
-/// The journal of the `n`th upload `writer` started while writing
-/// ([`crate::stream`]).
-pub(crate) fn stream_journal_key(url: &ObjectUrl, writer: u64, n: usize) -> Key {
-    Key::from(format!(
-        "{}.ckpt-partial/{writer}.stream-{n}.json",
-        url.key()
-    ))
-}
-
-/// A journal naming `objects` (key, multipart upload id). `abort_only`: the objects
-/// are not being completed yet, so the clean-up aborts the uploads and leaves whatever
-/// object has the key (an older output's, with `--force`) alone.
-pub(crate) fn journal_text(objects: &[(&str, Option<&str>)], abort_only: bool) -> Vec<u8> {
-    serde_json::json!({
-        "what": JOURNAL_WHAT,
-        "objects": objects.iter().map(|(k, id)| {
-            let mut e = serde_json::json!({"key": k, "upload": id});
-            if abort_only {
-                e["abort_only"] = serde_json::Value::Bool(true);
-            }
-            e
-        }).collect::<Vec<_>>(),
-    })
-    .to_string()
-    .into_bytes()
 }
 
 fn files(local: &Path, url: &ObjectUrl) -> Result<Vec<Upload>> {

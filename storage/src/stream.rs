@@ -33,9 +33,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 /// Parts in flight while the writers write (memory: this many parts of
-/// [`crate::PART_BYTES`]; fewer than the publish's [`crate::UPLOADS`], since the reads'
+/// [`PART_BYTES`]; fewer than the publish's [`crate::UPLOADS`], since the reads'
 /// buffers are in use at the same time).
 pub const STREAM_UPLOADS: usize = 3;
+
+/// Bytes per uploaded part (S3 takes 5 MiB to 5 GiB, up to 10 000 parts: 16 MiB parts
+/// reach 156 GiB per file; larger files get larger parts: [`part_bytes`]).
+pub const PART_BYTES: u64 = 16 << 20;
 
 /// The outputs being streamed by this process.
 static STREAMS: RwLock<Vec<Arc<Streaming>>> = RwLock::new(Vec::new());
@@ -49,7 +53,7 @@ static STREAMING: AtomicU64 = AtomicU64::new(0);
 pub(crate) fn upload_buffer_bytes() -> u64 {
     STREAMING
         .load(Ordering::Relaxed)
-        .saturating_mul(2 * STREAM_UPLOADS as u64 * crate::PART_BYTES)
+        .saturating_mul(2 * STREAM_UPLOADS as u64 * PART_BYTES)
 }
 /// Temporary directories that become another path when complete (ckpt-core's staged
 /// directories): a file written under one is streamed under its final name.
@@ -448,11 +452,11 @@ impl Streaming {
             .map_err(|e| Error::from_store(&self.shown(&f.key), e))?;
         let n = {
             let mut j = lock(&self.journals);
-            let key = crate::publish::stream_journal_key(&self.url, self.writer, j.len());
+            let key = crate::journal::stream_journal_key(&self.url, self.writer, j.len());
             j.push(key.clone());
             key
         };
-        let journal = crate::publish::journal_text(&[(f.key.as_ref(), Some(id.as_str()))], true);
+        let journal = crate::journal::journal_text(&[(f.key.as_ref(), Some(id.as_str()))], true);
         if let Err(e) = block_on(self.store.objects.put(&n, PutPayload::from(journal))) {
             let _ = block_on(self.mp.abort_multipart(&f.key, &id));
             return Err(Error::from_store(&self.shown(&n), e));
@@ -670,10 +674,10 @@ impl FileStream {
     }
 }
 
-/// Bytes per part of a file of (about) `size` bytes: [`crate::PART_BYTES`], or more
+/// Bytes per part of a file of (about) `size` bytes: [`PART_BYTES`], or more
 /// where that would need over 10 000 parts.
 pub(crate) fn part_bytes(size: u64) -> u64 {
-    crate::PART_BYTES.max(size.div_ceil(10_000).next_multiple_of(1 << 20))
+    PART_BYTES.max(size.div_ceil(10_000).next_multiple_of(1 << 20))
 }
 
 #[cfg(test)]
@@ -682,7 +686,7 @@ mod tests {
     use object_store::memory::InMemory;
     use std::os::unix::fs::FileExt;
 
-    const P: u64 = crate::PART_BYTES;
+    const P: u64 = PART_BYTES;
 
     /// A streamed output `s3://b/out` kept in memory, written at `dir/out`.
     fn streaming(dir: &Path) -> (Arc<Streaming>, Arc<Store>, ObjectUrl) {

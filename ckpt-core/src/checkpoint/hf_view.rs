@@ -55,6 +55,29 @@ impl HfModel {
     }
 }
 
+/// Whether `name` holds one of `want`'s names inside it, with more before or after
+/// (`optimizer.state.model.norm.weight.exp_avg` of `model.norm.weight`): a parameter's
+/// training state, not a tensor of the model.
+fn names_a_tensor_inside(name: &str, want: &BTreeSet<String>) -> bool {
+    let dots: Vec<usize> = std::iter::once(0)
+        .chain(name.match_indices('.').map(|(i, _)| i + 1))
+        .collect();
+    let ends: Vec<usize> = name
+        .match_indices('.')
+        .map(|(i, _)| i)
+        .chain(std::iter::once(name.len()))
+        .collect();
+    dots.iter().any(|&a| {
+        ends.iter()
+            .filter(|&&b| b > a && (a > 0 || b < name.len()))
+            .any(|&b| want.contains(&name[a..b]))
+    })
+}
+
+/// The word embedding's name in Megatron's models: a checkpoint holding it (under a
+/// wrapper's prefix or not) has Megatron's names.
+const MEGATRON_EMBEDDING: &str = "embedding.word_embeddings.weight";
+
 fn unsupported(problem: String) -> Error {
     Error::Unsupported { problem }
 }
@@ -567,16 +590,35 @@ impl Checkpoint {
                 ))
             }
         };
-        let Some(args) = args else {
+        // Megatron's names without Megatron-LM's args: a dist_ckpt megatron-core saved
+        // outside Megatron-LM's training loop (Megatron-Bridge, NeMo 2, a user's own
+        // `dist_checkpointing.save`), maybe under a wrapper's prefix (NeMo's
+        // `module.`). The config gave the sizes; the table's cuts check the tensors
+        // against them.
+        let megatron_prefix = match &args {
+            Some(_) => None,
+            None => self.wrapper_prefix(&[MEGATRON_EMBEDDING])?,
+        };
+        if args.is_none() && megatron_prefix.is_none() {
             if self.is_torchtitan() {
                 self.rename_torchtitan(family, &shape, true)?;
             }
             return self.hf_names_as_they_are(family, shape, user_config, notes);
-        };
+        }
+        if let Some(prefix) = &megatron_prefix {
+            self.take_wrapped(prefix, &mut notes);
+            self.check_hidden(MEGATRON_EMBEDDING, &shape, user_config.as_deref())?;
+            notes.push(format!(
+                "no Megatron-LM args in the checkpoint: the model's sizes from {}, its Megatron names and shapes checked against them",
+                user_config.as_deref().map_or("--hf-arch".into(), |p| p.display().to_string())
+            ));
+        }
         // Args that do not say whether the output layer is tied, beside an output layer:
         // Megatron-LM's default (tied) would drop it, a guess that is wrong for an untied
         // model. A config settles it.
-        if args.model.untied.is_none()
+        if args
+            .as_ref()
+            .is_some_and(|a| a.model.untied.is_none())
             && user_config.is_none()
             && self.tensors.contains_key("output_layer.weight")
         {
@@ -737,8 +779,94 @@ impl Checkpoint {
         })
     }
 
+    /// The prefix a trainer's wrapper put before every name of the model (accelerate's
+    /// `model.`, Lightning's `model.` and the module's attribute, NeMo's `module.`):
+    /// the one `P` (maybe empty) under which every name of `anchors` is a tensor.
+    /// `None` where there is none.
+    ///
+    /// # Errors
+    /// Several such prefixes: two models in one checkpoint, which one is meant is not
+    /// ckpt's to guess.
+    fn wrapper_prefix(&self, anchors: &[&str]) -> Result<Option<String>> {
+        let Some(first) = anchors.first() else {
+            return Ok(None);
+        };
+        let found: Vec<String> = self
+            .tensors
+            .keys()
+            .filter_map(|n| n.strip_suffix(first))
+            .filter(|p| p.is_empty() || p.ends_with('.'))
+            .filter(|p| {
+                anchors
+                    .iter()
+                    .all(|a| self.tensors.contains_key(&format!("{p}{a}")))
+            })
+            .map(str::to_string)
+            .collect();
+        match &found[..] {
+            [] => Ok(None),
+            [one] => Ok(Some(one.clone())),
+            many => Err(Error::Ambiguous {
+                tensor: (*first).to_string(),
+                files: many
+                    .iter()
+                    .map(|p| format!("{p}{first}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                problem: "the checkpoint holds a model under each of these prefixes: pass the one meant with --include 'PREFIX*' and --strip-prefix PREFIX".into(),
+            }),
+        }
+    }
+
+    /// Keeps the tensors named under `prefix`, without it; the others (a trainer's
+    /// optimizer state, RNG or progress saved in the same files) are left out, said.
+    fn take_wrapped(&mut self, prefix: &str, notes: &mut Vec<String>) {
+        if prefix.is_empty() {
+            return;
+        }
+        let all = std::mem::take(&mut self.tensors);
+        let mut left = vec![];
+        for (name, t) in all {
+            match name.strip_prefix(prefix) {
+                Some(rest) => {
+                    self.tensors.insert(rest.to_string(), t);
+                }
+                None => left.push(name),
+            }
+        }
+        notes.push(format!("the model's tensors are those under `{prefix}` (a trainer's wrapper), the prefix removed"));
+        if !left.is_empty() {
+            notes.push(format!(
+                "{} tensors outside `{prefix}` left out (not the model: {}{})",
+                left.len(),
+                left.iter().take(3).cloned().collect::<Vec<_>>().join(", "),
+                if left.len() > 3 { ", ..." } else { "" }
+            ));
+        }
+    }
+
+    /// The embedding `name` must be as wide as the model's hidden size.
+    fn check_hidden(&self, name: &str, shape: &Shape, config: Option<&Path>) -> Result<()> {
+        let Some(t) = self.tensors.get(name) else {
+            return Ok(());
+        };
+        match t.shape.get(1) {
+            Some(&h) if h == shape.hidden => Ok(()),
+            got => Err(invalid(
+                name,
+                format!(
+                    "is {} wide, but {} says hidden_size {}",
+                    got.map_or("not 2-d".into(), u64::to_string),
+                    config.map_or("the config".into(), |p| p.display().to_string()),
+                    shape.hidden
+                ),
+            )),
+        }
+    }
+
     /// A source already in Hugging Face's names (a DeepSpeed or DCP save of a
-    /// transformers model, `module.` stripped): its tensors must be the family's.
+    /// transformers model, `module.` stripped, or under a trainer's wrapper prefix):
+    /// its tensors must be the family's.
     fn hf_names_as_they_are(
         &mut self,
         family: Family,
@@ -751,6 +879,11 @@ impl Checkpoint {
             for l in layers(row.hf[0], &shape) {
                 want.extend(row.hf.iter().map(|h| fill(h, l)));
             }
+        }
+        // Under a trainer's wrapper (accelerate, Lightning), beside its other state.
+        let anchors: Vec<&str> = want.iter().map(String::as_str).collect();
+        if let Some(prefix) = self.wrapper_prefix(&anchors)? {
+            self.take_wrapped(&prefix, &mut notes);
         }
         let have: BTreeSet<String> = self
             .tensors
@@ -787,7 +920,20 @@ impl Checkpoint {
                 ));
             }
         }
-        if let Some(extra) = have.difference(&want).next() {
+        // A trainer's optimizer state saved with the model (`optimizer.state.<param>.exp_avg`,
+        // `state.<param>.step`): never part of the export.
+        let (state, extra): (Vec<&String>, Vec<&String>) = have
+            .difference(&want)
+            .partition(|n| names_a_tensor_inside(n, &want));
+        if !state.is_empty() {
+            notes.push(format!(
+                "{} tensors of a parameter's training state left out ({}{})",
+                state.len(),
+                state.iter().take(2).map(|s| s.as_str()).collect::<Vec<_>>().join(", "),
+                if state.len() > 2 { ", ..." } else { "" }
+            ));
+        }
+        if let Some(extra) = extra.first() {
             return Err(invalid(
                 extra,
                 format!(

@@ -8,6 +8,7 @@
 //! files): see docs/architecture.md.
 
 pub(crate) mod discover;
+pub(crate) mod trainers;
 
 use super::writer::{TensorSpec, TensorWriter};
 use super::{ckptz, distcp, map_file, mindspore_ckpt, safetensors, torch_save, torch_write};

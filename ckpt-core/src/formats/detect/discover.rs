@@ -11,6 +11,7 @@
 //! (`megatron::looks_like`, `mindspore_ckpt::rank_file`, `safetensors::index_shards`,
 //! ...); a row only puts its answer into the [`Discovery`].
 
+use super::trainers::{self, TrainerSave};
 use crate::error::{Error, Result};
 use crate::formats::distcp::{self, DcpMetadata};
 use crate::formats::{ckptz, deepspeed, list_dir, megatron, mindspore_ckpt, safetensors, ucp};
@@ -87,6 +88,8 @@ pub(crate) struct Discovery {
     /// Give a Megatron dist_ckpt's stacked layer tensors one tensor a layer
     /// ([`megatron::unstack_layers`]).
     pub(crate) per_layer: bool,
+    /// A trainer's save, read as a whole ([`trainers`]): its weights are the inputs.
+    pub(crate) trainer: Option<TrainerSave>,
 }
 
 /// A row of the directory table.
@@ -314,6 +317,17 @@ impl Discovery {
             };
             return Err(unknown(format!("{}: {why}", path.display())));
         }
+        // A trainer's save is read as a whole before any format looks at its files
+        // (they hold RNG states and optimizer shards beside the weights).
+        if let Some(save) = trainers::find(path, self.step, false)? {
+            return self.add_trainer_save(save);
+        }
+        self.add_format_dir(path)
+    }
+
+    /// A directory offered to the formats' rows (a trainer's weights, or any directory
+    /// no trainer claims); where none claims it, a trainer's save a few levels below.
+    fn add_format_dir(&mut self, path: &Path) -> Result<()> {
         let own: Vec<&DirRow> = DIRECTORIES
             .iter()
             .filter(|r| r.own && (r.claims)(path))
@@ -326,6 +340,9 @@ impl Discovery {
             None => DIRECTORIES.iter().find(|r| !r.own && (r.claims)(path)),
         };
         let Some(row) = row else {
+            if let Some(save) = trainers::find(path, self.step, true)? {
+                return self.add_trainer_save(save);
+            }
             return Err(unknown(format!(
                 "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors, *.ckptz, *.ckpt or torch.save *.pth/*.pt/*.bin)",
                 path.display()
@@ -335,6 +352,57 @@ impl Discovery {
             note_carried(path, &mut self.carried);
         }
         (row.read)(path, self)
+    }
+
+    /// Adds a trainer's save: its weights (offered to the formats' rows, not to the
+    /// trainers' again), the model config and tokenizer it kept (carried), and notes
+    /// saying which trainer, which step and why.
+    fn add_trainer_save(&mut self, save: TrainerSave) -> Result<()> {
+        if let Some(other) = &self.trainer {
+            return Err(unknown(format!(
+                "two trainers' saves given ({} and {}): one at a time",
+                other.step_dir.display(),
+                save.step_dir.display()
+            )));
+        }
+        self.step_taken |= save.step_taken;
+        let c = &save.contents;
+        self.notes.push(format!(
+            "{} save: {} ({}{})",
+            save.trainer,
+            save.step_dir.display(),
+            save.step.map_or(String::new(), |s| format!("step {s}, ")),
+            save.why
+        ));
+        self.notes.push(match &c.config {
+            Some(p) => format!("model config: {} (kept by the trainer)", p.display()),
+            None => format!(
+                "model config: none kept by {} (--format hf needs --hf-config)",
+                save.trainer
+            ),
+        });
+        self.notes.extend(c.notes.iter().cloned());
+        if let Some(p) = &c.config {
+            self.carried.insert("config.json".into(), p.clone());
+        }
+        for p in &c.tokenizer {
+            if let Some(name) = p.file_name().and_then(|n| n.to_str()) {
+                self.carried.insert(name.to_string(), p.clone());
+            }
+        }
+        // The step is the trainer's: the formats below read the one checkpoint given.
+        let step = self.step.take();
+        let weights = c.weights.clone();
+        self.trainer = Some(save);
+        let added = weights.iter().try_for_each(|w| {
+            if w.is_dir() {
+                self.add_format_dir(w)
+            } else {
+                self.add(w)
+            }
+        });
+        self.step = step;
+        added
     }
 
     fn push(&mut self, path: PathBuf, strategy: Option<PathBuf>, dcp: Option<PathBuf>) {
@@ -714,10 +782,29 @@ fn has_torch_files(path: &Path) -> bool {
 /// torch.save files, only where no safetensors stand beside them (Hugging Face
 /// directories often hold both forms of the same weights: that row comes first).
 fn torch_files(path: &Path, x: &mut Discovery) -> Result<()> {
+    refuse_side_files(path)?;
     for p in torch_saves(path) {
         x.push(p, None, None);
     }
     Ok(())
+}
+
+/// A directory of loose files beside a trainer's side files (RNG states, schedulers,
+/// optimizer shards) that no trainer row recognised: its files are not all the model,
+/// and which are is not ckpt's to guess.
+fn refuse_side_files(path: &Path) -> Result<()> {
+    let side = trainers::side_files(path);
+    if side.is_empty() {
+        return Ok(());
+    }
+    Err(unknown(format!(
+        "{}: holds a trainer's files that are not the model ({}) and is no trainer's save ckpt knows (docs/trainers.md lists them): pass the files of the model's weights themselves",
+        path.display(),
+        side.iter()
+            .filter_map(|p| p.file_name()?.to_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    )))
 }
 
 fn has_distcp_files(path: &Path) -> bool {

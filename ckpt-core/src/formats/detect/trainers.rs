@@ -1,0 +1,652 @@
+//! Trainers' save directories, read as a whole: which step, where its weights are,
+//! the model config and tokenizer the trainer kept beside them. A trainer's output
+//! directory holds one directory per saved step (`checkpoint-N/`, `global_step_N/`,
+//! `step-N/`, `epoch=E-step=N.ckpt/`) among files that are not the model (RNG states,
+//! schedulers, optimizer shards, the trainer's own arguments): read as files of the
+//! model, those are silently wrong. So a trainer's directory is recognised by what it
+//! holds as a whole, the step is chosen as the trainer would resume (its tracker file,
+//! else the highest complete step, or `--step N`), and only the weights are handed to
+//! the formats' discovery. A directory with a trainer's side files that no row here
+//! knows is refused by discovery rather than read file by file ([`side_files`]).
+//!
+//! Each trainer is one row of [`TRAINERS`]: how its step directories are named, the
+//! tracker it writes, how a step directory is told by its files, and where in it the
+//! weights, config and tokenizer are (read from each trainer's source: see
+//! docs/trainers.md).
+
+use crate::error::{Error, Result};
+use crate::formats::{distcp, list_dir};
+use crate::hf::TOKENIZER_FILES;
+use std::path::{Path, PathBuf};
+
+/// What a trainer's save holds at the step chosen.
+#[derive(Clone, Debug)]
+pub(crate) struct StepContents {
+    /// The paths discovery reads as the model's weights (a format's directory or files).
+    pub(crate) weights: Vec<PathBuf>,
+    /// The model's Hugging Face `config.json` the trainer kept, where it keeps one.
+    pub(crate) config: Option<PathBuf>,
+    /// The tokenizer files the trainer kept.
+    pub(crate) tokenizer: Vec<PathBuf>,
+    /// What else was decided (which subdirectory, what is not read).
+    pub(crate) notes: Vec<String>,
+}
+
+/// A trainer's save found at a path.
+#[derive(Clone, Debug)]
+pub(crate) struct TrainerSave {
+    /// The trainer, as messages name it.
+    pub(crate) trainer: &'static str,
+    /// The step chosen, where its directory's name says it.
+    pub(crate) step: Option<u64>,
+    /// Its step directory.
+    pub(crate) step_dir: PathBuf,
+    /// Why that step (`--step`, the tracker, the highest complete one).
+    pub(crate) why: String,
+    /// What the step holds.
+    pub(crate) contents: StepContents,
+    /// Whether `--step` chose it.
+    pub(crate) step_taken: bool,
+}
+
+/// A row of the trainers' table.
+struct Trainer {
+    /// The trainer, as messages name it.
+    name: &'static str,
+    /// How its step directories are spelt (for messages).
+    spelled: &'static str,
+    /// The step a step directory's name says.
+    step_of: fn(&str) -> Option<u64>,
+    /// The file beside the step directories naming the newest (its text the step).
+    tracker: Option<&'static str>,
+    /// Whether a directory is one of this trainer's step directories, by its files.
+    is_step: fn(&Path) -> bool,
+    /// Where the weights, config and tokenizer of a step directory are; an error when
+    /// the step is incomplete (a save interrupted) or holds no weights ckpt reads.
+    contents: fn(&Path) -> Result<StepContents>,
+}
+
+/// The trainers whose saves ckpt reads as a whole. A directory is one trainer's at
+/// most: the step directories' names and files tell them apart (a test checks this on
+/// every committed fixture).
+static TRAINERS: [Trainer; 4] = [
+    Trainer {
+        name: "Hugging Face Trainer",
+        spelled: "checkpoint-<N>/",
+        step_of: hf_trainer_step,
+        tracker: None,
+        is_step: is_hf_trainer_step,
+        contents: hf_trainer_contents,
+    },
+    Trainer {
+        name: "verl",
+        spelled: "global_step_<N>/",
+        step_of: verl_step,
+        tracker: Some("latest_checkpointed_iteration.txt"),
+        is_step: is_verl_step,
+        contents: verl_contents,
+    },
+    Trainer {
+        name: "torchtitan",
+        spelled: "step-<N>/",
+        step_of: torchtitan_step,
+        tracker: None,
+        is_step: is_torchtitan_step,
+        contents: dcp_step_contents,
+    },
+    Trainer {
+        name: "Lightning",
+        spelled: "<...>step=<N>.ckpt/",
+        step_of: lightning_step,
+        tracker: None,
+        is_step: is_lightning_step,
+        contents: dcp_step_contents,
+    },
+];
+
+/// Files trainers keep beside their weights that are not the model: RNG states,
+/// schedulers, optimizer states, the trainer's arguments and progress. A directory
+/// that holds one of them is a trainer's save, never loose files of a model.
+pub(crate) fn side_files(dir: &Path) -> Vec<PathBuf> {
+    list_dir(dir)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|p| p.is_file() && is_side_file(p))
+        .collect()
+}
+
+/// Whether `path` is one of the files [`side_files`] lists (by name).
+fn is_side_file(path: &Path) -> bool {
+    let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+        return false;
+    };
+    // Hugging Face Trainer: rng_state[_<rank>].pth, scheduler.pt, optimizer.pt,
+    // training_args.bin, scaler.pt; verl: extra_state_/optim_world_size_*_rank_*.pt;
+    // Lightning: meta.pt; Megatron-Bridge: train_state.pt.
+    (name.starts_with("rng_state") && name.ends_with(".pth"))
+        || matches!(
+            name,
+            "scheduler.pt"
+                | "optimizer.pt"
+                | "optimizer.bin"
+                | "training_args.bin"
+                | "scaler.pt"
+                | "meta.pt"
+                | "train_state.pt"
+                | "latest_train_state.pt"
+        )
+        || (name.starts_with("extra_state_") && name.ends_with(".pt"))
+        || (name.starts_with("optim_world_size_") && name.ends_with(".pt"))
+}
+
+fn unknown(problem: String) -> Error {
+    Error::UnknownInput { problem }
+}
+
+fn name_of(path: &Path) -> &str {
+    path.file_name().and_then(|n| n.to_str()).unwrap_or("")
+}
+
+fn number_after(name: &str, prefix: &str) -> Option<u64> {
+    let rest = name.strip_prefix(prefix)?;
+    (!rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| rest.parse().ok())
+        .flatten()
+}
+
+fn hf_trainer_step(name: &str) -> Option<u64> {
+    number_after(name, "checkpoint-")
+}
+
+fn verl_step(name: &str) -> Option<u64> {
+    number_after(name, "global_step_")
+}
+
+fn torchtitan_step(name: &str) -> Option<u64> {
+    number_after(name, "step-")
+}
+
+/// Lightning's ModelCheckpoint names a save `<filename>.ckpt`, its default filename
+/// `epoch={epoch}-step={step}`: the number after the last `step=`.
+fn lightning_step(name: &str) -> Option<u64> {
+    let stem = name.strip_suffix(".ckpt")?;
+    let at = stem.rfind("step=")?;
+    let digits: String = stem[at + 5..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
+/// `transformers.Trainer._save_checkpoint` writes `trainer_state.json` into every
+/// `checkpoint-<N>/` (after the model and optimizer).
+fn is_hf_trainer_step(dir: &Path) -> bool {
+    hf_trainer_step(name_of(dir)).is_some() && dir.join("trainer_state.json").is_file()
+}
+
+/// verl's `global_step_<N>/` holds one directory per role (`actor/`, `critic/`).
+fn is_verl_step(dir: &Path) -> bool {
+    verl_step(name_of(dir)).is_some() && dir.join("actor").is_dir()
+}
+
+/// torchtitan's CheckpointManager saves each step as a DCP directory `step-<N>/`.
+fn is_torchtitan_step(dir: &Path) -> bool {
+    torchtitan_step(name_of(dir)).is_some() && has_dcp(dir)
+}
+
+/// Lightning's FSDP strategy saves a sharded checkpoint as a DCP directory named like
+/// its checkpoint file, with `meta.pt` (the non-tensor state) beside the shards.
+fn is_lightning_step(dir: &Path) -> bool {
+    lightning_step(name_of(dir)).is_some() && dir.join("meta.pt").is_file()
+}
+
+fn has_dcp(dir: &Path) -> bool {
+    dir.join(distcp::METADATA_FILE).is_file()
+}
+
+/// The tokenizer files in `dir`.
+fn tokenizer_in(dir: &Path) -> Vec<PathBuf> {
+    TOKENIZER_FILES
+        .iter()
+        .map(|f| dir.join(f))
+        .filter(|p| p.is_file())
+        .collect()
+}
+
+/// The transformers `config.json` of a Hugging Face model directory (one with
+/// `model_type` or `architectures`; ckpt's own config.json has another schema).
+fn hf_config_in(dir: &Path) -> Option<PathBuf> {
+    let p = dir.join("config.json");
+    let text = std::fs::read_to_string(&p).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    (v.get("model_type").is_some() || v.get("architectures").is_some()).then_some(p)
+}
+
+/// A step directory that is one DCP save of the trainer's whole state (torchtitan,
+/// Lightning): the model's tensors are read from it; the model config is not kept.
+fn dcp_step_contents(dir: &Path) -> Result<StepContents> {
+    if !has_dcp(dir) {
+        return Err(unknown(format!(
+            "{}: incomplete: no {} (DCP writes it last)",
+            dir.display(),
+            distcp::METADATA_FILE
+        )));
+    }
+    Ok(StepContents {
+        weights: vec![dir.to_path_buf()],
+        config: None,
+        tokenizer: vec![],
+        notes: vec![],
+    })
+}
+
+/// A Hugging Face Trainer's `checkpoint-<N>/`: the model as `Trainer.save_model` wrote
+/// it (accelerate's FSDP `pytorch_model_fsdp_<i>/` DCP, DeepSpeed's `latest` and
+/// `global_step<N>/`, or `save_pretrained`'s files), its config and tokenizer there or
+/// in the output directory above (where the final `save_model` puts them).
+fn hf_trainer_contents(dir: &Path) -> Result<StepContents> {
+    let entries = list_dir(dir)?;
+    let fsdp: Vec<&PathBuf> = entries
+        .iter()
+        .filter(|p| p.is_dir() && name_of(p).starts_with("pytorch_model_fsdp_"))
+        .collect();
+    let mut notes = vec![];
+    let weights = if let Some(first) = fsdp.first() {
+        if fsdp.len() > 1 {
+            return Err(unknown(format!(
+                "{}: holds {} FSDP models ({}): pass the one meant",
+                dir.display(),
+                fsdp.len(),
+                fsdp.iter().map(|p| name_of(p)).collect::<Vec<_>>().join(", ")
+            )));
+        }
+        if !has_dcp(first) {
+            return Err(unknown(format!(
+                "{}: incomplete: no {} (DCP writes it last)",
+                first.display(),
+                distcp::METADATA_FILE
+            )));
+        }
+        notes.push(format!(
+            "{}: the model (accelerate's FSDP save); the optimizer's directory beside it is not read",
+            first.display()
+        ));
+        vec![(*first).clone()]
+    } else if dir.join("latest").is_file() {
+        // DeepSpeed: the tag directory `latest` names (a ZeRO-3 run may have saved the
+        // gathered 16-bit model beside it too: DeepSpeed's fp32 weights are read).
+        let latest = dir.join("latest");
+        let tag = String::from_utf8_lossy(&crate::formats::read_small(&latest)?).trim().to_string();
+        let tag_dir = dir.join(&tag);
+        if tag.is_empty() || tag.contains('/') || !tag_dir.is_dir() {
+            return Err(unknown(format!(
+                "{}: names `{tag}`, which is not a DeepSpeed tag directory beside it",
+                latest.display()
+            )));
+        }
+        notes.push(format!("{}: the model (DeepSpeed's save, tag named by latest)", tag_dir.display()));
+        vec![tag_dir]
+    } else if let Some(p) = [
+        "model.safetensors.index.json",
+        "model.safetensors",
+        "pytorch_model.bin",
+        "pytorch_model_fsdp.bin",
+    ]
+    .iter()
+    .map(|f| dir.join(f))
+    .find(|p| p.is_file())
+    {
+        if name_of(&p) == "model.safetensors.index.json" {
+            vec![dir.to_path_buf()]
+        } else {
+            vec![p]
+        }
+    } else if dir.join("adapter_model.safetensors").is_file() {
+        return Err(Error::Unsupported {
+            problem: format!(
+                "{}: holds a PEFT adapter (adapter_model.safetensors), not the model's weights: merge it into its base model first",
+                dir.display()
+            ),
+        });
+    } else {
+        return Err(unknown(format!(
+            "{}: incomplete: none of the model files a Trainer saves (pytorch_model_fsdp_0/, model.safetensors, its index, pytorch_model.bin, DeepSpeed's latest)",
+            dir.display()
+        )));
+    };
+    let up = dir.parent().unwrap_or(Path::new("."));
+    let config = hf_config_in(dir).or_else(|| hf_config_in(up));
+    let mut tokenizer = tokenizer_in(dir);
+    if tokenizer.is_empty() {
+        tokenizer = tokenizer_in(up);
+    }
+    Ok(StepContents {
+        weights,
+        config,
+        tokenizer,
+        notes,
+    })
+}
+
+/// verl's `global_step_<N>/actor/` (FSDP backend): each rank's model shard
+/// `model_world_size_<W>_rank_<R>.pt` (DTensors), its optimizer and extra state beside
+/// (not read), and `huggingface/` with the model's config and tokenizer.
+fn verl_contents(step: &Path) -> Result<StepContents> {
+    let actor = step.join("actor");
+    let mut shards: Vec<(u64, u64, PathBuf)> = list_dir(&actor)?
+        .into_iter()
+        .filter_map(|p| {
+            let name = name_of(&p).strip_suffix(".pt")?;
+            let rest = name.strip_prefix("model_world_size_")?;
+            let (w, r) = rest.split_once("_rank_")?;
+            Some((w.parse().ok()?, r.parse().ok()?, p.clone()))
+        })
+        .collect();
+    shards.sort();
+    let mut notes = vec![];
+    let weights = if let Some(&(world, _, _)) = shards.first() {
+        if let Some((w, _, p)) = shards.iter().find(|s| s.0 != world) {
+            return Err(unknown(format!(
+                "{}: shards of two world sizes ({world} and {w}, {})",
+                actor.display(),
+                p.display()
+            )));
+        }
+        let ranks: Vec<u64> = shards.iter().map(|s| s.1).collect();
+        let want: Vec<u64> = (0..world).collect();
+        if ranks != want {
+            let missing: Vec<String> = want
+                .iter()
+                .filter(|r| !ranks.contains(r))
+                .map(|r| format!("model_world_size_{world}_rank_{r}.pt"))
+                .collect();
+            return Err(unknown(format!(
+                "{}: incomplete: {} of {world} ranks' model shards (missing {})",
+                actor.display(),
+                ranks.len(),
+                missing.join(", ")
+            )));
+        }
+        notes.push(format!(
+            "{}: the actor's {world} model shards (FSDP); its optimizer and extra state are not read",
+            actor.display()
+        ));
+        shards.into_iter().map(|s| s.2).collect()
+    } else if let Some(dist) = list_dir(&actor)?
+        .into_iter()
+        .find(|p| p.is_dir() && has_dcp(p) && name_of(p) != "huggingface")
+    {
+        // The Megatron backend: a dist_ckpt.
+        vec![dist]
+    } else {
+        return Err(unknown(format!(
+            "{}: incomplete: no model shards (model_world_size_<W>_rank_<R>.pt) nor a dist_ckpt",
+            actor.display()
+        )));
+    };
+    if step.join("critic").is_dir() {
+        notes.push(format!("{}: not read (the actor is the model)", step.join("critic").display()));
+    }
+    if actor.join("lora_adapter").is_dir() {
+        notes.push(format!(
+            "{}: a LoRA adapter, not merged into the export",
+            actor.join("lora_adapter").display()
+        ));
+    }
+    let hf = actor.join("huggingface");
+    Ok(StepContents {
+        weights,
+        config: hf_config_in(&hf),
+        tokenizer: tokenizer_in(&hf),
+        notes,
+    })
+}
+
+/// Whether `dir` is one of the trainers' step directories; the trainer's row if so.
+fn step_trainer(dir: &Path) -> Option<&'static Trainer> {
+    TRAINERS.iter().find(|t| (t.is_step)(dir))
+}
+
+/// `dir`'s step directories of one trainer, by step.
+fn steps_in(dir: &Path) -> Result<Option<(&'static Trainer, Vec<(u64, PathBuf)>)>> {
+    let entries = list_dir(dir)?;
+    for t in &TRAINERS {
+        let mut steps: Vec<(u64, PathBuf)> = entries
+            .iter()
+            .filter(|p| p.is_dir())
+            .filter_map(|p| Some(((t.step_of)(name_of(p))?, p.clone())))
+            .filter(|(_, p)| (t.is_step)(p) || step_like_incomplete(t, p))
+            .collect();
+        if steps.iter().any(|(_, p)| (t.is_step)(p)) {
+            steps.sort();
+            return Ok(Some((t, steps)));
+        }
+    }
+    Ok(None)
+}
+
+/// A directory named as `t`'s step that does not hold a whole step (a save cut off).
+fn step_like_incomplete(t: &Trainer, p: &Path) -> bool {
+    (t.step_of)(name_of(p)).is_some() && !(t.is_step)(p)
+}
+
+/// The trainer's save at `path`: a step directory, or a directory of step directories
+/// (the step chosen: `step`, the tracker's, else the highest complete one), or, where
+/// `path` itself is neither, one such directory found a few levels below it (a
+/// Lightning `lightning_logs/version_0/checkpoints/`, torchtitan's `checkpoint/`).
+/// `None` where `path` is no trainer's.
+///
+/// # Errors
+/// A step asked for that is not there; a tracker naming a step that is not there or
+/// is incomplete; no complete step; trainers' saves found in several places below.
+pub(crate) fn find(path: &Path, step: Option<u64>, search_below: bool) -> Result<Option<TrainerSave>> {
+    if !path.is_dir() {
+        return Ok(None);
+    }
+    // verl's role directory given for its step.
+    if let Some(parent) = path.parent().filter(|p| name_of(path) == "actor" && is_verl_step(p)) {
+        return find(parent, step, false);
+    }
+    if let Some(t) = step_trainer(path) {
+        let here = (t.step_of)(name_of(path));
+        if let (Some(s), Some(h)) = (step, here) {
+            if s != h {
+                return Err(unknown(format!(
+                    "{}: --step {s}, but this is {}'s checkpoint of step {h}: pass the directory above it",
+                    path.display(),
+                    t.name
+                )));
+            }
+        }
+        let contents = (t.contents)(path)?;
+        return Ok(Some(TrainerSave {
+            trainer: t.name,
+            step: here,
+            step_dir: path.to_path_buf(),
+            why: "the step directory given".into(),
+            contents,
+            step_taken: step.is_some(),
+        }));
+    }
+    if let Some((t, steps)) = steps_in(path)? {
+        return choose_step(path, t, &steps, step).map(Some);
+    }
+    if !search_below {
+        return Ok(None);
+    }
+    let mut found = vec![];
+    below(path, 3, &mut found)?;
+    match &found[..] {
+        [] => Ok(None),
+        [one] => {
+            let mut save = find(one, step, false)?.ok_or_else(|| {
+                unknown(format!("{}: no trainer's save", one.display()))
+            })?;
+            save.contents.notes.insert(
+                0,
+                format!("{}: the trainer's checkpoints, found below {}", one.display(), path.display()),
+            );
+            Ok(Some(save))
+        }
+        many => Err(unknown(format!(
+            "{}: holds trainers' checkpoints in {} places ({}): pass the one meant",
+            path.display(),
+            many.len(),
+            many.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+        ))),
+    }
+}
+
+/// Directories below `dir` (at most `depth` levels) that hold trainers' step
+/// directories or are one.
+fn below(dir: &Path, depth: u32, found: &mut Vec<PathBuf>) -> Result<()> {
+    if depth == 0 {
+        return Ok(());
+    }
+    for p in list_dir(dir)? {
+        if !p.is_dir() || name_of(&p).starts_with('.') {
+            continue;
+        }
+        if step_trainer(&p).is_some() {
+            // A step directory: its parent holds the steps.
+            if !found.contains(&dir.to_path_buf()) {
+                found.push(dir.to_path_buf());
+            }
+            continue;
+        }
+        if steps_in(&p)?.is_some() {
+            found.push(p);
+        } else {
+            below(&p, depth - 1, found)?;
+        }
+    }
+    Ok(())
+}
+
+/// The step of `dir`'s step directories to read: `step` when asked, else the one the
+/// trainer's tracker names, else the highest complete one (incomplete ones above it
+/// said in a note).
+fn choose_step(
+    dir: &Path,
+    t: &'static Trainer,
+    steps: &[(u64, PathBuf)],
+    step: Option<u64>,
+) -> Result<TrainerSave> {
+    let listed = || {
+        steps
+            .iter()
+            .map(|(s, _)| s.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let pick = |s: u64, why: String, taken: bool| -> Result<TrainerSave> {
+        let Some((_, p)) = steps.iter().find(|(n, _)| *n == s) else {
+            return Err(unknown(format!(
+                "{}: no {} checkpoint of step {s} ({}); steps here: {}",
+                dir.display(),
+                t.name,
+                t.spelled.replace("<N>", &s.to_string()),
+                listed()
+            )));
+        };
+        if !(t.is_step)(p) {
+            return Err(unknown(format!(
+                "{}: the checkpoint of step {s} ({why}) is incomplete (not every file its trainer writes is there)",
+                p.display()
+            )));
+        }
+        let contents = (t.contents)(p)?;
+        Ok(TrainerSave {
+            trainer: t.name,
+            step: Some(s),
+            step_dir: p.clone(),
+            why,
+            contents,
+            step_taken: taken,
+        })
+    };
+    if let Some(s) = step {
+        return pick(s, "--step".into(), true);
+    }
+    if let Some(tracker) = t.tracker.map(|f| dir.join(f)).filter(|p| p.is_file()) {
+        let text = String::from_utf8_lossy(&crate::formats::read_small(&tracker)?).into_owned();
+        let s: u64 = text.trim().parse().map_err(|_| {
+            unknown(format!(
+                "{}: `{}` is not a step number",
+                tracker.display(),
+                text.trim()
+            ))
+        })?;
+        return pick(s, format!("named by {}", tracker.display()), false);
+    }
+    let mut skipped = vec![];
+    for (s, p) in steps.iter().rev() {
+        let complete = if (t.is_step)(p) {
+            (t.contents)(p)
+        } else {
+            Err(unknown(format!(
+                "{}: incomplete (not every file its trainer writes is there)",
+                p.display()
+            )))
+        };
+        match complete {
+            Ok(contents) => {
+                let mut save = TrainerSave {
+                    trainer: t.name,
+                    step: Some(*s),
+                    step_dir: p.clone(),
+                    why: "the highest complete step".into(),
+                    contents,
+                    step_taken: false,
+                };
+                save.contents.notes.extend(skipped);
+                return Ok(save);
+            }
+            Err(e) => skipped.push(format!("step {s} skipped: {e}")),
+        }
+    }
+    Err(unknown(format!(
+        "{}: {}'s checkpoints ({}), none complete: {}",
+        dir.display(),
+        t.name,
+        listed(),
+        skipped.join("; ")
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_numbers_are_read_from_each_trainers_names() {
+        assert_eq!(hf_trainer_step("checkpoint-500"), Some(500));
+        assert_eq!(hf_trainer_step("checkpoint-"), None);
+        assert_eq!(hf_trainer_step("checkpoint-5a"), None);
+        assert_eq!(verl_step("global_step_2"), Some(2));
+        assert_eq!(verl_step("global_step2"), None);
+        assert_eq!(torchtitan_step("step-10"), Some(10));
+        assert_eq!(lightning_step("epoch=0-step=2.ckpt"), Some(2));
+        assert_eq!(lightning_step("last-step=12-v1.ckpt"), Some(12));
+        assert_eq!(lightning_step("epoch=0-step=2"), None);
+    }
+
+    #[test]
+    fn side_files_are_told_by_name() {
+        for side in [
+            "rng_state_0.pth",
+            "rng_state.pth",
+            "scheduler.pt",
+            "training_args.bin",
+            "optimizer.pt",
+            "extra_state_world_size_2_rank_0.pt",
+            "optim_world_size_2_rank_1.pt",
+            "meta.pt",
+        ] {
+            assert!(is_side_file(Path::new(side)), "{side}");
+        }
+        for model in ["pytorch_model.bin", "model.pt", "model_world_size_2_rank_0.pt", "consolidated.00.pth"] {
+            assert!(!is_side_file(Path::new(model)), "{model}");
+        }
+    }
+}

@@ -1,0 +1,268 @@
+//! Trainers' save directories read as a whole (docs/trainers.md): the step chosen as
+//! the trainer resumes, only the weights read, the model config and tokenizer the
+//! trainer kept used, and a directory of side files no trainer row knows refused.
+
+use crate::util::{assert_same_tensors, copy_dir, full_tensors, Dir};
+use std::path::{Path, PathBuf};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// A Hugging Face Trainer's output directory as `Trainer._save_checkpoint` lays it out
+/// without FSDP (model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth,
+/// trainer_state.json in each `checkpoint-<N>/`; the model's config.json above them),
+/// from transformers' own files of the tiny Llama; the side files are torch.save files
+/// holding tensors (the RNG state's `cpu`) that must never be read as the model.
+fn hf_trainer_out(d: &Dir, steps: &[u64]) -> PathBuf {
+    let model = fixtures().join("hf_models/llama");
+    let side = fixtures().join("hf_models/gpt2_tied.pt");
+    let out = d.path("trainer_out");
+    for s in steps {
+        let c = out.join(format!("checkpoint-{s}"));
+        std::fs::create_dir_all(&c).unwrap();
+        std::fs::copy(model.join("model.safetensors"), c.join("model.safetensors")).unwrap();
+        for f in ["rng_state.pth", "scheduler.pt", "optimizer.pt"] {
+            std::fs::copy(&side, c.join(f)).unwrap();
+        }
+        std::fs::write(c.join("trainer_state.json"), format!("{{\"global_step\": {s}}}")).unwrap();
+    }
+    std::fs::copy(model.join("config.json"), out.join("config.json")).unwrap();
+    out
+}
+
+#[test]
+fn side_files_beside_loose_torch_files_are_refused_not_merged() {
+    let d = Dir::new();
+    let dir = d.path("run");
+    std::fs::create_dir_all(&dir).unwrap();
+    let side = fixtures().join("hf_models/gpt2_tied.pt");
+    // What the silently wrong merge read: a step directory of unknown naming, its model
+    // in a subdirectory, RNG state and scheduler beside it.
+    std::fs::copy(&side, dir.join("rng_state_0.pth")).unwrap();
+    std::fs::copy(&side, dir.join("scheduler.pt")).unwrap();
+    let o = d.fails(&["merge", "run", "-o", "out"]);
+    assert!(
+        o.stderr.contains("rng_state_0.pth") && o.stderr.contains("scheduler.pt") && o.stderr.contains("not the model"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("out").exists(), "nothing written on a refusal");
+    // The model file itself, given as a file, is read as it is.
+    std::fs::copy(&side, dir.join("model.pt")).unwrap();
+    d.fails(&["merge", "run", "-o", "out"]);
+    d.ok(&["merge", "run/model.pt", "-o", "out"]);
+}
+
+#[test]
+fn hf_trainer_output_directory_gives_the_highest_complete_step() {
+    let d = Dir::new();
+    let out = hf_trainer_out(&d, &[1, 2]);
+    // A third step cut off before trainer_state.json: skipped, said.
+    let cut = out.join("checkpoint-3");
+    std::fs::create_dir_all(&cut).unwrap();
+    std::fs::copy(out.join("checkpoint-2/rng_state.pth"), cut.join("rng_state.pth")).unwrap();
+    let o = d.ok(&["merge", "trainer_out", "--format", "hf", "-o", "hf"]);
+    let want = full_tensors(&fixtures().join("hf_models/llama/model.safetensors"));
+    assert_same_tensors(&full_tensors(&d.path("hf/model.safetensors")), &want, "hf export");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(d.path("hf/config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "llama");
+    let i = d.ok(&["inspect", "trainer_out"]);
+    assert!(
+        i.stdout.contains("Hugging Face Trainer save")
+            && i.stdout.contains("checkpoint-2")
+            && i.stdout.contains("the highest complete step")
+            && i.stdout.contains("step 3 skipped")
+            && i.stdout.contains("config.json (kept by the trainer)"),
+        "{}",
+        i.stdout
+    );
+    // Plain merge: the model's tensors only, none of the side files'.
+    d.ok(&["merge", "trainer_out", "-o", "plain"]);
+    assert_same_tensors(&full_tensors(&d.path("plain")), &want, "plain merge");
+    let _ = o;
+}
+
+#[test]
+fn hf_trainer_steps_are_chosen_with_step_and_refused_by_name() {
+    let d = Dir::new();
+    let out = hf_trainer_out(&d, &[1, 2]);
+    d.ok(&["merge", "trainer_out", "--step", "1", "-o", "one"]);
+    d.ok(&["merge", "trainer_out/checkpoint-1", "--step", "1", "-o", "one-again"]);
+    let o = d.fails(&["merge", "trainer_out", "--step", "5", "-o", "five"]);
+    assert!(o.stderr.contains("steps here: 1, 2"), "{}", o.stderr);
+    assert!(!d.path("five").exists());
+    let o = d.fails(&["merge", "trainer_out/checkpoint-2", "--step", "1", "-o", "x"]);
+    assert!(o.stderr.contains("step 2"), "{}", o.stderr);
+    // No step complete: every one named with why.
+    for s in [1, 2] {
+        std::fs::remove_file(out.join(format!("checkpoint-{s}/model.safetensors"))).unwrap();
+    }
+    let o = d.fails(&["merge", "trainer_out", "-o", "none"]);
+    assert!(
+        o.stderr.contains("none complete") && o.stderr.contains("step 2 skipped"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("none").exists());
+}
+
+#[test]
+fn a_trainers_save_is_found_below_the_directory_given() {
+    let d = Dir::new();
+    hf_trainer_out(&d, &[4]);
+    let runs = d.path("runs/llama");
+    std::fs::create_dir_all(&runs).unwrap();
+    std::fs::rename(d.path("trainer_out"), runs.join("trainer_out")).unwrap();
+    let o = d.ok(&["inspect", "runs"]);
+    assert!(o.stdout.contains("found below"), "{}", o.stdout);
+    // Two runs below: which one is meant is the user's to say.
+    copy_dir(&runs.join("trainer_out"), &d.path("runs/other/trainer_out"));
+    let o = d.fails(&["merge", "runs", "-o", "x"]);
+    assert!(o.stderr.contains("in 2 places"), "{}", o.stderr);
+}
+
+/// megatron-core's `dist_checkpointing.save` without Megatron-LM's args (common.pt holds
+/// `{}`: Megatron-Bridge, NeMo 2, a user's own loop; tests/fixtures/*/dist_ckpt_noargs,
+/// the same weights as the fixtures' dist_ckpt, scripts/fixtures/hf_megatron.py and
+/// moe_hf.py): `--format hf --hf-config` gives every tensor of the export of the same
+/// model from its Megatron-LM save, byte for byte.
+#[test]
+fn megatron_core_dist_ckpt_without_args_exports_with_its_config() {
+    let d = Dir::new();
+    for (family, root) in [("llama", "hf/llama"), ("qwen2", "hf/qwen2"), ("mixtral", "moe/hf/mixtral")] {
+        let fx = fixtures().join(root);
+        let with_args = d.path(&format!("{family}-args"));
+        d.ok(&["merge", fx.join("dist_ckpt").to_str().unwrap(), "--format", "hf", "-o", with_args.to_str().unwrap()]);
+        let config = with_args.join("config.json");
+        let noargs = fx.join("dist_ckpt_noargs");
+        let out = d.path(&format!("{family}-noargs"));
+        let o = d.ok(&[
+            "merge",
+            noargs.to_str().unwrap(),
+            "--format",
+            "hf",
+            "--hf-config",
+            config.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.stdout.contains("no Megatron-LM args") || o.stderr.contains("no Megatron-LM args"), "{family}: {}{}", o.stdout, o.stderr);
+        assert_same_tensors(
+            &full_tensors(&out.join("model.safetensors")),
+            &full_tensors(&with_args.join("model.safetensors")),
+            family,
+        );
+        // Without a config the sizes are unknown: the flag that settles it is named.
+        let o = d.fails(&["merge", noargs.to_str().unwrap(), "--format", "hf", "-o", "none"]);
+        assert!(o.stderr.contains("--hf-config"), "{family}: {}", o.stderr);
+        assert!(!d.path("none").exists());
+    }
+}
+
+/// A config that contradicts the tensors is refused, naming the tensor and both sizes.
+#[test]
+fn megatron_core_dist_ckpt_without_args_refuses_a_config_that_disagrees() {
+    let d = Dir::new();
+    let fx = fixtures().join("hf/llama");
+    d.ok(&["merge", fx.join("dist_ckpt").to_str().unwrap(), "--format", "hf", "-o", "ref"]);
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(d.path("ref/config.json")).unwrap()).unwrap();
+    let noargs = fx.join("dist_ckpt_noargs");
+    for (field, value, tensor) in [
+        ("num_attention_heads", 8, "linear_qkv.weight"),
+        ("hidden_size", 64, "embedding.word_embeddings.weight"),
+        ("num_hidden_layers", 2, "decoder.layers.2"),
+    ] {
+        let mut c = config.clone();
+        c[field] = serde_json::json!(value);
+        if field == "num_attention_heads" {
+            c["head_dim"] = serde_json::json!(4);
+        }
+        std::fs::write(d.path("bad.json"), c.to_string()).unwrap();
+        let o = d.fails(&["merge", noargs.to_str().unwrap(), "--format", "hf", "--hf-config", "bad.json", "-o", "bad"]);
+        assert!(o.stderr.contains(tensor), "{field}: {}", o.stderr);
+        assert!(!d.path("bad").exists(), "{field}: nothing written");
+    }
+    config["vocab_size"] = serde_json::json!(1000);
+    std::fs::write(d.path("bad.json"), config.to_string()).unwrap();
+    let o = d.fails(&["merge", noargs.to_str().unwrap(), "--format", "hf", "--hf-config", "bad.json", "-o", "bad"]);
+    assert!(o.stderr.contains("fewer than the vocabulary of 1000"), "{}", o.stderr);
+}
+
+/// Saves written by the trainers' own code on CPU (tests/fixtures/trainers/<name>, each
+/// with a README naming versions, files and the functions that wrote them): the output
+/// or save directory as the trainer leaves it, `--format hf` with no other flag where
+/// the trainer kept the model's config (`--hf-config` where it did not), gives the
+/// library's own Hugging Face state dict (`expected.safetensors`: accelerate's
+/// merge_fsdp_weights, Lightning's consolidation, verl's get_fsdp_full_state_dict,
+/// torchtitan's state dict adapter), byte for byte.
+#[test]
+fn trainers_saves_export_to_the_libraries_own_state_dicts() {
+    let d = Dir::new();
+    let root = fixtures().join("trainers");
+    let llama_config = fixtures().join("hf_models/llama/config.json");
+    let cases: [(&str, &str, Option<&Path>, &str, &str); 5] = [
+        ("hf_trainer_fsdp", "trainer_out", Some(&llama_config), "expected.safetensors", "checkpoint-2"),
+        ("hf_trainer_plain", "trainer_out", None, "expected.safetensors", "checkpoint-2"),
+        ("lightning_fsdp", "lightning_out", Some(&llama_config), "expected.safetensors", "step=2"),
+        ("verl_fsdp", "verl_out", None, "expected.safetensors", "global_step_2"),
+        ("torchtitan", "outputs", Some(Path::new("config.json")), "adapter_to_hf.safetensors", "step-2"),
+    ];
+    for (name, out_dir, config, expected, step) in cases {
+        let fx = root.join(name);
+        let out = d.path(name);
+        let mut args = vec!["merge", out_dir, "--format", "hf", "-o", out.to_str().unwrap()];
+        let config = config.map(|c| fx.join(c));
+        if let Some(c) = &config {
+            args.extend(["--hf-config", c.to_str().unwrap()]);
+        }
+        let o = d.run_in(&fx, &args);
+        assert_eq!(o.code, 0, "{name}: {}{}", o.stdout, o.stderr);
+        assert!(o.stderr.contains(step), "{name}: the step said: {}", o.stderr);
+        assert_same_tensors(
+            &full_tensors(&out.join("model.safetensors")),
+            &full_tensors(&fx.join(expected)),
+            name,
+        );
+        // Without the config a trainer did not keep, the flag is named.
+        if config.is_some() {
+            let o = d.run_in(&fx, &["merge", out_dir, "--format", "hf", "-o", d.path("none").to_str().unwrap()]);
+            assert_eq!(o.code, 1, "{name}: {}", o.stderr);
+            assert!(o.stderr.contains("--hf-config"), "{name}: {}", o.stderr);
+            assert!(!d.path("none").exists());
+        }
+    }
+}
+
+/// verl keeps the model's config and tokenizer in `actor/huggingface/`: both come along;
+/// its tracker names the step; the actor's directory and the step directory given
+/// directly read the same.
+#[test]
+fn verl_save_carries_its_config_and_tokenizer() {
+    let d = Dir::new();
+    let fx = fixtures().join("trainers/verl_fsdp/verl_out");
+    d.ok(&["merge", fx.to_str().unwrap(), "--format", "hf", "-o", "a"]);
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        assert_eq!(
+            std::fs::read(d.path("a").join(f)).unwrap(),
+            std::fs::read(fx.join("global_step_2/actor/huggingface").join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    d.ok(&["merge", fx.join("global_step_2/actor").to_str().unwrap(), "--format", "hf", "-o", "b"]);
+    assert_same_tensors(&full_tensors(&d.path("b/model.safetensors")), &full_tensors(&d.path("a/model.safetensors")), "actor dir");
+    // A tracker naming a step that is not there is refused: the trainer would not resume.
+    let copy = d.path("verl_out");
+    copy_dir(&fx, &copy);
+    std::fs::write(copy.join("latest_checkpointed_iteration.txt"), "3").unwrap();
+    let o = d.fails(&["merge", "verl_out", "--format", "hf", "-o", "c"]);
+    assert!(o.stderr.contains("step 3") && o.stderr.contains("steps here: 1, 2"), "{}", o.stderr);
+    // A rank's model shard missing: named.
+    std::fs::write(copy.join("latest_checkpointed_iteration.txt"), "2").unwrap();
+    std::fs::remove_file(copy.join("global_step_2/actor/model_world_size_2_rank_1.pt")).unwrap();
+    let o = d.fails(&["merge", "verl_out", "-o", "c"]);
+    assert!(o.stderr.contains("model_world_size_2_rank_1.pt"), "{}", o.stderr);
+    assert!(!d.path("c").exists());
+}
