@@ -191,49 +191,140 @@ fn megatron_core_dist_ckpt_without_args_refuses_a_config_that_disagrees() {
     assert!(o.stderr.contains("fewer than the vocabulary of 1000"), "{}", o.stderr);
 }
 
-/// Saves written by the trainers' own code on CPU (tests/fixtures/trainers/<name>, each
-/// with a README naming versions, files and the functions that wrote them): the output
-/// or save directory as the trainer leaves it, `--format hf` with no other flag where
-/// the trainer kept the model's config (`--hf-config` where it did not), gives the
-/// library's own Hugging Face state dict (`expected.safetensors`: accelerate's
-/// merge_fsdp_weights, Lightning's consolidation, verl's get_fsdp_full_state_dict,
-/// torchtitan's state dict adapter), byte for byte.
+/// A save written by a trainer's own code on CPU (tests/fixtures/trainers/<fixture>,
+/// each with a README naming versions, files and the functions that wrote them).
+struct TrainerCase {
+    trainer: &'static str,
+    /// The versions that wrote it (the fixture's README).
+    versions: &'static str,
+    fixture: &'static str,
+    /// The output directory as the trainer leaves it.
+    output: &'static str,
+    /// The step directory ckpt must choose.
+    step: &'static str,
+    /// The model's config, where the trainer keeps none (relative to the fixture).
+    config: Option<&'static str>,
+    /// The library's own Hugging Face state dict of the model at that step.
+    expected: &'static str,
+    /// Who made `expected`.
+    anchor: &'static str,
+}
+
+const LLAMA_CONFIG: &str = "../../hf_models/llama/config.json";
+
+const TRAINER_CASES: [TrainerCase; 5] = [
+    TrainerCase {
+        trainer: "Hugging Face Trainer + accelerate FSDP2 (SHARDED_STATE_DICT)",
+        versions: "transformers 5.25.0, accelerate 1.16.0, torch 2.15.0",
+        fixture: "hf_trainer_fsdp",
+        output: "trainer_out",
+        step: "checkpoint-2",
+        config: Some(LLAMA_CONFIG),
+        expected: "expected.safetensors",
+        anchor: "accelerate's `merge_fsdp_weights`",
+    },
+    TrainerCase {
+        trainer: "Hugging Face Trainer (no FSDP)",
+        versions: "transformers 5.25.0, torch 2.15.0",
+        fixture: "hf_trainer_plain",
+        output: "trainer_out",
+        step: "checkpoint-2",
+        config: None,
+        expected: "expected.safetensors",
+        anchor: "`from_pretrained(checkpoint-2)`",
+    },
+    TrainerCase {
+        trainer: "Lightning FSDPStrategy (sharded)",
+        versions: "lightning 2.6.6, torch 2.15.0",
+        fixture: "lightning_fsdp",
+        output: "lightning_out",
+        step: "step=2",
+        config: Some(LLAMA_CONFIG),
+        expected: "expected.safetensors",
+        anchor: "Lightning's own consolidation",
+    },
+    TrainerCase {
+        trainer: "verl FSDP checkpoint manager",
+        versions: "verl 0.9.1, transformers 5.10.4, torch 2.15.0",
+        fixture: "verl_fsdp",
+        output: "verl_out",
+        step: "global_step_2",
+        config: None,
+        expected: "expected.safetensors",
+        anchor: "verl's `get_fsdp_full_state_dict`",
+    },
+    TrainerCase {
+        trainer: "torchtitan CheckpointManager",
+        versions: "torchtitan 0.3.0, torch 2.15.0",
+        fixture: "torchtitan",
+        output: "outputs",
+        step: "step-2",
+        config: Some("config.json"),
+        expected: "adapter_to_hf.safetensors",
+        anchor: "torchtitan's `Llama3StateDictAdapter.to_hf`",
+    },
+];
+
+/// The output directory as each trainer leaves it, `--format hf` with no other flag
+/// where the trainer kept the model's config (`--hf-config` where it did not), gives the
+/// library's own Hugging Face state dict, byte for byte; plain merge reads the same step.
 #[test]
 fn trainers_saves_export_to_the_libraries_own_state_dicts() {
     let d = Dir::new();
     let root = fixtures().join("trainers");
-    let llama_config = fixtures().join("hf_models/llama/config.json");
-    let cases: [(&str, &str, Option<&Path>, &str, &str); 5] = [
-        ("hf_trainer_fsdp", "trainer_out", Some(&llama_config), "expected.safetensors", "checkpoint-2"),
-        ("hf_trainer_plain", "trainer_out", None, "expected.safetensors", "checkpoint-2"),
-        ("lightning_fsdp", "lightning_out", Some(&llama_config), "expected.safetensors", "step=2"),
-        ("verl_fsdp", "verl_out", None, "expected.safetensors", "global_step_2"),
-        ("torchtitan", "outputs", Some(Path::new("config.json")), "adapter_to_hf.safetensors", "step-2"),
-    ];
-    for (name, out_dir, config, expected, step) in cases {
-        let fx = root.join(name);
-        let out = d.path(name);
-        let mut args = vec!["merge", out_dir, "--format", "hf", "-o", out.to_str().unwrap()];
-        let config = config.map(|c| fx.join(c));
-        if let Some(c) = &config {
-            args.extend(["--hf-config", c.to_str().unwrap()]);
+    for c in &TRAINER_CASES {
+        let fx = root.join(c.fixture);
+        let out = d.path(c.fixture);
+        let mut args = vec!["merge", c.output, "--format", "hf", "-o", out.to_str().unwrap()];
+        if let Some(config) = c.config {
+            args.extend(["--hf-config", config]);
         }
         let o = d.run_in(&fx, &args);
-        assert_eq!(o.code, 0, "{name}: {}{}", o.stdout, o.stderr);
-        assert!(o.stderr.contains(step), "{name}: the step said: {}", o.stderr);
-        assert_same_tensors(
-            &full_tensors(&out.join("model.safetensors")),
-            &full_tensors(&fx.join(expected)),
-            name,
-        );
+        assert_eq!(o.code, 0, "{}: {}{}", c.fixture, o.stdout, o.stderr);
+        assert!(o.stderr.contains(c.step), "{}: the step said: {}", c.fixture, o.stderr);
+        let want = full_tensors(&fx.join(c.expected));
+        assert_same_tensors(&full_tensors(&out.join("model.safetensors")), &want, c.fixture);
+        // Plain merge: the same step's weights (in the trainer's names), nothing else.
+        let plain = d.path(&format!("{}-plain", c.fixture));
+        let o = d.run_in(&fx, &["merge", c.output, "-o", plain.to_str().unwrap()]);
+        assert_eq!(o.code, 0, "{}: {}", c.fixture, o.stderr);
+        assert!(o.stderr.contains(c.step), "{}: {}", c.fixture, o.stderr);
+        assert!(full_tensors(&plain).len() >= want.len(), "{}", c.fixture);
         // Without the config a trainer did not keep, the flag is named.
-        if config.is_some() {
-            let o = d.run_in(&fx, &["merge", out_dir, "--format", "hf", "-o", d.path("none").to_str().unwrap()]);
-            assert_eq!(o.code, 1, "{name}: {}", o.stderr);
-            assert!(o.stderr.contains("--hf-config"), "{name}: {}", o.stderr);
-            assert!(!d.path("none").exists());
+        if c.config.is_some() {
+            let none = d.path("none");
+            let o = d.run_in(&fx, &["merge", c.output, "--format", "hf", "-o", none.to_str().unwrap()]);
+            assert_eq!(o.code, 1, "{}: {}", c.fixture, o.stderr);
+            assert!(o.stderr.contains("--hf-config"), "{}: {}", c.fixture, o.stderr);
+            assert!(!none.exists());
         }
     }
+}
+
+/// docs/trainers.md's table of what is proven is this file's cases, so that it cannot
+/// go stale: a case added, removed or changed here changes the table there.
+#[test]
+fn the_docs_table_of_trainers_is_the_tests_cases() {
+    let mut table = String::from(
+        "| trainer | versions | fixture | output directory given | step read | `--format hf` flags | equal to |\n|---|---|---|---|---|---|---|\n",
+    );
+    for c in &TRAINER_CASES {
+        table.push_str(&format!(
+            "| {} | {} | `tests/fixtures/trainers/{}` | `{}/` | `{}` | {} | {} |\n",
+            c.trainer,
+            c.versions,
+            c.fixture,
+            c.output,
+            c.step,
+            if c.config.is_some() { "`--hf-config` (no config kept)" } else { "none" },
+            c.anchor
+        ));
+    }
+    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/trainers.md")).unwrap();
+    assert!(
+        doc.contains(&table),
+        "docs/trainers.md must hold this table (generated from tests/trainers.rs's TRAINER_CASES) as it is:\n\n{table}"
+    );
 }
 
 /// verl keeps the model's config and tokenizer in `actor/huggingface/`: both come along;

@@ -121,8 +121,9 @@ fn is_side_file(path: &Path) -> bool {
         return false;
     };
     // Hugging Face Trainer: rng_state[_<rank>].pth, scheduler.pt, optimizer.pt,
-    // training_args.bin, scaler.pt; verl: extra_state_/optim_world_size_*_rank_*.pt;
-    // Lightning: meta.pt; Megatron-Bridge: train_state.pt.
+    // training_args.bin, scaler.pt; verl: extra_state_*_rank_*.pt; Lightning: meta.pt;
+    // Megatron-Bridge: train_state.pt. (verl's and FSDP1's per-rank optimizer shards,
+    // `optim_world_size_*_rank_*.pt`, are tensors ckpt reads: given alone they merge.)
     (name.starts_with("rng_state") && name.ends_with(".pth"))
         || matches!(
             name,
@@ -136,7 +137,6 @@ fn is_side_file(path: &Path) -> bool {
                 | "latest_train_state.pt"
         )
         || (name.starts_with("extra_state_") && name.ends_with(".pt"))
-        || (name.starts_with("optim_world_size_") && name.ends_with(".pt"))
 }
 
 fn unknown(problem: String) -> Error {
@@ -640,12 +640,17 @@ mod tests {
             "training_args.bin",
             "optimizer.pt",
             "extra_state_world_size_2_rank_0.pt",
-            "optim_world_size_2_rank_1.pt",
             "meta.pt",
         ] {
             assert!(is_side_file(Path::new(side)), "{side}");
         }
-        for model in ["pytorch_model.bin", "model.pt", "model_world_size_2_rank_0.pt", "consolidated.00.pth"] {
+        for model in [
+            "pytorch_model.bin",
+            "model.pt",
+            "model_world_size_2_rank_0.pt",
+            "optim_world_size_2_rank_0.pt",
+            "consolidated.00.pth",
+        ] {
             assert!(!is_side_file(Path::new(model)), "{model}");
         }
     }
