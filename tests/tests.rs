@@ -26,7 +26,7 @@ mod split_rules;
 mod storage;
 mod tensorboard;
 mod torch;
-mod trainers;
 mod train_infer;
+mod trainers;
 mod ucp;
 mod zero_pictures;

@@ -25,7 +25,11 @@ fn hf_trainer_out(d: &Dir, steps: &[u64]) -> PathBuf {
         for f in ["rng_state.pth", "scheduler.pt", "optimizer.pt"] {
             std::fs::copy(&side, c.join(f)).unwrap();
         }
-        std::fs::write(c.join("trainer_state.json"), format!("{{\"global_step\": {s}}}")).unwrap();
+        std::fs::write(
+            c.join("trainer_state.json"),
+            format!("{{\"global_step\": {s}}}"),
+        )
+        .unwrap();
     }
     std::fs::copy(model.join("config.json"), out.join("config.json")).unwrap();
     out
@@ -43,7 +47,9 @@ fn side_files_beside_loose_torch_files_are_refused_not_merged() {
     std::fs::copy(&side, dir.join("scheduler.pt")).unwrap();
     let o = d.fails(&["merge", "run", "-o", "out"]);
     assert!(
-        o.stderr.contains("rng_state_0.pth") && o.stderr.contains("scheduler.pt") && o.stderr.contains("not the model"),
+        o.stderr.contains("rng_state_0.pth")
+            && o.stderr.contains("scheduler.pt")
+            && o.stderr.contains("not the model"),
         "{}",
         o.stderr
     );
@@ -61,10 +67,18 @@ fn hf_trainer_output_directory_gives_the_highest_complete_step() {
     // A third step cut off before trainer_state.json: skipped, said.
     let cut = out.join("checkpoint-3");
     std::fs::create_dir_all(&cut).unwrap();
-    std::fs::copy(out.join("checkpoint-2/rng_state.pth"), cut.join("rng_state.pth")).unwrap();
+    std::fs::copy(
+        out.join("checkpoint-2/rng_state.pth"),
+        cut.join("rng_state.pth"),
+    )
+    .unwrap();
     let o = d.ok(&["merge", "trainer_out", "--format", "hf", "-o", "hf"]);
     let want = full_tensors(&fixtures().join("hf_models/llama/model.safetensors"));
-    assert_same_tensors(&full_tensors(&d.path("hf/model.safetensors")), &want, "hf export");
+    assert_same_tensors(
+        &full_tensors(&d.path("hf/model.safetensors")),
+        &want,
+        "hf export",
+    );
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(d.path("hf/config.json")).unwrap()).unwrap();
     assert_eq!(config["model_type"], "llama");
@@ -89,11 +103,25 @@ fn hf_trainer_steps_are_chosen_with_step_and_refused_by_name() {
     let d = Dir::new();
     let out = hf_trainer_out(&d, &[1, 2]);
     d.ok(&["merge", "trainer_out", "--step", "1", "-o", "one"]);
-    d.ok(&["merge", "trainer_out/checkpoint-1", "--step", "1", "-o", "one-again"]);
+    d.ok(&[
+        "merge",
+        "trainer_out/checkpoint-1",
+        "--step",
+        "1",
+        "-o",
+        "one-again",
+    ]);
     let o = d.fails(&["merge", "trainer_out", "--step", "5", "-o", "five"]);
     assert!(o.stderr.contains("steps here: 1, 2"), "{}", o.stderr);
     assert!(!d.path("five").exists());
-    let o = d.fails(&["merge", "trainer_out/checkpoint-2", "--step", "1", "-o", "x"]);
+    let o = d.fails(&[
+        "merge",
+        "trainer_out/checkpoint-2",
+        "--step",
+        "1",
+        "-o",
+        "x",
+    ]);
     assert!(o.stderr.contains("step 2"), "{}", o.stderr);
     // No step complete: every one named with why.
     for s in [1, 2] {
@@ -131,10 +159,21 @@ fn a_trainers_save_is_found_below_the_directory_given() {
 #[test]
 fn megatron_core_dist_ckpt_without_args_exports_with_its_config() {
     let d = Dir::new();
-    for (family, root) in [("llama", "hf/llama"), ("qwen2", "hf/qwen2"), ("mixtral", "moe/hf/mixtral")] {
+    for (family, root) in [
+        ("llama", "hf/llama"),
+        ("qwen2", "hf/qwen2"),
+        ("mixtral", "moe/hf/mixtral"),
+    ] {
         let fx = fixtures().join(root);
         let with_args = d.path(&format!("{family}-args"));
-        d.ok(&["merge", fx.join("dist_ckpt").to_str().unwrap(), "--format", "hf", "-o", with_args.to_str().unwrap()]);
+        d.ok(&[
+            "merge",
+            fx.join("dist_ckpt").to_str().unwrap(),
+            "--format",
+            "hf",
+            "-o",
+            with_args.to_str().unwrap(),
+        ]);
         let config = with_args.join("config.json");
         let noargs = fx.join("dist_ckpt_noargs");
         let out = d.path(&format!("{family}-noargs"));
@@ -148,14 +187,26 @@ fn megatron_core_dist_ckpt_without_args_exports_with_its_config() {
             "-o",
             out.to_str().unwrap(),
         ]);
-        assert!(o.stdout.contains("no Megatron-LM args") || o.stderr.contains("no Megatron-LM args"), "{family}: {}{}", o.stdout, o.stderr);
+        assert!(
+            o.stdout.contains("no Megatron-LM args") || o.stderr.contains("no Megatron-LM args"),
+            "{family}: {}{}",
+            o.stdout,
+            o.stderr
+        );
         assert_same_tensors(
             &full_tensors(&out.join("model.safetensors")),
             &full_tensors(&with_args.join("model.safetensors")),
             family,
         );
         // Without a config the sizes are unknown: the flag that settles it is named.
-        let o = d.fails(&["merge", noargs.to_str().unwrap(), "--format", "hf", "-o", "none"]);
+        let o = d.fails(&[
+            "merge",
+            noargs.to_str().unwrap(),
+            "--format",
+            "hf",
+            "-o",
+            "none",
+        ]);
         assert!(o.stderr.contains("--hf-config"), "{family}: {}", o.stderr);
         assert!(!d.path("none").exists());
     }
@@ -166,7 +217,14 @@ fn megatron_core_dist_ckpt_without_args_exports_with_its_config() {
 fn megatron_core_dist_ckpt_without_args_refuses_a_config_that_disagrees() {
     let d = Dir::new();
     let fx = fixtures().join("hf/llama");
-    d.ok(&["merge", fx.join("dist_ckpt").to_str().unwrap(), "--format", "hf", "-o", "ref"]);
+    d.ok(&[
+        "merge",
+        fx.join("dist_ckpt").to_str().unwrap(),
+        "--format",
+        "hf",
+        "-o",
+        "ref",
+    ]);
     let mut config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(d.path("ref/config.json")).unwrap()).unwrap();
     let noargs = fx.join("dist_ckpt_noargs");
@@ -181,14 +239,36 @@ fn megatron_core_dist_ckpt_without_args_refuses_a_config_that_disagrees() {
             c["head_dim"] = serde_json::json!(4);
         }
         std::fs::write(d.path("bad.json"), c.to_string()).unwrap();
-        let o = d.fails(&["merge", noargs.to_str().unwrap(), "--format", "hf", "--hf-config", "bad.json", "-o", "bad"]);
+        let o = d.fails(&[
+            "merge",
+            noargs.to_str().unwrap(),
+            "--format",
+            "hf",
+            "--hf-config",
+            "bad.json",
+            "-o",
+            "bad",
+        ]);
         assert!(o.stderr.contains(tensor), "{field}: {}", o.stderr);
         assert!(!d.path("bad").exists(), "{field}: nothing written");
     }
     config["vocab_size"] = serde_json::json!(1000);
     std::fs::write(d.path("bad.json"), config.to_string()).unwrap();
-    let o = d.fails(&["merge", noargs.to_str().unwrap(), "--format", "hf", "--hf-config", "bad.json", "-o", "bad"]);
-    assert!(o.stderr.contains("fewer than the vocabulary of 1000"), "{}", o.stderr);
+    let o = d.fails(&[
+        "merge",
+        noargs.to_str().unwrap(),
+        "--format",
+        "hf",
+        "--hf-config",
+        "bad.json",
+        "-o",
+        "bad",
+    ]);
+    assert!(
+        o.stderr.contains("fewer than the vocabulary of 1000"),
+        "{}",
+        o.stderr
+    );
 }
 
 /// A save written by a trainer's own code on CPU (tests/fixtures/trainers/<fixture>,
@@ -275,15 +355,31 @@ fn trainers_saves_export_to_the_libraries_own_state_dicts() {
     for c in &TRAINER_CASES {
         let fx = root.join(c.fixture);
         let out = d.path(c.fixture);
-        let mut args = vec!["merge", c.output, "--format", "hf", "-o", out.to_str().unwrap()];
+        let mut args = vec![
+            "merge",
+            c.output,
+            "--format",
+            "hf",
+            "-o",
+            out.to_str().unwrap(),
+        ];
         if let Some(config) = c.config {
             args.extend(["--hf-config", config]);
         }
         let o = d.run_in(&fx, &args);
         assert_eq!(o.code, 0, "{}: {}{}", c.fixture, o.stdout, o.stderr);
-        assert!(o.stderr.contains(c.step), "{}: the step said: {}", c.fixture, o.stderr);
+        assert!(
+            o.stderr.contains(c.step),
+            "{}: the step said: {}",
+            c.fixture,
+            o.stderr
+        );
         let want = full_tensors(&fx.join(c.expected));
-        assert_same_tensors(&full_tensors(&out.join("model.safetensors")), &want, c.fixture);
+        assert_same_tensors(
+            &full_tensors(&out.join("model.safetensors")),
+            &want,
+            c.fixture,
+        );
         // Plain merge: the same step's weights (in the trainer's names), nothing else.
         let plain = d.path(&format!("{}-plain", c.fixture));
         let o = d.run_in(&fx, &["merge", c.output, "-o", plain.to_str().unwrap()]);
@@ -293,9 +389,24 @@ fn trainers_saves_export_to_the_libraries_own_state_dicts() {
         // Without the config a trainer did not keep, the flag is named.
         if c.config.is_some() {
             let none = d.path("none");
-            let o = d.run_in(&fx, &["merge", c.output, "--format", "hf", "-o", none.to_str().unwrap()]);
+            let o = d.run_in(
+                &fx,
+                &[
+                    "merge",
+                    c.output,
+                    "--format",
+                    "hf",
+                    "-o",
+                    none.to_str().unwrap(),
+                ],
+            );
             assert_eq!(o.code, 1, "{}: {}", c.fixture, o.stderr);
-            assert!(o.stderr.contains("--hf-config"), "{}: {}", c.fixture, o.stderr);
+            assert!(
+                o.stderr.contains("--hf-config"),
+                "{}: {}",
+                c.fixture,
+                o.stderr
+            );
             assert!(!none.exists());
         }
     }
@@ -316,11 +427,17 @@ fn the_docs_table_of_trainers_is_the_tests_cases() {
             c.fixture,
             c.output,
             c.step,
-            if c.config.is_some() { "`--hf-config` (no config kept)" } else { "none" },
+            if c.config.is_some() {
+                "`--hf-config` (no config kept)"
+            } else {
+                "none"
+            },
             c.anchor
         ));
     }
-    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/trainers.md")).unwrap();
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/trainers.md"))
+            .unwrap();
     assert!(
         doc.contains(&table),
         "docs/trainers.md must hold this table (generated from tests/trainers.rs's TRAINER_CASES) as it is:\n\n{table}"
@@ -342,18 +459,37 @@ fn verl_save_carries_its_config_and_tokenizer() {
             "{f}"
         );
     }
-    d.ok(&["merge", fx.join("global_step_2/actor").to_str().unwrap(), "--format", "hf", "-o", "b"]);
-    assert_same_tensors(&full_tensors(&d.path("b/model.safetensors")), &full_tensors(&d.path("a/model.safetensors")), "actor dir");
+    d.ok(&[
+        "merge",
+        fx.join("global_step_2/actor").to_str().unwrap(),
+        "--format",
+        "hf",
+        "-o",
+        "b",
+    ]);
+    assert_same_tensors(
+        &full_tensors(&d.path("b/model.safetensors")),
+        &full_tensors(&d.path("a/model.safetensors")),
+        "actor dir",
+    );
     // A tracker naming a step that is not there is refused: the trainer would not resume.
     let copy = d.path("verl_out");
     copy_dir(&fx, &copy);
     std::fs::write(copy.join("latest_checkpointed_iteration.txt"), "3").unwrap();
     let o = d.fails(&["merge", "verl_out", "--format", "hf", "-o", "c"]);
-    assert!(o.stderr.contains("step 3") && o.stderr.contains("steps here: 1, 2"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("step 3") && o.stderr.contains("steps here: 1, 2"),
+        "{}",
+        o.stderr
+    );
     // A rank's model shard missing: named.
     std::fs::write(copy.join("latest_checkpointed_iteration.txt"), "2").unwrap();
     std::fs::remove_file(copy.join("global_step_2/actor/model_world_size_2_rank_1.pt")).unwrap();
     let o = d.fails(&["merge", "verl_out", "-o", "c"]);
-    assert!(o.stderr.contains("model_world_size_2_rank_1.pt"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("model_world_size_2_rank_1.pt"),
+        "{}",
+        o.stderr
+    );
     assert!(!d.path("c").exists());
 }

@@ -26,7 +26,7 @@ use crate::error::Error;
 use crate::formats::TensorFile;
 use crate::layout::source::{PieceSource, SourceTensor};
 use crate::layout::strategy::Strategy;
-use crate::Dtype;
+use crate::layout::Dtype;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::formats::PieceKind;
 use crate::layout::plan::bytes_of;
 use crate::layout::region::Region;
-use crate::Dtype;
+use crate::layout::Dtype;
 use serde_json::{json, Value};
 
 /// What one holding covers of a tensor.

@@ -36,7 +36,7 @@ use crate::error::{overflow, Error, IoContext, Result};
 use crate::formats::checksum::Checksum;
 use crate::layout::region::Region;
 use crate::layout::strategy::dtype_name;
-use crate::Dtype;
+use crate::layout::Dtype;
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::fs::File;

@@ -14,7 +14,8 @@ pub(crate) mod strategy;
 use crate::error::{Error, Result};
 use crate::layout::mesh::Mesh;
 use crate::layout::region::Region;
-use crate::Dtype;
+/// The element types (safetensors' names, which every format maps to and from).
+pub use ::safetensors::Dtype;
 use std::fmt;
 
 /// How a tensor is placed along one mesh axis.

@@ -115,6 +115,7 @@ pub use crate::layout::split_rules::{is_split_rules, SplitRules};
 pub use crate::layout::strategy::{
     dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION,
 };
+pub use crate::layout::Dtype;
 pub use crate::layout::{Piece, Placement, TensorLayout};
 pub use crate::megatron_dist_output::{
     megatron_dist_finish, megatron_dist_plan, megatron_dist_strategy, MegatronDist,
@@ -128,7 +129,6 @@ pub use crate::present::{
     merge_plan_text, placements_text, plan_json, plan_text, verify_json, verify_text, CopySummary,
 };
 pub use crate::ucp_output::{ucp_finish, ucp_plan};
-pub use ::safetensors::Dtype;
 
 /// Where the one tensor of a single-tensor `torch.save` archive lies (`start..end` of
 /// `bytes`), read forward from the archive's start as a DCP chunk in a bucket is read

@@ -35,9 +35,9 @@ use crate::formats::pickle::Emitter;
 use crate::formats::torch_write::{TorchWriter, STORED_SHAPES};
 use crate::layout::plan::CopyPlan;
 use crate::layout::strategy::Strategy;
+use crate::layout::Dtype;
 use crate::layout::Placement;
 use crate::megatron_output::megatron_grid;
-use crate::Dtype;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -151,7 +151,7 @@ pub fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strategy) -> R
             "--format megatron-dist: `{name}` is a GroupedMLP weight, which a dist_ckpt holds per expert: read it with Checkpoint::grouped_experts_as_sequential first"
         )));
     }
-    crate::megatron_restage(source, strategy)?;
+    crate::megatron_output::megatron_restage(source, strategy)?;
     // Checked with the split Megatron makes (SwiGLU's gate and up rows each in TP
     // parts), before it is stored in one block.
     megatron_grid(&state, strategy, "megatron-dist")?;
@@ -250,9 +250,9 @@ pub fn megatron_dist_plan(
                 Some((d, s)) if (*d, s) != (t.dtype, &global_shape) => {
                     return Err(bad(format!(
                         "is {} {:?} here, {} {s:?} (stacked) in another layer or expert: a dist_ckpt stacks tensors of one shape",
-                        crate::dtype_name(t.dtype),
+                        crate::layout::strategy::dtype_name(t.dtype),
                         t.shape,
-                        crate::dtype_name(*d)
+                        crate::layout::strategy::dtype_name(*d)
                     )))
                 }
                 Some(_) => {}

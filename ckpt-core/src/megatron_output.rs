@@ -318,7 +318,7 @@ pub fn megatron_moe_strategy(
             )))
         }
     };
-    let list: Vec<(String, crate::Dtype, Vec<u64>)> = source
+    let list: Vec<(String, crate::layout::Dtype, Vec<u64>)> = source
         .tensors
         .iter()
         .map(|(n, t)| (n.clone(), t.dtype, t.shape.clone()))

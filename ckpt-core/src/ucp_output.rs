@@ -17,8 +17,8 @@ use crate::formats::ucp::{self, state_file, LATEST_UNIVERSAL, STATES};
 use crate::layout::plan::{CopyPlan, TargetFile, TargetTensor};
 use crate::layout::region::Region;
 use crate::layout::select::Selection;
+use crate::layout::Dtype;
 use crate::layout::Piece;
-use crate::Dtype;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -111,7 +111,7 @@ pub fn ucp_plan(source: &Checkpoint, selection: &Selection) -> Result<CopyPlan> 
                 return Err(Error::Unsupported {
                     problem: format!(
                         "tensor `{name}`: a universal checkpoint holds fp32 master weights and moments, not {} (no --dtype with --format ucp)",
-                        crate::dtype_name(selection.dtype(&name, t.dtype)?)
+                        crate::layout::strategy::dtype_name(selection.dtype(&name, t.dtype)?)
                     ),
                 });
             }

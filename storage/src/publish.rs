@@ -16,9 +16,9 @@
 //!    deleted (only with `force`), and the journals are deleted.
 
 use crate::error::{Error, IoAt, Result};
+use crate::journal::{journal_key, journal_prefix, journal_text};
 use crate::location::ObjectUrl;
 use crate::store::{block_on, store_for, Store};
-use crate::journal::{journal_key, journal_prefix, journal_text};
 use crate::stream::{Stream, StreamedUpload, Streaming, PART_BYTES};
 use futures::{StreamExt, TryStreamExt};
 use object_store::multipart::PartId;
@@ -65,7 +65,7 @@ impl Output {
     /// # Errors
     /// A URL of a read-only store, or a bad URL.
     pub fn new(path: &Path, force: bool) -> Result<Output> {
-        if !crate::is_url(path) {
+        if !crate::location::is_url(path) {
             return Ok(Output {
                 url: None,
                 local: path.to_path_buf(),

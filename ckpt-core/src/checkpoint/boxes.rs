@@ -11,7 +11,7 @@ use crate::formats::{FileFormat, ReadCache};
 use crate::layout::region::Region;
 use crate::layout::source::SourcePiece;
 use crate::layout::strategy::dtype_name;
-use crate::Dtype;
+use crate::layout::Dtype;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 

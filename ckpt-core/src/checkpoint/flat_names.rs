@@ -45,7 +45,7 @@ mod tests {
     use super::*;
     use crate::formats::{map_file, FileFormat, TensorEntry};
     use crate::layout::region::Region;
-    use crate::Dtype;
+    use crate::layout::Dtype;
 
     /// A file holding the boxes `layout/flat.rs` cuts `range` of a [3, 4] f32 tensor
     /// into (marked with the range when `mark`), and the pieces of those boxes.

@@ -354,7 +354,7 @@ impl Checkpoint {
             .values()
             .map(|t| t.dtype)
             .next()
-            .unwrap_or(crate::Dtype::F32);
+            .unwrap_or(crate::layout::Dtype::F32);
         let mut out: BTreeMap<String, SourceTensor> = BTreeMap::new();
         let mut used: BTreeSet<String> = BTreeSet::new();
         let qkv_rows = qkv_rows(&shape)?;
@@ -457,7 +457,7 @@ impl Checkpoint {
             }),
             dtype: dtype_name,
         })?;
-        let list: Vec<(String, crate::Dtype, Vec<u64>)> = out
+        let list: Vec<(String, crate::layout::Dtype, Vec<u64>)> = out
             .iter()
             .map(|(n, t)| (n.clone(), t.dtype, t.shape.clone()))
             .collect();
@@ -616,9 +616,7 @@ impl Checkpoint {
         // Args that do not say whether the output layer is tied, beside an output layer:
         // Megatron-LM's default (tied) would drop it, a guess that is wrong for an untied
         // model. A config settles it.
-        if args
-            .as_ref()
-            .is_some_and(|a| a.model.untied.is_none())
+        if args.as_ref().is_some_and(|a| a.model.untied.is_none())
             && user_config.is_none()
             && self.tensors.contains_key("output_layer.weight")
         {
@@ -929,7 +927,12 @@ impl Checkpoint {
             notes.push(format!(
                 "{} tensors of a parameter's training state left out ({}{})",
                 state.len(),
-                state.iter().take(2).map(|s| s.as_str()).collect::<Vec<_>>().join(", "),
+                state
+                    .iter()
+                    .take(2)
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 if state.len() > 2 { ", ..." } else { "" }
             ));
         }

@@ -148,7 +148,10 @@ fn page(data: &Value, title: &str) -> Result<String> {
 }
 
 /// A target tensor's dtype and pieces: (output file, box in the global tensor).
-type TargetPieces<'a> = (crate::Dtype, Vec<(usize, &'a crate::Region)>);
+type TargetPieces<'a> = (
+    crate::layout::Dtype,
+    Vec<(usize, &'a crate::layout::region::Region)>,
+);
 
 /// The page of a reshard plan: per tensor, the target pieces over the target files
 /// (filled) with the source pieces they are cut from (dashed outlines, holders after

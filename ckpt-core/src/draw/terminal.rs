@@ -280,7 +280,7 @@ mod tests {
     use super::*;
     use crate::draw::Holding;
     use crate::layout::region::Region;
-    use crate::Dtype;
+    use crate::layout::Dtype;
 
     fn owner(holder: usize, r: &[std::ops::Range<u64>]) -> Holding {
         Holding {

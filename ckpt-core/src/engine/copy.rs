@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::formats::{create_writer, Compression, ReadCache, TensorSpec, TensorWriter};
 use crate::layout::plan::{bytes_of, CopyOp, CopyPlan, TensorPlan};
 use crate::layout::region::{Region, Runs};
-use crate::Dtype;
+use crate::layout::Dtype;
 use rayon::prelude::*;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -695,13 +695,13 @@ mod tests {
                 assert!(r.numel() * 4 <= max.max(28), "slab {r} over {max}");
             }
             assert_eq!(next, 105);
-            assert_eq!(crate::check_tiling(&shape, &s), Ok(()));
+            assert_eq!(crate::layout::coverage::check_tiling(&shape, &s), Ok(()));
         }
     }
 
     #[test]
     fn parts_tile_the_tensor_at_their_byte_offsets() {
-        let target = crate::TargetTensor {
+        let target = crate::layout::plan::TargetTensor {
             name: "w".into(),
             dtype: Dtype::BF16,
             shape: vec![6, 10, 3],

@@ -150,7 +150,7 @@ mod tests {
     use crate::engine::example::{example_strategy, write_example, ExampleModel};
     use crate::layout::mesh::Mesh;
     use crate::layout::plan::{bytes_of, rank_tensors, CopyPlan, TargetFile};
-    use crate::Dtype;
+    use crate::layout::Dtype;
     use std::collections::BTreeMap;
     use std::path::PathBuf;
 

@@ -8,7 +8,7 @@ use crate::formats::output::write_file_atomic;
 use crate::formats::{byte_len, create_writer, Compression, TensorSpec};
 use crate::layout::plan::{rank_metadata, rank_tensors, CopyPlan, TargetFile};
 use crate::layout::strategy::Strategy;
-use crate::Dtype;
+use crate::layout::Dtype;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

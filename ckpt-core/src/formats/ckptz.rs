@@ -26,6 +26,7 @@
 //! exponent) varies little between neighbours, the low byte (mantissa) is noise; zstd
 //! finds the redundancy of the first stream only once they are apart.
 
+pub(crate) mod chunks;
 mod entropy;
 mod pack;
 mod planes;
@@ -35,7 +36,10 @@ pub use v2::CkptzWriter;
 pub use v2::CodedChunk;
 pub use v2::MAGIC_V2 as MAGIC;
 
-use entropy::PlaneCodec;
+#[cfg(test)]
+use chunks::chunk_size_for;
+use chunks::{bad, unit_bytes, Body, ChunkLoc, MAX_CHUNK_BYTES, MAX_HEADER_LEN};
+pub use chunks::{Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL};
 use pack::Streams;
 use planes::PlaneSplit;
 
@@ -53,7 +57,7 @@ use crate::formats::checksum::{decode_checksums, Checksum};
 #[cfg(test)]
 use crate::formats::output::StagedFile;
 use crate::layout::strategy::dtype_name;
-use crate::Dtype;
+use crate::layout::Dtype;
 use serde_json::{Map, Value};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -78,80 +82,6 @@ pub(crate) const READ_VERSIONS: [u8; 2] = [1, 2];
 /// The file extension of compressed files.
 pub const EXTENSION: &str = "ckptz";
 
-/// Largest header accepted (as for safetensors).
-pub(crate) const MAX_HEADER_LEN: u64 = super::safetensors::MAX_HEADER_LEN;
-
-/// Largest chunk a reader accepts: a reader holds a few chunks per thread, so a header
-/// must not be able to ask for gigabytes.
-pub(crate) const MAX_CHUNK_BYTES: u64 = 256 << 20;
-
-/// Default raw bytes per chunk: large enough for zstd to find the redundancy, small
-/// enough that a partial read decompresses little it does not need.
-pub const DEFAULT_CHUNK_BYTES: u64 = 4 << 20;
-
-/// How to compress: the zstd level and the raw bytes per chunk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Compression {
-    /// zstd level, 1 to 22.
-    pub level: i32,
-    /// Raw bytes per chunk (rounded down to whole elements per tensor).
-    pub chunk_bytes: u64,
-}
-
-/// The default level. On byte-grouped floats, level 3's deeper match search finds
-/// almost nothing level 1's misses (AdamW moments: 0.731 against 0.730 of raw, BF16
-/// weights 0.697 against 0.678, `cargo bench --bench compress`) and costs half the
-/// speed: the redundancy is in the exponent bytes' statistics, which the entropy coder
-/// takes at any level.
-pub const DEFAULT_LEVEL: i32 = 1;
-
-impl Default for Compression {
-    fn default() -> Compression {
-        Compression {
-            level: DEFAULT_LEVEL,
-            chunk_bytes: DEFAULT_CHUNK_BYTES,
-        }
-    }
-}
-
-impl Compression {
-    /// Parses `zstd` or `zstd:LEVEL` (1 to 22).
-    ///
-    /// # Errors
-    /// Any other text, a level out of range.
-    pub fn parse(text: &str) -> std::result::Result<Compression, String> {
-        let (codec, level) = match text.split_once(':') {
-            Some((c, l)) => (c, Some(l)),
-            None => (text, None),
-        };
-        if codec != "zstd" {
-            return Err(format!(
-                "`{text}`: unknown codec `{codec}` (expected zstd or zstd:LEVEL)"
-            ));
-        }
-        let level = match level {
-            None => Compression::default().level,
-            Some(l) => l
-                .parse::<i32>()
-                .ok()
-                .filter(|l| (1..=22).contains(l))
-                .ok_or_else(|| {
-                    format!("`{text}`: zstd level `{l}` is not a number from 1 to 22")
-                })?,
-        };
-        Ok(Compression {
-            level,
-            ..Compression::default()
-        })
-    }
-}
-
-fn bad(problem: impl Into<String>) -> Error {
-    Error::InvalidCompressed {
-        problem: problem.into(),
-    }
-}
-
 /// Whether the first bytes are a `.ckptz` file's.
 pub(crate) fn looks_like(head: &[u8]) -> bool {
     // Any version: a later one is then a named error, not "unknown format".
@@ -167,25 +97,6 @@ pub fn group_of(dtype: Dtype) -> usize {
         Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64 => dtype.bitsize() / 8,
         _ => 1,
     }
-}
-
-/// The smallest number of bytes that holds whole elements of `dtype` (3 for 6-bit
-/// types, 1 for 4-bit ones): chunk sizes are multiples of it, so chunk edges fall on
-/// element edges.
-pub(crate) fn unit_bytes(dtype: Dtype) -> u64 {
-    let bits = dtype.bitsize() as u64;
-    let mut unit = bits;
-    while !unit.is_multiple_of(8) {
-        unit += bits;
-    }
-    unit / 8
-}
-
-/// The chunk size used for a tensor of `dtype` when `max` bytes are asked for: whole
-/// elements, at least one.
-pub(crate) fn chunk_size_for(dtype: Dtype, max: u64) -> u64 {
-    let unit = unit_bytes(dtype);
-    (max / unit).max(1) * unit
 }
 
 /// Splits `src` (elements of `k` bytes) into `k` streams: all byte 0s, then all byte 1s...
@@ -291,37 +202,6 @@ pub(crate) struct ChunkTable {
     raw_len: u64,
     /// `[start, end)` of each compressed chunk, relative to the data area.
     chunks: Vec<[u64; 2]>,
-}
-
-/// Where one chunk is stored, and how.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum ChunkLoc {
-    /// Version 1: one zstd frame `[start, end)` of the chunk's bytes grouped by `group`.
-    V1 { frame: [u64; 2], group: usize },
-    /// Version 2: the planes back to back from `at`, and the raw bytes' CRC-32C.
-    V2 {
-        at: u64,
-        planes: Vec<(PlaneCodec, u64)>,
-        crc: u32,
-    },
-}
-
-impl ChunkLoc {
-    /// The chunk's bytes in the data area.
-    fn stored(&self) -> std::ops::Range<u64> {
-        match self {
-            ChunkLoc::V1 { frame, .. } => frame[0]..frame[1],
-            ChunkLoc::V2 { at, planes, .. } => *at..at + planes.iter().map(|p| p.1).sum::<u64>(),
-        }
-    }
-}
-
-/// The chunks of a file, either version: the streams the tensors lie in (version 1:
-/// one per tensor) and, per stream, per chunk, where it is stored.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct Body {
-    pub(crate) streams: Streams,
-    pub(crate) chunks: Vec<Vec<ChunkLoc>>,
 }
 
 /// The compressed side of a `.ckptz` file opened for reading: the file (read with

@@ -27,7 +27,7 @@ use crate::error::{overflow, Error, Result};
 use crate::layout::flat::{numel, FlatRange};
 use crate::layout::region::Region;
 use crate::layout::split_rules::Split;
-use crate::Dtype;
+use crate::layout::Dtype;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -384,7 +384,7 @@ fn read_zero0(
     }
     let dtypes: std::collections::BTreeSet<String> = shapes
         .values()
-        .map(|(d, _)| crate::dtype_name(*d))
+        .map(|(d, _)| crate::layout::strategy::dtype_name(*d))
         .collect();
     files.insert(
         0,

@@ -26,7 +26,7 @@ use super::pickle::{self, Emitter, Value};
 use super::{map_file, torch_save, FileFormat, Mapped, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, Result};
 use crate::layout::flat::{numel, FlatRange};
-use crate::Dtype;
+use crate::layout::Dtype;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -732,7 +732,7 @@ pub fn metadata_bytes(
                 let (dtype, _) = tensors.get(&c.fqn).ok_or_else(|| Error::Unsupported {
                     problem: format!("chunk of `{}`, which is not among the tensors", c.fqn),
                 })?;
-                Ok(crate::TensorSpec {
+                Ok(crate::formats::writer::TensorSpec {
                     name: c.fqn.clone(),
                     dtype: *dtype,
                     shape: c.sizes.clone(),
@@ -752,7 +752,7 @@ pub fn metadata_bytes(
         let t = torch_dtype_name(*dtype).ok_or_else(|| Error::Unsupported {
             problem: format!(
                 "tensor `{name}`: torch has no dtype for {}",
-                crate::dtype_name(*dtype)
+                crate::layout::strategy::dtype_name(*dtype)
             ),
         })?;
         e.str(name);

@@ -22,7 +22,7 @@
 use super::{list_dir, FileFormat, Mapped, TensorEntry, TensorFile};
 use crate::error::{Error, Result};
 use crate::formats::output::StagedFile;
-use crate::Dtype;
+use crate::layout::Dtype;
 use prost::bytes::Buf;
 use prost::encoding::{decode_key, decode_varint, WireType};
 use std::collections::{BTreeMap, BTreeSet};
@@ -364,7 +364,10 @@ impl MindSporeWriter {
     ///
     /// # Errors
     /// Dtypes MindSpore has no name for, sizes that overflow, I/O errors.
-    pub fn create(dest: &Path, tensors: &[crate::TensorSpec]) -> Result<MindSporeWriter> {
+    pub fn create(
+        dest: &Path,
+        tensors: &[crate::formats::writer::TensorSpec],
+    ) -> Result<MindSporeWriter> {
         Self::create_sliced(dest, tensors, SLICE_BYTES)
     }
 
@@ -372,7 +375,7 @@ impl MindSporeWriter {
     /// `slice` bytes, as `save_checkpoint` does.
     fn create_sliced(
         dest: &Path,
-        tensors: &[crate::TensorSpec],
+        tensors: &[crate::formats::writer::TensorSpec],
         slice: u64,
     ) -> Result<MindSporeWriter> {
         use prost::encoding::{encode_varint, encoded_len_varint};
@@ -385,7 +388,7 @@ impl MindSporeWriter {
                 problem: format!(
                     "tensor `{}`: {} has no MindSpore dtype",
                     t.name,
-                    crate::dtype_name(t.dtype)
+                    crate::layout::strategy::dtype_name(t.dtype)
                 ),
             })?;
             let total = super::byte_len(t.dtype, &t.shape)
@@ -572,12 +575,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let dest = dir.path().join("m.ckpt");
         let specs = [
-            crate::TensorSpec {
+            crate::formats::writer::TensorSpec {
                 name: "w".into(),
                 dtype: Dtype::F32,
                 shape: vec![7, 9],
             },
-            crate::TensorSpec {
+            crate::formats::writer::TensorSpec {
                 name: "b".into(),
                 dtype: Dtype::F16,
                 shape: vec![3],

@@ -321,7 +321,7 @@ pub fn read_mindspore_strategies(paths: &[&Path]) -> Result<BTreeMap<String, Min
 pub fn mindspore_target_strategy(
     params: &BTreeMap<String, MindSporeParam>,
     source: &impl PieceSource,
-) -> Result<crate::Strategy> {
+) -> Result<crate::layout::strategy::Strategy> {
     let mut known = BTreeMap::new();
     for (name, p) in params {
         if p.stage != 0 {

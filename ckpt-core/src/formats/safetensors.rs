@@ -548,7 +548,7 @@ pub(crate) fn index_shards(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Dtype;
+    use crate::layout::Dtype;
 
     fn file(tensors: &[TensorSpec], data_len_delta: i64) -> Vec<u8> {
         let (mut h, offs) = encode_header(tensors, &BTreeMap::new()).unwrap();

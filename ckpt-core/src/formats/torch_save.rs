@@ -25,7 +25,7 @@ use super::pickle::{self, Value};
 use super::{byte_len, Mapped, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, Result};
 use crate::formats::FileFormat;
-use crate::Dtype;
+use crate::layout::Dtype;
 use std::collections::{BTreeMap, HashMap};
 use std::io::Cursor;
 use std::path::Path;

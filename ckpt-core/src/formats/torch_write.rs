@@ -18,8 +18,9 @@ use super::byte_len;
 use super::pickle::Emitter;
 use crate::error::{overflow, Error, Result};
 use crate::formats::output::StagedFile;
+use crate::formats::writer::TensorSpec;
 use crate::formats::writer::WritePart;
-use crate::{Dtype, TensorSpec};
+use crate::layout::Dtype;
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -66,7 +67,7 @@ fn data_pkl(tensors: &[TensorSpec], bare: bool, wrap: Option<&Wrap>) -> Result<V
             problem: format!(
                 "tensor `{}`: torch has no storage type for {}",
                 t.name,
-                crate::dtype_name(t.dtype)
+                crate::layout::strategy::dtype_name(t.dtype)
             ),
         })?;
         let numel = t

@@ -30,8 +30,9 @@ use super::torch_save::{describe, is_tensor};
 use super::torch_write::{TorchWriter, Wrap};
 use super::{FileFormat, TensorFile};
 use crate::error::{overflow, Error, IoContext, Result};
+use crate::formats::writer::TensorSpec;
 use crate::layout::flat::numel;
-use crate::{Dtype, TensorSpec};
+use crate::layout::Dtype;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
@@ -446,7 +447,7 @@ fn write_module_rest(
             if !supported || t.dtype.bitsize() % 8 != 0 {
                 notes.push(format!(
                     "`{name}` ({}) is not written: no conversion to fp32",
-                    crate::dtype_name(t.dtype)
+                    crate::layout::strategy::dtype_name(t.dtype)
                 ));
                 continue;
             }

@@ -10,7 +10,7 @@
 //! leaves nothing behind.
 
 use crate::error::Result;
-use crate::Dtype;
+use crate::layout::Dtype;
 use std::fs::File;
 
 /// One run of bytes handed to [`TensorWriter::write_parts_at`]: the bytes (which the

@@ -474,7 +474,7 @@ impl FlatLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::check_tiling;
+    use crate::layout::coverage::check_tiling;
     use proptest::prelude::*;
 
     fn row_major(shape: &[u64], idx: &[u64]) -> u64 {

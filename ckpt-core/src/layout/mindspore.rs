@@ -12,8 +12,8 @@
 use crate::error::{Error, Result};
 use crate::layout::mesh::Mesh;
 use crate::layout::strategy::Strategy;
+use crate::layout::Dtype;
 use crate::layout::{Placement, TensorLayout};
-use crate::Dtype;
 use std::collections::BTreeMap;
 
 /// One `tensor_map` entry.
@@ -218,7 +218,7 @@ pub(crate) fn common_strategy(known: &BTreeMap<String, (Mesh, TensorLayout)>) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Region;
+    use crate::layout::region::Region;
 
     fn ms(dev: &[u64], map: &[i64], step: u64, size: u64) -> MindSporeLayout {
         MindSporeLayout {

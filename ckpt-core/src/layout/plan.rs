@@ -9,8 +9,8 @@ use crate::error::{Error, Result};
 use crate::layout::region::Region;
 use crate::layout::source::PieceSource;
 use crate::layout::strategy::{dtype_name, Strategy};
+use crate::layout::Dtype;
 use crate::layout::{Piece, TensorLayout};
-use crate::Dtype;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 

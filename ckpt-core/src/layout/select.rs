@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use crate::layout::plan::check_cast;
 use crate::layout::split_rules::SplitRules;
-use crate::Dtype;
+use crate::layout::Dtype;
 use globset::{Glob, GlobSet, GlobSetBuilder};
 
 /// Tensor selection and casting, shared by merge and reshard.

@@ -3,7 +3,7 @@
 //! so that planning needs no file format ([`crate::Checkpoint`] is one implementation).
 
 use crate::layout::region::Region;
-use crate::Dtype;
+use crate::layout::Dtype;
 use std::collections::BTreeMap;
 
 /// One box of a tensor held by one file.

@@ -3,8 +3,8 @@
 
 use crate::error::{Error, Result};
 use crate::layout::mesh::Mesh;
+use crate::layout::Dtype;
 use crate::layout::{Placement, TensorLayout};
-use crate::Dtype;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 

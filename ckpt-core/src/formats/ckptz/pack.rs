@@ -14,7 +14,7 @@
 //! Version 1 files are described with the same type: one stream per tensor.
 
 use crate::error::{overflow, Result};
-use crate::Dtype;
+use crate::layout::Dtype;
 use std::ops::Range;
 
 /// One stream: tensors of one dtype, back to back.

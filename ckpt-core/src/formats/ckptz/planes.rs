@@ -17,7 +17,7 @@
 //! F32 0xBF80_0000 (-1.0)      rotl 1 = 0x7F00_0001: planes [01, 00, 00, 7F]
 //! ```
 
-use crate::Dtype;
+use crate::layout::Dtype;
 
 /// How the raw bytes of a chunk of one dtype become planes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -24,10 +24,12 @@
 //! order in which a copy completes them), whatever thread finishes first; a chunk
 //! completed ahead of its turn waits in memory, or past [`HOLD_BYTES`] in a spool file.
 
+use super::chunks::{
+    bad, chunk_size_for, unit_bytes, Body, ChunkLoc, Compression, MAX_CHUNK_BYTES, MAX_HEADER_LEN,
+};
 use super::entropy::{decode_plane, encode_plane, PlaneCodec};
 use super::pack::Streams;
 use super::planes::PlaneSplit;
-use super::{bad, chunk_size_for, Body, ChunkLoc, Compression, MAX_CHUNK_BYTES};
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::formats::checksum::{checksums_enabled, Checksum};
 use crate::formats::output::{temp_name, StagedFile};
@@ -57,18 +59,18 @@ const HEADER_LEVEL: i32 = 9;
 /// this they wait in a spool file beside the output.
 pub(crate) const HOLD_BYTES: u64 = 256 << 20;
 
-/// The header text from its zstd frame (at most [`super::MAX_HEADER_LEN`] bytes).
+/// The header text from its zstd frame (at most [`MAX_HEADER_LEN`] bytes).
 ///
 /// # Errors
 /// A frame that does not decompress, or to more than the limit.
 pub(crate) fn decompress_header(frame: &[u8]) -> Result<Vec<u8>> {
-    let limit = super::MAX_HEADER_LEN as usize;
+    let limit = MAX_HEADER_LEN as usize;
     let declared = zstd::zstd_safe::get_frame_content_size(frame)
         .map_err(|_| bad("the header is not a zstd frame: damaged or truncated file?"))?;
     match declared {
         Some(n) if n > limit as u64 => Err(Error::HeaderTooLarge {
             len: n,
-            max: super::MAX_HEADER_LEN,
+            max: MAX_HEADER_LEN,
         }),
         Some(n) => zstd::bulk::decompress(frame, n as usize)
             .map_err(|e| bad(format!("the header does not decompress: {e}"))),
@@ -114,12 +116,12 @@ pub(crate) fn parse(
         .get("streams")
         .and_then(Value::as_array)
         .ok_or_else(|| bad(format!("`{KEY}.streams` must be an array")))?;
-    let described: Vec<(crate::Dtype, u64)> =
+    let described: Vec<(crate::layout::Dtype, u64)> =
         tensors.iter().map(|t| (t.dtype, t.end - t.start)).collect();
     // The chunk sizes come from the header: take them in stream order once the streams
     // are known to be the ones the tensors make.
     let mut streams = Streams::packed(&described, |_| 1)?;
-    let listed: Vec<crate::Dtype> = list
+    let listed: Vec<crate::layout::Dtype> = list
         .iter()
         .filter_map(|v| v.get("dtype").and_then(Value::as_str))
         .filter_map(|d| crate::layout::strategy::parse_dtype(d).ok())
@@ -155,7 +157,7 @@ pub(crate) fn parse(
             )));
         }
         let split = PlaneSplit::of(st.dtype);
-        let unit = super::unit_bytes(st.dtype).max(split.width as u64);
+        let unit = unit_bytes(st.dtype).max(split.width as u64);
         let cs = obj
             .get("chunk_size")
             .and_then(Value::as_u64)
@@ -404,7 +406,11 @@ impl CodedChunk {
     ///
     /// # Errors
     /// zstd's errors.
-    pub fn encode(raw: &[u8], dtype: crate::Dtype, level: i32) -> std::io::Result<CodedChunk> {
+    pub fn encode(
+        raw: &[u8],
+        dtype: crate::layout::Dtype,
+        level: i32,
+    ) -> std::io::Result<CodedChunk> {
         let split = PlaneSplit::of(dtype);
         let mut bytes = Vec::new();
         let planes = encode_chunk(raw, split, level, &mut bytes)?;
@@ -837,14 +843,14 @@ impl CkptzWriter {
             self.source_header.as_deref(),
         )
         .map_err(|e| e.with_path(self.out.dest()))?;
-        if header.len() as u64 > super::MAX_HEADER_LEN {
+        if header.len() as u64 > MAX_HEADER_LEN {
             return Err(Error::Unsupported {
                 problem: format!(
                     "{}: the header for {} tensors would take {} bytes, over the {}-byte limit: split the output into more files (--max-shard-size)",
                     self.out.dest().display(),
                     self.specs.len(),
                     header.len(),
-                    super::MAX_HEADER_LEN
+                    MAX_HEADER_LEN
                 ),
             });
         }
@@ -959,7 +965,7 @@ mod tests {
     use super::*;
     use crate::formats::FileFormat;
     use crate::formats::ReadCache as ChunkCache;
-    use crate::Dtype;
+    use crate::layout::Dtype;
 
     fn spec(name: &str, dtype: Dtype, shape: &[u64]) -> TensorSpec {
         TensorSpec {

@@ -10,9 +10,10 @@ use crate::formats::pickle::{Emitter, Value};
 use crate::formats::torch_save::ArchiveIndex;
 use crate::formats::torch_save::{self, describe, locate_value};
 use crate::formats::torch_write::{storage_class, TorchWriter};
+use crate::formats::writer::TensorSpec;
 use crate::formats::{map_file, TensorEntry};
 use crate::layout::flat::{numel, FlatRange};
-use crate::{Dtype, TensorSpec};
+use crate::layout::Dtype;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 

@@ -38,9 +38,9 @@ use crate::error::{overflow, Error, Result};
 use crate::formats::output::{write_file_atomic, StagedDir};
 use crate::formats::pickle::{Emitter, Value};
 use crate::formats::torch_save;
+use crate::formats::writer::TensorSpec;
 use crate::formats::TensorEntry;
 use crate::layout::flat::{numel, FlatRange};
-use crate::TensorSpec;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -402,7 +402,7 @@ mod tests {
         let e = |k: usize| {
             Ok(TensorEntry {
                 name: format!("r{k}"),
-                dtype: crate::Dtype::F32,
+                dtype: crate::layout::Dtype::F32,
                 shape: vec![4],
                 start: 0,
                 end: 16,

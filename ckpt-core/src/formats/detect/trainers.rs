@@ -257,7 +257,10 @@ fn hf_trainer_contents(dir: &Path) -> Result<StepContents> {
                 "{}: holds {} FSDP models ({}): pass the one meant",
                 dir.display(),
                 fsdp.len(),
-                fsdp.iter().map(|p| name_of(p)).collect::<Vec<_>>().join(", ")
+                fsdp.iter()
+                    .map(|p| name_of(p))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )));
         }
         if !has_dcp(first) {
@@ -276,7 +279,9 @@ fn hf_trainer_contents(dir: &Path) -> Result<StepContents> {
         // DeepSpeed: the tag directory `latest` names (a ZeRO-3 run may have saved the
         // gathered 16-bit model beside it too: DeepSpeed's fp32 weights are read).
         let latest = dir.join("latest");
-        let tag = String::from_utf8_lossy(&crate::formats::read_small(&latest)?).trim().to_string();
+        let tag = String::from_utf8_lossy(&crate::formats::read_small(&latest)?)
+            .trim()
+            .to_string();
         let tag_dir = dir.join(&tag);
         if tag.is_empty() || tag.contains('/') || !tag_dir.is_dir() {
             return Err(unknown(format!(
@@ -284,7 +289,10 @@ fn hf_trainer_contents(dir: &Path) -> Result<StepContents> {
                 latest.display()
             )));
         }
-        notes.push(format!("{}: the model (DeepSpeed's save, tag named by latest)", tag_dir.display()));
+        notes.push(format!(
+            "{}: the model (DeepSpeed's save, tag named by latest)",
+            tag_dir.display()
+        ));
         vec![tag_dir]
     } else if let Some(p) = [
         "model.safetensors.index.json",
@@ -385,7 +393,10 @@ fn verl_contents(step: &Path) -> Result<StepContents> {
         )));
     };
     if step.join("critic").is_dir() {
-        notes.push(format!("{}: not read (the actor is the model)", step.join("critic").display()));
+        notes.push(format!(
+            "{}: not read (the actor is the model)",
+            step.join("critic").display()
+        ));
     }
     if actor.join("lora_adapter").is_dir() {
         notes.push(format!(
@@ -439,12 +450,19 @@ fn step_like_incomplete(t: &Trainer, p: &Path) -> bool {
 /// # Errors
 /// A step asked for that is not there; a tracker naming a step that is not there or
 /// is incomplete; no complete step; trainers' saves found in several places below.
-pub(crate) fn find(path: &Path, step: Option<u64>, search_below: bool) -> Result<Option<TrainerSave>> {
+pub(crate) fn find(
+    path: &Path,
+    step: Option<u64>,
+    search_below: bool,
+) -> Result<Option<TrainerSave>> {
     if !path.is_dir() {
         return Ok(None);
     }
     // verl's role directory given for its step.
-    if let Some(parent) = path.parent().filter(|p| name_of(path) == "actor" && is_verl_step(p)) {
+    if let Some(parent) = path
+        .parent()
+        .filter(|p| name_of(path) == "actor" && is_verl_step(p))
+    {
         return find(parent, step, false);
     }
     if let Some(t) = step_trainer(path) {
@@ -479,12 +497,15 @@ pub(crate) fn find(path: &Path, step: Option<u64>, search_below: bool) -> Result
     match &found[..] {
         [] => Ok(None),
         [one] => {
-            let mut save = find(one, step, false)?.ok_or_else(|| {
-                unknown(format!("{}: no trainer's save", one.display()))
-            })?;
+            let mut save = find(one, step, false)?
+                .ok_or_else(|| unknown(format!("{}: no trainer's save", one.display())))?;
             save.contents.notes.insert(
                 0,
-                format!("{}: the trainer's checkpoints, found below {}", one.display(), path.display()),
+                format!(
+                    "{}: the trainer's checkpoints, found below {}",
+                    one.display(),
+                    path.display()
+                ),
             );
             Ok(Some(save))
         }
@@ -492,7 +513,10 @@ pub(crate) fn find(path: &Path, step: Option<u64>, search_below: bool) -> Result
             "{}: holds trainers' checkpoints in {} places ({}): pass the one meant",
             path.display(),
             many.len(),
-            many.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+            many.iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
         ))),
     }
 }

@@ -383,7 +383,7 @@ mod tests {
         };
         let stored = TensorEntry {
             name: STATE.into(),
-            dtype: crate::Dtype::F32,
+            dtype: crate::layout::Dtype::F32,
             shape: vec![1, 1, 1, 7],
             start: 1000,
             end: 1028,

@@ -563,7 +563,7 @@ mod tests {
 
     fn metadata(names: &[&str]) -> DcpMetadata {
         let t = DcpTensor {
-            dtype: crate::Dtype::F32,
+            dtype: crate::layout::Dtype::F32,
             shape: vec![4],
         };
         DcpMetadata {

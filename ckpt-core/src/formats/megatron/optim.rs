@@ -26,7 +26,7 @@ use crate::formats::pickle::Value;
 use crate::formats::torch_save::{self, describe, locate_value};
 use crate::formats::{map_file, FileFormat, TensorEntry, TensorFile};
 use crate::layout::flat::{check_flat_cover, numel, FlatRange};
-use crate::Dtype;
+use crate::layout::Dtype;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

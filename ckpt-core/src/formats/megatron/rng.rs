@@ -176,9 +176,9 @@ mod tests {
     fn a_file_without_rng_state_carries_none() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("model_optim_rng.pt");
-        let spec = crate::TensorSpec {
+        let spec = crate::formats::writer::TensorSpec {
             name: "w".into(),
-            dtype: crate::Dtype::F32,
+            dtype: crate::layout::Dtype::F32,
             shape: vec![2],
         };
         let w = crate::formats::torch_write::TorchWriter::create(&path, &[spec], false).unwrap();
