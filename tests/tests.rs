@@ -1,6 +1,7 @@
 //! End-to-end tests of the `ckpt` binary, one module per theme.
 
 mod util;
+mod writers_golden;
 
 mod bad_inputs;
 mod cli;
