@@ -11,25 +11,223 @@ use std::path::{Path, PathBuf};
 
 /// `(case, ckpt's arguments)`: `{fx}` is the fixtures directory, the output is `out`.
 const CASES: &[(&str, &[&str])] = &[
-    ("merge-safetensors", &["merge", "{fx}/torch/dcp_mesh", "-o", "out"]),
-    ("merge-shards", &["merge", "{fx}/torch/dcp_mesh", "--max-shard-size", "300", "-o", "out"]),
-    ("merge-hf", &["merge", "{fx}/hf/llama/legacy", "--format", "hf", "-o", "out"]),
-    ("merge-hf-bf16", &["merge", "{fx}/hf/qwen2/dist_ckpt", "--format", "hf", "--dtype", "bf16", "-o", "out"]),
-    ("merge-torch", &["merge", "{fx}/torch/dcp_mesh", "--format", "torch", "-o", "out"]),
-    ("merge-mindspore", &["merge", "{fx}/torch/dcp_mesh", "--format", "mindspore", "-o", "out"]),
-    ("merge-ucp", &["merge", "{fx}/deepspeed/zero2_fp32/ckpt", "--format", "ucp", "-o", "out"]),
-    ("merge-ckptz", &["merge", "{fx}/torch/dcp_mesh", "--compress", "zstd", "-o", "out"]),
-    ("reshard-ckpt", &["reshard", "{fx}/torch/dcp_mesh", "--to", "3", "-o", "out"]),
-    ("reshard-ckptz", &["reshard", "{fx}/torch/dcp_mesh", "--to", "3", "--compress", "zstd", "-o", "out"]),
-    ("reshard-distcp", &["reshard", "{fx}/torch/dcp_mesh", "--to", "3", "--format", "distcp", "-o", "out"]),
-    ("reshard-dcp-safetensors", &["reshard", "{fx}/torch/dcp_mesh", "--to", "3", "--format", "dcp-safetensors", "-o", "out"]),
-    ("reshard-mindspore", &["reshard", "{fx}/torch/dcp_mesh", "--to", "3", "--format", "mindspore", "-o", "out"]),
-    ("reshard-megatron", &["reshard", "{fx}/megatron/tp2pp2/legacy", "--format", "megatron", "--mesh", "tp=1,pp=4", "-o", "out"]),
-    ("reshard-megatron-dist", &["reshard", "{fx}/hf/llama/legacy", "--format", "megatron-dist", "--mesh", "tp=2,pp=2", "-o", "out"]),
-    ("reshard-megatron-from-hf", &["reshard", "{fx}/hf_models/llama", "--format", "megatron", "--mesh", "tp=2,pp=2", "-o", "out"]),
-    ("reshard-torchtitan", &["reshard", "{fx}/hf_models/llama", "--format", "torchtitan", "--to", "2", "-o", "out"]),
-    ("reshard-deepspeed", &["reshard", "{fx}/deepspeed/zero2_fp32/ckpt", "--format", "deepspeed", "--to", "3", "-o", "out"]),
-    ("reshard-deepspeed-zero3", &["reshard", "{fx}/deepspeed/zero3_bf16/ckpt", "--format", "deepspeed", "--to", "3", "-o", "out"]),
+    (
+        "merge-safetensors",
+        &["merge", "{fx}/torch/dcp_mesh", "-o", "out"],
+    ),
+    (
+        "merge-shards",
+        &[
+            "merge",
+            "{fx}/torch/dcp_mesh",
+            "--max-shard-size",
+            "300",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "merge-hf",
+        &[
+            "merge",
+            "{fx}/hf/llama/legacy",
+            "--format",
+            "hf",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "merge-hf-bf16",
+        &[
+            "merge",
+            "{fx}/hf/qwen2/dist_ckpt",
+            "--format",
+            "hf",
+            "--dtype",
+            "bf16",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "merge-torch",
+        &[
+            "merge",
+            "{fx}/torch/dcp_mesh",
+            "--format",
+            "torch",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "merge-mindspore",
+        &[
+            "merge",
+            "{fx}/torch/dcp_mesh",
+            "--format",
+            "mindspore",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "merge-ucp",
+        &[
+            "merge",
+            "{fx}/deepspeed/zero2_fp32/ckpt",
+            "--format",
+            "ucp",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "merge-ckptz",
+        &[
+            "merge",
+            "{fx}/torch/dcp_mesh",
+            "--compress",
+            "zstd",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "reshard-ckpt",
+        &["reshard", "{fx}/torch/dcp_mesh", "--to", "3", "-o", "out"],
+    ),
+    (
+        "reshard-ckptz",
+        &[
+            "reshard",
+            "{fx}/torch/dcp_mesh",
+            "--to",
+            "3",
+            "--compress",
+            "zstd",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "reshard-distcp",
+        &[
+            "reshard",
+            "{fx}/torch/dcp_mesh",
+            "--to",
+            "3",
+            "--format",
+            "distcp",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "reshard-dcp-safetensors",
+        &[
+            "reshard",
+            "{fx}/torch/dcp_mesh",
+            "--to",
+            "3",
+            "--format",
+            "dcp-safetensors",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "reshard-mindspore",
+        &[
+            "reshard",
+            "{fx}/torch/dcp_mesh",
+            "--to",
+            "3",
+            "--format",
+            "mindspore",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "reshard-megatron",
+        &[
+            "reshard",
+            "{fx}/megatron/tp2pp2/legacy",
+            "--format",
+            "megatron",
+            "--mesh",
+            "tp=1,pp=4",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "reshard-megatron-dist",
+        &[
+            "reshard",
+            "{fx}/hf/llama/legacy",
+            "--format",
+            "megatron-dist",
+            "--mesh",
+            "tp=2,pp=2",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "reshard-megatron-from-hf",
+        &[
+            "reshard",
+            "{fx}/hf_models/llama",
+            "--format",
+            "megatron",
+            "--mesh",
+            "tp=2,pp=2",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "reshard-torchtitan",
+        &[
+            "reshard",
+            "{fx}/hf_models/llama",
+            "--format",
+            "torchtitan",
+            "--to",
+            "2",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "reshard-deepspeed",
+        &[
+            "reshard",
+            "{fx}/deepspeed/zero2_fp32/ckpt",
+            "--format",
+            "deepspeed",
+            "--to",
+            "3",
+            "-o",
+            "out",
+        ],
+    ),
+    (
+        "reshard-deepspeed-zero3",
+        &[
+            "reshard",
+            "{fx}/deepspeed/zero3_bf16/ckpt",
+            "--format",
+            "deepspeed",
+            "--to",
+            "3",
+            "-o",
+            "out",
+        ],
+    ),
 ];
 
 fn golden_file() -> PathBuf {
@@ -82,14 +280,19 @@ fn every_writers_output_is_byte_identical_to_the_committed_checksums() {
         std::fs::write(&path, &got).unwrap();
         return;
     }
-    let want = std::fs::read_to_string(&path).expect("tests/golden/writers.txt (CKPT_BLESS=1 writes it)");
+    let want =
+        std::fs::read_to_string(&path).expect("tests/golden/writers.txt (CKPT_BLESS=1 writes it)");
     if got != want {
         let (g, w): (Vec<&str>, Vec<&str>) = (got.lines().collect(), want.lines().collect());
         let differ: Vec<String> = w
             .iter()
             .filter(|l| !g.contains(l))
             .map(|l| format!("- {l}"))
-            .chain(g.iter().filter(|l| !w.contains(l)).map(|l| format!("+ {l}")))
+            .chain(
+                g.iter()
+                    .filter(|l| !w.contains(l))
+                    .map(|l| format!("+ {l}")),
+            )
             .collect();
         panic!(
             "writers' outputs differ from tests/golden/writers.txt (committed before the restructure):\n{}",

@@ -15,10 +15,8 @@ mod formats;
 mod hf;
 mod launch;
 mod layout;
-mod megatron_dist_output;
-mod megatron_output;
 mod present;
-mod ucp_output;
+mod write;
 
 pub use crate::checkpoint::{
     Checkpoint, Kind, CARRIED_FILES, COMPRESSED_INDEX_FILE, COMPRESSED_MODEL_FILE,
@@ -117,18 +115,18 @@ pub use crate::layout::strategy::{
 };
 pub use crate::layout::Dtype;
 pub use crate::layout::{Piece, Placement, TensorLayout};
-pub use crate::megatron_dist_output::{
-    megatron_dist_finish, megatron_dist_plan, megatron_dist_strategy, MegatronDist,
-};
-pub use crate::megatron_output::{
-    megatron_legacy_plan, megatron_legacy_plan_ep, megatron_moe_strategy, megatron_restage,
-    megatron_tracker, ExpertLayout,
-};
 pub use crate::present::{
     convert_json, convert_text, human_bytes, inspect_json, inspect_text, merge_plan_json,
     merge_plan_text, placements_text, plan_json, plan_text, verify_json, verify_text, CopySummary,
 };
-pub use crate::ucp_output::{ucp_finish, ucp_plan};
+pub use crate::write::megatron::{
+    megatron_legacy_plan, megatron_legacy_plan_ep, megatron_moe_strategy, megatron_restage,
+    megatron_tracker, ExpertLayout,
+};
+pub use crate::write::megatron_dist::{
+    megatron_dist_finish, megatron_dist_plan, megatron_dist_strategy, MegatronDist,
+};
+pub use crate::write::ucp::{ucp_finish, ucp_plan};
 
 /// Where the one tensor of a single-tensor `torch.save` archive lies (`start..end` of
 /// `bytes`), read forward from the archive's start as a DCP chunk in a bucket is read

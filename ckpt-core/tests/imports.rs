@@ -648,6 +648,12 @@ fn violations(g: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
                     bad.push(format!("the format {from} imports the format {to}"));
                 }
             }
+            let writer = |m: &str| m == "write" || m.starts_with("write::");
+            if !writer(from) && writer(to) {
+                bad.push(format!(
+                    "{from} imports the checkpoint writer {to}, the layer above every other"
+                ));
+            }
             if is_leaf_format(from)
                 && (to.starts_with("engine")
                     || to == "checkpoint"
@@ -685,10 +691,18 @@ fn layer_rules_catch_planted_violations() {
     edge("engine::copy", "formats::safetensors"); // engine names a format
     edge("formats::mindspore_ckpt", "formats::safetensors"); // format to format
     edge("formats::safetensors", "engine::copy"); // format upwards
+    edge("write::megatron", "engine::copy"); // allowed: writers are the top floor
+    edge("checkpoint::hf_view", "write::megatron"); // a writer imported from below
     let bad = violations(&g);
-    assert_eq!(bad.len(), 4, "{bad:?}");
+    assert_eq!(bad.len(), 5, "{bad:?}");
     assert!(
-        bad[0].contains("engine::copy names the format formats::safetensors"),
+        bad.iter()
+            .any(|b| b.contains("checkpoint::hf_view imports the checkpoint writer")),
+        "{bad:?}"
+    );
+    assert!(
+        bad.iter()
+            .any(|b| b.contains("engine::copy names the format formats::safetensors")),
         "{bad:?}"
     );
 }

@@ -21,7 +21,7 @@
 //! Reading: every `zero/<param>/<state>.pt` is one whole tensor, `<param>` (fp32) and
 //! `optim.<param>.exp_avg[_sq]`, as ckpt names the moments it reads from ZeRO.
 //! Writing (`ckpt merge --format ucp`): the tensors go through the copy engine
-//! (`crate::ucp_output`); this module writes the rest ([`write_extras`]).
+//! (`crate::write::ucp`); this module writes the rest ([`write_extras`]).
 
 use super::deepspeed::{dict_items, int, list, shapes_of, DeepSpeed, PtFile};
 use super::output::{commit_staged_file, create_staged_file, discard_staged_file};

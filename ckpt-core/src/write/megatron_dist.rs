@@ -37,7 +37,7 @@ use crate::layout::plan::CopyPlan;
 use crate::layout::strategy::Strategy;
 use crate::layout::Dtype;
 use crate::layout::Placement;
-use crate::megatron_output::megatron_grid;
+use crate::write::megatron::megatron_grid;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -151,7 +151,7 @@ pub fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strategy) -> R
             "--format megatron-dist: `{name}` is a GroupedMLP weight, which a dist_ckpt holds per expert: read it with Checkpoint::grouped_experts_as_sequential first"
         )));
     }
-    crate::megatron_output::megatron_restage(source, strategy)?;
+    crate::write::megatron::megatron_restage(source, strategy)?;
     // Checked with the split Megatron makes (SwiGLU's gate and up rows each in TP
     // parts), before it is stored in one block.
     megatron_grid(&state, strategy, "megatron-dist")?;
