@@ -157,3 +157,50 @@ pub fn ucp_finish(source: &Checkpoint, selection: &Selection, out: &Path) -> Res
     crate::formats::output::write_file_atomic(&out.join(LATEST_UNIVERSAL), name.as_bytes())?;
     Ok(notes)
 }
+
+/// `merge --format ucp`: DeepSpeed's universal checkpoint of a ZeRO source.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Universal;
+
+impl Universal {
+    /// The writer, refusing what does not apply to DeepSpeed's tree of `.pt` files.
+    ///
+    /// # Errors
+    /// A compression, a shard size or one file asked for.
+    pub fn checked(
+        compressed: bool,
+        max_shard_size: Option<u64>,
+        one_file: bool,
+    ) -> Result<Universal> {
+        if compressed || max_shard_size.is_some() || one_file {
+            return Err(Error::Unsupported {
+                problem: "--format ucp writes DeepSpeed's tree of .pt files: --compress, --max-shard-size and --one-file do not apply".into(),
+            });
+        }
+        Ok(Universal)
+    }
+}
+
+impl super::Writer for Universal {
+    fn name(&self) -> &'static str {
+        "ucp"
+    }
+
+    fn plan(&self, source: &Checkpoint, selection: &Selection) -> Result<CopyPlan> {
+        ucp_plan(source, selection)
+    }
+
+    fn shares_files(&self) -> bool {
+        false
+    }
+
+    fn finish(
+        &self,
+        source: &Checkpoint,
+        selection: &Selection,
+        _: &CopyPlan,
+        dir: &Path,
+    ) -> Result<()> {
+        ucp_finish(source, selection, dir).map(|_| ())
+    }
+}
