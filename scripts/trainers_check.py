@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """transformers loads the Hugging Face models ckpt exports from the trainers' own save
 directories (tests/fixtures/trainers: HF Trainer + accelerate FSDP, HF Trainer plain,
-Lightning FSDP, verl FSDP, torchtitan; written by each trainer's own code on CPU) and
-gives the logits the trainer's model gave.
+Lightning FSDP, verl FSDP, torchtitan, written by each trainer's own code on CPU;
+Megatron-Bridge and NeMo 2, laid out from their source and written by megatron-core,
+against Megatron's own logits) and gives the logits the trainer's model gave.
 
   trainers_check.py CKPT
 
@@ -35,6 +36,9 @@ CASES = [
     ("lightning_fsdp", "lightning_out", LLAMA_CONFIG),
     ("verl_fsdp", "verl_out", None),
     ("torchtitan", "outputs", FIXTURES / "trainers" / "torchtitan" / "config.json"),
+    # Layouts from the trainers' source, files by megatron-core; reference: Megatron's logits.
+    ("megatron_bridge", "nemo_experiments", FIXTURES / "trainers" / "megatron_bridge" / "hf_config.json"),
+    ("nemo2", "nemo_experiments", FIXTURES / "trainers" / "nemo2" / "hf_config.json"),
 ]
 
 

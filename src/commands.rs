@@ -156,6 +156,7 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
             unpad_vocab: !a.keep_vocab_padding,
             // A Hugging Face model has a tensor a layer.
             per_layer: a.per_layer || a.format == "hf",
+            model_only: a.format == "hf",
         }),
         force: a.copy.force,
         one_file: a.one_file,

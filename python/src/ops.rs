@@ -153,6 +153,7 @@ pub(crate) fn merge<'py>(
                 unpad_vocab: !keep_vocab_padding,
                 // A Hugging Face model has a tensor a layer.
                 per_layer: format == ckpt_merge::MergeFormat::Hf,
+                model_only: format == ckpt_merge::MergeFormat::Hf,
             },
         ),
         force,

@@ -119,6 +119,7 @@ impl Checkpoint {
     ) -> Result<(Checkpoint, Vec<Error>)> {
         let mut x = Discovery::new(step);
         x.per_layer = views.per_layer;
+        x.model_only = views.model_only;
         for p in paths {
             x.add(p)?;
         }

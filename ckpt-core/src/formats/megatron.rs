@@ -1199,25 +1199,30 @@ pub(crate) fn unstack_layers(m: &mut DcpMetadata) -> Result<()> {
     // `rest` after `decoder.layers.`, and how many leading axes are stacked: the layers,
     // and for experts (`mlp.experts.experts.<param>`, `[layers, experts, …]`) the
     // experts too.
+    // (A wrapper's prefix before `decoder.layers.` is kept: NeMo's `module.`.)
+    const LAYERS: &str = "decoder.layers.";
     let stacked = |name: &str| {
-        name.strip_prefix("decoder.layers.")
-            .filter(|rest| !rest.starts_with(|c: char| c.is_ascii_digit()))
-            .map(|rest| {
-                let lead = if rest.starts_with(STACKED_EXPERTS) {
-                    2
-                } else {
-                    1
-                };
-                (rest.to_string(), lead)
-            })
+        let at = name
+            .match_indices(LAYERS)
+            .map(|(i, _)| i)
+            .find(|&i| i == 0 || name[..i].ends_with('.'))?;
+        let rest = &name[at + LAYERS.len()..];
+        (!rest.starts_with(|c: char| c.is_ascii_digit())).then(|| {
+            let lead = if rest.starts_with(STACKED_EXPERTS) {
+                2
+            } else {
+                1
+            };
+            (name[..at].to_string(), rest.to_string(), lead)
+        })
     };
     // The name of one layer's (and expert's) tensor: legacy names, global numbers.
-    let one = |rest: &str, at: &[u64]| match at {
+    let one = |prefix: &str, rest: &str, at: &[u64]| match at {
         [l, e] => format!(
-            "decoder.layers.{l}.mlp.experts.local_experts.{e}.{}",
+            "{prefix}{LAYERS}{l}.mlp.experts.local_experts.{e}.{}",
             &rest[STACKED_EXPERTS.len()..]
         ),
-        [l] => format!("decoder.layers.{l}.{rest}"),
+        [l] => format!("{prefix}{LAYERS}{l}.{rest}"),
         _ => unreachable!("one or two stacked axes"),
     };
     let flat: BTreeSet<String> = m
@@ -1230,7 +1235,7 @@ pub(crate) fn unstack_layers(m: &mut DcpMetadata) -> Result<()> {
         .tensors
         .iter()
         .filter(|(n, t)| {
-            stacked(n).is_some_and(|(_, lead)| t.shape.len() > lead) && !flat.contains(*n)
+            stacked(n).is_some_and(|(_, _, lead)| t.shape.len() > lead) && !flat.contains(*n)
         })
         .map(|(n, _)| n.clone())
         .collect();
@@ -1250,10 +1255,10 @@ pub(crate) fn unstack_layers(m: &mut DcpMetadata) -> Result<()> {
         let Some(t) = m.tensors.remove(name) else {
             continue;
         };
-        let (rest, lead) = stacked(name).unwrap_or_default();
+        let (prefix, rest, lead) = stacked(name).unwrap_or_default();
         let per: Vec<String> = indices(&t.shape, lead)
             .iter()
-            .map(|at| one(&rest, at))
+            .map(|at| one(&prefix, &rest, at))
             .collect();
         for n in &per {
             m.tensors.insert(
@@ -1270,7 +1275,7 @@ pub(crate) fn unstack_layers(m: &mut DcpMetadata) -> Result<()> {
     }
     let mut chunks = Vec::with_capacity(m.chunks.len());
     for c in std::mem::take(&mut m.chunks) {
-        let Some((rest, lead)) = stacked(&c.fqn).filter(|_| names.contains(&c.fqn)) else {
+        let Some((prefix, rest, lead)) = stacked(&c.fqn).filter(|_| names.contains(&c.fqn)) else {
             chunks.push(c);
             continue;
         };
@@ -1286,7 +1291,7 @@ pub(crate) fn unstack_layers(m: &mut DcpMetadata) -> Result<()> {
                 .collect::<Option<Vec<u64>>>()
                 .ok_or_else(|| overflow(&c.fqn))?;
             chunks.push(DcpChunk {
-                fqn: one(&rest, &global),
+                fqn: one(&prefix, &rest, &global),
                 offsets: c.offsets[lead..].to_vec(),
                 sizes: c.sizes[lead..].to_vec(),
                 file: c.file.clone(),

@@ -36,6 +36,10 @@ pub struct Views {
     /// `[layers, ...]`) as one tensor a layer (`decoder.layers.<l>.<param>`), as the
     /// legacy format names them.
     pub per_layer: bool,
+    /// The model's tensors are all the output takes (`--format hf`): state a reader
+    /// cannot place without a record the checkpoint lacks (a distributed optimizer's
+    /// buckets without Megatron-LM's args) is left out, said, instead of refused.
+    pub model_only: bool,
 }
 
 fn glob(p: &str) -> Result<Glob> {

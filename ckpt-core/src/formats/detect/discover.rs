@@ -88,6 +88,8 @@ pub(crate) struct Discovery {
     /// Give a Megatron dist_ckpt's stacked layer tensors one tensor a layer
     /// ([`megatron::unstack_layers`]).
     pub(crate) per_layer: bool,
+    /// Only the model's tensors are wanted (`Views::model_only`).
+    pub(crate) model_only: bool,
     /// A trainer's save, read as a whole ([`trainers`]): its weights are the inputs.
     pub(crate) trainer: Option<TrainerSave>,
 }
@@ -377,7 +379,7 @@ impl Discovery {
         self.notes.push(match &c.config {
             Some(p) => format!("model config: {} (kept by the trainer)", p.display()),
             None => format!(
-                "model config: none kept by {} (--format hf needs --hf-config)",
+                "model config: no Hugging Face config.json kept by {} (--format hf needs --hf-config)",
                 save.trainer
             ),
         });
@@ -436,6 +438,13 @@ impl Discovery {
             // Megatron's dist_ckpt: the distributed optimizer's per-bucket state, mapped
             // to the parameters.
             if dir.join(megatron::DIST_METADATA_FILE).is_file() {
+                if self.model_only && megatron::dist_ckpt_args(dir)?.is_none() {
+                    // megatron-core's own save (Megatron-Bridge, NeMo 2): the buckets'
+                    // layout needs args it does not record; the model does not.
+                    if let Some(note) = megatron::dist_optim::drop_buckets(dir, &mut m) {
+                        self.notes.push(note);
+                    }
+                }
                 megatron::dist_optim::map_buckets(dir, &mut m)?;
                 megatron::dist_optim::name_states(dir, &mut m)?;
                 if self.per_layer {

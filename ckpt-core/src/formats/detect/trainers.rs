@@ -64,12 +64,15 @@ struct Trainer {
     /// Where the weights, config and tokenizer of a step directory are; an error when
     /// the step is incomplete (a save interrupted) or holds no weights ckpt reads.
     contents: fn(&Path) -> Result<StepContents>,
+    /// For a trainer whose step directories' names do not say the step (NeMo): the one
+    /// it resumes from among a directory's, and why.
+    resumes_from: Option<fn(&Path) -> Option<(PathBuf, String)>>,
 }
 
 /// The trainers whose saves ckpt reads as a whole. A directory is one trainer's at
 /// most: the step directories' names and files tell them apart (a test checks this on
 /// every committed fixture).
-static TRAINERS: [Trainer; 4] = [
+static TRAINERS: [Trainer; 6] = [
     Trainer {
         name: "Hugging Face Trainer",
         spelled: "checkpoint-<N>/",
@@ -77,6 +80,7 @@ static TRAINERS: [Trainer; 4] = [
         tracker: None,
         is_step: is_hf_trainer_step,
         contents: hf_trainer_contents,
+        resumes_from: None,
     },
     Trainer {
         name: "verl",
@@ -85,6 +89,7 @@ static TRAINERS: [Trainer; 4] = [
         tracker: Some("latest_checkpointed_iteration.txt"),
         is_step: is_verl_step,
         contents: verl_contents,
+        resumes_from: None,
     },
     Trainer {
         name: "torchtitan",
@@ -93,6 +98,7 @@ static TRAINERS: [Trainer; 4] = [
         tracker: None,
         is_step: is_torchtitan_step,
         contents: dcp_step_contents,
+        resumes_from: None,
     },
     Trainer {
         name: "Lightning",
@@ -101,6 +107,25 @@ static TRAINERS: [Trainer; 4] = [
         tracker: None,
         is_step: is_lightning_step,
         contents: dcp_step_contents,
+        resumes_from: None,
+    },
+    Trainer {
+        name: "Megatron-Bridge",
+        spelled: "iter_<NNNNNNN>/",
+        step_of: bridge_step,
+        tracker: Some("latest_checkpointed_iteration.txt"),
+        is_step: is_bridge_step,
+        contents: bridge_contents,
+        resumes_from: None,
+    },
+    Trainer {
+        name: "NeMo 2",
+        spelled: "<name>--<metrics>-step=<N>.../",
+        step_of: nemo_step,
+        tracker: None,
+        is_step: is_nemo_step,
+        contents: nemo_contents,
+        resumes_from: Some(nemo_resumes_from),
     },
 ];
 
@@ -176,6 +201,79 @@ fn lightning_step(name: &str) -> Option<u64> {
         .take_while(char::is_ascii_digit)
         .collect();
     digits.parse().ok()
+}
+
+fn bridge_step(name: &str) -> Option<u64> {
+    number_after(name, "iter_")
+}
+
+/// NeMo's ModelCheckpoint names a checkpoint by its filename template; the step is in
+/// the name only where the template has `{step}`.
+fn nemo_step(name: &str) -> Option<u64> {
+    let at = name.rfind("step=")?;
+    let digits: String = name[at + 5..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
+/// Megatron-Bridge's `save_checkpoint` writes `run_config.yaml` into each
+/// `iter_<NNNNNNN>/` dist_ckpt (Megatron-LM's own saves have none).
+fn is_bridge_step(dir: &Path) -> bool {
+    bridge_step(name_of(dir)).is_some() && dir.join("run_config.yaml").is_file() && has_dcp(dir)
+}
+
+/// NeMo 2's checkpoint: `weights/` (a megatron-core dist_ckpt) and `context/` (its
+/// model and trainer config, serialised by NeMo's io).
+fn is_nemo_step(dir: &Path) -> bool {
+    dir.join("context").is_dir() && dir.join("weights").is_dir()
+}
+
+/// A Megatron-Bridge iteration: the dist_ckpt itself (no Megatron-LM args in its
+/// common.pt; the model's sizes are in `run_config.yaml`, in Megatron's terms).
+fn bridge_contents(dir: &Path) -> Result<StepContents> {
+    let mut c = dcp_step_contents(dir)?;
+    c.notes.push(format!(
+        "{}: the run's config (Megatron's sizes; not read yet: --format hf takes the model's Hugging Face config with --hf-config)",
+        dir.join("run_config.yaml").display()
+    ));
+    Ok(c)
+}
+
+/// A NeMo 2 checkpoint: `weights/` (its tensors under NeMo's `module.` prefix), and
+/// `context/model.yaml` beside.
+fn nemo_contents(dir: &Path) -> Result<StepContents> {
+    let weights = dir.join("weights");
+    let mut c = dcp_step_contents(&weights)?;
+    c.notes.push(format!(
+        "{}: NeMo's model config (not read yet: --format hf takes the model's Hugging Face config with --hf-config)",
+        dir.join("context/model.yaml").display()
+    ));
+    Ok(c)
+}
+
+/// NeMo's resume rule (`nemo.lightning.resume.AutoResume`): the checkpoint whose name
+/// ends in `-end`, else the one ending in `-last` (the newest where several), never one
+/// marked `<name>-unfinished`.
+fn nemo_resumes_from(dir: &Path) -> Option<(PathBuf, String)> {
+    let entries = list_dir(dir).ok()?;
+    let finished =
+        |p: &PathBuf| is_nemo_step(p) && !dir.join(format!("{}-unfinished", name_of(p))).exists();
+    for suffix in ["-end", "-last"] {
+        let mut found: Vec<&PathBuf> = entries
+            .iter()
+            .filter(|p| name_of(p).ends_with(suffix) && finished(p))
+            .collect();
+        found.sort_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok());
+        if let Some(p) = found.last() {
+            return Some((
+                (*p).clone(),
+                format!("NeMo's resume rule: the `*{suffix}` checkpoint"),
+            ));
+        }
+    }
+    None
 }
 
 /// `transformers.Trainer._save_checkpoint` writes `trainer_state.json` into every
@@ -486,6 +584,30 @@ pub(crate) fn find(
             step_taken: step.is_some(),
         }));
     }
+    for t in &TRAINERS {
+        if let Some((p, why)) = t.resumes_from.and_then(|f| f(path)) {
+            if let Some(s) = step {
+                if (t.step_of)(name_of(&p)).is_none() {
+                    return Err(unknown(format!(
+                        "{}: --step {s}, but {}'s checkpoint names here do not say their step: pass the checkpoint directory meant",
+                        path.display(),
+                        t.name
+                    )));
+                }
+                // Names that say the step: chosen by it below.
+                break;
+            }
+            let contents = (t.contents)(&p)?;
+            return Ok(Some(TrainerSave {
+                trainer: t.name,
+                step: (t.step_of)(name_of(&p)),
+                step_dir: p,
+                why,
+                contents,
+                step_taken: false,
+            }));
+        }
+    }
     if let Some((t, steps)) = steps_in(path)? {
         return choose_step(path, t, &steps, step).map(Some);
     }
@@ -538,7 +660,10 @@ fn below(dir: &Path, depth: u32, found: &mut Vec<PathBuf>) -> Result<()> {
             }
             continue;
         }
-        if steps_in(&p)?.is_some() {
+        let resumable = TRAINERS
+            .iter()
+            .any(|t| t.resumes_from.is_some_and(|f| f(&p).is_some()));
+        if resumable || steps_in(&p)?.is_some() {
             found.push(p);
         } else {
             below(&p, depth - 1, found)?;
@@ -653,6 +778,36 @@ mod tests {
         assert_eq!(lightning_step("epoch=0-step=2.ckpt"), Some(2));
         assert_eq!(lightning_step("last-step=12-v1.ckpt"), Some(12));
         assert_eq!(lightning_step("epoch=0-step=2"), None);
+    }
+
+    fn dirs_under(dir: &Path, out: &mut Vec<PathBuf>) {
+        out.push(dir.to_path_buf());
+        for p in list_dir(dir).unwrap() {
+            if p.is_dir() {
+                dirs_under(&p, out);
+            }
+        }
+    }
+
+    /// A step directory is one trainer's at most: every directory of every committed
+    /// fixture is offered to every row.
+    #[test]
+    fn no_fixture_directory_is_two_trainers_step() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        let mut dirs = Vec::new();
+        dirs_under(&root, &mut dirs);
+        let mut steps = 0;
+        for d in &dirs {
+            let rows: Vec<&str> = TRAINERS
+                .iter()
+                .filter(|t| (t.is_step)(d))
+                .map(|t| t.name)
+                .collect();
+            assert!(rows.len() <= 1, "{}: {rows:?}", d.display());
+            steps += rows.len();
+        }
+        // Two steps of each of the seven trainers' fixtures at least (NeMo: -last too).
+        assert!(steps >= 13, "only {steps} step directories recognised");
     }
 
     #[test]

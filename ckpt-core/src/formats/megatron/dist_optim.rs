@@ -343,6 +343,31 @@ pub(crate) fn name_states(dir: &Path, m: &mut DcpMetadata) -> Result<()> {
 /// unpadded` that the model's parameters do not make, a chunk across a parameter's
 /// edge; [`Error::Unsupported`] for what is not read yet (virtual or uneven pipeline
 /// stages, tied embeddings on several stages, states other than Adam's).
+/// Leaves the distributed optimizer's bucket entries out of `m` (a save whose model is
+/// all that is wanted, and whose buckets cannot be placed); the note that says so, or
+/// `None` where there were none.
+pub(crate) fn drop_buckets(dir: &Path, m: &mut DcpMetadata) -> Option<String> {
+    let buckets: Vec<String> = m
+        .tensors
+        .keys()
+        .filter(|k| bucket_key(k).is_some())
+        .cloned()
+        .collect();
+    if buckets.is_empty() {
+        return None;
+    }
+    for k in &buckets {
+        m.tensors.remove(k);
+    }
+    m.order.retain(|n| bucket_key(n).is_none());
+    m.chunks.retain(|c| bucket_key(&c.fqn).is_none());
+    Some(format!(
+        "{}: the distributed optimizer's {} bucket entries are not read (their layout needs Megatron-LM's args, which this save does not record; the model's tensors do not)",
+        dir.display(),
+        buckets.len()
+    ))
+}
+
 pub(crate) fn map_buckets(dir: &Path, m: &mut DcpMetadata) -> Result<()> {
     let buckets: BTreeMap<BucketKey, String> = m
         .tensors
@@ -361,7 +386,7 @@ pub(crate) fn map_buckets(dir: &Path, m: &mut DcpMetadata) -> Result<()> {
         .ok_or_else(|| {
             err(
                 &common,
-                "no `args`: the run's args are needed to compute the distributed optimizer's bucket layout",
+                "no `args`: the run's args are needed to compute the distributed optimizer's bucket layout (megatron-core's own save, as Megatron-Bridge writes it; the model alone: --format hf)",
             )
         })?;
     let args = Args::from_value(&args_value, &common)?;
