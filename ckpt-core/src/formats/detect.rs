@@ -10,6 +10,26 @@
 pub(crate) mod discover;
 pub(crate) mod trainers;
 
+/// Every directory under the committed fixtures (`tests/fixtures`), for the tests that
+/// offer each to the discovery tables.
+#[cfg(test)]
+pub(crate) fn fixture_dirs() -> Vec<std::path::PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        out.push(dir.to_path_buf());
+        for p in super::list_dir(dir).unwrap() {
+            if p.is_dir() {
+                walk(&p, out);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures"),
+        &mut out,
+    );
+    out
+}
+
 use super::writer::{TensorSpec, TensorWriter};
 use super::{ckptz, distcp, map_file, mindspore_ckpt, safetensors, torch_save, torch_write};
 use super::{FileFormat, Mapped, Reader, TensorFile};

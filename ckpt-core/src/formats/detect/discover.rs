@@ -839,23 +839,12 @@ fn missing_dcp_metadata(dir: &Path) -> Error {
 mod tests {
     use super::*;
 
-    fn dirs_under(dir: &Path, out: &mut Vec<PathBuf>) {
-        out.push(dir.to_path_buf());
-        for p in list_dir(dir).unwrap() {
-            if p.is_dir() {
-                dirs_under(&p, out);
-            }
-        }
-    }
-
     /// The formats' own rows must not both claim a real checkpoint's directory (that
     /// is refused as holding two checkpoints): every directory of every committed
     /// fixture, from every library, is claimed by one own row at most.
     #[test]
     fn no_fixture_directory_is_claimed_by_two_formats() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
-        let mut dirs = Vec::new();
-        dirs_under(&root, &mut dirs);
+        let dirs = super::super::fixture_dirs();
         let mut claimed = 0;
         for d in &dirs {
             let own: Vec<&str> = DIRECTORIES

@@ -780,22 +780,11 @@ mod tests {
         assert_eq!(lightning_step("epoch=0-step=2"), None);
     }
 
-    fn dirs_under(dir: &Path, out: &mut Vec<PathBuf>) {
-        out.push(dir.to_path_buf());
-        for p in list_dir(dir).unwrap() {
-            if p.is_dir() {
-                dirs_under(&p, out);
-            }
-        }
-    }
-
     /// A step directory is one trainer's at most: every directory of every committed
     /// fixture is offered to every row.
     #[test]
     fn no_fixture_directory_is_two_trainers_step() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
-        let mut dirs = Vec::new();
-        dirs_under(&root, &mut dirs);
+        let dirs = super::super::fixture_dirs();
         let mut steps = 0;
         for d in &dirs {
             let rows: Vec<&str> = TRAINERS
