@@ -357,7 +357,7 @@ const TRAINER_CASES: [TrainerCase; 7] = [
         fixture: "megatron_bridge",
         output: "nemo_experiments",
         step: "iter_0000002",
-        config: Some("hf_config.json"),
+        config: None,
         expected: "expected.safetensors",
         anchor: "the Megatron-LM save of the same weights (`tests/fixtures/hf/llama`), exported",
         plain_refused: Some("distributed optimizer's bucket layout"),
@@ -467,10 +467,11 @@ fn the_docs_table_of_trainers_is_the_tests_cases() {
             c.fixture,
             c.output,
             c.step,
-            if c.config.is_some() {
-                "`--hf-config` (no Hugging Face config kept)"
-            } else {
-                "none"
+            match (c.config, c.fixture) {
+                (Some(_), "nemo2") => "`--hf-config` (`model.yaml` lacks the vocabulary's size)",
+                (Some(_), _) => "`--hf-config` (no Hugging Face config kept)",
+                (None, "megatron_bridge") => "none (`run_config.yaml`'s sizes)",
+                (None, _) => "none",
             },
             c.anchor,
             c.plain_refused
@@ -536,4 +537,30 @@ fn verl_save_carries_its_config_and_tokenizer() {
         o.stderr
     );
     assert!(!d.path("c").exists());
+}
+
+/// A trainer's record of the model that contradicts the tensors is refused, naming the
+/// tensor; nothing is written.
+#[test]
+fn a_bridge_record_that_disagrees_with_the_tensors_is_refused() {
+    let d = Dir::new();
+    let save = d.path("save");
+    copy_dir(
+        &fixtures().join("trainers/megatron_bridge/nemo_experiments"),
+        &save,
+    );
+    let yaml = save.join("default/checkpoints/iter_0000002/run_config.yaml");
+    let text = std::fs::read_to_string(&yaml).unwrap();
+    assert!(
+        text.contains("  num_attention_heads: 4\n"),
+        "the fixture's record"
+    );
+    std::fs::write(
+        &yaml,
+        text.replace("  num_attention_heads: 4\n", "  num_attention_heads: 8\n"),
+    )
+    .unwrap();
+    let o = d.fails(&["merge", "save", "--format", "hf", "-o", "out"]);
+    assert!(o.stderr.contains("linear_qkv.weight"), "{}", o.stderr);
+    assert!(!d.path("out").exists());
 }

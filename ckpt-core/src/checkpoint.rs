@@ -78,6 +78,10 @@ pub struct Checkpoint {
     /// A model imported from Hugging Face as Megatron's tensors
     /// ([`Checkpoint::megatron_import`]): the args its legacy output carries.
     pub(crate) imported: Option<crate::formats::megatron::SourceState>,
+    /// The model's sizes a trainer recorded beside its weights in Megatron's terms
+    /// (Megatron-Bridge's `run_config.yaml`, NeMo's `context/model.yaml`), as
+    /// Megatron-LM's args, and the file: used where the files hold no args.
+    pub(crate) recorded_args: Option<(crate::formats::megatron::Args, std::path::PathBuf)>,
     /// The local trees standing for URL inputs (last: dropped after the files that
     /// map their objects).
     pub(crate) mirrors: Vec<std::sync::Arc<ckpt_storage::Mirror>>,

@@ -8,6 +8,7 @@
 use super::Checkpoint;
 use super::OPTIMIZER_PREFIX;
 use crate::error::{Error, Result};
+use crate::formats::detect::trainers::RECORD_NOT_READ;
 use crate::formats::distcp::torch_dtype_name;
 use crate::formats::megatron::{self, Args};
 use crate::hf::{self, Cut, Family, Shape};
@@ -476,6 +477,14 @@ impl Checkpoint {
     /// Megatron's args of a Megatron checkpoint: a legacy rank file's, or a
     /// dist_ckpt's `common.pt`'s; `None` for other checkpoints.
     pub(crate) fn megatron_args(&self) -> Result<Option<Args>> {
+        Ok(self
+            .stored_megatron_args()?
+            .or_else(|| self.recorded_args.as_ref().map(|(a, _)| a.clone())))
+    }
+
+    /// The args the files themselves hold (a legacy rank file's, a dist_ckpt's
+    /// `common.pt`'s), not a trainer's record beside them.
+    fn stored_megatron_args(&self) -> Result<Option<Args>> {
         if let Some(f) = self
             .files
             .iter()
@@ -507,6 +516,12 @@ impl Checkpoint {
     pub fn hf_view(&mut self, target: &HfTarget) -> Result<HfModel> {
         let mut notes = vec![];
         let args = self.megatron_args()?;
+        if let (None, Some((_, p))) = (self.stored_megatron_args()?, &self.recorded_args) {
+            notes.push(format!(
+                "the model's sizes from {} (the trainer's record, in Megatron's terms)",
+                p.display()
+            ));
+        }
         let from_args = args
             .as_ref()
             .map(|a| {
@@ -585,9 +600,15 @@ impl Checkpoint {
                 (f, s.clone())
             }
             (None, None) => {
-                return Err(unsupported(
-                    "the source records no model config (it is not a Megatron checkpoint with args): give the model's Hugging Face config with --hf-config".into(),
-                ))
+                // A trainer's record that could not be read says why.
+                let why = self
+                    .notes
+                    .iter()
+                    .find(|n| n.starts_with(RECORD_NOT_READ))
+                    .map_or(String::new(), |n| format!(" ({n})"));
+                return Err(unsupported(format!(
+                    "the source records no model config (it is not a Megatron checkpoint with args){why}: give the model's Hugging Face config with --hf-config"
+                )));
             }
         };
         // Megatron's names without Megatron-LM's args: a dist_ckpt megatron-core saved

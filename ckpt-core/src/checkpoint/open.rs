@@ -142,6 +142,7 @@ impl Checkpoint {
             deepspeed,
             ucp,
             megatron,
+            record,
             ..
         } = x;
         if let Some(dir) = megatron {
@@ -246,6 +247,7 @@ impl Checkpoint {
             carried,
             notes,
             imported: None,
+            recorded_args: record,
             mirrors: Vec::new(),
         };
         // ZeRO files hold one data-parallel rank's partitions each: labelled by it.

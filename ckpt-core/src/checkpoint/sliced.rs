@@ -38,6 +38,7 @@ impl Checkpoint {
             carried,
             notes,
             imported: None,
+            recorded_args: None,
             mirrors: Vec::new(),
         };
         let mut raw: BTreeMap<String, Vec<SourcePiece>> = BTreeMap::new();

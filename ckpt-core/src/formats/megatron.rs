@@ -274,6 +274,11 @@ impl Args {
                 path.display()
             ))
         })?;
+        Args::from_fields(fields, path)
+    }
+
+    /// [`Args::from_value`] of the namespace's `(name, value)` pairs.
+    fn from_fields(fields: &[(Value, Value)], path: &Path) -> Result<Args> {
         let get = |key: &str| {
             fields
                 .iter()
@@ -1584,6 +1589,82 @@ pub(crate) fn dist_ckpt_args(dir: &Path) -> Result<Option<Args>> {
     obj.get("args")
         .map(|a| Args::from_value(a, &common))
         .transpose()
+}
+
+/// The model's sizes a trainer recorded in its own run config, in Megatron's
+/// (TransformerConfig's) names, as Megatron-LM's args: Megatron-Bridge's
+/// `run_config.yaml` (`section` `model`, a GPTModelProvider) and NeMo 2's
+/// `context/model.yaml` (`section` `config`). Each field is renamed where Megatron-LM's
+/// args spell it otherwise (`share_embeddings_and_output_weights` is the negation of
+/// `untie_embeddings_and_output_weights`, `gated_linear_unit` with SiLU is `swiglu`,
+/// `num_moe_experts` is `num_experts`).
+///
+/// # Errors
+/// Not YAML; no such section; a record that does not give the vocabulary's size (NeMo
+/// takes it from the tokenizer), or another field the export needs.
+pub(crate) fn args_of_run_config(path: &Path, section: &str) -> Result<Args> {
+    let bad = |what: String| unknown(format!("{}: {what}", path.display()));
+    let text = String::from_utf8(crate::formats::read_small(path)?)
+        .map_err(|_| bad("not UTF-8 text".into()))?;
+    let doc: serde_yaml::Value =
+        serde_yaml::from_str(&text).map_err(|e| bad(format!("not YAML: {e}")))?;
+    let model = doc
+        .get(section)
+        .and_then(serde_yaml::Value::as_mapping)
+        .ok_or_else(|| bad(format!("no `{section}` section (the model's config)")))?;
+    let scalar = |v: &serde_yaml::Value| -> Option<Value> {
+        match v {
+            serde_yaml::Value::Null => Some(Value::None),
+            serde_yaml::Value::Bool(b) => Some(Value::Bool(*b)),
+            serde_yaml::Value::Number(n) => n
+                .as_i64()
+                .map(Value::Int)
+                .or_else(|| n.as_f64().map(Value::Float)),
+            serde_yaml::Value::String(s) => Some(Value::Str(s.clone())),
+            _ => None,
+        }
+    };
+    let mut fields: Vec<(Value, Value)> = vec![];
+    let get = |k: &str| model.get(k).and_then(scalar);
+    for (k, v) in model {
+        let (Some(key), Some(value)) = (k.as_str(), scalar(v)) else {
+            continue;
+        };
+        let key = match key {
+            "num_moe_experts" => "num_experts",
+            other => other,
+        };
+        fields.push((Value::Str(key.to_string()), value));
+    }
+    if let Some(Value::Bool(share)) = get("share_embeddings_and_output_weights") {
+        fields.push((
+            Value::Str("untie_embeddings_and_output_weights".into()),
+            Value::Bool(!share),
+        ));
+    }
+    // SwiGLU: a gated linear unit of SiLU (`activation_func` is a `{_target_: ...silu}`).
+    let silu = model
+        .get("activation_func")
+        .and_then(|a| a.get("_target_"))
+        .and_then(serde_yaml::Value::as_str)
+        .is_none_or(|t| t.ends_with("silu"));
+    if matches!(get("gated_linear_unit"), Some(Value::Bool(true))) && silu {
+        fields.push((Value::Str("swiglu".into()), Value::Bool(true)));
+    }
+    if let (Some(Value::Int(groups)), Some(Value::Int(heads))) =
+        (get("num_query_groups"), get("num_attention_heads"))
+    {
+        fields.push((
+            Value::Str("group_query_attention".into()),
+            Value::Bool(groups != heads),
+        ));
+    }
+    if !matches!(get("vocab_size"), Some(Value::Int(v)) if v > 0) {
+        return Err(bad(format!(
+            "`{section}.vocab_size` is not recorded (the trainer takes it from its tokenizer)"
+        )));
+    }
+    Args::from_fields(&fields, path)
 }
 
 /// What a legacy output carries from its source: the pickled args (updated for the new

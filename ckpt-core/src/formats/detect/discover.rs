@@ -92,6 +92,8 @@ pub(crate) struct Discovery {
     pub(crate) model_only: bool,
     /// A trainer's save, read as a whole ([`trainers`]): its weights are the inputs.
     pub(crate) trainer: Option<TrainerSave>,
+    /// The model's sizes the trainer recorded in Megatron's terms, and where.
+    pub(crate) record: Option<(megatron::Args, PathBuf)>,
 }
 
 /// A row of the directory table.
@@ -376,13 +378,18 @@ impl Discovery {
             save.step.map_or(String::new(), |s| format!("step {s}, ")),
             save.why
         ));
-        self.notes.push(match &c.config {
-            Some(p) => format!("model config: {} (kept by the trainer)", p.display()),
-            None => format!(
+        self.notes.push(match (&c.config, &c.record) {
+            (Some(p), _) => format!("model config: {} (kept by the trainer)", p.display()),
+            (None, Some((_, p))) => format!(
+                "model config: {} (the trainer's record of the model, in Megatron's terms)",
+                p.display()
+            ),
+            (None, None) => format!(
                 "model config: no Hugging Face config.json kept by {} (--format hf needs --hf-config)",
                 save.trainer
             ),
         });
+        self.record = c.record.clone();
         self.notes.extend(c.notes.iter().cloned());
         if let Some(p) = &c.config {
             self.carried.insert("config.json".into(), p.clone());

@@ -15,6 +15,7 @@
 //! docs/trainers.md).
 
 use crate::error::{Error, Result};
+use crate::formats::megatron::{args_of_run_config, Args};
 use crate::formats::{distcp, list_dir};
 use crate::hf::TOKENIZER_FILES;
 use std::path::{Path, PathBuf};
@@ -28,6 +29,10 @@ pub(crate) struct StepContents {
     pub(crate) config: Option<PathBuf>,
     /// The tokenizer files the trainer kept.
     pub(crate) tokenizer: Vec<PathBuf>,
+    /// The model's sizes the trainer recorded in Megatron's terms (Megatron-Bridge's
+    /// `run_config.yaml`, NeMo's `context/model.yaml`), as Megatron-LM's args, and the
+    /// file they were read from.
+    pub(crate) record: Option<(Args, PathBuf)>,
     /// What else was decided (which subdirectory, what is not read).
     pub(crate) notes: Vec<String>,
 }
@@ -231,26 +236,32 @@ fn is_nemo_step(dir: &Path) -> bool {
 }
 
 /// A Megatron-Bridge iteration: the dist_ckpt itself (no Megatron-LM args in its
-/// common.pt; the model's sizes are in `run_config.yaml`, in Megatron's terms).
+/// common.pt; the model's sizes in `run_config.yaml`'s `model`, in Megatron's terms).
 fn bridge_contents(dir: &Path) -> Result<StepContents> {
     let mut c = dcp_step_contents(dir)?;
-    c.notes.push(format!(
-        "{}: the run's config (Megatron's sizes; not read yet: --format hf takes the model's Hugging Face config with --hf-config)",
-        dir.join("run_config.yaml").display()
-    ));
+    record(&mut c, &dir.join("run_config.yaml"), "model");
     Ok(c)
 }
 
 /// A NeMo 2 checkpoint: `weights/` (its tensors under NeMo's `module.` prefix), and
-/// `context/model.yaml` beside.
+/// the model's config in `context/model.yaml`'s `config`.
 fn nemo_contents(dir: &Path) -> Result<StepContents> {
-    let weights = dir.join("weights");
-    let mut c = dcp_step_contents(&weights)?;
-    c.notes.push(format!(
-        "{}: NeMo's model config (not read yet: --format hf takes the model's Hugging Face config with --hf-config)",
-        dir.join("context/model.yaml").display()
-    ));
+    let mut c = dcp_step_contents(&dir.join("weights"))?;
+    record(&mut c, &dir.join("context/model.yaml"), "config");
     Ok(c)
+}
+
+/// How the note of a record that could not be read begins (a `--format hf` refusal
+/// quotes it).
+pub(crate) const RECORD_NOT_READ: &str = "the model's record not read";
+
+/// The model's record in the run config at `path`, where it can be read; else a note
+/// saying why (the weights are read all the same; `--format hf` then needs a config).
+fn record(c: &mut StepContents, path: &Path, section: &str) {
+    match args_of_run_config(path, section) {
+        Ok(args) => c.record = Some((args, path.to_path_buf())),
+        Err(e) => c.notes.push(format!("{RECORD_NOT_READ}: {e}")),
+    }
 }
 
 /// NeMo's resume rule (`nemo.lightning.resume.AutoResume`): the checkpoint whose name
@@ -334,6 +345,7 @@ fn dcp_step_contents(dir: &Path) -> Result<StepContents> {
         weights: vec![dir.to_path_buf()],
         config: None,
         tokenizer: vec![],
+        record: None,
         notes: vec![],
     })
 }
@@ -430,6 +442,7 @@ fn hf_trainer_contents(dir: &Path) -> Result<StepContents> {
         weights,
         config,
         tokenizer,
+        record: None,
         notes,
     })
 }
@@ -507,6 +520,7 @@ fn verl_contents(step: &Path) -> Result<StepContents> {
         weights,
         config: hf_config_in(&hf),
         tokenizer: tokenizer_in(&hf),
+        record: None,
         notes,
     })
 }
