@@ -143,3 +143,23 @@ pub fn torch_save_single_forward(bytes: &[u8]) -> Option<(u64, u64)> {
         .ok()
         .map(|e| (e.start, e.end))
 }
+
+/// The model's sizes a trainer's run config records (Megatron-Bridge's
+/// `run_config.yaml` with `section` `model`, NeMo's `context/model.yaml` with
+/// `config`): `(num_layers, hidden_size, num_attention_heads)` where it is read as
+/// Megatron-LM's args would be; `None` where it is refused. For the fuzz targets: every
+/// parser has one.
+#[doc(hidden)]
+#[must_use]
+pub fn run_config_sizes(
+    text: &str,
+    section: &str,
+) -> Option<(Option<u64>, Option<u64>, Option<u64>)> {
+    formats::megatron::args_of_run_config_text(
+        text,
+        section,
+        std::path::Path::new("run_config.yaml"),
+    )
+    .ok()
+    .map(|a| (a.num_layers, a.hidden, a.heads))
+}

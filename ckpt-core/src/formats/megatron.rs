@@ -1603,11 +1603,16 @@ pub(crate) fn dist_ckpt_args(dir: &Path) -> Result<Option<Args>> {
 /// Not YAML; no such section; a record that does not give the vocabulary's size (NeMo
 /// takes it from the tokenizer), or another field the export needs.
 pub(crate) fn args_of_run_config(path: &Path, section: &str) -> Result<Args> {
-    let bad = |what: String| unknown(format!("{}: {what}", path.display()));
     let text = String::from_utf8(crate::formats::read_small(path)?)
-        .map_err(|_| bad("not UTF-8 text".into()))?;
+        .map_err(|_| unknown(format!("{}: not UTF-8 text", path.display())))?;
+    args_of_run_config_text(&text, section, path)
+}
+
+/// [`args_of_run_config`] of the file's text (`path` is for messages).
+pub(crate) fn args_of_run_config_text(text: &str, section: &str, path: &Path) -> Result<Args> {
+    let bad = |what: String| unknown(format!("{}: {what}", path.display()));
     let doc: serde_yaml::Value =
-        serde_yaml::from_str(&text).map_err(|e| bad(format!("not YAML: {e}")))?;
+        serde_yaml::from_str(text).map_err(|e| bad(format!("not YAML: {e}")))?;
     let model = doc
         .get(section)
         .and_then(serde_yaml::Value::as_mapping)
