@@ -515,13 +515,18 @@ impl Checkpoint {
     /// another shape than the sizes give it, or a tensor has no row in the table.
     pub fn hf_view(&mut self, target: &HfTarget) -> Result<HfModel> {
         let mut notes = vec![];
-        let args = self.megatron_args()?;
-        if let (None, Some((_, p))) = (self.stored_megatron_args()?, &self.recorded_args) {
-            notes.push(format!(
-                "the model's sizes from {} (the trainer's record, in Megatron's terms)",
-                p.display()
-            ));
-        }
+        // The files' own args (read once: a rank file's or common.pt's pickle), else the
+        // trainer's record beside them.
+        let args = match self.stored_megatron_args()? {
+            Some(a) => Some(a),
+            None => self.recorded_args.as_ref().map(|(a, p)| {
+                notes.push(format!(
+                    "the model's sizes from {} (the trainer's record, in Megatron's terms)",
+                    p.display()
+                ));
+                a.clone()
+            }),
+        };
         let from_args = args
             .as_ref()
             .map(|a| {
