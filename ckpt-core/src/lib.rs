@@ -13,6 +13,7 @@ mod error;
 mod fault;
 mod formats;
 mod hf;
+mod json;
 mod launch;
 mod layout;
 mod present;

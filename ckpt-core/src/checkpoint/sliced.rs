@@ -88,11 +88,25 @@ impl Checkpoint {
         raw: &mut BTreeMap<String, Vec<SourcePiece>>,
         problems: &mut Vec<Error>,
     ) -> Result<()> {
+        // Every rank directory keeps its copy of one strategy: each text is parsed once
+        // (a strategy of 100,000 tensors takes longer to parse than the files' headers).
         let mut parsed: BTreeMap<PathBuf, std::result::Result<Strategy, String>> = BTreeMap::new();
+        let mut by_text: std::collections::HashMap<String, std::result::Result<Strategy, String>> =
+            std::collections::HashMap::new();
         for s in strategies.iter().flatten() {
-            parsed
-                .entry(s.clone())
-                .or_insert_with(|| Strategy::read(s).map_err(|e| e.to_string()));
+            if parsed.contains_key(s) {
+                continue;
+            }
+            let result = match Strategy::read_text(s) {
+                Err(e) => Err(e.to_string()),
+                Ok(text) => by_text
+                    .entry(text)
+                    .or_insert_with_key(|text| {
+                        Strategy::from_json(text).map_err(|e| e.with_path(s).to_string())
+                    })
+                    .clone(),
+            };
+            parsed.insert(s.clone(), result);
         }
         // The reference strategy: the first that parses.
         let Some((ref_path, strategy)) = parsed
@@ -109,7 +123,7 @@ impl Checkpoint {
         for (p, s) in &parsed {
             match s {
                 Err(e) => problems.push(unknown(e.clone())),
-                Ok(s) if s.hash() != hash => problems.push(Error::Mismatch {
+                Ok(s) if *s != strategy => problems.push(Error::Mismatch {
                     what: format!(
                         "{}: strategy differs from {}",
                         p.display(),

@@ -84,12 +84,19 @@ pub fn parse_header(bytes: &[u8]) -> Result<(u64, Vec<TensorEntry>, BTreeMap<Str
             "header of {n} bytes runs past the end of the file ({len} bytes): truncated?"
         )));
     }
-    let (obj, metadata) = split_header(&bytes[8..data_start as usize], bad)?;
+    let header = &bytes[8..data_start as usize];
     let data_len = len - data_start;
-    let mut tensors = Vec::with_capacity(obj.len());
-    for (name, v) in &obj {
-        tensors.push(parse_entry(name, v, data_len)?);
-    }
+    let (mut tensors, metadata) = match well_formed_header(header, data_len) {
+        Some(parsed) => parsed,
+        None => {
+            let (obj, metadata) = split_header(header, bad)?;
+            let mut tensors = Vec::with_capacity(obj.len());
+            for (name, v) in &obj {
+                tensors.push(parse_entry(name, v, data_len)?);
+            }
+            (tensors, metadata)
+        }
+    };
     tensors.sort_by_key(|a| (a.start, a.end));
     let mut pos = 0u64;
     for (i, t) in tensors.iter().enumerate() {
@@ -121,6 +128,111 @@ pub fn parse_header(bytes: &[u8]) -> Result<(u64, Vec<TensorEntry>, BTreeMap<Str
         )));
     }
     Ok((data_start, tensors, metadata))
+}
+
+/// One entry of a well-formed header, as the JSON says it: an object of exactly these
+/// three fields, each once (a derived parser would also take an array, which the
+/// checked parse refuses).
+struct WellFormedEntry {
+    dtype: crate::layout::Dtype,
+    shape: Vec<u64>,
+    data_offsets: [u64; 2],
+}
+
+impl<'de> serde::Deserialize<'de> for WellFormedEntry {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = WellFormedEntry;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a tensor's entry")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<WellFormedEntry, A::Error> {
+                use serde::de::Error as _;
+                let (mut dtype, mut shape, mut offsets) = (None, None, None);
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    match &*key {
+                        "dtype" if dtype.is_none() => {
+                            let name = map.next_value::<std::borrow::Cow<'de, str>>()?;
+                            dtype = Some(parse_dtype(&name).map_err(A::Error::custom)?);
+                        }
+                        "shape" if shape.is_none() => shape = Some(map.next_value()?),
+                        "data_offsets" if offsets.is_none() => offsets = Some(map.next_value()?),
+                        _ => return Err(A::Error::custom("not a well-formed entry")),
+                    }
+                }
+                match (dtype, shape, offsets) {
+                    (Some(dtype), Some(shape), Some(data_offsets)) => Ok(WellFormedEntry {
+                        dtype,
+                        shape,
+                        data_offsets,
+                    }),
+                    _ => Err(A::Error::custom("a field is missing")),
+                }
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
+/// The entries (in name order, as the checked parse gives them) and `__metadata__` of
+/// a header that is well formed, parsed straight into their types: no JSON tree, whose
+/// building and freeing cost more than the rest of opening a file of many small
+/// tensors. `None` on anything else (bad JSON, a wrong type, an unknown field, a name
+/// twice, an entry that fails its checks): the checked parse then finds the problem
+/// and names it, so both paths accept the same headers with the same result.
+fn well_formed_header(
+    header: &[u8],
+    data_len: u64,
+) -> Option<(Vec<TensorEntry>, BTreeMap<String, String>)> {
+    struct Visit;
+    type Parsed = (
+        Vec<(String, WellFormedEntry)>,
+        Option<BTreeMap<String, String>>,
+    );
+    impl<'de> serde::de::Visitor<'de> for Visit {
+        type Value = Parsed;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a safetensors header")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> std::result::Result<Parsed, A::Error> {
+            let mut entries = Vec::with_capacity(map.size_hint().unwrap_or(0));
+            let mut metadata = None;
+            while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                if key == "__metadata__" {
+                    if metadata.is_some() {
+                        return Err(serde::de::Error::custom("`__metadata__` twice"));
+                    }
+                    metadata = Some(map.next_value()?);
+                } else {
+                    entries.push((key.into_owned(), map.next_value()?));
+                }
+            }
+            Ok((entries, metadata))
+        }
+    }
+    let text = std::str::from_utf8(header).ok()?;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let (mut entries, metadata) = serde::Deserializer::deserialize_map(&mut de, Visit).ok()?;
+    de.end().ok()?;
+    entries.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    if entries.windows(2).any(|w| w[0].0 == w[1].0) {
+        return None;
+    }
+    let tensors = entries
+        .into_iter()
+        .map(|(name, e)| {
+            let [start, end] = e.data_offsets;
+            checked_entry(name, e.dtype, e.shape, start, end, data_len).ok()
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some((tensors, metadata.unwrap_or_default()))
 }
 
 /// A JSON header as its tensor entries and its `__metadata__` (strings only), each
@@ -193,22 +305,34 @@ pub(crate) fn parse_description(
         .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
         .filter(|a| a.len() == 2)
         .ok_or_else(|| bad_tensor(name, "`data_offsets` must be [start, end]"))?;
-    let (start, end) = (offs[0], offs[1]);
+    checked_entry(name.to_string(), dtype, shape, offs[0], offs[1], data_len)
+}
+
+/// An entry's description as a [`TensorEntry`] once checked: offsets in order, inside
+/// `data_len`, and spanning exactly `shape` x `dtype`.
+fn checked_entry(
+    name: String,
+    dtype: crate::layout::Dtype,
+    shape: Vec<u64>,
+    start: u64,
+    end: u64,
+    data_len: u64,
+) -> Result<TensorEntry> {
     if end < start {
         return Err(bad_tensor(
-            name,
+            &name,
             format!("data_offsets [{start}, {end}) end before they start"),
         ));
     }
     if end > data_len {
         return Err(bad_tensor(
-            name,
+            &name,
             format!("data_offsets [{start}, {end}) run past the end of the data ({data_len} bytes): truncated file?"),
         ));
     }
     let want = byte_len(dtype, &shape).ok_or_else(|| {
         bad_tensor(
-            name,
+            &name,
             format!(
                 "shape {shape:?} of {} does not make whole bytes or overflows",
                 dtype_name(dtype)
@@ -217,7 +341,7 @@ pub(crate) fn parse_description(
     })?;
     if end - start != want {
         return Err(bad_tensor(
-            name,
+            &name,
             format!(
                 "{} x {shape:?} needs {want} bytes but data_offsets span {}",
                 dtype_name(dtype),
@@ -226,7 +350,7 @@ pub(crate) fn parse_description(
         ));
     }
     Ok(TensorEntry {
-        name: name.to_string(),
+        name,
         dtype,
         shape,
         start,
@@ -242,9 +366,9 @@ pub(crate) fn apply_dcp_offsets(
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
     if let Some(text) = metadata.get(DCP_SHARDING_INFO) {
-        let offsets = parse_dcp_offsets(text).map_err(bad)?;
+        let mut offsets = parse_dcp_offsets(text).map_err(bad)?;
         for t in tensors {
-            t.offsets = offsets.get(&t.name).cloned();
+            t.offsets = offsets.remove(&t.name);
         }
     }
     Ok(())
@@ -252,6 +376,48 @@ pub(crate) fn apply_dcp_offsets(
 
 /// Parses `{"name": {"saved_offsets": [..]}, ...}`.
 fn parse_dcp_offsets(text: &str) -> std::result::Result<BTreeMap<String, Vec<u64>>, String> {
+    // Straight into the types when well formed (an object per tensor holding integer
+    // `saved_offsets`, other fields being DCP's and not ours); otherwise the checked
+    // path below says what is wrong.
+    struct Saved {
+        saved_offsets: Vec<u64>,
+    }
+    impl<'de> serde::Deserialize<'de> for Saved {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+            struct Visit;
+            impl<'de> serde::de::Visitor<'de> for Visit {
+                type Value = Saved;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("an object with `saved_offsets`")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut map: A,
+                ) -> std::result::Result<Saved, A::Error> {
+                    use serde::de::Error as _;
+                    let mut saved = None;
+                    while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                        if key != "saved_offsets" {
+                            map.next_value::<serde::de::IgnoredAny>()?;
+                        } else if saved.is_none() {
+                            saved = Some(map.next_value()?);
+                        } else {
+                            return Err(A::Error::custom("`saved_offsets` twice"));
+                        }
+                    }
+                    let saved_offsets = saved.ok_or_else(|| A::Error::custom("no offsets"))?;
+                    Ok(Saved { saved_offsets })
+                }
+            }
+            d.deserialize_map(Visit)
+        }
+    }
+    if let Ok(saved) = serde_json::from_str::<BTreeMap<String, Saved>>(text) {
+        return Ok(saved
+            .into_iter()
+            .map(|(name, s)| (name, s.saved_offsets))
+            .collect());
+    }
     let doc: serde_json::Value =
         serde_json::from_str(text).map_err(|e| format!("{DCP_SHARDING_INFO} is not JSON: {e}"))?;
     let obj = doc
@@ -555,6 +721,54 @@ mod tests {
         let n = (*offs.last().unwrap() as i64 + data_len_delta) as usize;
         h.extend(std::iter::repeat_n(7u8, n));
         h
+    }
+
+    /// The typed parse takes no header the checked parse refuses, and where it takes
+    /// one it gives the same entries and metadata.
+    #[test]
+    fn the_typed_parse_agrees_with_the_checked_one() {
+        let checked =
+            |text: &str, data_len: u64| -> Result<(Vec<TensorEntry>, BTreeMap<String, String>)> {
+                let (obj, metadata) = split_header(text.as_bytes(), bad)?;
+                let entries = obj
+                    .iter()
+                    .map(|(name, v)| parse_entry(name, v, data_len))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok((entries, metadata))
+            };
+        let headers = [
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"k":"v"}}"#,
+            r#"{"b":{"shape":[],"data_offsets":[8,12],"dtype":"I32"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+            r#"{"z":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},"y":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}"#,
+            // Refused by the checked parse: each must fall to it.
+            r#"{"a":["F32",[2],[0,8]]}"#,
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1}}"#,
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+            r#"{"a":{"dtype":"F32","shape":[2],"dtype":"F32","data_offsets":[0,8]}}"#,
+            r#"{"a":{"dtype":{"F32":null},"shape":[2],"data_offsets":[0,8]}}"#,
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8,9]}}"#,
+            r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,80]}}"#,
+            r#"{"__metadata__":null}"#,
+            r#"{"__metadata__":{"k":1}}"#,
+            r#"{"__metadata__":{},"__metadata__":{}}"#,
+            r#"[]"#,
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}} x"#,
+        ];
+        for text in headers {
+            let typed = well_formed_header(text.as_bytes(), 12);
+            let want = checked(text, 12);
+            match (typed, want) {
+                (None, _) => {}
+                (Some(got), Ok(want)) => {
+                    assert_eq!(format!("{got:?}"), format!("{want:?}"), "{text}");
+                }
+                (Some(_), Err(e)) => panic!("the typed parse took {text}, refused as {e}"),
+            }
+        }
+        // Well-formed headers take the typed path.
+        assert!(well_formed_header(headers[0].as_bytes(), 8).is_some());
+        assert!(well_formed_header(headers[1].as_bytes(), 12).is_some());
     }
 
     fn spec(name: &str, dtype: Dtype, shape: &[u64]) -> TensorSpec {

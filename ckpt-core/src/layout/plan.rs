@@ -104,34 +104,45 @@ pub struct TensorsRead {
 }
 
 /// Per stored tensor: the shape its boxes are in and the distinct boxes read from it.
-type BoxesRead<'a> = BTreeMap<(usize, usize), (&'a [u64], BTreeSet<Region>)>;
+type BoxesRead<'a> = BTreeMap<(usize, usize), (&'a [u64], Vec<Region>)>;
 
 /// The stored tensors `ops` read, and those they read whole (whose recorded checksums
 /// can be checked). A tensor read through views of two shapes is not known to be read
 /// whole.
 #[must_use]
 pub fn tensors_read<'a>(ops: impl IntoIterator<Item = &'a CopyOp>) -> TensorsRead {
+    // Boxes in a list per tensor, not a set: most tensors are read by one op, and an
+    // ordered set's node costs hundreds of bytes for each of a million tensors.
     let mut boxes: BoxesRead = BTreeMap::new();
     let mut reshaped = BTreeSet::new();
     for op in ops {
         let e = boxes
             .entry((op.file, op.tensor))
-            .or_insert_with(|| (&op.src_shape[..], BTreeSet::new()));
+            .or_insert_with(|| (&op.src_shape[..], Vec::new()));
         if e.0 != &op.src_shape[..] {
             reshaped.insert((op.file, op.tensor));
         }
-        e.1.insert(op.stored_box(&op.src));
+        e.1.push(op.stored_box(&op.src));
     }
     let read = boxes.keys().copied().collect();
     let whole = boxes
         .into_iter()
-        .filter(|(k, (shape, regions))| {
-            let regions: Vec<Region> = regions.iter().cloned().collect();
-            !reshaped.contains(k) && crate::layout::coverage::check_tiling(shape, &regions).is_ok()
-        })
+        .filter(|(k, (shape, regions))| !reshaped.contains(k) && tiled(shape, regions))
         .map(|(k, _)| k)
         .collect();
     TensorsRead { read, whole }
+}
+
+/// Whether the distinct `regions` tile a tensor of `shape`.
+fn tiled(shape: &[u64], regions: &[Region]) -> bool {
+    if let [only] = regions {
+        let at_origin = only.start.iter().all(|&s| s == 0);
+        return shape.contains(&0) || (only.shape == shape && at_origin);
+    }
+    let mut distinct = regions.to_vec();
+    distinct.sort();
+    distinct.dedup();
+    crate::layout::coverage::check_tiling(shape, &distinct).is_ok()
 }
 
 /// How one output tensor is assembled.

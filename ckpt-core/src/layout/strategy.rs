@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use crate::layout::mesh::Mesh;
 use crate::layout::Dtype;
 use crate::layout::{Placement, TensorLayout};
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
 /// Value of the `format` field.
@@ -27,8 +27,9 @@ pub struct Strategy {
 /// # Errors
 /// An unknown name.
 pub fn parse_dtype(name: &str) -> std::result::Result<Dtype, String> {
-    serde_json::from_value::<Dtype>(Value::String(name.to_string()))
-        .map_err(|_| format!("unknown dtype `{name}`"))
+    use serde::Deserialize;
+    let name_de = serde::de::value::StrDeserializer::<serde::de::value::Error>::new(name);
+    Dtype::deserialize(name_de).map_err(|_| format!("unknown dtype `{name}`"))
 }
 
 /// The name safetensors uses for a dtype.
@@ -61,48 +62,30 @@ impl Strategy {
         Ok(())
     }
 
-    /// The strategy as the JSON document of `docs/strategy.md`.
+    /// The strategy as the JSON document of `docs/strategy.md`: pretty-printed, keys in
+    /// sorted order (the text the hash is taken of).
     #[must_use]
     pub fn to_json(&self) -> String {
-        let axes: Vec<Value> = self
-            .mesh
-            .axes()
-            .iter()
-            .map(|a| json!({"name": a.name, "size": a.size}))
-            .collect();
-        let mut mesh = Map::new();
-        mesh.insert("axes".into(), Value::Array(axes));
-        if let Some(p) = self.mesh.pipeline() {
-            mesh.insert(
-                "pipeline_axis".into(),
-                Value::String(self.mesh.axes()[p].name.clone()),
-            );
-        }
-        let mut tensors = Map::new();
-        for (name, l) in &self.tensors {
-            let mut t = Map::new();
-            t.insert("shape".into(), json!(l.shape));
-            t.insert("dtype".into(), Value::String(dtype_name(l.dtype)));
-            t.insert(
-                "placements".into(),
-                Value::Array(
-                    l.placements
-                        .iter()
-                        .map(|p| Value::String(p.to_string()))
-                        .collect(),
-                ),
-            );
-            if let Some(s) = l.stage {
-                t.insert("stage".into(), json!(s));
-            }
-            tensors.insert(name.clone(), Value::Object(t));
-        }
-        let doc = json!({
-            "format": STRATEGY_FORMAT,
-            "version": STRATEGY_VERSION,
-            "mesh": Value::Object(mesh),
-            "tensors": Value::Object(tensors),
-        });
+        let doc = written::Doc {
+            format: STRATEGY_FORMAT,
+            mesh: written::Mesh {
+                axes: self
+                    .mesh
+                    .axes()
+                    .iter()
+                    .map(|a| written::Axis {
+                        name: &a.name,
+                        size: a.size,
+                    })
+                    .collect(),
+                pipeline_axis: self
+                    .mesh
+                    .pipeline()
+                    .map(|p| self.mesh.axes()[p].name.as_str()),
+            },
+            tensors: written::Tensors(&self.tensors),
+            version: STRATEGY_VERSION,
+        };
         let mut s = serde_json::to_string_pretty(&doc).unwrap_or_default();
         s.push('\n');
         s
@@ -122,6 +105,9 @@ impl Strategy {
     /// Malformed JSON, a wrong format or version, unknown fields, an invalid mesh or
     /// any invalid tensor layout.
     pub fn from_json(text: &str) -> Result<Strategy> {
+        if let Some(strategy) = well_formed::strategy(text) {
+            return Ok(strategy);
+        }
         let bad = |problem: String| Error::InvalidStrategy { problem };
         let doc: Value = serde_json::from_str(text).map_err(|e| bad(format!("not JSON: {e}")))?;
         let obj = doc
@@ -198,14 +184,212 @@ impl Strategy {
     /// # Errors
     /// I/O errors and parse errors, with the path.
     pub fn read(path: &std::path::Path) -> Result<Strategy> {
+        let text = Strategy::read_text(path)?;
+        Strategy::from_json(&text).map_err(|e| e.with_path(path))
+    }
+
+    /// The text of a strategy file, unparsed.
+    ///
+    /// # Errors
+    /// I/O errors, with the path.
+    pub fn read_text(path: &std::path::Path) -> Result<String> {
         // Through the storage layer: in a bucket's tree the file may stand for an
         // object not yet fetched.
         ckpt_storage::materialize(path)?;
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        std::fs::read_to_string(path).map_err(|source| Error::Io {
             path: path.into(),
             source,
-        })?;
-        Strategy::from_json(&text).map_err(|e| e.with_path(path))
+        })
+    }
+}
+
+/// The document as written, field by field in sorted order (as a JSON object's keys
+/// are printed), without building a JSON tree of a hundred thousand tensors.
+mod written {
+    use crate::layout::{Dtype, Placement, TensorLayout};
+    use serde::{Serialize, Serializer};
+    use std::collections::BTreeMap;
+
+    #[derive(Serialize)]
+    pub(super) struct Doc<'a> {
+        pub format: &'a str,
+        pub mesh: Mesh<'a>,
+        pub tensors: Tensors<'a>,
+        pub version: u64,
+    }
+
+    #[derive(Serialize)]
+    pub(super) struct Mesh<'a> {
+        pub axes: Vec<Axis<'a>>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub pipeline_axis: Option<&'a str>,
+    }
+
+    #[derive(Serialize)]
+    pub(super) struct Axis<'a> {
+        pub name: &'a str,
+        pub size: u64,
+    }
+
+    pub(super) struct Tensors<'a>(pub &'a BTreeMap<String, TensorLayout>);
+
+    #[derive(Serialize)]
+    struct Tensor<'a> {
+        dtype: Dtype,
+        placements: Placements<'a>,
+        shape: &'a [u64],
+        #[serde(skip_serializing_if = "Option::is_none")]
+        stage: Option<u64>,
+    }
+
+    struct Placements<'a>(&'a [Placement]);
+
+    impl Serialize for Tensors<'_> {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.collect_map(self.0.iter().map(|(name, l)| {
+                let tensor = Tensor {
+                    dtype: l.dtype,
+                    placements: Placements(&l.placements),
+                    shape: &l.shape,
+                    stage: l.stage,
+                };
+                (name, tensor)
+            }))
+        }
+    }
+
+    impl Serialize for Placements<'_> {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            struct Text<'a>(&'a Placement);
+            impl Serialize for Text<'_> {
+                fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                    s.collect_str(self.0)
+                }
+            }
+            s.collect_seq(self.0.iter().map(Text))
+        }
+    }
+}
+
+/// A well-formed document read straight into its types ([`crate::json`]); `None` for
+/// anything else, which the checked parse reads to say what is wrong.
+mod well_formed {
+    use super::{parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION};
+    use crate::json::Object;
+    use crate::layout::mesh::Mesh;
+    use crate::layout::{Placement, TensorLayout};
+    use serde::de::{Deserializer, MapAccess, SeqAccess, Visitor};
+    use serde::Deserialize;
+    use std::collections::BTreeMap;
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Doc {
+        format: String,
+        version: u64,
+        mesh: Object<MeshFields>,
+        tensors: BTreeMap<String, Object<Tensor>>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct MeshFields {
+        axes: Vec<Object<Axis>>,
+        #[serde(default)]
+        pipeline_axis: Option<String>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Axis {
+        name: String,
+        size: u64,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Tensor {
+        shape: Vec<u64>,
+        dtype: String,
+        #[serde(default)]
+        placements: Placements,
+        #[serde(default)]
+        stage: Option<u64>,
+    }
+
+    /// `placements` as given: absent, a list, or an object naming mesh axes (`null`
+    /// is neither, and falls to the checked parse).
+    #[derive(Default)]
+    enum Placements {
+        #[default]
+        Absent,
+        List(Vec<String>),
+        Named(Vec<(String, String)>),
+    }
+
+    impl<'de> Deserialize<'de> for Placements {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Visit;
+            impl<'de> Visitor<'de> for Visit {
+                type Value = Placements;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("a list or an object of placements")
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Placements, A::Error> {
+                    let mut list = Vec::new();
+                    while let Some(p) = seq.next_element()? {
+                        list.push(p);
+                    }
+                    Ok(Placements::List(list))
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Placements, A::Error> {
+                    let mut named = Vec::new();
+                    while let Some(entry) = map.next_entry()? {
+                        named.push(entry);
+                    }
+                    Ok(Placements::Named(named))
+                }
+            }
+            d.deserialize_any(Visit)
+        }
+    }
+
+    pub(super) fn strategy(text: &str) -> Option<Strategy> {
+        let doc: Doc = serde_json::from_str(text).ok()?;
+        if doc.format != STRATEGY_FORMAT || doc.version != STRATEGY_VERSION {
+            return None;
+        }
+        let axes = doc.mesh.0.axes.into_iter().map(|a| (a.0.name, a.0.size));
+        let mut mesh = Mesh::new(axes.collect()).ok()?;
+        if let Some(p) = &doc.mesh.0.pipeline_axis {
+            mesh = mesh.with_pipeline(p).ok()?;
+        }
+        let mut strategy = Strategy::new(mesh);
+        for (name, Object(t)) in doc.tensors {
+            let axes = strategy.mesh.axes().len();
+            let placements = match t.placements {
+                Placements::Absent => vec![Placement::Replicate; axes],
+                Placements::List(list) => list
+                    .iter()
+                    .map(|p| Placement::parse(p).ok())
+                    .collect::<Option<Vec<_>>>()?,
+                Placements::Named(named) => {
+                    let mut p = vec![Placement::Replicate; axes];
+                    for (axis, text) in named {
+                        p[strategy.mesh.axis_index(&axis)?] = Placement::parse(&text).ok()?;
+                    }
+                    p
+                }
+            };
+            let layout = TensorLayout {
+                shape: t.shape,
+                dtype: parse_dtype(&t.dtype).ok()?,
+                placements,
+                stage: t.stage,
+            };
+            strategy.insert(name, layout).ok()?;
+        }
+        Some(strategy)
     }
 }
 
@@ -330,6 +514,90 @@ mod tests {
         let back = Strategy::from_json(&s.to_json()).unwrap();
         assert_eq!(back, s);
         assert_eq!(back.hash(), s.hash());
+    }
+
+    /// The typed parse takes no document the checked one refuses, and where it takes
+    /// one gives the same strategy; the document written is the JSON object printed
+    /// with its keys sorted, as a `serde_json::Value` prints it.
+    #[test]
+    fn the_typed_paths_agree_with_the_checked_ones() {
+        let refused = [
+            r#"{"shape":[4],"dtype":"F32","placements":null}"#,
+            r#"["F32",[4]]"#,
+            r#"{"shape":[4],"dtype":"F32","placements":[0,1]}"#,
+            r#"{"shape":[4],"dtype":"F32","placements":{"tp":1}}"#,
+            r#"{"shape":[4],"dtype":"F32","stage":"1"}"#,
+        ];
+        for t in refused {
+            assert!(well_formed::strategy(&doc(t)).is_none(), "{t}");
+            assert!(Strategy::from_json(&doc(t)).is_err(), "{t}");
+        }
+        // A field twice: the checked parse takes the last, the typed one leaves it to it.
+        let twice = doc(r#"{"shape":[4],"dtype":"F32","shape":[4]}"#);
+        assert!(well_formed::strategy(&twice).is_none());
+        assert!(Strategy::from_json(&twice).is_ok());
+        let array_axis =
+            r#"{"format":"ckpt-strategy","version":1,"mesh":{"axes":[["dp",2]]},"tensors":{}}"#;
+        assert!(well_formed::strategy(array_axis).is_none());
+        assert!(Strategy::from_json(array_axis).is_err());
+        let taken = [
+            r#"{"shape":[4],"dtype":"F32"}"#,
+            r#"{"shape":[4],"dtype":"F32","placements":{"tp":"Shard(0)"},"stage":null}"#,
+            r#"{"shape":[6,4],"dtype":"BF16","placements":["Replicate","Shard(0,blocks=3)"]}"#,
+        ];
+        for t in taken {
+            let typed = well_formed::strategy(&doc(t)).expect(t);
+            assert_eq!(typed, Strategy::from_json(&doc(t)).unwrap());
+        }
+
+        let mut s = Strategy::new(
+            Mesh::parse("pp=2,tp=2")
+                .unwrap()
+                .with_pipeline("pp")
+                .unwrap(),
+        );
+        let l = TensorLayout::new(
+            vec![6, 4],
+            Dtype::BF16,
+            vec![Placement::Replicate, Placement::blocked(0, 3)],
+        );
+        s.insert("b.w", l.clone().with_stage(1)).unwrap();
+        s.insert(
+            "a",
+            TensorLayout::new(vec![], Dtype::F8_E4M3, vec![Placement::Replicate; 2]),
+        )
+        .unwrap();
+        let tensors: serde_json::Map<String, Value> = s
+            .tensors
+            .iter()
+            .map(|(name, l)| {
+                let mut t = serde_json::json!({
+                    "shape": l.shape,
+                    "dtype": dtype_name(l.dtype),
+                    "placements": l.placements.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                });
+                if let Some(stage) = l.stage {
+                    t["stage"] = stage.into();
+                }
+                (name.clone(), t)
+            })
+            .collect();
+        let value = serde_json::json!({
+            "format": STRATEGY_FORMAT,
+            "version": STRATEGY_VERSION,
+            "mesh": {"axes": [{"name": "pp", "size": 2}, {"name": "tp", "size": 2}], "pipeline_axis": "pp"},
+            "tensors": tensors,
+        });
+        assert_eq!(
+            s.to_json(),
+            serde_json::to_string_pretty(&value).unwrap() + "\n"
+        );
+        let empty = Strategy::new(Mesh::parse("tp=2").unwrap());
+        assert!(
+            empty.to_json().contains(r#""tensors": {}"#),
+            "{}",
+            empty.to_json()
+        );
     }
 
     #[test]
