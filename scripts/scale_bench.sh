@@ -95,3 +95,20 @@ for n in "${layers[@]}"; do
   done
   rm -rf "$src" "$dcp" "$whole" "$work/out"
 done
+
+# A DeepSeek-V3-shaped mixture as a Hugging Face checkpoint (58 MoE layers x 256
+# experts, FP8 weights with their block scales, 90,427 tensors in 8 shards with an
+# index; tiny sizes): merged, resharded with the experts cut over 2 ranks, verified.
+ds="$work/deepseek"
+"$py" scripts/fixtures/deepseek_shaped.py "$ds" >/dev/null
+files=("$ds"/*.safetensors)
+tensors=$("$ckpt" inspect "$ds" --json | "$py" -c 'import json,sys; print(len(json.load(sys.stdin)["tensors"]))')
+sync
+row "$tensors" "DeepSeek-V3 HF" "safetensors list keys" "$(measure bash -c 'list_keys "$@"' _ "${files[@]}")"
+row "$tensors" "DeepSeek-V3 HF" "cat + sync" "$(measure bash -c 'cat_sync "$@"' _ "${files[@]}")"
+rm -rf "$work/out"
+row "$tensors" "DeepSeek-V3 HF" "merge" "$(measure "$ckpt" merge "$ds" -o "$work/out")"
+rm -rf "$work/out"
+row "$tensors" "DeepSeek-V3 HF" "reshard experts / 2" "$(measure "$ckpt" reshard "$ds" --to 2 --shard '*.experts.*=0' -o "$work/out")"
+row "$tensors" "DeepSeek-V3 HF" "verify the reshard" "$(measure "$ckpt" verify "$work/out")"
+row "$tensors" "DeepSeek-V3 HF" "inspect" "$(measure "$ckpt" inspect "$ds")"

@@ -13,7 +13,7 @@ pub(crate) mod strategy;
 
 use crate::error::{Error, Result};
 use crate::layout::mesh::Mesh;
-use crate::layout::region::Region;
+use crate::layout::region::{Dims, Region};
 /// The element types (safetensors' names, which every format maps to and from).
 pub use ::safetensors::Dtype;
 use std::fmt;
@@ -383,12 +383,16 @@ impl TensorLayout {
                     .iter()
                     .zip(&idx)
                     .map(|(s, &b)| b * s.block + s.start)
-                    .collect(),
-                splits.iter().map(|s| s.len).collect(),
+                    .collect::<Dims>(),
+                splits.iter().map(|s| s.len).collect::<Dims>(),
             );
             let local = Region::new(
-                splits.iter().zip(&idx).map(|(s, &b)| b * s.len).collect(),
-                splits.iter().map(|s| s.len).collect(),
+                splits
+                    .iter()
+                    .zip(&idx)
+                    .map(|(s, &b)| b * s.len)
+                    .collect::<Dims>(),
+                splits.iter().map(|s| s.len).collect::<Dims>(),
             );
             out.push(Piece { global, local });
             for d in (0..idx.len()).rev() {

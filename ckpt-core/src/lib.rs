@@ -107,7 +107,7 @@ pub use crate::layout::plan::{
     bytes_of, check_cast, rank_metadata, rank_tensors, tensors_read, CopyOp, CopyPlan, FilePlan,
     TargetFile, TargetTensor, TensorPlan, TensorsRead,
 };
-pub use crate::layout::region::{Region, Run, Runs};
+pub use crate::layout::region::{Dims, Region, Run, Runs};
 pub use crate::layout::select::{Selection, Views};
 pub use crate::layout::source::{Block, PieceSource, SourcePiece, SourceTensor, StoredView};
 pub use crate::layout::split_rules::{is_split_rules, SplitRules};

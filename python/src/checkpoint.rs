@@ -200,8 +200,8 @@ impl PyCheckpoint {
                 .map(|p| {
                     (
                         shown(ck.files[p.file].path()),
-                        p.global.start.clone(),
-                        p.global.shape.clone(),
+                        p.global.start.to_vec(),
+                        p.global.shape.to_vec(),
                     )
                 })
                 .collect();

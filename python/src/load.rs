@@ -33,7 +33,7 @@ fn view_of(source: &Checkpoint, t: &TensorPlan) -> Option<(PathBuf, u64)> {
     let dtype = t.target.dtype;
     if dtype != t.src_dtype
         || !(dtype.bitsize()).is_multiple_of(8)
-        || op.src.shape != t.target.shape
+        || op.src.shape[..] != t.target.shape[..]
         || op.axes.is_some()
     {
         return None;

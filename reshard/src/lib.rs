@@ -491,7 +491,7 @@ fn distcp_metadata(strategy: &Strategy) -> Result<Vec<u8>> {
                     let p = t.pieces.first()?;
                     Some(ckpt_core::DistcpChunk {
                         fqn: t.name,
-                        offsets: p.global.start.clone(),
+                        offsets: p.global.start.to_vec(),
                         sizes: t.shape,
                     })
                 })

@@ -61,10 +61,10 @@ mod tests {
             .map(|b| TensorEntry {
                 name: "w".into(),
                 dtype: Dtype::F32,
-                shape: b.region.shape.clone(),
+                shape: b.region.shape.to_vec(),
                 start: b.offset * 4,
                 end: (b.offset + b.region.numel()) * 4,
-                offsets: Some(b.region.start.clone()),
+                offsets: Some(b.region.start.to_vec()),
             })
             .collect();
         let mut f = TensorFile::from_parts(

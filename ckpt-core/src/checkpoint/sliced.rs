@@ -88,51 +88,59 @@ impl Checkpoint {
         raw: &mut BTreeMap<String, Vec<SourcePiece>>,
         problems: &mut Vec<Error>,
     ) -> Result<()> {
-        // Every rank directory keeps its copy of one strategy: each text is parsed once
-        // (a strategy of 100,000 tensors takes longer to parse than the files' headers).
-        let mut parsed: BTreeMap<PathBuf, std::result::Result<Strategy, String>> = BTreeMap::new();
-        let mut by_text: std::collections::HashMap<String, std::result::Result<Strategy, String>> =
+        // Every rank directory keeps its copy of one strategy: each distinct text is
+        // parsed once (a strategy of 100,000 tensors takes longer to parse than the
+        // files' headers) and each path refers to its parse.
+        let mut distinct: Vec<std::result::Result<Strategy, String>> = Vec::new();
+        let mut by_text: std::collections::HashMap<String, usize> =
             std::collections::HashMap::new();
+        let mut parsed: BTreeMap<PathBuf, usize> = BTreeMap::new();
         for s in strategies.iter().flatten() {
             if parsed.contains_key(s) {
                 continue;
             }
-            let result = match Strategy::read_text(s) {
-                Err(e) => Err(e.to_string()),
-                Ok(text) => by_text
-                    .entry(text)
-                    .or_insert_with_key(|text| {
-                        Strategy::from_json(text).map_err(|e| e.with_path(s).to_string())
-                    })
-                    .clone(),
+            let at = match Strategy::read_text(s) {
+                Err(e) => {
+                    distinct.push(Err(e.to_string()));
+                    distinct.len() - 1
+                }
+                Ok(text) => *by_text.entry(text).or_insert_with_key(|text| {
+                    distinct
+                        .push(Strategy::from_json(text).map_err(|e| e.with_path(s).to_string()));
+                    distinct.len() - 1
+                }),
             };
-            parsed.insert(s.clone(), result);
+            parsed.insert(s.clone(), at);
         }
         // The reference strategy: the first that parses.
-        let Some((ref_path, strategy)) = parsed
+        let Some((ref_path, ref_at)) = parsed
             .iter()
-            .find_map(|(p, s)| s.as_ref().ok().map(|s| (p.clone(), s.clone())))
+            .find(|(_, &at)| distinct[at].is_ok())
+            .map(|(p, &at)| (p.clone(), at))
         else {
-            let first = parsed
-                .values()
+            let first = distinct
+                .iter()
                 .find_map(|s| s.as_ref().err().cloned())
                 .unwrap_or_default();
             return Err(unknown(first));
         };
-        let hash = strategy.hash();
-        for (p, s) in &parsed {
-            match s {
+        for (p, &at) in &parsed {
+            match &distinct[at] {
                 Err(e) => problems.push(unknown(e.clone())),
-                Ok(s) if *s != strategy => problems.push(Error::Mismatch {
-                    what: format!(
-                        "{}: strategy differs from {}",
-                        p.display(),
-                        ref_path.display()
-                    ),
-                }),
+                Ok(s) if at != ref_at && Ok(s) != distinct[ref_at].as_ref() => {
+                    problems.push(Error::Mismatch {
+                        what: format!(
+                            "{}: strategy differs from {}",
+                            p.display(),
+                            ref_path.display()
+                        ),
+                    });
+                }
                 Ok(_) => {}
             }
         }
+        let strategy = distinct.swap_remove(ref_at).map_err(unknown)?;
+        let hash = strategy.hash();
         let world = strategy.mesh.world_size();
         let mut seen: BTreeMap<u64, PathBuf> = BTreeMap::new();
         for (fi, f) in self.files.iter().enumerate() {

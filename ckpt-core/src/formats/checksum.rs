@@ -153,14 +153,21 @@ pub(crate) fn decode_checksums(text: &str) -> Result<BTreeMap<String, Checksum>>
     let bad = |problem: String| Error::InvalidHeader { problem };
     // The common case straight into its types; anything else through the checked path
     // below, which says what is wrong.
-    if let Ok(texts) = serde_json::from_str::<BTreeMap<String, String>>(text) {
-        if let Ok(sums) = texts
-            .into_iter()
-            .map(|(name, t)| Checksum::parse(&t).map(|c| (name, c)))
-            .collect()
-        {
-            return Ok(sums);
+    /// A checksum read from its text as the JSON is parsed (no string kept).
+    struct Parsed(Checksum);
+    impl<'de> serde::Deserialize<'de> for Parsed {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+            let text = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+            Checksum::parse(&text)
+                .map(Parsed)
+                .map_err(serde::de::Error::custom)
         }
+    }
+    if let Ok(sums) = serde_json::from_str::<BTreeMap<String, Parsed>>(text) {
+        return Ok(sums
+            .into_iter()
+            .map(|(name, Parsed(c))| (name, c))
+            .collect());
     }
     let doc: serde_json::Value = serde_json::from_str(text)
         .map_err(|e| bad(format!("`{CHECKSUMS_KEY}` is not JSON: {e}")))?;

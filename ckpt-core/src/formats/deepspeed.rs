@@ -249,10 +249,10 @@ impl PtFile {
                 self.entries.push(TensorEntry {
                     name: name.to_string(),
                     dtype: src.dtype,
-                    shape: region.shape,
+                    shape: region.shape.into_vec(),
                     start: first,
                     end: first + len,
-                    offsets: Some(region.start),
+                    offsets: Some(region.start.into_vec()),
                 });
                 self.origins.push(origin);
             }

@@ -235,10 +235,10 @@ fn split_tensor(records: &[TensorEntry], out: &mut Vec<TensorEntry>) -> Result<(
             out.push(TensorEntry {
                 name: first.name.clone(),
                 dtype: first.dtype,
-                shape: b.shape.clone(),
+                shape: b.shape.to_vec(),
                 start: at,
                 end: at + bytes,
-                offsets: Some(b.start),
+                offsets: Some(b.start.into_vec()),
             });
             at += bytes;
         }

@@ -6,7 +6,7 @@
 //! without touching a byte of tensor data.
 
 use crate::error::{Error, Result};
-use crate::layout::region::Region;
+use crate::layout::region::{Dims, Region};
 use crate::layout::source::PieceSource;
 use crate::layout::strategy::{dtype_name, Strategy};
 use crate::layout::Dtype;
@@ -51,12 +51,12 @@ pub struct CopyOp {
     pub tensor: usize,
     /// Shape of the source tensor as stored, or as a [`StoredView`](crate::StoredView) reshapes it: the
     /// row-major shape whose element offsets locate the box's bytes.
-    pub src_shape: Vec<u64>,
+    pub src_shape: Dims,
     /// The box, in source-local coordinates: `src_shape`'s, with its axes permuted by
     /// `axes` when given.
     pub src: Region,
     /// Where the box starts in the destination tensor.
-    pub dst_start: Vec<u64>,
+    pub dst_start: Dims,
     /// A [`StoredView`](crate::StoredView)'s permutation: the box's dimension `d` (the destination's) is
     /// `src_shape`'s dimension `axes[d]`. `None`: the same order.
     pub axes: Option<Vec<usize>>,
@@ -104,42 +104,43 @@ pub struct TensorsRead {
 }
 
 /// Per stored tensor: the shape its boxes are in and the distinct boxes read from it.
-type BoxesRead<'a> = BTreeMap<(usize, usize), (&'a [u64], Vec<Region>)>;
+type BoxesRead<'a> = BTreeMap<(usize, usize), (&'a [u64], smallvec::SmallVec<[&'a CopyOp; 1]>)>;
 
 /// The stored tensors `ops` read, and those they read whole (whose recorded checksums
 /// can be checked). A tensor read through views of two shapes is not known to be read
 /// whole.
 #[must_use]
 pub fn tensors_read<'a>(ops: impl IntoIterator<Item = &'a CopyOp>) -> TensorsRead {
-    // Boxes in a list per tensor, not a set: most tensors are read by one op, and an
-    // ordered set's node costs hundreds of bytes for each of a million tensors.
+    // The ops reading each tensor, inline when one does (most tensors): an ordered set
+    // of boxes per tensor cost hundreds of bytes for each of a million tensors.
     let mut boxes: BoxesRead = BTreeMap::new();
     let mut reshaped = BTreeSet::new();
     for op in ops {
         let e = boxes
             .entry((op.file, op.tensor))
-            .or_insert_with(|| (&op.src_shape[..], Vec::new()));
+            .or_insert_with(|| (&op.src_shape[..], smallvec::SmallVec::new()));
         if e.0 != &op.src_shape[..] {
             reshaped.insert((op.file, op.tensor));
         }
-        e.1.push(op.stored_box(&op.src));
+        e.1.push(op);
     }
     let read = boxes.keys().copied().collect();
     let whole = boxes
         .into_iter()
-        .filter(|(k, (shape, regions))| !reshaped.contains(k) && tiled(shape, regions))
+        .filter(|(k, (shape, ops))| !reshaped.contains(k) && tiled(shape, ops))
         .map(|(k, _)| k)
         .collect();
     TensorsRead { read, whole }
 }
 
-/// Whether the distinct `regions` tile a tensor of `shape`.
-fn tiled(shape: &[u64], regions: &[Region]) -> bool {
-    if let [only] = regions {
+/// Whether the distinct boxes `ops` read tile a stored tensor of `shape`.
+fn tiled(shape: &[u64], ops: &[&CopyOp]) -> bool {
+    if let [only] = ops {
+        let only = only.stored_box(&only.src);
         let at_origin = only.start.iter().all(|&s| s == 0);
-        return shape.contains(&0) || (only.shape == shape && at_origin);
+        return shape.contains(&0) || (only.shape[..] == *shape && at_origin);
     }
-    let mut distinct = regions.to_vec();
+    let mut distinct: Vec<Region> = ops.iter().map(|op| op.stored_box(&op.src)).collect();
     distinct.sort();
     distinct.dedup();
     crate::layout::coverage::check_tiling(shape, &distinct).is_ok()
@@ -287,10 +288,16 @@ impl CopyPlan {
                             .offset(&tp.local.start)
                             .start;
                         let (src_shape, axes) = match &sp.view {
-                            None => (source.stored_shape(sp.file, sp.tensor).to_vec(), None),
+                            None => (
+                                Dims::from_slice(source.stored_shape(sp.file, sp.tensor)),
+                                None,
+                            ),
                             Some(v) => {
                                 let identity = v.axes.iter().enumerate().all(|(d, &a)| d == a);
-                                (v.shape.clone(), (!identity).then(|| v.axes.clone()))
+                                (
+                                    Dims::from_slice(&v.shape),
+                                    (!identity).then(|| v.axes.clone()),
+                                )
                             }
                         };
                         ops.push(CopyOp {

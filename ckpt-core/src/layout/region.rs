@@ -14,15 +14,21 @@ use std::fmt;
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Region {
     /// First index on every dimension.
-    pub start: Vec<u64>,
+    pub start: Dims,
     /// Extent on every dimension.
-    pub shape: Vec<u64>,
+    pub shape: Dims,
 }
+
+/// One index or extent per dimension, inline up to four dimensions (every tensor of a
+/// checkpoint but a few): a box then costs no allocation, which counts when a
+/// checkpoint of experts holds a million pieces, each two boxes.
+pub type Dims = smallvec::SmallVec<[u64; 4]>;
 
 impl Region {
     /// A region from its start and shape (same length).
     #[must_use]
-    pub fn new(start: Vec<u64>, shape: Vec<u64>) -> Region {
+    pub fn new(start: impl Into<Dims>, shape: impl Into<Dims>) -> Region {
+        let (start, shape) = (start.into(), shape.into());
         assert_eq!(
             start.len(),
             shape.len(),
@@ -35,8 +41,8 @@ impl Region {
     #[must_use]
     pub fn full(shape: &[u64]) -> Region {
         Region {
-            start: vec![0; shape.len()],
-            shape: shape.to_vec(),
+            start: smallvec::smallvec![0; shape.len()],
+            shape: shape.into(),
         }
     }
 
@@ -104,8 +110,8 @@ impl Region {
     #[must_use]
     pub fn overlap(&self, other: &Region) -> Option<Region> {
         debug_assert_eq!(self.ndim(), other.ndim());
-        let mut start = Vec::with_capacity(self.ndim());
-        let mut shape = Vec::with_capacity(self.ndim());
+        let mut start = Dims::with_capacity(self.ndim());
+        let mut shape = Dims::with_capacity(self.ndim());
         for d in 0..self.ndim() {
             let s = self.start[d].max(other.start[d]);
             let e = self.end(d).min(other.end(d));

@@ -232,7 +232,7 @@ pub fn megatron_dist_plan(
                 )));
             }
             let (global_shape, offsets, sizes) = if at.is_empty() {
-                (global_shape, piece.global.start.clone(), t.shape.clone())
+                (global_shape, piece.global.start.to_vec(), t.shape.clone())
             } else {
                 if let Some(m) = linear_module(&key) {
                     modules.insert(m.to_string(), extents.to_vec());

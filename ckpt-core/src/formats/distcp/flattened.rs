@@ -70,10 +70,10 @@ impl FlatPiece {
                 TensorEntry {
                     name: stored.name.clone(),
                     dtype: stored.dtype,
-                    shape: region.shape,
+                    shape: region.shape.into_vec(),
                     start: first,
                     end: first + len,
-                    offsets: Some(region.start),
+                    offsets: Some(region.start.into_vec()),
                 },
                 of_tensor,
             ));

@@ -533,7 +533,7 @@ pub(crate) fn map_buckets(dir: &Path, m: &mut DcpMetadata) -> Result<()> {
                             new_chunks.push(DcpChunk {
                                 fqn: fqn.clone(),
                                 offsets,
-                                sizes: bx.region.shape.clone(),
+                                sizes: bx.region.shape.to_vec(),
                                 file: c.file.clone(),
                                 start: c.start,
                                 len: c.len,
