@@ -182,7 +182,7 @@ fn fixture(rel: &str) -> PathBuf {
 }
 
 /// The fixture families (DCP, MindSpore, Megatron legacy and dist_ckpt, DeepSpeed
-/// ZeRO, ckpt's sliced example, an HF model's safetensors), each uploaded to the bucket,
+/// ZeRO, Orbax, ckpt's sliced example, an HF model's safetensors), each uploaded to the bucket,
 /// then merged from it with demand paging, and again with whole-object downloads
 /// (`CKPT_REMOTE_PAGING=0`), every large object going the on-demand way
 /// (`CKPT_SMALL_OBJECT_BYTES` low): the same files as merged from the local copy.
@@ -212,6 +212,10 @@ fn every_family_merges_from_a_bucket_as_from_disk() {
             vec![],
         ),
         ("deepspeed", fixture("deepspeed/zero2_fp32/ckpt"), vec![]),
+        // Orbax: a CheckpointManager root (OCDBT files downloaded whole when the item
+        // is opened), and a directory of zarr chunk files.
+        ("orbax", fixture("orbax/ocdbt_zarr3/ckpt"), vec![]),
+        ("orbax_files", fixture("orbax/zarr_no_ocdbt/ckpt"), vec![]),
         ("example", d.path("example"), vec![]),
         ("hf", d.path("hf"), vec![]),
     ];

@@ -19,6 +19,7 @@ mod megatron_optim;
 mod merge;
 mod mindspore;
 mod moe;
+mod orbax;
 mod pictures;
 mod python;
 mod readme;

@@ -93,6 +93,19 @@ pub enum Error {
         /// What is wrong, naming the tensor when one is at fault.
         problem: String,
     },
+    /// An Orbax (JAX) checkpoint is incomplete, inconsistent or holds what ckpt does not
+    /// read (the file or directory, and the array when one is at fault, are named).
+    #[error("{path}: Orbax checkpoint: {problem}")]
+    InvalidOrbax {
+        /// The file or directory at fault.
+        path: PathBuf,
+        /// What is wrong, naming the array (and its zarr key) when one is at fault.
+        problem: String,
+    },
+    /// tensorstore's OCDBT key-value database of an Orbax item is damaged or not read
+    /// (`ckpt-ocdbt` names the file, the object and its offset).
+    #[error(transparent)]
+    Ocdbt(#[from] ckpt_ocdbt::Error),
     /// A safetensors header is malformed.
     #[error("invalid safetensors header: {problem}")]
     InvalidHeader {
@@ -250,7 +263,11 @@ impl Error {
     #[must_use]
     pub fn with_path(self, path: impl Into<PathBuf>) -> Error {
         match self {
-            e @ (Error::Io { .. } | Error::WithPath { .. } | Error::CorruptChunk { .. }) => e,
+            e @ (Error::Io { .. }
+            | Error::WithPath { .. }
+            | Error::CorruptChunk { .. }
+            | Error::InvalidOrbax { .. }
+            | Error::Ocdbt(_)) => e,
             e => Error::WithPath {
                 path: path.into(),
                 source: Box::new(e),

@@ -24,6 +24,7 @@ pub(crate) mod distcp;
 pub(crate) mod megatron;
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;
+pub(crate) mod orbax;
 pub(crate) mod output;
 pub(crate) mod pickle;
 pub(crate) mod safetensors;
@@ -63,6 +64,10 @@ pub enum FileFormat {
     /// A `torch.save` file of a DeepSpeed universal checkpoint (`zero/<param>/<state>.pt`:
     /// one whole tensor), read with its tag directory.
     Ucp,
+    /// An Orbax (JAX) item directory: zarr v2/v3 arrays in tensorstore's OCDBT
+    /// key-value store or in one directory per array, each zarr chunk one piece whose
+    /// bytes are decoded on read.
+    Orbax,
 }
 
 impl FileFormat {
@@ -77,6 +82,7 @@ impl FileFormat {
             FileFormat::Distcp => "PyTorch DCP .distcp",
             FileFormat::DeepSpeed => "DeepSpeed ZeRO .pt",
             FileFormat::Ucp => "DeepSpeed universal .pt",
+            FileFormat::Orbax => "Orbax zarr",
         }
     }
 }
@@ -546,6 +552,27 @@ pub(crate) fn read_head(path: &Path, n: u64) -> Result<Vec<u8>> {
 pub fn read_small(path: &Path) -> Result<Vec<u8>> {
     ckpt_storage::materialize(path)?;
     std::fs::read(path).at(path)
+}
+
+/// A file's length: the object's, where the file is a placeholder of one in a bucket
+/// (not yet downloaded: the local file is empty).
+///
+/// # Errors
+/// The file's metadata cannot be read ([`Error::Io`] with the path).
+pub(crate) fn file_len(path: &Path) -> Result<u64> {
+    if let Some(o) = ckpt_storage::placeholder(path) {
+        return Ok(o.size);
+    }
+    Ok(std::fs::metadata(path).at(path)?.len())
+}
+
+/// Downloads a placeholder of an object in a bucket into place (nothing to do for a
+/// local file): for readers that read files by plain file reads.
+///
+/// # Errors
+/// The download.
+pub(crate) fn download(path: &Path) -> Result<()> {
+    Ok(ckpt_storage::materialize(path)?)
 }
 
 /// A handle on a file to read with positional reads, downloaded first where it is a

@@ -164,3 +164,13 @@ pub fn run_config_sizes(
     .ok()
     .map(|a| (a.num_layers, a.hidden, a.heads))
 }
+
+/// Whether `bytes` parse as the Orbax metadata `kind` picks (0: an item's `_METADATA`
+/// tree, 1: a zarr v2 `.zarray`, 2: a zarr v3 `zarr.json`, 3: a zarr v3 shard index
+/// at the end of `bytes`, `kind / 4 % 4 + 1` inner chunks, a CRC-32C where `kind`'s
+/// high bit is set). For the fuzz targets: every parser has one.
+#[doc(hidden)]
+#[must_use]
+pub fn orbax_metadata(kind: u8, bytes: &[u8]) -> bool {
+    formats::orbax::parse_metadata(kind, bytes)
+}

@@ -590,6 +590,21 @@ fn deepspeed_conforms() {
     });
 }
 
+/// Orbax (JAX): a CheckpointManager root written by orbax 0.12.8 (zarr v3 in OCDBT,
+/// two committed steps and two that are not), read at its latest committed step;
+/// `reference.safetensors` holds that step's arrays (tests/fixtures/orbax/). The data
+/// file damaged is the item's OCDBT B+tree (every key is found through it).
+#[test]
+fn orbax_conforms() {
+    conform_dir(&DirCase {
+        make: |s| fixture_copy(s, "orbax/ocdbt_zarr3/ckpt"),
+        data_file: "2/items/d/f1464c0c7d532011419559e1a73c7f43",
+        expected: || file_tensors(&fixture_path("orbax/ocdbt_zarr3/reference.safetensors")),
+        format: FileFormat::Orbax,
+        fuzz_target: "orbax_metadata",
+    });
+}
+
 /// Mixtures of experts, written by the libraries themselves (tests/fixtures/moe/,
 /// scripts/fixtures/moe_*.py): Megatron's legacy expert-parallel rank directories (EP 2,
 /// `mp_rank_00_00E`) and DeepSpeed's MoE without ZeRO (stage 0: `module` and one file

@@ -96,8 +96,12 @@ impl Checkpoint {
         let mut recorded = 0;
         let mut sharded = 0;
         for (fi, f) in self.files.iter().enumerate() {
-            if matches!(f.format(), FileFormat::Distcp | FileFormat::DeepSpeed) {
-                // `.metadata` lists every chunk: coverage is checked exactly instead.
+            if matches!(
+                f.format(),
+                FileFormat::Distcp | FileFormat::DeepSpeed | FileFormat::Orbax
+            ) {
+                // `.metadata` (zarr's metadata) lists every chunk: coverage is checked
+                // exactly instead.
                 continue;
             }
             sharded += 1;

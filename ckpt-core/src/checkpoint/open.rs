@@ -142,6 +142,7 @@ impl Checkpoint {
             deepspeed,
             ucp,
             megatron,
+            orbax,
             record,
             ..
         } = x;
@@ -207,6 +208,19 @@ impl Checkpoint {
             strategies.extend(d.files.iter().map(|_| None));
             files.append(&mut d.files);
             notes.append(&mut d.notes);
+        }
+        // Orbax items: one file of zarr chunks each; zarr records every array's shape.
+        let mut orbax_shapes = BTreeMap::new();
+        for dir in &orbax {
+            match crate::formats::orbax::read(dir) {
+                Ok(o) => {
+                    files.push(o.file);
+                    strategies.push(None);
+                    notes.extend(o.notes);
+                    orbax_shapes.extend(o.shapes);
+                }
+                Err(e) => problems.push(e),
+            }
         }
         if files.is_empty() && !problems.is_empty() {
             // Nothing could be read: there is no checkpoint to describe, only why.
@@ -274,6 +288,7 @@ impl Checkpoint {
         for d in &ds {
             ck.declare_shapes(&d.shapes, &mut problems);
         }
+        ck.declare_shapes(&orbax_shapes, &mut problems);
         ck.declare_dtensor_shapes(&mut problems);
         ck.assemble(raw, &mut problems);
         for (alias, of) in ds.iter().flat_map(|d| &d.aliases) {

@@ -142,6 +142,16 @@ impl Checkpoint {
         let strategy = distinct.swap_remove(ref_at).map_err(unknown)?;
         let hash = strategy.hash();
         let world = strategy.mesh.world_size();
+        // Each stored tensor finds its layout by one hash lookup, and its pieces collect
+        // by the strategy's position: ordered maps keyed by names that share long
+        // prefixes (`layers.1234.`) spent most of this in comparing them.
+        let layouts: Vec<(&String, &TensorLayout)> = strategy.tensors.iter().collect();
+        let position: std::collections::HashMap<&str, usize> = layouts
+            .iter()
+            .enumerate()
+            .map(|(i, (name, _))| (name.as_str(), i))
+            .collect();
+        let mut placed: Vec<Vec<SourcePiece>> = vec![Vec::new(); layouts.len()];
         let mut seen: BTreeMap<u64, PathBuf> = BTreeMap::new();
         for (fi, f) in self.files.iter().enumerate() {
             let path = f.path().to_path_buf();
@@ -197,13 +207,14 @@ impl Checkpoint {
             }
             self.ranks[fi] = Some(rank);
             for (ti, t) in f.tensors().iter().enumerate() {
-                let Some(layout) = strategy.tensors.get(&t.name) else {
+                let Some(&at) = position.get(t.name.as_str()) else {
                     problems.push(Error::InvalidTensor {
                         tensor: t.name.clone(),
                         problem: format!("in {} but not in the strategy", path.display()),
                     });
                     continue;
                 };
+                let layout = layouts[at].1;
                 let want = layout.local_shape(&strategy.mesh, rank);
                 if want.as_deref() != Some(&t.shape[..]) || t.dtype != layout.dtype {
                     problems.push(Error::InvalidTensor {
@@ -221,18 +232,32 @@ impl Checkpoint {
                     });
                     continue;
                 }
-                let entry = raw.entry(t.name.clone()).or_default();
-                place(entry, layout, &strategy.mesh, rank, (fi, ti));
+                place(&mut placed[at], layout, &strategy.mesh, rank, (fi, ti));
             }
         }
         problems.extend(missing_ranks(world, &seen, |r| {
             format!("no ckpt_{r}/{MODEL_FILE} among the inputs")
         }));
-        // Tensors of the strategy that no file holds are reported by the coverage check.
-        for (name, st) in &strategy.tensors {
-            raw.entry(name.clone()).or_default();
-            self.tensors
-                .insert(name.clone(), unplaced(st.dtype, st.shape.clone()));
+        // Every tensor of the strategy, in its (sorted) order, the maps built from sorted
+        // runs; those that no file holds are reported by the coverage check.
+        let pieces = layouts
+            .iter()
+            .zip(placed)
+            .map(|((name, _), p)| ((*name).clone(), p));
+        let tensors = layouts
+            .iter()
+            .map(|(name, l)| ((*name).clone(), unplaced(l.dtype, l.shape.clone())));
+        if raw.is_empty() {
+            *raw = pieces.collect();
+        } else {
+            for (name, p) in pieces {
+                raw.entry(name).or_default().extend(p);
+            }
+        }
+        if self.tensors.is_empty() {
+            self.tensors = tensors.collect();
+        } else {
+            self.tensors.extend(tensors);
         }
         self.strategy = Some(strategy);
         Ok(())

@@ -76,6 +76,14 @@ fn data(ck: &Checkpoint, problems: &[Error], title: &str) -> Value {
     let kind = match ck.kind {
         Kind::Sliced => "sliced (ckpt rank files + strategy)",
         Kind::Integrated => "integrated (whole tensors)",
+        Kind::Dcp
+            if ck
+                .files
+                .iter()
+                .all(|f| f.format() == crate::formats::FileFormat::Orbax) =>
+        {
+            "Orbax"
+        }
         Kind::Dcp => "PyTorch DCP",
     };
     let ranks = ck.ranks.iter().flatten().max().map(|r| r + 1);

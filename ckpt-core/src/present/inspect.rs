@@ -76,6 +76,7 @@ pub fn inspect_text(ck: &Checkpoint, problems: &[Error]) -> String {
         Kind::Dcp if ck.files.iter().all(|f| f.format() == FileFormat::TorchSave) => {
             "per-rank torch.save (DTensor)"
         }
+        Kind::Dcp if ck.files.iter().all(|f| f.format() == FileFormat::Orbax) => "Orbax",
         Kind::Dcp => "PyTorch DCP",
     };
     // (Writing to a String cannot fail.)

@@ -14,7 +14,9 @@
 use super::trainers::{self, TrainerSave};
 use crate::error::{Error, Result};
 use crate::formats::distcp::{self, DcpMetadata};
-use crate::formats::{ckptz, deepspeed, list_dir, megatron, mindspore_ckpt, safetensors, ucp};
+use crate::formats::{
+    ckptz, deepspeed, list_dir, megatron, mindspore_ckpt, orbax, safetensors, ucp,
+};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -85,6 +87,8 @@ pub(crate) struct Discovery {
     pub(crate) ucp: Vec<PathBuf>,
     /// A Megatron legacy checkpoint (save or iteration directory): read on its own.
     pub(crate) megatron: Option<PathBuf>,
+    /// Orbax item directories (read whole: their zarr arrays are pieces of one file).
+    pub(crate) orbax: Vec<PathBuf>,
     /// Give a Megatron dist_ckpt's stacked layer tensors one tensor a layer
     /// ([`megatron::unstack_layers`]).
     pub(crate) per_layer: bool,
@@ -117,7 +121,7 @@ struct DirRow {
 
 /// The directory table. Adding a format that is a directory of files is one `claims`
 /// and one `read` function in its module and one row here (see docs/architecture.md).
-static DIRECTORIES: [DirRow; 12] = [
+static DIRECTORIES: [DirRow; 13] = [
     DirRow {
         what: "a Megatron legacy checkpoint",
         own: true,
@@ -188,6 +192,16 @@ static DIRECTORIES: [DirRow; 12] = [
         carries: true,
         claims: has_dcp_metadata,
         read: dcp_dir,
+        alone: None,
+    },
+    // A CheckpointManager's root and step directories are the trainers' table's
+    // (detect/trainers.rs): the step chosen, its item is read here.
+    DirRow {
+        what: "an Orbax checkpoint (_METADATA, _CHECKPOINT_METADATA)",
+        own: true,
+        carries: false,
+        claims: orbax::claims,
+        read: orbax_dir,
         alone: None,
     },
     // Before the loose-file rows: the files beside `.distcp` data (Megatron's
@@ -348,7 +362,7 @@ impl Discovery {
                 return self.add_trainer_save(save);
             }
             return Err(unknown(format!(
-                "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors, *.ckptz, *.ckpt or torch.save *.pth/*.pt/*.bin)",
+                "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors, *.ckptz, *.ckpt, torch.save *.pth/*.pt/*.bin, or an Orbax item's _METADATA)",
                 path.display()
             )));
         };
@@ -781,6 +795,42 @@ fn dcp_dir(path: &Path, x: &mut Discovery) -> Result<()> {
     for f in files {
         x.push(f, None, Some(path.to_path_buf()));
     }
+    Ok(())
+}
+
+/// An Orbax item directory, or a step directory the trainers' table did not take (one
+/// not committed: refused, saying why; one not named as a step: its item read). It
+/// holds one step, so `--step` must be that one (its step directory's name); an item
+/// of a step orbax did not commit, given as it is, is read, said.
+fn orbax_dir(path: &Path, x: &mut Discovery) -> Result<()> {
+    let item = if orbax::is_item_dir(path) {
+        path.to_path_buf()
+    } else {
+        let (item, notes) = orbax::step_item(path)?;
+        x.notes.extend(notes);
+        item
+    };
+    if let Some(step) = x.step {
+        let here = orbax::item_step(path);
+        if here != Some(step) {
+            return Err(unknown(format!(
+                "{}: --step {step}, but this is the Orbax item of {}: pass the CheckpointManager's root directory (the one holding the step directories)",
+                path.display(),
+                here.map_or_else(|| "one checkpoint".to_string(), |h| format!("step {h}"))
+            )));
+        }
+        x.step_taken = true;
+    }
+    if let Some(step_dir) = orbax::step_dir_of(&item) {
+        if let Some(why) = orbax::uncommitted(&step_dir) {
+            x.notes.push(format!(
+                "{}: its step directory {} is not committed ({why}): read as given",
+                item.display(),
+                step_dir.display()
+            ));
+        }
+    }
+    x.orbax.push(item);
     Ok(())
 }
 

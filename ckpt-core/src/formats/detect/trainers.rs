@@ -16,7 +16,7 @@
 
 use crate::error::{Error, Result};
 use crate::formats::megatron::{args_of_run_config, Args};
-use crate::formats::{distcp, list_dir};
+use crate::formats::{distcp, list_dir, orbax};
 use crate::hf::TOKENIZER_FILES;
 use std::path::{Path, PathBuf};
 
@@ -77,7 +77,7 @@ struct Trainer {
 /// The trainers whose saves ckpt reads as a whole. A directory is one trainer's at
 /// most: the step directories' names and files tell them apart (a test checks this on
 /// every committed fixture).
-static TRAINERS: [Trainer; 6] = [
+static TRAINERS: [Trainer; 7] = [
     Trainer {
         name: "Hugging Face Trainer",
         spelled: "checkpoint-<N>/",
@@ -131,6 +131,17 @@ static TRAINERS: [Trainer; 6] = [
         is_step: is_nemo_step,
         contents: nemo_contents,
         resumes_from: Some(nemo_resumes_from),
+    },
+    // Last: its step names (`<N>/`, `<prefix>_<N>/`) are the most general; its step
+    // directories are told by orbax's `_CHECKPOINT_METADATA` or an item's `_METADATA`.
+    Trainer {
+        name: "Orbax CheckpointManager",
+        spelled: "<N>/",
+        step_of: orbax::step_of,
+        tracker: None,
+        is_step: orbax::is_step_dir,
+        contents: orbax_contents,
+        resumes_from: None,
     },
 ];
 
@@ -311,6 +322,20 @@ fn is_lightning_step(dir: &Path) -> bool {
 
 fn has_dcp(dir: &Path) -> bool {
     dir.join(distcp::METADATA_FILE).is_file()
+}
+
+/// An Orbax step directory: committed (else the error says why, and the step is
+/// skipped), its item holding the arrays read (docs/orbax.md). JAX keeps no Hugging
+/// Face config or tokenizer beside it.
+fn orbax_contents(dir: &Path) -> Result<StepContents> {
+    let (item, notes) = orbax::step_item(dir)?;
+    Ok(StepContents {
+        weights: vec![item],
+        config: None,
+        tokenizer: vec![],
+        record: None,
+        notes,
+    })
 }
 
 /// The tokenizer files in `dir`.

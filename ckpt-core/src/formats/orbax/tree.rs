@@ -1,0 +1,281 @@
+//! An Orbax item's `_METADATA`: the pytree's leaves, each one's parameter name (its
+//! keys joined with `.`, the zarr array's key prefix) and value type, and the
+//! `use_ocdbt` / `use_zarr3` flags that say where and how the arrays are stored
+//! (docs/orbax.md, "`_METADATA` (tree metadata)"; orbax-checkpoint 0.12.8,
+//! `_src/metadata/tree.py`, `value_metadata_entry.py`, `_src/tree/utils.py`).
+//!
+//! Restricted: the value types are an allow-list (arrays: `jax.Array`, `np.ndarray`,
+//! `scalar`; strings and empty containers are leaves without an array), anything else
+//! is a named problem. The `tree_metadata` keys (Python `str(tuple)`) are not parsed:
+//! `key_metadata` is.
+
+use serde_json::Value;
+
+/// The tree metadata file of an item directory.
+pub(crate) const METADATA_FILE: &str = "_METADATA";
+
+/// Largest `_METADATA` read (a tree of a million leaves is about 250 MB of JSON).
+pub(crate) const MAX_METADATA_BYTES: u64 = 512 << 20;
+
+/// The leaves of an item's tree and how its arrays are stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Tree {
+    /// Every leaf, sorted by name.
+    pub(crate) leaves: Vec<Leaf>,
+    /// `use_ocdbt`, where recorded (else: whether `manifest.ocdbt` is there).
+    pub(crate) use_ocdbt: Option<bool>,
+    /// `use_zarr3`, where recorded (else: whichever metadata key the store holds).
+    pub(crate) use_zarr3: Option<bool>,
+}
+
+/// One leaf of the tree.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Leaf {
+    /// Its parameter name: the keys joined with `.`.
+    pub(crate) name: String,
+    /// What it is.
+    pub(crate) kind: LeafKind,
+}
+
+/// What a leaf holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LeafKind {
+    /// A zarr array (`jax.Array`, `np.ndarray`, or a Python `scalar` stored 0-d).
+    Array,
+    /// A string, kept in `_strings.json` (not a tensor).
+    String,
+    /// An empty container or `None`: nothing stored.
+    Empty,
+    /// An array marked `skip_deserialize`: orbax does not restore it.
+    Skipped,
+}
+
+impl Tree {
+    /// The leaves holding arrays.
+    pub(crate) fn arrays(&self) -> impl Iterator<Item = &Leaf> {
+        self.leaves.iter().filter(|l| l.kind == LeafKind::Array)
+    }
+}
+
+/// Parses `_METADATA`'s bytes; the problem in words otherwise (the caller names the
+/// file).
+pub(crate) fn parse(bytes: &[u8]) -> Result<Tree, String> {
+    let doc: Value =
+        serde_json::from_slice(bytes).map_err(|e| format!("_METADATA is not JSON: {e}"))?;
+    let Value::Object(doc) = doc else {
+        return Err("_METADATA is not a JSON object".into());
+    };
+    let Some(tree) = doc.get("tree_metadata") else {
+        return Err(
+            "_METADATA has no `tree_metadata` (written by an orbax older than ~0.5, whose \
+             trees ckpt does not read?)"
+                .into(),
+        );
+    };
+    let Value::Object(tree) = tree else {
+        return Err("`tree_metadata` is not a JSON object".into());
+    };
+    let flag = |key: &str| -> Result<Option<bool>, String> {
+        match doc.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(format!("`{key}` is {v}, not true or false")),
+        }
+    };
+    let use_ocdbt = flag("use_ocdbt")?;
+    let use_zarr3 = flag("use_zarr3")?;
+    let mut leaves = Vec::with_capacity(tree.len());
+    for (label, entry) in tree {
+        leaves.push(leaf(label, entry)?);
+    }
+    leaves.sort_by(|a, b| a.name.cmp(&b.name));
+    if let Some(w) = leaves.windows(2).find(|w| w[0].name == w[1].name) {
+        return Err(format!(
+            "two leaves are both named `{}` (their keys joined with `.`): which array is \
+             which cannot be told",
+            w[0].name
+        ));
+    }
+    Ok(Tree {
+        leaves,
+        use_ocdbt,
+        use_zarr3,
+    })
+}
+
+/// One `tree_metadata` entry (`label`: its key, for messages).
+fn leaf(label: &str, entry: &Value) -> Result<Leaf, String> {
+    let at = || format!("`tree_metadata` entry {label:?}");
+    let Value::Object(entry) = entry else {
+        return Err(format!("{} is not a JSON object", at()));
+    };
+    let Some(Value::Array(keys)) = entry.get("key_metadata") else {
+        return Err(format!("{} has no `key_metadata` list", at()));
+    };
+    if keys.is_empty() {
+        return Err(format!(
+            "{}: the tree's root is a leaf (no keys): ckpt reads trees of named arrays",
+            at()
+        ));
+    }
+    let mut parts = Vec::with_capacity(keys.len());
+    for k in keys {
+        let key = match k.get("key") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Number(n)) if n.is_u64() || n.is_i64() => n.to_string(),
+            _ => {
+                return Err(format!(
+                    "{}: a key that is not a string or an integer: {k}",
+                    at()
+                ))
+            }
+        };
+        parts.push(key);
+    }
+    let name = parts.join(".");
+    check_name(&name).map_err(|why| format!("{}: parameter name `{name}` {why}", at()))?;
+    let Some(Value::Object(value)) = entry.get("value_metadata") else {
+        return Err(format!("leaf `{name}`: no `value_metadata` object"));
+    };
+    let Some(Value::String(value_type)) = value.get("value_type") else {
+        return Err(format!("leaf `{name}`: no `value_type`"));
+    };
+    let skip = match value.get("skip_deserialize") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => return Err(format!("leaf `{name}`: `skip_deserialize` is {v}")),
+    };
+    let kind = match value_type.as_str() {
+        "jax.Array" | "np.ndarray" | "scalar" if skip => LeafKind::Skipped,
+        "jax.Array" | "np.ndarray" | "scalar" => LeafKind::Array,
+        "string" => LeafKind::String,
+        "Dict" | "List" | "Tuple" | "NamedTuple" | "None" => LeafKind::Empty,
+        other => {
+            return Err(format!(
+                "leaf `{name}`: value type `{other}` is not one ckpt reads (arrays: \
+                 jax.Array, np.ndarray, scalar; strings and empty containers are passed over)"
+            ))
+        }
+    };
+    Ok(Leaf { name, kind })
+}
+
+/// Whether a parameter name can be a key prefix and a directory name: not empty, no
+/// `/` (orbax does not escape it: the keys of two arrays could then mix), no NUL, and
+/// not `.` or `..`.
+fn check_name(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() {
+        return Err("is empty");
+    }
+    if name.contains('/') {
+        return Err("holds a `/`, which orbax does not escape in its keys");
+    }
+    if name.contains('\0') {
+        return Err("holds a NUL byte");
+    }
+    if name == "." || name == ".." {
+        return Err("is not a directory name");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(keys: &str, value: &str) -> String {
+        format!(r#""x": {{"key_metadata": {keys}, "value_metadata": {value}}}"#)
+    }
+
+    #[test]
+    fn names_are_the_keys_joined_with_dots() {
+        let doc = r#"{"tree_metadata": {
+            "('params', 'w')": {"key_metadata": [{"key": "params", "key_type": 2}, {"key": "w", "key_type": 2}],
+                "value_metadata": {"value_type": "jax.Array", "skip_deserialize": false, "write_shape": [4, 8]}},
+            "('opt', 0, 'mu')": {"key_metadata": [{"key": "opt", "key_type": 2}, {"key": "0", "key_type": 1}, {"key": "mu", "key_type": 2}],
+                "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": false}},
+            "('n',)": {"key_metadata": [{"key": 3, "key_type": 1}],
+                "value_metadata": {"value_type": "scalar"}},
+            "('s',)": {"key_metadata": [{"key": "s", "key_type": 2}],
+                "value_metadata": {"value_type": "string", "skip_deserialize": false}},
+            "('e',)": {"key_metadata": [{"key": "e", "key_type": 2}],
+                "value_metadata": {"value_type": "Dict", "skip_deserialize": true}}},
+            "use_ocdbt": true, "use_zarr3": false}"#;
+        let t = parse(doc.as_bytes()).unwrap();
+        let got: Vec<(&str, LeafKind)> =
+            t.leaves.iter().map(|l| (l.name.as_str(), l.kind)).collect();
+        assert_eq!(
+            got,
+            [
+                ("3", LeafKind::Array),
+                ("e", LeafKind::Empty),
+                ("opt.0.mu", LeafKind::Array),
+                ("params.w", LeafKind::Array),
+                ("s", LeafKind::String),
+            ]
+        );
+        assert_eq!((t.use_ocdbt, t.use_zarr3), (Some(true), Some(false)));
+        assert_eq!(t.arrays().count(), 3);
+    }
+
+    #[test]
+    fn what_is_not_read_is_named() {
+        let cases = [
+            ("[]", "not a JSON object"),
+            ("{}", "no `tree_metadata`"),
+            (r#"{"tree_metadata": []}"#, "not a JSON object"),
+            (
+                &format!(
+                    "{{\"tree_metadata\": {{{}}}}}",
+                    entry(r#"[{"key": "a"}]"#, r#"{"value_type": "jax.random.key"}"#)
+                ),
+                "value type `jax.random.key`",
+            ),
+            (
+                &format!(
+                    "{{\"tree_metadata\": {{{}}}}}",
+                    entry(r#"[{"key": "a/b"}]"#, r#"{"value_type": "jax.Array"}"#)
+                ),
+                "holds a `/`",
+            ),
+            (
+                &format!(
+                    "{{\"tree_metadata\": {{{}}}}}",
+                    entry("[]", r#"{"value_type": "jax.Array"}"#)
+                ),
+                "root is a leaf",
+            ),
+            (
+                &format!(
+                    "{{\"tree_metadata\": {{{}}}, \"use_ocdbt\": 1}}",
+                    entry(r#"[{"key": "a"}]"#, r#"{"value_type": "jax.Array"}"#)
+                ),
+                "`use_ocdbt` is 1",
+            ),
+            (
+                r#"{"tree_metadata": {
+                    "a": {"key_metadata": [{"key": "a.b"}], "value_metadata": {"value_type": "jax.Array"}},
+                    "b": {"key_metadata": [{"key": "a"}, {"key": "b"}], "value_metadata": {"value_type": "jax.Array"}}}}"#,
+                "both named `a.b`",
+            ),
+        ];
+        for (doc, want) in cases {
+            let e = parse(doc.as_bytes()).unwrap_err();
+            assert!(e.contains(want), "{doc}: {e}");
+        }
+    }
+
+    #[test]
+    fn skipped_arrays_are_told_apart() {
+        let doc = format!(
+            "{{\"tree_metadata\": {{{}}}}}",
+            entry(
+                r#"[{"key": "a"}]"#,
+                r#"{"value_type": "jax.Array", "skip_deserialize": true}"#
+            )
+        );
+        let t = parse(doc.as_bytes()).unwrap();
+        assert_eq!(t.leaves[0].kind, LeafKind::Skipped);
+        assert_eq!((t.use_ocdbt, t.use_zarr3), (None, None));
+    }
+}

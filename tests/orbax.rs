@@ -1,0 +1,361 @@
+//! Orbax (JAX) checkpoints read by every command (issue 48): the fixtures orbax
+//! 0.12.8 wrote (tests/fixtures/orbax, README there) merged to their references,
+//! the step chosen as docs/orbax.md says (the latest committed one, `--step N`), the
+//! uncommitted steps never chosen, and damaged or missing chunks named.
+
+use crate::util::{copy_dir, Dir};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn fixture(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/orbax")
+        .join(rel)
+}
+
+/// A safetensors file's tensors: dtype, shape, bytes, by name.
+fn tensors(path: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            (
+                n,
+                (
+                    format!("{:?}", v.dtype()),
+                    v.shape().to_vec(),
+                    v.data().to_vec(),
+                ),
+            )
+        })
+        .collect()
+}
+
+/// `got` holds exactly the reference's tensors: names, dtypes, shapes and bytes.
+fn assert_reference(got: &Path, reference: &str, what: &str) {
+    let got = tensors(got);
+    let want = tensors(&fixture(reference));
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "{what}"
+    );
+    for (name, (dtype, shape, bytes)) in &want {
+        let (d, s, b) = &got[name];
+        assert_eq!((d, s), (dtype, shape), "{what}: {name}");
+        assert!(b == bytes, "{what}: {name}: bytes differ");
+    }
+}
+
+/// The entries of the test's directory: nothing but `keep` may be there after a
+/// refusal (no output, no temporary).
+fn assert_nothing_written(d: &Dir, keep: &[&str]) {
+    let mut left: Vec<String> = std::fs::read_dir(d.tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !keep.contains(&n.as_str()))
+        .collect();
+    left.sort();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+#[test]
+fn every_fixture_merges_to_its_reference() {
+    let cases: [(&str, &[&str], &str); 7] = [
+        // A CheckpointManager root: its latest committed step (2).
+        ("ocdbt_zarr3/ckpt", &[], "ocdbt_zarr3/reference.safetensors"),
+        (
+            "ocdbt_zarr3/ckpt",
+            &["--step", "1"],
+            "ocdbt_zarr3/reference_step1.safetensors",
+        ),
+        // A step directory, and its item directory.
+        (
+            "ocdbt_zarr3/ckpt/2",
+            &[],
+            "ocdbt_zarr3/reference.safetensors",
+        ),
+        (
+            "ocdbt_zarr3/ckpt/1/items",
+            &[],
+            "ocdbt_zarr3/reference_step1.safetensors",
+        ),
+        ("ocdbt_zarr2/ckpt", &[], "ocdbt_zarr2/reference.safetensors"),
+        (
+            "ocdbt_zarr2/ckpt/1/default",
+            &["--step", "1"],
+            "ocdbt_zarr2/reference.safetensors",
+        ),
+        // A Checkpointer's directory (step and item at once), no OCDBT.
+        (
+            "zarr_no_ocdbt/ckpt",
+            &[],
+            "zarr_no_ocdbt/reference.safetensors",
+        ),
+    ];
+    for (dir, extra, reference) in cases {
+        let d = Dir::new();
+        let input = fixture(dir);
+        let mut args = vec!["merge", input.to_str().unwrap()];
+        args.extend(extra);
+        args.extend(["-o", "out"]);
+        d.ok(&args);
+        assert_reference(
+            &d.path("out/model.safetensors"),
+            reference,
+            &format!("merge {dir} {extra:?}"),
+        );
+    }
+}
+
+#[test]
+fn inspect_says_which_step_and_why_and_never_takes_an_uncommitted_one() {
+    let d = Dir::new();
+    let root = fixture("ocdbt_zarr3/ckpt");
+    let root = root.to_str().unwrap();
+    let o = d.ok(&["inspect", root]);
+    let text = &o.stdout;
+    assert!(
+        text.starts_with("Orbax checkpoint, 1 file(s), 7 tensors"),
+        "{text}"
+    );
+    assert!(
+        text.contains("Orbax CheckpointManager save:")
+            && text.contains("ckpt/2 (step 2, the highest complete step)"),
+        "{text}"
+    );
+    // Step 3 has all its data but no commit: skipped, and said why; the temporary
+    // `4.orbax-checkpoint-tmp` is no step at all.
+    assert!(
+        text.contains("step 3 skipped:") && text.contains("commit_timestamp_nsecs` is null"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("ckpt/3/items") && !text.contains("orbax-checkpoint-tmp"),
+        "{text}"
+    );
+    assert!(
+        text.contains("params.layer1.kernel    BF16    [4, 8, 6]"),
+        "{text}"
+    );
+    // --step chooses; the notes say so.
+    let o = d.ok(&["inspect", root, "--step", "1"]);
+    assert!(o.stdout.contains("ckpt/1 (step 1, --step)"), "{}", o.stdout);
+    // The uncommitted steps are refused when asked for, and when given.
+    let o = d.fails(&["inspect", root, "--step", "3"]);
+    assert!(
+        o.stderr.contains("ckpt/3: not committed") && o.stderr.contains("commit_success.txt"),
+        "{}",
+        o.stderr
+    );
+    let o = d.fails(&["inspect", root, "--step", "4"]);
+    assert!(
+        o.stderr
+            .contains("no Orbax CheckpointManager checkpoint of step 4")
+            && o.stderr.contains("steps here: 1, 2, 3"),
+        "{}",
+        o.stderr
+    );
+    let step3 = fixture("ocdbt_zarr3/ckpt/3");
+    let o = d.fails(&["merge", step3.to_str().unwrap(), "-o", "out"]);
+    assert!(o.stderr.contains("not committed"), "{}", o.stderr);
+    let step4 = fixture("ocdbt_zarr3/ckpt/4.orbax-checkpoint-tmp");
+    let o = d.fails(&["merge", step4.to_str().unwrap(), "-o", "out"]);
+    assert!(
+        o.stderr
+            .contains("not committed: its name ends in `.orbax-checkpoint-tmp`"),
+        "{}",
+        o.stderr
+    );
+    assert_nothing_written(&d, &[]);
+    // Its item directory given as it is: read, and said.
+    let item3 = fixture("ocdbt_zarr3/ckpt/3/items");
+    let o = d.ok(&["inspect", item3.to_str().unwrap()]);
+    assert!(o.stdout.contains("is not committed"), "{}", o.stdout);
+    // An item holds one step: --step must be it.
+    let item2 = fixture("ocdbt_zarr3/ckpt/2/items");
+    let o = d.fails(&["inspect", item2.to_str().unwrap(), "--step", "1"]);
+    assert!(
+        o.stderr.contains("the Orbax item of step 2"),
+        "{}",
+        o.stderr
+    );
+    let single = fixture("zarr_no_ocdbt/ckpt");
+    let o = d.fails(&["inspect", single.to_str().unwrap(), "--step", "1"]);
+    assert!(o.stderr.contains("--step 1"), "{}", o.stderr);
+}
+
+#[test]
+fn verify_and_reshard_read_orbax_too() {
+    let d = Dir::new();
+    for dir in ["ocdbt_zarr3/ckpt", "ocdbt_zarr2/ckpt", "zarr_no_ocdbt/ckpt"] {
+        let p = fixture(dir);
+        let o = d.ok(&["verify", p.to_str().unwrap()]);
+        assert!(!o.stdout.contains("problem"), "{dir}: {}", o.stdout);
+    }
+    let root = fixture("ocdbt_zarr3/ckpt");
+    d.ok(&["reshard", root.to_str().unwrap(), "--to", "2", "-o", "r"]);
+    d.ok(&["merge", "r", "-o", "back"]);
+    assert_reference(
+        &d.path("back/model.safetensors"),
+        "ocdbt_zarr3/reference.safetensors",
+        "reshard to 2 ranks and merge back",
+    );
+}
+
+#[test]
+fn a_damaged_chunk_is_named_and_nothing_is_written() {
+    // zarr v2 chunk files (no OCDBT): a chunk's zstd frame damaged.
+    let d = Dir::new();
+    copy_dir(&fixture("zarr_no_ocdbt/ckpt"), &d.path("in"));
+    let chunk = d.path("in/params.layer0.kernel/1.0");
+    let mut b = std::fs::read(&chunk).unwrap();
+    b[0] ^= 0xff;
+    std::fs::write(&chunk, &b).unwrap();
+    let o = d.fails(&["merge", "in", "-o", "out"]);
+    assert!(
+        o.stderr.contains("params.layer0.kernel/1.0")
+            && o.stderr.contains("in/params.layer0.kernel/1.0")
+            && o.stderr.contains("tensor `params.layer0.kernel`"),
+        "{}",
+        o.stderr
+    );
+    assert_nothing_written(&d, &["in"]);
+
+    // A zarr v3 shard stored out of line in the OCDBT data files: its index's CRC-32C
+    // damaged (the last byte of the value, found through the database).
+    let d = Dir::new();
+    copy_dir(&fixture("ocdbt_zarr3/ckpt"), &d.path("in"));
+    let db = ckpt_ocdbt::Database::open(&d.path("in/2/items")).unwrap();
+    let ckpt_ocdbt::Value::Stored { path, offset, len } =
+        db.find(b"params.layer1.w_big/c/1/0").unwrap().unwrap()
+    else {
+        panic!("w_big's chunks are stored out of line");
+    };
+    let mut b = std::fs::read(&path).unwrap();
+    b[(offset + len - 1) as usize] ^= 0xff;
+    std::fs::write(&path, &b).unwrap();
+    let o = d.fails(&["merge", "in", "-o", "out"]);
+    assert!(
+        o.stderr.contains("array `params.layer1.w_big`")
+            && o.stderr.contains("params.layer1.w_big/c/1/0")
+            && o.stderr.contains("CRC-32C"),
+        "{}",
+        o.stderr
+    );
+    assert_nothing_written(&d, &["in"]);
+    // Its zstd frame damaged instead (the index intact): named when decoded.
+    b[(offset + len - 1) as usize] ^= 0xff;
+    b[offset as usize] ^= 0xff;
+    std::fs::write(&path, &b).unwrap();
+    let o = d.fails(&["merge", "in", "-o", "out"]);
+    assert!(
+        o.stderr.contains("tensor `params.layer1.w_big`")
+            && o.stderr.contains("params.layer1.w_big/c/1/0")
+            && o.stderr.contains("zstd"),
+        "{}",
+        o.stderr
+    );
+    assert_nothing_written(&d, &["in"]);
+}
+
+#[test]
+fn missing_chunks_are_the_fill_value_or_refused() {
+    let d = Dir::new();
+    copy_dir(&fixture("zarr_no_ocdbt/ckpt"), &d.path("in"));
+    std::fs::remove_file(d.path("in/params.layer0.bias/2")).unwrap();
+    let o = d.ok(&["merge", "in", "-o", "out"]);
+    // (merge prints its notes on stderr)
+    assert!(
+        o.stderr
+            .contains("array `params.layer0.bias`: 1 chunk(s) not stored"),
+        "{}",
+        o.stderr
+    );
+    let got = tensors(&d.path("out/model.safetensors"));
+    let want = tensors(&fixture("zarr_no_ocdbt/reference.safetensors"));
+    let (bias, want_bias) = (&got["params.layer0.bias"].2, &want["params.layer0.bias"].2);
+    // fill_value null: zeros, for elements 8..12 (chunk 2 of [4]).
+    assert_eq!(&bias[32..48], &[0u8; 16]);
+    assert_eq!(
+        (&bias[..32], &bias[48..]),
+        (&want_bias[..32], &want_bias[48..])
+    );
+
+    // A fill value the dtype cannot hold: the missing chunk is refused.
+    let d = Dir::new();
+    copy_dir(&fixture("zarr_no_ocdbt/ckpt"), &d.path("in"));
+    std::fs::remove_file(d.path("in/step/0")).unwrap();
+    let zarray = d.path("in/step/.zarray");
+    let text = std::fs::read_to_string(&zarray).unwrap();
+    std::fs::write(
+        &zarray,
+        text.replace("\"fill_value\":null", "\"fill_value\":0.5"),
+    )
+    .unwrap();
+    let o = d.fails(&["merge", "in", "-o", "out"]);
+    assert!(
+        o.stderr.contains("array `step`")
+            && o.stderr.contains("fill value 0.5")
+            && o.stderr.contains("inventing"),
+        "{}",
+        o.stderr
+    );
+    assert_nothing_written(&d, &["in"]);
+}
+
+#[test]
+fn a_step_of_several_items_is_read_by_the_one_with_arrays_or_refused() {
+    let d = Dir::new();
+    copy_dir(&fixture("ocdbt_zarr2/ckpt"), &d.path("root"));
+    copy_dir(&d.path("root/1/default"), &d.path("root/1/other"));
+    let o = d.fails(&["merge", "root", "-o", "out"]);
+    assert!(
+        o.stderr.contains("2 items with arrays (default, other)")
+            && o.stderr.contains("pass the item directory meant"),
+        "{}",
+        o.stderr
+    );
+    assert_nothing_written(&d, &["root"]);
+    // `other` holding no array (a string only): `default` is read, and said.
+    std::fs::write(
+        d.path("root/1/other/_METADATA"),
+        r#"{"tree_metadata": {"('note',)": {"key_metadata": [{"key": "note", "key_type": 2}],
+            "value_metadata": {"value_type": "string", "skip_deserialize": false}}},
+            "use_ocdbt": true, "use_zarr3": false}"#,
+    )
+    .unwrap();
+    let o = d.ok(&["merge", "root", "-o", "out"]);
+    assert!(o.stderr.contains("the item holding arrays"), "{}", o.stderr);
+    assert_reference(
+        &d.path("out/model.safetensors"),
+        "ocdbt_zarr2/reference.safetensors",
+        "the item with arrays",
+    );
+}
+
+#[test]
+fn damaged_metadata_is_named() {
+    let d = Dir::new();
+    copy_dir(&fixture("zarr_no_ocdbt/ckpt"), &d.path("in"));
+    let zarray = d.path("in/params.layer0.kernel/.zarray");
+    let text = std::fs::read_to_string(&zarray).unwrap();
+    std::fs::write(&zarray, text.replace("\"order\":\"C\"", "\"order\":\"F\"")).unwrap();
+    let o = d.fails(&["inspect", "in"]);
+    assert!(
+        o.stderr.contains("in/params.layer0.kernel/.zarray")
+            && o.stderr.contains("array `params.layer0.kernel`")
+            && o.stderr.contains("only C order"),
+        "{}",
+        o.stderr
+    );
+    std::fs::write(&zarray, &text).unwrap();
+    std::fs::write(d.path("in/_METADATA"), "{\"tree_metadata\": 3}").unwrap();
+    let o = d.fails(&["inspect", "in"]);
+    assert!(
+        o.stderr.contains("in/_METADATA") && o.stderr.contains("not a JSON object"),
+        "{}",
+        o.stderr
+    );
+}
