@@ -172,7 +172,7 @@ fn reshard(src: &Path, to: &Strategy, out: &Path) {
             let tensors = rank_tensors(to, r, false, &|_, l| Some(l.dtype));
             TargetFile {
                 path: format!("ckpt_{r}/model.safetensors").into(),
-                metadata: rank_metadata(to, r, &tensors),
+                metadata: rank_metadata(to, &to.hash(), r, &tensors),
                 tensors,
             }
         })

@@ -434,6 +434,7 @@ pub fn plan(
         });
     }
     let list = ranks.list(world)?;
+    let hash = strategy.hash();
     let files = list
         .into_iter()
         .map(|r| {
@@ -451,7 +452,7 @@ pub fn plan(
                     });
                 }
             }
-            Ok(TargetFile { path: format.file(r), metadata: rank_metadata(strategy, r, &tensors), tensors })
+            Ok(TargetFile { path: format.file(r), metadata: rank_metadata(strategy, &hash, r, &tensors), tensors })
         })
         .collect::<Result<Vec<_>>>()?;
     CopyPlan::build(source, files)

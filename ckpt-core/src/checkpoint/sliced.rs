@@ -238,27 +238,19 @@ impl Checkpoint {
         problems.extend(missing_ranks(world, &seen, |r| {
             format!("no ckpt_{r}/{MODEL_FILE} among the inputs")
         }));
-        // Every tensor of the strategy, in its (sorted) order, the maps built from sorted
-        // runs; those that no file holds are reported by the coverage check.
-        let pieces = layouts
+        // Every tensor of the strategy, in its (sorted) order: the maps (empty until
+        // now: this is where a sliced checkpoint's tensors come from) are built from
+        // sorted runs. Those that no file holds are reported by the coverage check.
+        debug_assert!(raw.is_empty() && self.tensors.is_empty());
+        *raw = layouts
             .iter()
             .zip(placed)
-            .map(|((name, _), p)| ((*name).clone(), p));
-        let tensors = layouts
+            .map(|((name, _), p)| ((*name).clone(), p))
+            .collect();
+        self.tensors = layouts
             .iter()
-            .map(|(name, l)| ((*name).clone(), unplaced(l.dtype, l.shape.clone())));
-        if raw.is_empty() {
-            *raw = pieces.collect();
-        } else {
-            for (name, p) in pieces {
-                raw.entry(name).or_default().extend(p);
-            }
-        }
-        if self.tensors.is_empty() {
-            self.tensors = tensors.collect();
-        } else {
-            self.tensors.extend(tensors);
-        }
+            .map(|(name, l)| ((*name).clone(), unplaced(l.dtype, l.shape.clone())))
+            .collect();
         self.strategy = Some(strategy);
         Ok(())
     }

@@ -75,7 +75,7 @@ pub fn write_rank_with(
         })
         .collect();
     let path = rank_dir.join(model_name(compression));
-    let meta = rank_metadata(strategy, rank, &targets);
+    let meta = rank_metadata(strategy, &strategy.hash(), rank, &targets);
     let w = create_writer(&path, &specs, &meta, compression)?;
     for (i, t) in targets.iter().enumerate() {
         let data = given[t.name.as_str()];

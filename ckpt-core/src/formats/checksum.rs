@@ -151,8 +151,6 @@ pub(crate) fn encode_checksums(sums: &BTreeMap<String, Checksum>) -> String {
 /// Malformed JSON or checksums ([`Error::InvalidHeader`]).
 pub(crate) fn decode_checksums(text: &str) -> Result<BTreeMap<String, Checksum>> {
     let bad = |problem: String| Error::InvalidHeader { problem };
-    // The common case straight into its types; anything else through the checked path
-    // below, which says what is wrong.
     /// A checksum read from its text as the JSON is parsed (no string kept).
     struct Parsed(Checksum);
     impl<'de> serde::Deserialize<'de> for Parsed {
@@ -163,6 +161,8 @@ pub(crate) fn decode_checksums(text: &str) -> Result<BTreeMap<String, Checksum>>
                 .map_err(serde::de::Error::custom)
         }
     }
+    // The common case straight into its types; anything else through the checked path
+    // below, which says what is wrong.
     if let Ok(sums) = serde_json::from_str::<BTreeMap<String, Parsed>>(text) {
         return Ok(sums
             .into_iter()

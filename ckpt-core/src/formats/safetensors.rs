@@ -9,6 +9,7 @@ use crate::formats::checksum::{
     checksums_enabled, decode_checksums, encode_checksums, Checksum, CHECKSUMS_KEY, CHUNK,
 };
 use crate::formats::output::StagedFile;
+use crate::json::Object;
 use crate::layout::plan::DCP_SHARDING_INFO;
 use crate::layout::strategy::{dtype_name, parse_dtype};
 use serde_json::{Map, Value};
@@ -130,52 +131,17 @@ pub fn parse_header(bytes: &[u8]) -> Result<(u64, Vec<TensorEntry>, BTreeMap<Str
     Ok((data_start, tensors, metadata))
 }
 
-/// One entry of a well-formed header, as the JSON says it: an object of exactly these
-/// three fields, each once (a derived parser would also take an array, which the
-/// checked parse refuses).
-struct WellFormedEntry {
-    dtype: crate::layout::Dtype,
+/// One entry of a well-formed header, as the JSON says it: exactly these three fields,
+/// each once (read through [`Object`], which refuses the array form a derived parser
+/// would also take). The dtype is a name, checked by [`checked_entry`]'s caller (a
+/// derived `Dtype` would also take the object form `{"F32": null}`).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WellFormedEntry<'a> {
+    #[serde(borrow)]
+    dtype: std::borrow::Cow<'a, str>,
     shape: Vec<u64>,
     data_offsets: [u64; 2],
-}
-
-impl<'de> serde::Deserialize<'de> for WellFormedEntry {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = WellFormedEntry;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a tensor's entry")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> std::result::Result<WellFormedEntry, A::Error> {
-                use serde::de::Error as _;
-                let (mut dtype, mut shape, mut offsets) = (None, None, None);
-                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
-                    match &*key {
-                        "dtype" if dtype.is_none() => {
-                            let name = map.next_value::<std::borrow::Cow<'de, str>>()?;
-                            dtype = Some(parse_dtype(&name).map_err(A::Error::custom)?);
-                        }
-                        "shape" if shape.is_none() => shape = Some(map.next_value()?),
-                        "data_offsets" if offsets.is_none() => offsets = Some(map.next_value()?),
-                        _ => return Err(A::Error::custom("not a well-formed entry")),
-                    }
-                }
-                match (dtype, shape, offsets) {
-                    (Some(dtype), Some(shape), Some(data_offsets)) => Ok(WellFormedEntry {
-                        dtype,
-                        shape,
-                        data_offsets,
-                    }),
-                    _ => Err(A::Error::custom("a field is missing")),
-                }
-            }
-        }
-        d.deserialize_map(Visit)
-    }
 }
 
 /// The entries (in name order, as the checked parse gives them) and `__metadata__` of
@@ -189,19 +155,19 @@ fn well_formed_header(
     data_len: u64,
 ) -> Option<(Vec<TensorEntry>, BTreeMap<String, String>)> {
     struct Visit;
-    type Parsed = (
-        Vec<(String, WellFormedEntry)>,
+    type Parsed<'de> = (
+        Vec<(String, WellFormedEntry<'de>)>,
         Option<BTreeMap<String, String>>,
     );
     impl<'de> serde::de::Visitor<'de> for Visit {
-        type Value = Parsed;
+        type Value = Parsed<'de>;
         fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
             f.write_str("a safetensors header")
         }
         fn visit_map<A: serde::de::MapAccess<'de>>(
             self,
             mut map: A,
-        ) -> std::result::Result<Parsed, A::Error> {
+        ) -> std::result::Result<Parsed<'de>, A::Error> {
             let mut entries = Vec::with_capacity(map.size_hint().unwrap_or(0));
             let mut metadata = None;
             while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
@@ -211,7 +177,8 @@ fn well_formed_header(
                     }
                     metadata = Some(map.next_value()?);
                 } else {
-                    entries.push((key.into_owned(), map.next_value()?));
+                    let Object(entry) = map.next_value()?;
+                    entries.push((key.into_owned(), entry));
                 }
             }
             Ok((entries, metadata))
@@ -229,7 +196,8 @@ fn well_formed_header(
         .into_iter()
         .map(|(name, e)| {
             let [start, end] = e.data_offsets;
-            checked_entry(name, e.dtype, e.shape, start, end, data_len).ok()
+            let dtype = parse_dtype(&e.dtype).ok()?;
+            checked_entry(name, dtype, e.shape, start, end, data_len).ok()
         })
         .collect::<Option<Vec<_>>>()?;
     Some((tensors, metadata.unwrap_or_default()))
@@ -379,43 +347,14 @@ fn parse_dcp_offsets(text: &str) -> std::result::Result<BTreeMap<String, Vec<u64
     // Straight into the types when well formed (an object per tensor holding integer
     // `saved_offsets`, other fields being DCP's and not ours); otherwise the checked
     // path below says what is wrong.
+    #[derive(serde::Deserialize)]
     struct Saved {
         saved_offsets: Vec<u64>,
     }
-    impl<'de> serde::Deserialize<'de> for Saved {
-        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-            struct Visit;
-            impl<'de> serde::de::Visitor<'de> for Visit {
-                type Value = Saved;
-                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                    f.write_str("an object with `saved_offsets`")
-                }
-                fn visit_map<A: serde::de::MapAccess<'de>>(
-                    self,
-                    mut map: A,
-                ) -> std::result::Result<Saved, A::Error> {
-                    use serde::de::Error as _;
-                    let mut saved = None;
-                    while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
-                        if key != "saved_offsets" {
-                            map.next_value::<serde::de::IgnoredAny>()?;
-                        } else if saved.is_none() {
-                            saved = Some(map.next_value()?);
-                        } else {
-                            return Err(A::Error::custom("`saved_offsets` twice"));
-                        }
-                    }
-                    let saved_offsets = saved.ok_or_else(|| A::Error::custom("no offsets"))?;
-                    Ok(Saved { saved_offsets })
-                }
-            }
-            d.deserialize_map(Visit)
-        }
-    }
-    if let Ok(saved) = serde_json::from_str::<BTreeMap<String, Saved>>(text) {
+    if let Ok(saved) = serde_json::from_str::<BTreeMap<String, Object<Saved>>>(text) {
         return Ok(saved
             .into_iter()
-            .map(|(name, s)| (name, s.saved_offsets))
+            .map(|(name, Object(s))| (name, s.saved_offsets))
             .collect());
     }
     let doc: serde_json::Value =
@@ -766,6 +705,10 @@ mod tests {
                 (Some(_), Err(e)) => panic!("the typed parse took {text}, refused as {e}"),
             }
         }
+        // DCP's offsets: other fields ignored as the checked parse does, arrays refused.
+        let offsets = parse_dcp_offsets(r#"{"w":{"saved_offsets":[0,4],"x":1}}"#).unwrap();
+        assert_eq!(offsets["w"], vec![0, 4]);
+        assert!(parse_dcp_offsets(r#"{"w":[[0,4]]}"#).is_err());
         // Well-formed headers take the typed path.
         assert!(well_formed_header(headers[0].as_bytes(), 8).is_some());
         assert!(well_formed_header(headers[1].as_bytes(), 12).is_some());

@@ -428,42 +428,44 @@ fn gcd(a: u64, b: u64) -> u64 {
     }
 }
 
-/// Metadata a ckpt rank file carries: rank, world size, strategy hash and, for every
+/// Metadata a ckpt rank file carries: rank, world size, the strategy's hash
+/// ([`Strategy::hash`], taken once by the caller for all its ranks) and, for every
 /// tensor whose local part is one box (or empty), its global offsets in PyTorch DCP's
 /// convention.
 #[must_use]
 pub fn rank_metadata(
     strategy: &Strategy,
+    strategy_hash: &str,
     rank: u64,
     tensors: &[TargetTensor],
 ) -> BTreeMap<String, String> {
-    let mut offsets = serde_json::Map::new();
-    for t in tensors {
-        match &t.pieces[..] {
-            [p] => {
-                offsets.insert(
-                    t.name.clone(),
-                    serde_json::json!({ "saved_offsets": p.global.start }),
-                );
-            }
-            // An empty local tensor: PyTorch's reader needs an entry for every key.
-            [] => {
-                offsets.insert(
-                    t.name.clone(),
-                    serde_json::json!({ "saved_offsets": vec![0u64; t.shape.len()] }),
-                );
-            }
-            _ => {}
-        }
+    /// One tensor's record in `DCP_SHARDING_INFO`.
+    #[derive(serde::Serialize)]
+    struct Saved<'a> {
+        saved_offsets: &'a [u64],
     }
+    let zeros = vec![0u64; tensors.iter().map(|t| t.shape.len()).max().unwrap_or(0)];
+    let offsets: BTreeMap<&str, Saved> = tensors
+        .iter()
+        .filter_map(|t| {
+            let saved_offsets = match &t.pieces[..] {
+                [p] => &p.global.start[..],
+                // An empty local tensor: PyTorch's reader needs an entry for every key.
+                [] => &zeros[..t.shape.len()],
+                _ => return None,
+            };
+            Some((t.name.as_str(), Saved { saved_offsets }))
+        })
+        .collect();
     let mut m = BTreeMap::new();
     m.insert("format".into(), "pt".into());
     m.insert("rank".into(), rank.to_string());
     m.insert("world_size".into(), strategy.mesh.world_size().to_string());
-    m.insert("strategy_hash".into(), strategy.hash());
+    m.insert("strategy_hash".into(), strategy_hash.to_string());
+    // The same text as a JSON object of objects (keys sorted, compact), without one.
     m.insert(
         DCP_SHARDING_INFO.into(),
-        serde_json::Value::Object(offsets).to_string(),
+        serde_json::to_string(&offsets).unwrap_or_default(),
     );
     m
 }
