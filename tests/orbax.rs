@@ -204,6 +204,31 @@ fn verify_and_reshard_read_orbax_too() {
     );
 }
 
+/// Chunks decoded on any thread give the same bytes: a merge and a reshard on 1 and on
+/// 4 threads write identical files.
+#[test]
+fn the_same_bytes_on_one_thread_and_on_four() {
+    let d = Dir::new();
+    let root = fixture("ocdbt_zarr3/ckpt");
+    let root = root.to_str().unwrap();
+    let mut written = vec![];
+    for threads in [1, 4] {
+        let (m, r) = (format!("m{threads}"), format!("r{threads}"));
+        d.ok_with_threads(&["merge", root, "-o", &m], threads);
+        d.ok_with_threads(&["reshard", root, "--to", "2", "-o", &r], threads);
+        let read = |p: String| std::fs::read(d.path(&p)).unwrap();
+        written.push([
+            read(format!("{m}/model.safetensors")),
+            read(format!("{r}/ckpt_0/model.safetensors")),
+            read(format!("{r}/ckpt_1/model.safetensors")),
+        ]);
+    }
+    assert!(
+        written[0] == written[1],
+        "1 and 4 threads wrote different bytes"
+    );
+}
+
 #[test]
 fn a_damaged_chunk_is_named_and_nothing_is_written() {
     // zarr v2 chunk files (no OCDBT): a chunk's zstd frame damaged.
