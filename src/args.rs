@@ -288,7 +288,38 @@ pub(crate) struct MergeArgs {
     #[arg(long, value_name = "DIR")]
     pub(crate) tokenizer: Option<PathBuf>,
     #[command(flatten)]
+    pub(crate) compute: ComputeArgs,
+    #[command(flatten)]
     pub(crate) copy: CopyArgs,
+}
+
+/// What a copy computes on the way (LoRA adapters merged, FP8 quantization); `--dtype`
+/// on a block-scaled FP8 checkpoint dequantizes it.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ComputeArgs {
+    /// Merge this PEFT LoRA adapter (a directory with adapter_config.json and
+    /// adapter_model.safetensors, or verl's lora_adapter/) into the weights, as
+    /// PEFT's merge_and_unload does; repeat it to merge several in turn.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) lora: Vec<PathBuf>,
+    /// The lora_alpha of an adapter whose config records 0 or none (merged as saved it
+    /// would change nothing, so it is refused without this).
+    #[arg(long, value_name = "ALPHA")]
+    pub(crate) lora_alpha: Option<f64>,
+    /// Quantize the linear layers' weights: fp8 (E4M3 with a weight_scale_inv per
+    /// 128x128 block and the quantization_config vLLM and transformers read).
+    #[arg(long, value_name = "fp8", value_parser = ["fp8"])]
+    pub(crate) quantize: Option<String>,
+}
+
+impl ComputeArgs {
+    pub(crate) fn computations(&self) -> ckpt_core::Computations {
+        ckpt_core::Computations {
+            lora: self.lora.clone(),
+            lora_alpha: self.lora_alpha,
+            quantize_fp8: self.quantize.is_some(),
+        }
+    }
 }
 
 #[derive(Args, Debug)]

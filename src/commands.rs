@@ -169,6 +169,7 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
             arch: a.hf_arch,
         },
         tokenizer: a.tokenizer,
+        computations: a.compute.computations(),
     };
     if req.format == ckpt_merge::MergeFormat::Hf && a.split_qkv {
         return Err(Usage(

@@ -24,6 +24,7 @@ mod pictures;
 mod python;
 mod readme;
 mod reshard;
+mod serving;
 mod split_rules;
 mod storage;
 mod tensorboard;

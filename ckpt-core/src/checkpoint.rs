@@ -13,6 +13,7 @@
 //! pieces in its messages).
 
 mod boxes;
+mod computed;
 mod coverage;
 mod flat_names;
 mod hf_view;
@@ -35,6 +36,7 @@ pub use crate::formats::detect::discover::{
     OPTIMIZER_FILE, STRATEGY_FILE,
 };
 pub use crate::layout::plan::DCP_SHARDING_INFO;
+pub use computed::{Computations, SCALE_INV_SUFFIX};
 pub use hf_view::{HfModel, HfTarget};
 /// The names of optimizer state, in ckpt's training checkpoints (`optim.<param>.<state>`)
 /// and torch's (`optim.state.<i>.<state>`).
@@ -82,6 +84,9 @@ pub struct Checkpoint {
     /// (Megatron-Bridge's `run_config.yaml`, NeMo's `context/model.yaml`), as
     /// Megatron-LM's args, and the file: used where the files hold no args.
     pub(crate) recorded_args: Option<(crate::formats::megatron::Args, std::path::PathBuf)>,
+    /// Scratch directories holding carried files rewritten for the output (a config
+    /// without its `quantization_config`), removed when the checkpoint is dropped.
+    pub(crate) scratch: Vec<tempfile::TempDir>,
     /// The local trees standing for URL inputs (last: dropped after the files that
     /// map their objects).
     pub(crate) mirrors: Vec<std::sync::Arc<ckpt_storage::Mirror>>,

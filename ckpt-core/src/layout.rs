@@ -1,5 +1,6 @@
 //! `TensorLayout`: how one tensor is laid out over a device mesh.
 
+pub(crate) mod compute;
 pub(crate) mod coverage;
 pub(crate) mod flat;
 pub(crate) mod mesh;

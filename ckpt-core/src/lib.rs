@@ -23,7 +23,7 @@ pub use crate::checkpoint::{
     Checkpoint, Kind, CARRIED_FILES, COMPRESSED_INDEX_FILE, COMPRESSED_MODEL_FILE,
     DCP_SHARDING_INFO, INDEX_FILE, MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_PREFIX, STRATEGY_FILE,
 };
-pub use crate::checkpoint::{HfModel, HfTarget};
+pub use crate::checkpoint::{Computations, HfModel, HfTarget, SCALE_INV_SUFFIX};
 pub use crate::draw::{
     fold, holder_label, html_report, matching, picture, piece_count, pieces_json, plan_html_report,
     render_text, show, write_html_report, write_plan_html, Canvas, Extent, Fold, Holding,

@@ -303,6 +303,7 @@ proptest! {
             global: Region::from_ranges(&[w[0]..w[1], 0..cols]),
             local: Region::from_ranges(&[0..w[1] - w[0], 0..cols]),
             view: None,
+            compute: None,
         }).collect();
         let starts: Vec<u64> = pieces.iter().map(|p| p.global.start[0]).collect();
         let t = SourceTensor { dtype: Dtype::F32, shape: vec![rows, cols], pieces, copies: vec![] };

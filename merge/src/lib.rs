@@ -6,9 +6,9 @@
 //! [`CopyPlan`] and [`execute`] do the copying.
 
 use ckpt_core::{
-    check_output_outside_inputs, execute_with, Checkpoint, Compression, CopyPlan, CopyStats,
-    HfExport, HfModel, HfTarget, Integrated, OneFile, Result, Selection, StagedDir, Universal,
-    Writer,
+    check_output_outside_inputs, execute_with, Checkpoint, Compression, Computations, CopyPlan,
+    CopyStats, HfExport, HfModel, HfTarget, Integrated, OneFile, Result, Selection, StagedDir,
+    Universal, Writer,
 };
 use std::path::PathBuf;
 
@@ -42,6 +42,9 @@ pub struct MergeRequest {
     /// With [`MergeFormat::Hf`]: a directory whose tokenizer files are copied beside the
     /// model.
     pub tokenizer: Option<PathBuf>,
+    /// What is computed on the way: LoRA adapters merged, FP8 quantization (and FP8
+    /// dequantization, which `selection`'s cast asks for).
+    pub computations: Computations,
 }
 
 /// transformers' `save_pretrained` default `max_shard_size`.
@@ -119,8 +122,9 @@ fn writer(req: &MergeRequest, hf: Option<HfModel>) -> Result<Box<dyn Writer>> {
 
 /// The source as the merge reads it (opened with the selection, refused when it holds
 /// no tensors, and, for `--format hf`, seen as the Hugging Face model it becomes), and
-/// the writer of the output's format.
-fn open(req: &MergeRequest) -> Result<(Checkpoint, Box<dyn Writer>)> {
+/// the writer of the output's format, and the selection as the writer takes it (what
+/// is computed in a dtype of its own left out of the cast).
+fn open(req: &MergeRequest) -> Result<(Checkpoint, Box<dyn Writer>, Selection)> {
     let mut source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
     if let Some(e) = source.no_tensors() {
         return Err(e);
@@ -135,8 +139,10 @@ fn open(req: &MergeRequest) -> Result<(Checkpoint, Box<dyn Writer>)> {
     } else {
         None
     };
+    // On the names the output takes (a Hugging Face model's, for --format hf).
+    let selection = source.compute(&req.computations, &req.selection)?;
     let writer = writer(req, hf)?;
-    Ok((source, writer))
+    Ok((source, writer, selection))
 }
 
 /// The files of `plan` that share `share` of `count` writes (file `k` when
@@ -159,8 +165,8 @@ fn share_of(plan: CopyPlan, share: u64, count: u64) -> CopyPlan {
 /// # Errors
 /// As [`merge`], before anything would be written.
 pub fn prepare(req: &MergeRequest) -> Result<(Checkpoint, CopyPlan)> {
-    let (source, writer) = open(req)?;
-    let mut plan = writer.plan(&source, &req.selection)?;
+    let (source, writer, selection) = open(req)?;
+    let mut plan = writer.plan(&source, &selection)?;
     if let Some((share, count)) = req.share {
         plan = share_of(plan, share, count);
     }
@@ -183,14 +189,14 @@ pub fn merge(
             path: req.output.clone(),
         });
     }
-    let (source, writer) = open(req)?;
-    let plan = writer.plan(&source, &req.selection)?;
+    let (source, writer, selection) = open(req)?;
+    let plan = writer.plan(&source, &selection)?;
     let compression = writer.compression();
     let Some((share, count)) = req.share else {
         on_plan(&source, &plan);
         let staged = StagedDir::new(&req.output, req.force)?;
         let stats = execute_with(&plan, &source, staged.path(), progress, compression)?;
-        writer.finish(&source, &req.selection, &plan, staged.path())?;
+        writer.finish(&source, &selection, &plan, staged.path())?;
         staged.commit()?;
         return Ok(stats);
     };
@@ -216,7 +222,7 @@ pub fn merge(
     })?;
     let stats = execute_with(&mine, &source, &req.output, progress, compression)?;
     if share == 0 {
-        writer.finish(&source, &req.selection, &plan, &req.output)?;
+        writer.finish(&source, &selection, &plan, &req.output)?;
     }
     Ok(stats)
 }

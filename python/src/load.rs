@@ -35,6 +35,7 @@ fn view_of(source: &Checkpoint, t: &TensorPlan) -> Option<(PathBuf, u64)> {
         || !(dtype.bitsize()).is_multiple_of(8)
         || op.src.shape[..] != t.target.shape[..]
         || op.axes.is_some()
+        || op.compute.is_some()
     {
         return None;
     }

@@ -90,7 +90,8 @@ fn run_copy(
 #[pyo3(signature = (src, out, *, max_shard_size=None, dtype=None, include=vec![], exclude=vec![],
     strip_prefix=None, add_prefix=None, format="safetensors", one_file=false, force=false,
     compress=None, source_strategy=None, checksums=true, split_qkv=false,
-    keep_vocab_padding=false, hf_config=None, hf_arch=None, tokenizer=None))]
+    keep_vocab_padding=false, hf_config=None, hf_arch=None, tokenizer=None, lora=vec![],
+    lora_alpha=None, quantize=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn merge<'py>(
     py: Python<'py>,
@@ -113,7 +114,15 @@ pub(crate) fn merge<'py>(
     hf_config: Option<PathBuf>,
     hf_arch: Option<String>,
     tokenizer: Option<PathBuf>,
+    lora: Vec<PathBuf>,
+    lora_alpha: Option<f64>,
+    quantize: Option<&str>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let quantize_fp8 = match quantize {
+        None => false,
+        Some("fp8") => true,
+        Some(q) => return Err(usage(py, format!("quantize `{q}`: fp8"))),
+    };
     let inputs = Source::new(
         py,
         paths_of(src)?,
@@ -166,6 +175,11 @@ pub(crate) fn merge<'py>(
             arch: hf_arch,
         },
         tokenizer,
+        computations: ckpt_core::Computations {
+            lora,
+            lora_alpha,
+            quantize_fp8,
+        },
     };
     if format != ckpt_merge::MergeFormat::Hf
         && (req.hf.config.is_some() || req.hf.arch.is_some() || req.tokenizer.is_some())

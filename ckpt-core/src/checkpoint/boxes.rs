@@ -82,6 +82,7 @@ impl Checkpoint {
                     local: Region::full(&t.shape),
                     global,
                     view: None,
+                    compute: None,
                 });
             }
         }

@@ -86,6 +86,7 @@ mod tests {
                 local: Region::full(&b.region.shape),
                 global: b.region,
                 view: None,
+                compute: None,
             });
         }
         (f, pieces)

@@ -194,6 +194,7 @@ impl Checkpoint {
                             global: shift.offset(&piece.global.start),
                             local: part.relative_to(&origin),
                             view: None,
+                            compute: None,
                         });
                     }
                 }

@@ -262,6 +262,7 @@ impl Checkpoint {
             notes,
             imported: None,
             recorded_args: record,
+            scratch: Vec::new(),
             mirrors: Vec::new(),
         };
         // ZeRO files hold one data-parallel rank's partitions each: labelled by it.

@@ -39,6 +39,7 @@ impl Checkpoint {
             notes,
             imported: None,
             recorded_args: None,
+            scratch: Vec::new(),
             mirrors: Vec::new(),
         };
         let mut raw: BTreeMap<String, Vec<SourcePiece>> = BTreeMap::new();
@@ -54,6 +55,7 @@ impl Checkpoint {
                         global: Region::new(start.clone(), t.shape.clone()),
                         local: Region::full(&t.shape),
                         view: None,
+                        compute: None,
                     });
                     continue;
                 }
@@ -275,6 +277,7 @@ fn place(
             global: p.global,
             local: p.local,
             view: None,
+            compute: None,
         });
     }
 }

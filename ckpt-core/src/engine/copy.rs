@@ -7,8 +7,9 @@
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::formats::{create_writer, Compression, ReadCache, TensorSpec, TensorWriter};
-use crate::layout::plan::{bytes_of, CopyOp, CopyPlan, TensorPlan};
-use crate::layout::region::{Region, Runs};
+use crate::layout::plan::{bytes_of, plan_region, CopyOp, CopyPlan, TensorPlan};
+use crate::layout::region::{Dims, Region, Runs};
+use crate::layout::source::Computed;
 use crate::layout::Dtype;
 use rayon::prelude::*;
 use std::path::Path;
@@ -154,6 +155,12 @@ fn fill_slab(
             .zip(&slab.start)
             .map(|(p, s)| p - s)
             .collect();
+        if let Some(c) = &op.compute {
+            read += fill_computed(
+                source, t, c, &part, &src_start, slab, &dst_start, buf, cache,
+            )?;
+            continue;
+        }
         let file = &source.files[op.file];
         if let Some(axes) = &op.axes {
             read += fill_permuted(
@@ -185,6 +192,76 @@ fn fill_slab(
         }
         if hi > lo {
             file.release(op.tensor, lo..hi);
+        }
+    }
+    Ok(read)
+}
+
+/// [`fill_slab`]'s copy of `part` (a box of the slab, in the target's coordinates)
+/// from a computed piece: each input's box that `part` needs assembled through its own
+/// plan (any layout, the same reads as a copy), the operation run on them, and the
+/// result placed like read bytes (converted when the target's dtype differs). Returns
+/// the bytes read.
+#[allow(clippy::too_many_arguments)]
+fn fill_computed(
+    source: &Checkpoint,
+    t: &TensorPlan,
+    c: &Computed,
+    part: &Region,
+    src_start: &[u64],
+    slab: &Region,
+    dst_start: &[u64],
+    buf: &mut [u8],
+    cache: &mut ReadCache,
+) -> Result<u64> {
+    // The part in the computed tensor's global coordinates.
+    let out = Region::new(Dims::from_slice(src_start), part.shape.clone());
+    let mut read = 0;
+    let mut inputs: Vec<(Region, Vec<u8>)> = Vec::with_capacity(c.inputs.len());
+    for (i, input) in c.inputs.iter().enumerate() {
+        let region = c.op.input_region(i, &out, &input.region);
+        let dtype = c.op.input_dtype(i, t.src_dtype);
+        let plan = plan_region(source, &input.name, &input.tensor, &region, dtype)?;
+        let mut bytes = vec![0u8; bytes_of(dtype, region.numel()) as usize];
+        read += fill_slab(
+            source,
+            &plan,
+            &Region::full(&region.shape),
+            &mut bytes,
+            cache,
+        )?;
+        inputs.push((region, bytes));
+    }
+    let views: Vec<(Region, &[u8])> = inputs.iter().map(|(r, b)| (r.clone(), &b[..])).collect();
+    let mut computed = vec![0u8; bytes_of(t.src_dtype, out.numel()) as usize];
+    c.op.compute(&out, &views, t.src_dtype, &mut computed)
+        .map_err(|e| Error::InvalidTensor {
+            tensor: t.target.name.clone(),
+            problem: e.to_string(),
+        })?;
+    let (sbits, dbits) = (
+        t.src_dtype.bitsize() as u64,
+        t.target.dtype.bitsize() as u64,
+    );
+    let origin = vec![0; out.ndim()];
+    for run in Runs::new(&part.shape, &part.shape, &origin, &slab.shape, dst_start) {
+        let (s0, s1) = (
+            (run.src * sbits / 8) as usize,
+            ((run.src + run.len) * sbits / 8) as usize,
+        );
+        let (d0, d1) = (
+            (run.dst * dbits / 8) as usize,
+            ((run.dst + run.len) * dbits / 8) as usize,
+        );
+        if t.src_dtype == t.target.dtype {
+            buf[d0..d1].copy_from_slice(&computed[s0..s1]);
+        } else {
+            convert(
+                &computed[s0..s1],
+                t.src_dtype,
+                &mut buf[d0..d1],
+                t.target.dtype,
+            );
         }
     }
     Ok(read)
@@ -455,15 +532,11 @@ pub fn execute_with(
     }
     // Source tensors read whole have their recorded checksums checked while they are
     // copied, over the same mapped pages; those read only in part cannot be.
+    let reads = stored_reads(source, plan.files.iter().flat_map(|f| &f.tensors))?;
     let crate::layout::plan::TensorsRead {
         read: touched,
         whole,
-    } = crate::layout::plan::tensors_read(
-        plan.files
-            .iter()
-            .flat_map(|f| &f.tensors)
-            .flat_map(|t| &t.ops),
-    );
+    } = crate::layout::plan::tensors_read(&reads);
     // The bytes of an object in a bucket that no slab reads (tensors left out) are
     // consumed from the start: its blocks then leave the pager's budget once the rest
     // of them is read, instead of holding it until evicted.
@@ -532,6 +605,41 @@ pub fn execute_with(
         checksums_verified: to_check.len() as u64,
         checksums_unchecked: unchecked,
     })
+}
+
+/// The copies of stored bytes `tensors` make: their ops, a computed box's replaced by
+/// the ops that read its inputs' boxes (what it reads of the files), so that a stored
+/// tensor a computation reads whole has its checksum checked like one copied whole.
+///
+/// # Errors
+/// An input box the source cannot give (as the copy itself would fail).
+fn stored_reads<'a>(
+    source: &Checkpoint,
+    tensors: impl IntoIterator<Item = &'a TensorPlan>,
+) -> Result<Vec<CopyOp>> {
+    fn add(source: &Checkpoint, t: &TensorPlan, out: &mut Vec<CopyOp>) -> Result<()> {
+        for op in &t.ops {
+            let Some(c) = &op.compute else {
+                out.push(op.clone());
+                continue;
+            };
+            for (i, input) in c.inputs.iter().enumerate() {
+                let region = c.op.input_region(i, &op.src, &input.region);
+                let dtype = c.op.input_dtype(i, t.src_dtype);
+                add(
+                    source,
+                    &plan_region(source, &input.name, &input.tensor, &region, dtype)?,
+                    out,
+                )?;
+            }
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    for t in tensors {
+        add(source, t, &mut out)?;
+    }
+    Ok(out)
 }
 
 /// Where a slab's first source bytes are: `(file, tensor, element offset)`.

@@ -55,8 +55,12 @@ pub(crate) fn slab_runs(
             continue;
         };
         let file = &source.files[op.file];
-        // A permuted box is no list of runs: gathered.
-        if file.is_compressed() || file.data(op.tensor).is_none() || op.axes.is_some() {
+        // A permuted box is no list of runs, a computed one no bytes of a file: gathered.
+        if file.is_compressed()
+            || file.data(op.tensor).is_none()
+            || op.axes.is_some()
+            || op.compute.is_some()
+        {
             return None;
         }
         let src_start = op.src_start_of(&part);

@@ -7,7 +7,7 @@
 
 use crate::error::{Error, Result};
 use crate::layout::region::{Dims, Region};
-use crate::layout::source::PieceSource;
+use crate::layout::source::{Compute, PieceSource, SourceTensor};
 use crate::layout::strategy::{dtype_name, Strategy};
 use crate::layout::Dtype;
 use crate::layout::{Piece, TensorLayout};
@@ -60,6 +60,10 @@ pub struct CopyOp {
     /// A [`StoredView`](crate::StoredView)'s permutation: the box's dimension `d` (the destination's) is
     /// `src_shape`'s dimension `axes[d]`. `None`: the same order.
     pub axes: Option<Vec<usize>>,
+    /// The box is computed from other tensors' boxes rather than read (`src` is then
+    /// in the computed tensor's global coordinates, and `file`/`tensor` its first
+    /// input's stored tensor).
+    pub compute: Option<Compute>,
 }
 
 impl CopyOp {
@@ -119,7 +123,9 @@ pub fn tensors_read<'a>(ops: impl IntoIterator<Item = &'a CopyOp>) -> TensorsRea
         let e = boxes
             .entry((op.file, op.tensor))
             .or_insert_with(|| (&op.src_shape[..], smallvec::SmallVec::new()));
-        if e.0 != &op.src_shape[..] {
+        // A computed box reads its stored tensor through other coordinates: never
+        // counted as read whole.
+        if e.0 != &op.src_shape[..] || op.compute.is_some() {
             reshaped.insert((op.file, op.tensor));
         }
         e.1.push(op);
@@ -240,6 +246,15 @@ pub fn check_cast(tensor: &str, from: Dtype, to: Dtype) -> Result<()> {
     if from == to || (is_float(from) && is_float(to)) {
         return Ok(());
     }
+    if matches!(from, Dtype::F8_E4M3 | Dtype::F8_E5M2) && is_float(to) {
+        return Err(Error::Unsupported {
+            problem: format!(
+                "tensor `{tensor}`: cannot cast {} to {}: an FP8 weight dequantizes with its block scales beside it (`{tensor}_scale_inv`, as DeepSeek-V3 and Qwen3-FP8 ship them), which this checkpoint lacks; other FP8 layouts (a per-tensor `weight_scale`) are not built (select the tensor out with --exclude)",
+                dtype_name(from),
+                dtype_name(to)
+            ),
+        });
+    }
     Err(Error::Unsupported {
         problem: format!(
             "tensor `{tensor}`: cannot cast {} to {} (only F16, BF16, F32 and F64 convert; select the tensor out with --exclude)",
@@ -247,6 +262,101 @@ pub fn check_cast(tensor: &str, from: Dtype, to: Dtype) -> Result<()> {
             dtype_name(to)
         ),
     })
+}
+
+/// Plans one target tensor from the global tensor `src` by box intersection: one copy
+/// per overlap of a target piece with a source piece.
+///
+/// # Errors
+/// A target piece outside the source's shape, an impossible cast, sub-byte elements
+/// split inside a byte.
+pub(crate) fn plan_tensor(
+    source: &impl PieceSource,
+    src: &SourceTensor,
+    target: TargetTensor,
+) -> Result<TensorPlan> {
+    check_cast(&target.name, src.dtype, target.dtype)?;
+    let mut ops = Vec::new();
+    for tp in &target.pieces {
+        if !Region::full(&src.shape).contains(&tp.global) {
+            return Err(Error::InvalidTensor {
+                tensor: target.name.clone(),
+                problem: format!(
+                    "target piece {} lies outside the source shape {:?}",
+                    tp.global, src.shape
+                ),
+            });
+        }
+        for sp in &src.pieces {
+            let Some(i) = tp.global.overlap(&sp.global) else {
+                continue;
+            };
+            let src_box = i.relative_to(&sp.global.start).offset(&sp.local.start);
+            let dst_start = i
+                .relative_to(&tp.global.start)
+                .offset(&tp.local.start)
+                .start;
+            let (src_shape, axes) = match (&sp.view, &sp.compute) {
+                // Computed in the global tensor's coordinates.
+                (_, Some(_)) => (Dims::from_slice(&src.shape), None),
+                (None, None) => (
+                    Dims::from_slice(source.stored_shape(sp.file, sp.tensor)),
+                    None,
+                ),
+                (Some(v), None) => {
+                    let identity = v.axes.iter().enumerate().all(|(d, &a)| d == a);
+                    (
+                        Dims::from_slice(&v.shape),
+                        (!identity).then(|| v.axes.clone()),
+                    )
+                }
+            };
+            ops.push(CopyOp {
+                file: sp.file,
+                tensor: sp.tensor,
+                src_shape,
+                src: src_box,
+                dst_start,
+                axes,
+                compute: sp.compute.clone(),
+            });
+        }
+    }
+    check_sub_byte(&target, src.dtype, &ops)?;
+    Ok(TensorPlan {
+        target,
+        src_dtype: src.dtype,
+        ops,
+        stored_shape: None,
+    })
+}
+
+/// Plans the box `region` of the global tensor `src` (named `name`) as a tensor of its
+/// own in `dtype`: how a computed piece's input is assembled.
+///
+/// # Errors
+/// As [`plan_tensor`].
+pub(crate) fn plan_region(
+    source: &impl PieceSource,
+    name: &str,
+    src: &SourceTensor,
+    region: &Region,
+    dtype: Dtype,
+) -> Result<TensorPlan> {
+    let shape = region.shape.to_vec();
+    plan_tensor(
+        source,
+        src,
+        TargetTensor {
+            name: name.to_string(),
+            dtype,
+            pieces: vec![Piece {
+                global: region.clone(),
+                local: Region::full(&shape),
+            }],
+            shape,
+        },
+    )
 }
 
 impl CopyPlan {
@@ -266,57 +376,7 @@ impl CopyPlan {
                         problem: "is not in the source checkpoint".into(),
                     }
                 })?;
-                check_cast(&target.name, src.dtype, target.dtype)?;
-                let mut ops = Vec::new();
-                for tp in &target.pieces {
-                    if !Region::full(&src.shape).contains(&tp.global) {
-                        return Err(Error::InvalidTensor {
-                            tensor: target.name.clone(),
-                            problem: format!(
-                                "target piece {} lies outside the source shape {:?}",
-                                tp.global, src.shape
-                            ),
-                        });
-                    }
-                    for sp in &src.pieces {
-                        let Some(i) = tp.global.overlap(&sp.global) else {
-                            continue;
-                        };
-                        let src_box = i.relative_to(&sp.global.start).offset(&sp.local.start);
-                        let dst_start = i
-                            .relative_to(&tp.global.start)
-                            .offset(&tp.local.start)
-                            .start;
-                        let (src_shape, axes) = match &sp.view {
-                            None => (
-                                Dims::from_slice(source.stored_shape(sp.file, sp.tensor)),
-                                None,
-                            ),
-                            Some(v) => {
-                                let identity = v.axes.iter().enumerate().all(|(d, &a)| d == a);
-                                (
-                                    Dims::from_slice(&v.shape),
-                                    (!identity).then(|| v.axes.clone()),
-                                )
-                            }
-                        };
-                        ops.push(CopyOp {
-                            file: sp.file,
-                            tensor: sp.tensor,
-                            src_shape,
-                            src: src_box,
-                            dst_start,
-                            axes,
-                        });
-                    }
-                }
-                check_sub_byte(&target, src.dtype, &ops)?;
-                tensors.push(TensorPlan {
-                    target,
-                    src_dtype: src.dtype,
-                    ops,
-                    stored_shape: None,
-                });
+                tensors.push(plan_tensor(source, src, target)?);
             }
             files.push(FilePlan {
                 path: tf.path,

@@ -15,6 +15,9 @@ pub struct Selection {
     /// The patterns as given (`--include`, then `--exclude`), for messages.
     patterns: Vec<(&'static str, String, Glob)>,
     cast: Option<Dtype>,
+    /// Tensors `cast` leaves as they are: computed in a dtype of their own (FP8
+    /// weights quantized on the way and their F32 scales).
+    uncast: std::collections::BTreeSet<String>,
     strip_prefix: Option<String>,
     add_prefix: Option<String>,
     step: Option<u64>,
@@ -78,6 +81,7 @@ impl Selection {
             exclude: globs(exclude)?,
             patterns,
             cast,
+            uncast: Default::default(),
             strip_prefix: None,
             add_prefix: None,
             step: None,
@@ -207,6 +211,20 @@ impl Selection {
         Ok(warnings)
     }
 
+    /// This selection with the tensors `names` left out of the cast (they are written
+    /// in the dtype the checkpoint gives them).
+    #[must_use]
+    pub fn without_cast_of(mut self, names: impl IntoIterator<Item = String>) -> Selection {
+        self.uncast.extend(names);
+        self
+    }
+
+    /// The floating-point type `--dtype` casts to, if any.
+    #[must_use]
+    pub fn cast(&self) -> Option<Dtype> {
+        self.cast
+    }
+
     /// Whether the tensor `name` is kept.
     #[must_use]
     pub fn keeps(&self, name: &str) -> bool {
@@ -223,6 +241,7 @@ impl Selection {
     pub fn dtype(&self, name: &str, dtype: Dtype) -> Result<Dtype> {
         match self.cast {
             None => Ok(dtype),
+            Some(_) if self.uncast.contains(name) => Ok(dtype),
             Some(to) if keeps_integers(dtype, to) => Ok(dtype),
             Some(to) => check_cast(name, dtype, to).map(|()| to),
         }

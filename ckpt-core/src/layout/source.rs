@@ -2,6 +2,7 @@
 //! piece a box of one stored tensor. Plain data, indexed by file and tensor position,
 //! so that planning needs no file format ([`crate::Checkpoint`] is one implementation).
 
+use crate::layout::compute::Operation;
 use crate::layout::region::Region;
 use crate::layout::Dtype;
 use std::collections::BTreeMap;
@@ -20,6 +21,51 @@ pub struct SourcePiece {
     /// How the stored bytes are read when not as the stored tensor: `None` for the
     /// stored tensor itself.
     pub view: Option<StoredView>,
+    /// The piece's elements computed from other tensors rather than read: then `local`
+    /// is `global` (the computation works in global coordinates) and `file`/`tensor`
+    /// name its first input's stored tensor, for pictures and messages.
+    pub compute: Option<Compute>,
+}
+
+/// One input of a computed piece: the input tensor's pieces (cut to what the piece
+/// needs) and the box of it the whole piece needs.
+#[derive(Clone, Debug)]
+pub struct ComputeInput {
+    /// The input tensor's name, for messages.
+    pub name: String,
+    /// The input tensor: its global shape and dtype, and the pieces holding `region`.
+    pub tensor: SourceTensor,
+    /// The box of the input the whole piece needs, in its global coordinates.
+    pub region: Region,
+}
+
+/// What a computed piece is computed from ([`crate::layout::compute`]).
+#[derive(Clone, Debug)]
+pub struct Computed {
+    /// The operation.
+    pub op: Operation,
+    /// Its inputs, in the operation's order.
+    pub inputs: Vec<ComputeInput>,
+}
+
+/// A shared [`Computed`], as pieces and copy ops carry it: equal when it is the same
+/// computation.
+#[derive(Clone, Debug)]
+pub struct Compute(pub std::sync::Arc<Computed>);
+
+impl PartialEq for Compute {
+    fn eq(&self, other: &Compute) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for Compute {}
+
+impl std::ops::Deref for Compute {
+    type Target = Computed;
+    fn deref(&self) -> &Computed {
+        &self.0
+    }
 }
 
 /// The bytes of a stored tensor read as another tensor: the row-major tensor of
@@ -91,6 +137,9 @@ impl SourcePiece {
             global,
             local,
             view: self.view.clone(),
+            // Views are taken of stored tensors, before any piece is computed: a
+            // computed piece's local box is its global one, which a cut would move.
+            compute: None,
         })
     }
 }
@@ -197,6 +246,7 @@ impl SourceTensor {
                     shape: vec![numel / cols, cols],
                     axes: vec![1, 0],
                 }),
+                compute: None,
             }))
         };
         let mut pieces = Vec::new();
@@ -227,6 +277,7 @@ mod tests {
             global: Region::from_ranges(&[rows.clone(), 0..cols]),
             local: Region::from_ranges(&[0..rows.end - rows.start, 0..cols]),
             view: None,
+            compute: None,
         }
     }
 
@@ -264,6 +315,7 @@ mod tests {
                     global: Region::from_ranges(&[0..2, 0..3]),
                     local: Region::from_ranges(&[2..4, 0..3]),
                     view: None,
+                    compute: None,
                 },
                 SourcePiece {
                     file: 1,
@@ -271,6 +323,7 @@ mod tests {
                     global: Region::from_ranges(&[2..4, 0..3]),
                     local: Region::from_ranges(&[2..4, 0..3]),
                     view: None,
+                    compute: None,
                 },
             ]
         );
@@ -326,6 +379,7 @@ mod tests {
                 global: Region::from_ranges(&[0..4, 0..2]),
                 local: Region::from_ranges(&[0..4, 0..2]),
                 view: None,
+                compute: None,
             }],
             ..t.clone()
         };

@@ -1,0 +1,769 @@
+//! Tensors computed while they are copied (`layout/compute.rs` does the arithmetic):
+//! block-scaled FP8 weights dequantized (`--dtype` on an FP8 checkpoint) or quantized
+//! (`--quantize fp8`), and PEFT LoRA adapters merged into their base weights (`--lora`).
+//! Each turns some tensors of the checkpoint into computed ones, whose pieces name the
+//! operation and the boxes of the stored tensors it reads; every writer, the planner
+//! and the engine then take them as they take stored tensors, in the same streaming
+//! pass.
+//!
+//! The rules are those of the libraries people check against (tests/fixtures/serving/
+//! README.md): DeepSeek-V3's `weight_dequant`, vLLM's and DeepGEMM's
+//! `per_block_cast_to_fp8`, PEFT 0.21's `merge_and_unload`.
+
+use super::Checkpoint;
+use crate::error::{Error, Result};
+use crate::layout::compute::{LowRankUpdate, Operation};
+use crate::layout::region::Region;
+use crate::layout::select::Selection;
+use crate::layout::source::{Compute, ComputeInput, Computed, SourcePiece, SourceTensor};
+use crate::layout::strategy::dtype_name;
+use crate::layout::Dtype;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// What the output computes besides the copy.
+#[derive(Clone, Debug, Default)]
+pub struct Computations {
+    /// PEFT LoRA adapter directories merged into the weights, in this order (`--lora`).
+    pub lora: Vec<PathBuf>,
+    /// The `lora_alpha` of adapters that record 0 or none (`--lora-alpha`).
+    pub lora_alpha: Option<f64>,
+    /// Quantize the linear layers' weights to FP8 with a scale per 128 x 128 block
+    /// (`--quantize fp8`).
+    pub quantize_fp8: bool,
+}
+
+impl Computations {
+    /// Whether anything is asked.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.lora.is_empty() && !self.quantize_fp8
+    }
+}
+
+/// The suffix of a block-scaled FP8 weight's scales (DeepSeek-V3, Qwen3-FP8): the
+/// dequantization multiplier per block, despite its name.
+pub const SCALE_INV_SUFFIX: &str = "_scale_inv";
+
+/// The block of DeepSeek-V3's and Qwen3's FP8 releases, where the config names none.
+const DEFAULT_BLOCK: [u64; 2] = [128, 128];
+
+/// A computed piece over the whole box `global` of a tensor.
+fn computed_piece(
+    first: &SourcePiece,
+    global: Region,
+    op: Operation,
+    inputs: Vec<ComputeInput>,
+) -> SourcePiece {
+    SourcePiece {
+        file: first.file,
+        tensor: first.tensor,
+        local: global.clone(),
+        global,
+        view: None,
+        compute: Some(Compute(Arc::new(Computed { op, inputs }))),
+    }
+}
+
+/// The input `name` of a computed piece: the box `region` of `tensor`, with only the
+/// pieces that hold some of it.
+fn input(name: &str, tensor: &SourceTensor, region: Region) -> ComputeInput {
+    ComputeInput {
+        name: name.to_string(),
+        tensor: SourceTensor {
+            dtype: tensor.dtype,
+            shape: tensor.shape.clone(),
+            pieces: tensor
+                .pieces
+                .iter()
+                .filter(|p| p.global.overlap(&region).is_some())
+                .cloned()
+                .collect(),
+            copies: Vec::new(),
+        },
+        region,
+    }
+}
+
+/// `[rows, cols]` of a 2-D tensor, or an error naming it.
+fn matrix(name: &str, t: &SourceTensor, what: &str) -> Result<[u64; 2]> {
+    match t.shape[..] {
+        [r, c] => Ok([r, c]),
+        _ => Err(Error::InvalidTensor {
+            tensor: name.to_string(),
+            problem: format!("{what} must be a matrix, not of shape {:?}", t.shape),
+        }),
+    }
+}
+
+impl Checkpoint {
+    /// Turns the tensors `computations` and `cast` (`--dtype`) name into computed ones:
+    /// block-scaled FP8 weights dequantized when a floating-point cast is asked (their
+    /// `_scale_inv` tensors and the config's `quantization_config` dropped, with a
+    /// note), LoRA adapters merged, weights quantized to FP8. Tensors the selection
+    /// left out are not touched.
+    ///
+    /// Returns `selection` with the tensors computed in a dtype of their own (FP8
+    /// weights quantized, their F32 scales) left out of its cast.
+    ///
+    /// # Errors
+    /// An FP8 weight whose scales do not fit its blocks; an adapter that does not fit
+    /// the base, or that PEFT's merge would not compute as built here (named).
+    pub fn compute(
+        &mut self,
+        computations: &Computations,
+        selection: &Selection,
+    ) -> Result<Selection> {
+        let cast = selection.cast();
+        if let Some(to) = cast.filter(|d| matches!(d, Dtype::BF16 | Dtype::F16 | Dtype::F32)) {
+            self.dequantize_fp8(to)?;
+        }
+        for dir in &computations.lora {
+            self.merge_lora(dir, computations.lora_alpha)?;
+        }
+        let mut fixed = Vec::new();
+        if computations.quantize_fp8 {
+            fixed = self.quantize_fp8()?;
+        }
+        Ok(selection.clone().without_cast_of(fixed))
+    }
+
+    /// The config kept beside the weights, parsed (`None` when there is none).
+    fn carried_config(&self) -> Result<Option<(PathBuf, serde_json::Map<String, Value>)>> {
+        let Some(path) = self.carried.get("config.json") else {
+            return Ok(None);
+        };
+        let bytes = crate::formats::read_small(path)?;
+        match serde_json::from_slice(&bytes) {
+            Ok(Value::Object(map)) => Ok(Some((path.clone(), map))),
+            _ => Err(Error::Unsupported {
+                problem: format!("{}: not a JSON object", path.display()),
+            }),
+        }
+    }
+
+    /// Replaces the carried `config.json` by `config` (written to a scratch directory
+    /// the checkpoint keeps until it is dropped; the input is never modified).
+    fn rewrite_config(&mut self, config: &serde_json::Map<String, Value>) -> Result<()> {
+        let dir = tempfile::Builder::new()
+            .prefix("ckpt-config-")
+            .tempdir()
+            .map_err(|source| Error::Io {
+                path: std::env::temp_dir(),
+                source,
+            })?;
+        let path = dir.path().join("config.json");
+        let mut text = serde_json::to_string_pretty(config).unwrap_or_default();
+        text.push('\n');
+        std::fs::write(&path, text).map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
+        self.carried.insert("config.json".into(), path);
+        self.scratch.push(dir);
+        Ok(())
+    }
+
+    /// The FP8 block of the config's `quantization_config.weight_block_size`.
+    fn fp8_block(config: Option<&serde_json::Map<String, Value>>) -> Result<[u64; 2]> {
+        let Some(q) = config.and_then(|c| c.get("quantization_config")) else {
+            return Ok(DEFAULT_BLOCK);
+        };
+        match q.get("weight_block_size") {
+            None | Some(Value::Null) => Ok(DEFAULT_BLOCK),
+            Some(Value::Array(b)) => match b[..] {
+                [Value::Number(ref r), Value::Number(ref c)] => match (r.as_u64(), c.as_u64()) {
+                    (Some(r), Some(c)) if r > 0 && c > 0 => Ok([r, c]),
+                    _ => Err(bad_block(b)),
+                },
+                _ => Err(bad_block(b)),
+            },
+            Some(other) => Err(Error::Unsupported {
+                problem: format!("config.json: quantization_config.weight_block_size is {other}, not [rows, columns]"),
+            }),
+        }
+    }
+
+    /// Block-scaled FP8 weights (`W` in `F8_E4M3` beside `W_scale_inv`) as computed
+    /// tensors of `dtype`.
+    fn dequantize_fp8(&mut self, dtype: Dtype) -> Result<()> {
+        let weights: Vec<String> = self
+            .tensors
+            .iter()
+            .filter(|(n, t)| t.dtype == Dtype::F8_E4M3 && self.tensors.contains_key(&scale_name(n)))
+            .map(|(n, _)| n.clone())
+            .collect();
+        if weights.is_empty() {
+            return Ok(());
+        }
+        let config = self.carried_config()?;
+        let block = Self::fp8_block(config.as_ref().map(|c| &c.1))?;
+        for name in &weights {
+            let scale_name = scale_name(name);
+            let (w, s) = (&self.tensors[name], &self.tensors[&scale_name]);
+            let [m, n] = matrix(name, w, "a block-scaled FP8 weight")?;
+            let want = vec![m.div_ceil(block[0]), n.div_ceil(block[1])];
+            if s.shape != want || s.dtype != Dtype::F32 {
+                return Err(Error::InvalidTensor {
+                    tensor: scale_name.clone(),
+                    problem: format!(
+                        "is {} {:?}, but the scales of `{name}` ({m} x {n}) in blocks of {} x {} are F32 {want:?}: the block size does not fit (quantization_config.weight_block_size in config.json)",
+                        dtype_name(s.dtype),
+                        s.shape,
+                        block[0],
+                        block[1]
+                    ),
+                });
+            }
+            let op = Operation::BlockDequantize { block };
+            let pieces = w
+                .pieces
+                .iter()
+                .map(|p| {
+                    let whole = Region::full(&s.shape);
+                    let scales = op.input_region(1, &p.global, &whole);
+                    let inputs = vec![
+                        input(name, w, p.global.clone()),
+                        input(&scale_name, s, scales),
+                    ];
+                    computed_piece(p, p.global.clone(), op.clone(), inputs)
+                })
+                .collect();
+            let shape = w.shape.clone();
+            self.tensors.insert(
+                name.clone(),
+                SourceTensor {
+                    dtype,
+                    shape,
+                    pieces,
+                    copies: Vec::new(),
+                },
+            );
+            self.tensors.remove(&scale_name);
+        }
+        self.notes.push(format!(
+            "{} FP8 weights dequantized to {} with their {}x{} block scales (DeepSeek-V3's weight_dequant); the `{SCALE_INV_SUFFIX}` tensors are left out",
+            weights.len(),
+            dtype_name(dtype),
+            block[0],
+            block[1]
+        ));
+        if let Some((_, mut config)) = config {
+            if config.remove("quantization_config").is_some() {
+                self.rewrite_config(&config)?;
+                self.notes.push(
+                    "config.json: quantization_config removed (the weights are no longer FP8)"
+                        .into(),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The linear layers' weights quantized to FP8 with a `_scale_inv` per 128 x 128
+    /// block, and the `quantization_config` transformers and vLLM read.
+    fn quantize_fp8(&mut self) -> Result<Vec<String>> {
+        let block = DEFAULT_BLOCK;
+        let weights: Vec<String> = self
+            .tensors
+            .iter()
+            .filter(|(n, t)| is_quantized_linear(n, t))
+            .map(|(n, _)| n.clone())
+            .collect();
+        if weights.is_empty() {
+            let fp8 = self.tensors.values().any(|t| t.dtype == Dtype::F8_E4M3);
+            return Err(Error::Unsupported {
+                problem: if fp8 {
+                    "--quantize fp8: the weights are FP8 already (with --dtype bf16 they are dequantized first, then quantized again)".into()
+                } else {
+                    "--quantize fp8: no linear layer's weight (`*_proj.weight` and the like, 2-D, floating point) to quantize".into()
+                },
+            });
+        }
+        let fixed: Vec<String> = weights
+            .iter()
+            .flat_map(|w| [w.clone(), scale_name(w)])
+            .collect();
+        for name in &weights {
+            let w = self.tensors[name].clone();
+            let [m, n] = matrix(name, &w, "a weight to quantize")?;
+            let whole = Region::full(&w.shape);
+            let grid = [m.div_ceil(block[0]), n.div_ceil(block[1])];
+            let codes = Operation::BlockQuantize { block };
+            let pieces = w
+                .pieces
+                .iter()
+                .map(|p| {
+                    let x = codes.input_region(0, &p.global, &whole);
+                    computed_piece(p, p.global.clone(), codes.clone(), vec![input(name, &w, x)])
+                })
+                .collect();
+            let scale = Operation::BlockScale { block };
+            let grid_box = Region::full(&grid);
+            let x = scale.input_region(0, &grid_box, &whole);
+            let scale_piece =
+                computed_piece(&w.pieces[0], grid_box, scale, vec![input(name, &w, x)]);
+            self.tensors.insert(
+                name.clone(),
+                SourceTensor {
+                    dtype: Dtype::F8_E4M3,
+                    shape: w.shape.clone(),
+                    pieces,
+                    copies: Vec::new(),
+                },
+            );
+            self.tensors.insert(
+                scale_name(name),
+                SourceTensor {
+                    dtype: Dtype::F32,
+                    shape: grid.to_vec(),
+                    pieces: vec![scale_piece],
+                    copies: Vec::new(),
+                },
+            );
+        }
+        self.notes.push(format!(
+            "{} weights quantized to FP8 (E4M3) with a scale per {}x{} block (vLLM's per_block_cast_to_fp8); embeddings, norms, routers and lm_head stay as they are",
+            weights.len(),
+            block[0],
+            block[1]
+        ));
+        let quantization = serde_json::json!({
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": block,
+        });
+        let Some((_, mut config)) = self.carried_config()? else {
+            self.notes.push(format!(
+                "no config.json beside the weights: the model's config needs \"quantization_config\": {quantization} for transformers and vLLM to load the FP8 weights"
+            ));
+            return Ok(fixed);
+        };
+        config.insert("quantization_config".into(), quantization);
+        self.rewrite_config(&config)?;
+        Ok(fixed)
+    }
+
+    /// Merges the PEFT LoRA adapter in `dir` (or its `lora_adapter/`, as verl saves
+    /// it) into the weights: each targeted weight becomes a computed tensor (its
+    /// pieces plus `scale * B @ A`), each saved module (`modules_to_save`, trained
+    /// biases) replaces the base's tensor.
+    fn merge_lora(&mut self, dir: &Path, alpha: Option<f64>) -> Result<()> {
+        let dir = if !dir.join(ADAPTER_CONFIG).exists()
+            && dir.join("lora_adapter").join(ADAPTER_CONFIG).exists()
+        {
+            dir.join("lora_adapter")
+        } else {
+            dir.to_path_buf()
+        };
+        let config = AdapterConfig::read(&dir.join(ADAPTER_CONFIG), alpha)?;
+        // The adapter's own file (a directory may hold more: training args, merged
+        // copies).
+        let Some(file) = ADAPTER_FILES
+            .iter()
+            .map(|f| dir.join(f))
+            .find(|f| f.exists())
+        else {
+            return Err(Error::Unsupported {
+                problem: format!(
+                    "{}: no {} beside {ADAPTER_CONFIG}",
+                    dir.display(),
+                    ADAPTER_FILES.join(" or ")
+                ),
+            });
+        };
+        let adapter = Checkpoint::open(&[file])?;
+        let offset = self.files.len();
+        let Checkpoint {
+            files,
+            tensors,
+            mirrors,
+            ..
+        } = adapter;
+        self.ranks.extend(std::iter::repeat_n(None, files.len()));
+        self.files.extend(files);
+        self.mirrors.extend(mirrors);
+        let mut tensors: BTreeMap<String, SourceTensor> = tensors
+            .into_iter()
+            .map(|(name, mut t)| {
+                for p in t
+                    .pieces
+                    .iter_mut()
+                    .chain(t.copies.iter_mut().map(|c| &mut c.1))
+                {
+                    p.file += offset;
+                }
+                (name, t)
+            })
+            .collect();
+        let at = |name: &str| format!("{}: `{name}`", dir.display());
+        // The adapter's modules: `base_model.model.<module>.lora_{A,B}.weight` (and the
+        // embedding kind), and saved modules under the same prefix without `lora_`.
+        let mut modules: BTreeMap<String, [Option<(String, SourceTensor)>; 2]> = BTreeMap::new();
+        let mut saved = Vec::new();
+        for (name, t) in std::mem::take(&mut tensors) {
+            let Some(rest) = name.strip_prefix(PEFT_PREFIX) else {
+                return Err(Error::Unsupported {
+                    problem: format!(
+                        "{}: not a PEFT adapter's tensor (PEFT names start with `{PEFT_PREFIX}`)",
+                        at(&name)
+                    ),
+                });
+            };
+            let kind = LORA_KINDS.iter().find_map(|&(suffix, i, embedding)| {
+                rest.strip_suffix(suffix)
+                    .map(|m| (m.to_string(), i, embedding))
+            });
+            match kind {
+                Some((module, i, embedding)) => {
+                    let key = if embedding {
+                        format!("{module}\u{0}")
+                    } else {
+                        module
+                    };
+                    modules.entry(key).or_default()[i] = Some((name, t));
+                }
+                None if rest.contains("lora_") || rest.contains("magnitude_vector") => {
+                    return Err(Error::Unsupported {
+                        problem: format!("{}: a LoRA variant ckpt does not merge (DoRA's magnitude, a LoRA bias, ...): only A and B matrices are built", at(&name)),
+                    });
+                }
+                None => saved.push((rest.to_string(), name, t)),
+            }
+        }
+        let mut merged = 0;
+        for (key, [a, b]) in modules {
+            let (module, embedding) = match key.strip_suffix('\u{0}') {
+                Some(m) => (m.to_string(), true),
+                None => (key, false),
+            };
+            let (Some((a_name, a)), Some((b_name, b))) = (a, b) else {
+                return Err(Error::Unsupported {
+                    problem: format!(
+                        "{}: module `{module}` has only one of lora_A and lora_B",
+                        dir.display()
+                    ),
+                });
+            };
+            let weight = format!("{module}.weight");
+            let Some(w) = self.tensors.get(&weight).cloned() else {
+                return Err(Error::InvalidTensor {
+                    tensor: weight,
+                    problem: format!(
+                        "is not in the base, but the adapter {} changes it (`{a_name}`): is it the adapter of another model?",
+                        dir.display()
+                    ),
+                });
+            };
+            let [rows, cols] = matrix(&weight, &w, "a weight LoRA updates")?;
+            let [ar, ac] = matrix(&a_name, &a, "lora_A")?;
+            let [br, bc] = matrix(&b_name, &b, "lora_B")?;
+            let (r, alpha) = config.rank_and_alpha(&module)?;
+            // Linear: B [out, r] @ A [r, in] is W [out, in]; an embedding's update and a
+            // fan_in_fan_out weight ([in, out]) take it transposed.
+            let transposed = embedding != config.fan_in_fan_out;
+            let (out_dim, in_dim) = if transposed {
+                (cols, rows)
+            } else {
+                (rows, cols)
+            };
+            if ar != r || bc != r || ac != in_dim || br != out_dim {
+                return Err(Error::InvalidTensor {
+                    tensor: weight,
+                    problem: format!(
+                        "is {rows} x {cols}, but the adapter {} holds lora_A {ar} x {ac} and lora_B {br} x {bc} with r = {r}: it does not fit this base",
+                        dir.display()
+                    ),
+                });
+            }
+            if !matches!(w.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
+                || !is_float(a.dtype)
+                || !is_float(b.dtype)
+            {
+                return Err(Error::Unsupported {
+                    problem: format!("`{weight}` is {}: LoRA merges into BF16, F16 or F32 weights with floating-point adapters", dtype_name(w.dtype)),
+                });
+            }
+            let scale = if config.use_rslora {
+                alpha / (r as f64).sqrt()
+            } else {
+                alpha / r as f64
+            } as f32;
+            let update = LowRankUpdate {
+                scale,
+                rank: r,
+                transposed,
+            };
+            self.add_low_rank(&weight, w, update, (&a_name, &a), (&b_name, &b));
+            merged += 1;
+        }
+        for (module, name, t) in saved {
+            let Some(base) = self.tensors.get(&module) else {
+                return Err(Error::InvalidTensor {
+                    tensor: module,
+                    problem: format!(
+                        "is not in the base, but the adapter {} saves it (`{name}`)",
+                        dir.display()
+                    ),
+                });
+            };
+            if base.shape != t.shape {
+                return Err(Error::InvalidTensor {
+                    tensor: module,
+                    problem: format!(
+                        "is {:?} in the base but {:?} in the adapter {}",
+                        base.shape,
+                        t.shape,
+                        dir.display()
+                    ),
+                });
+            }
+            self.tensors.insert(module, t);
+        }
+        self.notes.push(format!(
+            "LoRA adapter {} merged into {merged} weights (r {}, lora_alpha {}{})",
+            dir.display(),
+            config.r,
+            config.lora_alpha,
+            if config.use_rslora { ", rsLoRA" } else { "" }
+        ));
+        Ok(())
+    }
+
+    /// `weight` (whose tensor is `w`) plus one more low-rank update: a stored weight
+    /// becomes computed, a computed one takes the update after those it has.
+    fn add_low_rank(
+        &mut self,
+        weight: &str,
+        w: SourceTensor,
+        update: LowRankUpdate,
+        a: (&str, &SourceTensor),
+        b: (&str, &SourceTensor),
+    ) {
+        let pieces = w
+            .pieces
+            .iter()
+            .map(|p| {
+                // A weight already updated by an earlier adapter: its inputs and
+                // updates, one more pair appended (one rounding per adapter, as PEFT
+                // merges one after the other).
+                let (mut updates, mut inputs) = match p.compute.as_ref().map(|c| (&c.op, &c.inputs))
+                {
+                    Some((Operation::LowRank { updates }, inputs)) => {
+                        (updates.clone(), inputs.clone())
+                    }
+                    _ => (Vec::new(), vec![input(weight, &w, p.global.clone())]),
+                };
+                updates.push(update);
+                let op = Operation::LowRank { updates };
+                let n = inputs.len();
+                for (i, (name, t)) in [a, b].into_iter().enumerate() {
+                    let region = op.input_region(n + i, &p.global, &Region::full(&t.shape));
+                    inputs.push(input(name, t, region));
+                }
+                computed_piece(p, p.global.clone(), op, inputs)
+            })
+            .collect();
+        self.tensors.insert(
+            weight.to_string(),
+            SourceTensor {
+                dtype: w.dtype,
+                shape: w.shape,
+                pieces,
+                copies: Vec::new(),
+            },
+        );
+    }
+}
+
+fn is_float(d: Dtype) -> bool {
+    matches!(d, Dtype::BF16 | Dtype::F16 | Dtype::F32 | Dtype::F64)
+}
+
+fn bad_block(b: &[Value]) -> Error {
+    Error::Unsupported {
+        problem: format!("config.json: quantization_config.weight_block_size is {b:?}, not two positive integers"),
+    }
+}
+
+/// `W`'s scales: `W_scale_inv`.
+fn scale_name(weight: &str) -> String {
+    format!("{weight}{SCALE_INV_SUFFIX}")
+}
+
+/// The weights `--quantize fp8` quantizes: the linear layers' 2-D floating-point
+/// weights inside the layers (DeepSeek's and Qwen's FP8 releases keep embeddings,
+/// norms, the MoE router and `lm_head` in BF16).
+fn is_quantized_linear(name: &str, t: &SourceTensor) -> bool {
+    let Some(module) = name.strip_suffix(".weight") else {
+        return false;
+    };
+    let last = module.rsplit('.').next().unwrap_or(module);
+    let linear = last.contains("_proj")
+        || matches!(
+            last,
+            "w1" | "w2"
+                | "w3"
+                | "fc1"
+                | "fc2"
+                | "c_fc"
+                | "c_proj"
+                | "dense"
+                | "query_key_value"
+                | "dense_h_to_4h"
+                | "dense_4h_to_h"
+        );
+    t.shape.len() == 2
+        && matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
+        && linear
+        && module.contains("layers.")
+}
+
+/// The adapter's configuration file.
+const ADAPTER_CONFIG: &str = "adapter_config.json";
+
+/// The adapter's weights, as PEFT saves them (safetensors unless told otherwise).
+const ADAPTER_FILES: [&str; 2] = ["adapter_model.safetensors", "adapter_model.bin"];
+
+/// The prefix PEFT saves its tensors under (`PeftModel.base_model.model`).
+const PEFT_PREFIX: &str = "base_model.model.";
+
+/// The suffixes of a module's LoRA matrices: which of `[A, B]`, and whether it is an
+/// embedding's (`lora_embedding_A` is `[r, num_embeddings]`, its update transposed).
+const LORA_KINDS: [(&str, usize, bool); 4] = [
+    (".lora_A.weight", 0, false),
+    (".lora_B.weight", 1, false),
+    (".lora_embedding_A", 0, true),
+    (".lora_embedding_B", 1, true),
+];
+
+/// What of `adapter_config.json` the merge uses.
+#[derive(Debug)]
+struct AdapterConfig {
+    r: u64,
+    lora_alpha: f64,
+    use_rslora: bool,
+    fan_in_fan_out: bool,
+    /// `(regex, value)` in the file's key order (PEFT writes its config with sorted
+    /// keys, and serde_json's map is sorted: the same order), first match wins.
+    rank_pattern: Vec<(regex::Regex, String, u64)>,
+    alpha_pattern: Vec<(regex::Regex, String, f64)>,
+    path: PathBuf,
+}
+
+impl AdapterConfig {
+    fn read(path: &Path, alpha: Option<f64>) -> Result<AdapterConfig> {
+        let bad = |problem: String| Error::Unsupported {
+            problem: format!("{}: {problem}", path.display()),
+        };
+        let bytes = crate::formats::read_small(path)?;
+        let Ok(Value::Object(c)) = serde_json::from_slice::<Value>(&bytes) else {
+            return Err(bad("not a JSON object".into()));
+        };
+        let peft_type = c.get("peft_type").and_then(Value::as_str).unwrap_or("");
+        if peft_type != "LORA" {
+            return Err(bad(format!(
+                "peft_type `{peft_type}`: only LoRA adapters (peft_type LORA) are merged"
+            )));
+        }
+        // What changes the merge's arithmetic beyond A, B, r and alpha: refused by
+        // name rather than merged wrongly.
+        let truthy = |v: &Value| {
+            !matches!(v, Value::Null | Value::Bool(false))
+                && v != &Value::Object(Default::default())
+                && v != &Value::Array(Vec::new())
+        };
+        for key in [
+            "use_dora",
+            "lora_bias",
+            "use_qalora",
+            "use_bdlora",
+            "arrow_config",
+            "kasa_config",
+            "monteclora_config",
+            "velora_config",
+            "alora_invocation_tokens",
+            "target_parameters",
+            "trainable_token_indices",
+            "layer_replication",
+            "megatron_config",
+        ] {
+            if let Some(v) = c.get(key).filter(|v| truthy(v)) {
+                return Err(bad(format!("`{key}` is {v}: that LoRA variant is not built (ckpt merges plain LoRA and rsLoRA)")));
+            }
+        }
+        let r = c
+            .get("r")
+            .and_then(Value::as_u64)
+            .filter(|&r| r > 0)
+            .ok_or_else(|| bad("`r` is not a positive integer".into()))?;
+        let recorded = c.get("lora_alpha").and_then(Value::as_f64).unwrap_or(0.0);
+        let lora_alpha = match alpha {
+            Some(a) => a,
+            None if recorded == 0.0 => {
+                return Err(bad("lora_alpha is 0 or missing: merged as saved, the adapter would change nothing (one trainer writes this); give the alpha it was trained with: --lora-alpha N".into()));
+            }
+            None => recorded,
+        };
+        let patterns = |key: &str| -> Result<Vec<(regex::Regex, String, f64)>> {
+            let Some(Value::Object(m)) = c.get(key) else {
+                return Ok(Vec::new());
+            };
+            m.iter()
+                .map(|(k, v)| {
+                    // PEFT's get_pattern_key: re.match(rf"(.*\.)?({key})$", name).
+                    let re = regex::Regex::new(&format!(r"^(?:.*\.)?(?:{k})$")).map_err(|e| {
+                        bad(format!("{key}: `{k}` is not a pattern ckpt reads: {e}"))
+                    })?;
+                    let v = v
+                        .as_f64()
+                        .ok_or_else(|| bad(format!("{key}: `{k}` is {v}, not a number")))?;
+                    Ok((re, k.clone(), v))
+                })
+                .collect()
+        };
+        let rank_pattern = patterns("rank_pattern")?
+            .into_iter()
+            .map(|(re, k, v)| (re, k, v as u64))
+            .collect();
+        Ok(AdapterConfig {
+            r,
+            lora_alpha,
+            use_rslora: c
+                .get("use_rslora")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            fan_in_fan_out: c
+                .get("fan_in_fan_out")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            rank_pattern,
+            alpha_pattern: patterns("alpha_pattern")?,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// The rank and alpha of `module` (its name in the base model): the first
+    /// pattern that matches, else the defaults.
+    fn rank_and_alpha(&self, module: &str) -> Result<(u64, f64)> {
+        let r = self
+            .rank_pattern
+            .iter()
+            .find(|p| p.0.is_match(module))
+            .map_or(self.r, |p| p.2);
+        let alpha = self
+            .alpha_pattern
+            .iter()
+            .find(|p| p.0.is_match(module))
+            .map_or(self.lora_alpha, |p| p.2);
+        if r == 0 {
+            return Err(Error::Unsupported {
+                problem: format!("{}: rank 0 for `{module}`", self.path.display()),
+            });
+        }
+        Ok((r, alpha))
+    }
+}

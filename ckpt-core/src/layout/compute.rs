@@ -1,0 +1,530 @@
+//! Computed pieces: a piece of a tensor whose elements are computed, in the copy's own
+//! streaming pass, from boxes of other stored tensors by a named [`Operation`] (FP8
+//! block dequantization and quantization, a LoRA adapter's low-rank update), instead of
+//! read from a file.
+//!
+//! A computed piece is planned like any other: the planner cuts its box to the target's
+//! pieces, and the engine, where a copy op carries a [`Compute`], assembles each input's
+//! box through that input's own copy plan (any layout: shards, slices, compressed),
+//! computes the part of the box a slab needs, and places it like read bytes. Every part
+//! is computed from its inputs alone, element by element in a fixed order, so the
+//! output does not depend on how slabs or threads cut the work. What may become a
+//! computed piece (a weight with its `_scale_inv`, an adapter's `lora_A`/`lora_B`) is the
+//! checkpoint's business (`checkpoint/computed.rs`), and the pieces' record of it is
+//! `source::Computed`; this module is the arithmetic and the geometry: which box of
+//! each input a box of the output needs.
+
+use crate::error::{Error, Result};
+use crate::layout::region::{Dims, Region};
+use crate::layout::Dtype;
+use float8::F8E4M3;
+use half::{bf16, f16};
+
+/// The largest finite E4M3 value: FP8 block scales map each block's largest magnitude
+/// to it.
+pub(crate) const E4M3_MAX: f32 = 448.0;
+
+/// How a computed piece's elements follow from its inputs' (all boxes in global
+/// coordinates of their tensors; 2-D tensors, rows by columns).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Operation {
+    /// Inputs `[codes (F8_E4M3, M x N), scale_inv (F32, ceil(M/bh) x ceil(N/bw))]`:
+    /// `y = round(f32(code) * scale_inv[i / bh, j / bw])`, the product one f32 rounding
+    /// and the store one more (DeepSeek-V3's `weight_dequant`; partial edge blocks).
+    BlockDequantize {
+        /// Block rows and columns (`weight_block_size`).
+        block: [u64; 2],
+    },
+    /// Input `[x (any float, read as F32), M x N]`: the E4M3 codes of `x` quantized by
+    /// blocks, each block's `scale_inv = f32(max(amax, 1e-4) / 448)`, the code
+    /// `e4m3(f32(x * f32(1 / scale_inv)))` round to nearest even, saturating (vLLM's and
+    /// DeepGEMM's `per_block_cast_to_fp8`).
+    BlockQuantize {
+        /// Block rows and columns.
+        block: [u64; 2],
+    },
+    /// Input `[x (any float, read as F32), M x N]`: the F32 `scale_inv` of each block of
+    /// [`Operation::BlockQuantize`], a tensor of `ceil(M/bh) x ceil(N/bw)`.
+    BlockScale {
+        /// Block rows and columns.
+        block: [u64; 2],
+    },
+    /// Inputs `[W, A_1, B_1, ..., A_k, B_k]` (`A` and `B` read as F32): `W` plus each
+    /// adapter's `scale * (B @ A)` in turn, as PEFT's `merge_and_unload` on a CPU
+    /// computes it: the product an FMA chain over the rank in ascending order, times
+    /// the f32 scale, added to `f32(W)` in f32 and rounded to W's dtype.
+    LowRank {
+        /// One per adapter, in the order they are merged.
+        updates: Vec<LowRankUpdate>,
+    },
+}
+
+/// One adapter's update of [`Operation::LowRank`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LowRankUpdate {
+    /// `lora_alpha / r` (or `/ sqrt(r)`, rsLoRA), rounded to f32.
+    pub scale: f32,
+    /// The rank `r` (A's rows, B's columns).
+    pub rank: u64,
+    /// `fan_in_fan_out`: the weight is stored `[in, out]` (GPT-2's `Conv1D`), so the
+    /// update is `(B @ A)` transposed.
+    pub transposed: bool,
+}
+
+/// The 2-D box of `rows x cols` at `(r0, c0)`.
+fn rect(r0: u64, c0: u64, rows: u64, cols: u64) -> Region {
+    Region::new(Dims::from_slice(&[r0, c0]), Dims::from_slice(&[rows, cols]))
+}
+
+/// `lo..hi` on a block grid: the blocks of size `b` that `lo..hi` touches.
+fn blocks_of(lo: u64, hi: u64, b: u64) -> (u64, u64) {
+    (lo / b, hi.div_ceil(b))
+}
+
+impl Operation {
+    /// The dtype the operation reads input `i` in (the plans assemble it so).
+    #[must_use]
+    pub fn input_dtype(&self, i: usize, stored: Dtype) -> Dtype {
+        match (self, i) {
+            (Operation::BlockDequantize { .. }, 0) => Dtype::F8_E4M3,
+            (Operation::LowRank { .. }, 0) => stored,
+            _ => Dtype::F32,
+        }
+    }
+
+    /// The box of input `i` that the output box `out` needs, within `whole` (the box of
+    /// that input the whole piece needs, [`Input::region`]).
+    #[must_use]
+    pub fn input_region(&self, i: usize, out: &Region, whole: &Region) -> Region {
+        let rows = (out.start[0], out.end(0));
+        let cols = (out.start[1], out.end(1));
+        let clip = |r: Region| {
+            r.overlap(whole)
+                .unwrap_or_else(|| Region::new(whole.start.clone(), Dims::from_slice(&[0, 0])))
+        };
+        match self {
+            Operation::BlockDequantize { block } if i == 1 => {
+                let (r0, r1) = blocks_of(rows.0, rows.1, block[0]);
+                let (c0, c1) = blocks_of(cols.0, cols.1, block[1]);
+                clip(rect(r0, c0, r1 - r0, c1 - c0))
+            }
+            Operation::BlockQuantize { block } => {
+                let (r0, r1) = blocks_of(rows.0, rows.1, block[0]);
+                let (c0, c1) = blocks_of(cols.0, cols.1, block[1]);
+                clip(rect(
+                    r0 * block[0],
+                    c0 * block[1],
+                    (r1 - r0) * block[0],
+                    (c1 - c0) * block[1],
+                ))
+            }
+            Operation::BlockScale { block, .. } => clip(rect(
+                rows.0 * block[0],
+                cols.0 * block[1],
+                (rows.1 - rows.0) * block[0],
+                (cols.1 - cols.0) * block[1],
+            )),
+            Operation::LowRank { updates } if i > 0 => {
+                let u = &updates[(i - 1) / 2];
+                // The weight's rows are B's and its columns A's (transposed: the other
+                // way round).
+                let (b_rows, a_cols) = if u.transposed {
+                    (cols, rows)
+                } else {
+                    (rows, cols)
+                };
+                if (i - 1) % 2 == 0 {
+                    rect(0, a_cols.0, u.rank, a_cols.1 - a_cols.0)
+                } else {
+                    rect(b_rows.0, 0, b_rows.1 - b_rows.0, u.rank)
+                }
+            }
+            _ => out.clone(),
+        }
+    }
+
+    /// Computes the box `out` (global coordinates of the computed tensor) into `dst`,
+    /// row-major in `dtype`, from the inputs' boxes ([`Operation::input_region`]), each
+    /// `(its box, its bytes in [`Operation::input_dtype`])`.
+    ///
+    /// # Errors
+    /// An output dtype the operation cannot produce, inputs of the wrong size.
+    pub fn compute(
+        &self,
+        out: &Region,
+        inputs: &[(Region, &[u8])],
+        dtype: Dtype,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let (rows, cols) = (out.shape[0] as usize, out.shape[1] as usize);
+        let size = dtype.bitsize() / 8;
+        if dst.len() != rows * cols * size {
+            return Err(mismatch("output", dst.len(), rows * cols * size));
+        }
+        for (i, (r, b)) in inputs.iter().enumerate() {
+            let want = r.numel() as usize * self.input_dtype(i, dtype).bitsize() / 8;
+            if b.len() != want {
+                return Err(mismatch("input", b.len(), want));
+            }
+        }
+        match self {
+            Operation::BlockDequantize { block } => {
+                let [(_, codes), (sr, scales)] = inputs else {
+                    return Err(mismatch("inputs", inputs.len(), 2));
+                };
+                let scale_cols = sr.shape[1] as usize;
+                for i in 0..rows {
+                    let gi = out.start[0] + i as u64;
+                    let srow = (gi / block[0] - sr.start[0]) as usize;
+                    for j in 0..cols {
+                        let gj = out.start[1] + j as u64;
+                        let s = f32_at(
+                            scales,
+                            srow * scale_cols + (gj / block[1] - sr.start[1]) as usize,
+                        );
+                        store(dst, i * cols + j, dtype, e4m3(codes[i * cols + j]) * s)?;
+                    }
+                }
+            }
+            Operation::BlockQuantize { block } => {
+                let [(xr, x)] = inputs else {
+                    return Err(mismatch("inputs", inputs.len(), 1));
+                };
+                if dtype != Dtype::F8_E4M3 {
+                    return Err(mismatch("bytes per code", size, 1));
+                }
+                let (scales, gc) = block_scales(xr, x, *block);
+                // One f32 reciprocal per block, as the reference multiplies by it.
+                let inverse: Vec<f32> = scales.iter().map(|s| 1.0 / s).collect();
+                let (g0, c0) = (xr.start[0] / block[0], xr.start[1] / block[1]);
+                for i in 0..rows {
+                    let gi = out.start[0] + i as u64;
+                    let bi = (gi / block[0] - g0) * gc;
+                    let at = ((gi - xr.start[0]) * xr.shape[1]) as usize;
+                    for j in 0..cols {
+                        let gj = out.start[1] + j as u64;
+                        let b = (bi + gj / block[1] - c0) as usize;
+                        let v = f32_at(x, at + (gj - xr.start[1]) as usize);
+                        dst[i * cols + j] = F8E4M3::from_f32(v * inverse[b]).to_bits();
+                    }
+                }
+            }
+            Operation::BlockScale { block, .. } => {
+                let [(xr, x)] = inputs else {
+                    return Err(mismatch("inputs", inputs.len(), 1));
+                };
+                let (scales, gc) = block_scales(xr, x, *block);
+                let (g0, c0) = (xr.start[0] / block[0], xr.start[1] / block[1]);
+                for i in 0..rows {
+                    for j in 0..cols {
+                        let b = ((out.start[0] + i as u64 - g0) * gc + out.start[1] + j as u64 - c0)
+                            as usize;
+                        store(dst, i * cols + j, dtype, scales[b])?;
+                    }
+                }
+            }
+            Operation::LowRank { updates } => low_rank(out, inputs, updates, dtype, dst)?,
+        }
+        Ok(())
+    }
+}
+
+fn mismatch(what: &str, got: usize, want: usize) -> Error {
+    Error::Mismatch {
+        what: format!("computed piece: {what} of {got} where {want} were planned"),
+    }
+}
+
+/// The value of an E4M3 code (exact in f32), from a table of all 256.
+fn e4m3(code: u8) -> f32 {
+    static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|c| F8E4M3::from_bits(c as u8).to_f32()))
+        [code as usize]
+}
+
+fn f32_at(bytes: &[u8], i: usize) -> f32 {
+    f32::from_le_bytes([
+        bytes[4 * i],
+        bytes[4 * i + 1],
+        bytes[4 * i + 2],
+        bytes[4 * i + 3],
+    ])
+}
+
+/// Reads element `i` of `bytes` (a float `dtype`) as f32 (exact from 16-bit floats).
+fn load(bytes: &[u8], i: usize, dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::BF16 => bf16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+        Dtype::F16 => f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+        Dtype::F8_E4M3 => e4m3(bytes[i]),
+        _ => f32_at(bytes, i),
+    }
+}
+
+/// Stores `v` as element `i` of `dst` in `dtype`, rounding to nearest even.
+fn store(dst: &mut [u8], i: usize, dtype: Dtype, v: f32) -> Result<()> {
+    match dtype {
+        Dtype::BF16 => dst[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
+        Dtype::F16 => dst[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes()),
+        Dtype::F32 => dst[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
+        Dtype::F64 => dst[8 * i..8 * i + 8].copy_from_slice(&f64::from(v).to_le_bytes()),
+        Dtype::F8_E4M3 => dst[i] = F8E4M3::from_f32(v).to_bits(),
+        other => {
+            return Err(Error::Unsupported {
+                problem: format!(
+                    "a computed tensor cannot be {}",
+                    crate::layout::strategy::dtype_name(other)
+                ),
+            })
+        }
+    }
+    Ok(())
+}
+
+/// The `scale_inv` of every block `x` (whole blocks, the box `xr`, F32) touches, row
+/// by row, and the number of block columns.
+fn block_scales(xr: &Region, x: &[u8], block: [u64; 2]) -> (Vec<f32>, u64) {
+    let (g0, g1) = blocks_of(xr.start[0], xr.end(0), block[0]);
+    let (c0, c1) = blocks_of(xr.start[1], xr.end(1), block[1]);
+    let gc = c1 - c0;
+    let mut amax = vec![0f32; ((g1 - g0) * gc) as usize];
+    let width = xr.shape[1];
+    for i in 0..xr.shape[0] {
+        let bi = (xr.start[0] + i) / block[0] - g0;
+        for j in 0..width {
+            let b = (bi * gc + (xr.start[1] + j) / block[1] - c0) as usize;
+            amax[b] = amax[b].max(f32_at(x, (i * width + j) as usize).abs());
+        }
+    }
+    // An all-zero block gets the scale of 1e-4 (no division by zero), as DeepGEMM's.
+    let scales = amax.into_iter().map(|a| a.max(1e-4) / E4M3_MAX).collect();
+    (scales, gc)
+}
+
+/// [`Operation::LowRank`]: row by row, each adapter's update accumulated for the whole
+/// row at once (the rank outermost, so the chain of FMAs per element runs in ascending
+/// rank order while the columns vectorize).
+fn low_rank(
+    out: &Region,
+    inputs: &[(Region, &[u8])],
+    updates: &[LowRankUpdate],
+    dtype: Dtype,
+    dst: &mut [u8],
+) -> Result<()> {
+    let (rows, cols) = (out.shape[0] as usize, out.shape[1] as usize);
+    let Some(((_, w), adapters)) = inputs.split_first() else {
+        return Err(mismatch("inputs", 0, 1));
+    };
+    if adapters.len() != 2 * updates.len() {
+        return Err(mismatch("inputs", inputs.len(), 1 + 2 * updates.len()));
+    }
+    let mut row = vec![0f32; cols];
+    let mut acc = vec![0f32; cols];
+    let mut a_col = Vec::new();
+    for i in 0..rows {
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = load(w, i * cols + j, dtype);
+        }
+        for (u, pair) in updates.iter().zip(adapters.chunks_exact(2)) {
+            let (a, b) = (pair[0].1, pair[1].1);
+            let r = u.rank as usize;
+            acc.iter_mut().for_each(|v| *v = 0.0);
+            if u.transposed {
+                // W[i, j] += (B @ A)[j, i]: A's column i against B's rows.
+                a_col.clear();
+                a_col.extend((0..r).map(|k| f32_at(a, k * rows + i)));
+                for (j, v) in acc.iter_mut().enumerate() {
+                    for (k, &ak) in a_col.iter().enumerate() {
+                        *v = f32_at(b, j * r + k).mul_add(ak, *v);
+                    }
+                }
+            } else {
+                for k in 0..r {
+                    let bik = f32_at(b, i * r + k);
+                    fma_row(&mut acc, bik, &a[4 * k * cols..4 * (k + 1) * cols]);
+                }
+            }
+            for (v, d) in row.iter_mut().zip(&acc) {
+                // f32(W) + f32(delta * scale), rounded to W's dtype (then read back
+                // for the next adapter, as PEFT's second merge reads the first's).
+                let sum = *v + *d * u.scale;
+                *v = round_to(sum, dtype);
+            }
+        }
+        for (j, &v) in row.iter().enumerate() {
+            store(dst, i * cols + j, dtype, v)?;
+        }
+    }
+    Ok(())
+}
+
+/// `v` rounded to `dtype` and back to f32.
+fn round_to(v: f32, dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::BF16 => bf16::from_f32(v).to_f32(),
+        Dtype::F16 => f16::from_f32(v).to_f32(),
+        _ => v,
+    }
+}
+
+/// `acc[j] = fma(b, a[j], acc[j])` for a row of `a` (little-endian f32 bytes), with
+/// the processor's FMA instruction where it has one (the same result as the software
+/// `mul_add`, many times faster).
+fn fma_row(acc: &mut [f32], b: f32, a: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the processor has FMA (checked just above).
+            unsafe { fma_row_x86(acc, b, a) };
+            return;
+        }
+    }
+    fma_row_portable(acc, b, a);
+}
+
+#[inline(always)]
+fn fma_row_portable(acc: &mut [f32], b: f32, a: &[u8]) {
+    for (v, x) in acc.iter_mut().zip(a.chunks_exact(4)) {
+        *v = b.mul_add(f32::from_le_bytes([x[0], x[1], x[2], x[3]]), *v);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma,avx2")]
+fn fma_row_x86(acc: &mut [f32], b: f32, a: &[u8]) {
+    fma_row_portable(acc, b, a);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f32s(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn dequantize_uses_each_elements_block_scale() {
+        // 3 x 3 codes, blocks of 2: scales [[1, 2], [4, 8]].
+        let codes: Vec<u8> = (0..9)
+            .map(|i| F8E4M3::from_f32(i as f32).to_bits())
+            .collect();
+        let scales = f32s(&[1.0, 2.0, 4.0, 8.0]);
+        let op = Operation::BlockDequantize { block: [2, 2] };
+        let out = rect(0, 0, 3u64, 3);
+        let mut dst = vec![0u8; 9 * 4];
+        let inputs = [
+            (out.clone(), &codes[..]),
+            (rect(0, 0, 2u64, 2), &scales[..]),
+        ];
+        op.compute(&out, &inputs, Dtype::F32, &mut dst).unwrap();
+        let got: Vec<f32> = (0..9).map(|i| f32_at(&dst, i)).collect();
+        assert_eq!(got, [0.0, 1.0, 4.0, 3.0, 4.0, 10.0, 24.0, 28.0, 64.0]);
+    }
+
+    #[test]
+    fn a_part_needs_the_blocks_it_touches_only() {
+        let op = Operation::BlockDequantize { block: [128, 128] };
+        let whole = rect(0, 0, 2u64, 3);
+        let part = rect(130, 100, 10, 60);
+        assert_eq!(op.input_region(1, &part, &whole), rect(1u64, 0, 1u64, 2));
+        assert_eq!(op.input_region(0, &part, &whole), part);
+        let q = Operation::BlockQuantize { block: [128, 128] };
+        let x = rect(0, 0, 200, 300);
+        assert_eq!(q.input_region(0, &part, &x), rect(128u64, 0, 72u64, 256));
+    }
+
+    #[test]
+    fn quantize_then_dequantize_stays_within_fp8_rounding() {
+        let (m, n) = (5u64, 7u64);
+        let x: Vec<f32> = (0..m * n)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.37)
+            .collect();
+        let xb = f32s(&x);
+        let whole = rect(0, 0, m, n);
+        let block = [2, 4];
+        let mut codes = vec![0u8; (m * n) as usize];
+        let q = Operation::BlockQuantize { block };
+        q.compute(&whole, &[(whole.clone(), &xb)], Dtype::F8_E4M3, &mut codes)
+            .unwrap();
+        let grid = rect(0, 0, 3u64, 2);
+        let mut scales = vec![0u8; 6 * 4];
+        let s = Operation::BlockScale { block };
+        s.compute(&grid, &[(whole.clone(), &xb)], Dtype::F32, &mut scales)
+            .unwrap();
+        let mut back = vec![0u8; xb.len()];
+        let d = Operation::BlockDequantize { block };
+        d.compute(
+            &whole,
+            &[(whole.clone(), &codes), (grid, &scales)],
+            Dtype::F32,
+            &mut back,
+        )
+        .unwrap();
+        for (i, &v) in x.iter().enumerate() {
+            let b = f32_at(&back, i);
+            // E4M3 keeps 3 mantissa bits: a relative error of at most 2^-4.
+            assert!((b - v).abs() <= v.abs() / 16.0 + 1e-6, "{v} came back {b}");
+        }
+        // Each part computed alone gives the same codes as the whole.
+        for r0 in 0..m {
+            let part = rect(r0, 3, 1, 4);
+            let need = q.input_region(0, &part, &whole);
+            let mut sub = Vec::new();
+            for i in need.start[0]..need.end(0) {
+                for j in need.start[1]..need.end(1) {
+                    sub.extend_from_slice(&x[(i * n + j) as usize].to_le_bytes());
+                }
+            }
+            let mut got = vec![0u8; 4];
+            q.compute(&part, &[(need, &sub)], Dtype::F8_E4M3, &mut got)
+                .unwrap();
+            let want: Vec<u8> = (3..7).map(|j| codes[(r0 * n + j) as usize]).collect();
+            assert_eq!(got, want, "row {r0}");
+        }
+    }
+
+    #[test]
+    fn low_rank_adds_the_scaled_product_in_rank_order() {
+        // W 2 x 3 (f32), A 2 x 3, B 2 x 2, scale 0.5.
+        let w = f32s(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let a = f32s(&[1.0, 0.0, 2.0, 0.0, 1.0, 1.0]);
+        let b = f32s(&[1.0, 2.0, 3.0, 4.0]);
+        let out = rect(0, 0, 2u64, 3);
+        let op = Operation::LowRank {
+            updates: vec![LowRankUpdate {
+                scale: 0.5,
+                rank: 2,
+                transposed: false,
+            }],
+        };
+        let inputs = [
+            (out.clone(), &w[..]),
+            (op.input_region(1, &out, &out), &a[..]),
+            (op.input_region(2, &out, &out), &b[..]),
+        ];
+        let mut dst = vec![0u8; 24];
+        op.compute(&out, &inputs, Dtype::F32, &mut dst).unwrap();
+        // B @ A = [[1, 2, 4], [3, 4, 10]].
+        let got: Vec<f32> = (0..6).map(|i| f32_at(&dst, i)).collect();
+        assert_eq!(got, [1.5, 3.0, 5.0, 5.5, 7.0, 11.0]);
+        // Transposed (fan_in_fan_out): W is [in, out] = 3 x 2, the update (B @ A)^T.
+        let wt = f32s(&[0.0; 6]);
+        let out_t = rect(0, 0, 3u64, 2);
+        let op_t = Operation::LowRank {
+            updates: vec![LowRankUpdate {
+                scale: 1.0,
+                rank: 2,
+                transposed: true,
+            }],
+        };
+        let inputs = [
+            (out_t.clone(), &wt[..]),
+            (op_t.input_region(1, &out_t, &out_t), &a[..]),
+            (op_t.input_region(2, &out_t, &out_t), &b[..]),
+        ];
+        op_t.compute(&out_t, &inputs, Dtype::F32, &mut dst).unwrap();
+        let got: Vec<f32> = (0..6).map(|i| f32_at(&dst, i)).collect();
+        assert_eq!(got, [1.0, 3.0, 2.0, 4.0, 4.0, 10.0]);
+    }
+}
