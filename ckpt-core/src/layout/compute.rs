@@ -133,7 +133,7 @@ impl Operation {
                 } else {
                     (rows, cols)
                 };
-                if (i - 1) % 2 == 0 {
+                if (i - 1).is_multiple_of(2) {
                     rect(0, a_cols.0, u.rank, a_cols.1 - a_cols.0)
                 } else {
                     rect(b_rows.0, 0, b_rows.1 - b_rows.0, u.rank)

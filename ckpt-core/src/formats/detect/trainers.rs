@@ -71,8 +71,14 @@ struct Trainer {
     contents: fn(&Path) -> Result<StepContents>,
     /// For a trainer whose step directories' names do not say the step (NeMo): the one
     /// it resumes from among a directory's, and why.
-    resumes_from: Option<fn(&Path) -> Option<(PathBuf, String)>>,
+    resumes_from: Option<ResumesFrom>,
 }
+
+/// [`Trainer::resumes_from`]: the step directory and why.
+type ResumesFrom = fn(&Path) -> Option<(PathBuf, String)>;
+
+/// Step directories by step.
+type Steps = Vec<(u64, PathBuf)>;
 
 /// The trainers whose saves ckpt reads as a whole. A directory is one trainer's at
 /// most: the step directories' names and files tell them apart (a test checks this on
@@ -556,7 +562,7 @@ fn step_trainer(dir: &Path) -> Option<&'static Trainer> {
 }
 
 /// `dir`'s step directories of one trainer, by step.
-fn steps_in(dir: &Path) -> Result<Option<(&'static Trainer, Vec<(u64, PathBuf)>)>> {
+fn steps_in(dir: &Path) -> Result<Option<(&'static Trainer, Steps)>> {
     let entries = list_dir(dir)?;
     for t in &TRAINERS {
         let mut steps: Vec<(u64, PathBuf)> = entries
