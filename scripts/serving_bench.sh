@@ -24,7 +24,7 @@ import json, os, struct, sys
 import numpy as np
 
 work = sys.argv[1]
-H, I, L, V, R, HEADS, KV = 2048, 5632, 10, 1024, 16, 16, 8
+H, I, L, V, R, HEADS, KV = 2048, 5632, 12, 1024, 16, 16, 8
 rng = np.random.default_rng(0)
 
 def bf16(shape, scale=0.02):

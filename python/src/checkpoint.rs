@@ -109,13 +109,18 @@ pub(crate) fn target_of(
 #[pymethods]
 impl PyCheckpoint {
     /// Opens `paths` (a directory, file, or list of them).
+    /// `lora` (adapter directories) are merged into the weights as they are read, and
+    /// `dtype` dequantizes block-scaled FP8 weights (as `ckpt merge --lora`, `--dtype`).
     #[new]
-    #[pyo3(signature = (paths, source_strategy=None, strip_prefix=None))]
+    #[pyo3(signature = (paths, source_strategy=None, strip_prefix=None, lora=vec![], lora_alpha=None, dtype=None))]
     fn new(
         py: Python<'_>,
         paths: &Bound<'_, PyAny>,
         source_strategy: Option<&Bound<'_, PyAny>>,
         strip_prefix: Option<String>,
+        lora: Vec<PathBuf>,
+        lora_alpha: Option<f64>,
+        dtype: Option<&str>,
     ) -> PyResult<PyCheckpoint> {
         let paths = paths_of(paths)?;
         let strategies = match source_strategy {
@@ -123,8 +128,18 @@ impl PyCheckpoint {
             None => vec![],
         };
         let source = Source::new(py, paths, strategies, strip_prefix)?;
+        let cast = Selection::new(&[], &[], cast_of(py, dtype)?).py_err(py)?;
+        let computations = ckpt_core::Computations {
+            lora,
+            lora_alpha,
+            quantize_fp8: false,
+        };
         let ck = py
-            .detach(move || Checkpoint::open_selected(&source.paths, &source.selection))
+            .detach(move || {
+                let mut ck = Checkpoint::open_selected(&source.paths, &source.selection)?;
+                ck.compute(&computations, &cast)?;
+                Ok::<_, ckpt_core::Error>(ck)
+            })
             .py_err(py)?;
         Ok(PyCheckpoint {
             inner: Arc::new(ck),

@@ -172,18 +172,23 @@ impl Operation {
                 let [(_, codes), (sr, scales)] = inputs else {
                     return Err(mismatch("inputs", inputs.len(), 2));
                 };
+                let scales = f32s(scales);
                 let scale_cols = sr.shape[1] as usize;
-                for i in 0..rows {
-                    let gi = out.start[0] + i as u64;
-                    let srow = (gi / block[0] - sr.start[0]) as usize;
-                    for j in 0..cols {
-                        let gj = out.start[1] + j as u64;
-                        let s = f32_at(
-                            scales,
-                            srow * scale_cols + (gj / block[1] - sr.start[1]) as usize,
-                        );
-                        store(dst, i * cols + j, dtype, e4m3(codes[i * cols + j]) * s)?;
+                let table = e4m3_table();
+                let mut row = vec![0f32; cols];
+                for (i, (codes, dst)) in codes
+                    .chunks_exact(cols.max(1))
+                    .zip(dst.chunks_exact_mut((cols * size).max(1)))
+                    .enumerate()
+                {
+                    let srow = ((out.start[0] + i as u64) / block[0] - sr.start[0]) as usize;
+                    for (range, b) in segments(out.start[1], cols, block[1]) {
+                        let s = scales[srow * scale_cols + (b - sr.start[1]) as usize];
+                        for (v, &c) in row[range.clone()].iter_mut().zip(&codes[range]) {
+                            *v = table[c as usize] * s;
+                        }
                     }
+                    encode(&row, dtype, dst)?;
                 }
             }
             Operation::BlockQuantize { block } => {
@@ -193,19 +198,23 @@ impl Operation {
                 if dtype != Dtype::F8_E4M3 {
                     return Err(mismatch("bytes per code", size, 1));
                 }
-                let (scales, gc) = block_scales(xr, x, *block);
+                let x = f32s(x);
+                let (scales, gc) = block_scales(xr, &x, *block);
                 // One f32 reciprocal per block, as the reference multiplies by it.
                 let inverse: Vec<f32> = scales.iter().map(|s| 1.0 / s).collect();
                 let (g0, c0) = (xr.start[0] / block[0], xr.start[1] / block[1]);
-                for i in 0..rows {
+                let width = xr.shape[1] as usize;
+                for (i, dst) in dst.chunks_exact_mut(cols.max(1)).enumerate() {
                     let gi = out.start[0] + i as u64;
                     let bi = (gi / block[0] - g0) * gc;
-                    let at = ((gi - xr.start[0]) * xr.shape[1]) as usize;
-                    for j in 0..cols {
-                        let gj = out.start[1] + j as u64;
-                        let b = (bi + gj / block[1] - c0) as usize;
-                        let v = f32_at(x, at + (gj - xr.start[1]) as usize);
-                        dst[i * cols + j] = F8E4M3::from_f32(v * inverse[b]).to_bits();
+                    let at =
+                        (gi - xr.start[0]) as usize * width + (out.start[1] - xr.start[1]) as usize;
+                    let x = &x[at..at + cols];
+                    for (range, b) in segments(out.start[1], cols, block[1]) {
+                        let inv = inverse[(bi + b - c0) as usize];
+                        for (d, &v) in dst[range.clone()].iter_mut().zip(&x[range]) {
+                            *d = F8E4M3::from_f32(v * inv).to_bits();
+                        }
                     }
                 }
             }
@@ -213,14 +222,11 @@ impl Operation {
                 let [(xr, x)] = inputs else {
                     return Err(mismatch("inputs", inputs.len(), 1));
                 };
-                let (scales, gc) = block_scales(xr, x, *block);
+                let (scales, gc) = block_scales(xr, &f32s(x), *block);
                 let (g0, c0) = (xr.start[0] / block[0], xr.start[1] / block[1]);
-                for i in 0..rows {
-                    for j in 0..cols {
-                        let b = ((out.start[0] + i as u64 - g0) * gc + out.start[1] + j as u64 - c0)
-                            as usize;
-                        store(dst, i * cols + j, dtype, scales[b])?;
-                    }
+                for (i, dst) in dst.chunks_exact_mut((cols * size).max(1)).enumerate() {
+                    let from = ((out.start[0] + i as u64 - g0) * gc + out.start[1] - c0) as usize;
+                    encode(&scales[from..from + cols], dtype, dst)?;
                 }
             }
             Operation::LowRank { updates } => low_rank(out, inputs, updates, dtype, dst)?,
@@ -229,46 +235,75 @@ impl Operation {
     }
 }
 
-fn mismatch(what: &str, got: usize, want: usize) -> Error {
-    Error::Mismatch {
-        what: format!("computed piece: {what} of {got} where {want} were planned"),
+/// The runs of `len` indices from `start` that fall in one block of `b` each: their
+/// positions (from 0) and the block's index.
+fn segments(start: u64, len: usize, b: u64) -> impl Iterator<Item = (std::ops::Range<usize>, u64)> {
+    let end = start + len as u64;
+    let mut at = start;
+    std::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let block = at / b;
+        let stop = ((block + 1) * b).min(end);
+        let range = (at - start) as usize..(stop - start) as usize;
+        at = stop;
+        Some((range, block))
+    })
+}
+
+/// Little-endian f32 bytes as values.
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]]))
+        .collect()
+}
+
+/// `bytes` (a float `dtype`) as f32 values into `out` (exact from 16-bit floats).
+fn decode(bytes: &[u8], dtype: Dtype, out: &mut [f32]) {
+    match dtype {
+        Dtype::BF16 => {
+            for (v, x) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *v = bf16::from_le_bytes([x[0], x[1]]).to_f32();
+            }
+        }
+        Dtype::F16 => {
+            for (v, x) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *v = f16::from_le_bytes([x[0], x[1]]).to_f32();
+            }
+        }
+        _ => {
+            for (v, x) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *v = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+            }
+        }
     }
 }
 
-/// The value of an E4M3 code (exact in f32), from a table of all 256.
-fn e4m3(code: u8) -> f32 {
-    static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
-    TABLE.get_or_init(|| std::array::from_fn(|c| F8E4M3::from_bits(c as u8).to_f32()))
-        [code as usize]
-}
-
-fn f32_at(bytes: &[u8], i: usize) -> f32 {
-    f32::from_le_bytes([
-        bytes[4 * i],
-        bytes[4 * i + 1],
-        bytes[4 * i + 2],
-        bytes[4 * i + 3],
-    ])
-}
-
-/// Reads element `i` of `bytes` (a float `dtype`) as f32 (exact from 16-bit floats).
-fn load(bytes: &[u8], i: usize, dtype: Dtype) -> f32 {
+/// `values` stored in `dtype` into `dst`, rounding to nearest even.
+fn encode(values: &[f32], dtype: Dtype, dst: &mut [u8]) -> Result<()> {
     match dtype {
-        Dtype::BF16 => bf16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
-        Dtype::F16 => f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
-        Dtype::F8_E4M3 => e4m3(bytes[i]),
-        _ => f32_at(bytes, i),
-    }
-}
-
-/// Stores `v` as element `i` of `dst` in `dtype`, rounding to nearest even.
-fn store(dst: &mut [u8], i: usize, dtype: Dtype, v: f32) -> Result<()> {
-    match dtype {
-        Dtype::BF16 => dst[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
-        Dtype::F16 => dst[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes()),
-        Dtype::F32 => dst[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
-        Dtype::F64 => dst[8 * i..8 * i + 8].copy_from_slice(&f64::from(v).to_le_bytes()),
-        Dtype::F8_E4M3 => dst[i] = F8E4M3::from_f32(v).to_bits(),
+        Dtype::BF16 => {
+            for (d, &v) in dst.chunks_exact_mut(2).zip(values) {
+                d.copy_from_slice(&bf16::from_f32(v).to_le_bytes());
+            }
+        }
+        Dtype::F16 => {
+            for (d, &v) in dst.chunks_exact_mut(2).zip(values) {
+                d.copy_from_slice(&f16::from_f32(v).to_le_bytes());
+            }
+        }
+        Dtype::F32 => {
+            for (d, &v) in dst.chunks_exact_mut(4).zip(values) {
+                d.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        Dtype::F64 => {
+            for (d, &v) in dst.chunks_exact_mut(8).zip(values) {
+                d.copy_from_slice(&f64::from(v).to_le_bytes());
+            }
+        }
         other => {
             return Err(Error::Unsupported {
                 problem: format!(
@@ -281,19 +316,31 @@ fn store(dst: &mut [u8], i: usize, dtype: Dtype, v: f32) -> Result<()> {
     Ok(())
 }
 
-/// The `scale_inv` of every block `x` (whole blocks, the box `xr`, F32) touches, row
-/// by row, and the number of block columns.
-fn block_scales(xr: &Region, x: &[u8], block: [u64; 2]) -> (Vec<f32>, u64) {
+fn mismatch(what: &str, got: usize, want: usize) -> Error {
+    Error::Mismatch {
+        what: format!("computed piece: {what} of {got} where {want} were planned"),
+    }
+}
+
+/// The value of every E4M3 code (exact in f32).
+fn e4m3_table() -> &'static [f32; 256] {
+    static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|c| F8E4M3::from_bits(c as u8).to_f32()))
+}
+
+/// The `scale_inv` of every block `x` (whole blocks, the box `xr`) touches, row by
+/// row, and the number of block columns.
+fn block_scales(xr: &Region, x: &[f32], block: [u64; 2]) -> (Vec<f32>, u64) {
     let (g0, g1) = blocks_of(xr.start[0], xr.end(0), block[0]);
     let (c0, c1) = blocks_of(xr.start[1], xr.end(1), block[1]);
     let gc = c1 - c0;
     let mut amax = vec![0f32; ((g1 - g0) * gc) as usize];
-    let width = xr.shape[1];
-    for i in 0..xr.shape[0] {
-        let bi = (xr.start[0] + i) / block[0] - g0;
-        for j in 0..width {
-            let b = (bi * gc + (xr.start[1] + j) / block[1] - c0) as usize;
-            amax[b] = amax[b].max(f32_at(x, (i * width + j) as usize).abs());
+    let width = xr.shape[1] as usize;
+    for (i, row) in x.chunks_exact(width.max(1)).enumerate() {
+        let bi = ((xr.start[0] + i as u64) / block[0] - g0) * gc;
+        for (range, b) in segments(xr.start[1], width, block[1]) {
+            let m = &mut amax[(bi + b - c0) as usize];
+            *m = row[range].iter().fold(*m, |m, v| m.max(v.abs()));
         }
     }
     // An all-zero block gets the scale of 1e-4 (no division by zero), as DeepGEMM's.
@@ -318,59 +365,59 @@ fn low_rank(
     if adapters.len() != 2 * updates.len() {
         return Err(mismatch("inputs", inputs.len(), 1 + 2 * updates.len()));
     }
+    let factors: Vec<(Vec<f32>, Vec<f32>)> = adapters
+        .chunks_exact(2)
+        .map(|p| (f32s(p[0].1), f32s(p[1].1)))
+        .collect();
+    let size = dtype.bitsize() / 8;
     let mut row = vec![0f32; cols];
     let mut acc = vec![0f32; cols];
-    let mut a_col = Vec::new();
     for i in 0..rows {
-        for (j, v) in row.iter_mut().enumerate() {
-            *v = load(w, i * cols + j, dtype);
-        }
-        for (u, pair) in updates.iter().zip(adapters.chunks_exact(2)) {
-            let (a, b) = (pair[0].1, pair[1].1);
+        let bytes = i * cols * size..(i + 1) * cols * size;
+        decode(&w[bytes.clone()], dtype, &mut row);
+        for (u, (a, b)) in updates.iter().zip(&factors) {
             let r = u.rank as usize;
             acc.iter_mut().for_each(|v| *v = 0.0);
             if u.transposed {
                 // W[i, j] += (B @ A)[j, i]: A's column i against B's rows.
-                a_col.clear();
-                a_col.extend((0..r).map(|k| f32_at(a, k * rows + i)));
                 for (j, v) in acc.iter_mut().enumerate() {
-                    for (k, &ak) in a_col.iter().enumerate() {
-                        *v = f32_at(b, j * r + k).mul_add(ak, *v);
+                    for k in 0..r {
+                        *v = b[j * r + k].mul_add(a[k * rows + i], *v);
                     }
                 }
             } else {
                 for k in 0..r {
-                    let bik = f32_at(b, i * r + k);
-                    fma_row(&mut acc, bik, &a[4 * k * cols..4 * (k + 1) * cols]);
+                    fma_row(&mut acc, b[i * r + k], &a[k * cols..(k + 1) * cols]);
                 }
             }
+            // f32(W) + f32(delta * scale), rounded to W's dtype (then read back for the
+            // next adapter, as PEFT's second merge reads the first's).
             for (v, d) in row.iter_mut().zip(&acc) {
-                // f32(W) + f32(delta * scale), rounded to W's dtype (then read back
-                // for the next adapter, as PEFT's second merge reads the first's).
-                let sum = *v + *d * u.scale;
-                *v = round_to(sum, dtype);
+                *v += *d * u.scale;
             }
+            round_to(&mut row, dtype);
         }
-        for (j, &v) in row.iter().enumerate() {
-            store(dst, i * cols + j, dtype, v)?;
-        }
+        encode(&row, dtype, &mut dst[bytes])?;
     }
     Ok(())
 }
 
-/// `v` rounded to `dtype` and back to f32.
-fn round_to(v: f32, dtype: Dtype) -> f32 {
+/// `values` rounded to `dtype` (and kept as f32).
+fn round_to(values: &mut [f32], dtype: Dtype) {
     match dtype {
-        Dtype::BF16 => bf16::from_f32(v).to_f32(),
-        Dtype::F16 => f16::from_f32(v).to_f32(),
-        _ => v,
+        Dtype::BF16 => values
+            .iter_mut()
+            .for_each(|v| *v = bf16::from_f32(*v).to_f32()),
+        Dtype::F16 => values
+            .iter_mut()
+            .for_each(|v| *v = f16::from_f32(*v).to_f32()),
+        _ => {}
     }
 }
 
-/// `acc[j] = fma(b, a[j], acc[j])` for a row of `a` (little-endian f32 bytes), with
-/// the processor's FMA instruction where it has one (the same result as the software
-/// `mul_add`, many times faster).
-fn fma_row(acc: &mut [f32], b: f32, a: &[u8]) {
+/// `acc[j] = fma(b, a[j], acc[j])`, with the processor's FMA instruction where it has
+/// one (the same result as the software `mul_add`, many times faster).
+fn fma_row(acc: &mut [f32], b: f32, a: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("fma") {
@@ -383,15 +430,15 @@ fn fma_row(acc: &mut [f32], b: f32, a: &[u8]) {
 }
 
 #[inline(always)]
-fn fma_row_portable(acc: &mut [f32], b: f32, a: &[u8]) {
-    for (v, x) in acc.iter_mut().zip(a.chunks_exact(4)) {
-        *v = b.mul_add(f32::from_le_bytes([x[0], x[1], x[2], x[3]]), *v);
+fn fma_row_portable(acc: &mut [f32], b: f32, a: &[f32]) {
+    for (v, &x) in acc.iter_mut().zip(a) {
+        *v = b.mul_add(x, *v);
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fma,avx2")]
-fn fma_row_x86(acc: &mut [f32], b: f32, a: &[u8]) {
+fn fma_row_x86(acc: &mut [f32], b: f32, a: &[f32]) {
     fma_row_portable(acc, b, a);
 }
 
@@ -401,6 +448,10 @@ mod tests {
 
     fn f32s(v: &[f32]) -> Vec<u8> {
         v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    fn f32_at(bytes: &[u8], i: usize) -> f32 {
+        super::f32s(&bytes[4 * i..4 * i + 4])[0]
     }
 
     #[test]

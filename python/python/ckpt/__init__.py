@@ -166,11 +166,21 @@ class Checkpoint:
         *,
         source_strategy: Optional[Paths] = None,
         strip_prefix: Optional[str] = None,
+        lora: Sequence[PathLike] = (),
+        lora_alpha: Optional[float] = None,
+        dtype: Optional[str] = None,
     ) -> None:
         self._paths = _existing(paths)
         self._source_strategy = None if source_strategy is None else _existing(source_strategy)
         self._strip_prefix = strip_prefix
-        self._native = _ckpt.Checkpoint(self._paths, self._source_strategy, strip_prefix)
+        self._native = _ckpt.Checkpoint(
+            self._paths,
+            self._source_strategy,
+            strip_prefix,
+            [os.fspath(p) for p in lora],
+            lora_alpha,
+            _dtype_name(dtype),
+        )
         self._tensors: Optional[Dict[str, TensorInfo]] = None
 
     @property
@@ -269,6 +279,9 @@ def open_checkpoint(
     *,
     source_strategy: Optional[Paths] = None,
     strip_prefix: Optional[str] = None,
+    lora: Sequence[PathLike] = (),
+    lora_alpha: Optional[float] = None,
+    dtype: Optional[str] = None,
 ) -> Checkpoint:
     """Opens a checkpoint of any format ckpt reads and checks its layout.
 
@@ -276,11 +289,21 @@ def open_checkpoint(
     directory, MindSpore ``rank_<r>/``), a file, or a list of them.
     ``source_strategy``: MindSpore strategy file(s) for checkpoints saved without one
     beside them. ``strip_prefix``: remove it from every name (DDP's ``"module."``).
+    ``lora``: PEFT adapter directories merged into the weights as they are read
+    (``lora_alpha`` for an adapter that records 0); ``dtype``: block-scaled FP8 weights
+    are dequantized to it (docs/serving.md).
 
     Raises :class:`MissingData` (a rank or file missing, elements no rank holds),
     :class:`AmbiguousInput`, :class:`InvalidInput`, ... with the CLI's message.
     """
-    return Checkpoint(path, source_strategy=source_strategy, strip_prefix=strip_prefix)
+    return Checkpoint(
+        path,
+        source_strategy=source_strategy,
+        strip_prefix=strip_prefix,
+        lora=lora,
+        lora_alpha=lora_alpha,
+        dtype=dtype,
+    )
 
 
 # ``ckpt.open`` stays, for code written before ``open_checkpoint``; it is not in
@@ -304,6 +327,8 @@ def load(
     dtype: Optional[str] = None,
     chunk_mb: Optional[float] = None,
     streams: Optional[int] = None,
+    lora: Sequence[PathLike] = (),
+    lora_alpha: Optional[float] = None,
 ) -> Dict[str, Any]:
     """Loads tensors into memory: whole, or the piece a target rank owns.
 
@@ -332,12 +357,25 @@ def load(
 
     ``dtype`` (``"bf16"``, ``"f16"``, ``"f32"``, ``"f64"``, or a torch/safetensors
     name): floating-point tensors are converted to it as they are assembled (no second
-    copy); integer and boolean tensors come back as stored (as ``ckpt merge --dtype``).
+    copy); integer and boolean tensors come back as stored (as ``ckpt merge --dtype``);
+    block-scaled FP8 weights are dequantized with their ``_scale_inv`` blocks.
+
+    ``lora``: PEFT adapter directories merged into the weights as they load, as
+    ``ckpt merge --lora`` merges them (``lora_alpha`` for an adapter that records 0).
     """
     if isinstance(path, Checkpoint):
+        if lora:
+            raise ValueError("lora= goes to open_checkpoint when the checkpoint is already open")
         ck = path
     else:
-        ck = Checkpoint(path, source_strategy=source_strategy, strip_prefix=strip_prefix)
+        ck = Checkpoint(
+            path,
+            source_strategy=source_strategy,
+            strip_prefix=strip_prefix,
+            lora=lora,
+            lora_alpha=lora_alpha,
+            dtype=dtype,
+        )
     plan = ck._native.plan(
         None if names is None else list(names),
         rank,
@@ -379,6 +417,9 @@ def merge(
     hf_config: Optional[PathLike] = None,
     hf_arch: Optional[str] = None,
     tokenizer: Optional[PathLike] = None,
+    lora: Sequence[PathLike] = (),
+    lora_alpha: Optional[float] = None,
+    quantize: Optional[str] = None,
 ) -> CopyReport:
     """As ``ckpt merge SRC -o OUT``: one integrated checkpoint (Hugging Face's file
     layout), or with ``format="hf"`` a Hugging Face model that transformers'
@@ -393,7 +434,9 @@ def merge(
     ``one_file``, ``force``, ``compress`` (``"zstd"``, ``"zstd:9"``),
     ``source_strategy``, ``checksums`` (check the sources' and record the output's
     CRC-32C; this call only); for a Megatron legacy source ``split_qkv`` (fused QKV as
-    ``linear_q``/``linear_k``/``linear_v``) and ``keep_vocab_padding``.
+    ``linear_q``/``linear_k``/``linear_v``) and ``keep_vocab_padding``; ``lora`` (PEFT
+    adapter directories merged in turn; ``lora_alpha`` for one that records 0) and
+    ``quantize="fp8"`` (docs/serving.md; ``dtype`` dequantizes an FP8 checkpoint).
     Nothing is written unless everything checks.
     """
     r = _ckpt.merge(
@@ -416,6 +459,9 @@ def merge(
         hf_config=None if hf_config is None else os.fspath(hf_config),
         hf_arch=hf_arch,
         tokenizer=None if tokenizer is None else os.fspath(tokenizer),
+        lora=[os.fspath(p) for p in lora],
+        lora_alpha=lora_alpha,
+        quantize=quantize,
     )
     return CopyReport(**{**r, "output": os.fspath(r["output"])})
 

@@ -9,7 +9,13 @@ __version__: str
 
 class Checkpoint:
     def __new__(
-        cls, paths: _Paths, source_strategy: Optional[_Paths] = None, strip_prefix: Optional[str] = None
+        cls,
+        paths: _Paths,
+        source_strategy: Optional[_Paths] = None,
+        strip_prefix: Optional[str] = None,
+        lora: List[str] = ...,
+        lora_alpha: Optional[float] = None,
+        dtype: Optional[str] = None,
     ) -> "Checkpoint": ...
     @property
     def kind(self) -> str: ...
@@ -75,6 +81,9 @@ def merge(
     hf_config: Optional[_Path] = None,
     hf_arch: Optional[str] = None,
     tokenizer: Optional[_Path] = None,
+    lora: List[str] = ...,
+    lora_alpha: Optional[float] = None,
+    quantize: Optional[str] = None,
 ) -> Dict[str, Any]: ...
 def reshard(
     src: _Paths,
