@@ -6,6 +6,14 @@
 //! is configured by its own typed options (its constructor's arguments), never by
 //! strings in the plan.
 //!
+//! `merge`'s formats: [`safetensors`], [`hf`], [`one_file`], [`ucp`]. `reshard`'s, one
+//! file per target rank, its target strategy the constructor's argument: [`sliced`]
+//! (ckpt's and MindSpore's rank directories), [`dcp`] (PyTorch DCP's two layouts,
+//! torchtitan's), [`megatron`], [`megatron_dist`], sharing [`ranks`]. DeepSpeed ZeRO
+//! for another data-parallel size is written outside the trait
+//! (`formats::deepspeed_write`: its partitions mix tensors, which a copy plan does not;
+//! docs/architecture.md, "The write side").
+//!
 //! The top floor of ckpt-core: a writer may use the checkpoint, the engine, the formats'
 //! file codecs and the algebra; nothing below imports a writer (docs/architecture.md,
 //! "The write side"). The byte encoders themselves are the formats' (`formats/<name>.rs`,

@@ -102,16 +102,10 @@ impl Writer for MegatronDist {
         Some(&self.strategy)
     }
 
-    fn finish(
-        &self,
-        source: &Checkpoint,
-        _: &Selection,
-        plan: &CopyPlan,
-        dir: &Path,
-    ) -> Result<()> {
-        finish_dir(dir, &self.strategy.to_json(), source)?;
+    fn finish(&self, src: &Checkpoint, _: &Selection, plan: &CopyPlan, dir: &Path) -> Result<()> {
+        finish_dir(dir, &self.strategy.to_json(), src)?;
         // The same layout as the plan's (the rewrite renamed files, not tensors).
-        let (dist, _) = stacked(source, &self.strategy, plan)?;
+        let (dist, _) = stacked(src, &self.strategy, plan)?;
         megatron_dist_finish(&dist, dir)
     }
 }

@@ -93,20 +93,14 @@ impl Writer for Sliced {
         Some(&self.strategy)
     }
 
-    fn finish(
-        &self,
-        source: &Checkpoint,
-        _: &Selection,
-        plan: &CopyPlan,
-        dir: &Path,
-    ) -> Result<()> {
+    fn finish(&self, src: &Checkpoint, _: &Selection, plan: &CopyPlan, dir: &Path) -> Result<()> {
         let json = self.strategy.to_json();
         for f in &plan.files {
             if let Some(rank_dir) = f.path.parent().filter(|p| !p.as_os_str().is_empty()) {
-                finish_dir(&dir.join(rank_dir), &json, source)?;
+                finish_dir(&dir.join(rank_dir), &json, src)?;
             }
         }
-        finish_dir(dir, &json, source)
+        finish_dir(dir, &json, src)
     }
 
     fn finish_part(&self, source: &Checkpoint, dir: &Path) -> Result<()> {
