@@ -237,6 +237,10 @@ pub(crate) fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strateg
     Ok(())
 }
 
+/// Each file of a plan's path in the iteration directory, and the stored shapes its
+/// metadata records.
+type Rewrites = Vec<(PathBuf, Option<String>)>;
+
 /// The dist_ckpt of `plan` (one file per rank of `strategy`'s mesh, as for DCP): the
 /// per-layer tensors become chunks of the stacked ones, stored with a leading layer axis
 /// of 1 (same bytes); with, for each file of the plan, its path in the iteration
@@ -250,7 +254,7 @@ fn stacked(
     source: &Checkpoint,
     strategy: &Strategy,
     plan: &CopyPlan,
-) -> Result<(Stacked, Vec<(PathBuf, Option<String>)>)> {
+) -> Result<(Stacked, Rewrites)> {
     let state = source.megatron_state()?;
     let (_, tp, pp) = megatron_grid(&state, strategy, "megatron-dist")?;
     let layers = state.args.num_layers.ok_or_else(|| {
