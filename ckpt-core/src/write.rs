@@ -61,7 +61,9 @@ pub trait Writer: Send + Sync {
     }
 
     /// Writes the files beside the engine's into `dir` (the staged output, or the
-    /// output directory for the process writing share 0): `plan` is the whole output's.
+    /// output directory for the process writing share 0): `plan` is the whole output's
+    /// (for a process writing some of a reshard's ranks, the files it wrote outside the
+    /// rank directories [`Writer::finish_part`] finished).
     ///
     /// # Errors
     /// I/O errors, with the path; what the format's side files need and the source

@@ -60,7 +60,8 @@ impl Target {
     }
 }
 
-/// How the target ranks' files are laid out.
+/// How the target ranks' files are laid out: each format is one of ckpt-core's
+/// [`Writer`]s (chosen by the constructor table, `writer`), but DeepSpeed's.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum OutputFormat {
     /// `OUT/ckpt_<r>/model.safetensors` with `strategy.json` in each (ckpt's own).
