@@ -70,7 +70,7 @@ pub use crate::formats::ckptz::{
     ungroup_bytes, CkptzWriter, CodedChunk, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
     EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC, MAGIC_V1 as CKPTZ_MAGIC_V1,
 };
-pub use crate::formats::deepspeed_write::{write_deepspeed_dp, DeepSpeedWriteStats};
+pub use crate::formats::deepspeed_write::DeepSpeedWriteStats;
 pub use crate::formats::detect::{create_writer, sniff};
 pub use crate::formats::distcp::{
     metadata_bytes as distcp_metadata, torch_dtype_name, DistcpChunk, DistcpObject,
@@ -121,6 +121,7 @@ pub use crate::present::{
     merge_plan_text, placements_text, plan_json, plan_text, verify_json, verify_text, CopySummary,
 };
 pub use crate::write::dcp::Dcp;
+pub use crate::write::deepspeed::write_deepspeed_dp;
 pub use crate::write::hf::{HfExport, HF_MAX_SHARD_SIZE};
 pub use crate::write::megatron::MegatronLegacy;
 pub use crate::write::megatron_dist::MegatronDist;

@@ -9,10 +9,9 @@
 //! `merge`'s formats: [`safetensors`], [`hf`], [`one_file`], [`ucp`]. `reshard`'s, one
 //! file per target rank, its target strategy the constructor's argument: [`sliced`]
 //! (ckpt's and MindSpore's rank directories), [`dcp`] (PyTorch DCP's two layouts,
-//! torchtitan's), [`megatron`], [`megatron_dist`], sharing [`ranks`]. DeepSpeed ZeRO
-//! for another data-parallel size is written outside the trait
-//! (`formats::deepspeed_write`: its partitions mix tensors, which a copy plan does not;
-//! docs/architecture.md, "The write side").
+//! torchtitan's), [`megatron`], [`megatron_dist`], sharing [`ranks`]; and [`deepspeed`],
+//! DeepSpeed ZeRO for another data-parallel size, outside the trait (its partitions mix
+//! tensors, which a copy plan does not; docs/architecture.md, "The write side").
 //!
 //! The top floor of ckpt-core: a writer may use the checkpoint, the engine, the formats'
 //! file codecs and the algebra; nothing below imports a writer (docs/architecture.md,
@@ -20,6 +19,7 @@
 //! behind [`TensorWriter`](crate::formats::writer::TensorWriter)).
 
 pub(crate) mod dcp;
+pub(crate) mod deepspeed;
 pub(crate) mod hf;
 pub(crate) mod megatron;
 pub(crate) mod megatron_dist;
