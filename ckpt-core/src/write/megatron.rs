@@ -76,8 +76,8 @@ impl MegatronLegacy {
     /// The writer of the Megatron legacy checkpoint `target` asks for `source`.
     ///
     /// # Errors
-    /// Some ranks or a compression asked for; what [`megatron_target`] and
-    /// [`megatron_restage`] refuse.
+    /// Some ranks or a compression asked for; a source Megatron's names do not fit; a
+    /// grid or target strategy Megatron's layout cannot take (see [`TargetLayout`]).
     pub fn new(
         source: &mut Checkpoint,
         target: &dyn TargetLayout,

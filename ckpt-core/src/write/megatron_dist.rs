@@ -62,8 +62,9 @@ impl MegatronDist {
     /// one by one, as SequentialMLP's: a dist_ckpt holds them so).
     ///
     /// # Errors
-    /// Some ranks or a compression asked for; what [`megatron_target`] and
-    /// [`megatron_dist_strategy`] refuse.
+    /// Some ranks or a compression asked for; a source Megatron's names do not fit; a
+    /// grid or target strategy megatron-core cannot run the model on (see
+    /// [`TargetLayout`]).
     pub fn new(
         source: &mut Checkpoint,
         target: &dyn TargetLayout,
