@@ -21,11 +21,12 @@ use std::path::Path;
 /// when `None`): its expert group regrouped by expert, the expert files copied.
 ///
 /// # Errors
-/// [`Unsupported`](crate::error::Error::Unsupported) for what is not written (ZeRO-3 sub-groups split otherwise on
-/// `dp` ranks, elastic checkpoints, round-robin gradients, a dp size the ZeRO-1/2 model
-/// states cannot record in place, `ep` without experts, experts without ZeRO);
-/// [`InvalidDeepSpeed`](crate::error::Error::InvalidDeepSpeed) naming file and tensor for a damaged
-/// source; an existing output without `force`; I/O errors.
+/// [`Unsupported`](crate::error::Error::Unsupported) for what is not written (ZeRO-3
+/// sub-groups split otherwise on `dp` ranks, elastic checkpoints, round-robin
+/// gradients, a dp size the ZeRO-1/2 model states cannot record in place, `ep` without
+/// experts, experts without ZeRO); [`InvalidDeepSpeed`](crate::error::Error::InvalidDeepSpeed)
+/// naming file and tensor for a damaged source; an existing output without `force`; I/O
+/// errors.
 pub fn write_deepspeed_dp(
     source: &Path,
     output: &Path,

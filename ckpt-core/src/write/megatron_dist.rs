@@ -201,10 +201,11 @@ struct Stacked {
 
 /// Prepares a target strategy (one tensor-parallel axis, an optional pipeline axis)
 /// for a dist_ckpt: every tensor on the stage Megatron's layout puts it
-/// ([`super::megatron::megatron_restage`]), split along its TP dimension in one block (DCP stores
-/// one box per rank; megatron-core's loader reads any chunks, so a SwiGLU `linear_fc1`
-/// need not be stored as each rank's gate and up rows), and no output layer where the
-/// embeddings are tied (megatron-core's `GPTModel` saves the word embedding once).
+/// ([`super::megatron::megatron_restage`]), split along its TP dimension in one block
+/// (DCP stores one box per rank; megatron-core's loader reads any chunks, so a SwiGLU
+/// `linear_fc1` need not be stored as each rank's gate and up rows), and no output layer
+/// where the embeddings are tied (megatron-core's `GPTModel` saves the word embedding
+/// once).
 ///
 /// # Errors
 /// What [`super::megatron::megatron_restage`] and [`megatron_grid`] refuse.
