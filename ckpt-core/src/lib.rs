@@ -70,7 +70,7 @@ pub use crate::formats::ckptz::{
     ungroup_bytes, CkptzWriter, CodedChunk, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
     EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC, MAGIC_V1 as CKPTZ_MAGIC_V1,
 };
-pub use crate::formats::deepspeed_write::{write_deepspeed_dp, DeepSpeedWriteStats};
+pub use crate::formats::deepspeed_write::DeepSpeedWriteStats;
 pub use crate::formats::detect::{create_writer, sniff};
 pub use crate::formats::distcp::{
     metadata_bytes as distcp_metadata, torch_dtype_name, DistcpChunk, DistcpObject,
@@ -120,18 +120,17 @@ pub use crate::present::{
     convert_json, convert_text, human_bytes, inspect_json, inspect_text, merge_plan_json,
     merge_plan_text, placements_text, plan_json, plan_text, verify_json, verify_text, CopySummary,
 };
+pub use crate::write::dcp::Dcp;
+pub use crate::write::deepspeed::write_deepspeed_dp;
 pub use crate::write::hf::{HfExport, HF_MAX_SHARD_SIZE};
-pub use crate::write::megatron::{
-    megatron_legacy_plan, megatron_legacy_plan_ep, megatron_moe_strategy, megatron_restage,
-    megatron_tracker, ExpertLayout,
-};
-pub use crate::write::megatron_dist::{
-    megatron_dist_finish, megatron_dist_plan, megatron_dist_strategy, MegatronDist,
-};
+pub use crate::write::megatron::MegatronLegacy;
+pub use crate::write::megatron_dist::MegatronDist;
 pub use crate::write::one_file::OneFile;
+pub use crate::write::ranks::{RankOptions, Ranks, MAX_TARGET_RANKS};
 pub use crate::write::safetensors::Integrated;
+pub use crate::write::sliced::Sliced;
 pub use crate::write::ucp::{ucp_finish, ucp_plan, Universal};
-pub use crate::write::Writer;
+pub use crate::write::{TargetLayout, Writer};
 
 /// Where the one tensor of a single-tensor `torch.save` archive lies (`start..end` of
 /// `bytes`), read forward from the archive's start as a DCP chunk in a bucket is read

@@ -1,19 +1,18 @@
 //! ckpt-reshard: from the training strategy to any predict strategy, M ranks to N.
 //!
-//! This crate only derives the target strategy and the files of each target rank;
-//! ckpt-core's [`CopyPlan`] (box intersection) and [`execute`] do the copying, the same
-//! engine merge uses.
+//! This crate only derives the target strategy and chooses the writer of the output's
+//! format (ckpt-core's [`Writer`]s: the strategy is their constructor's argument);
+//! ckpt-core's [`CopyPlan`] (box intersection) and [`execute_with`] do the copying, the
+//! same engine merge uses.
 
 use ckpt_core::{
-    check_output_outside_inputs, copy_carried, execute_with, rank_metadata, rank_tensors,
-    write_file_atomic, Checkpoint, Compression, CopyPlan, CopyStats, Error, Mesh, Placement,
-    Result, Selection, StagedDir, Strategy, TargetFile, TargetTensor, TensorLayout,
-    CKPTZ_EXTENSION, MODEL_FILE, STRATEGY_FILE,
+    check_output_outside_inputs, execute_with, Checkpoint, Compression, CopyPlan, CopyStats, Dcp,
+    Error, MegatronDist, MegatronLegacy, Mesh, Placement, RankOptions, Result, Selection, Sliced,
+    StagedDir, Strategy, TargetLayout, TensorLayout, Writer,
 };
 use std::path::{Path, PathBuf};
 
-/// The largest target world size (one file per rank is written).
-pub const MAX_TARGET_RANKS: u64 = 1 << 20;
+pub use ckpt_core::{Ranks, MAX_TARGET_RANKS};
 
 /// The target layout, as the user gives it.
 #[derive(Clone, Debug)]
@@ -61,44 +60,8 @@ impl Target {
     }
 }
 
-/// Which target ranks to build.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Ranks {
-    /// All of them, appearing together.
-    #[default]
-    All,
-    /// Only this one (partitioned work across machines).
-    One(u64),
-    /// Share `index` of `count`: target ranks `r` with `r % count == index` (one process
-    /// of a job started by mpirun, srun or torchrun).
-    Share {
-        /// This process's share.
-        index: u64,
-        /// Number of shares.
-        count: u64,
-    },
-}
-
-impl Ranks {
-    /// The target ranks of a world of `world` ranks this selects.
-    ///
-    /// # Errors
-    /// A rank past the target's world size.
-    pub fn list(self, world: u64) -> Result<Vec<u64>> {
-        match self {
-            Ranks::All => Ok((0..world).collect()),
-            Ranks::One(r) if r < world => Ok(vec![r]),
-            Ranks::One(r) => Err(Error::Unsupported {
-                problem: format!("--rank {r} but the target has {world} ranks"),
-            }),
-            Ranks::Share { index, count } => {
-                Ok((index..world).step_by(count.max(1) as usize).collect())
-            }
-        }
-    }
-}
-
-/// How the target ranks' files are laid out.
+/// How the target ranks' files are laid out: each format is one of ckpt-core's
+/// [`Writer`]s (chosen by the constructor table, `writer`), but DeepSpeed's.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum OutputFormat {
     /// `OUT/ckpt_<r>/model.safetensors` with `strategy.json` in each (ckpt's own).
@@ -164,70 +127,6 @@ impl OutputFormat {
             .iter()
             .find(|(n, _)| *n == name)
             .map(|&(_, f)| f)
-    }
-
-    /// The directory of target rank `r`, for the layouts that have one.
-    #[must_use]
-    pub fn rank_dir(self, r: u64) -> Option<PathBuf> {
-        match self {
-            OutputFormat::Ranks => Some(PathBuf::from(format!("ckpt_{r}"))),
-            OutputFormat::MindSpore => Some(PathBuf::from(format!("rank_{r}"))),
-            OutputFormat::Dcp
-            | OutputFormat::Distcp
-            | OutputFormat::Megatron
-            | OutputFormat::MegatronDist
-            | OutputFormat::Torchtitan
-            | OutputFormat::DeepSpeed => None,
-        }
-    }
-
-    /// Whether the format is PyTorch DCP's default one, which stores each chunk once
-    /// (its metadata maps a chunk to one file) as one box.
-    #[must_use]
-    pub fn is_distcp(self) -> bool {
-        matches!(
-            self,
-            OutputFormat::Distcp | OutputFormat::MegatronDist | OutputFormat::Torchtitan
-        )
-    }
-
-    /// Whether the output is a plain DCP directory, its `.metadata` at the top (a
-    /// dist_ckpt's is in its iteration directory).
-    #[must_use]
-    pub fn writes_dcp_metadata(self) -> bool {
-        matches!(self, OutputFormat::Distcp | OutputFormat::Torchtitan)
-    }
-
-    /// Whether the format is Megatron's, whose tensors need Megatron's names.
-    #[must_use]
-    pub fn is_megatron(self) -> bool {
-        matches!(self, OutputFormat::Megatron | OutputFormat::MegatronDist)
-    }
-
-    /// The file of target rank `r`.
-    #[must_use]
-    pub fn file(self, r: u64) -> PathBuf {
-        match self {
-            OutputFormat::Ranks => Path::new(&format!("ckpt_{r}")).join(MODEL_FILE),
-            OutputFormat::MindSpore => {
-                Path::new(&format!("rank_{r}")).join(format!("checkpoint_{r}.ckpt"))
-            }
-            // (A dist_ckpt's in its iteration directory, by `megatron_dist_plan`.)
-            OutputFormat::Distcp | OutputFormat::MegatronDist | OutputFormat::Torchtitan => {
-                PathBuf::from(format!("__{r}_0.distcp"))
-            }
-            // Named by tensor and pipeline rank once the plan is made
-            // (`megatron_legacy_plan`).
-            OutputFormat::Megatron => PathBuf::from(format!("rank_{r}.pt")),
-            OutputFormat::DeepSpeed => {
-                PathBuf::from(format!("zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
-            }
-            // PyTorch numbers shards from 1.
-            OutputFormat::Dcp => PathBuf::from(format!(
-                "shard-{:05}-model-00001-of-00001.safetensors",
-                r + 1
-            )),
-        }
     }
 }
 
@@ -411,96 +310,48 @@ pub fn target_strategy(
     Ok(strategy)
 }
 
-/// The plan for the requested ranks.
-///
-/// # Errors
-/// See [`CopyPlan::build`].
-pub fn plan(
-    source: &Checkpoint,
-    strategy: &Strategy,
-    ranks: Ranks,
-    keep_all: bool,
-    format: OutputFormat,
-) -> Result<CopyPlan> {
-    let world = strategy.mesh.world_size();
-    // One file per target rank is written: a mesh that claims more ranks than any
-    // machine room holds is a mistake, refused before anything is allocated for it.
-    if world > MAX_TARGET_RANKS {
-        return Err(Error::Unsupported {
-            problem: format!(
-                "the target mesh {} has {world} ranks, more than the {MAX_TARGET_RANKS} ckpt writes files for",
-                strategy.mesh
-            ),
-        });
+/// The request's target, as the writers that lay part of it out ask it.
+impl TargetLayout for ReshardRequest {
+    fn strategy(&self, source: &Checkpoint, laid_out: Option<Strategy>) -> Result<Strategy> {
+        match laid_out {
+            Some(s) => target_strategy(source, &Target::Strategy(s), &self.selection, &self.shard),
+            None => target_strategy(source, &self.target, &self.selection, &self.shard),
+        }
     }
-    let list = ranks.list(world)?;
-    let hash = strategy.hash();
-    let files = list
-        .into_iter()
-        .map(|r| {
-            // Every Megatron rank file holds its whole state dict, replicas included.
-            let keep_all = keep_all || format == OutputFormat::Megatron;
-            let tensors = target_tensors(strategy, r, keep_all, format);
-            if format == OutputFormat::Dcp || format.is_distcp() {
-                if let Some(t) = tensors.iter().find(|t| t.pieces.len() > 1) {
-                    return Err(Error::Unsupported {
-                        problem: format!(
-                            "tensor `{}`: rank {r} holds it as {} boxes (a blocked shard) and PyTorch DCP stores one box per tensor: use blocks=1 in the target strategy or --exclude it",
-                            t.name,
-                            t.pieces.len()
-                        ),
-                    });
-                }
-            }
-            Ok(TargetFile { path: format.file(r), metadata: rank_metadata(strategy, &hash, r, &tensors), tensors })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    CopyPlan::build(source, files)
+
+    fn grid(&self) -> Option<Vec<(String, u64)>> {
+        match &self.target {
+            Target::Mesh(m) => Some(m.clone()),
+            Target::To(k) => Some(vec![("tp".into(), *k), ("pp".into(), 1)]),
+            Target::Strategy(_) | Target::MindSpore(_) => None,
+        }
+    }
 }
 
-/// What target rank `r` stores. DCP's default format stores each chunk once (its
-/// metadata maps a chunk to one file, so replicated data is kept by its owner only,
-/// whatever `keep_all` says) and no empty chunks (a rank's empty slice needs no
-/// archive).
-fn target_tensors(
-    strategy: &Strategy,
-    r: u64,
-    keep_all: bool,
-    format: OutputFormat,
-) -> Vec<TargetTensor> {
-    let distcp = format.is_distcp();
-    let mut tensors = rank_tensors(strategy, r, keep_all && !distcp, &|_, l| Some(l.dtype));
-    if distcp {
-        tensors.retain(|t| t.shape.iter().all(|&d| d > 0));
-    }
-    tensors
-}
-
-/// The `.metadata` of a `--format distcp` output: every target rank's chunks, laid out
-/// as the writer lays out its file.
-fn distcp_metadata(strategy: &Strategy) -> Result<Vec<u8>> {
-    let tensors = strategy
-        .tensors
-        .iter()
-        .map(|(n, l)| (n.clone(), (l.dtype, l.shape.clone())))
-        .collect();
-    let files: Vec<(String, Vec<ckpt_core::DistcpChunk>)> = (0..strategy.mesh.world_size())
-        .map(|r| {
-            let chunks = target_tensors(strategy, r, false, OutputFormat::Distcp)
-                .into_iter()
-                .filter_map(|t| {
-                    let p = t.pieces.first()?;
-                    Some(ckpt_core::DistcpChunk {
-                        fqn: t.name,
-                        offsets: p.global.start.to_vec(),
-                        sizes: t.shape,
-                    })
-                })
-                .collect();
-            (OutputFormat::Distcp.file(r).display().to_string(), chunks)
-        })
-        .collect();
-    ckpt_core::distcp_metadata(&tensors, &files, &[])
+/// The writer of `req.format` for `source` (the constructor table): the target strategy
+/// derived from the request, for the formats that see the source in their framework's
+/// names or lay out part of the target by its rules, by the writer from `req`.
+fn writer(req: &ReshardRequest, source: &mut Checkpoint) -> Result<Box<dyn Writer>> {
+    let options = RankOptions {
+        ranks: req.ranks,
+        keep_all: req.keep_all,
+        compression: req.compression,
+    };
+    let strategy = |source: &Checkpoint| req.strategy(source, None);
+    Ok(match req.format {
+        OutputFormat::Ranks => Box::new(Sliced::ckpt(strategy(source)?, options)),
+        OutputFormat::MindSpore => Box::new(Sliced::mindspore(strategy(source)?, options)?),
+        OutputFormat::Dcp => Box::new(Dcp::safetensors(strategy(source)?, options)?),
+        OutputFormat::Distcp => Box::new(Dcp::distcp(strategy(source)?, options)?),
+        OutputFormat::Torchtitan => Box::new(Dcp::torchtitan(source, req, options)?),
+        OutputFormat::Megatron => Box::new(MegatronLegacy::new(source, req, options)?),
+        OutputFormat::MegatronDist => Box::new(MegatronDist::new(source, req, options)?),
+        OutputFormat::DeepSpeed => {
+            return Err(Error::Unsupported {
+                problem: "--format deepspeed re-cuts DeepSpeed's flat partitions directly: it has no copy plan to show (--plan)".into(),
+            })
+        }
+    })
 }
 
 /// Opens the source and derives the target strategy and plan (for `--plan`).
@@ -509,90 +360,41 @@ fn distcp_metadata(strategy: &Strategy) -> Result<Vec<u8>> {
 /// Any input problem.
 pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)> {
     let p = prepare_output(req)?;
-    Ok((p.source, p.strategy, p.plan))
+    let strategy = p
+        .writer
+        .strategy()
+        .cloned()
+        .ok_or_else(|| Error::Unsupported {
+            problem: format!("--format {} has no target strategy", p.writer.name()),
+        })?;
+    Ok((p.source, strategy, p.plan))
 }
 
-/// What a reshard writes: the source, the target strategy, the plan, and a dist_ckpt's
-/// files beside the plan's.
+/// What a reshard writes: the source, the writer of the output's format, its plan.
 struct Prepared {
     source: Checkpoint,
-    strategy: Strategy,
+    writer: Box<dyn Writer>,
     plan: CopyPlan,
-    dist: Option<ckpt_core::MegatronDist>,
 }
 
 fn prepare_output(req: &ReshardRequest) -> Result<Prepared> {
-    if req.format == OutputFormat::DeepSpeed {
-        return Err(Error::Unsupported {
-            problem: "--format deepspeed re-cuts DeepSpeed's flat partitions directly: it has no copy plan to show (--plan)".into(),
-        });
-    }
-    if req.compression.is_some() && req.format != OutputFormat::Ranks {
-        return Err(Error::Unsupported {
-            problem: "--compress writes ckpt's own layout (ckpt_<r>/model.ckptz): PyTorch and MindSpore do not read .ckptz files, so it does not combine with --format dcp-safetensors, distcp, mindspore or megatron".into(),
-        });
-    }
     let mut source = Checkpoint::open_selected(&req.inputs, &req.selection)?;
     if let Some(e) = source.no_tensors() {
         return Err(e);
     }
-    if req.format == OutputFormat::Torchtitan {
-        source.torchtitan_import(&ckpt_core::HfTarget::default())?;
-    }
-    if req.format == OutputFormat::MegatronDist {
-        // A dist_ckpt holds GroupedMLP's experts one by one, as SequentialMLP's.
-        source.grouped_experts_as_sequential()?;
-    }
-    if req.format.is_megatron() && !source.is_megatron() {
-        // A Hugging Face model: Megatron's tensors by its family's table.
-        source.megatron_import(&ckpt_core::HfTarget::default())?;
-    }
-    // A Megatron mixture of experts: the target's tensor x pipeline ranks from
-    // megatron-core's rules, split again by experts into `ep` ranks when written.
-    let moe = match (&req.target, req.format) {
-        (Target::Mesh(m), f) if f.is_megatron() => ckpt_core::megatron_moe_strategy(&source, m)?,
-        (Target::To(k), f) if f.is_megatron() => {
-            ckpt_core::megatron_moe_strategy(&source, &[("tp".into(), *k), ("pp".into(), 1)])?
-        }
-        _ => None,
-    };
-    let (mut strategy, experts) = match moe {
-        Some((s, experts)) => (
-            target_strategy(&source, &Target::Strategy(s), &req.selection, &req.shard)?,
-            Some(experts),
-        ),
-        None => (
-            target_strategy(&source, &req.target, &req.selection, &req.shard)?,
-            None,
-        ),
-    };
-    match req.format {
-        OutputFormat::Megatron => ckpt_core::megatron_restage(&source, &mut strategy)?,
-        OutputFormat::MegatronDist => ckpt_core::megatron_dist_strategy(&source, &mut strategy)?,
-        _ => {}
-    }
-    let mut plan = plan(&source, &strategy, req.ranks, req.keep_all, req.format)?;
-    let mut dist = None;
-    if req.format == OutputFormat::Megatron {
-        let ranks = req.ranks.list(strategy.mesh.world_size())?;
-        ckpt_core::megatron_legacy_plan_ep(&source, &strategy, &ranks, &mut plan, experts)?;
-    }
-    if req.format == OutputFormat::MegatronDist {
-        dist = Some(ckpt_core::megatron_dist_plan(
-            &source, &strategy, &mut plan,
-        )?);
-    }
-    if req.compression.is_some() {
-        for f in &mut plan.files {
-            f.path.set_extension(CKPTZ_EXTENSION);
-        }
-    }
+    let writer = writer(req, &mut source)?;
+    let plan = writer.plan(&source, &req.selection)?;
     Ok(Prepared {
         source,
-        strategy,
+        writer,
         plan,
-        dist,
     })
+}
+
+/// The directory of the output a file of the plan sits in (a rank directory), which a
+/// process writing some ranks publishes whole; `None` for a file at the top.
+fn part_of(file: &Path) -> Option<&Path> {
+    file.parent().filter(|p| !p.as_os_str().is_empty())
 }
 
 /// Reshards: checks everything, then writes. With all ranks, the whole output appears
@@ -608,12 +410,6 @@ pub fn reshard(
     on_plan: &dyn Fn(&Checkpoint, &CopyPlan),
 ) -> Result<CopyStats> {
     check_output_outside_inputs(&req.output, &req.inputs)?;
-    if req.format.is_megatron() && req.ranks != Ranks::All {
-        return Err(Error::Unsupported {
-            problem: "--format megatron and megatron-dist write every rank at once (no --rank)"
-                .into(),
-        });
-    }
     if req.ranks == Ranks::All && req.output.exists() && !req.force {
         return Err(Error::OutputExists {
             path: req.output.clone(),
@@ -622,49 +418,28 @@ pub fn reshard(
     // Every target rank's plan is checked before anything is written.
     let Prepared {
         source,
-        strategy,
-        plan: full,
-        dist,
+        writer,
+        plan,
     } = prepare_output(req)?;
-    let json = strategy.to_json();
-    let ranks = req.ranks.list(strategy.mesh.world_size())?;
-    on_plan(&source, &full);
+    on_plan(&source, &plan);
+    let compression = writer.compression();
     if req.ranks == Ranks::All {
         let staged = StagedDir::new(&req.output, req.force)?;
-        let stats = execute_with(&full, &source, staged.path(), progress, req.compression)?;
-        for r in &ranks {
-            if let Some(d) = req.format.rank_dir(*r) {
-                finish_rank_dir(&staged.path().join(d), &json, &source)?;
-            }
-        }
-        finish_rank_dir(staged.path(), &json, &source)?;
-        if req.format.writes_dcp_metadata() {
-            let meta = distcp_metadata(&strategy)?;
-            write_file_atomic(&staged.path().join(".metadata"), &meta)?;
-        }
-        if req.format == OutputFormat::Megatron {
-            let (path, text) = ckpt_core::megatron_tracker(&source)?;
-            write_file_atomic(&staged.path().join(path), &text)?;
-        }
-        if let Some(d) = &dist {
-            ckpt_core::megatron_dist_finish(d, staged.path())?;
-        }
+        let stats = execute_with(&plan, &source, staged.path(), progress, compression)?;
+        writer.finish(&source, &req.selection, &plan, staged.path())?;
         staged.commit()?;
         return Ok(stats);
     }
-    for r in &ranks {
-        let p = req.output.join(
-            req.format
-                .rank_dir(*r)
-                .unwrap_or_else(|| req.format.file(*r)),
-        );
+    for f in &plan.files {
+        let p = req.output.join(part_of(&f.path).unwrap_or(&f.path));
         if p.exists() && !req.force {
             return Err(Error::OutputExists { path: p });
         }
     }
     let mut stats = CopyStats::default();
-    for (r, mut one) in ranks.iter().zip(full.files) {
-        match req.format.rank_dir(*r) {
+    let mut loose = CopyPlan { files: Vec::new() };
+    for mut one in plan.files {
+        match part_of(&one.path).map(Path::to_path_buf) {
             Some(dir) => {
                 let staged = StagedDir::new(&req.output.join(&dir), req.force)?;
                 one.path = one
@@ -677,9 +452,9 @@ pub fn reshard(
                     &source,
                     staged.path(),
                     progress,
-                    req.compression,
+                    compression,
                 )?;
-                finish_rank_dir(staged.path(), &json, &source)?;
+                writer.finish_part(&source, staged.path())?;
                 staged.commit()?;
             }
             // The file writer is atomic on its own.
@@ -688,34 +463,16 @@ pub fn reshard(
                     path: req.output.clone(),
                     source,
                 })?;
-                stats += execute_with(
-                    &CopyPlan { files: vec![one] },
-                    &source,
-                    &req.output,
-                    progress,
-                    req.compression,
-                )?;
+                let single = CopyPlan { files: vec![one] };
+                stats += execute_with(&single, &source, &req.output, progress, compression)?;
+                loose.files.extend(single.files);
             }
         }
     }
-    // The shared top-level strategy (and DCP metadata), written by every process (same
-    // bytes, atomically).
-    finish_rank_dir(&req.output, &json, &source)?;
-    if req.format.writes_dcp_metadata() {
-        let meta = distcp_metadata(&strategy)?;
-        write_file_atomic(&req.output.join(".metadata"), &meta)?;
-    }
+    // The shared top-level files (strategy, DCP metadata), written by every process
+    // (same bytes, atomically).
+    writer.finish(&source, &req.selection, &loose, &req.output)?;
     Ok(stats)
-}
-
-/// Writes a directory's `strategy.json` and carried files.
-fn finish_rank_dir(dir: &Path, json: &str, source: &Checkpoint) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::Io {
-        path: dir.to_path_buf(),
-        source: e,
-    })?;
-    write_file_atomic(&dir.join(STRATEGY_FILE), json.as_bytes())?;
-    copy_carried(&source.carried, dir)
 }
 
 /// `--format deepspeed`: the DeepSpeed ZeRO-1/2 checkpoint given as the one input,

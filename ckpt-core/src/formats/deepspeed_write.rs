@@ -1,5 +1,6 @@
-//! Writing a DeepSpeed ZeRO-1/2/3 checkpoint for another data-parallel size (ZeRO-1/2 in
-//! [`zero12`], ZeRO-3 in [`zero3`], both reached through [`write_deepspeed_dp`])
+//! The file codecs of a DeepSpeed ZeRO-1/2/3 checkpoint written for another
+//! data-parallel size (ZeRO-1/2 in [`zero12`], ZeRO-3 in [`zero3`], both reached through
+//! the checkpoint writer `write::deepspeed::write_deepspeed_dp`)
 //! (`ckpt reshard ckpt/ --to N --format deepspeed`): what `engine.load_checkpoint`
 //! of DeepSpeed on N ranks loads, weights and optimizer state included, without the
 //! universal-checkpoint path (layout in docs/formats.md, "DeepSpeed: writing for
@@ -36,65 +37,6 @@ mod group_plan;
 mod zero12;
 mod zero3;
 
-use super::deepspeed;
-use crate::error::Result;
-use std::path::Path;
-use zero12::{optim_files, tag_dir, unsupported};
-
 pub use zero12::DeepSpeedWriteStats;
-
-/// Writes the ZeRO-1/2/3 checkpoint at `source` (a directory with `latest`, or a tag
-/// directory) as a checkpoint for `dp` data-parallel ranks at `output`
-/// (`output/latest`, `output/<tag>/`), all of it or nothing. A ZeRO-1/2 mixture of
-/// experts (`deepspeed.moe`) is written for expert-parallel size `ep` (the source's
-/// when `None`): its expert group regrouped by expert, the expert files copied.
-///
-/// # Errors
-/// [`crate::Error::Unsupported`] for what is not written (ZeRO-3 sub-groups split otherwise on
-/// `dp` ranks, elastic checkpoints, round-robin gradients, a dp size the ZeRO-1/2 model
-/// states cannot record in place, `ep` without experts, experts without ZeRO);
-/// [`crate::Error::InvalidDeepSpeed`] naming file and tensor for a damaged
-/// source; an existing output without `force`; I/O errors.
-pub fn write_deepspeed_dp(
-    source: &Path,
-    output: &Path,
-    dp: u64,
-    ep: Option<u64>,
-    force: bool,
-) -> Result<DeepSpeedWriteStats> {
-    if dp == 0 {
-        return Err(unsupported("a data-parallel size of 0"));
-    }
-    let (dir, tag) = tag_dir(source)?;
-    // The reader's checks first: missing ranks or expert files, partitions that do
-    // not add up, padding out of place, tensor parallelism are refused there.
-    let read = deepspeed::read(&dir)?;
-    drop(read);
-    let (prefix, optim, rank_models) = optim_files(&dir)?;
-    if optim.is_empty() {
-        return Err(unsupported(format!(
-            "{}: no ZeRO optimizer-states files (zero_pp_rank_*): a checkpoint without ZeRO is not re-cut; `ckpt merge` reads its weights",
-            dir.display()
-        )));
-    }
-    // Per-rank model states: ZeRO-3 (the reader checked the stage), which DeepSpeed
-    // refuses with experts.
-    if rank_models.is_empty() {
-        zero12::write_zero12(
-            &dir,
-            &tag,
-            output,
-            zero12::NewSizes { dp, ep },
-            force,
-            &prefix,
-            &optim,
-        )
-    } else if ep.is_some() {
-        Err(unsupported(format!(
-            "{}: an EP size was given for a ZeRO-3 checkpoint, which has no expert groups (DeepSpeed refuses ZeRO-3 with its MoE layers)",
-            dir.display()
-        )))
-    } else {
-        zero3::write_zero3(&dir, &tag, output, dp, force, &prefix, &optim)
-    }
-}
+pub(crate) use zero12::{optim_files, tag_dir, unsupported, write_zero12, NewSizes};
+pub(crate) use zero3::write_zero3;

@@ -4,18 +4,125 @@
 //! `args` (new sizes), `checkpoint_version` and `iteration`, as Megatron's legacy
 //! loader reads it; `latest_checkpointed_iteration.txt` names the iteration.
 //!
-//! Beside the checkpoint, not in the engine: it rewrites a plan for one format, which
-//! the engine (format-blind) then executes; the torch writer nests the tensors as the
-//! plan's metadata asks.
+//! [`MegatronLegacy`] is the writer: the plan of one file per rank of the target's
+//! tensor x pipeline grid, rewritten for the format (renamed, split by expert-parallel
+//! rank, cut to rows), which the engine (format-blind) then executes; the torch writer
+//! nests the tensors as the plan's metadata asks.
 
-use crate::checkpoint::Checkpoint;
+use super::ranks::{finish_dir, rank_plan, RankFiles, RankOptions, Ranks};
+use super::{TargetLayout, Writer};
+use crate::checkpoint::{Checkpoint, HfTarget};
 use crate::error::{Error, Result};
 use crate::formats::megatron::{self, RankRng, TRACKER_FILE};
+use crate::formats::output::write_file_atomic;
 use crate::formats::torch_write::{hex, WRAP_EXTRA, WRAP_KEY, WRAP_STORAGES};
 use crate::layout::plan::{CopyPlan, TensorPlan};
+use crate::layout::select::Selection;
 use crate::layout::strategy::Strategy;
 use crate::layout::Placement;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+/// `reshard --format megatron`: a Megatron legacy checkpoint (from a Megatron legacy
+/// source, whose args it carries, or a Hugging Face model imported by its family's
+/// table): `OUT/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt` and
+/// `OUT/latest_checkpointed_iteration.txt`, with `strategy.json` beside.
+#[derive(Clone, Debug)]
+pub struct MegatronLegacy {
+    /// The target's tensor x pipeline ranks, every tensor on the stage Megatron's layout
+    /// gives it.
+    strategy: Strategy,
+    /// A mixture of experts' expert layout (`None`: the source's).
+    experts: Option<ExpertLayout>,
+}
+
+/// Refuses a write of some of a Megatron output's ranks, and a compression.
+pub(crate) fn every_rank_uncompressed(options: &RankOptions) -> Result<()> {
+    if options.ranks != Ranks::All {
+        return Err(Error::Unsupported {
+            problem: "--format megatron and megatron-dist write every rank at once (no --rank)"
+                .into(),
+        });
+    }
+    options.uncompressed()
+}
+
+/// The target of a Megatron output: `source` seen in Megatron's names (a Hugging Face
+/// model imported by its family's table), then the strategy `target` derives; for a
+/// mixture of experts, of the tensor x pipeline ranks megatron-core's rules give the
+/// grid asked, with the expert layout its files are split by when written.
+///
+/// # Errors
+/// A source Megatron's names do not fit; what [`megatron_moe_strategy`] and `target`
+/// refuse.
+pub(crate) fn megatron_target(
+    source: &mut Checkpoint,
+    target: &dyn TargetLayout,
+) -> Result<(Strategy, Option<ExpertLayout>)> {
+    if !source.is_megatron() {
+        // A Hugging Face model: Megatron's tensors by its family's table.
+        source.megatron_import(&HfTarget::default())?;
+    }
+    let moe = match target.grid() {
+        Some(grid) => megatron_moe_strategy(source, &grid)?,
+        None => None,
+    };
+    Ok(match moe {
+        Some((s, experts)) => (target.strategy(source, Some(s))?, Some(experts)),
+        None => (target.strategy(source, None)?, None),
+    })
+}
+
+impl MegatronLegacy {
+    /// The writer of the Megatron legacy checkpoint `target` asks for `source`.
+    ///
+    /// # Errors
+    /// Some ranks or a compression asked for; a source Megatron's names do not fit; a
+    /// grid or target strategy Megatron's layout cannot take (see [`TargetLayout`]).
+    pub fn new(
+        source: &mut Checkpoint,
+        target: &dyn TargetLayout,
+        options: RankOptions,
+    ) -> Result<MegatronLegacy> {
+        every_rank_uncompressed(&options)?;
+        let (mut strategy, experts) = megatron_target(source, target)?;
+        megatron_restage(source, &mut strategy)?;
+        Ok(MegatronLegacy { strategy, experts })
+    }
+}
+
+impl Writer for MegatronLegacy {
+    fn name(&self) -> &'static str {
+        "megatron"
+    }
+
+    fn plan(&self, source: &Checkpoint, _: &Selection) -> Result<CopyPlan> {
+        // Every Megatron rank file holds its whole state dict, replicas included; named
+        // by tensor and pipeline rank by the rewrite.
+        let files = RankFiles {
+            path: |r| PathBuf::from(format!("rank_{r}.pt")),
+            one_box: false,
+            once: false,
+        };
+        let mut plan = rank_plan(source, &self.strategy, Ranks::All, true, files)?;
+        let ranks = Ranks::All.list(self.strategy.mesh.world_size())?;
+        megatron_legacy_plan(source, &self.strategy, &ranks, &mut plan, self.experts)?;
+        Ok(plan)
+    }
+
+    fn shares_files(&self) -> bool {
+        false
+    }
+
+    fn strategy(&self) -> Option<&Strategy> {
+        Some(&self.strategy)
+    }
+
+    fn finish(&self, source: &Checkpoint, _: &Selection, _: &CopyPlan, dir: &Path) -> Result<()> {
+        finish_dir(dir, &self.strategy.to_json(), source)?;
+        let (path, text) = megatron_tracker(source)?;
+        write_file_atomic(&dir.join(path), &text)
+    }
+}
 
 /// The tensor-parallel axis and the TP and PP sizes of a Megatron target (`--format
 /// {format}`): a mesh of one tensor-parallel axis and an optional pipeline axis, checked
@@ -78,11 +185,11 @@ pub(crate) fn megatron_grid(
 /// and whether every expert is whole on each tensor-parallel rank (expert TP 1) rather
 /// than split like the dense layers (expert TP = TP).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ExpertLayout {
+pub(crate) struct ExpertLayout {
     /// `expert_model_parallel_size`.
-    pub ep: u64,
+    pub(crate) ep: u64,
     /// `expert_tensor_parallel_size` 1 (else unset: the tensor-parallel size).
-    pub whole: bool,
+    pub(crate) whole: bool,
 }
 
 impl ExpertLayout {
@@ -100,31 +207,18 @@ impl ExpertLayout {
 }
 
 /// Rewrites `plan` (one file per rank of `ranks`, in order, on `strategy`'s mesh) into
-/// Megatron's legacy layout ([`megatron_tracker`] gives the file to write beside it).
+/// Megatron's legacy layout ([`megatron_tracker`] gives the file to write beside it),
+/// with the experts laid out by `experts` (`None`: the source's layout): each `(tp, pp)`
+/// file of the plan becomes one file per expert-parallel rank (`mp_rank_TT[_PPP]_EEE`,
+/// those a save of that layout writes), each with the dense tensors (Megatron's every
+/// rank loads them) and its own experts, named by their local index.
 ///
 /// # Errors
 /// A source that is not a Megatron legacy checkpoint (its args are needed); a target mesh
 /// that is not a pipeline axis and one tensor-parallel axis; a split Megatron's loader
-/// cannot take (uneven pieces); a tensor on another stage than Megatron's layout puts it.
-pub fn megatron_legacy_plan(
-    source: &Checkpoint,
-    strategy: &Strategy,
-    ranks: &[u64],
-    plan: &mut CopyPlan,
-) -> Result<()> {
-    megatron_legacy_plan_ep(source, strategy, ranks, plan, None)
-}
-
-/// [`megatron_legacy_plan`] with the experts laid out by `experts` (`None`: the
-/// source's layout): each `(tp, pp)` file of the plan becomes one file per
-/// expert-parallel rank (`mp_rank_TT[_PPP]_EEE`, those a save of that layout writes),
-/// each with the dense tensors (Megatron's every rank loads them) and its own experts,
-/// named by their local index.
-///
-/// # Errors
-/// As [`megatron_legacy_plan`]; experts that do not divide by `ep`; `ep` for a model
-/// without experts.
-pub fn megatron_legacy_plan_ep(
+/// cannot take (uneven pieces); a tensor on another stage than Megatron's layout puts it;
+/// experts that do not divide by `ep`; `ep` for a model without experts.
+pub(crate) fn megatron_legacy_plan(
     source: &Checkpoint,
     strategy: &Strategy,
     ranks: &[u64],
@@ -261,14 +355,14 @@ pub fn megatron_legacy_plan_ep(
 /// The target of a mixture-of-experts Megatron output on `mesh` (axes `tp`, `pp`, `ep`
 /// and `etp`, 1 or the TP size; those not given keep the source's sizes, and its
 /// [`ExpertLayout`]): the strategy of its `tp` x `pp` ranks and the expert layout (the
-/// split by experts is made by [`megatron_legacy_plan_ep`]); `None` for a dense model,
+/// split by experts is made by [`megatron_legacy_plan`]); `None` for a dense model,
 /// whose source strategy is resized as it is.
 ///
 /// # Errors
 /// A source that is not a Megatron checkpoint; an axis other than `tp`, `pp`, `ep` and
 /// `etp`; an `etp` neither 1 nor the TP size (or not 1 for GroupedMLP); a tensor no rule
 /// places.
-pub fn megatron_moe_strategy(
+pub(crate) fn megatron_moe_strategy(
     source: &Checkpoint,
     mesh: &[(String, u64)],
 ) -> Result<Option<(Strategy, ExpertLayout)>> {
@@ -375,7 +469,7 @@ fn source_rank_rng(source: &Checkpoint, rank: u64) -> Result<Option<RankRng>> {
 ///
 /// # Errors
 /// A source that is not a Megatron legacy checkpoint.
-pub fn megatron_tracker(source: &Checkpoint) -> Result<(PathBuf, Vec<u8>)> {
+pub(crate) fn megatron_tracker(source: &Checkpoint) -> Result<(PathBuf, Vec<u8>)> {
     let state = source.megatron_state()?;
     Ok((
         PathBuf::from(TRACKER_FILE),
@@ -391,7 +485,7 @@ pub fn megatron_tracker(source: &Checkpoint) -> Result<(PathBuf, Vec<u8>)> {
 /// # Errors
 /// A source that is not a Megatron legacy checkpoint; a tensor no rule places; layers
 /// that do not split evenly into the stages.
-pub fn megatron_restage(source: &Checkpoint, strategy: &mut Strategy) -> Result<()> {
+pub(crate) fn megatron_restage(source: &Checkpoint, strategy: &mut Strategy) -> Result<()> {
     let Some(p) = strategy.mesh.pipeline() else {
         return Ok(());
     };

@@ -22,10 +22,15 @@
 //!   `ckpt_format` `torch_dist`), `checkpoint_version` 3.0 and `iteration`;
 //!   `metadata.json`: the backends.
 //!
-//! As megatron_output.rs: the plan is the engine's (per-layer tensors, streamed and
-//! staged like any other output); this module renames its chunks into the stacked
-//! tensors and writes the small files beside them.
+//! [`MegatronDist`] is the writer. As the legacy one ([`super::megatron`]): the plan is
+//! the engine's (per-layer tensors, streamed and staged like any other output); this
+//! module renames its chunks into the stacked tensors and writes the small files beside
+//! them.
 
+use super::dcp::DISTCP_FILES;
+use super::megatron::{every_rank_uncompressed, megatron_grid, megatron_target};
+use super::ranks::{finish_dir, rank_plan, RankOptions, Ranks};
+use super::{TargetLayout, Writer};
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::formats::distcp::{metadata_bytes, DistcpChunk, DistcpObject};
@@ -34,12 +39,77 @@ use crate::formats::output::write_file_atomic;
 use crate::formats::pickle::Emitter;
 use crate::formats::torch_write::{TorchWriter, STORED_SHAPES};
 use crate::layout::plan::CopyPlan;
+use crate::layout::select::Selection;
 use crate::layout::strategy::Strategy;
 use crate::layout::Dtype;
 use crate::layout::Placement;
-use crate::write::megatron::megatron_grid;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+/// `reshard --format megatron-dist`: a megatron-core dist_ckpt (`torch_dist`, from a
+/// Megatron legacy source or a Hugging Face model): `OUT/<iter_NNNNNNN|release>/` with
+/// `__<r>_0.distcp`, `.metadata`, `common.pt` and `metadata.json`, and
+/// `OUT/latest_checkpointed_iteration.txt`, with `strategy.json` beside, loadable by
+/// megatron-core's `dist_checkpointing.load`.
+#[derive(Clone, Debug)]
+pub struct MegatronDist {
+    /// The target's tensor x pipeline ranks, as [`megatron_dist_strategy`] prepares it.
+    strategy: Strategy,
+}
+
+impl MegatronDist {
+    /// The writer of the dist_ckpt `target` asks for `source` (GroupedMLP's experts seen
+    /// one by one, as SequentialMLP's: a dist_ckpt holds them so).
+    ///
+    /// # Errors
+    /// Some ranks or a compression asked for; a source Megatron's names do not fit; a
+    /// grid or target strategy megatron-core cannot run the model on (see
+    /// [`TargetLayout`]).
+    pub fn new(
+        source: &mut Checkpoint,
+        target: &dyn TargetLayout,
+        options: RankOptions,
+    ) -> Result<MegatronDist> {
+        every_rank_uncompressed(&options)?;
+        source.grouped_experts_as_sequential()?;
+        let (mut strategy, _) = megatron_target(source, target)?;
+        megatron_dist_strategy(source, &mut strategy)?;
+        Ok(MegatronDist { strategy })
+    }
+}
+
+impl Writer for MegatronDist {
+    fn name(&self) -> &'static str {
+        "megatron-dist"
+    }
+
+    fn plan(&self, source: &Checkpoint, _: &Selection) -> Result<CopyPlan> {
+        let mut plan = rank_plan(source, &self.strategy, Ranks::All, false, DISTCP_FILES)?;
+        let (_, rewrites) = stacked(source, &self.strategy, &plan)?;
+        for (f, (path, shapes)) in plan.files.iter_mut().zip(rewrites) {
+            f.path = path;
+            if let Some(json) = shapes {
+                f.metadata.insert(STORED_SHAPES.to_string(), json);
+            }
+        }
+        Ok(plan)
+    }
+
+    fn shares_files(&self) -> bool {
+        false
+    }
+
+    fn strategy(&self) -> Option<&Strategy> {
+        Some(&self.strategy)
+    }
+
+    fn finish(&self, src: &Checkpoint, _: &Selection, plan: &CopyPlan, dir: &Path) -> Result<()> {
+        finish_dir(dir, &self.strategy.to_json(), src)?;
+        // The same layout as the plan's (the rewrite renamed files, not tensors).
+        let (dist, _) = stacked(src, &self.strategy, plan)?;
+        megatron_dist_finish(&dist, dir)
+    }
+}
 
 /// The prefix of the layers' tensors, per layer and stacked.
 const LAYERS: &str = "decoder.layers.";
@@ -117,7 +187,7 @@ fn linear_module(key: &str) -> Option<&str> {
 /// A dist_ckpt output being written: what [`megatron_dist_finish`] writes beside the
 /// engine's files.
 #[derive(Debug)]
-pub struct MegatronDist {
+struct Stacked {
     state: SourceState,
     /// The iteration directory, relative to the output.
     dir: PathBuf,
@@ -131,14 +201,15 @@ pub struct MegatronDist {
 
 /// Prepares a target strategy (one tensor-parallel axis, an optional pipeline axis)
 /// for a dist_ckpt: every tensor on the stage Megatron's layout puts it
-/// ([`crate::megatron_restage`]), split along its TP dimension in one block (DCP stores
-/// one box per rank; megatron-core's loader reads any chunks, so a SwiGLU `linear_fc1`
-/// need not be stored as each rank's gate and up rows), and no output layer where the
-/// embeddings are tied (megatron-core's `GPTModel` saves the word embedding once).
+/// ([`super::megatron::megatron_restage`]), split along its TP dimension in one block
+/// (DCP stores one box per rank; megatron-core's loader reads any chunks, so a SwiGLU
+/// `linear_fc1` need not be stored as each rank's gate and up rows), and no output layer
+/// where the embeddings are tied (megatron-core's `GPTModel` saves the word embedding
+/// once).
 ///
 /// # Errors
-/// What [`crate::megatron_restage`] and [`megatron_grid`] refuse.
-pub fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strategy) -> Result<()> {
+/// What [`super::megatron::megatron_restage`] and [`megatron_grid`] refuse.
+pub(crate) fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strategy) -> Result<()> {
     let state = source.megatron_state()?;
     if let Some(name) = source
         .tensors
@@ -151,7 +222,7 @@ pub fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strategy) -> R
             "--format megatron-dist: `{name}` is a GroupedMLP weight, which a dist_ckpt holds per expert: read it with Checkpoint::grouped_experts_as_sequential first"
         )));
     }
-    crate::write::megatron::megatron_restage(source, strategy)?;
+    super::megatron::megatron_restage(source, strategy)?;
     // Checked with the split Megatron makes (SwiGLU's gate and up rows each in TP
     // parts), before it is stored in one block.
     megatron_grid(&state, strategy, "megatron-dist")?;
@@ -168,19 +239,24 @@ pub fn megatron_dist_strategy(source: &Checkpoint, strategy: &mut Strategy) -> R
     Ok(())
 }
 
-/// Rewrites `plan` (one file per rank of `ranks` of `strategy`'s mesh, as for DCP)
-/// into a dist_ckpt's `.distcp` files: the per-layer tensors become chunks of the
-/// stacked ones, stored with a leading layer axis of 1 (same bytes).
+/// Each file of a plan's path in the iteration directory, and the stored shapes its
+/// metadata records.
+type Rewrites = Vec<(PathBuf, Option<String>)>;
+
+/// The dist_ckpt of `plan` (one file per rank of `strategy`'s mesh, as for DCP): the
+/// per-layer tensors become chunks of the stacked ones, stored with a leading layer axis
+/// of 1 (same bytes); with, for each file of the plan, its path in the iteration
+/// directory and the stored shapes its metadata records.
 ///
 /// # Errors
 /// A source that is not Megatron's and was not imported; a mesh megatron-core cannot
 /// run the model on ([`megatron_grid`]); a tensor of a layer outside
 /// `num_layers`, or whose layers differ in shape; a tensor in several boxes on a rank.
-pub fn megatron_dist_plan(
+fn stacked(
     source: &Checkpoint,
     strategy: &Strategy,
-    plan: &mut CopyPlan,
-) -> Result<MegatronDist> {
+    plan: &CopyPlan,
+) -> Result<(Stacked, Rewrites)> {
     let state = source.megatron_state()?;
     let (_, tp, pp) = megatron_grid(&state, strategy, "megatron-dist")?;
     let layers = state.args.num_layers.ok_or_else(|| {
@@ -194,11 +270,11 @@ pub fn megatron_dist_plan(
         .unwrap_or_default();
     let mut tensors: BTreeMap<String, (Dtype, Vec<u64>)> = BTreeMap::new();
     let mut files = Vec::with_capacity(plan.files.len());
+    let mut rewrites = Vec::with_capacity(plan.files.len());
     let experts = state.args.moe.experts.unwrap_or(0);
     let mut modules: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-    for (r, f) in plan.files.iter_mut().enumerate() {
+    for (r, f) in plan.files.iter().enumerate() {
         let name = format!("__{r}_0.distcp");
-        f.path = dir.join(&name);
         let mut chunks = Vec::with_capacity(f.tensors.len());
         let mut stored: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
         for t in &f.tensors {
@@ -266,20 +342,23 @@ pub fn megatron_dist_plan(
                 sizes,
             });
         }
-        if !stored.is_empty() {
-            let json = serde_json::to_string(&stored).map_err(|e| unsupported(e.to_string()))?;
-            f.metadata.insert(STORED_SHAPES.to_string(), json);
-        }
+        let shapes = if stored.is_empty() {
+            None
+        } else {
+            Some(serde_json::to_string(&stored).map_err(|e| unsupported(e.to_string()))?)
+        };
+        rewrites.push((dir.join(&name), shapes));
         files.push((name, chunks));
     }
-    Ok(MegatronDist {
+    let dist = Stacked {
         state,
         dir,
         sizes: (tp, pp),
         tensors,
         files,
         modules,
-    })
+    };
+    Ok((dist, rewrites))
 }
 
 /// Writes the files of a dist_ckpt beside the engine's `.distcp` files, into `out`
@@ -288,7 +367,7 @@ pub fn megatron_dist_plan(
 ///
 /// # Errors
 /// I/O errors; args that cannot be written back.
-pub fn megatron_dist_finish(dist: &MegatronDist, out: &Path) -> Result<()> {
+fn megatron_dist_finish(dist: &Stacked, out: &Path) -> Result<()> {
     let dir = out.join(&dist.dir);
     // One `torch.save([None])` that every layer's extra state points at.
     let objects_path = dir.join(OBJECTS_FILE);

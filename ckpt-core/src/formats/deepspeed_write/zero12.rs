@@ -17,7 +17,7 @@ use crate::layout::Dtype;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-/// What [`write_deepspeed_dp`] wrote.
+/// What [`write_deepspeed_dp`](crate::write::deepspeed::write_deepspeed_dp) wrote.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DeepSpeedWriteStats {
     /// Optimizer-states files written (one per new data-parallel rank).
@@ -35,7 +35,7 @@ pub(super) fn err(path: &Path, problem: impl Into<String>) -> Error {
     }
 }
 
-pub(super) fn unsupported(problem: impl Into<String>) -> Error {
+pub(crate) fn unsupported(problem: impl Into<String>) -> Error {
     Error::Unsupported {
         problem: problem.into(),
     }
@@ -43,7 +43,7 @@ pub(super) fn unsupported(problem: impl Into<String>) -> Error {
 
 /// The tag directory of a DeepSpeed checkpoint (the directory with `latest` in it, or
 /// the tag directory itself) and the tag.
-pub(super) fn tag_dir(source: &Path) -> Result<(PathBuf, String)> {
+pub(crate) fn tag_dir(source: &Path) -> Result<(PathBuf, String)> {
     let latest = source.join("latest");
     if latest.is_file() {
         let tag = String::from_utf8(crate::formats::read_small(&latest)?)
@@ -565,7 +565,7 @@ pub(super) fn copy_of(f: &Found) -> Result<NewTensor> {
 /// per-rank model-states files (ZeRO-3) in rank order. DeepSpeed's BF16_Optimizer
 /// files (ZeRO-1 with fp32 gradient accumulation) also carry the prefix but hold no
 /// `zero_stage`: the reader refuses those before this is called.
-pub(super) fn optim_files(dir: &Path) -> Result<(String, Vec<PathBuf>, Vec<PathBuf>)> {
+pub(crate) fn optim_files(dir: &Path) -> Result<(String, Vec<PathBuf>, Vec<PathBuf>)> {
     let mut optim: Vec<(u64, bool, PathBuf)> = Vec::new();
     let mut models: Vec<(u64, PathBuf)> = Vec::new();
     for e in std::fs::read_dir(dir)
@@ -644,14 +644,14 @@ pub(super) fn write_pt(
 /// The sizes a ZeRO-1/2 checkpoint is written for: data-parallel ranks, and for a
 /// mixture of experts the expert-parallel size (`None`: the source's).
 #[derive(Clone, Copy, Debug)]
-pub(super) struct NewSizes {
-    pub(super) dp: u64,
-    pub(super) ep: Option<u64>,
+pub(crate) struct NewSizes {
+    pub(crate) dp: u64,
+    pub(crate) ep: Option<u64>,
 }
 
 /// Writes the ZeRO-1/2 checkpoint in `dir` (tag `tag`; its optimizer files `optim`,
 /// named with `prefix`) for `dp` data-parallel ranks at `output`.
-pub(super) fn write_zero12(
+pub(crate) fn write_zero12(
     dir: &Path,
     tag: &str,
     output: &Path,

@@ -155,7 +155,7 @@ fn set(root: &mut Value, path: &[&str], v: Value) {
 
 /// Writes the ZeRO-3 checkpoint in tag directory `dir` (optimizer files `optim`, in
 /// rank order, named with `prefix`) for `dp` ranks at `output`, all of it or nothing.
-pub(super) fn write_zero3(
+pub(crate) fn write_zero3(
     dir: &Path,
     tag: &str,
     output: &Path,
