@@ -386,6 +386,8 @@ pub(crate) struct ReshardArgs {
     #[arg(long, default_value = "ckpt", value_parser = reshard_formats())]
     pub(crate) format: String,
     #[command(flatten)]
+    pub(crate) compute: ComputeArgs,
+    #[command(flatten)]
     pub(crate) copy: CopyArgs,
 }
 

@@ -279,6 +279,7 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         compression: a.copy.compress,
         format: ckpt_reshard::OutputFormat::from_name(&a.format)
             .ok_or_else(|| Usage(format!("--format `{}`", a.format)))?,
+        computations: a.compute.computations(),
     };
     if req.format == ckpt_reshard::OutputFormat::DeepSpeed && !a.plan {
         let t = Instant::now();

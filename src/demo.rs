@@ -176,6 +176,7 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
             format: ckpt_reshard::OutputFormat::Ranks,
             shard: Vec::new(),
             compression: None,
+            computations: Default::default(),
         },
         &|_| {},
         &|_, _| {},

@@ -402,3 +402,70 @@ fn fp8_with_scales_that_do_not_fit_or_are_missing_is_refused_by_name() {
     );
     assert!(!out.exists(), "nothing is written");
 }
+
+#[test]
+fn reshard_merges_adapters_and_dequantizes_piece_by_piece() {
+    let d = Dir::new();
+    // LoRA into a base resharded to 2 ranks (rows of the projections), merged back.
+    let adapter = fixture("lora/b_rslora_patterns");
+    d.ok(&[
+        "reshard",
+        s(&fixture("base")),
+        "--to",
+        "2",
+        "--shard",
+        "*_proj.weight=0",
+        "--lora",
+        s(&adapter),
+        "-o",
+        s(&d.path("tp2")),
+        "-q",
+    ]);
+    d.ok(&["merge", s(&d.path("tp2")), "-o", s(&d.path("merged")), "-q"]);
+    assert_same_tensors(
+        &full_tensors(&d.path("merged")),
+        &full_tensors(&adapter.join("merged.safetensors")),
+        "reshard --lora",
+    );
+    // FP8 cut into columns (each rank's box spans a block edge), dequantized.
+    d.ok(&[
+        "reshard",
+        s(&fixture("fp8")),
+        "--to",
+        "2",
+        "--shard",
+        "*_proj*.weight=1",
+        "--dtype",
+        "bf16",
+        "-o",
+        s(&d.path("fp8-tp2")),
+        "-q",
+    ]);
+    d.ok(&[
+        "merge",
+        s(&d.path("fp8-tp2")),
+        "-o",
+        s(&d.path("bf16")),
+        "-q",
+    ]);
+    assert_same_tensors(
+        &full_tensors(&d.path("bf16")),
+        &full_tensors(&fixture("fp8/dequantized_bf16.safetensors")),
+        "reshard --dtype bf16 of FP8",
+    );
+    let o = d.fails(&[
+        "reshard",
+        s(&fixture("base")),
+        "--to",
+        "2",
+        "--quantize",
+        "fp8",
+        "-o",
+        s(&d.path("q")),
+    ]);
+    assert!(
+        o.stderr.contains("quantize the merged model"),
+        "{}",
+        o.stderr
+    );
+}

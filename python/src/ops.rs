@@ -254,6 +254,7 @@ pub(crate) fn reshard<'py>(
         format,
         shard,
         compression: compression_of(py, compress)?,
+        computations: Default::default(),
     };
     if format == ckpt_reshard::OutputFormat::DeepSpeed {
         // DeepSpeed's optimizer files are re-cut by their writer, not planned as copies.

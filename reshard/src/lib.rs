@@ -6,9 +6,9 @@
 //! same engine merge uses.
 
 use ckpt_core::{
-    check_output_outside_inputs, execute_with, Checkpoint, Compression, CopyPlan, CopyStats, Dcp,
-    Error, MegatronDist, MegatronLegacy, Mesh, Placement, RankOptions, Result, Selection, Sliced,
-    StagedDir, Strategy, TargetLayout, TensorLayout, Writer,
+    check_output_outside_inputs, execute_with, Checkpoint, Compression, Computations, CopyPlan,
+    CopyStats, Dcp, Error, MegatronDist, MegatronLegacy, Mesh, Placement, RankOptions, Result,
+    Selection, Sliced, StagedDir, Strategy, TargetLayout, TensorLayout, Writer,
 };
 use std::path::{Path, PathBuf};
 
@@ -156,6 +156,9 @@ pub struct ReshardRequest {
     /// Write compressed `.ckptz` rank files (`ckpt_<r>/model.ckptz`); ckpt's own layout
     /// only.
     pub compression: Option<Compression>,
+    /// What is computed on the way: LoRA adapters merged (and FP8 dequantization,
+    /// which `selection`'s cast asks for).
+    pub computations: Computations,
 }
 
 /// The dimension a tensor's pieces divide, for sources that record pieces but no
@@ -370,11 +373,13 @@ pub fn prepare(req: &ReshardRequest) -> Result<(Checkpoint, Strategy, CopyPlan)>
     Ok((p.source, strategy, p.plan))
 }
 
-/// What a reshard writes: the source, the writer of the output's format, its plan.
+/// What a reshard writes: the source, the writer of the output's format, its plan, and
+/// the selection as the writer takes it.
 struct Prepared {
     source: Checkpoint,
     writer: Box<dyn Writer>,
     plan: CopyPlan,
+    selection: Selection,
 }
 
 fn prepare_output(req: &ReshardRequest) -> Result<Prepared> {
@@ -382,12 +387,24 @@ fn prepare_output(req: &ReshardRequest) -> Result<Prepared> {
     if let Some(e) = source.no_tensors() {
         return Err(e);
     }
+    if req.computations.quantize_fp8 {
+        return Err(Error::Unsupported {
+            problem: "--quantize fp8 is a merge's (its scale tensors have no place in the target strategy): quantize the merged model, then reshard it".into(),
+        });
+    }
+    // Computed tensors keep their shapes and names, so the target derives as before.
+    let selection = source.compute(&req.computations, &req.selection)?;
+    let req = &ReshardRequest {
+        selection: selection.clone(),
+        ..req.clone()
+    };
     let writer = writer(req, &mut source)?;
-    let plan = writer.plan(&source, &req.selection)?;
+    let plan = writer.plan(&source, &selection)?;
     Ok(Prepared {
         source,
         writer,
         plan,
+        selection,
     })
 }
 
@@ -420,13 +437,14 @@ pub fn reshard(
         source,
         writer,
         plan,
+        selection,
     } = prepare_output(req)?;
     on_plan(&source, &plan);
     let compression = writer.compression();
     if req.ranks == Ranks::All {
         let staged = StagedDir::new(&req.output, req.force)?;
         let stats = execute_with(&plan, &source, staged.path(), progress, compression)?;
-        writer.finish(&source, &req.selection, &plan, staged.path())?;
+        writer.finish(&source, &selection, &plan, staged.path())?;
         staged.commit()?;
         return Ok(stats);
     }
@@ -471,7 +489,7 @@ pub fn reshard(
     }
     // The shared top-level files (strategy, DCP metadata), written by every process
     // (same bytes, atomically).
-    writer.finish(&source, &req.selection, &loose, &req.output)?;
+    writer.finish(&source, &selection, &loose, &req.output)?;
     Ok(stats)
 }
 

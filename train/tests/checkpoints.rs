@@ -454,6 +454,7 @@ fn resume_from_a_resharded_dcp_checkpoint() {
         format: ckpt_reshard::OutputFormat::Dcp,
         shard: Vec::new(),
         compression: None,
+        computations: Default::default(),
     };
     ckpt_reshard::reshard(&req, &|_| {}, &|_, _| {}).unwrap();
     std::fs::remove_file(dcp.join("strategy.json")).ok();
