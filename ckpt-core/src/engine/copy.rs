@@ -222,7 +222,7 @@ fn fill_computed(
         let region = c.op.input_region(i, &out, &input.region);
         let dtype = c.op.input_dtype(i, t.src_dtype);
         let plan = plan_region(source, &input.name, &input.tensor, &region, dtype)?;
-        let mut bytes = vec![0u8; bytes_of(dtype, region.numel()) as usize];
+        let mut bytes = scratch(bytes_of(dtype, region.numel()) as usize);
         read += fill_slab(
             source,
             &plan,
@@ -233,12 +233,16 @@ fn fill_computed(
         inputs.push((region, bytes));
     }
     let views: Vec<(Region, &[u8])> = inputs.iter().map(|(r, b)| (r.clone(), &b[..])).collect();
-    let mut computed = vec![0u8; bytes_of(t.src_dtype, out.numel()) as usize];
-    c.op.compute(&out, &views, t.src_dtype, &mut computed)
-        .map_err(|e| Error::InvalidTensor {
-            tensor: t.target.name.clone(),
-            problem: e.to_string(),
-        })?;
+    let mut computed = scratch(bytes_of(t.src_dtype, out.numel()) as usize);
+    let done =
+        c.op.compute(&out, &views, t.src_dtype, &mut computed)
+            .map_err(|e| Error::InvalidTensor {
+                tensor: t.target.name.clone(),
+                problem: e.to_string(),
+            });
+    drop(views);
+    inputs.into_iter().for_each(|(_, b)| give_back(b));
+    done?;
     let (sbits, dbits) = (
         t.src_dtype.bitsize() as u64,
         t.target.dtype.bitsize() as u64,
@@ -264,7 +268,37 @@ fn fill_computed(
             );
         }
     }
+    give_back(computed);
     Ok(read)
+}
+
+thread_local! {
+    /// Buffers of computed parts, reused on the thread: a part's inputs and result are
+    /// slab-sized, and fresh ones each time were mapped, zeroed and unmapped by the
+    /// kernel (a fifth of a LoRA merge's time).
+    static SCRATCH: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A buffer of `len` bytes from the thread's [`SCRATCH`].
+fn scratch(len: usize) -> Vec<u8> {
+    let mut b = SCRATCH
+        .try_with(|s| s.borrow_mut().pop())
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    b.clear();
+    b.resize(len, 0);
+    b
+}
+
+/// Returns a [`scratch`] buffer (a few are kept).
+fn give_back(b: Vec<u8>) {
+    let _ = SCRATCH.try_with(|s| {
+        let mut s = s.borrow_mut();
+        if s.len() < 8 {
+            s.push(b);
+        }
+    });
 }
 
 /// [`fill_slab`]'s copy of `part` (a box of the slab, in the target's coordinates)

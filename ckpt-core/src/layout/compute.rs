@@ -375,7 +375,7 @@ fn low_rank(
     for i in 0..rows {
         let bytes = i * cols * size..(i + 1) * cols * size;
         decode(&w[bytes.clone()], dtype, &mut row);
-        for (u, (a, b)) in updates.iter().zip(&factors) {
+        for (n, (u, (a, b))) in updates.iter().zip(&factors).enumerate() {
             let r = u.rank as usize;
             acc.iter_mut().for_each(|v| *v = 0.0);
             if u.transposed {
@@ -386,16 +386,17 @@ fn low_rank(
                     }
                 }
             } else {
-                for k in 0..r {
-                    fma_row(&mut acc, b[i * r + k], &a[k * cols..(k + 1) * cols]);
-                }
+                low_rank_row(&mut acc, &b[i * r..(i + 1) * r], a);
             }
             // f32(W) + f32(delta * scale), rounded to W's dtype (then read back for the
-            // next adapter, as PEFT's second merge reads the first's).
+            // next adapter, as PEFT's second merge reads the first's; the last rounding
+            // is the store's).
             for (v, d) in row.iter_mut().zip(&acc) {
                 *v += *d * u.scale;
             }
-            round_to(&mut row, dtype);
+            if n + 1 < updates.len() {
+                round_to(&mut row, dtype);
+            }
         }
         encode(&row, dtype, &mut dst[bytes])?;
     }
@@ -415,31 +416,48 @@ fn round_to(values: &mut [f32], dtype: Dtype) {
     }
 }
 
-/// `acc[j] = fma(b, a[j], acc[j])`, with the processor's FMA instruction where it has
-/// one (the same result as the software `mul_add`, many times faster).
-fn fma_row(acc: &mut [f32], b: f32, a: &[f32]) {
+/// `acc[j] = sum_k b[k] * a[k, j]` for a row of `acc` (`a` is `b.len()` rows of
+/// `acc.len()`), each element an FMA chain over `k` ascending from 0 (the order PEFT's
+/// CPU matmul sums in), with the processor's FMA instructions where it has them (the
+/// same result as the software `mul_add`, many times faster).
+fn low_rank_row(acc: &mut [f32], b: &[f32], a: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the processor has FMA (checked just above).
-            unsafe { fma_row_x86(acc, b, a) };
+        if std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx2")
+        {
+            // SAFETY: the processor has FMA and AVX2 (checked just above).
+            unsafe { low_rank_row_x86(acc, b, a) };
             return;
         }
     }
-    fma_row_portable(acc, b, a);
+    low_rank_row_portable(acc, b, a);
 }
 
+/// Columns a block of [`low_rank_row`] keeps in registers while the rank runs.
+const COLUMNS: usize = 32;
+
 #[inline(always)]
-fn fma_row_portable(acc: &mut [f32], b: f32, a: &[f32]) {
-    for (v, &x) in acc.iter_mut().zip(a) {
-        *v = b.mul_add(x, *v);
+fn low_rank_row_portable(acc: &mut [f32], b: &[f32], a: &[f32]) {
+    let cols = acc.len();
+    let mut j0 = 0;
+    while j0 < cols {
+        let n = COLUMNS.min(cols - j0);
+        let mut sum = [0f32; COLUMNS];
+        for (k, &bk) in b.iter().enumerate() {
+            let row = &a[k * cols + j0..k * cols + j0 + n];
+            for (s, &x) in sum.iter_mut().zip(row) {
+                *s = bk.mul_add(x, *s);
+            }
+        }
+        acc[j0..j0 + n].copy_from_slice(&sum[..n]);
+        j0 += n;
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fma,avx2")]
-fn fma_row_x86(acc: &mut [f32], b: f32, a: &[f32]) {
-    fma_row_portable(acc, b, a);
+fn low_rank_row_x86(acc: &mut [f32], b: &[f32], a: &[f32]) {
+    low_rank_row_portable(acc, b, a);
 }
 
 #[cfg(test)]
