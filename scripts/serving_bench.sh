@@ -97,26 +97,38 @@ EOF
 fi
 
 # Runs a command, prints "label  seconds  peak RSS MiB".
+# (Leaves "seconds KiB" in t.)
 measure() {
   local label=$1
   shift
-  local t
   /usr/bin/time -f '%e %M' "$@" >/dev/null 2>"$work/time.err" || { cat "$work/time.err" >&2; exit 1; }
   t=$(tail -n 1 "$work/time.err")
   printf '%-44s %8s s %8d MiB\n' "$label" "${t% *}" $(( ${t#* } / 1024 ))
 }
-anchor() {
-  # cat of the output's files into one file, then sync: writing those bytes, made durable.
-  rm -f "$work/cat.out"
-  measure "  anchor: cat + sync of the output" bash -c "cat $1/*.safetensors > $work/cat.out && sync"
-  rm -f "$work/cat.out"
+
+# One round: the command, then the anchor on its output; ratios per round (rounds
+# alternate, so both see the same noise), ROUNDS of them (default 3).
+rounds=${ROUNDS:-3}
+compare() {
+  local label=$1 out=$2
+  shift 2
+  local r ratios=()
+  for r in $(seq 1 "$rounds"); do
+    rm -rf "$out"
+    sync
+    measure "$label (round $r)" "$@"
+    local t_cmd=${t% *}
+    rm -f "$work/cat.out"
+    measure "  anchor: cat + sync of the output" bash -c "cat $out/*.safetensors > $work/cat.out && sync"
+    rm -f "$work/cat.out"
+    ratios+=("$(awk -v a="$t_cmd" -v b="${t% *}" 'BEGIN { printf "%.2f", a / b }')")
+  done
+  rm -rf "$out"
+  echo "  ratio to cat + sync per round: ${ratios[*]}"
 }
 
-sync
 echo "serving_bench: $(du -sh "$work/base" | cut -f1) base, rank-16 adapter on 7 projections"
-rm -rf "$work/merged"
-measure "ckpt merge --lora" "$ckpt" merge "$work/base" --lora "$work/adapter" -o "$work/merged" -q
-anchor "$work/merged"
+compare "ckpt merge --lora" "$work/merged" "$ckpt" merge "$work/base" --lora "$work/adapter" -o "$work/merged" -q
 if [ -n "${CKPT_PYTHON_PEFT:-}" ]; then
   rm -rf "$work/peft"
   measure "  PEFT merge_and_unload + save_pretrained" "$CKPT_PYTHON_PEFT" -c "
@@ -128,11 +140,7 @@ m.save_pretrained('$work/peft')"
 else
   echo "  PEFT: SKIPPED (set CKPT_PYTHON_PEFT to a Python with torch, transformers and peft)"
 fi
-rm -rf "$work/merged"
 
 echo "serving_bench: $(du -sh "$work/fp8" | cut -f1) FP8 checkpoint -> BF16"
-rm -rf "$work/bf16"
-measure "ckpt merge --dtype bf16 (FP8 dequantized)" "$ckpt" merge "$work/fp8" --dtype bf16 -o "$work/bf16" -q
-anchor "$work/bf16"
-rm -rf "$work/bf16"
+compare "ckpt merge --dtype bf16 (FP8 dequantized)" "$work/bf16" "$ckpt" merge "$work/fp8" --dtype bf16 -o "$work/bf16" -q
 echo "  DeepSeek fp8_cast_bf16.py: not run (its weight_dequant is a Triton kernel: GPU only)"
