@@ -469,3 +469,26 @@ fn reshard_merges_adapters_and_dequantizes_piece_by_piece() {
         o.stderr
     );
 }
+
+#[test]
+fn a_verl_lora_adapter_directory_is_found_under_its_parent() {
+    // verl saves the PEFT adapter as `lora_adapter/` inside the actor's step directory.
+    let d = Dir::new();
+    let actor = d.path("global_step_1/actor");
+    copy_dir(&fixture("lora/a_qv_r4"), &actor.join("lora_adapter"));
+    let out = d.path("merged");
+    d.ok(&[
+        "merge",
+        s(&fixture("base")),
+        "--lora",
+        s(&actor),
+        "-o",
+        s(&out),
+        "-q",
+    ]);
+    assert_same_tensors(
+        &full_tensors(&out),
+        &full_tensors(&fixture("lora/a_qv_r4/merged.safetensors")),
+        "verl lora_adapter/",
+    );
+}
