@@ -201,7 +201,8 @@ pub(crate) fn merge<'py>(
 #[pyfunction]
 #[pyo3(signature = (src, out, *, to=None, mesh=None, strategy=None, rank=None, format="ckpt",
     compress=None, dtype=None, include=vec![], exclude=vec![], strip_prefix=None, add_prefix=None,
-    keep_all=false, shard=vec![], force=false, source_strategy=None, checksums=true))]
+    keep_all=false, shard=vec![], force=false, source_strategy=None, checksums=true, lora=vec![],
+    lora_alpha=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn reshard<'py>(
     py: Python<'py>,
@@ -223,6 +224,8 @@ pub(crate) fn reshard<'py>(
     force: bool,
     source_strategy: Option<&Bound<'py, PyAny>>,
     checksums: bool,
+    lora: Vec<PathBuf>,
+    lora_alpha: Option<f64>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let Some(target) = target_of(py, to, mesh, strategy)? else {
         return Err(usage(py, "give to=, mesh= or strategy="));
@@ -254,7 +257,11 @@ pub(crate) fn reshard<'py>(
         format,
         shard,
         compression: compression_of(py, compress)?,
-        computations: Default::default(),
+        computations: ckpt_core::Computations {
+            lora,
+            lora_alpha,
+            quantize_fp8: false,
+        },
     };
     if format == ckpt_reshard::OutputFormat::DeepSpeed {
         // DeepSpeed's optimizer files are re-cut by their writer, not planned as copies.

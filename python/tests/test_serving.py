@@ -47,3 +47,10 @@ def test_fp8_loads_dequantized_and_merges_quantized(tmp_path):
     _same(got, ckpt.load(SERVING / "fp8" / "dequantized_bf16.safetensors"))
     ckpt.merge(SERVING / "fp8" / "dequantized_bf16.safetensors", tmp_path / "q", quantize="fp8")
     _same(ckpt.load(tmp_path / "q"), ckpt.load(SERVING / "fp8" / "requant_fp8.safetensors"))
+
+
+def test_reshard_with_lora_then_merge_equals_peft_merge(tmp_path):
+    d = SERVING / "lora" / "a_qv_r4"
+    ckpt.reshard(SERVING / "base", tmp_path / "tp2", to=2, shard=[("*_proj.weight", 0)], lora=[d])
+    ckpt.merge(tmp_path / "tp2", tmp_path / "out")
+    _same(ckpt.load(tmp_path / "out"), ckpt.load(d / "merged.safetensors"))

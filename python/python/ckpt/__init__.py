@@ -487,6 +487,8 @@ def reshard(
     force: bool = False,
     source_strategy: Optional[Paths] = None,
     checksums: bool = True,
+    lora: Sequence[PathLike] = (),
+    lora_alpha: Optional[float] = None,
 ) -> CopyReport:
     """As ``ckpt reshard SRC -o OUT``: sliced for another mesh.
 
@@ -499,7 +501,8 @@ def reshard(
     source; a ZeRO-1/2 mixture of experts also at another EP size with
     ``mesh="dp=N,ep=K"``). ``shard``: ``(glob, dim)`` pairs, the dimension to split the matching
     tensors of an integrated source along. ``keep_all``: every rank stores its
-    replicated tensors too. Other options as :func:`merge`.
+    replicated tensors too. ``lora``/``lora_alpha``: adapters merged as each rank's
+    piece is written (FP8 is dequantized with ``dtype``). Other options as :func:`merge`.
     """
     r = _ckpt.reshard(
         _existing(src),
@@ -520,6 +523,8 @@ def reshard(
         force=force,
         source_strategy=None if source_strategy is None else _existing(source_strategy),
         checksums=checksums,
+        lora=[os.fspath(p) for p in lora],
+        lora_alpha=lora_alpha,
     )
     return CopyReport(**{**r, "output": os.fspath(r["output"])})
 

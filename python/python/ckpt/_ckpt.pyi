@@ -105,6 +105,8 @@ def reshard(
     force: bool = False,
     source_strategy: Optional[_Paths] = None,
     checksums: bool = True,
+    lora: List[str] = ...,
+    lora_alpha: Optional[float] = None,
 ) -> Dict[str, Any]: ...
 def verify(
     src: _Paths,
