@@ -114,6 +114,7 @@ stage "Hugging Face and MoE interop"
 # megatron-core without args) exported by `merge OUTPUT_DIR --format hf`: transformers
 # loads each with the trainer's own logits; the bf16 exports are torch's cast. Seconds.
 "$venv/bin/python" scripts/trainers_check.py target/debug/ckpt
+"$venv/bin/python" scripts/fp8_transformers_check.py target/debug/ckpt
 # Expert-parallel reshards (EP2 -> EP4, EP4 -> EP1 x TP2, EP2 x TP2 -> EP2 x PP2) loaded
 # by megatron-core on gloo ranks: every tensor and the logits equal. About a minute.
 "$venv/bin/python" scripts/moe_reshard_interop.py target/debug/ckpt
