@@ -135,6 +135,16 @@ fn inspect_says_which_step_and_why_and_never_takes_an_uncommitted_one() {
         !text.contains("ckpt/3/items") && !text.contains("orbax-checkpoint-tmp"),
         "{text}"
     );
+    // JSON: the files' format, beside the kind (how pieces are placed: by offsets).
+    let o = d.ok(&["inspect", root, "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&o.stdout).expect("json");
+    assert_eq!(
+        v["formats"],
+        serde_json::json!(["Orbax zarr"]),
+        "{}",
+        o.stdout
+    );
+    assert_eq!(v["files"][0]["format"], "Orbax zarr", "{}", o.stdout);
     assert!(
         text.contains("params.layer1.kernel    BF16    [4, 8, 6]"),
         "{text}"

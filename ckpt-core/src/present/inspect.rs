@@ -47,10 +47,19 @@ pub fn inspect_json(ck: &Checkpoint, problems: &[Error]) -> Value {
         .files
         .iter()
         .enumerate()
-        .map(|(i, f)| json!({"path": f.path(), "rank": ck.ranks[i], "bytes": per_file[i], "tensors": f.tensors().len()}))
+        .map(|(i, f)| json!({"path": f.path(), "rank": ck.ranks[i], "bytes": per_file[i], "tensors": f.tensors().len(), "format": f.format().name()}))
         .collect();
+    // What the files are, each once, in file order: `kind` says only how pieces are
+    // placed (an Orbax item places them by offsets, as DCP does).
+    let mut formats: Vec<&str> = Vec::new();
+    for f in &ck.files {
+        if !formats.contains(&f.format().name()) {
+            formats.push(f.format().name());
+        }
+    }
     json!({
         "kind": format!("{:?}", ck.kind).to_lowercase(),
+        "formats": formats,
         "mesh": ck.strategy.as_ref().map(|s| s.mesh.to_string()),
         "tensors": tensors, "files": files, "total_bytes": total,
         "problems": problems.iter().map(ToString::to_string).collect::<Vec<_>>(),
