@@ -604,6 +604,27 @@ fn names_that_form_no_tree_are_refused_and_nothing_is_written() {
         "out",
     ]);
     assert!(o.stderr.contains("--compress"), "{}", o.stderr);
+    let o = d.fails(&[
+        "merge",
+        "in.safetensors",
+        "--format",
+        "orbax",
+        "--orbax-item",
+        "..",
+        "-o",
+        "out",
+    ]);
+    assert!(o.stderr.contains("--orbax-item `..`"), "{}", o.stderr);
+    // --orbax-item without --format orbax: a usage error.
+    let o = d.ckpt(&[
+        "merge",
+        "in.safetensors",
+        "--orbax-item",
+        "items",
+        "-o",
+        "out",
+    ]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
     assert_nothing_written(&d, &["in.safetensors"]);
 }
 
