@@ -16,7 +16,8 @@
 use super::tree::check_tree;
 use super::zarr::{item_size, v3_name};
 use crate::error::{overflow, Error, IoContext, Result};
-use crate::formats::writer::{TensorSpec, TensorWriter};
+use crate::formats::output::write_parts_to;
+use crate::formats::writer::{TensorSpec, TensorWriter, WritePart};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -236,38 +237,68 @@ impl OrbaxArraysWriter {
     }
 }
 
+impl OrbaxArraysWriter {
+    /// Array `index`, checking that `len` bytes at `offset` lie inside it.
+    fn array(&self, index: usize, offset: u64, len: u64) -> Result<&Array> {
+        let a = self.arrays.get(index);
+        let fits = |a: &&Array| offset.checked_add(len).is_some_and(|e| e <= a.len);
+        a.filter(fits).ok_or_else(|| Error::WithPath {
+            path: self.dir.clone(),
+            source: Box::new(Error::Unsupported {
+                problem: format!(
+                    "a write of {len} bytes at {offset} runs past array {index} ({} bytes)",
+                    a.map_or(0, |a| a.len)
+                ),
+            }),
+        })
+    }
+}
+
 impl TensorWriter for OrbaxArraysWriter {
     fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
-        let a = self.arrays.get(index).ok_or_else(|| Error::Unsupported {
-            problem: format!("{}: no array {index}", self.dir.display()),
-        })?;
-        let end = offset.checked_add(bytes.len() as u64);
-        if end.is_none_or(|e| e > a.len) {
-            return Err(Error::WithPath {
-                path: self.dir.clone(),
-                source: Box::new(Error::Unsupported {
-                    problem: format!(
-                        "a write of {} bytes at {offset} runs past array {index}'s {} bytes",
-                        bytes.len(),
-                        a.len
-                    ),
-                }),
-            });
+        self.write_parts_at(index, offset, &[bytes.into()])
+            .map(drop)
+    }
+
+    /// A chunk holds whole rows of dimension 0, so the tensor's bytes run through its
+    /// chunks in order, each chunk a contiguous part: `parts` are cut where a chunk
+    /// ends, and each chunk's share written at its place (runs of mapped input files
+    /// copied by the kernel).
+    fn write_parts_at(&self, index: usize, offset: u64, parts: &[WritePart<'_>]) -> Result<bool> {
+        let total: u64 = parts.iter().map(|p| p.bytes.len() as u64).sum();
+        let a = self.array(index, offset, total)?;
+        let cb = a.chunk_bytes;
+        let flush = |batch: &mut Vec<WritePart<'_>>, start: u64| -> Result<()> {
+            if batch.is_empty() {
+                return Ok(());
+            }
+            let at = a.offsets[(start / cb) as usize] + start % cb;
+            write_parts_to(&self.data, &self.data_path, batch, at)?;
+            batch.clear();
+            Ok(())
+        };
+        let mut batch: Vec<WritePart<'_>> = Vec::new();
+        let (mut start, mut at) = (offset, offset);
+        for p in parts {
+            let (mut bytes, mut from) = (p.bytes, p.from);
+            while !bytes.is_empty() {
+                let chunk_end = (at / cb + 1) * cb;
+                let n = bytes.len().min((chunk_end - at) as usize);
+                batch.push(WritePart {
+                    bytes: &bytes[..n],
+                    from,
+                });
+                bytes = &bytes[n..];
+                from = from.map(|(f, o)| (f, o + n as u64));
+                at += n as u64;
+                if at == chunk_end {
+                    flush(&mut batch, start)?;
+                    start = at;
+                }
+            }
         }
-        // A chunk holds whole rows of dimension 0, so the tensor's bytes run through
-        // the chunks in order: each chunk a contiguous part.
-        let (mut at, mut rest) = (offset, bytes);
-        while !rest.is_empty() {
-            let k = (at / a.chunk_bytes) as usize;
-            let within = at % a.chunk_bytes;
-            let n = rest.len().min((a.chunk_bytes - within) as usize);
-            self.data
-                .write_all_at(&rest[..n], a.offsets[k] + within)
-                .at(&self.data_path)?;
-            at += n as u64;
-            rest = &rest[n..];
-        }
-        Ok(())
+        flush(&mut batch, start)?;
+        Ok(true)
     }
 
     fn finish(mut self: Box<Self>) -> Result<()> {
@@ -325,5 +356,56 @@ mod tests {
         );
         assert_eq!(chunk_key("w", 3, 2), "w/c/2/0/0");
         assert_eq!(chunk_key("step", 0, 0), "step/c");
+    }
+
+    #[test]
+    fn bytes_land_in_their_chunks_whatever_the_cuts() {
+        use crate::layout::Dtype;
+        let tmp = tempfile::tempdir().unwrap();
+        let dest = tmp.path().join("item").join(MANIFEST_FILE);
+        std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+        let spec = |name: &str, shape: Vec<u64>| TensorSpec {
+            name: name.into(),
+            dtype: Dtype::U16,
+            shape,
+        };
+        // 7 rows of 6 bytes in chunks of at most 16 bytes: 4 chunks of 2 rows, the
+        // last padded by one row.
+        let specs = [spec("p.w", vec![7, 3]), spec("s", vec![])];
+        let w = OrbaxArraysWriter::create(&dest, &specs, 16).unwrap();
+        let data: Vec<u8> = (0..42).collect();
+        // Parts of 5, 11 and 20 bytes from offset 3: they straddle every chunk edge.
+        let (a, rest) = data[3..].split_at(5);
+        let (b, c) = rest.split_at(11);
+        w.write_parts_at(0, 3, &[a.into(), b.into(), c[..20].into()])
+            .unwrap();
+        w.write_at(0, 0, &data[..3]).unwrap();
+        w.write_at(0, 39, &data[39..]).unwrap();
+        assert!(w.write_at(0, 40, &[0; 3]).is_err());
+        w.write_at(1, 0, &[9, 0]).unwrap();
+        Box::new(w).finish().unwrap();
+        let db = ckpt_ocdbt::Database::open(dest.parent().unwrap()).unwrap();
+        let value = |key: &str| db.get(key.as_bytes()).unwrap().unwrap();
+        for k in 0..4u64 {
+            let v = value(&format!("p.w/c/{k}/0"));
+            assert_eq!(v.len(), 12 + 20);
+            let want: Vec<u8> = (k * 12..k * 12 + 12)
+                .map(|i| if i < 42 { i as u8 } else { 0 })
+                .collect();
+            assert_eq!(v[..12], want[..], "chunk {k}");
+            assert_eq!(v[12..], shard_index(12));
+        }
+        assert_eq!(value("s/c")[..2], [9, 0]);
+        let meta = String::from_utf8(value("p.w/zarr.json")).unwrap();
+        assert!(meta.contains(r#""chunk_shape":[2,3]"#), "{meta}");
+
+        // Dropped unfinished: no data file left, and no manifest.
+        let dest = tmp.path().join("other").join(MANIFEST_FILE);
+        std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+        drop(OrbaxArraysWriter::create(&dest, &specs, 16).unwrap());
+        assert_eq!(
+            std::fs::read_dir(dest.parent().unwrap()).unwrap().count(),
+            0
+        );
     }
 }
