@@ -22,6 +22,8 @@ dimension 0, the last padded). Each output is then restored by orbax:
    `jax.ShapeDtypeStruct`s on a 1-D mesh of 4 CPU devices (dimension 0 sharded where
    it divides, else replicated): jax.Arrays with those shardings (`jax_enable_x64` on,
    so that 64-bit arrays stay 64-bit);
+5. as MaxText restores: `CheckpointManager(root, item_names=(item,)).restore(1,
+   args=Composite(item=PyTreeRestore(item=target, restore_args=...)))` onto the mesh;
 
 and every array is compared with the source: names (keys joined with `.`), dtypes,
 shapes and every byte. Last, ckpt reads its own output back (`ckpt merge OUT -o
@@ -219,6 +221,14 @@ def check_output(ckpt, root, step, item, ref, work):
             print(f"  [mesh] {name}: sharding {a.sharding}, asked {want[name].sharding}")
             bad += 1
     bad += compare(f"StandardCheckpointer, target on a {n}-device mesh", got, ref, jax.Array)
+    # As MaxText restores its `items`: a manager, a Composite of PyTreeRestore with the
+    # abstract tree and its restore args.
+    mngr = ocp.CheckpointManager(root, item_names=(item,))
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    args = ocp.args.Composite(**{item: ocp.args.PyTreeRestore(item=target, restore_args=restore_args)})
+    got = flatten(mngr.restore(step, args=args)[item])
+    mngr.close()
+    bad += compare("CheckpointManager + Composite(PyTreeRestore), target on the mesh", got, ref, jax.Array)
     back = os.path.join(os.path.dirname(root), "back")
     r = subprocess.run([ckpt, "merge", root, "-o", back], capture_output=True, text=True)
     if r.returncode != 0:
