@@ -2,7 +2,7 @@
 //! copy plan names is the item's `manifest.ocdbt`; what is written is the OCDBT
 //! database around it (through `ckpt-ocdbt`), each tensor a zarr v3 array as orbax
 //! 0.12.8 writes one with `use_zarr3=True` and `use_compression=False`
-//! (docs/orbax.md, "Writing"): `<name>/zarr.json`, and per chunk a `sharding_indexed`
+//! (docs/orbax.md, "What ckpt writes"): `<name>/zarr.json`, and per chunk a `sharding_indexed`
 //! shard of one inner chunk, `<name>/c/<i>/0/...`: the chunk's C-order little-endian
 //! bytes, then the shard index (offset 0, length, as two u64le) and its CRC-32C.
 //!
