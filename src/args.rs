@@ -248,9 +248,12 @@ pub(crate) struct MergeArgs {
     /// a source already in HF names), `safetensors` (the tensors as named in the source,
     /// in safetensors files in Hugging Face's layout), `mindspore` (one model.ckpt
     /// that mindspore.load_checkpoint reads), `torch` (one model.pth, a dict of
-    /// tensors that torch.load(weights_only=True) reads) or `ucp` (DeepSpeed's universal
+    /// tensors that torch.load(weights_only=True) reads), `ucp` (DeepSpeed's universal
     /// checkpoint, from a DeepSpeed ZeRO checkpoint: latest_universal and
-    /// <tag>_universal/zero/<param>/*.pt, loaded with "load_universal": true).
+    /// <tag>_universal/zero/<param>/*.pt, loaded with "load_universal": true) or
+    /// `orbax` (an Orbax step directory that orbax.checkpoint restores: the names as
+    /// nested dict keys, zarr v3 arrays in OCDBT; name it <root>/<step> for a
+    /// CheckpointManager).
     #[arg(long, default_value = "safetensors",
           value_parser = clap::builder::PossibleValuesParser::new(ckpt_merge::MergeFormat::NAMES.map(|(n, _)| n)))]
     pub(crate) format: String,
@@ -287,6 +290,10 @@ pub(crate) struct MergeArgs {
     /// tokenizer_config.json, ...) beside the model.
     #[arg(long, value_name = "DIR")]
     pub(crate) tokenizer: Option<PathBuf>,
+    /// With --format orbax: the item directory's name in the step (default: `default`,
+    /// as orbax names a step's one item; MaxText's is `items`).
+    #[arg(long, value_name = "NAME")]
+    pub(crate) orbax_item: Option<String>,
     #[command(flatten)]
     pub(crate) compute: ComputeArgs,
     #[command(flatten)]

@@ -443,4 +443,28 @@ mod tests {
             other => panic!("parsed as {other:?}"),
         }
     }
+
+    #[test]
+    fn orbax_format_and_item_flags() {
+        let c = Cli::try_parse_from([
+            "ckpt",
+            "merge",
+            "a",
+            "-o",
+            "b",
+            "--format",
+            "orbax",
+            "--orbax-item",
+            "items",
+        ])
+        .unwrap();
+        match c.command {
+            Command::Merge(m) => {
+                assert_eq!(m.format, "orbax");
+                assert_eq!(m.orbax_item.as_deref(), Some("items"));
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        assert!(Cli::try_parse_from(["ckpt", "merge", "a", "-o", "b", "--orbax-item"]).is_err());
+    }
 }

@@ -170,7 +170,11 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
         },
         tokenizer: a.tokenizer,
         computations: a.compute.computations(),
+        orbax_item: a.orbax_item,
     };
+    if req.format != ckpt_merge::MergeFormat::Orbax && req.orbax_item.is_some() {
+        return Err(Usage("--orbax-item goes with --format orbax".into()).into());
+    }
     if req.format == ckpt_merge::MergeFormat::Hf && a.split_qkv {
         return Err(Usage(
             "--split-qkv does not apply to --format hf: the model family's table splits the QKV projection as the Hugging Face model needs".into(),

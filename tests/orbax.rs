@@ -394,3 +394,278 @@ fn damaged_metadata_is_named() {
         o.stderr
     );
 }
+
+// ----------------------------------------------------------------------------------
+// Orbax written (`merge --format orbax`): read back by ckpt byte for byte, and (with
+// CKPT_PYTHON_JAX) restored by orbax itself (scripts/orbax_write_check.py).
+
+/// Runs `ckpt ARGS` in `d` with `env` set, asserting success.
+fn ok_with_env(d: &Dir, args: &[&str], env: &[(&str, &str)]) {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_ckpt"))
+        .args(args)
+        .envs(env.iter().copied())
+        .current_dir(d.tmp.path())
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "ckpt {args:?} failed:\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// A safetensors file of one tensor per (name, dtype, shape), bytes counting up.
+fn write_safetensors(path: &Path, tensors: &[(&str, safetensors::Dtype, &[usize])]) {
+    let data: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, dtype, shape)| {
+            let n = shape.iter().product::<usize>() * dtype.bitsize() / 8;
+            // Bytes every dtype holds as they are (bools: 0 and 1).
+            (0..n)
+                .map(|i| {
+                    if *dtype == safetensors::Dtype::BOOL {
+                        (i % 3 == 0) as u8
+                    } else {
+                        (i * 7 % 61) as u8
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .zip(&data)
+        .map(|((name, dtype, shape), bytes)| {
+            let view = safetensors::tensor::TensorView::new(*dtype, shape.to_vec(), bytes);
+            (name.to_string(), view.unwrap())
+        })
+        .collect();
+    safetensors::tensor::serialize_to_file(views, None, path).unwrap();
+}
+
+#[test]
+fn merge_to_orbax_writes_a_step_ckpt_reads_back_byte_for_byte() {
+    let d = Dir::new();
+    let reference = fixture("ocdbt_zarr3/reference.safetensors");
+    let src = reference.to_str().unwrap();
+    d.ok(&["merge", src, "--format", "orbax", "-o", "root/7"]);
+    // The layout orbax's CheckpointManager writes for `save(7, StandardSave(tree))`.
+    for f in [
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "default/_METADATA",
+        "default/commit_success.txt",
+        "default/manifest.ocdbt",
+    ] {
+        assert!(d.path("root/7").join(f).is_file(), "no {f}");
+    }
+    let meta = std::fs::read_to_string(d.path("root/7/_CHECKPOINT_METADATA")).unwrap();
+    assert!(
+        meta.contains(r#""default":"orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler""#),
+        "{meta}"
+    );
+    let db = ckpt_ocdbt::Database::open(&d.path("root/7/default")).unwrap();
+    let keys: Vec<String> = db
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|e| String::from_utf8(e.key).unwrap())
+        .collect();
+    assert!(keys.contains(&"step/c".to_string()), "{keys:?}");
+    assert!(keys.contains(&"params.layer1.kernel/c/0/0/0".to_string()));
+    // Read back from the root, the step and the item: the source's bytes.
+    for input in ["root", "root/7", "root/7/default"] {
+        let out = format!("back-{}", input.replace('/', "-"));
+        d.ok(&["merge", input, "-o", &out]);
+        assert_reference(
+            &d.path(&out).join("model.safetensors"),
+            "ocdbt_zarr3/reference.safetensors",
+            input,
+        );
+    }
+    // Chunks along dimension 0 (lowered cap): an array of 16 rows of 32 bytes in 6
+    // chunks of 3 rows, the last padded; 64 rows of 128 bytes a chunk each.
+    let env = [("CKPT_TEST_ORBAX_CHUNK_BYTES", "100")];
+    ok_with_env(
+        &d,
+        &[
+            "merge",
+            src,
+            "--format",
+            "orbax",
+            "--orbax-item",
+            "items",
+            "-o",
+            "chunked",
+        ],
+        &env,
+    );
+    let db = ckpt_ocdbt::Database::open(&d.path("chunked/items")).unwrap();
+    let count = |prefix: &str| {
+        db.list()
+            .unwrap()
+            .iter()
+            .filter(|e| e.key.starts_with(prefix.as_bytes()))
+            .count()
+    };
+    assert_eq!(count("params.embed.embedding/c/"), 6);
+    assert_eq!(count("params.layer1.w_big/c/"), 64);
+    d.ok(&["merge", "chunked", "-o", "back-chunked"]);
+    assert_reference(
+        &d.path("back-chunked/model.safetensors"),
+        "ocdbt_zarr3/reference.safetensors",
+        "chunked",
+    );
+    // The same bytes on one thread and on four.
+    d.ok_with_threads(&["merge", src, "--format", "orbax", "-o", "t1"], 1);
+    d.ok_with_threads(&["merge", src, "--format", "orbax", "-o", "t4"], 4);
+    // Every key's value (the data files' names, in the nodes, are random).
+    let values = |out: &str| -> Vec<(Vec<u8>, Vec<u8>)> {
+        let db = ckpt_ocdbt::Database::open(&d.path(out).join("default")).unwrap();
+        db.list()
+            .unwrap()
+            .into_iter()
+            .map(|e| {
+                let bytes = match e.value {
+                    ckpt_ocdbt::Value::Inline(b) => b,
+                    ckpt_ocdbt::Value::Stored { path, offset, len } => {
+                        let all = std::fs::read(path).unwrap();
+                        all[offset as usize..(offset + len) as usize].to_vec()
+                    }
+                };
+                (e.key, bytes)
+            })
+            .collect()
+    };
+    assert!(values("t1") == values("t4"), "the values differ");
+}
+
+#[test]
+fn every_dtype_orbax_holds_round_trips() {
+    use safetensors::Dtype as D;
+    let d = Dir::new();
+    let src = d.path("src.safetensors");
+    write_safetensors(
+        &src,
+        &[
+            ("m.bool", D::BOOL, &[5]),
+            ("m.u8", D::U8, &[3, 3]),
+            ("m.i8", D::I8, &[4]),
+            ("m.i16", D::I16, &[2, 3]),
+            ("m.u16", D::U16, &[3]),
+            ("m.i32", D::I32, &[2, 2, 2]),
+            ("m.u32", D::U32, &[2]),
+            ("m.i64", D::I64, &[3, 1]),
+            ("m.u64", D::U64, &[2]),
+            ("m.f16", D::F16, &[5, 2]),
+            ("m.bf16", D::BF16, &[7]),
+            ("m.f32", D::F32, &[2, 3, 4]),
+            ("m.f64", D::F64, &[3]),
+            ("m.f8e4m3", D::F8_E4M3, &[6]),
+            ("m.f8e5m2", D::F8_E5M2, &[6]),
+            ("scalar", D::I64, &[]),
+        ],
+    );
+    d.ok(&["merge", "src.safetensors", "--format", "orbax", "-o", "out"]);
+    d.ok(&["merge", "out", "-o", "back"]);
+    assert_eq!(tensors(&d.path("back/model.safetensors")), tensors(&src));
+}
+
+#[test]
+fn names_that_form_no_tree_are_refused_and_nothing_is_written() {
+    use safetensors::Dtype as D;
+    let d = Dir::new();
+    write_safetensors(
+        &d.path("in.safetensors"),
+        &[
+            ("a", D::F32, &[2]),
+            ("a.b", D::F32, &[2]),
+            ("c", D::F32, &[1]),
+        ],
+    );
+    let o = d.fails(&["merge", "in.safetensors", "--format", "orbax", "-o", "out"]);
+    assert!(
+        o.stderr.contains("tensor `a`") && o.stderr.contains("`a.b`"),
+        "{}",
+        o.stderr
+    );
+    assert_nothing_written(&d, &["in.safetensors"]);
+    // An empty key, a dtype zarr v3 has no name for, an empty array: named too.
+    let d = Dir::new();
+    write_safetensors(&d.path("in.safetensors"), &[("x..y", D::F32, &[2])]);
+    let o = d.fails(&["merge", "in.safetensors", "--format", "orbax", "-o", "out"]);
+    assert!(o.stderr.contains("tensor `x..y`"), "{}", o.stderr);
+    write_safetensors(&d.path("in.safetensors"), &[("e", D::F32, &[0, 2])]);
+    let o = d.fails(&["merge", "in.safetensors", "--format", "orbax", "-o", "out"]);
+    assert!(
+        o.stderr.contains("tensor `e`") && o.stderr.contains("no elements"),
+        "{}",
+        o.stderr
+    );
+    // Options that do not apply.
+    let o = d.fails(&[
+        "merge",
+        "in.safetensors",
+        "--format",
+        "orbax",
+        "--compress",
+        "zstd",
+        "-o",
+        "out",
+    ]);
+    assert!(o.stderr.contains("--compress"), "{}", o.stderr);
+    let o = d.fails(&[
+        "merge",
+        "in.safetensors",
+        "--format",
+        "orbax",
+        "--orbax-item",
+        "..",
+        "-o",
+        "out",
+    ]);
+    assert!(o.stderr.contains("--orbax-item `..`"), "{}", o.stderr);
+    // --orbax-item without --format orbax: a usage error.
+    let o = d.ckpt(&[
+        "merge",
+        "in.safetensors",
+        "--orbax-item",
+        "items",
+        "-o",
+        "out",
+    ]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    assert_nothing_written(&d, &["in.safetensors"]);
+}
+
+/// orbax-checkpoint 0.12.8 restores `--format orbax` outputs (without a target as
+/// numpy arrays, through a CheckpointManager, and onto a 4-device CPU mesh with a
+/// target) with every array equal to its source: scripts/orbax_write_check.py, with
+/// `CKPT_PYTHON_JAX` naming a Python that has jax and orbax-checkpoint.
+#[test]
+fn orbax_restores_what_merge_writes() {
+    let Some(py) = std::env::var_os("CKPT_PYTHON_JAX") else {
+        println!(
+            "SKIPPED orbax_restores_what_merge_writes: set CKPT_PYTHON_JAX to a python \
+             with jax and orbax-checkpoint (e.g. /work/venv-jax/bin/python)"
+        );
+        return;
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let d = Dir::new();
+    let o = std::process::Command::new(py)
+        .arg(root.join("scripts/orbax_write_check.py"))
+        .arg("--ckpt")
+        .arg(env!("CARGO_BIN_EXE_ckpt"))
+        .arg("--work")
+        .arg(d.tmp.path())
+        .arg(fixture("ocdbt_zarr3/reference.safetensors"))
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("PASS"),
+        "{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}

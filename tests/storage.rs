@@ -333,6 +333,37 @@ fn reshard_bucket_to_bucket_equals_local() {
     assert_eq!(o.code, 0, "{}\n{}", o.stdout, o.stderr);
 }
 
+/// `merge --format orbax` to a bucket: the step directory's files (the OCDBT data file
+/// written in place by the engine, `commit_success.txt` put last), read back from the
+/// bucket byte for byte.
+#[test]
+fn an_orbax_step_goes_to_a_bucket_and_reads_back() {
+    let Some(py) = python_with_moto() else { return };
+    let s = Server::start(&py);
+    let d = Dir::new();
+    let reference = fixture("orbax/ocdbt_zarr3/reference.safetensors");
+    let src = reference.to_str().unwrap();
+    s.ok(
+        &d,
+        &[
+            "merge",
+            src,
+            "--format",
+            "orbax",
+            "-o",
+            "s3://ckpt-test/jax/5",
+        ],
+        &[("CKPT_SMALL_OBJECT_BYTES", "512")],
+    );
+    let keys = s.keys("s3://ckpt-test/jax");
+    for k in ["jax/5/commit_success.txt", "jax/5/default/manifest.ocdbt"] {
+        assert!(keys.contains_key(k), "{keys:?}");
+    }
+    s.ok(&d, &["merge", "s3://ckpt-test/jax", "-o", "back"], &[]);
+    d.ok(&["merge", src, "-o", "want"]);
+    assert_same_tree(&d.path("want"), &d.path("back"), "orbax through the bucket");
+}
+
 /// A run killed while uploading leaves its journal and open multipart uploads; the next
 /// run to that output aborts them and deletes what the journal names, so that only the
 /// new output is left.

@@ -24,6 +24,7 @@ pub(crate) mod hf;
 pub(crate) mod megatron;
 pub(crate) mod megatron_dist;
 pub(crate) mod one_file;
+pub(crate) mod orbax;
 pub(crate) mod ranks;
 pub(crate) mod safetensors;
 pub(crate) mod sliced;

@@ -7,8 +7,8 @@
 
 use ckpt_core::{
     check_output_outside_inputs, execute_with, Checkpoint, Compression, Computations, CopyPlan,
-    CopyStats, HfExport, HfModel, HfTarget, Integrated, OneFile, Result, Selection, StagedDir,
-    Universal, Writer,
+    CopyStats, HfExport, HfModel, HfTarget, Integrated, OneFile, OrbaxStep, Result, Selection,
+    StagedDir, Universal, Writer,
 };
 use std::path::PathBuf;
 
@@ -45,6 +45,8 @@ pub struct MergeRequest {
     /// What is computed on the way: LoRA adapters merged, FP8 quantization (and FP8
     /// dequantization, which `selection`'s cast asks for).
     pub computations: Computations,
+    /// With [`MergeFormat::Orbax`]: the item directory's name (`default` when `None`).
+    pub orbax_item: Option<String>,
 }
 
 /// transformers' `save_pretrained` default `max_shard_size`.
@@ -70,16 +72,21 @@ pub enum MergeFormat {
     /// A Hugging Face model that `from_pretrained` loads: the tensors renamed and cut by
     /// the model family's table, `config.json`, shards as `save_pretrained` writes them.
     Hf,
+    /// An Orbax step directory that orbax-checkpoint restores (`_CHECKPOINT_METADATA`,
+    /// `commit_success.txt`, `default/` with the tree and the arrays: zarr v3 in an
+    /// OCDBT database).
+    Orbax,
 }
 
 impl MergeFormat {
     /// Every format by the name the CLI and the Python package take (`--format`).
-    pub const NAMES: [(&'static str, MergeFormat); 5] = [
+    pub const NAMES: [(&'static str, MergeFormat); 6] = [
         ("safetensors", MergeFormat::Safetensors),
         ("hf", MergeFormat::Hf),
         ("mindspore", MergeFormat::MindSpore),
         ("torch", MergeFormat::Torch),
         ("ucp", MergeFormat::Ucp),
+        ("orbax", MergeFormat::Orbax),
     ];
 
     /// The format named `name` ([`MergeFormat::NAMES`]).
@@ -112,6 +119,12 @@ fn writer(req: &MergeRequest, hf: Option<HfModel>) -> Result<Box<dyn Writer>> {
         (MergeFormat::MindSpore, _) => {
             Box::new(OneFile::MINDSPORE.checked(compressed, req.max_shard_size)?)
         }
+        (MergeFormat::Orbax, _) => Box::new(OrbaxStep::checked(
+            req.orbax_item.clone(),
+            compressed,
+            req.max_shard_size,
+            req.one_file,
+        )?),
         (MergeFormat::Ucp, _) => Box::new(Universal::checked(
             compressed,
             req.max_shard_size,

@@ -180,6 +180,7 @@ pub(crate) fn merge<'py>(
             lora_alpha,
             quantize_fp8,
         },
+        orbax_item: None,
     };
     if format != ckpt_merge::MergeFormat::Hf
         && (req.hf.config.is_some() || req.hf.arch.is_some() || req.tokenizer.is_some())

@@ -33,7 +33,7 @@ pub const UPLOADS: usize = 8;
 
 /// The names readers open first, completed after every other object: while they are
 /// missing, a reader finds no checkpoint at all.
-pub const COMMIT_LAST: [&str; 8] = [
+pub const COMMIT_LAST: [&str; 9] = [
     "model.safetensors.index.json",
     "model.ckptz.index.json",
     ".metadata",
@@ -42,6 +42,8 @@ pub const COMMIT_LAST: [&str; 8] = [
     "strategy.json",
     "config.json",
     "metadata.json",
+    // Orbax's commit mark of a step and of an item.
+    "commit_success.txt",
 ];
 
 /// Where an output goes: a local path as it is, or a URL written through a local

@@ -31,7 +31,7 @@ pub(crate) fn fixture_dirs() -> Vec<std::path::PathBuf> {
 }
 
 use super::writer::{TensorSpec, TensorWriter};
-use super::{ckptz, distcp, map_file, mindspore_ckpt, safetensors, torch_save, torch_write};
+use super::{ckptz, distcp, map_file, mindspore_ckpt, orbax, safetensors, torch_save, torch_write};
 use super::{FileFormat, Mapped, Reader, TensorFile};
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
@@ -182,7 +182,14 @@ pub fn create_writer(
         )?));
     }
     let ext = dest.extension().and_then(|e| e.to_str()).unwrap_or("");
-    Ok(if ext == "ckpt" {
+    Ok(if ext == "ocdbt" {
+        // An Orbax item's `manifest.ocdbt`: the database of zarr arrays around it.
+        Box::new(orbax::encode::OrbaxArraysWriter::create(
+            dest,
+            tensors,
+            orbax::encode::max_chunk_bytes(),
+        )?)
+    } else if ext == "ckpt" {
         Box::new(mindspore_ckpt::MindSporeWriter::create(dest, tensors)?)
     } else if matches!(ext, "pth" | "pt" | "bin" | "distcp") {
         let wrap = torch_write::Wrap::from_metadata(metadata)?;

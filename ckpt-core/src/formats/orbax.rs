@@ -12,12 +12,15 @@
 //! - [`chunks`]: the pieces and their decoding (zstd, shard indices, fill values).
 //! - [`steps`]: a `CheckpointManager`'s step directories, which are committed, and
 //!   which item of a step holds the arrays.
+//! - [`encode`]: the other way, an item's arrays written (`--format orbax`'s file
+//!   codec: zarr v3 in a new OCDBT database).
 //!
 //! Every problem is a named error naming the file or directory and the array; sizes
 //! are checked; no tensor data is read to open an item (zarr metadata and v3 shard
 //! indices are).
 
 pub(crate) mod chunks;
+pub(crate) mod encode;
 pub(crate) mod steps;
 pub(crate) mod store;
 pub(crate) mod tree;

@@ -377,6 +377,21 @@ fn kernel_copy_min() -> Option<usize> {
     })
 }
 
+/// [`StagedFile::write_parts_at`] into a file that is not staged (an OCDBT database's
+/// data file, committed by its manifest): long runs of input files copied by the
+/// kernel, the others from their bytes.
+///
+/// # Errors
+/// I/O errors, with `path`.
+pub(crate) fn write_parts_to(
+    file: &File,
+    path: &Path,
+    parts: &[WritePart<'_>],
+    offset: u64,
+) -> Result<()> {
+    write_parts_all_at(file, parts, offset, kernel_copy_min()).at(path)
+}
+
 /// Writes `parts` one after the other from `offset`: long parts of input files by
 /// [`copy_file_range_at`], the others (and whatever the kernel would not copy) from
 /// their bytes by [`write_all_vectored_at`].

@@ -16,6 +16,26 @@ pub(crate) const COMMIT_FILE: &str = "commit_success.txt";
 /// The suffix of a step directory orbax is still writing (atomic-rename mode).
 pub(crate) const TMP_SUFFIX: &str = ".orbax-checkpoint-tmp";
 
+/// orbax's handler for a `StandardSave`d item, as `_CHECKPOINT_METADATA` names it.
+pub(crate) const STANDARD_HANDLER: &str =
+    "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler";
+
+/// `_CHECKPOINT_METADATA` of a step holding the one item `item`, as a
+/// `CheckpointManager` writes it after `save(step, args=StandardSave(tree))`: the
+/// item's handler (which a restore without arguments uses), the times in nanoseconds
+/// since the epoch, empty metrics.
+pub(crate) fn step_metadata_json(item: &str, init_ns: u128, commit_ns: u128) -> String {
+    serde_json::json!({
+        "item_handlers": {item: STANDARD_HANDLER},
+        "metrics": {},
+        "performance_metrics": {},
+        "init_timestamp_nsecs": init_ns as u64,
+        "commit_timestamp_nsecs": commit_ns as u64,
+        "custom_metadata": {},
+    })
+    .to_string()
+}
+
 /// Largest `_CHECKPOINT_METADATA` read (orbax's are a few hundred bytes; metrics may
 /// add some).
 const MAX_STEP_METADATA_BYTES: u64 = 16 << 20;

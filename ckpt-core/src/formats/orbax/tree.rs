@@ -179,6 +179,123 @@ fn check_name(name: &str) -> Result<(), &'static str> {
     Ok(())
 }
 
+/// The tree ckpt's dotted `names` form, checked: each name split at `.` into dict keys,
+/// none empty or holding what orbax cannot store (see `check_name`), and no name a
+/// leaf where another needs a dict (`a` beside `a.b`). Returns the first offending name
+/// and why; names need not be sorted.
+pub(crate) fn check_tree<'a>(
+    names: impl IntoIterator<Item = &'a str>,
+) -> Result<(), (String, String)> {
+    let mut sorted: Vec<&str> = Vec::new();
+    for name in names {
+        check_name(name).map_err(|why| (name.to_string(), why.to_string()))?;
+        if name.split('.').any(str::is_empty) {
+            return Err((
+                name.to_string(),
+                "has an empty key (a `.` at either end or two together): it is no path \
+                 of dict keys"
+                    .into(),
+            ));
+        }
+        sorted.push(name);
+    }
+    sorted.sort_unstable();
+    // A name that is a leaf and a dict at once: `a` and `a.b`. Every `a.`-prefixed name
+    // sorts after `a` and before any name that does not start with `a.` but with `a`
+    // followed by a byte above `.`; the first name at or after `a.` settles it.
+    for &name in &sorted {
+        let dict = format!("{name}.");
+        let at = sorted.partition_point(|n| *n < dict.as_str());
+        if let Some(inner) = sorted.get(at).filter(|n| n.starts_with(&dict)) {
+            return Err((
+                name.to_string(),
+                format!(
+                    "is a leaf of the tree and also holds `{inner}`: orbax's tree cannot \
+                     have both (rename one, or leave one out with --exclude)"
+                ),
+            ));
+        }
+    }
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err((w[0].to_string(), "appears twice".into()));
+    }
+    Ok(())
+}
+
+/// `_METADATA` for arrays named `names` (valid as [`check_tree`] says), each a dict
+/// path, stored as orbax stores numpy arrays: `value_type` `np.ndarray` (orbax restores
+/// them without a target as numpy arrays, and as `jax.Array`s where the restore asks),
+/// OCDBT and zarr v3. The `tree_metadata` keys are Python's `str` of the key tuple, as
+/// orbax writes them (orbax reads `key_metadata`).
+pub(crate) fn metadata_json<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
+    let mut tree = serde_json::Map::new();
+    for name in names {
+        let keys: Vec<&str> = name.split('.').collect();
+        let key_metadata: Vec<Value> = keys
+            .iter()
+            .map(|k| serde_json::json!({"key": k, "key_type": DICT_KEY}))
+            .collect();
+        tree.insert(
+            python_tuple(&keys),
+            serde_json::json!({
+                "key_metadata": key_metadata,
+                "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": false},
+            }),
+        );
+    }
+    let doc = serde_json::json!({
+        "tree_metadata": tree,
+        "use_ocdbt": true,
+        "use_zarr3": true,
+        "store_array_data_equal_to_fill_value": true,
+        "custom_metadata": null,
+    });
+    doc.to_string()
+}
+
+/// `key_type` of a dict key (`1` is a sequence index).
+const DICT_KEY: u8 = 2;
+
+/// Python's `str()` of a tuple of strings: `('a', 'b')`, `('a',)`.
+fn python_tuple(keys: &[&str]) -> String {
+    let items: Vec<String> = keys.iter().map(|k| python_repr(k)).collect();
+    if items.len() == 1 {
+        format!("({},)", items[0])
+    } else {
+        format!("({})", items.join(", "))
+    }
+}
+
+/// Python's `repr()` of a string: single quotes unless it holds a `'` and no `"`;
+/// backslashes, the quote and control characters escaped.
+fn python_repr(s: &str) -> String {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                out.push_str(&format!("\\x{:02x}", c as u32));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -277,5 +394,37 @@ mod tests {
         let t = parse(doc.as_bytes()).unwrap();
         assert_eq!(t.leaves[0].kind, LeafKind::Skipped);
         assert_eq!((t.use_ocdbt, t.use_zarr3), (None, None));
+    }
+    #[test]
+    fn names_that_form_a_tree() {
+        assert_eq!(check_tree(["a.b", "a.c", "b", "a-x"]), Ok(()));
+        let (name, why) = check_tree(["a.b.c", "a.b", "a.bc"]).unwrap_err();
+        assert_eq!(name, "a.b");
+        assert!(why.contains("a.b.c"), "{why}");
+        assert_eq!(check_tree(["a", "a-b", "a.b"]).unwrap_err().0, "a");
+        assert_eq!(check_tree(["x..y"]).unwrap_err().0, "x..y");
+        assert_eq!(check_tree([".x"]).unwrap_err().0, ".x");
+        assert_eq!(check_tree(["a/b"]).unwrap_err().0, "a/b");
+        assert_eq!(check_tree(["a", "a"]).unwrap_err().0, "a");
+    }
+
+    #[test]
+    fn metadata_written_reads_back() {
+        let json = metadata_json(["params.w", "step", "opt.0.mu"]);
+        assert!(json.contains(r#""('params', 'w')""#), "{json}");
+        assert!(json.contains(r#""('step',)""#), "{json}");
+        let t = parse(json.as_bytes()).unwrap();
+        let names: Vec<&str> = t.arrays().map(|l| l.name.as_str()).collect();
+        assert_eq!(names, ["opt.0.mu", "params.w", "step"]);
+        assert_eq!((t.use_ocdbt, t.use_zarr3), (Some(true), Some(true)));
+    }
+
+    #[test]
+    fn python_reprs() {
+        assert_eq!(python_repr("a"), "'a'");
+        assert_eq!(python_repr("it's"), "\"it's\"");
+        assert_eq!(python_repr("a'\"b"), r#"'a\'"b'"#);
+        assert_eq!(python_repr("a\\b\n"), r"'a\\b\n'");
+        assert_eq!(python_tuple(&["a", "b"]), "('a', 'b')");
     }
 }

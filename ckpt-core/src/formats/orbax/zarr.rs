@@ -404,6 +404,32 @@ fn v3_dtype(s: &str) -> Result<Dtype, String> {
         })
 }
 
+/// The zarr v3 `data_type` of `dtype` and its zero as `fill_value` (what tensorstore
+/// writes for orbax: `false`, `0`, `0.0`); `None` for types zarr v3 has no name for
+/// (sub-byte floats, complex: not written).
+pub(crate) fn v3_name(dtype: Dtype) -> Option<(&'static str, &'static str)> {
+    Some(match dtype {
+        Dtype::BOOL => ("bool", "false"),
+        Dtype::I8 => ("int8", "0"),
+        Dtype::U8 => ("uint8", "0"),
+        Dtype::I16 => ("int16", "0"),
+        Dtype::U16 => ("uint16", "0"),
+        Dtype::I32 => ("int32", "0"),
+        Dtype::U32 => ("uint32", "0"),
+        Dtype::I64 => ("int64", "0"),
+        Dtype::U64 => ("uint64", "0"),
+        Dtype::F16 => ("float16", "0.0"),
+        Dtype::BF16 => ("bfloat16", "0.0"),
+        Dtype::F32 => ("float32", "0.0"),
+        Dtype::F64 => ("float64", "0.0"),
+        Dtype::F8_E4M3 => ("float8_e4m3fn", "0.0"),
+        Dtype::F8_E5M2 => ("float8_e5m2", "0.0"),
+        Dtype::F8_E4M3FNUZ => ("float8_e4m3fnuz", "0.0"),
+        Dtype::F8_E5M2FNUZ => ("float8_e5m2fnuz", "0.0"),
+        _ => return None,
+    })
+}
+
 /// The names tensorstore gives the types numpy lacks, in both zarr versions
 /// (ml_dtypes' names; the float8 spellings are read from ml_dtypes, not from a
 /// fixture).
@@ -916,5 +942,36 @@ mod tests {
         assert!(parse_index(&idx, 3, false, 46)
             .unwrap_err()
             .contains("not the"));
+    }
+    #[test]
+    fn v3_names_written_read_back() {
+        for d in [
+            Dtype::BOOL,
+            Dtype::I8,
+            Dtype::U8,
+            Dtype::I16,
+            Dtype::U16,
+            Dtype::I32,
+            Dtype::U32,
+            Dtype::I64,
+            Dtype::U64,
+            Dtype::F16,
+            Dtype::BF16,
+            Dtype::F32,
+            Dtype::F64,
+            Dtype::F8_E4M3,
+            Dtype::F8_E5M2,
+            Dtype::F8_E4M3FNUZ,
+            Dtype::F8_E5M2FNUZ,
+        ] {
+            let (name, fill) = v3_name(d).unwrap();
+            assert_eq!(v3_dtype(name), Ok(d));
+            let fill: Value = serde_json::from_str(fill).unwrap();
+            assert_eq!(
+                fill_bytes(d, &fill),
+                Ok(Some(vec![0; item_size(d) as usize]))
+            );
+        }
+        assert_eq!(v3_name(Dtype::F4), None);
     }
 }
