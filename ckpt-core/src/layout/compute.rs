@@ -423,6 +423,11 @@ fn round_to(values: &mut [f32], dtype: Dtype) {
 fn low_rank_row(acc: &mut [f32], b: &[f32], a: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the processor has AVX-512F (its FMA included), checked just above.
+            unsafe { low_rank_row_avx512(acc, b, a) };
+            return;
+        }
         if std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx2")
         {
             // SAFETY: the processor has FMA and AVX2 (checked just above).
@@ -457,6 +462,13 @@ fn low_rank_row_portable(acc: &mut [f32], b: &[f32], a: &[f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fma,avx2")]
 fn low_rank_row_x86(acc: &mut [f32], b: &[f32], a: &[f32]) {
+    low_rank_row_portable(acc, b, a);
+}
+
+/// [`low_rank_row`] with 16 lanes a register: the same FMAs, twice as many at once.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma,avx2")]
+fn low_rank_row_avx512(acc: &mut [f32], b: &[f32], a: &[f32]) {
     low_rank_row_portable(acc, b, a);
 }
 
