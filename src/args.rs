@@ -189,9 +189,10 @@ impl Names {
 #[derive(Args, Debug, Clone)]
 pub(crate) struct CopyArgs {
     /// Cast floating-point tensors while copying (integers are refused): bf16, f16,
-    /// f32, f64, or any safetensors dtype name (F8_E4M3, F8_E5M2, ...).
-    #[arg(long, value_parser = parse_cast)]
-    pub(crate) dtype: Option<Dtype>,
+    /// f32, f64, or any safetensors dtype name (F8_E4M3, F8_E5M2, ...); with --format
+    /// gguf, llama.cpp's types: f32, f16 (the default), bf16 or q8_0.
+    #[arg(long, value_parser = parse_copy_cast)]
+    pub(crate) dtype: Option<Cast>,
     /// Keep only tensors matching this glob pattern; repeat it (or separate patterns
     /// with commas) for several: --include 'layers.0.*' --include 'embed.*'.
     #[arg(long, value_name = "GLOB", value_parser = parse_globs)]
@@ -250,10 +251,11 @@ pub(crate) struct MergeArgs {
     /// that mindspore.load_checkpoint reads), `torch` (one model.pth, a dict of
     /// tensors that torch.load(weights_only=True) reads), `ucp` (DeepSpeed's universal
     /// checkpoint, from a DeepSpeed ZeRO checkpoint: latest_universal and
-    /// <tag>_universal/zero/<param>/*.pt, loaded with "load_universal": true) or
+    /// <tag>_universal/zero/<param>/*.pt, loaded with "load_universal": true),
     /// `orbax` (an Orbax step directory that orbax.checkpoint restores: the names as
     /// nested dict keys, zarr v3 arrays in OCDBT; name it <root>/<step> for a
-    /// CheckpointManager).
+    /// CheckpointManager) or `gguf` (one GGUF file for llama.cpp, -o model.gguf: a Llama-family model as
+    /// llama.cpp's convert_hf_to_gguf.py writes it; --dtype f32|f16|bf16|q8_0).
     #[arg(long, default_value = "safetensors",
           value_parser = clap::builder::PossibleValuesParser::new(ckpt_merge::MergeFormat::NAMES.map(|(n, _)| n)))]
     pub(crate) format: String,
@@ -287,7 +289,9 @@ pub(crate) struct MergeArgs {
     #[arg(long, value_name = "NAME")]
     pub(crate) hf_arch: Option<String>,
     /// With --format hf: copy the tokenizer files of this directory (tokenizer.json,
-    /// tokenizer_config.json, ...) beside the model.
+    /// tokenizer_config.json, ...) beside the model; with --format gguf: the directory
+    /// whose tokenizer.model (and tokenizer_config.json) the GGUF's vocabulary comes
+    /// from, where the source has none beside it.
     #[arg(long, value_name = "DIR")]
     pub(crate) tokenizer: Option<PathBuf>,
     /// With --format orbax: the item directory's name in the step (default: `default`,
@@ -454,6 +458,32 @@ pub(crate) struct ExampleArgs {
     /// Replace an existing output.
     #[arg(long)]
     pub(crate) force: bool,
+}
+
+/// A `--dtype` value: a dtype, or ggml's Q8_0 blocks (`--format gguf` only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Cast {
+    /// Elements of a dtype.
+    Dtype(Dtype),
+    /// ggml's Q8_0.
+    Q8_0,
+}
+
+impl Cast {
+    /// The dtype, where it is one.
+    pub(crate) fn dtype(self) -> Option<Dtype> {
+        match self {
+            Cast::Dtype(d) => Some(d),
+            Cast::Q8_0 => None,
+        }
+    }
+}
+
+pub(crate) fn parse_copy_cast(s: &str) -> std::result::Result<Cast, String> {
+    if s.eq_ignore_ascii_case("q8_0") {
+        return Ok(Cast::Q8_0);
+    }
+    parse_cast(s).map(Cast::Dtype)
 }
 
 pub(crate) fn parse_cast(s: &str) -> std::result::Result<Dtype, String> {

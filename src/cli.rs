@@ -437,7 +437,7 @@ mod tests {
         .unwrap();
         match c.command {
             Command::Merge(m) => {
-                assert_eq!(m.copy.dtype, Some(Dtype::F16));
+                assert_eq!(m.copy.dtype, Some(crate::args::Cast::Dtype(Dtype::F16)));
                 assert_eq!(m.max_shard_size, Some(5_000_000_000));
             }
             other => panic!("parsed as {other:?}"),

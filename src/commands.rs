@@ -136,7 +136,13 @@ fn selection(copy: &CopyArgs, inputs: &Inputs) -> Result<Selection> {
         .into());
     }
     let (include, exclude) = (flat(&copy.include), flat(&copy.exclude));
-    Ok(Selection::new(&include, &exclude, copy.dtype)?
+    let cast = match copy.dtype {
+        Some(crate::args::Cast::Q8_0) => {
+            return Err(Usage("--dtype q8_0 goes with --format gguf".into()).into())
+        }
+        c => c.and_then(crate::args::Cast::dtype),
+    };
+    Ok(Selection::new(&include, &exclude, cast)?
         .with_prefixes(
             copy.names.strip_prefix.clone(),
             copy.names.add_prefix.clone(),
@@ -145,8 +151,31 @@ fn selection(copy: &CopyArgs, inputs: &Inputs) -> Result<Selection> {
         .with_rules(inputs.rules()?))
 }
 
-pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
+pub(crate) fn merge(mut a: MergeArgs) -> Result<ExitCode> {
     let output = ckpt_core::output_at(&a.output, a.copy.force)?;
+    let gguf = a.format == "gguf";
+    // --format gguf: --dtype names the GGUF's type (the writer keeps norms F32).
+    let gguf_type = if gguf {
+        let ty = match a.copy.dtype {
+            None => None,
+            Some(crate::args::Cast::Q8_0) => Some(ckpt_core::GgmlType::Q8_0),
+            Some(crate::args::Cast::Dtype(d)) => Some(
+                ckpt_core::GgmlType::from_name(&ckpt_core::dtype_name(d).to_ascii_lowercase())
+                    .ok_or_else(|| {
+                        Usage(format!(
+                            "--format gguf: --dtype {} is not a type it writes (f32, f16, bf16, q8_0)",
+                            ckpt_core::dtype_name(d)
+                        ))
+                    })?,
+            ),
+        };
+        if ty == Some(ckpt_core::GgmlType::Q8_0) {
+            a.copy.dtype = None;
+        }
+        ty
+    } else {
+        None
+    };
     let req = ckpt_merge::MergeRequest {
         inputs: a.inputs.all()?,
         output: output.path().to_path_buf(),
@@ -155,8 +184,8 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
             split_qkv: a.split_qkv,
             unpad_vocab: !a.keep_vocab_padding,
             // A Hugging Face model has a tensor a layer.
-            per_layer: a.per_layer || a.format == "hf",
-            model_only: a.format == "hf",
+            per_layer: a.per_layer || a.format == "hf" || gguf,
+            model_only: a.format == "hf" || gguf,
         }),
         force: a.copy.force,
         one_file: a.one_file,
@@ -171,6 +200,7 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
         tokenizer: a.tokenizer,
         computations: a.compute.computations(),
         orbax_item: a.orbax_item,
+        gguf_type,
     };
     if req.format != ckpt_merge::MergeFormat::Orbax && req.orbax_item.is_some() {
         return Err(Usage("--orbax-item goes with --format orbax".into()).into());
@@ -181,12 +211,15 @@ pub(crate) fn merge(a: MergeArgs) -> Result<ExitCode> {
         )
         .into());
     }
-    if req.format != ckpt_merge::MergeFormat::Hf
-        && (req.hf.config.is_some() || req.hf.arch.is_some() || req.tokenizer.is_some())
+    if !matches!(
+        req.format,
+        ckpt_merge::MergeFormat::Hf | ckpt_merge::MergeFormat::Gguf
+    ) && (req.hf.config.is_some() || req.hf.arch.is_some() || req.tokenizer.is_some())
     {
-        return Err(
-            Usage("--hf-config, --hf-arch and --tokenizer go with --format hf".into()).into(),
-        );
+        return Err(Usage(
+            "--hf-config, --hf-arch and --tokenizer go with --format hf or gguf".into(),
+        )
+        .into());
     }
     if a.plan {
         let (source, plan) = ckpt_merge::prepare(&req)?;

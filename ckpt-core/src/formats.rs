@@ -21,6 +21,7 @@ pub(crate) mod deepspeed_tp;
 pub(crate) mod deepspeed_write;
 pub(crate) mod detect;
 pub(crate) mod distcp;
+pub(crate) mod gguf;
 pub(crate) mod megatron;
 pub(crate) mod mindspore_ckpt;
 pub(crate) mod mindspore_strategy;

@@ -75,6 +75,7 @@ pub use crate::formats::detect::{create_writer, sniff};
 pub use crate::formats::distcp::{
     metadata_bytes as distcp_metadata, torch_dtype_name, DistcpChunk, DistcpObject,
 };
+pub use crate::formats::gguf::GgmlType;
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
 pub use crate::formats::mindspore_strategy::{
     looks_like as is_mindspore_strategy, mindspore_target_strategy, parse_mindspore_strategy,
@@ -122,6 +123,7 @@ pub use crate::present::{
 };
 pub use crate::write::dcp::Dcp;
 pub use crate::write::deepspeed::write_deepspeed_dp;
+pub use crate::write::gguf::GgufExport;
 pub use crate::write::hf::{HfExport, HF_MAX_SHARD_SIZE};
 pub use crate::write::megatron::MegatronLegacy;
 pub use crate::write::megatron_dist::MegatronDist;

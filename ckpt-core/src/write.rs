@@ -20,6 +20,7 @@
 
 pub(crate) mod dcp;
 pub(crate) mod deepspeed;
+pub(crate) mod gguf;
 pub(crate) mod hf;
 pub(crate) mod megatron;
 pub(crate) mod megatron_dist;
@@ -59,6 +60,13 @@ pub trait Writer: Send + Sync {
     /// of them (`merge --rank`): false for a format written as one tree.
     fn shares_files(&self) -> bool {
         true
+    }
+
+    /// The one file the output is, when it is a file rather than a directory (GGUF):
+    /// the plan's only file, by this name in the staged directory, which the tool
+    /// moves to the output's path.
+    fn output_file(&self) -> Option<&'static str> {
+        None
     }
 
     /// Writes the files beside the engine's into `dir` (the staged output, or the

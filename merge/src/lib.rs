@@ -7,8 +7,8 @@
 
 use ckpt_core::{
     check_output_outside_inputs, execute_with, Checkpoint, Compression, Computations, CopyPlan,
-    CopyStats, HfExport, HfModel, HfTarget, Integrated, OneFile, OrbaxStep, Result, Selection,
-    StagedDir, Universal, Writer,
+    CopyStats, GgmlType, GgufExport, HfExport, HfModel, HfTarget, Integrated, OneFile, OrbaxStep,
+    Result, Selection, StagedDir, Universal, Writer,
 };
 use std::path::PathBuf;
 
@@ -47,6 +47,9 @@ pub struct MergeRequest {
     pub computations: Computations,
     /// With [`MergeFormat::Orbax`]: the item directory's name (`default` when `None`).
     pub orbax_item: Option<String>,
+    /// With [`MergeFormat::Gguf`]: the ggml type of the weights (`--dtype`: f32, f16,
+    /// bf16, q8_0; F16 when `None`, the converter's default for an F32 source).
+    pub gguf_type: Option<GgmlType>,
 }
 
 /// transformers' `save_pretrained` default `max_shard_size`.
@@ -76,17 +79,20 @@ pub enum MergeFormat {
     /// `commit_success.txt`, `default/` with the tree and the arrays: zarr v3 in an
     /// OCDBT database).
     Orbax,
+    /// One GGUF file for llama.cpp, as its `convert_hf_to_gguf.py` writes it (Llama).
+    Gguf,
 }
 
 impl MergeFormat {
     /// Every format by the name the CLI and the Python package take (`--format`).
-    pub const NAMES: [(&'static str, MergeFormat); 6] = [
+    pub const NAMES: [(&'static str, MergeFormat); 7] = [
         ("safetensors", MergeFormat::Safetensors),
         ("hf", MergeFormat::Hf),
         ("mindspore", MergeFormat::MindSpore),
         ("torch", MergeFormat::Torch),
         ("ucp", MergeFormat::Ucp),
         ("orbax", MergeFormat::Orbax),
+        ("gguf", MergeFormat::Gguf),
     ];
 
     /// The format named `name` ([`MergeFormat::NAMES`]).
@@ -108,11 +114,18 @@ fn writer(req: &MergeRequest, hf: Option<HfModel>) -> Result<Box<dyn Writer>> {
             tokenizer: req.tokenizer.clone(),
             max_shard_size: req.max_shard_size,
         }),
-        (MergeFormat::Safetensors | MergeFormat::Hf, _) => Box::new(Integrated {
-            max_shard_size: req.max_shard_size,
-            one_file: req.one_file,
-            compression: req.compression,
+        (MergeFormat::Gguf, Some(model)) => Box::new(GgufExport {
+            model,
+            out_type: req.gguf_type.unwrap_or(GgmlType::F16),
+            tokenizer: req.tokenizer.clone(),
         }),
+        (MergeFormat::Safetensors | MergeFormat::Hf | MergeFormat::Gguf, _) => {
+            Box::new(Integrated {
+                max_shard_size: req.max_shard_size,
+                one_file: req.one_file,
+                compression: req.compression,
+            })
+        }
         (MergeFormat::Torch, _) => {
             Box::new(OneFile::TORCH.checked(compressed, req.max_shard_size)?)
         }
@@ -142,10 +155,13 @@ fn open(req: &MergeRequest) -> Result<(Checkpoint, Box<dyn Writer>, Selection)> 
     if let Some(e) = source.no_tensors() {
         return Err(e);
     }
-    let hf = if req.format == MergeFormat::Hf {
-        if req.compression.is_some() || req.one_file {
+    let hf = if matches!(req.format, MergeFormat::Hf | MergeFormat::Gguf) {
+        if req.compression.is_some()
+            || req.one_file
+            || req.max_shard_size.is_some() && req.format == MergeFormat::Gguf
+        {
             return Err(ckpt_core::Error::Unsupported {
-                problem: "--format hf writes what transformers loads: --compress and --one-file do not apply".into(),
+                problem: format!("--format {} writes what {} loads: --compress and --one-file (and, for gguf, --max-shard-size) do not apply", if req.format == MergeFormat::Hf { "hf" } else { "gguf" }, if req.format == MergeFormat::Hf { "transformers" } else { "llama.cpp" }),
             });
         }
         Some(source.hf_view(&req.hf)?)
@@ -210,7 +226,10 @@ pub fn merge(
         let staged = StagedDir::new(&req.output, req.force)?;
         let stats = execute_with(&plan, &source, staged.path(), progress, compression)?;
         writer.finish(&source, &selection, &plan, staged.path())?;
-        staged.commit()?;
+        match writer.output_file() {
+            Some(name) => staged.commit_file(name)?,
+            None => staged.commit()?,
+        }
         return Ok(stats);
     };
     if !writer.shares_files() {

@@ -31,7 +31,9 @@ pub(crate) fn fixture_dirs() -> Vec<std::path::PathBuf> {
 }
 
 use super::writer::{TensorSpec, TensorWriter};
-use super::{ckptz, distcp, map_file, mindspore_ckpt, orbax, safetensors, torch_save, torch_write};
+use super::{
+    ckptz, distcp, gguf, map_file, mindspore_ckpt, orbax, safetensors, torch_save, torch_write,
+};
 use super::{FileFormat, Mapped, Reader, TensorFile};
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
@@ -162,7 +164,8 @@ fn describe_head(head: &[u8]) -> String {
     format!("it starts with bytes {}", shown.join(" "))
 }
 
-/// The writer for an output file, in the format its name asks for: `*.ckpt`
+/// The writer for an output file, in the format its name asks for: `*.gguf` GGUF,
+/// `*.ckpt`
 /// MindSpore's, `*.pth`/`*.pt`/`*.bin` a torch.save archive, `*.distcp` DCP's (one
 /// torch.save archive per tensor), anything else safetensors; compressed `.ckptz` when
 /// a compression is given (compression is a property of the writer, not a case of the
@@ -189,6 +192,8 @@ pub fn create_writer(
             tensors,
             orbax::encode::max_chunk_bytes(),
         )?)
+    } else if ext == "gguf" {
+        Box::new(gguf::GgufWriter::create(dest, tensors, metadata)?)
     } else if ext == "ckpt" {
         Box::new(mindspore_ckpt::MindSporeWriter::create(dest, tensors)?)
     } else if matches!(ext, "pth" | "pt" | "bin" | "distcp") {

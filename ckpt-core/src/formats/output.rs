@@ -77,6 +77,40 @@ impl StagedDir {
         self.done = true;
         Ok(())
     }
+
+    /// Moves the finished file `name` of the directory to the destination's path (an
+    /// output that is one file, such as a GGUF; an old file there replaced when
+    /// forced), and removes the directory.
+    ///
+    /// # Errors
+    /// I/O errors, with the path; a destination that exists without `force`.
+    pub fn commit_file(mut self, name: &str) -> Result<()> {
+        let file = self.tmp.join(name);
+        if self.dest.exists() && !self.force {
+            return Err(Error::OutputExists {
+                path: self.dest.clone(),
+            });
+        }
+        if self.dest.is_dir() {
+            return Err(Error::Unsupported {
+                problem: format!(
+                    "{}: is a directory; the output is one file",
+                    self.dest.display()
+                ),
+            });
+        }
+        std::fs::rename(&file, &self.dest).at(&self.dest)?;
+        if let Some(parent) = self.dest.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::File::open(parent)
+                .and_then(|d| d.sync_all())
+                .at(parent)?;
+        }
+        let _ = std::fs::remove_dir_all(&self.tmp);
+        crate::fault::unregister_temp(&self.tmp);
+        ckpt_storage::unalias_dir(&self.tmp);
+        self.done = true;
+        Ok(())
+    }
 }
 
 impl Drop for StagedDir {

@@ -57,6 +57,12 @@ pub enum Operation {
         /// One per adapter, in the order they are merged.
         updates: Vec<LowRankUpdate>,
     },
+    /// Input `[x (any float, read as F32), M x N]`, `N` a multiple of 32: ggml's Q8_0
+    /// blocks of each row, the output `U8`, `M x N / 32 * 34`. Per block of 32 values:
+    /// `d = f32(amax / 127)`, `id = d ? f32(1 / d) : 0`, `q = roundf(f32(x * id))`
+    /// (half away from zero) as `i8`, stored as `f16(d)` (round to nearest even) then
+    /// the 32 `q` (ggml's `quantize_row_q8_0_ref`, gguf-py's `quants.Q8_0`).
+    GgmlQ8_0,
 }
 
 /// One adapter's update of [`Operation::LowRank`].
@@ -124,6 +130,15 @@ impl Operation {
                 (rows.1 - rows.0) * block[0],
                 (cols.1 - cols.0) * block[1],
             )),
+            Operation::GgmlQ8_0 => {
+                let (b0, b1) = blocks_of(cols.0, cols.1, Q8_0_BYTES);
+                clip(rect(
+                    rows.0,
+                    b0 * Q8_0_BLOCK,
+                    rows.1 - rows.0,
+                    (b1 - b0) * Q8_0_BLOCK,
+                ))
+            }
             Operation::LowRank { updates } if i > 0 => {
                 let u = &updates[(i - 1) / 2];
                 // The weight's rows are B's and its columns A's (transposed: the other
@@ -230,6 +245,34 @@ impl Operation {
                 }
             }
             Operation::LowRank { updates } => low_rank(out, inputs, updates, dtype, dst)?,
+            Operation::GgmlQ8_0 => {
+                let [(xr, x)] = inputs else {
+                    return Err(mismatch("inputs", inputs.len(), 1));
+                };
+                if dtype != Dtype::U8 {
+                    return Err(mismatch("bytes per element", size, 1));
+                }
+                let x = f32s(x);
+                let (b0, b1) = blocks_of(out.start[1], out.end(1), Q8_0_BYTES);
+                let width = xr.shape[1] as usize;
+                let mut block = [0u8; Q8_0_BYTES as usize];
+                for i in 0..rows {
+                    let row = (out.start[0] + i as u64 - xr.start[0]) as usize * width;
+                    for b in b0..b1 {
+                        let at = row + (b * Q8_0_BLOCK - xr.start[1]) as usize;
+                        q8_0_block(&x[at..at + Q8_0_BLOCK as usize], &mut block);
+                        // The block's bytes that fall in the output box.
+                        let (lo, hi) = (
+                            (b * Q8_0_BYTES).max(out.start[1]),
+                            ((b + 1) * Q8_0_BYTES).min(out.end(1)),
+                        );
+                        let from = (lo - b * Q8_0_BYTES) as usize;
+                        let to = i * cols + (lo - out.start[1]) as usize;
+                        let n = (hi - lo) as usize;
+                        dst[to..to + n].copy_from_slice(&block[from..from + n]);
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -314,6 +357,23 @@ fn encode(values: &[f32], dtype: Dtype, dst: &mut [u8]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Values in a ggml Q8_0 block.
+pub(crate) const Q8_0_BLOCK: u64 = 32;
+/// Bytes of a ggml Q8_0 block: an f16 scale and 32 `i8`.
+pub(crate) const Q8_0_BYTES: u64 = 34;
+
+/// The Q8_0 block of 32 values ([`Operation::GgmlQ8_0`]).
+fn q8_0_block(v: &[f32], block: &mut [u8; Q8_0_BYTES as usize]) {
+    let amax = v.iter().fold(0f32, |m, e| m.max(e.abs()));
+    let d = amax / 127.0;
+    let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+    block[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    for (j, e) in v.iter().enumerate() {
+        // `roundf`: half away from zero, as `f32::round`.
+        block[2 + j] = ((e * id).round() as i8) as u8;
+    }
 }
 
 fn mismatch(what: &str, got: usize, want: usize) -> Error {

@@ -1,0 +1,548 @@
+//! GGUF, llama.cpp's model file (version 3, little-endian; gguf-py's `GGUFWriter`,
+//! ggml's `gguf.cpp`): the header (`GGUF`, version, tensor and key counts), the
+//! key-value pairs in order, the tensor infos (name, dims innermost first, ggml type,
+//! data offset), zeros to the alignment (32), then every tensor's bytes, each padded
+//! to the alignment. The writer lays the header out from the [`TensorSpec`]s and the
+//! file's metadata, then takes the tensors' bytes at their precomputed places from any
+//! thread, as the other codecs do.
+//!
+//! Two metadata entries carry what a `TensorSpec` cannot say (both made by
+//! [`encode_metadata`]): [`KV_KEY`], the key-value pairs, and [`TYPES_KEY`], the ggml
+//! type of each tensor whose bytes are blocks (Q8_0) rather than elements of its dtype.
+//! A quantized tensor's spec is `U8` with its rows' bytes as the last dimension
+//! (`[rows, cols / 32 * 34]` for Q8_0).
+
+use super::output::StagedFile;
+use super::writer::{TensorSpec, TensorWriter, WritePart};
+use crate::error::{overflow, Error, Result};
+use crate::layout::compute::{Q8_0_BLOCK, Q8_0_BYTES};
+use crate::layout::strategy::dtype_name;
+use crate::layout::Dtype;
+use serde_json::{json, Value as Json};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// `GGUF`, little-endian.
+pub(crate) const MAGIC: u32 = 0x4655_4747;
+/// The version written (and the only one llama.cpp writes today).
+pub(crate) const VERSION: u32 = 3;
+/// `general.alignment`'s default: tensor data starts and is padded at multiples of it.
+pub(crate) const ALIGNMENT: u64 = 32;
+/// The metadata entry holding the key-value pairs.
+pub(crate) const KV_KEY: &str = "gguf.kv";
+/// The metadata entry holding the ggml types of block-quantized tensors.
+pub(crate) const TYPES_KEY: &str = "gguf.types";
+
+/// The ggml tensor types ckpt writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    /// 32-bit float.
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// Blocks of 32 values along a row: an f16 scale and 32 `i8`.
+    Q8_0,
+}
+
+impl GgmlType {
+    /// Every type by the name `--dtype` takes (llama.cpp's converter's `--outtype`).
+    pub const NAMES: [(&'static str, GgmlType); 4] = [
+        ("f32", GgmlType::F32),
+        ("f16", GgmlType::F16),
+        ("bf16", GgmlType::BF16),
+        ("q8_0", GgmlType::Q8_0),
+    ];
+
+    /// The type named `name` (case-insensitive).
+    #[must_use]
+    pub fn from_name(name: &str) -> Option<GgmlType> {
+        let n = name.to_ascii_lowercase();
+        Self::NAMES.iter().find(|(k, _)| *k == n).map(|&(_, t)| t)
+    }
+
+    /// Its name.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        Self::NAMES
+            .iter()
+            .find(|(_, t)| *t == self)
+            .map_or("?", |(n, _)| n)
+    }
+
+    /// ggml's `enum ggml_type` value.
+    #[must_use]
+    pub fn id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q8_0 => 8,
+            GgmlType::BF16 => 30,
+        }
+    }
+
+    /// llama.cpp's `general.file_type` (`enum llama_ftype`) of a file mostly of it.
+    #[must_use]
+    pub fn file_type(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q8_0 => 7,
+            GgmlType::BF16 => 32,
+        }
+    }
+
+    /// `(values per block, bytes per block)`.
+    #[must_use]
+    pub fn block(self) -> (u64, u64) {
+        match self {
+            GgmlType::F32 => (1, 4),
+            GgmlType::F16 | GgmlType::BF16 => (1, 2),
+            GgmlType::Q8_0 => (Q8_0_BLOCK, Q8_0_BYTES),
+        }
+    }
+
+    /// The dtype its elements are written in (`U8`: blocks).
+    #[must_use]
+    pub fn dtype(self) -> Dtype {
+        match self {
+            GgmlType::F32 => Dtype::F32,
+            GgmlType::F16 => Dtype::F16,
+            GgmlType::BF16 => Dtype::BF16,
+            GgmlType::Q8_0 => Dtype::U8,
+        }
+    }
+
+    /// The type of elements of `dtype` written as they are.
+    fn of_dtype(dtype: Dtype) -> Option<GgmlType> {
+        match dtype {
+            Dtype::F32 => Some(GgmlType::F32),
+            Dtype::F16 => Some(GgmlType::F16),
+            Dtype::BF16 => Some(GgmlType::BF16),
+            _ => None,
+        }
+    }
+}
+
+/// A GGUF metadata value (the types llama.cpp's converter writes for the models ckpt
+/// exports).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Value {
+    /// `UINT32` (4).
+    U32(u32),
+    /// `INT32` (5).
+    I32(i32),
+    /// `FLOAT32` (6).
+    F32(f32),
+    /// `BOOL` (7).
+    Bool(bool),
+    /// `STRING` (8).
+    Str(String),
+    /// `ARRAY` (9) of `STRING`.
+    Strings(Vec<String>),
+    /// `ARRAY` of `FLOAT32`.
+    F32s(Vec<f32>),
+    /// `ARRAY` of `INT32`.
+    I32s(Vec<i32>),
+}
+
+const T_U32: u32 = 4;
+const T_I32: u32 = 5;
+const T_F32: u32 = 6;
+const T_BOOL: u32 = 7;
+const T_STRING: u32 = 8;
+const T_ARRAY: u32 = 9;
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+impl Value {
+    fn encode(&self, out: &mut Vec<u8>) {
+        let array = |out: &mut Vec<u8>, t: u32, n: usize| {
+            out.extend_from_slice(&T_ARRAY.to_le_bytes());
+            out.extend_from_slice(&t.to_le_bytes());
+            out.extend_from_slice(&(n as u64).to_le_bytes());
+        };
+        match self {
+            Value::U32(v) => {
+                out.extend_from_slice(&T_U32.to_le_bytes());
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            Value::I32(v) => {
+                out.extend_from_slice(&T_I32.to_le_bytes());
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            Value::F32(v) => {
+                out.extend_from_slice(&T_F32.to_le_bytes());
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            Value::Bool(v) => {
+                out.extend_from_slice(&T_BOOL.to_le_bytes());
+                out.push(u8::from(*v));
+            }
+            Value::Str(s) => {
+                out.extend_from_slice(&T_STRING.to_le_bytes());
+                put_str(out, s);
+            }
+            Value::Strings(v) => {
+                array(out, T_STRING, v.len());
+                for s in v {
+                    put_str(out, s);
+                }
+            }
+            Value::F32s(v) => {
+                array(out, T_F32, v.len());
+                for x in v {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+            Value::I32s(v) => {
+                array(out, T_I32, v.len());
+                for x in v {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// The value as JSON for the metadata channel (floats by their bits, so they come
+    /// back exactly).
+    fn to_json(&self) -> Json {
+        match self {
+            Value::U32(v) => json!(["u32", v]),
+            Value::I32(v) => json!(["i32", v]),
+            Value::F32(v) => json!(["f32", v.to_bits()]),
+            Value::Bool(v) => json!(["bool", v]),
+            Value::Str(v) => json!(["str", v]),
+            Value::Strings(v) => json!(["strs", v]),
+            Value::F32s(v) => json!(["f32s", v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()]),
+            Value::I32s(v) => json!(["i32s", v]),
+        }
+    }
+
+    fn from_json(j: &Json) -> Option<Value> {
+        let [t, v] = j.as_array()?.as_slice() else {
+            return None;
+        };
+        let u32_of = |v: &Json| v.as_u64().and_then(|x| u32::try_from(x).ok());
+        let i32_of = |v: &Json| v.as_i64().and_then(|x| i32::try_from(x).ok());
+        Some(match t.as_str()? {
+            "u32" => Value::U32(u32_of(v)?),
+            "i32" => Value::I32(i32_of(v)?),
+            "f32" => Value::F32(f32::from_bits(u32_of(v)?)),
+            "bool" => Value::Bool(v.as_bool()?),
+            "str" => Value::Str(v.as_str()?.to_string()),
+            "strs" => Value::Strings(
+                v.as_array()?
+                    .iter()
+                    .map(|s| s.as_str().map(str::to_string))
+                    .collect::<Option<_>>()?,
+            ),
+            "f32s" => Value::F32s(
+                v.as_array()?
+                    .iter()
+                    .map(|x| u32_of(x).map(f32::from_bits))
+                    .collect::<Option<_>>()?,
+            ),
+            "i32s" => Value::I32s(v.as_array()?.iter().map(i32_of).collect::<Option<_>>()?),
+            _ => return None,
+        })
+    }
+}
+
+/// The file metadata that makes [`GgufWriter`] write `kv` and the block-quantized
+/// tensors' types (`types`: tensor name to type, for those that are not their dtype's).
+#[must_use]
+pub(crate) fn encode_metadata(
+    kv: &[(String, Value)],
+    types: &BTreeMap<String, GgmlType>,
+) -> BTreeMap<String, String> {
+    let kv: Vec<Json> = kv.iter().map(|(k, v)| json!([k, v.to_json()])).collect();
+    let types: serde_json::Map<String, Json> = types
+        .iter()
+        .map(|(n, t)| (n.clone(), Json::String(t.name().into())))
+        .collect();
+    [
+        (KV_KEY.to_string(), Json::Array(kv).to_string()),
+        (TYPES_KEY.to_string(), Json::Object(types).to_string()),
+    ]
+    .into()
+}
+
+fn bad(problem: impl Into<String>) -> Error {
+    Error::Unsupported {
+        problem: format!("GGUF: {}", problem.into()),
+    }
+}
+
+/// The key-value pairs and types [`encode_metadata`] wrote.
+fn decode_metadata(
+    metadata: &BTreeMap<String, String>,
+) -> Result<(Vec<(String, Value)>, BTreeMap<String, GgmlType>)> {
+    let parse = |key: &str| -> Result<Json> {
+        metadata
+            .get(key)
+            .map_or(Ok(Json::Null), |s| serde_json::from_str(s))
+            .map_err(|e| bad(format!("metadata `{key}`: {e}")))
+    };
+    let mut kv = Vec::new();
+    if let Json::Array(items) = parse(KV_KEY)? {
+        for item in &items {
+            let pair = item.as_array().filter(|p| p.len() == 2);
+            let Some((k, v)) = pair.and_then(|p| Some((p[0].as_str()?, Value::from_json(&p[1])?)))
+            else {
+                return Err(bad(format!("metadata `{KV_KEY}`: entry {item} unreadable")));
+            };
+            kv.push((k.to_string(), v));
+        }
+    }
+    let mut types = BTreeMap::new();
+    if let Json::Object(m) = parse(TYPES_KEY)? {
+        for (name, t) in m {
+            let ty = t
+                .as_str()
+                .and_then(GgmlType::from_name)
+                .ok_or_else(|| bad(format!("tensor `{name}`: ggml type {t} unknown")))?;
+            types.insert(name, ty);
+        }
+    }
+    Ok((kv, types))
+}
+
+/// A tensor's ggml type and dims (innermost first, as GGUF stores them) from its spec.
+fn tensor_info(spec: &TensorSpec, ty: Option<GgmlType>) -> Result<(GgmlType, Vec<u64>)> {
+    let ty = match ty {
+        Some(t) => t,
+        None => GgmlType::of_dtype(spec.dtype).ok_or_else(|| {
+            bad(format!(
+                "tensor `{}`: {} has no ggml type ckpt writes (F32, F16, BF16, Q8_0)",
+                spec.name,
+                dtype_name(spec.dtype)
+            ))
+        })?,
+    };
+    let mut ne: Vec<u64> = spec.shape.iter().rev().copied().collect();
+    let (per, bytes) = ty.block();
+    if per > 1 {
+        if spec.dtype != Dtype::U8 || ne.first().is_none_or(|b| b % bytes != 0) {
+            return Err(bad(format!(
+                "tensor `{}`: {} blocks must be U8 rows of whole {bytes}-byte blocks, not {} {:?}",
+                spec.name,
+                ty.name(),
+                dtype_name(spec.dtype),
+                spec.shape
+            )));
+        }
+        ne[0] = ne[0] / bytes * per;
+    }
+    Ok((ty, ne))
+}
+
+/// The header (through the padding before the data) for `tensors` and the key-value
+/// pairs, and each tensor's data offset (relative to the data) with the data's length
+/// (padded) last.
+///
+/// # Errors
+/// A tensor GGUF cannot hold as ckpt writes it; sizes that overflow.
+pub(crate) fn encode_header(
+    tensors: &[TensorSpec],
+    metadata: &BTreeMap<String, String>,
+) -> Result<(Vec<u8>, Vec<u64>)> {
+    let (kv, types) = decode_metadata(metadata)?;
+    let mut out = Vec::new();
+    out.extend_from_slice(&MAGIC.to_le_bytes());
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(kv.len() as u64).to_le_bytes());
+    for (k, v) in &kv {
+        put_str(&mut out, k);
+        v.encode(&mut out);
+    }
+    let mut offsets = Vec::with_capacity(tensors.len() + 1);
+    let mut pos = 0u64;
+    for t in tensors {
+        let (ty, ne) = tensor_info(t, types.get(&t.name).copied())?;
+        put_str(&mut out, &t.name);
+        out.extend_from_slice(&(ne.len() as u32).to_le_bytes());
+        for d in &ne {
+            out.extend_from_slice(&d.to_le_bytes());
+        }
+        out.extend_from_slice(&ty.id().to_le_bytes());
+        out.extend_from_slice(&pos.to_le_bytes());
+        offsets.push(pos);
+        let n = super::byte_len(t.dtype, &t.shape)
+            .ok_or_else(|| overflow(format!("size of tensor `{}`", t.name)))?;
+        pos = pos
+            .checked_add(n)
+            .map(|p| p.next_multiple_of(ALIGNMENT))
+            .ok_or_else(|| overflow("file size"))?;
+    }
+    offsets.push(pos);
+    out.resize((out.len() as u64).next_multiple_of(ALIGNMENT) as usize, 0);
+    Ok((out, offsets))
+}
+
+/// A GGUF file being written.
+#[derive(Debug)]
+pub(crate) struct GgufWriter {
+    out: StagedFile,
+    data_start: u64,
+    /// Each tensor's data offset, and the data's padded length last.
+    offsets: Vec<u64>,
+}
+
+impl GgufWriter {
+    /// Creates `dest` (through a temporary file beside it): the header written, the
+    /// data zeros (the padding stays so).
+    ///
+    /// # Errors
+    /// What [`encode_header`] refuses; I/O errors, with the path.
+    pub(crate) fn create(
+        dest: &Path,
+        tensors: &[TensorSpec],
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<GgufWriter> {
+        let (header, offsets) = encode_header(tensors, metadata).map_err(|e| e.with_path(dest))?;
+        let out = StagedFile::create(dest)?;
+        let data_start = header.len() as u64;
+        out.set_len(data_start + offsets.last().copied().unwrap_or(0))?;
+        out.write_at(&header, 0)?;
+        Ok(GgufWriter {
+            out,
+            data_start,
+            offsets,
+        })
+    }
+}
+
+impl TensorWriter for GgufWriter {
+    fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+        self.out
+            .write_at(bytes, self.data_start + self.offsets[index] + offset)
+    }
+
+    fn write_parts_at(&self, index: usize, offset: u64, parts: &[WritePart<'_>]) -> Result<bool> {
+        self.out
+            .write_parts_at(parts, self.data_start + self.offsets[index] + offset)?;
+        Ok(true)
+    }
+
+    fn finish(self: Box<Self>) -> Result<()> {
+        self.out.commit()
+    }
+}
+
+/// A SentencePiece `ModelProto`'s pieces (field 1; the trainer and normalizer specs
+/// skipped): `piece` (1), `score` (2), `type` (3, default NORMAL).
+#[derive(Clone, PartialEq, prost::Message)]
+struct SentencePieceModel {
+    #[prost(message, repeated, tag = "1")]
+    pieces: Vec<SentencePiece>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct SentencePiece {
+    #[prost(string, optional, tag = "1")]
+    piece: Option<String>,
+    #[prost(float, optional, tag = "2")]
+    score: Option<f32>,
+    #[prost(int32, optional, tag = "3")]
+    kind: Option<i32>,
+}
+
+/// The pieces of a SentencePiece model (`tokenizer.model`) as llama.cpp's converter
+/// takes them: text (`▁` kept), score, and ggml's token type (1 normal, 2 unknown,
+/// 3 control, 5 unused, 6 byte; SentencePiece's user-defined pieces are normal, as
+/// `IsUnknown`/`IsControl`/`IsUnused`/`IsByte` leave them).
+///
+/// # Errors
+/// Bytes that are not such a protobuf.
+pub(crate) fn read_sentencepiece(bytes: &[u8]) -> Result<Vec<(String, f32, i32)>> {
+    use prost::Message;
+    let model = SentencePieceModel::decode(bytes).map_err(|e| Error::UnknownInput {
+        problem: format!("not a SentencePiece model (tokenizer.model): {e}"),
+    })?;
+    Ok(model
+        .pieces
+        .into_iter()
+        .map(|p| {
+            let kind = match p.kind.unwrap_or(1) {
+                k @ (2 | 3 | 5 | 6) => k,
+                _ => 1,
+            };
+            (p.piece.unwrap_or_default(), p.score.unwrap_or(0.0), kind)
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_lays_out_keys_infos_and_aligned_offsets() {
+        let kv = vec![
+            (
+                "general.architecture".to_string(),
+                Value::Str("llama".into()),
+            ),
+            ("x.eps".to_string(), Value::F32(1e-5)),
+            (
+                "x.toks".to_string(),
+                Value::Strings(vec!["a".into(), "▁b".into()]),
+            ),
+        ];
+        let types: BTreeMap<String, GgmlType> = [("q".to_string(), GgmlType::Q8_0)].into();
+        let meta = encode_metadata(&kv, &types);
+        let specs = vec![
+            TensorSpec {
+                name: "n".into(),
+                dtype: Dtype::F32,
+                shape: vec![3],
+            },
+            TensorSpec {
+                name: "q".into(),
+                dtype: Dtype::U8,
+                shape: vec![2, 68],
+            },
+        ];
+        let (h, offsets) = encode_header(&specs, &meta).unwrap();
+        assert_eq!(&h[..4], b"GGUF");
+        assert_eq!(h.len() % 32, 0);
+        // 12 bytes of F32 padded to 32; 136 bytes of Q8_0 padded to 160.
+        assert_eq!(offsets, vec![0, 32, 192]);
+        // q's dims: 64 values (2 blocks) a row, 2 rows; type 8.
+        let q_info: Vec<u8> = [
+            &1u64.to_le_bytes()[..],
+            b"q",
+            &2u32.to_le_bytes(),
+            &64u64.to_le_bytes(),
+            &2u64.to_le_bytes(),
+            &8u32.to_le_bytes(),
+            &32u64.to_le_bytes(),
+        ]
+        .concat();
+        assert!(h.windows(q_info.len()).any(|w| w == q_info));
+        let (back, _) = decode_metadata(&meta).unwrap();
+        assert_eq!(back, kv);
+    }
+
+    #[test]
+    fn a_block_type_needs_whole_blocks() {
+        let spec = TensorSpec {
+            name: "q".into(),
+            dtype: Dtype::U8,
+            shape: vec![2, 35],
+        };
+        assert!(tensor_info(&spec, Some(GgmlType::Q8_0)).is_err());
+        let f = TensorSpec {
+            name: "i".into(),
+            dtype: Dtype::I64,
+            shape: vec![2],
+        };
+        assert!(tensor_info(&f, None).is_err());
+    }
+}

@@ -1,0 +1,777 @@
+//! A GGUF file for llama.cpp (`merge --format gguf`), as llama.cpp's own
+//! `convert_hf_to_gguf.py` writes it (tests/fixtures/serving/README.md, "GGUF
+//! semantics"): the source seen as the Hugging Face model, its tensors renamed by
+//! [`LLAMA`] (the query and key rows permuted from Hugging Face's rotary halves to
+//! llama.cpp's interleaved pairs, as a view of the stored rows), in the ggml type the
+//! converter gives each (norms and 1-D tensors F32, the rest `--dtype`: F32, F16, BF16
+//! cast by the engine, or Q8_0 computed), the model's keys from its `config.json` and
+//! the tokenizer's from its SentencePiece `tokenizer.model` and `tokenizer_config.json`.
+//! One file, written streaming at precomputed offsets by the GGUF codec
+//! ([`crate::formats::gguf`]).
+
+use super::Writer;
+use crate::checkpoint::{Checkpoint, HfModel};
+use crate::error::{Error, Result};
+use crate::formats::gguf::{encode_metadata, GgmlType, Value};
+use crate::formats::read_small;
+use crate::hf::{self, Family};
+use crate::layout::compute::Operation;
+use crate::layout::plan::{CopyPlan, TargetFile, TargetTensor};
+use crate::layout::region::Region;
+use crate::layout::select::Selection;
+use crate::layout::source::{
+    Compute, ComputeInput, Computed, PieceSource, SourcePiece, SourceTensor,
+};
+use crate::layout::Piece;
+use serde_json::{Map, Value as Json};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The file the plan writes (the tool moves it to the output's name).
+pub(crate) const GGUF_FILE: &str = "model.gguf";
+
+/// How a tensor's rows are taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rows {
+    /// As they are.
+    AsTheyAre,
+    /// Permuted per query head (`LlamaModel.permute` with `n_head`).
+    Query,
+    /// Permuted per key head (`n_head_kv`).
+    Key,
+}
+
+/// Llama's (and Mistral's) tensors: Hugging Face's name, GGUF's (`{l}` the layer),
+/// the rows (gguf-py's `TENSOR_NAMES` and `TensorNameMap` at llama.cpp d8a24cce).
+const LLAMA: [(&str, &str, Rows); 12] = [
+    (
+        "model.embed_tokens.weight",
+        "token_embd.weight",
+        Rows::AsTheyAre,
+    ),
+    ("lm_head.weight", "output.weight", Rows::AsTheyAre),
+    ("model.norm.weight", "output_norm.weight", Rows::AsTheyAre),
+    (
+        "model.layers.{l}.input_layernorm.weight",
+        "blk.{l}.attn_norm.weight",
+        Rows::AsTheyAre,
+    ),
+    (
+        "model.layers.{l}.self_attn.q_proj.weight",
+        "blk.{l}.attn_q.weight",
+        Rows::Query,
+    ),
+    (
+        "model.layers.{l}.self_attn.k_proj.weight",
+        "blk.{l}.attn_k.weight",
+        Rows::Key,
+    ),
+    (
+        "model.layers.{l}.self_attn.v_proj.weight",
+        "blk.{l}.attn_v.weight",
+        Rows::AsTheyAre,
+    ),
+    (
+        "model.layers.{l}.self_attn.o_proj.weight",
+        "blk.{l}.attn_output.weight",
+        Rows::AsTheyAre,
+    ),
+    (
+        "model.layers.{l}.post_attention_layernorm.weight",
+        "blk.{l}.ffn_norm.weight",
+        Rows::AsTheyAre,
+    ),
+    (
+        "model.layers.{l}.mlp.gate_proj.weight",
+        "blk.{l}.ffn_gate.weight",
+        Rows::AsTheyAre,
+    ),
+    (
+        "model.layers.{l}.mlp.up_proj.weight",
+        "blk.{l}.ffn_up.weight",
+        Rows::AsTheyAre,
+    ),
+    (
+        "model.layers.{l}.mlp.down_proj.weight",
+        "blk.{l}.ffn_down.weight",
+        Rows::AsTheyAre,
+    ),
+];
+
+/// Names the converter drops.
+const DROPPED_SUFFIXES: [&str; 3] = [
+    ".rotary_emb.inv_freq",
+    ".attention.masked_bias",
+    ".attention.bias",
+];
+
+/// `merge --format gguf`, for a source already seen as the Hugging Face model.
+#[derive(Clone, Debug)]
+pub struct GgufExport {
+    /// The model (family, sizes, its config).
+    pub model: HfModel,
+    /// The type of the tensors that are not norms or 1-D (`--dtype`).
+    pub out_type: GgmlType,
+    /// The directory of the tokenizer (`--tokenizer`); else the source's own files.
+    pub tokenizer: Option<PathBuf>,
+}
+
+fn unsupported(problem: String) -> Error {
+    Error::Unsupported {
+        problem: format!("--format gguf: {problem}"),
+    }
+}
+
+/// The checkpoint's tensors under GGUF's names (a [`PieceSource`] over its files).
+struct GgufTensors<'a> {
+    base: &'a Checkpoint,
+    tensors: BTreeMap<String, SourceTensor>,
+}
+
+impl PieceSource for GgufTensors<'_> {
+    fn source_tensors(&self) -> &BTreeMap<String, SourceTensor> {
+        &self.tensors
+    }
+
+    fn stored_shape(&self, file: usize, tensor: usize) -> &[u64] {
+        self.base.stored_shape(file, tensor)
+    }
+}
+
+/// The layer number and the pattern `name` matches in the table, if any.
+fn table_row(name: &str) -> Option<(String, Rows)> {
+    for (hf_name, gguf_name, rows) in LLAMA {
+        match hf_name.split_once("{l}") {
+            None if hf_name == name => return Some((gguf_name.to_string(), rows)),
+            Some((pre, post)) => {
+                let Some(l) = name
+                    .strip_prefix(pre)
+                    .and_then(|rest| rest.strip_suffix(post))
+                else {
+                    continue;
+                };
+                if !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()) {
+                    return Some((gguf_name.replace("{l}", l), rows));
+                }
+            }
+            None => {}
+        }
+    }
+    None
+}
+
+/// The config's value under the first of `keys` present (the converter's
+/// `find_hparam`).
+fn find<'a>(config: &'a Map<String, Json>, keys: &[&str]) -> Option<&'a Json> {
+    keys.iter()
+        .find_map(|k| config.get(*k).filter(|v| !v.is_null()))
+}
+
+fn u32_of(config: &Map<String, Json>, keys: &[&str]) -> Result<Option<u32>> {
+    match find(config, keys) {
+        None => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .and_then(|x| u32::try_from(x).ok())
+            .map(Some)
+            .ok_or_else(|| {
+                unsupported(format!(
+                    "config.json: `{}` is {v}, not an unsigned 32-bit integer",
+                    keys[0]
+                ))
+            }),
+    }
+}
+
+fn f32_of(config: &Map<String, Json>, keys: &[&str]) -> Result<Option<f32>> {
+    match find(config, keys) {
+        None => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(|x| Some(x as f32))
+            .ok_or_else(|| unsupported(format!("config.json: `{}` is {v}, not a number", keys[0]))),
+    }
+}
+
+/// gguf-py's `Metadata.id_to_title`: words split at `-` and spaces, each lower-case
+/// word title-cased unless it is a version (`v1.2`) or starts with a digit.
+fn id_to_title(id: &str) -> String {
+    id.trim()
+        .replace('-', " ")
+        .split_whitespace()
+        .map(|w| {
+            let lower = w.chars().any(char::is_lowercase) && !w.chars().any(char::is_uppercase);
+            let version = w.starts_with(|c: char| c.is_ascii_digit())
+                || (w.starts_with('v')
+                    && w.len() > 1
+                    && w[1..]
+                        .split('.')
+                        .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())));
+            if lower && !version {
+                title(w)
+            } else {
+                w.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Python's `str.title()`: a letter after a non-letter upper-cased, others lower.
+fn title(w: &str) -> String {
+    let mut out = String::with_capacity(w.len());
+    let mut prev_letter = false;
+    for c in w.chars() {
+        if c.is_alphabetic() {
+            if prev_letter {
+                out.extend(c.to_lowercase());
+            } else {
+                out.extend(c.to_uppercase());
+            }
+            prev_letter = true;
+        } else {
+            out.push(c);
+            prev_letter = false;
+        }
+    }
+    out
+}
+
+/// gguf-py's `size_label` of a dense model of `n` parameters (`66K`, `1.2B`).
+fn size_label(n: u64) -> String {
+    let n = n as f64;
+    let (scaled, suffix) = if n > 1e12 {
+        (n * 1e-12, "T")
+    } else if n > 1e9 {
+        (n * 1e-9, "B")
+    } else if n > 1e6 {
+        (n * 1e-6, "M")
+    } else {
+        (n * 1e-3, "K")
+    };
+    // Python's round (half to even) of the scaled count, its digits without leading
+    // zeros.
+    let rounded = {
+        let r = scaled.round();
+        if (scaled - scaled.trunc() - 0.5).abs() < f64::EPSILON && r % 2.0 != 0.0 {
+            r - 1.0
+        } else {
+            r
+        }
+    };
+    let digits = format!("{rounded:.0}").trim_start_matches('0').len();
+    let fix = 2usize.saturating_sub(digits);
+    format!("{scaled:.fix$}{suffix}")
+}
+
+/// A SentencePiece piece: text, score, ggml token type.
+type Token = (String, f32, i32);
+
+/// The converter's `_create_vocab_sentencepiece` for `vocab_size` ids: the pieces of
+/// `tokenizer.model`, `added_tokens.json` and `tokenizer_config.json`'s
+/// `added_tokens_decoder` over them, ids beyond the pieces `[PAD{i}]`.
+fn vocab(dir: &Path, vocab_size: usize) -> Result<Vec<Token>> {
+    let path = dir.join("tokenizer.model");
+    let pieces = crate::formats::gguf::read_sentencepiece(&read_small(&path)?)
+        .map_err(|e| e.with_path(&path))?;
+    let mut tokens: Vec<Token> = (0..vocab_size)
+        .map(|i| (format!("[PAD{i}]"), -10000.0, 5))
+        .collect();
+    for (i, p) in pieces.into_iter().enumerate().take(vocab_size) {
+        tokens[i] = p;
+    }
+    let added = dir.join("added_tokens.json");
+    if added.is_file() {
+        let doc: Json = serde_json::from_slice(&read_small(&added)?)
+            .map_err(|e| unsupported(format!("{}: not JSON: {e}", added.display())))?;
+        for (text, id) in doc.as_object().into_iter().flatten() {
+            if let Some(id) = id.as_u64().map(|i| i as usize).filter(|&i| i < vocab_size) {
+                tokens[id] = (text.clone(), -1000.0, 4);
+            }
+        }
+    }
+    if let Some(config) = tokenizer_config(dir)? {
+        let decoder = config.get("added_tokens_decoder").and_then(Json::as_object);
+        for (id, data) in decoder.into_iter().flatten() {
+            let (Ok(id), Some(text)) = (
+                id.parse::<usize>(),
+                data.get("content").and_then(Json::as_str),
+            ) else {
+                continue;
+            };
+            if id >= vocab_size {
+                continue;
+            }
+            let special =
+                data.get("special").and_then(Json::as_bool) == Some(true) || looks_special(text);
+            tokens[id] = if special {
+                (text.to_string(), -1000.0, 3)
+            } else {
+                (text.replace('\u{2581}', " "), -1000.0, 4)
+            };
+        }
+    }
+    Ok(tokens)
+}
+
+/// The converter's `does_token_look_special`.
+fn looks_special(t: &str) -> bool {
+    matches!(t, "<pad>" | "<mask>" | "<2mass>" | "[@BOS@]")
+        || (t.starts_with("<|") && t.ends_with("|>"))
+        || (t.starts_with("<\u{ff5c}") && t.ends_with("\u{ff5c}>"))
+        || (t.starts_with("<unused") && t.ends_with('>'))
+}
+
+/// `tokenizer_config.json` of `dir`, parsed, if there is one.
+fn tokenizer_config(dir: &Path) -> Result<Option<Map<String, Json>>> {
+    let path = dir.join("tokenizer_config.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    match serde_json::from_slice(&read_small(&path)?) {
+        Ok(Json::Object(m)) => Ok(Some(m)),
+        _ => Err(unsupported(format!(
+            "{}: not a JSON object",
+            path.display()
+        ))),
+    }
+}
+
+/// gguf-py's `SpecialVocab` types, in its order.
+const SPECIAL_TYPES: [&str; 7] = ["bos", "eos", "unk", "sep", "pad", "cls", "mask"];
+
+impl GgufExport {
+    /// The model's config, parsed.
+    fn config(&self, source: &Checkpoint) -> Result<(PathBuf, Map<String, Json>)> {
+        let path = self
+            .model
+            .user_config
+            .clone()
+            .or_else(|| source.carried.get("config.json").cloned())
+            .ok_or_else(|| {
+                unsupported(
+                    "the model's Hugging Face config.json is needed (beside the source, or --hf-config)"
+                        .into(),
+                )
+            })?;
+        match serde_json::from_slice(&read_small(&path)?) {
+            Ok(Json::Object(m)) => Ok((path, m)),
+            _ => Err(unsupported(format!(
+                "{}: not a JSON object",
+                path.display()
+            ))),
+        }
+    }
+
+    /// The directory holding the tokenizer: `--tokenizer`, else the source's own.
+    fn tokenizer_dir(&self, source: &Checkpoint) -> Result<PathBuf> {
+        if let Some(dir) = &self.tokenizer {
+            if !dir.join("tokenizer.model").is_file() {
+                return Err(unsupported(format!(
+                    "--tokenizer {}: no tokenizer.model (a SentencePiece model, as Llama 2 and Mistral ship it; tokenizer.json-only BPE tokenizers are not built)",
+                    dir.display()
+                )));
+            }
+            return Ok(dir.clone());
+        }
+        // A trainer's kept tokenizer, else the files beside the model's config or
+        // beside the weights (a Hugging Face model directory).
+        let candidates = [
+            source.carried.get("tokenizer.model").cloned(),
+            source.carried.get("config.json").cloned(),
+            source.files.first().map(|f| f.path().to_path_buf()),
+        ];
+        candidates
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p.parent().map(Path::to_path_buf))
+            .find(|d| d.join("tokenizer.model").is_file())
+            .ok_or_else(|| {
+                unsupported(
+                    "the source has no tokenizer.model beside it: give the tokenizer's directory with --tokenizer DIR".into(),
+                )
+            })
+    }
+
+    /// Refuses what llama.cpp's converter would not write as built here, by name.
+    fn check(&self, config: &Map<String, Json>, path: &Path) -> Result<()> {
+        if !matches!(self.model.family, Family::Llama | Family::Mistral) {
+            return Err(unsupported(format!(
+                "{} is not built (LlamaForCausalLM and MistralForCausalLM are)",
+                self.model.family.architecture()
+            )));
+        }
+        for key in [
+            "num_hidden_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "vocab_size",
+        ] {
+            if find(config, &[key]).is_none() {
+                return Err(unsupported(format!(
+                    "{}: `{key}` missing (llama.cpp needs it)",
+                    path.display()
+                )));
+            }
+        }
+        if find(config, &["rms_norm_eps", "norm_eps"]).is_none() {
+            return Err(unsupported(format!(
+                "{}: `rms_norm_eps` missing (llama.cpp needs it)",
+                path.display()
+            )));
+        }
+        let rope = rope_params(config);
+        match rope.get("rope_type").and_then(Json::as_str) {
+            None | Some("default") | Some("linear") => Ok(()),
+            Some(other) => Err(unsupported(format!(
+                "{}: rope_type `{other}` is not built (the converter writes extra tensors or keys for it)",
+                path.display()
+            ))),
+        }
+    }
+
+    /// The key-value pairs, in the converter's order.
+    fn kv(
+        &self,
+        source: &Checkpoint,
+        config: &Map<String, Json>,
+        params: u64,
+    ) -> Result<Vec<(String, Value)>> {
+        let mut kv: Vec<(String, Value)> = Vec::new();
+        let mut put = |k: &str, v: Value| kv.push((k.to_string(), v));
+        let a = "llama";
+        put("general.architecture", Value::Str(a.into()));
+        put("general.type", Value::Str("model".into()));
+        let dir_name = source
+            .files
+            .first()
+            .and_then(|f| f.path().parent())
+            .and_then(|d| d.canonicalize().ok())
+            .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "model".into());
+        put("general.name", Value::Str(id_to_title(&dir_name)));
+        put("general.size_label", Value::Str(size_label(params)));
+        let u = |keys: &[&str]| u32_of(config, keys);
+        if let Some(v) = u(&["num_hidden_layers", "n_layers"])? {
+            put(&format!("{a}.block_count"), Value::U32(v));
+        }
+        if let Some(v) = u(&[
+            "max_position_embeddings",
+            "n_ctx",
+            "n_positions",
+            "max_length",
+            "max_sequence_length",
+            "model_max_length",
+        ])? {
+            put(&format!("{a}.context_length"), Value::U32(v));
+        }
+        if let Some(v) = u(&["hidden_size", "n_embd", "dim"])? {
+            put(&format!("{a}.embedding_length"), Value::U32(v));
+        }
+        if let Some(v) = u(&["intermediate_size", "n_inner", "hidden_dim"])? {
+            put(&format!("{a}.feed_forward_length"), Value::U32(v));
+        }
+        if let Some(v) = u(&["num_attention_heads", "n_head", "n_heads"])? {
+            put(&format!("{a}.attention.head_count"), Value::U32(v));
+        }
+        if let Some(v) = u(&["num_key_value_heads", "n_kv_heads"])? {
+            put(&format!("{a}.attention.head_count_kv"), Value::U32(v));
+        }
+        let rope = rope_params(config);
+        if rope.get("rope_type").and_then(Json::as_str) == Some("linear") {
+            if let Some(f) = rope.get("factor").and_then(Json::as_f64) {
+                put(
+                    &format!("{a}.rope.scaling.type"),
+                    Value::Str("linear".into()),
+                );
+                put(&format!("{a}.rope.scaling.factor"), Value::F32(f as f32));
+            }
+        }
+        if let Some(theta) = rope.get("rope_theta").and_then(Json::as_f64) {
+            put(&format!("{a}.rope.freq_base"), Value::F32(theta as f32));
+        }
+        if let Some(eps) = f32_of(config, &["rms_norm_eps", "norm_eps"])? {
+            put(
+                &format!("{a}.attention.layer_norm_rms_epsilon"),
+                Value::F32(eps),
+            );
+        }
+        let head_dim = u(&["head_dim"])?;
+        if let Some(hd) = head_dim {
+            put(&format!("{a}.attention.key_length"), Value::U32(hd));
+            put(&format!("{a}.attention.value_length"), Value::U32(hd));
+        }
+        put("general.file_type", Value::U32(self.out_type.file_type()));
+        let vocab_size = u(&["vocab_size"])?.unwrap_or(0);
+        put(&format!("{a}.vocab_size"), Value::U32(vocab_size));
+        let rope_dim = match head_dim {
+            Some(hd) => hd,
+            None => {
+                let hidden = u(&["hidden_size"])?.unwrap_or(0);
+                let heads = u(&["num_attention_heads"])?.unwrap_or(1).max(1);
+                hidden / heads
+            }
+        };
+        put(&format!("{a}.rope.dimension_count"), Value::U32(rope_dim));
+        put("general.quantization_version", Value::U32(2));
+        // The tokenizer (`_set_vocab_sentencepiece`, `SpecialVocab.add_to_gguf`).
+        let dir = self.tokenizer_dir(source)?;
+        let tokens = vocab(&dir, vocab_size as usize)?;
+        put("tokenizer.ggml.model", Value::Str("llama".into()));
+        put("tokenizer.ggml.pre", Value::Str("default".into()));
+        let mut texts = Vec::with_capacity(tokens.len());
+        let mut scores = Vec::with_capacity(tokens.len());
+        let mut types = Vec::with_capacity(tokens.len());
+        for (t, s, ty) in tokens {
+            texts.push(t);
+            scores.push(s);
+            types.push(ty);
+        }
+        put("tokenizer.ggml.tokens", Value::Strings(texts));
+        put("tokenizer.ggml.scores", Value::F32s(scores));
+        put("tokenizer.ggml.token_type", Value::I32s(types));
+        // Special ids from the model's config.json (`_try_load_from_config_json`).
+        for typ in SPECIAL_TYPES {
+            let id = config
+                .get(&format!("{typ}_token_id"))
+                .and_then(Json::as_u64)
+                .filter(|&i| i < u64::from(vocab_size));
+            if let Some(id) = id {
+                let id = u32::try_from(id).unwrap_or(u32::MAX);
+                put(&format!("tokenizer.ggml.{typ}_token_id"), Value::U32(id));
+            }
+        }
+        let tok_config = tokenizer_config(&dir)?.unwrap_or_default();
+        for typ in SPECIAL_TYPES {
+            if let Some(b) = tok_config
+                .get(&format!("add_{typ}_token"))
+                .and_then(Json::as_bool)
+            {
+                put(&format!("tokenizer.ggml.add_{typ}_token"), Value::Bool(b));
+            }
+        }
+        if let Some(t) = tok_config.get("chat_template").and_then(Json::as_str) {
+            put("tokenizer.chat_template", Value::Str(t.to_string()));
+        }
+        Ok(kv)
+    }
+
+    /// The tensors under GGUF's names in the converter's order (the source's sorted
+    /// names), each with its ggml type, and the parameter count.
+    fn tensors(
+        &self,
+        source: &Checkpoint,
+        config: &Map<String, Json>,
+    ) -> Result<(Vec<(String, SourceTensor, GgmlType)>, u64)> {
+        let heads = u32_of(config, &["num_attention_heads"])?.unwrap_or(0);
+        let kv_heads = u32_of(config, &["num_key_value_heads"])?.unwrap_or(heads);
+        let mut out = Vec::new();
+        let mut params = 0u64;
+        for (name, t) in &source.tensors {
+            if DROPPED_SUFFIXES.iter().any(|s| name.ends_with(s)) {
+                continue;
+            }
+            let Some((gguf_name, rows)) = table_row(name) else {
+                return Err(Error::InvalidTensor {
+                    tensor: name.clone(),
+                    problem: format!(
+                        "has no GGUF name for llama.cpp's {} (nothing written)",
+                        self.model.family.architecture()
+                    ),
+                });
+            };
+            if !matches!(
+                t.dtype,
+                crate::layout::Dtype::F32 | crate::layout::Dtype::F16 | crate::layout::Dtype::BF16
+            ) {
+                return Err(Error::InvalidTensor {
+                    tensor: name.clone(),
+                    problem: format!(
+                        "is {}: GGUF output reads F32, F16 or BF16 weights",
+                        crate::layout::strategy::dtype_name(t.dtype)
+                    ),
+                });
+            }
+            let t = match rows {
+                Rows::AsTheyAre => t.clone(),
+                Rows::Query | Rows::Key => {
+                    let h = u64::from(if rows == Rows::Query { heads } else { kv_heads });
+                    let n = t.shape.first().copied().unwrap_or(0);
+                    if h == 0 || t.shape.len() != 2 || n % h != 0 || (n / h) % 2 != 0 {
+                        return Err(Error::InvalidTensor {
+                            tensor: name.clone(),
+                            problem: format!(
+                                "has shape {:?}: not {h} heads of an even number of rows",
+                                t.shape
+                            ),
+                        });
+                    }
+                    // `reshape(H, 2, hd/2, cols).swapaxes(1, 2)`: torchtitan's
+                    // interleaved rows are llama.cpp's.
+                    t.regather(0, &hf::rope_blocks(h, n / h, false), n)
+                }
+            };
+            params += t.shape.iter().product::<u64>();
+            let ty = if t.shape.len() <= 1 || gguf_name.ends_with("_norm.weight") {
+                GgmlType::F32
+            } else if self.out_type == GgmlType::Q8_0
+                && !t.shape.last().is_some_and(|c| c % 32 == 0)
+            {
+                // gguf-py's QuantError: the converter falls back to F16.
+                GgmlType::F16
+            } else {
+                self.out_type
+            };
+            out.push((gguf_name, t, ty));
+        }
+        Ok((out, params))
+    }
+}
+
+/// The config's rope parameters (`rope_parameters`, transformers 5, or the older
+/// `rope_scaling` with a top-level `rope_theta`), as the converter mirrors them.
+fn rope_params(config: &Map<String, Json>) -> Map<String, Json> {
+    let mut p = config
+        .get("rope_parameters")
+        .or_else(|| config.get("rope_scaling"))
+        .and_then(Json::as_object)
+        .cloned()
+        .unwrap_or_default();
+    if !p.contains_key("rope_theta") {
+        if let Some(t) = config.get("rope_theta") {
+            p.insert("rope_theta".into(), t.clone());
+        }
+    }
+    if !p.contains_key("rope_type") {
+        if let Some(t) = p.get("type").cloned() {
+            p.insert("rope_type".into(), t);
+        }
+    }
+    p
+}
+
+/// `t` as Q8_0 blocks: a `U8` `[rows, cols / 32 * 34]` tensor computed from it.
+fn q8_0(name: &str, t: &SourceTensor) -> Result<SourceTensor> {
+    let [rows, cols] = t.shape[..] else {
+        return Err(Error::InvalidTensor {
+            tensor: name.to_string(),
+            problem: format!("Q8_0 is built for matrices, not shape {:?}", t.shape),
+        });
+    };
+    let Some(first) = t.pieces.first() else {
+        return Err(Error::InvalidTensor {
+            tensor: name.to_string(),
+            problem: "holds no pieces".into(),
+        });
+    };
+    let shape = vec![rows, cols / 32 * 34];
+    let global = Region::full(&shape);
+    let input = ComputeInput {
+        name: name.to_string(),
+        tensor: t.clone(),
+        region: Region::full(&t.shape),
+    };
+    Ok(SourceTensor {
+        dtype: crate::layout::Dtype::U8,
+        shape,
+        pieces: vec![SourcePiece {
+            file: first.file,
+            tensor: first.tensor,
+            local: global.clone(),
+            global,
+            view: None,
+            compute: Some(Compute(Arc::new(Computed {
+                op: Operation::GgmlQ8_0,
+                inputs: vec![input],
+            }))),
+        }],
+        copies: Vec::new(),
+    })
+}
+
+impl Writer for GgufExport {
+    fn name(&self) -> &'static str {
+        "gguf"
+    }
+
+    fn shares_files(&self) -> bool {
+        false
+    }
+
+    fn plan(&self, source: &Checkpoint, _: &Selection) -> Result<CopyPlan> {
+        let (path, config) = self.config(source)?;
+        self.check(&config, &path)?;
+        let (tensors, params) = self.tensors(source, &config)?;
+        let kv = self.kv(source, &config, params)?;
+        let mut types = BTreeMap::new();
+        let mut sources = BTreeMap::new();
+        let mut targets = Vec::with_capacity(tensors.len());
+        for (name, t, ty) in tensors {
+            let t = if ty == GgmlType::Q8_0 {
+                types.insert(name.clone(), ty);
+                q8_0(&name, &t)?
+            } else {
+                t
+            };
+            let full = Region::full(&t.shape);
+            targets.push(TargetTensor {
+                name: name.clone(),
+                dtype: ty.dtype(),
+                shape: t.shape.clone(),
+                pieces: vec![Piece {
+                    global: full.clone(),
+                    local: full,
+                }],
+            });
+            sources.insert(name, t);
+        }
+        let file = TargetFile {
+            path: GGUF_FILE.into(),
+            tensors: targets,
+            metadata: encode_metadata(&kv, &types),
+        };
+        let view = GgufTensors {
+            base: source,
+            tensors: sources,
+        };
+        CopyPlan::build(&view, vec![file])
+    }
+
+    fn output_file(&self) -> Option<&'static str> {
+        Some(GGUF_FILE)
+    }
+
+    fn finish(&self, _: &Checkpoint, _: &Selection, _: &CopyPlan, _: &Path) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_table() {
+        assert_eq!(
+            table_row("model.layers.12.self_attn.k_proj.weight"),
+            Some(("blk.12.attn_k.weight".into(), Rows::Key))
+        );
+        assert_eq!(
+            table_row("lm_head.weight"),
+            Some(("output.weight".into(), Rows::AsTheyAre))
+        );
+        assert_eq!(table_row("model.layers.x.mlp.up_proj.weight"), None);
+    }
+
+    #[test]
+    fn titles_and_size_labels_as_gguf_py() {
+        assert_eq!(id_to_title("base"), "Base");
+        assert_eq!(id_to_title("my-model"), "My Model");
+        assert_eq!(id_to_title("tiny_llama"), "Tiny_Llama");
+        assert_eq!(size_label(65_856), "66K");
+        assert_eq!(size_label(1_235_814_400), "1.2B");
+        assert_eq!(size_label(8_030_261_248), "8.0B");
+        assert_eq!(size_label(124_000_000), "124M");
+    }
+}
