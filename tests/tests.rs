@@ -12,6 +12,7 @@ mod deepspeed;
 mod deepspeed_write;
 mod direct_write;
 mod dtensor;
+mod gguf;
 mod hf;
 mod inspect_verify;
 mod megatron;

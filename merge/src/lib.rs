@@ -48,7 +48,7 @@ pub struct MergeRequest {
     /// With [`MergeFormat::Orbax`]: the item directory's name (`default` when `None`).
     pub orbax_item: Option<String>,
     /// With [`MergeFormat::Gguf`]: the ggml type of the weights (`--dtype`: f32, f16,
-    /// bf16, q8_0; F16 when `None`, the converter's default for an F32 source).
+    /// bf16, q8_0; `None`: the converter's `auto`, BF16 for a BF16 model, else F16).
     pub gguf_type: Option<GgmlType>,
 }
 
@@ -116,7 +116,7 @@ fn writer(req: &MergeRequest, hf: Option<HfModel>) -> Result<Box<dyn Writer>> {
         }),
         (MergeFormat::Gguf, Some(model)) => Box::new(GgufExport {
             model,
-            out_type: req.gguf_type.unwrap_or(GgmlType::F16),
+            out_type: req.gguf_type,
             tokenizer: req.tokenizer.clone(),
         }),
         (MergeFormat::Safetensors | MergeFormat::Hf | MergeFormat::Gguf, _) => {

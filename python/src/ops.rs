@@ -148,6 +148,18 @@ pub(crate) fn merge<'py>(
         let names = ckpt_merge::MergeFormat::NAMES.map(|(n, _)| n).join(", ");
         usage(py, format!("format `{format}`: {names}"))
     })?;
+    // format="gguf": dtype names llama.cpp's type (f32, f16, bf16, q8_0).
+    let gguf = format == ckpt_merge::MergeFormat::Gguf;
+    let gguf_type = match dtype.filter(|_| gguf) {
+        None => None,
+        Some(d) => Some(ckpt_core::GgmlType::from_name(d).ok_or_else(|| {
+            usage(
+                py,
+                format!("dtype `{d}` with format=\"gguf\": f32, f16, bf16, q8_0"),
+            )
+        })?),
+    };
+    let dtype = dtype.filter(|d| !(gguf && d.eq_ignore_ascii_case("q8_0")));
     // A URL is written through a local staging directory, published at the end.
     let output = ckpt_core::output_at(&out, force).py_err(py)?;
     let req = ckpt_merge::MergeRequest {
@@ -161,8 +173,8 @@ pub(crate) fn merge<'py>(
                 split_qkv,
                 unpad_vocab: !keep_vocab_padding,
                 // A Hugging Face model has a tensor a layer.
-                per_layer: format == ckpt_merge::MergeFormat::Hf,
-                model_only: format == ckpt_merge::MergeFormat::Hf,
+                per_layer: format == ckpt_merge::MergeFormat::Hf || gguf,
+                model_only: format == ckpt_merge::MergeFormat::Hf || gguf,
             },
         ),
         force,
@@ -181,13 +193,15 @@ pub(crate) fn merge<'py>(
             quantize_fp8,
         },
         orbax_item: None,
+        gguf_type,
     };
     if format != ckpt_merge::MergeFormat::Hf
+        && !gguf
         && (req.hf.config.is_some() || req.hf.arch.is_some() || req.tokenizer.is_some())
     {
         return Err(usage(
             py,
-            "hf_config, hf_arch and tokenizer go with format=\"hf\"",
+            "hf_config, hf_arch and tokenizer go with format=\"hf\" or \"gguf\"",
         ));
     }
     let (stats, shape, secs) = run_copy(py, checksums, |p, on_plan| {

@@ -668,4 +668,43 @@ mod tests {
         let got: Vec<f32> = (0..6).map(|i| f32_at(&dst, i)).collect();
         assert_eq!(got, [1.0, 3.0, 2.0, 4.0, 4.0, 10.0]);
     }
+
+    #[test]
+    fn q8_0_blocks_equal_gguf_py_and_any_part_is_the_wholes_bytes() {
+        // Two blocks of one row; the bytes gguf-py's `quants.quantize(x, Q8_0)` gives.
+        let x: Vec<f32> = (0..64)
+            .map(|i| {
+                let v = ((i * 37 % 23) as f32 - 11.0) * 0.37 + if i == 5 { 0.5 } else { 0.0 };
+                if i == 40 {
+                    0.0
+                } else {
+                    v
+                }
+            })
+            .collect();
+        let want: [u8; 68] = [
+            26, 40, 129, 35, 187, 92, 244, 156, 46, 198, 104, 0, 152, 58, 210, 115, 12, 164, 69,
+            221, 127, 23, 175, 81, 233, 129, 35, 187, 92, 244, 141, 46, 198, 104, 26, 40, 0, 152,
+            58, 210, 115, 12, 164, 69, 0, 127, 23, 175, 81, 233, 129, 35, 187, 92, 244, 141, 46,
+            198, 104, 0, 152, 58, 210, 115, 12, 164, 69, 221,
+        ];
+        let xb = f32s(&x);
+        let whole_x = rect(0, 0, 1u64, 64);
+        let op = Operation::GgmlQ8_0;
+        let out = rect(0, 0, 1u64, 68);
+        let mut dst = vec![0u8; 68];
+        op.compute(&out, &[(whole_x.clone(), &xb)], Dtype::U8, &mut dst)
+            .unwrap();
+        assert_eq!(dst, want);
+        // A part straddling the blocks' edge reads both blocks' values only.
+        let part = rect(0, 30, 1u64, 10);
+        let need = op.input_region(0, &part, &whole_x);
+        assert_eq!(need, whole_x);
+        let mut got = vec![0u8; 10];
+        op.compute(&part, &[(need, &xb)], Dtype::U8, &mut got)
+            .unwrap();
+        assert_eq!(got, want[30..40]);
+        let second = rect(0, 40, 1u64, 5);
+        assert_eq!(op.input_region(0, &second, &whole_x), rect(0, 32, 1u64, 32));
+    }
 }

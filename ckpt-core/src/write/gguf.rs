@@ -111,8 +111,9 @@ const DROPPED_SUFFIXES: [&str; 3] = [
 pub struct GgufExport {
     /// The model (family, sizes, its config).
     pub model: HfModel,
-    /// The type of the tensors that are not norms or 1-D (`--dtype`).
-    pub out_type: GgmlType,
+    /// The type of the tensors that are not norms or 1-D (`--dtype`); `None`: the
+    /// converter's `auto`, BF16 or F16 as the first matrix is, else F16.
+    pub out_type: Option<GgmlType>,
     /// The directory of the tokenizer (`--tokenizer`); else the source's own files.
     pub tokenizer: Option<PathBuf>,
 }
@@ -437,16 +438,21 @@ impl GgufExport {
         source: &Checkpoint,
         config: &Map<String, Json>,
         params: u64,
+        out_type: GgmlType,
     ) -> Result<Vec<(String, Value)>> {
         let mut kv: Vec<(String, Value)> = Vec::new();
         let mut put = |k: &str, v: Value| kv.push((k.to_string(), v));
         let a = "llama";
         put("general.architecture", Value::Str(a.into()));
         put("general.type", Value::Str("model".into()));
-        let dir_name = source
-            .files
-            .first()
-            .and_then(|f| f.path().parent())
+        // The converter names the model after its directory: the config's (the
+        // model's directory, or --hf-config's), else the weights'.
+        let dir_name = self
+            .model
+            .user_config
+            .as_deref()
+            .or_else(|| source.files.first().map(|f| f.path()))
+            .and_then(Path::parent)
             .and_then(|d| d.canonicalize().ok())
             .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
             .unwrap_or_else(|| "model".into());
@@ -502,7 +508,7 @@ impl GgufExport {
             put(&format!("{a}.attention.key_length"), Value::U32(hd));
             put(&format!("{a}.attention.value_length"), Value::U32(hd));
         }
-        put("general.file_type", Value::U32(self.out_type.file_type()));
+        put("general.file_type", Value::U32(out_type.file_type()));
         let vocab_size = u(&["vocab_size"])?.unwrap_or(0);
         put(&format!("{a}.vocab_size"), Value::U32(vocab_size));
         let rope_dim = match head_dim {
@@ -563,6 +569,7 @@ impl GgufExport {
         &self,
         source: &Checkpoint,
         config: &Map<String, Json>,
+        out_type: GgmlType,
     ) -> Result<(Vec<(String, SourceTensor, GgmlType)>, u64)> {
         let heads = u32_of(config, &["num_attention_heads"])?.unwrap_or(0);
         let kv_heads = u32_of(config, &["num_key_value_heads"])?.unwrap_or(heads);
@@ -615,13 +622,11 @@ impl GgufExport {
             params += t.shape.iter().product::<u64>();
             let ty = if t.shape.len() <= 1 || gguf_name.ends_with("_norm.weight") {
                 GgmlType::F32
-            } else if self.out_type == GgmlType::Q8_0
-                && !t.shape.last().is_some_and(|c| c % 32 == 0)
-            {
+            } else if out_type == GgmlType::Q8_0 && !t.shape.last().is_some_and(|c| c % 32 == 0) {
                 // gguf-py's QuantError: the converter falls back to F16.
                 GgmlType::F16
             } else {
-                self.out_type
+                out_type
             };
             out.push((gguf_name, t, ty));
         }
@@ -702,8 +707,20 @@ impl Writer for GgufExport {
     fn plan(&self, source: &Checkpoint, _: &Selection) -> Result<CopyPlan> {
         let (path, config) = self.config(source)?;
         self.check(&config, &path)?;
-        let (tensors, params) = self.tensors(source, &config)?;
-        let kv = self.kv(source, &config, params)?;
+        let out_type = self.out_type.unwrap_or_else(|| {
+            // The converter's `auto`: the first matrix's dtype decides.
+            match source
+                .tensors
+                .values()
+                .find(|t| t.shape.len() >= 2)
+                .map(|t| t.dtype)
+            {
+                Some(crate::layout::Dtype::BF16) => GgmlType::BF16,
+                _ => GgmlType::F16,
+            }
+        });
+        let (tensors, params) = self.tensors(source, &config, out_type)?;
+        let kv = self.kv(source, &config, params, out_type)?;
         let mut types = BTreeMap::new();
         let mut sources = BTreeMap::new();
         let mut targets = Vec::with_capacity(tensors.len());

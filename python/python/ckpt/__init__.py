@@ -430,7 +430,9 @@ def merge(
     Options (the CLI's flags): ``max_shard_size`` (bytes or ``"5GB"``), ``dtype``
     (``"bf16"``...), ``include``/``exclude`` (lists of globs), ``strip_prefix``,
     ``add_prefix``, ``format`` (``"safetensors"``, ``"torch"``, ``"mindspore"``,
-    ``"ucp"``: DeepSpeed's universal checkpoint, from a ZeRO source),
+    ``"ucp"``: DeepSpeed's universal checkpoint, from a ZeRO source; ``"gguf"``: one
+    GGUF file ``out`` for llama.cpp, ``dtype`` ``"f32"``/``"f16"``/``"bf16"``/``"q8_0"``,
+    ``tokenizer`` the directory of its ``tokenizer.model``),
     ``one_file``, ``force``, ``compress`` (``"zstd"``, ``"zstd:9"``),
     ``source_strategy``, ``checksums`` (check the sources' and record the output's
     CRC-32C; this call only); for a Megatron legacy source ``split_qkv`` (fused QKV as

@@ -1,0 +1,231 @@
+//! `merge --format gguf` (issue 47): the GGUF file llama.cpp's `convert_hf_to_gguf.py`
+//! writes, byte for byte, against the converter's own outputs on the committed fixture
+//! (tests/fixtures/serving/gguf/, made at llama.cpp d8a24cce; the README's "GGUF
+//! semantics" states the rules), from the model directory and from a sliced source;
+//! and the refusals (no tokenizer, a family llama.cpp's Llama converter does not
+//! write), with nothing written.
+
+use crate::util::{copy_dir, Dir};
+use std::path::{Path, PathBuf};
+
+fn fixture(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/serving")
+        .join(rel)
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// Where two files first differ, for the message.
+fn first_difference(a: &[u8], b: &[u8]) -> String {
+    match a.iter().zip(b).position(|(x, y)| x != y) {
+        Some(i) => format!(
+            "first difference at byte {i} (of {} and {})",
+            a.len(),
+            b.len()
+        ),
+        None => format!("lengths {} and {}", a.len(), b.len()),
+    }
+}
+
+fn assert_same_file(got: &Path, want: &Path) {
+    let (g, w) = (
+        std::fs::read(got).expect("read"),
+        std::fs::read(want).expect("read"),
+    );
+    assert!(
+        g == w,
+        "{} differs from {}: {}",
+        got.display(),
+        want.display(),
+        first_difference(&g, &w)
+    );
+}
+
+#[test]
+fn gguf_of_each_type_is_the_converters_file_byte_for_byte() {
+    let d = Dir::new();
+    for ty in ["f32", "f16", "bf16", "q8_0"] {
+        let out = d.path(&format!("base-{ty}.gguf"));
+        d.ok(&[
+            "merge",
+            s(&fixture("base")),
+            "--format",
+            "gguf",
+            "--dtype",
+            ty,
+            "-o",
+            s(&out),
+            "-q",
+        ]);
+        assert!(out.is_file(), "the output is one file");
+        assert_same_file(&out, &fixture(&format!("gguf/base-{ty}.gguf")));
+    }
+    // Without --dtype: the converter's `auto`, BF16 for this BF16 model.
+    let out = d.path("default.gguf");
+    d.ok(&[
+        "merge",
+        s(&fixture("base")),
+        "--format",
+        "gguf",
+        "-o",
+        s(&out),
+        "-q",
+    ]);
+    assert_same_file(&out, &fixture("gguf/base-bf16.gguf"));
+    // Only the GGUF file: no staged directory left beside it.
+    let left: Vec<_> = std::fs::read_dir(d.tmp.path())
+        .expect("read dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.ends_with(".gguf"))
+        .collect();
+    assert!(left.is_empty(), "left beside the outputs: {left:?}");
+}
+
+#[test]
+fn gguf_of_a_sliced_source_on_any_thread_count_gives_the_same_bytes() {
+    let d = Dir::new();
+    let ranks = d.path("tp2");
+    // Rows of the projections on two ranks, lm_head's columns: the permuted query and
+    // key rows and the Q8_0 blocks assembled from slices.
+    d.ok(&[
+        "reshard",
+        s(&fixture("base/model.safetensors")),
+        "--to",
+        "2",
+        "--shard",
+        "*_proj.weight=0",
+        "--shard",
+        "lm_head.weight=1",
+        "-o",
+        s(&ranks),
+        "-q",
+    ]);
+    for threads in [1, 4] {
+        for ty in ["bf16", "q8_0"] {
+            let out = d.path(&format!("tp2-{ty}-{threads}.gguf"));
+            d.ok_with_threads(
+                &[
+                    "merge",
+                    s(&ranks.join("ckpt_0")),
+                    s(&ranks.join("ckpt_1")),
+                    "--format",
+                    "gguf",
+                    "--dtype",
+                    ty,
+                    "--hf-config",
+                    s(&fixture("base/config.json")),
+                    "--tokenizer",
+                    s(&fixture("base")),
+                    "-o",
+                    s(&out),
+                    "-q",
+                ],
+                threads,
+            );
+            assert_same_file(&out, &fixture(&format!("gguf/base-{ty}.gguf")));
+        }
+    }
+}
+
+#[test]
+fn gguf_without_a_tokenizer_is_refused_naming_the_flag() {
+    let d = Dir::new();
+    let src = d.path("model");
+    copy_dir(&fixture("base"), &src);
+    std::fs::remove_file(src.join("tokenizer.model")).expect("remove");
+    let out = d.path("model.gguf");
+    let o = d.fails(&["merge", s(&src), "--format", "gguf", "-o", s(&out)]);
+    assert!(o.stderr.contains("--tokenizer"), "{}", o.stderr);
+    assert!(!out.exists(), "nothing written");
+    // Given with --tokenizer, the same model converts.
+    d.ok(&[
+        "merge",
+        s(&src),
+        "--format",
+        "gguf",
+        "--tokenizer",
+        s(&fixture("base")),
+        "-o",
+        s(&out),
+        "-q",
+    ]);
+    assert!(out.is_file());
+}
+
+#[test]
+fn gguf_of_an_architecture_it_does_not_write_is_refused_by_name() {
+    let d = Dir::new();
+    let src = d.path("model");
+    copy_dir(&fixture("base"), &src);
+    // The model made a Qwen3 one (its q/k norms added): a family whose GGUF has other
+    // keys and tensors, not built.
+    let st = std::fs::read(fixture("base/model.safetensors")).expect("read");
+    let parsed = safetensors::SafeTensors::deserialize(&st).expect("parse");
+    let mut views = parsed.tensors();
+    let ones = vec![0x80u8, 0x3f].repeat(16);
+    for l in 0..2 {
+        for n in ["q_norm", "k_norm"] {
+            views.push((
+                format!("model.layers.{l}.self_attn.{n}.weight"),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![16], &ones)
+                    .expect("view"),
+            ));
+        }
+    }
+    safetensors::serialize_to_file(views, None, &src.join("model.safetensors")).expect("write");
+    let config = src.join("config.json");
+    let text = std::fs::read_to_string(&config).expect("read");
+    let text = text
+        .replace("LlamaForCausalLM", "Qwen3ForCausalLM")
+        .replace("\"llama\"", "\"qwen3\"");
+    std::fs::write(&config, text).expect("write");
+    let out = d.path("model.gguf");
+    let o = d.fails(&["merge", s(&src), "--format", "gguf", "-o", s(&out)]);
+    assert!(o.stderr.contains("Qwen3ForCausalLM"), "{}", o.stderr);
+    assert!(o.stderr.contains("not built"), "{}", o.stderr);
+    assert!(!out.exists(), "nothing written");
+    // A config without what llama.cpp needs.
+    copy_dir(&fixture("base"), &d.path("m2"));
+    let config = d.path("m2/config.json");
+    let text = std::fs::read_to_string(&config)
+        .expect("read")
+        .replace("\"rms_norm_eps\"", "\"not_rms_norm_eps\"");
+    std::fs::write(&config, text).expect("write");
+    let out = d.path("m2.gguf");
+    let o = d.fails(&["merge", s(&d.path("m2")), "--format", "gguf", "-o", s(&out)]);
+    assert!(o.stderr.contains("rms_norm_eps"), "{}", o.stderr);
+    assert!(!out.exists(), "nothing written");
+}
+
+#[test]
+fn gguf_options_that_do_not_apply_are_usage_errors() {
+    let d = Dir::new();
+    let out = d.path("x.gguf");
+    // q8_0 is a GGUF type only.
+    let o = d.ckpt(&[
+        "merge",
+        s(&fixture("base")),
+        "--dtype",
+        "q8_0",
+        "-o",
+        s(&out),
+    ]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    assert!(o.stderr.contains("--format gguf"), "{}", o.stderr);
+    // A dtype GGUF does not take.
+    let o = d.ckpt(&[
+        "merge",
+        s(&fixture("base")),
+        "--format",
+        "gguf",
+        "--dtype",
+        "f64",
+        "-o",
+        s(&out),
+    ]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    assert!(!out.exists());
+}
