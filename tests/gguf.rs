@@ -165,7 +165,7 @@ fn gguf_of_an_architecture_it_does_not_write_is_refused_by_name() {
     let st = std::fs::read(fixture("base/model.safetensors")).expect("read");
     let parsed = safetensors::SafeTensors::deserialize(&st).expect("parse");
     let mut views = parsed.tensors();
-    let ones = vec![0x80u8, 0x3f].repeat(16);
+    let ones = [0x80u8, 0x3f].repeat(16);
     for l in 0..2 {
         for n in ["q_norm", "k_norm"] {
             views.push((

@@ -278,10 +278,13 @@ fn bad(problem: impl Into<String>) -> Error {
     }
 }
 
+/// Key-value pairs in the file's order.
+type KeyValues = Vec<(String, Value)>;
+
 /// The key-value pairs and types [`encode_metadata`] wrote.
 fn decode_metadata(
     metadata: &BTreeMap<String, String>,
-) -> Result<(Vec<(String, Value)>, BTreeMap<String, GgmlType>)> {
+) -> Result<(KeyValues, BTreeMap<String, GgmlType>)> {
     let parse = |key: &str| -> Result<Json> {
         metadata
             .get(key)

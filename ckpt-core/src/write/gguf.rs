@@ -266,6 +266,9 @@ fn size_label(n: u64) -> String {
     format!("{scaled:.fix$}{suffix}")
 }
 
+/// A tensor under its GGUF name, with its ggml type.
+type Named = (String, SourceTensor, GgmlType);
+
 /// A SentencePiece piece: text, score, ggml token type.
 type Token = (String, f32, i32);
 
@@ -570,7 +573,7 @@ impl GgufExport {
         source: &Checkpoint,
         config: &Map<String, Json>,
         out_type: GgmlType,
-    ) -> Result<(Vec<(String, SourceTensor, GgmlType)>, u64)> {
+    ) -> Result<(Vec<Named>, u64)> {
         let heads = u32_of(config, &["num_attention_heads"])?.unwrap_or(0);
         let kv_heads = u32_of(config, &["num_key_value_heads"])?.unwrap_or(heads);
         let mut out = Vec::new();
@@ -622,7 +625,7 @@ impl GgufExport {
             params += t.shape.iter().product::<u64>();
             let ty = if t.shape.len() <= 1 || gguf_name.ends_with("_norm.weight") {
                 GgmlType::F32
-            } else if out_type == GgmlType::Q8_0 && !t.shape.last().is_some_and(|c| c % 32 == 0) {
+            } else if out_type == GgmlType::Q8_0 && t.shape.last().is_none_or(|c| c % 32 != 0) {
                 // gguf-py's QuantError: the converter falls back to F16.
                 GgmlType::F16
             } else {
