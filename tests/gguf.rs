@@ -229,3 +229,54 @@ fn gguf_options_that_do_not_apply_are_usage_errors() {
     assert_eq!(o.code, 2, "{}", o.stderr);
     assert!(!out.exists());
 }
+
+#[test]
+fn gguf_of_a_lora_merge_is_the_gguf_of_the_merged_model() {
+    // The query and key rows of a merged (computed) weight are permuted by an
+    // operation, not a view: the same bytes as the GGUF of PEFT's merged model.
+    let d = Dir::new();
+    let merged = d.path("ref/base");
+    std::fs::create_dir_all(&merged).expect("mkdir");
+    for f in ["config.json", "tokenizer.model", "tokenizer_config.json"] {
+        std::fs::copy(fixture("base").join(f), merged.join(f)).expect("copy");
+    }
+    std::fs::copy(
+        fixture("lora/b_rslora_patterns/merged.safetensors"),
+        merged.join("model.safetensors"),
+    )
+    .expect("copy");
+    for ty in ["f32", "q8_0"] {
+        let want = d.path(&format!("want-{ty}.gguf"));
+        d.ok(&[
+            "merge",
+            s(&merged),
+            "--format",
+            "gguf",
+            "--dtype",
+            ty,
+            "-o",
+            s(&want),
+            "-q",
+        ]);
+        for threads in [1, 4] {
+            let got = d.path(&format!("lora-{ty}-{threads}.gguf"));
+            d.ok_with_threads(
+                &[
+                    "merge",
+                    s(&fixture("base")),
+                    "--lora",
+                    s(&fixture("lora/b_rslora_patterns")),
+                    "--format",
+                    "gguf",
+                    "--dtype",
+                    ty,
+                    "-o",
+                    s(&got),
+                    "-q",
+                ],
+                threads,
+            );
+            assert_same_file(&got, &want);
+        }
+    }
+}

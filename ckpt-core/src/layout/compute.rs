@@ -63,6 +63,15 @@ pub enum Operation {
     /// (half away from zero) as `i8`, stored as `f16(d)` (round to nearest even) then
     /// the 32 `q` (ggml's `quantize_row_q8_0_ref`, gguf-py's `quants.Q8_0`).
     GgmlQ8_0,
+    /// Input `[x (the output's dtype), M x N]`, `M = heads * head_dim`: the rows of each
+    /// head from Hugging Face's rotary halves to interleaved pairs (llama.cpp's
+    /// `LlamaModel.permute`): output row `h * hd + 2i + j` is input row
+    /// `h * hd + j * hd / 2 + i`. For inputs that are computed themselves (a LoRA
+    /// merge), where the rows cannot be a view of stored rows.
+    RopeInterleave {
+        /// Rows of a head (even).
+        head_dim: u64,
+    },
 }
 
 /// One adapter's update of [`Operation::LowRank`].
@@ -93,7 +102,7 @@ impl Operation {
     pub fn input_dtype(&self, i: usize, stored: Dtype) -> Dtype {
         match (self, i) {
             (Operation::BlockDequantize { .. }, 0) => Dtype::F8_E4M3,
-            (Operation::LowRank { .. }, 0) => stored,
+            (Operation::LowRank { .. } | Operation::RopeInterleave { .. }, 0) => stored,
             _ => Dtype::F32,
         }
     }
@@ -130,6 +139,15 @@ impl Operation {
                 (rows.1 - rows.0) * block[0],
                 (cols.1 - cols.0) * block[1],
             )),
+            Operation::RopeInterleave { head_dim } => {
+                let (h0, h1) = blocks_of(rows.0, rows.1, *head_dim);
+                clip(rect(
+                    h0 * head_dim,
+                    cols.0,
+                    (h1 - h0) * head_dim,
+                    cols.1 - cols.0,
+                ))
+            }
             Operation::GgmlQ8_0 => {
                 let (b0, b1) = blocks_of(cols.0, cols.1, Q8_0_BYTES);
                 clip(rect(
@@ -245,6 +263,22 @@ impl Operation {
                 }
             }
             Operation::LowRank { updates } => low_rank(out, inputs, updates, dtype, dst)?,
+            Operation::RopeInterleave { head_dim } => {
+                let [(xr, x)] = inputs else {
+                    return Err(mismatch("inputs", inputs.len(), 1));
+                };
+                let (hd, half) = (*head_dim, *head_dim / 2);
+                let row_bytes = cols * size;
+                let width = xr.shape[1] as usize * size;
+                let c0 = (out.start[1] - xr.start[1]) as usize * size;
+                for (i, dst) in dst.chunks_exact_mut(row_bytes.max(1)).enumerate() {
+                    let r = out.start[0] + i as u64;
+                    let (h, k) = (r / hd, r % hd);
+                    let from = h * hd + (k % 2) * half + k / 2 - xr.start[0];
+                    let at = from as usize * width + c0;
+                    dst.copy_from_slice(&x[at..at + row_bytes]);
+                }
+            }
             Operation::GgmlQ8_0 => {
                 let [(xr, x)] = inputs else {
                     return Err(mismatch("inputs", inputs.len(), 1));
@@ -706,5 +740,27 @@ mod tests {
         assert_eq!(got, want[30..40]);
         let second = rect(0, 40, 1u64, 5);
         assert_eq!(op.input_region(0, &second, &whole_x), rect(0, 32, 1u64, 32));
+    }
+
+    #[test]
+    fn rope_interleave_takes_each_heads_halves_as_pairs() {
+        // 2 heads of 4 rows, 1 column (f32): head rows (a0, a1, b0, b1) become
+        // (a0, b0, a1, b1).
+        let x = f32s(&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]);
+        let op = Operation::RopeInterleave { head_dim: 4 };
+        let whole = rect(0, 0, 8u64, 1);
+        let mut dst = vec![0u8; 32];
+        op.compute(&whole, &[(whole.clone(), &x)], Dtype::F32, &mut dst)
+            .unwrap();
+        let got: Vec<f32> = (0..8).map(|i| f32_at(&dst, i)).collect();
+        assert_eq!(got, [0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0]);
+        // Rows 5..7 need head 1's rows only.
+        let part = rect(5, 0, 2u64, 1);
+        let need = op.input_region(0, &part, &whole);
+        assert_eq!(need, rect(4, 0, 4u64, 1));
+        let mut got = vec![0u8; 8];
+        op.compute(&part, &[(need, &x[16..])], Dtype::F32, &mut got)
+            .unwrap();
+        assert_eq!((f32_at(&got, 0), f32_at(&got, 1)), (6.0, 5.0));
     }
 }

@@ -617,9 +617,21 @@ impl GgufExport {
                             ),
                         });
                     }
-                    // `reshape(H, 2, hd/2, cols).swapaxes(1, 2)`: torchtitan's
-                    // interleaved rows are llama.cpp's.
-                    t.regather(0, &hf::rope_blocks(h, n / h, false), n)
+                    if t.pieces.iter().any(|p| p.compute.is_some()) {
+                        // Computed (a LoRA merge, FP8 dequantized): the rows
+                        // permuted by an operation on the computed rows.
+                        computed(
+                            name,
+                            t,
+                            Operation::RopeInterleave { head_dim: n / h },
+                            t.shape.clone(),
+                            t.dtype,
+                        )?
+                    } else {
+                        // `reshape(H, 2, hd/2, cols).swapaxes(1, 2)`: torchtitan's
+                        // interleaved rows are llama.cpp's, a view of the stored rows.
+                        t.regather(0, &hf::rope_blocks(h, n / h, false), n)
+                    }
                 }
             };
             params += t.shape.iter().product::<u64>();
@@ -667,13 +679,29 @@ fn q8_0(name: &str, t: &SourceTensor) -> Result<SourceTensor> {
             problem: format!("Q8_0 is built for matrices, not shape {:?}", t.shape),
         });
     };
+    computed(
+        name,
+        t,
+        Operation::GgmlQ8_0,
+        vec![rows, cols / 32 * 34],
+        crate::layout::Dtype::U8,
+    )
+}
+
+/// A tensor of `shape` and `dtype` computed by `op` from the whole of `t`, one piece.
+fn computed(
+    name: &str,
+    t: &SourceTensor,
+    op: Operation,
+    shape: Vec<u64>,
+    dtype: crate::layout::Dtype,
+) -> Result<SourceTensor> {
     let Some(first) = t.pieces.first() else {
         return Err(Error::InvalidTensor {
             tensor: name.to_string(),
             problem: "holds no pieces".into(),
         });
     };
-    let shape = vec![rows, cols / 32 * 34];
     let global = Region::full(&shape);
     let input = ComputeInput {
         name: name.to_string(),
@@ -681,7 +709,7 @@ fn q8_0(name: &str, t: &SourceTensor) -> Result<SourceTensor> {
         region: Region::full(&t.shape),
     };
     Ok(SourceTensor {
-        dtype: crate::layout::Dtype::U8,
+        dtype,
         shape,
         pieces: vec![SourcePiece {
             file: first.file,
@@ -690,7 +718,7 @@ fn q8_0(name: &str, t: &SourceTensor) -> Result<SourceTensor> {
             global,
             view: None,
             compute: Some(Compute(Arc::new(Computed {
-                op: Operation::GgmlQ8_0,
+                op,
                 inputs: vec![input],
             }))),
         }],
