@@ -527,6 +527,11 @@ impl GgufExport {
         // The tokenizer (`_set_vocab_sentencepiece`, `SpecialVocab.add_to_gguf`).
         let dir = self.tokenizer_dir(source)?;
         let tokens = vocab(&dir, vocab_size as usize)?;
+        let tok_config = tokenizer_config(&dir)?.unwrap_or_default();
+        // `LlamaModel.set_vocab` adds it before the vocabulary.
+        if let Some(b) = tok_config.get("add_prefix_space").and_then(Json::as_bool) {
+            put("tokenizer.ggml.add_space_prefix", Value::Bool(b));
+        }
         put("tokenizer.ggml.model", Value::Str("llama".into()));
         put("tokenizer.ggml.pre", Value::Str("default".into()));
         let mut texts = Vec::with_capacity(tokens.len());
@@ -551,7 +556,6 @@ impl GgufExport {
                 put(&format!("tokenizer.ggml.{typ}_token_id"), Value::U32(id));
             }
         }
-        let tok_config = tokenizer_config(&dir)?.unwrap_or_default();
         for typ in SPECIAL_TYPES {
             if let Some(b) = tok_config
                 .get(&format!("add_{typ}_token"))
