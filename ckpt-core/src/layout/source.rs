@@ -22,8 +22,9 @@ pub struct SourcePiece {
     /// stored tensor itself.
     pub view: Option<StoredView>,
     /// The piece's elements computed from other tensors rather than read: then `local`
-    /// is `global` (the computation works in global coordinates) and `file`/`tensor`
-    /// name its first input's stored tensor, for pictures and messages.
+    /// is in the computation's coordinates (the global ones of the tensor it was
+    /// computed as: `global` until a view cuts the tensor), `view` is `None`, and
+    /// `file`/`tensor` name its first input's stored tensor, for pictures and messages.
     pub compute: Option<Compute>,
 }
 
@@ -137,9 +138,9 @@ impl SourcePiece {
             global,
             local,
             view: self.view.clone(),
-            // Views are taken of stored tensors, before any piece is computed: a
-            // computed piece's local box is its global one, which a cut would move.
-            compute: None,
+            // A computed piece's local box is in its computation's coordinates (the
+            // global ones of the tensor it was computed as), which the cut keeps.
+            compute: self.compute.clone(),
         })
     }
 }
@@ -220,9 +221,11 @@ impl SourceTensor {
             let shape = stored(p.file, p.tensor);
             let unrun = || format!("a piece ({}) is not one run of its tensor", p.global);
             let (g0, len) = run_of(&p.global, &self.shape).ok_or_else(unrun)?;
-            let (s0, _) = match &p.view {
-                None => run_of(&p.local, &shape).ok_or_else(unrun)?,
-                Some(_) => return Err("a piece already read through a view".into()),
+            let (s0, _) = match (&p.view, &p.compute) {
+                (None, None) => run_of(&p.local, &shape).ok_or_else(unrun)?,
+                (Some(_), _) => return Err("a piece already read through a view".into()),
+                // Its bytes are computed, not stored: no run of a file to transpose.
+                (_, Some(_)) => return Err("a computed piece".into()),
             };
             let (a, b) = (g0.max(start), (g0 + len).min(end));
             if a >= b {
