@@ -10,7 +10,8 @@ BF16 itself, as it says), must give:
     by at most 10 % of the largest logit (measured: 0.017 of 0.57).
 
     python scripts/fp8_transformers_check.py target/debug/ckpt
-Needs torch and transformers (with FP8 support: 5.x); prints SKIPPED without them.
+Needs torch, transformers (with FP8 support: 5.x) and accelerate (transformers loads FP8
+models through it); prints SKIPPED without them (CI installs them).
 """
 
 import pathlib
@@ -25,6 +26,7 @@ BASE = REPO / "tests" / "fixtures" / "serving" / "base"
 def main() -> int:
     ckpt = sys.argv[1] if len(sys.argv) > 1 else str(REPO / "target" / "debug" / "ckpt")
     try:
+        import accelerate  # noqa: F401  (transformers loads FP8 models through it)
         import torch
         import transformers
     except ImportError as e:

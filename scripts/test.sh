@@ -103,8 +103,9 @@ MEGATRON_VENV=$venv scripts/megatron_interop.sh target/debug/ckpt
 # round trips keep every tensor byte. Needs transformers beside torch and megatron-core
 # (installed by the line above). About a minute.
 stage "Hugging Face and MoE interop"
-"$venv/bin/python" -c "import transformers" 2>/dev/null ||
-  "$venv/bin/pip" install --quiet --disable-pip-version-check transformers
+# accelerate: transformers loads FP8 models through it (scripts/fp8_transformers_check.py).
+"$venv/bin/python" -c "import transformers, accelerate" 2>/dev/null ||
+  "$venv/bin/pip" install --quiet --disable-pip-version-check transformers accelerate
 "$venv/bin/python" scripts/hf_interop.py target/debug/ckpt
 # Mixture-of-experts models to Hugging Face (Mixtral, Qwen2-MoE, Qwen3-MoE from
 # megatron-core's EP2 legacy and dist_ckpt files): transformers loads every export with
