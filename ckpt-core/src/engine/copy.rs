@@ -582,11 +582,17 @@ pub fn execute_with(
     }
     // Source tensors read whole have their recorded checksums checked while they are
     // copied, over the same mapped pages; those read only in part cannot be.
-    let reads = stored_reads(source, plan.files.iter().flat_map(|f| &f.tensors))?;
+    let tensors = || plan.files.iter().flat_map(|f| &f.tensors);
+    let computed = computed_reads(source, tensors())?;
     let crate::layout::plan::TensorsRead {
         read: touched,
         whole,
-    } = crate::layout::plan::tensors_read(&reads);
+    } = crate::layout::plan::tensors_read(
+        tensors()
+            .flat_map(|t| &t.ops)
+            .filter(|op| op.compute.is_none())
+            .chain(&computed),
+    );
     // The bytes of an object in a bucket that no slab reads (tensors left out) are
     // consumed from the start: its blocks then leave the pager's budget once the rest
     // of them is read, instead of holding it until evicted.
@@ -657,30 +663,26 @@ pub fn execute_with(
     })
 }
 
-/// The copies of stored bytes `tensors` make: their ops, a computed box's replaced by
-/// the ops that read its inputs' boxes (what it reads of the files), so that a stored
+/// The copies of stored bytes that the computed boxes of `tensors` make: the ops that
+/// read their inputs' boxes (what a computation reads of the files), so that a stored
 /// tensor a computation reads whole has its checksum checked like one copied whole.
+/// Plain copies are not repeated here: they stand in the plan already.
 ///
 /// # Errors
 /// An input box the source cannot give (as the copy itself would fail).
-fn stored_reads<'a>(
+fn computed_reads<'a>(
     source: &Checkpoint,
     tensors: impl IntoIterator<Item = &'a TensorPlan>,
 ) -> Result<Vec<CopyOp>> {
     fn add(source: &Checkpoint, t: &TensorPlan, out: &mut Vec<CopyOp>) -> Result<()> {
         for op in &t.ops {
-            let Some(c) = &op.compute else {
-                out.push(op.clone());
-                continue;
-            };
+            let Some(c) = &op.compute else { continue };
             for (i, input) in c.inputs.iter().enumerate() {
                 let region = c.op.input_region(i, &op.src, &input.region);
                 let dtype = c.op.input_dtype(i, t.src_dtype);
-                add(
-                    source,
-                    &plan_region(source, &input.name, &input.tensor, &region, dtype)?,
-                    out,
-                )?;
+                let plan = plan_region(source, &input.name, &input.tensor, &region, dtype)?;
+                out.extend(plan.ops.iter().filter(|o| o.compute.is_none()).cloned());
+                add(source, &plan, out)?;
             }
         }
         Ok(())
