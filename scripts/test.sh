@@ -75,6 +75,44 @@ stage "Python package: torch, maturin build, pytest"
 "$venv/bin/pip" install --quiet --disable-pip-version-check maturin pytest torch
 PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install --quiet --disable-pip-version-check \
   --no-build-isolation --no-deps --force-reinstall ./python
+# candle's CUDA kernels (`--device cuda`, feature cuda-candle) need nvcc to build but no
+# GPU: NVIDIA's nvcc wheels of CUDA 13.0 (what the GPU machines' driver 580 runs, and
+# the cudarc bindings cuda-candle selects) go into a venv under target/ (unless nvcc is
+# on PATH), and the GPU code path is type-checked against candle's real CUDA backend: the
+# binary and the crates that hold GPU code (train, infer), every target of theirs; the
+# other crates' tests, which no CUDA feature changes, are not checked a second time.
+# candle compiles its kernels for CUDA_COMPUTE_CAP since there is no GPU to ask. About
+# 10 minutes of both cores, so it runs in the background, at the lowest priority, beside
+# the interop stages below (Python scripts that mostly keep one core busy); its stage
+# near the end waits for it and fails CI if it failed. It starts after the last cargo
+# build those stages need (the maturin build above): until the CUDA/NCCL stage no other
+# cargo command runs, so it takes target/'s lock from no one.
+cuda_candle_check() {
+  nvcc_env=()
+  if ! command -v nvcc >/dev/null 2>&1; then
+    nv=target/nvcc
+    if ! [ -x "$nv/cuda/bin/nvcc" ]; then
+      python3 -m venv "$nv"
+      "$nv/bin/pip" install --quiet --disable-pip-version-check \
+        nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \
+        nvidia-cuda-runtime==13.0.88 nvidia-cuda-cccl==13.0.85
+      site=$("$nv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+      ln -sfn "$site/nvidia/cu13" "$nv/cuda"
+    fi
+    cuda_home="$PWD/$nv/cuda"
+    nvcc_env=(PATH="$cuda_home/bin:$PATH" CUDA_HOME="$cuda_home")
+  fi
+  env "${nvcc_env[@]}" CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}" \
+    nice -n 19 cargo check -p ckpt -p ckpt-train -p ckpt-infer --all-targets --features cuda-candle
+}
+cuda_candle=""
+if [ -n "${CI:-}" ] || [ -n "${CKPT_CUDA_CHECK:-}" ]; then
+  # In a session of its own, so that leaving early (a failed stage) stops all of it.
+  export -f cuda_candle_check
+  setsid bash -c 'set -euo pipefail; cuda_candle_check' >target/cuda-candle.log 2>&1 &
+  cuda_candle=$!
+  trap 'kill -- -"$cuda_candle" 2>/dev/null || true; stage_table' EXIT
+fi
 "$venv/bin/python" -m pytest -q python/tests
 
 # DeepSpeed loads a ZeRO-2 and a ZeRO-3 checkpoint ckpt wrote for 3 data-parallel ranks
@@ -138,6 +176,17 @@ rm -rf "$pics"
 stage "kill -9 test"
 scripts/kill_test.sh
 
+stage "cuda-candle type-check"
+if [ -z "$cuda_candle" ]; then
+  echo "SKIPPED: cuda-candle type-check (10 minutes; runs in CI, or here with CKPT_CUDA_CHECK=1)"
+elif wait "$cuda_candle"; then
+  echo "cuda-candle (candle's CUDA device) type-checks (background log: target/cuda-candle.log)"
+else
+  tail -n 60 target/cuda-candle.log >&2
+  echo "scripts/test.sh: the cuda-candle type-check failed (log above)" >&2
+  exit 1
+fi
+
 # NCCL/CUDA: builds without CUDA (libraries are loaded at run time), and without a GPU
 # `ckpt train --backend nccl` must fail with a clear message, not a panic.
 stage "CUDA/NCCL build without a GPU"
@@ -162,38 +211,6 @@ else
   fi
   echo "$out" | grep -q 'backend `nccl` unavailable: no CUDA driver' || { echo "$out" >&2; exit 1; }
   echo "nccl without a GPU fails as expected: $out"
-fi
-
-# candle's CUDA kernels (`--device cuda`, feature cuda-candle) need nvcc to build but no
-# GPU: NVIDIA's nvcc wheels of CUDA 13.0 (what the GPU machines' driver 580 runs, and
-# the cudarc bindings cuda-candle selects) go into a venv under target/ (unless nvcc is
-# on PATH), and
-# the GPU code path is type-checked against candle's real CUDA backend: the binary and
-# the crates that hold GPU code (train, infer), every target of theirs; the other
-# crates' tests, which no CUDA feature changes, are not checked a second time. candle compiles
-# its kernels for CUDA_COMPUTE_CAP since there is no GPU to ask. About 10 minutes on 2
-# cores; CKPT_SKIP_CUDA_CANDLE=1 skips it outside CI.
-stage "cuda-candle type-check"
-if [ -z "${CI:-}" ] && [ -z "${CKPT_CUDA_CHECK:-}" ]; then
-  echo "SKIPPED: cuda-candle type-check (10 minutes; runs in CI, or here with CKPT_CUDA_CHECK=1)"
-else
-  nvcc_env=()
-  if ! command -v nvcc >/dev/null 2>&1; then
-    nv=target/nvcc
-    if ! [ -x "$nv/cuda/bin/nvcc" ]; then
-      python3 -m venv "$nv"
-      "$nv/bin/pip" install --quiet --disable-pip-version-check \
-        nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \
-        nvidia-cuda-runtime==13.0.88 nvidia-cuda-cccl==13.0.85
-      site=$("$nv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-      ln -sfn "$site/nvidia/cu13" "$nv/cuda"
-    fi
-    cuda_home="$PWD/$nv/cuda"
-    nvcc_env=(PATH="$cuda_home/bin:$PATH" CUDA_HOME="$cuda_home")
-  fi
-  env "${nvcc_env[@]}" CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}" \
-    cargo check -p ckpt -p ckpt-train -p ckpt-infer --all-targets --features cuda-candle
-  echo "cuda-candle (candle's CUDA device) type-checks"
 fi
 
 stage "MPI backend"
