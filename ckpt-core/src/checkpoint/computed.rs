@@ -640,6 +640,52 @@ const LORA_KINDS: [(&str, usize, bool); 4] = [
     (".lora_embedding_B", 1, true),
 ];
 
+/// `rank_pattern` and `alpha_pattern` of `adapter_config.json`, each in its file order.
+#[derive(Debug, Default, serde::Deserialize)]
+struct PatternMaps {
+    #[serde(default)]
+    rank_pattern: OrderedMap,
+    #[serde(default)]
+    alpha_pattern: OrderedMap,
+}
+
+/// A JSON object's entries in the order the text gives them (`null` reads as empty).
+#[derive(Debug, Default)]
+struct OrderedMap(Vec<(String, Value)>);
+
+impl<'de> serde::Deserialize<'de> for OrderedMap {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Entries;
+        impl<'de> serde::de::Visitor<'de> for Entries {
+            type Value = OrderedMap;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object of pattern: number")
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> std::result::Result<OrderedMap, E> {
+                Ok(OrderedMap::default())
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<OrderedMap, A::Error> {
+                let mut entries = Vec::new();
+                while let Some((key, value)) = map.next_entry::<String, Value>()? {
+                    // json.load keeps the last value at the first one's place: a reading
+                    // no one means. Refused rather than guessed.
+                    if entries.iter().any(|(k, _)| *k == key) {
+                        return Err(serde::de::Error::custom(format!(
+                            "pattern `{key}` is given twice"
+                        )));
+                    }
+                    entries.push((key, value));
+                }
+                Ok(OrderedMap(entries))
+            }
+        }
+        d.deserialize_any(Entries)
+    }
+}
+
 /// What of `adapter_config.json` the merge uses.
 #[derive(Debug)]
 struct AdapterConfig {
@@ -647,8 +693,7 @@ struct AdapterConfig {
     lora_alpha: f64,
     use_rslora: bool,
     fan_in_fan_out: bool,
-    /// `(regex, value)` in the file's key order (PEFT writes its config with sorted
-    /// keys, and serde_json's map is sorted: the same order), first match wins.
+    /// `(regex, value)` in the file's key order, first match wins (PEFT's rule).
     rank_pattern: Vec<(regex::Regex, String, u64)>,
     alpha_pattern: Vec<(regex::Regex, String, f64)>,
     path: PathBuf,
@@ -708,11 +753,18 @@ impl AdapterConfig {
             }
             None => recorded,
         };
+        // The patterns in the file's own order: PEFT takes the first that matches in
+        // its dict's order, which is the file's (`json.load`). PEFT writes sorted keys,
+        // but a config written by other tools or by hand need not be, and serde_json's
+        // map would sort it: two overlapping patterns would then pick another rank.
+        let ordered: PatternMaps = serde_json::from_slice(&bytes)
+            .map_err(|e| bad(format!("rank_pattern or alpha_pattern: {e}")))?;
         let patterns = |key: &str| -> Result<Vec<(regex::Regex, String, f64)>> {
-            let Some(Value::Object(m)) = c.get(key) else {
-                return Ok(Vec::new());
+            let m = match key {
+                "rank_pattern" => &ordered.rank_pattern,
+                _ => &ordered.alpha_pattern,
             };
-            m.iter()
+            m.0.iter()
                 .map(|(k, v)| {
                     // PEFT's get_pattern_key: re.match(rf"(.*\.)?({key})$", name).
                     let re = regex::Regex::new(&format!(r"^(?:.*\.)?(?:{k})$")).map_err(|e| {
@@ -765,5 +817,54 @@ impl AdapterConfig {
             });
         }
         Ok((r, alpha))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: &str) -> Result<AdapterConfig> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("adapter_config.json");
+        std::fs::write(&path, text).unwrap();
+        AdapterConfig::read(&path, None)
+    }
+
+    /// Two patterns that both match a module: PEFT takes the first in the file's order,
+    /// which here is not the sorted order.
+    #[test]
+    fn overlapping_patterns_follow_the_file_order() {
+        let c = config(
+            r#"{"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+                "rank_pattern": {"q_proj": 4, "layers.0.self_attn.q_proj": 8},
+                "alpha_pattern": {"self_attn.q_proj": 16, "layers.0.self_attn.q_proj": 32}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.rank_and_alpha("model.layers.0.self_attn.q_proj").unwrap(),
+            (4, 16.0)
+        );
+        assert_eq!(c.rank_and_alpha("model.layers.1.mlp.up_proj").unwrap(), (2, 4.0));
+        let c = config(
+            r#"{"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+                "rank_pattern": {"layers.0.self_attn.q_proj": 8, "q_proj": 4}, "alpha_pattern": null}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.rank_and_alpha("model.layers.0.self_attn.q_proj").unwrap(),
+            (8, 4.0)
+        );
+    }
+
+    #[test]
+    fn a_pattern_given_twice_is_refused() {
+        let e = config(
+            r#"{"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+                "rank_pattern": {"q_proj": 4, "q_proj": 8}}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("adapter_config.json") && e.contains("`q_proj` is given twice"), "{e}");
     }
 }
