@@ -396,7 +396,94 @@ fn fp8_with_scales_that_do_not_fit_or_are_missing_is_refused_by_name() {
         s(&out),
     ]);
     assert!(
-        o.stderr.contains("block scales beside it") && o.stderr.contains("F8_E4M3"),
+        o.stderr.contains("scales beside it") && o.stderr.contains("F8_E4M3"),
+        "{}",
+        o.stderr
+    );
+    assert!(!out.exists(), "nothing is written");
+}
+
+/// One scale per tensor (transformers' FP8 with `weight_block_size: null`) and per tensor
+/// or row in BF16 with a static activation scale (compressed-tensors' `float-quantized`,
+/// what llm-compressor saves): dequantized as the writing library's own code does, from
+/// the model directory and from a two-rank slicing of it.
+#[test]
+fn fp8_with_per_tensor_and_per_row_scales_dequantizes_as_their_libraries_do() {
+    let d = Dir::new();
+    for (name, scales, covers) in [
+        ("fp8_tensor", "_scale_inv", "14 per tensor"),
+        ("fp8_ct", ".weight_scale", "6 per row, 8 per tensor"),
+    ] {
+        let src = fixture(&format!("{name}/model"));
+        let want = full_tensors(&fixture(&format!("{name}/dequantized_bf16.safetensors")));
+        let out = d.path(&format!("{name}-bf16"));
+        let o = d.ok(&["merge", s(&src), "--dtype", "bf16", "-o", s(&out)]);
+        assert!(
+            o.stderr.contains(&format!(
+                "14 FP8 weights dequantized to BF16 with their scales ({covers};"
+            )),
+            "{name}: {}",
+            o.stderr
+        );
+        let got = full_tensors(&out);
+        assert!(
+            got.keys()
+                .all(|k| !k.ends_with(scales) && !k.ends_with("input_scale")),
+            "{name}: scales left in {:?}",
+            got.keys()
+        );
+        assert_same_tensors(&got, &want, name);
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("config.json")).expect("config"))
+                .expect("json");
+        assert!(
+            config.get("quantization_config").is_none(),
+            "{name}: {config}"
+        );
+        // Sliced over two ranks first: the per-row scales are cut with their rows.
+        let sliced = d.path(&format!("{name}-tp2"));
+        let mut args = vec![
+            "reshard",
+            s(&src),
+            "--to",
+            "2",
+            "--shard",
+            "*_proj.weight=0",
+        ];
+        if name == "fp8_ct" {
+            args.extend(["--shard", "*mlp.*_proj.weight_scale=0"]);
+        }
+        args.extend(["-o", s(&sliced), "-q"]);
+        d.ok(&args);
+        let again = d.path(&format!("{name}-tp2-bf16"));
+        d.ok(&[
+            "merge",
+            s(&sliced),
+            "--dtype",
+            "bf16",
+            "-o",
+            s(&again),
+            "-q",
+        ]);
+        assert_same_tensors(
+            &full_tensors(&again),
+            &want,
+            &format!("{name} through two ranks"),
+        );
+    }
+    // One scale for a weight larger than the config's stated block: the config and the
+    // tensors disagree, refused by name.
+    let src = d.path("fp8_tensor-block");
+    copy_dir(&fixture("fp8_tensor/model"), &src);
+    edit_json(&src.join("config.json"), |v| {
+        v["quantization_config"]["weight_block_size"] = serde_json::json!([32, 32]);
+    });
+    let out = d.path("refused");
+    let o = d.fails(&["merge", s(&src), "--dtype", "bf16", "-o", s(&out)]);
+    assert!(
+        o.stderr.contains("weight_scale_inv")
+            && o.stderr.contains("weight_block_size [32, 32]")
+            && o.stderr.contains("block size does not fit"),
         "{}",
         o.stderr
     );

@@ -166,16 +166,21 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// The FP8 block of the config's `quantization_config.weight_block_size`.
-    fn fp8_block(config: Option<&serde_json::Map<String, Value>>) -> Result<[u64; 2]> {
+    /// The FP8 block the config's `quantization_config.weight_block_size` names:
+    /// `Some` when it gives one, `None` when it says `null` (per-tensor scales, as
+    /// transformers' FP8 writes them) or the config gives none.
+    fn fp8_block(config: Option<&serde_json::Map<String, Value>>) -> Result<Option<[u64; 2]>> {
         let Some(q) = config.and_then(|c| c.get("quantization_config")) else {
-            return Ok(DEFAULT_BLOCK);
+            return Ok(None);
         };
+        if q.get("quant_method").and_then(Value::as_str) == Some("compressed-tensors") {
+            return Self::compressed_tensors_block(q);
+        }
         match q.get("weight_block_size") {
-            None | Some(Value::Null) => Ok(DEFAULT_BLOCK),
+            None | Some(Value::Null) => Ok(None),
             Some(Value::Array(b)) => match b[..] {
                 [Value::Number(ref r), Value::Number(ref c)] => match (r.as_u64(), c.as_u64()) {
-                    (Some(r), Some(c)) if r > 0 && c > 0 => Ok([r, c]),
+                    (Some(r), Some(c)) if r > 0 && c > 0 => Ok(Some([r, c])),
                     _ => Err(bad_block(b)),
                 },
                 _ => Err(bad_block(b)),
@@ -186,13 +191,180 @@ impl Checkpoint {
         }
     }
 
-    /// Block-scaled FP8 weights (`W` in `F8_E4M3` beside `W_scale_inv`) as computed
-    /// tensors of `dtype`.
+    /// The block of compressed-tensors' `block` strategy (`config_groups.*.weights.
+    /// block_structure`), `None` when no group has one. Groups of different blocks are
+    /// refused: which weight is in which group is a matter of their `targets`
+    /// patterns, which are not read here.
+    fn compressed_tensors_block(q: &Value) -> Result<Option<[u64; 2]>> {
+        let mut blocks = Vec::new();
+        for (group, scheme) in q
+            .get("config_groups")
+            .and_then(Value::as_object)
+            .into_iter()
+            .flatten()
+        {
+            let weights = scheme.get("weights");
+            if weights
+                .and_then(|w| w.get("strategy"))
+                .and_then(Value::as_str)
+                != Some("block")
+            {
+                continue;
+            }
+            let b = weights.and_then(|w| w.get("block_structure"));
+            let block = match b.and_then(Value::as_array).map(Vec::as_slice) {
+                Some([r, c]) => match (r.as_u64(), c.as_u64()) {
+                    (Some(r), Some(c)) if r > 0 && c > 0 => [r, c],
+                    _ => return Err(bad_block(b.and_then(Value::as_array).map_or(&[], Vec::as_slice))),
+                },
+                _ => {
+                    return Err(Error::Unsupported {
+                        problem: format!("config.json: quantization_config.config_groups.{group}.weights.block_structure is {}, not [rows, columns]", b.unwrap_or(&Value::Null)),
+                    })
+                }
+            };
+            if !blocks.contains(&block) {
+                blocks.push(block);
+            }
+        }
+        match blocks[..] {
+            [] => Ok(None),
+            [b] => Ok(Some(b)),
+            _ => Err(Error::Unsupported {
+                problem: format!("config.json: quantization_config.config_groups quantize in blocks of {blocks:?}: weights of several block sizes are not dequantized (which group a weight is in is not read)"),
+            }),
+        }
+    }
+
+    /// The scales of FP8 weight `name` (`m x n`) and how they cover it: the scale
+    /// tensor's name, the block each scale covers, and the scales as a matrix of
+    /// blocks (a view when stored as a scalar or a vector). `None` when the weight has
+    /// no scales beside it.
+    fn fp8_scales(
+        &self,
+        name: &str,
+        [m, n]: [u64; 2],
+        block: Option<[u64; 2]>,
+    ) -> Result<Option<(String, [u64; 2], SourceTensor)>> {
+        let candidates = scale_names(name);
+        let mut found = candidates.iter().filter(|c| self.tensors.contains_key(*c));
+        let Some(scale) = found.next() else {
+            return Ok(None);
+        };
+        if let Some(other) = found.next() {
+            return Err(Error::InvalidTensor {
+                tensor: name.to_string(),
+                problem: format!("has two scale tensors, `{scale}` and `{other}`: which one dequantizes it is not clear (select one out with --exclude)"),
+            });
+        }
+        let s = &self.tensors[scale];
+        let blocks = block.unwrap_or(DEFAULT_BLOCK);
+        let grid = [m.div_ceil(blocks[0]), n.div_ceil(blocks[1])];
+        let numel: u64 = s.shape.iter().product();
+        // The grid of blocks the scales' shape says, checked against the config's block
+        // where it gives one: a block grid (DeepSeek-V3, Qwen3-FP8), one scale for the
+        // whole tensor (transformers with `weight_block_size: null`, compressed-tensors'
+        // and ModelOpt's `tensor` strategy), or one per row (compressed-tensors'
+        // `channel` strategy, FBGEMM).
+        let (cover, grid) = if s.shape == grid {
+            (blocks, grid)
+        } else if numel == 1 && s.shape.len() <= 2 && block.is_none_or(|b| b[0] >= m && b[1] >= n) {
+            ([m, n], [1, 1])
+        } else if m > 1
+            && (s.shape == [m, 1] || s.shape == [m])
+            && block.is_none_or(|b| b == [1, n])
+        {
+            ([1, n], [m, 1])
+        } else {
+            let config = match block {
+                Some(b) => format!("quantization_config.weight_block_size {b:?} in config.json"),
+                None => format!(
+                    "no weight_block_size in config.json: {}x{} blocks",
+                    blocks[0], blocks[1]
+                ),
+            };
+            return Err(Error::InvalidTensor {
+                tensor: scale.clone(),
+                problem: format!(
+                    "is {} {:?}, but the scales of `{name}` ({m} x {n}) are F32 {grid:?} in blocks ({config}), [] or [1] for one scale per tensor, or [{m}, 1] for one per row: the block size does not fit",
+                    dtype_name(s.dtype),
+                    s.shape,
+                ),
+            });
+        };
+        if !is_float(s.dtype) {
+            return Err(Error::InvalidTensor {
+                tensor: scale.clone(),
+                problem: format!(
+                    "is {}: FP8 scales are read as floats (F32, BF16 or F16); other scale types (E8M0 exponents) are not built",
+                    dtype_name(s.dtype)
+                ),
+            });
+        }
+        Ok(Some((
+            scale.clone(),
+            cover,
+            self.as_matrix(scale, s, grid)?,
+        )))
+    }
+
+    /// `t` read as the matrix `shape` it holds with unit dimensions added (`[]` as
+    /// `[1, 1]`, `[m]` as `[m, 1]`): each piece through a reshaping view of its
+    /// stored tensor.
+    fn as_matrix(&self, name: &str, t: &SourceTensor, shape: [u64; 2]) -> Result<SourceTensor> {
+        if t.shape == shape {
+            return Ok(t.clone());
+        }
+        let widen = |r: &Region| match r.ndim() {
+            0 => Region::from_ranges(&[0..1, 0..1]),
+            1 => Region::from_ranges(&[r.start[0]..r.end(0), 0..1]),
+            _ => r.clone(),
+        };
+        let pieces = t
+            .pieces
+            .iter()
+            .map(|p| {
+                let stored = crate::layout::source::PieceSource::stored_shape(self, p.file, p.tensor);
+                if p.view.is_some() || p.compute.is_some() || stored.len() > 1 {
+                    return Err(Error::InvalidTensor {
+                        tensor: name.to_string(),
+                        problem: format!("is stored as {stored:?} pieces that are not whole vectors: scales of shape {:?} are read only from plain stored vectors", t.shape),
+                    });
+                }
+                let view_shape = match stored[..] {
+                    [] => vec![1, 1],
+                    [len] => vec![len, 1],
+                    _ => unreachable!("checked above"),
+                };
+                Ok(SourcePiece {
+                    global: widen(&p.global),
+                    local: widen(&p.local),
+                    view: Some(crate::layout::source::StoredView {
+                        shape: view_shape,
+                        axes: vec![0, 1],
+                    }),
+                    ..p.clone()
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(SourceTensor {
+            dtype: t.dtype,
+            shape: shape.to_vec(),
+            pieces,
+            copies: Vec::new(),
+        })
+    }
+
+    /// FP8 weights (`W` in `F8_E4M3` beside its scales: `W_scale_inv` or, for
+    /// `X.weight`, `X.weight_scale`) as computed tensors of `dtype`.
     fn dequantize_fp8(&mut self, dtype: Dtype) -> Result<()> {
         let weights: Vec<String> = self
             .tensors
             .iter()
-            .filter(|(n, t)| t.dtype == Dtype::F8_E4M3 && self.tensors.contains_key(&scale_name(n)))
+            .filter(|(n, t)| {
+                t.dtype == Dtype::F8_E4M3
+                    && scale_names(n).iter().any(|s| self.tensors.contains_key(s))
+            })
             .map(|(n, _)| n.clone())
             .collect();
         if weights.is_empty() {
@@ -200,24 +372,23 @@ impl Checkpoint {
         }
         let config = self.carried_config()?;
         let block = Self::fp8_block(config.as_ref().map(|c| &c.1))?;
+        let mut covers: BTreeMap<String, usize> = BTreeMap::new();
+        let mut activation_scales = 0;
         for name in &weights {
-            let scale_name = scale_name(name);
-            let (w, s) = (&self.tensors[name], &self.tensors[&scale_name]);
-            let [m, n] = matrix(name, w, "a block-scaled FP8 weight")?;
-            let want = vec![m.div_ceil(block[0]), n.div_ceil(block[1])];
-            if s.shape != want || s.dtype != Dtype::F32 {
-                return Err(Error::InvalidTensor {
-                    tensor: scale_name.clone(),
-                    problem: format!(
-                        "is {} {:?}, but the scales of `{name}` ({m} x {n}) in blocks of {} x {} are F32 {want:?}: the block size does not fit (quantization_config.weight_block_size in config.json)",
-                        dtype_name(s.dtype),
-                        s.shape,
-                        block[0],
-                        block[1]
-                    ),
-                });
-            }
-            let op = Operation::BlockDequantize { block };
+            let w = &self.tensors[name];
+            let [m, n] = matrix(name, w, "a scaled FP8 weight")?;
+            let Some((scale_name, cover, s)) = self.fp8_scales(name, [m, n], block)? else {
+                continue;
+            };
+            let what = if cover[0] >= m && cover[1] >= n {
+                "per tensor".to_string()
+            } else if cover == [1, n] && m > 1 {
+                "per row".to_string()
+            } else {
+                format!("in {}x{} blocks", cover[0], cover[1])
+            };
+            *covers.entry(what).or_default() += 1;
+            let op = Operation::BlockDequantize { block: cover };
             let pieces = w
                 .pieces
                 .iter()
@@ -226,7 +397,7 @@ impl Checkpoint {
                     let scales = op.input_region(1, &p.global, &whole);
                     let inputs = vec![
                         input(name, w, p.global.clone()),
-                        input(&scale_name, s, scales),
+                        input(&scale_name, &s, scales),
                     ];
                     computed_piece(p, p.global.clone(), op.clone(), inputs)
                 })
@@ -242,14 +413,31 @@ impl Checkpoint {
                 },
             );
             self.tensors.remove(&scale_name);
+            // A statically quantized layer's activation scale: the dequantized layer
+            // takes its input unquantized, and the model without a
+            // quantization_config has no place for it.
+            if let Some(module) = name.strip_suffix(".weight") {
+                if self
+                    .tensors
+                    .remove(&format!("{module}.input_scale"))
+                    .is_some()
+                {
+                    activation_scales += 1;
+                }
+            }
         }
+        let covers: Vec<String> = covers.iter().map(|(k, v)| format!("{v} {k}")).collect();
         self.notes.push(format!(
-            "{} FP8 weights dequantized to {} with their {}x{} block scales (DeepSeek-V3's weight_dequant); the `{SCALE_INV_SUFFIX}` tensors are left out",
+            "{} FP8 weights dequantized to {} with their scales ({}; DeepSeek-V3's weight_dequant: FP8 times the F32 scale, rounded once); the scale tensors are left out",
             weights.len(),
             dtype_name(dtype),
-            block[0],
-            block[1]
+            covers.join(", "),
         ));
+        if activation_scales > 0 {
+            self.notes.push(format!(
+                "{activation_scales} activation scales (`input_scale`) of the dequantized layers are left out"
+            ));
+        }
         if let Some((_, mut config)) = config {
             if config.remove("quantization_config").is_some() {
                 self.rewrite_config(&config)?;
@@ -594,6 +782,17 @@ fn scale_name(weight: &str) -> String {
     format!("{weight}{SCALE_INV_SUFFIX}")
 }
 
+/// The names the scales of FP8 weight `W` go by: `W_scale_inv` (DeepSeek-V3,
+/// Qwen3-FP8, transformers) and, for `X.weight`, `X.weight_scale` (compressed-tensors,
+/// FBGEMM, ModelOpt). Both multiply the FP8 values.
+fn scale_names(weight: &str) -> Vec<String> {
+    let mut names = vec![scale_name(weight)];
+    if weight.ends_with(".weight") {
+        names.push(format!("{weight}_scale"));
+    }
+    names
+}
+
 /// The weights `--quantize fp8` quantizes: the linear layers' 2-D floating-point
 /// weights inside the layers (DeepSeek's and Qwen's FP8 releases keep embeddings,
 /// norms, the MoE router and `lm_head` in BF16).
@@ -845,7 +1044,10 @@ mod tests {
             c.rank_and_alpha("model.layers.0.self_attn.q_proj").unwrap(),
             (4, 16.0)
         );
-        assert_eq!(c.rank_and_alpha("model.layers.1.mlp.up_proj").unwrap(), (2, 4.0));
+        assert_eq!(
+            c.rank_and_alpha("model.layers.1.mlp.up_proj").unwrap(),
+            (2, 4.0)
+        );
         let c = config(
             r#"{"peft_type": "LORA", "r": 2, "lora_alpha": 4,
                 "rank_pattern": {"layers.0.self_attn.q_proj": 8, "q_proj": 4}, "alpha_pattern": null}"#,
@@ -865,6 +1067,9 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(e.contains("adapter_config.json") && e.contains("`q_proj` is given twice"), "{e}");
+        assert!(
+            e.contains("adapter_config.json") && e.contains("`q_proj` is given twice"),
+            "{e}"
+        );
     }
 }

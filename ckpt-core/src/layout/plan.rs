@@ -249,7 +249,7 @@ pub fn check_cast(tensor: &str, from: Dtype, to: Dtype) -> Result<()> {
     if matches!(from, Dtype::F8_E4M3 | Dtype::F8_E5M2) && is_float(to) {
         return Err(Error::Unsupported {
             problem: format!(
-                "tensor `{tensor}`: cannot cast {} to {}: an FP8 weight dequantizes with its block scales beside it (`{tensor}_scale_inv`, as DeepSeek-V3 and Qwen3-FP8 ship them), which this checkpoint lacks; other FP8 layouts (a per-tensor `weight_scale`) are not built (select the tensor out with --exclude)",
+                "tensor `{tensor}`: cannot cast {} to {}: an FP8 weight dequantizes with its scales beside it (`{tensor}_scale_inv` per block or per tensor, as DeepSeek-V3, Qwen3-FP8 and transformers ship them, or `X.weight_scale` per tensor or row for a weight `X.weight`, as compressed-tensors writes them), which this checkpoint lacks (select the tensor out with --exclude)",
                 dtype_name(from),
                 dtype_name(to)
             ),
