@@ -280,3 +280,147 @@ fn gguf_of_a_lora_merge_is_the_gguf_of_the_merged_model() {
         }
     }
 }
+
+/// The tensors of `path` with their dtypes and shapes, from `inspect --json`.
+fn described(d: &Dir, path: &Path) -> Vec<(String, String, Vec<u64>)> {
+    let o = d.ok(&["inspect", s(path), "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&o.stdout).expect("json");
+    v["tensors"]
+        .as_array()
+        .expect("tensors")
+        .iter()
+        .map(|t| {
+            (
+                t["name"].as_str().expect("name").to_string(),
+                t["dtype"].as_str().expect("dtype").to_string(),
+                t["shape"]
+                    .as_array()
+                    .expect("shape")
+                    .iter()
+                    .map(|x| x.as_u64().expect("dim"))
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+/// A GGUF is a source: llama.cpp's converter's file is read under its own names, its
+/// tensors in row-major shapes (GGUF's dims reversed), and `--dtype` dequantizes the
+/// Q8_0 blocks as gguf-py's `quants.dequantize` does, bit for bit, on any thread count.
+#[test]
+fn a_gguf_is_read_and_its_q8_0_blocks_dequantize_as_gguf_py_does() {
+    let d = Dir::new();
+    let src = fixture("gguf/base-q8_0.gguf");
+    let want = fixture("gguf_read/base-q8_0-f32.safetensors");
+    let mut outputs = Vec::new();
+    for threads in [1, 4] {
+        let out = d.path(&format!("f32-{threads}"));
+        let o = d.ok_with_threads(
+            &["merge", s(&src), "--dtype", "f32", "-o", s(&out)],
+            threads,
+        );
+        assert!(
+            o.stderr.contains("16 Q8_0 tensors dequantized to F32"),
+            "{}",
+            o.stderr
+        );
+        crate::util::assert_same_tensors(
+            &crate::util::full_tensors(&out),
+            &crate::util::full_tensors(&want),
+            "Q8_0 dequantized against gguf-py",
+        );
+        assert_eq!(
+            described(&d, &out),
+            described(&d, &want),
+            "names, dtypes, shapes"
+        );
+        outputs.push(std::fs::read(out.join("model.safetensors")).expect("read"));
+    }
+    assert!(
+        outputs[0] == outputs[1],
+        "1 and 4 threads give the same bytes"
+    );
+    // Without --dtype the blocks are kept: each row its 2 blocks of 34 bytes.
+    let q = described(&d, &src);
+    assert!(
+        q.contains(&("blk.0.attn_q.weight".into(), "U8".into(), vec![64, 68])),
+        "{q:?}"
+    );
+    let o = d.ok(&["verify", s(&src)]);
+    assert!(o.stdout.contains("21 tensors"), "{}", o.stdout);
+    let o = d.ok(&["inspect", s(&src), "--json"]);
+    assert!(o.stdout.contains("\"GGUF\""), "{}", o.stdout);
+}
+
+/// The F32 file's tensors are the model's own values: those llama.cpp does not permute
+/// equal the Hugging Face weights cast to F32.
+#[test]
+fn a_gguf_of_f32_holds_the_hugging_face_weights() {
+    let d = Dir::new();
+    let hf = d.path("hf-f32");
+    d.ok(&[
+        "merge",
+        s(&fixture("base")),
+        "--dtype",
+        "f32",
+        "-o",
+        s(&hf),
+        "-q",
+    ]);
+    let hf = crate::util::full_tensors(&hf);
+    let gguf = crate::util::full_tensors(&fixture("gguf/base-f32.gguf"));
+    let pairs = [
+        ("token_embd.weight", "model.embed_tokens.weight"),
+        (
+            "blk.1.ffn_down.weight",
+            "model.layers.1.mlp.down_proj.weight",
+        ),
+        (
+            "blk.0.attn_v.weight",
+            "model.layers.0.self_attn.v_proj.weight",
+        ),
+        ("output_norm.weight", "model.norm.weight"),
+        ("output.weight", "lm_head.weight"),
+    ];
+    for (g, h) in pairs {
+        assert!(gguf[g] == hf[h], "{g} differs from {h}");
+    }
+}
+
+/// Damaged files: named errors (the file, the problem), exit 1, nothing written.
+#[test]
+fn damaged_gguf_files_are_refused_by_name() {
+    let d = Dir::new();
+    let good = std::fs::read(fixture("gguf/base-q8_0.gguf")).expect("read");
+    let name = b"blk.0.attn_k.weight";
+    let at = good
+        .windows(name.len())
+        .position(|w| w == name)
+        .expect("a tensor info")
+        + name.len();
+    // After the name: n_dims (2), two dims, then the type.
+    let type_at = at + 4 + 16;
+    assert_eq!(good[type_at..type_at + 4], 8u32.to_le_bytes(), "Q8_0's id");
+    let mut q4_k = good.clone();
+    q4_k[type_at..type_at + 4].copy_from_slice(&12u32.to_le_bytes());
+    let mut v1 = good.clone();
+    v1[4..8].copy_from_slice(&1u32.to_le_bytes());
+    let cases: [(&str, Vec<u8>, &str); 4] = [
+        ("header", good[..at].to_vec(), "truncated"),
+        ("data", good[..good.len() - 100].to_vec(), "truncated?"),
+        ("q4_k", q4_k, "ggml type 12 is not read"),
+        ("v1", v1, "version 1"),
+    ];
+    for (case, bytes, problem) in cases {
+        let path = d.path(&format!("{case}.gguf"));
+        std::fs::write(&path, bytes).expect("write");
+        let out = d.path(&format!("{case}-out"));
+        let o = d.fails(&["merge", s(&path), "--dtype", "f32", "-o", s(&out)]);
+        assert!(
+            o.stderr.contains(&format!("{case}.gguf")) && o.stderr.contains(problem),
+            "{case}: {}",
+            o.stderr
+        );
+        assert!(!out.exists(), "{case}: nothing is written");
+    }
+}

@@ -69,6 +69,8 @@ pub enum FileFormat {
     /// key-value store or in one directory per array, each zarr chunk one piece whose
     /// bytes are decoded on read.
     Orbax,
+    /// llama.cpp's GGUF: tensors of F32, F16, BF16 and Q8_0 (its blocks as `U8` rows).
+    Gguf,
 }
 
 impl FileFormat {
@@ -84,6 +86,7 @@ impl FileFormat {
             FileFormat::DeepSpeed => "DeepSpeed ZeRO .pt",
             FileFormat::Ucp => "DeepSpeed universal .pt",
             FileFormat::Orbax => "Orbax zarr",
+            FileFormat::Gguf => "GGUF",
         }
     }
 }

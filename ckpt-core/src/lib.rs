@@ -75,7 +75,7 @@ pub use crate::formats::detect::{create_writer, sniff};
 pub use crate::formats::distcp::{
     metadata_bytes as distcp_metadata, torch_dtype_name, DistcpChunk, DistcpObject,
 };
-pub use crate::formats::gguf::GgmlType;
+pub use crate::formats::gguf::{parse_gguf, GgmlType};
 pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
 pub use crate::formats::mindspore_strategy::{
     looks_like as is_mindspore_strategy, mindspore_target_strategy, parse_mindspore_strategy,

@@ -119,6 +119,7 @@ impl Checkpoint {
         let cast = selection.cast();
         if let Some(to) = cast.filter(|d| matches!(d, Dtype::BF16 | Dtype::F16 | Dtype::F32)) {
             self.dequantize_fp8(to)?;
+            self.dequantize_ggml(to)?;
         }
         for dir in &computations.lora {
             self.merge_lora(dir, computations.lora_alpha)?;
@@ -446,6 +447,88 @@ impl Checkpoint {
                         .into(),
                 );
             }
+        }
+        Ok(())
+    }
+
+    /// The Q8_0 tensors of GGUF files (their blocks read as `U8` rows) as computed
+    /// tensors of `dtype`, `[rows, blocks * 32]`.
+    fn dequantize_ggml(&mut self, dtype: Dtype) -> Result<()> {
+        use crate::formats::gguf::{GgmlType, TYPES_KEY};
+        use crate::layout::compute::{Q8_0_BLOCK, Q8_0_BYTES};
+        let mut blocks = Vec::new();
+        for f in self
+            .files
+            .iter()
+            .filter(|f| f.format() == crate::formats::FileFormat::Gguf)
+        {
+            let Some(types) = f.metadata().get(TYPES_KEY) else {
+                continue;
+            };
+            let types: BTreeMap<String, String> =
+                serde_json::from_str(types).map_err(|e| Error::Unsupported {
+                    problem: format!("{}: metadata `{TYPES_KEY}`: {e}", f.path().display()),
+                })?;
+            blocks.extend(
+                types
+                    .into_iter()
+                    .filter(|(_, t)| GgmlType::from_name(t) == Some(GgmlType::Q8_0))
+                    .map(|(name, _)| name),
+            );
+        }
+        let mut done = 0;
+        for name in blocks {
+            // Left out by the selection, or another file's tensor of that name: the
+            // reading of the files already said which.
+            let Some(t) = self.tensors.get(&name) else {
+                continue;
+            };
+            if t.dtype != Dtype::U8 {
+                continue;
+            }
+            let [rows, bytes] = matrix(&name, t, "a Q8_0 tensor (its rows of blocks)")?;
+            if bytes % Q8_0_BYTES != 0 {
+                return Err(Error::InvalidTensor {
+                    tensor: name,
+                    problem: format!(
+                        "rows of {bytes} bytes are not whole Q8_0 blocks of {Q8_0_BYTES}"
+                    ),
+                });
+            }
+            let cols = bytes / Q8_0_BYTES * Q8_0_BLOCK;
+            let op = Operation::GgmlQ8_0Dequantize;
+            let whole = Region::full(&t.shape);
+            let pieces = t
+                .pieces
+                .iter()
+                .map(|p| {
+                    // A piece of whole blocks (a GGUF holds whole tensors), its box in
+                    // values.
+                    let (c0, c1) = (p.global.start[1], p.global.end(1));
+                    let out = Region::from_ranges(&[
+                        p.global.start[0]..p.global.end(0),
+                        c0 / Q8_0_BYTES * Q8_0_BLOCK..c1 / Q8_0_BYTES * Q8_0_BLOCK,
+                    ]);
+                    let need = op.input_region(0, &out, &whole);
+                    computed_piece(p, out, op.clone(), vec![input(&name, t, need)])
+                })
+                .collect();
+            self.tensors.insert(
+                name,
+                SourceTensor {
+                    dtype,
+                    shape: vec![rows, cols],
+                    pieces,
+                    copies: Vec::new(),
+                },
+            );
+            done += 1;
+        }
+        if done > 0 {
+            self.notes.push(format!(
+                "{done} Q8_0 tensors dequantized to {} (ggml's dequantize_row_q8_0: the block's f16 scale times each i8, exact in f32)",
+                dtype_name(dtype)
+            ));
         }
         Ok(())
     }

@@ -62,7 +62,7 @@ impl Reader for Row {
 
 /// The formats read from a file's first bytes, tried in this order.
 /// (DCP's `.distcp` files are found through their directory's `.metadata`, not here.)
-static READERS: [Row; 4] = [
+static READERS: [Row; 5] = [
     // First: the magic's 9th byte (the low byte of the header length) may be `{`.
     Row {
         format: FileFormat::Ckptz,
@@ -83,6 +83,11 @@ static READERS: [Row; 4] = [
         format: FileFormat::TorchSave,
         looks_like: torch_save::looks_like,
         read: torch_save::read,
+    },
+    Row {
+        format: FileFormat::Gguf,
+        looks_like: gguf::looks_like,
+        read: gguf::read,
     },
 ];
 

@@ -11,9 +11,16 @@
 //! type of each tensor whose bytes are blocks (Q8_0) rather than elements of its dtype.
 //! A quantized tensor's spec is `U8` with its rows' bytes as the last dimension
 //! (`[rows, cols / 32 * 34]` for Q8_0).
+//!
+//! A GGUF file is also read ([`read`]): its tensors of the types above as entries of the
+//! same shapes (a Q8_0 tensor as its `U8` rows of blocks), its key-value pairs and the
+//! Q8_0 tensors' types in the same two metadata entries, so that what is read is what
+//! the writer writes back, and `--dtype` dequantizes the Q8_0 tensors
+//! (`checkpoint/computed.rs`).
 
 use super::output::StagedFile;
 use super::writer::{TensorSpec, TensorWriter, WritePart};
+use super::{FileFormat, Mapped, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, Result};
 use crate::layout::compute::{Q8_0_BLOCK, Q8_0_BYTES};
 use crate::layout::strategy::dtype_name;
@@ -145,6 +152,9 @@ pub(crate) enum Value {
     F32s(Vec<f32>),
     /// `ARRAY` of `INT32`.
     I32s(Vec<i32>),
+    /// Any other type (another integer or float width, arrays of them or of arrays),
+    /// read from a file and kept as its bytes after the type: `(type, bytes)`.
+    Other(u32, Vec<u8>),
 }
 
 const T_U32: u32 = 4;
@@ -205,6 +215,10 @@ impl Value {
                     out.extend_from_slice(&x.to_le_bytes());
                 }
             }
+            Value::Other(t, bytes) => {
+                out.extend_from_slice(&t.to_le_bytes());
+                out.extend_from_slice(bytes);
+            }
         }
     }
 
@@ -220,12 +234,14 @@ impl Value {
             Value::Strings(v) => json!(["strs", v]),
             Value::F32s(v) => json!(["f32s", v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()]),
             Value::I32s(v) => json!(["i32s", v]),
+            Value::Other(t, bytes) => json!(["other", t, bytes]),
         }
     }
 
     fn from_json(j: &Json) -> Option<Value> {
-        let [t, v] = j.as_array()?.as_slice() else {
-            return None;
+        let (t, v) = match j.as_array()?.as_slice() {
+            [t, v] | [t, v, _] => (t, v),
+            _ => return None,
         };
         let u32_of = |v: &Json| v.as_u64().and_then(|x| u32::try_from(x).ok());
         let i32_of = |v: &Json| v.as_i64().and_then(|x| i32::try_from(x).ok());
@@ -248,6 +264,19 @@ impl Value {
                     .collect::<Option<_>>()?,
             ),
             "i32s" => Value::I32s(v.as_array()?.iter().map(i32_of).collect::<Option<_>>()?),
+            "other" => {
+                let [t, bytes] = j.as_array()?.get(1..)? else {
+                    return None;
+                };
+                Value::Other(
+                    u32_of(t)?,
+                    bytes
+                        .as_array()?
+                        .iter()
+                        .map(|b| b.as_u64().and_then(|b| u8::try_from(b).ok()))
+                        .collect::<Option<_>>()?,
+                )
+            }
             _ => return None,
         })
     }
@@ -355,6 +384,7 @@ pub(crate) fn encode_header(
     metadata: &BTreeMap<String, String>,
 ) -> Result<(Vec<u8>, Vec<u64>)> {
     let (kv, types) = decode_metadata(metadata)?;
+    let alignment = alignment_of(&kv)?;
     let mut out = Vec::new();
     out.extend_from_slice(&MAGIC.to_le_bytes());
     out.extend_from_slice(&VERSION.to_le_bytes());
@@ -380,12 +410,291 @@ pub(crate) fn encode_header(
             .ok_or_else(|| overflow(format!("size of tensor `{}`", t.name)))?;
         pos = pos
             .checked_add(n)
-            .map(|p| p.next_multiple_of(ALIGNMENT))
+            .map(|p| p.next_multiple_of(alignment))
             .ok_or_else(|| overflow("file size"))?;
     }
     offsets.push(pos);
-    out.resize((out.len() as u64).next_multiple_of(ALIGNMENT) as usize, 0);
+    out.resize((out.len() as u64).next_multiple_of(alignment) as usize, 0);
     Ok((out, offsets))
+}
+
+/// The alignment `general.alignment` sets (a `UINT32`, a power of two), else 32.
+fn alignment_of(kv: &[(String, Value)]) -> Result<u64> {
+    match kv.iter().find(|(k, _)| k == "general.alignment") {
+        None => Ok(ALIGNMENT),
+        Some((_, Value::U32(a))) if a.is_power_of_two() => Ok(u64::from(*a)),
+        Some((_, v)) => Err(bad(format!(
+            "general.alignment is {v:?}: not a UINT32 power of two"
+        ))),
+    }
+}
+
+/// Whether a file starting with `head` is GGUF (its magic; the version is checked when
+/// read).
+pub(crate) fn looks_like(head: &[u8]) -> bool {
+    head.starts_with(b"GGUF")
+}
+
+/// Reads a GGUF file's header: its tensors as entries (dims outermost first; a Q8_0
+/// tensor as `U8` rows of blocks), its key-value pairs and block types as the
+/// metadata entries [`encode_metadata`] makes.
+///
+/// # Errors
+/// Every problem of the header, naming the file and, where one is at fault, the
+/// tensor: not version 2 or 3, truncated, a ggml type ckpt does not read, a tensor's
+/// data misaligned or outside the file.
+pub(crate) fn read(path: &Path, map: Option<Mapped>) -> Result<TensorFile> {
+    let all: &[u8] = map.as_deref().unwrap_or(&[]);
+    let (tensors, metadata) = parse(all).map_err(|e| e.with_path(path))?;
+    TensorFile::from_parts(path, map, FileFormat::Gguf, tensors, metadata)
+}
+
+/// Reads the header's fields in order, each bound-checked against the file.
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8]> {
+        let end = usize::try_from(n)
+            .ok()
+            .and_then(|n| self.at.checked_add(n))
+            .filter(|&e| e <= self.bytes.len())
+            .ok_or_else(|| {
+                bad(format!(
+                    "truncated: {what} needs {n} bytes at byte {}, the file has {}",
+                    self.at,
+                    self.bytes.len()
+                ))
+            })?;
+        let out = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(out)
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        let b = self.take(4, what)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        let b = self.take(8, what)?;
+        Ok(u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    }
+
+    fn string(&mut self, what: &str) -> Result<String> {
+        let n = self.u64(what)?;
+        let b = self.take(n, what)?;
+        String::from_utf8(b.to_vec()).map_err(|_| bad(format!("{what} is not UTF-8")))
+    }
+
+    /// A count of items of at least `min` bytes each, checked against the bytes left
+    /// (so that no count allocates more than the file could hold).
+    fn count(&mut self, what: &str, min: u64) -> Result<usize> {
+        let n = self.u64(what)?;
+        let left = (self.bytes.len() - self.at) as u64;
+        if n.saturating_mul(min) > left {
+            return Err(bad(format!(
+                "{what} is {n}, more than the {left} bytes left could hold"
+            )));
+        }
+        usize::try_from(n).map_err(|_| overflow(what.to_string()))
+    }
+}
+
+/// The bytes one value of `GGUF` type `t` takes at a fixed size, `None` for strings
+/// and arrays.
+fn fixed_size(t: u32) -> Option<u64> {
+    match t {
+        0 | 1 | T_BOOL => Some(1),
+        2 | 3 => Some(2),
+        T_U32 | T_I32 | T_F32 => Some(4),
+        10..=12 => Some(8),
+        _ => None,
+    }
+}
+
+/// A value of type `t` (its type already read).
+fn read_value(c: &mut Cursor<'_>, t: u32, key: &str) -> Result<Value> {
+    let what = format!("the value of `{key}`");
+    let start = c.at;
+    Ok(match t {
+        T_U32 => Value::U32(c.u32(&what)?),
+        T_I32 => Value::I32(c.u32(&what)? as i32),
+        T_F32 => Value::F32(f32::from_bits(c.u32(&what)?)),
+        T_BOOL => match c.take(1, &what)?[0] {
+            b @ (0 | 1) => Value::Bool(b == 1),
+            b => return Err(bad(format!("`{key}`: BOOL byte {b}"))),
+        },
+        T_STRING => Value::Str(c.string(&what)?),
+        T_ARRAY => {
+            let e = c.u32(&what)?;
+            let n = c.count(&what, fixed_size(e).unwrap_or(8))?;
+            match e {
+                T_STRING => Value::Strings((0..n).map(|_| c.string(&what)).collect::<Result<_>>()?),
+                T_F32 => Value::F32s(
+                    (0..n)
+                        .map(|_| c.u32(&what).map(f32::from_bits))
+                        .collect::<Result<_>>()?,
+                ),
+                T_I32 => Value::I32s(
+                    (0..n)
+                        .map(|_| c.u32(&what).map(|v| v as i32))
+                        .collect::<Result<_>>()?,
+                ),
+                _ => {
+                    for _ in 0..n {
+                        skip_value(c, e, key, 1)?;
+                    }
+                    Value::Other(t, c.bytes[start..c.at].to_vec())
+                }
+            }
+        }
+        _ => {
+            skip_value(c, t, key, 0)?;
+            Value::Other(t, c.bytes[start..c.at].to_vec())
+        }
+    })
+}
+
+/// Steps over a value of type `t` (arrays of arrays at most a few deep).
+fn skip_value(c: &mut Cursor<'_>, t: u32, key: &str, depth: u32) -> Result<()> {
+    let what = format!("the value of `{key}`");
+    match (t, fixed_size(t)) {
+        (_, Some(n)) => {
+            c.take(n, &what)?;
+        }
+        (T_STRING, None) => {
+            let n = c.u64(&what)?;
+            c.take(n, &what)?;
+        }
+        (T_ARRAY, None) if depth < 4 => {
+            let e = c.u32(&what)?;
+            let n = c.count(&what, fixed_size(e).unwrap_or(8))?;
+            match fixed_size(e) {
+                Some(size) => {
+                    c.take(size * n as u64, &what)?;
+                }
+                None => {
+                    for _ in 0..n {
+                        skip_value(c, e, key, depth + 1)?;
+                    }
+                }
+            }
+        }
+        _ => return Err(bad(format!("`{key}`: value type {t} unknown"))),
+    }
+    Ok(())
+}
+
+/// The type ggml's `enum ggml_type` value `id` is, if ckpt reads it.
+fn ggml_type(id: u32) -> Option<GgmlType> {
+    GgmlType::NAMES
+        .iter()
+        .map(|&(_, t)| t)
+        .find(|t| t.id() == id)
+}
+
+/// The tensor entries and metadata of a GGUF file's bytes (for the fuzz target: every
+/// parser has one).
+///
+/// # Errors
+/// What [`read`] refuses of a header.
+pub fn parse_gguf(all: &[u8]) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>)> {
+    parse(all)
+}
+
+/// The tensor entries and metadata of a GGUF file's bytes.
+fn parse(all: &[u8]) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>)> {
+    let mut c = Cursor { bytes: all, at: 0 };
+    if c.take(4, "the magic")? != b"GGUF" {
+        return Err(bad("no GGUF magic"));
+    }
+    let version = c.u32("the version")?;
+    if !(2..=3).contains(&version) {
+        return Err(bad(format!(
+            "version {version}: ckpt reads versions 2 and 3 (version 1's counts are 32-bit)"
+        )));
+    }
+    // A tensor info takes at least 8 + 4 + 4 + 8 bytes; a key-value pair 8 + 4 + 1.
+    let n_tensors = c.count("the tensor count", 24)?;
+    let n_kv = c.count("the key-value count", 13)?;
+    let mut kv: Vec<(String, Value)> = Vec::with_capacity(n_kv);
+    for _ in 0..n_kv {
+        let key = c.string("a key")?;
+        if kv.iter().any(|(k, _)| *k == key) {
+            return Err(bad(format!("key `{key}` appears twice")));
+        }
+        let t = c.u32(&format!("the type of `{key}`"))?;
+        let v = read_value(&mut c, t, &key)?;
+        kv.push((key, v));
+    }
+    let alignment = alignment_of(&kv)?;
+    let mut infos = Vec::with_capacity(n_tensors);
+    let mut types = BTreeMap::new();
+    for _ in 0..n_tensors {
+        let name = c.string("a tensor name")?;
+        let n_dims = c.u32(&format!("the dims of `{name}`"))?;
+        if n_dims > 8 {
+            return Err(bad(format!(
+                "tensor `{name}`: {n_dims} dims (GGML has at most 4)"
+            )));
+        }
+        let ne = (0..n_dims)
+            .map(|_| c.u64(&format!("the dims of `{name}`")))
+            .collect::<Result<Vec<u64>>>()?;
+        let id = c.u32(&format!("the type of `{name}`"))?;
+        let offset = c.u64(&format!("the offset of `{name}`"))?;
+        let ty = ggml_type(id).ok_or_else(|| {
+            bad(format!(
+                "tensor `{name}`: ggml type {id} is not read (ckpt reads F32, F16, BF16 and Q8_0; dequantize other types with llama.cpp's tools first)"
+            ))
+        })?;
+        if offset % alignment != 0 {
+            return Err(bad(format!(
+                "tensor `{name}`: data offset {offset} is not a multiple of the alignment {alignment}"
+            )));
+        }
+        let (per, bytes) = ty.block();
+        let mut shape: Vec<u64> = ne.iter().rev().copied().collect();
+        if per > 1 {
+            let inner = ne.first().copied().unwrap_or(0);
+            if inner % per != 0 {
+                return Err(bad(format!(
+                    "tensor `{name}`: rows of {inner} values are not whole {} blocks of {per}",
+                    ty.name()
+                )));
+            }
+            *shape.last_mut().expect("a dim") = inner / per * bytes;
+            types.insert(name.clone(), ty);
+        }
+        if infos.iter().any(|(n, ..): &(String, _, _, _)| *n == name) {
+            return Err(bad(format!("tensor `{name}` appears twice")));
+        }
+        infos.push((name, ty, shape, offset));
+    }
+    let data = (c.at as u64).next_multiple_of(alignment);
+    let mut tensors = Vec::with_capacity(infos.len());
+    for (name, ty, shape, offset) in infos {
+        let len = super::byte_len(ty.dtype(), &shape)
+            .ok_or_else(|| overflow(format!("size of tensor `{name}`")))?;
+        let start = data
+            .checked_add(offset)
+            .ok_or_else(|| overflow(format!("offset of tensor `{name}`")))?;
+        let end = start
+            .checked_add(len)
+            .ok_or_else(|| overflow(format!("end of tensor `{name}`")))?;
+        tensors.push(TensorEntry {
+            name,
+            dtype: ty.dtype(),
+            shape,
+            start,
+            end,
+            offsets: None,
+        });
+    }
+    Ok((tensors, encode_metadata(&kv, &types)))
 }
 
 /// A GGUF file being written.

@@ -63,6 +63,11 @@ pub enum Operation {
     /// (half away from zero) as `i8`, stored as `f16(d)` (round to nearest even) then
     /// the 32 `q` (ggml's `quantize_row_q8_0_ref`, gguf-py's `quants.Q8_0`).
     GgmlQ8_0,
+    /// Input `[blocks (U8), M x N / 32 * 34]`, ggml's Q8_0 rows ([`Operation::GgmlQ8_0`]'s
+    /// output): `y = round(f32(d) * f32(q))` for each block's `f16` scale `d` and its 32
+    /// `i8` values `q`, the product exact in f32 and the store one rounding (ggml's
+    /// `dequantize_row_q8_0`, gguf-py's `quants.dequantize`).
+    GgmlQ8_0Dequantize,
     /// Input `[x (the output's dtype), M x N]`, `M = heads * head_dim`: the rows of each
     /// head from Hugging Face's rotary halves to interleaved pairs (llama.cpp's
     /// `LlamaModel.permute`): output row `h * hd + 2i + j` is input row
@@ -102,6 +107,7 @@ impl Operation {
     pub fn input_dtype(&self, i: usize, stored: Dtype) -> Dtype {
         match (self, i) {
             (Operation::BlockDequantize { .. }, 0) => Dtype::F8_E4M3,
+            (Operation::GgmlQ8_0Dequantize, 0) => Dtype::U8,
             (Operation::LowRank { .. } | Operation::RopeInterleave { .. }, 0) => stored,
             _ => Dtype::F32,
         }
@@ -155,6 +161,15 @@ impl Operation {
                     b0 * Q8_0_BLOCK,
                     rows.1 - rows.0,
                     (b1 - b0) * Q8_0_BLOCK,
+                ))
+            }
+            Operation::GgmlQ8_0Dequantize => {
+                let (b0, b1) = blocks_of(cols.0, cols.1, Q8_0_BLOCK);
+                clip(rect(
+                    rows.0,
+                    b0 * Q8_0_BYTES,
+                    rows.1 - rows.0,
+                    (b1 - b0) * Q8_0_BYTES,
                 ))
             }
             Operation::LowRank { updates } if i > 0 => {
@@ -277,6 +292,26 @@ impl Operation {
                     let from = h * hd + (k % 2) * half + k / 2 - xr.start[0];
                     let at = from as usize * width + c0;
                     dst.copy_from_slice(&x[at..at + row_bytes]);
+                }
+            }
+            Operation::GgmlQ8_0Dequantize => {
+                let [(xr, x)] = inputs else {
+                    return Err(mismatch("inputs", inputs.len(), 1));
+                };
+                let width = xr.shape[1] as usize;
+                let mut row = vec![0f32; cols];
+                for (i, dst) in dst.chunks_exact_mut((cols * size).max(1)).enumerate() {
+                    let at = (out.start[0] + i as u64 - xr.start[0]) as usize * width;
+                    for (range, b) in segments(out.start[1], cols, Q8_0_BLOCK) {
+                        let block = at + (b * Q8_0_BYTES - xr.start[1]) as usize;
+                        let d = f16::from_le_bytes([x[block], x[block + 1]]).to_f32();
+                        let first = (out.start[1] + range.start as u64 - b * Q8_0_BLOCK) as usize;
+                        let q = &x[block + 2 + first..block + 2 + first + range.len()];
+                        for (v, &q) in row[range].iter_mut().zip(q) {
+                            *v = d * f32::from(q as i8);
+                        }
+                    }
+                    encode(&row, dtype, dst)?;
                 }
             }
             Operation::GgmlQ8_0 => {
@@ -740,6 +775,58 @@ mod tests {
         assert_eq!(got, want[30..40]);
         let second = rect(0, 40, 1u64, 5);
         assert_eq!(op.input_region(0, &second, &whole_x), rect(0, 32, 1u64, 32));
+    }
+
+    #[test]
+    fn q8_0_dequantized_equals_gguf_py_and_any_part_is_the_wholes_values() {
+        // The blocks of the test above; the f32 bits gguf-py's
+        // `quants.dequantize(blocks, Q8_0)` gives.
+        let blocks: [u8; 68] = [
+            26, 40, 129, 35, 187, 92, 244, 156, 46, 198, 104, 0, 152, 58, 210, 115, 12, 164, 69,
+            221, 127, 23, 175, 81, 233, 129, 35, 187, 92, 244, 141, 46, 198, 104, 26, 40, 0, 152,
+            58, 210, 115, 12, 164, 69, 0, 127, 23, 175, 81, 233, 129, 35, 187, 92, 244, 141, 46,
+            198, 104, 0, 152, 58, 210, 115, 12, 164, 69, 221,
+        ];
+        let want: [u32; 64] = [
+            3229759872, 1066372608, 3222110464, 1077718016, 3200573440, 3226276864, 1069329408,
+            3220038656, 1079330816, 0, 3226814464, 1072555008, 3216813056, 1080809216, 1053089792,
+            3225201664, 1074626816, 3213856256, 1082276224, 1060940800, 3223723264, 1076239616,
+            3208424448, 3229759872, 1066372608, 3222110464, 1077718016, 3200573440, 3228292864,
+            1069329408, 3220038656, 1079330816, 0, 3226814464, 1072555008, 3216813056, 1080809216,
+            1053089792, 3225201664, 1074626816, 0, 1082276224, 1060940800, 3223723264, 1076239616,
+            3208424448, 3229759872, 1066372608, 3222110464, 1077718016, 3200573440, 3228292864,
+            1069329408, 3220038656, 1079330816, 0, 3226814464, 1072555008, 3216813056, 1080809216,
+            1053089792, 3225201664, 1074626816, 3213856256,
+        ];
+        let op = Operation::GgmlQ8_0Dequantize;
+        let whole_blocks = rect(0, 0, 1u64, 68);
+        let out = rect(0, 0, 1u64, 64);
+        let mut dst = vec![0u8; 256];
+        op.compute(
+            &out,
+            &[(whole_blocks.clone(), &blocks)],
+            Dtype::F32,
+            &mut dst,
+        )
+        .unwrap();
+        let got: Vec<u32> = (0..64).map(|i| f32_at(&dst, i).to_bits()).collect();
+        assert_eq!(got, want);
+        // Values 30..40 straddle the blocks' edge: both blocks' bytes, whole.
+        let part = rect(0, 30, 1u64, 10);
+        let need = op.input_region(0, &part, &whole_blocks);
+        assert_eq!(need, whole_blocks);
+        let mut got = vec![0u8; 40];
+        op.compute(&part, &[(need, &blocks)], Dtype::F32, &mut got)
+            .unwrap();
+        assert!((0..10).all(|i| f32_at(&got, i).to_bits() == want[30 + i]));
+        // Values 40..45: the second block only.
+        let second = rect(0, 40, 1u64, 5);
+        let need = op.input_region(0, &second, &whole_blocks);
+        assert_eq!(need, rect(0, 34, 1u64, 34));
+        let mut got = vec![0u8; 20];
+        op.compute(&second, &[(need, &blocks[34..])], Dtype::F32, &mut got)
+            .unwrap();
+        assert!((0..5).all(|i| f32_at(&got, i).to_bits() == want[40 + i]));
     }
 
     #[test]
