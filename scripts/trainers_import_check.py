@@ -43,10 +43,11 @@ FP32_TOL = 1e-4
 ARCH = ["_target_", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
         "kv_channels", "layernorm_epsilon", "normalization", "gated_linear_unit", "activation_func",
         "position_embedding_type", "rotary_base", "rotary_percent", "share_embeddings_and_output_weights",
-        "add_bias_linear", "add_qkv_bias", "qk_layernorm", "params_dtype", "fp16", "bf16", "hidden_dropout",
-        "attention_dropout", "init_method_std", "tensor_model_parallel_size", "pipeline_model_parallel_size"]
+        "add_bias_linear", "add_qkv_bias", "params_dtype", "fp16", "bf16", "hidden_dropout", "attention_dropout",
+        "init_method_std"]
 # Fields the run sets, not the model (the fixture is a training run's save, ckpt's an import).
-RUN = {"seq_length": "the HF max_position_embeddings (the fixture's run: 16)",
+RUN = {"tensor_model_parallel_size": "--mesh", "pipeline_model_parallel_size": "--mesh",
+       "seq_length": "the HF max_position_embeddings (the fixture's run: 16)",
        "vocab_size": "the HF vocabulary, unpadded (the fixture's run: its NullTokenizer's 50 of 64 rows)",
        "make_vocab_size_divisible_by": "Bridge's largest power of 2 dividing the vocabulary (the run: 8)",
        "hf_model_id": "the HF directory imported (the run: none)",
@@ -72,8 +73,38 @@ def family_of_run_config(m):
     return dict(norm=m["normalization"], swiglu=m["gated_linear_unit"]
                 and m["activation_func"]["_target_"].endswith("silu"),
                 rope=m["position_embedding_type"] == "rope", groups=m["num_query_groups"], kv=m["kv_channels"],
-                qkv_bias=m["add_qkv_bias"], bias=m["add_bias_linear"], qk_norm=m["qk_layernorm"],
+                qkv_bias=m["add_qkv_bias"], bias=m["add_bias_linear"], qk_norm=m.get("qk_layernorm", False),
                 tied=m["share_embeddings_and_output_weights"], base=m["rotary_base"], eps=m["layernorm_epsilon"])
+
+
+def pipeline_forward(model, ids, hidden):
+    """scripts/hf_interop.py's forward over the TP x PP ranks, driven by hand (that
+    script imports transformers, which this one does not need)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    b, s = ids.shape
+    pos = torch.arange(s).unsqueeze(0).expand_as(ids)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    model.eval()
+    with torch.no_grad():
+        if stages > 1:
+            ranks = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+            if stage > 0:
+                h = torch.empty(s, b, hidden)
+                torch.distributed.recv(h, ranks[stage - 1])
+                model.set_input_tensor(h)
+        out = model(ids if stage == 0 else None, pos, mask)
+        if stage < stages - 1:
+            torch.distributed.send(out.contiguous(), ranks[stage + 1])
+            return None
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(out) for _ in range(tp)]
+        torch.distributed.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+        out = torch.cat(parts, dim=-1)
+    return out
 
 
 def load_worker(rank, world, tp, pp, port, bridge_iter, dist_iter, ref_file, result):
@@ -84,9 +115,7 @@ def load_worker(rank, world, tp, pp, port, bridge_iter, dist_iter, ref_file, res
     from safetensors.torch import load_file
 
     sys.path.append(os.path.join(ROOT, "scripts", "fixtures"))
-    sys.path.append(os.path.join(ROOT, "scripts"))
     import hf_megatron as H
-    from hf_interop import pipeline_forward
 
     H.stub_cuda()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -156,6 +185,7 @@ def check_sidecars(out, tp, pp):
         assert m[k] == t[k], f"run_config.yaml: model.{k} is {m[k]!r}, the fixture's {t[k]!r}"
     differ = {k: m[k] for k in m if k not in ARCH and m[k] != t.get(k)}
     assert set(differ) <= set(RUN), f"model fields neither the model's nor the run's: {set(differ) - set(RUN)}"
+    assert (m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"]) == (tp, pp)
     assert mine["checkpoint"]["save"] == os.path.abspath(out)
     assert (mine["checkpoint"]["save_optim"], mine["checkpoint"]["save_rng"]) == (False, False)
     assert mine["tokenizer"]["tokenizer_type"] == "HuggingFaceTokenizer"
