@@ -390,7 +390,7 @@ pub(crate) struct ReshardArgs {
     /// Hugging Face model: iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt), `megatron-dist`
     /// (a megatron-core dist_ckpt from the same sources, loadable by
     /// dist_checkpointing.load: iter_*/ with .metadata and __<r>_0.distcp),
-    /// `megatron-bridge` (a Hugging Face Llama as Megatron-Bridge's AutoBridge.import_ckpt
+    /// `megatron-bridge` (a Hugging Face Llama or Qwen2 as Megatron-Bridge's AutoBridge.import_ckpt
     /// saves it: iter_0000000/ with run_config.yaml, train_state.pt and the trackers,
     /// what Bridge's load_checkpoint starts training from), `torchtitan`
     /// (DCP in torchtitan's Llama names, from a Hugging Face Llama) or `deepspeed`

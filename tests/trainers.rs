@@ -352,7 +352,7 @@ const TRAINER_CASES: [TrainerCase; 7] = [
         expected: "expected.safetensors",
         anchor: "the Megatron-LM save of the same weights (`tests/fixtures/hf/llama`), exported",
         plain_refused: Some("distributed optimizer's bucket layout"),
-        import_back: "`reshard HF --format megatron-bridge --mesh tp=..,pp=..` (Llama): `AutoBridge.import_ckpt`'s layout, `iter_0000000/`",
+        import_back: "`reshard HF --format megatron-bridge --mesh tp=..,pp=..` (Llama, Qwen2): `AutoBridge.import_ckpt`'s layout, `iter_0000000/`",
     },
     TrainerCase {
         trainer: "NeMo 2 `MegatronCheckpointIO` (layout from its source; megatron-core wrote the files)",
@@ -596,10 +596,24 @@ fn trainer_exports_are_the_same_bytes_on_1_and_4_threads() {
 /// The tiny Llama of tests/fixtures/hf_models (transformers' own save_pretrained) alone
 /// in `d`'s `name/`, with a config edited by `edit`.
 fn hf_llama(d: &Dir, name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
-    let src = fixtures().join("hf_models/llama");
+    hf_model(d, "llama", name, edit)
+}
+
+/// [`hf_llama`] of the tests/fixtures/hf_models model `family`.
+fn hf_model(
+    d: &Dir,
+    family: &str,
+    name: &str,
+    edit: impl FnOnce(&mut serde_json::Value),
+) -> PathBuf {
+    let src = fixtures().join("hf_models").join(family);
     let model = d.path(name);
     std::fs::create_dir_all(&model).unwrap();
-    std::fs::copy(src.join("model.safetensors"), model.join("model.safetensors")).unwrap();
+    std::fs::copy(
+        src.join("model.safetensors"),
+        model.join("model.safetensors"),
+    )
+    .unwrap();
     let mut c: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     edit(&mut c);
@@ -607,17 +621,22 @@ fn hf_llama(d: &Dir, name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> P
     model
 }
 
-/// Issue 45, the way back: a Hugging Face Llama written as Megatron-Bridge's
+/// Issue 45, the way back: a Hugging Face Llama (and a Qwen2) written as Megatron-Bridge's
 /// `AutoBridge.import_ckpt` saves it (`iter_0000000/` with `run_config.yaml` and
 /// `train_state.pt`, both trackers) is read back as a Megatron-Bridge save (inspect says
 /// so, with the step and the record) and exports to the same bytes, with no flag.
 #[test]
 fn hugging_face_llama_into_megatron_bridge_and_back() {
     let d = Dir::new();
-    let model = hf_llama(&d, "llama", |_| {});
-    let want = full_tensors(&model);
-    for mesh in ["tp=2,pp=2", "tp=1,pp=1", "tp=2,pp=1"] {
-        let out = d.path(&format!("bridge-{mesh}"));
+    for (family, mesh) in [
+        ("llama", "tp=2,pp=2"),
+        ("llama", "tp=1,pp=1"),
+        ("llama", "tp=2,pp=1"),
+        ("qwen2", "tp=2,pp=2"),
+    ] {
+        let model = hf_model(&d, family, family, |_| {});
+        let want = full_tensors(&model);
+        let out = d.path(&format!("bridge-{family}-{mesh}"));
         d.ok(&[
             "reshard",
             model.to_str().unwrap(),
@@ -663,7 +682,10 @@ fn hugging_face_llama_into_megatron_bridge_and_back() {
         assert!(said.contains("Megatron-Bridge"), "{mesh}: {said}");
         assert!(said.contains("iter_0000000"), "{mesh}: {said}");
         assert!(said.contains("run_config.yaml"), "{mesh}: {said}");
-        let back = d.path(&format!("back-{mesh}"));
+        if family == "qwen2" {
+            assert!(yaml.contains("  add_qkv_bias: true\n"), "{yaml}");
+        }
+        let back = d.path(&format!("back-{family}-{mesh}"));
         d.ok(&[
             "merge",
             out.to_str().unwrap(),
@@ -672,7 +694,7 @@ fn hugging_face_llama_into_megatron_bridge_and_back() {
             "-o",
             back.to_str().unwrap(),
         ]);
-        assert_eq!(full_tensors(&back), want, "{mesh}");
+        assert_eq!(full_tensors(&back), want, "{family} {mesh}");
     }
 }
 

@@ -7,8 +7,9 @@
 
 use ckpt_core::{
     check_output_outside_inputs, execute_with, Checkpoint, Compression, Computations, CopyPlan,
-    CopyStats, Dcp, Error, MegatronBridge, MegatronDist, MegatronLegacy, Mesh, Placement, RankOptions, Result,
-    Selection, Sliced, StagedDir, Strategy, TargetLayout, TensorLayout, Writer,
+    CopyStats, Dcp, Error, MegatronBridge, MegatronDist, MegatronLegacy, Mesh, Placement,
+    RankOptions, Result, Selection, Sliced, StagedDir, Strategy, TargetLayout, TensorLayout,
+    Writer,
 };
 use std::path::{Path, PathBuf};
 
@@ -86,7 +87,7 @@ pub enum OutputFormat {
     /// `OUT/latest_checkpointed_iteration.txt`, loadable by megatron-core's
     /// `dist_checkpointing.load`.
     MegatronDist,
-    /// A Hugging Face Llama as Megatron-Bridge's `AutoBridge.import_ckpt` saves it (the
+    /// A Hugging Face Llama or Qwen2 as Megatron-Bridge's `AutoBridge.import_ckpt` saves it (the
     /// dist_ckpt in `OUT/iter_0000000/` with `run_config.yaml`, `train_state.pt` and
     /// `tokenizer/`, `OUT/latest_train_state.pt` and `OUT/latest_checkpointed_iteration.txt`),
     /// what Bridge's `load_checkpoint` starts training from.

@@ -18,8 +18,9 @@
 //!
 //! The dist_ckpt is [`super::megatron_dist`]'s (the same keys and chunks: no `model.`
 //! or `module.` prefix, the layers stacked) with Bridge's `common.pt`. `run_config.yaml`'s
-//! `model` is the `GPTModelProvider` that `LlamaBridge.provider_bridge` makes of the
-//! config.json (`CONFIG_MAPPING`, then Llama's settings), with the output's tensor and
+//! `model` is the `GPTModelProvider` that `LlamaBridge.provider_bridge` (or
+//! `Qwen2Bridge`'s) makes of the config.json (`CONFIG_MAPPING`, then the family's
+//! settings), with the output's tensor and
 //! pipeline sizes; fields the mapping does not set are left out, as are the sections
 //! the import leaves at their defaults: Bridge's `instantiate` fills them from the
 //! classes (docs/trainers.md, "The way back").
@@ -43,7 +44,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-/// `reshard --format megatron-bridge`: a Hugging Face Llama as Megatron-Bridge's
+/// `reshard --format megatron-bridge`: a Hugging Face Llama or Qwen2 as Megatron-Bridge's
 /// `AutoBridge.import_ckpt` saves it (module docs).
 #[derive(Clone, Debug)]
 pub struct MegatronBridge {
@@ -80,7 +81,7 @@ impl MegatronBridge {
         let config: Json = serde_json::from_slice(&crate::formats::read_small(&config_path)?)
             .map_err(|e| unsupported(format!("{}: not JSON: {e}", config_path.display())))?;
         // Checked before the weights are looked at: the family decides the mapping.
-        let provider = llama_provider(&config, &config_path)?;
+        let provider = provider(&config, &config_path)?;
         let dist = MegatronDist::saved_by(source, target, options, Saver::Bridge)?;
         let (tp, pp) = dist.sizes(source)?;
         let hf_dir = absolute(config_path.parent().unwrap_or(Path::new(".")));
@@ -149,28 +150,28 @@ fn absolute(p: &Path) -> PathBuf {
 /// `TrainState().state_dict()` as the save's finalize step writes it: 0-d tensors,
 /// `floating_point_operations_so_far` replaced by a float32 tensor (the import's 0).
 fn train_state(dest: &Path) -> Result<()> {
-    let fields: [(&str, Dtype); 8] = [
-        ("step", Dtype::I64),
-        ("consumed_train_samples", Dtype::I64),
-        ("skipped_train_samples", Dtype::I64),
-        ("consumed_valid_samples", Dtype::I64),
-        ("floating_point_operations_so_far", Dtype::F32),
-        ("do_train", Dtype::BOOL),
-        ("do_valid", Dtype::BOOL),
-        ("do_test", Dtype::BOOL),
+    // (name, dtype, bytes of one element)
+    let fields: [(&str, Dtype, usize); 8] = [
+        ("step", Dtype::I64, 8),
+        ("consumed_train_samples", Dtype::I64, 8),
+        ("skipped_train_samples", Dtype::I64, 8),
+        ("consumed_valid_samples", Dtype::I64, 8),
+        ("floating_point_operations_so_far", Dtype::F32, 4),
+        ("do_train", Dtype::BOOL, 1),
+        ("do_valid", Dtype::BOOL, 1),
+        ("do_test", Dtype::BOOL, 1),
     ];
     let specs: Vec<TensorSpec> = fields
         .iter()
-        .map(|(n, d)| TensorSpec {
+        .map(|(n, d, _)| TensorSpec {
             name: (*n).into(),
             dtype: *d,
             shape: vec![],
         })
         .collect();
     let w = TorchWriter::create_wrapped(dest, &specs, false, None)?;
-    for (i, (_, d)) in fields.iter().enumerate() {
-        let zero = vec![0u8; if *d == Dtype::I64 { 8 } else if *d == Dtype::F32 { 4 } else { 1 }];
-        w.write_at(i, 0, &zero)?;
+    for (i, (_, _, len)) in fields.iter().enumerate() {
+        w.write_at(i, 0, &vec![0u8; *len])?;
     }
     w.finish()
 }
@@ -178,7 +179,6 @@ fn train_state(dest: &Path) -> Result<()> {
 /// A YAML value of `run_config.yaml`.
 #[derive(Clone, Debug, PartialEq)]
 enum Y {
-    Null,
     Bool(bool),
     Int(i64),
     Float(f64),
@@ -190,13 +190,22 @@ enum Y {
     Empty,
 }
 
-/// The provider's fields `LlamaBridge.provider_bridge` sets from `config` (Bridge's
-/// `MegatronModelBridge.CONFIG_MAPPING`, `hf_config_to_provider_kwargs`, then
-/// `LlamaBridge`'s own), by name.
+/// The families whose import ckpt writes: Bridge's bridge class of each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    /// `LlamaBridge` (`models/llama/llama_bridge.py`).
+    Llama,
+    /// `Qwen2Bridge` (`models/qwen/qwen2_bridge.py`).
+    Qwen2,
+}
+
+/// The provider's fields the family's `provider_bridge` sets from `config` (Bridge's
+/// `MegatronModelBridge.CONFIG_MAPPING`, `hf_config_to_provider_kwargs`, then the
+/// family's own settings), by name.
 ///
 /// # Errors
-/// A config that is not a Llama's, or a field the mapping cannot take, named.
-fn llama_provider(config: &Json, path: &Path) -> Result<BTreeMap<&'static str, Y>> {
+/// A config of another family, or a field the mapping cannot take, named.
+fn provider(config: &Json, path: &Path) -> Result<BTreeMap<&'static str, Y>> {
     let bad = |field: &str, problem: String| {
         unsupported(format!(
             "{}: `{field}` {problem} (--format megatron-bridge)",
@@ -208,14 +217,18 @@ fn llama_provider(config: &Json, path: &Path) -> Result<BTreeMap<&'static str, Y
         .and_then(|a| a.first())
         .and_then(Json::as_str)
         .unwrap_or("");
-    if arch != "LlamaForCausalLM" {
-        return Err(bad(
-            "architectures",
-            format!(
-                "is {arch:?}: ckpt writes Bridge's import of LlamaForCausalLM (LlamaBridge) only so far"
-            ),
-        ));
-    }
+    let family = match arch {
+        "LlamaForCausalLM" => Family::Llama,
+        "Qwen2ForCausalLM" => Family::Qwen2,
+        _ => {
+            return Err(bad(
+                "architectures",
+                format!(
+                    "is {arch:?}: ckpt writes Bridge's import of LlamaForCausalLM (LlamaBridge) and Qwen2ForCausalLM (Qwen2Bridge) only so far"
+                ),
+            ))
+        }
+    };
     let int = |k: &str| config.get(k).and_then(Json::as_i64);
     let float = |k: &str| config.get(k).and_then(Json::as_f64);
     let mut m: BTreeMap<&'static str, Y> = BTreeMap::new();
@@ -235,13 +248,18 @@ fn llama_provider(config: &Json, path: &Path) -> Result<BTreeMap<&'static str, Y
     }
     let hidden = int("hidden_size").unwrap_or(0);
     let heads = int("num_attention_heads").unwrap_or(1).max(1);
+    // transformers' LlamaConfig always has `head_dim` (hidden / heads when not given);
+    // Qwen2Config only where config.json gives it.
     let head_dim = match config.get("head_dim") {
-        None | Some(Json::Null) => hidden / heads,
-        Some(v) => v
-            .as_i64()
-            .ok_or_else(|| bad("head_dim", "is not an integer".into()))?,
+        None | Some(Json::Null) => (family == Family::Llama).then_some(hidden / heads),
+        Some(v) => Some(
+            v.as_i64()
+                .ok_or_else(|| bad("head_dim", "is not an integer".into()))?,
+        ),
     };
-    m.insert("kv_channels", Y::Int(head_dim));
+    if let Some(h) = head_dim {
+        m.insert("kv_channels", Y::Int(h));
+    }
     for (hf, meg, default) in [
         ("rms_norm_eps", "layernorm_epsilon", 1e-6),
         ("initializer_range", "init_method_std", 0.02),
@@ -297,7 +315,12 @@ fn llama_provider(config: &Json, path: &Path) -> Result<BTreeMap<&'static str, Y
         "float32" => "torch.float32",
         "bfloat16" => "torch.bfloat16",
         "float16" => "torch.float16",
-        other => return Err(bad("torch_dtype", format!("is {other:?}, not a dtype Bridge maps"))),
+        other => {
+            return Err(bad(
+                "torch_dtype",
+                format!("is {other:?}, not a dtype Bridge maps"),
+            ))
+        }
     };
     m.insert("fp16", Y::Bool(dtype == "float16"));
     m.insert("bf16", Y::Bool(dtype == "bfloat16"));
@@ -313,8 +336,41 @@ fn llama_provider(config: &Json, path: &Path) -> Result<BTreeMap<&'static str, Y
         ));
     }
     m.insert("activation_func", Y::Target("torch.nn.functional.silu"));
-    // LlamaBridge.provider_bridge.
     m.insert("position_embedding_type", Y::Str("rope".into()));
+    // transformers 5 keeps the scaling in `rope_parameters` (its `rope_type` not
+    // `default`), which its config also answers as `rope_scaling`.
+    let scaling = config.get("rope_scaling").or_else(|| {
+        config
+            .get("rope_parameters")
+            .filter(|p| p["rope_type"].as_str().is_some_and(|t| t != "default"))
+    });
+    let scaling = scaling.filter(|s| {
+        !s.is_null()
+            && !s.as_object().is_some_and(serde_json::Map::is_empty)
+            && s["rope_type"].as_str().or_else(|| s["type"].as_str()) != Some("default")
+    });
+    if family == Family::Qwen2 {
+        // Qwen2Bridge.provider_bridge.
+        if let Some(s) = scaling {
+            return Err(bad(
+                "rope_scaling",
+                format!("is {s}: Bridge's Qwen2 keeps no RoPE scaling but YaRN's, whose yarn_* fields ckpt does not write"),
+            ));
+        }
+        m.insert("normalization", Y::Str("RMSNorm".into()));
+        m.insert("gated_linear_unit", Y::Bool(true));
+        m.insert("add_bias_linear", Y::Bool(false));
+        m.insert("add_qkv_bias", Y::Bool(true));
+        m.insert("hidden_dropout", Y::Float(0.0));
+        m.insert("autocast_dtype", Y::Target("torch.bfloat16"));
+        m.insert("perform_initialization", Y::Bool(false));
+        m.insert(
+            "_target_",
+            Y::Str("megatron.bridge.models.gpt_provider.GPTModelProvider".into()),
+        );
+        return Ok(m);
+    }
+    // LlamaBridge.provider_bridge.
     m.insert("normalization", Y::Str("RMSNorm".into()));
     m.insert("gated_linear_unit", Y::Bool(true));
     m.insert("hidden_dropout", Y::Float(0.0));
@@ -328,16 +384,8 @@ fn llama_provider(config: &Json, path: &Path) -> Result<BTreeMap<&'static str, Y
         m.insert(f, Y::Bool(true));
     }
     m.insert("rotary_percent", Y::Float(1.0));
-    // transformers 5 keeps the scaling in `rope_parameters` (its `rope_type` not
-    // `default`), which its config also answers as `rope_scaling`.
-    let scaling = config.get("rope_scaling").or_else(|| {
-        config
-            .get("rope_parameters")
-            .filter(|p| p["rope_type"].as_str().is_some_and(|t| t != "default"))
-    });
     match scaling {
-        None | Some(Json::Null) => {}
-        Some(s) if s.as_object().is_some_and(serde_json::Map::is_empty) => {}
+        None => {}
         Some(s) => {
             let kind = s["rope_type"].as_str().or_else(|| s["type"].as_str());
             match kind {
@@ -354,11 +402,12 @@ fn llama_provider(config: &Json, path: &Path) -> Result<BTreeMap<&'static str, Y
                     })?;
                     m.insert("seq_len_interpolation_factor", Y::Float(f));
                 }
-                Some("default") => {}
                 other => {
                     return Err(bad(
                         "rope_scaling",
-                        format!("has type {other:?}: Bridge's Llama keeps llama3 and linear scaling only"),
+                        format!(
+                        "has type {other:?}: Bridge's Llama keeps llama3 and linear scaling only"
+                    ),
                     ))
                 }
             }
@@ -461,7 +510,6 @@ fn run_config(
 /// `.` and two-digit exponent its resolver needs to read them back as floats).
 fn scalar(y: &Y) -> String {
     match y {
-        Y::Null => "null".into(),
         Y::Bool(b) => b.to_string(),
         Y::Int(v) => v.to_string(),
         Y::Float(f) => py_float(*f),
@@ -493,9 +541,7 @@ fn py_float(f: f64) -> String {
         } else {
             format!("{mant}.0")
         };
-        let (sign, digits) = exp
-            .strip_prefix('-')
-            .map_or(("+", exp), |d| ("-", d));
+        let (sign, digits) = exp.strip_prefix('-').map_or(("+", exp), |d| ("-", d));
         format!("{mant}e{sign}{digits:0>2}")
     } else {
         format!("{f:?}")
@@ -528,7 +574,7 @@ mod tests {
                "tie_word_embeddings": false, "rope_theta": 10000.0, "torch_dtype": "float32"}"#,
         )
         .unwrap();
-        let m = llama_provider(&config, Path::new("config.json")).unwrap();
+        let m = provider(&config, Path::new("config.json")).unwrap();
         assert_eq!(m["kv_channels"], Y::Int(8));
         assert_eq!(m["num_query_groups"], Y::Int(2));
         assert_eq!(m["make_vocab_size_divisible_by"], Y::Int(2));
@@ -536,16 +582,27 @@ mod tests {
         assert_eq!(m["layernorm_epsilon"], Y::Float(1e-5));
         assert_eq!(m["share_embeddings_and_output_weights"], Y::Bool(false));
         let text = run_config(m, (2, 2), Path::new("/m"), Path::new("/o"));
-        assert!(text.contains("\n  tensor_model_parallel_size: 2\n"), "{text}");
-        assert!(text.contains("\n  params_dtype:\n    _call_: false\n    _target_: torch.float32\n"));
+        assert!(
+            text.contains("\n  tensor_model_parallel_size: 2\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("\n  params_dtype:\n    _call_: false\n    _target_: torch.float32\n")
+        );
         assert!(text.contains("\ntrain: null\n"));
         let mut qwen = config.clone();
         qwen["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
-        let e = llama_provider(&qwen, Path::new("config.json")).unwrap_err();
+        let q = provider(&qwen, Path::new("config.json")).unwrap();
+        assert_eq!(q["add_qkv_bias"], Y::Bool(true));
+        assert_eq!(q["autocast_dtype"], Y::Target("torch.bfloat16"));
+        assert!(!q.contains_key("kv_channels") && !q.contains_key("apply_rope_fusion"));
+        let mut mistral = config.clone();
+        mistral["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+        let e = provider(&mistral, Path::new("config.json")).unwrap_err();
         assert!(e.to_string().contains("`architectures`"), "{e}");
         let mut yarn = config;
         yarn["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0});
-        let e = llama_provider(&yarn, Path::new("config.json")).unwrap_err();
+        let e = provider(&yarn, Path::new("config.json")).unwrap_err();
         assert!(e.to_string().contains("`rope_scaling`"), "{e}");
     }
 }
