@@ -4,7 +4,8 @@ writes is what Megatron-Bridge's import leaves and its loader reads.
     python scripts/trainers_import_check.py [path/to/ckpt]     # default: target/debug/ckpt
 
 For the tiny Llama of tests/fixtures/hf/llama (exported to Hugging Face from its
-megatron-core dist_ckpt), on TP2 x PP2 and on one rank:
+megatron-core dist_ckpt) on TP2 x PP2 and on one rank, and the Qwen2 of
+tests/fixtures/hf/qwen2 on TP2 x PP2:
 - megatron-core: a GPTModel built from the output's `run_config.yaml` `model` section
   (its sizes, norm, activation, RoPE base, epsilon; the vocabulary unpadded, as
   `should_pad_vocab` false gives) on that many gloo ranks loads `iter_0000000` with
@@ -17,9 +18,9 @@ megatron-core dist_ckpt), on TP2 x PP2 and on one rank:
   content_metadata;
 - the side files, field by field, against the committed fixture
   tests/fixtures/trainers/megatron_bridge (written following Bridge v0.6.0's source, for
-  the same model): every section and field name ckpt writes in `run_config.yaml` is one
-  of that class's fields there, with the same `_target_`; the model's architecture
-  fields have the fixture's values; `train_state.pt` has the fixture's keys and dtypes
+  the same Llama): every section and field name ckpt writes in `run_config.yaml` is one
+  of that class's fields there, with the same `_target_`; for the Llama, the model's
+  architecture fields have the fixture's values; `train_state.pt` has the fixture's keys and dtypes
   (all zero: step 0), `latest_train_state.pt` is its copy, `metadata.json` is the
   fixture's, the tracker says `0`.
 Megatron-Bridge itself (its `load_checkpoint` / `AutoBridge.load_megatron_model`) needs
@@ -37,7 +38,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "trainers", "megatron_bridge", "nemo_experiments", "default",
                        "checkpoints", "iter_0000002")
-HF_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hf", "llama")
+HF_FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FP32_TOL = 1e-4
 # The model's architecture: equal to the fixture's (the same model).
 ARCH = ["_target_", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -72,7 +73,7 @@ def family_of_run_config(m):
     """hf_megatron.build_model's family features from run_config.yaml's model section."""
     return dict(norm=m["normalization"], swiglu=m["gated_linear_unit"]
                 and m["activation_func"]["_target_"].endswith("silu"),
-                rope=m["position_embedding_type"] == "rope", groups=m["num_query_groups"], kv=m["kv_channels"],
+                rope=m["position_embedding_type"] == "rope", groups=m["num_query_groups"], kv=m.get("kv_channels"),
                 qkv_bias=m["add_qkv_bias"], bias=m["add_bias_linear"], qk_norm=m.get("qk_layernorm", False),
                 tied=m["share_embeddings_and_output_weights"], base=m["rotary_base"], eps=m["layernorm_epsilon"])
 
@@ -159,8 +160,9 @@ def load_worker(rank, world, tp, pp, port, bridge_iter, dist_iter, ref_file, res
     torch.distributed.destroy_process_group()
 
 
-def check_sidecars(out, tp, pp):
-    """The side files against the committed fixture's, field by field."""
+def check_sidecars(out, tp, pp, same_model):
+    """The side files against the committed fixture's, field by field (`same_model`:
+    the fixture's Llama, whose architecture values must be the same too)."""
     import torch
     import yaml
 
@@ -181,10 +183,11 @@ def check_sidecars(out, tp, pp):
             assert k in theirs[section], f"run_config.yaml: `{section}.{k}` is not a field of {v['_target_']}"
             fields += 1
     m, t = mine["model"], theirs["model"]
-    for k in ARCH:
-        assert m[k] == t[k], f"run_config.yaml: model.{k} is {m[k]!r}, the fixture's {t[k]!r}"
-    differ = {k: m[k] for k in m if k not in ARCH and m[k] != t.get(k)}
-    assert set(differ) <= set(RUN), f"model fields neither the model's nor the run's: {set(differ) - set(RUN)}"
+    differ = {k: m[k] for k in m if m[k] != t.get(k)}
+    if same_model:
+        for k in ARCH:
+            assert m[k] == t[k], f"run_config.yaml: model.{k} is {m[k]!r}, the fixture's {t[k]!r}"
+        assert set(differ) <= set(RUN), f"model fields neither the model's nor the run's: {set(differ) - set(RUN)}"
     assert (m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"]) == (tp, pp)
     assert mine["checkpoint"]["save"] == os.path.abspath(out)
     assert (mine["checkpoint"]["save_optim"], mine["checkpoint"]["save_rng"]) == (False, False)
@@ -223,29 +226,33 @@ def main():
     except ImportError as e:
         skipped(f"scripts/trainers_import_check.py needs torch, safetensors, pyyaml and megatron-core ({e})")
     with tempfile.TemporaryDirectory() as work:
-        hf = os.path.join(work, "hf")
-        run(ckpt, "merge", os.path.join(HF_FIXTURE, "dist_ckpt"), "--format", "hf", "-o", hf, "--quiet")
-        for i, (tp, pp) in enumerate(((2, 2), (1, 1))):
-            out = os.path.join(work, f"bridge-{tp}{pp}")
-            dist = os.path.join(work, f"dist-{tp}{pp}")
+        for i, (family, tp, pp) in enumerate((("llama", 2, 2), ("llama", 1, 1), ("qwen2", 2, 2))):
+            hf = os.path.join(work, f"hf-{family}")
+            if not os.path.exists(hf):
+                run(ckpt, "merge", os.path.join(HF_FIXTURES, family, "dist_ckpt"), "--format", "hf", "-o", hf,
+                    "--quiet")
+            out = os.path.join(work, f"bridge-{family}-{tp}{pp}")
+            dist = os.path.join(work, f"dist-{family}-{tp}{pp}")
             mesh = f"tp={tp},pp={pp}"
             run(ckpt, "reshard", hf, "--format", "megatron-bridge", "--mesh", mesh, "-o", out, "--quiet")
             run(ckpt, "reshard", hf, "--format", "megatron-dist", "--mesh", mesh, "-o", dist, "--quiet")
-            fields, differ = check_sidecars(out, tp, pp)
+            fields, differ = check_sidecars(out, tp, pp, family == "llama")
             said = run(ckpt, "inspect", out)
             assert "Megatron-Bridge" in said.stdout + said.stderr, said.stdout + said.stderr
-            result = os.path.join(work, f"logits-{tp}{pp}.pt")
-            ref = os.path.join(HF_FIXTURE, "reference.safetensors")
+            result = os.path.join(work, f"logits-{family}-{tp}{pp}.pt")
+            ref = os.path.join(HF_FIXTURES, family, "reference.safetensors")
             mp.spawn(load_worker, args=(tp * pp, tp, pp, 29640 + 10 * i, os.path.join(out, "iter_0000000"),
                                         os.path.join(dist, "release"), ref, result), nprocs=tp * pp, join=True)
             got, want = torch.load(result), load_file(ref)["logits"]
             diff = (got - want).abs().max().item()
-            assert got.shape == want.shape and diff <= FP32_TOL, f"TP{tp} x PP{pp}: logits differ by {diff}"
-            print(f"HF -> megatron-bridge TP{tp} x PP{pp}: megatron-core's dist_checkpointing.load takes "
+            assert got.shape == want.shape and diff <= FP32_TOL, f"{family} TP{tp} x PP{pp}: logits differ by {diff}"
+            same = ("the model's architecture equal, differing as an import: " + ", ".join(differ)
+                    if family == "llama" else "another model than the fixture's: names and classes only")
+            print(f"{family}: HF -> megatron-bridge TP{tp} x PP{pp}: megatron-core's dist_checkpointing.load takes "
                   f"iter_0000000 strictly into the GPTModel of its run_config.yaml, weights equal megatron-dist's, "
                   f"logits the reference's (max |diff| {diff:.2e}); {fields} run_config.yaml fields are Bridge's "
-                  f"(the fixture's), the model's architecture equal, differing as an import: {', '.join(differ)}; "
-                  f"train_state.pt, latest_train_state.pt, tracker, metadata.json and common.pt as the fixture's")
+                  f"(the fixture's), {same}; train_state.pt, latest_train_state.pt, tracker, metadata.json and "
+                  f"common.pt as the fixture's")
     try:
         import megatron.bridge  # noqa: F401
     except ImportError:
