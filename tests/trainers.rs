@@ -704,9 +704,10 @@ fn hugging_face_llama_into_megatron_bridge_and_back() {
 #[test]
 fn megatron_bridge_refusals_name_the_field_and_write_nothing() {
     let d = Dir::new();
-    let cases: [(&str, fn(&mut serde_json::Value), &str); 3] = [
+    type Edit = fn(&mut serde_json::Value);
+    let cases: [(&str, Edit, &str); 3] = [
         (
-            "qwen",
+            "mistral",
             |c| c["architectures"] = serde_json::json!(["MistralForCausalLM"]),
             "`architectures` is \"MistralForCausalLM\"",
         ),
