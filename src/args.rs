@@ -389,7 +389,10 @@ pub(crate) struct ReshardArgs {
     /// `megatron` (a Megatron legacy checkpoint, from a Megatron legacy source or a
     /// Hugging Face model: iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt), `megatron-dist`
     /// (a megatron-core dist_ckpt from the same sources, loadable by
-    /// dist_checkpointing.load: iter_*/ with .metadata and __<r>_0.distcp), `torchtitan`
+    /// dist_checkpointing.load: iter_*/ with .metadata and __<r>_0.distcp),
+    /// `megatron-bridge` (a Hugging Face Llama or Qwen2 as Megatron-Bridge's AutoBridge.import_ckpt
+    /// saves it: iter_0000000/ with run_config.yaml, train_state.pt and the trackers,
+    /// what Bridge's load_checkpoint starts training from), `torchtitan`
     /// (DCP in torchtitan's Llama names, from a Hugging Face Llama) or `deepspeed`
     /// (a DeepSpeed ZeRO-1/2/3 checkpoint for --to N data-parallel ranks, from a
     /// DeepSpeed source; a ZeRO-1/2 mixture of experts also at another EP size with

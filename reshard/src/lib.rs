@@ -7,8 +7,9 @@
 
 use ckpt_core::{
     check_output_outside_inputs, execute_with, Checkpoint, Compression, Computations, CopyPlan,
-    CopyStats, Dcp, Error, MegatronDist, MegatronLegacy, Mesh, Placement, RankOptions, Result,
-    Selection, Sliced, StagedDir, Strategy, TargetLayout, TensorLayout, Writer,
+    CopyStats, Dcp, Error, MegatronBridge, MegatronDist, MegatronLegacy, Mesh, Placement,
+    RankOptions, Result, Selection, Sliced, StagedDir, Strategy, TargetLayout, TensorLayout,
+    Writer,
 };
 use std::path::{Path, PathBuf};
 
@@ -86,6 +87,11 @@ pub enum OutputFormat {
     /// `OUT/latest_checkpointed_iteration.txt`, loadable by megatron-core's
     /// `dist_checkpointing.load`.
     MegatronDist,
+    /// A Hugging Face Llama or Qwen2 as Megatron-Bridge's `AutoBridge.import_ckpt` saves it (the
+    /// dist_ckpt in `OUT/iter_0000000/` with `run_config.yaml`, `train_state.pt` and
+    /// `tokenizer/`, `OUT/latest_train_state.pt` and `OUT/latest_checkpointed_iteration.txt`),
+    /// what Bridge's `load_checkpoint` starts training from.
+    MegatronBridge,
     /// PyTorch DCP's default format in torchtitan's names (from a Hugging Face Llama
     /// and its config.json): what torchtitan's `CheckpointManager` loads as a
     /// model-only checkpoint (`initial_load_path`).
@@ -108,13 +114,14 @@ impl OutputFormat {
     /// Every format by the name the CLI and the Python package take (`--format`;
     /// `distcp` and `dcp-safetensors` are PyTorch's two DCP layouts, `dcp` the old name
     /// of the second, [`OLD_DCP_NAME`]).
-    pub const NAMES: [(&'static str, OutputFormat); 9] = [
+    pub const NAMES: [(&'static str, OutputFormat); 10] = [
         ("ckpt", OutputFormat::Ranks),
         ("dcp-safetensors", OutputFormat::Dcp),
         ("distcp", OutputFormat::Distcp),
         ("mindspore", OutputFormat::MindSpore),
         ("megatron", OutputFormat::Megatron),
         ("megatron-dist", OutputFormat::MegatronDist),
+        ("megatron-bridge", OutputFormat::MegatronBridge),
         ("torchtitan", OutputFormat::Torchtitan),
         ("deepspeed", OutputFormat::DeepSpeed),
         // The old name of `dcp-safetensors`, kept: it reads as either DCP format.
@@ -349,6 +356,12 @@ fn writer(req: &ReshardRequest, source: &mut Checkpoint) -> Result<Box<dyn Write
         OutputFormat::Torchtitan => Box::new(Dcp::torchtitan(source, req, options)?),
         OutputFormat::Megatron => Box::new(MegatronLegacy::new(source, req, options)?),
         OutputFormat::MegatronDist => Box::new(MegatronDist::new(source, req, options)?),
+        OutputFormat::MegatronBridge => Box::new(MegatronBridge::new(
+            source,
+            req,
+            options,
+            &req.output,
+        )?),
         OutputFormat::DeepSpeed => {
             return Err(Error::Unsupported {
                 problem: "--format deepspeed re-cuts DeepSpeed's flat partitions directly: it has no copy plan to show (--plan)".into(),

@@ -55,6 +55,20 @@ use std::path::{Path, PathBuf};
 pub struct MegatronDist {
     /// The target's tensor x pipeline ranks, as [`megatron_dist_strategy`] prepares it.
     strategy: Strategy,
+    /// Whose save the dist_ckpt is: what its iteration directory is called and what
+    /// its `common.pt` holds.
+    saver: Saver,
+}
+
+/// Who writes the dist_ckpt: the same tensors under the same keys, saved by another
+/// program's code around megatron-core's `dist_checkpointing.save`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Saver {
+    /// Megatron-LM's `save_checkpoint`: `common.pt` holds `args`.
+    MegatronLm,
+    /// Megatron-Bridge's `save_megatron_model` (`AutoBridge.import_ckpt`): `iter_0000000/`,
+    /// `common.pt` without args ([`super::megatron_bridge`]).
+    Bridge,
 }
 
 impl MegatronDist {
@@ -74,7 +88,35 @@ impl MegatronDist {
         source.grouped_experts_as_sequential()?;
         let (mut strategy, _) = megatron_target(source, target)?;
         megatron_dist_strategy(source, &mut strategy)?;
-        Ok(MegatronDist { strategy })
+        Ok(MegatronDist {
+            strategy,
+            saver: Saver::MegatronLm,
+        })
+    }
+
+    /// [`MegatronDist::new`], saved as `saver` saves it.
+    ///
+    /// # Errors
+    /// As [`MegatronDist::new`].
+    pub(crate) fn saved_by(
+        source: &mut Checkpoint,
+        target: &dyn TargetLayout,
+        options: RankOptions,
+        saver: Saver,
+    ) -> Result<MegatronDist> {
+        let mut w = MegatronDist::new(source, target, options)?;
+        w.saver = saver;
+        Ok(w)
+    }
+
+    /// The target's tensor and pipeline sizes.
+    ///
+    /// # Errors
+    /// A mesh megatron-core cannot run the model on ([`megatron_grid`]).
+    pub(crate) fn sizes(&self, source: &Checkpoint) -> Result<(u64, u64)> {
+        let state = source.megatron_state()?;
+        let (_, tp, pp) = megatron_grid(&state, &self.strategy, "megatron-dist")?;
+        Ok((tp, pp))
     }
 }
 
@@ -85,7 +127,7 @@ impl Writer for MegatronDist {
 
     fn plan(&self, source: &Checkpoint, _: &Selection) -> Result<CopyPlan> {
         let mut plan = rank_plan(source, &self.strategy, Ranks::All, false, DISTCP_FILES)?;
-        let (_, rewrites) = stacked(source, &self.strategy, &plan)?;
+        let (_, rewrites) = stacked(source, &self.strategy, &plan, self.saver)?;
         for (f, (path, shapes)) in plan.files.iter_mut().zip(rewrites) {
             f.path = path;
             if let Some(json) = shapes {
@@ -106,8 +148,8 @@ impl Writer for MegatronDist {
     fn finish(&self, src: &Checkpoint, _: &Selection, plan: &CopyPlan, dir: &Path) -> Result<()> {
         finish_dir(dir, &self.strategy.to_json(), src)?;
         // The same layout as the plan's (the rewrite renamed files, not tensors).
-        let (dist, _) = stacked(src, &self.strategy, plan)?;
-        megatron_dist_finish(&dist, dir)
+        let (dist, _) = stacked(src, &self.strategy, plan, self.saver)?;
+        megatron_dist_finish(&dist, dir, self.saver)
     }
 }
 
@@ -256,18 +298,23 @@ fn stacked(
     source: &Checkpoint,
     strategy: &Strategy,
     plan: &CopyPlan,
+    saver: Saver,
 ) -> Result<(Stacked, Rewrites)> {
     let state = source.megatron_state()?;
     let (_, tp, pp) = megatron_grid(&state, strategy, "megatron-dist")?;
     let layers = state.args.num_layers.ok_or_else(|| {
         unsupported("the source's args lack num_layers (a dist_ckpt stacks the layers)".into())
     })?;
-    let dir = state
-        .rank_path(0, 0, 1)
-        .components()
-        .next()
-        .map(|c| PathBuf::from(c.as_os_str()))
-        .unwrap_or_default();
+    let dir = match saver {
+        Saver::MegatronLm => state
+            .rank_path(0, 0, 1)
+            .components()
+            .next()
+            .map(|c| PathBuf::from(c.as_os_str()))
+            .unwrap_or_default(),
+        // `get_checkpoint_name(path, 0, release=False)`.
+        Saver::Bridge => PathBuf::from(BRIDGE_ITERATION_DIR),
+    };
     let mut tensors: BTreeMap<String, (Dtype, Vec<u64>)> = BTreeMap::new();
     let mut files = Vec::with_capacity(plan.files.len());
     let mut rewrites = Vec::with_capacity(plan.files.len());
@@ -367,7 +414,7 @@ fn stacked(
 ///
 /// # Errors
 /// I/O errors; args that cannot be written back.
-fn megatron_dist_finish(dist: &Stacked, out: &Path) -> Result<()> {
+fn megatron_dist_finish(dist: &Stacked, out: &Path, saver: Saver) -> Result<()> {
     let dir = out.join(&dist.dir);
     // One `torch.save([None])` that every layer's extra state points at.
     let objects_path = dir.join(OBJECTS_FILE);
@@ -405,6 +452,9 @@ fn megatron_dist_finish(dist: &Stacked, out: &Path) -> Result<()> {
     }
     let meta = metadata_bytes(&dist.tensors, &dist.files, &objects)?;
     write_file_atomic(&dir.join(crate::formats::distcp::METADATA_FILE), &meta)?;
+    if saver == Saver::Bridge {
+        return bridge_common(&dir);
+    }
     let (tp, pp) = dist.sizes;
     // GroupedMLP's experts whole on every TP rank (expert TP 1), as the legacy output
     // writes them and as ckpt reads them back; else unset, the TP size.
@@ -424,6 +474,28 @@ fn megatron_dist_finish(dist: &Stacked, out: &Path) -> Result<()> {
         &out.join(TRACKER_FILE),
         dist.state.tracker_text().as_bytes(),
     )
+}
+
+/// The iteration directory of a Megatron-Bridge import (step 0).
+pub(crate) const BRIDGE_ITERATION_DIR: &str = "iter_0000000";
+
+/// `common.pt` and `metadata.json` of a Megatron-Bridge import: `generate_state_dict`'s
+/// entries that are not sharded (`checkpoint_version` 3.0, `iteration` 0: no optimizer,
+/// scheduler, RNG or rerun state, `save_optim` and `save_rng` false) and, last,
+/// `content_metadata` (`_build_sharded_state_dict_metadata(False, ...)` less its
+/// process group).
+fn bridge_common(dir: &Path) -> Result<()> {
+    let mut e = Emitter::new();
+    e.empty_dict().mark();
+    e.str("checkpoint_version").float(3.0);
+    e.str("iteration").int(0);
+    e.str("content_metadata").empty_dict().mark();
+    e.str("singleton_local_shards").bool(false);
+    e.str("chained_optim_avoid_prefix").bool(true);
+    e.set_items();
+    e.set_items();
+    TorchWriter::create_with_pickle(&dir.join(COMMON_FILE), &[], e.finish())?.finish()?;
+    write_file_atomic(&dir.join(CONFIG_FILE), CONFIG.as_bytes())
 }
 
 /// `[0, 3]` as `0.3`.

@@ -1,0 +1,264 @@
+"""The way back to a trainer (issue 45): what `ckpt reshard HF --format megatron-bridge`
+writes is what Megatron-Bridge's import leaves and its loader reads.
+
+    python scripts/trainers_import_check.py [path/to/ckpt]     # default: target/debug/ckpt
+
+For the tiny Llama of tests/fixtures/hf/llama (exported to Hugging Face from its
+megatron-core dist_ckpt) on TP2 x PP2 and on one rank, and the Qwen2 of
+tests/fixtures/hf/qwen2 on TP2 x PP2:
+- megatron-core: a GPTModel built from the output's `run_config.yaml` `model` section
+  (its sizes, norm, activation, RoPE base, epsilon; the vocabulary unpadded, as
+  `should_pad_vocab` false gives) on that many gloo ranks loads `iter_0000000` with
+  `dist_checkpointing.load({"model": model.sharded_state_dict()}, ...)` (as Bridge's
+  `_load_checkpoint_from_path` does: the model under `model`, common.pt's entries beside)
+  and `load_state_dict(strict=True)`; every weight equals the one megatron-core loads
+  from `--format megatron-dist` of the same model (which scripts/hf_interop.py checks
+  against megatron-core's own save), and its forward gives the reference logits within
+  1e-4; `common.pt` holds checkpoint_version 3.0, iteration 0 and Bridge's
+  content_metadata;
+- the side files, field by field, against the committed fixture
+  tests/fixtures/trainers/megatron_bridge (written following Bridge v0.6.0's source, for
+  the same Llama): every section and field name ckpt writes in `run_config.yaml` is one
+  of that class's fields there, with the same `_target_`; for the Llama, the model's
+  architecture fields have the fixture's values; `train_state.pt` has the fixture's keys and dtypes
+  (all zero: step 0), `latest_train_state.pt` is its copy, `metadata.json` is the
+  fixture's, the tracker says `0`.
+Megatron-Bridge itself (its `load_checkpoint` / `AutoBridge.load_megatron_model`) needs
+CUDA, Transformer Engine and Python 3.12 and is not run: said as SKIPPED.
+Needs torch, safetensors, pyyaml and megatron-core; SKIPPED with a message when one is
+missing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "trainers", "megatron_bridge", "nemo_experiments", "default",
+                       "checkpoints", "iter_0000002")
+HF_FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
+FP32_TOL = 1e-4
+# The model's architecture: equal to the fixture's (the same model).
+ARCH = ["_target_", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+        "kv_channels", "layernorm_epsilon", "normalization", "gated_linear_unit", "activation_func",
+        "position_embedding_type", "rotary_base", "rotary_percent", "share_embeddings_and_output_weights",
+        "add_bias_linear", "add_qkv_bias", "params_dtype", "fp16", "bf16", "hidden_dropout", "attention_dropout",
+        "init_method_std"]
+# Fields the run sets, not the model (the fixture is a training run's save, ckpt's an import).
+RUN = {"tensor_model_parallel_size": "--mesh", "pipeline_model_parallel_size": "--mesh",
+       "seq_length": "the HF max_position_embeddings (the fixture's run: 16)",
+       "vocab_size": "the HF vocabulary, unpadded (the fixture's run: its NullTokenizer's 50 of 64 rows)",
+       "make_vocab_size_divisible_by": "Bridge's largest power of 2 dividing the vocabulary (the run: 8)",
+       "hf_model_id": "the HF directory imported (the run: none)",
+       "perform_initialization": "false: weights loaded (to_megatron_provider)",
+       "bias_activation_fusion": "Llama's true (the CPU run built without fusions)",
+       "masked_softmax_fusion": "idem", "persist_layer_norm": "idem", "bias_dropout_fusion": "idem",
+       "apply_rope_fusion": "idem"}
+
+
+def skipped(why):
+    print(f"SKIPPED: {why}")
+    sys.exit(0)
+
+
+def run(*args):
+    r = subprocess.run(list(args), capture_output=True, text=True)
+    assert r.returncode == 0, f"{args}: {r.stderr}"
+    return r
+
+
+def family_of_run_config(m):
+    """hf_megatron.build_model's family features from run_config.yaml's model section."""
+    return dict(norm=m["normalization"], swiglu=m["gated_linear_unit"]
+                and m["activation_func"]["_target_"].endswith("silu"),
+                rope=m["position_embedding_type"] == "rope", groups=m["num_query_groups"], kv=m.get("kv_channels"),
+                qkv_bias=m["add_qkv_bias"], bias=m["add_bias_linear"], qk_norm=m.get("qk_layernorm", False),
+                tied=m["share_embeddings_and_output_weights"], base=m["rotary_base"], eps=m["layernorm_epsilon"])
+
+
+def pipeline_forward(model, ids, hidden):
+    """scripts/hf_interop.py's forward over the TP x PP ranks, driven by hand (that
+    script imports transformers, which this one does not need)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    b, s = ids.shape
+    pos = torch.arange(s).unsqueeze(0).expand_as(ids)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    model.eval()
+    with torch.no_grad():
+        if stages > 1:
+            ranks = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+            if stage > 0:
+                h = torch.empty(s, b, hidden)
+                torch.distributed.recv(h, ranks[stage - 1])
+                model.set_input_tensor(h)
+        out = model(ids if stage == 0 else None, pos, mask)
+        if stage < stages - 1:
+            torch.distributed.send(out.contiguous(), ranks[stage + 1])
+            return None
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(out) for _ in range(tp)]
+        torch.distributed.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+        out = torch.cat(parts, dim=-1)
+    return out
+
+
+def load_worker(rank, world, tp, pp, port, bridge_iter, dist_iter, ref_file, result):
+    """One of tp x pp gloo ranks: the model of run_config.yaml loads Bridge's iteration
+    strictly; its weights equal megatron-dist's; on one rank, its logits go to `result`."""
+    import torch
+    import yaml
+    from safetensors.torch import load_file
+
+    sys.path.append(os.path.join(ROOT, "scripts", "fixtures"))
+    import hf_megatron as H
+
+    H.stub_cuda()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    with open(os.path.join(bridge_iter, "run_config.yaml")) as f:
+        m = yaml.safe_load(f)["model"]
+    assert (m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"]) == (tp, pp)
+    assert (m["num_layers"], m["hidden_size"], m["ffn_hidden_size"], m["num_attention_heads"]) == (
+        H.LAYERS, H.HIDDEN, H.FFN, H.HEADS), m
+
+    def build():
+        model = H.build_model(family_of_run_config(m), tp, pp, m["vocab_size"])
+        for p in model.parameters():
+            torch.nn.init.constant_(p, float("nan"))
+        return model
+
+    model = build()
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, bridge_iter)
+    assert loaded["checkpoint_version"] == 3.0 and loaded["iteration"] == 0, sorted(loaded)
+    assert loaded["content_metadata"] == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    assert "args" not in loaded and "optimizer" not in loaded and "rng_state" not in loaded, sorted(loaded)
+    model.load_state_dict(loaded["model"], strict=True)
+    other = build()
+    other.load_state_dict(dist_checkpointing.load({"model": other.sharded_state_dict()}, dist_iter)["model"],
+                          strict=True)
+    have, want = model.state_dict(), other.state_dict()
+    assert sorted(have) == sorted(want)
+    for k, v in have.items():
+        if not k.endswith("_extra_state"):
+            assert torch.equal(v, want[k]), k
+    logits = pipeline_forward(model, load_file(ref_file)["input_ids"], m["hidden_size"])
+    if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
+        torch.save(logits, result)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def check_sidecars(out, tp, pp, same_model):
+    """The side files against the committed fixture's, field by field (`same_model`:
+    the fixture's Llama, whose architecture values must be the same too)."""
+    import torch
+    import yaml
+
+    it = os.path.join(out, "iter_0000000")
+    with open(os.path.join(it, "run_config.yaml")) as f:
+        mine = yaml.safe_load(f)
+    with open(os.path.join(FIXTURE, "run_config.yaml")) as f:
+        theirs = yaml.safe_load(f)
+    assert mine["_target_"] == theirs["_target_"]
+    fields = 0
+    for section, v in mine.items():
+        assert section in theirs, f"run_config.yaml: section `{section}` is not a ConfigContainer field"
+        if not isinstance(v, dict):
+            assert v is None or isinstance(v, str), (section, v)
+            continue
+        assert v["_target_"] == theirs[section]["_target_"], section
+        for k in v:
+            assert k in theirs[section], f"run_config.yaml: `{section}.{k}` is not a field of {v['_target_']}"
+            fields += 1
+    m, t = mine["model"], theirs["model"]
+    differ = {k: m[k] for k in m if m[k] != t.get(k)}
+    if same_model:
+        for k in ARCH:
+            assert m[k] == t[k], f"run_config.yaml: model.{k} is {m[k]!r}, the fixture's {t[k]!r}"
+        assert set(differ) <= set(RUN), f"model fields neither the model's nor the run's: {set(differ) - set(RUN)}"
+    assert (m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"]) == (tp, pp)
+    assert mine["checkpoint"]["save"] == os.path.abspath(out)
+    assert (mine["checkpoint"]["save_optim"], mine["checkpoint"]["save_rng"]) == (False, False)
+    assert mine["tokenizer"]["tokenizer_type"] == "HuggingFaceTokenizer"
+    for s in ("train", "ddp", "scheduler", "dataset", "dist"):
+        assert mine[s] is None, s
+    ts = torch.load(os.path.join(it, "train_state.pt"), weights_only=True)
+    ref = torch.load(os.path.join(FIXTURE, "train_state.pt"), weights_only=True)
+    assert list(ts) == list(ref), (list(ts), list(ref))
+    for k, v in ts.items():
+        assert v.dtype == ref[k].dtype and v.shape == ref[k].shape == torch.Size([]), k
+        assert v.item() == 0, k
+    latest = torch.load(os.path.join(out, "latest_train_state.pt"), weights_only=True)
+    assert all(torch.equal(latest[k], v) for k, v in ts.items())
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read() == "0"
+    with open(os.path.join(it, "metadata.json")) as f, open(os.path.join(FIXTURE, "metadata.json")) as g:
+        assert json.load(f) == json.load(g)
+    common = torch.load(os.path.join(it, "common.pt"), weights_only=False)
+    theirs_common = torch.load(os.path.join(FIXTURE, "common.pt"), weights_only=False)
+    assert list(common) == ["checkpoint_version", "iteration", "content_metadata"], list(common)
+    assert set(common) <= set(theirs_common)
+    assert common["checkpoint_version"] == theirs_common["checkpoint_version"]
+    assert set(common["content_metadata"]) <= set(theirs_common["content_metadata"])
+    return fields, sorted(differ)
+
+
+def main():
+    ckpt = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target", "debug", "ckpt"))
+    try:
+        import torch  # noqa: F401
+        import torch.multiprocessing as mp
+        import yaml  # noqa: F401
+        from safetensors.torch import load_file  # noqa: F401
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        skipped(f"scripts/trainers_import_check.py needs torch, safetensors, pyyaml and megatron-core ({e})")
+    with tempfile.TemporaryDirectory() as work:
+        for i, (family, tp, pp) in enumerate((("llama", 2, 2), ("llama", 1, 1), ("qwen2", 2, 2))):
+            hf = os.path.join(work, f"hf-{family}")
+            if not os.path.exists(hf):
+                run(ckpt, "merge", os.path.join(HF_FIXTURES, family, "dist_ckpt"), "--format", "hf", "-o", hf,
+                    "--quiet")
+            out = os.path.join(work, f"bridge-{family}-{tp}{pp}")
+            dist = os.path.join(work, f"dist-{family}-{tp}{pp}")
+            mesh = f"tp={tp},pp={pp}"
+            run(ckpt, "reshard", hf, "--format", "megatron-bridge", "--mesh", mesh, "-o", out, "--quiet")
+            run(ckpt, "reshard", hf, "--format", "megatron-dist", "--mesh", mesh, "-o", dist, "--quiet")
+            fields, differ = check_sidecars(out, tp, pp, family == "llama")
+            said = run(ckpt, "inspect", out)
+            assert "Megatron-Bridge" in said.stdout + said.stderr, said.stdout + said.stderr
+            result = os.path.join(work, f"logits-{family}-{tp}{pp}.pt")
+            ref = os.path.join(HF_FIXTURES, family, "reference.safetensors")
+            mp.spawn(load_worker, args=(tp * pp, tp, pp, 29640 + 10 * i, os.path.join(out, "iter_0000000"),
+                                        os.path.join(dist, "release"), ref, result), nprocs=tp * pp, join=True)
+            got, want = torch.load(result), load_file(ref)["logits"]
+            diff = (got - want).abs().max().item()
+            assert got.shape == want.shape and diff <= FP32_TOL, f"{family} TP{tp} x PP{pp}: logits differ by {diff}"
+            same = ("the model's architecture equal, differing as an import: " + ", ".join(differ)
+                    if family == "llama" else "another model than the fixture's: names and classes only")
+            print(f"{family}: HF -> megatron-bridge TP{tp} x PP{pp}: megatron-core's dist_checkpointing.load takes "
+                  f"iter_0000000 strictly into the GPTModel of its run_config.yaml, weights equal megatron-dist's, "
+                  f"logits the reference's (max |diff| {diff:.2e}); {fields} run_config.yaml fields are Bridge's "
+                  f"(the fixture's), {same}; train_state.pt, latest_train_state.pt, tracker, metadata.json and "
+                  f"common.pt as the fixture's")
+    try:
+        import megatron.bridge  # noqa: F401
+    except ImportError:
+        print("SKIPPED: Megatron-Bridge's own load_checkpoint (not installed: it needs CUDA, Transformer Engine "
+              "and Python 3.12); megatron-core's load and the fixture's side files stand for it")
+
+
+if __name__ == "__main__":
+    main()
