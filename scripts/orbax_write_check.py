@@ -381,7 +381,7 @@ def reshard_checks(ckpt, work):
     write_safetensors(src, ref)
     axes = [("dp", 2), ("tp", 4)]
     placements = {k: v[2] for k, v in SHARDED.items()}
-    strategy = os.path.join(work, "strategy.json")
+    strategy = os.path.join(work, "dp2-tp4.json")
     json.dump(strategy_json(axes, placements), open(strategy, "w"))
     ranks = os.path.join(work, "ranks-dp2-tp4")
     shutil.rmtree(ranks, ignore_errors=True)
