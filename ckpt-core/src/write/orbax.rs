@@ -104,7 +104,7 @@ fn jax_sharding(name: &str, layout: &TensorLayout, strategy: &Strategy) -> Resul
             .iter()
             .map(|&(_, a)| mesh.axes()[a].name.clone())
             .collect();
-        if ways > 1 && layout.shape[dim] % ways != 0 {
+        if ways > 1 && !layout.shape[dim].is_multiple_of(ways) {
             return Err(refuse(format!(
                 "dim {dim} of size {} is split {ways} ways over axis {} and {ways} does not divide it: JAX shards evenly only (a NamedSharding's split dimensions must be multiples of their axes' sizes, and zarr's chunks are a regular grid); choose a mesh whose sizes divide the dimension, or --exclude it",
                 layout.shape[dim],
@@ -158,7 +158,7 @@ fn chunk_boxes(
                 .start
                 .iter()
                 .zip(&grid.chunk)
-                .all(|(&s, &c)| s % c == 0);
+                .all(|(&s, &c)| s.is_multiple_of(c));
         if !whole_chunk {
             return Err(wrong(format!(
                 "device {r}'s box {global} is no chunk of the grid {:?}",

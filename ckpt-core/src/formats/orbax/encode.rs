@@ -337,7 +337,7 @@ impl OrbaxArraysWriter {
                 && g.shape
                     .iter()
                     .zip(&g.chunk)
-                    .all(|(&n, &c)| c > 0 && n % c == 0);
+                    .all(|(&n, &c)| c > 0 && n.is_multiple_of(c));
             if !divides {
                 return Err(bad(
                     name,
