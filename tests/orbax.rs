@@ -885,7 +885,9 @@ fn reshard_to_orbax_refuses_what_jax_cannot_shard_and_writes_nothing() {
 
 /// orbax-checkpoint 0.12.8 restores `--format orbax` outputs (without a target as
 /// numpy arrays, through a CheckpointManager, and onto a 4-device CPU mesh with a
-/// target) with every array equal to its source: scripts/orbax_write_check.py, with
+/// target) with every array equal to its source, and `reshard --format orbax` outputs
+/// (without a target as jax.Arrays sharded as `_sharding` says, as numpy, onto the mesh;
+/// `_sharding` byte for byte orbax's): scripts/orbax_write_check.py, with
 /// `CKPT_PYTHON_JAX` naming a Python that has jax and orbax-checkpoint.
 #[test]
 fn orbax_restores_what_merge_writes() {
