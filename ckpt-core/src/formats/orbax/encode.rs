@@ -557,6 +557,60 @@ mod tests {
         assert_eq!(chunk_key("step", 0, 0), "step/c");
     }
 
+    /// A sharded item: each tensor one chunk by its key, at its place; a plan whose
+    /// tensors are not exactly the grid's chunks is refused naming the chunk.
+    #[test]
+    fn a_sharded_item_takes_one_tensor_per_chunk_and_refuses_other_plans() {
+        use crate::layout::Dtype;
+        let tmp = tempfile::tempdir().unwrap();
+        let spec = |name: &str, shape: Vec<u64>| TensorSpec {
+            name: name.into(),
+            dtype: Dtype::U8,
+            shape,
+        };
+        let grid = r#"{"w":{"shape":[4,6],"chunk":[2,3]}}"#;
+        let meta = BTreeMap::from([(GRID_KEY.to_string(), grid.to_string())]);
+        let keys = ["w/c/0/0", "w/c/0/1", "w/c/1/0", "w/c/1/1"];
+        let specs: Vec<TensorSpec> = keys.iter().map(|k| spec(k, vec![2, 3])).collect();
+        let dest = tmp.path().join("ok").join(MANIFEST_FILE);
+        std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+        let w = OrbaxArraysWriter::create(&dest, &specs, &meta, u64::MAX).unwrap();
+        for i in 0..4u8 {
+            w.write_at(usize::from(i), 0, &[i; 6]).unwrap();
+        }
+        assert!(w.write_at(0, 1, &[0; 6]).is_err());
+        Box::new(w).finish().unwrap();
+        let db = ckpt_ocdbt::Database::open(dest.parent().unwrap()).unwrap();
+        for (i, k) in keys.iter().enumerate() {
+            let v = db.get(k.as_bytes()).unwrap().unwrap();
+            assert_eq!(v[..6], [i as u8; 6], "{k}");
+            assert_eq!(v[6..], shard_index(6), "{k}");
+        }
+        let meta_json = String::from_utf8(db.get(b"w/zarr.json").unwrap().unwrap()).unwrap();
+        assert!(
+            meta_json.contains(r#""chunk_shape":[2,3]"#) && meta_json.contains(r#""shape":[4,6]"#)
+        );
+        let refused = |specs: &[TensorSpec], grid: &str, dir: &str| {
+            let dest = tmp.path().join(dir).join(MANIFEST_FILE);
+            std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+            let meta = BTreeMap::from([(GRID_KEY.to_string(), grid.to_string())]);
+            let e = OrbaxArraysWriter::create(&dest, specs, &meta, u64::MAX).unwrap_err();
+            assert_eq!(
+                std::fs::read_dir(dest.parent().unwrap()).unwrap().count(),
+                0
+            );
+            e.to_string()
+        };
+        let e = refused(&specs[..3], grid, "missing");
+        assert!(e.contains("w/c/1/1") && e.contains("missing"), "{e}");
+        let mut wrong = specs.clone();
+        wrong[2].shape = vec![3, 2];
+        let e = refused(&wrong, grid, "shape");
+        assert!(e.contains("w/c/1/0") && e.contains("[2, 3]"), "{e}");
+        let e = refused(&specs, r#"{"w":{"shape":[4,6],"chunk":[3,3]}}"#, "grid");
+        assert!(e.contains("`w`") && e.contains("does not divide"), "{e}");
+    }
+
     #[test]
     fn bytes_land_in_their_chunks_whatever_the_cuts() {
         use crate::layout::Dtype;
