@@ -27,8 +27,25 @@ dimension 0, the last padded). Each output is then restored by orbax:
 
 and every array is compared with the source: names (keys joined with `.`), dtypes,
 shapes and every byte. Last, ckpt reads its own output back (`ckpt merge OUT -o
-BACK`) and that is compared too. Exits 0 and prints PASS when everything matches,
-1 (FAIL) otherwise, 2 on usage errors.
+BACK`) and that is compared too.
+
+Then `ckpt reshard --format orbax` (sharded on a mesh): a source of every kind of
+placement (one axis, two axes on two dimensions, two axes on one dimension in either
+order, replicated, 0-d) is written by `ckpt reshard --strategy` on a dp=2,tp=4 mesh
+(8 devices) as an Orbax step, and from ckpt's rank directories of that layout by
+`--mesh tp=2` (4 devices) and `--to 4`. Each is restored by orbax
+
+6. without a target (`StandardCheckpointer().restore(item)`): jax.Arrays with the
+   shardings of `_sharding`, each compared with the NamedSharding this script derives
+   from the strategy on its own;
+7. as numpy (`PyTreeCheckpointer().restore(item, restore_args=RestoreArgs(
+   restore_type=np.ndarray))`);
+8. with a target on the same mesh, and with a target replicated on 2 devices;
+
+every leaf exact; each array's write shape is the NamedSharding's `shard_shape`
+(one chunk per device box); and `_sharding` is byte for byte the file orbax itself
+writes when it saves the same arrays with those shardings (`StandardCheckpointer().save`).
+Exits 0 and prints PASS when everything matches, 1 (FAIL) otherwise, 2 on usage errors.
 """
 
 import argparse
@@ -59,7 +76,7 @@ def reexec_under_jax_python():
 reexec_under_jax_python()
 
 if "XLA_FLAGS" not in os.environ:
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -186,7 +203,7 @@ def compare(label, got, ref, kind=None):
 
 
 def mesh_target(ref):
-    devs = jax.devices()
+    devs = jax.devices()[:4]
     mesh = Mesh(np.array(devs), ("x",))
 
     def leaf(a):
@@ -238,6 +255,152 @@ def check_output(ckpt, root, step, item, ref, work):
     return bad
 
 
+# The sharded source: (dtype, shape, placements on the dp=2,tp=4 mesh).
+SHARDED = {
+    "params.embed": (ml_dtypes.bfloat16, (16, 8), ["Replicate", "Shard(0)"]),
+    "params.layers.0.w": (np.float32, (8, 12), ["Shard(0)", "Shard(1)"]),
+    "params.layers.0.b": (np.float32, (12,), ["Replicate", "Replicate"]),
+    "params.vec": (np.float16, (16,), ["Shard(0)", "Shard(0)"]),
+    "params.swap": (np.float32, (8, 4), ["Shard(1)", "Shard(0)"]),
+    "params.order": (np.int32, (16, 2), ["Shard(0,order=1)", "Shard(0)"]),
+    "params.f8": (ml_dtypes.float8_e4m3fn, (8, 4), ["Replicate", "Shard(0)"]),
+    "ints.u8": (np.uint8, (8, 8), ["Shard(1)", "Replicate"]),
+    "opt.mask": (np.bool_, (4, 6), ["Shard(0)", "Replicate"]),
+    "opt.count": (np.int64, (), ["Replicate", "Replicate"]),
+}
+
+
+def sharded_source():
+    rng = np.random.default_rng(4848)
+    out = {}
+    for name, (dt, shape, _) in SHARDED.items():
+        if dt is np.bool_:
+            out[name] = rng.integers(0, 2, size=shape).astype(np.bool_)
+        elif np.issubdtype(np.dtype(dt), np.integer):
+            info = np.iinfo(dt)
+            out[name] = rng.integers(info.min, info.max, size=shape, dtype=dt, endpoint=True)
+        else:
+            out[name] = (rng.standard_normal(shape) * 3).astype(dt)
+    return out
+
+
+def strategy_json(axes, placements):
+    tensors = {}
+    for name, (dt, shape, _) in SHARDED.items():
+        tensors[name] = {"dtype": ST_NAME[np.dtype(dt)], "placements": placements[name], "shape": list(shape)}
+    return {"format": "ckpt-strategy", "mesh": {"axes": [{"name": n, "size": k} for n, k in axes]},
+            "tensors": tensors, "version": 1}
+
+
+def partition_spec(placements, axes, ndim):
+    """The PartitionSpec of ckpt placements, derived here on its own: per dimension the
+    axes that shard it in (order, mesh position) order; trailing unsplit dims left out."""
+    import re
+    per_dim = [[] for _ in range(ndim)]
+    for i, p in enumerate(placements):
+        m = re.fullmatch(r"Shard\((\d+)(?:,order=(\d+))?\)", p)
+        if m:
+            per_dim[int(m.group(1))].append((int(m.group(2) or 0), i, axes[i][0]))
+    spec = []
+    for d in per_dim:
+        names = tuple(n for _, _, n in sorted(d))
+        spec.append(None if not names else names[0] if len(names) == 1 else names)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return P(*spec)
+
+
+def check_sharded(ckpt, work, src, ref, label, out_root, cmd, axes, placements):
+    bad = 0
+    print(f"{label}: {' '.join(cmd[1:])}")
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"  ckpt failed ({r.returncode}): {r.stderr.strip()}")
+        return 1
+    item_dir = os.path.join(out_root, "1", "default")
+    n = int(np.prod([k for _, k in axes]))
+    mesh = Mesh(np.array(jax.devices()[:n]).reshape([k for _, k in axes]), tuple(a for a, _ in axes))
+    want = {name: NamedSharding(mesh, partition_spec(placements[name], axes, ref[name].ndim)) for name in ref}
+    # The write shapes (= chunk shapes): each device's box.
+    meta = json.load(open(os.path.join(item_dir, "_METADATA")))["tree_metadata"]
+    for entry in meta.values():
+        name = ".".join(k["key"] for k in entry["key_metadata"])
+        ws = entry["value_metadata"].get("write_shape")
+        box = list(want[name].shard_shape(ref[name].shape))
+        if entry["value_metadata"]["value_type"] != "jax.Array" or ws != box:
+            print(f"  [_METADATA] {name}: {entry['value_metadata']}, device box {box}")
+            bad += 1
+    # 6. No target: jax.Arrays as `_sharding` says.
+    got = flatten(ocp.StandardCheckpointer().restore(item_dir))
+    for name, a in got.items():
+        if isinstance(a, jax.Array) and name in want and a.sharding != want[name]:
+            print(f"  [no target] {name}: sharding {a.sharding}, expected {want[name]}")
+            bad += 1
+    bad += compare("StandardCheckpointer, no target (shardings from _sharding)", got, ref, jax.Array)
+    # 7. As numpy.
+    restore_args = nest({k: ocp.RestoreArgs(restore_type=np.ndarray) for k in ref})
+    got = flatten(ocp.PyTreeCheckpointer().restore(item_dir, restore_args=restore_args))
+    bad += compare("PyTreeCheckpointer, restore_type=np.ndarray", got, ref, np.ndarray)
+    # 8. Targets: the same mesh, and replicated on 2 devices.
+    for tlabel, sh in ((f"target on the {n}-device mesh", want),
+                       ("target replicated on 2 devices",
+                        {k: NamedSharding(Mesh(np.array(jax.devices()[:2]), ("r",)), P()) for k in ref})):
+        target = nest({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k]) for k, v in ref.items()})
+        got = flatten(ocp.StandardCheckpointer().restore(item_dir, target))
+        for name, a in got.items():
+            if isinstance(a, jax.Array) and a.sharding != sh[name]:
+                print(f"  [{tlabel}] {name}: sharding {a.sharding}, asked {sh[name]}")
+                bad += 1
+        bad += compare(f"StandardCheckpointer, {tlabel}", got, ref, jax.Array)
+    # `_sharding` against orbax's own, for the same arrays on the same mesh.
+    theirs = os.path.join(work, f"orbax-{label.split()[0]}")
+    shutil.rmtree(theirs, ignore_errors=True)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(theirs, nest({k: jax.device_put(v, want[k]) for k, v in ref.items()}))
+    ckptr.wait_until_finished()
+    ours_b = open(os.path.join(item_dir, "_sharding"), "rb").read()
+    theirs_b = open(os.path.join(theirs, "_sharding"), "rb").read()
+    if ours_b != theirs_b:
+        print(f"  [_sharding] differs from orbax's:\n    ours   {ours_b[:400]!r}\n    orbax's {theirs_b[:400]!r}")
+        bad += 1
+    else:
+        print(f"  [_sharding] byte for byte orbax's ({len(ours_b)} bytes, {len(ref)} arrays)")
+    back = os.path.join(work, f"back-{label.split()[0]}")
+    r = subprocess.run([ckpt, "merge", out_root, "-o", back], capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"  [ckpt reads it back] failed ({r.returncode}): {r.stderr.strip()}")
+        return bad + 1
+    bad += compare("ckpt reads it back", read_safetensors(os.path.join(back, "model.safetensors")), ref)
+    return bad
+
+
+def reshard_checks(ckpt, work):
+    bad = 0
+    ref = sharded_source()
+    src = os.path.join(work, "sharded.safetensors")
+    write_safetensors(src, ref)
+    axes = [("dp", 2), ("tp", 4)]
+    placements = {k: v[2] for k, v in SHARDED.items()}
+    strategy = os.path.join(work, "dp2-tp4.json")
+    json.dump(strategy_json(axes, placements), open(strategy, "w"))
+    ranks = os.path.join(work, "ranks-dp2-tp4")
+    shutil.rmtree(ranks, ignore_errors=True)
+    r = subprocess.run([ckpt, "reshard", src, "--strategy", strategy, "-o", ranks], capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"ckpt reshard to rank directories failed: {r.stderr.strip()}")
+        return 1
+    for label, cmd_tail, new_axes in (
+        ("strategy dp=2,tp=4 (8 devices)", [src, "--strategy", strategy], axes),
+        ("mesh-resized dp=2,tp=2 (4 devices, from rank directories)", [ranks, "--mesh", "tp=2"], [("dp", 2), ("tp", 2)]),
+        ("to-4 dp=1,tp=4 (4 devices, from rank directories)", [ranks, "--to", "4"], [("dp", 1), ("tp", 4)]),
+    ):
+        out_root = os.path.join(work, "sharded-" + label.split()[0], "root")
+        shutil.rmtree(os.path.dirname(out_root), ignore_errors=True)
+        cmd = [ckpt, "reshard"] + cmd_tail + ["--format", "orbax", "-o", os.path.join(out_root, "1")]
+        bad += check_sharded(ckpt, work, src, ref, label, out_root, cmd, new_axes, placements)
+    return bad
+
+
 def find_ckpt():
     for p in ("target/release/ckpt", "target/debug/ckpt"):
         p = os.path.join(ROOT, p)
@@ -281,6 +444,7 @@ def main():
                 bad += 1
                 continue
             bad += check_output(a.ckpt, root, 1, item, ref, work)
+    bad += reshard_checks(a.ckpt, work)
     if not a.work:
         shutil.rmtree(work, ignore_errors=True)
     print("FAIL" if bad else "PASS")

@@ -396,7 +396,9 @@ pub(crate) struct ReshardArgs {
     /// (DCP in torchtitan's Llama names, from a Hugging Face Llama) or `deepspeed`
     /// (a DeepSpeed ZeRO-1/2/3 checkpoint for --to N data-parallel ranks, from a
     /// DeepSpeed source; a ZeRO-1/2 mixture of experts also at another EP size with
-    /// --mesh dp=N,ep=K).
+    /// --mesh dp=N,ep=K), or `orbax` (an Orbax step directory, each array a jax.Array
+    /// sharded on the target mesh, each device's box one chunk, with `_sharding`:
+    /// restored by orbax-checkpoint without a target or onto a JAX mesh).
     #[arg(long, default_value = "ckpt", value_parser = reshard_formats())]
     pub(crate) format: String,
     #[command(flatten)]

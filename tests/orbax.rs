@@ -638,9 +638,256 @@ fn names_that_form_no_tree_are_refused_and_nothing_is_written() {
     assert_nothing_written(&d, &["in.safetensors"]);
 }
 
+/// A ckpt strategy on `axes` (name, size) of `tensors` (name, dtype, shape,
+/// placements).
+fn strategy_json(axes: &[(&str, u64)], tensors: &[(&str, &str, &[u64], &[&str])]) -> String {
+    let axes: Vec<serde_json::Value> = axes
+        .iter()
+        .map(|(n, s)| serde_json::json!({"name": n, "size": s}))
+        .collect();
+    let tensors: serde_json::Map<String, serde_json::Value> = tensors
+        .iter()
+        .map(|(n, dtype, shape, placements)| {
+            let t = serde_json::json!({"dtype": dtype, "shape": shape, "placements": placements});
+            (n.to_string(), t)
+        })
+        .collect();
+    serde_json::json!({"format": "ckpt-strategy", "mesh": {"axes": axes}, "tensors": tensors, "version": 1})
+        .to_string()
+}
+
+/// Every key of an OCDBT database with its value's bytes.
+fn db_values(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let db = ckpt_ocdbt::Database::open(dir).unwrap();
+    db.list()
+        .unwrap()
+        .into_iter()
+        .map(|e| {
+            let bytes = match e.value {
+                ckpt_ocdbt::Value::Inline(b) => b,
+                ckpt_ocdbt::Value::Stored { path, offset, len } => {
+                    let all = std::fs::read(path).unwrap();
+                    all[offset as usize..(offset + len) as usize].to_vec()
+                }
+            };
+            (String::from_utf8(e.key).unwrap(), bytes)
+        })
+        .collect()
+}
+
+/// A source of three layouts on a dp=2,tp=4 mesh, as ckpt rank directories (`A`).
+fn sharded_source(d: &Dir) {
+    use safetensors::Dtype as D;
+    write_safetensors(
+        &d.path("src.safetensors"),
+        &[
+            ("p.w", D::F32, &[8, 12]),
+            ("p.b", D::BF16, &[12]),
+            ("p.v", D::I32, &[16]),
+            ("step", D::I64, &[]),
+        ],
+    );
+    let s = strategy_json(
+        &[("dp", 2), ("tp", 4)],
+        &[
+            ("p.w", "F32", &[8, 12], &["Shard(0)", "Shard(1)"]),
+            ("p.b", "BF16", &[12], &["Replicate", "Replicate"]),
+            ("p.v", "I32", &[16], &["Shard(0)", "Shard(0)"]),
+            ("step", "I64", &[], &["Replicate", "Replicate"]),
+        ],
+    );
+    std::fs::write(d.path("a.json"), s).unwrap();
+    d.ok(&[
+        "reshard",
+        "src.safetensors",
+        "--strategy",
+        "a.json",
+        "-o",
+        "A",
+    ]);
+}
+
+/// `reshard --format orbax`: each device's box one chunk (replicated ones once), read
+/// back byte for byte, and resharded back to the source's layout unchanged.
+#[test]
+fn reshard_to_orbax_writes_each_device_box_as_a_chunk_and_back_is_the_identity() {
+    let d = Dir::new();
+    sharded_source(&d);
+    // dp=2,tp=2: p.w's boxes are [4, 6] (P("dp", "tp")), p.v's [4] (P(("dp", "tp"))).
+    d.ok(&[
+        "reshard", "A", "--format", "orbax", "--mesh", "tp=2", "-o", "O",
+    ]);
+    for f in [
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "default/_METADATA",
+        "default/_sharding",
+        "default/array_metadatas/process_0",
+        "default/commit_success.txt",
+        "default/manifest.ocdbt",
+    ] {
+        assert!(d.path("O").join(f).is_file(), "no {f}");
+    }
+    let values: BTreeMap<String, Vec<u8>> = db_values(&d.path("O/default")).into_iter().collect();
+    let chunks: Vec<&str> = values
+        .keys()
+        .map(String::as_str)
+        .filter(|k| !k.ends_with("zarr.json"))
+        .collect();
+    assert_eq!(
+        chunks,
+        [
+            "p.b/c/0",
+            "p.v/c/0",
+            "p.v/c/1",
+            "p.v/c/2",
+            "p.v/c/3",
+            "p.w/c/0/0",
+            "p.w/c/0/1",
+            "p.w/c/1/0",
+            "p.w/c/1/1",
+            "step/c"
+        ]
+    );
+    let meta = String::from_utf8(values["p.w/zarr.json"].clone()).unwrap();
+    assert!(
+        meta.contains(r#""chunk_shape":[4,6]"#) && meta.contains(r#""shape":[8,12]"#),
+        "{meta}"
+    );
+    // Chunk (1, 0) of p.w: rows 4..8, columns 0..6 of the source, then the shard index.
+    let src = tensors(&d.path("src.safetensors"));
+    let w = &src["p.w"].2;
+    let want: Vec<u8> = (4..8)
+        .flat_map(|r| w[(r * 12) * 4..(r * 12 + 6) * 4].to_vec())
+        .collect();
+    let chunk = &values["p.w/c/1/0"];
+    assert_eq!(chunk.len(), 96 + 20);
+    assert!(chunk[..96] == want[..], "chunk (1, 0) of p.w");
+    let sharding = std::fs::read_to_string(d.path("O/default/_sharding")).unwrap();
+    // base64("p.w") = "cC53"; P("dp", "tp") on the 2 x 2 mesh.
+    assert!(
+        sharding.contains(r#""cC53":"{\"sharding_type\": \"NamedSharding\", \"shape\": [2, 2]"#)
+            && sharding.contains(r#"\"partition_spec\": [[\"dp\", \"tp\"]]"#),
+        "{sharding}"
+    );
+    // Read back: the source's bytes.
+    d.ok(&["merge", "O", "-o", "back"]);
+    assert_eq!(tensors(&d.path("back/model.safetensors")), src);
+    // A -> orbax (dp=2,tp=2) -> A: every rank file the same bytes.
+    d.ok(&["reshard", "O", "--strategy", "a.json", "-o", "A2"]);
+    for r in 0..8 {
+        let f = format!("ckpt_{r}/model.safetensors");
+        let (a, b) = (d.path("A").join(&f), d.path("A2").join(&f));
+        assert!(
+            std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap(),
+            "{f} differs after the round trip through Orbax"
+        );
+    }
+    // The same bytes on one thread and on four (every key's value).
+    d.ok_with_threads(
+        &["reshard", "A", "--format", "orbax", "--to", "4", "-o", "t1"],
+        1,
+    );
+    d.ok_with_threads(
+        &["reshard", "A", "--format", "orbax", "--to", "4", "-o", "t4"],
+        4,
+    );
+    let (one, four) = (
+        db_values(&d.path("t1/default")),
+        db_values(&d.path("t4/default")),
+    );
+    assert_eq!(
+        one.len(),
+        4 + 1 + 4 + 1 + 4,
+        "{:?}",
+        one.iter().map(|v| &v.0).collect::<Vec<_>>()
+    );
+    assert!(one == four, "1 and 4 threads wrote different values");
+    for f in ["_sharding", "_METADATA"] {
+        let read = |o: &str| std::fs::read(d.path(o).join("default").join(f)).unwrap();
+        assert!(read("t1") == read("t4"), "{f}");
+    }
+}
+
+/// A layout JAX cannot shard (a split that does not divide its dimension; blocked
+/// shards) and options that do not apply are refused by name, nothing written.
+#[test]
+fn reshard_to_orbax_refuses_what_jax_cannot_shard_and_writes_nothing() {
+    use safetensors::Dtype as D;
+    let d = Dir::new();
+    write_safetensors(
+        &d.path("in.safetensors"),
+        &[("p.odd", D::F32, &[10, 4]), ("p.ok", D::F32, &[8])],
+    );
+    let s = strategy_json(
+        &[("tp", 4)],
+        &[
+            ("p.odd", "F32", &[10, 4], &["Shard(0)"]),
+            ("p.ok", "F32", &[8], &["Shard(0)"]),
+        ],
+    );
+    std::fs::write(d.path("uneven.json"), s).unwrap();
+    let o = d.fails(&[
+        "reshard",
+        "in.safetensors",
+        "--strategy",
+        "uneven.json",
+        "--format",
+        "orbax",
+        "-o",
+        "out",
+    ]);
+    assert!(
+        o.stderr.contains("`p.odd`")
+            && o.stderr.contains("size 10 is split 4 ways")
+            && o.stderr.contains("does not divide"),
+        "{}",
+        o.stderr
+    );
+    let s = strategy_json(
+        &[("tp", 2)],
+        &[
+            ("p.odd", "F32", &[10, 4], &["Shard(0,blocks=2)"]),
+            ("p.ok", "F32", &[8], &["Shard(0)"]),
+        ],
+    );
+    std::fs::write(d.path("blocks.json"), s).unwrap();
+    let o = d.fails(&[
+        "reshard",
+        "in.safetensors",
+        "--strategy",
+        "blocks.json",
+        "--format",
+        "orbax",
+        "-o",
+        "out",
+    ]);
+    assert!(
+        o.stderr.contains("`p.odd`") && o.stderr.contains("2 blocks"),
+        "{}",
+        o.stderr
+    );
+    let o = d.fails(&[
+        "reshard",
+        "in.safetensors",
+        "--strategy",
+        "blocks.json",
+        "--format",
+        "orbax",
+        "--rank",
+        "0",
+        "-o",
+        "out",
+    ]);
+    assert!(o.stderr.contains("--rank"), "{}", o.stderr);
+    assert_nothing_written(&d, &["in.safetensors", "uneven.json", "blocks.json"]);
+}
+
 /// orbax-checkpoint 0.12.8 restores `--format orbax` outputs (without a target as
 /// numpy arrays, through a CheckpointManager, and onto a 4-device CPU mesh with a
-/// target) with every array equal to its source: scripts/orbax_write_check.py, with
+/// target) with every array equal to its source, and `reshard --format orbax` outputs
+/// (without a target as jax.Arrays sharded as `_sharding` says, as numpy, onto the mesh;
+/// `_sharding` byte for byte orbax's): scripts/orbax_write_check.py, with
 /// `CKPT_PYTHON_JAX` naming a Python that has jax and orbax-checkpoint.
 #[test]
 fn orbax_restores_what_merge_writes() {

@@ -7,9 +7,9 @@
 
 use ckpt_core::{
     check_output_outside_inputs, execute_with, Checkpoint, Compression, Computations, CopyPlan,
-    CopyStats, Dcp, Error, MegatronBridge, MegatronDist, MegatronLegacy, Mesh, Placement,
-    RankOptions, Result, Selection, Sliced, StagedDir, Strategy, TargetLayout, TensorLayout,
-    Writer,
+    CopyStats, Dcp, Error, MegatronBridge, MegatronDist, MegatronLegacy, Mesh, OrbaxStep,
+    Placement, RankOptions, Result, Selection, Sliced, StagedDir, Strategy, TargetLayout,
+    TensorLayout, Writer,
 };
 use std::path::{Path, PathBuf};
 
@@ -101,6 +101,11 @@ pub enum OutputFormat {
     /// and `OUT/<tag>/mp_rank_00_model_states.pt`, loadable by DeepSpeed's
     /// `engine.load_checkpoint` on N ranks ([`reshard_deepspeed`]).
     DeepSpeed,
+    /// An Orbax step directory (`OUT/_CHECKPOINT_METADATA`, `OUT/default/` with the
+    /// arrays in OCDBT + zarr v3 and `_sharding`), each array a `jax.Array` sharded on
+    /// the target mesh as a `NamedSharding`, each device's box one chunk: what
+    /// orbax-checkpoint restores without a target and onto a JAX mesh.
+    Orbax,
 }
 
 /// `--format dcp`, the old name of `dcp-safetensors` (DCP's sharded safetensors), still
@@ -114,7 +119,7 @@ impl OutputFormat {
     /// Every format by the name the CLI and the Python package take (`--format`;
     /// `distcp` and `dcp-safetensors` are PyTorch's two DCP layouts, `dcp` the old name
     /// of the second, [`OLD_DCP_NAME`]).
-    pub const NAMES: [(&'static str, OutputFormat); 10] = [
+    pub const NAMES: [(&'static str, OutputFormat); 11] = [
         ("ckpt", OutputFormat::Ranks),
         ("dcp-safetensors", OutputFormat::Dcp),
         ("distcp", OutputFormat::Distcp),
@@ -124,6 +129,7 @@ impl OutputFormat {
         ("megatron-bridge", OutputFormat::MegatronBridge),
         ("torchtitan", OutputFormat::Torchtitan),
         ("deepspeed", OutputFormat::DeepSpeed),
+        ("orbax", OutputFormat::Orbax),
         // The old name of `dcp-safetensors`, kept: it reads as either DCP format.
         (OLD_DCP_NAME, OutputFormat::Dcp),
     ];
@@ -362,6 +368,7 @@ fn writer(req: &ReshardRequest, source: &mut Checkpoint) -> Result<Box<dyn Write
             options,
             &req.output,
         )?),
+        OutputFormat::Orbax => Box::new(OrbaxStep::sharded(strategy(source)?, options)?),
         OutputFormat::DeepSpeed => {
             return Err(Error::Unsupported {
                 problem: "--format deepspeed re-cuts DeepSpeed's flat partitions directly: it has no copy plan to show (--plan)".into(),

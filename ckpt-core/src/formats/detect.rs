@@ -195,6 +195,7 @@ pub fn create_writer(
         Box::new(orbax::encode::OrbaxArraysWriter::create(
             dest,
             tensors,
+            metadata,
             orbax::encode::max_chunk_bytes(),
         )?)
     } else if ext == "gguf" {

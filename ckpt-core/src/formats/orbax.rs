@@ -14,6 +14,7 @@
 //!   which item of a step holds the arrays.
 //! - [`encode`]: the other way, an item's arrays written (`--format orbax`'s file
 //!   codec: zarr v3 in a new OCDBT database).
+//! - [`sharding`]: an item's `_sharding` (each array's mesh and partition spec), written.
 //!
 //! Every problem is a named error naming the file or directory and the array; sizes
 //! are checked; no tensor data is read to open an item (zarr metadata and v3 shard
@@ -21,6 +22,7 @@
 
 pub(crate) mod chunks;
 pub(crate) mod encode;
+pub(crate) mod sharding;
 pub(crate) mod steps;
 pub(crate) mod store;
 pub(crate) mod tree;

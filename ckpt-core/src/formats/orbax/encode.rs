@@ -12,12 +12,20 @@
 //! B+tree and the manifest (last). Chunks: one per array, or, for an array above
 //! `max_chunk_bytes`, rows of dimension 0 evened out over as few chunks as keep each
 //! under it (orbax splits a write slice above its 2 GiB data file target too).
+//!
+//! A sharded item (`reshard --format orbax`) is laid out by its plan instead: the
+//! file's metadata [`GRID_KEY`] gives each array's shape and chunk shape (a regular
+//! grid, every chunk whole), and each tensor of the plan is one chunk, named by its
+//! key (`<name>/c/<i>/<j>/...`), its bytes the chunk's.
 
 use super::tree::check_tree;
 use super::zarr::{item_size, v3_name};
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::formats::output::write_parts_to;
 use crate::formats::writer::{TensorSpec, TensorWriter, WritePart};
+use crate::layout::Dtype;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -30,6 +38,60 @@ pub(crate) const MANIFEST_FILE: &str = "manifest.ocdbt";
 /// (`subchunking.choose_chunk_shape`), and the most tensorstore is asked to hold
 /// decoded at once per chunk. `CKPT_TEST_ORBAX_CHUNK_BYTES` lowers it for tests.
 pub(crate) const MAX_CHUNK_BYTES: u64 = 2 << 30;
+
+/// The output file's metadata key whose value lays a sharded item out: JSON of
+/// [`Grid`]s by array name.
+pub(crate) const GRID_KEY: &str = "orbax.grid";
+
+/// One array of a sharded item: its shape and its chunks' (which divides it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Grid {
+    /// The array's shape.
+    pub(crate) shape: Vec<u64>,
+    /// Every chunk's shape.
+    pub(crate) chunk: Vec<u64>,
+}
+
+impl Grid {
+    /// The chunks along each dimension.
+    pub(crate) fn counts(&self) -> Vec<u64> {
+        self.shape
+            .iter()
+            .zip(&self.chunk)
+            .map(|(&n, &c)| n / c.max(1))
+            .collect()
+    }
+
+    /// Every chunk's grid index, in C order.
+    pub(crate) fn indices(&self) -> Vec<Vec<u64>> {
+        let counts = self.counts();
+        let total: u64 = counts.iter().product();
+        let mut out = Vec::with_capacity(total as usize);
+        let mut idx = vec![0u64; counts.len()];
+        for _ in 0..total {
+            out.push(idx.clone());
+            for d in (0..idx.len()).rev() {
+                idx[d] += 1;
+                if idx[d] < counts[d] {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+        out
+    }
+}
+
+/// The key of the chunk at grid index `idx` of array `name` (zarr v3's default chunk
+/// key encoding: `c`, then the index's numbers, `/` between).
+pub(crate) fn grid_chunk_key(name: &str, idx: &[u64]) -> String {
+    let mut key = format!("{name}/c");
+    for i in idx {
+        key.push('/');
+        key.push_str(&i.to_string());
+    }
+    key
+}
 
 /// A shard's index after its one inner chunk: offset and length (u64le each), then
 /// the CRC-32C of those 16 bytes.
@@ -175,8 +237,12 @@ impl OrbaxArraysWriter {
     pub(crate) fn create(
         dest: &Path,
         tensors: &[TensorSpec],
+        metadata: &BTreeMap<String, String>,
         max_chunk_bytes: u64,
     ) -> Result<OrbaxArraysWriter> {
+        if let Some(grid) = metadata.get(GRID_KEY) {
+            return Self::create_sharded(dest, tensors, grid);
+        }
         let dir = dest.parent().unwrap_or(Path::new(".")).to_path_buf();
         check(tensors)?;
         let mut db = ckpt_ocdbt::Writer::create(&dir, ckpt_ocdbt::WriterOptions::new())?;
@@ -238,6 +304,139 @@ impl OrbaxArraysWriter {
 }
 
 impl OrbaxArraysWriter {
+    /// Lays out a sharded item (see the module's doc): `grid` the JSON of [`Grid`]s by
+    /// array name, `tensors` one per chunk, named by its key.
+    ///
+    /// # Errors
+    /// A grid that does not parse or does not divide its array, a tensor that is no
+    /// chunk of it or of the wrong shape or dtype, a chunk missing or given twice, and
+    /// what [`check`] refuses of the arrays; I/O errors.
+    fn create_sharded(
+        dest: &Path,
+        tensors: &[TensorSpec],
+        grid: &str,
+    ) -> Result<OrbaxArraysWriter> {
+        let dir = dest.parent().unwrap_or(Path::new(".")).to_path_buf();
+        let bad = |tensor: &str, problem: String| Error::WithPath {
+            path: dir.clone(),
+            source: Box::new(Error::InvalidTensor {
+                tensor: tensor.to_string(),
+                problem,
+            }),
+        };
+        let grids: BTreeMap<String, Grid> = serde_json::from_str(grid).map_err(|e| {
+            bad(
+                GRID_KEY,
+                format!("the plan's chunk grid does not parse: {e}"),
+            )
+        })?;
+        // Each chunk's key -> its array, and each array's dtype from its chunks.
+        let mut chunk_of: HashMap<String, &str> = HashMap::new();
+        for (name, g) in &grids {
+            let divides = g.shape.len() == g.chunk.len()
+                && g.shape
+                    .iter()
+                    .zip(&g.chunk)
+                    .all(|(&n, &c)| c > 0 && n.is_multiple_of(c));
+            if !divides {
+                return Err(bad(
+                    name,
+                    format!(
+                        "chunk shape {:?} does not divide shape {:?}",
+                        g.chunk, g.shape
+                    ),
+                ));
+            }
+            for idx in g.indices() {
+                chunk_of.insert(grid_chunk_key(name, &idx), name);
+            }
+        }
+        let mut dtypes: BTreeMap<&str, Dtype> = BTreeMap::new();
+        for t in tensors {
+            let Some(&array) = chunk_of.get(&t.name) else {
+                return Err(bad(
+                    &t.name,
+                    "is no chunk of the item's arrays (a key or a chunk given twice)".into(),
+                ));
+            };
+            chunk_of.remove(&t.name);
+            if t.shape != grids[array].chunk {
+                return Err(bad(
+                    &t.name,
+                    format!(
+                        "shape {:?}, but the chunks of `{array}` are {:?}",
+                        t.shape, grids[array].chunk
+                    ),
+                ));
+            }
+            if *dtypes.entry(array).or_insert(t.dtype) != t.dtype {
+                return Err(bad(
+                    &t.name,
+                    format!("dtype {:?} unlike the other chunks of `{array}`", t.dtype),
+                ));
+            }
+        }
+        if let Some(missing) = chunk_of.keys().min() {
+            return Err(bad(missing, "chunk missing from the plan".into()));
+        }
+        let specs: Vec<TensorSpec> = grids
+            .iter()
+            .filter_map(|(name, g)| {
+                let dtype = *dtypes.get(name.as_str())?;
+                Some(TensorSpec {
+                    name: name.clone(),
+                    dtype,
+                    shape: g.shape.clone(),
+                })
+            })
+            .collect();
+        check(&specs)?;
+        let mut db = ckpt_ocdbt::Writer::create(&dir, ckpt_ocdbt::WriterOptions::new())?;
+        let data_path = db.data_file().to_path_buf();
+        for s in &specs {
+            let Some((dtype_name, fill)) = v3_name(s.dtype) else {
+                continue;
+            };
+            let g = &grids[&s.name];
+            let meta = zarr_json(dtype_name, fill, item_size(s.dtype), &g.shape, &g.chunk);
+            db.put(format!("{}/zarr.json", s.name).as_bytes(), meta.as_bytes())?;
+        }
+        let mut arrays = Vec::with_capacity(tensors.len());
+        let mut indices = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            let too_big = || overflow(format!("bytes of chunk `{}`", t.name));
+            let chunk_bytes = t
+                .shape
+                .iter()
+                .try_fold(item_size(t.dtype), |a, &b| a.checked_mul(b))
+                .ok_or_else(too_big)?;
+            let r = db.reserve(
+                t.name.as_bytes(),
+                chunk_bytes.checked_add(INDEX_BYTES).ok_or_else(too_big)?,
+            )?;
+            indices.push((r.offset + chunk_bytes, chunk_bytes));
+            arrays.push(Array {
+                len: chunk_bytes,
+                chunk_bytes,
+                offsets: vec![r.offset],
+            });
+        }
+        let data = File::options()
+            .write(true)
+            .open(&data_path)
+            .at(&data_path)?;
+        for (at, len) in indices {
+            data.write_all_at(&shard_index(len), at).at(&data_path)?;
+        }
+        Ok(OrbaxArraysWriter {
+            dir,
+            db: Some(db),
+            data,
+            data_path,
+            arrays,
+        })
+    }
+
     /// Array `index`, checking that `len` bytes at `offset` lie inside it.
     fn array(&self, index: usize, offset: u64, len: u64) -> Result<&Array> {
         let a = self.arrays.get(index);
@@ -358,6 +557,60 @@ mod tests {
         assert_eq!(chunk_key("step", 0, 0), "step/c");
     }
 
+    /// A sharded item: each tensor one chunk by its key, at its place; a plan whose
+    /// tensors are not exactly the grid's chunks is refused naming the chunk.
+    #[test]
+    fn a_sharded_item_takes_one_tensor_per_chunk_and_refuses_other_plans() {
+        use crate::layout::Dtype;
+        let tmp = tempfile::tempdir().unwrap();
+        let spec = |name: &str, shape: Vec<u64>| TensorSpec {
+            name: name.into(),
+            dtype: Dtype::U8,
+            shape,
+        };
+        let grid = r#"{"w":{"shape":[4,6],"chunk":[2,3]}}"#;
+        let meta = BTreeMap::from([(GRID_KEY.to_string(), grid.to_string())]);
+        let keys = ["w/c/0/0", "w/c/0/1", "w/c/1/0", "w/c/1/1"];
+        let specs: Vec<TensorSpec> = keys.iter().map(|k| spec(k, vec![2, 3])).collect();
+        let dest = tmp.path().join("ok").join(MANIFEST_FILE);
+        std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+        let w = OrbaxArraysWriter::create(&dest, &specs, &meta, u64::MAX).unwrap();
+        for i in 0..4u8 {
+            w.write_at(usize::from(i), 0, &[i; 6]).unwrap();
+        }
+        assert!(w.write_at(0, 1, &[0; 6]).is_err());
+        Box::new(w).finish().unwrap();
+        let db = ckpt_ocdbt::Database::open(dest.parent().unwrap()).unwrap();
+        for (i, k) in keys.iter().enumerate() {
+            let v = db.get(k.as_bytes()).unwrap().unwrap();
+            assert_eq!(v[..6], [i as u8; 6], "{k}");
+            assert_eq!(v[6..], shard_index(6), "{k}");
+        }
+        let meta_json = String::from_utf8(db.get(b"w/zarr.json").unwrap().unwrap()).unwrap();
+        assert!(
+            meta_json.contains(r#""chunk_shape":[2,3]"#) && meta_json.contains(r#""shape":[4,6]"#)
+        );
+        let refused = |specs: &[TensorSpec], grid: &str, dir: &str| {
+            let dest = tmp.path().join(dir).join(MANIFEST_FILE);
+            std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+            let meta = BTreeMap::from([(GRID_KEY.to_string(), grid.to_string())]);
+            let e = OrbaxArraysWriter::create(&dest, specs, &meta, u64::MAX).unwrap_err();
+            assert_eq!(
+                std::fs::read_dir(dest.parent().unwrap()).unwrap().count(),
+                0
+            );
+            e.to_string()
+        };
+        let e = refused(&specs[..3], grid, "missing");
+        assert!(e.contains("w/c/1/1") && e.contains("missing"), "{e}");
+        let mut wrong = specs.clone();
+        wrong[2].shape = vec![3, 2];
+        let e = refused(&wrong, grid, "shape");
+        assert!(e.contains("w/c/1/0") && e.contains("[2, 3]"), "{e}");
+        let e = refused(&specs, r#"{"w":{"shape":[4,6],"chunk":[3,3]}}"#, "grid");
+        assert!(e.contains("`w`") && e.contains("does not divide"), "{e}");
+    }
+
     #[test]
     fn bytes_land_in_their_chunks_whatever_the_cuts() {
         use crate::layout::Dtype;
@@ -372,7 +625,7 @@ mod tests {
         // 7 rows of 6 bytes in chunks of at most 16 bytes: 4 chunks of 2 rows, the
         // last padded by one row.
         let specs = [spec("p.w", vec![7, 3]), spec("s", vec![])];
-        let w = OrbaxArraysWriter::create(&dest, &specs, 16).unwrap();
+        let w = OrbaxArraysWriter::create(&dest, &specs, &BTreeMap::new(), 16).unwrap();
         let data: Vec<u8> = (0..42).collect();
         // Parts of 5, 11 and 20 bytes from offset 3: they straddle every chunk edge.
         let (a, rest) = data[3..].split_at(5);
@@ -402,7 +655,7 @@ mod tests {
         // Dropped unfinished: no data file left, and no manifest.
         let dest = tmp.path().join("other").join(MANIFEST_FILE);
         std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
-        drop(OrbaxArraysWriter::create(&dest, &specs, 16).unwrap());
+        drop(OrbaxArraysWriter::create(&dest, &specs, &BTreeMap::new(), 16).unwrap());
         assert_eq!(
             std::fs::read_dir(dest.parent().unwrap()).unwrap().count(),
             0

@@ -223,24 +223,32 @@ pub(crate) fn check_tree<'a>(
 }
 
 /// `_METADATA` for arrays named `names` (valid as [`check_tree`] says), each a dict
-/// path, stored as orbax stores numpy arrays: `value_type` `np.ndarray` (orbax restores
-/// them without a target as numpy arrays, and as `jax.Array`s where the restore asks),
-/// OCDBT and zarr v3. The `tree_metadata` keys are Python's `str` of the key tuple, as
-/// orbax writes them (orbax reads `key_metadata`).
-pub(crate) fn metadata_json<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
+/// path, OCDBT and zarr v3. An array without a write shape is stored as orbax stores
+/// numpy arrays, `value_type` `np.ndarray` (orbax restores it without a target as a
+/// numpy array, and as a `jax.Array` where the restore asks); one with a write shape
+/// (each device's box, a sharded item's chunk shape) as orbax stores a `jax.Array`,
+/// restored without a target with the sharding `_sharding` gives it. The
+/// `tree_metadata` keys are Python's `str` of the key tuple, as orbax writes them
+/// (orbax reads `key_metadata`).
+pub(crate) fn metadata_json<'a>(
+    leaves: impl IntoIterator<Item = (&'a str, Option<&'a [u64]>)>,
+) -> String {
     let mut tree = serde_json::Map::new();
-    for name in names {
+    for (name, write_shape) in leaves {
         let keys: Vec<&str> = name.split('.').collect();
         let key_metadata: Vec<Value> = keys
             .iter()
             .map(|k| serde_json::json!({"key": k, "key_type": DICT_KEY}))
             .collect();
+        let value = match write_shape {
+            None => serde_json::json!({"value_type": "np.ndarray", "skip_deserialize": false}),
+            Some(shape) => serde_json::json!({
+                "value_type": "jax.Array", "skip_deserialize": false, "write_shape": shape,
+            }),
+        };
         tree.insert(
             python_tuple(&keys),
-            serde_json::json!({
-                "key_metadata": key_metadata,
-                "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": false},
-            }),
+            serde_json::json!({"key_metadata": key_metadata, "value_metadata": value}),
         );
     }
     let doc = serde_json::json!({
@@ -410,7 +418,15 @@ mod tests {
 
     #[test]
     fn metadata_written_reads_back() {
-        let json = metadata_json(["params.w", "step", "opt.0.mu"]);
+        let json = metadata_json([
+            ("params.w", None),
+            ("step", None),
+            ("opt.0.mu", Some(&[2u64][..])),
+        ]);
+        assert!(
+            json.contains(r#""value_type":"jax.Array","write_shape":[2]"#),
+            "{json}"
+        );
         assert!(json.contains(r#""('params', 'w')""#), "{json}");
         assert!(json.contains(r#""('step',)""#), "{json}");
         let t = parse(json.as_bytes()).unwrap();
