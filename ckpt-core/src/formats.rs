@@ -837,6 +837,21 @@ impl TensorFile {
     ///
     /// # Errors
     /// A checksum for a tensor the file does not hold.
+    /// Records the checksums a reader found ([`checksum::Recorded`]).
+    ///
+    /// # Errors
+    /// As [`TensorFile::set_checksums`].
+    pub(crate) fn set_recorded(&mut self, sums: checksum::Recorded) -> Result<()> {
+        match sums {
+            checksum::Recorded::ByPosition(sums) => {
+                debug_assert_eq!(sums.len(), self.checksums.len());
+                self.checksums = sums.into_iter().map(Some).collect();
+                Ok(())
+            }
+            checksum::Recorded::ByName(sums) => self.set_checksums(&sums),
+        }
+    }
+
     pub(crate) fn set_checksums(&mut self, sums: &BTreeMap<String, Checksum>) -> Result<()> {
         // By name through a map: a file may hold a million tensors.
         let index: std::collections::HashMap<&str, usize> = self
