@@ -845,7 +845,7 @@ impl TensorFile {
         match sums {
             checksum::Recorded::ByPosition(sums) => {
                 debug_assert_eq!(sums.len(), self.checksums.len());
-                self.checksums = sums.into_iter().map(Some).collect();
+                self.checksums = sums;
                 Ok(())
             }
             checksum::Recorded::ByName(sums) => self.set_checksums(&sums),
@@ -1155,6 +1155,14 @@ impl TensorFile {
     #[must_use]
     pub fn tensor_bytes(&self) -> u64 {
         self.tensors.iter().map(|t| t.end - t.start).sum()
+    }
+}
+
+impl TensorFile {
+    /// Leaves the entries' memory to the process's exit ([`crate::Checkpoint::drop_at_exit`]).
+    pub(crate) fn forget_entries(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.tensors));
+        std::mem::forget(std::mem::take(&mut self.metadata));
     }
 }
 

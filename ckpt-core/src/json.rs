@@ -85,20 +85,23 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for Members<'de, V> {
 }
 
 impl<V> Members<'_, V> {
-    /// The values in the order of `names`, when the members are exactly those names in
-    /// that order (then no name is there twice, as `names` are distinct); `None`
-    /// otherwise, and the caller reads the record by name.
+    /// The value of each of `names` (`None` for a name the object does not have), when
+    /// the members name some of `names` in their order (then no name is there twice,
+    /// as `names` are distinct); `None` otherwise (a member of another name, or out of
+    /// order), and the caller reads the object by name.
     pub(crate) fn in_order_of<'n>(
         self,
-        mut names: impl ExactSizeIterator<Item = &'n str>,
-    ) -> Option<Vec<V>> {
-        if names.len() != self.0.len() {
-            return None;
+        names: impl ExactSizeIterator<Item = &'n str>,
+    ) -> Option<Vec<Option<V>>> {
+        let mut out: Vec<Option<V>> = Vec::with_capacity(names.len());
+        let mut members = self.0.into_iter().peekable();
+        for name in names {
+            match members.peek() {
+                Some((k, _)) if k == name => out.push(members.next().map(|(_, v)| v)),
+                _ => out.push(None),
+            }
         }
-        self.0
-            .into_iter()
-            .map(|(k, v)| (names.next() == Some(&*k)).then_some(v))
-            .collect()
+        members.peek().is_none().then_some(out)
     }
 }
 
@@ -136,9 +139,14 @@ mod tests {
         let m: Members<u64> = serde_json::from_str(text).unwrap();
         assert!(matches!(m.0[0].0, Cow::Borrowed("a")));
         assert_eq!(m.0[1].0, "bA");
-        assert_eq!(m.in_order_of(["a", "bA"].into_iter()), Some(vec![1, 2]));
+        assert_eq!(
+            m.in_order_of(["0", "a", "b", "bA", "c"].into_iter()),
+            Some(vec![None, Some(1), None, Some(2), None])
+        );
         let m: Members<u64> = serde_json::from_str(text).unwrap();
         assert_eq!(m.in_order_of(["bA", "a"].into_iter()), None);
+        let m: Members<u64> = serde_json::from_str(text).unwrap();
+        assert_eq!(m.in_order_of(["a"].into_iter()), None);
         // A name twice never matches distinct names.
         let m: Members<u64> = serde_json::from_str(r#"{"a":1,"a":2}"#).unwrap();
         assert_eq!(m.in_order_of(["a", "b"].into_iter()), None);

@@ -251,6 +251,11 @@ impl Checkpoint {
                     });
                     continue;
                 }
+                // Room for every rank's piece at once: grown one by one, each tensor's
+                // list was copied three or four times over.
+                if placed[at].capacity() == 0 {
+                    placed[at].reserve_exact(world.min(64) as usize);
+                }
                 place(&mut placed[at], layout, &strategy.mesh, rank, (fi, ti));
             }
         }

@@ -152,8 +152,8 @@ pub(crate) fn encode_checksums(sums: &BTreeMap<String, Checksum>) -> String {
 /// A file's recorded checksums: one per tensor in the file's order, or by name.
 #[derive(Debug)]
 pub(crate) enum Recorded {
-    /// The checksum of every tensor, in the file's order.
-    ByPosition(Vec<Checksum>),
+    /// The checksum of each tensor (`None`: none recorded), in the file's order.
+    ByPosition(Vec<Option<Checksum>>),
     /// By name, where the record does not list exactly the file's tensors in order.
     ByName(BTreeMap<String, Checksum>),
 }
@@ -171,7 +171,7 @@ impl<'de> serde::Deserialize<'de> for Parsed {
 }
 
 /// The `ckpt.checksums` record `text` of a file whose tensors are `names`: by position
-/// when it lists exactly those names in that order (ckpt writes both in name order),
+/// when it lists some of those names in their order (ckpt writes both in name order),
 /// which takes no map and no copy of a name; otherwise by name ([`decode_checksums`]).
 ///
 /// # Errors
@@ -182,7 +182,9 @@ pub(crate) fn recorded_checksums<'n>(
 ) -> Result<Recorded> {
     if let Ok(members) = serde_json::from_str::<crate::json::Members<Parsed>>(text) {
         if let Some(sums) = members.in_order_of(names) {
-            return Ok(Recorded::ByPosition(sums.into_iter().map(|p| p.0).collect()));
+            return Ok(Recorded::ByPosition(
+                sums.into_iter().map(|p| p.map(|p| p.0)).collect(),
+            ));
         }
     }
     decode_checksums(text).map(Recorded::ByName)

@@ -336,14 +336,15 @@ pub(crate) fn apply_dcp_offsets(
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
     if let Some(text) = metadata.get(DCP_SHARDING_INFO) {
-        // Most files list their boxes in the order of their tensors: then each takes
+        // Most files list their boxes in the order of their tensors (ckpt's leave out
+        // the blocked ones, whose boxes its strategy places): then each takes
         // its own with no map of names (one copy of every name and a tree's
         // comparisons of names with long shared prefixes, for each of 50,000 tensors
         // a file). Otherwise by name, below.
         if let Ok(Members(saved)) = serde_json::from_str::<Members<Object<Saved>>>(text) {
             if let Some(saved) = Members(saved).in_order_of(tensors.iter().map(|t| &*t.name)) {
-                for (t, Object(s)) in tensors.iter_mut().zip(saved) {
-                    t.offsets = Some(s.saved_offsets);
+                for (t, s) in tensors.iter_mut().zip(saved) {
+                    t.offsets = s.map(|Object(s)| s.saved_offsets);
                 }
                 return Ok(());
             }
