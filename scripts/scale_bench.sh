@@ -8,6 +8,14 @@
 #   scripts/scale_bench.sh                 # 1,000 / 10,000 / 100,000 tensors
 #   LAYERS="200 2000" scripts/scale_bench.sh
 #   PIECES=1 scripts/scale_bench.sh        # also 1,000,000 pieces (125,002 tensors x 8)
+#   BASE=/tmp/ckpt-old ROUNDS=2 scripts/scale_bench.sh   # before/after, alternated
+#   DEEPSEEK=0 scripts/scale_bench.sh      # without the DeepSeek-V3-shaped mixture
+#
+# With BASE (another ckpt binary, e.g. the release build of the commit before a
+# change), every ckpt command runs ROUNDS times (default 2) alternating BASE and CKPT,
+# in this one run, and each gets a row: on a shared machine only rounds taken side by
+# side compare. Every figure is `wall s (cpu s) peak MiB`; the CPU time (user + sys)
+# moves less than the wall time when other work shares the cores.
 #
 # Layouts: ckpt's sliced rank directories (`ckpt example --mesh tp=8`, five tensors a
 # layer), the same as one integrated file (its merge), and as DCP sharded safetensors
@@ -18,7 +26,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ckpt=${CKPT:-target/release/ckpt}
 py=${CKPT_PYTHON:-target/py/bin/python}
+base=${BASE:-}
+rounds=${ROUNDS:-2}
 [ -x "$ckpt" ] || { echo "build first: cargo build --release" >&2; exit 1; }
+[ -z "$base" ] || [ -x "$base" ] || { echo "BASE=$base is not an executable" >&2; exit 1; }
 "$py" -c "import safetensors" 2>/dev/null || { echo "$py has no safetensors" >&2; exit 1; }
 layers=(${LAYERS:-200 2000 20000})
 [ -z "${PIECES:-}" ] || layers+=(25000)
@@ -27,13 +38,34 @@ trap 'rm -rf "$work"' EXIT
 
 # `seconds peak_MiB` of a command (its output discarded).
 measure() {
-  /usr/bin/time -f "%e %M" -o "$work/time" "$@" >/dev/null 2>"$work/err" || {
+  /usr/bin/time -f "%e %U %S %M" -o "$work/time" "$@" >/dev/null 2>"$work/err" || {
     cat "$work/err" >&2
     echo "failed: $*" >&2
     echo failed
     return
   }
-  awk '{printf "%s s %d MiB", $1, $2 / 1024}' "$work/time"
+  awk '{printf "%s s (cpu %.2f s) %d MiB", $1, $2 + $3, $4 / 1024}' "$work/time"
+}
+
+# One row per run of a ckpt command (`label`, then the arguments after the binary):
+# once, or with BASE, ROUNDS alternated rounds of both binaries. The output directory
+# is removed before every run.
+ckpt_rows() {
+  local tensors=$1 layout=$2 label=$3
+  shift 3
+  if [ -z "$base" ]; then
+    rm -rf "$work/out"
+    row "$tensors" "$layout" "$label" "$(measure "$ckpt" "$@")"
+    return
+  fi
+  for r in $(seq "$rounds"); do
+    for which in base new; do
+      local bin=$ckpt
+      [ "$which" = new ] || bin=$base
+      rm -rf "$work/out"
+      row "$tensors" "$layout" "$label ($which, round $r)" "$(measure "$bin" "$@")"
+    done
+  done
 }
 
 # The safetensors library: every file's header opened and its keys listed.
@@ -61,7 +93,8 @@ export py work
 row() { printf '| %-9s | %-16s | %-22s | %-18s |\n' "$@"; }
 
 echo "ckpt: $ckpt ($(git rev-parse --short HEAD 2>/dev/null || echo '?')); $(nproc) cores"
-row tensors layout command "time, peak RSS"
+[ -z "$base" ] || echo "base: $base, $rounds alternated rounds"
+row tensors layout command "time (cpu), peak RSS"
 row --- --- --- ---
 for n in "${layers[@]}"; do
   src="$work/ex$n"
@@ -83,18 +116,20 @@ for n in "${layers[@]}"; do
     row "$tensors" "$layout" "safetensors list keys" "$(measure bash -c 'list_keys "$@"' _ "${files[@]}")"
     row "$tensors" "$layout" "cat + sync" "$(measure bash -c 'cat_sync "$@"' _ "${files[@]}")"
     for cmd in merge "reshard --to 3" inspect verify; do
-      rm -rf "$work/out"
       case $cmd in
         merge) what=(merge "$in" -o "$work/out") ;;
         reshard*) what=(reshard "$in" --to 3 -o "$work/out")
           [ "$layout" != whole ] || what+=(--shard '*.weight=0') ;;
         *) what=($cmd "$in") ;;
       esac
-      row "$tensors" "$layout" "$cmd" "$(measure "$ckpt" "${what[@]}")"
+      ckpt_rows "$tensors" "$layout" "$cmd" "${what[@]}"
     done
   done
   rm -rf "$src" "$dcp" "$whole" "$work/out"
 done
+
+# (DEEPSEEK=0 leaves the mixture out.)
+[ "${DEEPSEEK:-1}" = 1 ] || exit 0
 
 # A DeepSeek-V3-shaped mixture as a Hugging Face checkpoint (58 MoE layers x 256
 # experts, FP8 weights with their block scales, 90,427 tensors in 8 shards with an
@@ -106,9 +141,9 @@ tensors=$("$ckpt" inspect "$ds" --json | "$py" -c 'import json,sys; print(len(js
 sync
 row "$tensors" "DeepSeek-V3 HF" "safetensors list keys" "$(measure bash -c 'list_keys "$@"' _ "${files[@]}")"
 row "$tensors" "DeepSeek-V3 HF" "cat + sync" "$(measure bash -c 'cat_sync "$@"' _ "${files[@]}")"
-rm -rf "$work/out"
-row "$tensors" "DeepSeek-V3 HF" "merge" "$(measure "$ckpt" merge "$ds" -o "$work/out")"
+ckpt_rows "$tensors" "DeepSeek-V3 HF" "merge" merge "$ds" -o "$work/out"
+ckpt_rows "$tensors" "DeepSeek-V3 HF" "inspect" inspect "$ds"
+# The reshard's output is verified (by the binary under test), so it is kept.
 rm -rf "$work/out"
 row "$tensors" "DeepSeek-V3 HF" "reshard experts / 2" "$(measure "$ckpt" reshard "$ds" --to 2 --shard '*.experts.*=0' -o "$work/out")"
 row "$tensors" "DeepSeek-V3 HF" "verify the reshard" "$(measure "$ckpt" verify "$work/out")"
-row "$tensors" "DeepSeek-V3 HF" "inspect" "$(measure "$ckpt" inspect "$ds")"

@@ -32,6 +32,7 @@ pub(crate) fn inspect(paths: &[PathBuf], sel: &Selection, as_json: bool) -> Resu
     } else {
         print!("{}", ckpt_core::inspect_text(&ck, &problems));
     }
+    ck.drop_at_exit();
     Ok(found(&problems))
 }
 
@@ -62,6 +63,7 @@ pub(crate) fn verify(
         let text = ckpt_core::verify_text(&ck, &problems, depth);
         print!("{}", ckpt_core::unmirror_text(&text));
     }
+    ck.drop_at_exit();
     Ok(found(&problems))
 }
 

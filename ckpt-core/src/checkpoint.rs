@@ -166,6 +166,17 @@ impl Checkpoint {
         })
     }
 
+    /// Drops the checkpoint in a process that is about to exit: its files' mappings,
+    /// scratch directories and mirrors are released as usual, but the descriptions of
+    /// its tensors and pieces (several allocations each, freed one by one: 8 % of an
+    /// `inspect` of 50,000 tensors on 8 ranks) are left for the exit to take back.
+    pub fn drop_at_exit(mut self) {
+        std::mem::forget(std::mem::take(&mut self.tensors));
+        for f in &mut self.files {
+            f.forget_entries();
+        }
+    }
+
     /// Total bytes of tensor data in all input files.
     #[must_use]
     pub fn stored_bytes(&self) -> u64 {

@@ -840,6 +840,21 @@ impl TensorFile {
     ///
     /// # Errors
     /// A checksum for a tensor the file does not hold.
+    /// Records the checksums a reader found ([`checksum::Recorded`]).
+    ///
+    /// # Errors
+    /// As [`TensorFile::set_checksums`].
+    pub(crate) fn set_recorded(&mut self, sums: checksum::Recorded) -> Result<()> {
+        match sums {
+            checksum::Recorded::ByPosition(sums) => {
+                debug_assert_eq!(sums.len(), self.checksums.len());
+                self.checksums = sums;
+                Ok(())
+            }
+            checksum::Recorded::ByName(sums) => self.set_checksums(&sums),
+        }
+    }
+
     pub(crate) fn set_checksums(&mut self, sums: &BTreeMap<String, Checksum>) -> Result<()> {
         // By name through a map: a file may hold a million tensors.
         let index: std::collections::HashMap<&str, usize> = self
@@ -1143,6 +1158,14 @@ impl TensorFile {
     #[must_use]
     pub fn tensor_bytes(&self) -> u64 {
         self.tensors.iter().map(|t| t.end - t.start).sum()
+    }
+}
+
+impl TensorFile {
+    /// Leaves the entries' memory to the process's exit ([`crate::Checkpoint::drop_at_exit`]).
+    pub(crate) fn forget_entries(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.tensors));
+        std::mem::forget(std::mem::take(&mut self.metadata));
     }
 }
 

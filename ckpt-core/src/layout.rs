@@ -15,6 +15,7 @@ pub(crate) mod strategy;
 use crate::error::{Error, Result};
 use crate::layout::mesh::Mesh;
 use crate::layout::region::{Dims, Region};
+use smallvec::SmallVec;
 /// The element types (safetensors' names, which every format maps to and from).
 pub use ::safetensors::Dtype;
 use std::fmt;
@@ -273,7 +274,7 @@ impl TensorLayout {
     #[must_use]
     pub fn holds(&self, mesh: &Mesh, rank: u64) -> bool {
         match (mesh.pipeline(), self.stage) {
-            (Some(p), Some(s)) => mesh.coords(rank)[p] == s,
+            (Some(p), Some(s)) => mesh.coords_iter(rank).nth(p) == Some(s),
             _ => true,
         }
     }
@@ -293,9 +294,12 @@ impl TensorLayout {
         })
     }
 
-    fn dim_splits(&self, mesh: &Mesh, rank: u64) -> Vec<DimSplit> {
-        let c = mesh.coords(rank);
-        let mut splits: Vec<DimSplit> = self
+    fn dim_splits(&self, mesh: &Mesh, rank: u64) -> SmallVec<[DimSplit; 4]> {
+        // Inline vectors: this runs twice for every stored tensor a rank file holds
+        // (its shape checked, then its pieces), a million times at MoE scale, where
+        // the heap vectors it built were most of its cost.
+        let c: SmallVec<[u64; 4]> = mesh.coords_iter(rank).collect();
+        let mut splits: SmallVec<[DimSplit; 4]> = self
             .shape
             .iter()
             .map(|&n| DimSplit {
@@ -305,7 +309,7 @@ impl TensorLayout {
                 blocks: 1,
             })
             .collect();
-        let mut axes: Vec<(u32, usize)> = self
+        let mut axes: SmallVec<[(u32, usize); 4]> = self
             .placements
             .iter()
             .enumerate()
@@ -377,7 +381,7 @@ impl TensorLayout {
         }
         let total: u64 = splits.iter().map(|s| s.blocks).product();
         let mut out = Vec::with_capacity(total as usize);
-        let mut idx = vec![0u64; splits.len()];
+        let mut idx: SmallVec<[u64; 4]> = smallvec::smallvec![0u64; splits.len()];
         for _ in 0..total {
             let global = Region::new(
                 splits

@@ -148,11 +148,26 @@ impl Checkpoint {
         // by the strategy's position: ordered maps keyed by names that share long
         // prefixes (`layers.1234.`) spent most of this in comparing them.
         let layouts: Vec<(&String, &TensorLayout)> = strategy.tensors.iter().collect();
-        let position: std::collections::HashMap<&str, usize> = layouts
-            .iter()
-            .enumerate()
-            .map(|(i, (name, _))| (name.as_str(), i))
-            .collect();
+        // A rank file written by ckpt lists its tensors in name order, the strategy's
+        // order: each is first looked for just after the previous one's layout (one
+        // comparison), and the map by name is built only for a file in another order.
+        let position: std::cell::OnceCell<std::collections::HashMap<&str, usize>> =
+            std::cell::OnceCell::new();
+        let find = |name: &str, next: usize| -> Option<usize> {
+            if layouts.get(next).is_some_and(|(n, _)| n.as_str() == name) {
+                return Some(next);
+            }
+            position
+                .get_or_init(|| {
+                    layouts
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (name, _))| (name.as_str(), i))
+                        .collect()
+                })
+                .get(name)
+                .copied()
+        };
         let mut placed: Vec<Vec<SourcePiece>> = vec![Vec::new(); layouts.len()];
         let mut seen: BTreeMap<u64, PathBuf> = BTreeMap::new();
         for (fi, f) in self.files.iter().enumerate() {
@@ -208,14 +223,16 @@ impl Checkpoint {
                 continue;
             }
             self.ranks[fi] = Some(rank);
+            let mut next = 0;
             for (ti, t) in f.tensors().iter().enumerate() {
-                let Some(&at) = position.get(t.name.as_str()) else {
+                let Some(at) = find(&t.name, next) else {
                     problems.push(Error::InvalidTensor {
                         tensor: t.name.clone(),
                         problem: format!("in {} but not in the strategy", path.display()),
                     });
                     continue;
                 };
+                next = at + 1;
                 let layout = layouts[at].1;
                 let want = layout.local_shape(&strategy.mesh, rank);
                 if want.as_deref() != Some(&t.shape[..]) || t.dtype != layout.dtype {
@@ -233,6 +250,11 @@ impl Checkpoint {
                         ),
                     });
                     continue;
+                }
+                // Room for every rank's piece at once: grown one by one, each tensor's
+                // list was copied three or four times over.
+                if placed[at].capacity() == 0 {
+                    placed[at].reserve_exact(world.min(64) as usize);
                 }
                 place(&mut placed[at], layout, &strategy.mesh, rank, (fi, ti));
             }

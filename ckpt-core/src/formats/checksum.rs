@@ -149,18 +149,49 @@ pub(crate) fn encode_checksums(sums: &BTreeMap<String, Checksum>) -> String {
 ///
 /// # Errors
 /// Malformed JSON or checksums ([`Error::InvalidHeader`]).
-pub(crate) fn decode_checksums(text: &str) -> Result<BTreeMap<String, Checksum>> {
-    let bad = |problem: String| Error::InvalidHeader { problem };
-    /// A checksum read from its text as the JSON is parsed (no string kept).
-    struct Parsed(Checksum);
-    impl<'de> serde::Deserialize<'de> for Parsed {
-        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-            let text = <std::borrow::Cow<'de, str>>::deserialize(d)?;
-            Checksum::parse(&text)
-                .map(Parsed)
-                .map_err(serde::de::Error::custom)
+/// A file's recorded checksums: one per tensor in the file's order, or by name.
+#[derive(Debug)]
+pub(crate) enum Recorded {
+    /// The checksum of each tensor (`None`: none recorded), in the file's order.
+    ByPosition(Vec<Option<Checksum>>),
+    /// By name, where the record does not list exactly the file's tensors in order.
+    ByName(BTreeMap<String, Checksum>),
+}
+
+/// A checksum read from its text as the JSON is parsed (no string kept).
+struct Parsed(Checksum);
+
+impl<'de> serde::Deserialize<'de> for Parsed {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let text = <crate::json::Name<'de>>::deserialize(d)?;
+        Checksum::parse(&text.0)
+            .map(Parsed)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// The `ckpt.checksums` record `text` of a file whose tensors are `names`: by position
+/// when it lists some of those names in their order (ckpt writes both in name order),
+/// which takes no map and no copy of a name; otherwise by name ([`decode_checksums`]).
+///
+/// # Errors
+/// As [`decode_checksums`].
+pub(crate) fn recorded_checksums<'n>(
+    text: &str,
+    names: impl ExactSizeIterator<Item = &'n str>,
+) -> Result<Recorded> {
+    if let Ok(members) = serde_json::from_str::<crate::json::Members<Parsed>>(text) {
+        if let Some(sums) = members.in_order_of(names) {
+            return Ok(Recorded::ByPosition(
+                sums.into_iter().map(|p| p.map(|p| p.0)).collect(),
+            ));
         }
     }
+    decode_checksums(text).map(Recorded::ByName)
+}
+
+pub(crate) fn decode_checksums(text: &str) -> Result<BTreeMap<String, Checksum>> {
+    let bad = |problem: String| Error::InvalidHeader { problem };
     // The common case straight into its types; anything else through the checked path
     // below, which says what is wrong.
     if let Ok(sums) = serde_json::from_str::<BTreeMap<String, Parsed>>(text) {

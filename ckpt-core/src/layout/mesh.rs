@@ -136,13 +136,17 @@ impl Mesh {
     /// Coordinate of `rank` on every axis (last axis fastest).
     #[must_use]
     pub fn coords(&self, rank: u64) -> Vec<u64> {
-        let mut c = vec![0; self.axes.len()];
-        let mut r = rank;
-        for (d, a) in self.axes.iter().enumerate().rev() {
-            c[d] = r % a.size;
-            r /= a.size;
-        }
-        c
+        self.coords_iter(rank).collect()
+    }
+
+    /// [`Mesh::coords`] without a vector: what the per-tensor layout arithmetic uses.
+    pub(crate) fn coords_iter(&self, rank: u64) -> impl Iterator<Item = u64> + '_ {
+        // The stride of axis d is the product of the sizes after it.
+        let n = self.axes.len();
+        (0..n).map(move |d| {
+            let stride: u64 = self.axes[d + 1..].iter().map(|a| a.size).product();
+            (rank / stride) % self.axes[d].size
+        })
     }
 
     /// The ranks that differ from `rank` only on axis `axis`, in axis order: the group

@@ -107,36 +107,36 @@ pub struct TensorsRead {
     pub whole: BTreeSet<(usize, usize)>,
 }
 
-/// Per stored tensor: the shape its boxes are in and the distinct boxes read from it.
-type BoxesRead<'a> = BTreeMap<(usize, usize), (&'a [u64], smallvec::SmallVec<[&'a CopyOp; 1]>)>;
-
 /// The stored tensors `ops` read, and those they read whole (whose recorded checksums
 /// can be checked). A tensor read through views of two shapes is not known to be read
 /// whole.
 #[must_use]
 pub fn tensors_read<'a>(ops: impl IntoIterator<Item = &'a CopyOp>) -> TensorsRead {
-    // The ops reading each tensor, inline when one does (most tensors): an ordered set
-    // of boxes per tensor cost hundreds of bytes for each of a million tensors.
-    let mut boxes: BoxesRead = BTreeMap::new();
-    let mut reshaped = BTreeSet::new();
-    for op in ops {
-        let e = boxes
-            .entry((op.file, op.tensor))
-            .or_insert_with(|| (&op.src_shape[..], smallvec::SmallVec::new()));
+    // The ops sorted by the tensor they read, then taken a run per tensor: a map of
+    // tensors to lists of ops cost an insertion into a tree for each of a million ops.
+    // The sort is stable, so each run keeps the ops' order.
+    let mut ops: Vec<&CopyOp> = ops.into_iter().collect();
+    ops.sort_by_key(|op| (op.file, op.tensor));
+    let mut read = Vec::new();
+    let mut whole = Vec::new();
+    for run in ops.chunk_by(|a, b| (a.file, a.tensor) == (b.file, b.tensor)) {
+        let key = (run[0].file, run[0].tensor);
+        read.push(key);
+        let shape = &run[0].src_shape[..];
         // A computed box reads its stored tensor through other coordinates: never
         // counted as read whole.
-        if e.0 != &op.src_shape[..] || op.compute.is_some() {
-            reshaped.insert((op.file, op.tensor));
+        let reshaped = run
+            .iter()
+            .any(|op| op.src_shape[..] != *shape || op.compute.is_some());
+        if !reshaped && tiled(shape, run) {
+            whole.push(key);
         }
-        e.1.push(op);
     }
-    let read = boxes.keys().copied().collect();
-    let whole = boxes
-        .into_iter()
-        .filter(|(k, (shape, ops))| !reshaped.contains(k) && tiled(shape, ops))
-        .map(|(k, _)| k)
-        .collect();
-    TensorsRead { read, whole }
+    // Sorted already: the sets are built in one pass.
+    TensorsRead {
+        read: read.into_iter().collect(),
+        whole: whole.into_iter().collect(),
+    }
 }
 
 /// Whether the distinct boxes `ops` read tile a stored tensor of `shape`.
