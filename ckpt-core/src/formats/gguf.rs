@@ -659,7 +659,13 @@ fn parse(all: &[u8]) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>)> {
         let (per, bytes) = ty.block();
         let mut shape: Vec<u64> = ne.iter().rev().copied().collect();
         if per > 1 {
-            let inner = ne.first().copied().unwrap_or(0);
+            // Blocks run along the innermost dim: a tensor of blocks has one.
+            let Some(&inner) = ne.first() else {
+                return Err(bad(format!(
+                    "tensor `{name}`: a {} tensor of no dims",
+                    ty.name()
+                )));
+            };
             if inner % per != 0 {
                 return Err(bad(format!(
                     "tensor `{name}`: rows of {inner} values are not whole {} blocks of {per}",
@@ -840,6 +846,38 @@ mod tests {
         assert!(h.windows(q_info.len()).any(|w| w == q_info));
         let (back, _) = decode_metadata(&meta).unwrap();
         assert_eq!(back, kv);
+    }
+
+    /// The smallest file of one tensor info: `(name, dims, type id)`, offset 0.
+    fn one_tensor_file(name: &str, ne: &[u64], ty: u32) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(b"GGUF");
+        b.extend_from_slice(&3u32.to_le_bytes());
+        b.extend_from_slice(&1u64.to_le_bytes());
+        b.extend_from_slice(&0u64.to_le_bytes());
+        put_str(&mut b, name);
+        b.extend_from_slice(&(ne.len() as u32).to_le_bytes());
+        for d in ne {
+            b.extend_from_slice(&d.to_le_bytes());
+        }
+        b.extend_from_slice(&ty.to_le_bytes());
+        b.extend_from_slice(&0u64.to_le_bytes());
+        b.resize(b.len().next_multiple_of(32) + 68, 0);
+        b
+    }
+
+    #[test]
+    fn tensor_infos_are_read_as_row_major_shapes_and_block_rows() {
+        let (t, meta) = parse(&one_tensor_file("q", &[64, 1], 8)).unwrap();
+        assert_eq!((t[0].dtype, t[0].shape.clone()), (Dtype::U8, vec![1, 68]));
+        assert_eq!(t[0].end - t[0].start, 68);
+        assert!(meta[TYPES_KEY].contains("q8_0"), "{meta:?}");
+        // A Q8_0 tensor of no dims (found by the fuzz target: it panicked), and rows
+        // that are not whole blocks, are refused by name.
+        for (ne, problem) in [(&[][..], "no dims"), (&[33, 1][..], "not whole")] {
+            let e = parse(&one_tensor_file("q", ne, 8)).unwrap_err().to_string();
+            assert!(e.contains("`q`") && e.contains(problem), "{e}");
+        }
     }
 
     #[test]
