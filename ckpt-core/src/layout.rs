@@ -15,9 +15,9 @@ pub(crate) mod strategy;
 use crate::error::{Error, Result};
 use crate::layout::mesh::Mesh;
 use crate::layout::region::{Dims, Region};
-use smallvec::SmallVec;
 /// The element types (safetensors' names, which every format maps to and from).
 pub use ::safetensors::Dtype;
+use smallvec::SmallVec;
 use std::fmt;
 
 /// How a tensor is placed along one mesh axis.
