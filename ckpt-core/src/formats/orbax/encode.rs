@@ -246,7 +246,6 @@ impl OrbaxArraysWriter {
         let dir = dest.parent().unwrap_or(Path::new(".")).to_path_buf();
         check(tensors)?;
         let mut db = ckpt_ocdbt::Writer::create(&dir, ckpt_ocdbt::WriterOptions::new())?;
-        let data_path = db.data_file().to_path_buf();
         let mut arrays = Vec::with_capacity(tensors.len());
         let mut chunks = Vec::new();
         for t in tensors {
@@ -286,11 +285,24 @@ impl OrbaxArraysWriter {
                 offsets,
             });
         }
+        Self::with_indices(dir, db, arrays, &chunks)
+    }
+
+    /// The writer over `db`'s reserved chunks, each chunk's shard index (`(where, the
+    /// chunk's bytes)`) already written after its place, so that the copy writes only
+    /// the chunks' bytes.
+    fn with_indices(
+        dir: PathBuf,
+        db: ckpt_ocdbt::Writer,
+        arrays: Vec<Array>,
+        indices: &[(u64, u64)],
+    ) -> Result<OrbaxArraysWriter> {
+        let data_path = db.data_file().to_path_buf();
         let data = File::options()
             .write(true)
             .open(&data_path)
             .at(&data_path)?;
-        for (at, len) in chunks {
+        for &(at, len) in indices {
             data.write_all_at(&shard_index(len), at).at(&data_path)?;
         }
         Ok(OrbaxArraysWriter {
@@ -392,7 +404,6 @@ impl OrbaxArraysWriter {
             .collect();
         check(&specs)?;
         let mut db = ckpt_ocdbt::Writer::create(&dir, ckpt_ocdbt::WriterOptions::new())?;
-        let data_path = db.data_file().to_path_buf();
         for s in &specs {
             let Some((dtype_name, fill)) = v3_name(s.dtype) else {
                 continue;
@@ -421,20 +432,7 @@ impl OrbaxArraysWriter {
                 offsets: vec![r.offset],
             });
         }
-        let data = File::options()
-            .write(true)
-            .open(&data_path)
-            .at(&data_path)?;
-        for (at, len) in indices {
-            data.write_all_at(&shard_index(len), at).at(&data_path)?;
-        }
-        Ok(OrbaxArraysWriter {
-            dir,
-            db: Some(db),
-            data,
-            data_path,
-            arrays,
-        })
+        Self::with_indices(dir, db, arrays, &indices)
     }
 
     /// Array `index`, checking that `len` bytes at `offset` lie inside it.
