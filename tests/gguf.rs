@@ -348,6 +348,15 @@ fn a_gguf_is_read_and_its_q8_0_blocks_dequantize_as_gguf_py_does() {
     );
     let o = d.ok(&["verify", s(&src)]);
     assert!(o.stdout.contains("21 tensors"), "{}", o.stdout);
+    // Back to Hugging Face's names is not built: refused by name, nothing written.
+    let hf = d.path("hf");
+    let o = d.fails(&["merge", s(&src), "--format", "hf", "-o", s(&hf)]);
+    assert!(
+        o.stderr.contains("base-q8_0.gguf") && o.stderr.contains("--format hf) is not built"),
+        "{}",
+        o.stderr
+    );
+    assert!(!hf.exists(), "nothing is written");
     let o = d.ok(&["inspect", s(&src), "--json"]);
     assert!(o.stdout.contains("\"GGUF\""), "{}", o.stdout);
 }

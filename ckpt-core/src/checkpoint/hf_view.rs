@@ -514,6 +514,19 @@ impl Checkpoint {
     /// args and `--hf-config` disagree; a tensor the family needs is missing, has
     /// another shape than the sizes give it, or a tensor has no row in the table.
     pub fn hf_view(&mut self, target: &HfTarget) -> Result<HfModel> {
+        // A GGUF holds llama.cpp's names and its interleaved query/key rows: read as a
+        // Hugging Face model it would fail later with a misleading message (or, with a
+        // table that matched, give rows in the wrong order). Refused up front.
+        if let Some(f) = self
+            .files
+            .iter()
+            .find(|f| f.format() == crate::formats::FileFormat::Gguf)
+        {
+            return Err(unsupported(format!(
+                "{}: a GGUF holds llama.cpp's names with the query and key rows interleaved; mapping it back to Hugging Face's (--format hf) is not built (merge without --format keeps llama.cpp's names; --dtype dequantizes Q8_0)",
+                f.path().display()
+            )));
+        }
         let mut notes = vec![];
         // The files' own args (read once: a rank file's or common.pt's pickle), else the
         // trainer's record beside them.
