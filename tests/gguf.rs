@@ -348,15 +348,6 @@ fn a_gguf_is_read_and_its_q8_0_blocks_dequantize_as_gguf_py_does() {
     );
     let o = d.ok(&["verify", s(&src)]);
     assert!(o.stdout.contains("21 tensors"), "{}", o.stdout);
-    // Back to Hugging Face's names is not built: refused by name, nothing written.
-    let hf = d.path("hf");
-    let o = d.fails(&["merge", s(&src), "--format", "hf", "-o", s(&hf)]);
-    assert!(
-        o.stderr.contains("base-q8_0.gguf") && o.stderr.contains("--format hf) is not built"),
-        "{}",
-        o.stderr
-    );
-    assert!(!hf.exists(), "nothing is written");
     let o = d.ok(&["inspect", s(&src), "--json"]);
     assert!(o.stdout.contains("\"GGUF\""), "{}", o.stdout);
 }
@@ -432,4 +423,192 @@ fn damaged_gguf_files_are_refused_by_name() {
         );
         assert!(!out.exists(), "{case}: nothing is written");
     }
+}
+
+/// The Hugging Face model transformers' own GGUF loader makes of each fixture
+/// (`from_pretrained(gguf_file=...)`, scripts/fixtures/gguf_to_hf_reference.py) is what
+/// `merge --format hf` writes: the same names, the query and key rows back in Hugging
+/// Face's halves, Q8_0 dequantized in F32 (its default dtype), every byte equal, and a
+/// config of the same sizes.
+#[test]
+fn a_gguf_becomes_the_model_transformers_loads_from_it() {
+    let d = Dir::new();
+    for (ty, dtype) in [("q8_0", None), ("f16", Some("f32"))] {
+        let out = d.path(&format!("hf-{ty}"));
+        let src = fixture(&format!("gguf/base-{ty}.gguf"));
+        let mut args = vec!["merge", s(&src), "--format", "hf", "-o", s(&out)];
+        args.extend(dtype.iter().flat_map(|d| ["--dtype", *d]));
+        d.ok(&args);
+        let got = crate::util::full_tensors(&out.join("model.safetensors"));
+        let want =
+            crate::util::full_tensors(&fixture(&format!("gguf_read/base-{ty}-hf.safetensors")));
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{ty}"
+        );
+        for (name, bytes) in &want {
+            assert!(got[name] == *bytes, "{ty}: {name} differs");
+        }
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join("config.json")).expect("config"),
+        )
+        .expect("json");
+        let reference: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture(&format!("gguf_read/base-{ty}-hf.config.json")))
+                .expect("reference"),
+        )
+        .expect("json");
+        for key in [
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "vocab_size",
+            "tie_word_embeddings",
+        ] {
+            assert_eq!(config[key], reference[key], "{ty}: {key}");
+        }
+        // transformers keeps the f32 the file holds; ckpt its shortest decimal.
+        let eps = |c: &serde_json::Value| c["rms_norm_eps"].as_f64().expect("eps") as f32;
+        assert_eq!(eps(&config), eps(&reference), "{ty}: rms_norm_eps");
+        assert_eq!(config["rms_norm_eps"], serde_json::json!(1e-5));
+        assert_eq!(
+            config["rope_parameters"]["rope_theta"],
+            reference["rope_parameters"]["rope_theta"]
+        );
+        assert_eq!(config["architectures"][0], "LlamaForCausalLM");
+    }
+}
+
+/// Hugging Face → GGUF (llama.cpp's converter) → Hugging Face is the identity: the
+/// BF16 GGUF read back as a model is the base, byte for byte, in its dtype (the
+/// norms the converter kept in F32 cast back exactly), on any thread count; and a
+/// GGUF requantized by ckpt (BF16 → Q8_0, given the config and tokenizer the GGUF
+/// writer reads) is the converter's own Q8_0 file.
+#[test]
+fn hugging_face_to_gguf_and_back_is_the_identity() {
+    let d = Dir::new();
+    let want = crate::util::full_tensors(&fixture("base/model.safetensors"));
+    for threads in [1, 4] {
+        let out = d.path(&format!("hf-{threads}"));
+        d.ok_with_threads(
+            &[
+                "merge",
+                s(&fixture("gguf/base-bf16.gguf")),
+                "--format",
+                "hf",
+                "-o",
+                s(&out),
+            ],
+            threads,
+        );
+        let got = crate::util::full_tensors(&out.join("model.safetensors"));
+        assert_eq!(got, want, "{threads} threads");
+    }
+    let q8 = d.path("requantized.gguf");
+    d.ok(&[
+        "merge",
+        s(&fixture("gguf/base-bf16.gguf")),
+        "--format",
+        "gguf",
+        "--dtype",
+        "q8_0",
+        "--hf-config",
+        s(&fixture("base/config.json")),
+        "--tokenizer",
+        s(&fixture("base")),
+        "-o",
+        s(&q8),
+    ]);
+    assert_same_file(&q8, &fixture("gguf/base-q8_0.gguf"));
+}
+
+/// What the keys do not settle is refused with what would, nothing written: a rope
+/// scaling kept as llama.cpp's `rope_freqs.weight` (then `--hf-config` settles it and
+/// the tensor is left out), a config that disagrees with the keys, an architecture not
+/// mapped back.
+#[test]
+fn a_gguf_the_keys_do_not_settle_is_refused_with_what_would() {
+    let d = Dir::new();
+    let freqs = fixture("gguf_read/base-q8_0-rope-freqs.gguf");
+    let out = d.path("r");
+    let o = d.fails(&["merge", s(&freqs), "--format", "hf", "-o", s(&out)]);
+    assert!(
+        o.stderr.contains("base-q8_0-rope-freqs.gguf")
+            && o.stderr.contains("rope_freqs.weight")
+            && o.stderr.contains("--hf-config"),
+        "{}",
+        o.stderr
+    );
+    assert!(!out.exists(), "nothing is written");
+    let o = d.ok(&[
+        "merge",
+        s(&freqs),
+        "--format",
+        "hf",
+        "--hf-config",
+        s(&fixture("base/config.json")),
+        "-o",
+        s(&out),
+    ]);
+    assert!(
+        o.stderr.contains("rope_freqs.weight left out"),
+        "{}",
+        o.stderr
+    );
+    let got = crate::util::full_tensors(&out.join("model.safetensors"));
+    let want = crate::util::full_tensors(&fixture("gguf_read/base-q8_0-hf.safetensors"));
+    assert_eq!(got, want);
+
+    let config = d.path("config.json");
+    let text = std::fs::read_to_string(fixture("base/config.json")).expect("config");
+    std::fs::write(
+        &config,
+        text.replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 4"),
+    )
+    .expect("write");
+    let out = d.path("c");
+    let o = d.fails(&[
+        "merge",
+        s(&fixture("gguf/base-q8_0.gguf")),
+        "--format",
+        "hf",
+        "--hf-config",
+        s(&config),
+        "-o",
+        s(&out),
+    ]);
+    assert!(
+        o.stderr.contains("disagree") && o.stderr.contains("key/value heads (query groups) 2 vs 4"),
+        "{}",
+        o.stderr
+    );
+    assert!(!out.exists(), "nothing is written");
+
+    // `general.architecture` "llama" made "gemma" (same length): not mapped back.
+    let mut bytes = std::fs::read(fixture("gguf/base-q8_0.gguf")).expect("read");
+    let key = b"general.architecture";
+    let at = bytes
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("the key")
+        + key.len()
+        + 4
+        + 8;
+    assert_eq!(&bytes[at..at + 5], b"llama");
+    bytes[at..at + 5].copy_from_slice(b"gemma");
+    let gemma = d.path("gemma.gguf");
+    std::fs::write(&gemma, bytes).expect("write");
+    let out = d.path("g");
+    let o = d.fails(&["merge", s(&gemma), "--format", "hf", "-o", s(&out)]);
+    assert!(
+        o.stderr.contains("gemma.gguf") && o.stderr.contains("`gemma`"),
+        "{}",
+        o.stderr
+    );
+    assert!(!out.exists(), "nothing is written");
 }

@@ -16,12 +16,13 @@ mod boxes;
 mod computed;
 mod coverage;
 mod flat_names;
+mod gguf_view;
 mod hf_view;
+mod interleaved_view;
 mod megatron_views;
 mod mindspore;
 mod open;
 mod sliced;
-mod titan_view;
 
 use crate::error::Error;
 use crate::formats::TensorFile;

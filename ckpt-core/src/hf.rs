@@ -976,7 +976,8 @@ pub(crate) fn disagreements(a: &Shape, b: &Shape) -> Vec<String> {
     out
 }
 
-/// Which heads a torchtitan projection's rows are in its interleaved rotary layout.
+/// Which heads a projection's rows are in another program's interleaved rotary
+/// layout (torchtitan's, llama.cpp's: the pairs of one rotation on adjacent rows).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum RopeRows {
     /// Not rotated (or rotated as Hugging Face's `rotate_half`): rows as they are.
@@ -987,78 +988,157 @@ pub(crate) enum RopeRows {
     Key,
 }
 
-/// A tensor of torchtitan's Llama (torchtitan 0.3, `Llama3Model`) and the Hugging Face
-/// tensor it is, from torchtitan's own `Llama3StateDictAdapter.from_hf_map`
-/// (`torchtitan/models/llama3/state_dict_adapter.py`); `{l}` is the layer. One table
-/// gives both directions, as the Megatron rows do.
-pub(crate) struct TitanRow {
-    pub(crate) titan: &'static str,
+/// A tensor of a Llama in another program's names and the Hugging Face tensor it is;
+/// `{l}` is the layer. One table gives both directions, as the Megatron rows do.
+pub(crate) struct NamesRow {
+    pub(crate) other: &'static str,
     pub(crate) hf: &'static str,
     pub(crate) rope: RopeRows,
 }
 
-/// torchtitan's Llama (`--hf-arch llama`/`mistral` tensors).
-pub(crate) const TORCHTITAN_LLAMA: [TitanRow; 12] = {
-    const fn row(titan: &'static str, hf: &'static str, rope: RopeRows) -> TitanRow {
-        TitanRow { titan, hf, rope }
-    }
+/// A program whose Llama differs from Hugging Face's only by its names and its
+/// interleaved query/key rows.
+pub(crate) struct InterleavedNames {
+    /// The program, as messages name it.
+    pub(crate) program: &'static str,
+    /// Its tensors (the first the embedding, by which a checkpoint is told apart).
+    pub(crate) rows: &'static [NamesRow],
+    /// Whether a tied model keeps its head under the program's own name (torchtitan:
+    /// the embedding's copy) or has none (llama.cpp: no `output.weight`).
+    pub(crate) tied_head_kept: bool,
+    /// Prefixes of entries that are training state beside the model, left out with a
+    /// note.
+    pub(crate) state: &'static [&'static str],
+}
+
+const fn names(other: &'static str, hf: &'static str, rope: RopeRows) -> NamesRow {
+    NamesRow { other, hf, rope }
+}
+
+/// torchtitan's Llama (torchtitan 0.3, `Llama3Model`), from torchtitan's own
+/// `Llama3StateDictAdapter.from_hf_map` (`torchtitan/models/llama3/state_dict_adapter.py`);
+/// its `CheckpointManager` saves the training state beside the model's flattened keys.
+pub(crate) const TORCHTITAN: InterleavedNames = {
     use RopeRows::{AsTheyAre as N, Key as K, Query as Q};
-    [
-        row("tok_embeddings.weight", "model.embed_tokens.weight", N),
-        row(
-            "layers.{l}.attention.qkv_linear.wq.weight",
-            "model.layers.{l}.self_attn.q_proj.weight",
-            Q,
-        ),
-        row(
-            "layers.{l}.attention.qkv_linear.wk.weight",
-            "model.layers.{l}.self_attn.k_proj.weight",
-            K,
-        ),
-        row(
-            "layers.{l}.attention.qkv_linear.wv.weight",
-            "model.layers.{l}.self_attn.v_proj.weight",
-            N,
-        ),
-        row(
-            "layers.{l}.attention.wo.weight",
-            "model.layers.{l}.self_attn.o_proj.weight",
-            N,
-        ),
-        row(
-            "layers.{l}.feed_forward.w1.weight",
-            "model.layers.{l}.mlp.gate_proj.weight",
-            N,
-        ),
-        row(
-            "layers.{l}.feed_forward.w3.weight",
-            "model.layers.{l}.mlp.up_proj.weight",
-            N,
-        ),
-        row(
-            "layers.{l}.feed_forward.w2.weight",
-            "model.layers.{l}.mlp.down_proj.weight",
-            N,
-        ),
-        row(
-            "layers.{l}.attention_norm.weight",
-            "model.layers.{l}.input_layernorm.weight",
-            N,
-        ),
-        row(
-            "layers.{l}.ffn_norm.weight",
-            "model.layers.{l}.post_attention_layernorm.weight",
-            N,
-        ),
-        row("norm.weight", "model.norm.weight", N),
-        row("lm_head.weight", "lm_head.weight", N),
-    ]
+    InterleavedNames {
+        program: "torchtitan",
+        rows: &[
+            names("tok_embeddings.weight", "model.embed_tokens.weight", N),
+            names(
+                "layers.{l}.attention.qkv_linear.wq.weight",
+                "model.layers.{l}.self_attn.q_proj.weight",
+                Q,
+            ),
+            names(
+                "layers.{l}.attention.qkv_linear.wk.weight",
+                "model.layers.{l}.self_attn.k_proj.weight",
+                K,
+            ),
+            names(
+                "layers.{l}.attention.qkv_linear.wv.weight",
+                "model.layers.{l}.self_attn.v_proj.weight",
+                N,
+            ),
+            names(
+                "layers.{l}.attention.wo.weight",
+                "model.layers.{l}.self_attn.o_proj.weight",
+                N,
+            ),
+            names(
+                "layers.{l}.feed_forward.w1.weight",
+                "model.layers.{l}.mlp.gate_proj.weight",
+                N,
+            ),
+            names(
+                "layers.{l}.feed_forward.w3.weight",
+                "model.layers.{l}.mlp.up_proj.weight",
+                N,
+            ),
+            names(
+                "layers.{l}.feed_forward.w2.weight",
+                "model.layers.{l}.mlp.down_proj.weight",
+                N,
+            ),
+            names(
+                "layers.{l}.attention_norm.weight",
+                "model.layers.{l}.input_layernorm.weight",
+                N,
+            ),
+            names(
+                "layers.{l}.ffn_norm.weight",
+                "model.layers.{l}.post_attention_layernorm.weight",
+                N,
+            ),
+            names("norm.weight", "model.norm.weight", N),
+            names("lm_head.weight", "lm_head.weight", N),
+        ],
+        tied_head_kept: true,
+        state: &["optimizer.", "lr_scheduler.", "dataloader.", "train_state"],
+    }
 };
 
-/// The entries of a torchtitan checkpoint that are training state, not the model
-/// (torchtitan's `CheckpointManager` saves them beside the model's flattened keys).
-pub(crate) const TORCHTITAN_TRAINING_STATE: [&str; 4] =
-    ["optimizer.", "lr_scheduler.", "dataloader.", "train_state"];
+/// llama.cpp's Llama (and Mistral's: the converter writes both as `llama`), from
+/// gguf-py's `TENSOR_NAMES` and `TensorNameMap` at llama.cpp d8a24cce; the query and
+/// key rows permuted by `LlamaModel.permute` (`n_head`, `n_head_kv`), which is
+/// torchtitan's interleaving.
+pub(crate) const LLAMA_CPP: InterleavedNames = {
+    use RopeRows::{AsTheyAre as N, Key as K, Query as Q};
+    InterleavedNames {
+        program: "llama.cpp",
+        rows: &[
+            names("token_embd.weight", "model.embed_tokens.weight", N),
+            names("output.weight", "lm_head.weight", N),
+            names("output_norm.weight", "model.norm.weight", N),
+            names(
+                "blk.{l}.attn_norm.weight",
+                "model.layers.{l}.input_layernorm.weight",
+                N,
+            ),
+            names(
+                "blk.{l}.attn_q.weight",
+                "model.layers.{l}.self_attn.q_proj.weight",
+                Q,
+            ),
+            names(
+                "blk.{l}.attn_k.weight",
+                "model.layers.{l}.self_attn.k_proj.weight",
+                K,
+            ),
+            names(
+                "blk.{l}.attn_v.weight",
+                "model.layers.{l}.self_attn.v_proj.weight",
+                N,
+            ),
+            names(
+                "blk.{l}.attn_output.weight",
+                "model.layers.{l}.self_attn.o_proj.weight",
+                N,
+            ),
+            names(
+                "blk.{l}.ffn_norm.weight",
+                "model.layers.{l}.post_attention_layernorm.weight",
+                N,
+            ),
+            names(
+                "blk.{l}.ffn_gate.weight",
+                "model.layers.{l}.mlp.gate_proj.weight",
+                N,
+            ),
+            names(
+                "blk.{l}.ffn_up.weight",
+                "model.layers.{l}.mlp.up_proj.weight",
+                N,
+            ),
+            names(
+                "blk.{l}.ffn_down.weight",
+                "model.layers.{l}.mlp.down_proj.weight",
+                N,
+            ),
+        ],
+        tied_head_kept: false,
+        state: &[],
+    }
+};
 
 /// The row blocks that turn a projection of `heads` heads of `head_dim` rows from
 /// torchtitan's rotary layout into Hugging Face's (`to_hf`), or back. torchtitan's

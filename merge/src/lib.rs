@@ -168,8 +168,13 @@ fn open(req: &MergeRequest) -> Result<(Checkpoint, Box<dyn Writer>, Selection)> 
     } else {
         None
     };
+    // The dtype the model takes where the source says one and --dtype does not.
+    let selection = match hf.as_ref().and_then(|m| m.dtype) {
+        Some(d) => req.selection.clone().or_cast(d),
+        None => req.selection.clone(),
+    };
     // On the names the output takes (a Hugging Face model's, for --format hf).
-    let selection = source.compute(&req.computations, &req.selection)?;
+    let selection = source.compute(&req.computations, &selection)?;
     let writer = writer(req, hf)?;
     Ok((source, writer, selection))
 }

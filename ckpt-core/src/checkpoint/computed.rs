@@ -456,12 +456,13 @@ impl Checkpoint {
     fn dequantize_ggml(&mut self, dtype: Dtype) -> Result<()> {
         use crate::formats::gguf::{GgmlType, TYPES_KEY};
         use crate::layout::compute::{Q8_0_BLOCK, Q8_0_BYTES};
-        let mut blocks = Vec::new();
-        for f in self
-            .files
-            .iter()
-            .filter(|f| f.format() == crate::formats::FileFormat::Gguf)
-        {
+        // By the names the files store them under: a view may have renamed them
+        // (llama.cpp's names as Hugging Face's).
+        let mut stored = std::collections::BTreeSet::new();
+        for (k, f) in self.files.iter().enumerate() {
+            if f.format() != crate::formats::FileFormat::Gguf {
+                continue;
+            }
             let Some(types) = f.metadata().get(TYPES_KEY) else {
                 continue;
             };
@@ -469,23 +470,31 @@ impl Checkpoint {
                 serde_json::from_str(types).map_err(|e| Error::Unsupported {
                     problem: format!("{}: metadata `{TYPES_KEY}`: {e}", f.path().display()),
                 })?;
-            blocks.extend(
-                types
-                    .into_iter()
-                    .filter(|(_, t)| GgmlType::from_name(t) == Some(GgmlType::Q8_0))
-                    .map(|(name, _)| name),
-            );
+            for (i, entry) in f.tensors().iter().enumerate() {
+                if types
+                    .get(&entry.name)
+                    .is_some_and(|t| GgmlType::from_name(t) == Some(GgmlType::Q8_0))
+                {
+                    stored.insert((k, i));
+                }
+            }
         }
+        let blocks: Vec<String> = self
+            .tensors
+            .iter()
+            .filter(|(_, t)| {
+                t.dtype == Dtype::U8
+                    && t.pieces.first().is_some_and(|p| {
+                        p.compute.is_none() && stored.contains(&(p.file, p.tensor))
+                    })
+            })
+            .map(|(n, _)| n.clone())
+            .collect();
         let mut done = 0;
         for name in blocks {
-            // Left out by the selection, or another file's tensor of that name: the
-            // reading of the files already said which.
             let Some(t) = self.tensors.get(&name) else {
                 continue;
             };
-            if t.dtype != Dtype::U8 {
-                continue;
-            }
             let [rows, bytes] = matrix(&name, t, "a Q8_0 tensor (its rows of blocks)")?;
             if bytes % Q8_0_BYTES != 0 {
                 return Err(Error::InvalidTensor {

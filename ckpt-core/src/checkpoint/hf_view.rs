@@ -37,6 +37,10 @@ pub struct HfModel {
     /// The user's config file, written as it is (`--hf-config`); `None` when ckpt
     /// writes one from `shape`.
     pub user_config: Option<PathBuf>,
+    /// The dtype the output takes when `--dtype` names none, where the source's own
+    /// dtypes would not make a model (a GGUF's Q8_0 blocks, its F32 norms beside F16
+    /// matrices).
+    pub dtype: Option<crate::layout::Dtype>,
 }
 
 impl HfModel {
@@ -514,18 +518,8 @@ impl Checkpoint {
     /// args and `--hf-config` disagree; a tensor the family needs is missing, has
     /// another shape than the sizes give it, or a tensor has no row in the table.
     pub fn hf_view(&mut self, target: &HfTarget) -> Result<HfModel> {
-        // A GGUF holds llama.cpp's names and its interleaved query/key rows: read as a
-        // Hugging Face model it would fail later with a misleading message (or, with a
-        // table that matched, give rows in the wrong order). Refused up front.
-        if let Some(f) = self
-            .files
-            .iter()
-            .find(|f| f.format() == crate::formats::FileFormat::Gguf)
-        {
-            return Err(unsupported(format!(
-                "{}: a GGUF holds llama.cpp's names with the query and key rows interleaved; mapping it back to Hugging Face's (--format hf) is not built (merge without --format keeps llama.cpp's names; --dtype dequantizes Q8_0)",
-                f.path().display()
-            )));
+        if let Some(model) = self.gguf_as_hf(target)? {
+            return Ok(model);
         }
         let mut notes = vec![];
         // The files' own args (read once: a rank file's or common.pt's pickle), else the
@@ -640,7 +634,7 @@ impl Checkpoint {
         };
         if args.is_none() && megatron_prefix.is_none() {
             if self.is_torchtitan() {
-                self.rename_torchtitan(family, &shape, true)?;
+                self.rename_interleaved(&hf::TORCHTITAN, family, &shape, true)?;
             }
             return self.hf_names_as_they_are(family, shape, user_config, notes);
         }
@@ -813,6 +807,7 @@ impl Checkpoint {
             family,
             shape,
             user_config,
+            dtype: None,
         })
     }
 
@@ -904,7 +899,7 @@ impl Checkpoint {
     /// A source already in Hugging Face's names (a DeepSpeed or DCP save of a
     /// transformers model, `module.` stripped, or under a trainer's wrapper prefix):
     /// its tensors must be the family's.
-    fn hf_names_as_they_are(
+    pub(super) fn hf_names_as_they_are(
         &mut self,
         family: Family,
         shape: Shape,
@@ -995,6 +990,7 @@ impl Checkpoint {
             family,
             shape,
             user_config,
+            dtype: None,
         })
     }
 }

@@ -222,6 +222,54 @@ impl Value {
         }
     }
 
+    /// A scalar integer of any width as `u64` (`None` for negatives and other types):
+    /// writers give a count as `UINT32` or `UINT64` as they please.
+    pub(crate) fn as_u64(&self) -> Option<u64> {
+        match self {
+            Value::U32(v) => Some(u64::from(*v)),
+            Value::I32(v) => u64::try_from(*v).ok(),
+            Value::Other(t, b) => {
+                let le = |n: usize| -> Option<u64> {
+                    let mut x = [0u8; 8];
+                    x[..n].copy_from_slice(b.get(..n)?);
+                    Some(u64::from_le_bytes(x))
+                };
+                let signed = |n: usize| -> Option<u64> {
+                    let v = le(n)?;
+                    (v >> (8 * n - 1) & 1 == 0).then_some(v)
+                };
+                match *t {
+                    0 => le(1),
+                    1 => signed(1),
+                    2 => le(2),
+                    3 => signed(2),
+                    10 => le(8),
+                    11 => signed(8),
+                    _ => None,
+                }
+            }
+            _ => None,
+        }
+    }
+
+    /// A scalar float (`FLOAT32`, or `FLOAT64`) as `f64`, the `f32` by its shortest
+    /// decimal (`1e-5`, not `9.99999974e-6`: the number the writer was given).
+    pub(crate) fn as_f64(&self) -> Option<f64> {
+        match self {
+            Value::F32(v) => v.to_string().parse().ok(),
+            Value::Other(12, b) => Some(f64::from_le_bytes(b.get(..8)?.try_into().ok()?)),
+            _ => None,
+        }
+    }
+
+    /// A string.
+    pub(crate) fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
     /// The value as JSON for the metadata channel (floats by their bits, so they come
     /// back exactly).
     fn to_json(&self) -> Json {
@@ -308,10 +356,10 @@ fn bad(problem: impl Into<String>) -> Error {
 }
 
 /// Key-value pairs in the file's order.
-type KeyValues = Vec<(String, Value)>;
+pub(crate) type KeyValues = Vec<(String, Value)>;
 
 /// The key-value pairs and types [`encode_metadata`] wrote.
-fn decode_metadata(
+pub(crate) fn decode_metadata(
     metadata: &BTreeMap<String, String>,
 ) -> Result<(KeyValues, BTreeMap<String, GgmlType>)> {
     let parse = |key: &str| -> Result<Json> {

@@ -219,6 +219,14 @@ impl Selection {
         self
     }
 
+    /// This selection casting to `to` when it names no cast of its own (a source that
+    /// says what dtype its model takes: a GGUF read as Hugging Face's model).
+    #[must_use]
+    pub fn or_cast(mut self, to: Dtype) -> Selection {
+        self.cast.get_or_insert(to);
+        self
+    }
+
     /// The floating-point type `--dtype` casts to, if any.
     #[must_use]
     pub fn cast(&self) -> Option<Dtype> {

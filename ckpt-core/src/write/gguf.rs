@@ -1,7 +1,7 @@
 //! A GGUF file for llama.cpp (`merge --format gguf`), as llama.cpp's own
 //! `convert_hf_to_gguf.py` writes it (tests/fixtures/serving/README.md, "GGUF
 //! semantics"): the source seen as the Hugging Face model, its tensors renamed by
-//! [`LLAMA`] (the query and key rows permuted from Hugging Face's rotary halves to
+//! [`hf::LLAMA_CPP`] (the query and key rows permuted from Hugging Face's rotary halves to
 //! llama.cpp's interleaved pairs, as a view of the stored rows), in the ggml type the
 //! converter gives each (norms and 1-D tensors F32, the rest `--dtype`: F32, F16, BF16
 //! cast by the engine, or Q8_0 computed), the model's keys from its `config.json` and
@@ -14,7 +14,7 @@ use crate::checkpoint::{Checkpoint, HfModel};
 use crate::error::{Error, Result};
 use crate::formats::gguf::{encode_metadata, GgmlType, Value};
 use crate::formats::read_small;
-use crate::hf::{self, Family};
+use crate::hf::{self, Family, RopeRows};
 use crate::layout::compute::Operation;
 use crate::layout::plan::{CopyPlan, TargetFile, TargetTensor};
 use crate::layout::region::Region;
@@ -30,74 +30,6 @@ use std::sync::Arc;
 
 /// The file the plan writes (the tool moves it to the output's name).
 pub(crate) const GGUF_FILE: &str = "model.gguf";
-
-/// How a tensor's rows are taken.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Rows {
-    /// As they are.
-    AsTheyAre,
-    /// Permuted per query head (`LlamaModel.permute` with `n_head`).
-    Query,
-    /// Permuted per key head (`n_head_kv`).
-    Key,
-}
-
-/// Llama's (and Mistral's) tensors: Hugging Face's name, GGUF's (`{l}` the layer),
-/// the rows (gguf-py's `TENSOR_NAMES` and `TensorNameMap` at llama.cpp d8a24cce).
-const LLAMA: [(&str, &str, Rows); 12] = [
-    (
-        "model.embed_tokens.weight",
-        "token_embd.weight",
-        Rows::AsTheyAre,
-    ),
-    ("lm_head.weight", "output.weight", Rows::AsTheyAre),
-    ("model.norm.weight", "output_norm.weight", Rows::AsTheyAre),
-    (
-        "model.layers.{l}.input_layernorm.weight",
-        "blk.{l}.attn_norm.weight",
-        Rows::AsTheyAre,
-    ),
-    (
-        "model.layers.{l}.self_attn.q_proj.weight",
-        "blk.{l}.attn_q.weight",
-        Rows::Query,
-    ),
-    (
-        "model.layers.{l}.self_attn.k_proj.weight",
-        "blk.{l}.attn_k.weight",
-        Rows::Key,
-    ),
-    (
-        "model.layers.{l}.self_attn.v_proj.weight",
-        "blk.{l}.attn_v.weight",
-        Rows::AsTheyAre,
-    ),
-    (
-        "model.layers.{l}.self_attn.o_proj.weight",
-        "blk.{l}.attn_output.weight",
-        Rows::AsTheyAre,
-    ),
-    (
-        "model.layers.{l}.post_attention_layernorm.weight",
-        "blk.{l}.ffn_norm.weight",
-        Rows::AsTheyAre,
-    ),
-    (
-        "model.layers.{l}.mlp.gate_proj.weight",
-        "blk.{l}.ffn_gate.weight",
-        Rows::AsTheyAre,
-    ),
-    (
-        "model.layers.{l}.mlp.up_proj.weight",
-        "blk.{l}.ffn_up.weight",
-        Rows::AsTheyAre,
-    ),
-    (
-        "model.layers.{l}.mlp.down_proj.weight",
-        "blk.{l}.ffn_down.weight",
-        Rows::AsTheyAre,
-    ),
-];
 
 /// Names the converter drops.
 const DROPPED_SUFFIXES: [&str; 3] = [
@@ -141,8 +73,13 @@ impl PieceSource for GgufTensors<'_> {
 }
 
 /// The layer number and the pattern `name` matches in the table, if any.
-fn table_row(name: &str) -> Option<(String, Rows)> {
-    for (hf_name, gguf_name, rows) in LLAMA {
+fn table_row(name: &str) -> Option<(String, RopeRows)> {
+    for &hf::NamesRow {
+        other: gguf_name,
+        hf: hf_name,
+        rope: rows,
+    } in hf::LLAMA_CPP.rows
+    {
         match hf_name.split_once("{l}") {
             None if hf_name == name => return Some((gguf_name.to_string(), rows)),
             Some((pre, post)) => {
@@ -608,9 +545,13 @@ impl GgufExport {
                 });
             }
             let t = match rows {
-                Rows::AsTheyAre => t.clone(),
-                Rows::Query | Rows::Key => {
-                    let h = u64::from(if rows == Rows::Query { heads } else { kv_heads });
+                RopeRows::AsTheyAre => t.clone(),
+                RopeRows::Query | RopeRows::Key => {
+                    let h = u64::from(if rows == RopeRows::Query {
+                        heads
+                    } else {
+                        kv_heads
+                    });
                     let n = t.shape.first().copied().unwrap_or(0);
                     if h == 0 || t.shape.len() != 2 || n % h != 0 || (n / h) % 2 != 0 {
                         return Err(Error::InvalidTensor {
@@ -807,11 +748,11 @@ mod tests {
     fn names_follow_the_table() {
         assert_eq!(
             table_row("model.layers.12.self_attn.k_proj.weight"),
-            Some(("blk.12.attn_k.weight".into(), Rows::Key))
+            Some(("blk.12.attn_k.weight".into(), RopeRows::Key))
         );
         assert_eq!(
             table_row("lm_head.weight"),
-            Some(("output.weight".into(), Rows::AsTheyAre))
+            Some(("output.weight".into(), RopeRows::AsTheyAre))
         );
         assert_eq!(table_row("model.layers.x.mlp.up_proj.weight"), None);
     }

@@ -1,18 +1,18 @@
-//! torchtitan's Llama seen in Hugging Face's names, and back ([`crate::hf`]'s
-//! `TORCHTITAN_LLAMA` table): each tensor renamed, the query and key projections'
-//! rows permuted from torchtitan's interleaved rotary layout to Hugging Face's halves
-//! (or back) as a view of the stored pieces, one row a block, so the copy engine
+//! A Llama in another program's names whose query and key rows interleave the
+//! rotary pairs (torchtitan's, llama.cpp's: [`crate::hf::InterleavedNames`]) seen in
+//! Hugging Face's names, and back: each tensor renamed by the program's table, the
+//! query and key projections' rows permuted between the interleaved layout and Hugging
+//! Face's halves as a view of the stored pieces, one row a block, so the copy engine
 //! streams them as any other.
 
 use super::Checkpoint;
 use crate::error::{Error, Result};
-use crate::hf::{self, Family, RopeRows, Shape, TORCHTITAN_LLAMA, TORCHTITAN_TRAINING_STATE};
+use crate::hf::{self, Family, InterleavedNames, RopeRows, Shape, TORCHTITAN};
 use crate::layout::source::SourceTensor;
 use std::collections::BTreeMap;
 
-/// The tensor a torchtitan checkpoint always has, by which it is told apart.
-const TITAN_EMBEDDING: &str = "tok_embeddings.weight";
-/// The Hugging Face tensor torchtitan has under its own name when the model is tied.
+/// The Hugging Face tensor a program may keep under its own name when the model is
+/// tied.
 const LM_HEAD: &str = "lm_head.weight";
 
 fn invalid(tensor: &str, problem: String) -> Error {
@@ -60,42 +60,44 @@ fn rope_view(
 impl Checkpoint {
     /// Whether the tensors are in torchtitan's names.
     pub(crate) fn is_torchtitan(&self) -> bool {
-        self.tensors.contains_key(TITAN_EMBEDDING)
+        self.tensors.contains_key(TORCHTITAN.rows[0].other)
     }
 
-    /// Renames a torchtitan Llama's tensors to Hugging Face's (`to_hf`) or back, by
-    /// the table; a tied model has no `lm_head.weight` in Hugging Face's names
-    /// (torchtitan's adapter drops it too). torchtitan's training state
-    /// (`optimizer.*`, `lr_scheduler.*`, ...) is left out, said in a note.
+    /// Renames a Llama's tensors from `program`'s names to Hugging Face's (`to_hf`) or
+    /// back, by its table; a tied model has no `lm_head.weight` in Hugging Face's
+    /// names. The program's training state (torchtitan's `optimizer.*`,
+    /// `lr_scheduler.*`, ...) is left out, said in a note.
     ///
     /// # Errors
-    /// A family torchtitan's names are not known for; a tensor of the table missing, or
-    /// not the table's; a projection of another shape than the config gives.
-    pub(crate) fn rename_torchtitan(
+    /// A family the program's names are not known for; a tensor of the table missing,
+    /// or not the table's; a projection of another shape than the config gives.
+    pub(crate) fn rename_interleaved(
         &mut self,
+        program: &InterleavedNames,
         family: Family,
         shape: &Shape,
         to_hf: bool,
     ) -> Result<()> {
+        let name = program.program;
         if !matches!(family, Family::Llama | Family::Mistral) || shape.experts > 0 {
             return Err(Error::Unsupported {
                 problem: format!(
-                    "torchtitan's names are known for its Llama (LlamaForCausalLM, MistralForCausalLM), not {}",
+                    "{name}'s names are known for its Llama (LlamaForCausalLM, MistralForCausalLM), not {}",
                     family.architecture()
                 ),
             });
         }
         let (from_dir, to_dir) = if to_hf {
-            ("torchtitan", "Hugging Face")
+            (name, "Hugging Face")
         } else {
-            ("Hugging Face", "torchtitan")
+            ("Hugging Face", name)
         };
         let mut out: BTreeMap<String, SourceTensor> = BTreeMap::new();
-        for row in &TORCHTITAN_LLAMA {
+        for row in program.rows {
             let (from, to) = if to_hf {
-                (row.titan, row.hf)
+                (row.other, row.hf)
             } else {
-                (row.hf, row.titan)
+                (row.hf, row.other)
             };
             let layers: Vec<Option<u64>> = if from.contains("{l}") {
                 (0..shape.layers).map(Some).collect()
@@ -124,15 +126,15 @@ impl Checkpoint {
                 out.insert(dst, rope_view(&t, row.rope, shape, to_hf, &src)?);
             }
         }
-        if !to_hf && shape.tied {
-            if let Some(e) = out.get(TORCHTITAN_LLAMA[0].titan).cloned() {
+        if !to_hf && shape.tied && program.tied_head_kept {
+            if let Some(e) = out.get(program.rows[0].other).cloned() {
                 out.insert(LM_HEAD.into(), e);
             }
         }
         let training: Vec<String> = self
             .tensors
             .keys()
-            .filter(|n| TORCHTITAN_TRAINING_STATE.iter().any(|p| n.starts_with(p)))
+            .filter(|n| program.state.iter().any(|p| n.starts_with(p)))
             .cloned()
             .collect();
         if let Some(extra) = self.tensors.keys().find(|n| !training.contains(n)) {
@@ -143,14 +145,15 @@ impl Checkpoint {
         }
         if !training.is_empty() {
             self.notes.push(format!(
-                "{} tensors of torchtitan's training state (optimizer, lr_scheduler, ...) are not carried",
-                training.len()
+                "{} tensors of {name}'s training state ({}) are not carried",
+                training.len(),
+                program.state.join(", ")
             ));
         }
         self.tensors = out;
         self.strategy = None;
         self.notes.push(format!(
-            "{from_dir}'s Llama names as {to_dir}'s; the query and key rows permuted between torchtitan's interleaved rotary pairs and Hugging Face's halves"
+            "{from_dir}'s Llama names as {to_dir}'s; the query and key rows permuted between {name}'s interleaved rotary pairs and Hugging Face's halves"
         ));
         Ok(())
     }
@@ -176,6 +179,6 @@ impl Checkpoint {
         let text = String::from_utf8_lossy(&crate::formats::read_small(&path)?).into_owned();
         let (family, shape) = hf::read_config(&text, &path.display().to_string())?;
         family.check(&shape)?;
-        self.rename_torchtitan(family, &shape, false)
+        self.rename_interleaved(&TORCHTITAN, family, &shape, false)
     }
 }
