@@ -724,3 +724,77 @@ fn a_large_output_goes_up_while_it_is_written() {
     assert_eq!(s.s3(&["uploads", "ckpt-test"]).trim(), "[]");
     assert!(s.keys("s3://ckpt-test/merged.ckpt-partial").is_empty());
 }
+
+/// A checkpoint that records checksums (ckpt's own, here) merged from a bucket: each
+/// block of every object is fetched once, the copy hashing the bytes it reads (a pass
+/// of its own beside the copy fetched every block the copy had released again), and
+/// the recorded checksums are still checked: a byte changed in an object's last
+/// tensor is named, with nothing written.
+#[test]
+fn checksums_are_checked_from_the_bytes_the_copy_fetches_once() {
+    let Some(py) = python_with_moto() else { return };
+    let s = Server::start(&py);
+    let d = Dir::new();
+    d.ok(&[
+        "example", "src", "--mesh", "tp=2", "--hidden", "512", "--vocab", "4096", "--layers", "2",
+    ]);
+    s.s3(&["put", d.path("src").to_str().unwrap(), "s3://ckpt-test/src"]);
+    let objects: BTreeMap<String, u64> = s
+        .keys("s3://ckpt-test/src")
+        .into_iter()
+        .filter(|(k, _)| k.ends_with(".safetensors"))
+        .collect();
+    let blocks: u64 = objects.values().map(|n| n.div_ceil(1 << 20)).sum();
+    assert!(blocks > objects.len() as u64, "objects of several blocks");
+    let env = [
+        ("CKPT_SMALL_OBJECT_BYTES", "512"),
+        ("CKPT_PAGER_TRACE", "1"),
+    ];
+    let o = s.ckpt(
+        &d,
+        &["merge", "s3://ckpt-test/src", "-o", "out", "--json"],
+        &env,
+    );
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let fetched = o
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("ckpt-pager:") && l.ends_with(" in"))
+        .count() as u64;
+    assert_eq!(fetched, blocks, "each block once:\n{}", o.stderr);
+    let summary: serde_json::Value = serde_json::from_str(&o.stdout).expect("--json");
+    let pieces = summary["pieces"].as_u64().expect("pieces");
+    assert!(
+        summary["checksums_verified"].as_u64() > Some(pieces / 2),
+        "the rank files' tensors checked: {summary}"
+    );
+    let local = d.path("local");
+    d.ok(&["merge", "src", "-o", local.to_str().unwrap()]);
+    assert_same_tree(&d.path("out"), &local, "bucket merge");
+
+    // One byte of rank 1's last tensor changed: its recorded checksum fails.
+    let file = d.path("src/ckpt_1/model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x55;
+    std::fs::write(&file, bytes).unwrap();
+    s.s3(&[
+        "put",
+        d.path("src").to_str().unwrap(),
+        "s3://ckpt-test/damaged",
+    ]);
+    let o = s.ckpt(
+        &d,
+        &["merge", "s3://ckpt-test/damaged", "-o", "bad"],
+        &env[..1],
+    );
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("s3://ckpt-test/damaged/ckpt_1/model.safetensors")
+            && o.stderr.contains("checksum"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("bad").exists(), "nothing is written");
+}

@@ -899,6 +899,18 @@ impl TensorFile {
         self.compare_checksum(index, want, got)
     }
 
+    /// Checks tensor `index`'s recorded checksum against `got`, the checksum of its
+    /// bytes as the copy read them; `Ok(false)` when none is recorded.
+    ///
+    /// # Errors
+    /// [`Error::ChecksumMismatch`] naming file, tensor and both values.
+    pub(crate) fn check_read_checksum(&self, index: usize, got: Checksum) -> Result<bool> {
+        match self.checksums[index] {
+            Some(want) => self.compare_checksum(index, want, got),
+            None => Ok(false),
+        }
+    }
+
     /// `Ok(true)` when `got` is `want`, else the mismatch naming file and tensor.
     fn compare_checksum(&self, index: usize, want: Checksum, got: Checksum) -> Result<bool> {
         if got != want {

@@ -32,6 +32,7 @@ use crate::mirror::RemoteObject;
 use crate::store::{fatal, runtime};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use userfaultfd::{Event, Uffd, UffdBuilder};
 
@@ -80,6 +81,8 @@ struct Claim {
 /// Blocks ahead of a stream's position within which a thread waiting is served by
 /// that stream rather than a new one.
 const NEAR_BLOCKS: u64 = 32;
+/// The read-ahead window of an object nothing has consumed yet ([`State::window`]).
+const INITIAL_WINDOW_BLOCKS: u64 = 4;
 
 #[derive(Default)]
 struct State {
@@ -95,6 +98,12 @@ struct State {
     /// Bytes of each block released by their readers: disjoint, sorted, merged
     /// intervals relative to the block's start.
     released: BTreeMap<u64, Vec<(u64, u64)>>,
+    /// One past the last block a reader has reached (touched and found missing, or
+    /// consumed whole): streams read ahead of it by at most the window.
+    frontier: u64,
+    /// The read-ahead window, in blocks: [`INITIAL_WINDOW_BLOCKS`] (0 here: not yet
+    /// set), doubled at each fault (a reader that outran the stream, or jumped).
+    window: u64,
 }
 
 impl State {
@@ -118,6 +127,27 @@ impl State {
             end += 1;
         }
         end
+    }
+
+    /// Whether a stream at block `pos` may read on without a reader waiting: within
+    /// the window of the frontier and within the object's share of the read-ahead
+    /// budget among the streams running. The window starts small and doubles at each
+    /// fault (the kernel's read-ahead grows the same way), so that a header read at
+    /// open fetches a few blocks, not half the budget: opening a checkpoint's files one
+    /// by one let the first object's stream fill the budget, and the copy, reading
+    /// every file abreast (DCP's sharded safetensors), then got the other objects'
+    /// blocks one fault at a time until that object was consumed.
+    fn may_read_ahead(&self, pos: u64, share: u64) -> bool {
+        let window = self
+            .window
+            .max(INITIAL_WINDOW_BLOCKS)
+            .min(share / BLOCK_BYTES);
+        pos < self.frontier.saturating_add(window.max(1))
+    }
+
+    /// A reader reached block `k`.
+    fn reached(&mut self, k: u64) {
+        self.frontier = self.frontier.max(k + 1);
     }
 
     fn add_stream(&mut self, pos: u64, end: u64) -> u64 {
@@ -287,7 +317,11 @@ impl Paged {
             // Forgotten once dropped: a second reader of the same bytes fetches the
             // block again, which then stays until read whole again (or evicted) rather
             // than being dropped under another thread still reading it.
-            lock(&inner.state).released.remove(&k);
+            {
+                let mut st = lock(&inner.state);
+                st.released.remove(&k);
+                st.reached(k);
+            }
             drop_block(inner, k);
         }
     }
@@ -405,6 +439,8 @@ impl Pager {
                 return;
             }
             st.awaited.insert(k);
+            st.reached(k);
+            st.window = st.window.max(INITIAL_WINDOW_BLOCKS / 2).saturating_mul(2);
             match st.claimant(k) {
                 Some(id) if k < st.streams[&id].pos + NEAR_BLOCKS => return,
                 Some(id) => {
@@ -439,9 +475,10 @@ impl Pager {
                     return None;
                 }
                 let c = *st.streams.get(&id)?;
+                let share = budget() / 2 / STREAMS.load(Ordering::Relaxed).max(1);
                 if c.pos >= c.end
                     || st.awaited.range(c.pos..c.end).next().is_some()
-                    || !self.over_budget()
+                    || !self.over_budget() && st.may_read_ahead(c.pos, share)
                 {
                     return Some(c);
                 }
@@ -461,8 +498,10 @@ impl Pager {
     /// segment while there is room, until the object's end or a block resident or
     /// claimed already. Its claim is removed when it ends.
     async fn stream(&'static self, inner: Arc<Inner>, id: u64) {
+        STREAMS.fetch_add(1, Ordering::Relaxed);
         self.stream_claim(&inner, id).await;
         lock(&inner.state).streams.remove(&id);
+        STREAMS.fetch_sub(1, Ordering::Relaxed);
     }
 
     async fn stream_claim(&'static self, inner: &Arc<Inner>, id: u64) {
@@ -624,6 +663,10 @@ impl Pager {
         }
     }
 }
+
+/// Streams running, over all objects: each object's read-ahead is at most its share
+/// of the budget among them.
+static STREAMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Bytes of the blocks streams are assembling (one block a stream).
 static IN_FLIGHT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

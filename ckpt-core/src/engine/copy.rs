@@ -623,26 +623,46 @@ pub fn execute_with(
             let _ = f.set_len(f.metadata().map_or(0, |m| m.len() / 2));
         }
     }
-    // Mapped sources are hashed alongside the copy; compressed ones after it, from the
-    // checksums of their chunks taken as the copy decompressed them (hashing them
-    // alongside would decompress everything twice).
-    let (after, alongside): (Vec<_>, Vec<_>) = to_check
+    // Mapped local sources are hashed alongside the copy; objects in a bucket by the
+    // copy itself, from the runs it reads (a pass of its own would fetch them twice:
+    // `read_sums`); compressed ones after it, from the checksums of their chunks taken
+    // as the copy decompressed them (hashing them alongside would decompress everything
+    // twice).
+    let (after, mapped): (Vec<_>, Vec<_>) = to_check
         .iter()
         .partition(|&&(f, _)| source.files[f].is_compressed());
+    let (remote, alongside): (Vec<_>, Vec<_>) = mapped
+        .into_iter()
+        .partition(|&&(f, _)| source.files[f].is_remote());
+    let sums = super::read_sums::ReadSums::of(remote.iter().map(|&&k| k));
     let read = AtomicU64::new(0);
     let (copied, checked) = rayon::join(
-        || copy_slabs(plan, source, &writers, &jobs, &read, progress),
+        || copy_slabs(plan, source, &writers, &jobs, &read, progress, &sums),
         || {
             alongside
                 .par_iter()
-                .try_for_each(|&(f, t)| source.files[f].check_checksum(t).map(|_| ()))
+                .try_for_each(|&&(f, t)| source.files[f].check_checksum(t).map(|_| ()))
         },
     );
     copied?;
     checked?;
+    let summed = sums.whole(|f, t| {
+        source.files[f]
+            .tensors()
+            .get(t)
+            .map_or(0, |e| e.end.saturating_sub(e.start))
+    });
+    remote.par_iter().try_for_each(|&&(f, t)| {
+        match summed.get(&(f, t)) {
+            Some(&got) => source.files[f].check_read_checksum(t, got),
+            // Read in part by the gathered path (a cast, a view): read again.
+            None => source.files[f].check_checksum(t),
+        }
+        .map(|_| ())
+    })?;
     after
         .par_iter()
-        .try_for_each(|&(f, t)| source.files[f].check_checksum_after_read(t).map(|_| ()))?;
+        .try_for_each(|&&(f, t)| source.files[f].check_checksum_after_read(t).map(|_| ()))?;
     let t = std::time::Instant::now();
     // All files at once: each finish waits for its file's writeback (fsync), and the
     // disk takes the files' writeback together better than one after the other. The
@@ -716,6 +736,7 @@ fn copy_slabs(
     jobs: &[(usize, usize, Region)],
     read: &AtomicU64,
     progress: &(dyn Fn(u64) + Sync),
+    sums: &super::read_sums::ReadSums,
 ) -> Result<()> {
     // The slab buffer lives in the thread's cache, reused from job to job.
     jobs.par_iter().try_for_each_init(
@@ -731,7 +752,7 @@ fn copy_slabs(
             // other error comes back from that path's write.
             if let Some(runs) = super::direct::slab_runs(source, t, slab, len as u64) {
                 if let Ok(Some(n)) =
-                    super::direct::write_runs(source, &*writers[*fi], *ti, at, &runs)
+                    super::direct::write_runs(source, &*writers[*fi], *ti, at, &runs, sums)
                 {
                     read.fetch_add(n, Ordering::Relaxed);
                     progress(len as u64);

@@ -118,6 +118,7 @@ pub(crate) fn write_runs(
     index: usize,
     at: u64,
     runs: &[SlabRun],
+    sums: &super::read_sums::ReadSums,
 ) -> Result<Option<u64>> {
     let mut parts: Vec<WritePart<'_>> = Vec::with_capacity(runs.len());
     for r in runs {
@@ -129,6 +130,10 @@ pub(crate) fn write_runs(
     }
     if !writer.write_parts_at(index, at, &parts)? {
         return Ok(None);
+    }
+    // Hashed while resident, before they are released.
+    for (r, part) in runs.iter().zip(&parts) {
+        sums.add(r.file, r.tensor, r.src.start, part);
     }
     // Released per source tensor over the span read from it, as in the gathered path.
     let mut spans: Vec<(usize, usize, u64, u64)> = Vec::new();
