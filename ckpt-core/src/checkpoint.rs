@@ -22,6 +22,8 @@ mod mindspore;
 mod open;
 mod sliced;
 mod titan_view;
+mod maxtext_view;
+pub(crate) use maxtext_view::MAXTEXT_ITEM;
 
 use crate::error::Error;
 use crate::formats::TensorFile;
