@@ -356,6 +356,12 @@ impl Checkpoint {
                     ),
                 ));
             };
+            if row.kind == Kind::Head && shape.tied {
+                return Err(invalid(
+                    &name,
+                    "is MaxText's own output layer (logits_via_embedding=false), but the Hugging Face config says tie_word_embeddings true: give the config of the untied model".into(),
+                ));
+            }
             match row.kind {
                 Kind::Same => {
                     let want: &[u64] = if row.maxtext.starts_with("token_embedder") {
