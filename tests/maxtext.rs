@@ -84,7 +84,11 @@ fn expected_hf(m: &BTreeMap<String, (Vec<usize>, Vec<f32>)>) -> BTreeMap<String,
             let mut w = vec![0f32; n * D * E];
             for h in 0..n {
                 for r in 0..D {
-                    let d = if rope { 2 * (r % (D / 2)) + r / (D / 2) } else { r };
+                    let d = if rope {
+                        2 * (r % (D / 2)) + r / (D / 2)
+                    } else {
+                        r
+                    };
                     for e in 0..E {
                         let x = k[((e * L + l) * n + h) * D + d];
                         w[(h * D + r) * E + e] = if s == 1.0 { x } else { x * s };
@@ -291,7 +295,9 @@ fn maxtext_refusals_are_named_and_write_nothing() {
     ]);
     assert!(o.stderr.contains("logits_dense"), "{}", o.stderr);
     // reshard --format maxtext of something that is no Hugging Face model.
-    let o = d.fails(&["reshard", ckpt, "--format", "maxtext", "--to", "1", "-o", "out"]);
+    let o = d.fails(&[
+        "reshard", ckpt, "--format", "maxtext", "--to", "1", "-o", "out",
+    ]);
     assert!(o.stderr.contains("config.json"), "{}", o.stderr);
     assert!(!d.path("out").exists());
 }

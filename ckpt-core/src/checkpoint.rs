@@ -17,12 +17,12 @@ mod computed;
 mod coverage;
 mod flat_names;
 mod hf_view;
+mod maxtext_view;
 mod megatron_views;
 mod mindspore;
 mod open;
 mod sliced;
 mod titan_view;
-mod maxtext_view;
 pub(crate) use maxtext_view::MAXTEXT_ITEM;
 
 use crate::error::Error;

@@ -79,7 +79,11 @@ fn rows(family: Family, rope: bool) -> Vec<Row> {
             "model.embed_tokens.weight",
             Kind::Same,
         ),
-        r("decoder.decoder_norm.scale", "model.norm.weight", Kind::Same),
+        r(
+            "decoder.decoder_norm.scale",
+            "model.norm.weight",
+            Kind::Same,
+        ),
         r("decoder.logits_dense.kernel", "lm_head.weight", Kind::Head),
         r(
             "decoder.layers.self_attention.query.kernel",
@@ -278,7 +282,11 @@ fn geometry(kind: Kind, heads: u64, s: &Shape, name: &str) -> Geometry {
         },
         Kind::Dense => {
             // wi: [embed, layers, mlp] -> [mlp, embed]; wo: [mlp, layers, embed].
-            let (i, o) = if name.contains(".wo.") { (f, e) } else { (e, f) };
+            let (i, o) = if name.contains(".wo.") {
+                (f, e)
+            } else {
+                (e, f)
+            };
             Geometry {
                 hf: vec![o, i],
                 maxtext: vec![i, l, o],
@@ -288,7 +296,11 @@ fn geometry(kind: Kind, heads: u64, s: &Shape, name: &str) -> Geometry {
         }
         Kind::Scale => {
             // Qwen3's q/k norms scale head_dim; the layer norms the hidden size.
-            let n = if name.contains("self_attention.") { d } else { e };
+            let n = if name.contains("self_attention.") {
+                d
+            } else {
+                e
+            };
             Geometry {
                 hf: vec![n],
                 maxtext: vec![n, l],
@@ -322,7 +334,12 @@ impl Checkpoint {
     /// # Errors
     /// A family not in the table; an unscanned tree (`layers_0`, ...); a tensor
     /// missing, of another shape than the config gives, or not the model's.
-    pub(crate) fn maxtext_to_hf(&mut self, family: Family, shape: &Shape, rope: bool) -> Result<()> {
+    pub(crate) fn maxtext_to_hf(
+        &mut self,
+        family: Family,
+        shape: &Shape,
+        rope: bool,
+    ) -> Result<()> {
         check_family(family, shape)?;
         if let Some(n) = self
             .tensors
@@ -459,8 +476,7 @@ impl Checkpoint {
                             g.hf.clone(),
                             scale,
                         )?;
-                        let piece =
-                            computed(&name, &t, region, op, &g.hf, Region::full(&g.hf))?;
+                        let piece = computed(&name, &t, region, op, &g.hf, Region::full(&g.hf))?;
                         out.insert(
                             at(row.hf, l),
                             SourceTensor {
@@ -474,11 +490,7 @@ impl Checkpoint {
                 }
             }
         }
-        if let Some(extra) = self
-            .tensors
-            .keys()
-            .find(|n| n.starts_with(MAXTEXT_PREFIX))
-        {
+        if let Some(extra) = self.tensors.keys().find(|n| n.starts_with(MAXTEXT_PREFIX)) {
             return Err(invalid(
                 extra,
                 format!(
@@ -540,7 +552,10 @@ impl Checkpoint {
             match row.kind {
                 Kind::Same => {
                     let t = self.tensors.get(row.hf).ok_or_else(|| {
-                        invalid(row.hf, format!("missing: a {} has it", family.architecture()))
+                        invalid(
+                            row.hf,
+                            format!("missing: a {} has it", family.architecture()),
+                        )
                     })?;
                     out.insert(name, t.clone());
                     used += 1;
@@ -551,7 +566,10 @@ impl Checkpoint {
                         if shape.tied {
                             continue;
                         }
-                        return Err(invalid(row.hf, "missing: the config says tie_word_embeddings false".into()));
+                        return Err(invalid(
+                            row.hf,
+                            "missing: the config says tie_word_embeddings false".into(),
+                        ));
                     };
                     if shape.tied {
                         // transformers may save the tied copy; MaxText has none.
@@ -565,7 +583,14 @@ impl Checkpoint {
                         ));
                     }
                     let op = Operation::permute(&[v, e], vec![v, e], vec![1, 0], vec![e, v], None)?;
-                    let piece = computed(row.hf, t, Region::full(&[v, e]), op, &[e, v], Region::full(&[e, v]))?;
+                    let piece = computed(
+                        row.hf,
+                        t,
+                        Region::full(&[v, e]),
+                        op,
+                        &[e, v],
+                        Region::full(&[e, v]),
+                    )?;
                     out.insert(
                         name,
                         SourceTensor {

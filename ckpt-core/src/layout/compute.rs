@@ -204,7 +204,10 @@ impl Operation {
         let per = n / first;
         let st = strides_of(out_shape);
         let lo: u64 = out.start.iter().zip(&st).map(|(a, s)| a * s).sum();
-        let hi: u64 = (0..out.ndim()).map(|d| (out.end(d) - 1) * st[d]).sum::<u64>() + 1;
+        let hi: u64 = (0..out.ndim())
+            .map(|d| (out.end(d) - 1) * st[d])
+            .sum::<u64>()
+            + 1;
         (lo / per, hi.div_ceil(per))
     }
 
@@ -336,7 +339,17 @@ impl Operation {
             scale,
         } = self
         {
-            return permute(shape, axes, out_shape, lead.is_some(), *scale, out, inputs, dtype, dst);
+            return permute(
+                shape,
+                axes,
+                out_shape,
+                lead.is_some(),
+                *scale,
+                out,
+                inputs,
+                dtype,
+                dst,
+            );
         }
         let (rows, cols) = (out.shape[0] as usize, out.shape[1] as usize);
         let size = dtype.bitsize() / 8;
@@ -545,7 +558,9 @@ fn permute(
         }
         let at = at as usize;
         match scale {
-            Some(s) => values.push(f32::from_le_bytes([x[4 * at], x[4 * at + 1], x[4 * at + 2], x[4 * at + 3]]) * s),
+            Some(s) => values.push(
+                f32::from_le_bytes([x[4 * at], x[4 * at + 1], x[4 * at + 2], x[4 * at + 3]]) * s,
+            ),
             None => dst[e * size..(e + 1) * size].copy_from_slice(&x[at * size..(at + 1) * size]),
         }
         for d in (0..idx.len()).rev() {
@@ -1089,7 +1104,8 @@ mod tests {
         assert_eq!(got, want);
         // The transpose back, [3, 4] -> [4, 1, 3], doubled: its rows 1..3 need the
         // input's columns 1..3 only.
-        let back = Operation::permute(&[3, 4], vec![3, 4], vec![1, 0], vec![4, 1, 3], Some(2.0)).unwrap();
+        let back =
+            Operation::permute(&[3, 4], vec![3, 4], vec![1, 0], vec![4, 1, 3], Some(2.0)).unwrap();
         let part = Region::from_ranges(&[1..3, 0..1, 0..3]);
         let hw = rect(0, 0, 3u64, 4);
         let need = back.input_region(0, &part, &hw);
@@ -1115,7 +1131,8 @@ mod tests {
     fn permute_reads_only_the_heads_a_part_needs() {
         // Input [E=2, H=3, D=2] (a layer's query kernel), output [H*D=6, E=2].
         let x: Vec<f32> = (0..12).map(|i| i as f32).collect();
-        let op = Operation::permute(&[2, 3, 2], vec![2, 3, 2], vec![1, 2, 0], vec![6, 2], None).unwrap();
+        let op =
+            Operation::permute(&[2, 3, 2], vec![2, 3, 2], vec![1, 2, 0], vec![6, 2], None).unwrap();
         // The heads are the input's dimension 1, one index each.
         let whole = Region::from_ranges(&[0..2, 0..3, 0..2]);
         let part = rect(2, 0, 2u64, 2); // head 1's two rows
