@@ -301,3 +301,77 @@ fn maxtext_refusals_are_named_and_write_nothing() {
     assert!(o.stderr.contains("config.json"), "{}", o.stderr);
     assert!(!d.path("out").exists());
 }
+
+/// The Hugging Face fixtures of the families in MaxText's table (Llama without Llama
+/// 3.1's rotary scaling and Mistral: rotate-half rows, no permutation; Qwen3: q/k
+/// norms, no query scaling): to MaxText's tree and back, byte for byte (Llama's and
+/// Mistral's query within an ulp: their head_dim 8 has no power-of-two square root),
+/// and the tree's shapes MaxText's.
+#[test]
+fn hf_families_to_maxtext_and_back_are_the_identity() {
+    for (family, qk_norm) in [("llama", false), ("mistral", false), ("qwen3", true)] {
+        let d = Dir::new();
+        let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/hf_models")
+            .join(family);
+        let config = src.join("config.json");
+        d.ok(&[
+            "reshard",
+            src.to_str().unwrap(),
+            "--format",
+            "maxtext",
+            "--to",
+            "1",
+            "-o",
+            "mx",
+        ]);
+        d.ok(&["merge", d.path("mx").to_str().unwrap(), "-o", "plain"]);
+        let tree = tensors(&d.path("plain/model.safetensors"));
+        let q = &tree["params.params.decoder.layers.self_attention.query.kernel"].0;
+        assert_eq!(q.len(), 4, "{family}: {q:?}");
+        assert_eq!(
+            tree.contains_key("params.params.decoder.layers.self_attention.query_norm.scale"),
+            qk_norm,
+            "{family}"
+        );
+        d.ok(&[
+            "merge",
+            d.path("mx").to_str().unwrap(),
+            "--format",
+            "hf",
+            "--hf-config",
+            config.to_str().unwrap(),
+            "-o",
+            "hf",
+        ]);
+        let (a, b) = (
+            tensors(&src.join("model.safetensors")),
+            tensors(&d.path("hf/model.safetensors")),
+        );
+        assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+        let head_dim = (cfg(&config, "head_dim")).unwrap_or(
+            cfg(&config, "hidden_size").unwrap() / cfg(&config, "num_attention_heads").unwrap(),
+        );
+        for (name, (shape, bytes)) in &a {
+            assert_eq!(&b[name].0, shape, "{family}: {name}");
+            if name.ends_with("q_proj.weight") && !qk_norm && head_dim == 8 {
+                // sqrt(8) is no power of two: the query is rounded going to MaxText
+                // (times 1/sqrt(8)) and back (times sqrt(8)), as MaxText's own
+                // converter rounds it: within an ulp or two.
+                for (x, y) in f32s(bytes).iter().zip(f32s(&b[name].1)) {
+                    assert!(
+                        (x - y).abs() <= x.abs() * 2.5e-7,
+                        "{family}: {name}: {x} vs {y}"
+                    );
+                }
+            } else {
+                assert!(&b[name].1 == bytes, "{family}: {name}: bytes differ");
+            }
+        }
+    }
+}
+
+fn cfg(path: &Path, key: &str) -> Option<u64> {
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    v.get(key).and_then(serde_json::Value::as_u64)
+}
