@@ -398,7 +398,9 @@ pub(crate) struct ReshardArgs {
     /// DeepSpeed source; a ZeRO-1/2 mixture of experts also at another EP size with
     /// --mesh dp=N,ep=K), or `orbax` (an Orbax step directory, each array a jax.Array
     /// sharded on the target mesh, each device's box one chunk, with `_sharding`:
-    /// restored by orbax-checkpoint without a target or onto a JAX mesh).
+    /// restored by orbax-checkpoint without a target or onto a JAX mesh), or `maxtext`
+    /// (MaxText's scanned parameter tree as an Orbax step, item `items`, from a Hugging
+    /// Face Llama, Mistral or Qwen3: MaxText's load_parameters_path=OUT/items).
     #[arg(long, default_value = "ckpt", value_parser = reshard_formats())]
     pub(crate) format: String,
     #[command(flatten)]

@@ -15,6 +15,7 @@ mod dtensor;
 mod gguf;
 mod hf;
 mod inspect_verify;
+mod maxtext;
 mod megatron;
 mod megatron_optim;
 mod merge;

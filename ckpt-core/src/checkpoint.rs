@@ -19,10 +19,13 @@ mod flat_names;
 mod gguf_view;
 mod hf_view;
 mod interleaved_view;
+mod maxtext_view;
 mod megatron_views;
 mod mindspore;
 mod open;
 mod sliced;
+
+pub(crate) use maxtext_view::MAXTEXT_ITEM;
 
 use crate::error::Error;
 use crate::formats::TensorFile;

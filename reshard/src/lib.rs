@@ -106,6 +106,10 @@ pub enum OutputFormat {
     /// the target mesh as a `NamedSharding`, each device's box one chunk: what
     /// orbax-checkpoint restores without a target and onto a JAX mesh.
     Orbax,
+    /// MaxText's scanned parameter tree (from a Hugging Face Llama, Mistral or Qwen3
+    /// and its config.json) as an Orbax step with MaxText's item `items`: what
+    /// MaxText's `load_parameters_path=OUT/items` restores.
+    MaxText,
 }
 
 /// `--format dcp`, the old name of `dcp-safetensors` (DCP's sharded safetensors), still
@@ -119,7 +123,7 @@ impl OutputFormat {
     /// Every format by the name the CLI and the Python package take (`--format`;
     /// `distcp` and `dcp-safetensors` are PyTorch's two DCP layouts, `dcp` the old name
     /// of the second, [`OLD_DCP_NAME`]).
-    pub const NAMES: [(&'static str, OutputFormat); 11] = [
+    pub const NAMES: [(&'static str, OutputFormat); 12] = [
         ("ckpt", OutputFormat::Ranks),
         ("dcp-safetensors", OutputFormat::Dcp),
         ("distcp", OutputFormat::Distcp),
@@ -130,6 +134,7 @@ impl OutputFormat {
         ("torchtitan", OutputFormat::Torchtitan),
         ("deepspeed", OutputFormat::DeepSpeed),
         ("orbax", OutputFormat::Orbax),
+        ("maxtext", OutputFormat::MaxText),
         // The old name of `dcp-safetensors`, kept: it reads as either DCP format.
         (OLD_DCP_NAME, OutputFormat::Dcp),
     ];
@@ -369,6 +374,7 @@ fn writer(req: &ReshardRequest, source: &mut Checkpoint) -> Result<Box<dyn Write
             &req.output,
         )?),
         OutputFormat::Orbax => Box::new(OrbaxStep::sharded(strategy(source)?, options)?),
+        OutputFormat::MaxText => Box::new(OrbaxStep::maxtext(source, req, options)?),
         OutputFormat::DeepSpeed => {
             return Err(Error::Unsupported {
                 problem: "--format deepspeed re-cuts DeepSpeed's flat partitions directly: it has no copy plan to show (--plan)".into(),

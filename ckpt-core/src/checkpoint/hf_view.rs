@@ -635,6 +635,12 @@ impl Checkpoint {
         if args.is_none() && megatron_prefix.is_none() {
             if self.is_torchtitan() {
                 self.rename_interleaved(&hf::TORCHTITAN, family, &shape, true)?;
+            } else if self.is_maxtext() {
+                let rope = match &user_config {
+                    Some(p) => super::maxtext_view::interleaved_rope(p)?,
+                    None => false,
+                };
+                self.maxtext_to_hf(family, &shape, rope)?;
             }
             return self.hf_names_as_they_are(family, shape, user_config, notes);
         }

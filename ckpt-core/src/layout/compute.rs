@@ -77,6 +77,31 @@ pub enum Operation {
         /// Rows of a head (even).
         head_dim: u64,
     },
+    /// Input `[x]`, a box of any tensor (read in the output's dtype, or as F32 with a
+    /// `scale`): the box's elements, row-major, read as a tensor of `shape`, its axes
+    /// permuted (dimension `d` of the result is `shape`'s `axes[d]`), and the result's
+    /// elements, row-major, are the output tensor's (`out_shape`: as many elements in
+    /// any shape). A transpose with a reshape on either side: MaxText's stacked kernels
+    /// (`[embed, layers, heads, head_dim]`) as Hugging Face's per-layer weights
+    /// (`[heads * head_dim, embed]`) and back, their rotary rows reordered by splitting
+    /// `head_dim` in `shape`. With `scale`, each element is multiplied by it in f32 and
+    /// rounded once to the output dtype (MaxText's query kernel carries Hugging Face's
+    /// times `1 / sqrt(head_dim)`). Built by [`Operation::permute`].
+    Permute {
+        /// The input box read as this row-major shape.
+        shape: Vec<u64>,
+        /// The permutation.
+        axes: Vec<usize>,
+        /// The output tensor's shape.
+        out_shape: Vec<u64>,
+        /// Where the permuted tensor's first dimension lies in the input box: the box's
+        /// dimension and how many of its indices one index of it spans, when it is the
+        /// outer part of one dimension of the box (a part of the output then needs only
+        /// the input's indices under it); `None`: every part needs the whole box.
+        lead: Option<(usize, u64)>,
+        /// The factor each element is multiplied by (f32), if any.
+        scale: Option<f32>,
+    },
 }
 
 /// One adapter's update of [`Operation::LowRank`].
@@ -101,11 +126,96 @@ fn blocks_of(lo: u64, hi: u64, b: u64) -> (u64, u64) {
     (lo / b, hi.div_ceil(b))
 }
 
+/// Row-major strides of `shape`, in elements.
+fn strides_of(shape: &[u64]) -> Vec<u64> {
+    let mut s = vec![1u64; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        s[d] = s[d + 1] * shape[d + 1];
+    }
+    s
+}
+
 impl Operation {
+    /// [`Operation::Permute`] of an input box of `box_shape` read as `shape`, permuted
+    /// by `axes`, as a tensor of `out_shape`, scaled by `scale`.
+    ///
+    /// # Errors
+    /// `axes` no permutation of `shape`'s dimensions; element counts that differ.
+    pub fn permute(
+        box_shape: &[u64],
+        shape: Vec<u64>,
+        axes: Vec<usize>,
+        out_shape: Vec<u64>,
+        scale: Option<f32>,
+    ) -> Result<Operation> {
+        let mut seen = vec![false; shape.len()];
+        let is_permutation = axes.len() == shape.len()
+            && axes
+                .iter()
+                .all(|&a| a < seen.len() && !std::mem::replace(&mut seen[a], true));
+        let n: u64 = shape.iter().product();
+        if !is_permutation
+            || box_shape.iter().product::<u64>() != n
+            || out_shape.iter().product::<u64>() != n
+        {
+            return Err(Error::Unsupported {
+                problem: format!(
+                    "a box of {box_shape:?} read as {shape:?}, axes {axes:?}, as {out_shape:?}: not a permutation of as many elements"
+                ),
+            });
+        }
+        // The box's dimensions, each a row-major split into consecutive dimensions of
+        // `shape`: the one whose split begins with the permuted tensor's first.
+        let lead_dim = axes.first().copied();
+        let mut lead = None;
+        let mut i = 0;
+        for (j, &extent) in box_shape.iter().enumerate() {
+            let first = i;
+            let mut prod = 1u64;
+            while prod < extent && i < shape.len() {
+                prod *= shape[i];
+                i += 1;
+            }
+            if prod != extent {
+                lead = None;
+                break;
+            }
+            if lead_dim == Some(first) && i > first && shape[first] > 0 {
+                lead = Some((j, extent / shape[first]));
+            }
+        }
+        Ok(Operation::Permute {
+            shape,
+            axes,
+            out_shape,
+            lead,
+            scale,
+        })
+    }
+
+    /// [`Operation::Permute`]'s indices of the permuted tensor's first dimension that
+    /// the output box `out` lies in.
+    fn permuted_rows(shape: &[u64], axes: &[usize], out_shape: &[u64], out: &Region) -> (u64, u64) {
+        let first = axes.first().map_or(1, |&a| shape[a]);
+        let n: u64 = shape.iter().product();
+        if out.numel() == 0 || first == 0 {
+            return (0, 0);
+        }
+        let per = n / first;
+        let st = strides_of(out_shape);
+        let lo: u64 = out.start.iter().zip(&st).map(|(a, s)| a * s).sum();
+        let hi: u64 = (0..out.ndim())
+            .map(|d| (out.end(d) - 1) * st[d])
+            .sum::<u64>()
+            + 1;
+        (lo / per, hi.div_ceil(per))
+    }
+
     /// The dtype the operation reads input `i` in (the plans assemble it so).
     #[must_use]
     pub fn input_dtype(&self, i: usize, stored: Dtype) -> Dtype {
         match (self, i) {
+            (Operation::Permute { scale: None, .. }, 0) => stored,
             (Operation::BlockDequantize { .. }, 0) => Dtype::F8_E4M3,
             (Operation::GgmlQ8_0Dequantize, 0) => Dtype::U8,
             (Operation::LowRank { .. } | Operation::RopeInterleave { .. }, 0) => stored,
@@ -117,6 +227,23 @@ impl Operation {
     /// that input the whole piece needs, [`Input::region`]).
     #[must_use]
     pub fn input_region(&self, i: usize, out: &Region, whole: &Region) -> Region {
+        if let Operation::Permute {
+            shape,
+            axes,
+            out_shape,
+            lead,
+            ..
+        } = self
+        {
+            let Some((dim, per)) = *lead else {
+                return whole.clone();
+            };
+            let (k0, k1) = Self::permuted_rows(shape, axes, out_shape, out);
+            let mut r = whole.clone();
+            r.start[dim] += k0 * per;
+            r.shape[dim] = (k1 - k0) * per;
+            return r;
+        }
         let rows = (out.start[0], out.end(0));
         let cols = (out.start[1], out.end(1));
         let clip = |r: Region| {
@@ -204,6 +331,26 @@ impl Operation {
         dtype: Dtype,
         dst: &mut [u8],
     ) -> Result<()> {
+        if let Operation::Permute {
+            shape,
+            axes,
+            out_shape,
+            lead,
+            scale,
+        } = self
+        {
+            return permute(
+                shape,
+                axes,
+                out_shape,
+                lead.is_some(),
+                *scale,
+                out,
+                inputs,
+                dtype,
+                dst,
+            );
+        }
         let (rows, cols) = (out.shape[0] as usize, out.shape[1] as usize);
         let size = dtype.bitsize() / 8;
         if dst.len() != rows * cols * size {
@@ -314,6 +461,8 @@ impl Operation {
                     encode(&row, dtype, dst)?;
                 }
             }
+            // Handled above, before the 2-D geometry.
+            Operation::Permute { .. } => unreachable!("computed by permute()"),
             Operation::GgmlQ8_0 => {
                 let [(xr, x)] = inputs else {
                     return Err(mismatch("inputs", inputs.len(), 1));
@@ -345,6 +494,87 @@ impl Operation {
         }
         Ok(())
     }
+}
+
+/// [`Operation::Permute`]'s box `out` of the output from the input's box (the whole
+/// box, or with `led` the indices of the permuted tensor's first dimension that `out`
+/// lies in).
+#[allow(clippy::too_many_arguments)]
+fn permute(
+    shape: &[u64],
+    axes: &[usize],
+    out_shape: &[u64],
+    led: bool,
+    scale: Option<f32>,
+    out: &Region,
+    inputs: &[(Region, &[u8])],
+    dtype: Dtype,
+    dst: &mut [u8],
+) -> Result<()> {
+    let [(_, x)] = inputs else {
+        return Err(mismatch("inputs", inputs.len(), 1));
+    };
+    let size = dtype.bitsize() / 8;
+    let numel = out.numel() as usize;
+    if dst.len() != numel * size {
+        return Err(mismatch("output", dst.len(), numel * size));
+    }
+    let first = axes[0];
+    let (k0, k1) = if led {
+        Operation::permuted_rows(shape, axes, out_shape, out)
+    } else {
+        (0, shape[first])
+    };
+    // The input: `shape` with the first permuted dimension cut to k0..k1.
+    let mut xs = shape.to_vec();
+    xs[first] = k1 - k0;
+    let in_size = if scale.is_some() { 4 } else { size };
+    let want = xs.iter().product::<u64>() as usize * in_size;
+    if x.len() != want {
+        return Err(mismatch("input", x.len(), want));
+    }
+    let x_strides = strides_of(&xs);
+    // The permuted part's shape and, for each of its dimensions, the input's stride.
+    let ps: Vec<u64> = axes.iter().map(|&a| xs[a]).collect();
+    let p_strides = strides_of(&ps);
+    let from: Vec<u64> = axes.iter().map(|&a| x_strides[a]).collect();
+    let per = shape.iter().product::<u64>() / shape[first].max(1);
+    let base = k0 * per;
+    let o_strides = strides_of(out_shape);
+    let mut values = Vec::with_capacity(if scale.is_some() { numel } else { 0 });
+    let mut idx = vec![0u64; out.ndim()];
+    for e in 0..numel {
+        let flat: u64 = idx
+            .iter()
+            .zip(&out.start)
+            .zip(&o_strides)
+            .map(|((i, s), st)| (i + s) * st)
+            .sum();
+        let mut rest = flat - base;
+        let mut at = 0u64;
+        for (ps, f) in p_strides.iter().zip(&from) {
+            at += (rest / ps) * f;
+            rest %= ps;
+        }
+        let at = at as usize;
+        match scale {
+            Some(s) => values.push(
+                f32::from_le_bytes([x[4 * at], x[4 * at + 1], x[4 * at + 2], x[4 * at + 3]]) * s,
+            ),
+            None => dst[e * size..(e + 1) * size].copy_from_slice(&x[at * size..(at + 1) * size]),
+        }
+        for d in (0..idx.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < out.shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    if scale.is_some() {
+        encode(&values, dtype, dst)?;
+    }
+    Ok(())
 }
 
 /// The runs of `len` indices from `start` that fall in one block of `b` each: their
@@ -849,5 +1079,73 @@ mod tests {
         op.compute(&part, &[(need, &x[16..])], Dtype::F32, &mut got)
             .unwrap();
         assert_eq!((f32_at(&got, 0), f32_at(&got, 1)), (6.0, 5.0));
+    }
+
+    /// A `[4, 2, 3]` stacked kernel (`[embed, layers, out]`) read as layer 1's
+    /// `[3, 4]` transpose: the whole, a part that needs only some of the input, and the
+    /// scaled form.
+    #[test]
+    fn permute_takes_a_layer_of_a_stacked_kernel_transposed() {
+        let layer1: Vec<f32> = (0..4)
+            .flat_map(|e| (0..3).map(move |o| (e * 6 + 3 + o) as f32))
+            .collect();
+        let x = f32s(&layer1);
+        let op = Operation::permute(&[4, 1, 3], vec![4, 3], vec![1, 0], vec![3, 4], None).unwrap();
+        let whole = Region::from_ranges(&[0..4, 1..2, 0..3]);
+        let out = rect(0, 0, 3u64, 4);
+        assert_eq!(op.input_region(0, &out, &whole), whole);
+        let mut dst = vec![0u8; 48];
+        op.compute(&out, &[(whole.clone(), &x)], Dtype::F32, &mut dst)
+            .unwrap();
+        let got: Vec<f32> = (0..12).map(|i| f32_at(&dst, i)).collect();
+        let want: Vec<f32> = (0..3)
+            .flat_map(|o| (0..4).map(move |e| (e * 6 + 3 + o) as f32))
+            .collect();
+        assert_eq!(got, want);
+        // The transpose back, [3, 4] -> [4, 1, 3], doubled: its rows 1..3 need the
+        // input's columns 1..3 only.
+        let back =
+            Operation::permute(&[3, 4], vec![3, 4], vec![1, 0], vec![4, 1, 3], Some(2.0)).unwrap();
+        let part = Region::from_ranges(&[1..3, 0..1, 0..3]);
+        let hw = rect(0, 0, 3u64, 4);
+        let need = back.input_region(0, &part, &hw);
+        assert_eq!(need, rect(0, 1, 3u64, 2));
+        let w = f32s(&want);
+        let mut input = Vec::new();
+        for r in 0..3 {
+            input.extend_from_slice(&w[r * 16 + 4..r * 16 + 12]);
+        }
+        let mut got = vec![0u8; 24];
+        back.compute(&part, &[(need, &input)], Dtype::F32, &mut got)
+            .unwrap();
+        let got: Vec<f32> = (0..6).map(|i| f32_at(&got, i)).collect();
+        let want: Vec<f32> = (1..3)
+            .flat_map(|e| (0..3).map(move |o| 2.0 * (e * 6 + 3 + o) as f32))
+            .collect();
+        assert_eq!(got, want);
+    }
+
+    /// The leading dimension of the permuted tensor is the outer part of the input's
+    /// first: rows of the output need only those heads.
+    #[test]
+    fn permute_reads_only_the_heads_a_part_needs() {
+        // Input [E=2, H=3, D=2] (a layer's query kernel), output [H*D=6, E=2].
+        let x: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let op =
+            Operation::permute(&[2, 3, 2], vec![2, 3, 2], vec![1, 2, 0], vec![6, 2], None).unwrap();
+        // The heads are the input's dimension 1, one index each.
+        let whole = Region::from_ranges(&[0..2, 0..3, 0..2]);
+        let part = rect(2, 0, 2u64, 2); // head 1's two rows
+        let need = op.input_region(0, &part, &whole);
+        assert_eq!(need, Region::from_ranges(&[0..2, 1..2, 0..2]));
+        let input: Vec<f32> = (0..2)
+            .flat_map(|e| (0..2).map(move |d| (e * 6 + 2 + d) as f32))
+            .collect();
+        let mut dst = vec![0u8; 16];
+        op.compute(&part, &[(need, &f32s(&input))], Dtype::F32, &mut dst)
+            .unwrap();
+        let got: Vec<f32> = (0..4).map(|i| f32_at(&dst, i)).collect();
+        // Row (h=1, d) column e is x[e, 1, d].
+        assert_eq!(got, [x[2], x[8], x[3], x[9]]);
     }
 }

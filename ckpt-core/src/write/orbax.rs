@@ -266,6 +266,27 @@ impl OrbaxStep {
         })
     }
 
+    /// `reshard --format maxtext`: `source` (a Hugging Face Llama, Mistral or Qwen3
+    /// with its config.json) seen as MaxText's scanned parameter tree
+    /// ([`Checkpoint::maxtext_import`]), then written as [`OrbaxStep::sharded`] does in
+    /// MaxText's item `items` (`params.params.*`: what its `load_parameters_path`,
+    /// `OUT/items`, restores), the strategy from `target`.
+    ///
+    /// # Errors
+    /// A source MaxText's names do not fit (named); what `target` and
+    /// [`OrbaxStep::sharded`] refuse.
+    pub fn maxtext(
+        source: &mut Checkpoint,
+        target: &dyn super::TargetLayout,
+        options: RankOptions,
+    ) -> Result<OrbaxStep> {
+        source.maxtext_import(&crate::checkpoint::HfTarget::default())?;
+        Ok(OrbaxStep {
+            item: crate::checkpoint::MAXTEXT_ITEM.to_string(),
+            ..OrbaxStep::sharded(target.strategy(source, None)?, options)?
+        })
+    }
+
     /// Each array of `strategy` as JAX shards it, by name.
     fn shardings(strategy: &Strategy) -> Result<BTreeMap<&str, JaxSharding>> {
         strategy
