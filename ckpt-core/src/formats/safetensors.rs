@@ -482,7 +482,7 @@ pub fn encode_header(
         }
     }
     text.push(b'}');
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     // Readers (ours and the reference) refuse larger headers: never write one.
@@ -781,7 +781,7 @@ mod tests {
             let mut text = serde_json::to_string(&Value::Object(obj))
                 .unwrap()
                 .into_bytes();
-            while text.len() % 8 != 0 {
+            while !text.len().is_multiple_of(8) {
                 text.push(b' ');
             }
             let mut out = (text.len() as u64).to_le_bytes().to_vec();
