@@ -372,15 +372,37 @@ impl TensorLayout {
     /// ```
     #[must_use]
     pub fn pieces(&self, mesh: &Mesh, rank: u64) -> Vec<Piece> {
+        let mut out = Vec::new();
+        self.each_piece(mesh, rank, |p| out.push(p));
+        out
+    }
+
+    /// Whether `rank` holds this tensor with the local shape `shape` ([`local_shape`]'s
+    /// answer, without building it: checked for every stored tensor of every rank).
+    ///
+    /// [`local_shape`]: TensorLayout::local_shape
+    pub(crate) fn local_shape_is(&self, mesh: &Mesh, rank: u64, shape: &[u64]) -> bool {
+        self.holds(mesh, rank) && {
+            let splits = self.dim_splits(mesh, rank);
+            splits.len() == shape.len()
+                && splits
+                    .iter()
+                    .zip(shape)
+                    .all(|(s, &n)| s.len * s.blocks == n)
+        }
+    }
+
+    /// Calls `f` with each of [`pieces`](TensorLayout::pieces), in the same order,
+    /// without collecting them.
+    pub(crate) fn each_piece(&self, mesh: &Mesh, rank: u64, mut f: impl FnMut(Piece)) {
         if !self.holds(mesh, rank) {
-            return vec![];
+            return;
         }
         let splits = self.dim_splits(mesh, rank);
         if splits.iter().any(|s| s.len == 0) {
-            return vec![];
+            return;
         }
         let total: u64 = splits.iter().map(|s| s.blocks).product();
-        let mut out = Vec::with_capacity(total as usize);
         let mut idx: SmallVec<[u64; 4]> = smallvec::smallvec![0u64; splits.len()];
         for _ in 0..total {
             let global = Region::new(
@@ -399,7 +421,7 @@ impl TensorLayout {
                     .collect::<Dims>(),
                 splits.iter().map(|s| s.len).collect::<Dims>(),
             );
-            out.push(Piece { global, local });
+            f(Piece { global, local });
             for d in (0..idx.len()).rev() {
                 idx[d] += 1;
                 if idx[d] < splits[d].blocks {
@@ -408,7 +430,6 @@ impl TensorLayout {
                 idx[d] = 0;
             }
         }
-        out
     }
 }
 

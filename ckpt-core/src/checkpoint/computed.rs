@@ -340,10 +340,10 @@ impl Checkpoint {
                 Ok(SourcePiece {
                     global: widen(&p.global),
                     local: widen(&p.local),
-                    view: Some(crate::layout::source::StoredView {
+                    view: Some(Box::new(crate::layout::source::StoredView {
                         shape: view_shape,
                         axes: vec![0, 1],
-                    }),
+                    })),
                     ..p.clone()
                 })
             })

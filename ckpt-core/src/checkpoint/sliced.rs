@@ -234,8 +234,9 @@ impl Checkpoint {
                 };
                 next = at + 1;
                 let layout = layouts[at].1;
-                let want = layout.local_shape(&strategy.mesh, rank);
-                if want.as_deref() != Some(&t.shape[..]) || t.dtype != layout.dtype {
+                if !layout.local_shape_is(&strategy.mesh, rank, &t.shape) || t.dtype != layout.dtype
+                {
+                    let want = layout.local_shape(&strategy.mesh, rank);
                     problems.push(Error::InvalidTensor {
                         tensor: t.name.clone(),
                         problem: format!(
@@ -292,7 +293,7 @@ fn place(
     rank: u64,
     (file, tensor): (usize, usize),
 ) {
-    for p in layout.pieces(mesh, rank) {
+    layout.each_piece(mesh, rank, |p| {
         entry.push(SourcePiece {
             file,
             tensor,
@@ -301,7 +302,7 @@ fn place(
             view: None,
             compute: None,
         });
-    }
+    });
 }
 
 pub(super) fn missing_ranks<V>(

@@ -431,32 +431,58 @@ pub fn encode_header(
     tensors: &[TensorSpec],
     metadata: &BTreeMap<String, String>,
 ) -> Result<(Vec<u8>, Vec<u64>)> {
-    let mut obj = Map::new();
-    if !metadata.is_empty() {
-        obj.insert(
-            "__metadata__".into(),
-            serde_json::to_value(metadata).map_err(|e| bad(e.to_string()))?,
-        );
-    }
     let mut pos = 0u64;
-    let mut offsets = Vec::with_capacity(tensors.len());
+    let mut offsets = Vec::with_capacity(tensors.len() + 1);
     for t in tensors {
         let n = byte_len(t.dtype, &t.shape)
             .ok_or_else(|| overflow(format!("size of tensor `{}`", t.name)))?;
         offsets.push(pos);
-        let end = pos.checked_add(n).ok_or_else(|| overflow("file size"))?;
-        obj.insert(
-            t.name.clone(),
-            serde_json::json!({"dtype": dtype_name(t.dtype), "shape": t.shape, "data_offsets": [pos, end]}),
-        );
-        pos = end;
+        pos = pos.checked_add(n).ok_or_else(|| overflow("file size"))?;
     }
     offsets.push(pos);
-    // serde_json's map keeps keys sorted; readers take the order from the offsets.
-    let mut text = serde_json::to_string(&Value::Object(obj))
-        .map_err(|e| bad(e.to_string()))?
-        .into_bytes();
-    while text.len() % 8 != 0 {
+    // The text of a JSON object with the keys sorted (readers take the order from the
+    // offsets), written straight from the specs: the same bytes as serde_json's map of
+    // `Value`s, whose building and freeing took a tenth of a merge of 50,000 tensors.
+    // As in a map, a later key replaces an earlier equal one: `__metadata__` is the
+    // first inserted (`None`), then the tensors in order.
+    let mut keys: Vec<(&str, Option<usize>)> = Vec::with_capacity(tensors.len() + 1);
+    if !metadata.is_empty() {
+        keys.push(("__metadata__", None));
+    }
+    keys.extend(
+        tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.as_str(), Some(i))),
+    );
+    // Stable: equal keys keep their order of insertion, and the last one is written.
+    keys.sort_by(|a, b| a.0.cmp(b.0));
+    let json = |e: serde_json::Error| bad(e.to_string());
+    let mut text: Vec<u8> = Vec::with_capacity(64 * keys.len() + 64);
+    text.push(b'{');
+    for (k, run) in keys.chunk_by(|a, b| a.0 == b.0).enumerate() {
+        let (name, what) = run[run.len() - 1];
+        if k > 0 {
+            text.push(b',');
+        }
+        serde_json::to_writer(&mut text, name).map_err(json)?;
+        text.push(b':');
+        match what {
+            None => serde_json::to_writer(&mut text, metadata).map_err(json)?,
+            Some(i) => {
+                let t = &tensors[i];
+                text.extend_from_slice(b"{\"data_offsets\":");
+                serde_json::to_writer(&mut text, &[offsets[i], offsets[i + 1]]).map_err(json)?;
+                text.extend_from_slice(b",\"dtype\":");
+                serde_json::to_writer(&mut text, &dtype_name(t.dtype)).map_err(json)?;
+                text.extend_from_slice(b",\"shape\":");
+                serde_json::to_writer(&mut text, &t.shape).map_err(json)?;
+                text.push(b'}');
+            }
+        }
+    }
+    text.push(b'}');
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     // Readers (ours and the reference) refuse larger headers: never write one.
@@ -729,6 +755,76 @@ mod tests {
         // Well-formed headers take the typed path.
         assert!(well_formed_header(headers[0].as_bytes(), 8).is_some());
         assert!(well_formed_header(headers[1].as_bytes(), 12).is_some());
+    }
+
+    /// The header as a map of `Value`s gives it (how it was written before): the text
+    /// written straight from the specs must be the same bytes.
+    #[test]
+    fn the_header_text_is_the_map_of_values_text() {
+        fn through_values(tensors: &[TensorSpec], metadata: &BTreeMap<String, String>) -> Vec<u8> {
+            let mut obj = Map::new();
+            if !metadata.is_empty() {
+                obj.insert(
+                    "__metadata__".into(),
+                    serde_json::to_value(metadata).unwrap(),
+                );
+            }
+            let mut pos = 0u64;
+            for t in tensors {
+                let end = pos + byte_len(t.dtype, &t.shape).unwrap();
+                obj.insert(
+                    t.name.clone(),
+                    serde_json::json!({"dtype": dtype_name(t.dtype), "shape": t.shape, "data_offsets": [pos, end]}),
+                );
+                pos = end;
+            }
+            let mut text = serde_json::to_string(&Value::Object(obj))
+                .unwrap()
+                .into_bytes();
+            while !text.len().is_multiple_of(8) {
+                text.push(b' ');
+            }
+            let mut out = (text.len() as u64).to_le_bytes().to_vec();
+            out.extend_from_slice(&text);
+            out
+        }
+        let meta: BTreeMap<String, String> = [
+            ("format".to_string(), "pt".to_string()),
+            ("q\"uote\n".to_string(), "{\"a\": [1]}\u{1}é".to_string()),
+        ]
+        .into();
+        let cases: Vec<(Vec<TensorSpec>, BTreeMap<String, String>)> = vec![
+            (vec![], BTreeMap::new()),
+            (vec![], meta.clone()),
+            (
+                vec![
+                    spec("b.weight", Dtype::BF16, &[3, 4]),
+                    spec("a", Dtype::F32, &[]),
+                    spec("Z\\esc\"aped\t", Dtype::F8_E4M3, &[0, 7]),
+                    spec("__metadata_", Dtype::I64, &[2]),
+                    spec("é", Dtype::U8, &[5]),
+                ],
+                meta.clone(),
+            ),
+            // A name given twice, and a tensor named `__metadata__`: the later wins, as
+            // in a map.
+            (
+                vec![
+                    spec("x", Dtype::F32, &[2]),
+                    spec("__metadata__", Dtype::F16, &[1]),
+                    spec("x", Dtype::F16, &[3]),
+                ],
+                meta,
+            ),
+        ];
+        for (tensors, metadata) in cases {
+            let (got, offsets) = encode_header(&tensors, &metadata).unwrap();
+            assert_eq!(
+                String::from_utf8_lossy(&got),
+                String::from_utf8_lossy(&through_values(&tensors, &metadata))
+            );
+            assert_eq!(offsets.len(), tensors.len() + 1);
+        }
     }
 
     fn spec(name: &str, dtype: Dtype, shape: &[u64]) -> TensorSpec {

@@ -115,8 +115,8 @@ pub fn tensors_read<'a>(ops: impl IntoIterator<Item = &'a CopyOp>) -> TensorsRea
     // The ops sorted by the tensor they read, then taken a run per tensor: a map of
     // tensors to lists of ops cost an insertion into a tree for each of a million ops.
     // The sort is stable, so each run keeps the ops' order.
-    let mut ops: Vec<&CopyOp> = ops.into_iter().collect();
-    ops.sort_by_key(|op| (op.file, op.tensor));
+    let ops: Vec<&CopyOp> = ops.into_iter().collect();
+    let ops = by_stored_tensor(ops);
     let mut read = Vec::new();
     let mut whole = Vec::new();
     for run in ops.chunk_by(|a, b| (a.file, a.tensor) == (b.file, b.tensor)) {
@@ -137,6 +137,43 @@ pub fn tensors_read<'a>(ops: impl IntoIterator<Item = &'a CopyOp>) -> TensorsRea
         read: read.into_iter().collect(),
         whole: whole.into_iter().collect(),
     }
+}
+
+/// `ops` in a stable order by `(file, tensor)`: placed file by file (a counting sort),
+/// then each file's run sorted by tensor unless it is already (the ops of a merge
+/// follow the output's name order, which is each rank file's order too: no comparison
+/// sort of a million ops then).
+fn by_stored_tensor(ops: Vec<&CopyOp>) -> Vec<&CopyOp> {
+    let files = ops.iter().map(|op| op.file + 1).max().unwrap_or(0);
+    if files > ops.len() {
+        // Few ops of far-apart files: the comparison sort costs less than the counts.
+        let mut ops = ops;
+        ops.sort_by_key(|op| (op.file, op.tensor));
+        return ops;
+    }
+    let mut start = vec![0usize; files + 1];
+    for op in &ops {
+        start[op.file + 1] += 1;
+    }
+    for f in 0..files {
+        start[f + 1] += start[f];
+    }
+    let Some(&first) = ops.first() else {
+        return ops;
+    };
+    let mut at = start.clone();
+    let mut out: Vec<&CopyOp> = vec![first; ops.len()];
+    for op in ops {
+        out[at[op.file]] = op;
+        at[op.file] += 1;
+    }
+    for f in 0..files {
+        let run = &mut out[start[f]..start[f + 1]];
+        if !run.is_sorted_by_key(|op| op.tensor) {
+            run.sort_by_key(|op| op.tensor);
+        }
+    }
+    out
 }
 
 /// Whether the distinct boxes `ops` read tile a stored tensor of `shape`.
@@ -276,7 +313,12 @@ pub(crate) fn plan_tensor(
     target: TargetTensor,
 ) -> Result<TensorPlan> {
     check_cast(&target.name, src.dtype, target.dtype)?;
-    let mut ops = Vec::new();
+    // A whole target tensor (a merge) meets every source piece once: room for them all
+    // at once (grown op by op, each tensor's list was copied twice over).
+    let mut ops = match &target.pieces[..] {
+        [one] if one.global.shape[..] == src.shape[..] => Vec::with_capacity(src.pieces.len()),
+        _ => Vec::new(),
+    };
     for tp in &target.pieces {
         if !Region::full(&src.shape).contains(&tp.global) {
             return Err(Error::InvalidTensor {
