@@ -525,6 +525,25 @@ fn hugging_face_to_gguf_and_back_is_the_identity() {
         s(&q8),
     ]);
     assert_same_file(&q8, &fixture("gguf/base-q8_0.gguf"));
+    // Without them, the GGUF's own keys (its tokenizer included) are carried with the
+    // new file type: the same files, from the BF16 GGUF alone.
+    for (ty, want) in [
+        ("q8_0", "gguf/base-q8_0.gguf"),
+        ("f32", "gguf/base-f32.gguf"),
+    ] {
+        let out = d.path(&format!("requantized-{ty}.gguf"));
+        d.ok(&[
+            "merge",
+            s(&fixture("gguf/base-bf16.gguf")),
+            "--format",
+            "gguf",
+            "--dtype",
+            ty,
+            "-o",
+            s(&out),
+        ]);
+        assert_same_file(&out, &fixture(want));
+    }
 }
 
 /// What the keys do not settle is refused with what would, nothing written: a rope

@@ -13,12 +13,15 @@ use crate::formats::WritePart;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
-/// The runs read of each tensor to be checked: `(file, tensor)` to `(start, length,
-/// CRC-32C)` in the tensor's bytes.
+/// One run read of a tensor: its start and length in the tensor's bytes, and their
+/// CRC-32C.
+type RunSum = (u64, u64, Checksum);
+
+/// The runs read of each tensor to be checked, by `(file, tensor)`.
 #[derive(Default)]
 pub(crate) struct ReadSums {
     wanted: BTreeSet<(usize, usize)>,
-    runs: Mutex<BTreeMap<(usize, usize), Vec<(u64, u64, Checksum)>>>,
+    runs: Mutex<BTreeMap<(usize, usize), Vec<RunSum>>>,
 }
 
 impl ReadSums {

@@ -681,7 +681,26 @@ impl Writer for GgufExport {
     }
 
     fn plan(&self, source: &Checkpoint, _: &Selection) -> Result<CopyPlan> {
-        let (path, config) = self.config(source)?;
+        // A GGUF given another type (a requantization): its own keys, tokenizer
+        // included, carried with the new file type, unless a config or tokenizer is
+        // given to write them from.
+        let carried = match source
+            .files
+            .iter()
+            .find(|f| f.format() == crate::formats::FileFormat::Gguf)
+        {
+            Some(f) if self.model.user_config.is_none() && self.tokenizer.is_none() => {
+                Some(crate::formats::gguf::decode_metadata(f.metadata())?.0)
+            }
+            _ => None,
+        };
+        let (path, config) = match carried {
+            Some(_) => match serde_json::from_str(&self.model.config_json("float32")?) {
+                Ok(Json::Object(m)) => (PathBuf::from("config.json"), m),
+                _ => return Err(unsupported("the GGUF's config did not serialise".into())),
+            },
+            None => self.config(source)?,
+        };
         self.check(&config, &path)?;
         let out_type = self.out_type.unwrap_or_else(|| {
             // The converter's `auto`: the first matrix's dtype decides.
@@ -696,7 +715,17 @@ impl Writer for GgufExport {
             }
         });
         let (tensors, params) = self.tensors(source, &config, out_type)?;
-        let kv = self.kv(source, &config, params, out_type)?;
+        let kv = match carried {
+            Some(mut kv) => {
+                for (k, v) in &mut kv {
+                    if k == "general.file_type" {
+                        *v = Value::U32(out_type.file_type());
+                    }
+                }
+                kv
+            }
+            None => self.kv(source, &config, params, out_type)?,
+        };
         let mut types = BTreeMap::new();
         let mut sources = BTreeMap::new();
         let mut targets = Vec::with_capacity(tensors.len());
