@@ -137,37 +137,6 @@ def run_forward(model, ref_file, result):
     torch.save(logits, result)
 
 
-def pipeline_forward(model, ids, hidden):
-    """Megatron's forward of `ids` over the TP x PP ranks, driven by hand (its schedules
-    need CUDA streams): each stage's output [s, b, h] is sent to the next, which takes it
-    as its input tensor; the last stage's vocab-parallel logits are gathered over TP.
-    The logits on the last stage, None elsewhere."""
-    from megatron.core import parallel_state as ps
-
-    b, s = ids.shape
-    pos = torch.arange(s).unsqueeze(0).expand_as(ids)
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
-    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    model.eval()
-    with torch.no_grad():
-        if stages > 1:
-            ranks = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
-            if stage > 0:
-                h = torch.empty(s, b, hidden)
-                torch.distributed.recv(h, ranks[stage - 1])
-                model.set_input_tensor(h)
-        out = model(ids if stage == 0 else None, pos, mask)
-        if stage < stages - 1:
-            torch.distributed.send(out.contiguous(), ranks[stage + 1])
-            return None
-    tp = ps.get_tensor_model_parallel_world_size()
-    if tp > 1:
-        parts = [torch.empty_like(out) for _ in range(tp)]
-        torch.distributed.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
-        out = torch.cat(parts, dim=-1)
-    return out
-
-
 def dist_load_worker(rank, world, tp, pp, port, dist_dir, legacy_dir, ref_file, result):
     """One of tp x pp gloo ranks: megatron-core's GPTModel of the args in the
     dist_ckpt's common.pt loads it with `dist_checkpointing.load` (every key it expects,
@@ -203,7 +172,7 @@ def dist_load_worker(rank, world, tp, pp, port, dist_dir, legacy_dir, ref_file, 
     for k, v in have.items():
         assert torch.equal(v, want[k]), (sub, k)
     if ref_file:
-        logits = pipeline_forward(model, load_file(ref_file)["input_ids"], a.hidden_size)
+        logits = H.pipeline_forward(model, load_file(ref_file)["input_ids"], a.hidden_size)
         if logits is not None and t == 0:
             torch.save(logits, result)
     torch.distributed.barrier()

@@ -78,36 +78,6 @@ def family_of_run_config(m):
                 tied=m["share_embeddings_and_output_weights"], base=m["rotary_base"], eps=m["layernorm_epsilon"])
 
 
-def pipeline_forward(model, ids, hidden):
-    """scripts/hf_interop.py's forward over the TP x PP ranks, driven by hand (that
-    script imports transformers, which this one does not need)."""
-    import torch
-    from megatron.core import parallel_state as ps
-
-    b, s = ids.shape
-    pos = torch.arange(s).unsqueeze(0).expand_as(ids)
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
-    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    model.eval()
-    with torch.no_grad():
-        if stages > 1:
-            ranks = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
-            if stage > 0:
-                h = torch.empty(s, b, hidden)
-                torch.distributed.recv(h, ranks[stage - 1])
-                model.set_input_tensor(h)
-        out = model(ids if stage == 0 else None, pos, mask)
-        if stage < stages - 1:
-            torch.distributed.send(out.contiguous(), ranks[stage + 1])
-            return None
-    tp = ps.get_tensor_model_parallel_world_size()
-    if tp > 1:
-        parts = [torch.empty_like(out) for _ in range(tp)]
-        torch.distributed.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
-        out = torch.cat(parts, dim=-1)
-    return out
-
-
 def load_worker(rank, world, tp, pp, port, bridge_iter, dist_iter, ref_file, result):
     """One of tp x pp gloo ranks: the model of run_config.yaml loads Bridge's iteration
     strictly; its weights equal megatron-dist's; on one rank, its logits go to `result`."""
@@ -153,7 +123,7 @@ def load_worker(rank, world, tp, pp, port, bridge_iter, dist_iter, ref_file, res
     for k, v in have.items():
         if not k.endswith("_extra_state"):
             assert torch.equal(v, want[k]), k
-    logits = pipeline_forward(model, load_file(ref_file)["input_ids"], m["hidden_size"])
+    logits = H.pipeline_forward(model, load_file(ref_file)["input_ids"], m["hidden_size"])
     if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
         torch.save(logits, result)
     torch.distributed.barrier()
