@@ -68,15 +68,6 @@ pub enum Operation {
     /// `i8` values `q`, the product exact in f32 and the store one rounding (ggml's
     /// `dequantize_row_q8_0`, gguf-py's `quants.dequantize`).
     GgmlQ8_0Dequantize,
-    /// Input `[x (the output's dtype), M x N]`, `M = heads * head_dim`: the rows of each
-    /// head from Hugging Face's rotary halves to interleaved pairs (llama.cpp's
-    /// `LlamaModel.permute`): output row `h * hd + 2i + j` is input row
-    /// `h * hd + j * hd / 2 + i`. For inputs that are computed themselves (a LoRA
-    /// merge), where the rows cannot be a view of stored rows.
-    RopeInterleave {
-        /// Rows of a head (even).
-        head_dim: u64,
-    },
     /// Input `[x]`, a box of any tensor (read in the output's dtype, or as F32 with a
     /// `scale`): the box's elements, row-major, read as a tensor of `shape`, its axes
     /// permuted (dimension `d` of the result is `shape`'s `axes[d]`), and the result's
@@ -218,7 +209,7 @@ impl Operation {
             (Operation::Permute { scale: None, .. }, 0) => stored,
             (Operation::BlockDequantize { .. }, 0) => Dtype::F8_E4M3,
             (Operation::GgmlQ8_0Dequantize, 0) => Dtype::U8,
-            (Operation::LowRank { .. } | Operation::RopeInterleave { .. }, 0) => stored,
+            (Operation::LowRank { .. }, 0) => stored,
             _ => Dtype::F32,
         }
     }
@@ -272,15 +263,6 @@ impl Operation {
                 (rows.1 - rows.0) * block[0],
                 (cols.1 - cols.0) * block[1],
             )),
-            Operation::RopeInterleave { head_dim } => {
-                let (h0, h1) = blocks_of(rows.0, rows.1, *head_dim);
-                clip(rect(
-                    h0 * head_dim,
-                    cols.0,
-                    (h1 - h0) * head_dim,
-                    cols.1 - cols.0,
-                ))
-            }
             Operation::GgmlQ8_0 => {
                 let (b0, b1) = blocks_of(cols.0, cols.1, Q8_0_BYTES);
                 clip(rect(
@@ -425,22 +407,6 @@ impl Operation {
                 }
             }
             Operation::LowRank { updates } => low_rank(out, inputs, updates, dtype, dst)?,
-            Operation::RopeInterleave { head_dim } => {
-                let [(xr, x)] = inputs else {
-                    return Err(mismatch("inputs", inputs.len(), 1));
-                };
-                let (hd, half) = (*head_dim, *head_dim / 2);
-                let row_bytes = cols * size;
-                let width = xr.shape[1] as usize * size;
-                let c0 = (out.start[1] - xr.start[1]) as usize * size;
-                for (i, dst) in dst.chunks_exact_mut(row_bytes.max(1)).enumerate() {
-                    let r = out.start[0] + i as u64;
-                    let (h, k) = (r / hd, r % hd);
-                    let from = h * hd + (k % 2) * half + k / 2 - xr.start[0];
-                    let at = from as usize * width + c0;
-                    dst.copy_from_slice(&x[at..at + row_bytes]);
-                }
-            }
             Operation::GgmlQ8_0Dequantize => {
                 let [(xr, x)] = inputs else {
                     return Err(mismatch("inputs", inputs.len(), 1));
@@ -541,9 +507,21 @@ fn permute(
     let per = shape.iter().product::<u64>() / shape[first].max(1);
     let base = k0 * per;
     let o_strides = strides_of(out_shape);
+    // Trailing dimensions the permutation leaves in place are runs of consecutive
+    // elements on both sides (a row permutation of a matrix moves whole rows): copied
+    // a run at a time, not an index each.
+    let mut run = 1u64;
+    for k in (1..axes.len()).rev() {
+        if axes[k] != k {
+            break;
+        }
+        run *= ps[k];
+    }
+    let last = out.ndim().saturating_sub(1);
     let mut values = Vec::with_capacity(if scale.is_some() { numel } else { 0 });
     let mut idx = vec![0u64; out.ndim()];
-    for e in 0..numel {
+    let mut e = 0usize;
+    while e < numel {
         let flat: u64 = idx
             .iter()
             .zip(&out.start)
@@ -551,6 +529,13 @@ fn permute(
             .map(|((i, s), st)| (i + s) * st)
             .sum();
         let mut rest = flat - base;
+        // Elements from here on in one run of the input and one row of the output box.
+        let row_left = if out.ndim() == 0 {
+            1
+        } else {
+            out.shape[last] - idx[last]
+        };
+        let n = ((run - rest % run).min(row_left) as usize).min(numel - e);
         let mut at = 0u64;
         for (ps, f) in p_strides.iter().zip(&from) {
             at += (rest / ps) * f;
@@ -558,17 +543,27 @@ fn permute(
         }
         let at = at as usize;
         match scale {
-            Some(s) => values.push(
-                f32::from_le_bytes([x[4 * at], x[4 * at + 1], x[4 * at + 2], x[4 * at + 3]]) * s,
+            Some(s) => values.extend(
+                x[4 * at..4 * (at + n)]
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * s),
             ),
-            None => dst[e * size..(e + 1) * size].copy_from_slice(&x[at * size..(at + 1) * size]),
+            None => dst[e * size..(e + n) * size].copy_from_slice(&x[at * size..(at + n) * size]),
         }
+        e += n;
+        if out.ndim() == 0 {
+            continue;
+        }
+        idx[last] += n as u64;
         for d in (0..idx.len()).rev() {
-            idx[d] += 1;
             if idx[d] < out.shape[d] {
                 break;
             }
+            if d == 0 {
+                break;
+            }
             idx[d] = 0;
+            idx[d - 1] += 1;
         }
     }
     if scale.is_some() {
@@ -1059,12 +1054,21 @@ mod tests {
         assert!((0..5).all(|i| f32_at(&got, i).to_bits() == want[40 + i]));
     }
 
+    /// llama.cpp's rotary permutation of computed rows (`LlamaModel.permute`:
+    /// `reshape(H, 2, hd / 2, cols).swapaxes(1, 2)`) is a [`Operation::Permute`]: 2 heads
+    /// of 4 rows, 1 column (f32), head rows (a0, a1, b0, b1) become (a0, b0, a1, b1), and
+    /// a part of the output reads only its heads.
     #[test]
-    fn rope_interleave_takes_each_heads_halves_as_pairs() {
-        // 2 heads of 4 rows, 1 column (f32): head rows (a0, a1, b0, b1) become
-        // (a0, b0, a1, b1).
+    fn rotary_halves_to_pairs_is_a_permute() {
         let x = f32s(&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]);
-        let op = Operation::RopeInterleave { head_dim: 4 };
+        let op = Operation::permute(
+            &[8, 1],
+            vec![2, 2, 2, 1],
+            vec![0, 2, 1, 3],
+            vec![8, 1],
+            None,
+        )
+        .unwrap();
         let whole = rect(0, 0, 8u64, 1);
         let mut dst = vec![0u8; 32];
         op.compute(&whole, &[(whole.clone(), &x)], Dtype::F32, &mut dst)

@@ -565,13 +565,16 @@ impl GgufExport {
                     if t.pieces.iter().any(|p| p.compute.is_some()) {
                         // Computed (a LoRA merge, FP8 dequantized): the rows
                         // permuted by an operation on the computed rows.
-                        computed(
-                            name,
-                            t,
-                            Operation::RopeInterleave { head_dim: n / h },
+                        // `reshape(H, 2, hd / 2, cols).swapaxes(1, 2)` of them.
+                        let cols = t.shape[1];
+                        let op = Operation::permute(
+                            &t.shape,
+                            vec![h, 2, n / h / 2, cols],
+                            vec![0, 2, 1, 3],
                             t.shape.clone(),
-                            t.dtype,
-                        )?
+                            None,
+                        )?;
+                        computed(name, t, op, t.shape.clone(), t.dtype)?
                     } else {
                         // `reshape(H, 2, hd/2, cols).swapaxes(1, 2)`: torchtitan's
                         // interleaved rows are llama.cpp's, a view of the stored rows.
