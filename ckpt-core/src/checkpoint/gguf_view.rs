@@ -128,18 +128,7 @@ impl Checkpoint {
                     .contains_key(ROPE_FREQS)
                     .then(|| "llama3".into())
             });
-        let named = target
-            .arch
-            .as_deref()
-            .map(|a| {
-                Family::from_name(a).ok_or_else(|| {
-                    unsupported(format!(
-                        "--hf-arch {a}: not a family ckpt knows ({})",
-                        Family::known()
-                    ))
-                })
-            })
-            .transpose()?;
+        let named = target.family()?;
         let (family, shape, user_config) = match &target.config {
             Some(p) => {
                 let text = String::from_utf8_lossy(&crate::formats::read_small(p)?).into_owned();

@@ -43,6 +43,26 @@ pub struct HfModel {
     pub dtype: Option<crate::layout::Dtype>,
 }
 
+impl HfTarget {
+    /// The family `--hf-arch` names, if it names one.
+    ///
+    /// # Errors
+    /// A name that is no family ckpt knows.
+    pub(crate) fn family(&self) -> Result<Option<Family>> {
+        self.arch
+            .as_deref()
+            .map(|a| {
+                Family::from_name(a).ok_or_else(|| {
+                    unsupported(format!(
+                        "--hf-arch {a}: not a family ckpt knows ({})",
+                        Family::known()
+                    ))
+                })
+            })
+            .transpose()
+    }
+}
+
 impl HfModel {
     /// The `config.json` to write for tensors of `dtype` (torch's name): the user's
     /// file as it is, or one made from the model's shape.
@@ -335,15 +355,7 @@ impl Checkpoint {
             })?;
         let text = String::from_utf8_lossy(&crate::formats::read_small(&path)?).into_owned();
         let (config_family, shape) = hf::read_config(&text, &path.display().to_string())?;
-        let family = match &target.arch {
-            Some(a) => Family::from_name(a).ok_or_else(|| {
-                unsupported(format!(
-                    "--hf-arch {a}: not a family ckpt knows ({})",
-                    Family::known()
-                ))
-            })?,
-            None => config_family,
-        };
+        let family = target.family()?.unwrap_or(config_family);
         family.check(&shape)?;
         if shape.groups == 0 || shape.heads % shape.groups != 0 {
             return Err(unsupported(format!(
@@ -560,15 +572,7 @@ impl Checkpoint {
                 Some(c)
             }),
         };
-        let named = match &target.arch {
-            Some(a) => Some(Family::from_name(a).ok_or_else(|| {
-                unsupported(format!(
-                    "--hf-arch {a}: not a family ckpt knows ({})",
-                    Family::known()
-                ))
-            })?),
-            None => None,
-        };
+        let named = target.family()?;
         let (family, shape) = match (&from_args, &from_config) {
             (Some(s), Some((cf, cs))) => {
                 let off = hf::disagreements(s, cs);
