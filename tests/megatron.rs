@@ -291,6 +291,37 @@ fn truncated_rank_file_is_named() {
     assert!(!d.path("m").exists());
 }
 
+/// A storage's zip local header, found by the name the central directory gives it, is
+/// read when its tensor is copied (not at open: docs/storage.md): damaged, the merge
+/// names the file and the entry and writes nothing; `verify` names it too.
+#[test]
+fn a_damaged_local_header_is_named_when_its_tensor_is_read() {
+    let d = Dir::new();
+    let l = legacy_copy(&d);
+    let f = l.join(RANK_01_001);
+    let mut b = std::fs::read(&f).unwrap();
+    let header = (0..b.len() - 30)
+        .find(|&i| {
+            let n = u16::from_le_bytes([b[i + 26], b[i + 27]]) as usize;
+            b[i..].starts_with(b"PK\x03\x04") && b[i + 30..i + 30 + n].ends_with(b"/data/10")
+        })
+        .expect("storage 10's local header");
+    b[header] = b'X';
+    std::fs::write(&f, &b).unwrap();
+    for cmd in [&["merge", "legacy", "-o", "m"][..], &["verify", "legacy"]] {
+        let o = d.fails(cmd);
+        // (`verify` reports on stdout, the merge's error is on stderr.)
+        let said = format!("{}{}", o.stdout, o.stderr);
+        assert!(
+            said.contains("mp_rank_01_001/model_optim_rng.pt")
+                && said.contains("tensor `decoder.layers.2.mlp.linear_fc2.weight`")
+                && said.contains("/data/10`: no local header at byte"),
+            "{cmd:?}: {said}"
+        );
+    }
+    assert!(!d.path("m").exists());
+}
+
 #[test]
 fn args_that_contradict_the_files_are_named() {
     let d = Dir::new();
@@ -379,11 +410,14 @@ fn damaged_rank_files_never_panic() {
             Ok((ck, _)) => {
                 opened += 1;
                 for file in &ck.files {
+                    // A storage's local header is read with its tensor: damaged, the
+                    // tensor has no bytes and locating it says why.
+                    let damaged = file.locate_all();
                     for (i, t) in file.tensors().iter().enumerate() {
-                        assert_eq!(
-                            file.data(i).map(<[u8]>::len),
-                            Some((t.end - t.start) as usize)
-                        );
+                        match file.data(i) {
+                            Some(bytes) => assert_eq!(bytes.len() as u64, t.end - t.start),
+                            None => assert!(!damaged.is_empty(), "{}: no bytes", t.name),
+                        }
                     }
                 }
             }

@@ -36,8 +36,8 @@ pub(crate) use rng::RankRng;
 
 use super::distcp::{ChunkPart, DcpChunk, DcpMetadata, DcpTensor};
 use super::pickle::Value;
-use super::torch_save::Archive;
-use super::{map_file, FileFormat, TensorEntry, TensorFile};
+use super::torch_save::{Archive, Deferred};
+use super::{map_file, FileFormat, Mapped, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, Result};
 use crate::layout::flat::FlatRange;
 use crate::layout::mesh::Mesh;
@@ -682,11 +682,10 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
         )));
     };
     let first_file = first.join(RANK_FILE);
+    // Mapped and parsed once: its args, then its tensors.
+    let mut first_rank = Some(RankFile::open(&first_file)?);
     let (args, args_value) = {
-        let map = map_file(&first_file)?;
-        let all: &[u8] = map.as_deref().unwrap_or(&[]);
-        let archive = Archive::open(all).map_err(|e| e.with_path(&first_file))?;
-        let obj = archive.object().map_err(|e| e.with_path(&first_file))?;
+        let obj = &first_rank.as_ref().expect("just opened").obj;
         let a = obj.get("args").ok_or_else(|| {
             unknown(format!(
                 "{}: no `args` (not a Megatron checkpoint?)",
@@ -855,8 +854,15 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
                     dense: dirs.dense_from(t) == e,
                     experts: dirs.experts_from(t, e),
                 };
+                let opened = match first_rank.take() {
+                    Some(r) if r.path == file => r,
+                    other => {
+                        first_rank = other;
+                        RankFile::open(&file)?
+                    }
+                };
                 let f = read_rank(
-                    &file,
+                    opened,
                     &args,
                     rules,
                     RankAt {
@@ -944,11 +950,34 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     })
 }
 
+/// A rank's file mapped, and its pickle parsed (the storages' local headers are read
+/// when their tensors are: [`Deferred`]).
+struct RankFile {
+    path: PathBuf,
+    map: Option<Mapped>,
+    obj: Value,
+}
+
+impl RankFile {
+    fn open(path: &Path) -> Result<RankFile> {
+        let map = map_file(path)?;
+        let all: &[u8] = map.as_deref().unwrap_or(&[]);
+        let obj = Archive::open_deferred(all)
+            .and_then(|a| a.object())
+            .map_err(|e| e.with_path(path))?;
+        Ok(RankFile {
+            path: path.to_path_buf(),
+            map,
+            obj,
+        })
+    }
+}
+
 /// Reads one rank's file: the tensors of `model` (or `model0`, `model1`, ...) under their
 /// global names, each placed into `strategy` and checked against args.
 #[allow(clippy::too_many_arguments)]
 fn read_rank(
-    file: &Path,
+    rank_file: RankFile,
     args: &Args,
     rules: &SplitRules,
     at_rank: RankAt,
@@ -967,11 +996,15 @@ fn read_rank(
     // The coordinate on the mesh's stage axis (pipeline, expert, or both).
     let stage_of = |expert: bool| pp_rank * ep + if expert { ep_rank } else { 0 };
     let has_stage_axis = args.pp > 1 || ep > 1;
-    let map = map_file(file)?;
+    let RankFile {
+        path: file,
+        map,
+        obj,
+    } = rank_file;
+    let file = file.as_path();
     let all: &[u8] = map.as_deref().unwrap_or(&[]);
     let at = |e: Error| e.with_path(file);
-    let archive = Archive::open(all).map_err(at)?;
-    let obj = archive.object().map_err(at)?;
+    let archive = Archive::open_deferred(all).map_err(at)?;
     let mut names = Vec::new();
     obj.globals(&mut names);
     if let Some((m, n)) = names.into_iter().find(|(m, n)| !allowed(m, n)) {
@@ -1008,6 +1041,7 @@ fn read_rank(
         ))));
     }
     let mut entries: Vec<TensorEntry> = Vec::new();
+    let mut deferred_entries = Vec::new();
     for (chunk, v) in chunks {
         let (tensors, plain) = archive.tensors(v, String::new()).map_err(at)?;
         // `_extra_state` of a local (non-TransformerEngine) layer is None.
@@ -1017,7 +1051,7 @@ fn read_rank(
                 problem: "a model entry that is not a tensor".into(),
             }));
         }
-        for mut t in tensors {
+        for (mut t, deferred) in tensors {
             // TransformerEngine's `_extra_state` (FP8 scaling state) as a byte tensor:
             // not a weight; said, not carried.
             if t.name.ends_with("._extra_state") {
@@ -1064,6 +1098,7 @@ fn read_rank(
                 t.offsets = Some(vec![g.rows.start, 0]);
                 t.name = global;
                 entries.push(t);
+                deferred_entries.push(deferred);
                 continue;
             }
             // The user's rule first; the table's shape (and stage) still checks it.
@@ -1154,13 +1189,16 @@ fn read_rank(
             insert_layout(strategy, &global, layout, pp_rank).map_err(&at)?;
             t.name = global;
             entries.push(t);
+            deferred_entries.push(deferred);
         }
     }
     let metadata = BTreeMap::from([
         ("format".to_string(), "megatron".to_string()),
         ("rank".to_string(), rank.to_string()),
     ]);
-    TensorFile::from_parts(file, map, FileFormat::TorchSave, entries, metadata)
+    let mut f = TensorFile::from_parts(file, map, FileFormat::TorchSave, entries, metadata)?;
+    Deferred::attach_all(&mut f, deferred_entries);
+    Ok(f)
 }
 
 /// Records `layout` as `name`'s, or checks it against the one other ranks gave it.

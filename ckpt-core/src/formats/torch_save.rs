@@ -112,18 +112,132 @@ fn bad(problem: impl Into<String>) -> Error {
     }
 }
 
-/// Reads a mapped `torch.save` archive.
+/// Reads a mapped `torch.save` archive; its storages are located when first read
+/// ([`Deferred`]).
 pub(crate) fn read(path: &Path, map: Option<Mapped>) -> Result<TensorFile> {
     let all: &[u8] = map.as_deref().unwrap_or(&[]);
-    let (tensors, metadata) = parse(all).map_err(|e| e.with_path(path))?;
-    TensorFile::from_parts(path, map, FileFormat::TorchSave, tensors, metadata)
+    let at = |e: Error| e.with_path(path);
+    let archive = Archive::open_deferred(all).map_err(at)?;
+    let obj = archive.object().map_err(at)?;
+    check_globals(&obj).map_err(at)?;
+    let (found, non_tensor) = archive.found(obj, String::new()).map_err(at)?;
+    let mut metadata = BTreeMap::from([("format".to_string(), "torch.save".to_string())]);
+    if !non_tensor.is_empty() {
+        metadata.insert("torch.non_tensor".into(), non_tensor.join(","));
+    }
+    dtensor_metadata(&found, &mut metadata).map_err(at)?;
+    let (tensors, deferred): (Vec<_>, Vec<_>) = found
+        .iter()
+        .map(|t| locate_deferred(t, &archive.dir, &archive.entries))
+        .collect::<Result<Vec<_>>>()
+        .map_err(at)?
+        .into_iter()
+        .unzip();
+    let mut f = TensorFile::from_parts(path, map, FileFormat::TorchSave, tensors, metadata)?;
+    Deferred::attach_all(&mut f, deferred);
+    Ok(f)
 }
 
 /// One stored zip entry: where its bytes start in the file and how many there are.
 struct Stored {
-    start: u64,
+    /// Where its data starts: `None` until its local header is read.
+    start: Option<u64>,
+    /// Where its local header starts (the central directory says).
+    header: u64,
+    /// Where the next record (or the central directory) starts: the entry's local
+    /// header, data and data descriptor lie before it.
+    span_end: u64,
     len: u64,
     compressed: bool,
+}
+
+impl Stored {
+    /// An entry whose data start is known (read forward, record by record).
+    fn at(start: u64, len: u64, compressed: bool) -> Stored {
+        Stored {
+            start: Some(start),
+            header: start,
+            span_end: start.saturating_add(len),
+            len,
+            compressed,
+        }
+    }
+}
+
+/// Where the data of the entry `name` whose local header starts at `header` begins:
+/// past the header's 30 bytes, the name and the extra field, which the local header
+/// alone gives (its extra field may differ from the central directory's: torch pads
+/// there to align the data to 64 bytes). The data must end by `span_end`.
+fn local_data_start(all: &[u8], name: &str, header: u64, span_end: u64, len: u64) -> Result<u64> {
+    let at = usize::try_from(header).map_err(|_| overflow(name))?;
+    let head = all
+        .get(at..)
+        .and_then(|h| h.get(..30))
+        .filter(|h| looks_like(h))
+        .ok_or_else(|| {
+            bad(format!(
+                "zip entry `{name}`: no local header at byte {header}, where the central directory puts it"
+            ))
+        })?;
+    let u16_at = |i: usize| u64::from(u16::from_le_bytes([head[i], head[i + 1]]));
+    let start = header + 30 + u16_at(26) + u16_at(28);
+    let end = start.checked_add(len).ok_or_else(|| overflow(name))?;
+    if end > span_end.min(all.len() as u64) {
+        return Err(bad(format!(
+            "zip entry `{name}`: its {len} bytes from byte {start} run past byte {}, where the next record or the end of the file is",
+            span_end.min(all.len() as u64)
+        )));
+    }
+    Ok(start)
+}
+
+/// A tensor's entry, and how to locate it when first read where its storage's local
+/// header is not read yet.
+pub(crate) type Located = (TensorEntry, Option<Deferred>);
+
+/// A tensor whose storage's local header is read when the tensor is first read
+/// ([`TensorFile::set_lazy`]), not at open: the headers lie before each storage, all
+/// through the file, and reading them at open would have a reader streaming the file
+/// from a store fetch the whole object twice (once for the headers, once for the
+/// copy), as every block it held for the headers was dropped again before the copy.
+pub(crate) struct Deferred {
+    entry: String,
+    header: u64,
+    span_end: u64,
+    storage_len: u64,
+    /// The view's bytes within its storage.
+    rel: u64,
+    len: u64,
+}
+
+impl Deferred {
+    /// Makes entry `index` of `f` located on first read.
+    pub(crate) fn attach(self, f: &mut TensorFile, index: usize) {
+        let span = (self.header, self.span_end);
+        f.set_lazy(
+            index,
+            span,
+            Box::new(move |all: &[u8]| {
+                let s = local_data_start(
+                    all,
+                    &self.entry,
+                    self.header,
+                    self.span_end,
+                    self.storage_len,
+                )? + self.rel;
+                Ok((s, s + self.len))
+            }),
+        );
+    }
+
+    /// [`Deferred::attach`] for each entry that has one, in entry order.
+    pub(crate) fn attach_all(f: &mut TensorFile, deferred: Vec<Option<Deferred>>) {
+        for (i, d) in deferred.into_iter().enumerate() {
+            if let Some(d) = d {
+                d.attach(f, i);
+            }
+        }
+    }
 }
 
 /// Where a `torch.save` archive's storages lie (owned: a reader keeps it beside the
@@ -138,7 +252,9 @@ impl ArchiveIndex {
     /// when it is there and stored uncompressed.
     pub(crate) fn storage(&self, key: &str) -> Option<(u64, u64)> {
         let s = self.entries.get(&format!("{}data/{key}", self.dir))?;
-        (!s.compressed).then_some((s.start, s.len))
+        s.start
+            .filter(|_| !s.compressed)
+            .map(|start| (start, s.len))
     }
 }
 
@@ -265,14 +381,7 @@ pub(crate) fn parse_single_forward(all: &[u8]) -> Result<TensorEntry> {
                     .storage_numel
                     .checked_mul((t.dtype.bitsize() / 8) as u64)
                     .ok_or_else(|| overflow(&name))?;
-                entries.insert(
-                    name,
-                    Stored {
-                        start: start as u64,
-                        len,
-                        compressed,
-                    },
-                );
+                entries.insert(name, Stored::at(start as u64, len, compressed));
                 let entry = locate(t, dir, &entries)?;
                 if entry.end > all.len() as u64 {
                     return Err(bad(format!(
@@ -437,46 +546,56 @@ pub(crate) struct Archive<'a> {
 }
 
 impl<'a> Archive<'a> {
-    /// Reads the zip directory of a mapped file.
+    /// Reads the zip directory of a mapped file and every entry's local header.
     pub(crate) fn open(all: &'a [u8]) -> Result<Archive<'a>> {
-        let mut zip = zip::ZipArchive::new(Cursor::new(all))
+        let mut archive = Archive::open_deferred(all)?;
+        for (name, s) in &mut archive.entries {
+            if s.start.is_none() {
+                s.start = Some(local_data_start(all, name, s.header, s.span_end, s.len)?);
+                // Reading the local header mapped its pages (in a file mapping, maybe
+                // a whole 2 MiB folio): dropped again, so that opening an archive of
+                // many entries does not hold them all.
+                let at = usize::try_from(s.header).unwrap_or(usize::MAX);
+                if at < all.len() {
+                    crate::fault::forget_mapped(all.as_ptr() as usize + at, 30.min(all.len() - at));
+                }
+            }
+        }
+        Ok(archive)
+    }
+
+    /// Reads the zip directory of a mapped file (at its end) and the pickle's local
+    /// header; the storages' local headers are read when their tensors are
+    /// ([`locate_deferred`]).
+    pub(crate) fn open_deferred(all: &'a [u8]) -> Result<Archive<'a>> {
+        let zip = zip::ZipArchive::new(Cursor::new(all))
             .map_err(|e| bad(format!("not a readable zip archive: {e}")))?;
-        let mut entries: HashMap<String, Stored> = HashMap::new();
+        let mut records = Vec::with_capacity(zip.len());
         for i in 0..zip.len() {
             let f = zip
-                .by_index_raw(i)
+                .by_index_data(i)
                 .map_err(|e| bad(format!("zip entry {i}: {e}")))?;
             let name = f
                 .name()
                 .map_err(|e| bad(format!("zip entry {i}: {e}")))?
                 .to_string();
-            let start = f
-                .data_start()
-                .ok_or_else(|| bad(format!("zip entry `{name}`: no data offset")))?;
-            // Reading the local header mapped its pages (in a file mapping, maybe a
-            // whole 2 MiB folio): dropped again, so that opening an archive of many
-            // entries does not hold them all.
-            let header = f.header_start();
-            if let Some(len) = usize::try_from(start.saturating_sub(header))
-                .ok()
-                .filter(|&l| l > 0)
-            {
-                let at = usize::try_from(header).unwrap_or(usize::MAX);
-                if at < all.len() {
-                    crate::fault::forget_mapped(
-                        all.as_ptr() as usize + at,
-                        len.min(all.len() - at),
-                    );
-                }
-            }
             let compressed = f.compression() != zip::CompressionMethod::Stored;
-            let len = f.compressed_size();
+            records.push((f.header_start(), name, f.compressed_size(), compressed));
+        }
+        // Each record ends where the next begins (the last where the directory does).
+        records.sort_by_key(|r| r.0);
+        let directory = zip.central_directory_start();
+        let mut entries: HashMap<String, Stored> = HashMap::with_capacity(records.len());
+        for (i, (header, name, len, compressed)) in records.iter().enumerate() {
+            let span_end = records.get(i + 1).map_or(directory, |r| r.0).max(*header);
             entries.insert(
-                name,
+                name.clone(),
                 Stored {
-                    start,
-                    len,
-                    compressed,
+                    start: None,
+                    header: *header,
+                    span_end,
+                    len: *len,
+                    compressed: *compressed,
                 },
             );
         }
@@ -495,6 +614,14 @@ impl<'a> Archive<'a> {
             many => return Err(bad(format!("several pickles in one archive: {many:?}"))),
         };
         let dir = pkl_name.trim_end_matches("data.pkl").to_string();
+        let pkl = entries.get_mut(&pkl_name).expect("found above");
+        pkl.start = Some(local_data_start(
+            all,
+            &pkl_name,
+            pkl.header,
+            pkl.span_end,
+            pkl.len,
+        )?);
         Ok(Archive {
             all,
             dir,
@@ -512,7 +639,16 @@ impl<'a> Archive<'a> {
                 self.pkl_name
             )));
         }
-        unpickle(slice(self.all, pkl.start, pkl.len, &self.pkl_name)?)
+        let start = self.data_start(&self.pkl_name, pkl)?;
+        unpickle(slice(self.all, start, pkl.len, &self.pkl_name)?)
+    }
+
+    /// Where entry `name`'s data starts: known, or read from its local header now.
+    fn data_start(&self, name: &str, s: &Stored) -> Result<u64> {
+        match s.start {
+            Some(start) => Ok(start),
+            None => local_data_start(self.all, name, s.header, s.span_end, s.len),
+        }
     }
 
     /// The stored bytes of storage `key` (`data/<key>`).
@@ -522,7 +658,7 @@ impl<'a> Archive<'a> {
     pub(crate) fn storage_bytes(&self, key: &str) -> Result<&'a [u8]> {
         let name = format!("{}data/{key}", self.dir);
         match self.entries.get(&name) {
-            Some(s) if !s.compressed => slice(self.all, s.start, s.len, &name),
+            Some(s) if !s.compressed => slice(self.all, self.data_start(&name, s)?, s.len, &name),
             Some(_) => Err(bad(format!("`{name}` is compressed: torch.save stores it"))),
             None => Err(bad(format!(
                 "storage `{key}` is referred to but `{name}` is missing"
@@ -531,17 +667,14 @@ impl<'a> Archive<'a> {
     }
 
     /// The tensors anywhere in `obj` (a part of [`Archive::object`]), named by their
-    /// path under `path`, located in the file; and the paths of the plain values
+    /// path under `path`, located in the file (or, where the storage's local header is
+    /// not read yet, to be located when read: [`Deferred`]); and the paths of the plain values
     /// (numbers, strings, `None`) met on the way.
-    pub(crate) fn tensors(
-        &self,
-        obj: Value,
-        path: String,
-    ) -> Result<(Vec<TensorEntry>, Vec<String>)> {
+    pub(crate) fn tensors(&self, obj: Value, path: String) -> Result<(Vec<Located>, Vec<String>)> {
         let (found, non_tensor) = self.found(obj, path)?;
         let mut tensors = Vec::with_capacity(found.len());
         for t in found {
-            tensors.push(locate(&t, &self.dir, &self.entries)?);
+            tensors.push(locate_deferred(&t, &self.dir, &self.entries)?);
         }
         Ok((tensors, non_tensor))
     }
@@ -926,6 +1059,19 @@ fn tensor(path: &str, args: Value) -> Result<Found> {
 }
 
 fn locate(t: &Found, dir: &str, entries: &HashMap<String, Stored>) -> Result<TensorEntry> {
+    match locate_deferred(t, dir, entries)? {
+        (entry, None) => Ok(entry),
+        (_, Some(d)) => Err(bad(format!(
+            "zip entry `{}`: its local header is not read",
+            d.entry
+        ))),
+    }
+}
+
+/// Where tensor `t`'s bytes lie: located, where its storage's data start is known;
+/// else placed at its storage's local header (for sizes and read order) with the
+/// [`Deferred`] that locates it when read.
+fn locate_deferred(t: &Found, dir: &str, entries: &HashMap<String, Stored>) -> Result<Located> {
     let name = &t.name;
     let err = |p: String| Error::InvalidTensor {
         tensor: name.clone(),
@@ -981,18 +1127,31 @@ fn locate(t: &Found, dir: &str, entries: &HashMap<String, Stored>) -> Result<Ten
             "bytes {rel}..{rel_end} of its view lie past the end of storage `{entry_name}` ({storage_bytes} bytes)"
         )));
     }
+    let deferred = stored.start.is_none().then(|| Deferred {
+        entry: entry_name.clone(),
+        header: stored.header,
+        span_end: stored.span_end,
+        storage_len: stored.len,
+        rel,
+        len,
+    });
     let start = stored
         .start
+        .unwrap_or(stored.header)
         .checked_add(rel)
         .ok_or_else(|| overflow(format!("`{name}` start")))?;
-    Ok(TensorEntry {
+    let end = start
+        .checked_add(len)
+        .ok_or_else(|| overflow(format!("`{name}` end")))?;
+    let entry = TensorEntry {
         name: name.clone(),
         dtype: t.dtype,
         shape: t.shape.clone(),
         start,
-        end: start + len,
+        end,
         offsets: t.placed.as_ref().map(|p| p.offsets.clone()),
-    })
+    };
+    Ok((entry, deferred))
 }
 
 #[cfg(test)]
@@ -1034,6 +1193,54 @@ mod tests {
         assert_eq!((m["rank"].as_str(), m["world_size"].as_str()), ("1", "4"));
     }
 
+    /// Every tensor of a file torch wrote (a model with tied weights: views of one
+    /// storage) is found at the same bytes whether its local header is read at open or
+    /// when the tensor is read.
+    #[test]
+    fn deferred_tensors_are_located_where_the_local_headers_say() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/torch/ddp.pth");
+        let all = std::fs::read(&p).unwrap();
+        let eager = parse(&all).unwrap().0;
+        let archive = Archive::open_deferred(&all).unwrap();
+        let (found, _) = archive
+            .found(archive.object().unwrap(), String::new())
+            .unwrap();
+        assert_eq!(found.len(), eager.len());
+        for (t, want) in found.iter().zip(&eager) {
+            let (entry, deferred) = locate_deferred(t, &archive.dir, &archive.entries).unwrap();
+            let d = deferred.expect("not located at open");
+            assert_eq!(entry.end - entry.start, want.end - want.start, "{}", t.name);
+            assert!(
+                entry.start <= want.start && want.end <= d.span_end,
+                "{}",
+                t.name
+            );
+            let s = local_data_start(&all, &d.entry, d.header, d.span_end, d.storage_len).unwrap();
+            assert_eq!(
+                (s + d.rel, s + d.rel + d.len),
+                (want.start, want.end),
+                "{}",
+                t.name
+            );
+        }
+        // A local header damaged: named when located, with the entry.
+        let d = locate_deferred(&found[0], &archive.dir, &archive.entries)
+            .unwrap()
+            .1
+            .unwrap();
+        let mut bad = all.clone();
+        bad[d.header as usize] = b'X';
+        let e = local_data_start(&bad, &d.entry, d.header, d.span_end, d.storage_len)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&d.entry) && e.contains("no local header"), "{e}");
+        // A length past the next record: named.
+        let e = local_data_start(&all, &d.entry, d.header, d.span_end, d.span_end - d.header)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("run past byte"), "{e}");
+    }
+
     #[test]
     fn every_byte_of_a_dtensor_pickle_changed_is_an_error_or_a_reading_never_a_panic() {
         let p = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -1041,7 +1248,10 @@ mod tests {
         let all = std::fs::read(p).unwrap();
         let archive = Archive::open(&all).unwrap();
         let pkl = &archive.entries[&archive.pkl_name];
-        let (start, len) = (pkl.start as usize, pkl.len as usize);
+        let (start, len) = (
+            pkl.start.expect("located at open") as usize,
+            pkl.len as usize,
+        );
         for i in start..start + len {
             for b in [0x00, 0xff] {
                 let mut bad = all.clone();
@@ -1177,14 +1387,7 @@ mod tests {
     #[test]
     fn storage_offset_past_the_end_is_named() {
         let mut entries = HashMap::new();
-        entries.insert(
-            "x/data/0".to_string(),
-            Stored {
-                start: 100,
-                len: 16,
-                compressed: false,
-            },
-        );
+        entries.insert("x/data/0".to_string(), Stored::at(100, 16, false));
         let f = Found {
             name: "w".into(),
             dtype: Dtype::F32,
