@@ -438,7 +438,14 @@ fn a_gguf_becomes_the_model_transformers_loads_from_it() {
         let src = fixture(&format!("gguf/base-{ty}.gguf"));
         let mut args = vec!["merge", s(&src), "--format", "hf", "-o", s(&out)];
         args.extend(dtype.iter().flat_map(|d| ["--dtype", *d]));
-        d.ok(&args);
+        let o = d.ok(&args);
+        // The notes say what was renamed, never that the names were already Hugging
+        // Face's.
+        assert!(
+            o.stderr.contains("llama.cpp") && !o.stderr.contains("already in"),
+            "{}",
+            o.stderr
+        );
         let got = crate::util::full_tensors(&out.join("model.safetensors"));
         let want =
             crate::util::full_tensors(&fixture(&format!("gguf_read/base-{ty}-hf.safetensors")));

@@ -1188,3 +1188,40 @@ impl Drop for TensorFile {
         }
     }
 }
+
+/// Files opened at most this many at a time ([`open_abreast`]).
+const OPENED_ABREAST: usize = 16;
+
+/// `open` of each item, in their order, on up to [`OPENED_ABREAST`] threads at once.
+/// Opening a file reads its header; from a bucket that is a request whose answer takes
+/// the server a read of the object (about 0.1 s for 55 MB against moto), and eight
+/// DCP safetensors shards opened one after the other took 1.1 s before the copy began.
+/// The threads mostly wait on the network (a local header is parsed in microseconds).
+pub(crate) fn open_abreast<I: Sync, T: Send>(items: &[I], open: impl Fn(&I) -> T + Sync) -> Vec<T> {
+    let threads = items.len().min(OPENED_ABREAST);
+    if threads <= 1 {
+        return items.iter().map(open).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut done: Vec<(usize, T)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(item) = items.get(i) else { break };
+                        mine.push((i, open(item)));
+                    }
+                    mine
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, t)| t).collect()
+}

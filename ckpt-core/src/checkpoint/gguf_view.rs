@@ -187,7 +187,7 @@ impl Checkpoint {
             ));
         }
         self.rename_interleaved(&LLAMA_CPP, family, &shape, true)?;
-        let mut model = self.hf_names_as_they_are(family, shape, user_config, notes)?;
+        let mut model = self.hf_names_as_they_are(family, shape, user_config, notes, true)?;
         model.dtype = dtype;
         Ok(Some(model))
     }

@@ -637,16 +637,20 @@ impl Checkpoint {
             None => self.wrapper_prefix(&[MEGATRON_EMBEDDING])?,
         };
         if args.is_none() && megatron_prefix.is_none() {
-            if self.is_torchtitan() {
+            let renamed = if self.is_torchtitan() {
                 self.rename_interleaved(&hf::TORCHTITAN, family, &shape, true)?;
+                true
             } else if self.is_maxtext() {
                 let rope = match &user_config {
                     Some(p) => super::maxtext_view::interleaved_rope(p)?,
                     None => false,
                 };
                 self.maxtext_to_hf(family, &shape, rope)?;
-            }
-            return self.hf_names_as_they_are(family, shape, user_config, notes);
+                true
+            } else {
+                false
+            };
+            return self.hf_names_as_they_are(family, shape, user_config, notes, renamed);
         }
         if let Some(prefix) = &megatron_prefix {
             self.take_wrapped(prefix, &mut notes);
@@ -906,15 +910,16 @@ impl Checkpoint {
         }
     }
 
-    /// A source already in Hugging Face's names (a DeepSpeed or DCP save of a
-    /// transformers model, `module.` stripped, or under a trainer's wrapper prefix):
-    /// its tensors must be the family's.
+    /// A source in Hugging Face's names (a DeepSpeed or DCP save of a transformers
+    /// model, `module.` stripped, or under a trainer's wrapper prefix; or `renamed` to
+    /// them by a view, which said so): its tensors must be the family's.
     pub(super) fn hf_names_as_they_are(
         &mut self,
         family: Family,
         shape: Shape,
         user_config: Option<PathBuf>,
         mut notes: Vec<String>,
+        renamed: bool,
     ) -> Result<HfModel> {
         let mut want = BTreeSet::new();
         for row in family.rows().iter().filter(|r| family.applies(r, &shape)) {
@@ -991,10 +996,12 @@ impl Checkpoint {
         }
         self.tensors.retain(|n, _| want.contains(n));
         self.strategy = None;
-        notes.push(format!(
-            "tensors already in {}'s names",
-            family.architecture()
-        ));
+        if !renamed {
+            notes.push(format!(
+                "tensors already in {}'s names",
+                family.architecture()
+            ));
+        }
         self.notes.extend(notes);
         Ok(HfModel {
             family,

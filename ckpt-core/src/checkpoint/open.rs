@@ -4,7 +4,7 @@
 use super::{shared_prefix, Checkpoint, Kind, SHARED_PREFIX_NOTE};
 use crate::error::{Error, Problems, Result};
 use crate::formats::detect::discover::{unknown, Discovery};
-use crate::formats::{FileFormat, TensorFile};
+use crate::formats::{open_abreast, FileFormat, TensorFile};
 use crate::layout::select::{Selection, Views};
 use crate::layout::source::SourcePiece;
 use crate::layout::split_rules::SplitRules;
@@ -178,11 +178,11 @@ impl Checkpoint {
         let mut problems = Vec::new();
         let mut files = Vec::new();
         let mut strategies = Vec::new();
-        for input in inputs {
-            let opened = match &input.dcp {
-                Some(dir) => dcp[dir].open(&input.path),
-                None => TensorFile::open(&input.path),
-            };
+        let opened = open_abreast(&inputs, |input| match &input.dcp {
+            Some(dir) => dcp[dir].open(&input.path),
+            None => TensorFile::open(&input.path),
+        });
+        for (input, opened) in inputs.into_iter().zip(opened) {
             match opened {
                 Ok(f) => {
                     files.push(f);

@@ -37,7 +37,7 @@ pub(crate) use rng::RankRng;
 use super::distcp::{ChunkPart, DcpChunk, DcpMetadata, DcpTensor};
 use super::pickle::Value;
 use super::torch_save::{Archive, Deferred};
-use super::{map_file, FileFormat, Mapped, TensorEntry, TensorFile};
+use super::{map_file, open_abreast, FileFormat, Mapped, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, Result};
 use crate::layout::flat::FlatRange;
 use crate::layout::mesh::Mesh;
@@ -845,50 +845,56 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     let mut notes = Vec::new();
     let mut carried: Vec<String> = Vec::new();
     let mut optim = Vec::new();
-    for p in 0..pp {
-        for e in 0..ep {
-            for t in (0..tp).filter(|&t| dirs.written(t, e)) {
-                let rank = (p * ep + e) * tp + t;
-                let file = dir.join(name_of(t, p, e)).join(RANK_FILE);
-                let reads = Reads {
-                    dense: dirs.dense_from(t) == e,
-                    experts: dirs.experts_from(t, e),
-                };
-                let opened = match first_rank.take() {
-                    Some(r) if r.path == file => r,
-                    other => {
-                        first_rank = other;
-                        RankFile::open(&file)?
-                    }
-                };
-                let f = read_rank(
-                    opened,
-                    &args,
-                    rules,
-                    RankAt {
-                        tp: t,
-                        pp: p,
-                        ep: e,
-                    },
-                    reads,
-                    &mesh,
-                    rank,
-                    &mut strategy,
-                    &mut carried,
-                )?;
-                files.push((rank, f));
-                let opt = dir.join(name_of(t, p, e)).join(DISTRIB_OPTIM_FILE);
-                if etp != tp && opt.is_file() {
-                    return Err(Error::Unsupported {
-                        problem: format!(
-                            "{}: the distributed optimizer's state with expert tensor parallel {etp} under tensor parallel {tp} is not read yet",
-                            opt.display()
-                        ),
-                    });
-                }
-                optim.push((rank, p, opt.is_file().then_some(opt)));
-            }
+    let written: Vec<(u64, u64, u64)> = (0..pp)
+        .flat_map(|p| (0..ep).flat_map(move |e| (0..tp).map(move |t| (p, e, t))))
+        .filter(|&(_, e, t)| dirs.written(t, e))
+        .collect();
+    // Every rank's file mapped and parsed abreast (from a bucket, each a request), the
+    // first's already.
+    let rank_file = |&(p, e, t): &(u64, u64, u64)| dir.join(name_of(t, p, e)).join(RANK_FILE);
+    let mut opened = open_abreast(&written, |r| {
+        let file = rank_file(r);
+        (file != first_file).then(|| RankFile::open(&file))
+    })
+    .into_iter();
+    for &(p, e, t) in &written {
+        let rank = (p * ep + e) * tp + t;
+        let reads = Reads {
+            dense: dirs.dense_from(t) == e,
+            experts: dirs.experts_from(t, e),
+        };
+        let opened = match opened.next().flatten() {
+            Some(r) => r?,
+            None => first_rank
+                .take()
+                .expect("the first rank's file, opened once"),
+        };
+        let f = read_rank(
+            opened,
+            &args,
+            rules,
+            RankAt {
+                tp: t,
+                pp: p,
+                ep: e,
+            },
+            reads,
+            &mesh,
+            rank,
+            &mut strategy,
+            &mut carried,
+        )?;
+        files.push((rank, f));
+        let opt = dir.join(name_of(t, p, e)).join(DISTRIB_OPTIM_FILE);
+        if etp != tp && opt.is_file() {
+            return Err(Error::Unsupported {
+                problem: format!(
+                    "{}: the distributed optimizer's state with expert tensor parallel {etp} under tensor parallel {tp} is not read yet",
+                    opt.display()
+                ),
+            });
         }
+        optim.push((rank, p, opt.is_file().then_some(opt)));
     }
     if etp != tp {
         notes.push(format!(
