@@ -280,8 +280,9 @@ struct TrainerCase {
 }
 
 const LLAMA_CONFIG: &str = "../../hf_models/llama/config.json";
+const MIXTRAL_CONFIG: &str = "../../moe/hf/mixtral/hf/config.json";
 
-const TRAINER_CASES: [TrainerCase; 7] = [
+const TRAINER_CASES: [TrainerCase; 9] = [
     TrainerCase {
         trainer: "Hugging Face Trainer + accelerate FSDP2 (SHARDED_STATE_DICT)",
         versions: "transformers 5.25.0, accelerate 1.16.0, torch 2.15.0",
@@ -291,6 +292,18 @@ const TRAINER_CASES: [TrainerCase; 7] = [
         config: Some(LLAMA_CONFIG),
         expected: "expected.safetensors",
         anchor: "accelerate's `merge_fsdp_weights`",
+        plain_refused: None,
+        import_back: "none needed: the Trainer starts from the Hugging Face model (`from_pretrained`)",
+    },
+    TrainerCase {
+        trainer: "Hugging Face Trainer + accelerate FSDP2, a mixture of experts (Mixtral; transformers' fused experts)",
+        versions: "transformers 5.25.0, accelerate 1.16.0, torch 2.15.0",
+        fixture: "hf_trainer_fsdp_moe",
+        output: "trainer_out",
+        step: "checkpoint-2",
+        config: Some(MIXTRAL_CONFIG),
+        expected: "expected.safetensors",
+        anchor: "accelerate's `merge_fsdp_weights`, written by `save_pretrained` (per-expert names)",
         plain_refused: None,
         import_back: "none needed: the Trainer starts from the Hugging Face model (`from_pretrained`)",
     },
@@ -315,6 +328,18 @@ const TRAINER_CASES: [TrainerCase; 7] = [
         config: Some(LLAMA_CONFIG),
         expected: "expected.safetensors",
         anchor: "Lightning's own consolidation",
+        plain_refused: None,
+        import_back: "none needed: the LightningModule loads the Hugging Face model itself",
+    },
+    TrainerCase {
+        trainer: "Lightning DeepSpeedStrategy (ZeRO stage 2)",
+        versions: "lightning 2.6.6, deepspeed 0.19.8, torch 2.15.0",
+        fixture: "lightning_deepspeed",
+        output: "lightning_out",
+        step: "step=2",
+        config: Some(LLAMA_CONFIG),
+        expected: "expected.safetensors",
+        anchor: "Lightning's `convert_zero_checkpoint_to_fp32_state_dict`",
         plain_refused: None,
         import_back: "none needed: the LightningModule loads the Hugging Face model itself",
     },

@@ -208,6 +208,36 @@ impl SourceTensor {
         cols: u64,
         stored: impl Fn(usize, usize) -> Vec<u64>,
     ) -> std::result::Result<SourceTensor, String> {
+        self.run_as_matrix(start, rows, cols, true, stored)
+    }
+
+    /// The `rows x cols` matrix whose row-major elements are this tensor's elements
+    /// `start..start + rows * cols`, as it is: one expert's rows of transformers' fused
+    /// `experts.gate_up_proj` (`[experts, 2 * ffn, hidden]`: expert `e`'s gate is the
+    /// run at `e * 2 * ffn * hidden`, `ffn` rows of `hidden`). The same stored bytes,
+    /// through a [`StoredView`] that reads the stored tensor as rows of `cols`.
+    ///
+    /// # Errors
+    /// As [`SourceTensor::transposed_run`].
+    pub fn run_rows(
+        &self,
+        start: u64,
+        rows: u64,
+        cols: u64,
+        stored: impl Fn(usize, usize) -> Vec<u64>,
+    ) -> std::result::Result<SourceTensor, String> {
+        self.run_as_matrix(start, rows, cols, false, stored)
+    }
+
+    /// [`SourceTensor::run_rows`], transposed or not.
+    fn run_as_matrix(
+        &self,
+        start: u64,
+        rows: u64,
+        cols: u64,
+        transposed: bool,
+        stored: impl Fn(usize, usize) -> Vec<u64>,
+    ) -> std::result::Result<SourceTensor, String> {
         if !self.dtype.bitsize().is_multiple_of(8) || cols == 0 {
             return Err(format!(
                 "a transposed view of {:?} elements in rows of {cols}",
@@ -241,14 +271,28 @@ impl SourceTensor {
                 ));
             }
             let n = (b - a) / cols;
+            let (row, local_row) = ((a - start) / cols, at / cols);
+            let (global, local, axes) = if transposed {
+                (
+                    Region::new(vec![0, row], vec![cols, n]),
+                    Region::new(vec![0, local_row], vec![cols, n]),
+                    vec![1, 0],
+                )
+            } else {
+                (
+                    Region::new(vec![row, 0], vec![n, cols]),
+                    Region::new(vec![local_row, 0], vec![n, cols]),
+                    vec![0, 1],
+                )
+            };
             Ok(Some(SourcePiece {
                 file: p.file,
                 tensor: p.tensor,
-                global: Region::new(vec![0, (a - start) / cols], vec![cols, n]),
-                local: Region::new(vec![0, at / cols], vec![cols, n]),
+                global,
+                local,
                 view: Some(Box::new(StoredView {
                     shape: vec![numel / cols, cols],
-                    axes: vec![1, 0],
+                    axes,
                 })),
                 compute: None,
             }))
@@ -263,7 +307,11 @@ impl SourceTensor {
         }
         Ok(SourceTensor {
             dtype: self.dtype,
-            shape: vec![cols, rows],
+            shape: if transposed {
+                vec![cols, rows]
+            } else {
+                vec![rows, cols]
+            },
             pieces,
             copies,
         })
