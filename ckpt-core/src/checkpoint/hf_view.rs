@@ -991,6 +991,7 @@ impl Checkpoint {
             ));
         }
         self.tensors.retain(|n, _| want.contains(n));
+        self.check_rows_against_config(family, &shape, user_config.as_deref())?;
         self.strategy = None;
         notes.push(format!(
             "tensors already in {}'s names",
@@ -1150,6 +1151,62 @@ impl Checkpoint {
             hf::FUSED_EXPERTS_GATE_UP,
             hf::FUSED_EXPERTS_DOWN
         ));
+        Ok(())
+    }
+
+    /// The config's sizes against a model in Hugging Face's names, as a Megatron
+    /// checkpoint's fused tensors are checked against them: the query, key and value
+    /// rows (heads x head_dim, key/value heads x head_dim), the gate and up rows of
+    /// every MLP (dense, expert and shared), and the embedding's width. A config that
+    /// contradicts the tensors would be written beside them as a model that does not
+    /// load.
+    ///
+    /// # Errors
+    /// A tensor whose rows or width the config's sizes do not give, naming both.
+    fn check_rows_against_config(
+        &self,
+        family: Family,
+        shape: &Shape,
+        config: Option<&Path>,
+    ) -> Result<()> {
+        let said = config.map_or("the config".into(), |p| p.display().to_string());
+        for row in family.rows().iter().filter(|r| family.applies(r, shape)) {
+            for l in layers(row.hf[0], shape) {
+                for (i, pattern) in row.hf.iter().enumerate() {
+                    let name = fill(pattern, l);
+                    let Some(rows) = self
+                        .tensors
+                        .get(&name)
+                        .and_then(|t| t.shape.first().copied())
+                    else {
+                        continue;
+                    };
+                    let (want, what) = match row.cut {
+                        Cut::Qkv if i == 0 => (
+                            shape.heads * shape.head_dim,
+                            format!("{} heads of {}", shape.heads, shape.head_dim),
+                        ),
+                        Cut::Qkv => (
+                            shape.groups * shape.head_dim,
+                            format!("{} key/value heads of {}", shape.groups, shape.head_dim),
+                        ),
+                        Cut::GateUp | Cut::ExpertGateUp | Cut::SharedGateUp => {
+                            (gate_up_ffn(row.cut, shape), "its MLP size".to_string())
+                        }
+                        Cut::Vocab | Cut::Whole => continue,
+                    };
+                    if rows != want {
+                        return Err(invalid(
+                            &name,
+                            format!("has {rows} rows, but {said} gives {want} ({what})"),
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some(row) = family.rows().iter().find(|r| r.cut == Cut::Vocab) {
+            self.check_hidden(row.hf[0], shape, config)?;
+        }
         Ok(())
     }
 }

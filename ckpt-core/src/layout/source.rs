@@ -438,4 +438,43 @@ mod tests {
         let e = cols.transposed_run(0, 4, 3, |_, _| vec![4, 2]).unwrap_err();
         assert!(e.contains("not one run"), "{e}");
     }
+
+    /// transformers' fused experts `[2, 4, 3]` (2 experts, 2 x ffn 2 rows of 3) held as
+    /// FSDP's dim-0 halves: expert 1's up rows are elements 18..24, rows 1..2 of the
+    /// second piece's stored `[1, 4, 3]` read as rows of 3 (its local rows 2..4).
+    #[test]
+    fn run_rows_cut_one_experts_rows_from_stacked_pieces() {
+        let half = |file: usize, e: u64| SourcePiece {
+            file,
+            tensor: 0,
+            global: Region::from_ranges(&[e..e + 1, 0..4, 0..3]),
+            local: Region::from_ranges(&[0..1, 0..4, 0..3]),
+            view: None,
+            compute: None,
+        };
+        let t = SourceTensor {
+            dtype: Dtype::F32,
+            shape: vec![2, 4, 3],
+            pieces: vec![half(0, 0), half(1, 1)],
+            copies: vec![],
+        };
+        let stored = |_: usize, _: usize| vec![1, 4, 3];
+        let up = t.run_rows(12 + 6, 2, 3, stored).unwrap();
+        assert_eq!(up.shape, vec![2, 3]);
+        assert_eq!(up.pieces.len(), 1);
+        let p = &up.pieces[0];
+        assert_eq!(p.file, 1);
+        assert_eq!(p.global, Region::from_ranges(&[0..2, 0..3]));
+        assert_eq!(p.local, Region::from_ranges(&[2..4, 0..3]));
+        assert_eq!(
+            p.view.as_deref(),
+            Some(&StoredView {
+                shape: vec![4, 3],
+                axes: vec![0, 1]
+            })
+        );
+        // Rows of 2 do not divide the pieces' runs of 12 at every edge: refused.
+        let e = t.run_rows(9, 3, 2, stored).unwrap_err();
+        assert!(e.contains("part of a row"), "{e}");
+    }
 }
