@@ -646,7 +646,10 @@ impl Checkpoint {
                 };
                 self.maxtext_to_hf(family, &shape, rope)?;
             }
-            return self.hf_names_as_they_are(family, shape, user_config, notes);
+            let model = self.hf_names_as_they_are(family, shape, user_config, notes)?;
+            // (A GGUF's view holds quantized blocks, not rows: its config is its keys'.)
+            self.check_rows_against_config(family, &model.shape, model.user_config.as_deref())?;
+            return Ok(model);
         }
         if let Some(prefix) = &megatron_prefix {
             self.take_wrapped(prefix, &mut notes);
@@ -991,7 +994,6 @@ impl Checkpoint {
             ));
         }
         self.tensors.retain(|n, _| want.contains(n));
-        self.check_rows_against_config(family, &shape, user_config.as_deref())?;
         self.strategy = None;
         notes.push(format!(
             "tensors already in {}'s names",
