@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """transformers loads the Hugging Face models ckpt exports from the trainers' own save
-directories (tests/fixtures/trainers: HF Trainer + accelerate FSDP, HF Trainer plain,
-Lightning FSDP, verl FSDP, torchtitan, written by each trainer's own code on CPU;
+directories (tests/fixtures/trainers: HF Trainer + accelerate FSDP (a Llama and a
+Mixtral), HF Trainer plain, Lightning FSDP and DeepSpeed, verl FSDP, torchtitan, written
+by each trainer's own code on CPU;
 Megatron-Bridge and NeMo 2, laid out from their source and written by megatron-core,
 against Megatron's own logits) and gives the logits the trainer's model gave.
 
@@ -27,13 +28,16 @@ from transformers import AutoModelForCausalLM
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 LLAMA_CONFIG = FIXTURES / "hf_models" / "llama" / "config.json"
+MIXTRAL_CONFIG = FIXTURES / "moe" / "hf" / "mixtral" / "hf" / "config.json"
 TOLERANCE = 1e-4
 
 # (fixture, the trainer's output directory, the config where the trainer keeps none)
 CASES = [
     ("hf_trainer_fsdp", "trainer_out", LLAMA_CONFIG),
+    ("hf_trainer_fsdp_moe", "trainer_out", MIXTRAL_CONFIG),  # transformers' fused experts in the DCP
     ("hf_trainer_plain", "trainer_out", None),
     ("lightning_fsdp", "lightning_out", LLAMA_CONFIG),
+    ("lightning_deepspeed", "lightning_out", LLAMA_CONFIG),  # DeepSpeed's ZeRO-2 save in the step
     ("verl_fsdp", "verl_out", None),
     ("torchtitan", "outputs", FIXTURES / "trainers" / "torchtitan" / "config.json"),
     # Layouts from the trainers' source, files by megatron-core; reference: Megatron's logits.

@@ -280,8 +280,9 @@ struct TrainerCase {
 }
 
 const LLAMA_CONFIG: &str = "../../hf_models/llama/config.json";
+const MIXTRAL_CONFIG: &str = "../../moe/hf/mixtral/hf/config.json";
 
-const TRAINER_CASES: [TrainerCase; 7] = [
+const TRAINER_CASES: [TrainerCase; 9] = [
     TrainerCase {
         trainer: "Hugging Face Trainer + accelerate FSDP2 (SHARDED_STATE_DICT)",
         versions: "transformers 5.25.0, accelerate 1.16.0, torch 2.15.0",
@@ -291,6 +292,18 @@ const TRAINER_CASES: [TrainerCase; 7] = [
         config: Some(LLAMA_CONFIG),
         expected: "expected.safetensors",
         anchor: "accelerate's `merge_fsdp_weights`",
+        plain_refused: None,
+        import_back: "none needed: the Trainer starts from the Hugging Face model (`from_pretrained`)",
+    },
+    TrainerCase {
+        trainer: "Hugging Face Trainer + accelerate FSDP2, a mixture of experts (Mixtral; transformers' fused experts)",
+        versions: "transformers 5.25.0, accelerate 1.16.0, torch 2.15.0",
+        fixture: "hf_trainer_fsdp_moe",
+        output: "trainer_out",
+        step: "checkpoint-2",
+        config: Some(MIXTRAL_CONFIG),
+        expected: "expected.safetensors",
+        anchor: "accelerate's `merge_fsdp_weights`, written by `save_pretrained` (per-expert names)",
         plain_refused: None,
         import_back: "none needed: the Trainer starts from the Hugging Face model (`from_pretrained`)",
     },
@@ -315,6 +328,18 @@ const TRAINER_CASES: [TrainerCase; 7] = [
         config: Some(LLAMA_CONFIG),
         expected: "expected.safetensors",
         anchor: "Lightning's own consolidation",
+        plain_refused: None,
+        import_back: "none needed: the LightningModule loads the Hugging Face model itself",
+    },
+    TrainerCase {
+        trainer: "Lightning DeepSpeedStrategy (ZeRO stage 2)",
+        versions: "lightning 2.6.6, deepspeed 0.19.8, torch 2.15.0",
+        fixture: "lightning_deepspeed",
+        output: "lightning_out",
+        step: "step=2",
+        config: Some(LLAMA_CONFIG),
+        expected: "expected.safetensors",
+        anchor: "Lightning's `convert_zero_checkpoint_to_fp32_state_dict`",
         plain_refused: None,
         import_back: "none needed: the LightningModule loads the Hugging Face model itself",
     },
@@ -443,6 +468,205 @@ fn trainers_saves_export_to_the_libraries_own_state_dicts() {
             assert!(!none.exists());
         }
     }
+}
+
+/// A config edited from `from` (a fixture's `config.json`) by replacing `was` with `is`.
+fn edited_config(d: &Dir, from: &str, name: &str, was: &str, is: &str) -> PathBuf {
+    let text = std::fs::read_to_string(fixtures().join(from)).unwrap();
+    assert!(text.contains(was), "{from}: no `{was}`");
+    let p = d.path(name);
+    std::fs::write(&p, text.replace(was, is)).unwrap();
+    p
+}
+
+/// The HF Trainer's FSDP2 save of a Mixtral (transformers' fused experts in the DCP):
+/// a config that contradicts the stacked experts, or the rows of any projection, is
+/// refused naming the tensor and both sizes; a step cut off before its DCP's
+/// `.metadata` is skipped, said; nothing is written on a refusal.
+#[test]
+fn hf_trainer_moe_save_refuses_what_contradicts_its_experts() {
+    let d = Dir::new();
+    let out = d.path("trainer_out");
+    copy_dir(
+        &fixtures().join("trainers/hf_trainer_fsdp_moe/trainer_out"),
+        &out,
+    );
+    let mixtral = "moe/hf/mixtral/hf/config.json";
+    for (name, was, is, tensor, said) in [
+        (
+            "experts8.json",
+            "\"num_local_experts\": 4",
+            "\"num_local_experts\": 8",
+            "model.model.layers.0.mlp.experts.gate_up_proj",
+            "is [4, 32, 16], but 8 experts of FFN 16 and hidden 16 make [8, 32, 16]",
+        ),
+        (
+            "ffn8.json",
+            "\"intermediate_size\": 16",
+            "\"intermediate_size\": 8",
+            "model.model.layers.0.mlp.experts.gate_up_proj",
+            "is [4, 32, 16], but 4 experts of FFN 8 and hidden 16 make [4, 16, 16]",
+        ),
+        (
+            "kv4.json",
+            "\"num_key_value_heads\": 2",
+            "\"num_key_value_heads\": 4",
+            "model.layers.0.self_attn.k_proj.weight",
+            "has 8 rows, but",
+        ),
+    ] {
+        let config = edited_config(&d, mixtral, name, was, is);
+        let o = d.fails(&[
+            "merge",
+            "trainer_out",
+            "--format",
+            "hf",
+            "--hf-config",
+            config.to_str().unwrap(),
+            "-o",
+            "hf",
+        ]);
+        assert!(
+            o.stderr.contains(tensor) && o.stderr.contains(said),
+            "{name}: {}",
+            o.stderr
+        );
+        assert!(!d.path("hf").exists(), "{name}: nothing written");
+    }
+    // A third step whose model DCP was cut off before its .metadata: step 2 is read.
+    let cut = out.join("checkpoint-3");
+    copy_dir(&out.join("checkpoint-2"), &cut);
+    std::fs::remove_file(cut.join("pytorch_model_fsdp_0/.metadata")).unwrap();
+    let config = fixtures().join(mixtral);
+    let o = d.ok(&[
+        "merge",
+        "trainer_out",
+        "--format",
+        "hf",
+        "--hf-config",
+        config.to_str().unwrap(),
+        "-o",
+        "hf",
+    ]);
+    assert!(
+        o.stderr.contains("checkpoint-2") && o.stderr.contains("step 3 skipped"),
+        "{}",
+        o.stderr
+    );
+    assert_same_tensors(
+        &full_tensors(&d.path("hf/model.safetensors")),
+        &full_tensors(&fixtures().join("trainers/hf_trainer_fsdp_moe/expected.safetensors")),
+        "fused experts",
+    );
+}
+
+/// Lightning's DeepSpeed strategy: a step without the `latest` DeepSpeed writes last is
+/// skipped (and refused when asked for), a `latest` naming no tag directory and a
+/// missing rank's ZeRO partition are refused by name, as is a config that contradicts
+/// the tensors; nothing is written on a refusal.
+#[test]
+fn lightning_deepspeed_save_refuses_half_written_steps_by_name() {
+    let d = Dir::new();
+    copy_dir(
+        &fixtures().join("trainers/lightning_deepspeed/lightning_out"),
+        &d.path("lightning_out"),
+    );
+    let steps = d.path("lightning_out/lightning_logs/version_0/checkpoints");
+    let llama = fixtures().join("hf_models/llama/config.json");
+    let llama = llama.to_str().unwrap();
+    let export = |o: &'static str| {
+        [
+            "merge",
+            "lightning_out",
+            "--format",
+            "hf",
+            "--hf-config",
+            llama,
+            "-o",
+            o,
+        ]
+    };
+    // Step 3 cut off before `latest`.
+    let cut = steps.join("epoch=0-step=3.ckpt");
+    copy_dir(&steps.join("epoch=0-step=2.ckpt"), &cut);
+    std::fs::remove_file(cut.join("latest")).unwrap();
+    let o = d.ok(&export("hf"));
+    assert!(
+        o.stderr.contains("epoch=0-step=2.ckpt") && o.stderr.contains("step 3 skipped"),
+        "{}",
+        o.stderr
+    );
+    assert_same_tensors(
+        &full_tensors(&d.path("hf/model.safetensors")),
+        &full_tensors(&fixtures().join("trainers/lightning_deepspeed/expected.safetensors")),
+        "lightning deepspeed",
+    );
+    let o = d.fails(&["merge", "lightning_out", "--step", "3", "-o", "three"]);
+    assert!(
+        o.stderr.contains("step 3 (--step) is incomplete"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("three").exists());
+    // A config that contradicts the tensors.
+    let config = edited_config(
+        &d,
+        "hf_models/llama/config.json",
+        "ffn48.json",
+        "\"intermediate_size\": 64",
+        "\"intermediate_size\": 48",
+    );
+    let o = d.fails(&[
+        "merge",
+        "lightning_out",
+        "--format",
+        "hf",
+        "--hf-config",
+        config.to_str().unwrap(),
+        "-o",
+        "ffn",
+    ]);
+    assert!(
+        o.stderr.contains("model.layers.0.mlp.gate_proj.weight")
+            && o.stderr.contains("has 64 rows")
+            && o.stderr.contains("48"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("ffn").exists());
+    // `latest` naming a tag that is not there: that step skipped, said; asked for, refused.
+    std::fs::write(cut.join("latest"), "global_step3").unwrap();
+    let o = d.ok(&export("tag"));
+    assert!(
+        o.stderr.contains("step 3 skipped")
+            && o.stderr
+                .contains("names `global_step3`, which is not a DeepSpeed tag directory"),
+        "{}",
+        o.stderr
+    );
+    let o = d.fails(&["merge", "lightning_out", "--step", "3", "-o", "tag3"]);
+    assert!(
+        o.stderr
+            .contains("names `global_step3`, which is not a DeepSpeed tag directory"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("tag3").exists());
+    // A rank's ZeRO partition missing from the step read.
+    std::fs::remove_dir_all(&cut).unwrap();
+    std::fs::remove_file(
+        steps.join("epoch=0-step=2.ckpt/checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    )
+    .unwrap();
+    let o = d.fails(&export("rank"));
+    assert!(
+        o.stderr
+            .contains("zero_pp_rank_1_mp_rank_00_optim_states.pt")
+            && o.stderr.contains("rank 1 of 2 is missing"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("rank").exists());
 }
 
 /// docs/trainers.md's table of what is proven is this file's cases, so that it cannot

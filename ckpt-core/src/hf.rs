@@ -258,6 +258,18 @@ const MIXTRAL_EXPERTS: &[Row] = &[
     ),
 ];
 
+/// transformers (5 and later) keeps a layer's experts as one module, its parameters
+/// stacked over the experts (transformers/conversion_mapping.py, "mixtral" and
+/// "qwen2_moe", the latter Qwen3-MoE's too): `mlp.experts.gate_up_proj`
+/// `[experts, 2 * ffn, hidden]` (each expert's gate rows, then its up rows: the
+/// per-expert tensors of the table's gate/up row, concatenated) and
+/// `mlp.experts.down_proj` `[experts, hidden, ffn]`. A trainer that saves the live
+/// module (a DCP of its state dict) saves these; `save_pretrained` writes them back as
+/// the table's per-expert rows.
+pub(crate) const FUSED_EXPERTS_GATE_UP: &str = "mlp.experts.gate_up_proj";
+/// The fused experts' down projections ([`FUSED_EXPERTS_GATE_UP`]).
+pub(crate) const FUSED_EXPERTS_DOWN: &str = "mlp.experts.down_proj";
+
 /// Qwen2-MoE's and Qwen3-MoE's experts, router and (Qwen2-MoE) gated shared expert
 /// (`modeling_qwen2_moe.py`, `modeling_qwen3_moe.py`), beside Llama's rows.
 const QWEN_EXPERTS: &[Row] = &[
@@ -484,6 +496,18 @@ impl Family {
             Family::Mixtral => [LLAMA, MIXTRAL_EXPERTS].concat(),
             Family::Qwen2Moe | Family::Qwen3Moe => [LLAMA, QWEN_EXPERTS].concat(),
             _ => LLAMA.to_vec(),
+        }
+    }
+
+    /// What transformers' modules of the family call a part of the table's names
+    /// (`(checkpoint's, module's)`): Mixtral's `block_sparse_moe` is the module's `mlp`
+    /// (its conversion mapping's `WeightRenaming`), so a save of the live module holds
+    /// `mlp.gate.weight` for the router.
+    #[must_use]
+    pub fn module_renames(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Family::Mixtral => &[(".block_sparse_moe.", ".mlp.")],
+            _ => &[],
         }
     }
 

@@ -650,7 +650,10 @@ impl Checkpoint {
             } else {
                 false
             };
-            return self.hf_names_as_they_are(family, shape, user_config, notes, renamed);
+            let model = self.hf_names_as_they_are(family, shape, user_config, notes, renamed)?;
+            // (A GGUF's view holds quantized blocks, not rows: its config is its keys'.)
+            self.check_rows_against_config(family, &model.shape, model.user_config.as_deref())?;
+            return Ok(model);
         }
         if let Some(prefix) = &megatron_prefix {
             self.take_wrapped(prefix, &mut notes);
@@ -927,6 +930,7 @@ impl Checkpoint {
                 want.extend(row.hf.iter().map(|h| fill(h, l)));
             }
         }
+        self.unfuse_experts(family, &shape, &mut notes)?;
         // Under a trainer's wrapper (accelerate, Lightning), beside its other state.
         let anchors: Vec<&str> = want.iter().map(String::as_str).collect();
         if let Some(prefix) = self.wrapper_prefix(&anchors)? {
@@ -1009,5 +1013,209 @@ impl Checkpoint {
             user_config,
             dtype: None,
         })
+    }
+
+    /// A mixture of experts saved as transformers' module holds it (a trainer's DCP of
+    /// the live state dict, under the trainer's wrapper prefix or not): each layer's
+    /// fused `mlp.experts.gate_up_proj` and `down_proj` ([`hf::FUSED_EXPERTS_GATE_UP`])
+    /// become the family's per-expert tensors, as `save_pretrained` writes them (each a
+    /// run of the stacked tensor: the same stored bytes), and the module's names of the
+    /// family's other rows (Mixtral's router, `mlp.gate.weight`) the checkpoint's. A
+    /// source without fused experts is left as it is.
+    ///
+    /// # Errors
+    /// A fused tensor of another shape than the config's experts, FFN and hidden sizes
+    /// give it, its partner missing, or a piece that holds part of an expert's row.
+    fn unfuse_experts(
+        &mut self,
+        family: Family,
+        shape: &Shape,
+        notes: &mut Vec<String>,
+    ) -> Result<()> {
+        let fused: Vec<String> = self
+            .tensors
+            .keys()
+            .filter(|n| n.ends_with(hf::FUSED_EXPERTS_GATE_UP))
+            .cloned()
+            .collect();
+        if fused.is_empty() || !family.is_moe() {
+            return Ok(());
+        }
+        let rows = family.rows();
+        let applies = |r: &&hf::Row| family.applies(r, shape);
+        let gate_up = rows
+            .iter()
+            .filter(applies)
+            .find(|r| r.cut == Cut::ExpertGateUp);
+        let down = rows
+            .iter()
+            .filter(applies)
+            .find(|r| r.cut == Cut::Whole && r.hf[0].contains("{e}"));
+        let (Some(gate_up), Some(down)) = (gate_up, down) else {
+            return Ok(());
+        };
+        let to_module = |name: String| {
+            family
+                .module_renames()
+                .iter()
+                .fold(name, |n, (ours, theirs)| n.replace(ours, theirs))
+        };
+        let (e, f, h) = (shape.experts, shape.moe_ffn, shape.hidden);
+        let files = &self.files;
+        let stored = |fi: usize, i: usize| files[fi].tensors()[i].shape.clone();
+        let mut out: Vec<(String, SourceTensor)> = vec![];
+        let mut gone = vec![];
+        for name in &fused {
+            // `{prefix}model.layers.{l}.mlp.experts.gate_up_proj`
+            let stem = &name[..name.len() - hf::FUSED_EXPERTS_GATE_UP.len()];
+            let layer = stem
+                .strip_suffix('.')
+                .and_then(|s| s.rsplit_once('.'))
+                .and_then(|(head, l)| Some((head, l.parse::<u64>().ok()?)))
+                .and_then(|(head, l)| Some((head.strip_suffix("model.layers")?, l)));
+            let Some((prefix, l)) = layer else {
+                return Err(invalid(
+                    name,
+                    "is a fused experts tensor outside `model.layers.<l>.`: not a layer of the model".into(),
+                ));
+            };
+            let down_name = format!("{stem}{}", hf::FUSED_EXPERTS_DOWN);
+            let Some(down_t) = self.tensors.get(&down_name) else {
+                return Err(invalid(
+                    &down_name,
+                    format!("missing: {name} is there, and a layer of fused experts has both"),
+                ));
+            };
+            let t = &self.tensors[name];
+            for (n, t, want) in [(name, t, [e, 2 * f, h]), (&down_name, down_t, [e, h, f])] {
+                if t.shape != want {
+                    return Err(invalid(
+                        n,
+                        format!(
+                            "is {:?}, but {e} experts of FFN {f} and hidden {h} make {want:?} (transformers' fused experts)",
+                            t.shape
+                        ),
+                    ));
+                }
+            }
+            let cut = |t: &SourceTensor, n: &str, start: u64, r: u64, c: u64, x: u64| {
+                t.run_rows(start, r, c, stored)
+                    .map_err(|p| invalid(n, format!("expert {x}: {p}")))
+            };
+            for x in 0..e {
+                let at = At {
+                    layer: Some(l),
+                    expert: Some(x),
+                };
+                let base = x * 2 * f * h;
+                out.push((
+                    format!("{prefix}{}", fill(gate_up.hf[0], at)),
+                    cut(t, name, base, f, h, x)?,
+                ));
+                out.push((
+                    format!("{prefix}{}", fill(gate_up.hf[1], at)),
+                    cut(t, name, base + f * h, f, h, x)?,
+                ));
+                out.push((
+                    format!("{prefix}{}", fill(down.hf[0], at)),
+                    cut(down_t, &down_name, x * h * f, h, f, x)?,
+                ));
+            }
+            // The family's other rows of this layer under the module's names.
+            for r in rows
+                .iter()
+                .filter(applies)
+                .filter(|r| !r.hf[0].contains("{e}"))
+            {
+                for pattern in r.hf {
+                    let ours = format!(
+                        "{prefix}{}",
+                        fill(
+                            pattern,
+                            At {
+                                layer: Some(l),
+                                expert: None
+                            }
+                        )
+                    );
+                    let theirs = to_module(ours.clone());
+                    if theirs != ours && !self.tensors.contains_key(&ours) {
+                        if let Some(t) = self.tensors.get(&theirs) {
+                            out.push((ours, t.clone()));
+                            gone.push(theirs);
+                        }
+                    }
+                }
+            }
+            gone.push(name.clone());
+            gone.push(down_name);
+        }
+        for n in &gone {
+            self.tensors.remove(n);
+        }
+        self.tensors.extend(out);
+        notes.push(format!(
+            "the experts of {} layers as transformers' module holds them ({}, {}): each expert's tensors cut from them, as save_pretrained writes them",
+            fused.len(),
+            hf::FUSED_EXPERTS_GATE_UP,
+            hf::FUSED_EXPERTS_DOWN
+        ));
+        Ok(())
+    }
+
+    /// The config's sizes against a model in Hugging Face's names, as a Megatron
+    /// checkpoint's fused tensors are checked against them: the query, key and value
+    /// rows (heads x head_dim, key/value heads x head_dim), the gate and up rows of
+    /// every MLP (dense, expert and shared), and the embedding's width. A config that
+    /// contradicts the tensors would be written beside them as a model that does not
+    /// load.
+    ///
+    /// # Errors
+    /// A tensor whose rows or width the config's sizes do not give, naming both.
+    fn check_rows_against_config(
+        &self,
+        family: Family,
+        shape: &Shape,
+        config: Option<&Path>,
+    ) -> Result<()> {
+        let said = config.map_or("the config".into(), |p| p.display().to_string());
+        for row in family.rows().iter().filter(|r| family.applies(r, shape)) {
+            for l in layers(row.hf[0], shape) {
+                for (i, pattern) in row.hf.iter().enumerate() {
+                    let name = fill(pattern, l);
+                    let Some(rows) = self
+                        .tensors
+                        .get(&name)
+                        .and_then(|t| t.shape.first().copied())
+                    else {
+                        continue;
+                    };
+                    let (want, what) = match row.cut {
+                        Cut::Qkv if i == 0 => (
+                            shape.heads * shape.head_dim,
+                            format!("{} heads of {}", shape.heads, shape.head_dim),
+                        ),
+                        Cut::Qkv => (
+                            shape.groups * shape.head_dim,
+                            format!("{} key/value heads of {}", shape.groups, shape.head_dim),
+                        ),
+                        Cut::GateUp | Cut::ExpertGateUp | Cut::SharedGateUp => {
+                            (gate_up_ffn(row.cut, shape), "its MLP size".to_string())
+                        }
+                        Cut::Vocab | Cut::Whole => continue,
+                    };
+                    if rows != want {
+                        return Err(invalid(
+                            &name,
+                            format!("has {rows} rows, but {said} gives {want} ({what})"),
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some(row) = family.rows().iter().find(|r| r.cut == Cut::Vocab) {
+            self.check_hidden(row.hf[0], shape, config)?;
+        }
+        Ok(())
     }
 }

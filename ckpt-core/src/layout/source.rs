@@ -208,6 +208,36 @@ impl SourceTensor {
         cols: u64,
         stored: impl Fn(usize, usize) -> Vec<u64>,
     ) -> std::result::Result<SourceTensor, String> {
+        self.run_as_matrix(start, rows, cols, true, stored)
+    }
+
+    /// The `rows x cols` matrix whose row-major elements are this tensor's elements
+    /// `start..start + rows * cols`, as it is: one expert's rows of transformers' fused
+    /// `experts.gate_up_proj` (`[experts, 2 * ffn, hidden]`: expert `e`'s gate is the
+    /// run at `e * 2 * ffn * hidden`, `ffn` rows of `hidden`). The same stored bytes,
+    /// through a [`StoredView`] that reads the stored tensor as rows of `cols`.
+    ///
+    /// # Errors
+    /// As [`SourceTensor::transposed_run`].
+    pub fn run_rows(
+        &self,
+        start: u64,
+        rows: u64,
+        cols: u64,
+        stored: impl Fn(usize, usize) -> Vec<u64>,
+    ) -> std::result::Result<SourceTensor, String> {
+        self.run_as_matrix(start, rows, cols, false, stored)
+    }
+
+    /// [`SourceTensor::run_rows`], transposed or not.
+    fn run_as_matrix(
+        &self,
+        start: u64,
+        rows: u64,
+        cols: u64,
+        transposed: bool,
+        stored: impl Fn(usize, usize) -> Vec<u64>,
+    ) -> std::result::Result<SourceTensor, String> {
         if !self.dtype.bitsize().is_multiple_of(8) || cols == 0 {
             return Err(format!(
                 "a transposed view of {:?} elements in rows of {cols}",
@@ -241,14 +271,28 @@ impl SourceTensor {
                 ));
             }
             let n = (b - a) / cols;
+            let (row, local_row) = ((a - start) / cols, at / cols);
+            let (global, local, axes) = if transposed {
+                (
+                    Region::new(vec![0, row], vec![cols, n]),
+                    Region::new(vec![0, local_row], vec![cols, n]),
+                    vec![1, 0],
+                )
+            } else {
+                (
+                    Region::new(vec![row, 0], vec![n, cols]),
+                    Region::new(vec![local_row, 0], vec![n, cols]),
+                    vec![0, 1],
+                )
+            };
             Ok(Some(SourcePiece {
                 file: p.file,
                 tensor: p.tensor,
-                global: Region::new(vec![0, (a - start) / cols], vec![cols, n]),
-                local: Region::new(vec![0, at / cols], vec![cols, n]),
+                global,
+                local,
                 view: Some(Box::new(StoredView {
                     shape: vec![numel / cols, cols],
-                    axes: vec![1, 0],
+                    axes,
                 })),
                 compute: None,
             }))
@@ -263,7 +307,11 @@ impl SourceTensor {
         }
         Ok(SourceTensor {
             dtype: self.dtype,
-            shape: vec![cols, rows],
+            shape: if transposed {
+                vec![cols, rows]
+            } else {
+                vec![rows, cols]
+            },
             pieces,
             copies,
         })
@@ -389,5 +437,44 @@ mod tests {
         };
         let e = cols.transposed_run(0, 4, 3, |_, _| vec![4, 2]).unwrap_err();
         assert!(e.contains("not one run"), "{e}");
+    }
+
+    /// transformers' fused experts `[2, 4, 3]` (2 experts, 2 x ffn 2 rows of 3) held as
+    /// FSDP's dim-0 halves: expert 1's up rows are elements 18..24, rows 1..2 of the
+    /// second piece's stored `[1, 4, 3]` read as rows of 3 (its local rows 2..4).
+    #[test]
+    fn run_rows_cut_one_experts_rows_from_stacked_pieces() {
+        let half = |file: usize, e: u64| SourcePiece {
+            file,
+            tensor: 0,
+            global: Region::from_ranges(&[e..e + 1, 0..4, 0..3]),
+            local: Region::from_ranges(&[0..1, 0..4, 0..3]),
+            view: None,
+            compute: None,
+        };
+        let t = SourceTensor {
+            dtype: Dtype::F32,
+            shape: vec![2, 4, 3],
+            pieces: vec![half(0, 0), half(1, 1)],
+            copies: vec![],
+        };
+        let stored = |_: usize, _: usize| vec![1, 4, 3];
+        let up = t.run_rows(12 + 6, 2, 3, stored).unwrap();
+        assert_eq!(up.shape, vec![2, 3]);
+        assert_eq!(up.pieces.len(), 1);
+        let p = &up.pieces[0];
+        assert_eq!(p.file, 1);
+        assert_eq!(p.global, Region::from_ranges(&[0..2, 0..3]));
+        assert_eq!(p.local, Region::from_ranges(&[2..4, 0..3]));
+        assert_eq!(
+            p.view.as_deref(),
+            Some(&StoredView {
+                shape: vec![4, 3],
+                axes: vec![0, 1]
+            })
+        );
+        // Rows of 2 do not divide the pieces' runs of 12 at every edge: refused.
+        let e = t.run_rows(9, 3, 2, stored).unwrap_err();
+        assert!(e.contains("part of a row"), "{e}");
     }
 }

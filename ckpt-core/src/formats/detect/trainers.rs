@@ -117,7 +117,7 @@ static TRAINERS: [Trainer; 7] = [
         step_of: lightning_step,
         tracker: None,
         is_step: is_lightning_step,
-        contents: dcp_step_contents,
+        contents: lightning_contents,
         resumes_from: None,
     },
     Trainer {
@@ -320,10 +320,57 @@ fn is_torchtitan_step(dir: &Path) -> bool {
     torchtitan_step(name_of(dir)).is_some() && has_dcp(dir)
 }
 
-/// Lightning's FSDP strategy saves a sharded checkpoint as a DCP directory named like
-/// its checkpoint file, with `meta.pt` (the non-tensor state) beside the shards.
+/// Lightning saves a sharded checkpoint as a directory named like its checkpoint file:
+/// the FSDP strategy a DCP save with `meta.pt` (the non-tensor state) beside the
+/// shards; the DeepSpeed strategy (`DeepSpeedStrategy.save_checkpoint`:
+/// `deepspeed_engine.save_checkpoint(filepath, client_state=..., tag="checkpoint")`)
+/// DeepSpeed's save, whose `latest` the engine writes last.
 fn is_lightning_step(dir: &Path) -> bool {
-    lightning_step(name_of(dir)).is_some() && dir.join("meta.pt").is_file()
+    lightning_step(name_of(dir)).is_some()
+        && (dir.join("meta.pt").is_file() || dir.join(DEEPSPEED_LATEST).is_file())
+}
+
+/// A Lightning step: its DCP save (FSDP), or DeepSpeed's tag directory (the model
+/// states and every rank's ZeRO partition, Lightning's own state among the model
+/// states' entries).
+fn lightning_contents(dir: &Path) -> Result<StepContents> {
+    if dir.join("meta.pt").is_file() {
+        return dcp_step_contents(dir);
+    }
+    let (tag_dir, note) = deepspeed_tag(dir)?;
+    Ok(StepContents {
+        weights: vec![tag_dir],
+        config: None,
+        tokenizer: vec![],
+        record: None,
+        notes: vec![note],
+    })
+}
+
+/// The file DeepSpeed's `engine.save_checkpoint` writes last, naming the tag directory
+/// it saved into.
+const DEEPSPEED_LATEST: &str = "latest";
+
+/// DeepSpeed's save in `dir`: the tag directory `latest` names (a ZeRO-3 run may have
+/// saved the gathered 16-bit model beside it too: DeepSpeed's fp32 weights are read),
+/// and a note saying so.
+fn deepspeed_tag(dir: &Path) -> Result<(PathBuf, String)> {
+    let latest = dir.join(DEEPSPEED_LATEST);
+    let tag = String::from_utf8_lossy(&crate::formats::read_small(&latest)?)
+        .trim()
+        .to_string();
+    let tag_dir = dir.join(&tag);
+    if tag.is_empty() || tag.contains('/') || !tag_dir.is_dir() {
+        return Err(unknown(format!(
+            "{}: names `{tag}`, which is not a DeepSpeed tag directory beside it",
+            latest.display()
+        )));
+    }
+    let note = format!(
+        "{}: the model (DeepSpeed's save, tag named by latest)",
+        tag_dir.display()
+    );
+    Ok((tag_dir, note))
 }
 
 fn has_dcp(dir: &Path) -> bool {
@@ -416,24 +463,9 @@ fn hf_trainer_contents(dir: &Path) -> Result<StepContents> {
             first.display()
         ));
         vec![(*first).clone()]
-    } else if dir.join("latest").is_file() {
-        // DeepSpeed: the tag directory `latest` names (a ZeRO-3 run may have saved the
-        // gathered 16-bit model beside it too: DeepSpeed's fp32 weights are read).
-        let latest = dir.join("latest");
-        let tag = String::from_utf8_lossy(&crate::formats::read_small(&latest)?)
-            .trim()
-            .to_string();
-        let tag_dir = dir.join(&tag);
-        if tag.is_empty() || tag.contains('/') || !tag_dir.is_dir() {
-            return Err(unknown(format!(
-                "{}: names `{tag}`, which is not a DeepSpeed tag directory beside it",
-                latest.display()
-            )));
-        }
-        notes.push(format!(
-            "{}: the model (DeepSpeed's save, tag named by latest)",
-            tag_dir.display()
-        ));
+    } else if dir.join(DEEPSPEED_LATEST).is_file() {
+        let (tag_dir, note) = deepspeed_tag(dir)?;
+        notes.push(note);
         vec![tag_dir]
     } else if let Some(p) = [
         "model.safetensors.index.json",
