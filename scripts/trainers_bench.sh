@@ -21,7 +21,7 @@
 # vocabulary 32000: 262M parameters, 1.05 GB of fp32), one training step (AdamW: the save
 # is ~3 GB, the optimizer's moments included), 2 gloo ranks; made once under
 # OUT_DIR/<trainer>/ (a `.complete` marker) and, to keep the disk in use under ~6 GB,
-# deleted after the trainer's rounds unless KEEP_SAVES=1.
+# deleted after the trainer's rounds unless KEEP_SAVES=1. Rounds and logs: OUT_DIR/results/.
 #
 # Per trainer: one untimed export (its output becomes the `cat` source: the bytes the
 # export writes), then ROUNDS rounds of scripts/cat_bench.sh (page cache warm with the
@@ -29,7 +29,7 @@
 #   cat  : cat of the export's own files into one file, then sync
 #   ckpt : ckpt merge OUTPUT_DIR --format hf [--hf-config] -o out, then sync
 # then ROUNDS runs of the trainer's converter (settled the same way), its time + sync and
-# peak RSS (/usr/bin/time). A table at the end; every round is in OUT_DIR/<trainer>/.
+# peak RSS (/usr/bin/time). A table at the end; every round is in OUT_DIR/results/<trainer>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=${1:-target/trainers-bench}
@@ -82,7 +82,7 @@ time_converter() {
 }
 
 for t in $trainers; do
-  out="$root/$t"
+  out="$root/results/$t"
   output="$out/hf"
   conv_out="$out/converter_out"
   case $t in
@@ -123,8 +123,9 @@ for t in $trainers; do
       [ -n "${BRIDGE_GIT:-}" ] && [ -n "${MEGATRON_LM_GIT:-}" ] ||
         { skip "its layout is read from Megatron-Bridge's and Megatron-LM's source: give BRIDGE_GIT and MEGATRON_LM_GIT (git object stores)"; continue; }
       "$py" -c "import megatron.core, yaml" 2>/dev/null || { skip "MC_PYTHON ($py) lacks megatron-core/pyyaml"; continue; }
-      # hf_megatron.py's sizes: the same model, TP2 x PP2 on 4 gloo ranks.
-      export HF_FX_HIDDEN=$TRAINERS_FX_HIDDEN HF_FX_LAYERS=$TRAINERS_FX_LAYERS HF_FX_FFN=$TRAINERS_FX_FFN \
+      # hf_megatron.py's sizes: the same model, TP2 x PP2 on 4 gloo ranks (the layers
+      # rounded up to a multiple of the 2 stages: 14 by default, 1.13 GB).
+      export HF_FX_HIDDEN=$TRAINERS_FX_HIDDEN HF_FX_LAYERS=$(((TRAINERS_FX_LAYERS + 1) / 2 * 2)) HF_FX_FFN=$TRAINERS_FX_FFN \
         HF_FX_HEADS=$TRAINERS_FX_HEADS HF_FX_GROUPS=$TRAINERS_FX_KV_HEADS HF_FX_VOCAB=$TRAINERS_FX_VOCAB
       make_save trainers_megatron_bridge.py "$dir" --bridge-git "$BRIDGE_GIT" --megatron-lm-git "$MEGATRON_LM_GIT" ||
         { skip "the generator failed ($root/$t.gen.log)"; continue; }
@@ -132,7 +133,7 @@ for t in $trainers; do
       conv_name="not run: Megatron-Bridge's AutoBridge.export_ckpt imports Transformer Engine (CUDA), and its current releases need Python 3.12"
       conv_cmd=() ;;
     nemo2)
-      skip "its generator (trainers_nemo2.py) writes the weights of tests/fixtures/hf/llama into NeMo 2's layout; not sized for a benchmark yet. Its converter (nemo.collections.llm.export_ckpt) needs NeMo 2, Megatron-Bridge's CUDA stack (Transformer Engine) and Python 3.12"
+      skip "its generator (trainers_nemo2.py, megatron-core plus a second Python for NeMo's context files) is not sized for a benchmark yet; its weights are a dist_ckpt as megatron_bridge's (module. prefix). Its converter, nemo.collections.llm.export_ckpt, imports Transformer Engine (CUDA) and its current releases need Python 3.12"
       continue ;;
     *) echo "unknown trainer $t" >&2; exit 2 ;;
   esac
