@@ -7,6 +7,9 @@
 #   output   what the ckpt command writes (removed before every step)
 #   label    the ckpt step's name in the report, and what it writes ("HF safetensors")
 #   ckpt_cmd the ckpt command (an array; its peak RSS is taken with /usr/bin/time)
+#   cat_inputs (optional) what `cat` reads instead of the inputs, where the anchor is the
+#            bytes written rather than the bytes read (trainers_bench.sh: the export's own
+#            files); kept in the page cache beside the inputs
 # and defines `written_bytes` (the bytes it wrote), then calls `cat_bench`. Each round times both
 # steps after reading the inputs into the page cache, deleting the previous outputs,
 # syncing and waiting SETTLE_SECONDS (default 3); the order alternates round by round
@@ -30,15 +33,17 @@ now() { date +%s.%N; }
 
 settle() {
   rm -rf "$out/cat.bin" "$output"
-  cat "${inputs[@]}" > /dev/null
+  cat "${inputs[@]}" ${cat_inputs[@]+"${cat_inputs[@]}"} > /dev/null
   sync
   sleep "${SETTLE_SECONDS:-3}"
 }
 
 time_cat() {
   settle
+  local src=("${inputs[@]}")
+  [ -z "${cat_inputs+x}" ] || src=("${cat_inputs[@]}")
   t0=$(now)
-  cat "${inputs[@]}" > "$out/cat.bin"
+  cat "${src[@]}" > "$out/cat.bin"
   sync; t1=$(now)
 }
 
