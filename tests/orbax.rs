@@ -809,6 +809,79 @@ fn reshard_to_orbax_writes_each_device_box_as_a_chunk_and_back_is_the_identity()
     }
 }
 
+/// `reshard --format orbax --orbax-item NAME`: the item directory named so, read back
+/// byte for byte; the flag with another format, or another item for MaxText's, is a
+/// usage error that writes nothing.
+#[test]
+fn reshard_to_orbax_writes_the_item_orbax_item_names() {
+    let d = Dir::new();
+    sharded_source(&d);
+    d.ok(&[
+        "reshard",
+        "A",
+        "--format",
+        "orbax",
+        "--orbax-item",
+        "params",
+        "--to",
+        "2",
+        "-o",
+        "P",
+    ]);
+    for f in [
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "params/_METADATA",
+        "params/_sharding",
+        "params/commit_success.txt",
+        "params/manifest.ocdbt",
+    ] {
+        assert!(d.path("P").join(f).is_file(), "no {f}");
+    }
+    assert!(!d.path("P/default").exists(), "an item `default` too");
+    d.ok(&["merge", "P", "-o", "back"]);
+    assert_eq!(
+        tensors(&d.path("back/model.safetensors")),
+        tensors(&d.path("src.safetensors"))
+    );
+    d.ok(&["merge", "P/params", "-o", "back_item"]);
+    assert_eq!(
+        tensors(&d.path("back_item/model.safetensors")),
+        tensors(&d.path("src.safetensors"))
+    );
+    let keep = ["src.safetensors", "a.json", "A", "P", "back", "back_item"];
+    for args in [
+        &["--orbax-item", "params"][..],
+        &["--format", "distcp", "--orbax-item", "params"],
+        &["--format", "maxtext", "--orbax-item", "params"],
+    ] {
+        let mut all = vec!["reshard", "A", "--to", "2", "-o", "out"];
+        all.extend_from_slice(args);
+        let o = d.ckpt(&all);
+        assert_eq!(o.code, 2, "{args:?}: {}", o.stderr);
+        assert!(o.stderr.contains("--orbax-item"), "{args:?}: {}", o.stderr);
+        assert_nothing_written(&d, &keep);
+    }
+    let o = d.fails(&[
+        "reshard",
+        "A",
+        "--format",
+        "orbax",
+        "--orbax-item",
+        "_CHECKPOINT_METADATA",
+        "--to",
+        "2",
+        "-o",
+        "out",
+    ]);
+    assert!(
+        o.stderr.contains("--orbax-item `_CHECKPOINT_METADATA`"),
+        "{}",
+        o.stderr
+    );
+    assert_nothing_written(&d, &keep);
+}
+
 /// A layout JAX cannot shard (a split that does not divide its dimension; blocked
 /// shards) and options that do not apply are refused by name, nothing written.
 #[test]
