@@ -294,14 +294,23 @@ pub(crate) struct MergeArgs {
     /// from, where the source has none beside it.
     #[arg(long, value_name = "DIR")]
     pub(crate) tokenizer: Option<PathBuf>,
-    /// With --format orbax: the item directory's name in the step (default: `default`,
-    /// as orbax names a step's one item; MaxText's is `items`).
-    #[arg(long, value_name = "NAME")]
-    pub(crate) orbax_item: Option<String>,
+    #[command(flatten)]
+    pub(crate) orbax: OrbaxItemArg,
     #[command(flatten)]
     pub(crate) compute: ComputeArgs,
     #[command(flatten)]
     pub(crate) copy: CopyArgs,
+}
+
+/// `--orbax-item`, of `merge` and `reshard`: where in the step an Orbax output's item
+/// goes.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct OrbaxItemArg {
+    /// With --format orbax: the item directory's name in the step (default: `default`,
+    /// as orbax names a step's one item; MaxText's is `items`, which `reshard --format
+    /// maxtext` always writes).
+    #[arg(long, value_name = "NAME")]
+    pub(crate) orbax_item: Option<String>,
 }
 
 /// What a copy computes on the way (LoRA adapters merged, FP8 quantization); `--dtype`
@@ -403,6 +412,8 @@ pub(crate) struct ReshardArgs {
     /// Face Llama, Mistral or Qwen3: MaxText's load_parameters_path=OUT/items).
     #[arg(long, default_value = "ckpt", value_parser = reshard_formats())]
     pub(crate) format: String,
+    #[command(flatten)]
+    pub(crate) orbax: OrbaxItemArg,
     #[command(flatten)]
     pub(crate) compute: ComputeArgs,
     #[command(flatten)]

@@ -461,10 +461,42 @@ mod tests {
         match c.command {
             Command::Merge(m) => {
                 assert_eq!(m.format, "orbax");
-                assert_eq!(m.orbax_item.as_deref(), Some("items"));
+                assert_eq!(m.orbax.orbax_item.as_deref(), Some("items"));
             }
             other => panic!("parsed as {other:?}"),
         }
         assert!(Cli::try_parse_from(["ckpt", "merge", "a", "-o", "b", "--orbax-item"]).is_err());
+        let c = Cli::try_parse_from([
+            "ckpt",
+            "reshard",
+            "a",
+            "-o",
+            "b",
+            "--to",
+            "2",
+            "--format",
+            "orbax",
+            "--orbax-item",
+            "params",
+        ])
+        .unwrap();
+        match c.command {
+            Command::Reshard(r) => {
+                assert_eq!(r.format, "orbax");
+                assert_eq!(r.orbax.orbax_item.as_deref(), Some("params"));
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        assert!(Cli::try_parse_from([
+            "ckpt",
+            "reshard",
+            "a",
+            "-o",
+            "b",
+            "--to",
+            "2",
+            "--orbax-item"
+        ])
+        .is_err());
     }
 }

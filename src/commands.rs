@@ -201,12 +201,9 @@ pub(crate) fn merge(mut a: MergeArgs) -> Result<ExitCode> {
         },
         tokenizer: a.tokenizer,
         computations: a.compute.computations(),
-        orbax_item: a.orbax_item,
+        orbax_item: a.orbax.item_for(&a.format)?,
         gguf_type,
     };
-    if req.format != ckpt_merge::MergeFormat::Orbax && req.orbax_item.is_some() {
-        return Err(Usage("--orbax-item goes with --format orbax".into()).into());
-    }
     if req.format == ckpt_merge::MergeFormat::Hf && a.split_qkv {
         return Err(Usage(
             "--split-qkv does not apply to --format hf: the model family's table splits the QKV projection as the Hugging Face model needs".into(),
@@ -238,6 +235,26 @@ pub(crate) fn merge(mut a: MergeArgs) -> Result<ExitCode> {
         output.publish()?;
         Ok(stats)
     })
+}
+
+impl crate::args::OrbaxItemArg {
+    /// The item name for an output of `--format format` (merge's or reshard's), or the
+    /// usage error where `--orbax-item` does not go with it: only `orbax` takes one;
+    /// `maxtext` always writes MaxText's item and takes that name alone.
+    fn item_for(&self, format: &str) -> Result<Option<String>> {
+        match (format, self.orbax_item.as_deref()) {
+            (_, None) => Ok(None),
+            ("orbax", Some(item)) => Ok(Some(item.to_string())),
+            ("maxtext", Some(item)) if item == ckpt_core::MAXTEXT_ITEM => Ok(None),
+            ("maxtext", Some(item)) => Err(Usage(format!(
+                "--format maxtext writes MaxText's item `{}` (its load_parameters_path is OUT/{}): --orbax-item `{item}` does not apply",
+                ckpt_core::MAXTEXT_ITEM,
+                ckpt_core::MAXTEXT_ITEM
+            ))
+            .into()),
+            (_, Some(_)) => Err(Usage("--orbax-item goes with --format orbax".into()).into()),
+        }
+    }
 }
 
 /// `merge --rank`: this process's share of the output files, `(rank, world size)`, from
@@ -319,6 +336,7 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
         format: ckpt_reshard::OutputFormat::from_name(&a.format)
             .ok_or_else(|| Usage(format!("--format `{}`", a.format)))?,
         computations: a.compute.computations(),
+        orbax_item: a.orbax.item_for(&a.format)?,
     };
     if req.format == ckpt_reshard::OutputFormat::DeepSpeed && !a.plan {
         let t = Instant::now();

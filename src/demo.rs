@@ -177,6 +177,7 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
             shard: Vec::new(),
             compression: None,
             computations: Default::default(),
+            orbax_item: None,
         },
         &|_| {},
         &|_, _| {},

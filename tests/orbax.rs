@@ -203,6 +203,12 @@ fn verify_and_reshard_read_orbax_too() {
         let p = fixture(dir);
         let o = d.ok(&["verify", p.to_str().unwrap()]);
         assert!(!o.stdout.contains("problem"), "{dir}: {}", o.stdout);
+        // Every chunk decoded (orbax records no checksum of its own for the data).
+        assert!(
+            o.stdout.contains("encoded chunks decoded"),
+            "{dir}: {}",
+            o.stdout
+        );
     }
     let root = fixture("ocdbt_zarr3/ckpt");
     d.ok(&["reshard", root.to_str().unwrap(), "--to", "2", "-o", "r"]);
@@ -293,6 +299,72 @@ fn a_damaged_chunk_is_named_and_nothing_is_written() {
         o.stderr
     );
     assert_nothing_written(&d, &["in"]);
+}
+
+/// `verify` decodes every chunk (orbax records no checksum of the data: its zstd
+/// frames have no content checksum, its zarr v3 arrays no `crc32c` codec): a chunk
+/// whose frame no longer decodes is named (array, chunk key, file) with exit 1, while
+/// `inspect` and `verify --fast` (metadata only) still open the item.
+#[test]
+fn verify_decodes_every_chunk_and_names_a_damaged_one() {
+    // A zarr v2 chunk file (no OCDBT): a byte of its compressed block (the literals'
+    // Huffman description) flipped.
+    let d = Dir::new();
+    copy_dir(&fixture("zarr_no_ocdbt/ckpt"), &d.path("in"));
+    let chunk = d.path("in/params.layer1.w_big/1.0");
+    let mut b = std::fs::read(&chunk).unwrap();
+    b[12] ^= 0xff;
+    std::fs::write(&chunk, &b).unwrap();
+    let o = d.fails(&["verify", "in"]);
+    assert!(
+        o.stdout.contains("tensor `params.layer1.w_big`")
+            && o.stdout.contains("zarr key `params.layer1.w_big/1.0`")
+            && o.stdout.contains("in/params.layer1.w_big/1.0")
+            && o.stdout.contains("zstd")
+            && !o.stdout.contains("ok:"),
+        "{}",
+        o.stdout
+    );
+    let o = d.fails(&["verify", "in", "--json"]);
+    let doc: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(doc["ok"], false, "{}", o.stdout);
+    assert_eq!(doc["problems"].as_array().unwrap().len(), 1, "{}", o.stdout);
+    d.ok(&["inspect", "in"]);
+    let o = d.ok(&["verify", "--fast", "in"]);
+    assert!(!o.stdout.contains("decoded"), "{}", o.stdout);
+
+    // A zarr v3 shard stored out of line in the OCDBT data files: its zstd frame's
+    // block damaged (the shard index and its CRC-32C intact).
+    let d = Dir::new();
+    copy_dir(&fixture("ocdbt_zarr3/ckpt"), &d.path("in"));
+    let db = ckpt_ocdbt::Database::open(&d.path("in/2/items")).unwrap();
+    let ckpt_ocdbt::Value::Stored {
+        path,
+        offset,
+        len: _,
+    } = db.find(b"params.layer1.w_big/c/2/0").unwrap().unwrap()
+    else {
+        panic!("w_big's chunks are stored out of line");
+    };
+    let mut b = std::fs::read(&path).unwrap();
+    b[offset as usize + 12] ^= 0xff;
+    std::fs::write(&path, &b).unwrap();
+    let o = d.fails(&["verify", "in"]);
+    let data_file = path.file_name().unwrap().to_str().unwrap();
+    assert!(
+        o.stdout.contains("tensor `params.layer1.w_big`")
+            && o.stdout
+                .contains("zarr key `params.layer1.w_big/c/2/0, inner chunk [0, 0]`")
+            && o.stdout.contains("compressed chunk 2 ")
+            && o.stdout.contains(data_file)
+            && o.stdout.contains("zstd"),
+        "{}",
+        o.stdout
+    );
+    d.ok(&["inspect", "in"]);
+    // Step 1's chunks are intact: verified clean, every one decoded.
+    let o = d.ok(&["verify", "in", "--step", "1"]);
+    assert!(o.stdout.contains("encoded chunks decoded"), "{}", o.stdout);
 }
 
 #[test]
@@ -807,6 +879,79 @@ fn reshard_to_orbax_writes_each_device_box_as_a_chunk_and_back_is_the_identity()
         let read = |o: &str| std::fs::read(d.path(o).join("default").join(f)).unwrap();
         assert!(read("t1") == read("t4"), "{f}");
     }
+}
+
+/// `reshard --format orbax --orbax-item NAME`: the item directory named so, read back
+/// byte for byte; the flag with another format, or another item for MaxText's, is a
+/// usage error that writes nothing.
+#[test]
+fn reshard_to_orbax_writes_the_item_orbax_item_names() {
+    let d = Dir::new();
+    sharded_source(&d);
+    d.ok(&[
+        "reshard",
+        "A",
+        "--format",
+        "orbax",
+        "--orbax-item",
+        "params",
+        "--to",
+        "2",
+        "-o",
+        "P",
+    ]);
+    for f in [
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "params/_METADATA",
+        "params/_sharding",
+        "params/commit_success.txt",
+        "params/manifest.ocdbt",
+    ] {
+        assert!(d.path("P").join(f).is_file(), "no {f}");
+    }
+    assert!(!d.path("P/default").exists(), "an item `default` too");
+    d.ok(&["merge", "P", "-o", "back"]);
+    assert_eq!(
+        tensors(&d.path("back/model.safetensors")),
+        tensors(&d.path("src.safetensors"))
+    );
+    d.ok(&["merge", "P/params", "-o", "back_item"]);
+    assert_eq!(
+        tensors(&d.path("back_item/model.safetensors")),
+        tensors(&d.path("src.safetensors"))
+    );
+    let keep = ["src.safetensors", "a.json", "A", "P", "back", "back_item"];
+    for args in [
+        &["--orbax-item", "params"][..],
+        &["--format", "distcp", "--orbax-item", "params"],
+        &["--format", "maxtext", "--orbax-item", "params"],
+    ] {
+        let mut all = vec!["reshard", "A", "--to", "2", "-o", "out"];
+        all.extend_from_slice(args);
+        let o = d.ckpt(&all);
+        assert_eq!(o.code, 2, "{args:?}: {}", o.stderr);
+        assert!(o.stderr.contains("--orbax-item"), "{args:?}: {}", o.stderr);
+        assert_nothing_written(&d, &keep);
+    }
+    let o = d.fails(&[
+        "reshard",
+        "A",
+        "--format",
+        "orbax",
+        "--orbax-item",
+        "_CHECKPOINT_METADATA",
+        "--to",
+        "2",
+        "-o",
+        "out",
+    ]);
+    assert!(
+        o.stderr.contains("--orbax-item `_CHECKPOINT_METADATA`"),
+        "{}",
+        o.stderr
+    );
+    assert_nothing_written(&d, &keep);
 }
 
 /// A layout JAX cannot shard (a split that does not divide its dimension; blocked

@@ -25,7 +25,7 @@ mod mindspore;
 mod open;
 mod sliced;
 
-pub(crate) use maxtext_view::MAXTEXT_ITEM;
+pub use maxtext_view::MAXTEXT_ITEM;
 
 use crate::error::Error;
 use crate::formats::TensorFile;

@@ -899,6 +899,24 @@ impl TensorFile {
         self.compare_checksum(index, want, got)
     }
 
+    /// Decodes tensor `index` whole where it is stored encoded (a compressed or chunked
+    /// format's [`Decoder`]), dropping the bytes: the decoder checks whatever the
+    /// encoding itself records (a zarr `crc32c` codec, a zstd frame's checksum, that
+    /// the frame decodes to the tensor's length), so that `verify` reads every stored
+    /// chunk of a format that keeps no checksum of its own for ckpt to compare.
+    /// `Ok(false)` when the tensor is stored raw (nothing to decode).
+    ///
+    /// # Errors
+    /// The decoder's, naming the file, the tensor and the chunk.
+    pub fn check_decodes(&self, index: usize) -> Result<bool> {
+        match &self.chunked {
+            Some(c) => c
+                .checksum(&self.path, &self.tensors[index].name, index)
+                .map(|_| true),
+            None => Ok(false),
+        }
+    }
+
     /// Checks tensor `index`'s recorded checksum against `got`, the checksum of its
     /// bytes as the copy read them; `Ok(false)` when none is recorded.
     ///

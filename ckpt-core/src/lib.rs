@@ -61,6 +61,7 @@ pub fn output_at(path: &std::path::Path, force: bool) -> Result<Output> {
     }
     Ok(out)
 }
+pub use crate::checkpoint::MAXTEXT_ITEM;
 pub use crate::fault::{bus_error_message, remove_registered_temporaries};
 pub use crate::formats::checksum::{
     checksums_enabled, set_checksums_enabled, with_checksums, Checksum, CHECKSUMS_KEY,

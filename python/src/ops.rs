@@ -277,6 +277,7 @@ pub(crate) fn reshard<'py>(
             lora_alpha,
             quantize_fp8: false,
         },
+        orbax_item: None,
     };
     if format == ckpt_reshard::OutputFormat::DeepSpeed {
         // DeepSpeed's optimizer files are re-cut by their writer, not planned as copies.

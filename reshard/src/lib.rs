@@ -177,6 +177,9 @@ pub struct ReshardRequest {
     /// What is computed on the way: LoRA adapters merged (and FP8 dequantization,
     /// which `selection`'s cast asks for).
     pub computations: Computations,
+    /// `--format orbax`: the item directory's name in the step (`None`: orbax's
+    /// `default`); `--format maxtext` writes MaxText's `items`.
+    pub orbax_item: Option<String>,
 }
 
 /// The dimension a tensor's pieces divide, for sources that record pieces but no
@@ -373,7 +376,11 @@ fn writer(req: &ReshardRequest, source: &mut Checkpoint) -> Result<Box<dyn Write
             options,
             &req.output,
         )?),
-        OutputFormat::Orbax => Box::new(OrbaxStep::sharded(strategy(source)?, options)?),
+        OutputFormat::Orbax => Box::new(OrbaxStep::sharded(
+            strategy(source)?,
+            options,
+            req.orbax_item.clone(),
+        )?),
         OutputFormat::MaxText => Box::new(OrbaxStep::maxtext(source, req, options)?),
         OutputFormat::DeepSpeed => {
             return Err(Error::Unsupported {

@@ -455,6 +455,7 @@ fn resume_from_a_resharded_dcp_checkpoint() {
         shard: Vec::new(),
         compression: None,
         computations: Default::default(),
+        orbax_item: None,
     };
     ckpt_reshard::reshard(&req, &|_| {}, &|_, _| {}).unwrap();
     std::fs::remove_file(dcp.join("strategy.json")).ok();

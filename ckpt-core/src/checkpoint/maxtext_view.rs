@@ -29,7 +29,7 @@ pub(crate) const MAXTEXT_PREFIX: &str = "params.params.";
 /// The tensor a MaxText checkpoint always has, by which it is told apart.
 const MAXTEXT_EMBEDDING: &str = "params.params.token_embedder.embedding";
 /// The item MaxText saves its TrainState as (`save_checkpoint`'s `{"items": state}`).
-pub(crate) const MAXTEXT_ITEM: &str = "items";
+pub const MAXTEXT_ITEM: &str = "items";
 
 fn invalid(tensor: &str, problem: String) -> Error {
     Error::InvalidTensor {

@@ -11,7 +11,8 @@ use std::path::PathBuf;
 /// How much [`verify`] reads.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct VerifyDepth {
-    /// Hash every tensor that has a recorded checksum and compare (reads all data).
+    /// Hash every tensor that has a recorded checksum and compare, and decode every
+    /// tensor stored encoded that has none (reads all data).
     pub checksums: bool,
     /// Compare every kept copy of replicated data with its owner's, byte for byte.
     pub deep: bool,
@@ -20,7 +21,9 @@ pub struct VerifyDepth {
 /// Checks a checkpoint: headers sane, rank files present and agreeing on the strategy,
 /// shapes as the strategy says, every element owned exactly once, recorded checksums
 /// of replicated copies equal to their owners'. With `depth.checksums`, also hashes
-/// every tensor that has a checksum; with `depth.deep`, compares every kept copy of
+/// every tensor that has a checksum and decodes every tensor stored encoded that has
+/// none ([`TensorFile::check_decodes`]: an Orbax chunk's zstd frame and CRC-32C);
+/// with `depth.deep`, compares every kept copy of
 /// replicated data with its owner's, byte for byte.
 /// Returns the problems found (empty when clean).
 ///
@@ -57,9 +60,17 @@ pub fn verify_selected(
             .enumerate()
             .flat_map(|(fi, f)| (0..f.tensors().len()).map(move |ti| (fi, ti)))
             .collect();
+        // A tensor with no recorded checksum but stored encoded is decoded whole: the
+        // checks its encoding carries are all there is to read.
         let mut bad: Vec<Error> = all
             .par_iter()
-            .filter_map(|&(fi, ti)| ck.files[fi].check_checksum(ti).err())
+            .filter_map(|&(fi, ti)| {
+                let f = &ck.files[fi];
+                match f.check_checksum(ti) {
+                    Ok(false) => f.check_decodes(ti).err(),
+                    r => r.err(),
+                }
+            })
             .collect();
         problems.append(&mut bad);
         let mut bad: Vec<Error> = ck

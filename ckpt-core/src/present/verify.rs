@@ -41,9 +41,25 @@ pub fn verify_text(ck: &Checkpoint, problems: &[Error], depth: VerifyDepth) -> S
             (n, k, true) => format!(", {n} checksums and {k} file checksums (crc_num) match"),
             (_, _, false) => ", checksums not read (--fast)".to_string(),
         };
+        // Pieces stored encoded with no checksum of their own: decoded whole.
+        let decoded: usize = ck
+            .files
+            .iter()
+            .filter(|f| f.is_compressed())
+            .map(|f| {
+                (0..f.tensors().len())
+                    .filter(|&i| f.checksum(i).is_none())
+                    .count()
+            })
+            .sum();
+        let decoded = if depth.checksums && decoded > 0 {
+            format!(", {decoded} encoded chunks decoded")
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             out,
-            "ok: {} file(s), {} tensors, every element owned exactly once{sums}{}",
+            "ok: {} file(s), {} tensors, every element owned exactly once{sums}{decoded}{}",
             ck.files.len(),
             ck.tensors.len(),
             if depth.deep {

@@ -183,6 +183,25 @@ fn chunk_boxes(
     Ok(boxes.into_iter().collect())
 }
 
+/// The item directory's name: `item` ([`ORBAX_DEFAULT_ITEM`] when `None`), refused
+/// where it is no directory name of its own in the step.
+fn item_dir_name(item: Option<String>) -> Result<String> {
+    let item = item.unwrap_or_else(|| ORBAX_DEFAULT_ITEM.to_string());
+    if item.is_empty()
+        || item == "."
+        || item == ".."
+        || item.contains('/')
+        || item.contains('\0')
+        || item == CHECKPOINT_METADATA
+        || item == COMMIT_FILE
+    {
+        return Err(Error::Unsupported {
+            problem: format!("--orbax-item `{item}` is not a name for an item directory"),
+        });
+    }
+    Ok(item)
+}
+
 fn now_ns() -> u128 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -219,33 +238,24 @@ impl OrbaxStep {
         if one_file {
             return refuse("--one-file");
         }
-        let item = item.unwrap_or_else(|| ORBAX_DEFAULT_ITEM.to_string());
-        if item.is_empty()
-            || item == "."
-            || item == ".."
-            || item.contains('/')
-            || item.contains('\0')
-            || item == CHECKPOINT_METADATA
-            || item == COMMIT_FILE
-        {
-            return Err(Error::Unsupported {
-                problem: format!("--orbax-item `{item}` is not a name for an item directory"),
-            });
-        }
         Ok(OrbaxStep {
-            item,
+            item: item_dir_name(item)?,
             started_ns: now_ns(),
             strategy: None,
         })
     }
 
     /// `reshard`'s writer: the arrays sharded as `strategy` lays them out on its mesh
-    /// (see the module's doc), in the item `default`.
+    /// (see the module's doc), in the item `item` ([`ORBAX_DEFAULT_ITEM`] when `None`).
     ///
     /// # Errors
     /// A compression, or some target ranks only (`--rank`): the step is one database
-    /// for all devices.
-    pub fn sharded(strategy: Strategy, options: RankOptions) -> Result<OrbaxStep> {
+    /// for all devices; an item name [`OrbaxStep::checked`] refuses.
+    pub fn sharded(
+        strategy: Strategy,
+        options: RankOptions,
+        item: Option<String>,
+    ) -> Result<OrbaxStep> {
         let refuse = |what: &str| {
             Err(Error::Unsupported {
                 problem: format!(
@@ -260,7 +270,7 @@ impl OrbaxStep {
             return refuse("--rank");
         }
         Ok(OrbaxStep {
-            item: ORBAX_DEFAULT_ITEM.to_string(),
+            item: item_dir_name(item)?,
             started_ns: now_ns(),
             strategy: Some(strategy),
         })
@@ -283,7 +293,7 @@ impl OrbaxStep {
         source.maxtext_import(&crate::checkpoint::HfTarget::default())?;
         Ok(OrbaxStep {
             item: crate::checkpoint::MAXTEXT_ITEM.to_string(),
-            ..OrbaxStep::sharded(target.strategy(source, None)?, options)?
+            ..OrbaxStep::sharded(target.strategy(source, None)?, options, None)?
         })
     }
 
