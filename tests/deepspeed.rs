@@ -89,6 +89,11 @@ fn the_tag_directory_and_latest_are_both_accepted() {
     // Inspect says what the records are, without failing on them.
     let o = d.ok(&["inspect", &fx("zero3_bf16/ckpt")]);
     assert!(o.stdout.contains("fc2.weight"), "{}", o.stdout);
+    assert!(
+        o.stdout.starts_with("DeepSpeed ZeRO checkpoint, "),
+        "{}",
+        o.stdout
+    );
 }
 
 #[test]

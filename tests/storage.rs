@@ -481,6 +481,39 @@ fn bucket_failures_are_named() {
         o.stdout,
         o.stderr
     );
+    // A Megatron rank file whose storage's zip local header is damaged: from a
+    // bucket the header is read when the copy reaches the tensor (not at open), and
+    // named then, with the tensor, nothing written; verify names it too.
+    let legacy = d.path("legacy");
+    std::fs::create_dir_all(&legacy).unwrap();
+    for (name, bytes) in tree(&fixture("megatron/tp2pp2/legacy")) {
+        std::fs::create_dir_all(legacy.join(&name).parent().unwrap()).unwrap();
+        std::fs::write(legacy.join(name), bytes).unwrap();
+    }
+    crate::megatron::damage_local_header(
+        &legacy.join("iter_0000001/mp_rank_01_001/model_optim_rng.pt"),
+        "/data/10",
+    );
+    s.s3(&[
+        "put",
+        legacy.to_str().unwrap(),
+        "s3://ckpt-test/damaged-megatron",
+    ]);
+    for cmd in [
+        &["merge", "s3://ckpt-test/damaged-megatron", "-o", "out"][..],
+        &["verify", "s3://ckpt-test/damaged-megatron"],
+    ] {
+        let o = s.ckpt(&d, cmd, &[("CKPT_SMALL_OBJECT_BYTES", "512")]);
+        assert_eq!(o.code, 1, "{cmd:?}: {}", o.stderr);
+        let said = format!("{}{}", o.stdout, o.stderr);
+        assert!(
+            said.contains("mp_rank_01_001/model_optim_rng.pt")
+                && said.contains("tensor `decoder.layers.2.mlp.linear_fc2.weight`")
+                && said.contains("/data/10`: no local header at byte"),
+            "{cmd:?}: {said}"
+        );
+    }
+    assert!(!d.path("out").exists());
     // An http(s) URL is read-only.
     let o = s.ckpt(&d, &["merge", "src", "-o", "https://example.com/x"], &[]);
     assert_eq!(o.code, 1, "{}", o.stderr);

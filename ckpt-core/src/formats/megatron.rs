@@ -956,8 +956,8 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
     })
 }
 
-/// A rank's file mapped, and its pickle parsed (the storages' local headers are read
-/// when their tensors are: [`Deferred`]).
+/// A rank's file mapped, and its pickle parsed (from a store, the storages' local
+/// headers are read when their tensors are: [`Deferred`]).
 struct RankFile {
     path: PathBuf,
     map: Option<Mapped>,
@@ -968,7 +968,7 @@ impl RankFile {
     fn open(path: &Path) -> Result<RankFile> {
         let map = map_file(path)?;
         let all: &[u8] = map.as_deref().unwrap_or(&[]);
-        let obj = Archive::open_deferred(all)
+        let obj = Archive::open_for(all, map.as_ref())
             .and_then(|a| a.object())
             .map_err(|e| e.with_path(path))?;
         Ok(RankFile {
@@ -1010,7 +1010,7 @@ fn read_rank(
     let file = file.as_path();
     let all: &[u8] = map.as_deref().unwrap_or(&[]);
     let at = |e: Error| e.with_path(file);
-    let archive = Archive::open_deferred(all).map_err(at)?;
+    let archive = Archive::open_for(all, map.as_ref()).map_err(at)?;
     let mut names = Vec::new();
     obj.globals(&mut names);
     if let Some((m, n)) = names.into_iter().find(|(m, n)| !allowed(m, n)) {

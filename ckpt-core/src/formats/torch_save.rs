@@ -112,12 +112,12 @@ fn bad(problem: impl Into<String>) -> Error {
     }
 }
 
-/// Reads a mapped `torch.save` archive; its storages are located when first read
-/// ([`Deferred`]).
+/// Reads a mapped `torch.save` archive; from a store, its storages are located when
+/// first read ([`Deferred`]).
 pub(crate) fn read(path: &Path, map: Option<Mapped>) -> Result<TensorFile> {
     let all: &[u8] = map.as_deref().unwrap_or(&[]);
     let at = |e: Error| e.with_path(path);
-    let archive = Archive::open_deferred(all).map_err(at)?;
+    let archive = Archive::open_for(all, map.as_ref()).map_err(at)?;
     let obj = archive.object().map_err(at)?;
     check_globals(&obj).map_err(at)?;
     let (found, non_tensor) = archive.found(obj, String::new()).map_err(at)?;
@@ -562,6 +562,17 @@ impl<'a> Archive<'a> {
             }
         }
         Ok(archive)
+    }
+
+    /// [`Archive::open_deferred`] for an object of a store, whose local headers the copy
+    /// reaches with its data; [`Archive::open`] for a local file (every header checked
+    /// at open, as `inspect` shows it).
+    pub(crate) fn open_for(all: &'a [u8], map: Option<&Mapped>) -> Result<Archive<'a>> {
+        if map.is_some_and(Mapped::is_remote) {
+            Archive::open_deferred(all)
+        } else {
+            Archive::open(all)
+        }
     }
 
     /// Reads the zip directory of a mapped file (at its end) and the pickle's local

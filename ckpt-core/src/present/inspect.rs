@@ -86,6 +86,11 @@ pub fn inspect_text(ck: &Checkpoint, problems: &[Error]) -> String {
             "per-rank torch.save (DTensor)"
         }
         Kind::Dcp if ck.files.iter().all(|f| f.format() == FileFormat::Orbax) => "Orbax",
+        // DeepSpeed's partitions are flat pieces placed as DCP's boxes are (its model
+        // states beside them plain torch.save files): said as what they are.
+        Kind::Dcp if ck.files.iter().any(|f| f.format() == FileFormat::DeepSpeed) => {
+            "DeepSpeed ZeRO"
+        }
         Kind::Dcp => "PyTorch DCP",
     };
     // (Writing to a String cannot fail.)
