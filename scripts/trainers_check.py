@@ -29,12 +29,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 LLAMA_CONFIG = FIXTURES / "hf_models" / "llama" / "config.json"
 MIXTRAL_CONFIG = FIXTURES / "moe" / "hf" / "mixtral" / "hf" / "config.json"
+QWEN3_MOE_CONFIG = FIXTURES / "moe" / "hf" / "qwen3_moe" / "hf" / "config.json"
 TOLERANCE = 1e-4
 
 # (fixture, the trainer's output directory, the config where the trainer keeps none)
 CASES = [
     ("hf_trainer_fsdp", "trainer_out", LLAMA_CONFIG),
     ("hf_trainer_fsdp_moe", "trainer_out", MIXTRAL_CONFIG),  # transformers' fused experts in the DCP
+    ("hf_trainer_fsdp_qwen3_moe", "trainer_out", QWEN3_MOE_CONFIG),
     ("hf_trainer_plain", "trainer_out", None),
     ("lightning_fsdp", "lightning_out", LLAMA_CONFIG),
     ("lightning_deepspeed", "lightning_out", LLAMA_CONFIG),  # DeepSpeed's ZeRO-2 save in the step

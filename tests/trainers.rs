@@ -281,8 +281,9 @@ struct TrainerCase {
 
 const LLAMA_CONFIG: &str = "../../hf_models/llama/config.json";
 const MIXTRAL_CONFIG: &str = "../../moe/hf/mixtral/hf/config.json";
+const QWEN3_MOE_CONFIG: &str = "../../moe/hf/qwen3_moe/hf/config.json";
 
-const TRAINER_CASES: [TrainerCase; 9] = [
+const TRAINER_CASES: [TrainerCase; 10] = [
     TrainerCase {
         trainer: "Hugging Face Trainer + accelerate FSDP2 (SHARDED_STATE_DICT)",
         versions: "transformers 5.25.0, accelerate 1.16.0, torch 2.15.0",
@@ -302,6 +303,18 @@ const TRAINER_CASES: [TrainerCase; 9] = [
         output: "trainer_out",
         step: "checkpoint-2",
         config: Some(MIXTRAL_CONFIG),
+        expected: "expected.safetensors",
+        anchor: "accelerate's `merge_fsdp_weights`, written by `save_pretrained` (per-expert names)",
+        plain_refused: None,
+        import_back: "none needed: the Trainer starts from the Hugging Face model (`from_pretrained`)",
+    },
+    TrainerCase {
+        trainer: "Hugging Face Trainer + accelerate FSDP2, a mixture of experts (Qwen3-MoE; transformers' fused experts)",
+        versions: "transformers 5.25.0, accelerate 1.16.0, torch 2.15.0",
+        fixture: "hf_trainer_fsdp_qwen3_moe",
+        output: "trainer_out",
+        step: "checkpoint-2",
+        config: Some(QWEN3_MOE_CONFIG),
         expected: "expected.safetensors",
         anchor: "accelerate's `merge_fsdp_weights`, written by `save_pretrained` (per-expert names)",
         plain_refused: None,
