@@ -549,15 +549,26 @@ impl<'a> Archive<'a> {
     /// Reads the zip directory of a mapped file and every entry's local header.
     pub(crate) fn open(all: &'a [u8]) -> Result<Archive<'a>> {
         let mut archive = Archive::open_deferred(all)?;
-        for (name, s) in &mut archive.entries {
+        // In the file's order, so that the first damaged header named is the same
+        // on every run.
+        let mut entries: Vec<(&String, &mut Stored)> = archive.entries.iter_mut().collect();
+        entries.sort_by_key(|(_, s)| s.header);
+        for (name, s) in entries {
             if s.start.is_none() {
-                s.start = Some(local_data_start(all, name, s.header, s.span_end, s.len)?);
+                let start = local_data_start(all, name, s.header, s.span_end, s.len)?;
+                s.start = Some(start);
                 // Reading the local header mapped its pages (in a file mapping, maybe
                 // a whole 2 MiB folio): dropped again, so that opening an archive of
                 // many entries does not hold them all.
                 let at = usize::try_from(s.header).unwrap_or(usize::MAX);
-                if at < all.len() {
-                    crate::fault::forget_mapped(all.as_ptr() as usize + at, 30.min(all.len() - at));
+                if let Some(len) = usize::try_from(start - s.header)
+                    .ok()
+                    .filter(|_| at < all.len())
+                {
+                    crate::fault::forget_mapped(
+                        all.as_ptr() as usize + at,
+                        len.min(all.len() - at),
+                    );
                 }
             }
         }
