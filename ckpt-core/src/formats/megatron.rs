@@ -36,7 +36,7 @@ pub(crate) use rng::RankRng;
 
 use super::distcp::{ChunkPart, DcpChunk, DcpMetadata, DcpTensor};
 use super::pickle::Value;
-use super::torch_save::{Archive, Deferred};
+use super::torch_save::{Archive, ArchiveIndex, Deferred};
 use super::{map_file, open_abreast, FileFormat, Mapped, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, Result};
 use crate::layout::flat::FlatRange;
@@ -961,6 +961,8 @@ pub(crate) fn open(path: &Path, rules: &SplitRules) -> Result<Legacy> {
 struct RankFile {
     path: PathBuf,
     map: Option<Mapped>,
+    /// Where its storages lie (read once, with the pickle).
+    index: ArchiveIndex,
     obj: Value,
 }
 
@@ -968,12 +970,13 @@ impl RankFile {
     fn open(path: &Path) -> Result<RankFile> {
         let map = map_file(path)?;
         let all: &[u8] = map.as_deref().unwrap_or(&[]);
-        let obj = Archive::open_for(all, map.as_ref())
-            .and_then(|a| a.object())
-            .map_err(|e| e.with_path(path))?;
+        let archive = Archive::open_for(all, map.as_ref()).map_err(|e| e.with_path(path))?;
+        let obj = archive.object().map_err(|e| e.with_path(path))?;
+        let index = archive.into_index();
         Ok(RankFile {
             path: path.to_path_buf(),
             map,
+            index,
             obj,
         })
     }
@@ -1005,12 +1008,11 @@ fn read_rank(
     let RankFile {
         path: file,
         map,
+        index: archive,
         obj,
     } = rank_file;
     let file = file.as_path();
-    let all: &[u8] = map.as_deref().unwrap_or(&[]);
     let at = |e: Error| e.with_path(file);
-    let archive = Archive::open_for(all, map.as_ref()).map_err(at)?;
     let mut names = Vec::new();
     obj.globals(&mut names);
     if let Some((m, n)) = names.into_iter().find(|(m, n)| !allowed(m, n)) {

@@ -248,6 +248,21 @@ pub(crate) struct ArchiveIndex {
 }
 
 impl ArchiveIndex {
+    /// The tensors anywhere in `obj` (a part of [`Archive::object`]), named by their
+    /// path under `path`, located in the file (or, where the storage's local header is
+    /// not read yet, to be located when read: [`Deferred`]); and the paths of the plain values
+    /// (numbers, strings, `None`) met on the way.
+    pub(crate) fn tensors(&self, obj: Value, path: String) -> Result<(Vec<Located>, Vec<String>)> {
+        let mut found = Vec::new();
+        let mut non_tensor = Vec::new();
+        walk(obj, path, &mut found, &mut non_tensor)?;
+        let mut tensors = Vec::with_capacity(found.len());
+        for t in found {
+            tensors.push(locate_deferred(&t, &self.dir, &self.entries)?);
+        }
+        Ok((tensors, non_tensor))
+    }
+
     /// The byte range `(start, len)` of storage `key` (`data/<key>`) in the archive,
     /// when it is there and stored uncompressed.
     pub(crate) fn storage(&self, key: &str) -> Option<(u64, u64)> {
@@ -264,13 +279,7 @@ pub(crate) fn open_archive(all: &[u8]) -> Result<(ArchiveIndex, Value)> {
     let archive = Archive::open(all)?;
     let obj = archive.object()?;
     check_globals(&obj)?;
-    Ok((
-        ArchiveIndex {
-            dir: archive.dir,
-            entries: archive.entries,
-        },
-        obj,
-    ))
+    Ok((archive.into_index(), obj))
 }
 
 /// Where the bytes of the tensor `v` lie in the archive, as an entry named `name`.
@@ -665,6 +674,14 @@ impl<'a> Archive<'a> {
         unpickle(slice(self.all, start, pkl.len, &self.pkl_name)?)
     }
 
+    /// The index of storages, owned (kept beside the mapping it was read from).
+    pub(crate) fn into_index(self) -> ArchiveIndex {
+        ArchiveIndex {
+            dir: self.dir,
+            entries: self.entries,
+        }
+    }
+
     /// Where entry `name`'s data starts: known, or read from its local header now.
     fn data_start(&self, name: &str, s: &Stored) -> Result<u64> {
         match s.start {
@@ -686,19 +703,6 @@ impl<'a> Archive<'a> {
                 "storage `{key}` is referred to but `{name}` is missing"
             ))),
         }
-    }
-
-    /// The tensors anywhere in `obj` (a part of [`Archive::object`]), named by their
-    /// path under `path`, located in the file (or, where the storage's local header is
-    /// not read yet, to be located when read: [`Deferred`]); and the paths of the plain values
-    /// (numbers, strings, `None`) met on the way.
-    pub(crate) fn tensors(&self, obj: Value, path: String) -> Result<(Vec<Located>, Vec<String>)> {
-        let (found, non_tensor) = self.found(obj, path)?;
-        let mut tensors = Vec::with_capacity(found.len());
-        for t in found {
-            tensors.push(locate_deferred(&t, &self.dir, &self.entries)?);
-        }
-        Ok((tensors, non_tensor))
     }
 
     /// The tensors anywhere in `obj`, named by their path under `path`, not located
