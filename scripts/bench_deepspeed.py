@@ -15,6 +15,9 @@ with `engine.save_checkpoint`, then times
     (zero_to_fp32's own API writing the same safetensors output),
 checks that both outputs hold the same bytes, and prints one line per stage.
 
+With `--modes save` it only trains, saves and keeps `WORK/zero<stage>` (`--work WORK`):
+the DeepSpeed source of `scripts/s3_bench.sh`'s `deepspeed` layout.
+
 With `--modes ucp` (or `merge ucp`, the default) it also times, on the same checkpoint,
   - `ckpt merge <ckpt> --format ucp -o <out>` (DeepSpeed's universal checkpoint), and
   - `python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state` with its
@@ -135,7 +138,9 @@ def main():
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--ckpt", default="target/release/ckpt")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
-    ap.add_argument("--modes", nargs="+", default=["merge", "ucp"], choices=["merge", "ucp"])
+    ap.add_argument("--modes", nargs="+", default=["merge", "ucp"], choices=["merge", "ucp", "save"],
+                    help="save: only train and keep WORK/zero<stage> (the source of scripts/s3_bench.sh's "
+                    "deepspeed layout)")
     a = ap.parse_args()
     layers = max(1, a.mb // 16)
     work = a.work or tempfile.mkdtemp(prefix="bench-ds-")
@@ -154,6 +159,9 @@ def main():
             raise SystemExit(f"DeepSpeed training failed (stage {stage})")
         subprocess.run(["sync"])
         size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(ck) for f in fs)
+        if "save" in a.modes:
+            print(f"ZeRO-{stage}: {ck} ({size / 2**20:.0f} MiB) kept", flush=True)
+            continue
         if "ucp" in a.modes:
             bench_ucp(a, ck, stage, size, work)
         if "merge" not in a.modes:
@@ -184,7 +192,7 @@ def main():
             f"zero_to_fp32 {t_ds:.2f} s, peak RSS {rss_ds:.0f} MiB; speedup {t_ds / t_ckpt:.1f}x; same bytes: {same}",
             flush=True,
         )
-    if not a.work:
+    if not a.work and "save" not in a.modes:
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -7,7 +7,8 @@
 #   - the same merge from local files, against `cat` of them (the local path's speed).
 #   - with LAYOUTS (e.g. LAYOUTS="distcp dcp-safetensors ckpt hf megatron megatron-dist"),
 #     instead: the merge bucket → disk of the same model kept in each layout a user
-#     keeps in a bucket, against `s5cmd cp` of its objects, one row per layout.
+#     keeps in a bucket, against `s5cmd cp` of its objects, one row per layout
+#     (`deepspeed` too, with DEEPSPEED_SRC a checkpoint DeepSpeed saved: below).
 # Peak RSS of each ckpt run from /usr/bin/time. Usage:
 #   [ROUNDS=3] [LAYOUTS=...] scripts/s3_bench.sh [CKPT] [SIZE_MB]   (CKPT: target/release/ckpt)
 # Needs a Python with moto[server] and s5cmd (PYTHON, default python3):
@@ -75,6 +76,10 @@ PY
       hf) "$ckpt" merge src --max-shard-size 128MB -o lay -q ;;
       ckpt|distcp|dcp-safetensors) "$ckpt" reshard src --to 8 --shard '*=0' --format "$layout" -o lay -q ;;
       megatron|megatron-dist) "$ckpt" reshard src --format "$layout" --mesh tp=2,pp=2 -o lay -q ;;
+      # DeepSpeed's files cannot be made from the model above (a ZeRO partition is an
+      # optimizer's): a checkpoint DeepSpeed saved, e.g. `scripts/bench_deepspeed.py
+      # --mb 128 --stages 2 --modes save --work W` then DEEPSPEED_SRC=W/zero2.
+      deepspeed) cp -r "${DEEPSPEED_SRC:?deepspeed needs DEEPSPEED_SRC: a DeepSpeed checkpoint directory}" lay ;;
       *) echo "unknown layout $layout" >&2; exit 2 ;;
     esac
     s5 cp "lay/*" "s3://ckpt-bench/$layout/" >/dev/null

@@ -514,6 +514,39 @@ fn bucket_failures_are_named() {
         );
     }
     assert!(!d.path("out").exists());
+    // The same in DeepSpeed's files (its ranks' partitions are pieces of one storage
+    // each, located on first read like a whole tensor).
+    let zero2 = d.path("zero2");
+    for (name, bytes) in tree(&fixture("deepspeed/zero2_fp32/ckpt")) {
+        std::fs::create_dir_all(zero2.join(&name).parent().unwrap()).unwrap();
+        std::fs::write(zero2.join(name), bytes).unwrap();
+    }
+    crate::megatron::damage_local_header(
+        &zero2.join("global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        // (The rank's flat fp32 partition; `data/0` is the step count, which no
+        // tensor of the merge reads.)
+        "/data/1",
+    );
+    s.s3(&[
+        "put",
+        zero2.to_str().unwrap(),
+        "s3://ckpt-test/damaged-deepspeed",
+    ]);
+    let o = s.ckpt(
+        &d,
+        &["merge", "s3://ckpt-test/damaged-deepspeed", "-o", "out"],
+        &[("CKPT_SMALL_OBJECT_BYTES", "512")],
+    );
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+            && o.stderr.contains("tensor `")
+            && o.stderr.contains("/data/1`: no local header at byte"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("out").exists());
     // An http(s) URL is read-only.
     let o = s.ckpt(&d, &["merge", "src", "-o", "https://example.com/x"], &[]);
     assert_eq!(o.code, 1, "{}", o.stderr);
