@@ -133,7 +133,7 @@ fn local_shapes(m: &PtFile) -> Result<Vec<(String, Vec<u64>)>> {
                         format!("buffer `{name}` is named in `buffer_names` but not in `module`"),
                     )
                 })?;
-                out.push((name.clone(), m.tensor(t, name)?.shape.clone()));
+                out.push((name.clone(), m.tensor(t, name)?.shape));
             }
         }
     }

@@ -200,7 +200,6 @@ pub(crate) type Located = (TensorEntry, Option<Deferred>);
 /// through the file, and reading them at open would have a reader streaming the file
 /// from a store fetch the whole object twice (once for the headers, once for the
 /// copy), as every block it held for the headers was dropped again before the copy.
-#[derive(Clone, Debug)]
 pub(crate) struct Deferred {
     entry: String,
     header: u64,
@@ -212,16 +211,6 @@ pub(crate) struct Deferred {
 }
 
 impl Deferred {
-    /// The `len` bytes `by` bytes into this view (a reader's piece of a flat tensor:
-    /// DeepSpeed's partitions), located on first read as the view is.
-    pub(crate) fn within(&self, by: u64, len: u64) -> Deferred {
-        Deferred {
-            rel: self.rel.saturating_add(by),
-            len,
-            ..self.clone()
-        }
-    }
-
     /// Makes entry `index` of `f` located on first read.
     pub(crate) fn attach(self, f: &mut TensorFile, index: usize) {
         let span = (self.header, self.span_end);
@@ -297,44 +286,27 @@ pub(crate) fn open_archive(all: &[u8]) -> Result<(ArchiveIndex, Value)> {
 ///
 /// # Errors
 /// `v` is not a tensor (the message says what it is), or its storage is not in the
-/// archive or too short, or its local header was not read ([`Archive::open_deferred`]:
-/// [`locate_value_deferred`] is for such an archive).
+/// archive or too short.
 pub(crate) fn locate_value(archive: &ArchiveIndex, name: &str, v: &Value) -> Result<TensorEntry> {
-    located(locate_value_deferred(archive, name, v)?)
-}
-
-/// [`locate_value`] in an archive that may have been opened without its storages'
-/// local headers: the entry's start is then a placeholder, and the [`Deferred`] finds
-/// the bytes on first read.
-///
-/// # Errors
-/// As [`locate_value`], but for the local header.
-pub(crate) fn locate_value_deferred(
-    archive: &ArchiveIndex,
-    name: &str,
-    v: &Value,
-) -> Result<Located> {
     match v.call_of() {
         Some(((_, "_rebuild_tensor_v2"), args)) => {
             let t = tensor(name, args.clone())?;
-            locate_deferred(&t, &archive.dir, &archive.entries)
+            locate(&t, &archive.dir, &archive.entries)
         }
         Some(((_, "_rebuild_from_type_v2"), args)) => match from_type_inner(args) {
-            Some(inner) => locate_value_deferred(archive, name, &inner),
+            Some(inner) => locate_value(archive, name, &inner),
             None => Err(bad(format!(
                 "`{name}`: _rebuild_from_type_v2 without a tensor"
             ))),
         },
         Some(((_, "_rebuild_parameter"), args)) => match args.items().and_then(|a| a.first()) {
-            Some(inner) => locate_value_deferred(archive, name, inner),
+            Some(inner) => locate_value(archive, name, inner),
             None => Err(bad(format!(
                 "`{name}`: _rebuild_parameter without a tensor"
             ))),
         },
         _ => match v {
-            Value::Build { object, .. } if is_tensor(object) => {
-                locate_value_deferred(archive, name, object)
-            }
+            Value::Build { object, .. } if is_tensor(object) => locate_value(archive, name, object),
             _ => Err(Error::InvalidTensor {
                 tensor: name.to_string(),
                 problem: format!("expected a tensor, found {}", describe(v)),
@@ -1113,14 +1085,9 @@ fn tensor(path: &str, args: Value) -> Result<Found> {
 }
 
 fn locate(t: &Found, dir: &str, entries: &HashMap<String, Stored>) -> Result<TensorEntry> {
-    located(locate_deferred(t, dir, entries)?)
-}
-
-/// The entry of a tensor located at open; an error where its local header was not read.
-fn located((entry, deferred): Located) -> Result<TensorEntry> {
-    match deferred {
-        None => Ok(entry),
-        Some(d) => Err(bad(format!(
+    match locate_deferred(t, dir, entries)? {
+        (entry, None) => Ok(entry),
+        (_, Some(d)) => Err(bad(format!(
             "zip entry `{}`: its local header is not read",
             d.entry
         ))),

@@ -213,7 +213,7 @@ fn read_state(
             ))
         }
     };
-    let mut entry = f.tensor(v, name)?.into_located();
+    let mut entry = f.tensor(v, name)?;
     let n = numel(&entry.shape)?;
     if let Some(s) = declared {
         let want = numel(s)?;
