@@ -1,7 +1,7 @@
 """MaxText <-> Hugging Face, checked against the libraries (issue 48; not in CI).
 
-    python -P scripts/maxtext_check.py hf CKPT_BIN        (venv with torch, transformers, numpy)
-    python -P scripts/maxtext_check.py maxtext CKPT_BIN   (venv with jax, orbax-checkpoint)
+    python -P scripts/maxtext_check.py hf CKPT_BIN [unscanned]       (venv with torch, transformers, numpy)
+    python -P scripts/maxtext_check.py maxtext CKPT_BIN [unscanned]  (venv with jax, orbax-checkpoint)
 
 `hf`: `ckpt merge` of tests/fixtures/maxtext/ckpt (a MaxText step) with `--format hf`,
 loaded by transformers' AutoModelForCausalLM in fp32; its logits on the fixture's
@@ -15,6 +15,10 @@ beside it for the second half.
 (scripts/fixtures/maxtext_fixtures.py) runs on the restored `params/params` tree;
 its logits against transformers'.
 
+`unscanned`: the same with tests/fixtures/maxtext/unscanned (MaxText's unscanned
+tree, `scan_layers=False`: `decoder/layers_<l>/...`), written back with
+`--maxtext-scan-layers false`; work files under /tmp/maxtext_check_unscanned.
+
 Prints SKIPPED (exit 0) when a library is missing. Work files under /tmp/maxtext_check.
 """
 
@@ -26,8 +30,12 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FIX = os.path.join(ROOT, "tests", "fixtures", "maxtext")
+CONFIG = os.path.join(FIX, "config.json")
 WORK = "/tmp/maxtext_check"
 TOL = 1e-4
+# --format maxtext's extra arguments and the split of the sharded write (the heads
+# and the MLP): the scanned tree's layer axis is 1, the unscanned tree has none.
+WRITE = ["--shard", "*.query.kernel=2,*.key.kernel=2,*.mlp.wi_*=2,*.mlp.wo.kernel=0,*.out.kernel=0"]
 
 
 def run(*args):
@@ -49,7 +57,7 @@ def check_hf(ckpt):
     shutil.rmtree(WORK, ignore_errors=True)
     os.makedirs(WORK)
     hf = os.path.join(WORK, "hf")
-    run(ckpt, "merge", os.path.join(FIX, "ckpt"), "--format", "hf", "--hf-config", os.path.join(FIX, "config.json"), "-o", hf)
+    run(ckpt, "merge", os.path.join(FIX, "ckpt"), "--format", "hf", "--hf-config", CONFIG, "-o", hf)
     tokens = np.load(os.path.join(FIX, "tokens.npy"))
     ref = np.load(os.path.join(FIX, "logits.npy"))
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
@@ -62,10 +70,10 @@ def check_hf(ckpt):
         raise SystemExit(f"FAILED: above {TOL}")
     np.save(os.path.join(WORK, "hf_logits.npy"), logits)
     out = os.path.join(WORK, "maxtext")
-    run(ckpt, "reshard", hf, "--format", "maxtext", "--to", "2", "--shard", "*.query.kernel=2,*.key.kernel=2,*.mlp.wi_*=2,*.mlp.wo.kernel=0,*.out.kernel=0", "-o", out)
+    run(ckpt, "reshard", hf, "--format", "maxtext", "--to", "2", *WRITE, "-o", out)
     # And back: HF -> maxtext -> HF is the identity.
     back = os.path.join(WORK, "hf_back")
-    run(ckpt, "merge", out, "--format", "hf", "--hf-config", os.path.join(FIX, "config.json"), "-o", back)
+    run(ckpt, "merge", out, "--format", "hf", "--hf-config", CONFIG, "-o", back)
     from safetensors.numpy import load_file
 
     a = load_file(os.path.join(hf, "model.safetensors"))
@@ -101,6 +109,8 @@ def check_maxtext(ckpt):
     restored = ocp.PyTreeCheckpointer().restore(items)
     params = jax.tree.map(np.asarray, restored["params"]["params"])
     tokens = np.load(os.path.join(FIX, "tokens.npy"))
+    if UNSCANNED:
+        assert "layers_0" in params["decoder"] and "layers" not in params["decoder"], sorted(params["decoder"])
     logits = mf.forward(params, tokens)
     want = np.load(hf_logits)
     diff = float(np.abs(logits - want).max())
@@ -112,7 +122,19 @@ def check_maxtext(ckpt):
     print("OK")
 
 
+UNSCANNED = False
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("hf", "maxtext"):
+    if len(sys.argv) not in (3, 4) or sys.argv[1] not in ("hf", "maxtext") or sys.argv[3:] not in ([], ["unscanned"]):
         raise SystemExit(__doc__)
+    if sys.argv[3:] == ["unscanned"]:
+        UNSCANNED = True
+        FIX = os.path.join(FIX, "unscanned")
+        WORK = "/tmp/maxtext_check_unscanned"
+        WRITE = [
+            "--maxtext-scan-layers",
+            "false",
+            "--shard",
+            "*.query.kernel=1,*.key.kernel=1,*.mlp.wi_*=1,*.mlp.wo.kernel=0,*.out.kernel=0",
+        ]
     (check_hf if sys.argv[1] == "hf" else check_maxtext)(os.path.abspath(sys.argv[2]))

@@ -412,6 +412,11 @@ pub(crate) struct ReshardArgs {
     /// Face Llama, Mistral or Qwen3: MaxText's load_parameters_path=OUT/items).
     #[arg(long, default_value = "ckpt", value_parser = reshard_formats())]
     pub(crate) format: String,
+    /// With --format maxtext: `true` (the default) writes the scanned tree (every layer
+    /// weight stacked on axis 1, `decoder.layers.*`), `false` the unscanned one
+    /// (`decoder.layers_0.*`, ...), for a MaxText run with scan_layers=False.
+    #[arg(long, value_name = "BOOL")]
+    pub(crate) maxtext_scan_layers: Option<bool>,
     #[command(flatten)]
     pub(crate) orbax: OrbaxItemArg,
     #[command(flatten)]

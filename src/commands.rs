@@ -337,6 +337,13 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
             .ok_or_else(|| Usage(format!("--format `{}`", a.format)))?,
         computations: a.compute.computations(),
         orbax_item: a.orbax.item_for(&a.format)?,
+        maxtext_unscanned: match (a.maxtext_scan_layers, a.format.as_str()) {
+            (None, _) => false,
+            (Some(scan), "maxtext") => !scan,
+            (Some(_), _) => {
+                return Err(Usage("--maxtext-scan-layers goes with --format maxtext".into()).into())
+            }
+        },
     };
     if req.format == ckpt_reshard::OutputFormat::DeepSpeed && !a.plan {
         let t = Instant::now();

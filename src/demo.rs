@@ -178,6 +178,7 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
             compression: None,
             computations: Default::default(),
             orbax_item: None,
+            maxtext_unscanned: false,
         },
         &|_| {},
         &|_, _| {},

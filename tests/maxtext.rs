@@ -375,3 +375,263 @@ fn cfg(path: &Path, key: &str) -> Option<u64> {
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
     v.get(key).and_then(serde_json::Value::as_u64)
 }
+
+// ----------------------------------------------------------------------------------
+// MaxText's unscanned tree (`scan_layers=False`: `decoder.layers_<l>.*`, each layer's
+// weights without the layer axis): tests/fixtures/maxtext/unscanned, another draw of
+// the same model (its config is the scanned fixture's).
+
+/// The unscanned fixture's stored arrays (a plain merge), by name.
+fn stored_unscanned(d: &Dir) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    let ckpt = fixture("unscanned/ckpt");
+    d.ok(&["merge", ckpt.to_str().unwrap(), "-o", "plain_unscanned"]);
+    tensors(&d.path("plain_unscanned/model.safetensors"))
+        .into_iter()
+        .filter(|(n, _)| n.starts_with("params.params."))
+        .map(|(n, (s, b))| (n, (s, f32s(&b))))
+        .collect()
+}
+
+/// An unscanned tree's layers stacked as the scanned tree's (`layers_<l>.<rest>`
+/// into `layers.<rest>`, layer `l` at index `l` of a new axis 1), the rest as it is.
+fn restack(
+    m: &BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    let mut out = BTreeMap::new();
+    for (name, (shape, values)) in m {
+        let Some(rest) = name.strip_prefix("params.params.decoder.layers_") else {
+            out.insert(name.clone(), (shape.clone(), values.clone()));
+            continue;
+        };
+        let (l, rest) = rest.split_once('.').unwrap();
+        let l: usize = l.parse().unwrap();
+        assert!(l < L, "{name}");
+        let inner: usize = shape[1..].iter().product();
+        let mut stacked_shape = shape.clone();
+        stacked_shape.insert(1, L);
+        let stacked = out
+            .entry(format!("params.params.decoder.layers.{rest}"))
+            .or_insert_with(|| (stacked_shape.clone(), vec![f32::NAN; values.len() * L]));
+        assert_eq!(stacked.0, stacked_shape, "{name}");
+        for i0 in 0..shape[0] {
+            let from = i0 * inner;
+            let to = (i0 * L + l) * inner;
+            stacked.1[to..to + inner].copy_from_slice(&values[from..from + inner]);
+        }
+    }
+    out
+}
+
+fn export_unscanned(d: &Dir, out: &str) {
+    let ckpt = fixture("unscanned/ckpt");
+    let config = fixture("config.json");
+    d.ok(&[
+        "merge",
+        ckpt.to_str().unwrap(),
+        "--format",
+        "hf",
+        "--hf-config",
+        config.to_str().unwrap(),
+        "-o",
+        out,
+    ]);
+}
+
+#[test]
+fn unscanned_maxtext_to_hf_is_each_layer_transposed_scaled_and_unrotated() {
+    let d = Dir::new();
+    let tree = stored_unscanned(&d);
+    // MaxText's unscanned shapes: no layer axis.
+    let shape = |n: &str| tree[&format!("params.params.decoder.{n}")].0.clone();
+    for l in 0..L {
+        assert_eq!(
+            shape(&format!("layers_{l}.self_attention.query.kernel")),
+            [E, H, D]
+        );
+        assert_eq!(
+            shape(&format!("layers_{l}.self_attention.key.kernel")),
+            [E, KV, D]
+        );
+        assert_eq!(
+            shape(&format!("layers_{l}.self_attention.out.kernel")),
+            [H, D, E]
+        );
+        assert_eq!(shape(&format!("layers_{l}.mlp.wo.kernel")), [F, E]);
+        assert_eq!(
+            shape(&format!("layers_{l}.pre_self_attention_layer_norm.scale")),
+            [E]
+        );
+    }
+    assert!(!tree.keys().any(|n| n.contains("decoder.layers.")));
+    let stacked = restack(&tree);
+    assert!(stacked.values().all(|(_, v)| v.iter().all(|x| !x.is_nan())));
+    let want = expected_hf(&stacked);
+    export_unscanned(&d, "hf");
+    let got = tensors(&d.path("hf/model.safetensors"));
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    for (name, w) in &want {
+        assert!(got[name].1 == bytes(w), "{name}: bytes differ");
+    }
+}
+
+#[test]
+fn hf_to_unscanned_maxtext_and_back_is_the_identity() {
+    let d = Dir::new();
+    export_unscanned(&d, "hf");
+    // Sharded on 2 devices: the heads and the MLP split (no layer axis here).
+    d.ok(&[
+        "reshard",
+        d.path("hf").to_str().unwrap(),
+        "--format",
+        "maxtext",
+        "--maxtext-scan-layers",
+        "false",
+        "--to",
+        "2",
+        "--shard",
+        "*.query.kernel=1,*.key.kernel=1,*.mlp.wi_*=1,*.mlp.wo.kernel=0,*.out.kernel=0",
+        "-o",
+        "mx",
+    ]);
+    // Byte for byte the tree MaxText saved (sqrt(16) = 4: the query scaling is exact).
+    let original = stored_unscanned(&d);
+    d.ok(&["merge", d.path("mx").to_str().unwrap(), "-o", "mx_plain"]);
+    let again = tensors(&d.path("mx_plain/model.safetensors"));
+    assert_eq!(
+        again.keys().collect::<Vec<_>>(),
+        original.keys().collect::<Vec<_>>()
+    );
+    for (name, (shape, values)) in &original {
+        assert_eq!(&again[name].0, shape, "{name}");
+        assert!(again[name].1 == bytes(values), "{name}: bytes differ");
+    }
+    // Each device's box a chunk: the query kernel [E, H, D] cut on the heads.
+    let inspect = d.ok(&["inspect", d.path("mx").to_str().unwrap()]);
+    assert!(
+        inspect
+            .stdout
+            .contains("params.params.decoder.layers_1.self_attention.query.kernel"),
+        "{}",
+        inspect.stdout
+    );
+    // And back to Hugging Face: byte for byte the first export.
+    let config = fixture("config.json");
+    d.ok(&[
+        "merge",
+        d.path("mx").to_str().unwrap(),
+        "--format",
+        "hf",
+        "--hf-config",
+        config.to_str().unwrap(),
+        "-o",
+        "hf2",
+    ]);
+    assert_eq!(
+        tensors(&d.path("hf/model.safetensors")),
+        tensors(&d.path("hf2/model.safetensors"))
+    );
+    // The scanned fixture's export written unscanned and read back: the same model.
+    export(&d, "hf_scanned");
+    d.ok(&[
+        "reshard",
+        d.path("hf_scanned").to_str().unwrap(),
+        "--format",
+        "maxtext",
+        "--maxtext-scan-layers",
+        "false",
+        "--to",
+        "2",
+        "--shard",
+        "*.query.kernel=1,*.key.kernel=1,*.mlp.wi_*=1,*.mlp.wo.kernel=0,*.out.kernel=0",
+        "-o",
+        "mx_scanned",
+    ]);
+    d.ok(&[
+        "merge",
+        d.path("mx_scanned").to_str().unwrap(),
+        "--format",
+        "hf",
+        "--hf-config",
+        config.to_str().unwrap(),
+        "-o",
+        "hf_scanned2",
+    ]);
+    assert_eq!(
+        tensors(&d.path("hf_scanned/model.safetensors")),
+        tensors(&d.path("hf_scanned2/model.safetensors"))
+    );
+}
+
+#[test]
+fn unscanned_refusals_are_named_and_write_nothing() {
+    let d = Dir::new();
+    let ckpt = fixture("unscanned/ckpt");
+    let ckpt = ckpt.to_str().unwrap();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("config.json")).unwrap()).unwrap();
+    // A config of 3 layers: layer 2's first weight named, missing.
+    let mut three = config;
+    three["num_hidden_layers"] = serde_json::json!(3);
+    std::fs::write(d.path("three.json"), three.to_string()).unwrap();
+    let o = d.fails(&[
+        "merge",
+        ckpt,
+        "--format",
+        "hf",
+        "--hf-config",
+        d.path("three.json").to_str().unwrap(),
+        "-o",
+        "out",
+    ]);
+    assert!(
+        o.stderr
+            .contains("params.params.decoder.layers_2.self_attention.query.kernel")
+            && o.stderr.contains("missing"),
+        "{}",
+        o.stderr
+    );
+    // Scanned and unscanned layers in one tree: refused.
+    let scanned = fixture("ckpt");
+    d.ok(&[
+        "merge",
+        scanned.to_str().unwrap(),
+        "--include",
+        "params.params.decoder.layers.*",
+        "-o",
+        "s",
+    ]);
+    d.ok(&["merge", ckpt, "-o", "u"]);
+    let o = d.fails(&[
+        "merge",
+        d.path("u/model.safetensors").to_str().unwrap(),
+        d.path("s/model.safetensors").to_str().unwrap(),
+        "--format",
+        "hf",
+        "--hf-config",
+        fixture("config.json").to_str().unwrap(),
+        "-o",
+        "out",
+    ]);
+    assert!(
+        o.stderr.contains("params.params.decoder.layers.") && o.stderr.contains("unscanned layers"),
+        "{}",
+        o.stderr
+    );
+    // The flag belongs to --format maxtext: a usage error (exit 2).
+    let o = d.ckpt(&[
+        "reshard",
+        ckpt,
+        "--maxtext-scan-layers",
+        "false",
+        "--to",
+        "1",
+        "-o",
+        "out",
+    ]);
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    assert!(o.stderr.contains("--format maxtext"), "{}", o.stderr);
+    assert!(!d.path("out").exists());
+}

@@ -1061,3 +1061,164 @@ fn orbax_restores_what_merge_writes() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+// ----------------------------------------------------------------------------------
+// A save by two JAX processes (tests/fixtures/orbax/multiprocess_*: jax.distributed on
+// CPU, 2 x 4 devices): each process's chunks in its own `ocdbt.process_<i>/`, the
+// item's `manifest.ocdbt` the merged root pointing into both.
+
+const MULTIPROCESS: [(&str, &str); 2] = [
+    ("multiprocess_zarr2", "ckpt/1/default"),
+    ("multiprocess_zarr3", "ckpt/1/items"),
+];
+
+#[test]
+fn a_save_of_two_processes_merges_reshards_and_verifies_as_orbax_restores_it() {
+    for (fixture_dir, item) in MULTIPROCESS {
+        let reference = format!("{fixture_dir}/reference.safetensors");
+        // Both processes' databases are there, and the root reads values from each.
+        let item_dir = fixture(&format!("{fixture_dir}/{item}"));
+        let db = ckpt_ocdbt::Database::open(&item_dir).unwrap();
+        let mut from = std::collections::BTreeSet::new();
+        for e in db.list().unwrap() {
+            if let ckpt_ocdbt::Value::Stored { path, .. } = e.value {
+                let rel = path.strip_prefix(&item_dir).unwrap().to_path_buf();
+                from.insert(rel.components().next().unwrap().as_os_str().to_owned());
+            }
+        }
+        assert_eq!(
+            from.iter().map(|s| s.to_str().unwrap()).collect::<Vec<_>>(),
+            ["ocdbt.process_0", "ocdbt.process_1"],
+            "{fixture_dir}"
+        );
+        for dir in [
+            format!("{fixture_dir}/ckpt"),
+            format!("{fixture_dir}/ckpt/1"),
+            format!("{fixture_dir}/{item}"),
+        ] {
+            let d = Dir::new();
+            d.ok(&["merge", fixture(&dir).to_str().unwrap(), "-o", "out"]);
+            assert_reference(&d.path("out/model.safetensors"), &reference, &dir);
+        }
+        let d = Dir::new();
+        let root = fixture(&format!("{fixture_dir}/ckpt"));
+        let root = root.to_str().unwrap();
+        let o = d.ok(&["inspect", root]);
+        assert!(
+            o.stdout
+                .starts_with("Orbax checkpoint, 1 file(s), 8 tensors")
+                && o.stdout.contains("params.layer1.w_big")
+                && o.stdout.contains("[64, 64]"),
+            "{}",
+            o.stdout
+        );
+        let o = d.ok(&["verify", root]);
+        assert!(
+            o.stdout.contains("encoded chunks decoded") && !o.stdout.contains("problem"),
+            "{}",
+            o.stdout
+        );
+        // To another mesh (ckpt's rank directories, and an Orbax step on 4 devices,
+        // each device's box a chunk) and back: the reference, byte for byte.
+        d.ok(&["reshard", root, "--to", "3", "-o", "r3"]);
+        d.ok(&["merge", "r3", "-o", "back3"]);
+        assert_reference(
+            &d.path("back3/model.safetensors"),
+            &reference,
+            "via 3 ranks",
+        );
+        d.ok(&[
+            "reshard", root, "--format", "orbax", "--to", "4", "-o", "o4",
+        ]);
+        d.ok(&["reshard", "o4", "--to", "2", "-o", "r2"]);
+        d.ok(&["merge", "r2", "-o", "back2"]);
+        assert_reference(
+            &d.path("back2/model.safetensors"),
+            &reference,
+            "via an Orbax step on 4 devices and 2 ranks",
+        );
+    }
+}
+
+#[test]
+fn a_missing_or_truncated_process_database_is_named_and_nothing_is_written() {
+    for (fixture_dir, item) in MULTIPROCESS {
+        let chunk = if fixture_dir.ends_with("zarr3") {
+            "params.layer1.w_big/c/4/0"
+        } else {
+            "params.layer1.w_big/4.0"
+        };
+        // Process 1's directory gone (a copy without it): the first value it held is
+        // named, with its array and the directory; every command refuses.
+        let d = Dir::new();
+        copy_dir(&fixture(&format!("{fixture_dir}/ckpt")), &d.path("in"));
+        let item_in = format!("in/{}", item.strip_prefix("ckpt/").unwrap());
+        std::fs::remove_dir_all(d.path(&format!("{item_in}/ocdbt.process_1"))).unwrap();
+        for args in [
+            &["merge", "in", "-o", "out"][..],
+            &["reshard", "in", "--to", "2", "-o", "out"],
+            &["inspect", "in"],
+            &["verify", "in"],
+        ] {
+            let o = d.fails(args);
+            // (verify reports on stdout, the others on stderr)
+            let said = format!("{}{}", o.stdout, o.stderr);
+            assert!(
+                said.contains("array `params.layer1.w_big`")
+                    && said.contains(chunk)
+                    && said.contains("ocdbt.process_1/, which holds the part")
+                    && said.contains(&item_in),
+                "{fixture_dir} {args:?}: {said}"
+            );
+            assert_nothing_written(&d, &["in"]);
+        }
+
+        // A data file of process 1 truncated: the value past its end named, with the
+        // file and the array.
+        let d = Dir::new();
+        copy_dir(&fixture(&format!("{fixture_dir}/ckpt")), &d.path("in"));
+        let db = ckpt_ocdbt::Database::open(&d.path(&item_in)).unwrap();
+        let ckpt_ocdbt::Value::Stored { path, offset, .. } =
+            db.find(chunk.as_bytes()).unwrap().unwrap()
+        else {
+            panic!("{chunk} is stored out of line");
+        };
+        assert!(
+            path.to_str().unwrap().contains("/ocdbt.process_1/d/"),
+            "{}",
+            path.display()
+        );
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(offset + 10).unwrap();
+        let data_file = path.strip_prefix(d.tmp.path()).unwrap();
+        for args in [&["merge", "in", "-o", "out"][..], &["verify", "in"]] {
+            let o = d.fails(args);
+            let said = format!("{}{}", o.stdout, o.stderr);
+            assert!(
+                said.contains("array `params.layer1.w_big`")
+                    && said.contains(chunk)
+                    && said.contains(data_file.to_str().unwrap())
+                    && said.contains("truncated"),
+                "{fixture_dir} {args:?}: {said}"
+            );
+            assert_nothing_written(&d, &["in"]);
+        }
+
+        // The merged root manifest missing, the process databases there (a save cut
+        // off before process 0 merged them): refused by name.
+        let d = Dir::new();
+        copy_dir(&fixture(&format!("{fixture_dir}/ckpt")), &d.path("in"));
+        std::fs::remove_file(d.path(&format!("{item_in}/manifest.ocdbt"))).unwrap();
+        for input in ["in".to_string(), item_in.clone()] {
+            let o = d.fails(&["merge", &input, "-o", "out"]);
+            assert!(
+                o.stderr.contains("manifest.ocdbt is missing")
+                    && o.stderr.contains("ocdbt.process_")
+                    && o.stderr.contains("cut off"),
+                "{fixture_dir} {input}: {}",
+                o.stderr
+            );
+            assert_nothing_written(&d, &["in"]);
+        }
+    }
+}

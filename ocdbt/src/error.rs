@@ -341,6 +341,42 @@ pub enum Error {
         /// The quantity.
         what: &'static str,
     },
+    /// The value of a key cannot be where its B+tree leaf says: its data file is
+    /// missing or unreadable, too short (truncated), or its path is refused.
+    #[error("the value of key `{key}`: {source}")]
+    Value {
+        /// The key (escaped as [`show_key`] does).
+        key: String,
+        /// What is wrong with its data file ([`Error::Io`], [`Error::OutOfFile`],
+        /// [`Error::BadDataFilePath`]).
+        source: Box<Error>,
+    },
+}
+
+impl Error {
+    /// The file or directory the error is about (for a [`Error::Value`], its data
+    /// file).
+    pub fn path(&self) -> &std::path::Path {
+        match self {
+            Error::Io { path, .. }
+            | Error::Corrupt { path, .. }
+            | Error::ManifestTooLarge { path, .. }
+            | Error::NumberedManifest { path }
+            | Error::NoSuchGeneration { path, .. }
+            | Error::BadDataFilePath { path, .. }
+            | Error::OutOfFile { path, .. }
+            | Error::NodeTooLarge { path, .. }
+            | Error::NodeReferencedTwice { path, .. }
+            | Error::KeyOutOfRange { path, .. }
+            | Error::VersionTree { path, .. }
+            | Error::NotEmpty { path }
+            | Error::KeyTooLong { path, .. }
+            | Error::DuplicateKey { path, .. }
+            | Error::BadOption { path, .. }
+            | Error::Overflow { path, .. } => path,
+            Error::Value { source, .. } => source.path(),
+        }
+    }
 }
 
 /// A key for messages: printable ASCII as is, other bytes escaped, at most ~200

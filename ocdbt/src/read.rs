@@ -216,10 +216,11 @@ impl Database {
     ///
     /// # Errors
     ///
-    /// [`Error::Corrupt`] for a damaged node, [`Error::OutOfFile`] for a node or value
-    /// past the end of its data file (a truncated file), [`Error::NodeTooLarge`],
+    /// [`Error::Corrupt`] for a damaged node, [`Error::OutOfFile`] for a node past the
+    /// end of its data file (a truncated file), [`Error::NodeTooLarge`],
     /// [`Error::BadDataFilePath`], [`Error::NodeReferencedTwice`],
-    /// [`Error::KeyOutOfRange`], [`Error::Io`].
+    /// [`Error::KeyOutOfRange`], [`Error::Io`]; [`Error::Value`] naming the key for a
+    /// value whose data file is missing, too short or refused.
     pub fn list(&self) -> Result<Vec<Entry>> {
         let mut w = Walk::default();
         if let Some(root) = self.root()? {
@@ -259,7 +260,11 @@ impl Database {
                     let e = &entries[i];
                     return self
                         .value(&mut files, &here, &node.files, &e.value)
-                        .map(Some);
+                        .map(Some)
+                        .map_err(|source| Error::Value {
+                            key: show_key(key),
+                            source: Box::new(source),
+                        });
                 }
                 NodeEntries::Interior(entries) => {
                     let i = entries.partition_point(|e| e.key.as_slice() <= rest);
@@ -588,7 +593,12 @@ impl Database {
                 for e in entries {
                     let key = [prefix, &e.key[..]].concat();
                     check(&key)?;
-                    let value = self.value(&mut w.files, &here, &node.files, &e.value)?;
+                    let value = self
+                        .value(&mut w.files, &here, &node.files, &e.value)
+                        .map_err(|source| Error::Value {
+                            key: show_key(&key),
+                            source: Box::new(source),
+                        })?;
                     w.out.push(Entry { key, value });
                 }
             }

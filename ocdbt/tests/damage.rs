@@ -320,19 +320,30 @@ fn node_and_reference_damage() {
         patch(b, root_at + 2, &[0x5d, 0x03, 0x5d], &[0x61, 0x03, 0x5d])
     });
     match open_list(&dir) {
-        Error::OutOfFile {
-            path,
-            what: "value",
-            offset: 0,
-            len: 0xffff_ffff,
-            ..
-        } => assert_eq!(path, data),
+        Error::Value { key, source } => {
+            assert_eq!(key, "w/0.0");
+            match *source {
+                Error::OutOfFile {
+                    path,
+                    what: "value",
+                    offset: 0,
+                    len: 0xffff_ffff,
+                    ..
+                } => assert_eq!(path, data),
+                other => panic!("{other:?}"),
+            }
+        }
         other => panic!("{other:?}"),
     }
-    assert!(matches!(
-        Database::open(&dir).unwrap().get(b"w/0.0"),
-        Err(Error::OutOfFile { .. })
-    ));
+    match Database::open(&dir).unwrap().get(b"w/0.0") {
+        Err(e @ Error::Value { .. }) => {
+            assert_eq!(e.path(), data);
+            assert!(
+                matches!(e, Error::Value { ref source, .. } if matches!(**source, Error::OutOfFile { .. }))
+            );
+        }
+        other => panic!("{other:?}"),
+    }
     // ... and an inline one larger than an inline value may be.
     restore();
     edit(&data, |b| {

@@ -278,6 +278,7 @@ pub(crate) fn reshard<'py>(
             quantize_fp8: false,
         },
         orbax_item: None,
+        maxtext_unscanned: false,
     };
     if format == ckpt_reshard::OutputFormat::DeepSpeed {
         // DeepSpeed's optimizer files are re-cut by their writer, not planned as copies.

@@ -180,6 +180,9 @@ pub struct ReshardRequest {
     /// `--format orbax`: the item directory's name in the step (`None`: orbax's
     /// `default`); `--format maxtext` writes MaxText's `items`.
     pub orbax_item: Option<String>,
+    /// `--format maxtext`: MaxText's unscanned tree (`decoder.layers_<l>.*`, each
+    /// layer its own arrays: `scan_layers=False`) instead of the scanned one.
+    pub maxtext_unscanned: bool,
 }
 
 /// The dimension a tensor's pieces divide, for sources that record pieces but no
@@ -381,7 +384,12 @@ fn writer(req: &ReshardRequest, source: &mut Checkpoint) -> Result<Box<dyn Write
             options,
             req.orbax_item.clone(),
         )?),
-        OutputFormat::MaxText => Box::new(OrbaxStep::maxtext(source, req, options)?),
+        OutputFormat::MaxText => Box::new(OrbaxStep::maxtext(
+            source,
+            req,
+            options,
+            req.maxtext_unscanned,
+        )?),
         OutputFormat::DeepSpeed => {
             return Err(Error::Unsupported {
                 problem: "--format deepspeed re-cuts DeepSpeed's flat partitions directly: it has no copy plan to show (--plan)".into(),

@@ -456,6 +456,7 @@ fn resume_from_a_resharded_dcp_checkpoint() {
         compression: None,
         computations: Default::default(),
         orbax_item: None,
+        maxtext_unscanned: false,
     };
     ckpt_reshard::reshard(&req, &|_| {}, &|_, _| {}).unwrap();
     std::fs::remove_file(dcp.join("strategy.json")).ok();

@@ -12,6 +12,12 @@
 //! Hugging Face's times `1 / sqrt(head_dim)` (MaxText's attention does not scale;
 //! `scale_query_layer`), and Llama 3.1's rotates interleaved pairs (MaxText's
 //! `LLaMARotaryEmbedding`; `adjust_rope`): both are part of the permutation.
+//!
+//! The unscanned tree (`scan_layers=False`) has each layer's weights as their own
+//! arrays, `decoder.layers_<l>.<the same names>`, of the stacked shapes without the
+//! layer axis (the query `[embed, heads, head_dim]`, a norm's scale `[embed]`): the
+//! same permutations from the whole array, a norm's scale Hugging Face's weight as it
+//! is. `reshard --format maxtext --maxtext-scan-layers false` writes it.
 
 use super::Checkpoint;
 use crate::error::{Error, Result};
@@ -191,6 +197,29 @@ fn at(pattern: &str, l: u64) -> String {
     pattern.replace("{l}", &l.to_string())
 }
 
+/// The scanned tree's layer prefix, and the unscanned tree's (`layers_<l>.`).
+const SCANNED_LAYERS: &str = "decoder.layers.";
+const UNSCANNED_LAYERS: &str = "decoder.layers_";
+
+/// Layer `l`'s own name in the unscanned tree (`scan_layers=False`: MaxText's
+/// `_create_and_register_layer` registers layer `l` as `layers_<l>`;
+/// `LLAMA31_MAXTEXT_TO_HF_PARAM_MAPPING`'s `params-decoder-layers_{l}-...`) of the
+/// scanned row `row` (`decoder.layers.<rest>`).
+fn unscanned_name(row: &str, l: u64) -> String {
+    let rest = row
+        .strip_prefix(SCANNED_LAYERS)
+        .expect("a layer row starts with decoder.layers.");
+    format!("{UNSCANNED_LAYERS}{l}.{rest}")
+}
+
+/// A stacked shape without its layer axis (axis 1): one layer's array in the
+/// unscanned tree.
+fn unstacked(stacked: &[u64]) -> Vec<u64> {
+    let mut s = stacked.to_vec();
+    s.remove(1);
+    s
+}
+
 /// A tensor of `out_shape` computed by `op` from the box `region` of `input` (named
 /// `name`), one piece placed at `global` (its computation's coordinates: a tensor of
 /// `out_shape`).
@@ -341,18 +370,27 @@ impl Checkpoint {
         rope: bool,
     ) -> Result<()> {
         check_family(family, shape)?;
-        if let Some(n) = self
+        let unscanned_prefix = format!("{MAXTEXT_PREFIX}{UNSCANNED_LAYERS}");
+        let scanned_prefix = format!("{MAXTEXT_PREFIX}{SCANNED_LAYERS}");
+        let unscanned = self
             .tensors
             .keys()
-            .find(|n| n.starts_with("params.params.decoder.layers_"))
-        {
-            return Err(invalid(
-                n,
-                "is a layer of an unscanned MaxText tree (scan_layers=False): only the scanned tree (layers stacked on axis 1) is built".into(),
-            ));
+            .any(|n| n.starts_with(&unscanned_prefix));
+        if unscanned {
+            if let Some(n) = self.tensors.keys().find(|n| n.starts_with(&scanned_prefix)) {
+                return Err(invalid(
+                    n,
+                    "is a stacked layer weight (scan_layers=True), but the tree also has unscanned layers (decoder.layers_<l>): one MaxText model has one or the other".into(),
+                ));
+            }
         }
         let mut out: BTreeMap<String, SourceTensor> = BTreeMap::new();
         for row in rows(family, rope) {
+            let layer_row = !matches!(row.kind, Kind::Same | Kind::Head);
+            if unscanned && layer_row {
+                self.unscanned_layers_to_hf(family, shape, &row, &mut out)?;
+                continue;
+            }
             let name = format!("{MAXTEXT_PREFIX}{}", row.maxtext);
             let Some(t) = self.tensors.remove(&name) else {
                 if row.kind == Kind::Head && shape.tied {
@@ -508,8 +546,14 @@ impl Checkpoint {
         self.tensors = out;
         self.strategy = None;
         self.notes.push(format!(
-            "MaxText's scanned tree as Hugging Face's {}: each layer's kernels transposed out of the stacked arrays{}{}",
+            "MaxText's {} tree as Hugging Face's {}: each layer's kernels transposed out of {}{}{}",
+            if unscanned { "unscanned" } else { "scanned" },
             family.architecture(),
+            if unscanned {
+                "its own arrays (decoder.layers_<l>)"
+            } else {
+                "the stacked arrays"
+            },
             if matches!(family, Family::Qwen3) {
                 ""
             } else {
@@ -524,15 +568,87 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// One row's weights of an unscanned tree (`decoder.layers_<l>.<rest>`, each the
+    /// stacked array's layer box without the layer axis), removed from the tensors and
+    /// put into `out` under Hugging Face's names: the same transposes as the scanned
+    /// tree's, a norm's scale as it is.
+    fn unscanned_layers_to_hf(
+        &mut self,
+        family: Family,
+        shape: &Shape,
+        row: &Row,
+        out: &mut BTreeMap<String, SourceTensor>,
+    ) -> Result<()> {
+        let heads = if row.kind == Kind::OutOfHeads || row.maxtext.contains(".query.") {
+            shape.heads
+        } else {
+            shape.groups
+        };
+        let g = geometry(row.kind, heads, shape, row.maxtext);
+        let want = unstacked(&g.maxtext);
+        let scale = match row.kind {
+            Kind::IntoHeads { scaled: true, .. } => Some(query_scale(shape.head_dim, true)),
+            _ => None,
+        };
+        for l in 0..shape.layers {
+            let name = format!("{MAXTEXT_PREFIX}{}", unscanned_name(row.maxtext, l));
+            let t = self.tensors.remove(&name).ok_or_else(|| {
+                invalid(
+                    &name,
+                    format!(
+                        "missing: MaxText's unscanned {} of {} layers has it",
+                        family.architecture(),
+                        shape.layers
+                    ),
+                )
+            })?;
+            if t.shape != want {
+                return Err(invalid(
+                    &name,
+                    format!(
+                        "has shape {:?}; the config gives {want:?} (one layer of an unscanned tree)",
+                        t.shape
+                    ),
+                ));
+            }
+            let hf_name = at(row.hf, l);
+            if row.kind == Kind::Scale {
+                out.insert(hf_name, t);
+                continue;
+            }
+            let op =
+                Operation::permute(&want, g.shape.clone(), g.axes.clone(), g.hf.clone(), scale)?;
+            let piece = computed(
+                &name,
+                &t,
+                Region::full(&want),
+                op,
+                &g.hf,
+                Region::full(&g.hf),
+            )?;
+            out.insert(
+                hf_name,
+                SourceTensor {
+                    dtype: t.dtype,
+                    shape: g.hf.clone(),
+                    pieces: vec![piece],
+                    copies: Vec::new(),
+                },
+            );
+        }
+        Ok(())
+    }
+
     /// Replaces a Hugging Face model's tensors by MaxText's scanned parameter tree
-    /// (`params.params.*`, the inverse of [`Checkpoint::maxtext_to_hf`]), for an Orbax
-    /// step MaxText's `load_parameters_path` restores. The config is `target.config`,
-    /// or the `config.json` beside the model.
+    /// (`params.params.*`, the inverse of [`Checkpoint::maxtext_to_hf`]), or with
+    /// `unscanned` its unscanned one (`decoder.layers_<l>.*`, `scan_layers=False`), for
+    /// an Orbax step MaxText's `load_parameters_path` restores. The config is
+    /// `target.config`, or the `config.json` beside the model.
     ///
     /// # Errors
     /// No Hugging Face config; a family not in the table; a tensor missing, of another
     /// shape than the config gives, or not the family's.
-    pub fn maxtext_import(&mut self, target: &super::HfTarget) -> Result<()> {
+    pub fn maxtext_import(&mut self, target: &super::HfTarget, unscanned: bool) -> Result<()> {
         let path = target
             .config
             .clone()
@@ -621,6 +737,7 @@ impl Checkpoint {
                     let back = inverse(&g.axes);
                     let mut layer_box = g.maxtext.clone();
                     layer_box[1] = 1;
+                    let one_layer = unstacked(&g.maxtext);
                     let mut pieces = Vec::new();
                     let mut dtype = None;
                     for l in 0..shape.layers {
@@ -640,6 +757,39 @@ impl Checkpoint {
                                 &hf_name,
                                 format!("has shape {:?}; the config gives {:?}", t.shape, g.hf),
                             ));
+                        }
+                        if unscanned {
+                            // Layer l's own array: the layer box without its axis (a
+                            // norm's scale is Hugging Face's weight as it is).
+                            let own = format!("{MAXTEXT_PREFIX}{}", unscanned_name(row.maxtext, l));
+                            let t = if kind == Kind::Scale {
+                                t.clone()
+                            } else {
+                                let op = Operation::permute(
+                                    &g.hf,
+                                    permuted.clone(),
+                                    back.clone(),
+                                    one_layer.clone(),
+                                    scale,
+                                )?;
+                                let piece = computed(
+                                    &hf_name,
+                                    t,
+                                    Region::full(&g.hf),
+                                    op,
+                                    &one_layer,
+                                    Region::full(&one_layer),
+                                )?;
+                                SourceTensor {
+                                    dtype: t.dtype,
+                                    shape: one_layer.clone(),
+                                    pieces: vec![piece],
+                                    copies: Vec::new(),
+                                }
+                            };
+                            out.insert(own, t);
+                            used += 1;
+                            continue;
                         }
                         if dtype.is_some_and(|d| d != t.dtype) {
                             return Err(invalid(
@@ -667,6 +817,9 @@ impl Checkpoint {
                             global,
                         )?);
                         used += 1;
+                    }
+                    if unscanned {
+                        continue;
                     }
                     out.insert(
                         name,
@@ -704,8 +857,13 @@ impl Checkpoint {
         self.tensors = out;
         self.strategy = None;
         self.notes.push(format!(
-            "Hugging Face's {} as MaxText's scanned tree (params.params.*, layers stacked on axis 1){}{}{}",
+            "Hugging Face's {} as MaxText's {}{}{}{}",
             family.architecture(),
+            if unscanned {
+                "unscanned tree (params.params.*, each layer its own arrays: decoder.layers_<l>, scan_layers=False)"
+            } else {
+                "scanned tree (params.params.*, layers stacked on axis 1)"
+            },
             if matches!(family, Family::Qwen3) {
                 ""
             } else {

@@ -277,8 +277,8 @@ impl OrbaxStep {
     }
 
     /// `reshard --format maxtext`: `source` (a Hugging Face Llama, Mistral or Qwen3
-    /// with its config.json) seen as MaxText's scanned parameter tree
-    /// ([`Checkpoint::maxtext_import`]), then written as [`OrbaxStep::sharded`] does in
+    /// with its config.json) seen as MaxText's scanned parameter tree, or with
+    /// `unscanned` its unscanned one ([`Checkpoint::maxtext_import`]), then written as [`OrbaxStep::sharded`] does in
     /// MaxText's item `items` (`params.params.*`: what its `load_parameters_path`,
     /// `OUT/items`, restores), the strategy from `target`.
     ///
@@ -289,8 +289,9 @@ impl OrbaxStep {
         source: &mut Checkpoint,
         target: &dyn super::TargetLayout,
         options: RankOptions,
+        unscanned: bool,
     ) -> Result<OrbaxStep> {
-        source.maxtext_import(&crate::checkpoint::HfTarget::default())?;
+        source.maxtext_import(&crate::checkpoint::HfTarget::default(), unscanned)?;
         Ok(OrbaxStep {
             item: crate::checkpoint::MAXTEXT_ITEM.to_string(),
             ..OrbaxStep::sharded(target.strategy(source, None)?, options, None)?

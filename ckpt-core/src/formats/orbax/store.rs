@@ -132,6 +132,54 @@ impl Loc {
     }
 }
 
+/// A value the item's B+tree points to that is not there, named by its array (the
+/// key's part before its first `/`) and its data file: a per-process directory
+/// missing (orbax's merged `manifest.ocdbt` holds the keys, the values stay in the
+/// `ocdbt.process_<i>/` each process wrote), or a data file shorter than the tree
+/// says (truncated). Other database errors as they are.
+fn value_error(dir: &Path, e: ckpt_ocdbt::Error) -> Error {
+    let ckpt_ocdbt::Error::Value { key, source } = &e else {
+        return e.into();
+    };
+    let array = key.split('/').next().unwrap_or(key);
+    let file = e.path().to_path_buf();
+    let why = match &**source {
+        ckpt_ocdbt::Error::Io { source: io, .. } if io.kind() == std::io::ErrorKind::NotFound => {
+            // The first directory of the file's path under the item that is missing.
+            let gone = file
+                .strip_prefix(dir)
+                .ok()
+                .and_then(|rel| rel.components().next())
+                .map(|c| dir.join(c))
+                .filter(|top| top != &file && !top.exists());
+            match gone {
+                Some(top) => format!(
+                    "its data file is missing: the directory {}/, which holds the part of \
+                     the save that process wrote, is not there (the item's manifest.ocdbt \
+                     only points into the per-process databases: copy the item directory \
+                     whole)",
+                    top.file_name().unwrap_or_default().to_string_lossy()
+                ),
+                None => "its data file is missing".to_string(),
+            }
+        }
+        ckpt_ocdbt::Error::OutOfFile {
+            offset,
+            len,
+            file_len,
+            ..
+        } => format!(
+            "its value is bytes {offset}..+{len} of the data file, which has {file_len}: \
+             the file is truncated"
+        ),
+        other => other.to_string(),
+    };
+    Error::InvalidOrbax {
+        path: file,
+        problem: format!("array `{array}` (zarr key `{key}`): {why}"),
+    }
+}
+
 /// Part of a shared buffer, as a reader's source.
 struct Slice {
     bytes: Arc<[u8]>,
@@ -152,7 +200,12 @@ impl Store {
     /// What `ckpt-ocdbt` finds wrong, naming the file and object.
     pub(crate) fn ocdbt(dir: &Path) -> Result<Store> {
         let db = ckpt_ocdbt::Database::open(dir)?;
-        let keys = db.list()?.into_iter().map(|e| (e.key, e.value)).collect();
+        let keys = db
+            .list()
+            .map_err(|e| value_error(dir, e))?
+            .into_iter()
+            .map(|e| (e.key, e.value))
+            .collect();
         Ok(Store::Ocdbt {
             dir: dir.to_path_buf(),
             keys,
