@@ -1716,11 +1716,7 @@ pub(crate) fn args_of_run_config_text(text: &str, section: &str, path: &Path) ->
             Some(t) if section == "config" => nemo_tokenizer_vocab(t, path),
             _ => Err("the trainer takes it from its tokenizer".into()),
         }
-        .map_err(|why| {
-            bad(format!(
-                "`{section}.vocab_size` is not recorded, and {why}"
-            ))
-        })?;
+        .map_err(|why| bad(format!("`{section}.vocab_size` is not recorded, and {why}")))?;
         fields.retain(|(k, _)| *k != Value::Str("vocab_size".into()));
         fields.push((Value::Str("vocab_size".into()), Value::Int(vocab)));
     }

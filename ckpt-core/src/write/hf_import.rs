@@ -51,7 +51,7 @@ pub(crate) enum Family {
 pub(crate) struct HfSource {
     pub(crate) config: Json,
     pub(crate) config_path: PathBuf,
-    /// The tokenizer files beside the weights.
+    /// The tokenizer files beside the weights or config.json.
     pub(crate) tokenizer: Vec<PathBuf>,
 }
 
@@ -72,9 +72,18 @@ impl HfSource {
         })?;
         let config: Json = serde_json::from_slice(&crate::formats::read_small(&config_path)?)
             .map_err(|e| unsupported(format!("{}: not JSON: {e}", config_path.display())))?;
+        // Carried with the weights, else beside config.json (where the model's directory
+        // keeps them: the checkpoint carries config.json alone).
+        let dir = config_path.parent().unwrap_or(Path::new("."));
         let tokenizer = TOKENIZER_FILES
             .iter()
-            .filter_map(|f| source.carried.get(*f).cloned())
+            .filter_map(|f| {
+                source
+                    .carried
+                    .get(*f)
+                    .cloned()
+                    .or_else(|| Some(dir.join(f)).filter(|p| p.is_file()))
+            })
             .collect();
         Ok(HfSource {
             config,
@@ -305,10 +314,7 @@ pub(crate) fn yaml_block(out: &mut String, indent: usize, map: &BTreeMap<String,
     for (k, v) in map {
         match v {
             Y::Target(t) => {
-                let _ = writeln!(
-                    out,
-                    "{pad}{k}:\n{pad}  _call_: false\n{pad}  _target_: {t}"
-                );
+                let _ = writeln!(out, "{pad}{k}:\n{pad}  _call_: false\n{pad}  _target_: {t}");
             }
             Y::Map(m) if !m.is_empty() => {
                 let _ = writeln!(out, "{pad}{k}:");

@@ -102,6 +102,10 @@ impl Writer for Nemo2 {
     fn finish(&self, src: &Checkpoint, sel: &Selection, plan: &CopyPlan, dir: &Path) -> Result<()> {
         self.dist.finish(src, sel, plan, dir)?;
         let context = dir.join(CONTEXT_DIR);
+        std::fs::create_dir_all(&context).map_err(|source| crate::error::Error::Io {
+            path: context.clone(),
+            source,
+        })?;
         write_file_atomic(&context.join("io.json"), self.io_json.as_bytes())?;
         write_file_atomic(&context.join("model.yaml"), self.model_yaml.as_bytes())?;
         self.hf.copy_tokenizer(&context.join(TOKENIZER_DIR))
@@ -171,12 +175,12 @@ impl NemoModel {
                 (Family::Llama, Some("llama3")) => {
                     scale_factor = Some(Y::Float(s["factor"].as_f64().unwrap_or(8.0)));
                 }
-                _ => {
-                    return Err(bad(
-                        "rope_scaling",
-                        format!("is {s}: NeMo's importers keep Llama 3.1's scaling (Llama31Config) only"),
-                    ))
-                }
+                _ => return Err(bad(
+                    "rope_scaling",
+                    format!(
+                        "is {s}: NeMo's importers keep Llama 3.1's scaling (Llama31Config) only"
+                    ),
+                )),
             }
         }
         let mut given = vec![
@@ -300,10 +304,7 @@ impl NemoModel {
             .map(|k| (k.to_string(), Y::Null))
             .collect();
             t.insert("_target_".into(), target(AUTO_TOKENIZER));
-            t.insert(
-                "pretrained_model_name".into(),
-                Y::Str(TOKENIZER_DIR.into()),
-            );
+            t.insert("pretrained_model_name".into(), Y::Str(TOKENIZER_DIR.into()));
             t.insert("additional_special_tokens".into(), Y::EmptyList);
             t.insert("use_fast".into(), Y::Bool(true));
             t.insert("trust_remote_code".into(), Y::Bool(false));
@@ -323,7 +324,12 @@ impl NemoModel {
     /// (`Trainer(devices=1, accelerator="cpu", strategy=MegatronStrategy(ckpt_save_optimizer=False))`)
     /// with the `--mesh` sizes in the strategy (the importer's `always_save_context`,
     /// which reaches only the strategy's `**kwargs`, is left out).
-    fn io_json(&self, config: &[(&'static str, Y)], tokenizer: bool, (tp, pp): (u64, u64)) -> String {
+    fn io_json(
+        &self,
+        config: &[(&'static str, Y)],
+        tokenizer: bool,
+        (tp, pp): (u64, u64),
+    ) -> String {
         let int = |v: u64| Node::Leaf(Y::Int(i64::try_from(v).unwrap_or(i64::MAX)));
         let config = Node::Config(
             self.config,
@@ -550,7 +556,10 @@ impl Fiddle {
                         .iter()
                         .enumerate()
                         .map(|(i, s)| {
-                            J::List(vec![J::Str(format!("Index(index={i})")), J::Str((*s).into())])
+                            J::List(vec![
+                                J::Str(format!("Index(index={i})")),
+                                J::Str((*s).into()),
+                            ])
                         })
                         .collect(),
                 ),
@@ -602,13 +611,22 @@ impl Fiddle {
                     (
                         "items",
                         J::List(vec![
-                            J::List(vec![J::Str("Attr(name='fn_or_cls')".into()), pyref(module, name)]),
+                            J::List(vec![
+                                J::Str("Attr(name='fn_or_cls')".into()),
+                                pyref(module, name),
+                            ]),
                             J::List(vec![J::Str("Attr(name='argument_names')".into()), names]),
                             J::List(vec![J::Str("Attr(name='argument_tags')".into()), tags]),
-                            J::List(vec![J::Str("Attr(name='argument_history')".into()), history]),
+                            J::List(vec![
+                                J::Str("Attr(name='argument_history')".into()),
+                                history,
+                            ]),
                         ]),
                     ),
-                    ("metadata", pyref(CONFIG_MODULE, "BuildableTraverserMetadata")),
+                    (
+                        "metadata",
+                        pyref(CONFIG_MODULE, "BuildableTraverserMetadata"),
+                    ),
                 ]);
                 let meta = self.store("BuildableTraverserMetadata", meta);
                 let out = with_paths(
@@ -698,7 +716,10 @@ mod tests {
     #[test]
     fn names_are_fiddles_snake_case() {
         assert_eq!(snake_case("Llama31Config"), "llama31_config");
-        assert_eq!(snake_case("BuildableTraverserMetadata"), "buildable_traverser_metadata");
+        assert_eq!(
+            snake_case("BuildableTraverserMetadata"),
+            "buildable_traverser_metadata"
+        );
         assert_eq!(snake_case("AutoTokenizer"), "auto_tokenizer");
         assert_eq!(snake_case("tuple"), "tuple");
     }
@@ -708,23 +729,51 @@ mod tests {
         let root = Node::Config(
             ("m", "Outer"),
             vec![
-                ("inner", Node::Config(("m", "Inner"), vec![("x", Node::Leaf(Y::Float(1e-5)))])),
+                (
+                    "inner",
+                    Node::Config(("m", "Inner"), vec![("x", Node::Leaf(Y::Float(1e-5)))]),
+                ),
                 ("extra", Node::Dict(vec![])),
             ],
         );
         let text = fiddle_json(&root);
         let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
-        assert!(text.starts_with(r#"{"root": {"type": "ref", "key": "outer_1"}, "objects": {"tuple_1": "#), "{text}");
+        assert!(
+            text.starts_with(
+                r#"{"root": {"type": "ref", "key": "outer_1"}, "objects": {"tuple_1": "#
+            ),
+            "{text}"
+        );
         assert!(text.contains(r#"[["Attr(name='x')", {"type": "leaf", "value": 1e-05, "paths": ["<root>.inner.x"]}]]"#), "{text}");
-        let order = ["tuple_1", "dict_1", "dict_2", "buildable_traverser_metadata_1", "inner_1", "dict_3", "tuple_2", "dict_4", "dict_5", "buildable_traverser_metadata_2", "outer_1"];
+        let order = [
+            "tuple_1",
+            "dict_1",
+            "dict_2",
+            "buildable_traverser_metadata_1",
+            "inner_1",
+            "dict_3",
+            "tuple_2",
+            "dict_4",
+            "dict_5",
+            "buildable_traverser_metadata_2",
+            "outer_1",
+        ];
         let mut at = 0;
         for k in order {
-            let i = text.find(&format!("\"{k}\": {{\"type\"")).unwrap_or_else(|| panic!("{k}: {text}"));
+            let i = text
+                .find(&format!("\"{k}\": {{\"type\""))
+                .unwrap_or_else(|| panic!("{k}: {text}"));
             assert!(i > at, "{k} out of order");
             at = i;
         }
         assert_eq!(doc["refcounts"].as_object().unwrap().len(), order.len());
-        assert_eq!(doc["objects"]["dict_3"]["paths"], serde_json::json!(["<root>.extra"]));
-        assert_eq!(doc["objects"]["dict_3"]["metadata"]["items"], serde_json::json!([]));
+        assert_eq!(
+            doc["objects"]["dict_3"]["paths"],
+            serde_json::json!(["<root>.extra"])
+        );
+        assert_eq!(
+            doc["objects"]["dict_3"]["metadata"]["items"],
+            serde_json::json!([])
+        );
     }
 }
