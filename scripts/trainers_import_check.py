@@ -1,5 +1,6 @@
 """The way back to a trainer (issue 45): what `ckpt reshard HF --format megatron-bridge`
-writes is what Megatron-Bridge's import leaves and its loader reads.
+writes is what Megatron-Bridge's import leaves and its loader reads; what
+`ckpt reshard HF --format nemo2` writes is what NeMo 2's `llm.import_ckpt` leaves.
 
     python scripts/trainers_import_check.py [path/to/ckpt]     # default: target/debug/ckpt
 
@@ -25,8 +26,25 @@ tests/fixtures/hf/qwen2 on TP2 x PP2:
   fixture's, the tracker says `0`.
 Megatron-Bridge itself (its `load_checkpoint` / `AutoBridge.load_megatron_model`) needs
 CUDA, Transformer Engine and Python 3.12 and is not run: said as SKIPPED.
-Needs torch, safetensors, pyyaml and megatron-core; SKIPPED with a message when one is
-missing.
+
+NeMo 2, for the same models and meshes (`--format nemo2`):
+- megatron-core: the GPTModel of `context/model.yaml`'s `config` on that many gloo ranks
+  loads `weights/` with `dist_checkpointing.load({"state_dict":
+  model.sharded_state_dict(prefix="module.")}, ...)`, as `MegatronStrategy.load_checkpoint`
+  does (`MegatronParallel`'s keys under `module.`), strictly, with the weights of the
+  `--format megatron-dist` import and the reference logits within 1e-4; `common.pt` holds
+  epoch 0, global step 0 and the strategy's content_metadata;
+- fiddle (0.3, the real decoder NeMo's `load_context` calls,
+  `serialization.Deserialization` via `load_json`): `context/io.json` decodes, over
+  stand-in classes registered under NeMo's module names (NeMo needs CUDA, Transformer
+  Engine and nemo_run) and torch's dtypes registered as NeMo's `fdl_torch.enable` does,
+  into a TrainerContext Config whose model config's arguments are model.yaml's, whose
+  strategy has the mesh's sizes and whose tokenizer is the `nemo_tokenizer` artifact;
+  fiddle's own `dump_json` of the decoded graph gives io.json again byte for byte; the
+  committed fixture's io.json (tests/fixtures/trainers/nemo2) decodes too.
+NeMo's own `load_context` and restore are not run (nemo_toolkit needs CUDA): SKIPPED.
+Needs torch, safetensors, pyyaml and megatron-core (and fiddle for io.json); SKIPPED with
+a message when one is missing.
 """
 
 import json
@@ -38,6 +56,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "trainers", "megatron_bridge", "nemo_experiments", "default",
                        "checkpoints", "iter_0000002")
+NEMO_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "trainers", "nemo2", "nemo_experiments", "default",
+                            "checkpoints", "default--reduced_train_loss=4.1851-epoch=0-consumed_samples=4.0-last")
+NEMO_CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
 HF_FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FP32_TOL = 1e-4
 # The model's architecture: equal to the fixture's (the same model).
@@ -78,9 +99,11 @@ def family_of_run_config(m):
                 tied=m["share_embeddings_and_output_weights"], base=m["rotary_base"], eps=m["layernorm_epsilon"])
 
 
-def load_worker(rank, world, tp, pp, port, bridge_iter, dist_iter, ref_file, result):
-    """One of tp x pp gloo ranks: the model of run_config.yaml loads Bridge's iteration
-    strictly; its weights equal megatron-dist's; on one rank, its logits go to `result`."""
+def load_worker(rank, world, tp, pp, port, saved, dist_iter, ref_file, result, kind="bridge"):
+    """One of tp x pp gloo ranks: the model of run_config.yaml (Bridge's iteration `saved`)
+    or of model.yaml (`kind` "nemo2": `saved` is the checkpoint, its weights/ loaded under
+    `module.` as NeMo's strategy loads them) loads strictly; its weights equal
+    megatron-dist's; on one rank, its logits go to `result`."""
     import torch
     import yaml
     from safetensors.torch import load_file
@@ -97,9 +120,13 @@ def load_worker(rank, world, tp, pp, port, bridge_iter, dist_iter, ref_file, res
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    with open(os.path.join(bridge_iter, "run_config.yaml")) as f:
-        m = yaml.safe_load(f)["model"]
-    assert (m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"]) == (tp, pp)
+    if kind == "bridge":
+        with open(os.path.join(saved, "run_config.yaml")) as f:
+            m = yaml.safe_load(f)["model"]
+        assert (m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"]) == (tp, pp)
+    else:
+        with open(os.path.join(saved, "context", "model.yaml")) as f:
+            m = yaml.safe_load(f)["config"]
     assert (m["num_layers"], m["hidden_size"], m["ffn_hidden_size"], m["num_attention_heads"]) == (
         H.LAYERS, H.HIDDEN, H.FFN, H.HEADS), m
 
@@ -110,11 +137,19 @@ def load_worker(rank, world, tp, pp, port, bridge_iter, dist_iter, ref_file, res
         return model
 
     model = build()
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, bridge_iter)
-    assert loaded["checkpoint_version"] == 3.0 and loaded["iteration"] == 0, sorted(loaded)
-    assert loaded["content_metadata"] == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    assert "args" not in loaded and "optimizer" not in loaded and "rng_state" not in loaded, sorted(loaded)
-    model.load_state_dict(loaded["model"], strict=True)
+    if kind == "bridge":
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, saved)
+        assert loaded["checkpoint_version"] == 3.0 and loaded["iteration"] == 0, sorted(loaded)
+        assert loaded["content_metadata"] == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        assert "args" not in loaded and "optimizer" not in loaded and "rng_state" not in loaded, sorted(loaded)
+        model.load_state_dict(loaded["model"], strict=True)
+    else:
+        weights = os.path.join(saved, "weights")
+        loaded = dist_checkpointing.load({"state_dict": model.sharded_state_dict(prefix="module.")}, weights)
+        assert loaded["content_metadata"] == NEMO_CONTENT_METADATA, loaded["content_metadata"]
+        assert (loaded["epoch"], loaded["global_step"]) == (0, 0), sorted(loaded)
+        assert all(k.startswith("module.") for k in loaded["state_dict"]), sorted(loaded["state_dict"])
+        model.load_state_dict({k[len("module."):]: v for k, v in loaded["state_dict"].items()}, strict=True)
     other = build()
     other.load_state_dict(dist_checkpointing.load({"model": other.sharded_state_dict()}, dist_iter)["model"],
                           strict=True)
@@ -185,6 +220,120 @@ def check_sidecars(out, tp, pp, same_model):
     return fields, sorted(differ)
 
 
+def stand_ins(doc):
+    """Stand-in classes registered under the NeMo module names io.json refers to (NeMo
+    does not install here), as the fixture generator made them; torch's dtypes registered
+    as serialization constants, as NeMo's `fdl_torch.enable` registers them."""
+    import types
+
+    import torch
+    from fiddle._src.experimental import serialization
+
+    for name in ("float32", "bfloat16", "float16"):
+        serialization.register_constant("torch", name, compare_by_identity=True)
+    refs = []
+
+    def walk(v):
+        if isinstance(v, dict):
+            if v.get("type") == "pyref" and v["module"].startswith("nemo."):
+                refs.append((v["module"], v["name"]))
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    walk(doc)
+    for mod, attr in refs:
+        parts = mod.split(".")
+        for i in range(1, len(parts) + 1):
+            n = ".".join(parts[:i])
+            if n not in sys.modules:
+                sys.modules[n] = types.ModuleType(n)
+        m = sys.modules[mod]
+        if not hasattr(m, attr):
+            cls = type(attr, (), {"__init__": lambda self, **k: None})
+            cls.__module__, cls.__qualname__, cls.__name__ = mod, attr, attr
+            setattr(m, attr, cls)
+    return torch
+
+
+def check_nemo_context(out, tp, pp, tokenizer):
+    """context/io.json through fiddle's own decoder and encoder, against model.yaml."""
+    import fiddle as fdl
+    import yaml
+    from fiddle._src.experimental import serialization
+
+    with open(os.path.join(out, "context", "io.json")) as f:
+        text = f.read()
+    torch = stand_ins(json.loads(text))
+    cfg = serialization.load_json(text)
+    assert type(cfg).__name__ == "Config" and fdl.get_callable(cfg).__name__ == "TrainerContext", cfg
+    again = serialization.dump_json(cfg)
+    assert again == text, "fiddle's dump_json of the decoded graph differs from ckpt's io.json"
+    with open(os.path.join(out, "context", "model.yaml")) as f:
+        y = yaml.safe_load(f)
+    given = fdl.ordered_arguments(cfg.model.config)
+    for k, v in given.items():
+        want = y["config"][k]
+        if isinstance(v, torch.dtype):
+            assert want == {"_call_": False, "_target_": str(v)}, (k, v, want)
+        else:
+            assert v == want, f"io.json's model.config.{k} is {v!r}, model.yaml's {want!r}"
+    assert y["config"]["_target_"].endswith("." + fdl.get_callable(cfg.model.config).__name__)
+    assert y["_target_"].endswith("." + fdl.get_callable(cfg.model).__name__)
+    s = cfg.trainer.strategy
+    assert (s.tensor_model_parallel_size, s.pipeline_model_parallel_size) == (tp, pp)
+    if tokenizer:
+        assert cfg.model.tokenizer.pretrained_model_name == "nemo_tokenizer"
+        assert y["tokenizer"]["pretrained_model_name"] == "nemo_tokenizer"
+        assert os.path.isdir(os.path.join(out, "context", "nemo_tokenizer"))
+    with open(os.path.join(NEMO_FIXTURE, "context", "io.json")) as f:
+        fx = f.read()
+    stand_ins(json.loads(fx))
+    fx_cfg = serialization.load_json(fx)
+    assert fdl.get_callable(fx_cfg).__name__ == "TrainerContext"
+    assert fdl.get_callable(fx_cfg.model).__name__ == "LlamaModel"
+    return len(given), len(json.loads(text)["objects"])
+
+
+def nemo2_checks(ckpt, work, runs):
+    try:
+        import fiddle  # noqa: F401
+    except ImportError:
+        print("SKIPPED: NeMo 2's io.json through fiddle (fiddle is not installed)")
+        fiddle = None
+    import torch
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    for i, (family, tp, pp) in enumerate(runs):
+        hf = os.path.join(work, f"hf-{family}")
+        out = os.path.join(work, f"nemo2-{family}-{tp}{pp}")
+        dist = os.path.join(work, f"dist-{family}-{tp}{pp}")
+        mesh = f"tp={tp},pp={pp}"
+        run(ckpt, "reshard", hf, "--format", "nemo2", "--mesh", mesh, "-o", out, "--quiet")
+        said = run(ckpt, "inspect", out)
+        assert "NeMo 2" in said.stdout + said.stderr, said.stdout + said.stderr
+        context = ""
+        if fiddle is not None:
+            given, objects = check_nemo_context(out, tp, pp, os.path.isfile(os.path.join(hf, "tokenizer.json")))
+            context = (f"; io.json decodes with fiddle into the TrainerContext ({objects} objects; the config's "
+                       f"{given} arguments model.yaml's) and fiddle's dump_json gives it again byte for byte")
+        result = os.path.join(work, f"nemo-logits-{family}-{tp}{pp}.pt")
+        ref = os.path.join(HF_FIXTURES, family, "reference.safetensors")
+        mp.spawn(load_worker, args=(tp * pp, tp, pp, 29740 + 10 * i, out, os.path.join(dist, "release"), ref,
+                                    result, "nemo2"), nprocs=tp * pp, join=True)
+        got, want = torch.load(result), load_file(ref)["logits"]
+        diff = (got - want).abs().max().item()
+        assert got.shape == want.shape and diff <= FP32_TOL, f"{family} TP{tp} x PP{pp}: logits differ by {diff}"
+        print(f"{family}: HF -> nemo2 TP{tp} x PP{pp}: megatron-core's dist_checkpointing.load takes weights/ "
+              f"under module. strictly into the GPTModel of model.yaml's config, weights equal megatron-dist's, "
+              f"logits the reference's (max |diff| {diff:.2e}){context}")
+    print("SKIPPED: NeMo's own load_context and RestoreConfig restore (nemo_toolkit needs CUDA, Transformer "
+          "Engine and nemo_run); megatron-core's load and fiddle's decoder stand for them")
+
+
 def main():
     ckpt = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target", "debug", "ckpt"))
     try:
@@ -195,8 +344,9 @@ def main():
         import megatron.core  # noqa: F401
     except ImportError as e:
         skipped(f"scripts/trainers_import_check.py needs torch, safetensors, pyyaml and megatron-core ({e})")
+    runs = (("llama", 2, 2), ("llama", 1, 1), ("qwen2", 2, 2))
     with tempfile.TemporaryDirectory() as work:
-        for i, (family, tp, pp) in enumerate((("llama", 2, 2), ("llama", 1, 1), ("qwen2", 2, 2))):
+        for i, (family, tp, pp) in enumerate(runs):
             hf = os.path.join(work, f"hf-{family}")
             if not os.path.exists(hf):
                 run(ckpt, "merge", os.path.join(HF_FIXTURES, family, "dist_ckpt"), "--format", "hf", "-o", hf,
@@ -223,6 +373,7 @@ def main():
                   f"logits the reference's (max |diff| {diff:.2e}); {fields} run_config.yaml fields are Bridge's "
                   f"(the fixture's), {same}; train_state.pt, latest_train_state.pt, tracker, metadata.json and "
                   f"common.pt as the fixture's")
+        nemo2_checks(ckpt, work, runs)
     try:
         import megatron.bridge  # noqa: F401
     except ImportError:

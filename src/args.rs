@@ -401,7 +401,9 @@ pub(crate) struct ReshardArgs {
     /// dist_checkpointing.load: iter_*/ with .metadata and __<r>_0.distcp),
     /// `megatron-bridge` (a Hugging Face Llama or Qwen2 as Megatron-Bridge's AutoBridge.import_ckpt
     /// saves it: iter_0000000/ with run_config.yaml, train_state.pt and the trackers,
-    /// what Bridge's load_checkpoint starts training from), `torchtitan`
+    /// what Bridge's load_checkpoint starts training from), `nemo2` (a Hugging Face
+    /// Llama or Qwen2 as NeMo 2's llm.import_ckpt saves it: weights/, the dist_ckpt under
+    /// `module.`, and context/ with io.json, model.yaml and nemo_tokenizer/), `torchtitan`
     /// (DCP in torchtitan's Llama names, from a Hugging Face Llama) or `deepspeed`
     /// (a DeepSpeed ZeRO-1/2/3 checkpoint for --to N data-parallel ranks, from a
     /// DeepSpeed source; a ZeRO-1/2 mixture of experts also at another EP size with

@@ -398,11 +398,11 @@ const TRAINER_CASES: [TrainerCase; 10] = [
         fixture: "nemo2",
         output: "nemo_experiments",
         step: "consumed_samples=4.0-last",
-        config: Some("hf_config.json"),
+        config: None,
         expected: "expected.safetensors",
         anchor: "the Megatron-LM save of the same weights (`tests/fixtures/hf/llama`), exported",
         plain_refused: None,
-        import_back: "not yet (`context/io.json` is fiddle's serialisation of NeMo's classes; HF -> `--format megatron-dist` gives the weights only)",
+        import_back: "`reshard HF --format nemo2 --mesh tp=..,pp=..` (Llama, Qwen2): `llm.import_ckpt`'s layout, `weights/` + `context/`",
     },
 ];
 
@@ -698,9 +698,10 @@ fn the_docs_table_of_trainers_is_the_tests_cases() {
             c.output,
             c.step,
             match (c.config, c.fixture) {
-                (Some(_), "nemo2") => "`--hf-config` (`model.yaml` lacks the vocabulary's size)",
                 (Some(_), _) => "`--hf-config` (no Hugging Face config kept)",
                 (None, "megatron_bridge") => "none (`run_config.yaml`'s sizes)",
+                (None, "nemo2") =>
+                    "none (`model.yaml`'s sizes; the vocabulary its NullTokenizer's, 49 + 1)",
                 (None, _) => "none",
             },
             c.anchor,
@@ -989,4 +990,377 @@ fn megatron_bridge_refusals_name_the_field_and_write_nothing() {
     ]);
     assert!(o.stderr.contains("Megatron checkpoint"), "{}", o.stderr);
     assert!(!d.path("from-megatron").exists());
+}
+
+/// The committed NeMo 2 save (`scripts/fixtures/trainers_nemo2.py`): its `-last` step.
+fn nemo2_fixture_step() -> PathBuf {
+    fixtures().join("trainers/nemo2/nemo_experiments/default/checkpoints/default--reduced_train_loss=4.1851-epoch=0-consumed_samples=4.0-last")
+}
+
+/// The strings a pickle holds (`SHORT_BINUNICODE`, `BINUNICODE`) that start with
+/// `prefix`: the keys of DCP's `.metadata` and of `common.pt`.
+fn strings_with(bytes: &[u8], prefix: &str) -> std::collections::BTreeSet<String> {
+    let mut out = std::collections::BTreeSet::new();
+    for i in 0..bytes.len() {
+        let (start, len) = match bytes[i] {
+            0x8c if i + 1 < bytes.len() => (i + 2, usize::from(bytes[i + 1])),
+            b'X' if i + 5 <= bytes.len() => {
+                let n = u32::from_le_bytes(bytes[i + 1..i + 5].try_into().unwrap());
+                (i + 5, n as usize)
+            }
+            _ => continue,
+        };
+        if let Some(Ok(s)) = bytes
+            .get(start..start.saturating_add(len))
+            .map(std::str::from_utf8)
+        {
+            if s.starts_with(prefix) {
+                out.insert(s.to_string());
+            }
+        }
+    }
+    out
+}
+
+/// io.json's objects as (the class or type's module and name, the first path), in order.
+fn io_objects(doc: &serde_json::Value) -> Vec<(String, String, String)> {
+    doc["objects"]
+        .as_object()
+        .unwrap()
+        .values()
+        .filter_map(|o| {
+            let path = o["paths"][0].as_str()?.to_string();
+            let t = &o["type"];
+            let (module, name) = if t["name"] == "Config" {
+                // The class is the metadata's `fn_or_cls`.
+                let meta = &doc["objects"][o["metadata"]["key"].as_str().unwrap()];
+                let cls = &meta["items"][0][1];
+                (cls["module"].as_str()?, cls["name"].as_str()?)
+            } else {
+                (t["module"].as_str()?, t["name"].as_str()?)
+            };
+            Some((module.to_string(), name.to_string(), path))
+        })
+        .collect()
+}
+
+/// Issue 45, the way back into NeMo 2: a Hugging Face Llama (and a Qwen2) written as
+/// NeMo 2's `llm.import_ckpt` saves it (`weights/` under `module.`, `context/` with
+/// fiddle's `io.json`, `model.yaml` and the tokenizer) has the committed NeMo 2
+/// fixture's layout, is read back as a NeMo 2 save with no flag, and exports to the
+/// same bytes.
+#[test]
+fn hugging_face_llama_into_nemo2_and_back() {
+    let d = Dir::new();
+    let fx = nemo2_fixture_step();
+    let fx_yaml: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(fx.join("context/model.yaml")).unwrap())
+            .unwrap();
+    let fx_io: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fx.join("context/io.json")).unwrap())
+            .unwrap();
+    let fx_meta = std::fs::read(fx.join("weights/.metadata")).unwrap();
+    let fx_common = std::fs::read(fx.join("weights/common.pt")).unwrap();
+    let keys = |m: &serde_yaml::Value| -> Vec<String> {
+        m.as_mapping()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str().unwrap().to_string())
+            .collect()
+    };
+    for (family, mesh, tokenizer) in [
+        ("llama", "tp=2,pp=2", true),
+        ("llama", "tp=1,pp=1", false),
+        ("qwen2", "tp=2,pp=1", true),
+    ] {
+        let model = hf_model(&d, family, &format!("{family}-{mesh}"), |_| {});
+        if tokenizer {
+            std::fs::write(
+                model.join("tokenizer_config.json"),
+                r#"{"model_max_length": 32}"#,
+            )
+            .unwrap();
+            std::fs::write(model.join("tokenizer.json"), r#"{"version": "1.0"}"#).unwrap();
+        }
+        let want = full_tensors(&model);
+        let out = d.path(&format!("nemo2-{family}-{mesh}"));
+        d.ok(&[
+            "reshard",
+            model.to_str().unwrap(),
+            "--format",
+            "nemo2",
+            "--mesh",
+            mesh,
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        let at = format!("{family} {mesh}");
+        // weights/: the fixture's side files, its keys all under `module.`.
+        for f in ["common.pt", "metadata.json", ".metadata", "__0_0.distcp"] {
+            assert!(out.join("weights").join(f).is_file(), "{at}: weights/{f}");
+        }
+        assert_eq!(
+            std::fs::read(out.join("weights/metadata.json")).unwrap(),
+            std::fs::read(fx.join("weights/metadata.json")).unwrap(),
+            "{at}"
+        );
+        let meta = std::fs::read(out.join("weights/.metadata")).unwrap();
+        let ours = strings_with(&meta, "module.");
+        assert!(
+            !ours.is_empty()
+                && strings_with(&meta, "decoder.")
+                    .iter()
+                    .all(|k| ours.iter().any(|o| o.ends_with(k.as_str()))),
+            "{at}: a key outside module."
+        );
+        if family == "llama" {
+            // The same model as the fixture's: the same keys, extra states included.
+            assert_eq!(ours, strings_with(&fx_meta, "module."), "{at}");
+        }
+        let common = std::fs::read(out.join("weights/common.pt")).unwrap();
+        for k in [
+            "epoch",
+            "global_step",
+            "state_dict",
+            "content_metadata",
+            "distrib_optim_sharding_type",
+            "fully_sharded_model_space",
+        ] {
+            assert!(
+                !strings_with(&common, k).is_empty(),
+                "{at}: common.pt lacks {k}"
+            );
+            assert!(
+                !strings_with(&fx_common, k).is_empty(),
+                "fixture's common.pt lacks {k}"
+            );
+        }
+        // context/model.yaml: NeMo's sections; every config field one of the fixture's
+        // (Llama3Config's every argument), the architecture's values the fixture's.
+        let yaml: serde_yaml::Value =
+            serde_yaml::from_str(&std::fs::read_to_string(out.join("context/model.yaml")).unwrap())
+                .unwrap();
+        assert_eq!(keys(&yaml), keys(&fx_yaml), "{at}");
+        let (c, fc) = (&yaml["config"], &fx_yaml["config"]);
+        for k in keys(c) {
+            assert!(
+                fc.get(&k).is_some(),
+                "{at}: config.{k} is not a config field"
+            );
+        }
+        for k in [
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "normalization",
+            "gated_linear_unit",
+            "activation_func",
+            "position_embedding_type",
+            "add_bias_linear",
+            "rotary_base",
+            "rotary_percent",
+            "share_embeddings_and_output_weights",
+            "params_dtype",
+            "init_method_std",
+        ] {
+            // Numbers as numbers: the importer gives `rope_theta` as the config's float.
+            match (c[k].as_f64(), fc[k].as_f64()) {
+                (Some(a), Some(b)) => assert_eq!(a, b, "{at}: config.{k}"),
+                _ => assert_eq!(c[k], fc[k], "{at}: config.{k}"),
+            }
+        }
+        assert_eq!(c["vocab_size"], serde_yaml::Value::from(64), "{at}");
+        assert_eq!(
+            c["add_qkv_bias"],
+            serde_yaml::Value::from(family == "qwen2"),
+            "{at}"
+        );
+        let family_module = format!("nemo.collections.llm.gpt.model.{family}");
+        assert!(
+            c["_target_"].as_str().unwrap().starts_with(&family_module),
+            "{at}"
+        );
+        assert_eq!(yaml["tokenizer"].is_mapping(), tokenizer, "{at}");
+        // context/io.json: fiddle's document, as the fixture's: the TrainerContext at the
+        // root, the model, its config and the trainer's strategy at the fixture's paths,
+        // every Config with its BuildableTraverserMetadata, a refcount for every object.
+        let io: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("context/io.json")).unwrap())
+                .unwrap();
+        let top =
+            |v: &serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+        assert_eq!(top(&io), top(&fx_io), "{at}");
+        assert_eq!(io["version"], fx_io["version"]);
+        assert_eq!(io["root"], fx_io["root"], "{at}");
+        assert_eq!(top(&io["objects"]), top(&io["refcounts"]), "{at}");
+        let (objects, fx_objects) = (io_objects(&io), io_objects(&fx_io));
+        let by_path = |v: &[(String, String, String)], p: &str| {
+            v.iter()
+                .find(|o| o.2 == p)
+                .map(|o| (o.0.clone(), o.1.clone()))
+        };
+        for p in [
+            "<root>",
+            "<root>.model",
+            "<root>.trainer",
+            "<root>.trainer.strategy",
+        ] {
+            let (m, n) = by_path(&objects, p).unwrap_or_else(|| panic!("{at}: no {p}"));
+            let (fm, fname) = by_path(&fx_objects, p).unwrap();
+            if p == "<root>.model" {
+                assert_eq!(m, family_module, "{at}: {p}");
+            }
+            if p != "<root>.model" || family == "llama" {
+                assert_eq!((m, n), (fm, fname), "{at}: {p}");
+            }
+        }
+        let (m, _) = by_path(&objects, "<root>.model.config").unwrap();
+        assert_eq!(m, family_module, "{at}");
+        assert_eq!(
+            by_path(&objects, "<root>.model.tokenizer").map(|o| o.1),
+            tokenizer.then(|| "AutoTokenizer".to_string()),
+            "{at}"
+        );
+        for o in io["objects"].as_object().unwrap().values() {
+            if o["type"]["name"] == "Config" {
+                let meta = &io["objects"][o["metadata"]["key"].as_str().unwrap()];
+                let names: Vec<&str> = meta["items"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|i| i[0].as_str().unwrap())
+                    .collect();
+                assert_eq!(
+                    names,
+                    [
+                        "Attr(name='fn_or_cls')",
+                        "Attr(name='argument_names')",
+                        "Attr(name='argument_tags')",
+                        "Attr(name='argument_history')"
+                    ]
+                );
+            }
+        }
+        let strategy = io["objects"]["megatron_strategy_1"]["items"]
+            .as_array()
+            .unwrap();
+        let (tp, pp) = mesh.split_once(',').unwrap();
+        for (name, v) in [("tensor", &tp[3..]), ("pipeline", &pp[3..])] {
+            let attr = format!("Attr(name='{name}_model_parallel_size')");
+            let item = strategy.iter().find(|i| i[0] == attr.as_str()).unwrap();
+            assert_eq!(item[1]["value"].to_string(), v, "{at}: {name}");
+        }
+        assert_eq!(
+            out.join("context/nemo_tokenizer/tokenizer.json").is_file(),
+            tokenizer,
+            "{at}"
+        );
+        // Read back as NeMo 2's save, with no flag.
+        let i = d.ok(&["inspect", out.to_str().unwrap()]);
+        let said = format!("{}{}", i.stdout, i.stderr);
+        assert!(said.contains("NeMo 2"), "{at}: {said}");
+        assert!(said.contains("model.yaml"), "{at}: {said}");
+        let back = d.path(&format!("back-{family}-{mesh}"));
+        d.ok(&[
+            "merge",
+            out.to_str().unwrap(),
+            "--format",
+            "hf",
+            "-o",
+            back.to_str().unwrap(),
+        ]);
+        assert_eq!(full_tensors(&back), want, "{at}");
+    }
+}
+
+/// What NeMo's importers do not take is refused by the file and field that say it, or
+/// by the flag that is missing, before anything is written: a mixture of experts,
+/// biases NeMo's Llama has none of, a tied Qwen2, a RoPE scaling other than Llama
+/// 3.1's, no --mesh, a Megatron source.
+#[test]
+fn nemo2_refusals_name_the_field_and_write_nothing() {
+    let d = Dir::new();
+    type Edit = fn(&mut serde_json::Value);
+    let cases: [(&str, &str, Edit, &str); 4] = [
+        (
+            "llama",
+            "bias",
+            |c| c["attention_bias"] = serde_json::json!(true),
+            "`attention_bias` is true",
+        ),
+        (
+            "qwen2",
+            "tied",
+            |c| c["tie_word_embeddings"] = serde_json::json!(true),
+            "`tie_word_embeddings` is true",
+        ),
+        (
+            "llama",
+            "linear",
+            |c| c["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": 2.0}),
+            "`rope_scaling` is",
+        ),
+        (
+            "llama",
+            "gelu",
+            |c| c["hidden_act"] = serde_json::json!("gelu"),
+            "`hidden_act` is \"gelu\"",
+        ),
+    ];
+    let reshard = |src: &Path, out: &Path, mesh: Option<&str>| -> crate::util::Out {
+        let mut args = vec![
+            "reshard".to_string(),
+            src.to_str().unwrap().into(),
+            "--format".into(),
+            "nemo2".into(),
+            "-o".into(),
+            out.to_str().unwrap().into(),
+        ];
+        if let Some(m) = mesh {
+            args.extend(["--mesh".into(), m.into()]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        if mesh.is_some() {
+            d.fails(&args)
+        } else {
+            // A usage error (exit 2): the grid is the flag's to give.
+            let o = d.ckpt(&args);
+            assert_eq!(o.code, 2, "{}", o.stderr);
+            o
+        }
+    };
+    for (family, name, edit, said) in cases {
+        let model = hf_model(&d, family, name, edit);
+        let out = d.path(&format!("{name}-out"));
+        let o = reshard(&model, &out, Some("tp=1,pp=1"));
+        assert!(o.stderr.contains(said), "{name}: {}", o.stderr);
+        assert!(
+            o.stderr.contains("config.json") && o.stderr.contains("--format nemo2"),
+            "{name}: {}",
+            o.stderr
+        );
+        assert!(!out.exists(), "{name}: nothing written");
+    }
+    let mixtral = fixtures().join("moe/hf/mixtral/hf");
+    let out = d.path("mixtral-out");
+    let o = reshard(&mixtral, &out, Some("tp=1,pp=1"));
+    assert!(
+        o.stderr
+            .contains("`architectures` is \"MixtralForCausalLM\""),
+        "{}",
+        o.stderr
+    );
+    assert!(!out.exists());
+    let model = hf_llama(&d, "no-mesh", |_| {});
+    let out = d.path("no-mesh-out");
+    let o = reshard(&model, &out, None);
+    assert!(o.stderr.contains("--mesh"), "{}", o.stderr);
+    assert!(!out.exists());
+    let legacy = fixtures().join("hf/llama/legacy");
+    let out = d.path("from-megatron");
+    let o = reshard(&legacy, &out, Some("tp=1,pp=1"));
+    assert!(o.stderr.contains("Megatron checkpoint"), "{}", o.stderr);
+    assert!(!out.exists());
 }

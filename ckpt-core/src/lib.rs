@@ -129,6 +129,7 @@ pub use crate::write::hf::{HfExport, HF_MAX_SHARD_SIZE};
 pub use crate::write::megatron::MegatronLegacy;
 pub use crate::write::megatron_bridge::MegatronBridge;
 pub use crate::write::megatron_dist::MegatronDist;
+pub use crate::write::nemo2::Nemo2;
 pub use crate::write::one_file::OneFile;
 pub use crate::write::orbax::{OrbaxStep, ORBAX_DEFAULT_ITEM};
 pub use crate::write::ranks::{RankOptions, Ranks, MAX_TARGET_RANKS};

@@ -9,7 +9,7 @@
 //! `merge`'s formats: [`safetensors`], [`hf`], [`one_file`], [`ucp`]. `reshard`'s, one
 //! file per target rank, its target strategy the constructor's argument: [`sliced`]
 //! (ckpt's and MindSpore's rank directories), [`dcp`] (PyTorch DCP's two layouts,
-//! torchtitan's), [`megatron`], [`megatron_dist`] and [`megatron_bridge`] (Megatron-Bridge's import, on
+//! torchtitan's), [`megatron`], [`megatron_dist`], [`megatron_bridge`] and [`nemo2`] (Megatron-Bridge's and NeMo 2's imports, on
 //! `megatron_dist`), sharing [`ranks`]; and [`deepspeed`],
 //! DeepSpeed ZeRO for another data-parallel size, outside the trait (its partitions mix
 //! tensors, which a copy plan does not; docs/architecture.md, "The write side").
@@ -23,9 +23,11 @@ pub(crate) mod dcp;
 pub(crate) mod deepspeed;
 pub(crate) mod gguf;
 pub(crate) mod hf;
+pub(crate) mod hf_import;
 pub(crate) mod megatron;
 pub(crate) mod megatron_bridge;
 pub(crate) mod megatron_dist;
+pub(crate) mod nemo2;
 pub(crate) mod one_file;
 pub(crate) mod orbax;
 pub(crate) mod ranks;

@@ -7,7 +7,7 @@
 
 use ckpt_core::{
     check_output_outside_inputs, execute_with, Checkpoint, Compression, Computations, CopyPlan,
-    CopyStats, Dcp, Error, MegatronBridge, MegatronDist, MegatronLegacy, Mesh, OrbaxStep,
+    CopyStats, Dcp, Error, MegatronBridge, MegatronDist, MegatronLegacy, Mesh, Nemo2, OrbaxStep,
     Placement, RankOptions, Result, Selection, Sliced, StagedDir, Strategy, TargetLayout,
     TensorLayout, Writer,
 };
@@ -92,6 +92,11 @@ pub enum OutputFormat {
     /// `tokenizer/`, `OUT/latest_train_state.pt` and `OUT/latest_checkpointed_iteration.txt`),
     /// what Bridge's `load_checkpoint` starts training from.
     MegatronBridge,
+    /// A Hugging Face Llama or Qwen2 as NeMo 2's `llm.import_ckpt` saves it (`OUT/weights/`,
+    /// the dist_ckpt under NeMo's `module.` prefix with its `common.pt`, and
+    /// `OUT/context/` with fiddle's `io.json`, `model.yaml` and `nemo_tokenizer/`), what
+    /// NeMo's `load_context` and `RestoreConfig(path=OUT)` start from.
+    Nemo2,
     /// PyTorch DCP's default format in torchtitan's names (from a Hugging Face Llama
     /// and its config.json): what torchtitan's `CheckpointManager` loads as a
     /// model-only checkpoint (`initial_load_path`).
@@ -123,7 +128,7 @@ impl OutputFormat {
     /// Every format by the name the CLI and the Python package take (`--format`;
     /// `distcp` and `dcp-safetensors` are PyTorch's two DCP layouts, `dcp` the old name
     /// of the second, [`OLD_DCP_NAME`]).
-    pub const NAMES: [(&'static str, OutputFormat); 12] = [
+    pub const NAMES: [(&'static str, OutputFormat); 13] = [
         ("ckpt", OutputFormat::Ranks),
         ("dcp-safetensors", OutputFormat::Dcp),
         ("distcp", OutputFormat::Distcp),
@@ -131,6 +136,7 @@ impl OutputFormat {
         ("megatron", OutputFormat::Megatron),
         ("megatron-dist", OutputFormat::MegatronDist),
         ("megatron-bridge", OutputFormat::MegatronBridge),
+        ("nemo2", OutputFormat::Nemo2),
         ("torchtitan", OutputFormat::Torchtitan),
         ("deepspeed", OutputFormat::DeepSpeed),
         ("orbax", OutputFormat::Orbax),
@@ -379,6 +385,7 @@ fn writer(req: &ReshardRequest, source: &mut Checkpoint) -> Result<Box<dyn Write
             options,
             &req.output,
         )?),
+        OutputFormat::Nemo2 => Box::new(Nemo2::new(source, req, options)?),
         OutputFormat::Orbax => Box::new(OrbaxStep::sharded(
             strategy(source)?,
             options,

@@ -536,7 +536,9 @@ impl Checkpoint {
         let mut notes = vec![];
         // The files' own args (read once: a rank file's or common.pt's pickle), else the
         // trainer's record beside them.
-        let args = match self.stored_megatron_args()? {
+        let stored = self.stored_megatron_args()?;
+        let recorded = stored.is_none() && self.recorded_args.is_some();
+        let args = match stored {
             Some(a) => Some(a),
             None => self.recorded_args.as_ref().map(|(a, p)| {
                 notes.push(format!(
@@ -633,6 +635,11 @@ impl Checkpoint {
         // `module.`). The config gave the sizes; the table's cuts check the tensors
         // against them.
         let megatron_prefix = match &args {
+            // A trainer's record beside a dist_ckpt under a wrapper's prefix (NeMo 2's
+            // `module.`, its model.yaml the record).
+            Some(_) if recorded => self
+                .wrapper_prefix(&[MEGATRON_EMBEDDING])?
+                .filter(|p| !p.is_empty()),
             Some(_) => None,
             None => self.wrapper_prefix(&[MEGATRON_EMBEDDING])?,
         };
@@ -655,7 +662,9 @@ impl Checkpoint {
             self.check_rows_against_config(family, &model.shape, model.user_config.as_deref())?;
             return Ok(model);
         }
-        if let Some(prefix) = &megatron_prefix {
+        if let Some(prefix) = megatron_prefix.as_ref().filter(|_| args.is_some()) {
+            self.take_wrapped(prefix, &mut notes);
+        } else if let Some(prefix) = &megatron_prefix {
             self.take_wrapped(prefix, &mut notes);
             self.check_hidden(MEGATRON_EMBEDDING, &shape, user_config.as_deref())?;
             notes.push(format!(

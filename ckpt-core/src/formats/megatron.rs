@@ -1643,11 +1643,12 @@ pub(crate) fn dist_ckpt_args(dir: &Path) -> Result<Option<Args>> {
 /// `context/model.yaml` (`section` `config`). Each field is renamed where Megatron-LM's
 /// args spell it otherwise (`share_embeddings_and_output_weights` is the negation of
 /// `untie_embeddings_and_output_weights`, `gated_linear_unit` with SiLU is `swiglu`,
-/// `num_moe_experts` is `num_experts`).
+/// `num_moe_experts` is `num_experts`). Where NeMo's config does not give
+/// `vocab_size`, NeMo takes the tokenizer's ([`nemo_tokenizer_vocab`]).
 ///
 /// # Errors
-/// Not YAML; no such section; a record that does not give the vocabulary's size (NeMo
-/// takes it from the tokenizer), or another field the export needs.
+/// Not YAML; no such section; a record that does not give the vocabulary's size and
+/// whose tokenizer does not say it, or another field the export needs.
 pub(crate) fn args_of_run_config(path: &Path, section: &str) -> Result<Args> {
     let text = String::from_utf8(crate::formats::read_small(path)?)
         .map_err(|_| unknown(format!("{}: not UTF-8 text", path.display())))?;
@@ -1711,11 +1712,92 @@ pub(crate) fn args_of_run_config_text(text: &str, section: &str, path: &Path) ->
         ));
     }
     if !matches!(get("vocab_size"), Some(Value::Int(v)) if v > 0) {
-        return Err(bad(format!(
-            "`{section}.vocab_size` is not recorded (the trainer takes it from its tokenizer)"
-        )));
+        let vocab = match doc.get("tokenizer") {
+            Some(t) if section == "config" => nemo_tokenizer_vocab(t, path),
+            _ => Err("the trainer takes it from its tokenizer".into()),
+        }
+        .map_err(|why| bad(format!("`{section}.vocab_size` is not recorded, and {why}")))?;
+        fields.retain(|(k, _)| *k != Value::Str("vocab_size".into()));
+        fields.push((Value::Str("vocab_size".into()), Value::Int(vocab)));
     }
     Args::from_fields(&fields, path)
+}
+
+/// The vocabulary NeMo 2's model takes from its tokenizer where its config has no
+/// `vocab_size` (`GPTConfig.configure_model`: `tokenizer.vocab_size`, then padded as
+/// the weights are): model.yaml's `tokenizer` (NeMo
+/// `8cfedd7203462cb251a914e700e5605444277561`):
+/// - `NullTokenizer(vocab_size=n)`: `n + 1` (its `vocab_size` adds the end-of-document
+///   token, `null_tokenizer.py`);
+/// - `AutoTokenizer(pretrained_model_name=DIR)`: `len(tokenizer)`, the tokenizer's
+///   vocabulary and its added tokens, read from `DIR/tokenizer.json` (`DIR` relative to
+///   the model.yaml's directory, where NeMo's artifact keeps it: `nemo_tokenizer`).
+///
+/// # Errors
+/// Another tokenizer, or one whose size its files do not say: why, in words.
+fn nemo_tokenizer_vocab(t: &serde_yaml::Value, path: &Path) -> std::result::Result<i64, String> {
+    let target = t
+        .get("_target_")
+        .and_then(serde_yaml::Value::as_str)
+        .unwrap_or("");
+    let class = target.rsplit('.').next().unwrap_or("");
+    match class {
+        "NullTokenizer" => t
+            .get("vocab_size")
+            .and_then(serde_yaml::Value::as_i64)
+            .filter(|n| *n >= 0)
+            .map(|n| n + 1)
+            .ok_or_else(|| "`tokenizer.vocab_size` (NullTokenizer's) is not a size".into()),
+        "AutoTokenizer" => {
+            let name = t
+                .get("pretrained_model_name")
+                .and_then(serde_yaml::Value::as_str)
+                .ok_or("`tokenizer.pretrained_model_name` (AutoTokenizer's) is not given")?;
+            let dir = path.parent().unwrap_or(Path::new(".")).join(name);
+            let file = dir.join("tokenizer.json");
+            let bytes = crate::formats::read_small(&file).map_err(|e| {
+                format!("the AutoTokenizer's {} cannot be read ({e})", file.display())
+            })?;
+            hf_tokenizer_len(&bytes).map_err(|why| format!("{}: {why}", file.display()))
+        }
+        _ => Err(format!(
+            "its tokenizer `{target}` keeps its size in a form ckpt does not read (NullTokenizer and AutoTokenizer are read)"
+        )),
+    }
+}
+
+/// `len(tokenizer)` of a Hugging Face fast tokenizer's `tokenizer.json`: the model's
+/// vocabulary (a `{token: id}` map, or Unigram's list of pieces) and the added tokens
+/// that are not in it (`get_vocab_size(with_added_tokens=True)`).
+fn hf_tokenizer_len(bytes: &[u8]) -> std::result::Result<i64, String> {
+    let doc: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| format!("not JSON: {e}"))?;
+    let vocab = &doc["model"]["vocab"];
+    let added = doc["added_tokens"].as_array().cloned().unwrap_or_default();
+    let n = if let Some(map) = vocab.as_object() {
+        let ids: std::collections::BTreeSet<i64> =
+            map.values().filter_map(serde_json::Value::as_i64).collect();
+        let extra: std::collections::BTreeSet<i64> = added
+            .iter()
+            .filter(|a| a["content"].as_str().is_some_and(|c| !map.contains_key(c)))
+            .filter_map(|a| a["id"].as_i64())
+            .filter(|id| !ids.contains(id))
+            .collect();
+        ids.len() + extra.len()
+    } else if let Some(pieces) = vocab.as_array() {
+        let inside: std::collections::BTreeSet<&str> = pieces
+            .iter()
+            .filter_map(|p| p.get(0).and_then(serde_json::Value::as_str))
+            .collect();
+        pieces.len()
+            + added
+                .iter()
+                .filter(|a| a["content"].as_str().is_some_and(|c| !inside.contains(c)))
+                .count()
+    } else {
+        return Err("no `model.vocab` (the tokenizer's vocabulary)".into());
+    };
+    i64::try_from(n).map_err(|_| "a vocabulary too large".into())
 }
 
 /// What a legacy output carries from its source: the pickled args (updated for the new

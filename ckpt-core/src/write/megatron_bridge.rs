@@ -25,24 +25,23 @@
 //! the import leaves at their defaults: Bridge's `instantiate` fills them from the
 //! classes (docs/trainers.md, "The way back").
 
+use super::hf_import::{absolute, hf_fields, yaml_block, Family, HfSource, Y};
 use super::megatron_dist::{MegatronDist, Saver, BRIDGE_ITERATION_DIR};
 use super::ranks::RankOptions;
 use super::{TargetLayout, Writer};
 use crate::checkpoint::Checkpoint;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::formats::megatron::TRACKER_FILE;
 use crate::formats::output::write_file_atomic;
 use crate::formats::torch_write::TorchWriter;
 use crate::formats::writer::TensorSpec;
-use crate::hf::TOKENIZER_FILES;
 use crate::layout::plan::CopyPlan;
 use crate::layout::select::Selection;
 use crate::layout::strategy::Strategy;
 use crate::layout::Dtype;
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// `reshard --format megatron-bridge`: a Hugging Face Llama or Qwen2 as Megatron-Bridge's
 /// `AutoBridge.import_ckpt` saves it (module docs).
@@ -51,8 +50,8 @@ pub struct MegatronBridge {
     dist: MegatronDist,
     /// `run_config.yaml`'s text.
     run_config: String,
-    /// The source's tokenizer files (copied into `iter_0000000/tokenizer/`).
-    tokenizer: Vec<PathBuf>,
+    /// The source (its tokenizer files are copied into `iter_0000000/tokenizer/`).
+    hf: HfSource,
 }
 
 impl MegatronBridge {
@@ -70,31 +69,20 @@ impl MegatronBridge {
         options: RankOptions,
         output: &Path,
     ) -> Result<MegatronBridge> {
-        if source.is_megatron() {
-            return Err(unsupported(
-                "the source is a Megatron checkpoint; --format megatron-bridge writes a Hugging Face model (its config.json and weights) as Megatron-Bridge's AutoBridge.import_ckpt saves it".into(),
-            ));
-        }
-        let config_path = source.carried.get("config.json").cloned().ok_or_else(|| {
-            unsupported("--format megatron-bridge: the source has no config.json beside its weights (Bridge's provider is made from it)".into())
-        })?;
-        let config: Json = serde_json::from_slice(&crate::formats::read_small(&config_path)?)
-            .map_err(|e| unsupported(format!("{}: not JSON: {e}", config_path.display())))?;
+        let hf = HfSource::of(
+            source,
+            "megatron-bridge",
+            "Megatron-Bridge's AutoBridge.import_ckpt",
+        )?;
         // Checked before the weights are looked at: the family decides the mapping.
-        let provider = provider(&config, &config_path)?;
+        let provider = provider(&hf.config, &hf.config_path)?;
         let dist = MegatronDist::saved_by(source, target, options, Saver::Bridge)?;
         let (tp, pp) = dist.sizes(source)?;
-        let hf_dir = absolute(config_path.parent().unwrap_or(Path::new(".")));
-        let output = absolute(output);
-        let run_config = run_config(provider, (tp, pp), &hf_dir, &output);
-        let tokenizer = TOKENIZER_FILES
-            .iter()
-            .filter_map(|f| source.carried.get(*f).cloned())
-            .collect();
+        let run_config = run_config(provider, (tp, pp), &hf.dir(), &absolute(output));
         Ok(MegatronBridge {
             dist,
             run_config,
-            tokenizer,
+            hf,
         })
     }
 }
@@ -124,27 +112,8 @@ impl Writer for MegatronBridge {
         train_state(&dir.join("latest_train_state.pt"))?;
         // `f.write(str(step))`: no newline.
         write_file_atomic(&dir.join(TRACKER_FILE), b"0")?;
-        if !self.tokenizer.is_empty() {
-            let tok = iter.join("tokenizer");
-            std::fs::create_dir_all(&tok).map_err(|source| Error::Io {
-                path: tok.clone(),
-                source,
-            })?;
-            for f in &self.tokenizer {
-                let name = f.file_name().unwrap_or_default();
-                write_file_atomic(&tok.join(name), &crate::formats::read_small(f)?)?;
-            }
-        }
-        Ok(())
+        self.hf.copy_tokenizer(&iter.join("tokenizer"))
     }
-}
-
-fn unsupported(problem: String) -> Error {
-    Error::Unsupported { problem }
-}
-
-fn absolute(p: &Path) -> PathBuf {
-    std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf())
 }
 
 /// `TrainState().state_dict()` as the save's finalize step writes it: 0-d tensors,
@@ -175,180 +144,32 @@ fn train_state(dest: &Path) -> Result<()> {
     }
     w.finish()
 }
-
-/// A YAML value of `run_config.yaml`.
-#[derive(Clone, Debug, PartialEq)]
-enum Y {
-    Bool(bool),
-    Int(i64),
-    Float(f64),
-    Str(String),
-    /// A class or function (`{_call_: false, _target_: ...}`: Bridge's
-    /// `safe_yaml_representers` for torch dtypes and functions).
-    Target(&'static str),
-    /// An empty mapping (`{}`).
-    Empty,
-}
-
-/// The families whose import ckpt writes: Bridge's bridge class of each.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Family {
-    /// `LlamaBridge` (`models/llama/llama_bridge.py`).
-    Llama,
-    /// `Qwen2Bridge` (`models/qwen/qwen2_bridge.py`).
-    Qwen2,
-}
-
 /// The provider's fields the family's `provider_bridge` sets from `config` (Bridge's
-/// `MegatronModelBridge.CONFIG_MAPPING`, `hf_config_to_provider_kwargs`, then the
-/// family's own settings), by name.
+/// `MegatronModelBridge.CONFIG_MAPPING`, `hf_config_to_provider_kwargs`
+/// ([`hf_fields`]), then the family's own settings), by name.
 ///
 /// # Errors
 /// A config of another family, or a field the mapping cannot take, named.
 fn provider(config: &Json, path: &Path) -> Result<BTreeMap<&'static str, Y>> {
     let bad = |field: &str, problem: String| {
-        unsupported(format!(
+        super::hf_import::unsupported(format!(
             "{}: `{field}` {problem} (--format megatron-bridge)",
             path.display()
         ))
     };
-    let arch = config["architectures"]
-        .as_array()
-        .and_then(|a| a.first())
-        .and_then(Json::as_str)
-        .unwrap_or("");
-    let family = match arch {
-        "LlamaForCausalLM" => Family::Llama,
-        "Qwen2ForCausalLM" => Family::Qwen2,
-        _ => {
-            return Err(bad(
-                "architectures",
-                format!(
-                    "is {arch:?}: ckpt writes Bridge's import of LlamaForCausalLM (LlamaBridge) and Qwen2ForCausalLM (Qwen2Bridge) only so far"
-                ),
-            ))
-        }
-    };
-    let int = |k: &str| config.get(k).and_then(Json::as_i64);
-    let float = |k: &str| config.get(k).and_then(Json::as_f64);
-    let mut m: BTreeMap<&'static str, Y> = BTreeMap::new();
-    // CONFIG_MAPPING, (hf_name, megatron_name), where the config has the field.
-    // transformers' LlamaConfig always has head_dim (hidden / heads when not given).
-    for (hf, meg) in [
-        ("num_hidden_layers", "num_layers"),
-        ("hidden_size", "hidden_size"),
-        ("intermediate_size", "ffn_hidden_size"),
-        ("num_attention_heads", "num_attention_heads"),
-        ("num_key_value_heads", "num_query_groups"),
-        ("vocab_size", "vocab_size"),
-        ("max_position_embeddings", "seq_length"),
-    ] {
-        let v = int(hf).ok_or_else(|| bad(hf, "is missing or not an integer".into()))?;
-        m.insert(meg, Y::Int(v));
-    }
-    let hidden = int("hidden_size").unwrap_or(0);
-    let heads = int("num_attention_heads").unwrap_or(1).max(1);
-    // transformers' LlamaConfig always has `head_dim` (hidden / heads when not given);
-    // Qwen2Config only where config.json gives it.
-    let head_dim = match config.get("head_dim") {
-        None | Some(Json::Null) => (family == Family::Llama).then_some(hidden / heads),
-        Some(v) => Some(
-            v.as_i64()
-                .ok_or_else(|| bad("head_dim", "is not an integer".into()))?,
-        ),
-    };
-    if let Some(h) = head_dim {
-        m.insert("kv_channels", Y::Int(h));
-    }
-    for (hf, meg, default) in [
-        ("rms_norm_eps", "layernorm_epsilon", 1e-6),
-        ("initializer_range", "init_method_std", 0.02),
-        ("attention_dropout", "attention_dropout", 0.0),
-    ] {
-        let v = match config.get(hf) {
-            None | Some(Json::Null) => default,
-            Some(v) => v
-                .as_f64()
-                .ok_or_else(|| bad(hf, "is not a number".into()))?,
-        };
-        m.insert(meg, Y::Float(v));
-    }
-    for (hf, meg) in [
-        ("tie_word_embeddings", "share_embeddings_and_output_weights"),
-        ("attention_bias", "add_qkv_bias"),
-        ("mlp_bias", "add_bias_linear"),
-    ] {
-        let v = match config.get(hf) {
-            None | Some(Json::Null) => false,
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| bad(hf, "is not a boolean".into()))?,
-        };
-        m.insert(meg, Y::Bool(v));
-    }
-    // rope_theta, or transformers 5's rope_parameters (rope_theta_from_hf).
-    let theta = float("rope_theta")
-        .or_else(|| config["rope_parameters"]["rope_theta"].as_f64())
-        .unwrap_or(10000.0);
-    #[allow(clippy::cast_possible_truncation)]
-    let theta_y = if theta.fract() == 0.0 && theta.abs() < 9e15 {
-        Y::Int(theta as i64)
-    } else {
-        Y::Float(theta)
-    };
-    m.insert("rotary_base", theta_y);
+    let hf = hf_fields(config, path, "megatron-bridge")?;
+    let (family, mut m, scaling) = (hf.family, hf.fields, hf.scaling);
     // make_vocab_size_divisible_by: the largest power of 2 up to 128 dividing the
     // vocabulary.
-    let vocab = int("vocab_size").unwrap_or(1);
+    let vocab = match m.get("vocab_size") {
+        Some(Y::Int(v)) => *v,
+        _ => 1,
+    };
     let mut base = 128;
     while base > 1 && vocab % base != 0 {
         base /= 2;
     }
     m.insert("make_vocab_size_divisible_by", Y::Int(base));
-    // dtype_from_hf(config, default=float32).
-    let dtype = config
-        .get("torch_dtype")
-        .or_else(|| config.get("dtype"))
-        .and_then(Json::as_str)
-        .unwrap_or("float32");
-    let target = match dtype {
-        "float32" => "torch.float32",
-        "bfloat16" => "torch.bfloat16",
-        "float16" => "torch.float16",
-        other => {
-            return Err(bad(
-                "torch_dtype",
-                format!("is {other:?}, not a dtype Bridge maps"),
-            ))
-        }
-    };
-    m.insert("fp16", Y::Bool(dtype == "float16"));
-    m.insert("bf16", Y::Bool(dtype == "bfloat16"));
-    m.insert("params_dtype", Y::Target(target));
-    let act = config
-        .get("hidden_act")
-        .and_then(Json::as_str)
-        .unwrap_or("silu");
-    if act != "silu" {
-        return Err(bad(
-            "hidden_act",
-            format!("is {act:?}: a Llama's gated unit is SiLU's"),
-        ));
-    }
-    m.insert("activation_func", Y::Target("torch.nn.functional.silu"));
-    m.insert("position_embedding_type", Y::Str("rope".into()));
-    // transformers 5 keeps the scaling in `rope_parameters` (its `rope_type` not
-    // `default`), which its config also answers as `rope_scaling`.
-    let scaling = config.get("rope_scaling").or_else(|| {
-        config
-            .get("rope_parameters")
-            .filter(|p| p["rope_type"].as_str().is_some_and(|t| t != "default"))
-    });
-    let scaling = scaling.filter(|s| {
-        !s.is_null()
-            && !s.as_object().is_some_and(serde_json::Map::is_empty)
-            && s["rope_type"].as_str().or_else(|| s["type"].as_str()) != Some("default")
-    });
     if family == Family::Qwen2 {
         // Qwen2Bridge.provider_bridge.
         if let Some(s) = scaling {
@@ -437,13 +258,20 @@ fn run_config(
     let hf = hf_dir.display().to_string();
     model.insert("hf_model_id", Y::Str(hf.clone()));
     let section = |target: &str, fields: Vec<(&'static str, Y)>| {
-        let mut m: BTreeMap<&'static str, Y> = fields.into_iter().collect();
-        m.insert("_target_", Y::Str(target.into()));
-        Some(m)
+        let mut m: BTreeMap<String, Y> = fields
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        m.insert("_target_".into(), Y::Str(target.into()));
+        Y::Map(m)
     };
-    let mut top: BTreeMap<&'static str, Option<BTreeMap<&'static str, Y>>> = BTreeMap::new();
+    let mut top: BTreeMap<String, Y> = BTreeMap::new();
     top.insert(
-        "checkpoint",
+        "_target_".into(),
+        Y::Str("megatron.bridge.training.config.ConfigContainer".into()),
+    );
+    top.insert(
+        "checkpoint".into(),
         section(
             "megatron.bridge.training.config.CheckpointConfig",
             vec![
@@ -457,113 +285,42 @@ fn run_config(
         ),
     );
     top.insert(
-        "optimizer",
+        "optimizer".into(),
         section(
             "megatron.bridge.training.config.OptimizerConfig",
             vec![("use_distributed_optimizer", Y::Bool(false))],
         ),
     );
     top.insert(
-        "logger",
+        "logger".into(),
         section("megatron.bridge.training.config.LoggerConfig", vec![]),
     );
     top.insert(
-        "tokenizer",
+        "tokenizer".into(),
         section(
             "megatron.bridge.training.tokenizers.config.TokenizerConfig",
             vec![
                 ("tokenizer_type", Y::Str("HuggingFaceTokenizer".into())),
                 ("tokenizer_model", Y::Str(hf)),
-                ("hf_tokenizer_kwargs", Y::Empty),
+                ("hf_tokenizer_kwargs", Y::empty()),
             ],
         ),
     );
     for none in ["train", "ddp", "scheduler", "dataset", "dist"] {
-        top.insert(none, None);
+        top.insert(none.into(), Y::Null);
     }
-    top.insert("model", Some(model));
-    let mut out = String::from("_target_: megatron.bridge.training.config.ConfigContainer\n");
-    for (k, v) in &top {
-        match v {
-            None => {
-                let _ = writeln!(out, "{k}: null");
-            }
-            Some(m) => {
-                let _ = writeln!(out, "{k}:");
-                for (f, y) in m {
-                    match y {
-                        Y::Target(t) => {
-                            let _ = writeln!(out, "  {f}:\n    _call_: false\n    _target_: {t}");
-                        }
-                        y => {
-                            let _ = writeln!(out, "  {f}: {}", scalar(y));
-                        }
-                    }
-                }
-            }
-        }
-    }
+    top.insert(
+        "model".into(),
+        Y::Map(model.into_iter().map(|(k, v)| (k.to_string(), v)).collect()),
+    );
+    let mut out = String::new();
+    yaml_block(&mut out, 0, &top);
     out
-}
-
-/// A scalar as PyYAML's `safe_dump` writes it (floats as Python's `repr`, with the
-/// `.` and two-digit exponent its resolver needs to read them back as floats).
-fn scalar(y: &Y) -> String {
-    match y {
-        Y::Bool(b) => b.to_string(),
-        Y::Int(v) => v.to_string(),
-        Y::Float(f) => py_float(*f),
-        Y::Str(s) => {
-            let plain = !s.is_empty()
-                && s.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "._/-".contains(c))
-                && s.parse::<f64>().is_err()
-                && !["null", "true", "false", "yes", "no", "on", "off", "~"]
-                    .contains(&s.to_ascii_lowercase().as_str());
-            if plain {
-                s.clone()
-            } else {
-                format!("'{}'", s.replace('\'', "''"))
-            }
-        }
-        Y::Target(t) => (*t).to_string(),
-        Y::Empty => "{}".into(),
-    }
-}
-
-/// Python's `repr` of a float, as PyYAML writes it: `0.02`, `10000.0`, `1.0e-05`.
-fn py_float(f: f64) -> String {
-    if f != 0.0 && (f.abs() < 1e-4 || f.abs() >= 1e16) {
-        let s = format!("{f:e}");
-        let (mant, exp) = s.split_once('e').unwrap_or((&s, "0"));
-        let mant = if mant.contains('.') {
-            mant.to_string()
-        } else {
-            format!("{mant}.0")
-        };
-        let (sign, digits) = exp.strip_prefix('-').map_or(("+", exp), |d| ("-", d));
-        format!("{mant}e{sign}{digits:0>2}")
-    } else {
-        format!("{f:?}")
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn floats_are_written_as_pyyaml_writes_them() {
-        assert_eq!(py_float(1e-5), "1.0e-05");
-        assert_eq!(py_float(1e-6), "1.0e-06");
-        assert_eq!(py_float(0.02), "0.02");
-        assert_eq!(py_float(0.0), "0.0");
-        assert_eq!(py_float(10000.0), "10000.0");
-        assert_eq!(py_float(2.5e-7), "2.5e-07");
-        assert_eq!(scalar(&Y::Str("RMSNorm".into())), "RMSNorm");
-        assert_eq!(scalar(&Y::Str("1e5".into())), "'1e5'");
-        assert_eq!(scalar(&Y::Str("/a b".into())), "'/a b'");
-    }
 
     #[test]
     fn the_llama_mapping_is_bridges() {

@@ -69,6 +69,21 @@ pub(crate) enum Saver {
     /// Megatron-Bridge's `save_megatron_model` (`AutoBridge.import_ckpt`): `iter_0000000/`,
     /// `common.pt` without args ([`super::megatron_bridge`]).
     Bridge,
+    /// NeMo 2's `MegatronCheckpointIO` (`llm.import_ckpt`): `weights/`, every key under
+    /// NeMo's `module.` prefix, Lightning's `common.pt` ([`super::nemo2`]).
+    Nemo2,
+}
+
+impl Saver {
+    /// The prefix of every key of the saver's dist_ckpt.
+    fn prefix(self) -> &'static str {
+        match self {
+            Saver::MegatronLm | Saver::Bridge => "",
+            // MegatronParallel's chunk is DDP(GPTModel): MegatronModule's default
+            // sharded_state_dict recurses into its child `module`.
+            Saver::Nemo2 => "module.",
+        }
+    }
 }
 
 impl MegatronDist {
@@ -314,6 +329,8 @@ fn stacked(
             .unwrap_or_default(),
         // `get_checkpoint_name(path, 0, release=False)`.
         Saver::Bridge => PathBuf::from(BRIDGE_ITERATION_DIR),
+        // `ckpt_to_weights_subdir(path, is_saving=True)`.
+        Saver::Nemo2 => PathBuf::from(NEMO_WEIGHTS_DIR),
     };
     let mut tensors: BTreeMap<String, (Dtype, Vec<u64>)> = BTreeMap::new();
     let mut files = Vec::with_capacity(plan.files.len());
@@ -337,6 +354,8 @@ fn stacked(
                 )));
             };
             let (key, at) = dist_key(&t.name);
+            let module = linear_module(&key).map(|m| format!("{}{m}", saver.prefix()));
+            let key = format!("{}{key}", saver.prefix());
             let global_shape = strategy
                 .tensors
                 .get(&t.name)
@@ -357,8 +376,8 @@ fn stacked(
             let (global_shape, offsets, sizes) = if at.is_empty() {
                 (global_shape, piece.global.start.to_vec(), t.shape.clone())
             } else {
-                if let Some(m) = linear_module(&key) {
-                    modules.insert(m.to_string(), extents.to_vec());
+                if let Some(m) = module {
+                    modules.insert(m, extents.to_vec());
                 }
                 let ones = vec![1; at.len()];
                 let sizes = lead(&ones, &t.shape);
@@ -452,8 +471,10 @@ fn megatron_dist_finish(dist: &Stacked, out: &Path, saver: Saver) -> Result<()> 
     }
     let meta = metadata_bytes(&dist.tensors, &dist.files, &objects)?;
     write_file_atomic(&dir.join(crate::formats::distcp::METADATA_FILE), &meta)?;
-    if saver == Saver::Bridge {
-        return bridge_common(&dir);
+    match saver {
+        Saver::Bridge => return bridge_common(&dir),
+        Saver::Nemo2 => return nemo_common(&dir),
+        Saver::MegatronLm => {}
     }
     let (tp, pp) = dist.sizes;
     // GroupedMLP's experts whole on every TP rank (expert TP 1), as the legacy output
@@ -492,6 +513,35 @@ fn bridge_common(dir: &Path) -> Result<()> {
     e.str("content_metadata").empty_dict().mark();
     e.str("singleton_local_shards").bool(false);
     e.str("chained_optim_avoid_prefix").bool(true);
+    e.set_items();
+    e.set_items();
+    TorchWriter::create_with_pickle(&dir.join(COMMON_FILE), &[], e.finish())?.finish()?;
+    write_file_atomic(&dir.join(CONFIG_FILE), CONFIG.as_bytes())
+}
+
+/// The dist_ckpt's directory in a NeMo 2 checkpoint.
+pub(crate) const NEMO_WEIGHTS_DIR: &str = "weights";
+
+/// `common.pt` and `metadata.json` of a NeMo 2 import: what Lightning's
+/// `dump_checkpoint` gives a trainer that never ran (`epoch` 0, `global_step` 0),
+/// `MegatronStrategy.save_checkpoint`'s empty `state_dict` (the weights are the
+/// sharded tensors) and emptied `optimizer_states` (`ckpt_save_optimizer=False`),
+/// and `content_metadata`, the strategy's `sharded_state_dict_metadata`: the model's
+/// default `MegatronOptimizerModule` asks for the distributed optimizer, whose
+/// parallel save (`ckpt_parallel_save_optim`, default true) is
+/// `fully_sharded_model_space`. Lightning's loop and callback state are not written:
+/// NeMo's restore of an import (`RestoreConfig`, `selective_restore`) reads the
+/// `state_dict` and `content_metadata` alone.
+fn nemo_common(dir: &Path) -> Result<()> {
+    let mut e = Emitter::new();
+    e.empty_dict().mark();
+    e.str("epoch").int(0);
+    e.str("global_step").int(0);
+    e.str("state_dict").empty_dict();
+    e.str("optimizer_states").empty_dict();
+    e.str("content_metadata").empty_dict().mark();
+    e.str("distrib_optim_sharding_type")
+        .str("fully_sharded_model_space");
     e.set_items();
     e.set_items();
     TorchWriter::create_with_pickle(&dir.join(COMMON_FILE), &[], e.finish())?.finish()?;
