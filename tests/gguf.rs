@@ -685,7 +685,10 @@ fn a_qwen_gguf_holds_the_hugging_face_tensors_under_llama_cpps_names() {
             .collect::<Vec<_>>()
     };
     let mut pairs = vec![
-        ("token_embd.weight".to_string(), "model.embed_tokens.weight".to_string()),
+        (
+            "token_embd.weight".to_string(),
+            "model.embed_tokens.weight".to_string(),
+        ),
         ("output.weight".into(), "lm_head.weight".into()),
         ("output_norm.weight".into(), "model.norm.weight".into()),
     ];
@@ -762,10 +765,9 @@ fn a_qwen_gguf_carries_the_bpe_tokenizer_as_llama_cpp_reads_it() {
     let o = d.ok(&["inspect", s(&out), "--json"]);
     let v: serde_json::Value = serde_json::from_str(&o.stdout).expect("json");
     let text = v.to_string();
-    let tj: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(fixture("qwen/qwen2/tokenizer.json")).expect("read"),
-    )
-    .expect("json");
+    let tj: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("qwen/qwen2/tokenizer.json")).expect("read"))
+            .expect("json");
     for want in [
         "\"gpt2\"",
         "\"qwen2\"",
@@ -809,7 +811,11 @@ fn a_qwen_tokenizer_ckpt_cannot_name_is_refused_by_name() {
     // No tokenizer.json: --tokenizer named; given it, the model converts.
     std::fs::remove_file(&path).expect("remove");
     let o = d.fails(&["merge", s(&src), "--format", "gguf", "-o", s(&out)]);
-    assert!(o.stderr.contains("tokenizer.json") && o.stderr.contains("--tokenizer"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("tokenizer.json") && o.stderr.contains("--tokenizer"),
+        "{}",
+        o.stderr
+    );
     assert!(!out.exists(), "nothing written");
     d.ok(&[
         "merge",

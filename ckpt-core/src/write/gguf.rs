@@ -387,7 +387,12 @@ fn special_vocab(
                     }
                 }
                 Some("Sequence") => {
-                    for m in n.get("normalizers").and_then(Json::as_array).into_iter().flatten() {
+                    for m in n
+                        .get("normalizers")
+                        .and_then(Json::as_array)
+                        .into_iter()
+                        .flatten()
+                    {
                         normalizer(m, lower, strip);
                     }
                 }
@@ -401,7 +406,8 @@ fn special_vocab(
             .get("added_tokens")
             .and_then(Json::as_array)
             .map_or(&[], Vec::as_slice);
-        let present = |c: &Map<String, Json>, k: &str| c.get(k).is_some_and(|v| !v.is_null() && v != "");
+        let present =
+            |c: &Map<String, Json>, k: &str| c.get(k).is_some_and(|v| !v.is_null() && v != "");
         for (missing, from) in [("bos_token", "cls_token"), ("eos_token", "sep_token")] {
             if !present(&tok_config, missing) && present(&tok_config, from) {
                 let v = tok_config[from].clone();
@@ -498,7 +504,10 @@ fn special_vocab(
     let mut kv = Vec::new();
     for (typ, id) in ids {
         if let Some(key) = special_id_key(typ) {
-            kv.push((key.to_string(), Value::U32(u32::try_from(id).unwrap_or(u32::MAX))));
+            kv.push((
+                key.to_string(),
+                Value::U32(u32::try_from(id).unwrap_or(u32::MAX)),
+            ));
         }
     }
     for (typ, b) in adds {
@@ -513,7 +522,10 @@ fn special_vocab(
         kv.push(("tokenizer.ggml.normalizer.lowercase".into(), Value::Bool(b)));
     }
     if let Some(b) = strip_accents {
-        kv.push(("tokenizer.ggml.normalizer.strip_accents".into(), Value::Bool(b)));
+        kv.push((
+            "tokenizer.ggml.normalizer.strip_accents".into(),
+            Value::Bool(b),
+        ));
     }
     Ok(kv)
 }
@@ -577,7 +589,11 @@ impl GgufExport {
     /// The directory holding the tokenizer: `--tokenizer`, else the source's own.
     fn tokenizer_dir(&self, source: &Checkpoint) -> Result<PathBuf> {
         let bpe = bpe_family(self.model.family);
-        let file = if bpe { "tokenizer.json" } else { "tokenizer.model" };
+        let file = if bpe {
+            "tokenizer.json"
+        } else {
+            "tokenizer.model"
+        };
         if let Some(dir) = &self.tokenizer {
             if !dir.join(file).is_file() {
                 return Err(unsupported(if bpe {
@@ -1084,7 +1100,10 @@ mod tests {
             table_row("lm_head.weight", Family::Llama),
             Some(("output.weight".into(), RopeRows::AsTheyAre))
         );
-        assert_eq!(table_row("model.layers.x.mlp.up_proj.weight", Family::Llama), None);
+        assert_eq!(
+            table_row("model.layers.x.mlp.up_proj.weight", Family::Llama),
+            None
+        );
         // Qwen: no permutation, its biases and norms named; Llama has none of them.
         assert_eq!(
             table_row("model.layers.3.self_attn.k_proj.weight", Family::Qwen2),
@@ -1098,7 +1117,10 @@ mod tests {
             table_row("model.layers.0.self_attn.k_norm.weight", Family::Qwen3),
             Some(("blk.0.attn_k_norm.weight".into(), RopeRows::AsTheyAre))
         );
-        assert_eq!(table_row("model.layers.3.self_attn.q_proj.bias", Family::Llama), None);
+        assert_eq!(
+            table_row("model.layers.3.self_attn.q_proj.bias", Family::Llama),
+            None
+        );
     }
 
     #[test]

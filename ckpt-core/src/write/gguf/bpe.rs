@@ -213,18 +213,27 @@ mod tests {
         let qwen = json!({"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": QWEN2_REGEX}, "behavior": "Isolated", "invert": false},
             {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]});
-        assert_eq!(pre_name(&doc(qwen.clone(), json!({"type": "NFC"}))), Ok("qwen2"));
+        assert_eq!(
+            pre_name(&doc(qwen.clone(), json!({"type": "NFC"}))),
+            Ok("qwen2")
+        );
         // Another normalizer, another regex, a prefix space: refused, the parts named.
         let e = pre_name(&doc(qwen.clone(), Json::Null)).unwrap_err();
-        assert!(e.contains("Sequence[Split, ByteLevel]") && e.contains("normalizer (none)"), "{e}");
+        assert!(
+            e.contains("Sequence[Split, ByteLevel]") && e.contains("normalizer (none)"),
+            "{e}"
+        );
         let mut other = qwen.clone();
         other["pretokenizers"][0]["pattern"]["Regex"] = json!(r"\p{L}+|\p{N}{1,3}");
         assert!(pre_name(&doc(other, json!({"type": "NFC"}))).is_err());
         let mut prefix = qwen;
         prefix["pretokenizers"][1]["add_prefix_space"] = json!(true);
         assert!(pre_name(&doc(prefix, json!({"type": "NFC"}))).is_err());
-        let e = pre_name(&doc(json!({"type": "ByteLevel", "add_prefix_space": false}), Json::Null))
-            .unwrap_err();
+        let e = pre_name(&doc(
+            json!({"type": "ByteLevel", "add_prefix_space": false}),
+            Json::Null,
+        ))
+        .unwrap_err();
         assert!(e.contains("pre-tokenizer (ByteLevel)"), "{e}");
     }
 }
