@@ -363,7 +363,7 @@ fn special_vocab(
     let mut adds: Vec<(&str, bool)> = Vec::new();
     let mut lowercase = None;
     let mut strip_accents = None;
-    let mut set_id = |ids: &mut Vec<(&str, u64)>, typ: &'static str, id: Option<&Json>| {
+    let set_id = |ids: &mut Vec<(&str, u64)>, typ: &'static str, id: Option<&Json>| {
         let Some(id) = id.and_then(Json::as_u64) else {
             return;
         };
