@@ -1,18 +1,29 @@
 #!/usr/bin/env python3
 """Check a GGUF file ckpt wrote against the Hugging Face model it came from.
 
-  gguf_check.py FILE.gguf HF_MODEL_DIR [--tokens 1,5,9,...]
+  gguf_check.py FILE.gguf HF_MODEL_DIR [--tokens 1,5,9,...] [--llama-cpp DIR]
 
 1. gguf-py (`gguf`) reads the file, and every tensor equals the model's tensor under
    llama.cpp's rules (tests/fixtures/serving/README.md, "GGUF semantics"): the name by
-   the table, the query/key rows permuted per head (`LlamaModel.permute`), norms and
+   the table (Qwen2's attention biases and Qwen3's query/key norms too), the query/key
+   rows permuted per head for Llama (`LlamaModel.permute`; not for Qwen), norms and
    1-D tensors F32, the others in the file's type: F32/F16/BF16 values equal to the
    source's cast (round to nearest even), Q8_0 bytes equal to gguf-py's own
    `quants.quantize(x, Q8_0)` of the F32 values.
-2. If `llama_cpp` (llama-cpp-python) is importable, it loads the file and its logits on
-   a fixed token sequence are compared with transformers' (the model in F32 on CPU):
-   max |difference| <= TOL * max(1, max |logit|), TOL = 1e-3 for F32 files, 1e-2 for
-   F16, 5e-2 for BF16 and Q8_0. Otherwise that part prints SKIPPED.
+2. With --llama-cpp DIR (the directory holding llama.cpp's convert_hf_to_gguf.py,
+   conversion/ and gguf-py/, e.g. llama-cpp-python's sdist's vendor/llama.cpp), the
+   converter is run on HF_MODEL_DIR with the file's type, and its file must have the
+   same tensors (names, order, shapes, types) and the same metadata keys, in order,
+   with the same values. Its `get_vocab_base_pre` is wrapped: a tokenizer whose hash
+   the converter does not know (NotImplementedError) is registered under the
+   `tokenizer.ggml.pre` ckpt wrote; a known one keeps the converter's name.
+3. If `llama_cpp` (llama-cpp-python) is importable, it loads the file; for a model with
+   a tokenizer.json, its tokenization of a fixed text (llama.cpp's own pre-tokenizer
+   test text and a short English one) must equal transformers' `AutoTokenizer`
+   (no special tokens added); and its logits on a fixed token sequence are compared
+   with transformers' (the model in F32 on CPU): max |difference| <= TOL * max(1, max
+   |logit|), TOL = 1e-4 for F32 files, 1e-2 for F16, 5e-2 for BF16 and Q8_0,
+   with an F32 key/value cache (type_k = type_v = GGML_TYPE_F32). Otherwise that part prints SKIPPED.
 
 Exit status 0 when everything checked agrees, 1 otherwise. Needs numpy, gguf, torch
 and safetensors (transformers for the logits).
@@ -40,8 +51,75 @@ TABLE = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Qwen2's attention biases, Qwen3's query/key norms
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
-TOL = {"F32": 1e-3, "F16": 1e-2, "BF16": 5e-2, "Q8_0": 5e-2}
+# llama.cpp's get_vocab_base_pre text (conversion/base.py)
+CHKTXT = '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL'
+TEXTS = [CHKTXT, "Hello, world! The quick brown fox jumps over the lazy dog; don't stop: 12345."]
+WRAPPER = """
+import sys, runpy
+from hashlib import sha256
+sys.path.insert(0, {llama!r})
+import conversion.base as base
+original = base.TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return original(self, tokenizer)
+    except NotImplementedError:
+        return {pre!r}  # this tokenizer's hash, registered as ckpt named it
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+sys.argv = [{script!r}] + sys.argv[1:]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def compare_with_converter(reader, path: Path, model: Path, llama_cpp: Path, file_type: str) -> int:
+    """Runs llama.cpp's converter on the model; 0 when its file matches ckpt's."""
+    import subprocess
+    import tempfile
+
+    import gguf
+
+    pre = reader.fields.get("tokenizer.ggml.pre")
+    pre = pre.contents() if pre is not None else "default"
+    with tempfile.TemporaryDirectory() as tmp:
+        wrapper = Path(tmp) / "convert.py"
+        script = (llama_cpp / "convert_hf_to_gguf.py").resolve()
+        wrapper.write_text(WRAPPER.format(llama=str(llama_cpp.resolve()), pre=pre, script=str(script)))
+        out = Path(tmp) / "converter.gguf"
+        # the converter names the model after the directory it is given
+        cmd = [sys.executable, str(wrapper), model.resolve().name, "--outtype", file_type.lower(), "--outfile", str(out)]
+        r = subprocess.run(cmd, cwd=model.resolve().parent, capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"llama.cpp converter: FAILED ({r.stderr.strip().splitlines()[-1:]})")
+            return 1
+        conv = gguf.GGUFReader(out)
+        bad = 0
+        ours = [(t.name, t.shape.tolist(), t.tensor_type.name) for t in reader.tensors]
+        theirs = [(t.name, t.shape.tolist(), t.tensor_type.name) for t in conv.tensors]
+        if ours != theirs:
+            print(f"llama.cpp converter: tensors differ: {sorted(set(ours) ^ set(theirs))[:6]}")
+            bad += 1
+        keys = [k for k in reader.fields if not k.startswith("GGUF.")]
+        conv_keys = [k for k in conv.fields if not k.startswith("GGUF.")]
+        if keys != conv_keys:
+            print(f"llama.cpp converter: keys differ: ckpt {keys} vs converter {conv_keys}")
+            bad += 1
+        for k in keys:
+            if k in conv.fields and reader.fields[k].contents() != conv.fields[k].contents():
+                print(f"llama.cpp converter: {k} differs")
+                bad += 1
+        same = path.read_bytes() == out.read_bytes()
+        print(f"llama.cpp converter ({file_type}): {len(theirs)} tensors, {len(conv_keys)} keys; "
+              f"{'same' if bad == 0 else 'DIFFERENT'} names, shapes, types, keys and values"
+              f"{' (and the same bytes)' if same else ''}")
+        return bad
+TOL = {"F32": 1e-4, "F16": 1e-2, "BF16": 5e-2, "Q8_0": 5e-2}
 
 
 def gguf_name(hf: str) -> str | None:
@@ -75,6 +153,7 @@ def main() -> int:
     ap.add_argument("gguf", type=Path)
     ap.add_argument("model", type=Path)
     ap.add_argument("--tokens", default="1,5,9,17,33,64,100,3,7,2,11,42")
+    ap.add_argument("--llama-cpp", type=Path, help="directory holding convert_hf_to_gguf.py, conversion/, gguf-py/")
     a = ap.parse_args()
 
     import gguf
@@ -82,6 +161,7 @@ def main() -> int:
 
     config = json.loads((a.model / "config.json").read_text())
     heads = config["num_attention_heads"]
+    qwen = config.get("model_type") in ("qwen2", "qwen3")
     kv_heads = config.get("num_key_value_heads", heads)
     reader = gguf.GGUFReader(a.gguf)
     tensors = {t.name: t for t in reader.tensors}
@@ -96,7 +176,9 @@ def main() -> int:
             bad += 1
             continue
         t = tensors[g]
-        if name.endswith("q_proj.weight"):
+        if qwen:
+            pass  # llama.cpp rotates Qwen's halves as Hugging Face stores them
+        elif name.endswith("q_proj.weight"):
             x = permute(x, heads)
         elif name.endswith("k_proj.weight"):
             x = permute(x, kv_heads)
@@ -116,6 +198,8 @@ def main() -> int:
             print(f"DIFFERS {g} ({ty.name}, shape {t.shape.tolist()} vs {list(x.shape)})")
             bad += 1
     print(f"gguf-py: {len(tensors)} tensors read, {bad} differ from the model under llama.cpp's rules")
+    if a.llama_cpp:
+        bad += compare_with_converter(reader, a.gguf, a.model, a.llama_cpp, file_type)
 
     try:
         import llama_cpp  # noqa: F401
@@ -127,7 +211,21 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     tokens = [int(t) for t in a.tokens.split(",")]
-    llm = Llama(model_path=str(a.gguf), n_ctx=max(64, len(tokens)), logits_all=True, verbose=False, n_threads=1)
+    # An F32 key/value cache (llama.cpp's default is F16, which alone moves F32 logits by
+    # ~1e-3 of their size): the difference left is the weights' and the arithmetic's.
+    llm = Llama(model_path=str(a.gguf), n_ctx=max(64, len(tokens)), logits_all=True, verbose=False, n_threads=1,
+                type_k=0, type_v=0)
+    if (a.model / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        hf_tok = AutoTokenizer.from_pretrained(a.model)
+        for text in TEXTS:
+            want_ids = hf_tok.encode(text, add_special_tokens=False)
+            got_ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+            same = list(got_ids) == list(want_ids)
+            bad += 0 if same else 1
+            print(f"llama-cpp-python tokens of a {len(text)}-character text: {len(got_ids)} ids, "
+                  f"{'the same as' if same else 'DIFFERENT from'} transformers' {len(want_ids)}")
     llm.eval(tokens)
     got = np.array(llm.scores[: len(tokens)], dtype=np.float32)
     hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)

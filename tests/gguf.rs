@@ -158,33 +158,21 @@ fn gguf_without_a_tokenizer_is_refused_naming_the_flag() {
 #[test]
 fn gguf_of_an_architecture_it_does_not_write_is_refused_by_name() {
     let d = Dir::new();
-    let src = d.path("model");
-    copy_dir(&fixture("base"), &src);
-    // The model made a Qwen3 one (its q/k norms added): a family whose GGUF has other
-    // keys and tensors, not built.
-    let st = std::fs::read(fixture("base/model.safetensors")).expect("read");
-    let parsed = safetensors::SafeTensors::deserialize(&st).expect("parse");
-    let mut views = parsed.tensors();
-    let ones = [0x80u8, 0x3f].repeat(16);
-    for l in 0..2 {
-        for n in ["q_norm", "k_norm"] {
-            views.push((
-                format!("model.layers.{l}.self_attn.{n}.weight"),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![16], &ones)
-                    .expect("view"),
-            ));
-        }
-    }
-    safetensors::serialize_to_file(views, None, &src.join("model.safetensors")).expect("write");
-    let config = src.join("config.json");
-    let text = std::fs::read_to_string(&config).expect("read");
-    let text = text
-        .replace("LlamaForCausalLM", "Qwen3ForCausalLM")
-        .replace("\"llama\"", "\"qwen3\"");
-    std::fs::write(&config, text).expect("write");
+    // A Qwen3-MoE (tests/fixtures/moe/hf/qwen3_moe): llama.cpp has it, ckpt does not
+    // stack its experts yet.
+    let moe = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/moe/hf/qwen3_moe");
     let out = d.path("model.gguf");
-    let o = d.fails(&["merge", s(&src), "--format", "gguf", "-o", s(&out)]);
-    assert!(o.stderr.contains("Qwen3ForCausalLM"), "{}", o.stderr);
+    let o = d.fails(&[
+        "merge",
+        s(&moe.join("reference.safetensors")),
+        "--hf-config",
+        s(&moe.join("hf/config.json")),
+        "--format",
+        "gguf",
+        "-o",
+        s(&out),
+    ]);
+    assert!(o.stderr.contains("Qwen3MoeForCausalLM"), "{}", o.stderr);
     assert!(o.stderr.contains("not built"), "{}", o.stderr);
     assert!(!out.exists(), "nothing written");
     // A config without what llama.cpp needs.
@@ -637,4 +625,217 @@ fn a_gguf_the_keys_do_not_settle_is_refused_with_what_would() {
         o.stderr
     );
     assert!(!out.exists(), "nothing is written");
+}
+
+/// Qwen2 and Qwen3 (issue 47): the file llama.cpp's converter writes, byte for byte
+/// (tests/fixtures/serving/qwen/gguf/, made by scripts/fixtures/gguf_qwen_fixtures.py
+/// with llama-cpp-python 0.3.36's vendored converter, the tiny tokenizer's hash
+/// registered as `qwen2`): `qwen2.*`/`qwen3.*` keys, Qwen's biases and q/k norms, no
+/// rotary permutation, and the byte-level BPE `tokenizer.json` as `gpt2` tokens, types
+/// and merges; on 1 and 4 threads.
+#[test]
+fn gguf_of_qwen2_and_qwen3_is_the_converters_file_byte_for_byte() {
+    let d = Dir::new();
+    for model in ["qwen2", "qwen3"] {
+        for ty in ["f32", "f16"] {
+            for threads in [1, 4] {
+                let out = d.path(&format!("{model}-{ty}-{threads}.gguf"));
+                d.ok_with_threads(
+                    &[
+                        "merge",
+                        s(&fixture(&format!("qwen/{model}"))),
+                        "--format",
+                        "gguf",
+                        "--dtype",
+                        ty,
+                        "-o",
+                        s(&out),
+                        "-q",
+                    ],
+                    threads,
+                );
+                assert_same_file(&out, &fixture(&format!("qwen/gguf/{model}-{ty}.gguf")));
+            }
+        }
+    }
+}
+
+/// Every tensor of ckpt's Qwen3 F32 file is the Hugging Face tensor of that name (by
+/// llama.cpp's table), same shape, same bytes: the query and key rows as stored.
+#[test]
+fn a_qwen_gguf_holds_the_hugging_face_tensors_under_llama_cpps_names() {
+    let d = Dir::new();
+    let out = d.path("qwen3.gguf");
+    d.ok(&[
+        "merge",
+        s(&fixture("qwen/qwen3")),
+        "--format",
+        "gguf",
+        "--dtype",
+        "f32",
+        "-o",
+        s(&out),
+        "-q",
+    ]);
+    let hf = crate::util::full_tensors(&fixture("qwen/qwen3/model.safetensors"));
+    let gguf = crate::util::full_tensors(&out);
+    let layer = |g: &str, h: &str| {
+        (0..2)
+            .map(|l| (format!("blk.{l}.{g}"), format!("model.layers.{l}.{h}")))
+            .collect::<Vec<_>>()
+    };
+    let mut pairs = vec![
+        (
+            "token_embd.weight".to_string(),
+            "model.embed_tokens.weight".to_string(),
+        ),
+        ("output.weight".into(), "lm_head.weight".into()),
+        ("output_norm.weight".into(), "model.norm.weight".into()),
+    ];
+    for (g, h) in [
+        ("attn_q.weight", "self_attn.q_proj.weight"),
+        ("attn_k.weight", "self_attn.k_proj.weight"),
+        ("attn_v.weight", "self_attn.v_proj.weight"),
+        ("attn_output.weight", "self_attn.o_proj.weight"),
+        ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+        ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+        ("attn_norm.weight", "input_layernorm.weight"),
+        ("ffn_norm.weight", "post_attention_layernorm.weight"),
+        ("ffn_gate.weight", "mlp.gate_proj.weight"),
+        ("ffn_up.weight", "mlp.up_proj.weight"),
+        ("ffn_down.weight", "mlp.down_proj.weight"),
+    ] {
+        pairs.extend(layer(g, h));
+    }
+    assert_eq!(gguf.len(), pairs.len(), "{:?}", gguf.keys());
+    assert_eq!(hf.len(), pairs.len(), "{:?}", hf.keys());
+    for (g, h) in &pairs {
+        assert!(gguf[g] == hf[h], "{g} differs from {h}");
+    }
+    // The shapes, as gguf-py reads them (row-major), are the Hugging Face ones.
+    let described = described(&d, &out);
+    let q = described
+        .iter()
+        .find(|(n, _, _)| n == "blk.0.attn_q.weight")
+        .expect("attn_q listed");
+    assert_eq!(q.2, vec![64, 32], "{q:?}");
+    // Qwen2: the biases named, the tied head not written.
+    let out = d.path("qwen2.gguf");
+    d.ok(&[
+        "merge",
+        s(&fixture("qwen/qwen2")),
+        "--format",
+        "gguf",
+        "--dtype",
+        "f32",
+        "-o",
+        s(&out),
+        "-q",
+    ]);
+    let hf = crate::util::full_tensors(&fixture("qwen/qwen2/model.safetensors"));
+    let gguf = crate::util::full_tensors(&out);
+    assert!(!gguf.contains_key("output.weight"));
+    for l in 0..2 {
+        for p in ["q", "k", "v"] {
+            let (g, h) = (
+                format!("blk.{l}.attn_{p}.bias"),
+                format!("model.layers.{l}.self_attn.{p}_proj.bias"),
+            );
+            assert!(gguf[&g] == hf[&h], "{g} differs from {h}");
+        }
+    }
+}
+
+/// The BPE tokenizer's keys, found in the file's bytes:
+/// `gpt2`, `qwen2`, one token per config id (the ids past the tokenizer's `[PADn]`,
+/// unused), the special tokens control tokens, the merges in the file's order.
+#[test]
+fn a_qwen_gguf_carries_the_bpe_tokenizer_as_llama_cpp_reads_it() {
+    let d = Dir::new();
+    let out = d.path("qwen2.gguf");
+    d.ok(&[
+        "merge",
+        s(&fixture("qwen/qwen2")),
+        "--format",
+        "gguf",
+        "-o",
+        s(&out),
+        "-q",
+    ]);
+    // GGUF strings are stored as length-prefixed UTF-8: each key and value is found
+    // as its bytes with its u64 length before it.
+    let bytes = std::fs::read(&out).expect("read");
+    let has = |t: &str| {
+        let mut want = (t.len() as u64).to_le_bytes().to_vec();
+        want.extend_from_slice(t.as_bytes());
+        bytes.windows(want.len()).any(|w| w == want.as_slice())
+    };
+    let tj: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("qwen/qwen2/tokenizer.json")).expect("read"))
+            .expect("json");
+    for want in [
+        "gpt2",
+        "qwen2",
+        "[PAD351]",
+        "<|im_end|>",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.padding_token_id",
+        "tokenizer.chat_template",
+        "qwen2.rope.freq_base",
+    ] {
+        assert!(has(want), "{want} missing");
+    }
+    let first = &tj["model"]["merges"][0];
+    let first = format!(
+        "{} {}",
+        first[0].as_str().expect("str"),
+        first[1].as_str().expect("str")
+    );
+    assert!(has(&first), "{first} missing");
+    // Llama's keys are not Qwen's.
+    assert!(!has("qwen2.vocab_size") && !has("qwen2.rope.dimension_count"));
+    assert!(!has("llama.vocab_size") && !has("tokenizer.ggml.scores"));
+}
+
+/// A BPE tokenizer whose pre-tokenizer ckpt cannot name, and a Qwen model without a
+/// tokenizer.json, are refused by name, nothing written.
+#[test]
+fn a_qwen_tokenizer_ckpt_cannot_name_is_refused_by_name() {
+    let d = Dir::new();
+    let src = d.path("qwen2");
+    copy_dir(&fixture("qwen/qwen2"), &src);
+    let path = src.join("tokenizer.json");
+    let text = std::fs::read_to_string(&path)
+        .expect("read")
+        .replace(r"\\p{N}|", r"\\p{N}{1,3}|");
+    std::fs::write(&path, text).expect("write");
+    let out = d.path("model.gguf");
+    let o = d.fails(&["merge", s(&src), "--format", "gguf", "-o", s(&out)]);
+    assert!(o.stderr.contains("tokenizer.json"), "{}", o.stderr);
+    assert!(o.stderr.contains("pre-tokenizer"), "{}", o.stderr);
+    assert!(!out.exists(), "nothing written");
+    // No tokenizer.json: --tokenizer named; given it, the model converts.
+    std::fs::remove_file(&path).expect("remove");
+    let o = d.fails(&["merge", s(&src), "--format", "gguf", "-o", s(&out)]);
+    assert!(
+        o.stderr.contains("tokenizer.json") && o.stderr.contains("--tokenizer"),
+        "{}",
+        o.stderr
+    );
+    assert!(!out.exists(), "nothing written");
+    d.ok(&[
+        "merge",
+        s(&src),
+        "--format",
+        "gguf",
+        "--dtype",
+        "f32",
+        "--tokenizer",
+        s(&fixture("qwen/tokenizer")),
+        "-o",
+        s(&out),
+        "-q",
+    ]);
+    // Named after the model's directory, as the converter does: the same file.
+    assert_same_file(&out, &fixture("qwen/gguf/qwen2-f32.gguf"));
 }

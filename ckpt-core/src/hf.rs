@@ -1164,6 +1164,40 @@ pub(crate) const LLAMA_CPP: InterleavedNames = {
     }
 };
 
+/// The rows llama.cpp's Qwen2 and Qwen3 add to [`LLAMA_CPP`]'s (gguf-py's
+/// `TensorNameMap`: the attention biases of Qwen2, the query/key norms of Qwen3); their
+/// query and key rows are not permuted (llama.cpp rotates Qwen's halves as they are).
+pub(crate) const LLAMA_CPP_QWEN: &[NamesRow] = {
+    use RopeRows::AsTheyAre as N;
+    &[
+        names(
+            "blk.{l}.attn_q.bias",
+            "model.layers.{l}.self_attn.q_proj.bias",
+            N,
+        ),
+        names(
+            "blk.{l}.attn_k.bias",
+            "model.layers.{l}.self_attn.k_proj.bias",
+            N,
+        ),
+        names(
+            "blk.{l}.attn_v.bias",
+            "model.layers.{l}.self_attn.v_proj.bias",
+            N,
+        ),
+        names(
+            "blk.{l}.attn_q_norm.weight",
+            "model.layers.{l}.self_attn.q_norm.weight",
+            N,
+        ),
+        names(
+            "blk.{l}.attn_k_norm.weight",
+            "model.layers.{l}.self_attn.k_norm.weight",
+            N,
+        ),
+    ]
+};
+
 /// The row blocks that turn a projection of `heads` heads of `head_dim` rows from
 /// torchtitan's rotary layout into Hugging Face's (`to_hf`), or back. torchtitan's
 /// `ComplexRoPE` rotates consecutive pairs (rows `2j`, `2j + 1` of a head are the real

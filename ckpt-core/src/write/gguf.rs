@@ -5,7 +5,8 @@
 //! llama.cpp's interleaved pairs, as a view of the stored rows), in the ggml type the
 //! converter gives each (norms and 1-D tensors F32, the rest `--dtype`: F32, F16, BF16
 //! cast by the engine, or Q8_0 computed), the model's keys from its `config.json` and
-//! the tokenizer's from its SentencePiece `tokenizer.model` and `tokenizer_config.json`.
+//! the tokenizer's from its SentencePiece `tokenizer.model` (Llama, Mistral) or its
+//! byte-level BPE `tokenizer.json` (Qwen2, Qwen3: [`bpe`]) and `tokenizer_config.json`.
 //! One file, written streaming at precomputed offsets by the GGUF codec
 //! ([`crate::formats::gguf`]).
 
@@ -27,6 +28,8 @@ use serde_json::{Map, Value as Json};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+mod bpe;
 
 /// The file the plan writes (the tool moves it to the output's name).
 pub(crate) const GGUF_FILE: &str = "model.gguf";
@@ -72,14 +75,37 @@ impl PieceSource for GgufTensors<'_> {
     }
 }
 
-/// The layer number and the pattern `name` matches in the table, if any.
-fn table_row(name: &str) -> Option<(String, RopeRows)> {
+/// llama.cpp's architecture for a family (`general.architecture`, the keys' prefix),
+/// if ckpt writes it.
+fn gguf_arch(family: Family) -> Option<&'static str> {
+    match family {
+        Family::Llama | Family::Mistral => Some("llama"),
+        Family::Qwen2 => Some("qwen2"),
+        Family::Qwen3 => Some("qwen3"),
+        _ => None,
+    }
+}
+
+/// Whether the family's tokenizer is a byte-level BPE `tokenizer.json` (Qwen's) rather
+/// than a SentencePiece `tokenizer.model` (Llama's).
+fn bpe_family(family: Family) -> bool {
+    matches!(family, Family::Qwen2 | Family::Qwen3)
+}
+
+/// The GGUF name of `name` in `family`'s table and how its rows are permuted, if any.
+/// Llama's query and key rows are permuted (`LlamaModel.permute`); Qwen's are not
+/// (`Qwen2Model` maps names only: llama.cpp rotates Qwen's halves, NEOX-style), and
+/// Qwen adds the attention biases and Qwen3 the query/key norms.
+fn table_row(name: &str, family: Family) -> Option<(String, RopeRows)> {
+    let qwen = bpe_family(family);
+    let extra: &[hf::NamesRow] = if qwen { hf::LLAMA_CPP_QWEN } else { &[] };
     for &hf::NamesRow {
         other: gguf_name,
         hf: hf_name,
         rope: rows,
-    } in hf::LLAMA_CPP.rows
+    } in hf::LLAMA_CPP.rows.iter().chain(extra)
     {
+        let rows = if qwen { RopeRows::AsTheyAre } else { rows };
         match hf_name.split_once("{l}") {
             None if hf_name == name => return Some((gguf_name.to_string(), rows)),
             Some((pre, post)) => {
@@ -279,8 +305,263 @@ fn tokenizer_config(dir: &Path) -> Result<Option<Map<String, Json>>> {
     }
 }
 
+/// `tokenizer.json` of `dir`, parsed, if there is one.
+fn tokenizer_json(dir: &Path) -> Result<Option<Map<String, Json>>> {
+    let path = dir.join("tokenizer.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    match serde_json::from_slice(&read_small(&path)?) {
+        Ok(Json::Object(m)) => Ok(Some(m)),
+        _ => Err(unsupported(format!(
+            "{}: not a JSON object",
+            path.display()
+        ))),
+    }
+}
+
 /// gguf-py's `SpecialVocab` types, in its order.
 const SPECIAL_TYPES: [&str; 7] = ["bos", "eos", "unk", "sep", "pad", "cls", "mask"];
+
+/// The key `GGUFWriter.add_{typ}_token_id` writes (`cls` has none: skipped).
+fn special_id_key(typ: &str) -> Option<&'static str> {
+    Some(match typ {
+        "bos" => "tokenizer.ggml.bos_token_id",
+        "eos" => "tokenizer.ggml.eos_token_id",
+        "unk" => "tokenizer.ggml.unknown_token_id",
+        "sep" => "tokenizer.ggml.seperator_token_id",
+        "pad" => "tokenizer.ggml.padding_token_id",
+        "mask" => "tokenizer.ggml.mask_token_id",
+        _ => return None,
+    })
+}
+
+/// The key `GGUFWriter.add_add_{typ}_token` writes (only these three exist).
+fn add_token_key(typ: &str) -> Option<&'static str> {
+    Some(match typ {
+        "bos" => "tokenizer.ggml.add_bos_token",
+        "eos" => "tokenizer.ggml.add_eos_token",
+        "sep" => "tokenizer.ggml.add_sep_token",
+        _ => return None,
+    })
+}
+
+/// gguf-py's `SpecialVocab(dir, n_vocab=...)` and its `add_to_gguf` (merges aside): the
+/// special ids from `tokenizer_config.json`'s `{typ}_token` (looked up among
+/// `tokenizer.json`'s added tokens) then `config.json`'s `{typ}_token_id` (the first found
+/// kept; with `n_vocab`, ids below it only), `add_{typ}_token` from `tokenizer.json`'s
+/// post-processor then `tokenizer_config.json`, the chat template
+/// (`tokenizer_config.json`'s, else `chat_template.jinja`, else `chat_template.json`'s)
+/// and the normalizer's lowercase / strip-accents flags, in its order.
+fn special_vocab(
+    dir: &Path,
+    config: &Map<String, Json>,
+    tokenizer: Option<&Map<String, Json>>,
+    n_vocab: Option<u64>,
+) -> Result<Vec<(String, Value)>> {
+    let mut ids: Vec<(&str, u64)> = Vec::new();
+    let mut adds: Vec<(&str, bool)> = Vec::new();
+    let mut lowercase = None;
+    let mut strip_accents = None;
+    let set_id = |ids: &mut Vec<(&str, u64)>, typ: &'static str, id: Option<&Json>| {
+        let Some(id) = id.and_then(Json::as_u64) else {
+            return;
+        };
+        if n_vocab.is_none_or(|n| id < n) && !ids.iter().any(|(t, _)| *t == typ) {
+            ids.push((typ, id));
+        }
+    };
+    let mut tok_config = tokenizer_config(dir)?.unwrap_or_default();
+    let mut added: &[Json] = &[];
+    if let Some(doc) = tokenizer {
+        fn normalizer(n: &Json, lower: &mut Option<bool>, strip: &mut Option<bool>) {
+            match n.get("type").and_then(Json::as_str) {
+                Some("Lowercase") => *lower = Some(true),
+                Some("StripAccents") => *strip = Some(true),
+                Some("BertNormalizer") => {
+                    if let Some(b) = n.get("lowercase").and_then(Json::as_bool) {
+                        *lower = Some(b);
+                    }
+                    if let Some(b) = n.get("strip_accents").and_then(Json::as_bool) {
+                        *strip = Some(b);
+                    }
+                }
+                Some("Sequence") => {
+                    for m in n
+                        .get("normalizers")
+                        .and_then(Json::as_array)
+                        .into_iter()
+                        .flatten()
+                    {
+                        normalizer(m, lower, strip);
+                    }
+                }
+                _ => {}
+            }
+        }
+        if let Some(n) = doc.get("normalizer") {
+            normalizer(n, &mut lowercase, &mut strip_accents);
+        }
+        added = doc
+            .get("added_tokens")
+            .and_then(Json::as_array)
+            .map_or(&[], Vec::as_slice);
+        let present =
+            |c: &Map<String, Json>, k: &str| c.get(k).is_some_and(|v| !v.is_null() && v != "");
+        for (missing, from) in [("bos_token", "cls_token"), ("eos_token", "sep_token")] {
+            if !present(&tok_config, missing) && present(&tok_config, from) {
+                let v = tok_config[from].clone();
+                tok_config.insert(missing.into(), v);
+            }
+        }
+        if let Some(pp) = doc.get("post_processor").filter(|p| !p.is_null()) {
+            let list = pp
+                .get("processors")
+                .and_then(Json::as_array)
+                .map_or_else(|| vec![pp], |l| l.iter().collect());
+            for p in list {
+                match p.get("type").and_then(Json::as_str) {
+                    Some("ByteLevel") => {
+                        for typ in ["bos", "eos"] {
+                            if !adds.iter().any(|(t, _)| *t == typ) {
+                                adds.push((typ, false));
+                            }
+                        }
+                    }
+                    Some("TemplateProcessing") => {
+                        // Only templates without special tokens are built (gguf-py
+                        // derives add_bos/add_eos and more ids from the others).
+                        let special = ["single", "pair"].iter().any(|k| {
+                            p.get(*k)
+                                .and_then(Json::as_array)
+                                .into_iter()
+                                .flatten()
+                                .any(|e| e.get("SpecialToken").is_some())
+                        });
+                        if special {
+                            return Err(unsupported(format!(
+                                "{}: a TemplateProcessing post-processor that adds special tokens is not built",
+                                dir.join("tokenizer.json").display()
+                            )));
+                        }
+                    }
+                    Some(other @ "RobertaProcessing") => {
+                        return Err(unsupported(format!(
+                            "{}: the {other} post-processor is not built",
+                            dir.join("tokenizer.json").display()
+                        )));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    let mut chat_template = None;
+    if !tok_config.is_empty() {
+        chat_template = match tok_config.get("chat_template") {
+            Some(Json::String(t)) => Some(t.clone()),
+            Some(Json::Null) => None,
+            Some(_) => {
+                return Err(unsupported(format!(
+                    "{}: a list of chat templates is not built",
+                    dir.join("tokenizer_config.json").display()
+                )))
+            }
+            None => chat_template_file(dir)?,
+        };
+        for typ in SPECIAL_TYPES {
+            if let Some(b) = tok_config
+                .get(&format!("add_{typ}_token"))
+                .and_then(Json::as_bool)
+            {
+                if !adds.iter().any(|(t, _)| *t == typ) {
+                    adds.push((typ, b));
+                }
+            }
+            let content = match tok_config.get(&format!("{typ}_token")) {
+                Some(Json::String(s)) => Some(s.as_str()),
+                Some(Json::Object(m)) => m.get("content").and_then(Json::as_str),
+                _ => None,
+            };
+            if let Some(content) = content {
+                let id = added
+                    .iter()
+                    .find(|a| a.get("content").and_then(Json::as_str) == Some(content))
+                    .and_then(|a| a.get("id"));
+                set_id(&mut ids, typ, id);
+            }
+        }
+    }
+    let text_config = config.get("text_config");
+    for typ in SPECIAL_TYPES {
+        let key = format!("{typ}_token_id");
+        let id = config
+            .get(&key)
+            .filter(|v| !v.is_null())
+            .or_else(|| text_config.and_then(|c| c.get(&key)));
+        set_id(&mut ids, typ, id);
+    }
+    let mut kv = Vec::new();
+    for (typ, id) in ids {
+        if let Some(key) = special_id_key(typ) {
+            kv.push((
+                key.to_string(),
+                Value::U32(u32::try_from(id).unwrap_or(u32::MAX)),
+            ));
+        }
+    }
+    for (typ, b) in adds {
+        if let Some(key) = add_token_key(typ) {
+            kv.push((key.to_string(), Value::Bool(b)));
+        }
+    }
+    if let Some(t) = chat_template {
+        kv.push(("tokenizer.chat_template".into(), Value::Str(t)));
+    }
+    if let Some(b) = lowercase {
+        kv.push(("tokenizer.ggml.normalizer.lowercase".into(), Value::Bool(b)));
+    }
+    if let Some(b) = strip_accents {
+        kv.push((
+            "tokenizer.ggml.normalizer.strip_accents".into(),
+            Value::Bool(b),
+        ));
+    }
+    Ok(kv)
+}
+
+/// `chat_template.jinja`, else `chat_template.json`'s `chat_template`, beside the
+/// tokenizer (gguf-py's fallback when `tokenizer_config.json` has none).
+fn chat_template_file(dir: &Path) -> Result<Option<String>> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.is_file() {
+        if dir.join("additional_chat_templates").is_dir() {
+            return Err(unsupported(format!(
+                "{}: additional chat templates are not built",
+                dir.join("additional_chat_templates").display()
+            )));
+        }
+        let bytes = read_small(&jinja)?;
+        return String::from_utf8(bytes)
+            .map(Some)
+            .map_err(|_| unsupported(format!("{}: not UTF-8", jinja.display())));
+    }
+    let json = dir.join("chat_template.json");
+    if json.is_file() {
+        return match serde_json::from_slice::<Json>(&read_small(&json)?) {
+            Ok(doc) => match doc.get("chat_template") {
+                Some(Json::String(t)) => Ok(Some(t.clone())),
+                None | Some(Json::Null) => Ok(None),
+                Some(_) => Err(unsupported(format!(
+                    "{}: a list of chat templates is not built",
+                    json.display()
+                ))),
+            },
+            Err(e) => Err(unsupported(format!("{}: not JSON: {e}", json.display()))),
+        };
+    }
+    Ok(None)
+}
 
 impl GgufExport {
     /// The model's config, parsed.
@@ -307,19 +588,33 @@ impl GgufExport {
 
     /// The directory holding the tokenizer: `--tokenizer`, else the source's own.
     fn tokenizer_dir(&self, source: &Checkpoint) -> Result<PathBuf> {
+        let bpe = bpe_family(self.model.family);
+        let file = if bpe {
+            "tokenizer.json"
+        } else {
+            "tokenizer.model"
+        };
         if let Some(dir) = &self.tokenizer {
-            if !dir.join("tokenizer.model").is_file() {
-                return Err(unsupported(format!(
-                    "--tokenizer {}: no tokenizer.model (a SentencePiece model, as Llama 2 and Mistral ship it; tokenizer.json-only BPE tokenizers are not built)",
-                    dir.display()
-                )));
+            if !dir.join(file).is_file() {
+                return Err(unsupported(if bpe {
+                    format!(
+                        "--tokenizer {}: no tokenizer.json (the byte-level BPE tokenizer {} ships)",
+                        dir.display(),
+                        self.model.family.architecture()
+                    )
+                } else {
+                    format!(
+                        "--tokenizer {}: no tokenizer.model (a SentencePiece model, as Llama 2 and Mistral ship it; tokenizer.json-only BPE tokenizers are built for Qwen2 and Qwen3 only)",
+                        dir.display()
+                    )
+                }));
             }
             return Ok(dir.clone());
         }
         // A trainer's kept tokenizer, else the files beside the model's config or
         // beside the weights (a Hugging Face model directory).
         let candidates = [
-            source.carried.get("tokenizer.model").cloned(),
+            source.carried.get(file).cloned(),
             source.carried.get("config.json").cloned(),
             source.files.first().map(|f| f.path().to_path_buf()),
         ];
@@ -327,19 +622,19 @@ impl GgufExport {
             .into_iter()
             .flatten()
             .filter_map(|p| p.parent().map(Path::to_path_buf))
-            .find(|d| d.join("tokenizer.model").is_file())
+            .find(|d| d.join(file).is_file())
             .ok_or_else(|| {
-                unsupported(
-                    "the source has no tokenizer.model beside it: give the tokenizer's directory with --tokenizer DIR".into(),
-                )
+                unsupported(format!(
+                    "the source has no {file} beside it: give the tokenizer's directory with --tokenizer DIR"
+                ))
             })
     }
 
     /// Refuses what llama.cpp's converter would not write as built here, by name.
     fn check(&self, config: &Map<String, Json>, path: &Path) -> Result<()> {
-        if !matches!(self.model.family, Family::Llama | Family::Mistral) {
+        if gguf_arch(self.model.family).is_none() {
             return Err(unsupported(format!(
-                "{} is not built (LlamaForCausalLM and MistralForCausalLM are)",
+                "{} is not built (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM are)",
                 self.model.family.architecture()
             )));
         }
@@ -382,7 +677,8 @@ impl GgufExport {
     ) -> Result<Vec<(String, Value)>> {
         let mut kv: Vec<(String, Value)> = Vec::new();
         let mut put = |k: &str, v: Value| kv.push((k.to_string(), v));
-        let a = "llama";
+        let family = self.model.family;
+        let a = gguf_arch(family).unwrap_or("llama");
         put("general.architecture", Value::Str(a.into()));
         put("general.type", Value::Str("model".into()));
         // The converter names the model after its directory: the config's (the
@@ -450,6 +746,12 @@ impl GgufExport {
         }
         put("general.file_type", Value::U32(out_type.file_type()));
         let vocab_size = u(&["vocab_size"])?.unwrap_or(0);
+        let dir = self.tokenizer_dir(source)?;
+        if bpe_family(family) {
+            // `Qwen2Model` is `TextModel`'s keys alone, then `_set_vocab_gpt2`.
+            put("general.quantization_version", Value::U32(2));
+            return self.bpe_kv(&dir, config, vocab_size, kv);
+        }
         put(&format!("{a}.vocab_size"), Value::U32(vocab_size));
         let rope_dim = match head_dim {
             Some(hd) => hd,
@@ -462,7 +764,6 @@ impl GgufExport {
         put(&format!("{a}.rope.dimension_count"), Value::U32(rope_dim));
         put("general.quantization_version", Value::U32(2));
         // The tokenizer (`_set_vocab_sentencepiece`, `SpecialVocab.add_to_gguf`).
-        let dir = self.tokenizer_dir(source)?;
         let tokens = vocab(&dir, vocab_size as usize)?;
         let tok_config = tokenizer_config(&dir)?.unwrap_or_default();
         // `LlamaModel.set_vocab` adds it before the vocabulary.
@@ -482,28 +783,41 @@ impl GgufExport {
         put("tokenizer.ggml.tokens", Value::Strings(texts));
         put("tokenizer.ggml.scores", Value::F32s(scores));
         put("tokenizer.ggml.token_type", Value::I32s(types));
-        // Special ids from the model's config.json (`_try_load_from_config_json`).
-        for typ in SPECIAL_TYPES {
-            let id = config
-                .get(&format!("{typ}_token_id"))
-                .and_then(Json::as_u64)
-                .filter(|&i| i < u64::from(vocab_size));
-            if let Some(id) = id {
-                let id = u32::try_from(id).unwrap_or(u32::MAX);
-                put(&format!("tokenizer.ggml.{typ}_token_id"), Value::U32(id));
-            }
+        let tokenizer = tokenizer_json(&dir)?;
+        kv.extend(special_vocab(
+            &dir,
+            config,
+            tokenizer.as_ref(),
+            Some(u64::from(vocab_size)),
+        )?);
+        Ok(kv)
+    }
+
+    /// `_set_vocab_gpt2`: the BPE vocabulary of `dir/tokenizer.json`, its merges and
+    /// the special vocabulary, after `kv`.
+    fn bpe_kv(
+        &self,
+        dir: &Path,
+        config: &Map<String, Json>,
+        vocab_size: u32,
+        mut kv: Vec<(String, Value)>,
+    ) -> Result<Vec<(String, Value)>> {
+        if dir.join("tokenizer.model").is_file() {
+            // `Qwen2Model.set_vocab` tries SentencePiece first.
+            return Err(unsupported(format!(
+                "{}: a SentencePiece tokenizer.model beside a {} (the converter would read it instead of tokenizer.json) is not built",
+                dir.display(),
+                self.model.family.architecture()
+            )));
         }
-        for typ in SPECIAL_TYPES {
-            if let Some(b) = tok_config
-                .get(&format!("add_{typ}_token"))
-                .and_then(Json::as_bool)
-            {
-                put(&format!("tokenizer.ggml.add_{typ}_token"), Value::Bool(b));
-            }
-        }
-        if let Some(t) = tok_config.get("chat_template").and_then(Json::as_str) {
-            put("tokenizer.chat_template", Value::Str(t.to_string()));
-        }
+        let vocab = bpe::read(dir, vocab_size as usize)?;
+        let mut put = |k: &str, v: Value| kv.push((k.to_string(), v));
+        put("tokenizer.ggml.model", Value::Str("gpt2".into()));
+        put("tokenizer.ggml.pre", Value::Str(vocab.pre.into()));
+        put("tokenizer.ggml.tokens", Value::Strings(vocab.tokens));
+        put("tokenizer.ggml.token_type", Value::I32s(vocab.types));
+        put("tokenizer.ggml.merges", Value::Strings(vocab.merges));
+        kv.extend(special_vocab(dir, config, Some(&vocab.doc), None)?);
         Ok(kv)
     }
 
@@ -523,7 +837,7 @@ impl GgufExport {
             if DROPPED_SUFFIXES.iter().any(|s| name.ends_with(s)) {
                 continue;
             }
-            let Some((gguf_name, rows)) = table_row(name) else {
+            let Some((gguf_name, rows)) = table_row(name, self.model.family) else {
                 return Err(Error::InvalidTensor {
                     tensor: name.clone(),
                     problem: format!(
@@ -779,14 +1093,34 @@ mod tests {
     #[test]
     fn names_follow_the_table() {
         assert_eq!(
-            table_row("model.layers.12.self_attn.k_proj.weight"),
+            table_row("model.layers.12.self_attn.k_proj.weight", Family::Llama),
             Some(("blk.12.attn_k.weight".into(), RopeRows::Key))
         );
         assert_eq!(
-            table_row("lm_head.weight"),
+            table_row("lm_head.weight", Family::Llama),
             Some(("output.weight".into(), RopeRows::AsTheyAre))
         );
-        assert_eq!(table_row("model.layers.x.mlp.up_proj.weight"), None);
+        assert_eq!(
+            table_row("model.layers.x.mlp.up_proj.weight", Family::Llama),
+            None
+        );
+        // Qwen: no permutation, its biases and norms named; Llama has none of them.
+        assert_eq!(
+            table_row("model.layers.3.self_attn.k_proj.weight", Family::Qwen2),
+            Some(("blk.3.attn_k.weight".into(), RopeRows::AsTheyAre))
+        );
+        assert_eq!(
+            table_row("model.layers.3.self_attn.q_proj.bias", Family::Qwen2),
+            Some(("blk.3.attn_q.bias".into(), RopeRows::AsTheyAre))
+        );
+        assert_eq!(
+            table_row("model.layers.0.self_attn.k_norm.weight", Family::Qwen3),
+            Some(("blk.0.attn_k_norm.weight".into(), RopeRows::AsTheyAre))
+        );
+        assert_eq!(
+            table_row("model.layers.3.self_attn.q_proj.bias", Family::Llama),
+            None
+        );
     }
 
     #[test]

@@ -1,0 +1,239 @@
+//! A byte-level BPE `tokenizer.json` (Qwen2's and Qwen3's) as llama.cpp's converter
+//! writes it (`TextModel._set_vocab_gpt2` and `get_vocab_base`, llama-cpp-python 0.3.36's
+//! `vendor/llama.cpp/conversion/base.py`): `tokenizer.ggml.model = "gpt2"`, the
+//! pre-tokenizer's name, one token per id below the config's `vocab_size` with its ggml
+//! type, and the merges (gguf-py's `SpecialVocab(load_merges=True)`).
+//!
+//! The converter names the pre-tokenizer by a hash of the tokenizer's ids on a fixed
+//! text (`get_vocab_base_pre`), which needs the real vocabulary it was registered for.
+//! ckpt names it by what `tokenizer.json` configures instead: Qwen2's normalizer (`NFC`)
+//! and pre-tokenizer (`Split` of [`QWEN2_REGEX`], isolated, then `ByteLevel` without a
+//! prefix space or its own regex), exactly as transformers' `Qwen2Tokenizer` builds them,
+//! are llama.cpp's `qwen2`; any other configuration is refused by name.
+
+use super::{looks_special, unsupported};
+use crate::error::Result;
+use crate::formats::read_small;
+use serde_json::{json, Map, Value as Json};
+use std::path::Path;
+
+/// Qwen2's pre-tokenizer regex (transformers' `tokenization_qwen2.PRETOKENIZE_REGEX`,
+/// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN2`).
+pub(crate) const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The vocabulary of a `tokenizer.json`, as the converter writes it.
+pub(super) struct Bpe {
+    /// `tokenizer.ggml.pre`.
+    pub(super) pre: &'static str,
+    /// One per id below `vocab_size`.
+    pub(super) tokens: Vec<String>,
+    /// ggml's token types: 1 normal, 3 control, 4 user-defined, 5 unused.
+    pub(super) types: Vec<i32>,
+    /// `"left right"`, a space inside a part written as U+0120 (gguf-py's rule for
+    /// the pair format).
+    pub(super) merges: Vec<String>,
+    /// The parsed file (its added tokens, post-processor and normalizer are read
+    /// again for the special vocabulary).
+    pub(super) doc: Map<String, Json>,
+}
+
+/// The `tokenizer.ggml.pre` ckpt gives a `tokenizer.json`, by its normalizer and
+/// pre-tokenizer, or why none.
+fn pre_name(doc: &Map<String, Json>) -> std::result::Result<&'static str, String> {
+    let qwen2_pre = json!({
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": QWEN2_REGEX}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "use_regex": false},
+        ],
+    });
+    let pre = doc.get("pre_tokenizer").unwrap_or(&Json::Null);
+    // `trim_offsets` changes offsets only, not the pieces: not compared.
+    let mut seen = pre.clone();
+    if let Some(Json::Object(bl)) = seen.pointer_mut("/pretokenizers/1") {
+        bl.remove("trim_offsets");
+    }
+    let normalizer = doc.get("normalizer").unwrap_or(&Json::Null);
+    if seen == qwen2_pre && *normalizer == json!({"type": "NFC"}) {
+        return Ok("qwen2");
+    }
+    let kind = |v: &Json| -> String {
+        match v {
+            Json::Null => "none".into(),
+            Json::Object(m) => {
+                let ty = m.get("type").and_then(Json::as_str).unwrap_or("?");
+                match m.get("pretokenizers").and_then(Json::as_array) {
+                    Some(parts) => format!(
+                        "{ty}[{}]",
+                        parts
+                            .iter()
+                            .map(|p| p.get("type").and_then(Json::as_str).unwrap_or("?"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                    None => ty.to_string(),
+                }
+            }
+            other => other.to_string(),
+        }
+    };
+    Err(format!(
+        "its pre-tokenizer ({}) with normalizer ({}) is not one ckpt can name for llama.cpp (built: Qwen2's, `qwen2`: NFC, then Split of Qwen2's regex and ByteLevel without prefix space)",
+        kind(pre),
+        kind(normalizer)
+    ))
+}
+
+/// Reads `dir/tokenizer.json` for a model of `vocab_size` ids.
+pub(super) fn read(dir: &Path, vocab_size: usize) -> Result<Bpe> {
+    let path = dir.join("tokenizer.json");
+    let bad = |problem: String| unsupported(format!("{}: {problem}", path.display()));
+    let doc = match serde_json::from_slice(&read_small(&path)?) {
+        Ok(Json::Object(m)) => m,
+        Ok(_) => return Err(bad("not a JSON object".into())),
+        Err(e) => return Err(bad(format!("not JSON: {e}"))),
+    };
+    let model = doc
+        .get("model")
+        .and_then(Json::as_object)
+        .ok_or_else(|| bad("no `model`".into()))?;
+    match model.get("type").and_then(Json::as_str) {
+        Some("BPE") => {}
+        other => {
+            return Err(bad(format!(
+                "model type {}: only a byte-level BPE is built",
+                other.unwrap_or("missing")
+            )))
+        }
+    }
+    if model.get("byte_fallback").and_then(Json::as_bool) == Some(true) {
+        return Err(bad(
+            "a BPE with byte_fallback (SentencePiece-style) is not built".into(),
+        ));
+    }
+    let pre = pre_name(&doc).map_err(bad)?;
+    let vocab = model
+        .get("vocab")
+        .and_then(Json::as_object)
+        .ok_or_else(|| bad("no `model.vocab`".into()))?;
+    // `tokenizer.vocab`: the model's pieces, then the added tokens over them.
+    let mut by_id: Vec<Option<(String, i32)>> = vec![None; vocab_size];
+    let mut put = |id: u64, text: String, ty: i32| -> Result<()> {
+        let slot = usize::try_from(id)
+            .ok()
+            .and_then(|i| by_id.get_mut(i))
+            .ok_or_else(|| {
+                bad(format!(
+                    "token {text:?} has id {id}, not below the config's vocab_size {vocab_size} (the converter asserts it)"
+                ))
+            })?;
+        *slot = Some((text, ty));
+        Ok(())
+    };
+    for (text, id) in vocab {
+        let id = id
+            .as_u64()
+            .ok_or_else(|| bad(format!("token {text:?} has id {id}")))?;
+        put(id, text.clone(), 1)?;
+    }
+    for added in doc
+        .get("added_tokens")
+        .and_then(Json::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let (Some(id), Some(text)) = (
+            added.get("id").and_then(Json::as_u64),
+            added.get("content").and_then(Json::as_str),
+        ) else {
+            return Err(bad(format!("added token {added} has no id or content")));
+        };
+        let special = added.get("special").and_then(Json::as_bool) == Some(true);
+        if special || looks_special(text) {
+            put(id, text.to_string(), 3)?;
+        } else {
+            // A non-normalized one is encoded and decoded first, which gives it back
+            // for a byte-level BPE; `▁` pre-normalized to a space.
+            put(id, text.replace('\u{2581}', " "), 4)?;
+        }
+    }
+    let mut tokens = Vec::with_capacity(vocab_size);
+    let mut types = Vec::with_capacity(vocab_size);
+    for (i, t) in by_id.into_iter().enumerate() {
+        let (text, ty) = t.unwrap_or_else(|| (format!("[PAD{i}]"), 5));
+        tokens.push(text);
+        types.push(ty);
+    }
+    let merges = match model.get("merges").and_then(Json::as_array) {
+        None => Vec::new(),
+        Some(list) => list
+            .iter()
+            .map(|m| match m {
+                Json::String(s) => Ok(s.clone()),
+                Json::Array(pair) if pair.len() == 2 => {
+                    let parts: Option<Vec<String>> = pair
+                        .iter()
+                        .map(|p| p.as_str().map(|s| s.replace(' ', "\u{120}")))
+                        .collect();
+                    parts
+                        .map(|p| p.join(" "))
+                        .ok_or_else(|| bad(format!("merge {m} is not two strings")))
+                }
+                other => Err(bad(format!("merge {other} is not a string or a pair"))),
+            })
+            .collect::<Result<_>>()?,
+    };
+    if merges.is_empty() {
+        return Err(bad(
+            "no merges (the converter writes a file llama.cpp cannot tokenize with)".into(),
+        ));
+    }
+    Ok(Bpe {
+        pre,
+        tokens,
+        types,
+        merges,
+        doc,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn doc(pre: Json, normalizer: Json) -> Map<String, Json> {
+        match json!({"pre_tokenizer": pre, "normalizer": normalizer}) {
+            Json::Object(m) => m,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn qwen2s_pre_tokenizer_is_named_and_others_are_refused_by_name() {
+        let qwen = json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": QWEN2_REGEX}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]});
+        assert_eq!(
+            pre_name(&doc(qwen.clone(), json!({"type": "NFC"}))),
+            Ok("qwen2")
+        );
+        // Another normalizer, another regex, a prefix space: refused, the parts named.
+        let e = pre_name(&doc(qwen.clone(), Json::Null)).unwrap_err();
+        assert!(
+            e.contains("Sequence[Split, ByteLevel]") && e.contains("normalizer (none)"),
+            "{e}"
+        );
+        let mut other = qwen.clone();
+        other["pretokenizers"][0]["pattern"]["Regex"] = json!(r"\p{L}+|\p{N}{1,3}");
+        assert!(pre_name(&doc(other, json!({"type": "NFC"}))).is_err());
+        let mut prefix = qwen;
+        prefix["pretokenizers"][1]["add_prefix_space"] = json!(true);
+        assert!(pre_name(&doc(prefix, json!({"type": "NFC"}))).is_err());
+        let e = pre_name(&doc(
+            json!({"type": "ByteLevel", "add_prefix_space": false}),
+            Json::Null,
+        ))
+        .unwrap_err();
+        assert!(e.contains("pre-tokenizer (ByteLevel)"), "{e}");
+    }
+}
