@@ -147,7 +147,12 @@ fn expected_hf(m: &BTreeMap<String, (Vec<usize>, Vec<f32>)>) -> BTreeMap<String,
 }
 
 fn export(d: &Dir, out: &str) {
-    let ckpt = fixture("ckpt");
+    export_from(d, "ckpt", out);
+}
+
+/// `merge FIXTURE/step --format hf --hf-config FIXTURE/config.json -o out`.
+fn export_from(d: &Dir, step: &str, out: &str) {
+    let ckpt = fixture(step);
     let config = fixture("config.json");
     d.ok(&[
         "merge",
@@ -423,18 +428,7 @@ fn restack(
 }
 
 fn export_unscanned(d: &Dir, out: &str) {
-    let ckpt = fixture("unscanned/ckpt");
-    let config = fixture("config.json");
-    d.ok(&[
-        "merge",
-        ckpt.to_str().unwrap(),
-        "--format",
-        "hf",
-        "--hf-config",
-        config.to_str().unwrap(),
-        "-o",
-        out,
-    ]);
+    export_from(d, "unscanned/ckpt", out);
 }
 
 #[test]

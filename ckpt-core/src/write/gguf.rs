@@ -30,6 +30,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod bpe;
+mod refuse;
+
+use refuse::{looks_special, unsupported};
 
 /// The file the plan writes (the tool moves it to the output's name).
 pub(crate) const GGUF_FILE: &str = "model.gguf";
@@ -51,12 +54,6 @@ pub struct GgufExport {
     pub out_type: Option<GgmlType>,
     /// The directory of the tokenizer (`--tokenizer`); else the source's own files.
     pub tokenizer: Option<PathBuf>,
-}
-
-fn unsupported(problem: String) -> Error {
-    Error::Unsupported {
-        problem: format!("--format gguf: {problem}"),
-    }
 }
 
 /// The checkpoint's tensors under GGUF's names (a [`PieceSource`] over its files).
@@ -280,14 +277,6 @@ fn vocab(dir: &Path, vocab_size: usize) -> Result<Vec<Token>> {
         }
     }
     Ok(tokens)
-}
-
-/// The converter's `does_token_look_special`.
-fn looks_special(t: &str) -> bool {
-    matches!(t, "<pad>" | "<mask>" | "<2mass>" | "[@BOS@]")
-        || (t.starts_with("<|") && t.ends_with("|>"))
-        || (t.starts_with("<\u{ff5c}") && t.ends_with("\u{ff5c}>"))
-        || (t.starts_with("<unused") && t.ends_with('>'))
 }
 
 /// `tokenizer_config.json` of `dir`, parsed, if there is one.

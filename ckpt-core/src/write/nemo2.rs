@@ -175,12 +175,14 @@ impl NemoModel {
                 (Family::Llama, Some("llama3")) => {
                     scale_factor = Some(Y::Float(s["factor"].as_f64().unwrap_or(8.0)));
                 }
-                _ => return Err(bad(
-                    "rope_scaling",
-                    format!(
+                _ => {
+                    return Err(bad(
+                        "rope_scaling",
+                        format!(
                         "is {s}: NeMo's importers keep Llama 3.1's scaling (Llama31Config) only"
                     ),
-                )),
+                    ))
+                }
             }
         }
         let mut given = vec![

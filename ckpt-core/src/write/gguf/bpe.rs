@@ -11,7 +11,7 @@
 //! prefix space or its own regex), exactly as transformers' `Qwen2Tokenizer` builds them,
 //! are llama.cpp's `qwen2`; any other configuration is refused by name.
 
-use super::{looks_special, unsupported};
+use super::refuse::{looks_special, unsupported};
 use crate::error::Result;
 use crate::formats::read_small;
 use serde_json::{json, Map, Value as Json};
