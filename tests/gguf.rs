@@ -839,3 +839,51 @@ fn a_qwen_tokenizer_ckpt_cannot_name_is_refused_by_name() {
     // Named after the model's directory, as the converter does: the same file.
     assert_same_file(&out, &fixture("qwen/gguf/qwen2-f32.gguf"));
 }
+
+/// A directory holding one GGUF file is that file (as a directory of one safetensors
+/// file is); several GGUF files (one model's quantizations, typically) or a GGUF
+/// beside other tensor files are refused, each file named, nothing written.
+#[test]
+fn a_directory_of_one_gguf_is_that_file_and_of_several_is_refused() {
+    let d = Dir::new();
+    let one = d.path("one");
+    std::fs::create_dir_all(&one).unwrap();
+    std::fs::copy(fixture("gguf/base-f32.gguf"), one.join("model.gguf")).unwrap();
+    d.ok(&["merge", s(&one), "-o", "from_dir"]);
+    d.ok(&["merge", s(&one.join("model.gguf")), "-o", "from_file"]);
+    assert_same_file(
+        &d.path("from_dir/model.safetensors"),
+        &d.path("from_file/model.safetensors"),
+    );
+
+    let two = d.path("two");
+    std::fs::create_dir_all(&two).unwrap();
+    for f in ["base-f32.gguf", "base-q8_0.gguf"] {
+        std::fs::copy(fixture("gguf").join(f), two.join(f)).unwrap();
+    }
+    let o = d.fails(&["merge", s(&two), "-o", "out"]);
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("2 GGUF files (base-f32.gguf, base-q8_0.gguf)")
+            && o.stderr.contains("give the one to read"),
+        "{}",
+        o.stderr
+    );
+
+    std::fs::remove_file(two.join("base-q8_0.gguf")).unwrap();
+    std::fs::copy(
+        fixture("gguf_read/base-q8_0-f32.safetensors"),
+        two.join("other.safetensors"),
+    )
+    .unwrap();
+    let o = d.fails(&["merge", s(&two), "-o", "out"]);
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("a GGUF file (base-f32.gguf) beside other tensor files (other.safetensors)"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("out").exists());
+}

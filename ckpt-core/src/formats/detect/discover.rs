@@ -121,7 +121,7 @@ struct DirRow {
 
 /// The directory table. Adding a format that is a directory of files is one `claims`
 /// and one `read` function in its module and one row here (see docs/architecture.md).
-static DIRECTORIES: [DirRow; 13] = [
+static DIRECTORIES: [DirRow; 14] = [
     DirRow {
         what: "a Megatron legacy checkpoint",
         own: true,
@@ -212,6 +212,17 @@ static DIRECTORIES: [DirRow; 13] = [
         carries: true,
         claims: has_distcp_files,
         read: dcp_without_metadata,
+        alone: None,
+    },
+    // Before the loose-file rows: a GGUF is one whole model, never a part of one, so a
+    // directory holding one is that file (and one holding several, or other tensor
+    // files beside it, is refused: which to read is the user's choice).
+    DirRow {
+        what: "a GGUF file (*.gguf)",
+        own: false,
+        carries: false,
+        claims: has_gguf_files,
+        read: gguf_file,
         alone: None,
     },
     DirRow {
@@ -362,7 +373,7 @@ impl Discovery {
                 return self.add_trainer_save(save);
             }
             return Err(unknown(format!(
-                "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors, *.ckptz, *.ckpt, torch.save *.pth/*.pt/*.bin, or an Orbax item's _METADATA)",
+                "{}: no checkpoint here (expected ckpt_<r>/ or rank_<r>/ rank directories, {MODEL_FILE}, {INDEX_FILE}, *.safetensors, *.ckptz, *.ckpt, torch.save *.pth/*.pt/*.bin, a *.gguf, or an Orbax item's _METADATA)",
                 path.display()
             )));
         };
@@ -762,6 +773,49 @@ fn loose(path: &Path) -> Vec<PathBuf> {
 
 fn has_loose_files(path: &Path) -> bool {
     !loose(path).is_empty()
+}
+
+fn gguf_files(path: &Path) -> Vec<PathBuf> {
+    entries(path)
+        .into_iter()
+        .filter(|p| has_ext(p, &["gguf"]))
+        .collect()
+}
+
+fn has_gguf_files(path: &Path) -> bool {
+    !gguf_files(path).is_empty()
+}
+
+/// The one GGUF file of a directory (each GGUF is a whole model: several in one
+/// directory are usually one model's quantizations, `model-Q8_0.gguf` beside
+/// `model-F16.gguf`, and reading them together would be wrong).
+fn gguf_file(path: &Path, x: &mut Discovery) -> Result<()> {
+    let files = gguf_files(path);
+    let others: Vec<PathBuf> = loose(path).into_iter().chain(torch_saves(path)).collect();
+    let names = |v: &[PathBuf]| {
+        v.iter()
+            .filter_map(|p| p.file_name()?.to_str().map(String::from))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match (&files[..], others.is_empty()) {
+        ([one], true) => {
+            x.push(one.clone(), None, None);
+            Ok(())
+        }
+        ([_], false) => Err(unknown(format!(
+            "{}: a GGUF file ({}) beside other tensor files ({}): give the file to read",
+            path.display(),
+            names(&files),
+            names(&others)
+        ))),
+        _ => Err(unknown(format!(
+            "{}: {} GGUF files ({}), each a whole model: give the one to read",
+            path.display(),
+            files.len(),
+            names(&files)
+        ))),
+    }
 }
 
 fn loose_files(path: &Path, x: &mut Discovery) -> Result<()> {
