@@ -170,6 +170,18 @@ impl Checkpoint {
         })
     }
 
+    /// Frees every tensor's pieces and further copies, keeping its name, dtype and
+    /// shape, once a plan of the copy is made: the plan's ops then say all the copy
+    /// reads (a merge's ops are its pieces, each once more), and holding both at once
+    /// was a third of a many-tensor merge's memory. Files, strategy, carried files and
+    /// notes stay for the copy and the writer's `finish`.
+    pub fn release_pieces(&mut self) {
+        for t in self.tensors.values_mut() {
+            t.pieces = Vec::new();
+            t.copies = Vec::new();
+        }
+    }
+
     /// Drops the checkpoint in a process that is about to exit: its files' mappings,
     /// scratch directories and mirrors are released as usual, but the descriptions of
     /// its tensors and pieces (several allocations each, freed one by one: 8 % of an

@@ -223,11 +223,12 @@ pub fn merge(
             path: req.output.clone(),
         });
     }
-    let (source, writer, selection) = open(req)?;
+    let (mut source, writer, selection) = open(req)?;
     let plan = writer.plan(&source, &selection)?;
     let compression = writer.compression();
     let Some((share, count)) = req.share else {
         on_plan(&source, &plan);
+        source.release_pieces();
         let staged = StagedDir::new(&req.output, req.force)?;
         let stats = execute_with(&plan, &source, staged.path(), progress, compression)?;
         writer.finish(&source, &selection, &plan, staged.path())?;
@@ -253,6 +254,7 @@ pub fn merge(
         }
     }
     on_plan(&source, &mine);
+    source.release_pieces();
     std::fs::create_dir_all(&req.output).map_err(|source| ckpt_core::Error::Io {
         path: req.output.clone(),
         source,

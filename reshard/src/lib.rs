@@ -482,12 +482,13 @@ pub fn reshard(
     }
     // Every target rank's plan is checked before anything is written.
     let Prepared {
-        source,
+        mut source,
         writer,
         plan,
         selection,
     } = prepare_output(req)?;
     on_plan(&source, &plan);
+    source.release_pieces();
     let compression = writer.compression();
     if req.ranks == Ranks::All {
         let staged = StagedDir::new(&req.output, req.force)?;
