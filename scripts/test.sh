@@ -26,6 +26,17 @@ stage_table() {
   printf '  %s\n' "${stage_log[@]}"
 }
 trap stage_table EXIT
+# One command of a stage, its time printed and kept for the table (the interop stages
+# run several scripts each: their times say which one grew).
+timed() {
+  local start=$SECONDS name rc=0
+  name=$(printf '%s ' "$@" | sed -E 's#^env ##; s#[A-Z_]+=[^ ]+ ##g; s#[^ ]*/bin/(python|pip) #\1 #; s#target/debug/ckpt ?##g; s# +$##')
+  # Its status returned, not the echo's: a failure inside `a || timed b` must not pass.
+  "$@" || rc=$?
+  stage_log+=("$(printf '%6d s    %s' $((SECONDS - start)) "$name")")
+  echo "scripts/test.sh: '$name' took $((SECONDS - start)) s (exit $rc)"
+  return $rc
+}
 stage "Debian packages and Python venv"
 
 # What the tests need from Debian: Open MPI (the MPI backend's tests), Fashion-MNIST
@@ -72,7 +83,7 @@ cargo test --workspace "$@"
 # and its pytest suite run, gloo processes included. pytest exits 5 when it collects
 # nothing, which fails here like any failure.
 stage "Python package: torch, maturin build, pytest"
-"$venv/bin/pip" install --quiet --disable-pip-version-check maturin pytest torch
+timed "$venv/bin/pip" install --quiet --disable-pip-version-check maturin pytest torch
 PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install --quiet --disable-pip-version-check \
   --no-build-isolation --no-deps --force-reinstall ./python
 # candle's CUDA kernels (`--device cuda`, feature cuda-candle) need nvcc to build but no
@@ -120,21 +131,21 @@ fi
 # to the venv that has torch; about 2 minutes of CPU (the full set:
 # scripts/deepspeed_reshard_interop.sh).
 stage "DeepSpeed, UCP and MoE interop"
-DS_VENV=$venv scripts/deepspeed_reshard_interop.sh target/debug/ckpt --quick
+timed env DS_VENV=$venv scripts/deepspeed_reshard_interop.sh target/debug/ckpt --quick
 # DeepSpeed's engine loads ckpt's universal checkpoint (merge --format ucp) of the ZeRO-2
 # and ZeRO-3 fixtures on 3 gloo ranks: weights and moments bit for bit, one more step.
-"$venv/bin/python" scripts/ucp_interop.py target/debug/ckpt
+timed "$venv/bin/python" scripts/ucp_interop.py target/debug/ckpt
 # DeepSpeed loads its own MoE checkpoints re-cut by ckpt for another world and EP size
 # (reshard --format deepspeed --mesh dp=N,ep=K): weights and moments bit for bit, the
 # loss before and after one more step as at the source's own EP size.
-"$venv/bin/python" scripts/moe_deepspeed_interop.py target/debug/ckpt
+timed "$venv/bin/python" scripts/moe_deepspeed_interop.py target/debug/ckpt
 # Megatron's per-rank RNG state, carried by `reshard --format megatron` to the same
 # TP x PP grid (and to no other): torch.load compares it with the source's.
 stage "Megatron interop"
-"$venv/bin/python" scripts/megatron_rng_check.py target/debug/ckpt
+timed "$venv/bin/python" scripts/megatron_rng_check.py target/debug/ckpt
 # megatron-core's GPTModel loads the legacy checkpoints ckpt writes for TP=4 and PP=4
 # from the TP=2 x PP=2 fixture on that many gloo ranks: every loaded value equal.
-MEGATRON_VENV=$venv scripts/megatron_interop.sh target/debug/ckpt
+timed env MEGATRON_VENV=$venv scripts/megatron_interop.sh target/debug/ckpt
 # Hugging Face models to and from Megatron (merge --format hf, reshard --format megatron
 # from an HF model): transformers loads every export with Megatron's logits (fp32 and
 # bf16), megatron-core loads the imports strictly with transformers' logits, and the
@@ -143,38 +154,38 @@ MEGATRON_VENV=$venv scripts/megatron_interop.sh target/debug/ckpt
 stage "Hugging Face and MoE interop"
 # accelerate: transformers loads FP8 models through it (scripts/fp8_transformers_check.py).
 "$venv/bin/python" -c "import transformers, accelerate" 2>/dev/null ||
-  "$venv/bin/pip" install --quiet --disable-pip-version-check transformers accelerate
-"$venv/bin/python" scripts/hf_interop.py target/debug/ckpt
+  timed "$venv/bin/pip" install --quiet --disable-pip-version-check transformers accelerate
+timed "$venv/bin/python" scripts/hf_interop.py target/debug/ckpt
 # Mixture-of-experts models to Hugging Face (Mixtral, Qwen2-MoE, Qwen3-MoE from
 # megatron-core's EP2 legacy and dist_ckpt files): transformers loads every export with
 # Megatron's logits. Seconds.
-"$venv/bin/python" scripts/moe_hf_check.py target/debug/ckpt
+timed "$venv/bin/python" scripts/moe_hf_check.py target/debug/ckpt
 # Trainers' save directories (HF Trainer + accelerate FSDP, Lightning, verl, torchtitan,
 # megatron-core without args) exported by `merge OUTPUT_DIR --format hf`: transformers
 # loads each with the trainer's own logits; the bf16 exports are torch's cast. Seconds.
-"$venv/bin/python" scripts/trainers_check.py target/debug/ckpt
-"$venv/bin/python" scripts/fp8_transformers_check.py target/debug/ckpt
+timed "$venv/bin/python" scripts/trainers_check.py target/debug/ckpt
+timed "$venv/bin/python" scripts/fp8_transformers_check.py target/debug/ckpt
 # Expert-parallel reshards (EP2 -> EP4, EP4 -> EP1 x TP2, EP2 x TP2 -> EP2 x PP2) loaded
 # by megatron-core on gloo ranks: every tensor and the logits equal. About a minute.
-"$venv/bin/python" scripts/moe_reshard_interop.py target/debug/ckpt
+timed "$venv/bin/python" scripts/moe_reshard_interop.py target/debug/ckpt
 
 # The "By example" blocks of README.md (the recipes) and docs/examples.md (every
 # command), each line as written, in order, in a new directory.
 stage "README and docs examples"
-scripts/readme_examples.sh target/debug/ckpt
+timed scripts/readme_examples.sh target/debug/ckpt
 
 # Layout pictures: `ckpt inspect --html` in headless Chromium (tensor and piece counts
 # against `inspect --json`, sorting, filtering, a screenshot) and `ckpt train`'s
 # TensorBoard event file read by TensorBoard's EventAccumulator. About 20 seconds.
 stage "layout pictures (Chromium, TensorBoard)"
 pics=$(mktemp -d)
-"$venv/bin/python" scripts/report_browser.py target/debug/ckpt "$pics" "$pics/report.png"
+timed "$venv/bin/python" scripts/report_browser.py target/debug/ckpt "$pics" "$pics/report.png"
 rm -rf "$pics"
 
 # SIGKILL merge, reshard and training saves at random moments: outputs are old, new or
 # absent, never partial, and a training run's `latest` always verifies (about a minute).
 stage "kill -9 test"
-scripts/kill_test.sh
+timed scripts/kill_test.sh
 
 stage "cuda-candle type-check"
 if [ -z "$cuda_candle" ]; then
@@ -214,4 +225,4 @@ else
 fi
 
 stage "MPI backend"
-train/tests/mpi.sh
+timed train/tests/mpi.sh
