@@ -39,6 +39,29 @@ timed() {
 }
 stage "Debian packages and Python venv"
 
+# The tests' Python packages, in a virtual environment under target/, installed by one
+# pip command; beside apt-get when python3-venv is already there (both mostly wait on
+# downloads).
+venv=target/py
+python_env() {
+  local pkgs=()
+  "$venv/bin/python" -c "import numpy, safetensors" 2>/dev/null || pkgs+=(numpy safetensors)
+  # The layout pictures' checks: Selenium drives Chromium, TensorBoard reads event files.
+  "$venv/bin/python" -c "import selenium, tensorboard" 2>/dev/null || pkgs+=(selenium tensorboard)
+  # Checkpoints in a bucket (tests/storage.rs): a real S3-compatible server, moto's,
+  # which the tests start on the loopback address; boto3 (which it brings) checks what
+  # ckpt wrote.
+  "$venv/bin/python" -c "import moto.server, boto3" 2>/dev/null || pkgs+=("moto[server]")
+  [ ${#pkgs[@]} -gt 0 ] || return 0
+  "$venv/bin/python" -c "" 2>/dev/null || python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "${pkgs[@]}"
+}
+python_job=""
+if python3 -m venv --help >/dev/null 2>&1; then
+  python_env &
+  python_job=$!
+fi
+
 # What the tests need from Debian: Open MPI (the MPI backend's tests), Fashion-MNIST
 # (an accuracy test), python3-venv. Installed here when missing (as root, as on CI and
 # these machines); otherwise the script stops with the line to run, rather than let a
@@ -61,19 +84,11 @@ if [ ${#need[@]} -gt 0 ]; then
     exit 1
   fi
 fi
-
-venv=target/py
-if ! "$venv/bin/python" -c "import numpy, safetensors" 2>/dev/null; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check numpy safetensors
+if [ -n "$python_job" ]; then
+  wait "$python_job"
+else
+  python_env
 fi
-# The layout pictures' checks: Selenium drives Chromium, TensorBoard reads event files.
-"$venv/bin/python" -c "import selenium, tensorboard" 2>/dev/null ||
-  "$venv/bin/pip" install --quiet --disable-pip-version-check selenium tensorboard
-# Checkpoints in a bucket (tests/storage.rs): a real S3-compatible server, moto's, which
-# the tests start on the loopback address; boto3 (which it brings) checks what ckpt wrote.
-"$venv/bin/python" -c "import moto.server, boto3" 2>/dev/null ||
-  "$venv/bin/pip" install --quiet --disable-pip-version-check "moto[server]"
 export CKPT_PYTHON="$PWD/$venv/bin/python"
 stage "cargo test --workspace"
 cargo test --workspace "$@"
