@@ -10,6 +10,7 @@
 #   PIECES=1 scripts/scale_bench.sh        # also 1,000,000 pieces (125,002 tensors x 8)
 #   BASE=/tmp/ckpt-old ROUNDS=2 scripts/scale_bench.sh   # before/after, alternated
 #   DEEPSEEK=0 scripts/scale_bench.sh      # without the DeepSeek-V3-shaped mixture
+#   EXPERTS=0 scripts/scale_bench.sh       # without the Megatron dist_ckpt with experts
 #
 # With BASE (another ckpt binary, e.g. the release build of the commit before a
 # change), every ckpt command runs ROUNDS times (default 2) alternating BASE and CKPT,
@@ -128,22 +129,47 @@ for n in "${layers[@]}"; do
   rm -rf "$src" "$dcp" "$whole" "$work/out"
 done
 
-# (DEEPSEEK=0 leaves the mixture out.)
-[ "${DEEPSEEK:-1}" = 1 ] || exit 0
+# (DEEPSEEK=0 leaves the DeepSeek-shaped mixture out, EXPERTS=0 the Megatron one.)
+if [ "${DEEPSEEK:-1}" = 1 ]; then
+  # A DeepSeek-V3-shaped mixture as a Hugging Face checkpoint (58 MoE layers x 256
+  # experts, FP8 weights with their block scales, 90,427 tensors in 8 shards with an
+  # index; tiny sizes): merged, resharded with the experts cut over 2 ranks, verified.
+  ds="$work/deepseek"
+  "$py" scripts/fixtures/deepseek_shaped.py "$ds" >/dev/null
+  files=("$ds"/*.safetensors)
+  tensors=$("$ckpt" inspect "$ds" --json | "$py" -c 'import json,sys; print(len(json.load(sys.stdin)["tensors"]))')
+  sync
+  row "$tensors" "DeepSeek-V3 HF" "safetensors list keys" "$(measure bash -c 'list_keys "$@"' _ "${files[@]}")"
+  row "$tensors" "DeepSeek-V3 HF" "cat + sync" "$(measure bash -c 'cat_sync "$@"' _ "${files[@]}")"
+  ckpt_rows "$tensors" "DeepSeek-V3 HF" "merge" merge "$ds" -o "$work/out"
+  ckpt_rows "$tensors" "DeepSeek-V3 HF" "inspect" inspect "$ds"
+  # The reshard's output is verified (by the binary under test), so it is kept.
+  rm -rf "$work/out"
+  row "$tensors" "DeepSeek-V3 HF" "reshard experts / 2" "$(measure "$ckpt" reshard "$ds" --to 2 --shard '*.experts.*=0' -o "$work/out")"
+  row "$tensors" "DeepSeek-V3 HF" "verify the reshard" "$(measure "$ckpt" verify "$work/out")"
+fi
 
-# A DeepSeek-V3-shaped mixture as a Hugging Face checkpoint (58 MoE layers x 256
-# experts, FP8 weights with their block scales, 90,427 tensors in 8 shards with an
-# index; tiny sizes): merged, resharded with the experts cut over 2 ranks, verified.
-ds="$work/deepseek"
-"$py" scripts/fixtures/deepseek_shaped.py "$ds" >/dev/null
-files=("$ds"/*.safetensors)
-tensors=$("$ckpt" inspect "$ds" --json | "$py" -c 'import json,sys; print(len(json.load(sys.stdin)["tensors"]))')
-sync
-row "$tensors" "DeepSeek-V3 HF" "safetensors list keys" "$(measure bash -c 'list_keys "$@"' _ "${files[@]}")"
-row "$tensors" "DeepSeek-V3 HF" "cat + sync" "$(measure bash -c 'cat_sync "$@"' _ "${files[@]}")"
-ckpt_rows "$tensors" "DeepSeek-V3 HF" "merge" merge "$ds" -o "$work/out"
-ckpt_rows "$tensors" "DeepSeek-V3 HF" "inspect" inspect "$ds"
-# The reshard's output is verified (by the binary under test), so it is kept.
-rm -rf "$work/out"
-row "$tensors" "DeepSeek-V3 HF" "reshard experts / 2" "$(measure "$ckpt" reshard "$ds" --to 2 --shard '*.experts.*=0' -o "$work/out")"
-row "$tensors" "DeepSeek-V3 HF" "verify the reshard" "$(measure "$ckpt" verify "$work/out")"
+# A Qwen3-235B-A22B-shaped mixture (94 layers x 128 experts, tiny sizes: 36,946 tensors
+# in 8 shards with an index) imported as a megatron-core dist_ckpt with its experts cut
+# over tensor- and expert-parallel ranks (`reshard --format megatron-dist --mesh
+# tp=4,ep=8`: the experts stacked, every expert's box a piece), then the dist_ckpt
+# merged, exported to Hugging Face, inspected and verified: the pieces of a Megatron
+# save with experts. EXPERT_LAYERS and EXPERT_COUNT change the shape.
+if [ "${EXPERTS:-1}" = 1 ]; then
+  moe="$work/qwen3moe"
+  "$py" scripts/fixtures/qwen3_moe_shaped.py "$moe" --layers "${EXPERT_LAYERS:-94}" --experts "${EXPERT_COUNT:-128}" >/dev/null
+  files=("$moe"/*.safetensors)
+  tensors=$("$ckpt" inspect "$moe" --json | "$py" -c 'import json,sys; print(len(json.load(sys.stdin)["tensors"]))')
+  sync
+  row "$tensors" "Qwen3-MoE HF" "safetensors list keys" "$(measure bash -c 'list_keys "$@"' _ "${files[@]}")"
+  row "$tensors" "Qwen3-MoE HF" "cat + sync" "$(measure bash -c 'cat_sync "$@"' _ "${files[@]}")"
+  dist="$work/qwen3moe-dist"
+  row "$tensors" "Qwen3-MoE HF" "reshard to dist_ckpt" "$(measure "$ckpt" reshard "$moe" --format megatron-dist --mesh tp=4,ep=8 -o "$dist")"
+  pieces=$("$ckpt" inspect "$dist" --json | "$py" -c 'import json,sys; t=json.load(sys.stdin)["tensors"]; n = sum(len(x["pieces"]) for x in t); print(len(t), "(%d pieces)" % n)')
+  layout="dist_ckpt tp4 ep8"
+  row "$pieces" "$layout" "cat + sync" "$(measure bash -c 'cat_sync "$@"' _ "$dist"/*/*.distcp)"
+  ckpt_rows "$pieces" "$layout" "merge" merge "$dist" -o "$work/out"
+  ckpt_rows "$pieces" "$layout" "merge --format hf" merge "$dist" --format hf -o "$work/out"
+  ckpt_rows "$pieces" "$layout" "inspect" inspect "$dist"
+  ckpt_rows "$pieces" "$layout" "verify" verify "$dist"
+fi
