@@ -94,6 +94,10 @@ pub(crate) fn store_for(url: &ObjectUrl) -> Result<Arc<Store>> {
         url: url.to_string(),
         problem: e.to_string(),
     };
+    // HTTPS through rustls with ring (storage/Cargo.toml): the process's provider,
+    // installed once before the first client is built (an error only says that one
+    // is installed already).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let store = match url.scheme() {
         "s3" | "s3a" => {
             let mut b = object_store::aws::AmazonS3Builder::from_env();
@@ -220,4 +224,22 @@ fn aws_files() -> Vec<(object_store::aws::AmazonS3ConfigKey, String)> {
         take(&config, "endpoint_url", "AWS_ENDPOINT", K::Endpoint);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use object_store::ObjectStoreExt;
+
+    /// HTTPS goes through rustls with the ring provider `store_for` installs (reqwest's
+    /// rustls brings none of its own here): a request to a port where nothing listens
+    /// is an error, not a panic for want of a provider.
+    #[test]
+    fn https_requests_fail_as_errors_not_panics() {
+        let url = ObjectUrl::parse(std::path::Path::new("https://127.0.0.1:9/ckpt/x")).unwrap();
+        let store = store_for(&url).unwrap();
+        let got = block_on(store.objects.head(&object_store::path::Path::from("x")));
+        let e = got.expect_err("nothing listens on port 9");
+        assert!(e.to_string().contains("127.0.0.1"), "{e}");
+    }
 }
