@@ -3,7 +3,7 @@
 directories (tests/fixtures/trainers: HF Trainer + accelerate FSDP (a Llama and a
 Mixtral), HF Trainer plain, Lightning FSDP and DeepSpeed, verl FSDP, torchtitan, written
 by each trainer's own code on CPU;
-Megatron-Bridge and NeMo 2, laid out from their source and written by megatron-core,
+Megatron-Bridge, NeMo 2 and verl's Megatron backend (both layouts), laid out from their source and written by megatron-core,
 against Megatron's own logits) and gives the logits the trainer's model gave.
 
   trainers_check.py CKPT
@@ -44,6 +44,10 @@ CASES = [
     ("torchtitan", "outputs", FIXTURES / "trainers" / "torchtitan" / "config.json"),
     # Layouts from the trainers' source, files by megatron-core; reference: Megatron's logits.
     ("megatron_bridge", "nemo_experiments", None),  # its run_config.yaml gives the sizes
+    ("verl_megatron", "verl_out", None),  # verl 0.4.1-0.8: actor/dist_ckpt + actor/huggingface
+    # verl 0.9 (actor/model/dist_ckpt) keeps no HF config: the 0.4.1-0.8 save's, same model
+    ("verl_megatron", "verl_v2_out",
+     FIXTURES / "trainers" / "verl_megatron" / "verl_out" / "global_step_2" / "actor" / "huggingface" / "config.json"),
     ("nemo2", "nemo_experiments", FIXTURES / "trainers" / "nemo2" / "hf_config.json"),
 ]
 
@@ -71,18 +75,18 @@ def main():
         for name, out_dir, config in CASES:
             fx = FIXTURES / "trainers" / name
             ref = load_file(fx / "reference.safetensors")
-            out = pathlib.Path(tmp) / name
+            out = pathlib.Path(tmp) / f"{name}-{out_dir}"
             export(ckpt, fx / out_dir, out, config)
             err = logits_error(out, ref, name)
             assert err < TOLERANCE, f"{name}: logits differ from the trainer's by {err}"
-            bf16 = pathlib.Path(tmp) / f"{name}-bf16"
+            bf16 = pathlib.Path(tmp) / f"{name}-{out_dir}-bf16"
             export(ckpt, fx / out_dir, bf16, config, "--dtype", "bf16")
             full, half = load_file(out / "model.safetensors"), load_file(bf16 / "model.safetensors")
             assert sorted(full) == sorted(half), f"{name} (bf16): tensor names"
             for k, t in full.items():
                 assert half[k].dtype == torch.bfloat16 and torch.equal(half[k], t.to(torch.bfloat16)), f"{name} (bf16): {k}"
             err16 = logits_error(bf16, ref, f"{name} (bf16)")
-            print(f"{name}: logits within {err:.1e} of the trainer's; the bf16 export is torch's cast (logits within {err16:.1e})")
+            print(f"{name} ({out_dir}): logits within {err:.1e} of the trainer's; the bf16 export is torch's cast (logits within {err16:.1e})")
         for family in ["llama", "qwen2"]:
             fx = FIXTURES / "hf" / family
             ref = load_file(fx / "reference.safetensors")

@@ -282,8 +282,11 @@ struct TrainerCase {
 const LLAMA_CONFIG: &str = "../../hf_models/llama/config.json";
 const MIXTRAL_CONFIG: &str = "../../moe/hf/mixtral/hf/config.json";
 const QWEN3_MOE_CONFIG: &str = "../../moe/hf/qwen3_moe/hf/config.json";
+/// verl 0.9 keeps no Hugging Face config beside a `model/dist_ckpt/` save: the one the
+/// 0.4.1-0.8 layout kept for the same model.
+const VERL_MEGATRON_CONFIG: &str = "verl_out/global_step_2/actor/huggingface/config.json";
 
-const TRAINER_CASES: [TrainerCase; 10] = [
+const TRAINER_CASES: [TrainerCase; 12] = [
     TrainerCase {
         trainer: "Hugging Face Trainer + accelerate FSDP2 (SHARDED_STATE_DICT)",
         versions: "transformers 5.25.0, accelerate 1.16.0, torch 2.15.0",
@@ -369,6 +372,30 @@ const TRAINER_CASES: [TrainerCase; 10] = [
         import_back: "none needed: verl starts from the Hugging Face model (`actor_rollout_ref.model.path`)",
     },
     TrainerCase {
+        trainer: "verl Megatron checkpoint manager, 0.4.1-0.8 layout (`actor/dist_ckpt/`; layout from its source, megatron-core wrote the files)",
+        versions: "verl `b178a3cd` (0.8.0.dev, source), megatron-core 0.16.1, transformers 5.25.0",
+        fixture: "verl_megatron",
+        output: "verl_out",
+        step: "global_step_2",
+        config: None,
+        expected: "../megatron_bridge/expected.safetensors",
+        anchor: "the Megatron-LM save of the same weights (`tests/fixtures/hf/llama`), exported",
+        plain_refused: Some("distributed optimizer's bucket layout"),
+        import_back: "none needed: verl starts from the Hugging Face model (`actor_rollout_ref.model.path`)",
+    },
+    TrainerCase {
+        trainer: "verl Megatron checkpoint manager, 0.9 layout (`actor/model/dist_ckpt/`, `use_dist_checkpointing`; layout from its source, megatron-core wrote the files)",
+        versions: "verl 0.9.1 (source), megatron-core 0.16.1",
+        fixture: "verl_megatron",
+        output: "verl_v2_out",
+        step: "global_step_2",
+        config: Some(VERL_MEGATRON_CONFIG),
+        expected: "../megatron_bridge/expected.safetensors",
+        anchor: "the Megatron-LM save of the same weights (`tests/fixtures/hf/llama`), exported",
+        plain_refused: None,
+        import_back: "none needed: verl starts from the Hugging Face model (`actor_rollout_ref.model.path`)",
+    },
+    TrainerCase {
         trainer: "torchtitan CheckpointManager",
         versions: "torchtitan 0.3.0, torch 2.15.0",
         fixture: "torchtitan",
@@ -415,7 +442,7 @@ fn trainers_saves_export_to_the_libraries_own_state_dicts() {
     let root = fixtures().join("trainers");
     for c in &TRAINER_CASES {
         let fx = root.join(c.fixture);
-        let out = d.path(c.fixture);
+        let out = d.path(&format!("{}-{}", c.fixture, c.output));
         let mut args = vec![
             "merge",
             c.output,
@@ -442,7 +469,7 @@ fn trainers_saves_export_to_the_libraries_own_state_dicts() {
             c.fixture,
         );
         // Plain merge: the same step's weights (in the trainer's names), nothing else.
-        let plain = d.path(&format!("{}-plain", c.fixture));
+        let plain = d.path(&format!("{}-{}-plain", c.fixture, c.output));
         let o = d.run_in(&fx, &["merge", c.output, "-o", plain.to_str().unwrap()]);
         match c.plain_refused {
             None => {
@@ -769,6 +796,105 @@ fn verl_save_carries_its_config_and_tokenizer() {
         o.stderr
     );
     assert!(!d.path("c").exists());
+}
+
+/// verl's Megatron backend (issue 45): the output directory gives the step its tracker
+/// names, the actor's dist_ckpt with `huggingface/`'s config and tokenizer carried; the
+/// trainer, step and config are named; what is incomplete or ambiguous is refused by
+/// name with nothing written.
+#[test]
+fn verl_megatron_save_is_read_as_verl_lays_it_out() {
+    let d = Dir::new();
+    let fx = fixtures().join("trainers/verl_megatron");
+    let hf = fx.join("verl_out/global_step_2/actor/huggingface");
+    let o = d.ok(&[
+        "merge",
+        fx.join("verl_out").to_str().unwrap(),
+        "--format",
+        "hf",
+        "-o",
+        "a",
+    ]);
+    assert!(
+        o.stderr.contains("verl (Megatron backend) save")
+            && o.stderr.contains("step 2, named by")
+            && o.stderr
+                .contains("huggingface/config.json (kept by the trainer)")
+            && o.stderr
+                .contains("distributed optimizer's 12 bucket entries are not read"),
+        "{}",
+        o.stderr
+    );
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        assert_eq!(
+            std::fs::read(d.path("a").join(f)).unwrap(),
+            std::fs::read(hf.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    // The actor's directory and the step directory read the same; `inspect` names it.
+    for (name, p) in [
+        ("b", fx.join("verl_out/global_step_2/actor")),
+        ("c", fx.join("verl_out/global_step_2")),
+    ] {
+        d.ok(&["merge", p.to_str().unwrap(), "--format", "hf", "-o", name]);
+        assert_same_tensors(
+            &full_tensors(&d.path(name).join("model.safetensors")),
+            &full_tensors(&d.path("a/model.safetensors")),
+            name,
+        );
+    }
+    let o = d.ok(&["inspect", fx.join("verl_v2_out").to_str().unwrap()]);
+    let said = format!("{}{}", o.stdout, o.stderr);
+    assert!(
+        said.contains("verl (Megatron backend) save")
+            && said.contains("step 2")
+            && said.contains("verl 0.9 layout")
+            && said.contains("optimizer: not read"),
+        "{said}"
+    );
+    // A dist_ckpt whose metadata.json (megatron-core writes it last) is missing.
+    let copy = d.path("verl_out");
+    copy_dir(&fx.join("verl_out"), &copy);
+    std::fs::remove_file(copy.join("global_step_2/actor/dist_ckpt/metadata.json")).unwrap();
+    let o = d.fails(&["merge", "verl_out", "--format", "hf", "-o", "x"]);
+    assert!(
+        o.stderr.contains("dist_ckpt") && o.stderr.contains("no metadata.json"),
+        "{}",
+        o.stderr
+    );
+    // Without a tracker, that step is skipped as incomplete and none is left.
+    std::fs::remove_file(copy.join("latest_checkpointed_iteration.txt")).unwrap();
+    let o = d.fails(&["merge", "verl_out", "--format", "hf", "-o", "x"]);
+    assert!(
+        o.stderr.contains("step 2 skipped") && o.stderr.contains("no metadata.json"),
+        "{}",
+        o.stderr
+    );
+    // verl 0.9's layout cut off before its manifest.
+    let v2 = d.path("verl_v2_out");
+    copy_dir(&fx.join("verl_v2_out"), &v2);
+    let actor2 = v2.join("global_step_2/actor");
+    std::fs::remove_file(actor2.join("ckpt_contents.json")).unwrap();
+    let o = d.fails(&["merge", "verl_v2_out", "--format", "hf", "-o", "x"]);
+    assert!(o.stderr.contains("no ckpt_contents.json"), "{}", o.stderr);
+    // Both layouts in one actor directory: which dist_ckpt is meant is not guessed.
+    std::fs::copy(
+        fx.join("verl_v2_out/global_step_2/actor/ckpt_contents.json"),
+        actor2.join("ckpt_contents.json"),
+    )
+    .unwrap();
+    copy_dir(
+        &fx.join("verl_out/global_step_2/actor/dist_ckpt"),
+        &actor2.join("dist_ckpt"),
+    );
+    let o = d.fails(&["merge", "verl_v2_out", "-o", "x"]);
+    assert!(
+        o.stderr.contains("holds both") && o.stderr.contains("model/"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("x").exists());
 }
 
 /// A trainer's record of the model that contradicts the tensors is refused, naming the

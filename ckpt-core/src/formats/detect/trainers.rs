@@ -35,6 +35,9 @@ pub(crate) struct StepContents {
     pub(crate) record: Option<(Args, PathBuf)>,
     /// What else was decided (which subdirectory, what is not read).
     pub(crate) notes: Vec<String>,
+    /// The trainer as messages name it, where the step's files say more than the row
+    /// (verl's Megatron backend).
+    pub(crate) trainer: Option<&'static str>,
 }
 
 /// A trainer's save found at a path.
@@ -344,6 +347,7 @@ fn lightning_contents(dir: &Path) -> Result<StepContents> {
         tokenizer: vec![],
         record: None,
         notes: vec![note],
+        trainer: None,
     })
 }
 
@@ -388,6 +392,7 @@ fn orbax_contents(dir: &Path) -> Result<StepContents> {
         tokenizer: vec![],
         record: None,
         notes,
+        trainer: None,
     })
 }
 
@@ -425,6 +430,7 @@ fn dcp_step_contents(dir: &Path) -> Result<StepContents> {
         tokenizer: vec![],
         record: None,
         notes: vec![],
+        trainer: None,
     })
 }
 
@@ -507,6 +513,7 @@ fn hf_trainer_contents(dir: &Path) -> Result<StepContents> {
         tokenizer,
         record: None,
         notes,
+        trainer: None,
     })
 }
 
@@ -554,17 +561,8 @@ fn verl_contents(step: &Path) -> Result<StepContents> {
             actor.display()
         ));
         shards.into_iter().map(|s| s.2).collect()
-    } else if let Some(dist) = list_dir(&actor)?
-        .into_iter()
-        .find(|p| p.is_dir() && has_dcp(p) && name_of(p) != "huggingface")
-    {
-        // The Megatron backend: a dist_ckpt.
-        vec![dist]
     } else {
-        return Err(unknown(format!(
-            "{}: incomplete: no model shards (model_world_size_<W>_rank_<R>.pt) nor a dist_ckpt",
-            actor.display()
-        )));
+        return verl_megatron_contents(step, &actor);
     };
     if step.join("critic").is_dir() {
         notes.push(format!(
@@ -585,6 +583,143 @@ fn verl_contents(step: &Path) -> Result<StepContents> {
         tokenizer: tokenizer_in(&hf),
         record: None,
         notes,
+        trainer: None,
+    })
+}
+
+/// verl's Megatron backend, as messages name it.
+const VERL_MEGATRON: &str = "verl (Megatron backend)";
+
+/// The file megatron-core's `dist_checkpointing.save` writes last into a dist_ckpt
+/// (`save_config`, after the shards, their `.metadata` and `common.pt`).
+const DIST_CKPT_CONFIG: &str = "metadata.json";
+
+/// A megatron-core dist_ckpt of verl's, complete (its `.metadata` and `metadata.json`
+/// there), else an error naming the file missing.
+fn verl_dist_ckpt(dir: &Path) -> Result<PathBuf> {
+    for f in [distcp::METADATA_FILE, DIST_CKPT_CONFIG] {
+        if !dir.join(f).is_file() {
+            return Err(unknown(format!(
+                "{}: incomplete: no {f} (megatron-core's dist_checkpointing.save writes .metadata, then metadata.json last)",
+                dir.display()
+            )));
+        }
+    }
+    Ok(dir.to_path_buf())
+}
+
+/// verl's `global_step_<N>/actor/` written by its Megatron backend
+/// (`verl/utils/checkpoint/megatron_checkpoint_manager.py`), in the layout of the verl
+/// that wrote it:
+/// - 0.4.1 to 0.8: `dist_ckpt/`, one megatron-core dist_ckpt of the model, the
+///   optimizer, the LR scheduler and the RNG states; `huggingface/` with the model's
+///   config and tokenizer; `transformer_config.json`;
+/// - 0.9: `model/dist_ckpt/` (the model, with `use_dist_checkpointing`) or
+///   `model/huggingface/` (the model's Hugging Face weights through mbridge, with its
+///   config and tokenizer), `optimizer/dist_ckpt/`, `extra/dist_ckpt/`,
+///   `transformer_config.json`, and `ckpt_contents.json` written last;
+/// - before 0.4.1: per-rank `torch.save` files under `model/mp_rank_<TT>[_<PPP>]/`
+///   (refused, named).
+///
+/// The dist_ckpt's tensors carry megatron-core's own names (`model.sharded_state_dict()`
+/// of the unwrapped GPTModel: no prefix); the optimizer's entries beside them are left
+/// out of `--format hf` by the dist_ckpt reader.
+fn verl_megatron_contents(step: &Path, actor: &Path) -> Result<StepContents> {
+    let v1 = actor.join("dist_ckpt");
+    let model = actor.join("model");
+    let v2 = ["model", "optimizer", "extra"]
+        .iter()
+        .map(|d| actor.join(d))
+        .filter(|p| p.join("dist_ckpt").is_dir() || p.join("huggingface").is_dir())
+        .collect::<Vec<_>>();
+    let mut notes = vec![];
+    let (weights, hf) = if actor.join("hf_config_and_tokenizer").is_dir()
+        || (model.is_dir()
+            && list_dir(&model)?
+                .iter()
+                .any(|p| p.is_dir() && name_of(p).starts_with("mp_rank_")))
+    {
+        return Err(Error::Unsupported {
+            problem: format!(
+                "{}: verl's Megatron layout before 0.4.1 (per-rank torch.save files under model/mp_rank_<TT>/, hf_config_and_tokenizer/): not read",
+                actor.display()
+            ),
+        });
+    } else if v1.is_dir() && !v2.is_empty() {
+        return Err(unknown(format!(
+            "{}: holds both verl's 0.4.1-0.8 Megatron layout (dist_ckpt/) and 0.9's ({}): pass the dist_ckpt meant",
+            actor.display(),
+            v2.iter()
+                .map(|p| format!("{}/", name_of(p)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    } else if v1.is_dir() {
+        let dist = verl_dist_ckpt(&v1)?;
+        notes.push(format!(
+            "{}: the actor's model (verl 0.4.1-0.8 layout: one megatron-core dist_ckpt of the model, optimizer, LR scheduler and RNG states; only the model is exported)",
+            dist.display()
+        ));
+        (dist, actor.join("huggingface"))
+    } else if !v2.is_empty() {
+        let manifest = actor.join("ckpt_contents.json");
+        if !manifest.is_file() {
+            return Err(unknown(format!(
+                "{}: incomplete: no ckpt_contents.json (verl 0.9 writes it last)",
+                actor.display()
+            )));
+        }
+        let hf = model.join("huggingface");
+        let weights = if model.join("dist_ckpt").is_dir() {
+            let dist = verl_dist_ckpt(&model.join("dist_ckpt"))?;
+            notes.push(format!(
+                "{}: the actor's model (verl 0.9 layout, a megatron-core dist_ckpt)",
+                dist.display()
+            ));
+            dist
+        } else if ["model.safetensors", "model.safetensors.index.json"]
+            .iter()
+            .any(|f| hf.join(f).is_file())
+        {
+            notes.push(format!(
+                "{}: the actor's model (verl 0.9 layout, Hugging Face weights written through mbridge)",
+                hf.display()
+            ));
+            hf.clone()
+        } else {
+            return Err(unknown(format!(
+                "{}: no model weights: neither model/dist_ckpt/ nor Hugging Face weights in model/huggingface/ (a save without `model` in checkpoint.save_contents)",
+                actor.display()
+            )));
+        };
+        for d in ["optimizer", "extra"] {
+            if actor.join(d).is_dir() {
+                notes.push(format!(
+                    "{}: not read (the optimizer, LR scheduler and RNG states)",
+                    actor.join(d).display()
+                ));
+            }
+        }
+        (weights, hf)
+    } else {
+        return Err(unknown(format!(
+            "{}: incomplete: no model shards (model_world_size_<W>_rank_<R>.pt: FSDP), dist_ckpt/ or model/ (Megatron)",
+            actor.display()
+        )));
+    };
+    if step.join("critic").is_dir() {
+        notes.push(format!(
+            "{}: not read (the actor is the model; the critic, a value model, is read by giving its dist_ckpt itself)",
+            step.join("critic").display()
+        ));
+    }
+    Ok(StepContents {
+        weights: vec![weights],
+        config: hf_config_in(&hf),
+        tokenizer: tokenizer_in(&hf),
+        record: None,
+        notes,
+        trainer: Some(VERL_MEGATRON),
     })
 }
 
@@ -653,7 +788,7 @@ pub(crate) fn find(
         }
         let contents = (t.contents)(path)?;
         return Ok(Some(TrainerSave {
-            trainer: t.name,
+            trainer: contents.trainer.unwrap_or(t.name),
             step: here,
             step_dir: path.to_path_buf(),
             why: "the step directory given".into(),
@@ -676,7 +811,7 @@ pub(crate) fn find(
             }
             let contents = (t.contents)(&p)?;
             return Ok(Some(TrainerSave {
-                trainer: t.name,
+                trainer: contents.trainer.unwrap_or(t.name),
                 step: (t.step_of)(name_of(&p)),
                 step_dir: p,
                 why,
@@ -783,7 +918,7 @@ fn choose_step(
         }
         let contents = (t.contents)(p)?;
         Ok(TrainerSave {
-            trainer: t.name,
+            trainer: contents.trainer.unwrap_or(t.name),
             step: Some(s),
             step_dir: p.clone(),
             why,
@@ -818,7 +953,7 @@ fn choose_step(
         match complete {
             Ok(contents) => {
                 let mut save = TrainerSave {
-                    trainer: t.name,
+                    trainer: contents.trainer.unwrap_or(t.name),
                     step: Some(*s),
                     step_dir: p.clone(),
                     why: "the highest complete step".into(),
