@@ -266,6 +266,10 @@ fn size_label(n: u64) -> String {
 /// A tensor under its GGUF name, with its ggml type.
 type Named = (String, SourceTensor, GgmlType);
 
+/// A layer's expert tensors by (place in [`hf::LLAMA_CPP_EXPERTS`], expert), with
+/// their names.
+type LayerExperts = BTreeMap<(usize, u64), (String, SourceTensor)>;
+
 /// A SentencePiece piece: text, score, ggml token type.
 type Token = (String, f32, i32);
 
@@ -982,8 +986,7 @@ impl GgufExport {
         let mut out = Vec::new();
         let mut count = Count::default();
         // A layer's expert tensors until it has them all: (proj, expert) -> tensor.
-        let mut pending: BTreeMap<u64, BTreeMap<(usize, u64), (String, SourceTensor)>> =
-            BTreeMap::new();
+        let mut pending: BTreeMap<u64, LayerExperts> = BTreeMap::new();
         for (name, t) in &source.tensors {
             if DROPPED_SUFFIXES.iter().any(|s| name.ends_with(s)) {
                 continue;
