@@ -5,7 +5,9 @@
 
 1. gguf-py (`gguf`) reads the file, and every tensor equals the model's tensor under
    llama.cpp's rules (tests/fixtures/serving/README.md, "GGUF semantics"): the name by
-   the table (Qwen2's attention biases and Qwen3's query/key norms too), the query/key
+   the table (Qwen2's attention biases and Qwen3's query/key norms too; Qwen2-MoE's and
+   Qwen3-MoE's router and shared expert, and each layer's per-expert tensors stacked
+   over the experts, `[experts, rows, cols]`), no tensor of the file left over, the query/key
    rows permuted per head for Llama (`LlamaModel.permute`; not for Qwen), norms and
    1-D tensors F32, the others in the file's type: F32/F16/BF16 values equal to the
    source's cast (round to nearest even), Q8_0 bytes equal to gguf-py's own
@@ -57,7 +59,16 @@ TABLE = {
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
+    # Qwen2-MoE's and Qwen3-MoE's router, Qwen2-MoE's shared expert and its gate
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
+# A layer's per-expert tensors, stacked over the experts in order (`torch.stack`, as
+# llama.cpp's Qwen2MoeModel does): model.layers.L.mlp.experts.E.<proj>.weight.
+EXPERTS = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight", "down_proj": "ffn_down_exps.weight"}
 # llama.cpp's get_vocab_base_pre text (conversion/base.py)
 CHKTXT = '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL'
 TEXTS = [CHKTXT, "Hello, world! The quick brown fox jumps over the lazy dog; don't stop: 12345."]
@@ -130,6 +141,8 @@ def gguf_name(hf: str) -> str | None:
         rest = ".".join(parts[3:])
         if rest in TABLE:
             return f"blk.{parts[2]}.{TABLE[rest]}"
+        if len(parts) == 7 and parts[3:5] == ["mlp", "experts"] and parts[5] in EXPERTS:
+            return f"blk.{parts[2]}.{EXPERTS[parts[5]]}"
     return None
 
 
@@ -138,13 +151,24 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def load_hf(model: Path) -> dict[str, np.ndarray]:
+    """The model's tensors in F32; each layer's per-expert tensors stacked into one
+    `[experts, rows, cols]` array under `model.layers.L.mlp.experts.<proj>.weight`."""
+    import re
+
     import torch
     from safetensors.torch import load_file
 
-    out = {}
+    out, experts = {}, {}
     for f in sorted(model.glob("*.safetensors")):
         for k, v in load_file(f).items():
-            out[k] = v.to(torch.float32).numpy()
+            m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+_proj)\.weight", k)
+            if m:
+                experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = v.to(torch.float32).numpy()
+            else:
+                out[k] = v.to(torch.float32).numpy()
+    for (layer, proj), by_id in sorted(experts.items()):
+        assert sorted(by_id) == list(range(len(by_id))), f"layer {layer} {proj}: experts {sorted(by_id)}"
+        out[f"model.layers.{layer}.mlp.experts.{proj}.weight"] = np.stack([by_id[e] for e in range(len(by_id))])
     return out
 
 
@@ -161,13 +185,14 @@ def main() -> int:
 
     config = json.loads((a.model / "config.json").read_text())
     heads = config["num_attention_heads"]
-    qwen = config.get("model_type") in ("qwen2", "qwen3")
+    qwen = config.get("model_type") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
     kv_heads = config.get("num_key_value_heads", heads)
     reader = gguf.GGUFReader(a.gguf)
     tensors = {t.name: t for t in reader.tensors}
     bad = 0
     file_type = "F32"
-    for name, x in load_hf(a.model).items():
+    hf_tensors = load_hf(a.model)
+    for name, x in hf_tensors.items():
         g = gguf_name(name)
         if g is None:
             continue
@@ -196,6 +221,11 @@ def main() -> int:
         got = np.asarray(t.data).tobytes()
         if got != want or list(reversed(t.shape.tolist())) != list(x.shape):
             print(f"DIFFERS {g} ({ty.name}, shape {t.shape.tolist()} vs {list(x.shape)})")
+            bad += 1
+    mapped = {gguf_name(n) for n in hf_tensors} - {None}
+    for g in sorted(set(tensors) - mapped):
+        if not (g == "output.weight" and config.get("tie_word_embeddings")):
+            print(f"EXTRA {g} (no tensor of the model maps to it)")
             bad += 1
     print(f"gguf-py: {len(tensors)} tensors read, {bad} differ from the model under llama.cpp's rules")
     if a.llama_cpp:

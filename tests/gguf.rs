@@ -158,9 +158,9 @@ fn gguf_without_a_tokenizer_is_refused_naming_the_flag() {
 #[test]
 fn gguf_of_an_architecture_it_does_not_write_is_refused_by_name() {
     let d = Dir::new();
-    // A Qwen3-MoE (tests/fixtures/moe/hf/qwen3_moe): llama.cpp has it, ckpt does not
-    // stack its experts yet.
-    let moe = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/moe/hf/qwen3_moe");
+    // A Mixtral (tests/fixtures/moe/hf/mixtral): llama.cpp has it, ckpt does not write
+    // it.
+    let moe = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/moe/hf/mixtral");
     let out = d.path("model.gguf");
     let o = d.fails(&[
         "merge",
@@ -172,7 +172,7 @@ fn gguf_of_an_architecture_it_does_not_write_is_refused_by_name() {
         "-o",
         s(&out),
     ]);
-    assert!(o.stderr.contains("Qwen3MoeForCausalLM"), "{}", o.stderr);
+    assert!(o.stderr.contains("MixtralForCausalLM"), "{}", o.stderr);
     assert!(o.stderr.contains("not built"), "{}", o.stderr);
     assert!(!out.exists(), "nothing written");
     // A config without what llama.cpp needs.
@@ -886,4 +886,189 @@ fn a_directory_of_one_gguf_is_that_file_and_of_several_is_refused() {
         o.stderr
     );
     assert!(!d.path("out").exists());
+}
+
+/// Qwen3-MoE and Qwen2-MoE (issue 47): the file llama.cpp's converter writes, byte for
+/// byte (tests/fixtures/serving/qwen/gguf/*_moe-*.gguf, made by
+/// scripts/fixtures/gguf_qwen_moe_fixtures.py with llama-cpp-python 0.3.36's vendored
+/// converter): `qwen3moe`/`qwen2moe` keys (`expert_count`, `expert_used_count`,
+/// `expert_feed_forward_length`, Qwen2-MoE's `expert_shared_feed_forward_length`),
+/// each layer's experts stacked into `ffn_{down,gate,up}_exps` where the converter
+/// writes them, the routers F32, Qwen2-MoE's shared expert and its gate, and the
+/// `4x…` size label; F16 on 1 and 4 threads, and Q8_0 (each expert's blocks computed,
+/// then stacked).
+#[test]
+fn gguf_of_qwen3_moe_and_qwen2_moe_is_the_converters_file_byte_for_byte() {
+    let d = Dir::new();
+    for (model, ty, threads) in [
+        ("qwen3_moe", "f16", 1),
+        ("qwen3_moe", "f16", 4),
+        ("qwen3_moe", "q8_0", 4),
+        ("qwen2_moe", "f16", 1),
+        ("qwen2_moe", "f16", 4),
+    ] {
+        let out = d.path(&format!("{model}-{ty}-{threads}.gguf"));
+        d.ok_with_threads(
+            &[
+                "merge",
+                s(&fixture(&format!("qwen/{model}"))),
+                "--format",
+                "gguf",
+                "--dtype",
+                ty,
+                "-o",
+                s(&out),
+                "-q",
+            ],
+            threads,
+        );
+        assert_same_file(&out, &fixture(&format!("qwen/gguf/{model}-{ty}.gguf")));
+    }
+}
+
+/// ckpt's Qwen3-MoE F32 file read back with ckpt's own GGUF reader: llama.cpp's names,
+/// shapes (`ffn_gate_exps`/`ffn_up_exps` `[experts, moe_ffn, hidden]`, `ffn_down_exps`
+/// `[experts, hidden, moe_ffn]`, the router `[experts, hidden]` F32) and expert keys;
+/// each stacked tensor's bytes are its experts' Hugging Face tensors' bytes, expert 0
+/// first; every other tensor is the Hugging Face tensor of its name.
+#[test]
+fn a_qwen3_moe_gguf_stacks_each_layers_experts_from_their_own_bytes() {
+    let d = Dir::new();
+    let out = d.path("qwen3_moe.gguf");
+    d.ok(&[
+        "merge",
+        s(&fixture("qwen/qwen3_moe")),
+        "--format",
+        "gguf",
+        "--dtype",
+        "f32",
+        "-o",
+        s(&out),
+        "-q",
+    ]);
+    let hf = crate::util::full_tensors(&fixture("qwen/qwen3_moe/model.safetensors"));
+    let gguf = crate::util::full_tensors(&out);
+    let (entries, metadata) =
+        ckpt_core::parse_gguf(&std::fs::read(&out).expect("read")).expect("ckpt reads it");
+    let shape = |n: &str| {
+        entries
+            .iter()
+            .find(|e| e.name == n)
+            .map(|e| (ckpt_core::dtype_name(e.dtype).to_string(), e.shape.clone()))
+            .unwrap_or_else(|| panic!("{n} not in the file"))
+    };
+    let f32 = "F32".to_string();
+    for l in 0..2 {
+        for (g, proj, want) in [
+            ("ffn_gate_exps", "gate_proj", vec![4, 64, 32]),
+            ("ffn_up_exps", "up_proj", vec![4, 64, 32]),
+            ("ffn_down_exps", "down_proj", vec![4, 32, 64]),
+        ] {
+            let g = format!("blk.{l}.{g}.weight");
+            assert_eq!(shape(&g), (f32.clone(), want), "{g}");
+            let mut experts = Vec::new();
+            for e in 0..4 {
+                experts.extend_from_slice(
+                    &hf[&format!("model.layers.{l}.mlp.experts.{e}.{proj}.weight")],
+                );
+            }
+            assert!(
+                gguf[&g] == experts,
+                "{g} is not experts 0..4's {proj} bytes, stacked"
+            );
+        }
+        let router = format!("blk.{l}.ffn_gate_inp.weight");
+        assert_eq!(shape(&router), (f32.clone(), vec![4, 32]));
+        assert!(gguf[&router] == hf[&format!("model.layers.{l}.mlp.gate.weight")]);
+    }
+    // 2 layers of 12 tensors (norms, attention, q/k norms, router, 3 stacks) and 3 more.
+    assert_eq!(gguf.len(), 27, "{:?}", gguf.keys());
+    let stacked = gguf.keys().filter(|n| n.contains("_exps.")).count();
+    assert_eq!(
+        hf.len() - gguf.len(),
+        2 * (12 - 3),
+        "each layer's 12 expert tensors are 3"
+    );
+    assert_eq!(stacked, 6);
+    for (name, g) in [
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("lm_head.weight", "output.weight"),
+        (
+            "model.layers.1.self_attn.k_norm.weight",
+            "blk.1.attn_k_norm.weight",
+        ),
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            "blk.0.attn_q.weight",
+        ),
+    ] {
+        assert!(gguf[g] == hf[name], "{g} differs from {name}");
+    }
+    let kv: serde_json::Value = serde_json::from_str(&metadata["gguf.kv"]).expect("kv json");
+    let value = |k: &str| {
+        kv.as_array()
+            .expect("pairs")
+            .iter()
+            .find(|p| p[0] == k)
+            .map(|p| p[1].clone())
+            .unwrap_or_else(|| panic!("{k} missing"))
+    };
+    assert_eq!(
+        value("general.architecture"),
+        serde_json::json!(["str", "qwen3moe"])
+    );
+    assert_eq!(
+        value("qwen3moe.expert_count"),
+        serde_json::json!(["u32", 4])
+    );
+    assert_eq!(
+        value("qwen3moe.expert_used_count"),
+        serde_json::json!(["u32", 2])
+    );
+    assert_eq!(
+        value("qwen3moe.expert_feed_forward_length"),
+        serde_json::json!(["u32", 64])
+    );
+    assert_eq!(
+        value("general.size_label"),
+        serde_json::json!(["str", "4x48K"])
+    );
+    assert_eq!(
+        value("tokenizer.ggml.model"),
+        serde_json::json!(["str", "gpt2"])
+    );
+}
+
+/// What llama.cpp would run otherwise than transformers, refused by the config's key
+/// with nothing written: a Qwen3-MoE whose top-k router weights are not renormalised
+/// (`norm_topk_prob: false`; llama.cpp's qwen3moe always renormalises), a Qwen2-MoE
+/// whose are (`true`; llama.cpp's qwen2moe never does).
+#[test]
+fn a_qwen_moe_llama_cpp_would_run_otherwise_is_refused_by_name() {
+    let d = Dir::new();
+    for (model, from, to) in [
+        (
+            "qwen3_moe",
+            "\"norm_topk_prob\": true",
+            "\"norm_topk_prob\": false",
+        ),
+        (
+            "qwen2_moe",
+            "\"norm_topk_prob\": false",
+            "\"norm_topk_prob\": true",
+        ),
+    ] {
+        let says = "norm_topk_prob";
+        let src = d.path(model);
+        copy_dir(&fixture(&format!("qwen/{model}")), &src);
+        let config = src.join("config.json");
+        let text = std::fs::read_to_string(&config).expect("read");
+        assert!(text.contains(from), "{from} in the fixture's config");
+        std::fs::write(&config, text.replace(from, to)).expect("write");
+        let out = d.path(&format!("{model}.gguf"));
+        let o = d.fails(&["merge", s(&src), "--format", "gguf", "-o", s(&out)]);
+        assert!(o.stderr.contains(says), "{}", o.stderr);
+        assert!(o.stderr.contains("renormalises"), "{}", o.stderr);
+        assert!(!out.exists(), "nothing written");
+    }
 }

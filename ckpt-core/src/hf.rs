@@ -1198,6 +1198,51 @@ pub(crate) const LLAMA_CPP_QWEN: &[NamesRow] = {
     ]
 };
 
+/// The rows llama.cpp's Qwen2-MoE and Qwen3-MoE add to [`LLAMA_CPP_QWEN`]'s (gguf-py's
+/// `TensorNameMap`, "qwen2moe"): the router and Qwen2-MoE's shared expert with its
+/// gate. The experts themselves are [`LLAMA_CPP_EXPERTS`].
+pub(crate) const LLAMA_CPP_QWEN_MOE: &[NamesRow] = {
+    use RopeRows::AsTheyAre as N;
+    &[
+        names(
+            "blk.{l}.ffn_gate_inp.weight",
+            "model.layers.{l}.mlp.gate.weight",
+            N,
+        ),
+        names(
+            "blk.{l}.ffn_gate_shexp.weight",
+            "model.layers.{l}.mlp.shared_expert.gate_proj.weight",
+            N,
+        ),
+        names(
+            "blk.{l}.ffn_up_shexp.weight",
+            "model.layers.{l}.mlp.shared_expert.up_proj.weight",
+            N,
+        ),
+        names(
+            "blk.{l}.ffn_down_shexp.weight",
+            "model.layers.{l}.mlp.shared_expert.down_proj.weight",
+            N,
+        ),
+        names(
+            "blk.{l}.ffn_gate_inp_shexp.weight",
+            "model.layers.{l}.mlp.shared_expert_gate.weight",
+            N,
+        ),
+    ]
+};
+
+/// The per-expert tensors (`model.layers.{l}.mlp.experts.{e}.{proj}.weight`, as
+/// `save_pretrained` writes them) that llama.cpp's converter stacks into one
+/// `[experts, rows, cols]` tensor per layer (`Qwen2MoeModel.modify_tensors`:
+/// `torch.stack` over the experts in order, the three written in this order):
+/// `(GGUF name, proj)`.
+pub(crate) const LLAMA_CPP_EXPERTS: [(&str, &str); 3] = [
+    ("blk.{l}.ffn_down_exps.weight", "down_proj"),
+    ("blk.{l}.ffn_gate_exps.weight", "gate_proj"),
+    ("blk.{l}.ffn_up_exps.weight", "up_proj"),
+];
+
 /// The row blocks that turn a projection of `heads` heads of `head_dim` rows from
 /// torchtitan's rotary layout into Hugging Face's (`to_hf`), or back. torchtitan's
 /// `ComplexRoPE` rotates consecutive pairs (rows `2j`, `2j + 1` of a head are the real

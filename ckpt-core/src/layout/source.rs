@@ -183,6 +183,112 @@ impl SourceTensor {
     }
 }
 
+impl SourceTensor {
+    /// This tensor as a `[1, ...shape]` tensor: each stored piece reads the same bytes
+    /// through a [`StoredView`] whose shape has a leading axis of 1 (a piece already
+    /// viewed keeps its view under it), so that tensors of one shape can be
+    /// [`SourceTensor::stack`]ed. `stored` gives the shape of a piece's stored tensor.
+    ///
+    /// # Errors
+    /// A computed piece (its box is in its computation's coordinates, which have no
+    /// such axis: compute it as the `[1, ...shape]` tensor instead).
+    pub fn with_leading_axis(
+        &self,
+        stored: impl Fn(usize, usize) -> Vec<u64>,
+    ) -> std::result::Result<SourceTensor, String> {
+        let lead = |p: &SourcePiece| -> std::result::Result<SourcePiece, String> {
+            if p.compute.is_some() {
+                return Err(format!(
+                    "a computed piece ({}) has no stored axis to add",
+                    p.global
+                ));
+            }
+            let (shape, axes) = match &p.view {
+                Some(v) => (v.shape.clone(), v.axes.clone()),
+                None => {
+                    let s = stored(p.file, p.tensor);
+                    let axes = (0..s.len()).collect();
+                    (s, axes)
+                }
+            };
+            let with_one = |r: &Region| {
+                let mut start = vec![0];
+                start.extend(r.start.iter().copied());
+                let mut shape = vec![1];
+                shape.extend(r.shape.iter().copied());
+                Region::new(start, shape)
+            };
+            Ok(SourcePiece {
+                file: p.file,
+                tensor: p.tensor,
+                global: with_one(&p.global),
+                local: with_one(&p.local),
+                view: Some(Box::new(StoredView {
+                    shape: std::iter::once(1).chain(shape).collect(),
+                    axes: std::iter::once(0)
+                        .chain(axes.iter().map(|a| a + 1))
+                        .collect(),
+                })),
+                compute: None,
+            })
+        };
+        Ok(SourceTensor {
+            dtype: self.dtype,
+            shape: std::iter::once(1)
+                .chain(self.shape.iter().copied())
+                .collect(),
+            pieces: self.pieces.iter().map(lead).collect::<Result<_, _>>()?,
+            copies: self
+                .copies
+                .iter()
+                .map(|(o, p)| lead(p).map(|p| (*o, p)))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
+    /// The tensors `parts`, each `[1, ...shape]` of one dtype, stacked along their
+    /// leading axis: part `i`'s pieces moved to index `i` of it, their stored (or
+    /// computed) boxes as they are: the same bytes, nothing read until the copy
+    /// (llama.cpp's `[experts, rows, cols]` tensors of a layer's per-expert weights).
+    ///
+    /// # Errors
+    /// No parts, or parts of other shapes or dtypes than the first's, or not of a
+    /// leading axis of 1.
+    pub fn stack(parts: &[SourceTensor]) -> std::result::Result<SourceTensor, String> {
+        let Some(first) = parts.first() else {
+            return Err("nothing to stack".into());
+        };
+        if first.shape.first() != Some(&1) {
+            return Err(format!("shape {:?} has no leading axis of 1", first.shape));
+        }
+        let mut shape = first.shape.clone();
+        shape[0] = parts.len() as u64;
+        let mut pieces = Vec::new();
+        let mut copies = Vec::new();
+        for (i, t) in parts.iter().enumerate() {
+            if t.shape != first.shape || t.dtype != first.dtype {
+                return Err(format!(
+                    "part {i} is {:?} {:?}, part 0 {:?} {:?}: stacked parts are of one shape and dtype",
+                    t.dtype, t.shape, first.dtype, first.shape
+                ));
+            }
+            let moved = |p: &SourcePiece| {
+                let mut p = p.clone();
+                p.global.start[0] += i as u64;
+                p
+            };
+            pieces.extend(t.pieces.iter().map(moved));
+            copies.extend(t.copies.iter().map(|(o, p)| (*o, moved(p))));
+        }
+        Ok(SourceTensor {
+            dtype: first.dtype,
+            shape,
+            pieces,
+            copies,
+        })
+    }
+}
+
 /// Where a box lies in a row-major tensor of `shape` when its elements are one run
 /// there: `(first element, count)`; `None` when they are not (a box of columns).
 fn run_of(region: &Region, shape: &[u64]) -> Option<(u64, u64)> {
@@ -437,6 +543,84 @@ mod tests {
         };
         let e = cols.transposed_run(0, 4, 3, |_, _| vec![4, 2]).unwrap_err();
         assert!(e.contains("not one run"), "{e}");
+    }
+
+    /// Two experts' `[2, 3]` matrices stacked as `[2, 2, 3]`: expert 0 stored whole
+    /// (its piece read through a `[1, 2, 3]` view of its stored tensor), expert 1 a run
+    /// of rows of a fused tensor already read through a `[4, 3]` view (the view keeps
+    /// its axes under the new one); each at its index of the leading axis. A computed
+    /// piece is refused, and so are parts of other shapes.
+    #[test]
+    fn experts_stack_along_a_new_leading_axis_from_their_own_boxes() {
+        let e0 = SourceTensor {
+            dtype: Dtype::F32,
+            shape: vec![2, 3],
+            pieces: vec![piece(0, 0..2, 3)],
+            copies: vec![],
+        };
+        let e1 = SourceTensor {
+            pieces: vec![SourcePiece {
+                file: 1,
+                tensor: 0,
+                global: Region::from_ranges(&[0..2, 0..3]),
+                local: Region::from_ranges(&[2..4, 0..3]),
+                view: Some(Box::new(StoredView {
+                    shape: vec![4, 3],
+                    axes: vec![0, 1],
+                })),
+                compute: None,
+            }],
+            ..e0.clone()
+        };
+        let stored = |f: usize, _: usize| if f == 0 { vec![2, 3] } else { vec![2, 2, 3] };
+        let parts = [
+            e0.with_leading_axis(stored).unwrap(),
+            e1.with_leading_axis(stored).unwrap(),
+        ];
+        assert_eq!(parts[0].shape, vec![1, 2, 3]);
+        let t = SourceTensor::stack(&parts).unwrap();
+        assert_eq!(t.shape, vec![2, 2, 3]);
+        assert_eq!(
+            t.pieces,
+            vec![
+                SourcePiece {
+                    file: 0,
+                    tensor: 0,
+                    global: Region::from_ranges(&[0..1, 0..2, 0..3]),
+                    local: Region::from_ranges(&[0..1, 0..2, 0..3]),
+                    view: Some(Box::new(StoredView {
+                        shape: vec![1, 2, 3],
+                        axes: vec![0, 1, 2]
+                    })),
+                    compute: None,
+                },
+                SourcePiece {
+                    file: 1,
+                    tensor: 0,
+                    global: Region::from_ranges(&[1..2, 0..2, 0..3]),
+                    local: Region::from_ranges(&[0..1, 2..4, 0..3]),
+                    view: Some(Box::new(StoredView {
+                        shape: vec![1, 4, 3],
+                        axes: vec![0, 1, 2]
+                    })),
+                    compute: None,
+                },
+            ]
+        );
+        let e = SourceTensor::stack(&[parts[0].clone(), e0.clone()]).unwrap_err();
+        assert!(e.contains("one shape"), "{e}");
+        let computed = SourceTensor {
+            pieces: vec![SourcePiece {
+                compute: Some(Compute(std::sync::Arc::new(Computed {
+                    op: Operation::GgmlQ8_0,
+                    inputs: vec![],
+                }))),
+                ..e0.pieces[0].clone()
+            }],
+            ..e0.clone()
+        };
+        let e = computed.with_leading_axis(stored).unwrap_err();
+        assert!(e.contains("computed"), "{e}");
     }
 
     /// transformers' fused experts `[2, 4, 3]` (2 experts, 2 x ffn 2 rows of 3) held as

@@ -79,6 +79,8 @@ fn gguf_arch(family: Family) -> Option<&'static str> {
         Family::Llama | Family::Mistral => Some("llama"),
         Family::Qwen2 => Some("qwen2"),
         Family::Qwen3 => Some("qwen3"),
+        Family::Qwen2Moe => Some("qwen2moe"),
+        Family::Qwen3Moe => Some("qwen3moe"),
         _ => None,
     }
 }
@@ -86,21 +88,30 @@ fn gguf_arch(family: Family) -> Option<&'static str> {
 /// Whether the family's tokenizer is a byte-level BPE `tokenizer.json` (Qwen's) rather
 /// than a SentencePiece `tokenizer.model` (Llama's).
 fn bpe_family(family: Family) -> bool {
-    matches!(family, Family::Qwen2 | Family::Qwen3)
+    matches!(
+        family,
+        Family::Qwen2 | Family::Qwen3 | Family::Qwen2Moe | Family::Qwen3Moe
+    )
 }
 
 /// The GGUF name of `name` in `family`'s table and how its rows are permuted, if any.
 /// Llama's query and key rows are permuted (`LlamaModel.permute`); Qwen's are not
 /// (`Qwen2Model` maps names only: llama.cpp rotates Qwen's halves, NEOX-style), and
-/// Qwen adds the attention biases and Qwen3 the query/key norms.
+/// Qwen adds the attention biases and Qwen3 the query/key norms, Qwen's mixtures of
+/// experts the router and the shared expert (the experts are [`expert_of`]'s).
 fn table_row(name: &str, family: Family) -> Option<(String, RopeRows)> {
     let qwen = bpe_family(family);
     let extra: &[hf::NamesRow] = if qwen { hf::LLAMA_CPP_QWEN } else { &[] };
+    let moe: &[hf::NamesRow] = if family.is_moe() {
+        hf::LLAMA_CPP_QWEN_MOE
+    } else {
+        &[]
+    };
     for &hf::NamesRow {
         other: gguf_name,
         hf: hf_name,
         rope: rows,
-    } in hf::LLAMA_CPP.rows.iter().chain(extra)
+    } in hf::LLAMA_CPP.rows.iter().chain(extra).chain(moe)
     {
         let rows = if qwen { RopeRows::AsTheyAre } else { rows };
         match hf_name.split_once("{l}") {
@@ -121,6 +132,32 @@ fn table_row(name: &str, family: Family) -> Option<(String, RopeRows)> {
     }
     None
 }
+
+/// Digits only, as a number.
+fn index(s: &str) -> Option<u64> {
+    (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| s.parse().ok())
+        .flatten()
+}
+
+/// A per-expert tensor's layer, expert and place in [`hf::LLAMA_CPP_EXPERTS`]
+/// (`model.layers.{l}.mlp.experts.{e}.{proj}.weight`).
+fn expert_of(name: &str) -> Option<(u64, u64, usize)> {
+    let (l, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    let (e, rest) = rest.strip_prefix("mlp.experts.")?.split_once('.')?;
+    let proj = rest.strip_suffix(".weight")?;
+    let k = hf::LLAMA_CPP_EXPERTS.iter().position(|(_, p)| *p == proj)?;
+    Some((index(l)?, index(e)?, k))
+}
+
+/// The config's keys that name the experts of a layer (the converter's
+/// `find_hparam` lists).
+const EXPERT_COUNT: [&str; 3] = ["num_local_experts", "num_experts", "n_routed_experts"];
+const EXPERT_USED: [&str; 3] = [
+    "num_experts_per_tok",
+    "num_experts_per_token",
+    "top_k_experts",
+];
 
 /// The config's value under the first of `keys` present (the converter's
 /// `find_hparam`).
@@ -228,6 +265,10 @@ fn size_label(n: u64) -> String {
 
 /// A tensor under its GGUF name, with its ggml type.
 type Named = (String, SourceTensor, GgmlType);
+
+/// A layer's expert tensors by (place in [`hf::LLAMA_CPP_EXPERTS`], expert), with
+/// their names.
+type LayerExperts = BTreeMap<(usize, u64), (String, SourceTensor)>;
 
 /// A SentencePiece piece: text, score, ggml token type.
 type Token = (String, f32, i32);
@@ -623,7 +664,7 @@ impl GgufExport {
     fn check(&self, config: &Map<String, Json>, path: &Path) -> Result<()> {
         if gguf_arch(self.model.family).is_none() {
             return Err(unsupported(format!(
-                "{} is not built (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM are)",
+                "{} is not built (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM are)",
                 self.model.family.architecture()
             )));
         }
@@ -646,6 +687,9 @@ impl GgufExport {
                 path.display()
             )));
         }
+        if self.model.family.is_moe() {
+            self.check_moe(config, path)?;
+        }
         let rope = rope_params(config);
         match rope.get("rope_type").and_then(Json::as_str) {
             None | Some("default") | Some("linear") => Ok(()),
@@ -656,12 +700,99 @@ impl GgufExport {
         }
     }
 
+    /// Refuses a Qwen mixture of experts llama.cpp would not run as transformers does,
+    /// by the config's key: experts and top-k are needed (llama.cpp's `qwen3moe` and
+    /// `qwen2moe` refuse 0); every layer has experts (`decoder_sparse_step` 1, no
+    /// `mlp_only_layers`: llama.cpp loads a router in every layer); llama.cpp's
+    /// `qwen3moe` always renormalises the top-k router weights and `qwen2moe` never
+    /// does (`build_moe_ffn`'s `norm_w`, true and false), so `norm_topk_prob` must say
+    /// the same (transformers' default is false for both); group routing and other
+    /// score functions, which the converter writes keys for, are not built; a tied
+    /// Qwen2-MoE head is refused (llama.cpp's qwen2moe needs `output.weight`).
+    fn check_moe(&self, config: &Map<String, Json>, path: &Path) -> Result<()> {
+        let family = self.model.family;
+        let bad = |what: String| {
+            Err(unsupported(format!(
+                "{}: {what} ({} to GGUF is built for llama.cpp's {})",
+                path.display(),
+                family.architecture(),
+                gguf_arch(family).unwrap_or("?")
+            )))
+        };
+        for keys in [&EXPERT_COUNT[..], &EXPERT_USED[..]] {
+            if u32_of(config, keys)?.unwrap_or(0) == 0 {
+                return bad(format!(
+                    "`{}` missing or 0 (llama.cpp needs it)",
+                    keys[0..2].join("` / `")
+                ));
+            }
+        }
+        if let Some(step) = find(config, &["decoder_sparse_step"]) {
+            if step.as_u64() != Some(1) {
+                return bad(format!(
+                    "`decoder_sparse_step` is {step}: layers without experts are not built (llama.cpp has experts in every layer)"
+                ));
+            }
+        }
+        if let Some(l) = find(config, &["mlp_only_layers"]) {
+            if l.as_array().is_none_or(|a| !a.is_empty()) {
+                return bad(format!(
+                    "`mlp_only_layers` is {l}: layers without experts are not built (llama.cpp has experts in every layer)"
+                ));
+            }
+        }
+        let norm = find(config, &["norm_topk_prob"])
+            .map_or(Some(false), Json::as_bool)
+            .unwrap_or(false);
+        let wants = family == Family::Qwen3Moe;
+        if norm != wants {
+            return bad(format!(
+                "`norm_topk_prob` is {norm}, but llama.cpp's {} {} the top-k router weights",
+                gguf_arch(family).unwrap_or("?"),
+                if wants {
+                    "always renormalises"
+                } else {
+                    "never renormalises"
+                }
+            ));
+        }
+        for key in [
+            "n_group",
+            "topk_group",
+            "score_function",
+            "scoring_func",
+            "score_func",
+            "moe_router_activation",
+            "moe_router_activation_func",
+            "expert_selection_fn",
+        ] {
+            if let Some(v) = find(config, &[key]) {
+                return bad(format!(
+                    "`{key}` ({v}): group routing and router score functions are not built"
+                ));
+            }
+        }
+        if family == Family::Qwen2Moe
+            && config.get("tie_word_embeddings").and_then(Json::as_bool) == Some(true)
+        {
+            // llama.cpp's `llama_model_qwen2moe::load_arch_tensors` needs
+            // `output.weight`; the converter writes none for a tied head.
+            return bad("`tie_word_embeddings` is true: llama.cpp's qwen2moe loads `output.weight`, which the converter does not write for a tied head (the file would not load)".into());
+        }
+        if family == Family::Qwen2Moe
+            && find(config, &["shared_expert_intermediate_size"]).is_none()
+        {
+            return bad("`shared_expert_intermediate_size` missing (llama.cpp's qwen2moe has a shared expert)".into());
+        }
+        Ok(())
+    }
+
     /// The key-value pairs, in the converter's order.
     fn kv(
         &self,
         source: &Checkpoint,
         config: &Map<String, Json>,
-        params: u64,
+        label: String,
         out_type: GgmlType,
     ) -> Result<Vec<(String, Value)>> {
         let mut kv: Vec<(String, Value)> = Vec::new();
@@ -682,7 +813,7 @@ impl GgufExport {
             .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
             .unwrap_or_else(|| "model".into());
         put("general.name", Value::Str(id_to_title(&dir_name)));
-        put("general.size_label", Value::Str(size_label(params)));
+        put("general.size_label", Value::Str(label));
         let u = |keys: &[&str]| u32_of(config, keys);
         if let Some(v) = u(&["num_hidden_layers", "n_layers"])? {
             put(&format!("{a}.block_count"), Value::U32(v));
@@ -700,7 +831,13 @@ impl GgufExport {
         if let Some(v) = u(&["hidden_size", "n_embd", "dim"])? {
             put(&format!("{a}.embedding_length"), Value::U32(v));
         }
-        if let Some(v) = u(&["intermediate_size", "n_inner", "hidden_dim"])? {
+        if let Some(v) = u(&[
+            "prefix_dense_intermediate_size",
+            "dense_intermediate_size",
+            "intermediate_size",
+            "n_inner",
+            "hidden_dim",
+        ])? {
             put(&format!("{a}.feed_forward_length"), Value::U32(v));
         }
         if let Some(v) = u(&["num_attention_heads", "n_head", "n_heads"])? {
@@ -728,12 +865,30 @@ impl GgufExport {
                 Value::F32(eps),
             );
         }
+        if let Some(v) = u(&EXPERT_COUNT)? {
+            put(&format!("{a}.expert_count"), Value::U32(v));
+        }
+        if let Some(v) = u(&EXPERT_USED)? {
+            put(&format!("{a}.expert_used_count"), Value::U32(v));
+        }
         let head_dim = u(&["head_dim"])?;
         if let Some(hd) = head_dim {
             put(&format!("{a}.attention.key_length"), Value::U32(hd));
             put(&format!("{a}.attention.value_length"), Value::U32(hd));
         }
         put("general.file_type", Value::U32(out_type.file_type()));
+        if family.is_moe() {
+            // `Qwen2MoeModel.set_gguf_parameters`, after `TextModel`'s.
+            if let Some(v) = u(&["moe_intermediate_size"])? {
+                put(&format!("{a}.expert_feed_forward_length"), Value::U32(v));
+            }
+            if let Some(v) = u(&["shared_expert_intermediate_size"])? {
+                put(
+                    &format!("{a}.expert_shared_feed_forward_length"),
+                    Value::U32(v),
+                );
+            }
+        }
         let vocab_size = u(&["vocab_size"])?.unwrap_or(0);
         let dir = self.tokenizer_dir(source)?;
         if bpe_family(family) {
@@ -791,8 +946,9 @@ impl GgufExport {
         vocab_size: u32,
         mut kv: Vec<(String, Value)>,
     ) -> Result<Vec<(String, Value)>> {
-        if dir.join("tokenizer.model").is_file() {
-            // `Qwen2Model.set_vocab` tries SentencePiece first.
+        if dir.join("tokenizer.model").is_file() && !self.model.family.is_moe() {
+            // `Qwen2Model.set_vocab` tries SentencePiece first (`Qwen2MoeModel`'s,
+            // `TextModel`'s, reads tokenizer.json only).
             return Err(unsupported(format!(
                 "{}: a SentencePiece tokenizer.model beside a {} (the converter would read it instead of tokenizer.json) is not built",
                 dir.display(),
@@ -811,42 +967,67 @@ impl GgufExport {
     }
 
     /// The tensors under GGUF's names in the converter's order (the source's sorted
-    /// names), each with its ggml type, and the parameter count.
+    /// names; a layer's experts, stacked, where its last expert tensor is), each with
+    /// its ggml type (Q8_0 ones already as their blocks), and `general.size_label`.
     fn tensors(
         &self,
         source: &Checkpoint,
         config: &Map<String, Json>,
         out_type: GgmlType,
-    ) -> Result<(Vec<Named>, u64)> {
+    ) -> Result<(Vec<Named>, String)> {
         let heads = u32_of(config, &["num_attention_heads"])?.unwrap_or(0);
         let kv_heads = u32_of(config, &["num_key_value_heads"])?.unwrap_or(heads);
+        let family = self.model.family;
+        let experts = if family.is_moe() {
+            u64::from(u32_of(config, &EXPERT_COUNT)?.unwrap_or(0))
+        } else {
+            0
+        };
         let mut out = Vec::new();
-        let mut params = 0u64;
+        let mut count = Count::default();
+        // A layer's expert tensors until it has them all: (proj, expert) -> tensor.
+        let mut pending: BTreeMap<u64, LayerExperts> = BTreeMap::new();
         for (name, t) in &source.tensors {
             if DROPPED_SUFFIXES.iter().any(|s| name.ends_with(s)) {
                 continue;
             }
-            let Some((gguf_name, rows)) = table_row(name, self.model.family) else {
+            let expert = if experts > 0 { expert_of(name) } else { None };
+            if let Some((l, e, k)) = expert {
+                check_dtype(name, t)?;
+                if e >= experts {
+                    return Err(Error::InvalidTensor {
+                        tensor: name.clone(),
+                        problem: format!(
+                            "is expert {e}, but the config has {experts} (num_experts)"
+                        ),
+                    });
+                }
+                let layer = pending.entry(l).or_default();
+                layer.insert((k, e), (name.clone(), t.clone()));
+                if layer.len() as u64 == 3 * experts {
+                    // `Qwen2MoeModel.modify_tensors`: the layer's three stacks, now.
+                    let mut layer = pending.remove(&l).unwrap_or_default();
+                    for (k, (pattern, _)) in hf::LLAMA_CPP_EXPERTS.iter().enumerate() {
+                        let parts: Vec<(String, SourceTensor)> =
+                            (0..experts).filter_map(|e| layer.remove(&(k, e))).collect();
+                        let gguf_name = pattern.replace("{l}", &l.to_string());
+                        let (t, ty) = stack_experts(source, &gguf_name, parts, out_type)?;
+                        count.add(&gguf_name, &t.shape);
+                        out.push((gguf_name, t, ty));
+                    }
+                }
+                continue;
+            }
+            let Some((gguf_name, rows)) = table_row(name, family) else {
                 return Err(Error::InvalidTensor {
                     tensor: name.clone(),
                     problem: format!(
                         "has no GGUF name for llama.cpp's {} (nothing written)",
-                        self.model.family.architecture()
+                        family.architecture()
                     ),
                 });
             };
-            if !matches!(
-                t.dtype,
-                crate::layout::Dtype::F32 | crate::layout::Dtype::F16 | crate::layout::Dtype::BF16
-            ) {
-                return Err(Error::InvalidTensor {
-                    tensor: name.clone(),
-                    problem: format!(
-                        "is {}: GGUF output reads F32, F16 or BF16 weights",
-                        crate::layout::strategy::dtype_name(t.dtype)
-                    ),
-                });
-            }
+            check_dtype(name, t)?;
             let t = match rows {
                 RopeRows::AsTheyAre => t.clone(),
                 RopeRows::Query | RopeRows::Key => {
@@ -885,19 +1066,171 @@ impl GgufExport {
                     }
                 }
             };
-            params += t.shape.iter().product::<u64>();
-            let ty = if t.shape.len() <= 1 || gguf_name.ends_with("_norm.weight") {
+            count.add(&gguf_name, &t.shape);
+            // The converter's F32 tensors: 1-D, norms, the routers (`FFN_GATE_INP`,
+            // `FFN_GATE_INP_SHEXP`).
+            let ty = if t.shape.len() <= 1
+                || gguf_name.ends_with("_norm.weight")
+                || gguf_name.ends_with(".ffn_gate_inp.weight")
+                || gguf_name.ends_with(".ffn_gate_inp_shexp.weight")
+            {
                 GgmlType::F32
-            } else if out_type == GgmlType::Q8_0 && t.shape.last().is_none_or(|c| c % 32 != 0) {
-                // gguf-py's QuantError: the converter falls back to F16.
-                GgmlType::F16
             } else {
-                out_type
+                matrix_type(out_type, &t.shape)
+            };
+            let t = if ty == GgmlType::Q8_0 {
+                q8_0(&gguf_name, &t)?
+            } else {
+                t
             };
             out.push((gguf_name, t, ty));
         }
-        Ok((out, params))
+        // `Qwen2MoeModel.prepare_tensors`'s "Unprocessed experts".
+        if let Some((l, layer)) = pending.into_iter().next() {
+            let (k, e) = (0..experts)
+                .flat_map(|e| (0..3).map(move |k| (k, e)))
+                .find(|ke| !layer.contains_key(ke))
+                .unwrap_or((0, 0));
+            return Err(Error::InvalidTensor {
+                tensor: format!(
+                    "model.layers.{l}.mlp.experts.{e}.{}.weight",
+                    hf::LLAMA_CPP_EXPERTS[k].1
+                ),
+                problem: format!(
+                    "missing: layer {l} has {} of its {experts} experts' tensors (llama.cpp stacks them all)",
+                    layer.len()
+                ),
+            });
+        }
+        Ok((out, count.label()))
     }
+}
+
+/// The ggml type of a matrix of `shape` for `--dtype`: gguf-py's QuantError (rows not
+/// of whole Q8_0 blocks) makes the converter fall back to F16.
+fn matrix_type(out_type: GgmlType, shape: &[u64]) -> GgmlType {
+    if out_type == GgmlType::Q8_0 && shape.last().is_none_or(|c| c % 32 != 0) {
+        GgmlType::F16
+    } else {
+        out_type
+    }
+}
+
+/// GGUF output reads F32, F16 or BF16 weights.
+fn check_dtype(name: &str, t: &SourceTensor) -> Result<()> {
+    if matches!(
+        t.dtype,
+        crate::layout::Dtype::F32 | crate::layout::Dtype::F16 | crate::layout::Dtype::BF16
+    ) {
+        return Ok(());
+    }
+    Err(Error::InvalidTensor {
+        tensor: name.to_string(),
+        problem: format!(
+            "is {}: GGUF output reads F32, F16 or BF16 weights",
+            crate::layout::strategy::dtype_name(t.dtype)
+        ),
+    })
+}
+
+/// gguf-py's `GGUFWriter.get_total_parameter_count`: every tensor's elements, those of
+/// the `_exps.` tensors apart, per expert.
+#[derive(Default)]
+struct Count {
+    total: u64,
+    shared: u64,
+    expert: u64,
+    expert_sum: u64,
+    expert_tensors: u64,
+}
+
+impl Count {
+    fn add(&mut self, name: &str, shape: &[u64]) {
+        let size: u64 = shape.iter().product();
+        self.total += size;
+        if name.contains("_exps.") && shape.len() >= 3 {
+            let n = shape[if name.contains(".bias") {
+                shape.len() - 2
+            } else {
+                shape.len() - 3
+            }];
+            self.expert += size / n.max(1);
+            self.expert_sum += n;
+            self.expert_tensors += 1;
+        } else {
+            self.shared += size;
+        }
+    }
+
+    /// gguf-py's `size_label`: `{experts}x{shared + one expert's}` for a mixture.
+    fn label(&self) -> String {
+        match self.expert_sum.checked_div(self.expert_tensors) {
+            Some(n) if n > 0 => format!("{n}x{}", size_label(self.shared + self.expert)),
+            _ => size_label(self.total),
+        }
+    }
+}
+
+/// A layer's per-expert tensors of one projection (`parts`, experts in order) as
+/// llama.cpp's `[experts, rows, cols]` tensor and its ggml type: each expert's tensor
+/// given a leading axis (its stored bytes through a view, or a computed one computed
+/// as `[1, rows, cols]`; as Q8_0 blocks first for `--dtype q8_0`), then stacked
+/// ([`SourceTensor::stack`]): the copy reads each expert's bytes where they lie.
+fn stack_experts(
+    source: &Checkpoint,
+    gguf_name: &str,
+    parts: Vec<(String, SourceTensor)>,
+    out_type: GgmlType,
+) -> Result<(SourceTensor, GgmlType)> {
+    let Some((first_name, first)) = parts.first() else {
+        return Err(Error::InvalidTensor {
+            tensor: gguf_name.to_string(),
+            problem: "has no experts".into(),
+        });
+    };
+    for (name, t) in &parts {
+        if t.shape.len() != 2 || t.shape != first.shape || t.dtype != first.dtype {
+            return Err(Error::InvalidTensor {
+                tensor: name.clone(),
+                problem: format!(
+                    "is {} {:?}, {first_name} {} {:?}: llama.cpp stacks the experts' matrices, one shape and dtype",
+                    crate::layout::strategy::dtype_name(t.dtype),
+                    t.shape,
+                    crate::layout::strategy::dtype_name(first.dtype),
+                    first.shape
+                ),
+            });
+        }
+    }
+    let ty = matrix_type(out_type, &first.shape);
+    let stored = |f: usize, i: usize| source.stored_shape(f, i).to_vec();
+    let mut lifted = Vec::with_capacity(parts.len());
+    for (name, t) in parts {
+        let t = if ty == GgmlType::Q8_0 {
+            q8_0(&name, &t)?
+        } else {
+            t
+        };
+        let t = if t.pieces.iter().any(|p| p.compute.is_some()) {
+            let mut shape = vec![1];
+            shape.extend(&t.shape);
+            let op =
+                Operation::permute(&t.shape, t.shape.clone(), vec![0, 1], shape.clone(), None)?;
+            computed(&name, &t, op, shape, t.dtype)?
+        } else {
+            t.with_leading_axis(stored)
+                .map_err(|problem| Error::InvalidTensor {
+                    tensor: name.clone(),
+                    problem,
+                })?
+        };
+        lifted.push(t);
+    }
+    let t = SourceTensor::stack(&lifted).map_err(|problem| Error::InvalidTensor {
+        tensor: gguf_name.to_string(),
+        problem,
+    })?;
+    Ok((t, ty))
 }
 
 /// The config's rope parameters (`rope_parameters`, transformers 5, or the older
@@ -1020,7 +1353,7 @@ impl Writer for GgufExport {
                 _ => GgmlType::F16,
             }
         });
-        let (tensors, params) = self.tensors(source, &config, out_type)?;
+        let (tensors, label) = self.tensors(source, &config, out_type)?;
         let kv = match carried {
             Some(mut kv) => {
                 for (k, v) in &mut kv {
@@ -1030,18 +1363,15 @@ impl Writer for GgufExport {
                 }
                 kv
             }
-            None => self.kv(source, &config, params, out_type)?,
+            None => self.kv(source, &config, label, out_type)?,
         };
         let mut types = BTreeMap::new();
         let mut sources = BTreeMap::new();
         let mut targets = Vec::with_capacity(tensors.len());
         for (name, t, ty) in tensors {
-            let t = if ty == GgmlType::Q8_0 {
+            if ty == GgmlType::Q8_0 {
                 types.insert(name.clone(), ty);
-                q8_0(&name, &t)?
-            } else {
-                t
-            };
+            }
             let full = Region::full(&t.shape);
             targets.push(TargetTensor {
                 name: name.clone(),
