@@ -147,7 +147,10 @@ cuda_candle=""
 if [ -n "${CI:-}" ] || [ -n "${CKPT_CUDA_CHECK:-}" ]; then
   # In a session of its own, so that leaving early (a failed stage) stops all of it.
   export -f cuda_candle_check prebuild_last_stages
-  setsid bash -c 'set -euo pipefail; cuda_candle_check; prebuild_last_stages' >target/cuda-candle.log 2>&1 &
+  # Its autogroup (a new session's) niced too: `nice` alone weighs only within the
+  # group, and the group took half the cores from the interop scripts.
+  setsid bash -c 'set -euo pipefail; echo 19 >/proc/self/autogroup 2>/dev/null || true
+    cuda_candle_check; prebuild_last_stages' >target/cuda-candle.log 2>&1 &
   cuda_candle=$!
   trap 'kill -- -"$cuda_candle" 2>/dev/null || true; stage_table' EXIT
 fi
