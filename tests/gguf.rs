@@ -639,25 +639,31 @@ fn gguf_of_qwen2_and_qwen3_is_the_converters_file_byte_for_byte() {
     for model in ["qwen2", "qwen3"] {
         for ty in ["f32", "f16"] {
             for threads in [1, 4] {
-                let out = d.path(&format!("{model}-{ty}-{threads}.gguf"));
-                d.ok_with_threads(
-                    &[
-                        "merge",
-                        s(&fixture(&format!("qwen/{model}"))),
-                        "--format",
-                        "gguf",
-                        "--dtype",
-                        ty,
-                        "-o",
-                        s(&out),
-                        "-q",
-                    ],
-                    threads,
-                );
-                assert_same_file(&out, &fixture(&format!("qwen/gguf/{model}-{ty}.gguf")));
+                assert_qwen_gguf_is_the_converters(&d, model, ty, threads);
             }
         }
     }
+}
+
+/// `merge tests/fixtures/serving/qwen/<model> --format gguf --dtype <ty>` on `threads`
+/// threads writes the file the converter wrote (`qwen/gguf/<model>-<ty>.gguf`).
+fn assert_qwen_gguf_is_the_converters(d: &Dir, model: &str, ty: &str, threads: usize) {
+    let out = d.path(&format!("{model}-{ty}-{threads}.gguf"));
+    d.ok_with_threads(
+        &[
+            "merge",
+            s(&fixture(&format!("qwen/{model}"))),
+            "--format",
+            "gguf",
+            "--dtype",
+            ty,
+            "-o",
+            s(&out),
+            "-q",
+        ],
+        threads,
+    );
+    assert_same_file(&out, &fixture(&format!("qwen/gguf/{model}-{ty}.gguf")));
 }
 
 /// Every tensor of ckpt's Qwen3 F32 file is the Hugging Face tensor of that name (by
@@ -907,22 +913,7 @@ fn gguf_of_qwen3_moe_and_qwen2_moe_is_the_converters_file_byte_for_byte() {
         ("qwen2_moe", "f16", 1),
         ("qwen2_moe", "f16", 4),
     ] {
-        let out = d.path(&format!("{model}-{ty}-{threads}.gguf"));
-        d.ok_with_threads(
-            &[
-                "merge",
-                s(&fixture(&format!("qwen/{model}"))),
-                "--format",
-                "gguf",
-                "--dtype",
-                ty,
-                "-o",
-                s(&out),
-                "-q",
-            ],
-            threads,
-        );
-        assert_same_file(&out, &fixture(&format!("qwen/gguf/{model}-{ty}.gguf")));
+        assert_qwen_gguf_is_the_converters(&d, model, ty, threads);
     }
 }
 

@@ -15,7 +15,7 @@
 //! docs/trainers.md).
 
 use crate::error::{Error, Result};
-use crate::formats::megatron::{args_of_run_config, Args};
+use crate::formats::megatron::{args_of_run_config, Args, DIST_METADATA_FILE};
 use crate::formats::{distcp, list_dir, orbax};
 use crate::hf::TOKENIZER_FILES;
 use std::path::{Path, PathBuf};
@@ -590,14 +590,12 @@ fn verl_contents(step: &Path) -> Result<StepContents> {
 /// verl's Megatron backend, as messages name it.
 const VERL_MEGATRON: &str = "verl (Megatron backend)";
 
-/// The file megatron-core's `dist_checkpointing.save` writes last into a dist_ckpt
-/// (`save_config`, after the shards, their `.metadata` and `common.pt`).
-const DIST_CKPT_CONFIG: &str = "metadata.json";
-
 /// A megatron-core dist_ckpt of verl's, complete (its `.metadata` and `metadata.json`
 /// there), else an error naming the file missing.
 fn verl_dist_ckpt(dir: &Path) -> Result<PathBuf> {
-    for f in [distcp::METADATA_FILE, DIST_CKPT_CONFIG] {
+    // `metadata.json` is what megatron-core's `dist_checkpointing.save` writes last
+    // (`save_config`, after the shards, their `.metadata` and `common.pt`).
+    for f in [distcp::METADATA_FILE, DIST_METADATA_FILE] {
         if !dir.join(f).is_file() {
             return Err(unknown(format!(
                 "{}: incomplete: no {f} (megatron-core's dist_checkpointing.save writes .metadata, then metadata.json last)",
