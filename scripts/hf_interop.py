@@ -58,6 +58,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.join(ROOT, "scripts", "fixtures"))
+from gloo_ranks import run_ranks  # noqa: E402
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 FP32_TOL = 1e-4
 
@@ -143,7 +145,6 @@ def dist_load_worker(rank, world, tp, pp, port, dist_dir, legacy_dir, ref_file, 
     the `_extra_state` objects included), then `load_state_dict(strict=True)`; its
     weights equal, key for key, the legacy import's rank file of the same TP x PP rank;
     on one rank, its forward's logits are saved to `result`."""
-    sys.path.append(os.path.join(ROOT, "scripts", "fixtures"))
     import hf_megatron as H
 
     H.stub_cuda()
@@ -183,8 +184,6 @@ def check_dist_import(ckpt, name, hf_dir, legacy_dir, work, port, ref_file):
     """HF -> megatron-dist on TP2 x PP2 and on one rank: megatron-core loads it, the
     weights are the legacy import's, its forward gives `ref_file`'s logits; -> HF gives
     back the model."""
-    import torch.multiprocessing as mp
-
     tag = name.replace(" ", "_").replace("(", "").replace(")", "")
     for tp, pp in ((2, 2), (1, 1)):
         out = os.path.join(work, f"{tag}-dist-tp{tp}pp{pp}")
@@ -201,8 +200,8 @@ def check_dist_import(ckpt, name, hf_dir, legacy_dir, work, port, ref_file):
             assert r.returncode == 0, r.stderr
             legacy = os.path.join(legacy, "release")
         result = os.path.join(work, f"{tag}-dist-logits-{tp}{pp}.pt")
-        mp.spawn(dist_load_worker, args=(tp * pp, tp, pp, port + tp * pp, os.path.join(out, "release"), legacy,
-                                         ref_file, result), nprocs=tp * pp, join=True)
+        run_ranks(dist_load_worker, (tp * pp, tp, pp, port + tp * pp, os.path.join(out, "release"), legacy,
+                                     ref_file, result), tp * pp)
         got, want = torch.load(result), load_file(ref_file)["logits"]
         diff = (got - want).abs().max().item()
         assert got.shape == want.shape and diff <= FP32_TOL, f"{name} TP{tp} x PP{pp}: logits differ by {diff}"
@@ -217,7 +216,6 @@ def check_dist_import(ckpt, name, hf_dir, legacy_dir, work, port, ref_file):
 def megatron_forward(rank, rank_file, ref_file, result):
     """One gloo rank: megatron-core's GPTModel from the args in `rank_file`, loaded
     strictly, run on the reference input."""
-    sys.path.append(os.path.join(ROOT, "scripts", "fixtures"))
     import hf_megatron as H
 
     H.stub_cuda()
@@ -242,8 +240,6 @@ def megatron_forward(rank, rank_file, ref_file, result):
 
 
 def check_transformers_import(ckpt, work):
-    import torch.multiprocessing as mp
-
     for name in sorted(d for d in os.listdir(MODELS) if os.path.isdir(os.path.join(MODELS, d))):
         src = os.path.join(MODELS, name)
         ref = os.path.join(src, "reference.safetensors")
@@ -258,8 +254,7 @@ def check_transformers_import(ckpt, work):
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         result = os.path.join(work, f"{name}-logits.pt")
-        mp.spawn(megatron_forward, args=(os.path.join(one, "release", "mp_rank_00", "model_optim_rng.pt"), ref, result),
-                 nprocs=1, join=True)
+        run_ranks(megatron_forward, (os.path.join(one, "release", "mp_rank_00", "model_optim_rng.pt"), ref, result), 1)
         got = torch.load(result)
         want = load_file(ref)["logits"]
         diff = (got - want).abs().max().item()

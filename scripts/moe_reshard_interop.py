@@ -21,14 +21,20 @@ size the args say and at another (Megatron reshards a dist_ckpt itself):
   GroupedMLP EP2 -> dist TP1 (at EP2) and -> dist TP2 x PP2 (at EP1): each expert the
   transpose of a run of the grouped weights
 
-  moe_reshard_interop.py CKPT"""
-import os
+  moe_reshard_interop.py CKPT
+
+Every load runs in this process (moe_megatron.load_and_compare), its gloo ranks forked
+from it: torch and megatron-core are imported once, not once per rank."""
 import pathlib
 import subprocess
 import sys
 import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.append(str(REPO / "scripts" / "fixtures"))
+import moe_megatron  # noqa: E402
+
+PORT = 29711
 FIXTURES = REPO / "tests" / "fixtures" / "moe" / "megatron"
 CASES = [
     ("ep2tp1", "ep=4"),
@@ -67,10 +73,7 @@ def main():
                 [ckpt, "reshard", str(FIXTURES / case / "legacy"), "--format", "megatron", "--mesh", mesh, "-o", str(out), "-q"],
                 check=True,
             )
-            subprocess.run(
-                [sys.executable, str(REPO / "scripts" / "fixtures" / "moe_megatron.py"), str(FIXTURES / case), "--load", str(out)],
-                check=True,
-            )
+            moe_megatron.load_and_compare(str(out), str(FIXTURES / case), PORT)
         for case, mesh, eps in DIST_CASES:
             out = pathlib.Path(tmp) / f"{case}-dist-{mesh.replace(',', '-').replace('=', '')}"
             subprocess.run(
@@ -79,11 +82,7 @@ def main():
                 check=True,
             )
             for ep in eps:
-                subprocess.run(
-                    [sys.executable, str(REPO / "scripts" / "fixtures" / "moe_megatron.py"), str(FIXTURES / case),
-                     "--load", str(out / "iter_0000001")],
-                    check=True, env={**os.environ, "MOE_FX_LOAD_EP": str(ep)},
-                )
+                moe_megatron.load_and_compare(str(out / "iter_0000001"), str(FIXTURES / case), PORT, load_ep=ep)
 
 
 if __name__ == "__main__":
