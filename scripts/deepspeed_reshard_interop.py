@@ -44,6 +44,8 @@ ROOT = os.path.dirname(HERE)
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "deepspeed")
 # DeepSpeed JIT-builds its CPU communication op with ninja, found on PATH: the venv's.
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+sys.path.append(os.path.join(HERE, "fixtures"))  # last: its torch.py must not shadow torch
+from gloo_ranks import rank_exit_codes  # noqa: E402
 
 
 def fixture_module():
@@ -195,21 +197,10 @@ def worker(rank, world, port, variant, load_dir, out_json, step_out):
 
 
 def run(world, variant, load_dir, tmp, tag):
-    import torch.multiprocessing as mp
-
     port = 29000 + (os.getpid() * 7 + world * 31 + hash(tag)) % 2000
     out_json = os.path.join(tmp, f"{tag}.json")
     step_out = os.path.join(tmp, f"{tag}.step.safetensors")
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=worker, args=(r, world, port, variant, load_dir, out_json, step_out))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    codes = [p.exitcode for p in procs]
+    codes = rank_exit_codes(worker, (world, port, variant, load_dir, out_json, step_out), world)
     if any(codes):
         return None, [f"{tag}: DeepSpeed exited with {codes}"]
     failures = []

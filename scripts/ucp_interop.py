@@ -34,8 +34,8 @@ os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.g
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.abspath("target/torch-extensions"))
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
+from gloo_ranks import rank_exit_codes  # noqa: E402  (before deepspeed_fixtures, which takes fixtures/ off the path)
 from deepspeed_fixtures import Tiny, config, finish_rank  # noqa: E402
 
 LOAD_WORLD = 3
@@ -106,13 +106,7 @@ def main():
             continue
         got_file = os.path.join(scratch, f"loaded{stage}.safetensors")
         port += 1
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=worker, args=(r_, stage, out, got_file, port)) for r_ in range(LOAD_WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        codes = [p.exitcode for p in procs]
+        codes = rank_exit_codes(worker, (stage, out, got_file, port), LOAD_WORLD)
         if any(codes):
             failures.append(f"zero{stage}: DeepSpeed's load on {LOAD_WORLD} ranks failed (exit codes {codes})")
             continue
