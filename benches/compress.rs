@@ -15,7 +15,9 @@
 //! target/bench/zstd-mlp, and keeps it for the next runs). Level 1 and 3 are both
 //! measured; the commands run at the default level.
 
-use ckpt_core::{compress_chunk, decompress_chunk, group_of, CodedChunk, Dtype, TensorFile};
+use ckpt_core::formats::ckptz::{compress_chunk, decompress_chunk, group_of, CodedChunk};
+use ckpt_core::formats::TensorFile;
+use ckpt_core::layout::Dtype;
 use rayon::prelude::*;
 use std::path::Path;
 use std::process::Command;
@@ -66,12 +68,12 @@ impl Set {
     fn new(name: &str, dtype: Dtype, tensors: &[Vec<u8>]) -> Set {
         let chunks = tensors
             .iter()
-            .flat_map(|t| t.chunks(ckpt_core::DEFAULT_CHUNK_BYTES as usize))
+            .flat_map(|t| t.chunks(ckpt_core::formats::ckptz::DEFAULT_CHUNK_BYTES as usize))
             .map(<[u8]>::to_vec)
             .collect();
         let stream = tensors.concat();
         let packed = stream
-            .chunks(ckpt_core::DEFAULT_CHUNK_BYTES as usize)
+            .chunks(ckpt_core::formats::ckptz::DEFAULT_CHUNK_BYTES as usize)
             .map(<[u8]>::to_vec)
             .collect();
         Set {
@@ -231,7 +233,7 @@ fn main() {
     ];
     println!(
         "\n{} MiB chunks, {} threads; sizes are compressed/raw; speeds in GB/s of raw bytes, best of 3: wall clock (per CPU-second x threads)\n",
-        ckpt_core::DEFAULT_CHUNK_BYTES >> 20,
+        ckpt_core::formats::ckptz::DEFAULT_CHUNK_BYTES >> 20,
         rayon::current_num_threads()
     );
     println!("| tensors | raw MB | level | .ckptz v2 | v1 byte-grouped zstd | plain zstd | v2: compress | v2: decompress | v1: compress | v1: decompress | plain: compress |");
@@ -353,7 +355,7 @@ fn end_to_end(root: &Path, run: &Path) {
     clean(&out);
     println!(
         "whole checkpoint (2 rank files, F32 weights + AdamW moments), default level {}: {:.1} MB -> {:.1} MB ({:.3} x)\n",
-        ckpt_core::DEFAULT_LEVEL,
+        ckpt_core::formats::ckptz::DEFAULT_LEVEL,
         raw_bytes as f64 / 1e6,
         z_bytes as f64 / 1e6,
         z_bytes as f64 / raw_bytes as f64

@@ -209,13 +209,15 @@ fn main() {
         );
     }
     // The coverage check on a million pieces (a 1000 x 1000 grid).
-    let boxes: Vec<ckpt_core::Region> = (0..1000u64)
+    let boxes: Vec<ckpt_core::layout::region::Region> = (0..1000u64)
         .flat_map(|i| {
-            (0..1000u64).map(move |j| ckpt_core::Region::new(vec![i * 7, j * 5], vec![7, 5]))
+            (0..1000u64).map(move |j| {
+                ckpt_core::layout::region::Region::new(vec![i * 7, j * 5], vec![7, 5])
+            })
         })
         .collect();
     let t = Instant::now();
-    ckpt_core::check_tiling(&[7000, 5000], &boxes).unwrap();
+    ckpt_core::layout::coverage::check_tiling(&[7000, 5000], &boxes).unwrap();
     println!(
         "\ncoverage check of 1,000,000 pieces: {:.2} s",
         t.elapsed().as_secs_f64()

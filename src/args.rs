@@ -2,7 +2,9 @@
 //! glob, mesh, rank or dtype is a usage error (exit 2) before any work.
 
 use anyhow::{Context, Result};
-use ckpt_core::{Dtype, Mesh, Selection};
+use ckpt_core::layout::mesh::Mesh;
+use ckpt_core::layout::select::Selection;
+use ckpt_core::layout::Dtype;
 use clap::Args;
 use lists::{parse_globs, parse_shards, List};
 use std::path::PathBuf;
@@ -129,10 +131,10 @@ impl Inputs {
         for s in &self.source_strategy {
             let bytes =
                 std::fs::read(s).with_context(|| format!("--source-strategy {}", s.display()))?;
-            if ckpt_core::is_split_rules(&bytes) {
+            if ckpt_core::layout::split_rules::is_split_rules(&bytes) {
                 continue;
             }
-            if !ckpt_core::is_mindspore_strategy(&bytes) {
+            if !ckpt_core::formats::mindspore_strategy::looks_like(&bytes) {
                 return Err(Usage(format!(
                     "--source-strategy {}: not a MindSpore strategy file (protobuf ParallelStrategyMap or its JSON form), nor a strategy file with a `rules` section",
                     s.display()
@@ -146,13 +148,13 @@ impl Inputs {
 
     /// The split rules of the `--source-strategy` files that have a `rules` section, in
     /// the order given (empty when none has).
-    pub(crate) fn rules(&self) -> Result<ckpt_core::SplitRules> {
+    pub(crate) fn rules(&self) -> Result<ckpt_core::layout::split_rules::SplitRules> {
         let mut found = None;
         for s in &self.source_strategy {
             let Ok(bytes) = std::fs::read(s) else {
                 continue;
             };
-            if !ckpt_core::is_split_rules(&bytes) {
+            if !ckpt_core::layout::split_rules::is_split_rules(&bytes) {
                 continue;
             }
             if found.is_some() {
@@ -162,7 +164,7 @@ impl Inputs {
                 ))
                 .into());
             }
-            found = Some(ckpt_core::SplitRules::read(s)?);
+            found = Some(ckpt_core::layout::split_rules::SplitRules::read(s)?);
         }
         Ok(found.unwrap_or_default())
     }
@@ -208,8 +210,8 @@ pub(crate) struct CopyArgs {
     pub(crate) force: bool,
     /// Write compressed .ckptz files (byte-grouped zstd chunks, level 1 to 22, default
     /// 1) that every ckpt command reads: zstd or zstd:LEVEL.
-    #[arg(long, value_name = "zstd[:LEVEL]", value_parser = ckpt_core::Compression::parse)]
-    pub(crate) compress: Option<ckpt_core::Compression>,
+    #[arg(long, value_name = "zstd[:LEVEL]", value_parser = ckpt_core::formats::ckptz::Compression::parse)]
+    pub(crate) compress: Option<ckpt_core::formats::ckptz::Compression>,
     /// Print the summary as JSON.
     #[arg(long)]
     pub(crate) json: bool,
@@ -333,8 +335,8 @@ pub(crate) struct ComputeArgs {
 }
 
 impl ComputeArgs {
-    pub(crate) fn computations(&self) -> ckpt_core::Computations {
-        ckpt_core::Computations {
+    pub(crate) fn computations(&self) -> ckpt_core::checkpoint::Computations {
+        ckpt_core::checkpoint::Computations {
             lora: self.lora.clone(),
             lora_alpha: self.lora_alpha,
             quantize_fp8: self.quantize.is_some(),
@@ -444,7 +446,7 @@ pub(crate) struct ConvertArgs {
     #[arg(short, long)]
     pub(crate) output: PathBuf,
     /// zstd level (compress only).
-    #[arg(long, default_value_t = ckpt_core::DEFAULT_LEVEL, value_parser = clap::value_parser!(i32).range(1..=22))]
+    #[arg(long, default_value_t = ckpt_core::formats::ckptz::DEFAULT_LEVEL, value_parser = clap::value_parser!(i32).range(1..=22))]
     pub(crate) level: i32,
     /// Raw bytes per compressed chunk (tests: small chunks make small tensors span
     /// several).
@@ -517,6 +519,6 @@ pub(crate) fn parse_cast(s: &str) -> std::result::Result<Dtype, String> {
         "f16" | "fp16" => Ok(Dtype::F16),
         "f32" | "fp32" => Ok(Dtype::F32),
         "f64" => Ok(Dtype::F64),
-        _ => ckpt_core::parse_dtype(&s.to_ascii_uppercase()),
+        _ => ckpt_core::layout::strategy::parse_dtype(&s.to_ascii_uppercase()),
     }
 }

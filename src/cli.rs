@@ -31,7 +31,7 @@ pub(crate) fn message(e: &anyhow::Error) -> String {
         out.push_str(&text);
     }
     // Objects of a bucket are read and written through local trees: name the objects.
-    ckpt_core::unmirror_text(&out)
+    ckpt_core::storage::unmirror_text(&out)
 }
 
 /// Whether an error is the user's way of asking (exit 2) rather than a problem found:
@@ -262,7 +262,7 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
                 .selection()
                 .with_step(inputs.step)
                 .with_rules(inputs.rules()?),
-            ckpt_core::VerifyDepth {
+            ckpt_core::engine::verify::VerifyDepth {
                 checksums: !fast,
                 deep,
             },
@@ -271,13 +271,19 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode> {
         Command::Merge(a) => commands::merge(a),
         Command::Reshard(a) => commands::reshard(a),
         Command::Compress(a) => {
-            let how = ckpt_core::Conversion::Compress(ckpt_core::Compression {
-                level: a.level,
-                chunk_bytes: a.chunk_bytes.unwrap_or(ckpt_core::DEFAULT_CHUNK_BYTES),
-            });
+            let how = ckpt_core::engine::convert::Conversion::Compress(
+                ckpt_core::formats::ckptz::Compression {
+                    level: a.level,
+                    chunk_bytes: a
+                        .chunk_bytes
+                        .unwrap_or(ckpt_core::formats::ckptz::DEFAULT_CHUNK_BYTES),
+                },
+            );
             commands::convert(a, how)
         }
-        Command::Decompress(a) => commands::convert(a, ckpt_core::Conversion::Decompress),
+        Command::Decompress(a) => {
+            commands::convert(a, ckpt_core::engine::convert::Conversion::Decompress)
+        }
         Command::Example(a) => commands::example(a),
         Command::Train(a) => commands::train(a),
         Command::Infer(a) => commands::infer(a),
@@ -299,7 +305,7 @@ mod tests {
     use super::*;
     use crate::args::lists::flat;
     use crate::args::parse_cast;
-    use ckpt_core::Dtype;
+    use ckpt_core::layout::Dtype;
 
     #[test]
     fn reshard_needs_exactly_one_target() {
@@ -338,7 +344,7 @@ mod tests {
         }
         let c = Cli::try_parse_from(["ckpt", "compress", "a", "-o", "b"]).unwrap();
         match c.command {
-            Command::Compress(a) => assert_eq!(a.level, ckpt_core::DEFAULT_LEVEL),
+            Command::Compress(a) => assert_eq!(a.level, ckpt_core::formats::ckptz::DEFAULT_LEVEL),
             other => panic!("parsed as {other:?}"),
         }
         assert!(

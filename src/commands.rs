@@ -1,6 +1,6 @@
 //! One function per subcommand: the parsed arguments turned into the library's typed
 //! request, the library called, and what the library says about the result printed.
-//! No checkpoint logic and no report wording lives here (`ckpt_core::inspect_text`,
+//! No checkpoint logic and no report wording lives here (`ckpt_core::present::inspect_text`,
 //! `verify_text`, `CopySummary`, `TrainReport::summary_text`, `InferReport::text`, ...).
 
 use crate::args::lists::flat;
@@ -9,7 +9,10 @@ use crate::args::{
 };
 use crate::report::bytes_bar;
 use anyhow::{bail, Context, Result};
-use ckpt_core::{Checkpoint, CopyPlan, Mesh, Selection};
+use ckpt_core::layout::mesh::Mesh;
+use ckpt_core::layout::plan::CopyPlan;
+use ckpt_core::layout::select::Selection;
+use ckpt_core::Checkpoint;
 use serde_json::json;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -25,12 +28,16 @@ fn found(problems: &[ckpt_core::Error]) -> ExitCode {
 }
 
 pub(crate) fn inspect(paths: &[PathBuf], sel: &Selection, as_json: bool) -> Result<ExitCode> {
-    let (ck, problems) = ckpt_core::verify_selected(paths, sel, ckpt_core::VerifyDepth::default())?;
+    let (ck, problems) = ckpt_core::engine::verify::verify_selected(
+        paths,
+        sel,
+        ckpt_core::engine::verify::VerifyDepth::default(),
+    )?;
     if as_json {
-        let doc = ckpt_core::inspect_json(&ck, &problems);
+        let doc = ckpt_core::present::inspect_json(&ck, &problems);
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        print!("{}", ckpt_core::inspect_text(&ck, &problems));
+        print!("{}", ckpt_core::present::inspect_text(&ck, &problems));
     }
     ck.drop_at_exit();
     Ok(found(&problems))
@@ -39,14 +46,14 @@ pub(crate) fn inspect(paths: &[PathBuf], sel: &Selection, as_json: bool) -> Resu
 pub(crate) fn verify(
     paths: &[PathBuf],
     sel: &Selection,
-    depth: ckpt_core::VerifyDepth,
+    depth: ckpt_core::engine::verify::VerifyDepth,
     as_json: bool,
 ) -> Result<ExitCode> {
-    let (ck, problems) = match ckpt_core::verify_selected(paths, sel, depth) {
+    let (ck, problems) = match ckpt_core::engine::verify::verify_selected(paths, sel, depth) {
         Ok(x) => x,
         Err(e) => {
             // (Objects of a bucket are read through local trees: named as objects.)
-            let e = ckpt_core::unmirror_text(&e.to_string());
+            let e = ckpt_core::storage::unmirror_text(&e.to_string());
             if as_json {
                 println!("{}", json!({"ok": false, "problems": [e]}));
             } else {
@@ -56,12 +63,12 @@ pub(crate) fn verify(
         }
     };
     if as_json {
-        let doc = ckpt_core::verify_json(&ck, &problems);
+        let doc = ckpt_core::present::verify_json(&ck, &problems);
         let text = serde_json::to_string_pretty(&doc)?;
-        println!("{}", ckpt_core::unmirror_text(&text));
+        println!("{}", ckpt_core::storage::unmirror_text(&text));
     } else {
-        let text = ckpt_core::verify_text(&ck, &problems, depth);
-        print!("{}", ckpt_core::unmirror_text(&text));
+        let text = ckpt_core::present::verify_text(&ck, &problems, depth);
+        print!("{}", ckpt_core::storage::unmirror_text(&text));
     }
     ck.drop_at_exit();
     Ok(found(&problems))
@@ -76,10 +83,10 @@ fn with_progress(
     run: impl FnOnce(
         &(dyn Fn(u64) + Sync),
         &dyn Fn(&Checkpoint, &CopyPlan),
-    ) -> ckpt_core::Result<ckpt_core::CopyStats>,
+    ) -> ckpt_core::Result<ckpt_core::engine::copy::CopyStats>,
 ) -> Result<ExitCode> {
     if copy.no_checksums {
-        ckpt_core::set_checksums_enabled(false);
+        ckpt_core::formats::checksum::set_checksums_enabled(false);
     }
     let t = Instant::now();
     let bar = std::sync::OnceLock::new();
@@ -108,7 +115,7 @@ fn with_progress(
         b.finish_and_clear();
     }
     let (names, files) = shape.get().copied().unwrap_or((0, 0));
-    let summary = ckpt_core::CopySummary {
+    let summary = ckpt_core::present::CopySummary {
         verb,
         stats: &stats?,
         names,
@@ -160,18 +167,20 @@ pub(crate) fn merge(mut a: MergeArgs) -> Result<ExitCode> {
     let gguf_type = if gguf {
         let ty = match a.copy.dtype {
             None => None,
-            Some(crate::args::Cast::Q8_0) => Some(ckpt_core::GgmlType::Q8_0),
+            Some(crate::args::Cast::Q8_0) => Some(ckpt_core::formats::gguf::GgmlType::Q8_0),
             Some(crate::args::Cast::Dtype(d)) => Some(
-                ckpt_core::GgmlType::from_name(&ckpt_core::dtype_name(d).to_ascii_lowercase())
-                    .ok_or_else(|| {
-                        Usage(format!(
-                            "--format gguf: --dtype {} is not a type it writes (f32, f16, bf16, q8_0)",
-                            ckpt_core::dtype_name(d)
-                        ))
-                    })?,
+                ckpt_core::formats::gguf::GgmlType::from_name(
+                    &ckpt_core::layout::strategy::dtype_name(d).to_ascii_lowercase(),
+                )
+                .ok_or_else(|| {
+                    Usage(format!(
+                        "--format gguf: --dtype {} is not a type it writes (f32, f16, bf16, q8_0)",
+                        ckpt_core::layout::strategy::dtype_name(d)
+                    ))
+                })?,
             ),
         };
-        if ty == Some(ckpt_core::GgmlType::Q8_0) {
+        if ty == Some(ckpt_core::formats::gguf::GgmlType::Q8_0) {
             a.copy.dtype = None;
         }
         ty
@@ -182,7 +191,7 @@ pub(crate) fn merge(mut a: MergeArgs) -> Result<ExitCode> {
         inputs: a.inputs.all()?,
         output: output.path().to_path_buf(),
         max_shard_size: a.max_shard_size,
-        selection: selection(&a.copy, &a.inputs)?.with_views(ckpt_core::Views {
+        selection: selection(&a.copy, &a.inputs)?.with_views(ckpt_core::layout::select::Views {
             split_qkv: a.split_qkv,
             unpad_vocab: !a.keep_vocab_padding,
             // A Hugging Face model has a tensor a layer.
@@ -195,7 +204,7 @@ pub(crate) fn merge(mut a: MergeArgs) -> Result<ExitCode> {
             .ok_or_else(|| Usage(format!("--format `{}`", a.format)))?,
         compression: a.copy.compress,
         share: merge_share(a.rank.as_deref(), a.world_size)?,
-        hf: ckpt_core::HfTarget {
+        hf: ckpt_core::checkpoint::HfTarget {
             config: a.hf_config,
             arch: a.hf_arch,
         },
@@ -223,10 +232,10 @@ pub(crate) fn merge(mut a: MergeArgs) -> Result<ExitCode> {
     if a.plan {
         let (source, plan) = ckpt_merge::prepare(&req)?;
         if a.copy.json {
-            let doc = ckpt_core::merge_plan_json(&source, &plan);
+            let doc = ckpt_core::present::merge_plan_json(&source, &plan);
             println!("{}", serde_json::to_string_pretty(&doc)?);
         } else {
-            print!("{}", ckpt_core::merge_plan_text(&source, &plan));
+            print!("{}", ckpt_core::present::merge_plan_text(&source, &plan));
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -245,11 +254,11 @@ impl crate::args::OrbaxItemArg {
         match (format, self.orbax_item.as_deref()) {
             (_, None) => Ok(None),
             ("orbax", Some(item)) => Ok(Some(item.to_string())),
-            ("maxtext", Some(item)) if item == ckpt_core::MAXTEXT_ITEM => Ok(None),
+            ("maxtext", Some(item)) if item == ckpt_core::checkpoint::MAXTEXT_ITEM => Ok(None),
             ("maxtext", Some(item)) => Err(Usage(format!(
                 "--format maxtext writes MaxText's item `{}` (its load_parameters_path is OUT/{}): --orbax-item `{item}` does not apply",
-                ckpt_core::MAXTEXT_ITEM,
-                ckpt_core::MAXTEXT_ITEM
+                ckpt_core::checkpoint::MAXTEXT_ITEM,
+                ckpt_core::checkpoint::MAXTEXT_ITEM
             ))
             .into()),
             (_, Some(_)) => Err(Usage("--orbax-item goes with --format orbax".into()).into()),
@@ -292,7 +301,7 @@ fn merge_share(rank: Option<&str>, world_size: Option<u64>) -> Result<Option<(u6
 
 /// This process's share of partitioned work: `(rank, world size)` from the launcher.
 fn launch_share() -> Result<(u64, u64)> {
-    let env = ckpt_core::LaunchEnv::from_env()?.context(
+    let env = ckpt_core::launch::LaunchEnv::from_env()?.context(
         "--rank auto: no launcher variables (OMPI_COMM_WORLD_RANK, PMI_RANK, RANK or SLURM_PROCID) are set",
     )?;
     Ok((env.rank as u64, env.world_size as u64))
@@ -361,7 +370,7 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
                 "wrote {} optimizer-states file(s) of {} tensors, {} in {seconds:.2} s into {}",
                 s.files,
                 s.tensors,
-                ckpt_core::human_bytes(s.bytes),
+                ckpt_core::present::human_bytes(s.bytes),
                 a.output.display()
             );
         }
@@ -370,10 +379,13 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
     if a.plan {
         let (source, strategy, plan) = ckpt_reshard::prepare(&req)?;
         if a.copy.json {
-            let doc = ckpt_core::plan_json(&source, &strategy, &plan);
+            let doc = ckpt_core::present::plan_json(&source, &strategy, &plan);
             println!("{}", serde_json::to_string_pretty(&doc)?);
         } else {
-            print!("{}", ckpt_core::plan_text(&source, &strategy, &plan));
+            print!(
+                "{}",
+                ckpt_core::present::plan_text(&source, &strategy, &plan)
+            );
         }
         if let Some(dest) = &a.html {
             let title = req
@@ -382,7 +394,13 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
                 .map(|p| p.display().to_string())
                 .collect::<Vec<_>>()
                 .join(" ");
-            ckpt_core::write_plan_html(&source, &plan, &strategy.mesh.to_string(), &title, dest)?;
+            ckpt_core::draw::write_plan_html(
+                &source,
+                &plan,
+                &strategy.mesh.to_string(),
+                &title,
+                dest,
+            )?;
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -393,23 +411,29 @@ pub(crate) fn reshard(a: ReshardArgs) -> Result<ExitCode> {
     })
 }
 
-pub(crate) fn convert(a: ConvertArgs, how: ckpt_core::Conversion) -> Result<ExitCode> {
+pub(crate) fn convert(
+    a: ConvertArgs,
+    how: ckpt_core::engine::convert::Conversion,
+) -> Result<ExitCode> {
     let t = Instant::now();
     let output = ckpt_core::output_at(&a.output, a.force)?;
-    let s = ckpt_core::convert(&a.source, output.path(), how, a.force)?;
+    let s = ckpt_core::engine::convert::convert(&a.source, output.path(), how, a.force)?;
     output.publish()?;
     let secs = t.elapsed().as_secs_f64();
     if a.json {
-        println!("{}", ckpt_core::convert_json(&s, secs, &a.output));
+        println!("{}", ckpt_core::present::convert_json(&s, secs, &a.output));
     } else {
-        print!("{}", ckpt_core::convert_text(how, &s, secs, &a.output));
+        print!(
+            "{}",
+            ckpt_core::present::convert_text(how, &s, secs, &a.output)
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
 
 pub(crate) fn example(a: ExampleArgs) -> Result<ExitCode> {
     let mesh = Mesh::parse(&a.mesh)?;
-    let model = ckpt_core::ExampleModel {
+    let model = ckpt_core::engine::example::ExampleModel {
         hidden: a.hidden,
         layers: a.layers,
         vocab: a.vocab,
@@ -417,8 +441,8 @@ pub(crate) fn example(a: ExampleArgs) -> Result<ExitCode> {
         optimizer: a.optimizer,
     };
     let output = ckpt_core::output_at(&a.output, a.force)?;
-    let staged = ckpt_core::StagedDir::new(output.path(), a.force)?;
-    let s = ckpt_core::write_example(staged.path(), &model, &mesh)?;
+    let staged = ckpt_core::formats::output::StagedDir::new(output.path(), a.force)?;
+    let s = ckpt_core::engine::example::write_example(staged.path(), &model, &mesh)?;
     staged.commit()?;
     output.publish()?;
     println!(
@@ -434,7 +458,7 @@ pub(crate) fn example(a: ExampleArgs) -> Result<ExitCode> {
 /// Whether this process prints the results: always, unless a launcher (mpirun, srun,
 /// torchrun) started it as a rank other than 0.
 fn is_lead() -> Result<bool> {
-    Ok(ckpt_core::LaunchEnv::from_env()?.is_none_or(|e| e.rank == 0))
+    Ok(ckpt_core::launch::LaunchEnv::from_env()?.is_none_or(|e| e.rank == 0))
 }
 
 pub(crate) fn train(a: TrainArgs) -> Result<ExitCode> {

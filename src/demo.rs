@@ -5,7 +5,7 @@
 
 use crate::report::human_bytes;
 use anyhow::{ensure, Context, Result};
-use ckpt_core::Selection;
+use ckpt_core::layout::select::Selection;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -102,9 +102,9 @@ pub(crate) fn run(dir: &Path, force: bool, progress: bool) -> Result<()> {
 
     say("verifying the slices");
     let t = Instant::now();
-    let (checked, problems) = ckpt_core::verify(
+    let (checked, problems) = ckpt_core::engine::verify::verify(
         std::slice::from_ref(&ck),
-        ckpt_core::VerifyDepth {
+        ckpt_core::engine::verify::VerifyDepth {
             checksums: true,
             deep: true,
         },

@@ -46,7 +46,8 @@ pub(crate) fn split_list(s: &str) -> std::result::Result<Vec<String>, String> {
 pub(crate) fn parse_globs(s: &str) -> std::result::Result<List<String>, String> {
     let globs = split_list(s)?;
     for g in &globs {
-        ckpt_core::Selection::new(std::slice::from_ref(g), &[], None).map_err(|e| e.to_string())?;
+        ckpt_core::layout::select::Selection::new(std::slice::from_ref(g), &[], None)
+            .map_err(|e| e.to_string())?;
     }
     Ok(List(globs))
 }
@@ -61,7 +62,8 @@ pub(crate) fn parse_shards(s: &str) -> std::result::Result<List<(String, usize)>
         let dim = dim
             .parse()
             .map_err(|_| format!("`{rule}`: DIM `{dim}` is not a dimension number"))?;
-        ckpt_core::Selection::new(&[glob.to_string()], &[], None).map_err(|e| e.to_string())?;
+        ckpt_core::layout::select::Selection::new(&[glob.to_string()], &[], None)
+            .map_err(|e| e.to_string())?;
         rules.push((glob.to_string(), dim));
     }
     Ok(List(rules))

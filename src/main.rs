@@ -48,8 +48,8 @@ fn install_bus_error_handler() {
         // Not async-signal-safe (it formats and allocates), but the fault is raised
         // while copying mapped bytes, not inside the allocator, and the process ends
         // here either way.
-        let msg = ckpt_core::bus_error_message(addr);
-        ckpt_core::remove_registered_temporaries();
+        let msg = ckpt_core::fault::bus_error_message(addr);
+        ckpt_core::fault::remove_registered_temporaries();
         eprintln!("ckpt: error: {msg}");
         // SAFETY: _exit ends the process without running anything else.
         unsafe { libc::_exit(1) };

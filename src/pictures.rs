@@ -1,7 +1,7 @@
 //! `ckpt inspect --show` and `--html`: the layout pictures (drawn by ckpt-core).
 
 use anyhow::Result;
-use ckpt_core::Selection;
+use ckpt_core::layout::select::Selection;
 use serde_json::json;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -22,16 +22,20 @@ pub(crate) fn run(
     html: Option<PathBuf>,
     as_json: bool,
 ) -> Result<ExitCode> {
-    let (ck, problems) = ckpt_core::verify_selected(paths, sel, ckpt_core::VerifyDepth::default())?;
+    let (ck, problems) = ckpt_core::engine::verify::verify_selected(
+        paths,
+        sel,
+        ckpt_core::engine::verify::VerifyDepth::default(),
+    )?;
     if let Some(pattern) = &show {
         if as_json {
-            let tensors = ckpt_core::matching(&ck, pattern)?
+            let tensors = ckpt_core::draw::matching(&ck, pattern)?
                 .into_iter()
                 .map(|name| {
                     let t = &ck.tensors[&name];
                     Ok(json!({
-                        "name": name, "shape": t.shape, "dtype": ckpt_core::dtype_name(t.dtype),
-                        "pieces": ckpt_core::pieces_json(&ck, &name)?,
+                        "name": name, "shape": t.shape, "dtype": ckpt_core::layout::strategy::dtype_name(t.dtype),
+                        "pieces": ckpt_core::draw::pieces_json(&ck, &name)?,
                     }))
                 })
                 .collect::<ckpt_core::Result<Vec<_>>>()?;
@@ -43,11 +47,11 @@ pub(crate) fn run(
                 serde_json::to_string_pretty(&json!({"tensors": tensors, "files": files}))?
             );
         } else {
-            let canvas = ckpt_core::Canvas {
+            let canvas = ckpt_core::draw::Canvas {
                 color: colour(),
-                ..ckpt_core::Canvas::default()
+                ..ckpt_core::draw::Canvas::default()
             };
-            print!("{}", ckpt_core::show(&ck, pattern, &canvas)?);
+            print!("{}", ckpt_core::draw::show(&ck, pattern, &canvas)?);
         }
     }
     if let Some(dest) = &html {
@@ -56,7 +60,7 @@ pub(crate) fn run(
             .map(|p| p.display().to_string())
             .collect::<Vec<_>>()
             .join(" ");
-        let bytes = ckpt_core::write_html_report(&ck, &problems, &title, dest)?;
+        let bytes = ckpt_core::draw::write_html_report(&ck, &problems, &title, dest)?;
         if !as_json || show.is_none() {
             eprintln!(
                 "wrote {} ({} tensors, {})",

@@ -20,4 +20,4 @@ pub(crate) fn bytes_bar(total: u64, quiet: bool) -> ProgressBar {
 }
 
 /// `1.50 GB` (the library's wording, shared with its reports).
-pub(crate) use ckpt_core::human_bytes;
+pub(crate) use ckpt_core::present::human_bytes;

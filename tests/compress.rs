@@ -51,7 +51,7 @@ fn decompress_of_compress_is_byte_identical() {
         z["strategy.json"],
         std::fs::read(d.path("ex/strategy.json")).unwrap()
     );
-    assert!(z["ckpt_0/model.ckptz"].starts_with(ckpt_core::CKPTZ_MAGIC.as_slice()));
+    assert!(z["ckpt_0/model.ckptz"].starts_with(ckpt_core::formats::ckptz::MAGIC.as_slice()));
     d.ok(&["decompress", "exz", "-o", "back"]);
     assert_eq!(tree(&d.path("back")), tree(&d.path("ex")));
     // One file too, to a file.

@@ -72,7 +72,7 @@ fn issue_26_decompress_gives_every_fixture_back_byte_for_byte() {
         assert!(
             zt.iter()
                 .any(|(k, v)| (k.ends_with(".ckptz") || k.is_empty())
-                    && v.starts_with(ckpt_core::CKPTZ_MAGIC.as_slice())),
+                    && v.starts_with(ckpt_core::formats::ckptz::MAGIC.as_slice())),
             "{src_s}: no version 2 file in {:?}",
             zt.keys()
         );
@@ -193,7 +193,7 @@ fn issue_26_version_1_files_still_read() {
     let orig = fixtures().join("ckptz_v1/original");
     assert!(std::fs::read(v1.join("model.ckptz"))
         .unwrap()
-        .starts_with(ckpt_core::CKPTZ_MAGIC_V1.as_slice()));
+        .starts_with(ckpt_core::formats::ckptz::MAGIC_V1.as_slice()));
     d.ok(&["verify", v1.to_str().unwrap()]);
     d.ok(&["decompress", v1.to_str().unwrap(), "-o", "back"]);
     assert_eq!(tree(&d.path("back")), tree(&orig));

@@ -36,7 +36,10 @@ fn described(path: &Path) -> BTreeMap<String, (String, Vec<u64>)> {
         .map(|(n, t)| {
             (
                 n.clone(),
-                (ckpt_core::dtype_name(t.dtype).to_string(), t.shape.clone()),
+                (
+                    ckpt_core::layout::strategy::dtype_name(t.dtype).to_string(),
+                    t.shape.clone(),
+                ),
             )
         })
         .collect()

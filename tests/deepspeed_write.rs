@@ -6,7 +6,7 @@
 //! exactly is refused with nothing written.
 
 use crate::util::{full_tensors, Dir};
-use ckpt_core::TensorFile;
+use ckpt_core::formats::TensorFile;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

@@ -34,7 +34,7 @@ fn described(path: &Path) -> Vec<(String, String, Vec<u64>)> {
     ck.tensors
         .iter()
         .map(|(n, t)| {
-            let dtype = ckpt_core::dtype_name(t.dtype).to_string();
+            let dtype = ckpt_core::layout::strategy::dtype_name(t.dtype).to_string();
             (n.clone(), dtype, t.shape.clone())
         })
         .collect()

@@ -940,12 +940,18 @@ fn a_qwen3_moe_gguf_stacks_each_layers_experts_from_their_own_bytes() {
     let hf = crate::util::full_tensors(&fixture("qwen/qwen3_moe/model.safetensors"));
     let gguf = crate::util::full_tensors(&out);
     let (entries, metadata) =
-        ckpt_core::parse_gguf(&std::fs::read(&out).expect("read")).expect("ckpt reads it");
+        ckpt_core::formats::gguf::parse_gguf(&std::fs::read(&out).expect("read"))
+            .expect("ckpt reads it");
     let shape = |n: &str| {
         entries
             .iter()
             .find(|e| e.name == n)
-            .map(|e| (ckpt_core::dtype_name(e.dtype).to_string(), e.shape.clone()))
+            .map(|e| {
+                (
+                    ckpt_core::layout::strategy::dtype_name(e.dtype).to_string(),
+                    e.shape.clone(),
+                )
+            })
             .unwrap_or_else(|| panic!("{n} not in the file"))
     };
     let f32 = "F32".to_string();

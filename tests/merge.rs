@@ -14,7 +14,7 @@ fn merge_gives_back_every_original_byte() {
         example_originals("dp=2,tp=3")
     );
     // One integrated file, readable as a plain safetensors file of whole tensors.
-    let f = ckpt_core::TensorFile::open(&d.path("merged/model.safetensors")).unwrap();
+    let f = ckpt_core::formats::TensorFile::open(&d.path("merged/model.safetensors")).unwrap();
     let qkv = f.find("layers.1.attn.qkv.weight").unwrap();
     assert_eq!(f.tensors()[qkv].shape, vec![48, 16]);
 }
@@ -207,7 +207,7 @@ fn excluded_tensors_need_not_be_complete() {
     d.example("ex", "tp=2");
     // Drop the embedding from rank 1's file: a hole in `embed.weight` only.
     let f = d.path("ex/ckpt_1/model.safetensors");
-    let ck = ckpt_core::TensorFile::open(&f).unwrap();
+    let ck = ckpt_core::formats::TensorFile::open(&f).unwrap();
     let keep: Vec<(String, Vec<u8>)> = ck
         .tensors()
         .iter()
@@ -216,11 +216,11 @@ fn excluded_tensors_need_not_be_complete() {
         .map(|(i, t)| (t.name.clone(), ck.data(i).unwrap().to_vec()))
         .collect();
     let meta = ck.metadata().clone();
-    let specs: Vec<ckpt_core::TensorSpec> = ck
+    let specs: Vec<ckpt_core::formats::writer::TensorSpec> = ck
         .tensors()
         .iter()
         .filter(|t| t.name != "embed.weight")
-        .map(|t| ckpt_core::TensorSpec {
+        .map(|t| ckpt_core::formats::writer::TensorSpec {
             name: t.name.clone(),
             dtype: t.dtype,
             shape: t.shape.clone(),
@@ -228,7 +228,7 @@ fn excluded_tensors_need_not_be_complete() {
         .collect();
     drop(ck);
     std::fs::remove_file(&f).unwrap();
-    let w = ckpt_core::SafetensorsWriter::create(&f, &specs, &meta).unwrap();
+    let w = ckpt_core::formats::safetensors::SafetensorsWriter::create(&f, &specs, &meta).unwrap();
     for (i, (_, data)) in keep.iter().enumerate() {
         w.write_at(i, 0, data).unwrap();
     }

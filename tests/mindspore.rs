@@ -22,7 +22,7 @@ fn originals() -> BTreeMap<String, Vec<u8>> {
 
 /// Every tensor of one file, by name.
 fn file_tensors(path: &Path) -> BTreeMap<String, (Vec<u64>, Vec<u8>)> {
-    let f = ckpt_core::TensorFile::open(path).unwrap();
+    let f = ckpt_core::formats::TensorFile::open(path).unwrap();
     f.tensors()
         .iter()
         .enumerate()
@@ -284,7 +284,7 @@ fn damaged_mindspore_inputs_are_named() {
 
 #[test]
 fn pipeline_stage_files_combine() {
-    let params = ckpt_core::read_mindspore_strategies(&[
+    let params = ckpt_core::formats::mindspore_strategy::read_mindspore_strategies(&[
         &fixtures().join("pipeline_stage0.ckpt"),
         &fixtures().join("pipeline_stage1.json"),
     ])

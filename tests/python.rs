@@ -74,9 +74,11 @@ print("checked", len(orig), "tensors and", checked, "offsets")
 fn python_reads_back_every_byte_and_offset() {
     let d = Dir::new();
     assert_eq!(run_python(&d, WRITE_ORIGINALS).trim(), "ok");
-    let mut s = ckpt_core::Strategy::new(ckpt_core::Mesh::parse("dp=2,tp=3").unwrap());
+    let mut s = ckpt_core::layout::strategy::Strategy::new(
+        ckpt_core::layout::mesh::Mesh::parse("dp=2,tp=3").unwrap(),
+    );
     let ck = ckpt_core::Checkpoint::open(&[d.path("orig")]).unwrap();
-    use ckpt_core::Placement::{self, Replicate};
+    use ckpt_core::layout::Placement::{self, Replicate};
     let place = |name: &str| -> Placement {
         match name {
             "embed.weight" => Placement::shard(0),
@@ -87,8 +89,11 @@ fn python_reads_back_every_byte_and_offset() {
         }
     };
     for (name, t) in &ck.tensors {
-        let l =
-            ckpt_core::TensorLayout::new(t.shape.clone(), t.dtype, vec![Replicate, place(name)]);
+        let l = ckpt_core::layout::TensorLayout::new(
+            t.shape.clone(),
+            t.dtype,
+            vec![Replicate, place(name)],
+        );
         s.insert(name.clone(), l).unwrap();
     }
     std::fs::write(d.path("predict.json"), s.to_json()).unwrap();

@@ -42,7 +42,7 @@ fn eight_to_three_and_back_is_identity() {
     d.example("ex", "dp=2,tp=4");
     d.ok(&["reshard", "ex", "-o", "r3", "--to", "3"]);
     d.ok(&["verify", "r3"]);
-    let s = ckpt_core::Strategy::read(&d.path("r3/strategy.json")).unwrap();
+    let s = ckpt_core::layout::strategy::Strategy::read(&d.path("r3/strategy.json")).unwrap();
     assert_eq!(s.mesh.to_string(), "dp=1,tp=3");
     assert_eq!(full_tensors(&d.path("r3")), example_originals("dp=2,tp=4"));
     d.ok(&["reshard", "r3", "-o", "back", "--mesh", "dp=2,tp=4"]);
@@ -125,11 +125,13 @@ fn integrated_to_sliced_with_a_strategy_then_merge() {
     d.example("ex", "tp=3");
     d.ok(&["merge", "ex", "-o", "full"]);
     // A predict strategy of another kind: shard the embedding by columns on 2 ranks.
-    let mut s = ckpt_core::Strategy::read(&d.path("ex/strategy.json")).unwrap();
-    let mut t = ckpt_core::Strategy::new(ckpt_core::Mesh::parse("tp=2").unwrap());
+    let mut s = ckpt_core::layout::strategy::Strategy::read(&d.path("ex/strategy.json")).unwrap();
+    let mut t = ckpt_core::layout::strategy::Strategy::new(
+        ckpt_core::layout::mesh::Mesh::parse("tp=2").unwrap(),
+    );
     for (name, mut l) in std::mem::take(&mut s.tensors) {
         if name == "embed.weight" {
-            l.placements = vec![ckpt_core::Placement::shard(1)];
+            l.placements = vec![ckpt_core::layout::Placement::shard(1)];
         } else {
             l.placements.truncate(1);
         }
@@ -140,7 +142,7 @@ fn integrated_to_sliced_with_a_strategy_then_merge() {
     assert!(o.stderr.contains("give --strategy"), "{}", o.stderr);
     d.ok(&["reshard", "full", "-o", "p", "--strategy", "predict.json"]);
     d.ok(&["verify", "p"]);
-    let f = ckpt_core::TensorFile::open(&d.path("p/ckpt_1/model.safetensors")).unwrap();
+    let f = ckpt_core::formats::TensorFile::open(&d.path("p/ckpt_1/model.safetensors")).unwrap();
     let e = f.find("embed.weight").unwrap();
     assert_eq!(f.tensors()[e].shape, vec![37, 8]);
     assert_eq!(full_tensors(&d.path("p")), example_originals("tp=3"));
@@ -181,14 +183,14 @@ fn example_with(d: &Dir, rel: &str, mesh: &str) {
 fn pipeline_two_to_one_and_back_with_optimizer_state() {
     let d = Dir::new();
     example_with(&d, "ex", "pp=2,dp=2,tp=2");
-    let s = ckpt_core::Strategy::read(&d.path("ex/strategy.json")).unwrap();
+    let s = ckpt_core::layout::strategy::Strategy::read(&d.path("ex/strategy.json")).unwrap();
     assert_eq!(s.tensors["layers.3.mlp.up.weight"].stage, Some(1));
     // PP=2 -> PP=1 (every stage 0), dp 2 -> 1: the ZeRO-sharded moments follow their weights.
     d.ok(&["reshard", "ex", "-o", "pp1", "--mesh", "pp=1,dp=1,tp=2"]);
     d.ok(&["verify", "pp1"]);
-    let s1 = ckpt_core::Strategy::read(&d.path("pp1/strategy.json")).unwrap();
+    let s1 = ckpt_core::layout::strategy::Strategy::read(&d.path("pp1/strategy.json")).unwrap();
     assert_eq!(s1.tensors["layers.3.mlp.up.weight"].stage, Some(0));
-    let f = ckpt_core::TensorFile::open(&d.path("pp1/ckpt_1/model.safetensors")).unwrap();
+    let f = ckpt_core::formats::TensorFile::open(&d.path("pp1/ckpt_1/model.safetensors")).unwrap();
     let m = f
         .find("optim.layers.3.mlp.up.weight.exp_avg")
         .expect("moment on tp rank 1");
@@ -235,15 +237,15 @@ fn pipeline_two_to_one_and_back_with_optimizer_state() {
 fn sharded_dim_changes_from_rows_to_columns() {
     let d = Dir::new();
     d.example("ex", "tp=4");
-    let mut s = ckpt_core::Strategy::read(&d.path("ex/strategy.json")).unwrap();
+    let mut s = ckpt_core::layout::strategy::Strategy::read(&d.path("ex/strategy.json")).unwrap();
     for (name, l) in s.tensors.iter_mut() {
         if name.ends_with("mlp.up.weight") {
-            l.placements = vec![ckpt_core::Placement::shard(1)];
+            l.placements = vec![ckpt_core::layout::Placement::shard(1)];
         }
     }
     std::fs::write(d.path("cols.json"), s.to_json()).unwrap();
     d.ok(&["reshard", "ex", "-o", "cols", "--strategy", "cols.json"]);
-    let f = ckpt_core::TensorFile::open(&d.path("cols/ckpt_3/model.safetensors")).unwrap();
+    let f = ckpt_core::formats::TensorFile::open(&d.path("cols/ckpt_3/model.safetensors")).unwrap();
     assert_eq!(
         f.tensors()[f.find("layers.0.mlp.up.weight").unwrap()].shape,
         vec![64, 4]

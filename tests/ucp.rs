@@ -41,7 +41,8 @@ type PtTensor = (String, Vec<u64>, Vec<u8>);
 /// A `.pt` file's tensors: name (its key in the pickled object), dtype, shape, bytes;
 /// and the plain values beside them (`cat_dim`), by name.
 fn pt(path: &Path) -> (BTreeMap<String, PtTensor>, Option<String>) {
-    let f = ckpt_core::TensorFile::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let f = ckpt_core::formats::TensorFile::open(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let bytes = full_tensors(path);
     let tensors = f
         .tensors()
@@ -50,7 +51,7 @@ fn pt(path: &Path) -> (BTreeMap<String, PtTensor>, Option<String>) {
             (
                 t.name.clone(),
                 (
-                    ckpt_core::dtype_name(t.dtype).to_string(),
+                    ckpt_core::layout::strategy::dtype_name(t.dtype).to_string(),
                     t.shape.clone(),
                     bytes[&t.name].clone(),
                 ),
@@ -120,15 +121,15 @@ fn optimizer_state_keeps_ds_to_universal_entries() {
         let a = d.path(&out).join(rel);
         let b = fixtures().join(v).join("ucp/zero/optimizer_state.pt");
         let (ta, na) = (
-            ckpt_core::TensorFile::open(&a),
-            ckpt_core::TensorFile::open(&b),
+            ckpt_core::formats::TensorFile::open(&a),
+            ckpt_core::formats::TensorFile::open(&b),
         );
         match (ta, na) {
             (Ok(x), Ok(y)) => {
                 // ZeRO-3: DeepSpeed's pickle refers to `optimizer_state_dict.param_groups`
                 // a second time as `param_groups` (a memo reference, which ckpt's reader
                 // lists once); ckpt writes the value twice. torch.load gives equal values.
-                let listed = |f: &ckpt_core::TensorFile| -> BTreeSet<String> {
+                let listed = |f: &ckpt_core::formats::TensorFile| -> BTreeSet<String> {
                     f.metadata()["torch.non_tensor"]
                         .split(',')
                         .map(|n| {

@@ -115,19 +115,19 @@ pub fn full_tensors(path: &Path) -> std::collections::BTreeMap<String, Vec<u8>> 
     let ck = ckpt_core::Checkpoint::open(&[path.to_path_buf()]).expect("open");
     let mut out = std::collections::BTreeMap::new();
     for (name, t) in &ck.tensors {
-        let full = ckpt_core::Region::full(&t.shape);
-        let target = ckpt_core::TargetTensor {
+        let full = ckpt_core::layout::region::Region::full(&t.shape);
+        let target = ckpt_core::layout::plan::TargetTensor {
             name: name.clone(),
             dtype: t.dtype,
             shape: t.shape.clone(),
-            pieces: vec![ckpt_core::Piece {
+            pieces: vec![ckpt_core::layout::Piece {
                 global: full.clone(),
                 local: full,
             }],
         };
-        let plan = ckpt_core::CopyPlan::build(
+        let plan = ckpt_core::layout::plan::CopyPlan::build(
             &ck,
-            vec![ckpt_core::TargetFile {
+            vec![ckpt_core::layout::plan::TargetFile {
                 path: "x".into(),
                 tensors: vec![target],
                 metadata: Default::default(),
@@ -136,7 +136,7 @@ pub fn full_tensors(path: &Path) -> std::collections::BTreeMap<String, Vec<u8>> 
         .expect("plan");
         out.insert(
             name.clone(),
-            ckpt_core::assemble(&plan.files[0].tensors[0], &ck).expect("assemble"),
+            ckpt_core::engine::copy::assemble(&plan.files[0].tensors[0], &ck).expect("assemble"),
         );
     }
     out
@@ -149,17 +149,21 @@ pub fn originals_of(
     layers: u64,
     optimizer: bool,
 ) -> std::collections::BTreeMap<String, Vec<u8>> {
-    let model = ckpt_core::ExampleModel {
+    let model = ckpt_core::engine::example::ExampleModel {
         hidden: 16,
         vocab: 37,
         layers,
         optimizer,
         ..Default::default()
     };
-    let s = ckpt_core::example_strategy(&model, &ckpt_core::Mesh::parse(mesh).unwrap()).unwrap();
+    let s = ckpt_core::engine::example::example_strategy(
+        &model,
+        &ckpt_core::layout::mesh::Mesh::parse(mesh).unwrap(),
+    )
+    .unwrap();
     s.tensors
         .iter()
-        .map(|(n, l)| (n.clone(), ckpt_core::example_tensor(n, l)))
+        .map(|(n, l)| (n.clone(), ckpt_core::engine::example::example_tensor(n, l)))
         .collect()
 }
 

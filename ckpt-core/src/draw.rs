@@ -12,18 +12,17 @@ mod html;
 mod plan_report;
 mod terminal;
 
-pub(crate) use html::placements;
-pub use html::{html_report, plan_html_report, write_html_report, write_plan_html};
-pub use plan_report::{PlanReport, SourceRead, TargetReads};
-pub use terminal::{render_text, Canvas};
-
 use crate::checkpoint::{Checkpoint, Kind};
 use crate::error::{Error, Result};
 use crate::formats::PieceKind;
 use crate::layout::plan::bytes_of;
 use crate::layout::region::Region;
 use crate::layout::Dtype;
+pub(crate) use html::placements;
+pub use html::{html_report, plan_html_report, write_html_report, write_plan_html};
+pub use plan_report::{PlanReport, SourceRead, TargetReads};
 use serde_json::{json, Value};
+pub use terminal::{render_text, Canvas};
 
 /// What one holding covers of a tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -119,7 +118,7 @@ pub struct Fold {
 /// higher ranks keep the last dimension as columns and fold all others into rows.
 ///
 /// ```
-/// let f = ckpt_core::fold(&[2, 3, 4]);
+/// let f = ckpt_core::draw::fold(&[2, 3, 4]);
 /// assert_eq!((f.rows, f.cols), (6, 4));
 /// assert_eq!(f.rule.unwrap(), "3-D folded to 2-D: rows = dims 0..1 (2×3 = 6), columns = dim 2 (4)");
 /// ```

@@ -1,9 +1,9 @@
 //! The engine: carries out plans over any reader and writer.
 
-pub(crate) mod convert;
-pub(crate) mod copy;
-pub(crate) mod direct;
-pub(crate) mod example;
-pub(crate) mod read_sums;
-pub(crate) mod save;
-pub(crate) mod verify;
+pub mod convert;
+pub mod copy;
+pub mod direct;
+pub mod example;
+pub mod read_sums;
+pub mod save;
+pub mod verify;

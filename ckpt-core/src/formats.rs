@@ -14,25 +14,25 @@
 //! [`create_writer`](detect::create_writer) from the output's name; every writer
 //! commits through [`output::StagedFile`].
 
-pub(crate) mod checksum;
-pub(crate) mod ckptz;
-pub(crate) mod deepspeed;
-pub(crate) mod deepspeed_tp;
-pub(crate) mod deepspeed_write;
-pub(crate) mod detect;
-pub(crate) mod distcp;
-pub(crate) mod gguf;
-pub(crate) mod megatron;
-pub(crate) mod mindspore_ckpt;
-pub(crate) mod mindspore_strategy;
-pub(crate) mod orbax;
-pub(crate) mod output;
-pub(crate) mod pickle;
-pub(crate) mod safetensors;
-pub(crate) mod torch_save;
-pub(crate) mod torch_write;
-pub(crate) mod ucp;
-pub(crate) mod writer;
+pub mod checksum;
+pub mod ckptz;
+pub mod deepspeed;
+pub mod deepspeed_tp;
+pub mod deepspeed_write;
+pub mod detect;
+pub mod distcp;
+pub mod gguf;
+pub mod megatron;
+pub mod mindspore_ckpt;
+pub mod mindspore_strategy;
+pub mod orbax;
+pub mod output;
+pub mod pickle;
+pub mod safetensors;
+pub mod torch_save;
+pub mod torch_write;
+pub mod ucp;
+pub mod writer;
 
 use crate::error::{overflow, Error, IoContext, Result};
 use crate::formats::checksum::Checksum;

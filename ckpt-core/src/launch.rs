@@ -93,7 +93,7 @@ impl LaunchEnv {
     /// environments captured elsewhere).
     ///
     /// ```
-    /// # use ckpt_core::{LaunchEnv, Launcher};
+    /// # use ckpt_core::launch::{LaunchEnv, Launcher};
     /// let vars = [("RANK", "3"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1")];
     /// let env = LaunchEnv::from_vars(|k| vars.iter().find(|v| v.0 == k).map(|v| v.1.to_string())).unwrap().unwrap();
     /// assert_eq!((env.launcher, env.rank, env.world_size, env.local_rank), (Launcher::Torchrun, 3, 8, 1));

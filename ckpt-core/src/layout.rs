@@ -1,16 +1,16 @@
 //! `TensorLayout`: how one tensor is laid out over a device mesh.
 
-pub(crate) mod compute;
-pub(crate) mod coverage;
-pub(crate) mod flat;
-pub(crate) mod mesh;
-pub(crate) mod mindspore;
-pub(crate) mod plan;
-pub(crate) mod region;
-pub(crate) mod select;
-pub(crate) mod source;
-pub(crate) mod split_rules;
-pub(crate) mod strategy;
+pub mod compute;
+pub mod coverage;
+pub mod flat;
+pub mod mesh;
+pub mod mindspore;
+pub mod plan;
+pub mod region;
+pub mod select;
+pub mod source;
+pub mod split_rules;
+pub mod strategy;
 
 use crate::error::{Error, Result};
 use crate::layout::mesh::Mesh;
@@ -338,7 +338,8 @@ impl TensorLayout {
     /// Shape of `rank`'s local tensor (`None` when the rank does not hold it).
     ///
     /// ```
-    /// use ckpt_core::{Dtype, Mesh, Placement, TensorLayout};
+    /// use ckpt_core::layout::{Dtype, Placement, TensorLayout};
+    /// use ckpt_core::layout::mesh::Mesh;
     /// let mesh = Mesh::parse("tp=4").unwrap();
     /// let l = TensorLayout::new(vec![10, 3], Dtype::F32, vec![Placement::shard(0)]);
     /// // torch.chunk(10, 4): 3, 3, 3, 1
@@ -361,7 +362,9 @@ impl TensorLayout {
     /// pieces left out.
     ///
     /// ```
-    /// use ckpt_core::{Dtype, Mesh, Placement, Region, TensorLayout};
+    /// use ckpt_core::layout::{Dtype, Placement, TensorLayout};
+    /// use ckpt_core::layout::mesh::Mesh;
+    /// use ckpt_core::layout::region::Region;
     /// // Fused QKV of 6 rows, 3 blocks, split over 2 ranks: rank 1 holds rows 1, 3, 5.
     /// let mesh = Mesh::parse("tp=2").unwrap();
     /// let l = TensorLayout::new(vec![6, 2], Dtype::BF16, vec![Placement::blocked(0, 3)]);

@@ -1,52 +1,47 @@
-//! ckpt-core: the layout algebra, strategy files, safetensors I/O and copy planning
-//! shared by every ckpt tool.
+//! ckpt-core: the layout algebra, the checkpoint formats, copy planning and the
+//! streaming copy engine shared by every ckpt tool.
 //!
-//! A tensor has a global shape and a [`TensorLayout`] on a [`Mesh`]; each rank holds
-//! [`Piece`]s of it. A checkpoint on disk ([`Checkpoint`]) is a set of such pieces in
-//! safetensors files; a [`CopyPlan`] says, from metadata alone, which bytes go where to
-//! produce any other set of pieces, and [`execute`] carries it out streaming.
+//! A tensor has a global shape and a [`layout::TensorLayout`] on a
+//! [`layout::mesh::Mesh`]; each rank holds [`layout::Piece`]s of it. A checkpoint on
+//! disk ([`Checkpoint`]) is a set of such pieces in files of any format ckpt reads; a
+//! [`layout::plan::CopyPlan`] says, from metadata alone, which bytes go where to produce
+//! any other set of pieces, a [`write::Writer`] lays those pieces out as an output
+//! format, and [`engine::copy::execute`] carries the plan out streaming.
+//!
+//! The public API is grouped by layer, each group a module (docs/architecture.md, "The
+//! public API"):
+//!
+//! - [`layout`]: the algebra (dtypes, regions and runs, meshes, layouts, strategy files,
+//!   coverage, copy plans, the pieces' sources);
+//! - [`formats`]: the file formats, one module each (readers, their writers of single
+//!   files, detection, checksums, atomic outputs);
+//! - [`checkpoint`]: [`Checkpoint`], what a set of files is, and its constants;
+//! - [`engine`]: the copy, verify, convert (`.ckptz`) and per-rank save/load;
+//! - [`write`]: the checkpoint writers behind [`write::Writer`];
+//! - [`hf`]: Hugging Face model families and configs;
+//! - [`present`] and [`draw`]: reports and pictures;
+//! - [`launch`], [`fault`], [`storage`]: launchers, crash bookkeeping, object stores.
+//!
+//! Only what every caller needs stands at the root: [`Checkpoint`], [`Error`],
+//! [`Result`], [`output_at`].
 
-mod checkpoint;
-mod draw;
-mod engine;
+pub mod checkpoint;
+pub mod draw;
+pub mod engine;
 mod error;
-mod fault;
-mod formats;
-mod hf;
+pub mod fault;
+pub mod formats;
+pub mod hf;
 mod json;
-mod launch;
-mod layout;
-mod present;
-mod write;
+pub mod launch;
+pub mod layout;
+pub mod present;
+pub mod write;
 
-pub use crate::checkpoint::{
-    Checkpoint, Kind, CARRIED_FILES, COMPRESSED_INDEX_FILE, COMPRESSED_MODEL_FILE,
-    DCP_SHARDING_INFO, INDEX_FILE, MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_PREFIX, STRATEGY_FILE,
-};
-pub use crate::checkpoint::{Computations, HfModel, HfTarget, SCALE_INV_SUFFIX};
-pub use crate::draw::{
-    fold, holder_label, html_report, matching, picture, piece_count, pieces_json, plan_html_report,
-    render_text, show, write_html_report, write_plan_html, Canvas, Extent, Fold, Holding,
-    PlanReport, SourceRead, TargetReads, TensorPicture,
-};
-pub use crate::engine::convert::{convert, Conversion, ConvertStats};
-pub use crate::engine::copy::{
-    assemble, assemble_into, assemble_part_into, execute, execute_with, tensor_parts, CopyStats,
-    TensorPart, SLAB_BYTES,
-};
-pub use crate::engine::example::{
-    example_byte, example_strategy, example_tensor, write_example, ExampleModel,
-};
-pub use crate::engine::save::{
-    load_rank, write_integrated, write_integrated_with, write_rank, write_rank_with, LocalTensor,
-};
-pub use crate::engine::verify::{verify, verify_selected, VerifyDepth};
+pub use crate::checkpoint::{Checkpoint, Kind};
 pub use crate::error::{Error, Problems, Result};
-pub use crate::formats::read_small as read_file;
-pub use ckpt_storage::{
-    commit_staged, is_url, prepare_staged, stage_files, unmirror_text, Error as StorageError,
-    Output, Stream as UploadStream,
-};
+pub use ckpt_storage as storage;
+use ckpt_storage::Output;
 
 /// Where an output goes: a local path as it is, or a URL (`s3://…`) written through a
 /// local staging directory that [`Output::publish`] uploads once the writers are done
@@ -61,82 +56,6 @@ pub fn output_at(path: &std::path::Path, force: bool) -> Result<Output> {
     }
     Ok(out)
 }
-pub use crate::checkpoint::MAXTEXT_ITEM;
-pub use crate::fault::{bus_error_message, remove_registered_temporaries};
-pub use crate::formats::checksum::{
-    checksums_enabled, set_checksums_enabled, with_checksums, Checksum, CHECKSUMS_KEY,
-};
-pub use crate::formats::ckptz::{
-    compress_chunk, decompress_chunk, group_bytes, group_of, parse_header as parse_ckptz_header,
-    ungroup_bytes, CkptzWriter, CodedChunk, Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL,
-    EXTENSION as CKPTZ_EXTENSION, MAGIC as CKPTZ_MAGIC, MAGIC_V1 as CKPTZ_MAGIC_V1,
-};
-pub use crate::formats::deepspeed_write::DeepSpeedWriteStats;
-pub use crate::formats::detect::{create_writer, sniff};
-pub use crate::formats::distcp::{
-    metadata_bytes as distcp_metadata, torch_dtype_name, DistcpChunk, DistcpObject,
-};
-pub use crate::formats::gguf::{parse_gguf, GgmlType};
-pub use crate::formats::mindspore_ckpt::{parse_mindspore_ckpt, MindSporeWriter};
-pub use crate::formats::mindspore_strategy::{
-    looks_like as is_mindspore_strategy, mindspore_target_strategy, parse_mindspore_strategy,
-    read_mindspore_strategies, MindSporeParam,
-};
-pub use crate::formats::output::{
-    check_output_outside_inputs, copy_carried, remove_stale_temps, replace_atomically,
-    write_file_atomic, StagedDir,
-};
-pub use crate::formats::safetensors::{
-    encode_header, parse_header as parse_safetensors_header, SafetensorsWriter, MAX_HEADER_LEN,
-};
-pub use crate::formats::writer::{TensorSpec, TensorWriter};
-pub use crate::formats::{
-    ChunkCache, Decoder, FileFormat, PieceKind, ReadCache, TensorEntry, TensorFile,
-};
-pub use crate::hf::{
-    config_json as hf_config_json, read_config as read_hf_config, Family, Shape as ModelShape,
-    TOKENIZER_FILES as HF_TOKENIZER_FILES,
-};
-pub use crate::launch::{LaunchEnv, Launcher};
-pub use crate::layout::coverage::{check_tiling, Defect};
-pub use crate::layout::flat::{
-    box_to_flat, check_flat_cover, flat_of_box, flat_to_box, numel, FlatBox, FlatDefect,
-    FlatLayout, FlatRange, FlatSlot,
-};
-pub use crate::layout::mesh::{Axis, Mesh};
-pub use crate::layout::mindspore::{from_mindspore, MapEntry, MindSporeLayout};
-pub use crate::layout::plan::{
-    bytes_of, check_cast, rank_metadata, rank_tensors, tensors_read, CopyOp, CopyPlan, FilePlan,
-    TargetFile, TargetTensor, TensorPlan, TensorsRead,
-};
-pub use crate::layout::region::{Dims, Region, Run, Runs};
-pub use crate::layout::select::{Selection, Views};
-pub use crate::layout::source::{Block, PieceSource, SourcePiece, SourceTensor, StoredView};
-pub use crate::layout::split_rules::{is_split_rules, SplitRules};
-pub use crate::layout::strategy::{
-    dtype_name, parse_dtype, Strategy, STRATEGY_FORMAT, STRATEGY_VERSION,
-};
-pub use crate::layout::Dtype;
-pub use crate::layout::{Piece, Placement, TensorLayout};
-pub use crate::present::{
-    convert_json, convert_text, human_bytes, inspect_json, inspect_text, merge_plan_json,
-    merge_plan_text, placements_text, plan_json, plan_text, verify_json, verify_text, CopySummary,
-};
-pub use crate::write::dcp::Dcp;
-pub use crate::write::deepspeed::write_deepspeed_dp;
-pub use crate::write::gguf::GgufExport;
-pub use crate::write::hf::{HfExport, HF_MAX_SHARD_SIZE};
-pub use crate::write::megatron::MegatronLegacy;
-pub use crate::write::megatron_bridge::MegatronBridge;
-pub use crate::write::megatron_dist::MegatronDist;
-pub use crate::write::nemo2::Nemo2;
-pub use crate::write::one_file::OneFile;
-pub use crate::write::orbax::{OrbaxStep, ORBAX_DEFAULT_ITEM};
-pub use crate::write::ranks::{RankOptions, Ranks, MAX_TARGET_RANKS};
-pub use crate::write::safetensors::Integrated;
-pub use crate::write::sliced::Sliced;
-pub use crate::write::ucp::{ucp_finish, ucp_plan, Universal};
-pub use crate::write::{TargetLayout, Writer};
 
 /// Where the one tensor of a single-tensor `torch.save` archive lies (`start..end` of
 /// `bytes`), read forward from the archive's start as a DCP chunk in a bucket is read

@@ -19,21 +19,21 @@
 //! "The write side"). The byte encoders themselves are the formats' (`formats/<name>.rs`,
 //! behind [`TensorWriter`](crate::formats::writer::TensorWriter)).
 
-pub(crate) mod dcp;
-pub(crate) mod deepspeed;
-pub(crate) mod gguf;
-pub(crate) mod hf;
-pub(crate) mod hf_import;
-pub(crate) mod megatron;
-pub(crate) mod megatron_bridge;
-pub(crate) mod megatron_dist;
-pub(crate) mod nemo2;
-pub(crate) mod one_file;
-pub(crate) mod orbax;
-pub(crate) mod ranks;
-pub(crate) mod safetensors;
-pub(crate) mod sliced;
-pub(crate) mod ucp;
+pub mod dcp;
+pub mod deepspeed;
+pub mod gguf;
+pub mod hf;
+pub mod hf_import;
+pub mod megatron;
+pub mod megatron_bridge;
+pub mod megatron_dist;
+pub mod nemo2;
+pub mod one_file;
+pub mod orbax;
+pub mod ranks;
+pub mod safetensors;
+pub mod sliced;
+pub mod ucp;
 
 use crate::checkpoint::Checkpoint;
 use crate::error::Result;

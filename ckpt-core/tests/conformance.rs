@@ -9,12 +9,20 @@
 //! file missing), each a named error that names the file; and a fuzz seed for the
 //! format's parser under `fuzz/corpus/`.
 
-use ckpt_core::{
-    assemble, check_tiling, create_writer, distcp_metadata, CkptzWriter, Compression, CopyPlan,
-    DistcpChunk, Dtype, FileFormat, Mesh, MindSporeWriter, Piece, Placement, ReadCache, Region,
-    SafetensorsWriter, Strategy, TargetFile, TargetTensor, TensorFile, TensorLayout, TensorSpec,
-    TensorWriter,
-};
+use ckpt_core::engine::copy::assemble;
+use ckpt_core::formats::ckptz::{CkptzWriter, Compression};
+use ckpt_core::formats::detect::create_writer;
+use ckpt_core::formats::distcp::{metadata_bytes as distcp_metadata, DistcpChunk};
+use ckpt_core::formats::mindspore_ckpt::MindSporeWriter;
+use ckpt_core::formats::safetensors::SafetensorsWriter;
+use ckpt_core::formats::writer::{TensorSpec, TensorWriter};
+use ckpt_core::formats::{FileFormat, ReadCache, TensorFile};
+use ckpt_core::layout::coverage::check_tiling;
+use ckpt_core::layout::mesh::Mesh;
+use ckpt_core::layout::plan::{CopyPlan, TargetFile, TargetTensor};
+use ckpt_core::layout::region::Region;
+use ckpt_core::layout::strategy::Strategy;
+use ckpt_core::layout::{Dtype, Piece, Placement, TensorLayout};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

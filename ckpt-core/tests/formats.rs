@@ -1,10 +1,15 @@
 //! Every safetensors dtype carried byte for byte through slicing and merging, and the
 //! parsers never panic on arbitrary input.
 
-use ckpt_core::{
-    assemble, parse_safetensors_header, write_rank, Checkpoint, CopyPlan, Dtype, Mesh, Piece,
-    Placement, Region, Strategy, TargetFile, TargetTensor, TensorLayout,
-};
+use ckpt_core::engine::copy::assemble;
+use ckpt_core::engine::save::write_rank;
+use ckpt_core::formats::safetensors::parse_header as parse_safetensors_header;
+use ckpt_core::layout::mesh::Mesh;
+use ckpt_core::layout::plan::{CopyPlan, TargetFile, TargetTensor};
+use ckpt_core::layout::region::Region;
+use ckpt_core::layout::strategy::Strategy;
+use ckpt_core::layout::{Dtype, Piece, Placement, TensorLayout};
+use ckpt_core::Checkpoint;
 use proptest::prelude::{any, prop, proptest, ProptestConfig};
 
 const ALL: [Dtype; 22] = [

@@ -2,10 +2,14 @@
 //! pieces tile the tensor, local shapes are nested torch.chunk, slicing then merging
 //! gives back every byte, and resharding A to B to A is the identity.
 
-use ckpt_core::{
-    assemble, check_tiling, execute, rank_metadata, rank_tensors, Checkpoint, CopyPlan, Dtype,
-    Mesh, Piece, Placement, Region, Strategy, TargetFile, TargetTensor, TensorLayout,
-};
+use ckpt_core::engine::copy::{assemble, execute};
+use ckpt_core::layout::coverage::check_tiling;
+use ckpt_core::layout::mesh::Mesh;
+use ckpt_core::layout::plan::{rank_metadata, rank_tensors, CopyPlan, TargetFile, TargetTensor};
+use ckpt_core::layout::region::Region;
+use ckpt_core::layout::strategy::Strategy;
+use ckpt_core::layout::{Dtype, Piece, Placement, TensorLayout};
+use ckpt_core::Checkpoint;
 use proptest::prelude::{any, prop, prop_assert_eq, prop_assume, proptest, Just, ProptestConfig};
 use proptest::strategy::Strategy as _;
 use std::path::{Path, PathBuf};
@@ -89,7 +93,7 @@ fn reference_local_len(mesh: &Mesh, l: &TensorLayout, rank: u64, dim: usize) -> 
 }
 
 fn full_bytes(l: &TensorLayout, seed: u8) -> Vec<u8> {
-    let n = ckpt_core::bytes_of(l.dtype, l.shape.iter().product()) as usize;
+    let n = ckpt_core::layout::plan::bytes_of(l.dtype, l.shape.iter().product()) as usize;
     (0..n)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
         .collect()
@@ -106,15 +110,16 @@ fn slice_with(
     mesh: &Mesh,
     l: &TensorLayout,
     full: &[u8],
-    compression: Option<ckpt_core::Compression>,
+    compression: Option<ckpt_core::formats::ckptz::Compression>,
 ) -> Strategy {
     let mut s = Strategy::new(mesh.clone());
     s.insert("t", l.clone()).unwrap();
     for r in 0..mesh.world_size() {
         let shape = l.local_shape(mesh, r).unwrap();
-        let mut local = vec![0u8; ckpt_core::bytes_of(l.dtype, shape.iter().product()) as usize];
+        let mut local =
+            vec![0u8; ckpt_core::layout::plan::bytes_of(l.dtype, shape.iter().product()) as usize];
         for p in l.pieces(mesh, r) {
-            for run in ckpt_core::Runs::new(
+            for run in ckpt_core::layout::region::Runs::new(
                 &p.global.shape,
                 &l.shape,
                 &p.global.start,
@@ -129,7 +134,8 @@ fn slice_with(
                 local[d0..d0 + n].copy_from_slice(&full[s0..s0 + n]);
             }
         }
-        ckpt_core::write_rank_with(dir, &s, r, &[("t", &local)], false, compression).unwrap();
+        ckpt_core::engine::save::write_rank_with(dir, &s, r, &[("t", &local)], false, compression)
+            .unwrap();
     }
     s
 }
@@ -291,7 +297,9 @@ proptest! {
         keep in prop::collection::vec(any::<bool>(), 6),
         order in any::<prop::sample::Index>(),
     ) {
-        use ckpt_core::{Block, SourcePiece, SourceTensor};
+        use ckpt_core::layout::source::Block;
+        use ckpt_core::layout::source::SourcePiece;
+        use ckpt_core::layout::source::SourceTensor;
         // Stored pieces: rows cut at random points, one file each.
         let mut edges: Vec<u64> = cuts.iter().map(|i| i.index(rows as usize) as u64).collect();
         edges.extend([0, rows]);
@@ -369,7 +377,7 @@ proptest! {
         let full = full_bytes(&l, seed);
         let dir = tempfile::tempdir().unwrap();
         // Mapped (read in place) or compressed (gathered by runs first).
-        slice_with(dir.path(), &mesh, &l, &full, compressed.then(ckpt_core::Compression::default));
+        slice_with(dir.path(), &mesh, &l, &full, compressed.then(ckpt_core::formats::ckptz::Compression::default));
         let mut ck = Checkpoint::open(&[dir.path().to_path_buf()]).unwrap();
         prop_assert_eq!(ck.files[0].is_compressed(), compressed);
         let g = pick.index(experts as usize) as u64;
@@ -393,11 +401,11 @@ proptest! {
         )
         .unwrap();
         let t = &plan.files[0].tensors[0];
-        let esize = ckpt_core::bytes_of(dtype, 1) as usize;
+        let esize = ckpt_core::layout::plan::bytes_of(dtype, 1) as usize;
         let mut got = vec![0u8; (c * r) as usize * esize];
-        for part in ckpt_core::tensor_parts(t, part_rows * r * esize as u64) {
+        for part in ckpt_core::engine::copy::tensor_parts(t, part_rows * r * esize as u64) {
             let at = part.offset as usize;
-            ckpt_core::assemble_part_into(t, &ck, &part.region, &mut got[at..at + part.bytes as usize])
+            ckpt_core::engine::copy::assemble_part_into(t, &ck, &part.region, &mut got[at..at + part.bytes as usize])
                 .unwrap();
         }
         // Element (i, j) of the view is element (j, i) of expert g's [R, C] run.

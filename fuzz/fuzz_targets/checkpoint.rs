@@ -6,7 +6,11 @@
 //! a `strategy.json`; odd: a flat directory of safetensors files, DCP style); the rest
 //! is split on `\n@@\n` into the strategy (sliced only) and up to 4 files.
 #![no_main]
-use ckpt_core::{assemble, Checkpoint, CopyPlan, Piece, Region, TargetFile, TargetTensor};
+use ckpt_core::engine::copy::assemble;
+use ckpt_core::layout::plan::{CopyPlan, TargetFile, TargetTensor};
+use ckpt_core::layout::region::Region;
+use ckpt_core::layout::Piece;
+use ckpt_core::Checkpoint;
 
 fn split<'a>(data: &'a [u8], sep: &[u8]) -> Vec<&'a [u8]> {
     let mut out = Vec::new();
@@ -74,7 +78,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
             assemble(&plan.files[0].tensors[0], &ck).expect("mapped inputs read without error");
         assert_eq!(
             bytes.len() as u64,
-            ckpt_core::bytes_of(t.dtype, t.shape.iter().product())
+            ckpt_core::layout::plan::bytes_of(t.dtype, t.shape.iter().product())
         );
     }
 });

@@ -4,7 +4,9 @@
 //! the version 2 writer: tensors whose dtypes, sizes and bytes come from the input,
 //! written in pieces in reverse order, read back to the same bytes.
 #![no_main]
-use ckpt_core::{CkptzWriter, Compression, Dtype, TensorSpec};
+use ckpt_core::formats::ckptz::{CkptzWriter, Compression};
+use ckpt_core::formats::writer::TensorSpec;
+use ckpt_core::layout::Dtype;
 
 const DTYPES: [Dtype; 6] = [
     Dtype::F32,
@@ -16,12 +18,12 @@ const DTYPES: [Dtype; 6] = [
 ];
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    let _ = ckpt_core::parse_ckptz_header(data, data.len() as u64);
+    let _ = ckpt_core::formats::ckptz::parse_header(data, data.len() as u64);
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("model.ckptz");
     std::fs::write(&p, data).unwrap();
-    if let Ok(f) = ckpt_core::TensorFile::open(&p) {
-        let mut cache = ckpt_core::ChunkCache::new();
+    if let Ok(f) = ckpt_core::formats::TensorFile::open(&p) {
+        let mut cache = ckpt_core::formats::ChunkCache::new();
         for (i, t) in f.tensors().iter().enumerate() {
             // A header may claim a huge tensor in few huge chunks: read a capped prefix
             // and a range across the first chunk edge, not the whole claim.
@@ -67,13 +69,14 @@ fn round_trip(data: &[u8], dir: &std::path::Path) {
         let n = s.shape[0] as usize * s.dtype.bitsize() / 8;
         let bytes: Vec<u8> = fill.iter().cycle().skip(i).take(n).copied().collect();
         for lo in (0..n).step_by(7).rev() {
-            w.write_at(i, lo as u64, &bytes[lo..(lo + 7).min(n)]).unwrap();
+            w.write_at(i, lo as u64, &bytes[lo..(lo + 7).min(n)])
+                .unwrap();
         }
         want.push(bytes);
     }
     w.finish().unwrap();
-    let f = ckpt_core::TensorFile::open(&p).unwrap();
-    let mut cache = ckpt_core::ChunkCache::new();
+    let f = ckpt_core::formats::TensorFile::open(&p).unwrap();
+    let mut cache = ckpt_core::formats::ChunkCache::new();
     for (s, bytes) in specs.iter().zip(&want) {
         let k = f.find(&s.name).unwrap();
         let got = f.read(k, 0..bytes.len() as u64, &mut cache).unwrap();

@@ -3,7 +3,7 @@
 //! with a length that matches its shape and dtype.
 #![no_main]
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    let Ok((tensors, _)) = ckpt_core::parse_gguf(data) else {
+    let Ok((tensors, _)) = ckpt_core::formats::gguf::parse_gguf(data) else {
         return;
     };
     for t in tensors {

@@ -1,5 +1,5 @@
 //! The safetensors header parser must never panic, whatever the bytes.
 #![no_main]
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    let _ = ckpt_core::parse_safetensors_header(data);
+    let _ = ckpt_core::formats::safetensors::parse_header(data);
 });

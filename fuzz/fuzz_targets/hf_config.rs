@@ -2,7 +2,7 @@
 //! model an import reads) must never panic the reader, and whatever it accepts must
 //! write a config that reads back as the same family and sizes.
 #![no_main]
-use ckpt_core::{hf_config_json, read_hf_config};
+use ckpt_core::hf::{config_json as hf_config_json, read_config as read_hf_config};
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
@@ -16,6 +16,12 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     assert_eq!(again, family);
     assert_eq!(
         (back.layers, back.hidden, back.heads, back.ffn, back.vocab),
-        (shape.layers, shape.hidden, shape.heads, shape.ffn, shape.vocab)
+        (
+            shape.layers,
+            shape.hidden,
+            shape.heads,
+            shape.ffn,
+            shape.vocab
+        )
     );
 });

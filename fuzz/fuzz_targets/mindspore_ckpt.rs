@@ -2,7 +2,7 @@
 //! inside the bytes with a length that matches its shape and dtype.
 #![no_main]
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    let Ok((tensors, _)) = ckpt_core::parse_mindspore_ckpt(data) else {
+    let Ok((tensors, _)) = ckpt_core::formats::mindspore_ckpt::parse_mindspore_ckpt(data) else {
         return;
     };
     for t in tensors {

@@ -7,7 +7,8 @@
 //! is read whole, piece by piece (decoded through the same interface the copy uses).
 //! Seeds: fuzz/corpus/orbax_metadata (the fixtures' files behind their selector byte).
 #![no_main]
-use ckpt_core::{Checkpoint, ReadCache};
+use ckpt_core::formats::ReadCache;
+use ckpt_core::Checkpoint;
 
 const METADATA: &[u8] = br#"{"tree_metadata": {"('step',)": {"key_metadata": [{"key": "step", "key_type": 2}], "value_metadata": {"value_type": "jax.Array", "skip_deserialize": false, "write_shape": []}}}, "use_ocdbt": false, "use_zarr3": false}"#;
 const ZARRAY: &[u8] = include_bytes!("../../tests/fixtures/orbax/zarr_no_ocdbt/ckpt/step/.zarray");

@@ -5,8 +5,10 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    let _ = ckpt_core::is_split_rules(data);
-    let Ok(rules) = ckpt_core::SplitRules::parse(text, std::path::Path::new("rules.json")) else {
+    let _ = ckpt_core::layout::split_rules::is_split_rules(data);
+    let Ok(rules) =
+        ckpt_core::layout::split_rules::SplitRules::parse(text, std::path::Path::new("rules.json"))
+    else {
         return;
     };
     let _ = rules.is_empty();

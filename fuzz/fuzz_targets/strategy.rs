@@ -5,10 +5,13 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    let Ok(s) = ckpt_core::Strategy::from_json(text) else {
+    let Ok(s) = ckpt_core::layout::strategy::Strategy::from_json(text) else {
         return;
     };
-    assert_eq!(ckpt_core::Strategy::from_json(&s.to_json()).unwrap(), s);
+    assert_eq!(
+        ckpt_core::layout::strategy::Strategy::from_json(&s.to_json()).unwrap(),
+        s
+    );
     if s.mesh.world_size() <= 64 {
         for l in s.tensors.values() {
             if l.shape.iter().product::<u64>() <= 1 << 20 {

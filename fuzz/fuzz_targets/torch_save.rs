@@ -14,7 +14,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("model.pth");
     std::fs::write(&p, data).unwrap();
-    let Ok(f) = ckpt_core::TensorFile::open(&p) else {
+    let Ok(f) = ckpt_core::formats::TensorFile::open(&p) else {
         return;
     };
     for (i, t) in f.tensors().iter().enumerate() {
@@ -22,7 +22,11 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         // no bytes where locating it fails, and says why.
         match f.data(i) {
             Some(b) => assert_eq!(b.len() as u64, t.end - t.start),
-            None => assert!(!f.locate_all().is_empty(), "{}: no bytes, no reason", t.name),
+            None => assert!(
+                !f.locate_all().is_empty(),
+                "{}: no bytes, no reason",
+                t.name
+            ),
         }
     }
 });

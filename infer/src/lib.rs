@@ -8,7 +8,9 @@
 //! evaluating its share of the test set, and the shares are gathered in order, so the
 //! predictions are those of one copy.
 
-use ckpt_core::{Checkpoint, Kind, Mesh, Strategy};
+use ckpt_core::layout::mesh::Mesh;
+use ckpt_core::layout::strategy::Strategy;
+use ckpt_core::{Checkpoint, Kind};
 use ckpt_train::{find_meta_file, resolve_checkpoint, DataSource, Dataset, TRAINER_STATE_FILE};
 use std::path::{Path, PathBuf};
 use std::time::Instant;

@@ -5,11 +5,21 @@
 //! `max_shard_size` bytes filled greedily in tensor order with an index); ckpt-core's
 //! [`CopyPlan`] and [`execute`] do the copying.
 
-use ckpt_core::{
-    check_output_outside_inputs, execute_with, Checkpoint, Compression, Computations, CopyPlan,
-    CopyStats, GgmlType, GgufExport, HfExport, HfModel, HfTarget, Integrated, OneFile, OrbaxStep,
-    Result, Selection, StagedDir, Universal, Writer,
-};
+use ckpt_core::checkpoint::{Computations, HfModel, HfTarget};
+use ckpt_core::engine::copy::{execute_with, CopyStats};
+use ckpt_core::formats::ckptz::Compression;
+use ckpt_core::formats::gguf::GgmlType;
+use ckpt_core::formats::output::{check_output_outside_inputs, StagedDir};
+use ckpt_core::layout::plan::CopyPlan;
+use ckpt_core::layout::select::Selection;
+use ckpt_core::write::gguf::GgufExport;
+use ckpt_core::write::hf::HfExport;
+use ckpt_core::write::one_file::OneFile;
+use ckpt_core::write::orbax::OrbaxStep;
+use ckpt_core::write::safetensors::Integrated;
+use ckpt_core::write::ucp::Universal;
+use ckpt_core::write::Writer;
+use ckpt_core::{Checkpoint, Result};
 use std::path::PathBuf;
 
 /// What to merge and how.
@@ -52,10 +62,10 @@ pub struct MergeRequest {
     pub gguf_type: Option<GgmlType>,
 }
 
-/// transformers' `save_pretrained` default `max_shard_size`.
-pub use ckpt_core::HF_MAX_SHARD_SIZE;
 /// The tokenizer files `--tokenizer DIR` copies (those transformers' tokenizers save).
-pub use ckpt_core::HF_TOKENIZER_FILES as TOKENIZER_FILES;
+pub use ckpt_core::hf::TOKENIZER_FILES;
+/// transformers' `save_pretrained` default `max_shard_size`.
+pub use ckpt_core::write::hf::HF_MAX_SHARD_SIZE;
 
 /// The format of a merge's output.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -3,7 +3,10 @@
 use crate::errors::{usage, IntoPy};
 use crate::load::LoadPlan;
 use crate::names::{cast_of, kind_name};
-use ckpt_core::{Checkpoint, Mesh, Selection, Strategy};
+use ckpt_core::layout::mesh::Mesh;
+use ckpt_core::layout::select::Selection;
+use ckpt_core::layout::strategy::Strategy;
+use ckpt_core::Checkpoint;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::collections::{BTreeMap, BTreeSet};
@@ -36,7 +39,7 @@ impl Source {
                     },
                 )
             })?;
-            if !ckpt_core::is_mindspore_strategy(&bytes) {
+            if !ckpt_core::formats::mindspore_strategy::looks_like(&bytes) {
                 return Err(usage(
                     py,
                     format!(
@@ -129,7 +132,7 @@ impl PyCheckpoint {
         };
         let source = Source::new(py, paths, strategies, strip_prefix)?;
         let cast = Selection::new(&[], &[], cast_of(py, dtype)?).py_err(py)?;
-        let computations = ckpt_core::Computations {
+        let computations = ckpt_core::checkpoint::Computations {
             lora,
             lora_alpha,
             quantize_fp8: false,
@@ -201,7 +204,7 @@ impl PyCheckpoint {
         let ck = &self.inner;
         for (name, t) in &ck.tensors {
             let d = PyDict::new(py);
-            d.set_item("dtype", ckpt_core::dtype_name(t.dtype))?;
+            d.set_item("dtype", ckpt_core::layout::strategy::dtype_name(t.dtype))?;
             d.set_item("shape", t.shape.clone())?;
             let placements: Option<Vec<String>> = ck.strategy.as_ref().and_then(|s| {
                 s.tensors
@@ -285,5 +288,5 @@ impl PyCheckpoint {
 /// through a local tree of ckpt's), else the path. A string: `pathlib` would fold a
 /// URL's `//`.
 fn shown(path: &std::path::Path) -> String {
-    ckpt_core::unmirror_text(&path.to_string_lossy())
+    ckpt_core::storage::unmirror_text(&path.to_string_lossy())
 }

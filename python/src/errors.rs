@@ -13,10 +13,10 @@ fn class_of(e: &Error) -> &'static str {
         Error::CoverageGap { .. } => "MissingData",
         Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => "PathNotFound",
         Error::Ambiguous { .. } => "AmbiguousInput",
-        Error::OutputExists { .. } | Error::Storage(ckpt_core::StorageError::Exists { .. }) => {
+        Error::OutputExists { .. } | Error::Storage(ckpt_core::storage::Error::Exists { .. }) => {
             "OutputExists"
         }
-        Error::Storage(ckpt_core::StorageError::NotFound { .. }) => "PathNotFound",
+        Error::Storage(ckpt_core::storage::Error::NotFound { .. }) => "PathNotFound",
         Error::InvalidMesh { .. } => "UsageError",
         Error::Mismatch { .. } => "Mismatch",
         Error::Unsupported { .. } => "Unsupported",
@@ -83,7 +83,12 @@ pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
         .then(|| missing_path(&e))
         .flatten();
     // Objects of a bucket are read through local trees: name the objects.
-    raise_with(py, class, ckpt_core::unmirror_text(&e.to_string()), path)
+    raise_with(
+        py,
+        class,
+        ckpt_core::storage::unmirror_text(&e.to_string()),
+        path,
+    )
 }
 
 /// `Result` of ckpt-core into `PyResult`.

@@ -4,11 +4,15 @@
 //! by ckpt-core's copy engine straight into memory the framework allocated.
 
 use crate::errors::{to_py, usage, IntoPy};
-use ckpt_core::{
-    assemble_into, assemble_part_into, bytes_of, check_cast, dtype_name, parse_dtype, rank_tensors,
-    Checkpoint, CopyPlan, Dtype, Error, FileFormat, Piece, Problems, Region, Runs, TargetFile,
-    TargetTensor, TensorPlan,
+use ckpt_core::engine::copy::{assemble_into, assemble_part_into};
+use ckpt_core::formats::FileFormat;
+use ckpt_core::layout::plan::{
+    bytes_of, check_cast, rank_tensors, CopyPlan, TargetFile, TargetTensor, TensorPlan,
 };
+use ckpt_core::layout::region::{Region, Runs};
+use ckpt_core::layout::strategy::{dtype_name, parse_dtype};
+use ckpt_core::layout::{Dtype, Piece};
+use ckpt_core::{Checkpoint, Error, Problems};
 use pyo3::prelude::*;
 use rayon::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -151,7 +155,7 @@ impl LoadPlan {
                 let strategy = ckpt_reshard::target_strategy(
                     &source,
                     &target,
-                    &ckpt_core::Selection::default(),
+                    &ckpt_core::layout::select::Selection::default(),
                     &[],
                 )
                 .py_err(py)?;
@@ -276,7 +280,7 @@ impl LoadPlan {
     /// Checks the recorded checksums of every source tensor the plan reads whole (those
     /// read in part cannot be: the CLI does the same). Returns `(checked, unchecked)`.
     fn check_checksums(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
-        let read = ckpt_core::tensors_read(self.tensors.iter().flat_map(|t| &t.ops));
+        let read = ckpt_core::layout::plan::tensors_read(self.tensors.iter().flat_map(|t| &t.ops));
         let source = &self.source;
         let has_sum = |&(f, t): &(usize, usize)| source.files[f].checksum(t).is_some();
         let whole: Vec<(usize, usize)> = read.whole.iter().copied().filter(has_sum).collect();
@@ -347,7 +351,7 @@ impl LoadPlan {
             let Some(t) = self.tensors.get(i) else {
                 return Err(usage(py, format!("no tensor {i} in this plan")));
             };
-            for part in ckpt_core::tensor_parts(t, part_bytes.min(max_bytes)) {
+            for part in ckpt_core::engine::copy::tensor_parts(t, part_bytes.min(max_bytes)) {
                 if part.bytes == 0 {
                     continue;
                 }
@@ -380,7 +384,7 @@ impl LoadPlan {
 struct ChunkItem {
     tensor: usize,
     at: u64,
-    part: ckpt_core::TensorPart,
+    part: ckpt_core::engine::copy::TensorPart,
 }
 
 /// A load cut into chunks that each fit one reused buffer (Python's device loads: a

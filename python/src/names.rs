@@ -2,7 +2,8 @@
 //! `checkpoint`, `load` and `ops` (so neither needs the other for them).
 
 use crate::errors::usage;
-use ckpt_core::{Dtype, Kind};
+use ckpt_core::layout::Dtype;
+use ckpt_core::Kind;
 use pyo3::prelude::*;
 
 /// A dtype for casting: `bf16`, `f16`/`fp16`, `f32`/`fp32`, `f64`, or a safetensors name.
@@ -15,7 +16,7 @@ pub(crate) fn cast_of(py: Python<'_>, s: Option<&str>) -> PyResult<Option<Dtype>
         "bfloat16" => "BF16".to_string(),
         other => other.to_ascii_uppercase(),
     };
-    ckpt_core::parse_dtype(&name)
+    ckpt_core::layout::strategy::parse_dtype(&name)
         .map(Some)
         .map_err(|e| usage(py, format!("dtype `{s}`: {e}")))
 }

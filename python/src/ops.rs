@@ -4,7 +4,11 @@
 use crate::checkpoint::{paths_of, target_of, Source};
 use crate::errors::{usage, IntoPy};
 use crate::names::cast_of;
-use ckpt_core::{Checkpoint, Compression, CopyPlan, CopyStats, Selection};
+use ckpt_core::engine::copy::CopyStats;
+use ckpt_core::formats::ckptz::Compression;
+use ckpt_core::layout::plan::CopyPlan;
+use ckpt_core::layout::select::Selection;
+use ckpt_core::Checkpoint;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::path::PathBuf;
@@ -67,7 +71,7 @@ fn run_copy(
     let stats = py
         .detach(|| {
             // This call's setting, on this thread only: never the process's.
-            ckpt_core::with_checksums(checksums, || {
+            ckpt_core::formats::checksum::with_checksums(checksums, || {
                 run(&|_| {}, &|_, p: &CopyPlan| {
                     let names: std::collections::BTreeSet<&str> = p
                         .files
@@ -152,12 +156,14 @@ pub(crate) fn merge<'py>(
     let gguf = format == ckpt_merge::MergeFormat::Gguf;
     let gguf_type = match dtype.filter(|_| gguf) {
         None => None,
-        Some(d) => Some(ckpt_core::GgmlType::from_name(d).ok_or_else(|| {
-            usage(
-                py,
-                format!("dtype `{d}` with format=\"gguf\": f32, f16, bf16, q8_0"),
-            )
-        })?),
+        Some(d) => Some(
+            ckpt_core::formats::gguf::GgmlType::from_name(d).ok_or_else(|| {
+                usage(
+                    py,
+                    format!("dtype `{d}` with format=\"gguf\": f32, f16, bf16, q8_0"),
+                )
+            })?,
+        ),
     };
     let dtype = dtype.filter(|d| !(gguf && d.eq_ignore_ascii_case("q8_0")));
     // A URL is written through a local staging directory, published at the end.
@@ -169,7 +175,7 @@ pub(crate) fn merge<'py>(
         // As `ckpt merge`: Megatron's fused QKV split on request, its vocabulary padding
         // dropped unless kept.
         selection: selection(py, include, exclude, dtype, strip_prefix, add_prefix)?.with_views(
-            ckpt_core::Views {
+            ckpt_core::layout::select::Views {
                 split_qkv,
                 unpad_vocab: !keep_vocab_padding,
                 // A Hugging Face model has a tensor a layer.
@@ -182,12 +188,12 @@ pub(crate) fn merge<'py>(
         one_file,
         share: None,
         compression: compression_of(py, compress)?,
-        hf: ckpt_core::HfTarget {
+        hf: ckpt_core::checkpoint::HfTarget {
             config: hf_config,
             arch: hf_arch,
         },
         tokenizer,
-        computations: ckpt_core::Computations {
+        computations: ckpt_core::checkpoint::Computations {
             lora,
             lora_alpha,
             quantize_fp8,
@@ -272,7 +278,7 @@ pub(crate) fn reshard<'py>(
         format,
         shard,
         compression: compression_of(py, compress)?,
-        computations: ckpt_core::Computations {
+        computations: ckpt_core::checkpoint::Computations {
             lora,
             lora_alpha,
             quantize_fp8: false,
@@ -285,7 +291,7 @@ pub(crate) fn reshard<'py>(
         let t = Instant::now();
         let s = py
             .detach(|| {
-                ckpt_core::with_checksums(checksums, || {
+                ckpt_core::formats::checksum::with_checksums(checksums, || {
                     let s = ckpt_reshard::reshard_deepspeed(&req)?;
                     output.publish()?;
                     Ok(s)
@@ -334,12 +340,12 @@ pub(crate) fn verify<'py>(
             .unwrap_or_default(),
         strip_prefix,
     )?;
-    let depth = ckpt_core::VerifyDepth { checksums, deep };
+    let depth = ckpt_core::engine::verify::VerifyDepth { checksums, deep };
     let t = Instant::now();
     let (ck, problems) = py
         .detach(|| {
-            ckpt_core::with_checksums(checksums, || {
-                ckpt_core::verify_selected(&s.paths, &s.selection, depth)
+            ckpt_core::formats::checksum::with_checksums(checksums, || {
+                ckpt_core::engine::verify::verify_selected(&s.paths, &s.selection, depth)
             })
         })
         .py_err(py)?;
@@ -384,15 +390,18 @@ pub(crate) fn inspect<'py>(
         strip_prefix,
     )?;
     py.detach(|| -> ckpt_core::Result<String> {
-        let (ck, problems) =
-            ckpt_core::verify_selected(&s.paths, &s.selection, ckpt_core::VerifyDepth::default())?;
+        let (ck, problems) = ckpt_core::engine::verify::verify_selected(
+            &s.paths,
+            &s.selection,
+            ckpt_core::engine::verify::VerifyDepth::default(),
+        )?;
         Ok(if json {
-            let doc = ckpt_core::inspect_json(&ck, &problems);
+            let doc = ckpt_core::present::inspect_json(&ck, &problems);
             serde_json::to_string_pretty(&doc).map_err(|e| ckpt_core::Error::Unsupported {
                 problem: format!("inspect: {e}"),
             })?
         } else {
-            ckpt_core::inspect_text(&ck, &problems)
+            ckpt_core::present::inspect_text(&ck, &problems)
         })
     })
     .py_err(py)
@@ -400,7 +409,7 @@ pub(crate) fn inspect<'py>(
 
 /// `ckpt compress` (`level` given) or `ckpt decompress` (`level` None).
 #[pyfunction]
-#[pyo3(signature = (src, out, *, compress, level=ckpt_core::DEFAULT_LEVEL, chunk_bytes=None, force=false))]
+#[pyo3(signature = (src, out, *, compress, level=ckpt_core::formats::ckptz::DEFAULT_LEVEL, chunk_bytes=None, force=false))]
 pub(crate) fn convert<'py>(
     py: Python<'py>,
     src: PathBuf,
@@ -414,16 +423,16 @@ pub(crate) fn convert<'py>(
         if !(1..=22).contains(&level) {
             return Err(usage(py, format!("level {level}: zstd levels are 1 to 22")));
         }
-        ckpt_core::Conversion::Compress(Compression {
+        ckpt_core::engine::convert::Conversion::Compress(Compression {
             level,
-            chunk_bytes: chunk_bytes.unwrap_or(ckpt_core::DEFAULT_CHUNK_BYTES),
+            chunk_bytes: chunk_bytes.unwrap_or(ckpt_core::formats::ckptz::DEFAULT_CHUNK_BYTES),
         })
     } else {
-        ckpt_core::Conversion::Decompress
+        ckpt_core::engine::convert::Conversion::Decompress
     };
     let t = Instant::now();
     let s = py
-        .detach(|| ckpt_core::convert(&src, &out, how, force))
+        .detach(|| ckpt_core::engine::convert::convert(&src, &out, how, force))
         .py_err(py)?;
     let d = PyDict::new(py);
     d.set_item("files", s.files)?;

@@ -2,7 +2,9 @@
 //! rank's `ckpt_<rank>/` written by ckpt-core.
 
 use crate::errors::{usage, IntoPy};
-use ckpt_core::{parse_dtype, Mesh, Placement, Strategy, TensorLayout};
+use ckpt_core::layout::mesh::Mesh;
+use ckpt_core::layout::strategy::{parse_dtype, Strategy};
+use ckpt_core::layout::{Placement, TensorLayout};
 use pyo3::prelude::*;
 use std::path::PathBuf;
 
@@ -63,8 +65,8 @@ pub(crate) fn write_rank(
                 (name.as_str(), bytes)
             })
             .collect();
-        ckpt_core::with_checksums(checksums, || {
-            ckpt_core::write_rank(&dir, &strategy, rank, &views, keep_all)
+        ckpt_core::formats::checksum::with_checksums(checksums, || {
+            ckpt_core::engine::save::write_rank(&dir, &strategy, rank, &views, keep_all)
         })
     })
     .py_err(py)
@@ -74,7 +76,7 @@ pub(crate) fn write_rank(
 /// save to it, and the refusal of an existing output (rank 0, once).
 #[pyfunction]
 pub(crate) fn prepare_remote_output(py: Python<'_>, url: PathBuf) -> PyResult<()> {
-    py.detach(|| ckpt_core::prepare_staged(&url).map_err(ckpt_core::Error::from))
+    py.detach(|| ckpt_core::storage::prepare_staged(&url).map_err(ckpt_core::Error::from))
         .py_err(py)
 }
 
@@ -82,7 +84,7 @@ pub(crate) fn prepare_remote_output(py: Python<'_>, url: PathBuf) -> PyResult<()
 /// them (nothing visible until the commit); closed without being staged, what was sent
 /// is aborted.
 #[pyclass(module = "ckpt._ckpt")]
-pub(crate) struct RemoteStream(Option<ckpt_core::UploadStream>);
+pub(crate) struct RemoteStream(Option<ckpt_core::storage::Stream>);
 
 #[pymethods]
 impl RemoteStream {
@@ -104,7 +106,7 @@ pub(crate) fn stream_remote(
     writer: u64,
 ) -> PyResult<RemoteStream> {
     py.detach(|| {
-        ckpt_core::UploadStream::start(&local, &url, writer)
+        ckpt_core::storage::Stream::start(&local, &url, writer)
             .map(RemoteStream)
             .map_err(ckpt_core::Error::from)
     })
@@ -125,7 +127,8 @@ pub(crate) fn stage_remote(
 ) -> PyResult<String> {
     let stream = stream.as_ref().and_then(|s| s.0.as_ref());
     py.detach(|| {
-        ckpt_core::stage_files(&local, &url, writer, stream).map_err(ckpt_core::Error::from)
+        ckpt_core::storage::stage_files(&local, &url, writer, stream)
+            .map_err(ckpt_core::Error::from)
     })
     .py_err(py)
 }
@@ -133,6 +136,6 @@ pub(crate) fn stage_remote(
 /// Completes every rank's staged uploads (entry files last): the output appears.
 #[pyfunction]
 pub(crate) fn commit_remote(py: Python<'_>, url: PathBuf, staged: Vec<String>) -> PyResult<()> {
-    py.detach(|| ckpt_core::commit_staged(&url, &staged).map_err(ckpt_core::Error::from))
+    py.detach(|| ckpt_core::storage::commit_staged(&url, &staged).map_err(ckpt_core::Error::from))
         .py_err(py)
 }

@@ -5,15 +5,27 @@
 //! ckpt-core's [`CopyPlan`] (box intersection) and [`execute_with`] do the copying, the
 //! same engine merge uses.
 
-use ckpt_core::{
-    check_output_outside_inputs, execute_with, Checkpoint, Compression, Computations, CopyPlan,
-    CopyStats, Dcp, Error, MegatronBridge, MegatronDist, MegatronLegacy, Mesh, Nemo2, OrbaxStep,
-    Placement, RankOptions, Result, Selection, Sliced, StagedDir, Strategy, TargetLayout,
-    TensorLayout, Writer,
-};
+use ckpt_core::checkpoint::Computations;
+use ckpt_core::engine::copy::{execute_with, CopyStats};
+use ckpt_core::formats::ckptz::Compression;
+use ckpt_core::formats::output::{check_output_outside_inputs, StagedDir};
+use ckpt_core::layout::mesh::Mesh;
+use ckpt_core::layout::plan::CopyPlan;
+use ckpt_core::layout::select::Selection;
+use ckpt_core::layout::strategy::Strategy;
+use ckpt_core::layout::{Placement, TensorLayout};
+use ckpt_core::write::dcp::Dcp;
+use ckpt_core::write::megatron::MegatronLegacy;
+use ckpt_core::write::megatron_bridge::MegatronBridge;
+use ckpt_core::write::megatron_dist::MegatronDist;
+use ckpt_core::write::nemo2::Nemo2;
+use ckpt_core::write::orbax::OrbaxStep;
+use ckpt_core::write::ranks::RankOptions;
+pub use ckpt_core::write::ranks::{Ranks, MAX_TARGET_RANKS};
+use ckpt_core::write::sliced::Sliced;
+use ckpt_core::write::{TargetLayout, Writer};
+use ckpt_core::{Checkpoint, Error, Result};
 use std::path::{Path, PathBuf};
-
-pub use ckpt_core::{Ranks, MAX_TARGET_RANKS};
 
 /// The target layout, as the user gives it.
 #[derive(Clone, Debug)]
@@ -25,7 +37,9 @@ pub enum Target {
     /// A whole target strategy.
     Strategy(Strategy),
     /// A MindSpore (predict) strategy file's layouts, shapes taken from the source.
-    MindSpore(std::collections::BTreeMap<String, ckpt_core::MindSporeParam>),
+    MindSpore(
+        std::collections::BTreeMap<String, ckpt_core::formats::mindspore_strategy::MindSporeParam>,
+    ),
 }
 
 impl Target {
@@ -39,11 +53,15 @@ impl Target {
             path: path.to_path_buf(),
             source,
         })?;
-        Ok(if ckpt_core::is_mindspore_strategy(&bytes) {
-            Target::MindSpore(ckpt_core::read_mindspore_strategies(&[path])?)
-        } else {
-            Target::Strategy(Strategy::read(path)?)
-        })
+        Ok(
+            if ckpt_core::formats::mindspore_strategy::looks_like(&bytes) {
+                Target::MindSpore(
+                    ckpt_core::formats::mindspore_strategy::read_mindspore_strategies(&[path])?,
+                )
+            } else {
+                Target::Strategy(Strategy::read(path)?)
+            },
+        )
     }
 
     /// The target a mesh specification gives (`pp=1,tp=2`): new sizes for its axes.
@@ -195,7 +213,7 @@ pub struct ReshardRequest {
 /// strategy (PyTorch DCP): the one with the most distinct piece starts (the first of
 /// equals, so FSDP's dim-0 shard wins over a TP split of a 2-D mesh). `None` for a
 /// tensor stored whole.
-fn split_dim(t: &ckpt_core::SourceTensor) -> Option<usize> {
+fn split_dim(t: &ckpt_core::layout::source::SourceTensor) -> Option<usize> {
     (0..t.shape.len())
         .map(|d| {
             let starts: std::collections::BTreeSet<u64> =
@@ -253,7 +271,9 @@ pub fn target_strategy(
             }
             s
         }
-        Target::MindSpore(params) => ckpt_core::mindspore_target_strategy(params, source)?,
+        Target::MindSpore(params) => {
+            ckpt_core::formats::mindspore_strategy::mindspore_target_strategy(params, source)?
+        }
         Target::To(_) | Target::Mesh(_) => {
             let src = source.strategy.as_ref().ok_or_else(|| Error::Unsupported {
                 problem: "--to and --mesh resize the source's strategy, and this source has none (integrated or DCP): give --strategy, or --shard NAME_GLOB=DIM rules for a whole copy (--mesh needs the source's mesh axes: use --to N on a DCP source)".into(),
@@ -550,8 +570,10 @@ pub fn reshard(
 ///
 /// # Errors
 /// A request that is not one DeepSpeed input and a dp size; what
-/// [`ckpt_core::write_deepspeed_dp`] refuses.
-pub fn reshard_deepspeed(req: &ReshardRequest) -> Result<ckpt_core::DeepSpeedWriteStats> {
+/// [`ckpt_core::write::deepspeed::write_deepspeed_dp`] refuses.
+pub fn reshard_deepspeed(
+    req: &ReshardRequest,
+) -> Result<ckpt_core::formats::deepspeed_write::DeepSpeedWriteStats> {
     let usage = |p: &str| Error::Unsupported {
         problem: format!("--format deepspeed: {p}"),
     };
@@ -586,7 +608,7 @@ pub fn reshard_deepspeed(req: &ReshardRequest) -> Result<ckpt_core::DeepSpeedWri
             "DeepSpeed loads every parameter's optimizer state: no --include/--exclude/--dtype/--compress/--shard/prefixes",
         ));
     }
-    ckpt_core::write_deepspeed_dp(input, &req.output, dp, ep, req.force)
+    ckpt_core::write::deepspeed::write_deepspeed_dp(input, &req.output, dp, ep, req.force)
 }
 
 #[cfg(test)]
@@ -615,7 +637,11 @@ mod tests {
         let mut s = Strategy::new(Mesh::parse("tp=2").unwrap());
         s.insert(
             "w".to_string(),
-            TensorLayout::new(vec![4, 2], ckpt_core::Dtype::F32, vec![Placement::shard(0)]),
+            TensorLayout::new(
+                vec![4, 2],
+                ckpt_core::layout::Dtype::F32,
+                vec![Placement::shard(0)],
+            ),
         )
         .unwrap();
         std::fs::write(&ours, s.to_json()).unwrap();

@@ -395,7 +395,7 @@ mod tests {
     #[test]
     fn synchronized_batch_norm_is_batch_norm_of_the_whole_batch() {
         use crate::comm::run_threads;
-        use ckpt_core::Mesh;
+        use ckpt_core::layout::mesh::Mesh;
         let shape = (3, 4, 5, 2);
         let xs: Vec<Tensor> = (0..2).map(|r| data(shape, r as f32)).collect();
         let probes: Vec<Tensor> = (0..2).map(|r| data(shape, 10.0 + r as f32)).collect();

@@ -19,7 +19,8 @@ use crate::comm::Dist;
 use crate::error::{Error, IoContext, Result};
 use crate::optim::{OptimConfig, Schedule};
 use crate::params::place_local;
-use ckpt_core::{Dtype, Strategy, TensorLayout};
+use ckpt_core::layout::strategy::Strategy;
+use ckpt_core::layout::{Dtype, TensorLayout};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -261,7 +262,7 @@ pub(crate) struct SaveRequest<'a> {
     pub(crate) out: &'a Path,
     pub(crate) step: u64,
     pub(crate) mode: SaveMode,
-    pub(crate) compression: Option<ckpt_core::Compression>,
+    pub(crate) compression: Option<ckpt_core::formats::ckptz::Compression>,
     pub(crate) keep: usize,
     pub(crate) strategy: &'a Strategy,
     pub(crate) config_json: &'a str,
@@ -282,7 +283,7 @@ struct SaveJob {
     rank: usize,
     world: usize,
     lead: bool,
-    compression: Option<ckpt_core::Compression>,
+    compression: Option<ckpt_core::formats::ckptz::Compression>,
     strategy: Strategy,
     config_json: String,
     state_json: String,
@@ -318,7 +319,7 @@ impl SaveJob {
             // Leftovers of killed saves (`step_K.tmp`) and prunes (`.step_K.pruned-*`)
             // are never checkpoints: `latest` only ever names a complete `step_N`.
             remove_leftovers(req.out)?;
-            ckpt_core::remove_stale_temps(&req.out.join(&name));
+            ckpt_core::formats::output::remove_stale_temps(&req.out.join(&name));
             std::fs::create_dir_all(&tmp).at(&tmp)?;
         }
         dist.world.barrier()?;
@@ -372,7 +373,7 @@ impl SaveJob {
                     .collect();
                 let refs: Vec<(&str, &[u8])> =
                     bytes.iter().map(|(n, b)| (*n, b.as_slice())).collect();
-                let rank_dir = ckpt_core::write_rank_with(
+                let rank_dir = ckpt_core::engine::save::write_rank_with(
                     &tmp,
                     &self.strategy,
                     self.rank as u64,
@@ -380,11 +381,11 @@ impl SaveJob {
                     false,
                     self.compression,
                 )?;
-                ckpt_core::write_file_atomic(
+                ckpt_core::formats::output::write_file_atomic(
                     &rank_dir.join(CONFIG_FILE),
                     self.config_json.as_bytes(),
                 )?;
-                ckpt_core::write_file_atomic(
+                ckpt_core::formats::output::write_file_atomic(
                     &rank_dir.join(TRAINER_STATE_FILE),
                     self.state_json.as_bytes(),
                 )?;
@@ -396,13 +397,16 @@ impl SaveJob {
                     .zip(&bytes)
                     .map(|((n, s, _), b)| (n.as_str(), Dtype::F32, s.as_slice(), b.as_slice()))
                     .collect();
-                ckpt_core::write_integrated_with(&tmp, &refs, self.compression)?;
+                ckpt_core::engine::save::write_integrated_with(&tmp, &refs, self.compression)?;
             }
             SaveData::Nothing => {}
         }
         if self.lead {
-            ckpt_core::write_file_atomic(&tmp.join(CONFIG_FILE), self.config_json.as_bytes())?;
-            ckpt_core::write_file_atomic(
+            ckpt_core::formats::output::write_file_atomic(
+                &tmp.join(CONFIG_FILE),
+                self.config_json.as_bytes(),
+            )?;
+            ckpt_core::formats::output::write_file_atomic(
                 &tmp.join(TRAINER_STATE_FILE),
                 self.state_json.as_bytes(),
             )?;
@@ -418,11 +422,11 @@ impl SaveJob {
         // `step_N` may exist (resuming from an older step into the same --out) and
         // `latest` may name it: swap the new one in atomically, so that it names a
         // complete checkpoint, old or new, at every instant.
-        ckpt_core::replace_atomically(&tmp, &fin)?;
+        ckpt_core::formats::output::replace_atomically(&tmp, &fin)?;
         if let Ok(d) = std::fs::File::open(&self.out) {
             let _ = d.sync_all();
         }
-        ckpt_core::write_file_atomic(
+        ckpt_core::formats::output::write_file_atomic(
             &self.out.join(LATEST_FILE),
             format!("{}\n", self.name).as_bytes(),
         )?;

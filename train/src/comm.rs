@@ -22,10 +22,9 @@ pub use self::nccl::{run_nccl, JOB_ID_VAR, RENDEZVOUS_DIR_VAR};
 #[cfg(any(feature = "mpi", feature = "cuda-driver"))]
 pub use self::process::{DEFAULT_TIMEOUT, TIMEOUT_VAR};
 pub use self::thread::run_threads;
-
 use crate::error::{Error, Result};
 use candle_core::Tensor;
-use ckpt_core::Mesh;
+use ckpt_core::layout::mesh::Mesh;
 use std::sync::Arc;
 
 /// How [`Comm::all_reduce`] combines the ranks' buffers.

@@ -81,8 +81,8 @@ pub struct TrainConfig {
     pub save: SaveMode,
     /// Save compressed .ckptz files (byte-grouped zstd; zstd or zstd:LEVEL), which
     /// --resume and every ckpt command read.
-    #[arg(long, value_name = "zstd[:LEVEL]", value_parser = ckpt_core::Compression::parse)]
-    pub compress: Option<ckpt_core::Compression>,
+    #[arg(long, value_name = "zstd[:LEVEL]", value_parser = ckpt_core::formats::ckptz::Compression::parse)]
+    pub compress: Option<ckpt_core::formats::ckptz::Compression>,
     /// Save every N updates (0: only at the end). Needs --out.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub save_every: u64,

@@ -8,7 +8,9 @@ use crate::layers::ModelCtx;
 use crate::models::{build_model, Model, ModelConfig};
 use crate::params::ShardedVars;
 use candle_core::{Device, Tensor};
-use ckpt_core::{Dtype, Mesh, Strategy};
+use ckpt_core::layout::mesh::Mesh;
+use ckpt_core::layout::strategy::Strategy;
+use ckpt_core::layout::Dtype;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -55,7 +57,7 @@ pub fn load_model(dir: &Path, dist: &Dist, device: &Device) -> Result<(ModelConf
     let dir = resolve_checkpoint(dir)?;
     let strategy = model_strategy(&cfg, &dist.mesh)?;
     let mut tensors = BTreeMap::new();
-    for (name, t) in ckpt_core::load_rank(&dir, &strategy, dist.rank as u64)? {
+    for (name, t) in ckpt_core::engine::save::load_rank(&dir, &strategy, dist.rank as u64)? {
         let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
         let data = match t.dtype {
             Dtype::F32 => f32_from_bytes(&t.data),

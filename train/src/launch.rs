@@ -5,11 +5,10 @@
 
 // The launchers' variables are read by ckpt-core (merge and reshard's `--rank auto`
 // use them too); training adds the backends and thread pools.
-pub use ckpt_core::{LaunchEnv, Launcher};
-
 use crate::comm::{run_threads, Dist};
 use crate::error::{Error, Result};
-use ckpt_core::Mesh;
+pub use ckpt_core::launch::{LaunchEnv, Launcher};
+use ckpt_core::layout::mesh::Mesh;
 use std::fmt;
 
 /// How the ranks of a training job talk to each other.

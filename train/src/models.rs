@@ -171,7 +171,7 @@ impl Model {
 mod tests {
     use super::*;
     use crate::params::Init;
-    use ckpt_core::Placement;
+    use ckpt_core::layout::Placement;
 
     fn count(cfg: &ModelConfig, tp: usize, trainable: bool) -> u64 {
         cfg.specs(tp)

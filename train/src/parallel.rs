@@ -234,7 +234,7 @@ mod tests {
     use super::*;
     use crate::comm::run_threads;
     use candle_core::{Device, Var};
-    use ckpt_core::Mesh;
+    use ckpt_core::layout::mesh::Mesh;
 
     /// y = g(x_r * w_r) summed: the gradient of each rank's w is its own x, and `f`
     /// makes the gradient of a replicated input the sum over ranks.

@@ -10,7 +10,9 @@
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::var_builder::{Backend, VarBuilderArgs};
-use ckpt_core::{Dtype, Mesh, Placement, Region, TensorLayout};
+use ckpt_core::layout::mesh::Mesh;
+use ckpt_core::layout::region::Region;
+use ckpt_core::layout::{Dtype, Placement, TensorLayout};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;

@@ -21,7 +21,9 @@ use crate::optim::{
 };
 use crate::params::{init_global, slice_local, ParamSpec, ShardedVars};
 use candle_core::{Device, Var};
-use ckpt_core::{Dtype, Mesh, Strategy, TensorLayout};
+use ckpt_core::layout::mesh::Mesh;
+use ckpt_core::layout::strategy::Strategy;
+use ckpt_core::layout::{Dtype, TensorLayout};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -105,7 +107,7 @@ struct Plan {
     epochs: u64,
     max_steps: Option<u64>,
     save: SaveMode,
-    compress: Option<ckpt_core::Compression>,
+    compress: Option<ckpt_core::formats::ckptz::Compression>,
     save_every: u64,
     keep: usize,
     out: Option<PathBuf>,
@@ -546,7 +548,7 @@ fn rank_main(plan: &Plan, dist: Dist, progress: bool) -> Result<RankResult> {
             }
         }
         let target = plan.strategy(Some(&r.names))?;
-        for (name, t) in ckpt_core::load_rank(&r.dir, &target, rank)? {
+        for (name, t) in ckpt_core::engine::save::load_rank(&r.dir, &target, rank)? {
             let values = match t.dtype {
                 Dtype::F32 => f32_from_bytes(&t.data),
                 // Said before training (`resume_warnings`).

@@ -119,7 +119,7 @@ fn resume_4_to_2_sliced_to_integrated() {
 }
 
 fn read_safetensors(path: &Path) -> BTreeMap<String, Vec<u8>> {
-    let f = ckpt_core::TensorFile::open(path).unwrap();
+    let f = ckpt_core::formats::TensorFile::open(path).unwrap();
     f.tensors()
         .iter()
         .enumerate()
@@ -180,13 +180,16 @@ fn merged_sliced_checkpoint_equals_gathered_weights() {
     );
     // The fused QKV is a blocked shard; ZeRO state nests inside the tp shard.
     let strat = std::fs::read_to_string(out.join("step_3/ckpt_0/strategy.json")).unwrap();
-    let st = ckpt_core::Strategy::from_json(&strat).unwrap();
+    let st = ckpt_core::layout::strategy::Strategy::from_json(&strat).unwrap();
     let qkv = &st.tensors["blocks.0.attn.qkv.weight"];
-    assert_eq!(qkv.placements[1], ckpt_core::Placement::blocked(0, 3));
+    assert_eq!(
+        qkv.placements[1],
+        ckpt_core::layout::Placement::blocked(0, 3)
+    );
     let m = &st.tensors["optim.blocks.0.attn.qkv.weight.exp_avg"];
     assert_eq!(
         m.placements[0],
-        ckpt_core::Placement::Shard {
+        ckpt_core::layout::Placement::Shard {
             dim: 0,
             blocks: 3,
             order: 1
@@ -289,9 +292,9 @@ fn save_every_keep_and_latest() {
     let st = read_trainer_state(&out.join("step_25/ckpt_1/trainer_state.json")).unwrap();
     assert_eq!((st.step, st.epoch, st.batch_in_epoch), (25, 1, 3));
     // Every rank directory is self-describing and the checkpoint verifies.
-    let (_, problems) = ckpt_core::verify(
+    let (_, problems) = ckpt_core::engine::verify::verify(
         &[out.join("step_25")],
-        ckpt_core::VerifyDepth {
+        ckpt_core::engine::verify::VerifyDepth {
             checksums: true,
             deep: true,
         },
@@ -321,7 +324,7 @@ fn load_model_on_another_mesh_predicts_as_trained() {
     let r = run(&["--mesh", "dp=2,tp=2", "--epochs", "3", "--out", &s(&out)]);
     let split = ckpt_train::DataSource::Digits(None).load().unwrap();
     for mesh in ["tp=4", "dp=1"] {
-        let m = ckpt_core::Mesh::parse(mesh).unwrap();
+        let m = ckpt_core::layout::mesh::Mesh::parse(mesh).unwrap();
         let accs = ckpt_train::run_threads(&m, |d| {
             let (cfg, model) = ckpt_train::load_model(&out, &d, &candle_core::Device::Cpu)?;
             assert_eq!(cfg.kind(), ckpt_train::ModelKind::Mlp);
@@ -370,9 +373,9 @@ fn failed_save_leaves_the_previous_checkpoint() {
         "step_5\n"
     );
     assert!(!out.join("step_10").exists());
-    let (_, problems) = ckpt_core::verify(
+    let (_, problems) = ckpt_core::engine::verify::verify(
         &[out.join("step_5")],
-        ckpt_core::VerifyDepth {
+        ckpt_core::engine::verify::VerifyDepth {
             checksums: true,
             deep: false,
         },
@@ -448,7 +451,7 @@ fn resume_from_a_resharded_dcp_checkpoint() {
         output: dcp.clone(),
         target: ckpt_reshard::Target::Mesh(vec![("dp".into(), 1), ("tp".into(), 2)]),
         ranks: ckpt_reshard::Ranks::All,
-        selection: ckpt_core::Selection::default(),
+        selection: ckpt_core::layout::select::Selection::default(),
         keep_all: false,
         force: false,
         format: ckpt_reshard::OutputFormat::Dcp,

@@ -17,7 +17,7 @@
 //! - `dies`, `fails`, `stuck`: a rank killed by a signal, a rank whose work fails, and a
 //!   rank that stops calling collectives all end the job with an error within a bound.
 
-use ckpt_core::Mesh;
+use ckpt_core::layout::mesh::Mesh;
 use ckpt_train::{
     all_gather_tensor, all_reduce_tensor, mpi_world, run_threads, Backend, Comm, Dist, LaunchEnv,
     ReduceOp, Result, TrainConfig,

@@ -5,8 +5,7 @@
 //! `config.json` the user names (which must agree with the args), or from `--hf-arch`;
 //! where none settles it, the view is refused with the option that would.
 
-use super::Checkpoint;
-use super::OPTIMIZER_PREFIX;
+use super::{Checkpoint, OPTIMIZER_PREFIX};
 use crate::error::{Error, Result};
 use crate::formats::detect::trainers::RECORD_NOT_READ;
 use crate::formats::distcp::torch_dtype_name;

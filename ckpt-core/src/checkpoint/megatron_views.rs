@@ -117,7 +117,7 @@ impl Checkpoint {
     /// model hold: GroupedMLP views expert `g`'s part of `weight1` as the run
     /// `g*H*F1..` read as `[H, F1]`, and its `linear_fc1` is that transposed
     /// (`GroupedMLP.sharded_state_dict`; `weight2` likewise with `[F, H]`). The same
-    /// stored bytes are read, through a transposed [`crate::StoredView`]. A checkpoint
+    /// stored bytes are read, through a transposed [`crate::layout::source::StoredView`]. A checkpoint
     /// without GroupedMLP weights is left as it is.
     ///
     /// # Errors

@@ -8,8 +8,7 @@ use crate::layout::mesh::Mesh;
 use crate::layout::region::Region;
 use crate::layout::source::SourcePiece;
 use crate::layout::strategy::dtype_name;
-use crate::layout::Dtype;
-use crate::layout::TensorLayout;
+use crate::layout::{Dtype, TensorLayout};
 use std::collections::BTreeMap;
 
 /// The parts of a file's tensor `read_mindspore` looks at (a split slice's records

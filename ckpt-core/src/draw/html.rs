@@ -4,12 +4,10 @@
 //! from the JSON embedded in the page (`report.html` is the page, `__DATA__` the place
 //! of the JSON).
 
-use super::PlanReport;
-use super::{holder_label, holdings_of, Extent};
+use super::{holder_label, holdings_of, Extent, PlanReport};
 use crate::checkpoint::{Checkpoint, Kind};
 use crate::error::{Error, Result};
-use crate::layout::plan::bytes_of;
-use crate::layout::plan::CopyPlan;
+use crate::layout::plan::{bytes_of, CopyPlan};
 use crate::layout::strategy::dtype_name;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;

@@ -69,9 +69,10 @@ fn sample(i: usize, cells: usize, n: u64) -> u64 {
 /// keeping a copy of the first's rows. Each element is two characters wide while the
 /// tensor is narrow enough, so that squares look square:
 /// ```
-/// use ckpt_core::{render_text, Canvas, Extent, Holding, Region, TensorPicture};
+/// use ckpt_core::draw::{render_text, Canvas, Extent, Holding, TensorPicture};
+/// use ckpt_core::layout::region::Region;
 /// let p = TensorPicture {
-///     name: "w".into(), dtype: ckpt_core::Dtype::F32, shape: vec![4, 2],
+///     name: "w".into(), dtype: ckpt_core::layout::Dtype::F32, shape: vec![4, 2],
 ///     holders: vec!["rank 0".into(), "rank 1".into()],
 ///     ranks: vec![Some(0), Some(1)],
 ///     holdings: vec![

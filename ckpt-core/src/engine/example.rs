@@ -9,8 +9,7 @@ use crate::engine::save::write_rank;
 use crate::error::Result;
 use crate::layout::mesh::Mesh;
 use crate::layout::strategy::Strategy;
-use crate::layout::Dtype;
-use crate::layout::{Placement, TensorLayout};
+use crate::layout::{Dtype, Placement, TensorLayout};
 use std::path::Path;
 
 /// Size of the synthetic model.

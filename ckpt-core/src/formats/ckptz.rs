@@ -32,9 +32,7 @@ mod pack;
 mod planes;
 pub(crate) mod v2;
 
-pub use v2::CkptzWriter;
-pub use v2::CodedChunk;
-pub use v2::MAGIC_V2 as MAGIC;
+pub use v2::{CkptzWriter, CodedChunk, MAGIC_V2 as MAGIC};
 
 #[cfg(test)]
 use chunks::chunk_size_for;
@@ -52,8 +50,7 @@ use super::{bad_tensor, Decoder, FileFormat, Mapped, TensorEntry, TensorFile};
 use crate::error::{overflow, Error, IoContext, Result};
 #[cfg(test)]
 use crate::formats::checksum::checksums_enabled;
-use crate::formats::checksum::CHECKSUMS_KEY;
-use crate::formats::checksum::{decode_checksums, Checksum};
+use crate::formats::checksum::{decode_checksums, Checksum, CHECKSUMS_KEY};
 #[cfg(test)]
 use crate::formats::output::StagedFile;
 use crate::layout::strategy::dtype_name;

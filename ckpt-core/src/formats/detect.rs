@@ -33,8 +33,8 @@ pub(crate) fn fixture_dirs() -> Vec<std::path::PathBuf> {
 use super::writer::{TensorSpec, TensorWriter};
 use super::{
     ckptz, distcp, gguf, map_file, mindspore_ckpt, orbax, safetensors, torch_save, torch_write,
+    FileFormat, Mapped, Reader, TensorFile,
 };
-use super::{FileFormat, Mapped, Reader, TensorFile};
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
 use std::path::Path;

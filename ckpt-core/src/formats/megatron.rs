@@ -27,8 +27,7 @@
 
 pub(crate) mod dist_optim;
 mod names;
-pub(crate) use names::is_expert_name;
-pub(crate) use names::is_grouped_weight;
+pub(crate) use names::{is_expert_name, is_grouped_weight};
 mod optim;
 mod pickled;
 mod rng;
@@ -42,8 +41,7 @@ use crate::error::{overflow, Error, Result};
 use crate::layout::flat::FlatRange;
 use crate::layout::mesh::Mesh;
 use crate::layout::strategy::{dtype_name, Strategy};
-use crate::layout::Dtype;
-use crate::layout::{Placement, TensorLayout};
+use crate::layout::{Dtype, Placement, TensorLayout};
 use pickled::{allowed, namespace_fields};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

@@ -30,7 +30,8 @@ pub enum Defect {
 /// Empty boxes are ignored. Returns the first defect found.
 ///
 /// ```
-/// use ckpt_core::{check_tiling, Defect, Region};
+/// use ckpt_core::layout::coverage::{check_tiling, Defect};
+/// use ckpt_core::layout::region::Region;
 /// let halves = [Region::from_ranges(&[0..2, 0..4]), Region::from_ranges(&[2..4, 0..4])];
 /// assert_eq!(check_tiling(&[4, 4], &halves), Ok(()));
 /// let hole = [Region::from_ranges(&[0..2, 0..4]), Region::from_ranges(&[2..4, 0..3])];

@@ -24,7 +24,8 @@ use std::fmt;
 /// Elements `start..start + len` of a tensor in row-major order.
 ///
 /// ```
-/// use ckpt_core::{FlatRange, Region};
+/// use ckpt_core::layout::flat::FlatRange;
+/// use ckpt_core::layout::region::Region;
 /// // Elements 2..9 of a 3x4 tensor: the end of row 0, all of row 1, the start of row 2.
 /// let boxes = FlatRange::new(2, 7).boxes(&[3, 4]).unwrap();
 /// let regions: Vec<Region> = boxes.iter().map(|b| b.region.clone()).collect();
@@ -145,7 +146,8 @@ pub fn numel(shape: &[u64]) -> Result<u64> {
 /// whole axes. `None` otherwise (and for an empty box).
 ///
 /// ```
-/// use ckpt_core::{flat_of_box, FlatRange, Region};
+/// use ckpt_core::layout::flat::{flat_of_box, FlatRange};
+/// use ckpt_core::layout::region::Region;
 /// // Rows 2..4 of layer 1 of a [3, 4, 5] tensor: elements 30..40.
 /// let rows = Region::from_ranges(&[1..2, 2..4, 0..5]);
 /// assert_eq!(flat_of_box(&rows, &[3, 4, 5]), Some(FlatRange::new(30, 10)));
@@ -177,7 +179,8 @@ pub fn flat_of_box(region: &Region, shape: &[u64]) -> Option<FlatRange> {
 /// counts from the box's first element). Multiply by the element size for bytes.
 ///
 /// ```
-/// use ckpt_core::{flat_to_box, FlatRange, Region, Run};
+/// use ckpt_core::layout::flat::{flat_to_box, FlatRange};
+/// use ckpt_core::layout::region::{Region, Run};
 /// // Elements 2..9 of a 3x4 tensor, into the box of column 1 (rows 0..3).
 /// let runs = flat_to_box(FlatRange::new(2, 7), &[3, 4], &Region::from_ranges(&[0..3, 1..2])).unwrap();
 /// // Row 1's element (index 5, 3rd of the range) lands in the box's row 1.
@@ -278,7 +281,7 @@ impl fmt::Display for FlatDefect {
 /// once (empty ranges are ignored). Sorting, O(n log n). Returns the first defect.
 ///
 /// ```
-/// use ckpt_core::{check_flat_cover, FlatDefect, FlatRange};
+/// use ckpt_core::layout::flat::{check_flat_cover, FlatDefect, FlatRange};
 /// assert_eq!(check_flat_cover(10, &[FlatRange::new(4, 6), FlatRange::new(0, 4)]), Ok(()));
 /// assert_eq!(
 ///     check_flat_cover(10, &[FlatRange::new(0, 4), FlatRange::new(5, 5)]),
@@ -351,7 +354,7 @@ pub enum FlatSlot {
 /// the same with one tensor per buffer).
 ///
 /// ```
-/// use ckpt_core::{FlatLayout, FlatRange, FlatSlot};
+/// use ckpt_core::layout::flat::{FlatLayout, FlatRange, FlatSlot};
 /// // Two tensors of 5 and 6 elements over 4 ranks: 11 elements padded to 12, 3 each.
 /// let l = FlatLayout::new(&[5, 6], 4).unwrap();
 /// assert_eq!((l.padded, l.partition), (12, 3));
@@ -413,7 +416,7 @@ impl FlatLayout {
     /// stage_1_and_2.py), so a partition is always an even number of elements.
     ///
     /// ```
-    /// use ckpt_core::FlatLayout;
+    /// use ckpt_core::layout::flat::FlatLayout;
     /// // 78 + 42 + 7 elements over 3 ranks, aligned to 6: 127 -> 132, 44 each.
     /// let l = FlatLayout::aligned(&[78, 42, 7], 3, 6).unwrap();
     /// assert_eq!((l.used, l.padded, l.partition), (127, 132, 44));

@@ -16,7 +16,7 @@ pub struct Axis {
 /// the rule of MindSpore's dev_matrix and PyTorch's DeviceMesh.
 ///
 /// ```
-/// use ckpt_core::Mesh;
+/// use ckpt_core::layout::mesh::Mesh;
 /// let mesh = Mesh::parse("dp=2,tp=4").unwrap();
 /// assert_eq!(mesh.world_size(), 8);
 /// assert_eq!(mesh.coords(6), vec![1, 2]);
@@ -153,7 +153,7 @@ impl Mesh {
     /// a collective over that axis runs in.
     ///
     /// ```
-    /// use ckpt_core::Mesh;
+    /// use ckpt_core::layout::mesh::Mesh;
     /// let mesh = Mesh::parse("dp=2,tp=3").unwrap();
     /// assert_eq!(mesh.axis_group(4, 1), vec![3, 4, 5]);
     /// assert_eq!(mesh.axis_group(4, 0), vec![1, 4]);

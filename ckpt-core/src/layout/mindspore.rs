@@ -12,8 +12,7 @@
 use crate::error::{Error, Result};
 use crate::layout::mesh::Mesh;
 use crate::layout::strategy::Strategy;
-use crate::layout::Dtype;
-use crate::layout::{Placement, TensorLayout};
+use crate::layout::{Dtype, Placement, TensorLayout};
 use std::collections::BTreeMap;
 
 /// One `tensor_map` entry.
@@ -41,7 +40,9 @@ pub struct MindSporeLayout {
 /// Converts a MindSpore layout of a tensor of `shape` into a mesh and our layout.
 ///
 /// ```
-/// use ckpt_core::{from_mindspore, Dtype, MapEntry, MindSporeLayout, Region};
+/// use ckpt_core::layout::Dtype;
+/// use ckpt_core::layout::mindspore::{from_mindspore, MapEntry, MindSporeLayout};
+/// use ckpt_core::layout::region::Region;
 /// // A 32x32 weight, dev_matrix [2, 4], tensor_map [1, -1]: ranks 0-3 hold rows 0-15,
 /// // ranks 4-7 rows 16-31.
 /// let ms = MindSporeLayout {

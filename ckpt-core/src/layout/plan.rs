@@ -9,8 +9,7 @@ use crate::error::{Error, Result};
 use crate::layout::region::{Dims, Region};
 use crate::layout::source::{Compute, PieceSource, SourceTensor};
 use crate::layout::strategy::{dtype_name, Strategy};
-use crate::layout::Dtype;
-use crate::layout::{Piece, TensorLayout};
+use crate::layout::{Dtype, Piece, TensorLayout};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 

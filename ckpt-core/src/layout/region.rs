@@ -5,7 +5,7 @@ use std::fmt;
 /// A box `start..start+shape` in an N-dimensional index space.
 ///
 /// ```
-/// use ckpt_core::Region;
+/// use ckpt_core::layout::region::Region;
 /// let a = Region::from_ranges(&[1..5, 2..6]);
 /// let b = Region::from_ranges(&[3..6, 4..7]);
 /// assert_eq!(a.overlap(&b), Some(Region::from_ranges(&[3..5, 4..6])));
@@ -81,7 +81,7 @@ impl Region {
     /// the box. `None` for an empty box, or offsets that overflow.
     ///
     /// ```
-    /// use ckpt_core::Region;
+    /// use ckpt_core::layout::region::Region;
     /// // Rows 1..3 of a 4x3 tensor: elements 3..9, one run; column 1: 1..11, not one.
     /// assert_eq!(Region::from_ranges(&[1..3, 0..3]).element_span(&[4, 3]), Some(3..9));
     /// assert_eq!(Region::from_ranges(&[0..4, 1..2]).element_span(&[4, 3]), Some(1..11));
@@ -235,7 +235,7 @@ pub struct Run {
 /// 2x3 tensor at the origin: dimension 1 is fully spanned in both, so this is one run of
 /// 6 elements from offset 3 to offset 0.
 /// ```
-/// use ckpt_core::{Run, Runs};
+/// use ckpt_core::layout::region::{Run, Runs};
 /// let runs: Vec<Run> = Runs::new(&[2, 3], &[4, 3], &[1, 0], &[2, 3], &[0, 0]).collect();
 /// assert_eq!(runs, vec![Run { src: 3, dst: 0, len: 6 }]);
 /// let cols: Vec<Run> = Runs::new(&[2, 2], &[2, 4], &[0, 2], &[2, 2], &[0, 0]).collect();

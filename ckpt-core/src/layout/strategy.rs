@@ -3,8 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::layout::mesh::Mesh;
-use crate::layout::Dtype;
-use crate::layout::{Placement, TensorLayout};
+use crate::layout::{Dtype, Placement, TensorLayout};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 

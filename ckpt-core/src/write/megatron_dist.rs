@@ -41,8 +41,7 @@ use crate::formats::torch_write::{TorchWriter, STORED_SHAPES};
 use crate::layout::plan::CopyPlan;
 use crate::layout::select::Selection;
 use crate::layout::strategy::Strategy;
-use crate::layout::Dtype;
-use crate::layout::Placement;
+use crate::layout::{Dtype, Placement};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

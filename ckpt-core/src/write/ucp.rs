@@ -17,8 +17,7 @@ use crate::formats::ucp::{self, state_file, LATEST_UNIVERSAL, STATES};
 use crate::layout::plan::{CopyPlan, TargetFile, TargetTensor};
 use crate::layout::region::Region;
 use crate::layout::select::Selection;
-use crate::layout::Dtype;
-use crate::layout::Piece;
+use crate::layout::{Dtype, Piece};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 

@@ -12,7 +12,7 @@
 //! `CKPT_COMM_TIMEOUT` set below a collective's time, the communicator is aborted and
 //! the error says so: the check of abort).
 
-use ckpt_core::Mesh;
+use ckpt_core::layout::mesh::Mesh;
 use ckpt_train::{Comm, Dist, ReduceOp};
 use std::process::ExitCode;
 

@@ -25,7 +25,7 @@ use ::mpi::environment::Universe;
 use ::mpi::topology::{Color, SimpleCommunicator};
 use ::mpi::traits::{Communicator, CommunicatorCollectives, Root};
 use ::mpi::Threading;
-use ckpt_core::Mesh;
+use ckpt_core::layout::mesh::Mesh;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};

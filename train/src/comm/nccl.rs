@@ -21,7 +21,7 @@ use super::{Comm, Dist, ReduceOp, SoloComm};
 use crate::cuda::{nccl, NcclLib};
 use crate::error::{Error, Result};
 use crate::launch::{LaunchEnv, Launcher};
-use ckpt_core::Mesh;
+use ckpt_core::layout::mesh::Mesh;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::os::raw::c_void;
 use std::path::{Path, PathBuf};

@@ -2,7 +2,7 @@
 
 use super::{check_mesh, Comm, Dist, ReduceOp};
 use crate::error::{Error, Result};
-use ckpt_core::Mesh;
+use ckpt_core::layout::mesh::Mesh;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};

@@ -963,8 +963,7 @@ pub(crate) fn write_source(f: &TensorFile, header: &str, dest: &Path) -> Result<
 mod tests {
     use super::super::{parse_header, MAGIC};
     use super::*;
-    use crate::formats::FileFormat;
-    use crate::formats::ReadCache as ChunkCache;
+    use crate::formats::{FileFormat, ReadCache as ChunkCache};
     use crate::layout::Dtype;
 
     fn spec(name: &str, dtype: Dtype, shape: &[u64]) -> TensorSpec {

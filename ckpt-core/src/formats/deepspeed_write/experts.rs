@@ -14,8 +14,7 @@
 //! computed from the values: the new files are copies of flat ranges.
 
 use super::group_plan::{GroupPlan, Run};
-use crate::error::Error;
-use crate::error::{overflow, Result};
+use crate::error::{overflow, Error, Result};
 use crate::formats::deepspeed::{local_expert, ExpertGrid};
 use crate::layout::flat::FlatRange;
 use std::collections::HashMap;

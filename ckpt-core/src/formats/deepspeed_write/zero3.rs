@@ -37,9 +37,8 @@ use super::zero12::{
 use crate::error::{overflow, Error, Result};
 use crate::formats::output::{write_file_atomic, StagedDir};
 use crate::formats::pickle::{Emitter, Value};
-use crate::formats::torch_save;
 use crate::formats::writer::TensorSpec;
-use crate::formats::TensorEntry;
+use crate::formats::{torch_save, TensorEntry};
 use crate::layout::flat::{numel, FlatRange};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -30,8 +30,7 @@
 //! is read from tensor-parallel rank 0's domain, as the model tensor is.
 
 use super::optim::{buffer_layout, err, Ddp, Param, STATES};
-use super::pickled;
-use super::{common_object, Args, COMMON_FILE};
+use super::{common_object, pickled, Args, COMMON_FILE};
 use crate::error::{overflow, Error, Result};
 use crate::formats::distcp::{ChunkPart, DcpChunk, DcpMetadata, DcpTensor};
 use crate::formats::map_file;
