@@ -34,9 +34,9 @@ pub(crate) mod v2;
 
 pub use v2::{CkptzWriter, CodedChunk, MAGIC_V2 as MAGIC};
 
-#[cfg(test)]
-use chunks::chunk_size_for;
 use chunks::{bad, unit_bytes, Body, ChunkLoc, MAX_CHUNK_BYTES, MAX_HEADER_LEN};
+#[cfg(test)]
+use chunks::{chunk_size_for, PartialChunks};
 pub use chunks::{Compression, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL};
 use pack::Streams;
 use planes::PlaneSplit;
@@ -58,8 +58,6 @@ use crate::layout::Dtype;
 use serde_json::{Map, Value};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-#[cfg(test)]
-use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -780,10 +778,6 @@ pub fn compress_chunk(
 #[cfg(test)]
 type Written = (u64, u64, Checksum);
 
-/// A chunk whose raw bytes have partly arrived: the bytes, and how many have arrived.
-#[cfg(test)]
-type Pending = (Vec<u8>, u64);
-
 /// A version 1 `.ckptz` file being written, kept for the tests that prove version 1
 /// files still read (ckpt writes version 2: [`CkptzWriter`]). Data arrives as the safetensors writer's does, by
 /// positional writes of raw bytes at any place of any tensor from any thread; each chunk
@@ -809,7 +803,7 @@ pub(crate) struct V1Writer {
     /// Per tensor, per chunk: `(start, end, raw checksum)` once written.
     written: Vec<Mutex<Vec<Option<Written>>>>,
     /// Partly written chunks: `(tensor, chunk)` to the raw bytes and how many arrived.
-    pending: Mutex<HashMap<(usize, usize), Pending>>,
+    pending: PartialChunks,
 }
 
 #[cfg(test)]
@@ -874,7 +868,7 @@ impl V1Writer {
             data_start: 16 + reserved,
             next: AtomicU64::new(0),
             written: counts.iter().map(|&n| Mutex::new(vec![None; n])).collect(),
-            pending: Mutex::new(HashMap::new()),
+            pending: PartialChunks::default(),
         })
     }
 
@@ -896,42 +890,18 @@ impl V1Writer {
                     self.specs[index].name
                 ))
             })?;
-        let mut pos = offset;
-        let mut rest = bytes;
-        while pos < end {
-            let k = (pos / cs) as usize;
-            let c0 = k as u64 * cs;
-            let c1 = (c0 + cs).min(raw_len);
-            let take = (c1 - pos).min(rest.len() as u64) as usize;
-            let (part, tail) = rest.split_at(take);
-            if pos == c0 && pos + take as u64 == c1 {
-                self.emit(index, k, part)?;
-            } else {
-                let complete = {
-                    let mut pending = self
-                        .pending
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    let e = pending
-                        .entry((index, k))
-                        .or_insert_with(|| (vec![0; (c1 - c0) as usize], 0));
-                    let lo = (pos - c0) as usize;
-                    e.0[lo..lo + take].copy_from_slice(part);
-                    e.1 += take as u64;
-                    if e.1 == c1 - c0 {
-                        pending.remove(&(index, k)).map(|e| e.0)
-                    } else {
-                        None
-                    }
-                };
-                if let Some(raw) = complete {
-                    self.emit(index, k, &raw)?;
-                }
-            }
-            pos += take as u64;
-            rest = tail;
-        }
-        Ok(())
+        debug_assert!(end <= raw_len);
+        self.pending.write(
+            index,
+            offset,
+            bytes,
+            cs,
+            |k| {
+                let c0 = k as u64 * cs;
+                c0..(c0 + cs).min(raw_len)
+            },
+            |k, raw| self.emit(index, k, raw),
+        )
     }
 
     /// Compresses chunk `k` of tensor `index` and appends it to the data area.

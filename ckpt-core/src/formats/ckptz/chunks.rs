@@ -1,7 +1,8 @@
 //! What both versions of the format share: the compression asked for, the chunk
 //! sizes, where a chunk is stored and how ([`ChunkLoc`]), and a file's chunks
-//! ([`Body`]). Its own module so that the version-2 codec (`v2.rs`) and the reader
-//! (`ckptz.rs`) both build on it without importing each other.
+//! ([`Body`]), and the writers' gathering of chunks written in parts
+//! ([`PartialChunks`]). Its own module so that the version-2 codec (`v2.rs`) and the
+//! reader (`ckptz.rs`) both build on it without importing each other.
 
 use super::entropy::PlaneCodec;
 use super::pack::Streams;
@@ -130,4 +131,69 @@ impl ChunkLoc {
 pub(crate) struct Body {
     pub(crate) streams: Streams,
     pub(crate) chunks: Vec<Vec<ChunkLoc>>,
+}
+
+/// Chunks that arrive in parts: the copy writes a tensor's bytes in whatever runs its
+/// sources hold, on several threads, and a chunk is compressed only once all of its
+/// bytes are there. Keyed by `(stream, chunk)` (a tensor in version 1).
+#[derive(Debug, Default)]
+pub(crate) struct PartialChunks {
+    pending: std::sync::Mutex<std::collections::HashMap<(usize, usize), Partial>>,
+}
+
+/// A chunk whose raw bytes have partly arrived: the bytes, and how many have arrived.
+type Partial = (Vec<u8>, u64);
+
+impl PartialChunks {
+    /// Splits `bytes`, which go at `pos..` of stream `s` (chunks of `chunk_size` bytes,
+    /// chunk `k` covering `chunk_range(k)`), at its chunks' edges, and calls
+    /// `emit(k, raw)` with each chunk that is whole: at once where `bytes` covers it,
+    /// else when its last part arrives. Parts must not overlap.
+    ///
+    /// # Errors
+    /// What `emit` returns.
+    pub(crate) fn write(
+        &self,
+        s: usize,
+        mut pos: u64,
+        bytes: &[u8],
+        chunk_size: u64,
+        chunk_range: impl Fn(usize) -> std::ops::Range<u64>,
+        mut emit: impl FnMut(usize, &[u8]) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let k = (pos / chunk_size) as usize;
+            let c = chunk_range(k);
+            let take = (c.end - pos).min(rest.len() as u64) as usize;
+            let (part, tail) = rest.split_at(take);
+            if pos == c.start && pos + take as u64 == c.end {
+                emit(k, part)?;
+            } else {
+                let complete = {
+                    let mut pending = self
+                        .pending
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let e = pending
+                        .entry((s, k))
+                        .or_insert_with(|| (vec![0; (c.end - c.start) as usize], 0));
+                    let lo = (pos - c.start) as usize;
+                    e.0[lo..lo + take].copy_from_slice(part);
+                    e.1 += take as u64;
+                    if e.1 == c.end - c.start {
+                        pending.remove(&(s, k)).map(|e| e.0)
+                    } else {
+                        None
+                    }
+                };
+                if let Some(raw) = complete {
+                    emit(k, &raw)?;
+                }
+            }
+            pos += take as u64;
+            rest = tail;
+        }
+        Ok(())
+    }
 }

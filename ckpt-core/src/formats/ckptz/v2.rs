@@ -25,7 +25,8 @@
 //! completed ahead of its turn waits in memory, or past [`HOLD_BYTES`] in a spool file.
 
 use super::chunks::{
-    bad, chunk_size_for, unit_bytes, Body, ChunkLoc, Compression, MAX_CHUNK_BYTES, MAX_HEADER_LEN,
+    bad, chunk_size_for, unit_bytes, Body, ChunkLoc, Compression, PartialChunks, MAX_CHUNK_BYTES,
+    MAX_HEADER_LEN,
 };
 use super::entropy::{decode_plane, encode_plane, PlaneCodec};
 use super::pack::Streams;
@@ -40,7 +41,7 @@ use crate::formats::{bad_tensor, byte_len, TensorEntry, TensorFile};
 use crate::layout::strategy::dtype_name;
 use serde_json::{Map, Value};
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -443,9 +444,6 @@ impl CodedChunk {
 /// The planes of an encoded chunk: codec and stored length of each.
 type Planes = Vec<(PlaneCodec, u64)>;
 
-/// A chunk whose raw bytes have partly arrived: the bytes, and how many have arrived.
-type Partial = (Vec<u8>, u64);
-
 /// A chunk written: where, its planes, the CRC-32C of its raw bytes.
 #[derive(Clone, Debug)]
 struct Record {
@@ -496,7 +494,7 @@ pub struct CkptzWriter {
     /// Per stream, per chunk: its order number in the data area.
     order: Vec<Vec<usize>>,
     /// Partly written chunks: `(stream, chunk)` to the raw bytes and how many arrived.
-    pending: Mutex<HashMap<(usize, usize), Partial>>,
+    pending: PartialChunks,
     /// Per tensor, per part: the CRC-32C of the part once its chunk is complete.
     parts: Vec<Mutex<Vec<Option<Checksum>>>>,
     seq: Mutex<Sequencer>,
@@ -600,7 +598,7 @@ impl CkptzWriter {
             streams,
             data_start: 16,
             order,
-            pending: Mutex::new(HashMap::new()),
+            pending: PartialChunks::default(),
             parts,
             seq: Mutex::new(Sequencer {
                 records: vec![None; n],
@@ -629,42 +627,14 @@ impl CkptzWriter {
             })?;
         let (s, range) = self.streams.locate(index, offset..end);
         let st = &self.streams.streams[s];
-        let cs = st.chunk_size;
-        let mut pos = range.start;
-        let mut rest = bytes;
-        while pos < range.end {
-            let k = (pos / cs) as usize;
-            let c = st.chunk_range(k);
-            let take = (c.end - pos).min(rest.len() as u64) as usize;
-            let (part, tail) = rest.split_at(take);
-            if pos == c.start && pos + take as u64 == c.end {
-                self.emit(s, k, part)?;
-            } else {
-                let complete = {
-                    let mut pending = self
-                        .pending
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    let e = pending
-                        .entry((s, k))
-                        .or_insert_with(|| (vec![0; (c.end - c.start) as usize], 0));
-                    let lo = (pos - c.start) as usize;
-                    e.0[lo..lo + take].copy_from_slice(part);
-                    e.1 += take as u64;
-                    if e.1 == c.end - c.start {
-                        pending.remove(&(s, k)).map(|e| e.0)
-                    } else {
-                        None
-                    }
-                };
-                if let Some(raw) = complete {
-                    self.emit(s, k, &raw)?;
-                }
-            }
-            pos += take as u64;
-            rest = tail;
-        }
-        Ok(())
+        self.pending.write(
+            s,
+            range.start,
+            bytes,
+            st.chunk_size,
+            |k| st.chunk_range(k),
+            |k, raw| self.emit(s, k, raw),
+        )
     }
 
     /// Encodes chunk `k` of stream `s` and places it.
