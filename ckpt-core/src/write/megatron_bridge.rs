@@ -137,9 +137,12 @@ fn expert_sizes(
         .map(|(n, s)| format!("{n}={s}"))
         .collect::<Vec<_>>()
         .join(",");
-    let invalid = |problem: String| crate::error::Error::InvalidMesh {
-        mesh: text.clone(),
-        problem,
+    // Exit 1, as `--format megatron` refuses such an EP size: the mesh is well formed,
+    // the model does not fit it.
+    let invalid = |problem: String| {
+        super::hf_import::unsupported(format!(
+            "--mesh {text}: {problem} (--format megatron-bridge)"
+        ))
     };
     let size = |axis: &str| mesh.iter().find(|(n, _)| n == axis).map(|(_, s)| *s);
     let (ep, etp) = (size("ep"), size("etp"));
@@ -149,7 +152,7 @@ fn expert_sizes(
             .find_map(|(a, s)| s.map(|s| (a, s)))
         {
             return Err(invalid(format!(
-                "{axis}={n}: the model has no experts (--format megatron-bridge)"
+                "{axis}={n}: the model has no experts"
             )));
         }
         return Ok(());
