@@ -1139,8 +1139,14 @@ fn hugging_face_qwen3_moe_into_megatron_bridge_and_back() {
             "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
             &[2, 16],
         ),
-        ("decoder.layers.self_attention.linear_qkv.weight", &[2, 64, 16]),
-        ("decoder.layers.self_attention.linear_proj.weight", &[2, 16, 32]),
+        (
+            "decoder.layers.self_attention.linear_qkv.weight",
+            &[2, 64, 16],
+        ),
+        (
+            "decoder.layers.self_attention.linear_proj.weight",
+            &[2, 16, 32],
+        ),
         ("decoder.layers.self_attention.q_layernorm.weight", &[2, 8]),
         ("decoder.layers.self_attention.k_layernorm.weight", &[2, 8]),
         ("decoder.layers.pre_mlp_layernorm.weight", &[2, 16]),
@@ -1181,9 +1187,12 @@ fn hugging_face_qwen3_moe_into_megatron_bridge_and_back() {
             assert!(iter.join(f).is_file(), "{mesh}: {f}");
         }
         for r in 0..tp * pp {
-            assert!(iter.join(format!("__{r}_0.distcp")).is_file(), "{mesh}: rank {r}");
+            assert!(
+                iter.join(format!("__{r}_0.distcp")).is_file(),
+                "{mesh}: rank {r}"
+            );
         }
-        let ck = ckpt_core::Checkpoint::open(&[iter.clone()]).expect("open");
+        let ck = ckpt_core::Checkpoint::open(std::slice::from_ref(&iter)).expect("open");
         let got: std::collections::BTreeMap<&str, &[u64]> = ck
             .tensors
             .iter()
@@ -1195,7 +1204,9 @@ fn hugging_face_qwen3_moe_into_megatron_bridge_and_back() {
         let keys = strings_with(&std::fs::read(iter.join(".metadata")).unwrap(), "decoder.");
         for m in ["linear_fc1", "linear_fc2"] {
             for (l, e) in [(0, 0), (1, 3)] {
-                let k = format!("decoder.layers.mlp.experts.experts.{m}._extra_state/shard_{l}.{e}_2.4");
+                let k = format!(
+                    "decoder.layers.mlp.experts.experts.{m}._extra_state/shard_{l}.{e}_2.4"
+                );
                 assert!(keys.contains(&k), "{mesh}: {k} in {keys:?}");
             }
         }
@@ -1322,7 +1333,12 @@ fn megatron_bridge_moe_refusals_are_named_and_write_nothing() {
         "-o",
         out.to_str().unwrap(),
     ]);
-    assert!(o.stderr.contains("Qwen3MoeForCausalLM\", a mixture of experts"), "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("Qwen3MoeForCausalLM\", a mixture of experts"),
+        "{}",
+        o.stderr
+    );
     assert!(!out.exists());
 }
 

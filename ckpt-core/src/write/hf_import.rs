@@ -363,9 +363,7 @@ fn moe_fields(
     let int = |k: &str, default: i64| -> Result<i64> {
         match config.get(k) {
             None | Some(Json::Null) => Ok(default),
-            Some(v) => v
-                .as_i64()
-                .ok_or_else(|| bad(k, "is not an integer".into())),
+            Some(v) => v.as_i64().ok_or_else(|| bad(k, "is not an integer".into())),
         }
     };
     let experts = match config.get("num_experts").filter(|v| !v.is_null()) {
@@ -377,19 +375,26 @@ fn moe_fields(
     }
     m.insert("num_moe_experts", Y::Int(experts));
     m.insert("moe_router_topk", Y::Int(int("num_experts_per_tok", 8)?));
-    m.insert("moe_ffn_hidden_size", Y::Int(int("moe_intermediate_size", 768)?));
+    m.insert(
+        "moe_ffn_hidden_size",
+        Y::Int(int("moe_intermediate_size", 768)?),
+    );
     let step = int("decoder_sparse_step", 1)?;
     if step != 1 {
         return Err(bad(
             "decoder_sparse_step",
-            format!("is {step}: Bridge's Qwen3-MoE provider makes every layer a mixture of experts"),
+            format!(
+                "is {step}: Bridge's Qwen3-MoE provider makes every layer a mixture of experts"
+            ),
         ));
     }
     let dense = &config["mlp_only_layers"];
     if dense.as_array().is_some_and(|l| !l.is_empty()) {
         return Err(bad(
             "mlp_only_layers",
-            format!("is {dense}: Bridge's Qwen3-MoE provider makes every layer a mixture of experts"),
+            format!(
+                "is {dense}: Bridge's Qwen3-MoE provider makes every layer a mixture of experts"
+            ),
         ));
     }
     if m.get("add_qkv_bias") == Some(&Y::Bool(true)) {

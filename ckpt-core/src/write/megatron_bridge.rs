@@ -151,9 +151,7 @@ fn expert_sizes(
             .into_iter()
             .find_map(|(a, s)| s.map(|s| (a, s)))
         {
-            return Err(invalid(format!(
-                "{axis}={n}: the model has no experts"
-            )));
+            return Err(invalid(format!("{axis}={n}: the model has no experts")));
         }
         return Ok(());
     };
@@ -252,10 +250,7 @@ fn provider(config: &Json, path: &Path) -> Result<BTreeMap<&'static str, Y>> {
         m.insert("qk_layernorm", Y::Bool(true));
         m.insert("autocast_dtype", Y::Target("torch.bfloat16"));
         m.insert("moe_grouped_gemm", Y::Bool(true));
-        m.insert(
-            "moe_router_load_balancing_type",
-            Y::Str("aux_loss".into()),
-        );
+        m.insert("moe_router_load_balancing_type", Y::Str("aux_loss".into()));
         m.insert("moe_aux_loss_coeff", Y::Float(1e-3));
         m.insert("moe_router_pre_softmax", Y::Bool(!norm_topk));
         m.insert("moe_token_dispatcher_type", Y::Str("alltoall".into()));
@@ -484,8 +479,12 @@ mod tests {
             s.iter().map(|(n, v)| ((*n).to_string(), *v)).collect()
         };
         let experts = m.get("num_moe_experts").cloned();
-        expert_sizes(&mut m, experts.clone(), Some(grid(&[("tp", 1), ("ep", 2), ("etp", 1)]).as_slice()))
-            .unwrap();
+        expert_sizes(
+            &mut m,
+            experts.clone(),
+            Some(grid(&[("tp", 1), ("ep", 2), ("etp", 1)]).as_slice()),
+        )
+        .unwrap();
         assert_eq!(m["expert_model_parallel_size"], Y::Int(2));
         assert_eq!(m["expert_tensor_parallel_size"], Y::Int(1));
         let e = expert_sizes(&mut m, experts, Some(grid(&[("ep", 3)]).as_slice())).unwrap_err();
@@ -504,7 +503,10 @@ mod tests {
             let mut c = config.clone();
             c["architectures"] = serde_json::json!([arch]);
             let e = provider(&c, Path::new("config.json")).unwrap_err();
-            assert!(e.to_string().contains(field) && e.to_string().contains("no bridge"), "{e}");
+            assert!(
+                e.to_string().contains(field) && e.to_string().contains("no bridge"),
+                "{e}"
+            );
         }
         let mut biased = config;
         biased["attention_bias"] = serde_json::json!(true);
