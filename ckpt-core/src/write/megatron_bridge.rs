@@ -24,6 +24,15 @@
 //! pipeline sizes; fields the mapping does not set are left out, as are the sections
 //! the import leaves at their defaults: Bridge's `instantiate` fills them from the
 //! classes (docs/trainers.md, "The way back").
+//!
+//! A mixture of experts: Qwen3-MoE, as `Qwen3MoEBridge.provider_bridge` maps it (the
+//! provider's MoE fields, `expert_model_parallel_size` and `expert_tensor_parallel_size`
+//! from `--mesh`'s `ep` and `etp`). Bridge v0.6.0 registers no bridge for Mixtral or
+//! Qwen2-MoE: refused by name. The provider's `default_layer_spec` is Transformer
+//! Engine's, whose experts are `TEGroupedMLP` (`moe_grouped_gemm`), saved under
+//! SequentialMLP's stacked keys (megatron-core's `TEGroupedMLP.sharded_state_dict`
+//! without `singleton_local_shards`): [`super::megatron_dist`]'s experts, with the MoE
+//! layers' `pre_mlp_layernorm` unfused, as that spec keeps it.
 
 use super::hf_import::{absolute, hf_fields_moe, yaml_block, Family, HfSource, Y};
 use super::megatron_dist::{MegatronDist, Saver, BRIDGE_ITERATION_DIR};
@@ -43,8 +52,8 @@ use serde_json::Value as Json;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// `reshard --format megatron-bridge`: a Hugging Face Llama or Qwen2 as Megatron-Bridge's
-/// `AutoBridge.import_ckpt` saves it (module docs).
+/// `reshard --format megatron-bridge`: a Hugging Face Llama, Qwen2 or Qwen3-MoE as
+/// Megatron-Bridge's `AutoBridge.import_ckpt` saves it (module docs).
 #[derive(Clone, Debug)]
 pub struct MegatronBridge {
     dist: MegatronDist,
@@ -61,8 +70,8 @@ impl MegatronBridge {
     ///
     /// # Errors
     /// A source that is not a Hugging Face model with its config.json; a model family or
-    /// a config field Bridge's Llama mapping does not take (named); what
-    /// [`MegatronDist::new`] refuses.
+    /// a config field Bridge's mappings do not take (named); expert-parallel sizes the
+    /// model does not divide into; what [`MegatronDist::new`] refuses.
     pub fn new(
         source: &mut Checkpoint,
         target: &dyn TargetLayout,
