@@ -27,6 +27,26 @@ tests/fixtures/hf/qwen2 on TP2 x PP2:
 Megatron-Bridge itself (its `load_checkpoint` / `AutoBridge.load_megatron_model`) needs
 CUDA, Transformer Engine and Python 3.12 and is not run: said as SKIPPED.
 
+A mixture of experts (`--format megatron-bridge`, Qwen3-MoE: Bridge v0.6.0's
+`Qwen3MoEBridge`; its Mixtral and Qwen2-MoE have no bridge there and are refused), the
+tiny Qwen3-MoE of tests/fixtures/moe/hf/qwen3_moe/hf (transformers' own save) on EP2
+(2 gloo ranks) and on TP2 x PP2 (4 ranks, EP1):
+- megatron-core: the provider's fields in `run_config.yaml`'s `model` that are
+  `TransformerConfig` fields become its TransformerConfig (GPTModelProvider is one), as
+  Bridge's `provide` does, with the expert-parallel sizes it records; Transformer Engine
+  cannot run on CPU, so the layer spec is the local one with SequentialMLP experts in
+  place of the provider's TEGroupedMLP (`moe_grouped_gemm` true: megatron-core's
+  TEGroupedMLP.sharded_state_dict is "interchangable with SequentialMLP's", the same
+  keys) and `pre_mlp_layernorm` under its own name as Transformer Engine's MoE spec
+  keeps it; the CPU needs the allgather dispatcher (gloo has no all_to_all) and no
+  fusions: those fields are replaced and said. `dist_checkpointing.load` with
+  every key the model's ranks ask held and every key held asked (megatron-core's own
+  `strict=RAISE_ALL` fails on torch 2.15 before it compares), then
+  `load_state_dict(strict=True)`;
+  the logits equal transformers' forward of the source within 1e-4 (transformers run
+  where it imports, or with $HF_PYTHON; else the fixture's logits.safetensors, Megatron's
+  own, which moe_hf.py checked against transformers', said).
+
 NeMo 2, for the same models and meshes (`--format nemo2`):
 - megatron-core: the GPTModel of `context/model.yaml`'s `config` on that many gloo ranks
   loads `weights/` with `dist_checkpointing.load({"state_dict":
@@ -334,6 +354,171 @@ def nemo2_checks(ckpt, work, runs):
           "Engine and nemo_run); megatron-core's load and fiddle's decoder stand for them")
 
 
+MOE_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "moe", "hf", "qwen3_moe")
+# The run_config fields replaced for megatron-core on CPU: (field, value, why).
+MOE_CPU = [("moe_token_dispatcher_type", "allgather", "gloo has no all_to_all"),
+           ("moe_permute_fusion", False, "a Transformer Engine kernel"),
+           ("moe_grouped_gemm", False, "SequentialMLP in place of TEGroupedMLP (Transformer Engine)"),
+           ("bias_activation_fusion", False, "CPU"), ("masked_softmax_fusion", False, "CPU"),
+           ("persist_layer_norm", False, "CPU"), ("apply_rope_fusion", False, "CPU"),
+           ("bias_dropout_fusion", False, "CPU")]
+
+
+def resolve(v):
+    """A `{_call_: false, _target_: ...}` mapping as the object it names (Bridge's
+    instantiate)."""
+    import importlib
+
+    if isinstance(v, dict) and v.get("_call_") is False:
+        mod, _, name = v["_target_"].rpartition(".")
+        return getattr(importlib.import_module(mod), name)
+    return v
+
+
+def moe_worker(rank, world, saved, ids_file, result, port):
+    """One gloo rank: the GPTModel of run_config.yaml's model section (module docs) loads
+    `saved` (iter_0000000) strictly; on the last stage's first TP rank, logits to
+    `result`."""
+    import dataclasses
+
+    import torch
+    import yaml
+    from safetensors.torch import load_file
+
+    sys.path.append(os.path.join(ROOT, "scripts", "fixtures"))
+    import hf_megatron as H
+
+    H.stub_cuda()
+    with open(os.path.join(saved, "run_config.yaml")) as f:
+        m = yaml.safe_load(f)["model"]
+    tp, pp = m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"]
+    ep = m.get("expert_model_parallel_size", 1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe_utils.te_general_gemm = None
+    etp = m.get("expert_tensor_parallel_size", tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kw = {k: resolve(v) for k, v in m.items() if k in fields}
+    for k, v, _ in MOE_CPU:
+        kw[k] = v
+    kw.update(use_cpu_initialization=True, pipeline_dtype=kw["params_dtype"])
+    config = TransformerConfig(**kw)
+    spec = get_gpt_layer_local_spec(num_experts=m["num_moe_experts"], qk_layernorm=m["qk_layernorm"],
+                                    normalization=m["normalization"])
+    # Transformer Engine's MoE layer keeps pre_mlp_layernorm a module of its own (TENorm),
+    # not fused into linear_fc1 as the local spec's key map says.
+    del spec.submodules.sharded_state_dict_keys_map["pre_mlp_layernorm."]
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=m["vocab_size"],
+                     max_sequence_length=m["seq_length"], pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=m["share_embeddings_and_output_weights"],
+                     position_embedding_type=m["position_embedding_type"], rotary_base=m["rotary_base"])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    sharded = model.sharded_state_dict()
+    # Strict both ways: every key the model asks is in the checkpoint and every key the
+    # checkpoint holds is asked by some rank. (megatron-core 0.16.1's own
+    # StrictHandling.RAISE_ALL cannot run on torch 2.15: its load_tensors_metadata passes
+    # TensorProperties' new `strides` to torch.empty.)
+    from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from torch.distributed.checkpoint import FileSystemReader
+
+    mine = {v.unique_key if isinstance(v, ShardedObject) else v.key for v in nested_values(sharded)}
+    every = [None] * world
+    torch.distributed.all_gather_object(every, mine)
+    asked = set().union(*every)
+    held = set(FileSystemReader(saved).read_metadata().state_dict_metadata)
+    assert asked == held, f"missing {sorted(asked - held)}, unexpected {sorted(held - asked)}"
+    loaded = dist_checkpointing.load({"model": sharded}, saved)
+    assert loaded["content_metadata"] == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    model.load_state_dict(loaded["model"], strict=True)
+    assert not any(torch.isnan(p).any() for p in model.parameters())
+    logits = H.pipeline_forward(model, load_file(ids_file)["input_ids"], m["hidden_size"])
+    if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0 and \
+            parallel_state.get_expert_model_parallel_rank() == 0:
+        torch.save(logits, result)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+TRANSFORMERS_LOGITS = """
+import sys, torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+with torch.no_grad():
+    out = model(load_file(sys.argv[2])["input_ids"]).logits
+torch.save(out, sys.argv[3])
+"""
+
+
+def reference_logits(hf, ids_file, work):
+    """transformers' logits of the source ([b, s, v], as GPTModel's), and where
+    they came from."""
+    import torch
+    from safetensors.torch import load_file
+
+    out = os.path.join(work, "hf-moe-logits.pt")
+    python = sys.executable
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        python = os.environ.get("HF_PYTHON")
+    if python:
+        r = subprocess.run([python, "-c", TRANSFORMERS_LOGITS, hf, ids_file, out], capture_output=True, text=True)
+        if r.returncode == 0:
+            return torch.load(out), f"transformers' ({python})"
+        print(f"note: transformers' forward with {python} failed: {r.stderr[-400:]}")
+    return load_file(ids_file)["logits"], ("the fixture's logits.safetensors (Megatron's, which moe_hf.py checked "
+                                           "against transformers'; no transformers here: set HF_PYTHON)")
+
+
+def moe_checks(ckpt, work):
+    import torch
+    import torch.multiprocessing as mp
+    import yaml
+
+    hf = os.path.join(MOE_FIXTURE, "hf")
+    ids_file = os.path.join(MOE_FIXTURE, "logits.safetensors")
+    want, source = reference_logits(hf, ids_file, work)
+    for i, mesh in enumerate(("tp=1,pp=1,ep=2", "tp=2,pp=2")):
+        out = os.path.join(work, "bridge-qwen3moe-" + mesh.replace(",", "-").replace("=", ""))
+        run(ckpt, "reshard", hf, "--format", "megatron-bridge", "--mesh", mesh, "-o", out, "--quiet")
+        fields, _ = check_sidecars(out, *[int(x.split("=")[1]) for x in mesh.split(",")[:2]], False)
+        said = run(ckpt, "inspect", out)
+        assert "Megatron-Bridge" in said.stdout + said.stderr, said.stdout + said.stderr
+        saved = os.path.join(out, "iter_0000000")
+        with open(os.path.join(saved, "run_config.yaml")) as f:
+            m = yaml.safe_load(f)["model"]
+        # TP x PP ranks, their data-parallel copies holding the EP ranks (TP 1 or EP 1 here).
+        world = m["tensor_model_parallel_size"] * m["pipeline_model_parallel_size"] * \
+            m.get("expert_model_parallel_size", 1)
+        result = os.path.join(work, f"moe-logits-{i}.pt")
+        mp.spawn(moe_worker, args=(world, saved, ids_file, result, 29840 + 10 * i), nprocs=world, join=True)
+        got = torch.load(result)
+        diff = (got - want).abs().max().item()
+        assert got.shape == want.shape and diff <= FP32_TOL, f"qwen3_moe {mesh}: logits differ by {diff}"
+        print(f"qwen3_moe: HF -> megatron-bridge {mesh} ({world} gloo ranks): megatron-core's "
+              f"dist_checkpointing.load (every key asked held, none unasked) takes iter_0000000 into the GPTModel of its "
+              f"run_config.yaml (num_moe_experts {m['num_moe_experts']}, topk {m['moe_router_topk']}, "
+              f"pre_softmax {m['moe_router_pre_softmax']}, EP {m.get('expert_model_parallel_size', 1)}), logits "
+              f"{source} within {diff:.2e}; {fields} run_config.yaml fields are Bridge's (the fixture's)")
+    print("replaced for the CPU: " + "; ".join(f"{k}={v!r} ({why})" for k, v, why in MOE_CPU))
+
+
 def main():
     ckpt = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target", "debug", "ckpt"))
     try:
@@ -373,6 +558,7 @@ def main():
                   f"logits the reference's (max |diff| {diff:.2e}); {fields} run_config.yaml fields are Bridge's "
                   f"(the fixture's), {same}; train_state.pt, latest_train_state.pt, tracker, metadata.json and "
                   f"common.pt as the fixture's")
+        moe_checks(ckpt, work)
         nemo2_checks(ckpt, work, runs)
     try:
         import megatron.bridge  # noqa: F401

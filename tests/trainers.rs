@@ -417,7 +417,7 @@ const TRAINER_CASES: [TrainerCase; 12] = [
         expected: "expected.safetensors",
         anchor: "the Megatron-LM save of the same weights (`tests/fixtures/hf/llama`), exported",
         plain_refused: Some("distributed optimizer's bucket layout"),
-        import_back: "`reshard HF --format megatron-bridge --mesh tp=..,pp=..` (Llama, Qwen2): `AutoBridge.import_ckpt`'s layout, `iter_0000000/`",
+        import_back: "`reshard HF --format megatron-bridge --mesh tp=..,pp=..[,ep=..,etp=..]` (Llama, Qwen2, Qwen3-MoE): `AutoBridge.import_ckpt`'s layout, `iter_0000000/`",
     },
     TrainerCase {
         trainer: "NeMo 2 `MegatronCheckpointIO` (layout from its source; megatron-core wrote the files)",
@@ -1116,6 +1116,230 @@ fn megatron_bridge_refusals_name_the_field_and_write_nothing() {
     ]);
     assert!(o.stderr.contains("Megatron checkpoint"), "{}", o.stderr);
     assert!(!d.path("from-megatron").exists());
+}
+
+/// Issue 45, the way back for a mixture of experts: the Qwen3-MoE of
+/// tests/fixtures/moe/hf (transformers' own save) written as Bridge v0.6.0's
+/// `Qwen3MoEBridge` import saves it: the provider's MoE fields in `run_config.yaml`, the
+/// experts stacked `[layers, experts, ...]` under the keys TEGroupedMLP shares with
+/// SequentialMLP, `pre_mlp_layernorm` under its own name (Transformer Engine's MoE
+/// layer); every source tensor back byte for byte through `merge --format hf`.
+#[test]
+fn hugging_face_qwen3_moe_into_megatron_bridge_and_back() {
+    let d = Dir::new();
+    let model = fixtures().join("moe/hf/qwen3_moe/hf");
+    let want = full_tensors(&model);
+    // (name, stacked shape): 2 layers, hidden 16, 4 heads of 8 in 2 groups, 4 experts of
+    // FFN 16, vocabulary 64.
+    let shapes: [(&str, &[u64]); 12] = [
+        ("embedding.word_embeddings.weight", &[64, 16]),
+        ("output_layer.weight", &[64, 16]),
+        ("decoder.final_layernorm.weight", &[16]),
+        (
+            "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+            &[2, 16],
+        ),
+        (
+            "decoder.layers.self_attention.linear_qkv.weight",
+            &[2, 64, 16],
+        ),
+        (
+            "decoder.layers.self_attention.linear_proj.weight",
+            &[2, 16, 32],
+        ),
+        ("decoder.layers.self_attention.q_layernorm.weight", &[2, 8]),
+        ("decoder.layers.self_attention.k_layernorm.weight", &[2, 8]),
+        ("decoder.layers.pre_mlp_layernorm.weight", &[2, 16]),
+        ("decoder.layers.mlp.router.weight", &[2, 4, 16]),
+        (
+            "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+            &[2, 4, 32, 16],
+        ),
+        (
+            "decoder.layers.mlp.experts.experts.linear_fc2.weight",
+            &[2, 4, 16, 16],
+        ),
+    ];
+    for (mesh, tp, pp, ep, etp) in [
+        ("tp=1,pp=1,ep=2", 1, 1, 2, None),
+        ("tp=2,pp=2", 2, 2, 1, None),
+        ("tp=2,pp=1,ep=4,etp=1", 2, 1, 4, Some(1)),
+    ] {
+        let out = d.path(&format!("bridge-qwen3moe-{mesh}"));
+        d.ok(&[
+            "reshard",
+            model.to_str().unwrap(),
+            "--format",
+            "megatron-bridge",
+            "--mesh",
+            mesh,
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        let iter = out.join("iter_0000000");
+        for f in [
+            "run_config.yaml",
+            "train_state.pt",
+            "common.pt",
+            "metadata.json",
+            ".metadata",
+        ] {
+            assert!(iter.join(f).is_file(), "{mesh}: {f}");
+        }
+        for r in 0..tp * pp {
+            assert!(
+                iter.join(format!("__{r}_0.distcp")).is_file(),
+                "{mesh}: rank {r}"
+            );
+        }
+        let ck = ckpt_core::Checkpoint::open(std::slice::from_ref(&iter)).expect("open");
+        let got: std::collections::BTreeMap<&str, &[u64]> = ck
+            .tensors
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.shape.as_slice()))
+            .collect();
+        let expected: std::collections::BTreeMap<&str, &[u64]> = shapes.iter().copied().collect();
+        assert_eq!(got, expected, "{mesh}: the dist_ckpt's keys and shapes");
+        // Every expert's linear layers keep an `_extra_state` object per layer and expert.
+        let keys = strings_with(&std::fs::read(iter.join(".metadata")).unwrap(), "decoder.");
+        for m in ["linear_fc1", "linear_fc2"] {
+            for (l, e) in [(0, 0), (1, 3)] {
+                let k = format!(
+                    "decoder.layers.mlp.experts.experts.{m}._extra_state/shard_{l}.{e}_2.4"
+                );
+                assert!(keys.contains(&k), "{mesh}: {k} in {keys:?}");
+            }
+        }
+        let yaml = std::fs::read_to_string(iter.join("run_config.yaml")).unwrap();
+        let mut lines = vec![
+            format!("  tensor_model_parallel_size: {tp}\n"),
+            format!("  pipeline_model_parallel_size: {pp}\n"),
+            format!("  expert_model_parallel_size: {ep}\n"),
+            "  num_moe_experts: 4\n".into(),
+            "  moe_router_topk: 2\n".into(),
+            "  moe_ffn_hidden_size: 16\n".into(),
+            "  moe_grouped_gemm: true\n".into(),
+            "  moe_router_load_balancing_type: aux_loss\n".into(),
+            "  moe_aux_loss_coeff: 0.001\n".into(),
+            // norm_topk_prob true
+            "  moe_router_pre_softmax: false\n".into(),
+            "  moe_token_dispatcher_type: alltoall\n".into(),
+            "  moe_permute_fusion: true\n".into(),
+            "  qk_layernorm: true\n".into(),
+            "  add_qkv_bias: false\n".into(),
+            "  kv_channels: 8\n".into(),
+            "  num_query_groups: 2\n".into(),
+            "  rotary_base: 1000000\n".into(),
+            "  layernorm_epsilon: 1.0e-06\n".into(),
+            "  _target_: megatron.bridge.models.gpt_provider.GPTModelProvider\n".into(),
+        ];
+        if let Some(e) = etp {
+            lines.push(format!("  expert_tensor_parallel_size: {e}\n"));
+        } else {
+            assert!(!yaml.contains("expert_tensor_parallel_size"), "{yaml}");
+        }
+        for line in lines {
+            assert!(yaml.contains(&line), "{mesh}: {line:?} in\n{yaml}");
+        }
+        let i = d.ok(&["inspect", out.to_str().unwrap()]);
+        let said = format!("{}{}", i.stdout, i.stderr);
+        assert!(said.contains("Megatron-Bridge"), "{mesh}: {said}");
+        let back = d.path(&format!("back-qwen3moe-{mesh}"));
+        d.ok(&[
+            "merge",
+            out.to_str().unwrap(),
+            "--format",
+            "hf",
+            "-o",
+            back.to_str().unwrap(),
+        ]);
+        assert_eq!(full_tensors(&back), want, "qwen3_moe {mesh}");
+    }
+}
+
+/// The mixtures of experts Bridge v0.6.0 has no bridge for (Mixtral, Qwen2-MoE), an EP
+/// size that does not divide the experts, expert axes for a dense model, and a
+/// Qwen3-MoE with dense layers are refused by name, exit 1, nothing written.
+#[test]
+fn megatron_bridge_moe_refusals_are_named_and_write_nothing() {
+    let d = Dir::new();
+    let moe = |f: &str| fixtures().join("moe/hf").join(f).join("hf");
+    let dense = hf_llama(&d, "llama", |_| {});
+    let mut sparse: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(moe("qwen3_moe").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    sparse["mlp_only_layers"] = serde_json::json!([1]);
+    let with_dense = d.path("qwen3moe-dense-layer");
+    copy_dir(&moe("qwen3_moe"), &with_dense);
+    std::fs::write(with_dense.join("config.json"), sparse.to_string()).unwrap();
+    let cases: [(&str, PathBuf, &str, &str); 5] = [
+        (
+            "mixtral",
+            moe("mixtral"),
+            "tp=1,pp=1",
+            "`architectures` is \"MixtralForCausalLM\", a mixture of experts Megatron-Bridge v0.6.0 registers no bridge for",
+        ),
+        (
+            "qwen2moe",
+            moe("qwen2_moe"),
+            "tp=1,pp=1",
+            "`architectures` is \"Qwen2MoeForCausalLM\", a mixture of experts Megatron-Bridge v0.6.0 registers no bridge for",
+        ),
+        (
+            "ep3",
+            moe("qwen3_moe"),
+            "tp=1,pp=1,ep=3",
+            "ep=3: the 4 experts (num_moe_experts) do not divide into 3 expert-parallel ranks",
+        ),
+        (
+            "dense-ep",
+            dense,
+            "tp=1,pp=1,ep=2",
+            "ep=2: the model has no experts",
+        ),
+        (
+            "mlp-only",
+            with_dense,
+            "tp=1,pp=1",
+            "`mlp_only_layers` is [1]: Bridge's Qwen3-MoE provider makes every layer a mixture of experts",
+        ),
+    ];
+    for (name, model, mesh, said) in cases {
+        let out = d.path(&format!("{name}-out"));
+        let o = d.fails(&[
+            "reshard",
+            model.to_str().unwrap(),
+            "--format",
+            "megatron-bridge",
+            "--mesh",
+            mesh,
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(o.code, 1, "{name}: {}", o.stderr);
+        assert!(o.stderr.contains(said), "{name}: {}", o.stderr);
+        assert!(!out.exists(), "{name}: nothing written");
+    }
+    // NeMo 2's import of a mixture of experts is not written: refused by name too.
+    let out = d.path("nemo2-qwen3moe");
+    let o = d.fails(&[
+        "reshard",
+        moe("qwen3_moe").to_str().unwrap(),
+        "--format",
+        "nemo2",
+        "--mesh",
+        "tp=1,pp=1",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        o.stderr
+            .contains("Qwen3MoeForCausalLM\", a mixture of experts"),
+        "{}",
+        o.stderr
+    );
+    assert!(!out.exists());
 }
 
 /// The committed NeMo 2 save (`scripts/fixtures/trainers_nemo2.py`): its `-last` step.

@@ -44,6 +44,8 @@ pub(crate) enum Family {
     Llama,
     /// Bridge's `Qwen2Bridge`, NeMo's `HFQwen2Importer`.
     Qwen2,
+    /// Bridge's `Qwen3MoEBridge` (a mixture of experts: [`hf_fields`] with `moe`).
+    Qwen3Moe,
 }
 
 /// A Hugging Face source of an import: its config.json and tokenizer files.
@@ -158,11 +160,30 @@ impl HfFields {
 
 /// The fields both importers set from `config` (Bridge's
 /// `MegatronModelBridge.CONFIG_MAPPING` and `hf_config_to_provider_kwargs`; NeMo's
-/// `HFLlamaImporter.config` reads the same config fields), for `--format {format}`.
+/// `HFLlamaImporter.config` reads the same config fields), for `--format {format}`:
+/// Llama and Qwen2.
 ///
 /// # Errors
-/// A config of another family, or a field the mapping cannot take, named.
+/// A config of another family (a mixture of experts too), or a field the mapping cannot
+/// take, named.
 pub(crate) fn hf_fields(config: &Json, path: &Path, format: &str) -> Result<HfFields> {
+    hf_fields_of(config, path, format, false)
+}
+
+/// [`hf_fields`], the mixtures of experts Megatron-Bridge v0.6.0 maps taken too
+/// (Qwen3-MoE: `Qwen3MoEBridge`), with `CONFIG_MAPPING`'s MoE fields: `num_moe_experts`,
+/// `moe_router_topk`, `moe_ffn_hidden_size` (transformers' `Qwen3MoeConfig` defaults
+/// where config.json leaves them out, as Bridge reads the config object; its
+/// `router_aux_loss_coef` is mapped too, then overwritten by `Qwen3MoEBridge`).
+///
+/// # Errors
+/// As [`hf_fields`]; Mixtral and Qwen2-MoE, for which Bridge v0.6.0 registers no
+/// bridge, named.
+pub(crate) fn hf_fields_moe(config: &Json, path: &Path, format: &str) -> Result<HfFields> {
+    hf_fields_of(config, path, format, true)
+}
+
+fn hf_fields_of(config: &Json, path: &Path, format: &str, moe: bool) -> Result<HfFields> {
     let bad = |field: &str, problem: String| {
         unsupported(format!(
             "{}: `{field}` {problem} (--format {format})",
@@ -177,6 +198,23 @@ pub(crate) fn hf_fields(config: &Json, path: &Path, format: &str) -> Result<HfFi
     let family = match arch {
         "LlamaForCausalLM" => Family::Llama,
         "Qwen2ForCausalLM" => Family::Qwen2,
+        "Qwen3MoeForCausalLM" if moe => Family::Qwen3Moe,
+        "Qwen3MoeForCausalLM" => {
+            return Err(bad(
+                "architectures",
+                format!(
+                    "is {arch:?}, a mixture of experts: ckpt writes this import of LlamaForCausalLM and Qwen2ForCausalLM only so far (--format megatron-bridge takes it)"
+                ),
+            ))
+        }
+        "MixtralForCausalLM" | "Qwen2MoeForCausalLM" if moe => {
+            return Err(bad(
+                "architectures",
+                format!(
+                    "is {arch:?}, a mixture of experts Megatron-Bridge v0.6.0 registers no bridge for (its AutoBridge.import_ckpt refuses it; Qwen3MoeForCausalLM is the mixture of experts it maps)"
+                ),
+            ))
+        }
         _ => {
             return Err(bad(
                 "architectures",
@@ -206,6 +244,7 @@ pub(crate) fn hf_fields(config: &Json, path: &Path, format: &str) -> Result<HfFi
     let heads = int("num_attention_heads").unwrap_or(1).max(1);
     // transformers' LlamaConfig always has `head_dim` (hidden / heads when not given);
     // Qwen2Config only where config.json gives it.
+    // Qwen3MoeConfig (transformers 5) has no head_dim field either.
     let head_dim = match config.get("head_dim") {
         None | Some(Json::Null) => (family == Family::Llama).then_some(hidden / heads),
         Some(v) => Some(
@@ -299,12 +338,72 @@ pub(crate) fn hf_fields(config: &Json, path: &Path, format: &str) -> Result<HfFi
                 && s["rope_type"].as_str().or_else(|| s["type"].as_str()) != Some("default")
         })
         .cloned();
+    if family == Family::Qwen3Moe {
+        moe_fields(config, &mut m, &bad)?;
+    }
     Ok(HfFields {
         family,
         fields: m,
         theta,
         scaling,
     })
+}
+
+/// `CONFIG_MAPPING`'s MoE entries of a Qwen3-MoE config (`num_experts` or
+/// `num_local_experts`, `num_experts_per_tok`, `moe_intermediate_size`),
+/// `Qwen3MoeConfig`'s defaults where absent; the layout
+/// Bridge's provider assumes checked: every layer a mixture of experts
+/// (`decoder_sparse_step` 1, no `mlp_only_layers`: the provider's `moe_layer_freq` is 1),
+/// no attention bias (`Qwen3MoEBridge` sets `add_qkv_bias` false).
+fn moe_fields(
+    config: &Json,
+    m: &mut BTreeMap<&'static str, Y>,
+    bad: &dyn Fn(&str, String) -> Error,
+) -> Result<()> {
+    let int = |k: &str, default: i64| -> Result<i64> {
+        match config.get(k) {
+            None | Some(Json::Null) => Ok(default),
+            Some(v) => v.as_i64().ok_or_else(|| bad(k, "is not an integer".into())),
+        }
+    };
+    let experts = match config.get("num_experts").filter(|v| !v.is_null()) {
+        Some(_) => int("num_experts", 128)?,
+        None => int("num_local_experts", 128)?,
+    };
+    if experts < 1 {
+        return Err(bad("num_experts", format!("is {experts}")));
+    }
+    m.insert("num_moe_experts", Y::Int(experts));
+    m.insert("moe_router_topk", Y::Int(int("num_experts_per_tok", 8)?));
+    m.insert(
+        "moe_ffn_hidden_size",
+        Y::Int(int("moe_intermediate_size", 768)?),
+    );
+    let step = int("decoder_sparse_step", 1)?;
+    if step != 1 {
+        return Err(bad(
+            "decoder_sparse_step",
+            format!(
+                "is {step}: Bridge's Qwen3-MoE provider makes every layer a mixture of experts"
+            ),
+        ));
+    }
+    let dense = &config["mlp_only_layers"];
+    if dense.as_array().is_some_and(|l| !l.is_empty()) {
+        return Err(bad(
+            "mlp_only_layers",
+            format!(
+                "is {dense}: Bridge's Qwen3-MoE provider makes every layer a mixture of experts"
+            ),
+        ));
+    }
+    if m.get("add_qkv_bias") == Some(&Y::Bool(true)) {
+        return Err(bad(
+            "attention_bias",
+            "is true: Bridge's Qwen3-MoE provider has no QKV bias (add_qkv_bias false)".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// A mapping's text as PyYAML's `safe_dump` writes it at `indent` spaces (keys sorted,

@@ -24,8 +24,17 @@
 //! pipeline sizes; fields the mapping does not set are left out, as are the sections
 //! the import leaves at their defaults: Bridge's `instantiate` fills them from the
 //! classes (docs/trainers.md, "The way back").
+//!
+//! A mixture of experts: Qwen3-MoE, as `Qwen3MoEBridge.provider_bridge` maps it (the
+//! provider's MoE fields, `expert_model_parallel_size` and `expert_tensor_parallel_size`
+//! from `--mesh`'s `ep` and `etp`). Bridge v0.6.0 registers no bridge for Mixtral or
+//! Qwen2-MoE: refused by name. The provider's `default_layer_spec` is Transformer
+//! Engine's, whose experts are `TEGroupedMLP` (`moe_grouped_gemm`), saved under
+//! SequentialMLP's stacked keys (megatron-core's `TEGroupedMLP.sharded_state_dict`
+//! without `singleton_local_shards`): [`super::megatron_dist`]'s experts, with the MoE
+//! layers' `pre_mlp_layernorm` unfused, as that spec keeps it.
 
-use super::hf_import::{absolute, hf_fields, yaml_block, Family, HfSource, Y};
+use super::hf_import::{absolute, hf_fields_moe, yaml_block, Family, HfSource, Y};
 use super::megatron_dist::{MegatronDist, Saver, BRIDGE_ITERATION_DIR};
 use super::ranks::RankOptions;
 use super::{TargetLayout, Writer};
@@ -43,8 +52,8 @@ use serde_json::Value as Json;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// `reshard --format megatron-bridge`: a Hugging Face Llama or Qwen2 as Megatron-Bridge's
-/// `AutoBridge.import_ckpt` saves it (module docs).
+/// `reshard --format megatron-bridge`: a Hugging Face Llama, Qwen2 or Qwen3-MoE as
+/// Megatron-Bridge's `AutoBridge.import_ckpt` saves it (module docs).
 #[derive(Clone, Debug)]
 pub struct MegatronBridge {
     dist: MegatronDist,
@@ -61,8 +70,8 @@ impl MegatronBridge {
     ///
     /// # Errors
     /// A source that is not a Hugging Face model with its config.json; a model family or
-    /// a config field Bridge's Llama mapping does not take (named); what
-    /// [`MegatronDist::new`] refuses.
+    /// a config field Bridge's mappings do not take (named); expert-parallel sizes the
+    /// model does not divide into; what [`MegatronDist::new`] refuses.
     pub fn new(
         source: &mut Checkpoint,
         target: &dyn TargetLayout,
@@ -75,7 +84,9 @@ impl MegatronBridge {
             "Megatron-Bridge's AutoBridge.import_ckpt",
         )?;
         // Checked before the weights are looked at: the family decides the mapping.
-        let provider = provider(&hf.config, &hf.config_path)?;
+        let mut provider = provider(&hf.config, &hf.config_path)?;
+        let experts = provider.get("num_moe_experts").cloned();
+        expert_sizes(&mut provider, experts, target.grid().as_deref())?;
         let dist = MegatronDist::saved_by(source, target, options, Saver::Bridge)?;
         let (tp, pp) = dist.sizes(source)?;
         let run_config = run_config(provider, (tp, pp), &hf.dir(), &absolute(output));
@@ -114,6 +125,61 @@ impl Writer for MegatronBridge {
         write_file_atomic(&dir.join(TRACKER_FILE), b"0")?;
         self.hf.copy_tokenizer(&iter.join("tokenizer"))
     }
+}
+
+/// The expert-parallel sizes `--mesh` asks (`ep=`, `etp=`) as the provider's
+/// `expert_model_parallel_size` (1 where not asked) and `expert_tensor_parallel_size`
+/// (where asked; megatron-core's `TransformerConfig` takes the TP size where unset) of a
+/// mixture of experts (`experts`: its `num_moe_experts`).
+///
+/// # Errors
+/// `ep` or `etp` for a model without experts; an `ep` that does not divide the experts;
+/// an `etp` megatron-core does not take (0).
+fn expert_sizes(
+    m: &mut BTreeMap<&'static str, Y>,
+    experts: Option<Y>,
+    grid: Option<&[(String, u64)]>,
+) -> Result<()> {
+    let mesh = grid.unwrap_or_default();
+    let text = mesh
+        .iter()
+        .map(|(n, s)| format!("{n}={s}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    // Exit 1, as `--format megatron` refuses such an EP size: the mesh is well formed,
+    // the model does not fit it.
+    let invalid = |problem: String| {
+        super::hf_import::unsupported(format!(
+            "--mesh {text}: {problem} (--format megatron-bridge)"
+        ))
+    };
+    let size = |axis: &str| mesh.iter().find(|(n, _)| n == axis).map(|(_, s)| *s);
+    let (ep, etp) = (size("ep"), size("etp"));
+    let Some(Y::Int(experts)) = experts else {
+        if let Some((axis, n)) = [("ep", ep), ("etp", etp)]
+            .into_iter()
+            .find_map(|(a, s)| s.map(|s| (a, s)))
+        {
+            return Err(invalid(format!("{axis}={n}: the model has no experts")));
+        }
+        return Ok(());
+    };
+    let ep = ep.unwrap_or(1);
+    let i = |v: u64| Y::Int(i64::try_from(v).unwrap_or(i64::MAX));
+    if ep == 0 || u64::try_from(experts).map_or(true, |e| e % ep != 0) {
+        return Err(invalid(format!(
+            "ep={ep}: the {experts} experts (num_moe_experts) do not divide into {ep} expert-parallel ranks (megatron-core needs as many local experts on each)"
+        )));
+    }
+    m.insert("expert_model_parallel_size", i(ep));
+    match etp {
+        Some(0) => return Err(invalid("etp=0".into())),
+        Some(e) => {
+            m.insert("expert_tensor_parallel_size", i(e));
+        }
+        None => {}
+    }
+    Ok(())
 }
 
 /// `TrainState().state_dict()` as the save's finalize step writes it: 0-d tensors,
@@ -157,7 +223,7 @@ fn provider(config: &Json, path: &Path) -> Result<BTreeMap<&'static str, Y>> {
             path.display()
         ))
     };
-    let hf = hf_fields(config, path, "megatron-bridge")?;
+    let hf = hf_fields_moe(config, path, "megatron-bridge")?;
     let (family, mut m, scaling) = (hf.family, hf.fields, hf.scaling);
     // make_vocab_size_divisible_by: the largest power of 2 up to 128 dividing the
     // vocabulary.
@@ -170,6 +236,41 @@ fn provider(config: &Json, path: &Path) -> Result<BTreeMap<&'static str, Y>> {
         base /= 2;
     }
     m.insert("make_vocab_size_divisible_by", Y::Int(base));
+    if family == Family::Qwen3Moe {
+        // Qwen3MoEBridge.provider_bridge: the base mapping (CONFIG_MAPPING, its MoE
+        // entries included: hf_fields_moe), then these.
+        if let Some(s) = scaling {
+            return Err(bad(
+                "rope_scaling",
+                format!("is {s}: ckpt writes Bridge's Qwen3-MoE without RoPE scaling (YaRN's goes into yarn_* fields ckpt does not write)"),
+            ));
+        }
+        let norm_topk = match config.get("norm_topk_prob") {
+            None | Some(Json::Null) => false,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| bad("norm_topk_prob", "is not a boolean".into()))?,
+        };
+        m.insert("normalization", Y::Str("RMSNorm".into()));
+        m.insert("gated_linear_unit", Y::Bool(true));
+        m.insert("add_bias_linear", Y::Bool(false));
+        m.insert("add_qkv_bias", Y::Bool(false));
+        m.insert("hidden_dropout", Y::Float(0.0));
+        m.insert("qk_layernorm", Y::Bool(true));
+        m.insert("autocast_dtype", Y::Target("torch.bfloat16"));
+        m.insert("moe_grouped_gemm", Y::Bool(true));
+        m.insert("moe_router_load_balancing_type", Y::Str("aux_loss".into()));
+        m.insert("moe_aux_loss_coeff", Y::Float(1e-3));
+        m.insert("moe_router_pre_softmax", Y::Bool(!norm_topk));
+        m.insert("moe_token_dispatcher_type", Y::Str("alltoall".into()));
+        m.insert("moe_permute_fusion", Y::Bool(true));
+        m.insert("perform_initialization", Y::Bool(false));
+        m.insert(
+            "_target_",
+            Y::Str("megatron.bridge.models.gpt_provider.GPTModelProvider".into()),
+        );
+        return Ok(m);
+    }
     if family == Family::Qwen2 {
         // Qwen2Bridge.provider_bridge.
         if let Some(s) = scaling {
@@ -361,5 +462,64 @@ mod tests {
         yarn["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0});
         let e = provider(&yarn, Path::new("config.json")).unwrap_err();
         assert!(e.to_string().contains("`rope_scaling`"), "{e}");
+    }
+
+    #[test]
+    fn the_qwen3_moe_mapping_is_bridges() {
+        let config: Json = serde_json::from_str(
+            r#"{"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2, "hidden_size": 16,
+               "intermediate_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 8, "vocab_size": 64, "max_position_embeddings": 8, "rms_norm_eps": 1e-6,
+               "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 12,
+               "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
+               "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}"#,
+        )
+        .unwrap();
+        let mut m = provider(&config, Path::new("config.json")).unwrap();
+        assert_eq!(m["num_moe_experts"], Y::Int(4));
+        assert_eq!(m["moe_router_topk"], Y::Int(2));
+        assert_eq!(m["moe_ffn_hidden_size"], Y::Int(12));
+        assert_eq!(m["moe_router_pre_softmax"], Y::Bool(false));
+        assert_eq!(m["moe_grouped_gemm"], Y::Bool(true));
+        assert_eq!(m["qk_layernorm"], Y::Bool(true));
+        assert_eq!(m["kv_channels"], Y::Int(8));
+        assert_eq!(m["rotary_base"], Y::Int(1_000_000));
+        let grid = |s: &[(&str, u64)]| -> Vec<(String, u64)> {
+            s.iter().map(|(n, v)| ((*n).to_string(), *v)).collect()
+        };
+        let experts = m.get("num_moe_experts").cloned();
+        expert_sizes(
+            &mut m,
+            experts.clone(),
+            Some(grid(&[("tp", 1), ("ep", 2), ("etp", 1)]).as_slice()),
+        )
+        .unwrap();
+        assert_eq!(m["expert_model_parallel_size"], Y::Int(2));
+        assert_eq!(m["expert_tensor_parallel_size"], Y::Int(1));
+        let e = expert_sizes(&mut m, experts, Some(grid(&[("ep", 3)]).as_slice())).unwrap_err();
+        assert!(e.to_string().contains("do not divide into 3"), "{e}");
+        let e = expert_sizes(&mut m, None, Some(grid(&[("ep", 2)]).as_slice())).unwrap_err();
+        assert!(e.to_string().contains("no experts"), "{e}");
+        // Without norm_topk_prob (Qwen3MoeConfig's default false): softmax before top-k.
+        let mut plain = config.clone();
+        plain.as_object_mut().unwrap().remove("norm_topk_prob");
+        let p = provider(&plain, Path::new("config.json")).unwrap();
+        assert_eq!(p["moe_router_pre_softmax"], Y::Bool(true));
+        for (arch, field) in [
+            ("MixtralForCausalLM", "`architectures`"),
+            ("Qwen2MoeForCausalLM", "`architectures`"),
+        ] {
+            let mut c = config.clone();
+            c["architectures"] = serde_json::json!([arch]);
+            let e = provider(&c, Path::new("config.json")).unwrap_err();
+            assert!(
+                e.to_string().contains(field) && e.to_string().contains("no bridge"),
+                "{e}"
+            );
+        }
+        let mut biased = config;
+        biased["attention_bias"] = serde_json::json!(true);
+        let e = provider(&biased, Path::new("config.json")).unwrap_err();
+        assert!(e.to_string().contains("`attention_bias`"), "{e}");
     }
 }

@@ -197,7 +197,15 @@ const STACKED_EXPERTS: &str = "mlp.experts.experts.";
 /// `decoder.layers.self_attention.linear_qkv.layer_norm_weight`,
 /// `decoder.layers.1.mlp.experts.local_experts.5.linear_fc2.weight` is `[1, 5]` of
 /// `decoder.layers.mlp.experts.experts.linear_fc2.weight`.
+#[cfg(test)]
 fn dist_key(name: &str) -> (String, Vec<u64>) {
+    dist_key_with(name, &FUSED_NORMS)
+}
+
+/// The dist_ckpt key and stacked position of `name` (as `dist_key`), the norms `fused`
+/// under the names given (the local spec's
+/// [`FUSED_NORMS`], or Transformer Engine's MoE spec's: `input_layernorm` alone).
+fn dist_key_with(name: &str, fused: &[(&str, &str)]) -> (String, Vec<u64>) {
     let as_is = || (name.to_string(), Vec::new());
     let Some(rest) = name.strip_prefix(LAYERS) else {
         return as_is();
@@ -219,7 +227,7 @@ fn dist_key(name: &str) -> (String, Vec<u64>) {
             );
         }
     }
-    let param = FUSED_NORMS
+    let param = fused
         .iter()
         .find_map(|(from, to)| param.strip_prefix(from).map(|p| format!("{to}{p}")))
         .unwrap_or_else(|| param.to_string());
@@ -335,6 +343,14 @@ fn stacked(
     let mut files = Vec::with_capacity(plan.files.len());
     let mut rewrites = Vec::with_capacity(plan.files.len());
     let experts = state.args.moe.experts.unwrap_or(0);
+    // Megatron-Bridge builds Transformer Engine's layer spec, whose MoE layers keep
+    // `pre_mlp_layernorm` a module of its own (a `TENorm`: `pre_mlp_layernorm.weight`);
+    // its dense layers fuse it into `linear_fc1` as the local spec names it.
+    let fused = if saver == Saver::Bridge && experts > 0 {
+        &FUSED_NORMS[..1]
+    } else {
+        &FUSED_NORMS[..]
+    };
     let mut modules: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     for (r, f) in plan.files.iter().enumerate() {
         let name = format!("__{r}_0.distcp");
@@ -352,7 +368,7 @@ fn stacked(
                     t.pieces.len()
                 )));
             };
-            let (key, at) = dist_key(&t.name);
+            let (key, at) = dist_key_with(&t.name, fused);
             let module = linear_module(&key).map(|m| format!("{}{m}", saver.prefix()));
             let key = format!("{}{key}", saver.prefix());
             let global_shape = strategy

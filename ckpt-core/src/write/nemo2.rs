@@ -215,6 +215,13 @@ impl NemoModel {
             (Family::Llama, None) => ((LLAMA, "LlamaModel"), (LLAMA, "LlamaConfig")),
             (Family::Llama, Some(_)) => ((LLAMA, "LlamaModel"), (LLAMA, "Llama31Config")),
             (Family::Qwen2, _) => ((QWEN2, "Qwen2Model"), (QWEN2, "Qwen2Config")),
+            // hf_fields refuses the mixtures of experts.
+            (Family::Qwen3Moe, _) => {
+                return Err(unsupported(format!(
+                    "{}: a mixture of experts is not written as NeMo 2's import yet",
+                    hf.config_path.display()
+                )))
+            }
         };
         let mut defaults = vec![
             ("normalization", Y::Str("RMSNorm".into())),
