@@ -894,6 +894,23 @@ fn verl_megatron_save_is_read_as_verl_lays_it_out() {
         "{}",
         o.stderr
     );
+    // DCP's .metadata without the common.pt megatron-core writes first and the
+    // metadata.json it writes last: no megatron-core save cut off but verl's
+    // Megatron-FSDP layout (DTensors), refused by name rather than called incomplete.
+    let fsdp = d.path("verl_fsdp_out");
+    copy_dir(&fx.join("verl_out"), &fsdp);
+    let dist = fsdp.join("global_step_2/actor/dist_ckpt");
+    for f in ["metadata.json", "common.pt"] {
+        std::fs::remove_file(dist.join(f)).unwrap();
+    }
+    let o = d.fails(&["merge", "verl_fsdp_out", "--format", "hf", "-o", "x"]);
+    assert!(
+        o.stderr.contains("Megatron-FSDP")
+            && o.stderr.contains("use_megatron_fsdp")
+            && !o.stderr.contains("incomplete"),
+        "{}",
+        o.stderr
+    );
     assert!(!d.path("x").exists());
 }
 

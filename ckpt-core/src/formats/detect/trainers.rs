@@ -15,7 +15,7 @@
 //! docs/trainers.md).
 
 use crate::error::{Error, Result};
-use crate::formats::megatron::{args_of_run_config, Args, DIST_METADATA_FILE};
+use crate::formats::megatron::{args_of_run_config, Args, COMMON_FILE, DIST_METADATA_FILE};
 use crate::formats::{distcp, list_dir, orbax};
 use crate::hf::TOKENIZER_FILES;
 use std::path::{Path, PathBuf};
@@ -593,8 +593,22 @@ const VERL_MEGATRON: &str = "verl (Megatron backend)";
 /// A megatron-core dist_ckpt of verl's, complete (its `.metadata` and `metadata.json`
 /// there), else an error naming the file missing.
 fn verl_dist_ckpt(dir: &Path) -> Result<PathBuf> {
-    // `metadata.json` is what megatron-core's `dist_checkpointing.save` writes last
-    // (`save_config`, after the shards, their `.metadata` and `common.pt`).
+    // megatron-core's `dist_checkpointing.save` writes `common.pt` before the shards and
+    // their `.metadata`, and `metadata.json` last (`save_config`). DCP's `.metadata`
+    // without either is no megatron-core save cut off but another writer's: verl's
+    // Megatron-FSDP (`use_megatron_fsdp`) saves DTensor checkpoints in `dist_ckpt/`
+    // (Megatron's `fsdp_dtensor` format), whose names and layout ckpt has no fixture of.
+    if dir.join(distcp::METADATA_FILE).is_file()
+        && !dir.join(DIST_METADATA_FILE).exists()
+        && !dir.join(COMMON_FILE).exists()
+    {
+        return Err(Error::Unsupported {
+            problem: format!(
+                "{}: a DCP save without megatron-core's common.pt and metadata.json: verl's Megatron-FSDP layout (use_megatron_fsdp, DTensor checkpoints in dist_ckpt/), not read yet; export its Hugging Face weights with verl (checkpoint.save_contents with hf_model) or save with use_dist_checkpointing",
+                dir.display()
+            ),
+        });
+    }
     for f in [distcp::METADATA_FILE, DIST_METADATA_FILE] {
         if !dir.join(f).is_file() {
             return Err(unknown(format!(
