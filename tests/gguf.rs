@@ -1506,3 +1506,33 @@ fn a_moe_checkpoint_llama_cpp_would_not_load_is_refused_naming_the_tensor() {
         assert_gguf_refused(&d, &src, says);
     }
 }
+
+/// `ckpt_core::read_bpe_tokenizer`, the BPE `tokenizer.json` reader that the GGUF
+/// writer and the `bpe_tokenizer` fuzz target call: the committed Qwen tokenizer (the
+/// fuzz seeds' file) gives one token and type per id of the config's 352, the 29
+/// without a token `[PADi]` (unused, 5), `<|endoftext|>` control (3), its 64 merges;
+/// an id not below the vocabulary, a truncated file and a SentencePiece-style BPE are
+/// refused, naming the problem.
+#[test]
+fn the_bpe_tokenizer_reader_takes_qwens_and_refuses_damage_by_name() {
+    let json = std::fs::read(fixture("qwen/tokenizer/tokenizer.json")).expect("read");
+    let (pre, tokens, types, merges) = ckpt_core::read_bpe_tokenizer(&json, 352).expect("reads");
+    assert_eq!(pre, "qwen2");
+    assert_eq!((tokens.len(), types.len(), merges.len()), (352, 352, 64));
+    assert_eq!((tokens[320].as_str(), types[320]), ("<|endoftext|>", 3));
+    assert_eq!(types.iter().filter(|&&t| t == 5).count(), 29);
+    assert_eq!((tokens[351].as_str(), types[351]), ("[PAD351]", 5));
+    let refused = |json: &[u8], vocab: usize, says: &str| {
+        let e = ckpt_core::read_bpe_tokenizer(json, vocab)
+            .map(|_| ())
+            .expect_err("refused")
+            .to_string();
+        assert!(e.contains(says), "{says:?} not in {e}");
+    };
+    refused(&json, 300, "not below the config's vocab_size 300");
+    refused(&json[..json.len() / 2], 352, "not JSON");
+    let text = String::from_utf8(json.clone()).expect("utf-8");
+    let fallback = text.replacen("\"byte_fallback\": false", "\"byte_fallback\": true", 1);
+    assert_ne!(fallback, text, "the fixture says byte_fallback");
+    refused(fallback.as_bytes(), 352, "byte_fallback");
+}

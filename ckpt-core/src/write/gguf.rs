@@ -34,6 +34,21 @@ mod refuse;
 
 use refuse::{looks_special, unsupported};
 
+/// A byte-level BPE `tokenizer.json` as `merge --format gguf` reads it for a model of
+/// `vocab_size` ids ([`bpe`]): `tokenizer.ggml.pre`, one token and one ggml token type
+/// per id, and the merges; or the refusal naming the problem. The fuzz target's entry.
+///
+/// # Errors
+/// What the writer refuses: not JSON, not a byte-level BPE, a pre-tokenizer ckpt
+/// cannot name, an id not below `vocab_size`, no merges.
+pub fn read_bpe_tokenizer(
+    json: &[u8],
+    vocab_size: usize,
+) -> Result<(&'static str, Vec<String>, Vec<i32>, Vec<String>)> {
+    let b = bpe::parse(json, Path::new("tokenizer.json"), vocab_size)?;
+    Ok((b.pre, b.tokens, b.types, b.merges))
+}
+
 /// The file the plan writes (the tool moves it to the output's name).
 pub(crate) const GGUF_FILE: &str = "model.gguf";
 
