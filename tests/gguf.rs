@@ -1516,7 +1516,12 @@ fn a_moe_checkpoint_llama_cpp_would_not_load_is_refused_naming_the_tensor() {
 #[test]
 fn the_bpe_tokenizer_reader_takes_qwens_and_refuses_damage_by_name() {
     let json = std::fs::read(fixture("qwen/tokenizer/tokenizer.json")).expect("read");
-    let (pre, tokens, types, merges) = ckpt_core::read_bpe_tokenizer(&json, 352).expect("reads");
+    let ckpt_core::BpeVocab {
+        pre,
+        tokens,
+        types,
+        merges,
+    } = ckpt_core::read_bpe_tokenizer(&json, 352).expect("reads");
     assert_eq!(pre, "qwen2");
     assert_eq!((tokens.len(), types.len(), merges.len()), (352, 352, 64));
     assert_eq!((tokens[320].as_str(), types[320]), ("<|endoftext|>", 3));

@@ -124,7 +124,7 @@ pub use crate::present::{
 };
 pub use crate::write::dcp::Dcp;
 pub use crate::write::deepspeed::write_deepspeed_dp;
-pub use crate::write::gguf::{read_bpe_tokenizer, GgufExport};
+pub use crate::write::gguf::{read_bpe_tokenizer, BpeVocab, GgufExport};
 pub use crate::write::hf::{HfExport, HF_MAX_SHARD_SIZE};
 pub use crate::write::megatron::MegatronLegacy;
 pub use crate::write::megatron_bridge::MegatronBridge;
