@@ -6,9 +6,10 @@
 1. gguf-py (`gguf`) reads the file, and every tensor equals the model's tensor under
    llama.cpp's rules (tests/fixtures/serving/README.md, "GGUF semantics"): the name by
    the table (Qwen2's attention biases and Qwen3's query/key norms too; Qwen2-MoE's and
-   Qwen3-MoE's router and shared expert, and each layer's per-expert tensors stacked
-   over the experts, `[experts, rows, cols]`), no tensor of the file left over, the query/key
-   rows permuted per head for Llama (`LlamaModel.permute`; not for Qwen), norms and
+   Qwen3-MoE's router and shared expert, Mixtral's router, and each layer's per-expert
+   tensors stacked over the experts, `[experts, rows, cols]`: Mixtral's w1/w2/w3 as
+   ffn_gate/down/up_exps), no tensor of the file left over, the query/key
+   rows permuted per head for Llama and Mixtral (`LlamaModel.permute`; not for Qwen), norms and
    1-D tensors F32, the others in the file's type: F32/F16/BF16 values equal to the
    source's cast (round to nearest even), Q8_0 bytes equal to gguf-py's own
    `quants.quantize(x, Q8_0)` of the F32 values.
@@ -65,10 +66,14 @@ TABLE = {
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    # Mixtral's router
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
 }
 # A layer's per-expert tensors, stacked over the experts in order (`torch.stack`, as
 # llama.cpp's Qwen2MoeModel does): model.layers.L.mlp.experts.E.<proj>.weight.
 EXPERTS = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight", "down_proj": "ffn_down_exps.weight"}
+# Mixtral's: model.layers.L.block_sparse_moe.experts.E.w{1,2,3}.weight (LlamaModel's stacks)
+MIXTRAL_EXPERTS = {"w1": "ffn_gate_exps.weight", "w2": "ffn_down_exps.weight", "w3": "ffn_up_exps.weight"}
 # llama.cpp's get_vocab_base_pre text (conversion/base.py)
 CHKTXT = '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български \'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? \'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL'
 TEXTS = [CHKTXT, "Hello, world! The quick brown fox jumps over the lazy dog; don't stop: 12345."]
@@ -143,6 +148,8 @@ def gguf_name(hf: str) -> str | None:
             return f"blk.{parts[2]}.{TABLE[rest]}"
         if len(parts) == 7 and parts[3:5] == ["mlp", "experts"] and parts[5] in EXPERTS:
             return f"blk.{parts[2]}.{EXPERTS[parts[5]]}"
+        if len(parts) == 7 and parts[3:5] == ["block_sparse_moe", "experts"] and parts[5] in MIXTRAL_EXPERTS:
+            return f"blk.{parts[2]}.{MIXTRAL_EXPERTS[parts[5]]}"
     return None
 
 
@@ -152,7 +159,8 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def load_hf(model: Path) -> dict[str, np.ndarray]:
     """The model's tensors in F32; each layer's per-expert tensors stacked into one
-    `[experts, rows, cols]` array under `model.layers.L.mlp.experts.<proj>.weight`."""
+    `[experts, rows, cols]` array under `model.layers.L.mlp.experts.<proj>.weight`
+    (Mixtral's under `model.layers.L.block_sparse_moe.experts.w<i>.weight`)."""
     import re
 
     import torch
@@ -161,14 +169,14 @@ def load_hf(model: Path) -> dict[str, np.ndarray]:
     out, experts = {}, {}
     for f in sorted(model.glob("*.safetensors")):
         for k, v in load_file(f).items():
-            m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+_proj)\.weight", k)
+            m = re.fullmatch(r"model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+_proj|w[123])\.weight", k)
             if m:
-                experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = v.to(torch.float32).numpy()
+                experts.setdefault((int(m[1]), m[2], m[4]), {})[int(m[3])] = v.to(torch.float32).numpy()
             else:
                 out[k] = v.to(torch.float32).numpy()
-    for (layer, proj), by_id in sorted(experts.items()):
+    for (layer, module, proj), by_id in sorted(experts.items()):
         assert sorted(by_id) == list(range(len(by_id))), f"layer {layer} {proj}: experts {sorted(by_id)}"
-        out[f"model.layers.{layer}.mlp.experts.{proj}.weight"] = np.stack([by_id[e] for e in range(len(by_id))])
+        out[f"model.layers.{layer}.{module}.experts.{proj}.weight"] = np.stack([by_id[e] for e in range(len(by_id))])
     return out
 
 

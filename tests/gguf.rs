@@ -158,21 +158,21 @@ fn gguf_without_a_tokenizer_is_refused_naming_the_flag() {
 #[test]
 fn gguf_of_an_architecture_it_does_not_write_is_refused_by_name() {
     let d = Dir::new();
-    // A Mixtral (tests/fixtures/moe/hf/mixtral): llama.cpp has it, ckpt does not write
-    // it.
-    let moe = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/moe/hf/mixtral");
+    // Megatron's GPT (tests/fixtures/hf/gpt), which `--format hf` exports as
+    // GPTBigCode: llama.cpp has `starcoder`, ckpt does not write it.
+    let gpt = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/gpt/legacy");
     let out = d.path("model.gguf");
     let o = d.fails(&[
         "merge",
-        s(&moe.join("reference.safetensors")),
-        "--hf-config",
-        s(&moe.join("hf/config.json")),
+        s(&gpt),
         "--format",
         "gguf",
+        "--tokenizer",
+        s(&fixture("base")),
         "-o",
         s(&out),
     ]);
-    assert!(o.stderr.contains("MixtralForCausalLM"), "{}", o.stderr);
+    assert!(o.stderr.contains("GPTBigCodeForCausalLM"), "{}", o.stderr);
     assert!(o.stderr.contains("not built"), "{}", o.stderr);
     assert!(!out.exists(), "nothing written");
     // A config without what llama.cpp needs.
@@ -639,20 +639,20 @@ fn gguf_of_qwen2_and_qwen3_is_the_converters_file_byte_for_byte() {
     for model in ["qwen2", "qwen3"] {
         for ty in ["f32", "f16"] {
             for threads in [1, 4] {
-                assert_qwen_gguf_is_the_converters(&d, model, ty, threads);
+                assert_gguf_is_the_converters(&d, "qwen", model, ty, threads);
             }
         }
     }
 }
 
-/// `merge tests/fixtures/serving/qwen/<model> --format gguf --dtype <ty>` on `threads`
-/// threads writes the file the converter wrote (`qwen/gguf/<model>-<ty>.gguf`).
-fn assert_qwen_gguf_is_the_converters(d: &Dir, model: &str, ty: &str, threads: usize) {
+/// `merge tests/fixtures/serving/<root>/<model> --format gguf --dtype <ty>` on
+/// `threads` threads writes the file the converter wrote (`<root>/gguf/<model>-<ty>.gguf`).
+fn assert_gguf_is_the_converters(d: &Dir, root: &str, model: &str, ty: &str, threads: usize) {
     let out = d.path(&format!("{model}-{ty}-{threads}.gguf"));
     d.ok_with_threads(
         &[
             "merge",
-            s(&fixture(&format!("qwen/{model}"))),
+            s(&fixture(&format!("{root}/{model}"))),
             "--format",
             "gguf",
             "--dtype",
@@ -663,7 +663,7 @@ fn assert_qwen_gguf_is_the_converters(d: &Dir, model: &str, ty: &str, threads: u
         ],
         threads,
     );
-    assert_same_file(&out, &fixture(&format!("qwen/gguf/{model}-{ty}.gguf")));
+    assert_same_file(&out, &fixture(&format!("{root}/gguf/{model}-{ty}.gguf")));
 }
 
 /// Every tensor of ckpt's Qwen3 F32 file is the Hugging Face tensor of that name (by
@@ -913,7 +913,7 @@ fn gguf_of_qwen3_moe_and_qwen2_moe_is_the_converters_file_byte_for_byte() {
         ("qwen2_moe", "f16", 1),
         ("qwen2_moe", "f16", 4),
     ] {
-        assert_qwen_gguf_is_the_converters(&d, model, ty, threads);
+        assert_gguf_is_the_converters(&d, "qwen", model, ty, threads);
     }
 }
 
@@ -1068,4 +1068,482 @@ fn a_qwen_moe_llama_cpp_would_run_otherwise_is_refused_by_name() {
         assert!(o.stderr.contains("renormalises"), "{}", o.stderr);
         assert!(!out.exists(), "nothing written");
     }
+}
+
+/// Mixtral (issue 47): the file llama.cpp's converter writes, byte for byte
+/// (tests/fixtures/serving/mixtral/gguf/, made by
+/// scripts/fixtures/gguf_mixtral_fixture.py with llama-cpp-python 0.3.36's vendored
+/// converter): architecture `llama` with `expert_count` and `expert_used_count`, the
+/// query and key rows permuted, each layer's `block_sparse_moe.experts.E.w1/w2/w3`
+/// stacked into `ffn_gate_exps`, `ffn_down_exps`, `ffn_up_exps` (in that order, where
+/// the converter writes them), the router F32, the SentencePiece tokenizer, the `4x…`
+/// size label; every type, on 1 and 4 threads.
+#[test]
+fn gguf_of_mixtral_is_the_converters_file_byte_for_byte() {
+    let d = Dir::new();
+    for (ty, threads) in [
+        ("f32", 1),
+        ("f16", 1),
+        ("f16", 4),
+        ("bf16", 4),
+        ("q8_0", 1),
+        ("q8_0", 4),
+    ] {
+        assert_gguf_is_the_converters(&d, "mixtral", "mixtral", ty, threads);
+    }
+}
+
+/// ckpt's Mixtral F32 file read back: `ffn_gate_exps` is experts 0..4's `w1` bytes,
+/// `ffn_down_exps` their `w2`, `ffn_up_exps` their `w3` (not permuted), the router is
+/// `block_sparse_moe.gate` as stored, the query and key rows are permuted per head
+/// (`LlamaModel.permute`: row `h·hd + 2i + j` is row `h·hd + j·hd/2 + i`), and the
+/// keys are Llama's with the experts' counts and no expert FFN length.
+#[test]
+fn a_mixtral_gguf_stacks_w1_w2_w3_as_gate_down_up() {
+    let d = Dir::new();
+    let out = d.path("mixtral.gguf");
+    d.ok(&[
+        "merge",
+        s(&fixture("mixtral/mixtral")),
+        "--format",
+        "gguf",
+        "--dtype",
+        "f32",
+        "-o",
+        s(&out),
+        "-q",
+    ]);
+    let hf = crate::util::full_tensors(&fixture("mixtral/mixtral/model.safetensors"));
+    let gguf = crate::util::full_tensors(&out);
+    let (entries, metadata) =
+        ckpt_core::parse_gguf(&std::fs::read(&out).expect("read")).expect("ckpt reads it");
+    let shape = |n: &str| {
+        entries
+            .iter()
+            .find(|e| e.name == n)
+            .map(|e| e.shape.clone())
+            .unwrap_or_else(|| panic!("{n} not in the file"))
+    };
+    for l in 0..2 {
+        for (g, w) in [
+            ("ffn_gate_exps", "w1"),
+            ("ffn_down_exps", "w2"),
+            ("ffn_up_exps", "w3"),
+        ] {
+            let g = format!("blk.{l}.{g}.weight");
+            assert_eq!(shape(&g), vec![4, 32, 32], "{g}");
+            let mut experts = Vec::new();
+            for e in 0..4 {
+                experts.extend_from_slice(
+                    &hf[&format!("model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight")],
+                );
+            }
+            assert!(
+                gguf[&g] == experts,
+                "{g} is not experts 0..4's {w}, stacked"
+            );
+        }
+        let router = format!("blk.{l}.ffn_gate_inp.weight");
+        assert_eq!(shape(&router), vec![4, 32]);
+        assert!(gguf[&router] == hf[&format!("model.layers.{l}.block_sparse_moe.gate.weight")]);
+        // The query (4 heads) and key (2 heads) rows of head_dim 8, 32 F32 columns.
+        for (proj, g, heads) in [("q_proj", "attn_q", 4), ("k_proj", "attn_k", 2)] {
+            let src = &hf[&format!("model.layers.{l}.self_attn.{proj}.weight")];
+            let row = 32 * 4;
+            let mut want = Vec::with_capacity(src.len());
+            for h in 0..heads {
+                for i in 0..4 {
+                    for j in 0..2 {
+                        let r = h * 8 + j * 4 + i;
+                        want.extend_from_slice(&src[r * row..(r + 1) * row]);
+                    }
+                }
+            }
+            assert!(want != *src, "the permutation moves rows");
+            assert!(
+                gguf[&format!("blk.{l}.{g}.weight")] == want,
+                "blk.{l}.{g}.weight is not {proj}'s rows permuted per head"
+            );
+        }
+    }
+    // 2 layers of 10 tensors (2 norms, 4 attention, router, 3 stacks) and 3 more.
+    assert_eq!(gguf.len(), 23, "{:?}", gguf.keys());
+    assert_eq!(
+        hf.len() - gguf.len(),
+        2 * (12 - 3),
+        "each layer's 12 expert tensors are 3"
+    );
+    let kv: serde_json::Value = serde_json::from_str(&metadata["gguf.kv"]).expect("kv json");
+    let value = |k: &str| {
+        kv.as_array()
+            .expect("pairs")
+            .iter()
+            .find(|p| p[0] == k)
+            .map(|p| p[1].clone())
+    };
+    use serde_json::json;
+    assert_eq!(value("general.architecture"), Some(json!(["str", "llama"])));
+    assert_eq!(value("llama.expert_count"), Some(json!(["u32", 4])));
+    assert_eq!(value("llama.expert_used_count"), Some(json!(["u32", 2])));
+    assert_eq!(value("llama.feed_forward_length"), Some(json!(["u32", 32])));
+    assert_eq!(value("llama.expert_feed_forward_length"), None);
+    assert_eq!(value("general.size_label"), Some(json!(["str", "4x21K"])));
+    assert_eq!(value("tokenizer.ggml.model"), Some(json!(["str", "llama"])));
+}
+
+/// Mixtral from Megatron (tests/fixtures/moe/hf/mixtral: its dist_ckpt on EP 2, and
+/// the legacy GroupedMLP files, each expert a transposed run of the grouped weights):
+/// the same GGUF bytes as from the Hugging Face model `--format hf` exports them to,
+/// F32 and BF16, on 4 threads (hidden 16: no row holds a whole Q8_0 block).
+#[test]
+fn gguf_of_a_megatron_mixtral_is_the_gguf_of_its_hugging_face_model() {
+    let d = Dir::new();
+    let moe = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/moe/hf/mixtral");
+    let config = moe.join("hf/config.json");
+    let gguf = |src: &Path, ty: &str, out: &Path| {
+        d.ok_with_threads(
+            &[
+                "merge",
+                s(src),
+                "--format",
+                "gguf",
+                "--dtype",
+                ty,
+                "--hf-config",
+                s(&config),
+                "--tokenizer",
+                s(&fixture("base")),
+                "-o",
+                s(out),
+                "-q",
+            ],
+            4,
+        );
+    };
+    for ty in ["f32", "bf16"] {
+        let want = d.path(&format!("hf-{ty}.gguf"));
+        gguf(&moe.join("hf"), ty, &want);
+        for src in ["dist_ckpt", "legacy_grouped"] {
+            let got = d.path(&format!("{src}-{ty}.gguf"));
+            gguf(&moe.join(src), ty, &got);
+            assert_same_file(&got, &want);
+        }
+    }
+}
+
+/// A safetensors tensor: name, dtype, shape, bytes.
+type Stored = (String, safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+/// A copy of the model directory `from` at `to` whose `model.safetensors` is `edit`'s
+/// tensors: it gets every tensor and returns what to keep in its place.
+fn edited_model(from: &Path, to: &Path, edit: impl Fn(Stored) -> Vec<Stored>) {
+    copy_dir(from, to);
+    let bytes = std::fs::read(from.join("model.safetensors")).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut kept = Vec::new();
+    for (name, view) in st.tensors() {
+        kept.extend(edit((
+            name,
+            view.dtype(),
+            view.shape().to_vec(),
+            view.data().to_vec(),
+        )));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = kept
+        .iter()
+        .map(|(n, dt, shape, data)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*dt, shape.clone(), data).expect("view"),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &to.join("model.safetensors")).expect("write");
+}
+
+/// `merge SRC --format gguf` fails (exit 1) saying every one of `says`, nothing written.
+fn assert_gguf_refused(d: &Dir, src: &Path, says: &[&str]) {
+    let out = d.path(&format!(
+        "{}.gguf",
+        src.file_name().expect("name").to_string_lossy()
+    ));
+    let o = d.fails(&["merge", s(src), "--format", "gguf", "-o", s(&out)]);
+    for w in says {
+        assert!(o.stderr.contains(w), "{w:?} not in: {}", o.stderr);
+    }
+    assert!(!out.exists(), "nothing written");
+}
+
+/// The mixtures of experts ckpt refuses by the config's key, each naming the key and
+/// why, nothing written: a tied Qwen2-MoE (its `lm_head.weight` gone, as a tied
+/// model's file has none; llama.cpp's qwen2moe needs `output.weight`, which the
+/// converter does not write for it), layers without experts
+/// (`decoder_sparse_step` 2, `mlp_only_layers` [1]), no top-k, group routing and a
+/// router score function, a Qwen2-MoE without its shared expert's size (the Hugging
+/// Face view's refusal of the config beside the model, no longer "no model config"), a
+/// Mixtral without top-k.
+#[test]
+fn a_moe_config_llama_cpp_would_not_run_is_refused_by_its_key() {
+    let d = Dir::new();
+    // (model, case, config text, replaced by, the message's words)
+    let cases: &[(&str, &str, &str, &str, &[&str])] = &[
+        (
+            "qwen/qwen2_moe",
+            "tied",
+            "\"tie_word_embeddings\": false",
+            "\"tie_word_embeddings\": true",
+            &["tie_word_embeddings", "output.weight", "qwen2moe"],
+        ),
+        (
+            "qwen/qwen3_moe",
+            "step",
+            "\"decoder_sparse_step\": 1",
+            "\"decoder_sparse_step\": 2",
+            &["decoder_sparse_step 2", "layers without experts"],
+        ),
+        (
+            "qwen/qwen3_moe",
+            "mlp_only",
+            "\"mlp_only_layers\": []",
+            "\"mlp_only_layers\": [1]",
+            &["mlp_only_layers", "layers without experts"],
+        ),
+        (
+            "qwen/qwen3_moe",
+            "top0",
+            "\"num_experts_per_tok\": 2",
+            "\"num_experts_per_tok\": 0",
+            &["num_experts_per_tok", "missing or 0"],
+        ),
+        (
+            "qwen/qwen3_moe",
+            "group",
+            "\"num_experts_per_tok\": 2",
+            "\"num_experts_per_tok\": 2, \"n_group\": 2",
+            &["n_group", "group routing"],
+        ),
+        (
+            "qwen/qwen3_moe",
+            "score",
+            "\"num_experts_per_tok\": 2",
+            "\"num_experts_per_tok\": 2, \"scoring_func\": \"sigmoid\"",
+            &["scoring_func", "score functions"],
+        ),
+        (
+            "qwen/qwen2_moe",
+            "no_shared",
+            "\"shared_expert_intermediate_size\": 96",
+            "\"not_shared_expert_intermediate_size\": 96",
+            &["no `shared_expert_intermediate_size`"],
+        ),
+        (
+            "mixtral/mixtral",
+            "top0",
+            "\"num_experts_per_tok\": 2",
+            "\"num_experts_per_tok\": 0",
+            &["num_experts_per_tok", "missing or 0", "MixtralForCausalLM"],
+        ),
+    ];
+    for (model, case, from, to, says) in cases {
+        let src = d.path(&format!("{}-{case}", model.replace('/', "-")));
+        let tied = *case == "tied";
+        edited_model(&fixture(model), &src, |t| {
+            if tied && t.0 == "lm_head.weight" {
+                vec![]
+            } else {
+                vec![t]
+            }
+        });
+        let config = src.join("config.json");
+        let text = std::fs::read_to_string(&config).expect("read");
+        assert!(text.contains(from), "{from} in {model}'s config");
+        std::fs::write(&config, text.replacen(from, to, 1)).expect("write");
+        assert_gguf_refused(&d, &src, says);
+    }
+}
+
+/// The mixtures of experts ckpt refuses by their tensors, each naming the tensor and
+/// the problem, nothing written: an expert tensor missing from a layer (Qwen's and
+/// Mixtral's names), an expert beyond `num_local_experts`, experts of different
+/// shapes, a dense MLP in place of a layer's experts (llama.cpp's qwen3moe and
+/// Mixtral's `llama` load a router and experts in every layer), a layer with no
+/// experts at all, a layer without its router. The Hugging Face view of the source
+/// refuses the missing and extra tensors before the GGUF writer sees them; the writer
+/// refuses the shapes it cannot stack.
+#[test]
+fn a_moe_checkpoint_llama_cpp_would_not_load_is_refused_naming_the_tensor() {
+    let d = Dir::new();
+    type Edit = fn(Stored) -> Vec<Stored>;
+    let cases: &[(&str, &str, Edit, &[&str])] = &[
+        (
+            "qwen/qwen3_moe",
+            "missing_expert",
+            |(n, dt, sh, b)| {
+                if n == "model.layers.1.mlp.experts.2.up_proj.weight" {
+                    vec![]
+                } else {
+                    vec![(n, dt, sh, b)]
+                }
+            },
+            &[
+                "model.layers.1.mlp.experts.2.up_proj.weight",
+                "missing: Qwen3MoeForCausalLM of 2 layers has it",
+            ],
+        ),
+        (
+            "mixtral/mixtral",
+            "missing_expert",
+            |(n, dt, sh, b)| {
+                if n == "model.layers.0.block_sparse_moe.experts.3.w2.weight" {
+                    vec![]
+                } else {
+                    vec![(n, dt, sh, b)]
+                }
+            },
+            &[
+                "model.layers.0.block_sparse_moe.experts.3.w2.weight",
+                "missing: MixtralForCausalLM of 2 layers has it",
+            ],
+        ),
+        (
+            "mixtral/mixtral",
+            "expert_beyond",
+            // A fifth expert, a copy of the fourth.
+            |(n, dt, sh, b)| {
+                let extra = n.replace(".experts.3.", ".experts.4.");
+                if extra == n {
+                    vec![(n, dt, sh, b)]
+                } else {
+                    vec![(extra, dt, sh.clone(), b.clone()), (n, dt, sh, b)]
+                }
+            },
+            &[
+                "model.layers.0.block_sparse_moe.experts.4.w1.weight",
+                "is not a tensor of MixtralForCausalLM",
+            ],
+        ),
+        (
+            "qwen/qwen3_moe",
+            "other_shape",
+            |(n, dt, mut sh, mut b)| {
+                if n == "model.layers.0.mlp.experts.1.down_proj.weight" {
+                    sh[0] /= 2;
+                    b.truncate(b.len() / 2);
+                }
+                vec![(n, dt, sh, b)]
+            },
+            &[
+                "model.layers.0.mlp.experts.1.down_proj.weight",
+                "llama.cpp stacks the experts' matrices, one shape and dtype",
+            ],
+        ),
+        (
+            "qwen/qwen3_moe",
+            "dense_layer",
+            // Layer 1's experts and router become a dense MLP (expert 0's matrices).
+            |(n, dt, sh, b)| {
+                if !n.starts_with("model.layers.1.mlp.") {
+                    return vec![(n, dt, sh, b)];
+                }
+                match n.strip_prefix("model.layers.1.mlp.experts.0.") {
+                    Some(proj) => vec![(format!("model.layers.1.mlp.{proj}"), dt, sh, b)],
+                    None => vec![],
+                }
+            },
+            &[
+                "model.layers.1.mlp.experts.0.down_proj.weight",
+                "missing: Qwen3MoeForCausalLM of 2 layers has it",
+            ],
+        ),
+        (
+            "mixtral/mixtral",
+            "dense_layer",
+            |(n, dt, sh, b)| {
+                let dense = [("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")];
+                if !n.starts_with("model.layers.0.block_sparse_moe.") {
+                    return vec![(n, dt, sh, b)];
+                }
+                for (w, proj) in dense {
+                    if n == format!("model.layers.0.block_sparse_moe.experts.0.{w}.weight") {
+                        return vec![(format!("model.layers.0.mlp.{proj}.weight"), dt, sh, b)];
+                    }
+                }
+                vec![]
+            },
+            &[
+                "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                "missing: MixtralForCausalLM of 2 layers has it",
+            ],
+        ),
+        (
+            "qwen/qwen3_moe",
+            "no_experts",
+            |(n, dt, sh, b)| {
+                if n.starts_with("model.layers.0.mlp.experts.") {
+                    vec![]
+                } else {
+                    vec![(n, dt, sh, b)]
+                }
+            },
+            &[
+                "model.layers.0.mlp.experts.0.down_proj.weight",
+                "missing: Qwen3MoeForCausalLM of 2 layers has it",
+            ],
+        ),
+        (
+            "mixtral/mixtral",
+            "no_router",
+            |(n, dt, sh, b)| {
+                if n == "model.layers.1.block_sparse_moe.gate.weight" {
+                    vec![]
+                } else {
+                    vec![(n, dt, sh, b)]
+                }
+            },
+            &[
+                "model.layers.1.block_sparse_moe.gate.weight",
+                "missing: MixtralForCausalLM of 2 layers has it",
+            ],
+        ),
+    ];
+    for (model, case, edit, says) in cases {
+        let src = d.path(&format!("{}-{case}", model.replace('/', "-")));
+        edited_model(&fixture(model), &src, *edit);
+        assert_gguf_refused(&d, &src, says);
+    }
+}
+
+/// `ckpt_core::write::gguf::read_bpe_tokenizer`, the BPE `tokenizer.json` reader that the GGUF
+/// writer and the `bpe_tokenizer` fuzz target call: the committed Qwen tokenizer (the
+/// fuzz seeds' file) gives one token and type per id of the config's 352, the 29
+/// without a token `[PADi]` (unused, 5), `<|endoftext|>` control (3), its 64 merges;
+/// an id not below the vocabulary, a truncated file and a SentencePiece-style BPE are
+/// refused, naming the problem.
+#[test]
+fn the_bpe_tokenizer_reader_takes_qwens_and_refuses_damage_by_name() {
+    let json = std::fs::read(fixture("qwen/tokenizer/tokenizer.json")).expect("read");
+    let ckpt_core::write::gguf::BpeVocab {
+        pre,
+        tokens,
+        types,
+        merges,
+    } = ckpt_core::write::gguf::read_bpe_tokenizer(&json, 352).expect("reads");
+    assert_eq!(pre, "qwen2");
+    assert_eq!((tokens.len(), types.len(), merges.len()), (352, 352, 64));
+    assert_eq!((tokens[320].as_str(), types[320]), ("<|endoftext|>", 3));
+    assert_eq!(types.iter().filter(|&&t| t == 5).count(), 29);
+    assert_eq!((tokens[351].as_str(), types[351]), ("[PAD351]", 5));
+    let refused = |json: &[u8], vocab: usize, says: &str| {
+        let e = ckpt_core::write::gguf::read_bpe_tokenizer(json, vocab)
+            .map(|_| ())
+            .expect_err("refused")
+            .to_string();
+        assert!(e.contains(says), "{says:?} not in {e}");
+    };
+    refused(&json, 300, "not below the config's vocab_size 300");
+    refused(&json[..json.len() / 2], 352, "not JSON");
+    let text = String::from_utf8(json.clone()).expect("utf-8");
+    let fallback = text.replacen("\"byte_fallback\": false", "\"byte_fallback\": true", 1);
+    assert_ne!(fallback, text, "the fixture says byte_fallback");
+    refused(fallback.as_bytes(), 352, "byte_fallback");
 }

@@ -1232,16 +1232,47 @@ pub(crate) const LLAMA_CPP_QWEN_MOE: &[NamesRow] = {
     ]
 };
 
-/// The per-expert tensors (`model.layers.{l}.mlp.experts.{e}.{proj}.weight`, as
-/// `save_pretrained` writes them) that llama.cpp's converter stacks into one
-/// `[experts, rows, cols]` tensor per layer (`Qwen2MoeModel.modify_tensors`:
-/// `torch.stack` over the experts in order, the three written in this order):
-/// `(GGUF name, proj)`.
-pub(crate) const LLAMA_CPP_EXPERTS: [(&str, &str); 3] = [
-    ("blk.{l}.ffn_down_exps.weight", "down_proj"),
-    ("blk.{l}.ffn_gate_exps.weight", "gate_proj"),
-    ("blk.{l}.ffn_up_exps.weight", "up_proj"),
-];
+/// The row llama.cpp's Mixtral adds to [`LLAMA_CPP`]'s (gguf-py's `TensorNameMap`,
+/// `FFN_GATE_INP`: "mixtral"): the router. The experts are [`LLAMA_CPP_MIXTRAL_EXPERTS`].
+pub(crate) const LLAMA_CPP_MIXTRAL: &[NamesRow] = &[names(
+    "blk.{l}.ffn_gate_inp.weight",
+    "model.layers.{l}.block_sparse_moe.gate.weight",
+    RopeRows::AsTheyAre,
+)];
+
+/// A family's per-expert tensors as `save_pretrained` writes them
+/// (`model.layers.{l}.{module}.{e}.{proj}.weight`), which llama.cpp's converter stacks
+/// into one `[experts, rows, cols]` tensor per projection and layer (`torch.stack`
+/// over the experts in order).
+pub(crate) struct LlamaCppExperts {
+    /// The experts' module in the layer (`mlp.experts`).
+    pub(crate) module: &'static str,
+    /// `(GGUF name, proj)`, in the order the converter writes the three stacks.
+    pub(crate) stacks: [(&'static str, &'static str); 3],
+}
+
+/// Qwen2-MoE's and Qwen3-MoE's experts (`Qwen2MoeModel.modify_tensors`: down, gate, up).
+pub(crate) const LLAMA_CPP_EXPERTS: LlamaCppExperts = LlamaCppExperts {
+    module: "mlp.experts",
+    stacks: [
+        ("blk.{l}.ffn_down_exps.weight", "down_proj"),
+        ("blk.{l}.ffn_gate_exps.weight", "gate_proj"),
+        ("blk.{l}.ffn_up_exps.weight", "up_proj"),
+    ],
+};
+
+/// Mixtral's experts (`LlamaModel.modify_tensors`: `w1`, `w2`, `w3`, each stacked as
+/// `layers.{l}.feed_forward.experts.{w}.weight`, which gguf-py's `TensorNameMap` names
+/// `ffn_gate_exps`, `ffn_down_exps`, `ffn_up_exps`: `w1` the gate, `w2` the down, `w3`
+/// the up projection).
+pub(crate) const LLAMA_CPP_MIXTRAL_EXPERTS: LlamaCppExperts = LlamaCppExperts {
+    module: "block_sparse_moe.experts",
+    stacks: [
+        ("blk.{l}.ffn_gate_exps.weight", "w1"),
+        ("blk.{l}.ffn_down_exps.weight", "w2"),
+        ("blk.{l}.ffn_up_exps.weight", "w3"),
+    ],
+};
 
 /// The row blocks that turn a projection of `heads` heads of `head_dim` rows from
 /// torchtitan's rotary layout into Hugging Face's (`to_hf`), or back. torchtitan's

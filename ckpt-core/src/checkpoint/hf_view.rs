@@ -557,6 +557,9 @@ impl Checkpoint {
         // The user's config, or a Hugging Face config.json found beside the source (ckpt's
         // own config.json has another schema: not taken).
         let mut user_config = target.config.clone();
+        // Why a config.json beside the source was not taken, said when nothing else
+        // gives the model (a Hugging Face config ckpt refuses, not ckpt's own).
+        let mut carried_refused = None;
         let from_config = match &target.config {
             Some(p) => {
                 let text = std::fs::read_to_string(p).map_err(|source| Error::Io {
@@ -567,7 +570,20 @@ impl Checkpoint {
             }
             None => self.carried.get("config.json").and_then(|p| {
                 let text = String::from_utf8(crate::formats::read_small(p).ok()?).ok()?;
-                let c = hf::read_config(&text, &p.display().to_string()).ok()?;
+                let c = match hf::read_config(&text, &p.display().to_string()) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // A Hugging Face config ckpt refuses (not another schema).
+                        let hf_config =
+                            serde_json::from_str::<serde_json::Value>(&text).is_ok_and(|d| {
+                                d.get("architectures").is_some() || d.get("model_type").is_some()
+                            });
+                        if hf_config {
+                            carried_refused = Some(e);
+                        }
+                        return None;
+                    }
+                };
                 notes.push(format!("Hugging Face config: {}", p.display()));
                 user_config = Some(p.clone());
                 Some(c)
@@ -617,6 +633,9 @@ impl Checkpoint {
                 (f, s.clone())
             }
             (None, None) => {
+                if let Some(e) = carried_refused {
+                    return Err(e);
+                }
                 // A trainer's record that could not be read says why.
                 let why = self
                     .notes

@@ -34,6 +34,37 @@ mod refuse;
 
 use refuse::{looks_special, unsupported};
 
+/// A byte-level BPE `tokenizer.json` as `merge --format gguf` writes it for llama.cpp
+/// ([`read_bpe_tokenizer`]).
+#[derive(Clone, Debug)]
+pub struct BpeVocab {
+    /// `tokenizer.ggml.pre`.
+    pub pre: &'static str,
+    /// `tokenizer.ggml.tokens`: one per id below the model's `vocab_size`.
+    pub tokens: Vec<String>,
+    /// `tokenizer.ggml.token_type`: 1 normal, 3 control, 4 user-defined, 5 unused.
+    pub types: Vec<i32>,
+    /// `tokenizer.ggml.merges`.
+    pub merges: Vec<String>,
+}
+
+/// A byte-level BPE `tokenizer.json` as `merge --format gguf` reads it for a model of
+/// `vocab_size` ids ([`bpe`]), or the refusal naming the problem. The fuzz target's
+/// entry.
+///
+/// # Errors
+/// What the writer refuses: not JSON, not a byte-level BPE, a pre-tokenizer ckpt
+/// cannot name, an id not below `vocab_size`, no merges.
+pub fn read_bpe_tokenizer(json: &[u8], vocab_size: usize) -> Result<BpeVocab> {
+    let b = bpe::parse(json, Path::new("tokenizer.json"), vocab_size)?;
+    Ok(BpeVocab {
+        pre: b.pre,
+        tokens: b.tokens,
+        types: b.types,
+        merges: b.merges,
+    })
+}
+
 /// The file the plan writes (the tool moves it to the output's name).
 pub(crate) const GGUF_FILE: &str = "model.gguf";
 
@@ -76,7 +107,7 @@ impl PieceSource for GgufTensors<'_> {
 /// if ckpt writes it.
 fn gguf_arch(family: Family) -> Option<&'static str> {
     match family {
-        Family::Llama | Family::Mistral => Some("llama"),
+        Family::Llama | Family::Mistral | Family::Mixtral => Some("llama"),
         Family::Qwen2 => Some("qwen2"),
         Family::Qwen3 => Some("qwen3"),
         Family::Qwen2Moe => Some("qwen2moe"),
@@ -95,17 +126,18 @@ fn bpe_family(family: Family) -> bool {
 }
 
 /// The GGUF name of `name` in `family`'s table and how its rows are permuted, if any.
-/// Llama's query and key rows are permuted (`LlamaModel.permute`); Qwen's are not
-/// (`Qwen2Model` maps names only: llama.cpp rotates Qwen's halves, NEOX-style), and
-/// Qwen adds the attention biases and Qwen3 the query/key norms, Qwen's mixtures of
-/// experts the router and the shared expert (the experts are [`expert_of`]'s).
+/// Llama's (and Mixtral's) query and key rows are permuted (`LlamaModel.permute`);
+/// Qwen's are not (`Qwen2Model` maps names only: llama.cpp rotates Qwen's halves,
+/// NEOX-style), and Qwen adds the attention biases and Qwen3 the query/key norms,
+/// Qwen's mixtures of experts the router and the shared expert, Mixtral its router
+/// (the experts are [`expert_of`]'s).
 fn table_row(name: &str, family: Family) -> Option<(String, RopeRows)> {
     let qwen = bpe_family(family);
     let extra: &[hf::NamesRow] = if qwen { hf::LLAMA_CPP_QWEN } else { &[] };
-    let moe: &[hf::NamesRow] = if family.is_moe() {
-        hf::LLAMA_CPP_QWEN_MOE
-    } else {
-        &[]
+    let moe: &[hf::NamesRow] = match family {
+        Family::Mixtral => hf::LLAMA_CPP_MIXTRAL,
+        Family::Qwen2Moe | Family::Qwen3Moe => hf::LLAMA_CPP_QWEN_MOE,
+        _ => &[],
     };
     for &hf::NamesRow {
         other: gguf_name,
@@ -140,13 +172,26 @@ fn index(s: &str) -> Option<u64> {
         .flatten()
 }
 
-/// A per-expert tensor's layer, expert and place in [`hf::LLAMA_CPP_EXPERTS`]
-/// (`model.layers.{l}.mlp.experts.{e}.{proj}.weight`).
-fn expert_of(name: &str) -> Option<(u64, u64, usize)> {
+/// The experts of a mixture of experts as llama.cpp's converter stacks them: Mixtral's
+/// `block_sparse_moe.experts.{e}.w{1,2,3}`, Qwen's `mlp.experts.{e}.{gate,up,down}_proj`.
+fn experts_table(family: Family) -> &'static hf::LlamaCppExperts {
+    if family == Family::Mixtral {
+        &hf::LLAMA_CPP_MIXTRAL_EXPERTS
+    } else {
+        &hf::LLAMA_CPP_EXPERTS
+    }
+}
+
+/// A per-expert tensor's layer, expert and place in `table.stacks`
+/// (`model.layers.{l}.{module}.{e}.{proj}.weight`).
+fn expert_of(name: &str, table: &hf::LlamaCppExperts) -> Option<(u64, u64, usize)> {
     let (l, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
-    let (e, rest) = rest.strip_prefix("mlp.experts.")?.split_once('.')?;
+    let (e, rest) = rest
+        .strip_prefix(table.module)?
+        .strip_prefix('.')?
+        .split_once('.')?;
     let proj = rest.strip_suffix(".weight")?;
-    let k = hf::LLAMA_CPP_EXPERTS.iter().position(|(_, p)| *p == proj)?;
+    let k = table.stacks.iter().position(|(_, p)| *p == proj)?;
     Some((index(l)?, index(e)?, k))
 }
 
@@ -266,7 +311,7 @@ fn size_label(n: u64) -> String {
 /// A tensor under its GGUF name, with its ggml type.
 type Named = (String, SourceTensor, GgmlType);
 
-/// A layer's expert tensors by (place in [`hf::LLAMA_CPP_EXPERTS`], expert), with
+/// A layer's expert tensors by (place in [`hf::LlamaCppExperts::stacks`], expert), with
 /// their names.
 type LayerExperts = BTreeMap<(usize, u64), (String, SourceTensor)>;
 
@@ -662,12 +707,6 @@ impl GgufExport {
 
     /// Refuses what llama.cpp's converter would not write as built here, by name.
     fn check(&self, config: &Map<String, Json>, path: &Path) -> Result<()> {
-        if gguf_arch(self.model.family).is_none() {
-            return Err(unsupported(format!(
-                "{} is not built (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM are)",
-                self.model.family.architecture()
-            )));
-        }
         for key in [
             "num_hidden_layers",
             "hidden_size",
@@ -700,15 +739,18 @@ impl GgufExport {
         }
     }
 
-    /// Refuses a Qwen mixture of experts llama.cpp would not run as transformers does,
-    /// by the config's key: experts and top-k are needed (llama.cpp's `qwen3moe` and
-    /// `qwen2moe` refuse 0); every layer has experts (`decoder_sparse_step` 1, no
-    /// `mlp_only_layers`: llama.cpp loads a router in every layer); llama.cpp's
-    /// `qwen3moe` always renormalises the top-k router weights and `qwen2moe` never
-    /// does (`build_moe_ffn`'s `norm_w`, true and false), so `norm_topk_prob` must say
-    /// the same (transformers' default is false for both); group routing and other
-    /// score functions, which the converter writes keys for, are not built; a tied
-    /// Qwen2-MoE head is refused (llama.cpp's qwen2moe needs `output.weight`).
+    /// Refuses a mixture of experts llama.cpp would not run as transformers does, by
+    /// the config's key: experts and top-k are needed (llama.cpp's `qwen3moe` and
+    /// `qwen2moe` refuse 0; its `llama` with no experts is a dense model); every layer
+    /// has experts (`decoder_sparse_step` 1, no `mlp_only_layers`: llama.cpp loads a
+    /// router in every layer); llama.cpp's `qwen3moe` always renormalises the top-k
+    /// router weights and `qwen2moe` never does (`build_moe_ffn`'s `norm_w`, true and
+    /// false), so `norm_topk_prob` must say the same (transformers' default is false
+    /// for both; Mixtral has no such key: transformers' `MixtralTopKRouter` and
+    /// llama.cpp's `llama` both renormalise); group routing and other score
+    /// functions, which the converter writes keys for, are not built; a tied Qwen2-MoE
+    /// head is refused (llama.cpp's qwen2moe needs `output.weight`; its `llama` takes
+    /// the embedding when there is none).
     fn check_moe(&self, config: &Map<String, Json>, path: &Path) -> Result<()> {
         let family = self.model.family;
         let bad = |what: String| {
@@ -745,7 +787,7 @@ impl GgufExport {
             .map_or(Some(false), Json::as_bool)
             .unwrap_or(false);
         let wants = family == Family::Qwen3Moe;
-        if norm != wants {
+        if family != Family::Mixtral && norm != wants {
             return bad(format!(
                 "`norm_topk_prob` is {norm}, but llama.cpp's {} {} the top-k router weights",
                 gguf_arch(family).unwrap_or("?"),
@@ -877,7 +919,7 @@ impl GgufExport {
             put(&format!("{a}.attention.value_length"), Value::U32(hd));
         }
         put("general.file_type", Value::U32(out_type.file_type()));
-        if family.is_moe() {
+        if matches!(family, Family::Qwen2Moe | Family::Qwen3Moe) {
             // `Qwen2MoeModel.set_gguf_parameters`, after `TextModel`'s.
             if let Some(v) = u(&["moe_intermediate_size"])? {
                 put(&format!("{a}.expert_feed_forward_length"), Value::U32(v));
@@ -983,6 +1025,7 @@ impl GgufExport {
         } else {
             0
         };
+        let table = experts_table(family);
         let mut out = Vec::new();
         let mut count = Count::default();
         // A layer's expert tensors until it has them all: (proj, expert) -> tensor.
@@ -991,23 +1034,32 @@ impl GgufExport {
             if DROPPED_SUFFIXES.iter().any(|s| name.ends_with(s)) {
                 continue;
             }
-            let expert = if experts > 0 { expert_of(name) } else { None };
+            let expert = if experts > 0 {
+                expert_of(name, table)
+            } else {
+                None
+            };
             if let Some((l, e, k)) = expert {
                 check_dtype(name, t)?;
                 if e >= experts {
                     return Err(Error::InvalidTensor {
                         tensor: name.clone(),
                         problem: format!(
-                            "is expert {e}, but the config has {experts} (num_experts)"
+                            "is expert {e}, but the config has {experts} (`{}`)",
+                            EXPERT_COUNT
+                                .iter()
+                                .find(|k| find(config, &[**k]).is_some())
+                                .unwrap_or(&EXPERT_COUNT[0])
                         ),
                     });
                 }
                 let layer = pending.entry(l).or_default();
                 layer.insert((k, e), (name.clone(), t.clone()));
                 if layer.len() as u64 == 3 * experts {
-                    // `Qwen2MoeModel.modify_tensors`: the layer's three stacks, now.
+                    // `Qwen2MoeModel.modify_tensors` (`LlamaModel`'s for Mixtral): the
+                    // layer's three stacks, now.
                     let mut layer = pending.remove(&l).unwrap_or_default();
-                    for (k, (pattern, _)) in hf::LLAMA_CPP_EXPERTS.iter().enumerate() {
+                    for (k, (pattern, _)) in table.stacks.iter().enumerate() {
                         let parts: Vec<(String, SourceTensor)> =
                             (0..experts).filter_map(|e| layer.remove(&(k, e))).collect();
                         let gguf_name = pattern.replace("{l}", &l.to_string());
@@ -1085,7 +1137,7 @@ impl GgufExport {
             };
             out.push((gguf_name, t, ty));
         }
-        // `Qwen2MoeModel.prepare_tensors`'s "Unprocessed experts".
+        // `Qwen2MoeModel.prepare_tensors`'s (`LlamaModel`'s) "Unprocessed experts".
         if let Some((l, layer)) = pending.into_iter().next() {
             let (k, e) = (0..experts)
                 .flat_map(|e| (0..3).map(move |k| (k, e)))
@@ -1093,12 +1145,13 @@ impl GgufExport {
                 .unwrap_or((0, 0));
             return Err(Error::InvalidTensor {
                 tensor: format!(
-                    "model.layers.{l}.mlp.experts.{e}.{}.weight",
-                    hf::LLAMA_CPP_EXPERTS[k].1
+                    "model.layers.{l}.{}.{e}.{}.weight",
+                    table.module, table.stacks[k].1
                 ),
                 problem: format!(
-                    "missing: layer {l} has {} of its {experts} experts' tensors (llama.cpp stacks them all)",
-                    layer.len()
+                    "missing: layer {l} has {} of the {} tensors of its {experts} experts (llama.cpp stacks them all)",
+                    layer.len(),
+                    3 * experts
                 ),
             });
         }
@@ -1320,6 +1373,13 @@ impl Writer for GgufExport {
     }
 
     fn plan(&self, source: &Checkpoint, _: &Selection) -> Result<CopyPlan> {
+        // The family first: its refusal needs no config.
+        if gguf_arch(self.model.family).is_none() {
+            return Err(unsupported(format!(
+                "{} is not built (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM are)",
+                self.model.family.architecture()
+            )));
+        }
         // A GGUF given another type (a requantization): its own keys, tokenizer
         // included, carried with the new file type, unless a config or tokenizer is
         // given to write them from.

@@ -87,8 +87,14 @@ fn pre_name(doc: &Map<String, Json>) -> std::result::Result<&'static str, String
 /// Reads `dir/tokenizer.json` for a model of `vocab_size` ids.
 pub(super) fn read(dir: &Path, vocab_size: usize) -> Result<Bpe> {
     let path = dir.join("tokenizer.json");
+    parse(&read_small(&path)?, &path, vocab_size)
+}
+
+/// The `tokenizer.json` `bytes` (read from `path`, for messages) for a model of
+/// `vocab_size` ids.
+pub(super) fn parse(bytes: &[u8], path: &Path, vocab_size: usize) -> Result<Bpe> {
     let bad = |problem: String| unsupported(format!("{}: {problem}", path.display()));
-    let doc = match serde_json::from_slice(&read_small(&path)?) {
+    let doc = match serde_json::from_slice(bytes) {
         Ok(Json::Object(m)) => m,
         Ok(_) => return Err(bad("not a JSON object".into())),
         Err(e) => return Err(bad(format!("not JSON: {e}"))),
