@@ -1116,7 +1116,8 @@ fn a_mixtral_gguf_stacks_w1_w2_w3_as_gate_down_up() {
     let hf = crate::util::full_tensors(&fixture("mixtral/mixtral/model.safetensors"));
     let gguf = crate::util::full_tensors(&out);
     let (entries, metadata) =
-        ckpt_core::parse_gguf(&std::fs::read(&out).expect("read")).expect("ckpt reads it");
+        ckpt_core::formats::gguf::parse_gguf(&std::fs::read(&out).expect("read"))
+            .expect("ckpt reads it");
     let shape = |n: &str| {
         entries
             .iter()
