@@ -10,8 +10,8 @@
 //! of the mapped file, or a [`Decoder`] of compressed chunks. The planner and the copy
 //! engine see only `TensorFile`s.
 //!
-//! Writing: a format is a [`TensorWriter`](writer::TensorWriter), chosen by
-//! [`create_writer`](detect::create_writer) from the output's name; every writer
+//! Writing: a format is a [`writer::TensorWriter`], chosen by
+//! [`detect::create_writer`] from the output's name; every writer
 //! commits through [`output::StagedFile`].
 
 pub mod checksum;

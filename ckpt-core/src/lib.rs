@@ -17,13 +17,18 @@
 //!   files, detection, checksums, atomic outputs);
 //! - [`checkpoint`]: [`Checkpoint`], what a set of files is, and its constants;
 //! - [`engine`]: the copy, verify, convert (`.ckptz`) and per-rank save/load;
-//! - [`write`]: the checkpoint writers behind [`write::Writer`];
+//! - [`write`](mod@write): the checkpoint writers behind [`write::Writer`];
 //! - [`hf`]: Hugging Face model families and configs;
 //! - [`present`] and [`draw`]: reports and pictures;
 //! - [`launch`], [`fault`], [`storage`]: launchers, crash bookkeeping, object stores.
 //!
 //! Only what every caller needs stands at the root: [`Checkpoint`], [`Error`],
 //! [`Result`], [`output_at`].
+
+// The modules' own docs describe their private parts too, for whoever works on them
+// (`cargo doc --document-private-items` renders those links); the public docs keep them
+// as text.
+#![allow(rustdoc::private_intra_doc_links)]
 
 pub mod checkpoint;
 pub mod draw;

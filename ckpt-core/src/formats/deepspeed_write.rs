@@ -15,7 +15,7 @@
 //!   padding, which `group_paddings[g]` counts. The ranks' stored partitions laid end
 //!   to end are therefore the group's buffer without its end padding, whatever the dp
 //!   size: re-cutting that stream for another dp is a pure copy of flat ranges
-//!   ([`FlatLayout::aligned`]), no parameter needs to be understood;
+//!   ([`FlatLayout::aligned`](crate::layout::flat::FlatLayout::aligned)), no parameter needs to be understood;
 //! - `base_optimizer_state` (a rigid checkpoint: the torch optimizer's `state_dict()`)
 //!   holds per group tensors of the padded partition's length (Adam's `exp_avg`,
 //!   `exp_avg_sq`), cut the same way, and others (`step`) the same on every rank;

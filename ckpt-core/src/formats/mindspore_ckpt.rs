@@ -343,7 +343,7 @@ fn parse_tensor(mut c: Cursor<'_>, name: String) -> Result<TensorEntry> {
 /// `Value` record per tensor, in the given order. Every length is known from the
 /// shapes, so the protobuf framing is written first and each tensor's bytes arrive by
 /// positional writes at their place (any thread, any order), like
-/// [`SafetensorsWriter`](crate::SafetensorsWriter); the file appears at its name only
+/// [`SafetensorsWriter`](crate::formats::safetensors::SafetensorsWriter); the file appears at its name only
 /// when [`MindSporeWriter::finish`] renames it.
 #[derive(Debug)]
 pub struct MindSporeWriter {

@@ -312,7 +312,7 @@ pub fn read_mindspore_strategies(paths: &[&Path]) -> Result<BTreeMap<String, Min
     Ok(all)
 }
 
-/// A MindSpore predict strategy as a ckpt [`Strategy`](crate::Strategy) for the tensors
+/// A MindSpore predict strategy as a ckpt [`Strategy`](crate::layout::strategy::Strategy) for the tensors
 /// of `source` (which give the global shapes and dtypes).
 ///
 /// # Errors

@@ -1,7 +1,7 @@
 //! Orbax (JAX) checkpoints, read: an item directory (`<root>/<step>/<item>/`, or a
 //! `Checkpointer`'s directory, which is step and item at once) becomes one
 //! [`TensorFile`] whose entries are the zarr chunks of its arrays, each a box of its
-//! array at its offsets, decoded on read through a [`Decoder`]
+//! array at its offsets, decoded on read through a [`Decoder`](super::Decoder)
 //! ([`chunks::Chunks`]). The on-disk format is docs/orbax.md; what ckpt reads and
 //! refuses is docs/formats.md, "Orbax".
 //!

@@ -4,7 +4,7 @@
 //! read from a file.
 //!
 //! A computed piece is planned like any other: the planner cuts its box to the target's
-//! pieces, and the engine, where a copy op carries a [`Compute`], assembles each input's
+//! pieces, and the engine, where a copy op carries a [`Compute`](crate::layout::source::Compute), assembles each input's
 //! box through that input's own copy plan (any layout: shards, slices, compressed),
 //! computes the part of the box a slab needs, and places it like read bytes. Every part
 //! is computed from its inputs alone, element by element in a fixed order, so the
@@ -215,7 +215,7 @@ impl Operation {
     }
 
     /// The box of input `i` that the output box `out` needs, within `whole` (the box of
-    /// that input the whole piece needs, [`Input::region`]).
+    /// that input the whole piece needs, [`ComputeInput::region`](crate::layout::source::ComputeInput::region)).
     #[must_use]
     pub fn input_region(&self, i: usize, out: &Region, whole: &Region) -> Region {
         if let Operation::Permute {

@@ -48,7 +48,7 @@ pub struct CopyOp {
     pub file: usize,
     /// Tensor within that file.
     pub tensor: usize,
-    /// Shape of the source tensor as stored, or as a [`StoredView`](crate::StoredView) reshapes it: the
+    /// Shape of the source tensor as stored, or as a [`StoredView`](crate::layout::source::StoredView) reshapes it: the
     /// row-major shape whose element offsets locate the box's bytes.
     pub src_shape: Dims,
     /// The box, in source-local coordinates: `src_shape`'s, with its axes permuted by
@@ -56,7 +56,7 @@ pub struct CopyOp {
     pub src: Region,
     /// Where the box starts in the destination tensor.
     pub dst_start: Dims,
-    /// A [`StoredView`](crate::StoredView)'s permutation: the box's dimension `d` (the destination's) is
+    /// A [`StoredView`](crate::layout::source::StoredView)'s permutation: the box's dimension `d` (the destination's) is
     /// `src_shape`'s dimension `axes[d]`. `None`: the same order.
     pub axes: Option<Vec<usize>>,
     /// The box is computed from other tensors' boxes rather than read (`src` is then
