@@ -880,7 +880,7 @@ impl V1Writer {
     pub(crate) fn write_at(&self, index: usize, offset: u64, bytes: &[u8]) -> Result<()> {
         let (_, cs) = self.sizes[index];
         let raw_len = self.raw_lens[index];
-        let end = offset
+        offset
             .checked_add(bytes.len() as u64)
             .filter(|&e| e <= raw_len)
             .ok_or_else(|| {
@@ -890,7 +890,6 @@ impl V1Writer {
                     self.specs[index].name
                 ))
             })?;
-        debug_assert!(end <= raw_len);
         self.pending.write(
             index,
             offset,

@@ -44,7 +44,8 @@ pub struct BpeVocab {
     pub tokens: Vec<String>,
     /// `tokenizer.ggml.token_type`: 1 normal, 3 control, 4 user-defined, 5 unused.
     pub types: Vec<i32>,
-    /// `tokenizer.ggml.merges`.
+    /// `tokenizer.ggml.merges`: `"left right"`, a space inside a part written as
+    /// U+0120 (gguf-py's rule for the pair format).
     pub merges: Vec<String>,
 }
 
@@ -56,13 +57,7 @@ pub struct BpeVocab {
 /// What the writer refuses: not JSON, not a byte-level BPE, a pre-tokenizer ckpt
 /// cannot name, an id not below `vocab_size`, no merges.
 pub fn read_bpe_tokenizer(json: &[u8], vocab_size: usize) -> Result<BpeVocab> {
-    let b = bpe::parse(json, Path::new("tokenizer.json"), vocab_size)?;
-    Ok(BpeVocab {
-        pre: b.pre,
-        tokens: b.tokens,
-        types: b.types,
-        merges: b.merges,
-    })
+    Ok(bpe::parse(json, Path::new("tokenizer.json"), vocab_size)?.vocab)
 }
 
 /// The file the plan writes (the tool moves it to the output's name).
@@ -997,14 +992,14 @@ impl GgufExport {
                 self.model.family.architecture()
             )));
         }
-        let vocab = bpe::read(dir, vocab_size as usize)?;
+        let bpe::Bpe { vocab, doc } = bpe::read(dir, vocab_size as usize)?;
         let mut put = |k: &str, v: Value| kv.push((k.to_string(), v));
         put("tokenizer.ggml.model", Value::Str("gpt2".into()));
         put("tokenizer.ggml.pre", Value::Str(vocab.pre.into()));
         put("tokenizer.ggml.tokens", Value::Strings(vocab.tokens));
         put("tokenizer.ggml.token_type", Value::I32s(vocab.types));
         put("tokenizer.ggml.merges", Value::Strings(vocab.merges));
-        kv.extend(special_vocab(dir, config, Some(&vocab.doc), None)?);
+        kv.extend(special_vocab(dir, config, Some(&doc), None)?);
         Ok(kv)
     }
 

@@ -12,6 +12,7 @@
 //! are llama.cpp's `qwen2`; any other configuration is refused by name.
 
 use super::refuse::{looks_special, unsupported};
+use super::BpeVocab;
 use crate::error::Result;
 use crate::formats::read_small;
 use serde_json::{json, Map, Value as Json};
@@ -21,19 +22,11 @@ use std::path::Path;
 /// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN2`).
 pub(crate) const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// The vocabulary of a `tokenizer.json`, as the converter writes it.
+/// A `tokenizer.json` as the converter reads it: the vocabulary it writes, and the
+/// parsed file (its added tokens, post-processor and normalizer are read again for the
+/// special vocabulary).
 pub(super) struct Bpe {
-    /// `tokenizer.ggml.pre`.
-    pub(super) pre: &'static str,
-    /// One per id below `vocab_size`.
-    pub(super) tokens: Vec<String>,
-    /// ggml's token types: 1 normal, 3 control, 4 user-defined, 5 unused.
-    pub(super) types: Vec<i32>,
-    /// `"left right"`, a space inside a part written as U+0120 (gguf-py's rule for
-    /// the pair format).
-    pub(super) merges: Vec<String>,
-    /// The parsed file (its added tokens, post-processor and normalizer are read
-    /// again for the special vocabulary).
+    pub(super) vocab: BpeVocab,
     pub(super) doc: Map<String, Json>,
 }
 
@@ -195,10 +188,12 @@ pub(super) fn parse(bytes: &[u8], path: &Path, vocab_size: usize) -> Result<Bpe>
         ));
     }
     Ok(Bpe {
-        pre,
-        tokens,
-        types,
-        merges,
+        vocab: BpeVocab {
+            pre,
+            tokens,
+            types,
+            merges,
+        },
         doc,
     })
 }
