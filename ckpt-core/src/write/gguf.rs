@@ -32,33 +32,9 @@ use std::sync::Arc;
 mod bpe;
 mod refuse;
 
+pub use bpe::{read_bpe_tokenizer, BpeVocab};
+
 use refuse::{looks_special, unsupported};
-
-/// A byte-level BPE `tokenizer.json` as `merge --format gguf` writes it for llama.cpp
-/// ([`read_bpe_tokenizer`]).
-#[derive(Clone, Debug)]
-pub struct BpeVocab {
-    /// `tokenizer.ggml.pre`.
-    pub pre: &'static str,
-    /// `tokenizer.ggml.tokens`: one per id below the model's `vocab_size`.
-    pub tokens: Vec<String>,
-    /// `tokenizer.ggml.token_type`: 1 normal, 3 control, 4 user-defined, 5 unused.
-    pub types: Vec<i32>,
-    /// `tokenizer.ggml.merges`: `"left right"`, a space inside a part written as
-    /// U+0120 (gguf-py's rule for the pair format).
-    pub merges: Vec<String>,
-}
-
-/// A byte-level BPE `tokenizer.json` as `merge --format gguf` reads it for a model of
-/// `vocab_size` ids ([`bpe`]), or the refusal naming the problem. The fuzz target's
-/// entry.
-///
-/// # Errors
-/// What the writer refuses: not JSON, not a byte-level BPE, a pre-tokenizer ckpt
-/// cannot name, an id not below `vocab_size`, no merges.
-pub fn read_bpe_tokenizer(json: &[u8], vocab_size: usize) -> Result<BpeVocab> {
-    Ok(bpe::parse(json, Path::new("tokenizer.json"), vocab_size)?.vocab)
-}
 
 /// The file the plan writes (the tool moves it to the output's name).
 pub(crate) const GGUF_FILE: &str = "model.gguf";

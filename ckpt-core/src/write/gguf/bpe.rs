@@ -12,11 +12,36 @@
 //! are llama.cpp's `qwen2`; any other configuration is refused by name.
 
 use super::refuse::{looks_special, unsupported};
-use super::BpeVocab;
 use crate::error::Result;
 use crate::formats::read_small;
 use serde_json::{json, Map, Value as Json};
 use std::path::Path;
+
+/// A byte-level BPE `tokenizer.json` as `merge --format gguf` writes it for llama.cpp
+/// ([`read_bpe_tokenizer`]).
+#[derive(Clone, Debug)]
+pub struct BpeVocab {
+    /// `tokenizer.ggml.pre`.
+    pub pre: &'static str,
+    /// `tokenizer.ggml.tokens`: one per id below the model's `vocab_size`.
+    pub tokens: Vec<String>,
+    /// `tokenizer.ggml.token_type`: 1 normal, 3 control, 4 user-defined, 5 unused.
+    pub types: Vec<i32>,
+    /// `tokenizer.ggml.merges`: `"left right"`, a space inside a part written as
+    /// U+0120 (gguf-py's rule for the pair format).
+    pub merges: Vec<String>,
+}
+
+/// A byte-level BPE `tokenizer.json` as `merge --format gguf` reads it for a model of
+/// `vocab_size` ids, or the refusal naming the problem. The fuzz target's
+/// entry.
+///
+/// # Errors
+/// What the writer refuses: not JSON, not a byte-level BPE, a pre-tokenizer ckpt
+/// cannot name, an id not below `vocab_size`, no merges.
+pub fn read_bpe_tokenizer(json: &[u8], vocab_size: usize) -> Result<BpeVocab> {
+    Ok(parse(json, Path::new("tokenizer.json"), vocab_size)?.vocab)
+}
 
 /// Qwen2's pre-tokenizer regex (transformers' `tokenization_qwen2.PRETOKENIZE_REGEX`,
 /// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN2`).
