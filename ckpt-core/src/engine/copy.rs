@@ -560,8 +560,18 @@ pub fn execute_with(
     // that each chunk is decompressed once while a thread's cache still holds it (in
     // plan order, a chunk of a column-sharded source feeds one slab of every target
     // rank, far apart). Positional writes do not care about the order.
+    let mut cached_chunks = crate::formats::CACHED_CHUNKS;
     if source.files.iter().any(|f| f.is_compressed()) {
         jobs.sort_by_cached_key(|(fi, ti, slab)| first_source(&plan.files[*fi].tensors[*ti], slab));
+        // Jobs in that order read the chunks of the one before them: a cache of the
+        // chunks one slab reads (two per source piece, for a piece that straddles two
+        // chunks) decodes each chunk once, and more would only hold memory.
+        let widest = jobs
+            .iter()
+            .map(|(fi, ti, slab)| pieces_read(&plan.files[*fi].tensors[*ti], slab))
+            .max()
+            .unwrap_or(0);
+        cached_chunks = (2 * widest).clamp(2, crate::formats::CACHED_CHUNKS);
     } else if source.files.iter().any(|f| f.is_remote()) {
         // Objects in a bucket: in order of position in their files, all files abreast,
         // so that every object is read front to back by a stream of few requests (in
@@ -637,7 +647,18 @@ pub fn execute_with(
     let sums = super::read_sums::ReadSums::of(remote.iter().map(|&&k| k));
     let read = AtomicU64::new(0);
     let (copied, checked) = rayon::join(
-        || copy_slabs(plan, source, &writers, &jobs, &read, progress, &sums),
+        || {
+            copy_slabs(
+                plan,
+                source,
+                &writers,
+                &jobs,
+                &read,
+                progress,
+                &sums,
+                cached_chunks,
+            )
+        },
         || {
             alongside
                 .par_iter()
@@ -728,7 +749,26 @@ fn first_source(t: &TensorPlan, slab: &Region) -> (usize, usize, u64) {
     (usize::MAX, usize::MAX, 0)
 }
 
-/// Copies every slab job into its writer.
+/// How many source pieces a slab of `t` reads: its plain ops', and every piece of a
+/// computed op's inputs.
+fn pieces_read(t: &TensorPlan, slab: &Region) -> usize {
+    t.ops
+        .iter()
+        .filter(|op| {
+            Region::new(op.dst_start.clone(), op.src.shape.clone())
+                .overlap(slab)
+                .is_some()
+        })
+        .map(|op| match &op.compute {
+            None => 1,
+            Some(c) => c.inputs.iter().map(|i| i.tensor.pieces.len().max(1)).sum(),
+        })
+        .sum()
+}
+
+/// Copies every slab job into its writer, each thread keeping `cached_chunks` decoded
+/// chunks of compressed sources.
+#[allow(clippy::too_many_arguments)]
 fn copy_slabs(
     plan: &CopyPlan,
     source: &Checkpoint,
@@ -737,10 +777,15 @@ fn copy_slabs(
     read: &AtomicU64,
     progress: &(dyn Fn(u64) + Sync),
     sums: &super::read_sums::ReadSums,
+    cached_chunks: usize,
 ) -> Result<()> {
     // The slab buffer lives in the thread's cache, reused from job to job.
     jobs.par_iter().try_for_each_init(
-        ReadCache::new,
+        || {
+            let mut cache = ReadCache::new();
+            cache.keep(cached_chunks);
+            cache
+        },
         |cache: &mut ReadCache, (fi, ti, slab)| -> Result<()> {
             let t = &plan.files[*fi].tensors[*ti];
             let len = bytes_of(t.target.dtype, slab.numel()) as usize;

@@ -519,6 +519,34 @@ fn permute(
     }
     let last = out.ndim().saturating_sub(1);
     let mut values = Vec::with_capacity(if scale.is_some() { numel } else { 0 });
+    if run == 1 && out.ndim() > 0 {
+        // Element by element (a transpose): each output row's first input index by
+        // division, the rest by stepping the permuted index like an odometer.
+        let walk = PermutedWalk {
+            shape: &ps,
+            strides: &p_strides,
+            from: &from,
+        };
+        let rows = row_starts(out, &o_strides).map(|flat| flat - base);
+        let row_len = out.shape[last] as usize;
+        match (scale, size) {
+            (Some(s), _) => walk.each(rows, row_len, |_, at| {
+                let b = &x[4 * at..4 * at + 4];
+                values.push(f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * s);
+            }),
+            (None, 1) => walk.each(rows, row_len, |e, at| dst[e] = x[at]),
+            (None, 2) => walk.each(rows, row_len, |e, at| copy_element::<2>(x, at, dst, e)),
+            (None, 4) => walk.each(rows, row_len, |e, at| copy_element::<4>(x, at, dst, e)),
+            (None, 8) => walk.each(rows, row_len, |e, at| copy_element::<8>(x, at, dst, e)),
+            (None, _) => walk.each(rows, row_len, |e, at| {
+                dst[e * size..(e + 1) * size].copy_from_slice(&x[at * size..(at + 1) * size]);
+            }),
+        }
+        if scale.is_some() {
+            encode(&values, dtype, dst)?;
+        }
+        return Ok(());
+    }
     let mut idx = vec![0u64; out.ndim()];
     let mut e = 0usize;
     while e < numel {
@@ -570,6 +598,92 @@ fn permute(
         encode(&values, dtype, dst)?;
     }
     Ok(())
+}
+
+/// The flat index (in a tensor of row-major `strides`) of the first element of each
+/// row of the box `b` (its last dimension), rows in order; none when it is empty.
+fn row_starts<'a>(b: &'a Region, strides: &'a [u64]) -> impl Iterator<Item = u64> + 'a {
+    let nd = b.ndim();
+    let rows: u64 = b.shape[..nd - 1].iter().product();
+    let rows = if b.shape[nd - 1] == 0 { 0 } else { rows };
+    let mut idx = vec![0u64; nd];
+    (0..rows).map(move |r| {
+        if r > 0 {
+            // The next row: the second-to-last index up by one, carried leftwards.
+            let mut d = nd - 1;
+            while d > 0 {
+                d -= 1;
+                idx[d] += 1;
+                if idx[d] < b.shape[d] || d == 0 {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+        idx.iter()
+            .zip(&b.start)
+            .zip(strides)
+            .map(|((i, s), st)| (i + s) * st)
+            .sum()
+    })
+}
+
+/// Element `at` of `x` into element `e` of `dst`, elements of `N` bytes (a copy the
+/// compiler makes one load and one store, where a slice copy of a length known only at
+/// run time calls `memcpy` for each element).
+#[inline(always)]
+fn copy_element<const N: usize>(x: &[u8], at: usize, dst: &mut [u8], e: usize) {
+    let v: [u8; N] = x[at * N..at * N + N].try_into().expect("N bytes");
+    dst[e * N..e * N + N].copy_from_slice(&v);
+}
+
+/// The input positions of a permuted tensor's elements, taken in the order of its
+/// flat index: `shape` is the permuted tensor's, `strides` its row-major strides, and
+/// `from` the input's stride for each of its dimensions.
+struct PermutedWalk<'a> {
+    shape: &'a [u64],
+    strides: &'a [u64],
+    from: &'a [u64],
+}
+
+impl PermutedWalk<'_> {
+    /// Calls `f(output element, input element)` for `row_len` consecutive elements from
+    /// each flat index `rows` yields, the output numbered on from 0.
+    fn each(
+        &self,
+        rows: impl Iterator<Item = u64>,
+        row_len: usize,
+        mut f: impl FnMut(usize, usize),
+    ) {
+        let nd = self.shape.len();
+        let mut digits = vec![0u64; nd];
+        let mut e = 0usize;
+        for flat in rows {
+            let mut rest = flat;
+            let mut at = 0u64;
+            for ((digit, &stride), &from) in digits.iter_mut().zip(self.strides).zip(self.from) {
+                *digit = rest / stride;
+                rest %= stride;
+                at += *digit * from;
+            }
+            for _ in 0..row_len {
+                f(e, at as usize);
+                e += 1;
+                // The next index: the last digit up by one, carried leftwards.
+                let mut k = nd;
+                while k > 0 {
+                    k -= 1;
+                    digits[k] += 1;
+                    at += self.from[k];
+                    if digits[k] < self.shape[k] || k == 0 {
+                        break;
+                    }
+                    at -= self.shape[k] * self.from[k];
+                    digits[k] = 0;
+                }
+            }
+        }
+    }
 }
 
 /// The runs of `len` indices from `start` that fall in one block of `b` each: their
@@ -1127,6 +1241,53 @@ mod tests {
             .flat_map(|e| (0..3).map(move |o| 2.0 * (e * 6 + 3 + o) as f32))
             .collect();
         assert_eq!(got, want);
+    }
+
+    proptest::proptest! {
+        /// Every element of a permuted box, whatever the element size and the box, is
+        /// the input element its index names (the odometer walk against the definition).
+        #[test]
+        fn permuted_boxes_take_the_elements_their_indices_name(
+            dims in proptest::collection::vec(1u64..5, 2..5),
+            seed in 0u64..1000,
+            size in proptest::sample::select(vec![1usize, 2, 4, 8]),
+        ) {
+            let nd = dims.len();
+            // A permutation of the axes from the seed, and an output box inside.
+            let mut axes: Vec<usize> = (0..nd).collect();
+            let mut r = seed;
+            for i in (1..nd).rev() {
+                axes.swap(i, (r % (i as u64 + 1)) as usize);
+                r /= i as u64 + 1;
+            }
+            let ps: Vec<u64> = axes.iter().map(|&a| dims[a]).collect();
+            let start: Vec<u64> = ps.iter().map(|&d| seed % d).collect();
+            let shape: Vec<u64> = ps.iter().zip(&start).map(|(&d, &s)| d - s).collect();
+            let out = Region::new(start, shape);
+            let n: u64 = dims.iter().product();
+            let dtype = match size { 1 => Dtype::U8, 2 => Dtype::BF16, 4 => Dtype::F32, _ => Dtype::F64 };
+            let x: Vec<u8> = (0..n as usize * size).map(|i| (i * 7 + 3) as u8).collect();
+            let op = Operation::permute(&[n], dims.clone(), axes.clone(), ps.clone(), None).unwrap();
+            let whole = Region::full(&[n]);
+            let need = op.input_region(0, &out, &whole);
+            let input = &x[need.start[0] as usize * size..need.end(0) as usize * size];
+            let mut got = vec![0u8; out.numel() as usize * size];
+            op.compute(&out, &[(need.clone(), input)], dtype, &mut got).unwrap();
+            let xs = strides_of(&dims);
+            let mut e = 0;
+            let mut idx = vec![0u64; nd];
+            while e < out.numel() as usize {
+                let at: u64 = (0..nd).map(|k| (out.start[k] + idx[k]) * xs[axes[k]]).sum();
+                let at = at as usize * size;
+                proptest::prop_assert_eq!(&got[e * size..(e + 1) * size], &x[at..at + size], "element {:?}", idx);
+                e += 1;
+                for k in (0..nd).rev() {
+                    idx[k] += 1;
+                    if idx[k] < out.shape[k] { break; }
+                    idx[k] = 0;
+                }
+            }
+        }
     }
 
     /// The leading dimension of the permuted tensor is the outer part of the input's

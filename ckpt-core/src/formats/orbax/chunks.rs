@@ -7,7 +7,14 @@
 //! A zstd frame cannot be entered in the middle, so a part is decoded by a stream of
 //! the chunk's frame kept from the previous part ([`Decoding`]): the copy reads a
 //! chunk's parts in order (it sorts its slabs by where their source bytes are), and a
-//! part asked out of order restarts the frame and skips ahead. Chunks at the array's
+//! part asked out of order restarts the frame and skips ahead. A chunk whose frame
+//! must be started a second time is read in another order than its bytes' — MaxText's
+//! scanned kernels (`[embed, layers, mlp]`) give each layer's Hugging Face tensor,
+//! transposed, from bytes spread over the whole chunk, so every slab of the output
+//! would decode the whole chunk again — and is decoded once, in full, into an unnamed
+//! temporary file ([`Spilled`], in `TMPDIR`), which serves its reads from then on, each
+//! by position and of the bytes asked only ([`Decoder::reads_at`]): one more decode and
+//! a write to the page cache instead of one decode per slab, in the memory of a part. Chunks at the array's
 //! edge (zarr pads them to the full chunk shape) are cut to the array as they are read;
 //! a missing chunk is its fill value; stored big-endian elements are swapped.
 
@@ -77,6 +84,21 @@ pub(crate) struct Piece {
     pub(crate) crc: OnceLock<std::result::Result<(), String>>,
 }
 
+/// A chunk decoded in full into an unnamed temporary file, read by position.
+#[derive(Debug)]
+struct Spilled {
+    file: std::fs::File,
+}
+
+/// What is known of how a chunk's frame has been read.
+#[derive(Debug, Default)]
+struct Starts {
+    /// Frames started per piece (a second start spills it).
+    count: std::collections::HashMap<usize, u32>,
+    /// Pieces spilled, by number.
+    spilled: std::collections::HashMap<usize, std::sync::Arc<Spilled>>,
+}
+
 /// A chunk's frame being decoded front to back, between two parts.
 struct Decoding {
     piece: usize,
@@ -93,6 +115,8 @@ pub(crate) struct Chunks {
     pub(crate) pieces: Vec<Piece>,
     /// Frames left part-way, most recently used last.
     kept: Mutex<Vec<Decoding>>,
+    /// Frames started, and the chunks decoded into temporary files.
+    starts: Mutex<Starts>,
 }
 
 impl std::fmt::Debug for Chunks {
@@ -113,6 +137,7 @@ impl Chunks {
             arrays,
             pieces,
             kept: Mutex::new(Vec::new()),
+            starts: Mutex::new(Starts::default()),
         }
     }
 
@@ -186,7 +211,9 @@ impl Chunks {
             self.check_crc(t, loc)?;
         }
         let runs = runs(&p.shape, &p.stored, size, range.clone());
-        if chain.zstd {
+        if let Some(spilled) = self.spilled(t) {
+            self.read_spilled(t, &spilled, &runs, out)?;
+        } else if chain.zstd {
             self.decode_frame(t, loc, &runs, out)?;
         } else {
             for &(at, dst, n) in &runs {
@@ -227,6 +254,10 @@ impl Chunks {
         };
         let mut d = match taken {
             Some(d) => d,
+            None if self.second_start(t) => {
+                let spilled = self.spill(t, loc)?;
+                return self.read_spilled(t, &spilled, runs, out);
+            }
             None => {
                 let frame = Loc::sub(loc, 0, loc.len() - if self.crc_of(t) { 4 } else { 0 });
                 let reader = frame.reader()?;
@@ -266,6 +297,83 @@ impl Chunks {
                 kept.remove(0);
             }
             kept.push(d);
+        }
+        Ok(())
+    }
+
+    /// Whether piece `t`'s frame has been started before (and counts this start).
+    fn second_start(&self, t: usize) -> bool {
+        let mut starts = self.starts.lock().unwrap_or_else(|e| e.into_inner());
+        let n = starts.count.entry(t).or_insert(0);
+        *n += 1;
+        *n > 1
+    }
+
+    /// Piece `t`'s chunk in its temporary file, if it was spilled.
+    fn spilled(&self, t: usize) -> Option<std::sync::Arc<Spilled>> {
+        let starts = self.starts.lock().unwrap_or_else(|e| e.into_inner());
+        starts.spilled.get(&t).cloned()
+    }
+
+    /// Decodes piece `t`'s whole frame into an unnamed temporary file (once: a thread
+    /// that asks meanwhile waits for it).
+    fn spill(&self, t: usize, loc: &Loc) -> Result<std::sync::Arc<Spilled>> {
+        let mut starts = self.starts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = starts.spilled.get(&t) {
+            return Ok(s.clone());
+        }
+        let p = &self.pieces[t];
+        let frame = Loc::sub(loc, 0, loc.len() - if self.crc_of(t) { 4 } else { 0 });
+        let mut dec = zstd::stream::read::Decoder::new(frame.reader()?)
+            .map_err(|e| self.damaged(t, format!("zstd: {e}")))?;
+        let scratch = std::env::temp_dir();
+        let io = |e: std::io::Error| Error::Io {
+            path: scratch.clone(),
+            source: e,
+        };
+        let file = tempfile::tempfile().map_err(io)?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, &file);
+        // The frame decodes to exactly the chunk's bytes: fewer or more is damage.
+        let n = std::io::copy(&mut (&mut dec).take(p.stored_len), &mut w)
+            .map_err(|e| self.short(t, e, p.stored_len))?;
+        if n < p.stored_len {
+            return Err(self.damaged(
+                t,
+                format!("decodes to fewer bytes than the chunk's {}", p.stored_len),
+            ));
+        }
+        let mut one = [0u8; 1];
+        match dec.read(&mut one) {
+            Ok(0) => {}
+            Ok(_) => {
+                return Err(self.damaged(
+                    t,
+                    format!("decodes to more than the chunk's {} bytes", p.stored_len),
+                ))
+            }
+            Err(e) => return Err(self.damaged(t, format!("zstd: {e}"))),
+        }
+        std::io::Write::flush(&mut w).map_err(io)?;
+        drop(w);
+        let spilled = std::sync::Arc::new(Spilled { file });
+        starts.spilled.insert(t, spilled.clone());
+        Ok(spilled)
+    }
+
+    /// Reads `runs` of piece `t`'s spilled chunk into `out`.
+    fn read_spilled(
+        &self,
+        t: usize,
+        spilled: &Spilled,
+        runs: &[(u64, u64, u64)],
+        out: &mut [u8],
+    ) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        for &(at, dst, n) in runs {
+            spilled
+                .file
+                .read_exact_at(&mut out[dst as usize..(dst + n) as usize], at)
+                .map_err(|e| self.damaged(t, format!("reading its decoded copy back: {e}")))?;
         }
         Ok(())
     }
@@ -379,6 +487,20 @@ impl Decoder for Chunks {
 
     fn decoded_checksum(&self, _t: usize) -> Option<Checksum> {
         None
+    }
+
+    fn reads_at(&self, s: usize) -> bool {
+        self.spilled(s).is_some()
+    }
+
+    fn read_at(
+        &self,
+        _name: &str,
+        s: usize,
+        range: std::ops::Range<u64>,
+        out: &mut [u8],
+    ) -> Result<()> {
+        self.decode_range(s, range, out)
     }
 
     fn stored_len(&self, t: usize) -> u64 {
@@ -542,23 +664,88 @@ mod tests {
             Dtype::U32,
         );
         let mut out = Vec::new();
-        // Out of order: restarts; in order: continues (and the last part checks the
-        // end of the frame).
-        for k in [2usize, 0, 1, 2, 3] {
-            c.decode(Path::new("x"), "w", 0, k, &mut out).unwrap();
+        let part = |c: &Chunks, k: usize, out: &mut Vec<u8>| {
+            c.decode(Path::new("x"), "w", 0, k, out).unwrap();
             let lo = k * PART_BYTES as usize;
             assert_eq!(
                 out[..],
                 raw[lo..(lo + PART_BYTES as usize).min(raw.len())],
                 "part {k}"
             );
+        };
+        // In order: one stream, continued part after part (the last part checks the
+        // end of the frame, and the stream that reached it is dropped).
+        for k in 0..4 {
+            part(&c, k, &mut out);
         }
-        // The stream that reached the end is dropped; the one the first (out of order)
-        // read left behind is kept.
-        let kept: Vec<u64> = c.kept.lock().unwrap().iter().map(|d| d.pos).collect();
-        assert_eq!(kept, vec![3 * PART_BYTES]);
+        assert!(c.kept.lock().unwrap().is_empty());
+        assert!(!c.reads_at(0), "read in order, nothing is spilled");
         let sum = c.checksum(Path::new("x"), "w", 0).unwrap();
         assert_eq!(sum, Checksum::of(&raw));
+    }
+
+    #[test]
+    fn a_chunk_read_out_of_order_is_decoded_once_into_a_file() {
+        let n = (3 * PART_BYTES + 4096) / 4;
+        let raw: Vec<u8> = (0..n as u32).flat_map(u32::to_be_bytes).collect();
+        let frame = zstd::encode_all(&raw[..], 1).unwrap();
+        let c = piece(
+            Source::Stored {
+                loc: inline(frame),
+                chain: Chain {
+                    big_endian: true,
+                    zstd: true,
+                    crc32c: false,
+                },
+            },
+            &[n],
+            &[n],
+            Dtype::U32,
+        );
+        let want: Vec<u8> = (0..n as u32).flat_map(u32::to_le_bytes).collect();
+        let mut out = Vec::new();
+        // Part 2 first (a stream skips to it), then part 0: the frame would start a
+        // second time, so it is decoded whole into a file, which serves every read
+        // after, by position (swapped to little-endian like the stream's).
+        for k in [2usize, 0, 3, 1] {
+            c.decode(Path::new("x"), "w", 0, k, &mut out).unwrap();
+            let lo = k * PART_BYTES as usize;
+            assert_eq!(
+                out[..],
+                want[lo..(lo + PART_BYTES as usize).min(want.len())],
+                "part {k}"
+            );
+            assert_eq!(c.reads_at(0), k != 2, "spilled after part {k}");
+        }
+        // Any run of whole elements, by position.
+        let mut some = vec![0u8; 12];
+        c.read_at("w", 0, 4_000_000..4_000_012, &mut some).unwrap();
+        assert_eq!(some[..], want[4_000_000..4_000_012]);
+        assert_eq!(
+            c.checksum(Path::new("x"), "w", 0).unwrap(),
+            Checksum::of(&want)
+        );
+        // A frame that decodes short is named when spilled, as when streamed.
+        let short = zstd::encode_all(&raw[..raw.len() - 4], 1).unwrap();
+        let c = piece(
+            Source::Stored {
+                loc: inline(short),
+                chain: Chain {
+                    big_endian: false,
+                    zstd: true,
+                    crc32c: false,
+                },
+            },
+            &[n],
+            &[n],
+            Dtype::U32,
+        );
+        c.decode(Path::new("x"), "w", 0, 1, &mut out).unwrap();
+        let e = c
+            .decode(Path::new("x"), "w", 0, 0, &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("decodes to fewer bytes than the chunk's"), "{e}");
     }
 
     #[test]
