@@ -1653,3 +1653,71 @@ fn a_llama3_tokenizer_ckpt_cannot_write_is_refused_by_name() {
     ]);
     assert_same_file(&out, &fixture("llama3/gguf/llama3-f32.gguf"));
 }
+
+/// A Mixtral GGUF back to Hugging Face (issue 47): llama.cpp's stacked
+/// `ffn_{gate,down,up}_exps` `[4, rows, cols]` read back as Mixtral's per-expert
+/// `block_sparse_moe.experts.E.{w1,w2,w3}`, each a view of its expert's run, the
+/// router `ffn_gate_inp` as `block_sparse_moe.gate`, the query/key rows permuted
+/// back. The converter's F32 file and ckpt's own F32 GGUF of the model (Hugging Face
+/// → GGUF → Hugging Face) merged to safetensors are the model, every tensor byte for
+/// byte, on 1 and 4 threads; the config is a `MixtralForCausalLM` of 4 experts, top
+/// 2. Stacks in Q8_0 blocks are refused, naming the tensor, nothing written.
+#[test]
+fn a_mixtral_gguf_becomes_its_hugging_face_model_expert_by_expert() {
+    let d = Dir::new();
+    let want = crate::util::full_tensors(&fixture("mixtral/mixtral/model.safetensors"));
+    let ours = d.path("ours-f32.gguf");
+    d.ok(&[
+        "merge",
+        s(&fixture("mixtral/mixtral")),
+        "--format",
+        "gguf",
+        "--dtype",
+        "f32",
+        "-o",
+        s(&ours),
+        "-q",
+    ]);
+    let converters = fixture("mixtral/gguf/mixtral-f32.gguf");
+    for (i, (src, threads)) in [(&converters, 1), (&converters, 4), (&ours, 1)]
+        .into_iter()
+        .enumerate()
+    {
+        let out = d.path(&format!("hf-{i}"));
+        let o = d.ok_with_threads(&["merge", s(src), "--format", "hf", "-o", s(&out)], threads);
+        assert!(o.stderr.contains("per-expert w1, w2, w3"), "{}", o.stderr);
+        let got = crate::util::full_tensors(&out.join("model.safetensors"));
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{}",
+            src.display()
+        );
+        for (name, bytes) in &want {
+            assert!(got[name] == *bytes, "{}: {name} differs", src.display());
+        }
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join("config.json")).expect("config"),
+        )
+        .expect("json");
+        assert_eq!(config["architectures"][0], "MixtralForCausalLM");
+        assert_eq!(config["num_local_experts"], 4);
+        assert_eq!(config["num_experts_per_tok"], 2);
+        assert_eq!(config["intermediate_size"], 32);
+    }
+    let out = d.path("q8");
+    let o = d.fails(&[
+        "merge",
+        s(&fixture("mixtral/gguf/mixtral-q8_0.gguf")),
+        "--format",
+        "hf",
+        "-o",
+        s(&out),
+    ]);
+    assert!(
+        o.stderr.contains("blk.0.ffn_gate_exps.weight") && o.stderr.contains("Q8_0"),
+        "{}",
+        o.stderr
+    );
+    assert!(!out.exists(), "nothing written");
+}
