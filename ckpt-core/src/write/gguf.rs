@@ -411,10 +411,10 @@ fn set_add<'a>(adds: &mut Vec<(&'a str, bool)>, typ: &'a str, b: bool) {
 /// gives add_bos true, add_eos false, add_sep false. A last special token other than
 /// the `eos_token` (which gguf-py makes the eos, the old one `eot` or `eom`) is not
 /// built: refused, naming both.
-fn template_adds<'a>(
+fn template_adds(
     p: &Json,
     tok_config: &mut Map<String, Json>,
-    adds: &mut Vec<(&'a str, bool)>,
+    adds: &mut Vec<(&str, bool)>,
 ) -> std::result::Result<(), String> {
     let special = |e: &Json| -> Option<String> {
         e.get("SpecialToken")
