@@ -1548,3 +1548,176 @@ fn the_bpe_tokenizer_reader_takes_qwens_and_refuses_damage_by_name() {
     assert_ne!(fallback, text, "the fixture says byte_fallback");
     refused(fallback.as_bytes(), 352, "byte_fallback");
 }
+
+/// Llama 3 (issue 47): a `LlamaForCausalLM` whose tokenizer is Llama 3's byte-level BPE
+/// `tokenizer.json` (no `tokenizer.model`) is the file llama.cpp's converter writes,
+/// byte for byte (tests/fixtures/serving/llama3/gguf/, made by
+/// scripts/fixtures/gguf_llama3_fixture.py with llama-cpp-python 0.3.36's vendored
+/// converter, the tiny tokenizer's hash registered as `llama-bpe`): `llama.*` keys,
+/// the query/key rows permuted, `gpt2` tokens, types and merges, `llama-bpe`, and
+/// add_bos true / add_eos false / add_sep false from the post-processor's
+/// `TemplateProcessing`; on 1 and 4 threads.
+#[test]
+fn gguf_of_llama3_is_the_converters_file_byte_for_byte() {
+    let d = Dir::new();
+    for ty in ["f32", "f16"] {
+        for threads in [1, 4] {
+            assert_gguf_is_the_converters(&d, "llama3", "llama3", ty, threads);
+        }
+    }
+}
+
+/// Llama 3's `tokenizer.json` read as the converter writes it: `llama-bpe`, one token
+/// per config id (352: 320 trained, 5 special, 27 `[PADn]` unused), the specials
+/// control tokens, the 64 merges.
+#[test]
+fn the_bpe_tokenizer_reader_names_llama3s_llama_bpe() {
+    let json = std::fs::read(fixture("llama3/tokenizer/tokenizer.json")).expect("read");
+    let ckpt_core::write::gguf::BpeVocab {
+        pre,
+        tokens,
+        types,
+        merges,
+    } = ckpt_core::write::gguf::read_bpe_tokenizer(&json, 352).expect("reads");
+    assert_eq!(pre, "llama-bpe");
+    assert_eq!((tokens.len(), types.len(), merges.len()), (352, 352, 64));
+    assert_eq!((tokens[320].as_str(), types[320]), ("<|begin_of_text|>", 3));
+    assert_eq!((tokens[324].as_str(), types[324]), ("<|eot_id|>", 3));
+    assert_eq!(types.iter().filter(|&&t| t == 5).count(), 27);
+    assert_eq!(types.iter().filter(|&&t| t == 1).count(), 320);
+}
+
+/// A Llama 3 tokenizer llama.cpp would tokenize otherwise (merges not ignored), one
+/// whose post-processor ends with a token other than the eos (gguf-py would rewrite
+/// the eos), and a Llama model with neither tokenizer file: refused by name, nothing
+/// written.
+#[test]
+fn a_llama3_tokenizer_ckpt_cannot_write_is_refused_by_name() {
+    let d = Dir::new();
+    let src = d.path("llama3");
+    copy_dir(&fixture("llama3/llama3"), &src);
+    let path = src.join("tokenizer.json");
+    let original = std::fs::read_to_string(&path).expect("read");
+    let out = d.path("model.gguf");
+
+    let edited = original.replacen("\"ignore_merges\": true", "\"ignore_merges\": false", 1);
+    assert_ne!(edited, original, "the fixture says ignore_merges");
+    std::fs::write(&path, edited).expect("write");
+    let o = d.fails(&["merge", s(&src), "--format", "gguf", "-o", s(&out)]);
+    assert!(
+        o.stderr.contains("tokenizer.json")
+            && o.stderr.contains("ignore_merges false")
+            && o.stderr.contains("the regex llama-bpe's"),
+        "{}",
+        o.stderr
+    );
+    assert!(!out.exists(), "nothing written");
+
+    let mut doc: serde_json::Value = serde_json::from_str(&original).expect("json");
+    let single = doc["post_processor"]["processors"][1]["single"]
+        .as_array_mut()
+        .expect("the template's single");
+    single.push(serde_json::json!({"SpecialToken": {"id": "<|eot_id|>", "type_id": 0}}));
+    std::fs::write(&path, serde_json::to_string(&doc).expect("json")).expect("write");
+    let o = d.fails(&["merge", s(&src), "--format", "gguf", "-o", s(&out)]);
+    assert!(
+        o.stderr.contains("tokenizer.json")
+            && o.stderr
+                .contains("\"<|eot_id|>\", not the eos_token \"<|end_of_text|>\""),
+        "{}",
+        o.stderr
+    );
+    assert!(!out.exists(), "nothing written");
+
+    std::fs::remove_file(&path).expect("remove");
+    let o = d.fails(&["merge", s(&src), "--format", "gguf", "-o", s(&out)]);
+    assert!(
+        o.stderr.contains("tokenizer.model or tokenizer.json") && o.stderr.contains("--tokenizer"),
+        "{}",
+        o.stderr
+    );
+    assert!(!out.exists(), "nothing written");
+    // Given with --tokenizer, the same model converts to the converter's file.
+    d.ok(&[
+        "merge",
+        s(&src),
+        "--format",
+        "gguf",
+        "--dtype",
+        "f32",
+        "--tokenizer",
+        s(&fixture("llama3/tokenizer")),
+        "-o",
+        s(&out),
+        "-q",
+    ]);
+    assert_same_file(&out, &fixture("llama3/gguf/llama3-f32.gguf"));
+}
+
+/// A Mixtral GGUF back to Hugging Face (issue 47): llama.cpp's stacked
+/// `ffn_{gate,down,up}_exps` `[4, rows, cols]` read back as Mixtral's per-expert
+/// `block_sparse_moe.experts.E.{w1,w2,w3}`, each a view of its expert's run, the
+/// router `ffn_gate_inp` as `block_sparse_moe.gate`, the query/key rows permuted
+/// back. The converter's F32 file and ckpt's own F32 GGUF of the model (Hugging Face
+/// → GGUF → Hugging Face) merged to safetensors are the model, every tensor byte for
+/// byte, on 1 and 4 threads; the config is a `MixtralForCausalLM` of 4 experts, top
+/// 2. Stacks in Q8_0 blocks are refused, naming the tensor, nothing written.
+#[test]
+fn a_mixtral_gguf_becomes_its_hugging_face_model_expert_by_expert() {
+    let d = Dir::new();
+    let want = crate::util::full_tensors(&fixture("mixtral/mixtral/model.safetensors"));
+    let ours = d.path("ours-f32.gguf");
+    d.ok(&[
+        "merge",
+        s(&fixture("mixtral/mixtral")),
+        "--format",
+        "gguf",
+        "--dtype",
+        "f32",
+        "-o",
+        s(&ours),
+        "-q",
+    ]);
+    let converters = fixture("mixtral/gguf/mixtral-f32.gguf");
+    for (i, (src, threads)) in [(&converters, 1), (&converters, 4), (&ours, 1)]
+        .into_iter()
+        .enumerate()
+    {
+        let out = d.path(&format!("hf-{i}"));
+        let o = d.ok_with_threads(&["merge", s(src), "--format", "hf", "-o", s(&out)], threads);
+        assert!(o.stderr.contains("per-expert w1, w2, w3"), "{}", o.stderr);
+        let got = crate::util::full_tensors(&out.join("model.safetensors"));
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{}",
+            src.display()
+        );
+        for (name, bytes) in &want {
+            assert!(got[name] == *bytes, "{}: {name} differs", src.display());
+        }
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join("config.json")).expect("config"),
+        )
+        .expect("json");
+        assert_eq!(config["architectures"][0], "MixtralForCausalLM");
+        assert_eq!(config["num_local_experts"], 4);
+        assert_eq!(config["num_experts_per_tok"], 2);
+        assert_eq!(config["intermediate_size"], 32);
+    }
+    let out = d.path("q8");
+    let o = d.fails(&[
+        "merge",
+        s(&fixture("mixtral/gguf/mixtral-q8_0.gguf")),
+        "--format",
+        "hf",
+        "-o",
+        s(&out),
+    ]);
+    assert!(
+        o.stderr.contains("blk.0.ffn_gate_exps.weight") && o.stderr.contains("Q8_0"),
+        "{}",
+        o.stderr
+    );
+    assert!(!out.exists(), "nothing written");
+}

@@ -1,8 +1,9 @@
-//! A byte-level BPE `tokenizer.json` (`merge --format gguf` of Qwen2, Qwen3 and their
-//! mixtures of experts, `write/gguf/bpe.rs`) must never panic the reader, and whatever
-//! it accepts is one token and one ggml type per id of the model, at least one merge,
-//! and llama.cpp's `qwen2` pre-tokenizer. The first two bytes give the model's
-//! `vocab_size` (below 4096), the rest is the file.
+//! A byte-level BPE `tokenizer.json` (`merge --format gguf` of Qwen2, Qwen3, their
+//! mixtures of experts and Llama 3, `write/gguf/bpe.rs`) must never panic the reader,
+//! and whatever it accepts is one token and one ggml type per id of the model, at least
+//! one merge, and one of llama.cpp's pre-tokenizers ckpt names (`qwen2`, `llama-bpe`).
+//! The first two bytes give the model's `vocab_size` (below 4096), the rest is the
+//! file.
 #![no_main]
 use ckpt_core::write::gguf::{read_bpe_tokenizer, BpeVocab};
 
@@ -20,7 +21,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     else {
         return;
     };
-    assert_eq!(pre, "qwen2");
+    assert!(matches!(pre, "qwen2" | "llama-bpe"), "{pre}");
     assert_eq!(tokens.len(), vocab_size);
     assert_eq!(types.len(), vocab_size);
     assert!(

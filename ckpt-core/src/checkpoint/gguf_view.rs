@@ -5,6 +5,13 @@
 //! transformers' own GGUF loader reads them (`integrations/ggml.py`,
 //! `GGUF_CONFIG_MAPPING["llama"]`; transformers 5.25).
 //!
+//! A Mixtral (`llama` with `expert_count`: llama.cpp's converter writes
+//! `MixtralForCausalLM` as its `LlamaModel`) is read back as `MixtralForCausalLM`: each
+//! layer's stacked `ffn_{gate,down,up}_exps.weight` `[experts, rows, cols]` becomes the
+//! per-expert `block_sparse_moe.experts.E.{w1,w2,w3}.weight` that `save_pretrained`
+//! writes, each a view of expert E's run of the stacked tensor (the stored bytes, no
+//! copy), and `ffn_gate_inp.weight` the router `block_sparse_moe.gate.weight`.
+//!
 //! Where the keys do not say what the model is, the view is refused with what would
 //! settle it: a rope scaling (llama.cpp keeps Llama 3's as a `rope_freqs.weight`
 //! tensor of frequencies, not the config's factors) needs `--hf-config`.
@@ -13,7 +20,8 @@ use super::{Checkpoint, HfModel, HfTarget};
 use crate::error::{Error, Result};
 use crate::formats::gguf::{decode_metadata, GgmlType, Value};
 use crate::formats::{FileFormat, TensorFile};
-use crate::hf::{self, Family, LLAMA_CPP};
+use crate::hf::{self, Family, Shape, LLAMA_CPP, LLAMA_CPP_MIXTRAL, LLAMA_CPP_MIXTRAL_EXPERTS};
+use crate::layout::source::SourceTensor;
 use crate::layout::Dtype;
 use serde_json::{json, Map, Value as Json};
 use std::collections::BTreeMap;
@@ -26,6 +34,13 @@ const ROPE_FREQS: &str = "rope_freqs.weight";
 
 fn unsupported(problem: String) -> Error {
     Error::Unsupported { problem }
+}
+
+fn invalid(tensor: &str, problem: String) -> Error {
+    Error::InvalidTensor {
+        tensor: tensor.to_string(),
+        problem,
+    }
 }
 
 /// A GGUF's key-value pairs by key.
@@ -102,7 +117,7 @@ impl Checkpoint {
             .to_string();
         if arch != "llama" {
             return Err(unsupported(format!(
-                "{}: a GGUF of llama.cpp's `{arch}` architecture: only `llama` (Llama, Mistral) is mapped back to Hugging Face's names",
+                "{}: a GGUF of llama.cpp's `{arch}` architecture: only `llama` (Llama, Mistral, Mixtral) is mapped back to Hugging Face's names",
                 path.display()
             )));
         }
@@ -186,15 +201,104 @@ impl Checkpoint {
                 }
             ));
         }
+        let experts = if family == Family::Mixtral {
+            self.unstack_mixtral_experts(&shape, &types)?
+        } else {
+            Vec::new()
+        };
         self.rename_interleaved(&LLAMA_CPP, family, &shape, true)?;
+        if !experts.is_empty() {
+            notes.push(format!(
+                "the experts of {} layers stacked by llama.cpp (ffn_gate_exps, ffn_down_exps, ffn_up_exps) as Mixtral's per-expert w1, w2, w3: each expert's run of the stacked tensor",
+                shape.layers
+            ));
+        }
+        self.tensors.extend(experts);
         let mut model = self.hf_names_as_they_are(family, shape, user_config, notes, true)?;
         model.dtype = dtype;
         Ok(Some(model))
     }
 
+    /// Mixtral's tensors out of a `llama` GGUF with experts, in Hugging Face's names:
+    /// each layer's three stacks (`hf::LLAMA_CPP_MIXTRAL_EXPERTS`), expert `x` of
+    /// `[experts, rows, cols]` the view of rows `x * rows ..` (`SourceTensor::run_rows`),
+    /// and the router (`hf::LLAMA_CPP_MIXTRAL`); taken out of `self.tensors`.
+    ///
+    /// # Errors
+    /// A stack or router missing, of another shape than the keys give, or in Q8_0
+    /// blocks (not cut per expert).
+    fn unstack_mixtral_experts(
+        &mut self,
+        shape: &Shape,
+        types: &BTreeMap<String, GgmlType>,
+    ) -> Result<Vec<(String, SourceTensor)>> {
+        let table = &LLAMA_CPP_MIXTRAL_EXPERTS;
+        let e = shape.experts;
+        let mut out = Vec::new();
+        for l in 0..shape.layers {
+            let at = |p: &str| p.replace("{l}", &l.to_string());
+            for row in LLAMA_CPP_MIXTRAL {
+                let name = at(row.other);
+                let t = self.tensors.remove(&name).ok_or_else(|| {
+                    invalid(
+                        &name,
+                        format!("missing: a Mixtral of {} layers has it", shape.layers),
+                    )
+                })?;
+                out.push((at(row.hf), t));
+            }
+            for (gguf, proj) in table.stacks {
+                let name = at(gguf);
+                let t = self.tensors.remove(&name).ok_or_else(|| {
+                    invalid(
+                        &name,
+                        format!(
+                            "missing: a Mixtral of {} layers and {e} experts has it",
+                            shape.layers
+                        ),
+                    )
+                })?;
+                if types.get(&name) == Some(&GgmlType::Q8_0) {
+                    return Err(invalid(
+                        &name,
+                        "is in Q8_0 blocks: stacked experts are read back from F32, F16 or BF16 only".into(),
+                    ));
+                }
+                let (h, f) = (shape.hidden, shape.moe_ffn);
+                let (rows, cols) = if proj == "w2" { (h, f) } else { (f, h) };
+                if t.shape != [e, rows, cols] {
+                    return Err(invalid(
+                        &name,
+                        format!(
+                            "is {:?}, but {e} experts of FFN {f} and hidden {h} make {:?} (llama.cpp's stacked {proj})",
+                            t.shape,
+                            [e, rows, cols]
+                        ),
+                    ));
+                }
+                let files = &self.files;
+                let stored = |fi: usize, i: usize| files[fi].tensors()[i].shape.clone();
+                for x in 0..e {
+                    let view = t
+                        .run_rows(x * rows * cols, rows, cols, stored)
+                        .map_err(|p| invalid(&name, format!("expert {x}: {p}")))?;
+                    out.push((
+                        format!("model.layers.{l}.{}.{x}.{proj}.weight", table.module),
+                        view,
+                    ));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// The Hugging Face `config.json` a GGUF's keys give (transformers' mapping for
     /// `llama`); the vocabulary from `llama.vocab_size`, else the tokenizer's tokens,
-    /// else the embedding's rows; tied when there is no `output.weight`.
+    /// else the embedding's rows; tied when there is no `output.weight`. With
+    /// `llama.expert_count` it is a `MixtralForCausalLM` (the converter's `LlamaModel`
+    /// writes Mixtral's `num_local_experts` and `num_experts_per_tok` as
+    /// `expert_count` and `expert_used_count`, its experts' FFN as
+    /// `feed_forward_length`, transformers' `GGUF_CONFIG_MAPPING` for `mixtral`).
     fn config_of_keys(&self, keys: &Keys<'_>) -> Result<Json> {
         let hidden = keys.need("embedding_length")?;
         let heads = keys.need("attention.head_count")?;
@@ -224,12 +328,22 @@ impl Checkpoint {
                     .unwrap_or(0),
             },
         };
+        let experts = keys.count("expert_count")?.filter(|&e| e > 0);
+        let family = if experts.is_some() {
+            Family::Mixtral
+        } else {
+            Family::Llama
+        };
         let mut c = Map::new();
-        c.insert(
-            "architectures".into(),
-            json!([Family::Llama.architecture()]),
-        );
-        c.insert("model_type".into(), json!(Family::Llama.model_type()));
+        c.insert("architectures".into(), json!([family.architecture()]));
+        c.insert("model_type".into(), json!(family.model_type()));
+        if let Some(e) = experts {
+            c.insert("num_local_experts".into(), json!(e));
+            c.insert(
+                "num_experts_per_tok".into(),
+                json!(keys.need("expert_used_count")?),
+            );
+        }
         c.insert("hidden_size".into(), json!(hidden));
         c.insert("num_hidden_layers".into(), json!(keys.need("block_count")?));
         c.insert(

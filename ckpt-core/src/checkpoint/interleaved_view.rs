@@ -79,10 +79,15 @@ impl Checkpoint {
         to_hf: bool,
     ) -> Result<()> {
         let name = program.program;
-        if !matches!(family, Family::Llama | Family::Mistral) || shape.experts > 0 {
+        // llama.cpp's Mixtral is its Llama with experts, which the GGUF view takes out
+        // first (`gguf_view`'s `unstack_mixtral_experts`): the rest is Llama's, less
+        // the dense MLP.
+        let mixtral = family == Family::Mixtral && name == hf::LLAMA_CPP.program;
+        if !((matches!(family, Family::Llama | Family::Mistral) && shape.experts == 0) || mixtral) {
             return Err(Error::Unsupported {
                 problem: format!(
-                    "{name}'s names are known for its Llama (LlamaForCausalLM, MistralForCausalLM), not {}",
+                    "{name}'s names are known for its Llama (LlamaForCausalLM, MistralForCausalLM{}), not {}",
+                    if name == hf::LLAMA_CPP.program { ", MixtralForCausalLM" } else { "" },
                     family.architecture()
                 ),
             });
@@ -99,6 +104,9 @@ impl Checkpoint {
             } else {
                 (row.hf, row.other)
             };
+            if mixtral && row.hf.contains(".mlp.") {
+                continue;
+            }
             let layers: Vec<Option<u64>> = if from.contains("{l}") {
                 (0..shape.layers).map(Some).collect()
             } else {

@@ -87,8 +87,9 @@ fn gguf_arch(family: Family) -> Option<&'static str> {
     }
 }
 
-/// Whether the family's tokenizer is a byte-level BPE `tokenizer.json` (Qwen's) rather
-/// than a SentencePiece `tokenizer.model` (Llama's).
+/// Whether the family is Qwen's, whose converters read only a byte-level BPE
+/// `tokenizer.json` (Llama's read a SentencePiece `tokenizer.model` first:
+/// [`GgufExport::tokenizer_dir`]).
 fn bpe_family(family: Family) -> bool {
     matches!(
         family,
@@ -392,6 +393,135 @@ fn add_token_key(typ: &str) -> Option<&'static str> {
     })
 }
 
+/// Sets `typ`'s `add_{typ}_token` as a Python dict assignment does: in its place if
+/// already there, else last.
+fn set_add<'a>(adds: &mut Vec<(&'a str, bool)>, typ: &'a str, b: bool) {
+    match adds.iter_mut().find(|(t, _)| *t == typ) {
+        Some(slot) => slot.1 = b,
+        None => adds.push((typ, b)),
+    }
+}
+
+/// gguf-py's `SpecialVocab._try_load_from_tokenizer_json` on a `TemplateProcessing`
+/// post-processor (its "crude parsing", followed step by step): a special token first
+/// in the single template sets `add_bos_token` (true when it is the config's
+/// `bos_token` or `cls_token`, else it becomes them where they are unset), a special
+/// token last sets `add_eos_token`, and the pair template's middle sets
+/// `add_sep_token`. Llama 3's (`<|begin_of_text|> $A`, pair `<bos> $A <bos>:1 $B:1`)
+/// gives add_bos true, add_eos false, add_sep false. A last special token other than
+/// the `eos_token` (which gguf-py makes the eos, the old one `eot` or `eom`) is not
+/// built: refused, naming both.
+fn template_adds(
+    p: &Json,
+    tok_config: &mut Map<String, Json>,
+    adds: &mut Vec<(&str, bool)>,
+) -> std::result::Result<(), String> {
+    let special = |e: &Json| -> Option<String> {
+        e.get("SpecialToken")
+            .and_then(|t| t.get("id"))
+            .and_then(Json::as_str)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+    };
+    let sequence = |e: &Json| -> Option<String> {
+        e.get("Sequence")
+            .and_then(|t| t.get("id"))
+            .and_then(Json::as_str)
+            .map(str::to_string)
+    };
+    let list = |k: &str| -> Vec<Json> {
+        p.get(k)
+            .and_then(Json::as_array)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let (single, pair) = (list("single"), list("pair"));
+    // `tokenizer_config.get('<typ>_token')`: the value as written (a string compares
+    // equal to a token's id; an AddedToken object never does, as in Python).
+    let get = |c: &Map<String, Json>, k: &str| c.get(k).cloned().unwrap_or(Json::Null);
+    let truthy = |v: &Json| match v {
+        Json::Null => false,
+        Json::Bool(b) => *b,
+        Json::String(s) => !s.is_empty(),
+        Json::Array(a) => !a.is_empty(),
+        Json::Object(o) => !o.is_empty(),
+        Json::Number(n) => n.as_f64() != Some(0.0),
+    };
+    let has_config = !tok_config.is_empty();
+    let mut bos = get(tok_config, "bos_token");
+    let mut cls = get(tok_config, "cls_token");
+    let mut eos = get(tok_config, "eos_token");
+    let sep = get(tok_config, "sep_token");
+    let is = |v: &Json, id: &str| v.as_str() == Some(id);
+    let mut first = None;
+    let mut last = None;
+    if single.len() > 1 {
+        first = special(&single[0]);
+        if let Some(f) = &first {
+            if !has_config {
+                bos = Json::String(f.clone());
+            } else if !is(&bos, f) && !is(&cls, f) {
+                if !truthy(&bos) {
+                    bos = Json::String(f.clone());
+                    tok_config.insert("bos_token".into(), bos.clone());
+                }
+                if !truthy(&cls) {
+                    cls = Json::String(f.clone());
+                    tok_config.insert("cls_token".into(), cls.clone());
+                }
+            }
+            set_add(adds, "bos", is(&bos, f) || is(&cls, f));
+        }
+        last = special(&single[single.len() - 1]);
+        if let Some(l) = &last {
+            if !has_config {
+                eos = Json::String(l.clone());
+            } else if !is(&eos, l) {
+                return Err(format!(
+                    "the TemplateProcessing post-processor ends with {l:?}, not the eos_token {eos} (gguf-py would make it the eos and the old one eot or eom: not built)"
+                ));
+            }
+            set_add(adds, "eos", is(&eos, l));
+        }
+    }
+    if !pair.is_empty() {
+        let start = usize::from(first.is_some() && special(&pair[0]) == first);
+        let stop = if last.is_some() && special(&pair[pair.len() - 1]) == last {
+            pair.len() - 1
+        } else {
+            pair.len()
+        };
+        let middle = pair.get(start..stop.max(start)).unwrap_or(&[]);
+        if let (Some(a), Some(b)) = (middle.first(), middle.last()) {
+            if sequence(a).as_deref() == Some("A")
+                && sequence(b).as_deref() == Some("B")
+                && middle.len() > 2
+            {
+                let inner = &middle[1..middle.len() - 1];
+                let sep_or_eos = |id: &str| is(&sep, id) || is(&eos, id);
+                let mut add_sep = false;
+                if let Some(entry) = special(&inner[0]) {
+                    if sep_or_eos(&entry) && last.is_none() {
+                        add_sep = true;
+                    }
+                }
+                if inner.len() == 2 {
+                    if let Some(entry) = special(&inner[1]) {
+                        if sep_or_eos(&entry) {
+                            add_sep = true;
+                        }
+                    }
+                }
+                set_add(adds, "sep", add_sep);
+                if add_sep && !truthy(&sep) && has_config {
+                    tok_config.insert("sep_token".into(), eos.clone());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// gguf-py's `SpecialVocab(dir, n_vocab=...)` and its `add_to_gguf` (merges aside): the
 /// special ids from `tokenizer_config.json`'s `{typ}_token` (looked up among
 /// `tokenizer.json`'s added tokens) then `config.json`'s `{typ}_token_id` (the first found
@@ -468,6 +598,7 @@ fn special_vocab(
             for p in list {
                 match p.get("type").and_then(Json::as_str) {
                     Some("ByteLevel") => {
+                        // `setdefault`
                         for typ in ["bos", "eos"] {
                             if !adds.iter().any(|(t, _)| *t == typ) {
                                 adds.push((typ, false));
@@ -475,21 +606,9 @@ fn special_vocab(
                         }
                     }
                     Some("TemplateProcessing") => {
-                        // Only templates without special tokens are built (gguf-py
-                        // derives add_bos/add_eos and more ids from the others).
-                        let special = ["single", "pair"].iter().any(|k| {
-                            p.get(*k)
-                                .and_then(Json::as_array)
-                                .into_iter()
-                                .flatten()
-                                .any(|e| e.get("SpecialToken").is_some())
-                        });
-                        if special {
-                            return Err(unsupported(format!(
-                                "{}: a TemplateProcessing post-processor that adds special tokens is not built",
-                                dir.join("tokenizer.json").display()
-                            )));
-                        }
+                        template_adds(p, &mut tok_config, &mut adds).map_err(|e| {
+                            unsupported(format!("{}: {e}", dir.join("tokenizer.json").display()))
+                        })?;
                     }
                     Some(other @ "RobertaProcessing") => {
                         return Err(unsupported(format!(
@@ -632,17 +751,27 @@ impl GgufExport {
         }
     }
 
-    /// The directory holding the tokenizer: `--tokenizer`, else the source's own.
-    fn tokenizer_dir(&self, source: &Checkpoint) -> Result<PathBuf> {
-        let bpe = bpe_family(self.model.family);
-        let file = if bpe {
-            "tokenizer.json"
+    /// The directory holding the tokenizer (`--tokenizer`, else the source's own) and
+    /// whether the converter reads its byte-level BPE `tokenizer.json` rather than a
+    /// SentencePiece `tokenizer.model`. Qwen's converters read `tokenizer.json` only;
+    /// `LlamaModel.set_vocab` (Llama, Mistral, Mixtral) reads `tokenizer.model` where
+    /// there is one, else `tokenizer.json` (gguf-py's `LlamaHfVocab` refuses Llama 3's,
+    /// and any BPE without byte fallback, so it is `_set_vocab_gpt2`'s).
+    fn tokenizer_dir(&self, source: &Checkpoint) -> Result<(PathBuf, bool)> {
+        let files: &[&str] = if bpe_family(self.model.family) {
+            &["tokenizer.json"]
         } else {
-            "tokenizer.model"
+            &["tokenizer.model", "tokenizer.json"]
+        };
+        let found = |dir: &Path| {
+            files
+                .iter()
+                .find(|f| dir.join(f).is_file())
+                .map(|f| (dir.to_path_buf(), *f == "tokenizer.json"))
         };
         if let Some(dir) = &self.tokenizer {
-            if !dir.join(file).is_file() {
-                return Err(unsupported(if bpe {
+            return found(dir).ok_or_else(|| {
+                unsupported(if bpe_family(self.model.family) {
                     format!(
                         "--tokenizer {}: no tokenizer.json (the byte-level BPE tokenizer {} ships)",
                         dir.display(),
@@ -650,28 +779,29 @@ impl GgufExport {
                     )
                 } else {
                     format!(
-                        "--tokenizer {}: no tokenizer.model (a SentencePiece model, as Llama 2 and Mistral ship it; tokenizer.json-only BPE tokenizers are built for Qwen2 and Qwen3 only)",
+                        "--tokenizer {}: no tokenizer.model (a SentencePiece model, as Llama 2 and Mistral ship it) and no tokenizer.json (a byte-level BPE, as Llama 3 ships it)",
                         dir.display()
                     )
-                }));
-            }
-            return Ok(dir.clone());
+                })
+            });
         }
         // A trainer's kept tokenizer, else the files beside the model's config or
         // beside the weights (a Hugging Face model directory).
-        let candidates = [
-            source.carried.get(file).cloned(),
-            source.carried.get("config.json").cloned(),
-            source.files.first().map(|f| f.path().to_path_buf()),
-        ];
+        let mut candidates: Vec<Option<PathBuf>> = files
+            .iter()
+            .map(|f| source.carried.get(*f).cloned())
+            .collect();
+        candidates.push(source.carried.get("config.json").cloned());
+        candidates.push(source.files.first().map(|f| f.path().to_path_buf()));
         candidates
             .into_iter()
             .flatten()
             .filter_map(|p| p.parent().map(Path::to_path_buf))
-            .find(|d| d.join(file).is_file())
+            .find_map(|d| found(&d))
             .ok_or_else(|| {
                 unsupported(format!(
-                    "the source has no {file} beside it: give the tokenizer's directory with --tokenizer DIR"
+                    "the source has no {} beside it: give the tokenizer's directory with --tokenizer DIR",
+                    files.join(" or ")
                 ))
             })
     }
@@ -903,7 +1033,7 @@ impl GgufExport {
             }
         }
         let vocab_size = u(&["vocab_size"])?.unwrap_or(0);
-        let dir = self.tokenizer_dir(source)?;
+        let (dir, bpe) = self.tokenizer_dir(source)?;
         if bpe_family(family) {
             // `Qwen2Model` is `TextModel`'s keys alone, then `_set_vocab_gpt2`.
             put("general.quantization_version", Value::U32(2));
@@ -920,13 +1050,17 @@ impl GgufExport {
         };
         put(&format!("{a}.rope.dimension_count"), Value::U32(rope_dim));
         put("general.quantization_version", Value::U32(2));
-        // The tokenizer (`_set_vocab_sentencepiece`, `SpecialVocab.add_to_gguf`).
-        let tokens = vocab(&dir, vocab_size as usize)?;
         let tok_config = tokenizer_config(&dir)?.unwrap_or_default();
-        // `LlamaModel.set_vocab` adds it before the vocabulary.
+        // `LlamaModel.set_vocab` adds it before the vocabulary, whichever it is.
         if let Some(b) = tok_config.get("add_prefix_space").and_then(Json::as_bool) {
             put("tokenizer.ggml.add_space_prefix", Value::Bool(b));
         }
+        if bpe {
+            // No tokenizer.model: `_set_vocab_gpt2` (Llama 3's byte-level BPE).
+            return self.bpe_kv(&dir, config, vocab_size, kv);
+        }
+        // The tokenizer (`_set_vocab_sentencepiece`, `SpecialVocab.add_to_gguf`).
+        let tokens = vocab(&dir, vocab_size as usize)?;
         put("tokenizer.ggml.model", Value::Str("llama".into()));
         put("tokenizer.ggml.pre", Value::Str("default".into()));
         let mut texts = Vec::with_capacity(tokens.len());

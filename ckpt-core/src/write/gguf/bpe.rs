@@ -1,15 +1,20 @@
-//! A byte-level BPE `tokenizer.json` (Qwen2's and Qwen3's) as llama.cpp's converter
-//! writes it (`TextModel._set_vocab_gpt2` and `get_vocab_base`, llama-cpp-python 0.3.36's
-//! `vendor/llama.cpp/conversion/base.py`): `tokenizer.ggml.model = "gpt2"`, the
+//! A byte-level BPE `tokenizer.json` (Qwen2's, Qwen3's and Llama 3's) as llama.cpp's
+//! converter writes it (`TextModel._set_vocab_gpt2` and `get_vocab_base`, llama-cpp-python
+//! 0.3.36's `vendor/llama.cpp/conversion/base.py`): `tokenizer.ggml.model = "gpt2"`, the
 //! pre-tokenizer's name, one token per id below the config's `vocab_size` with its ggml
 //! type, and the merges (gguf-py's `SpecialVocab(load_merges=True)`).
 //!
 //! The converter names the pre-tokenizer by a hash of the tokenizer's ids on a fixed
 //! text (`get_vocab_base_pre`), which needs the real vocabulary it was registered for.
-//! ckpt names it by what `tokenizer.json` configures instead: Qwen2's normalizer (`NFC`)
-//! and pre-tokenizer (`Split` of [`QWEN2_REGEX`], isolated, then `ByteLevel` without a
-//! prefix space or its own regex), exactly as transformers' `Qwen2Tokenizer` builds them,
-//! are llama.cpp's `qwen2`; any other configuration is refused by name.
+//! ckpt names it by what `tokenizer.json` configures instead, from one table
+//! ([`KNOWN`]): the normalizer, the pre-tokenizer (`Split` of the row's regex, isolated,
+//! then `ByteLevel` without a prefix space or its own regex) and the BPE model's
+//! `ignore_merges` (llama.cpp's `llama_vocab::impl::load` sets it by the name: true for
+//! `llama-bpe`, false for `qwen2`). Qwen2's (transformers' `Qwen2Tokenizer`: NFC, its
+//! `PRETOKENIZE_REGEX`) is llama.cpp's `qwen2`; Llama 3's (Meta's `tokenizer.json`, as
+//! transformers' `TikTokenConverter` builds it: no normalizer, its default pattern,
+//! `ignore_merges`) is `llama-bpe`, the name the converter gives Meta-Llama-3-8B's hash.
+//! Any other configuration is refused by name.
 
 use super::refuse::{looks_special, unsupported};
 use crate::error::Result;
@@ -47,6 +52,43 @@ pub fn read_bpe_tokenizer(json: &[u8], vocab_size: usize) -> Result<BpeVocab> {
 /// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN2`).
 pub(crate) const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Llama 3's pre-tokenizer regex (transformers' `TikTokenConverter` default `pattern`,
+/// the regex of Meta's `tokenizer.json`; transformers' GGUF loader's `_LLAMA3_SPLIT` for
+/// `llama-bpe`; llama.cpp's `LLAMA_VOCAB_PRE_TYPE_LLAMA3`): digits in runs of up to 3.
+pub(crate) const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A `tokenizer.json` configuration llama.cpp has a pre-tokenizer for.
+pub(crate) struct KnownBpe {
+    /// `tokenizer.ggml.pre`.
+    pub(crate) pre: &'static str,
+    /// What the configuration is, for messages.
+    pub(crate) what: &'static str,
+    /// The `normalizer` (`None`: JSON null or absent).
+    pub(crate) normalizer: Option<&'static str>,
+    /// The `Split` regex before the `ByteLevel` pre-tokenizer.
+    pub(crate) regex: &'static str,
+    /// `model.ignore_merges` (absent: false, the `tokenizers` default).
+    pub(crate) ignore_merges: bool,
+}
+
+/// The configurations ckpt names, one row each.
+pub(crate) const KNOWN: &[KnownBpe] = &[
+    KnownBpe {
+        pre: "qwen2",
+        what: "Qwen2's: NFC, Split of Qwen2's regex, ByteLevel without prefix space, merges not ignored",
+        normalizer: Some("NFC"),
+        regex: QWEN2_REGEX,
+        ignore_merges: false,
+    },
+    KnownBpe {
+        pre: "llama-bpe",
+        what: "Llama 3's: no normalizer, Split of Llama 3's regex, ByteLevel without prefix space, ignore_merges",
+        normalizer: None,
+        regex: LLAMA3_REGEX,
+        ignore_merges: true,
+    },
+];
+
 /// A `tokenizer.json` as the converter reads it: the vocabulary it writes, and the
 /// parsed file (its added tokens, post-processor and normalizer are read again for the
 /// special vocabulary).
@@ -55,16 +97,9 @@ pub(super) struct Bpe {
     pub(super) doc: Map<String, Json>,
 }
 
-/// The `tokenizer.ggml.pre` ckpt gives a `tokenizer.json`, by its normalizer and
-/// pre-tokenizer, or why none.
+/// The `tokenizer.ggml.pre` ckpt gives a `tokenizer.json`, by its normalizer,
+/// pre-tokenizer and `ignore_merges` ([`KNOWN`]), or why none.
 fn pre_name(doc: &Map<String, Json>) -> std::result::Result<&'static str, String> {
-    let qwen2_pre = json!({
-        "type": "Sequence",
-        "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": QWEN2_REGEX}, "behavior": "Isolated", "invert": false},
-            {"type": "ByteLevel", "add_prefix_space": false, "use_regex": false},
-        ],
-    });
     let pre = doc.get("pre_tokenizer").unwrap_or(&Json::Null);
     // `trim_offsets` changes offsets only, not the pieces: not compared.
     let mut seen = pre.clone();
@@ -72,8 +107,26 @@ fn pre_name(doc: &Map<String, Json>) -> std::result::Result<&'static str, String
         bl.remove("trim_offsets");
     }
     let normalizer = doc.get("normalizer").unwrap_or(&Json::Null);
-    if seen == qwen2_pre && *normalizer == json!({"type": "NFC"}) {
-        return Ok("qwen2");
+    let ignore_merges = doc
+        .get("model")
+        .and_then(|m| m.get("ignore_merges"))
+        .unwrap_or(&Json::Null);
+    for known in KNOWN {
+        let want_pre = json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": known.regex}, "behavior": "Isolated", "invert": false},
+                {"type": "ByteLevel", "add_prefix_space": false, "use_regex": false},
+            ],
+        });
+        let want_normalizer = known.normalizer.map_or(Json::Null, |t| json!({"type": t}));
+        let merges_ok = match ignore_merges {
+            Json::Null => !known.ignore_merges,
+            v => v.as_bool() == Some(known.ignore_merges),
+        };
+        if seen == want_pre && *normalizer == want_normalizer && merges_ok {
+            return Ok(known.pre);
+        }
     }
     let kind = |v: &Json| -> String {
         match v {
@@ -95,10 +148,24 @@ fn pre_name(doc: &Map<String, Json>) -> std::result::Result<&'static str, String
             other => other.to_string(),
         }
     };
+    let regex = seen
+        .pointer("/pretokenizers/0/pattern/Regex")
+        .and_then(Json::as_str)
+        .map(|r| match KNOWN.iter().find(|k| k.regex == r) {
+            Some(k) => format!(", the regex {}'s", k.pre),
+            None => ", a regex of no known tokenizer".into(),
+        })
+        .unwrap_or_default();
     Err(format!(
-        "its pre-tokenizer ({}) with normalizer ({}) is not one ckpt can name for llama.cpp (built: Qwen2's, `qwen2`: NFC, then Split of Qwen2's regex and ByteLevel without prefix space)",
+        "its pre-tokenizer ({}{regex}) with normalizer ({}) and ignore_merges {} is not one ckpt can name for llama.cpp (built: {})",
         kind(pre),
-        kind(normalizer)
+        kind(normalizer),
+        if ignore_merges.is_null() { "absent".to_string() } else { ignore_merges.to_string() },
+        KNOWN
+            .iter()
+            .map(|k| format!("`{}`, {}", k.pre, k.what))
+            .collect::<Vec<_>>()
+            .join("; ")
     ))
 }
 
@@ -234,11 +301,15 @@ mod tests {
         }
     }
 
+    fn split_bytelevel(regex: &str) -> Json {
+        json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]})
+    }
+
     #[test]
     fn qwen2s_pre_tokenizer_is_named_and_others_are_refused_by_name() {
-        let qwen = json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": QWEN2_REGEX}, "behavior": "Isolated", "invert": false},
-            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]});
+        let qwen = split_bytelevel(QWEN2_REGEX);
         assert_eq!(
             pre_name(&doc(qwen.clone(), json!({"type": "NFC"}))),
             Ok("qwen2")
@@ -246,12 +317,15 @@ mod tests {
         // Another normalizer, another regex, a prefix space: refused, the parts named.
         let e = pre_name(&doc(qwen.clone(), Json::Null)).unwrap_err();
         assert!(
-            e.contains("Sequence[Split, ByteLevel]") && e.contains("normalizer (none)"),
+            e.contains("Sequence[Split, ByteLevel], the regex qwen2's")
+                && e.contains("normalizer (none)")
+                && e.contains("`llama-bpe`, Llama 3's"),
             "{e}"
         );
         let mut other = qwen.clone();
         other["pretokenizers"][0]["pattern"]["Regex"] = json!(r"\p{L}+|\p{N}{1,3}");
-        assert!(pre_name(&doc(other, json!({"type": "NFC"}))).is_err());
+        let e = pre_name(&doc(other, json!({"type": "NFC"}))).unwrap_err();
+        assert!(e.contains("a regex of no known tokenizer"), "{e}");
         let mut prefix = qwen;
         prefix["pretokenizers"][1]["add_prefix_space"] = json!(true);
         assert!(pre_name(&doc(prefix, json!({"type": "NFC"}))).is_err());
@@ -261,5 +335,36 @@ mod tests {
         ))
         .unwrap_err();
         assert!(e.contains("pre-tokenizer (ByteLevel)"), "{e}");
+    }
+
+    /// Llama 3's configuration is `llama-bpe` only with `ignore_merges` (llama.cpp
+    /// ignores merges for it), and Qwen2's `qwen2` only without.
+    #[test]
+    fn llama3s_pre_tokenizer_is_llama_bpe_with_ignore_merges_only() {
+        let with = |pre: Json, normalizer: Json, ignore: Option<bool>| {
+            let mut d = doc(pre, normalizer);
+            if let Some(b) = ignore {
+                d.insert("model".into(), json!({"type": "BPE", "ignore_merges": b}));
+            }
+            pre_name(&d)
+        };
+        let llama = split_bytelevel(LLAMA3_REGEX);
+        assert_eq!(with(llama.clone(), Json::Null, Some(true)), Ok("llama-bpe"));
+        for ignore in [None, Some(false)] {
+            let e = with(llama.clone(), Json::Null, ignore).unwrap_err();
+            assert!(
+                e.contains("the regex llama-bpe's") && e.contains("ignore_merges"),
+                "{e}"
+            );
+        }
+        // Llama 3's regex under Qwen2's NFC, and Qwen2's with ignore_merges: refused.
+        assert!(with(llama, json!({"type": "NFC"}), Some(true)).is_err());
+        let qwen = split_bytelevel(QWEN2_REGEX);
+        assert_eq!(
+            with(qwen.clone(), json!({"type": "NFC"}), Some(false)),
+            Ok("qwen2")
+        );
+        let e = with(qwen, json!({"type": "NFC"}), Some(true)).unwrap_err();
+        assert!(e.contains("ignore_merges true"), "{e}");
     }
 }
