@@ -559,7 +559,8 @@ fn reshard_merges_adapters_and_dequantizes_piece_by_piece() {
 
 #[test]
 fn a_verl_lora_adapter_directory_is_found_under_its_parent() {
-    // verl saves the PEFT adapter as `lora_adapter/` inside the actor's step directory.
+    // verl's model merger writes the PEFT adapter as `lora_adapter/` into its target
+    // directory (its checkpoint manager writes none: docs/trainers.md).
     let d = Dir::new();
     let actor = d.path("global_step_1/actor");
     copy_dir(&fixture("lora/a_qv_r4"), &actor.join("lora_adapter"));

@@ -286,7 +286,7 @@ const QWEN3_MOE_CONFIG: &str = "../../moe/hf/qwen3_moe/hf/config.json";
 /// 0.4.1-0.8 layout kept for the same model.
 const VERL_MEGATRON_CONFIG: &str = "verl_out/global_step_2/actor/huggingface/config.json";
 
-const TRAINER_CASES: [TrainerCase; 12] = [
+const TRAINER_CASES: [TrainerCase; 13] = [
     TrainerCase {
         trainer: "Hugging Face Trainer + accelerate FSDP2 (SHARDED_STATE_DICT)",
         versions: "transformers 5.25.0, accelerate 1.16.0, torch 2.15.0",
@@ -368,6 +368,18 @@ const TRAINER_CASES: [TrainerCase; 12] = [
         config: None,
         expected: "expected.safetensors",
         anchor: "verl's `get_fsdp_full_state_dict`",
+        plain_refused: None,
+        import_back: "none needed: verl starts from the Hugging Face model (`actor_rollout_ref.model.path`)",
+    },
+    TrainerCase {
+        trainer: "verl FSDP checkpoint manager, a LoRA run (peft; `lora_rank` 4, `lora_alpha` 12, all-linear): the PEFT-wrapped shards merged",
+        versions: "verl 0.9.1, peft 0.22.0, transformers 5.10.4, torch 2.15.0",
+        fixture: "verl_fsdp_lora",
+        output: "verl_out",
+        step: "global_step_1",
+        config: None,
+        expected: "expected.safetensors",
+        anchor: "PEFT's `merge_and_unload()` of the trained model (fp32, gathered by verl's `get_fsdp_full_state_dict`)",
         plain_refused: None,
         import_back: "none needed: verl starts from the Hugging Face model (`actor_rollout_ref.model.path`)",
     },
@@ -796,6 +808,116 @@ fn verl_save_carries_its_config_and_tokenizer() {
         o.stderr
     );
     assert!(!d.path("c").exists());
+}
+
+/// verl's LoRA run (issue 45): the shards hold the PEFT-wrapped model and
+/// `lora_train_meta.json` its rank and alpha. `inspect` says so; `--format hf` merges
+/// the adapters with that scale (the bytes of PEFT's `merge_and_unload`: the table's
+/// case above); a scale nobody recorded, and a save of the LoRA parameters alone, are
+/// refused by name with nothing written.
+#[test]
+fn verl_lora_save_is_merged_with_its_recorded_alpha_or_refused() {
+    let d = Dir::new();
+    let fx = fixtures().join("trainers/verl_fsdp_lora");
+    let o = d.ok(&["inspect", fx.join("verl_out").to_str().unwrap()]);
+    let said = format!("{}{}", o.stdout, o.stderr);
+    assert!(
+        said.contains("verl save")
+            && said.contains("global_step_1")
+            && said.contains("lora_train_meta.json: a LoRA run (r 4, lora_alpha 12)")
+            && said.contains("PEFT-wrapped model's")
+            && said
+                .contains("base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"),
+        "{said}"
+    );
+    let o = d.ok(&[
+        "merge",
+        fx.join("verl_out").to_str().unwrap(),
+        "--format",
+        "hf",
+        "-o",
+        "a",
+    ]);
+    // 4 layers x 7 linear layers (all-linear; lm_head is left out by PEFT).
+    assert!(
+        o.stderr
+            .contains("LoRA adapters merged into 28 weights (r 4, lora_alpha 12"),
+        "{}",
+        o.stderr
+    );
+    let want = full_tensors(&fx.join("expected.safetensors"));
+    let got = full_tensors(&d.path("a/model.safetensors"));
+    assert_same_tensors(&got, &want, "verl LoRA");
+    assert!(d.path("a/config.json").is_file() && d.path("a/tokenizer.json").is_file());
+
+    // No record of the alpha: refused, naming the file and the flag; with the flag, the
+    // same bytes (the rank read from the adapters' shapes).
+    let copy = d.path("verl_out");
+    copy_dir(&fx.join("verl_out"), &copy);
+    let meta = copy.join("global_step_1/actor/lora_train_meta.json");
+    std::fs::remove_file(&meta).unwrap();
+    let o = d.fails(&["merge", "verl_out", "--format", "hf", "-o", "b"]);
+    assert!(
+        o.stderr.contains("lora_train_meta.json: missing") && o.stderr.contains("--lora-alpha"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("b").exists());
+    d.ok(&[
+        "merge",
+        "verl_out",
+        "--format",
+        "hf",
+        "--lora-alpha",
+        "12",
+        "-o",
+        "b",
+    ]);
+    assert_same_tensors(
+        &full_tensors(&d.path("b/model.safetensors")),
+        &want,
+        "--lora-alpha",
+    );
+    // A record of alpha 0 (what verl's own merger falls back to): refused likewise.
+    std::fs::write(
+        &meta,
+        r#"{"r": 4, "lora_alpha": 0, "task_type": "CAUSAL_LM"}"#,
+    )
+    .unwrap();
+    let o = d.fails(&["merge", "verl_out", "--format", "hf", "-o", "c"]);
+    assert!(
+        o.stderr.contains("lora_alpha is 0") && o.stderr.contains("--lora-alpha"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("c").exists());
+    // A record that says another rank than the adapters have: the merge names the misfit.
+    std::fs::write(
+        &meta,
+        r#"{"r": 8, "lora_alpha": 12, "task_type": "CAUSAL_LM"}"#,
+    )
+    .unwrap();
+    let o = d.fails(&["merge", "verl_out", "--format", "hf", "-o", "c"]);
+    assert!(o.stderr.contains("r = 8"), "{}", o.stderr);
+    assert!(!d.path("c").exists());
+
+    // save_lora_only: the shards hold no base weights; refused, naming why.
+    let o = d.fails(&[
+        "merge",
+        fx.join("verl_lora_only").to_str().unwrap(),
+        "--format",
+        "hf",
+        "-o",
+        "e",
+    ]);
+    assert!(
+        o.stderr.contains("only the LoRA parameters")
+            && o.stderr.contains("save_lora_only")
+            && o.stderr.contains("the base model is needed"),
+        "{}",
+        o.stderr
+    );
+    assert!(!d.path("e").exists());
 }
 
 /// verl's Megatron backend (issue 45): the output directory gives the step its tracker

@@ -23,6 +23,7 @@ mod maxtext_view;
 mod megatron_views;
 mod mindspore;
 mod open;
+mod peft_wrapped;
 mod sliced;
 
 pub use maxtext_view::MAXTEXT_ITEM;
@@ -88,6 +89,9 @@ pub struct Checkpoint {
     /// (Megatron-Bridge's `run_config.yaml`, NeMo's `context/model.yaml`), as
     /// Megatron-LM's args, and the file: used where the files hold no args.
     pub(crate) recorded_args: Option<(crate::formats::megatron::Args, std::path::PathBuf)>,
+    /// Where a trainer records the LoRA rank and alpha of a PEFT-wrapped model's
+    /// shards (verl's `lora_train_meta.json`; the file may be missing).
+    pub(crate) lora_meta: Option<std::path::PathBuf>,
     /// Scratch directories holding carried files rewritten for the output (a config
     /// without its `quantization_config`), removed when the checkpoint is dropped.
     pub(crate) scratch: Vec<tempfile::TempDir>,

@@ -174,6 +174,8 @@ fn open(req: &MergeRequest) -> Result<(Checkpoint, Box<dyn Writer>, Selection)> 
                 problem: format!("--format {} writes what {} loads: --compress and --one-file (and, for gguf, --max-shard-size) do not apply", if req.format == MergeFormat::Hf { "hf" } else { "gguf" }, if req.format == MergeFormat::Hf { "transformers" } else { "llama.cpp" }),
             });
         }
+        // A PEFT-wrapped model (verl's LoRA shards) becomes the model it stands for.
+        source.merge_peft_wrapped(req.computations.lora_alpha)?;
         Some(source.hf_view(&req.hf)?)
     } else {
         None

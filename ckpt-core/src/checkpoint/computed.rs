@@ -627,10 +627,10 @@ impl Checkpoint {
         Ok(fixed)
     }
 
-    /// Merges the PEFT LoRA adapter in `dir` (or its `lora_adapter/`, as verl saves
-    /// it) into the weights: each targeted weight becomes a computed tensor (its
-    /// pieces plus `scale * B @ A`), each saved module (`modules_to_save`, trained
-    /// biases) replaces the base's tensor.
+    /// Merges the PEFT LoRA adapter in `dir` (or its `lora_adapter/`, as verl's model
+    /// merger writes it into its target directory) into the weights: each targeted
+    /// weight becomes a computed tensor (its pieces plus `scale * B @ A`), each saved
+    /// module (`modules_to_save`, trained biases) replaces the base's tensor.
     fn merge_lora(&mut self, dir: &Path, alpha: Option<f64>) -> Result<()> {
         let dir = if !dir.join(ADAPTER_CONFIG).exists()
             && dir.join("lora_adapter").join(ADAPTER_CONFIG).exists()
@@ -666,7 +666,7 @@ impl Checkpoint {
         self.ranks.extend(std::iter::repeat_n(None, files.len()));
         self.files.extend(files);
         self.mirrors.extend(mirrors);
-        let mut tensors: BTreeMap<String, SourceTensor> = tensors
+        let tensors: BTreeMap<String, SourceTensor> = tensors
             .into_iter()
             .map(|(name, mut t)| {
                 for p in t
@@ -679,6 +679,27 @@ impl Checkpoint {
                 (name, t)
             })
             .collect();
+        let merged = self.merge_adapter(&config, tensors, &dir)?;
+        self.notes.push(format!(
+            "LoRA adapter {} merged into {merged} weights (r {}, lora_alpha {}{})",
+            dir.display(),
+            config.r,
+            config.lora_alpha,
+            if config.use_rslora { ", rsLoRA" } else { "" }
+        ));
+        Ok(())
+    }
+
+    /// Merges an adapter's tensors `tensors` (PEFT's saved names,
+    /// `base_model.model.<module>.lora_{A,B}.weight`, their pieces already among the
+    /// checkpoint's files) into the weights as [`Checkpoint::merge_lora`] says; `dir`
+    /// names where they came from in messages. Returns how many weights were merged.
+    pub(super) fn merge_adapter(
+        &mut self,
+        config: &AdapterConfig,
+        mut tensors: BTreeMap<String, SourceTensor>,
+        dir: &Path,
+    ) -> Result<usize> {
         let at = |name: &str| format!("{}: `{name}`", dir.display());
         // The adapter's modules: `base_model.model.<module>.lora_{A,B}.weight` (and the
         // embedding kind), and saved modules under the same prefix without `lora_`.
@@ -803,14 +824,7 @@ impl Checkpoint {
             }
             self.tensors.insert(module, t);
         }
-        self.notes.push(format!(
-            "LoRA adapter {} merged into {merged} weights (r {}, lora_alpha {}{})",
-            dir.display(),
-            config.r,
-            config.lora_alpha,
-            if config.use_rslora { ", rsLoRA" } else { "" }
-        ));
-        Ok(())
+        Ok(merged)
     }
 
     /// `weight` (whose tensor is `w`) plus one more low-rank update: a stored weight
@@ -920,7 +934,7 @@ const ADAPTER_CONFIG: &str = "adapter_config.json";
 const ADAPTER_FILES: [&str; 2] = ["adapter_model.safetensors", "adapter_model.bin"];
 
 /// The prefix PEFT saves its tensors under (`PeftModel.base_model.model`).
-const PEFT_PREFIX: &str = "base_model.model.";
+pub(super) const PEFT_PREFIX: &str = "base_model.model.";
 
 /// The suffixes of a module's LoRA matrices: which of `[A, B]`, and whether it is an
 /// embedding's (`lora_embedding_A` is `[r, num_embeddings]`, its update transposed).
@@ -979,7 +993,7 @@ impl<'de> serde::Deserialize<'de> for OrderedMap {
 
 /// What of `adapter_config.json` the merge uses.
 #[derive(Debug)]
-struct AdapterConfig {
+pub(super) struct AdapterConfig {
     r: u64,
     lora_alpha: f64,
     use_rslora: bool,
@@ -991,6 +1005,20 @@ struct AdapterConfig {
 }
 
 impl AdapterConfig {
+    /// A plain LoRA (or rsLoRA) config of one rank and alpha for every module, as a
+    /// trainer recorded it in `path` (verl's `lora_train_meta.json`).
+    pub(super) fn plain(r: u64, lora_alpha: f64, use_rslora: bool, path: PathBuf) -> AdapterConfig {
+        AdapterConfig {
+            r,
+            lora_alpha,
+            use_rslora,
+            fan_in_fan_out: false,
+            rank_pattern: Vec::new(),
+            alpha_pattern: Vec::new(),
+            path,
+        }
+    }
+
     fn read(path: &Path, alpha: Option<f64>) -> Result<AdapterConfig> {
         let bad = |problem: String| Error::Unsupported {
             problem: format!("{}: {problem}", path.display()),

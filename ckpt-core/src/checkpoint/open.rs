@@ -144,6 +144,7 @@ impl Checkpoint {
             megatron,
             orbax,
             record,
+            lora_meta,
             ..
         } = x;
         if let Some(dir) = megatron {
@@ -262,6 +263,7 @@ impl Checkpoint {
             notes,
             imported: None,
             recorded_args: record,
+            lora_meta,
             scratch: Vec::new(),
             mirrors: Vec::new(),
         };
@@ -309,7 +311,14 @@ impl Checkpoint {
                 ));
             }
         }
-        if let Some(p) = shared_prefix(ck.tensors.keys().map(String::as_str)) {
+        // A PEFT-wrapped model's `base_model.` is no wrapper to strip: its adapters are
+        // merged for --format hf.
+        if ck.is_peft_wrapped() {
+            ck.notes.push(format!(
+                "the tensors are a PEFT-wrapped model's (LoRA layers under `base_model.model.`): --format hf and gguf merge the adapters into the base weights (r and lora_alpha from {}, or --lora-alpha); other formats keep them as saved, unmerged",
+                ck.lora_meta.as_ref().map_or_else(|| "lora_train_meta.json".into(), |p| p.display().to_string())
+            ));
+        } else if let Some(p) = shared_prefix(ck.tensors.keys().map(String::as_str)) {
             ck.notes.push(format!(
                 "{SHARED_PREFIX_NOTE} `{p}` (DDP's `module.` wrapper, for one): --strip-prefix {p} removes it"
             ));

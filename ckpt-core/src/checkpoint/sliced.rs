@@ -39,6 +39,7 @@ impl Checkpoint {
             notes,
             imported: None,
             recorded_args: None,
+            lora_meta: None,
             scratch: Vec::new(),
             mirrors: Vec::new(),
         };

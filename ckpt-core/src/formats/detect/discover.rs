@@ -98,6 +98,9 @@ pub(crate) struct Discovery {
     pub(crate) trainer: Option<TrainerSave>,
     /// The model's sizes the trainer recorded in Megatron's terms, and where.
     pub(crate) record: Option<(megatron::Args, PathBuf)>,
+    /// Where the trainer records a LoRA run's rank and alpha (verl's
+    /// `lora_train_meta.json`).
+    pub(crate) lora_meta: Option<PathBuf>,
 }
 
 /// A row of the directory table.
@@ -415,6 +418,7 @@ impl Discovery {
             ),
         });
         self.record = c.record.clone();
+        self.lora_meta = c.lora_meta.clone();
         self.notes.extend(c.notes.iter().cloned());
         if let Some(p) = &c.config {
             self.carried.insert("config.json".into(), p.clone());

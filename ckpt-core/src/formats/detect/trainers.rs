@@ -20,6 +20,10 @@ use crate::formats::{distcp, list_dir, orbax};
 use crate::hf::TOKENIZER_FILES;
 use std::path::{Path, PathBuf};
 
+/// The file verl's FSDP checkpoint manager writes beside the shards of a LoRA run
+/// (`FSDPCheckpointManager._save_lora_train_meta`: `{"r", "lora_alpha", "task_type"}`).
+pub(crate) const LORA_TRAIN_META: &str = "lora_train_meta.json";
+
 /// What a trainer's save holds at the step chosen.
 #[derive(Clone, Debug)]
 pub(crate) struct StepContents {
@@ -38,6 +42,9 @@ pub(crate) struct StepContents {
     /// The trainer as messages name it, where the step's files say more than the row
     /// (verl's Megatron backend).
     pub(crate) trainer: Option<&'static str>,
+    /// Where the trainer records a LoRA run's rank and alpha, where its shards hold a
+    /// PEFT-wrapped model (verl's `actor/lora_train_meta.json`; may be missing).
+    pub(crate) lora_meta: Option<PathBuf>,
 }
 
 /// A trainer's save found at a path.
@@ -348,6 +355,7 @@ fn lightning_contents(dir: &Path) -> Result<StepContents> {
         record: None,
         notes: vec![note],
         trainer: None,
+        lora_meta: None,
     })
 }
 
@@ -393,6 +401,7 @@ fn orbax_contents(dir: &Path) -> Result<StepContents> {
         record: None,
         notes,
         trainer: None,
+        lora_meta: None,
     })
 }
 
@@ -431,6 +440,7 @@ fn dcp_step_contents(dir: &Path) -> Result<StepContents> {
         record: None,
         notes: vec![],
         trainer: None,
+        lora_meta: None,
     })
 }
 
@@ -514,12 +524,16 @@ fn hf_trainer_contents(dir: &Path) -> Result<StepContents> {
         record: None,
         notes,
         trainer: None,
+        lora_meta: None,
     })
 }
 
 /// verl's `global_step_<N>/actor/` (FSDP backend): each rank's model shard
 /// `model_world_size_<W>_rank_<R>.pt` (DTensors), its optimizer and extra state beside
-/// (not read), and `huggingface/` with the model's config and tokenizer.
+/// (not read), and `huggingface/` with the model's config and tokenizer. In a LoRA run
+/// the shards hold the PEFT-wrapped model (only its LoRA parameters with
+/// `save_lora_only`) and `lora_train_meta.json` its rank and alpha: the checkpoint
+/// merges them for `--format hf` ([`crate::checkpoint::Checkpoint::merge_peft_wrapped`]).
 fn verl_contents(step: &Path) -> Result<StepContents> {
     let actor = step.join("actor");
     let mut shards: Vec<(u64, u64, PathBuf)> = list_dir(&actor)?
@@ -570,11 +584,24 @@ fn verl_contents(step: &Path) -> Result<StepContents> {
             step.join("critic").display()
         ));
     }
-    if actor.join("lora_adapter").is_dir() {
-        notes.push(format!(
-            "{}: a LoRA adapter, not merged into the export",
-            actor.join("lora_adapter").display()
-        ));
+    // A LoRA run (peft): the shards hold the PeftModel's own state dict, and rank 0
+    // records its rank and alpha beside them (`_save_lora_train_meta`).
+    let meta = actor.join(LORA_TRAIN_META);
+    if meta.is_file() {
+        notes.push(
+            match crate::formats::read_small(&meta)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            {
+                Some(m) => format!(
+                    "{}: a LoRA run (r {}, lora_alpha {})",
+                    meta.display(),
+                    m.get("r").unwrap_or(&serde_json::Value::Null),
+                    m.get("lora_alpha").unwrap_or(&serde_json::Value::Null)
+                ),
+                None => format!("{}: not JSON", meta.display()),
+            },
+        );
     }
     let hf = actor.join("huggingface");
     Ok(StepContents {
@@ -584,6 +611,7 @@ fn verl_contents(step: &Path) -> Result<StepContents> {
         record: None,
         notes,
         trainer: None,
+        lora_meta: Some(meta),
     })
 }
 
@@ -732,6 +760,7 @@ fn verl_megatron_contents(step: &Path, actor: &Path) -> Result<StepContents> {
         record: None,
         notes,
         trainer: Some(VERL_MEGATRON),
+        lora_meta: None,
     })
 }
 
