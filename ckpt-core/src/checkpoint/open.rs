@@ -313,7 +313,11 @@ impl Checkpoint {
         }
         // A PEFT-wrapped model's `base_model.` is no wrapper to strip: its adapters are
         // merged for --format hf.
-        if ck.is_peft_wrapped() {
+        if ck.is_peft_wrapped() && !ck.tensors.keys().any(|n| n.contains(".base_layer.")) {
+            ck.notes.push(
+                "the tensors are a PEFT-wrapped model's LoRA adapters alone (verl's `save_lora_only`): there are no base weights here to merge them into, so --format hf and gguf refuse: export the adapter with verl's model merger and merge it into the base model with --lora".into(),
+            );
+        } else if ck.is_peft_wrapped() {
             ck.notes.push(format!(
                 "the tensors are a PEFT-wrapped model's (LoRA layers under `base_model.model.`): --format hf and gguf merge the adapters into the base weights (r and lora_alpha from {}, or --lora-alpha); other formats keep them as saved, unmerged",
                 ck.lora_meta.as_ref().map_or_else(|| "lora_train_meta.json".into(), |p| p.display().to_string())
