@@ -644,17 +644,13 @@ mod tests {
         );
     }
 
-    #[test]
-    fn parts_of_a_large_chunk_continue_one_stream() {
-        // 3 parts and a bit of 4-byte elements.
-        let n = (3 * PART_BYTES + 4096) / 4;
-        let raw: Vec<u8> = (0..n as u32).flat_map(u32::to_le_bytes).collect();
-        let frame = zstd::encode_all(&raw[..], 1).unwrap();
-        let c = piece(
+    /// A 1-D chunk of `n` u32 elements stored as one zstd frame of `raw`.
+    fn zstd_piece(raw: &[u8], n: u64, big_endian: bool) -> Chunks {
+        piece(
             Source::Stored {
-                loc: inline(frame),
+                loc: inline(zstd::encode_all(raw, 1).unwrap()),
                 chain: Chain {
-                    big_endian: false,
+                    big_endian,
                     zstd: true,
                     crc32c: false,
                 },
@@ -662,7 +658,15 @@ mod tests {
             &[n],
             &[n],
             Dtype::U32,
-        );
+        )
+    }
+
+    #[test]
+    fn parts_of_a_large_chunk_continue_one_stream() {
+        // 3 parts and a bit of 4-byte elements.
+        let n = (3 * PART_BYTES + 4096) / 4;
+        let raw: Vec<u8> = (0..n as u32).flat_map(u32::to_le_bytes).collect();
+        let c = zstd_piece(&raw, n, false);
         let mut out = Vec::new();
         let part = |c: &Chunks, k: usize, out: &mut Vec<u8>| {
             c.decode(Path::new("x"), "w", 0, k, out).unwrap();
@@ -688,20 +692,7 @@ mod tests {
     fn a_chunk_read_out_of_order_is_decoded_once_into_a_file() {
         let n = (3 * PART_BYTES + 4096) / 4;
         let raw: Vec<u8> = (0..n as u32).flat_map(u32::to_be_bytes).collect();
-        let frame = zstd::encode_all(&raw[..], 1).unwrap();
-        let c = piece(
-            Source::Stored {
-                loc: inline(frame),
-                chain: Chain {
-                    big_endian: true,
-                    zstd: true,
-                    crc32c: false,
-                },
-            },
-            &[n],
-            &[n],
-            Dtype::U32,
-        );
+        let c = zstd_piece(&raw, n, true);
         let want: Vec<u8> = (0..n as u32).flat_map(u32::to_le_bytes).collect();
         let mut out = Vec::new();
         // Part 2 first (a stream skips to it), then part 0: the frame would start a
@@ -726,20 +717,7 @@ mod tests {
             Checksum::of(&want)
         );
         // A frame that decodes short is named when spilled, as when streamed.
-        let short = zstd::encode_all(&raw[..raw.len() - 4], 1).unwrap();
-        let c = piece(
-            Source::Stored {
-                loc: inline(short),
-                chain: Chain {
-                    big_endian: false,
-                    zstd: true,
-                    crc32c: false,
-                },
-            },
-            &[n],
-            &[n],
-            Dtype::U32,
-        );
+        let c = zstd_piece(&raw[..raw.len() - 4], n, false);
         c.decode(Path::new("x"), "w", 0, 1, &mut out).unwrap();
         let e = c
             .decode(Path::new("x"), "w", 0, 0, &mut out)
