@@ -97,7 +97,25 @@ export CKPT_PYTHON="$PWD/$venv/bin/python"
 # binary and the crates that hold GPU code (train, infer), every target of theirs; the
 # other crates' tests, which no CUDA feature changes, are not checked a second time.
 # candle compiles its kernels for CUDA_COMPUTE_CAP since there is no GPU to ask. About
-# 10 minutes of both cores, so it runs in the background from here on, at the lowest
+# 10 minutes of both cores, so it runs in the background from here on, at the lo# The test builds of the last two stages (MPI, CUDA/NCCL without a GPU), in target/ and
+# so after the last cargo build the stages before them need (the maturin build above:
+# until the CUDA/NCCL stage no other cargo command runs, so it takes target/'s lock from
+# no one): about 2 minutes of compiling that those stages otherwise spend with the cores
+# idle. They leave target/debug/ckpt alone (the scripts before them run it); the stages
+# below run the same cargo commands, which then find them built, or build and report a
+# failure.
+prebuild_last_stages() {
+  if command -v mpirun >/dev/null 2>&1; then
+    nice -n 19 cargo test --no-run -p ckpt-train --features mpi --lib --test mpi
+  fi
+  nice -n 19 cargo test --no-run -p ckpt-train --features cuda --lib
+  nice -n 19 cargo build -p ckpt-train --features cuda --bin comm-check
+}
+if [ -n "$background_checks" ]; then
+  export -f prebuild_last_stages
+  in_background target/prebuild.log prebuild_last_stages
+fi
+west
 # priority, in a target directory of its own (target/cuda-check: no lock shared with the
 # test builds, which it cannot slow): it takes the cores the stages below leave idle
 # (test binaries linking one at a time, interop scripts of one process). Its stage near
@@ -150,24 +168,6 @@ stage "Python package: torch, maturin build, pytest"
 timed "$venv/bin/pip" install --quiet --disable-pip-version-check maturin pytest torch
 PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install --quiet --disable-pip-version-check \
   --no-build-isolation --no-deps --force-reinstall ./python
-# The test builds of the last two stages (MPI, CUDA/NCCL without a GPU), in target/ and
-# so after the last cargo build the stages before them need (the maturin build above:
-# until the CUDA/NCCL stage no other cargo command runs, so it takes target/'s lock from
-# no one): about 2 minutes of compiling that those stages otherwise spend with the cores
-# idle. They leave target/debug/ckpt alone (the scripts before them run it); the stages
-# below run the same cargo commands, which then find them built, or build and report a
-# failure.
-prebuild_last_stages() {
-  if command -v mpirun >/dev/null 2>&1; then
-    nice -n 19 cargo test --no-run -p ckpt-train --features mpi --lib --test mpi
-  fi
-  nice -n 19 cargo test --no-run -p ckpt-train --features cuda --lib
-  nice -n 19 cargo build -p ckpt-train --features cuda --bin comm-check
-}
-if [ -n "$background_checks" ]; then
-  export -f prebuild_last_stages
-  in_background target/prebuild.log prebuild_last_stages
-fi
 "$venv/bin/python" -m pytest -q python/tests
 
 # DeepSpeed loads a ZeRO-2 and a ZeRO-3 checkpoint ckpt wrote for 3 data-parallel ranks
