@@ -90,6 +90,17 @@ else
   python_env
 fi
 export CKPT_PYTHON="$PWD/$venv/bin/python"
+stage "cargo test --workspace"
+cargo test --workspace "$@"
+
+# The Python package (python/): built by maturin in the dev profile into this target/
+# (its dependencies were compiled just above), installed with torch (CPU) into the venv,
+# and its pytest suite run, gloo processes included. pytest exits 5 when it collects
+# nothing, which fails here like any failure.
+stage "Python package: torch, maturin build, pytest"
+timed "$venv/bin/pip" install --quiet --disable-pip-version-check maturin pytest torch
+PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install --quiet --disable-pip-version-check \
+  --no-build-isolation --no-deps --force-reinstall ./python
 # candle's CUDA kernels (`--device cuda`, feature cuda-candle) need nvcc to build but no
 # GPU: NVIDIA's nvcc wheels of CUDA 13.0 (what the GPU machines' driver 580 runs, and
 # the cudarc bindings cuda-candle selects) go into a venv under target/ (unless nvcc is
@@ -97,30 +108,11 @@ export CKPT_PYTHON="$PWD/$venv/bin/python"
 # binary and the crates that hold GPU code (train, infer), every target of theirs; the
 # other crates' tests, which no CUDA feature changes, are not checked a second time.
 # candle compiles its kernels for CUDA_COMPUTE_CAP since there is no GPU to ask. About
-# 10 minutes of both cores, so it runs in the background from here on, at the lo# The test builds of the last two stages (MPI, CUDA/NCCL without a GPU), in target/ and
-# so after the last cargo build the stages before them need (the maturin build above:
-# until the CUDA/NCCL stage no other cargo command runs, so it takes target/'s lock from
-# no one): about 2 minutes of compiling that those stages otherwise spend with the cores
-# idle. They leave target/debug/ckpt alone (the scripts before them run it); the stages
-# below run the same cargo commands, which then find them built, or build and report a
-# failure.
-prebuild_last_stages() {
-  if command -v mpirun >/dev/null 2>&1; then
-    nice -n 19 cargo test --no-run -p ckpt-train --features mpi --lib --test mpi
-  fi
-  nice -n 19 cargo test --no-run -p ckpt-train --features cuda --lib
-  nice -n 19 cargo build -p ckpt-train --features cuda --bin comm-check
-}
-if [ -n "$background_checks" ]; then
-  export -f prebuild_last_stages
-  in_background target/prebuild.log prebuild_last_stages
-fi
-west
-# priority, in a target directory of its own (target/cuda-check: no lock shared with the
-# test builds, which it cannot slow): it takes the cores the stages below leave idle
-# (test binaries linking one at a time, interop scripts of one process). Its stage near
-# the end waits for it and fails CI if it failed. (Started after the maturin build, in
-# target/, it waited for the cores until the end: 12 of CI's 40 minutes.)
+# 10 minutes of both cores, so it runs in the background, at the lowest priority, beside
+# the interop stages below (Python scripts that mostly keep one core busy); its stage
+# near the end waits for it and fails CI if it failed. It starts after the last cargo
+# build those stages need (the maturin build above): until the CUDA/NCCL stage no other
+# cargo command runs, so it takes target/'s lock from no one.
 cuda_candle_check() {
   nvcc_env=()
   if ! command -v nvcc >/dev/null 2>&1; then
@@ -136,38 +128,32 @@ cuda_candle_check() {
     cuda_home="$PWD/$nv/cuda"
     nvcc_env=(PATH="$cuda_home/bin:$PATH" CUDA_HOME="$cuda_home")
   fi
-  env "${nvcc_env[@]}" CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}" CARGO_TARGET_DIR=target/cuda-check \
+  env "${nvcc_env[@]}" CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}" \
     nice -n 19 cargo check -p ckpt -p ckpt-train -p ckpt-infer --all-targets --features cuda-candle
 }
-# Each background job in a session of its own, so that leaving early (a failed stage)
-# stops all of it, and its autogroup (a new session's) niced too: `nice` alone weighs
-# only within the group, and the group took half the cores from the interop scripts.
-background_jobs=()
-in_background() {
-  local log=$1
-  shift
-  setsid bash -c 'set -euo pipefail; echo 19 >/proc/self/autogroup 2>/dev/null || true
-    '"$*" >"$log" 2>&1 &
-  background_jobs+=($!)
+# Then, in the same background job (one cargo command at a time: they share target/'s
+# lock), the test builds of the last two stages (MPI, CUDA/NCCL without a GPU): about
+# 2 minutes of compiling that those stages otherwise spend with the cores idle. They
+# leave target/debug/ckpt alone (the scripts before them run it); the stages below run
+# the same cargo commands, which then find them built, or build and report a failure.
+prebuild_last_stages() {
+  if command -v mpirun >/dev/null 2>&1; then
+    nice -n 19 cargo test --no-run -p ckpt-train --features mpi --lib --test mpi
+  fi
+  nice -n 19 cargo test --no-run -p ckpt-train --features cuda --lib
+  nice -n 19 cargo build -p ckpt-train --features cuda --bin comm-check
 }
-trap 'for job in "${background_jobs[@]}"; do kill -- -"$job" 2>/dev/null || true; done; stage_table' EXIT
-background_checks=""
+cuda_candle=""
 if [ -n "${CI:-}" ] || [ -n "${CKPT_CUDA_CHECK:-}" ]; then
-  background_checks=1
-  export -f cuda_candle_check
-  in_background target/cuda-candle.log cuda_candle_check
+  # In a session of its own, so that leaving early (a failed stage) stops all of it.
+  export -f cuda_candle_check prebuild_last_stages
+  # Its autogroup (a new session's) niced too: `nice` alone weighs only within the
+  # group, and the group took half the cores from the interop scripts.
+  setsid bash -c 'set -euo pipefail; echo 19 >/proc/self/autogroup 2>/dev/null || true
+    cuda_candle_check; prebuild_last_stages' >target/cuda-candle.log 2>&1 &
+  cuda_candle=$!
+  trap 'kill -- -"$cuda_candle" 2>/dev/null || true; stage_table' EXIT
 fi
-stage "cargo test --workspace"
-cargo test --workspace "$@"
-
-# The Python package (python/): built by maturin in the dev profile into this target/
-# (its dependencies were compiled just above), installed with torch (CPU) into the venv,
-# and its pytest suite run, gloo processes included. pytest exits 5 when it collects
-# nothing, which fails here like any failure.
-stage "Python package: torch, maturin build, pytest"
-timed "$venv/bin/pip" install --quiet --disable-pip-version-check maturin pytest torch
-PATH="$PWD/$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile dev" "$venv/bin/pip" install --quiet --disable-pip-version-check \
-  --no-build-isolation --no-deps --force-reinstall ./python
 "$venv/bin/python" -m pytest -q python/tests
 
 # DeepSpeed loads a ZeRO-2 and a ZeRO-3 checkpoint ckpt wrote for 3 data-parallel ranks
@@ -232,19 +218,14 @@ stage "kill -9 test"
 timed scripts/kill_test.sh
 
 stage "cuda-candle type-check (and the MPI and CUDA test builds)"
-if [ -z "$background_checks" ]; then
+if [ -z "$cuda_candle" ]; then
   echo "SKIPPED: cuda-candle type-check (10 minutes; runs in CI, or here with CKPT_CUDA_CHECK=1)"
+elif wait "$cuda_candle"; then
+  echo "cuda-candle (candle's CUDA device) type-checks; MPI and CUDA tests built (background log: target/cuda-candle.log)"
 else
-  for log in target/cuda-candle.log target/prebuild.log; do
-    job=${background_jobs[0]}
-    background_jobs=("${background_jobs[@]:1}")
-    if ! wait "$job"; then
-      tail -n 60 "$log" >&2
-      echo "scripts/test.sh: the background job logging to $log (the cuda-candle type-check, or the MPI and CUDA test builds) failed (log above)" >&2
-      exit 1
-    fi
-  done
-  echo "cuda-candle (candle's CUDA device) type-checks; MPI and CUDA tests built (background logs: target/cuda-candle.log, target/prebuild.log)"
+  tail -n 60 target/cuda-candle.log >&2
+  echo "scripts/test.sh: the background cuda-candle type-check or MPI/CUDA test build failed (log above)" >&2
+  exit 1
 fi
 
 # NCCL/CUDA: builds without CUDA (libraries are loaded at run time), and without a GPU
