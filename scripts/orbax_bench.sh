@@ -99,6 +99,7 @@ ckpt_cmd=("$ckpt" merge "$maxtext/ckpt" --format hf --hf-config "$maxtext/config
 written_bytes() { du -cb "$output"/*.safetensors | tail -1 | cut -f1; }
 # The anchor is the bytes written (the input also holds the optimizer state the export
 # leaves out): `cat` reads the export's own files, kept from a first run.
+rm -rf "$output" "$out/maxtext-hf-kept"
 "${ckpt_cmd[@]}"
 mkdir -p "$out/maxtext-hf-kept"
 cp "$output"/*.safetensors "$out/maxtext-hf-kept/"
