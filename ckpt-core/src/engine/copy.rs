@@ -144,7 +144,7 @@ fn fill_slab(
     let dbits = t.target.dtype.bitsize() as u64;
     let mut read = 0;
     for op in &t.ops {
-        let dst_box = Region::new(op.dst_start.clone(), op.src.shape.clone());
+        let dst_box = op.dst_box();
         let Some(part) = dst_box.overlap(slab) else {
             continue;
         };
@@ -738,7 +738,7 @@ fn computed_reads<'a>(
 /// Where a slab's first source bytes are: `(file, tensor, element offset)`.
 fn first_source(t: &TensorPlan, slab: &Region) -> (usize, usize, u64) {
     for op in &t.ops {
-        let dst_box = Region::new(op.dst_start.clone(), op.src.shape.clone());
+        let dst_box = op.dst_box();
         if let Some(part) = dst_box.overlap(slab) {
             let start = op
                 .stored_box(&Region::new(op.src_start_of(&part), part.shape))
@@ -754,11 +754,7 @@ fn first_source(t: &TensorPlan, slab: &Region) -> (usize, usize, u64) {
 fn pieces_read(t: &TensorPlan, slab: &Region) -> usize {
     t.ops
         .iter()
-        .filter(|op| {
-            Region::new(op.dst_start.clone(), op.src.shape.clone())
-                .overlap(slab)
-                .is_some()
-        })
+        .filter(|op| op.dst_box().overlap(slab).is_some())
         .map(|op| match &op.compute {
             None => 1,
             Some(c) => c.inputs.iter().map(|i| i.tensor.pieces.len().max(1)).sum(),

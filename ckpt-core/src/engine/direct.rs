@@ -50,7 +50,7 @@ pub(crate) fn slab_runs(
     let bits = t.src_dtype.bitsize() as u64;
     let mut runs: Vec<SlabRun> = Vec::new();
     for op in &t.ops {
-        let dst_box = Region::new(op.dst_start.clone(), op.src.shape.clone());
+        let dst_box = op.dst_box();
         let Some(part) = dst_box.overlap(slab) else {
             continue;
         };

@@ -66,6 +66,12 @@ pub struct CopyOp {
 }
 
 impl CopyOp {
+    /// The box the op writes, in the target tensor's coordinates.
+    #[must_use]
+    pub fn dst_box(&self) -> Region {
+        Region::new(self.dst_start.clone(), self.src.shape.clone())
+    }
+
     /// Where `part` (a box of the destination inside this copy's) starts in the source
     /// tensor.
     #[must_use]
